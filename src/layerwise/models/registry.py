@@ -1,0 +1,170 @@
+"""Named model flavors: tiny ``debug`` ones for tests and the real shapes of popular models.
+
+A flavor is only a config (shapes); nothing here holds or downloads weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+# model_type (as in config.json) -> (config class, causal-LM class)
+FAMILIES: dict[str, tuple[type, type]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+
+
+@dataclass(frozen=True)
+class Flavor:
+    name: str
+    family: str
+    """A key of FAMILIES."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the family's config class."""
+    note: str = ""
+    """Where the shape comes from."""
+
+    def build_config(self, **overrides: Any) -> PretrainedConfig:
+        config_cls, _ = FAMILIES[self.family]
+        kwargs = {**self.config, **overrides}
+        return config_cls(**kwargs)
+
+
+def _debug(family: str, tied: bool, **extra: Any) -> dict[str, Any]:
+    cfg = dict(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        rms_norm_eps=1e-6,
+    )
+    if family in ("qwen3",):
+        cfg["head_dim"] = 8
+    cfg.update(extra)
+    return cfg
+
+
+_FLAVORS: list[Flavor] = [
+    # Tiny models for tests: every family, tied and untied embeddings.
+    Flavor("llama-debug", "llama", _debug("llama", tied=False), "tiny test model"),
+    Flavor("llama-debug-tied", "llama", _debug("llama", tied=True), "tiny test model"),
+    Flavor("qwen2-debug", "qwen2", _debug("qwen2", tied=True), "tiny test model"),
+    Flavor("qwen2-debug-untied", "qwen2", _debug("qwen2", tied=False), "tiny test model"),
+    Flavor("qwen3-debug", "qwen3", _debug("qwen3", tied=True), "tiny test model"),
+    Flavor("qwen3-debug-untied", "qwen3", _debug("qwen3", tied=False), "tiny test model"),
+    Flavor("mistral-debug", "mistral", _debug("mistral", tied=False, sliding_window=None), "tiny test model"),
+    # Small trainable models for the demo and CPU benchmarks (byte-level vocabulary).
+    Flavor(
+        "llama-30m",
+        "llama",
+        dict(vocab_size=320, hidden_size=512, intermediate_size=1408, num_hidden_layers=10,
+             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+             tie_word_embeddings=False, rms_norm_eps=1e-5),
+        "~30M-parameter Llama for CPU benchmarks",
+    ),
+    Flavor(
+        "llama-demo",
+        "llama",
+        dict(vocab_size=320, hidden_size=256, intermediate_size=704, num_hidden_layers=6,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+             tie_word_embeddings=True, rms_norm_eps=1e-5),
+        "~5M-parameter Llama for `layerwise demo`",
+    ),
+    # Real shapes (for planning only; no weights). Values from the public config.json files.
+    Flavor(
+        "llama3-8b", "llama",
+        dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+             tie_word_embeddings=False, rope_theta=500000.0),
+        "meta-llama/Llama-3.1-8B config.json",
+    ),
+    Flavor(
+        "llama3-70b", "llama",
+        dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+             num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
+             tie_word_embeddings=False, rope_theta=500000.0),
+        "meta-llama/Llama-3.1-70B config.json",
+    ),
+    Flavor(
+        "qwen2.5-3b", "qwen2",
+        dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+             num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=32768,
+             tie_word_embeddings=True),
+        "Qwen/Qwen2.5-3B config.json",
+    ),
+    Flavor(
+        "qwen2.5-7b", "qwen2",
+        dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+             num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072,
+             tie_word_embeddings=False),
+        "Qwen/Qwen2.5-7B config.json",
+    ),
+    Flavor(
+        "qwen2.5-14b", "qwen2",
+        dict(vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+             num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=131072,
+             tie_word_embeddings=False),
+        "Qwen/Qwen2.5-14B config.json",
+    ),
+    Flavor(
+        "qwen2.5-32b", "qwen2",
+        dict(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+             num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=131072,
+             tie_word_embeddings=False),
+        "Qwen/Qwen2.5-32B config.json",
+    ),
+    Flavor(
+        "qwen2.5-72b", "qwen2",
+        dict(vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+             num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
+             tie_word_embeddings=False),
+        "Qwen/Qwen2.5-72B config.json",
+    ),
+    Flavor(
+        "qwen-27b", "qwen3",
+        dict(vocab_size=151936, hidden_size=5120, intermediate_size=19456, num_hidden_layers=64,
+             num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+             max_position_embeddings=40960, tie_word_embeddings=False),
+        "~27B Qwen3-architecture shape (the size class LazyTrain evaluates); not an official checkpoint",
+    ),
+]
+
+FLAVORS: dict[str, Flavor] = {f.name: f for f in _FLAVORS}
+
+
+def get_flavor(name: str) -> Flavor:
+    try:
+        return FLAVORS[name]
+    except KeyError:
+        known = ", ".join(sorted(FLAVORS))
+        raise ValueError(f"unknown model flavor {name!r}; known flavors: {known}") from None
+
+
+def check_family(config: PretrainedConfig) -> str:
+    """Return the family key of ``config`` or raise a clear error for unsupported ones."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"unsupported architecture model_type={model_type!r}; layerwise supports "
+            f"{sorted(FAMILIES)} (decoder-only causal LMs). Convert the model or open an issue."
+        )
+    return model_type

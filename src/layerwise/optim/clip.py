@@ -1,0 +1,28 @@
+"""Exact global-norm gradient clipping, folded into the update (no scaling pass over grads).
+
+Each unit's squared gradient norm is computed once, when its gradient is final; the global
+norm and the clip coefficient follow from those partial sums, with the same formula as
+``torch.nn.utils.clip_grad_norm_``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def sq_norm(grad: torch.Tensor) -> float:
+    """Squared L2 norm of a flat gradient, accumulated in fp32 (fp64 for the final sum)."""
+    return float(torch.linalg.vector_norm(grad, dtype=torch.float32).double() ** 2)
+
+
+def global_norm(sq_norms: list[float]) -> float:
+    return math.sqrt(sum(sq_norms))
+
+
+def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
+    """The factor grads are multiplied by; 1.0 when no clipping applies."""
+    if max_norm is None or max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))

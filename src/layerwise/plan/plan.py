@@ -1,0 +1,128 @@
+"""Plan: what the engine obeys. JSON-serialisable; produced by a rule or by the planner.
+
+Boundary ``i`` (0 <= i < num_layers) is the activation entering decoder layer ``i``
+(boundary 0 is the embedding output). Its tier says where it lives between the forward and the
+backward pass:
+
+- ``device``: stays in device memory;
+- ``host``: copied to (pinned) host memory, brought back before layer ``i``'s backward;
+- ``nvme``: written to a file in the spill directory in the background, read back ahead of use;
+- ``recompute``: dropped; recomputed in the backward from the nearest kept boundary below it
+  (from the embedding if none).
+
+The activation entering the head (boundary ``num_layers``) is consumed at once by the chunked
+loss, so it is never stored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+TIERS = ("device", "host", "nvme", "recompute")
+STORED_TIERS = ("device", "host", "nvme")
+MOMENT_KINDS = ("fp32", "8bit")
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Plan:
+    boundaries: list[str]
+    """Tier of each layer-input boundary, length ``num_layers``."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch."""
+    num_micro_batches: int = 1
+    """Micro-batches accumulated into one optimizer step."""
+    seq_len: int | None = None
+    """Sequence length the plan was made for (None: any)."""
+    prefetch_depth: int = 1
+    """How many layers ahead weights are streamed in (1 = double buffering)."""
+    head_chunk_tokens: int = 1024
+    """Tokens per lm_head + loss chunk; bounds the logits held at once."""
+    moments: list[str] | None = None
+    """Per unit (embed, layers..., head): optimizer moments ``fp32`` or ``8bit``; None = all fp32."""
+    source: str = "manual"
+    """Which rule or solver produced the plan."""
+    predicted: dict[str, Any] = field(default_factory=dict)
+    """The planner's predictions (step time, peak bytes, ...), informational."""
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.boundaries)
+
+    def validate(self, num_layers: int | None = None) -> None:
+        bad = [t for t in self.boundaries if t not in TIERS]
+        if bad:
+            raise ValueError(f"plan has unknown boundary tiers {sorted(set(bad))}; allowed: {TIERS}")
+        if num_layers is not None and len(self.boundaries) != num_layers:
+            raise ValueError(
+                f"plan is for {len(self.boundaries)} layers but the model has {num_layers}; "
+                "make a plan for this model (layerwise plan --model ...)"
+            )
+        for name in ("micro_batch_size", "num_micro_batches", "prefetch_depth", "head_chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"plan.{name} must be >= 1, got {getattr(self, name)}")
+        if self.moments is not None:
+            if num_layers is not None and len(self.moments) != num_layers + 2:
+                raise ValueError(
+                    f"plan.moments has {len(self.moments)} entries; expected num_layers + 2 = "
+                    f"{num_layers + 2} (embed, every layer, head)"
+                )
+            if any(m not in MOMENT_KINDS for m in self.moments):
+                raise ValueError(f"plan.moments entries must be one of {MOMENT_KINDS}")
+        if self.format_version != FORMAT_VERSION:
+            raise ValueError(
+                f"plan format_version {self.format_version} is not supported (expected {FORMAT_VERSION})"
+            )
+
+    # ----- rules --------------------------------------------------------------------------
+
+    @classmethod
+    def every_k(cls, num_layers: int, k: int, **kw: Any) -> Plan:
+        """MegaTrain's rule: keep every k-th boundary on the device, recompute the rest."""
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        tiers = ["device" if i % k == 0 else "recompute" for i in range(num_layers)]
+        return cls(tiers, source=f"every-{k}", **kw)
+
+    @classmethod
+    def recompute_all(cls, num_layers: int, **kw: Any) -> Plan:
+        return cls(["recompute"] * num_layers, source="recompute-all", **kw)
+
+    @classmethod
+    def keep_all(cls, num_layers: int, tier: str = "device", **kw: Any) -> Plan:
+        return cls([tier] * num_layers, source=f"keep-all-{tier}", **kw)
+
+    # ----- JSON ---------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        known = set(cls.__dataclass_fields__)
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"plan has unknown keys {sorted(unknown)}")
+        return cls(**d)
+
+    def save(self, path: str | Path) -> None:
+        from ..util.atomic import atomic_write_text
+
+        atomic_write_text(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        try:
+            d = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ValueError(f"plan file {path} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"plan file {path} is not valid JSON: {e}") from None
+        return cls.from_dict(d)
