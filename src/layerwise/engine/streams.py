@@ -1,0 +1,227 @@
+"""Moving weights in, gradients out, and activations between tiers.
+
+- :class:`WeightStreamer` follows the step's weight schedule ``depth`` uses ahead, so the copy
+  of the next layer's weights runs while the current layer computes (depth 1 = double buffer).
+  A unit needed again inside the window is not copied twice.
+- :class:`GradSink` sends each unit's flat gradient to the host and accumulates it in fp32;
+  once a unit's gradient is final it also takes the unit's squared norm, so the global clip
+  factor is known the moment the backward ends.
+- :class:`ActivationStore` keeps layer-boundary activations on the tier the plan says.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..optim.clip import sq_norm
+from ..store import HostStore
+from .backend import DeviceBackend, Pending
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class WeightStreamer:
+    def __init__(self, backend: DeviceBackend, store: HostStore, depth: int,
+                 wait_ready: Callable[[str], None]):
+        self.backend = backend
+        self.store = store
+        self.depth = depth
+        self.wait_ready = wait_ready
+        """Blocks until a unit's host weights are final (its optimizer update is done)."""
+        self._schedule: deque[str] = deque()
+        self._window: deque[str] = deque()
+        self._buffers: dict[str, list] = {}  # unit -> [pending, refs, nbytes]
+
+    def begin(self, schedule: list[str]) -> None:
+        assert not self._window and not self._buffers, "previous schedule not finished"
+        self._schedule = deque(schedule)
+        self._fill()
+
+    def _fill(self) -> None:
+        while len(self._window) < self.depth and self._schedule:
+            unit = self._schedule.popleft()
+            entry = self._buffers.get(unit)
+            if entry is None:
+                self.wait_ready(unit)
+                buf = self.store[unit]
+                src = buf.compute if buf.compute is not None else buf.master
+                nbytes = _nbytes(src)
+                self.backend.ledger.add("weights", nbytes)
+                entry = self._buffers[unit] = [self.backend.to_device(src), 0, nbytes]
+            entry[1] += 1
+            self._window.append(unit)
+
+    def acquire(self, unit: str) -> torch.Tensor:
+        """The device copy of ``unit``'s weights; starts the next prefetch first."""
+        if not self._window:
+            self._fill()
+        got = self._window.popleft()
+        assert got == unit, f"weight schedule out of step: expected {got}, asked for {unit}"
+        self._fill()
+        return self._buffers[unit][0].wait()
+
+    def release(self, unit: str) -> None:
+        entry = self._buffers[unit]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._buffers[unit]
+            self.backend.ledger.sub("weights", entry[2])
+
+    def finished(self) -> bool:
+        return not self._schedule and not self._window and not self._buffers
+
+
+class GradSink:
+    def __init__(self, backend: DeviceBackend, store: HostStore):
+        self.backend = backend
+        self.store = store
+        self.inline = backend.device.type == "cpu"
+        self._pool = None if self.inline else ThreadPoolExecutor(1, thread_name_prefix="grad-sink")
+        self._futures: list[Future] = []
+        self.sq_norms: dict[str, float] = {}
+
+    def put(self, unit: str, grad: torch.Tensor, final: bool) -> None:
+        """Accumulate a device gradient (flat, same layout as the unit) into the host fp32 grad."""
+        host_grad = self.store[unit].grad
+        if self.inline:
+            host_grad.add_(grad.reshape(-1))
+            if final:
+                self.sq_norms[unit] = sq_norm(host_grad)
+            return
+        nbytes = _nbytes(grad)
+        self.backend.ledger.add("grads", nbytes)
+        pending = self.backend.to_host(grad)
+        self.backend.ledger.sub("grads", nbytes)  # the copy holds it via record_stream
+
+        def land() -> None:
+            host_grad.add_(pending.wait().reshape(-1))
+            if final:
+                self.sq_norms[unit] = sq_norm(host_grad)
+
+        self._futures.append(self._pool.submit(land))
+
+    def finish(self) -> dict[str, float]:
+        """Wait for every gradient to land; returns the squared norm per unit."""
+        for f in self._futures:
+            f.result()
+        self._futures.clear()
+        out, self.sq_norms = self.sq_norms, {}
+        return out
+
+
+class ActivationStore:
+    """Boundary activations by tier: ``device``, ``host``, ``nvme`` or dropped (``recompute``)."""
+
+    def __init__(self, backend: DeviceBackend, spill_dir: str | Path | None = None):
+        self.backend = backend
+        self._spill_root = spill_dir
+        self._spill_dir: Path | None = None
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="nvme-io")
+        self._entries: dict[int, tuple[str, object]] = {}
+        self._on_device: dict[int, torch.Tensor] = {}
+        self.host_bytes = 0
+        self.nvme_bytes_written = 0
+
+    def _dir(self) -> Path:
+        if self._spill_dir is None:
+            if self._spill_root is not None:
+                Path(self._spill_root).mkdir(parents=True, exist_ok=True)
+            self._spill_dir = Path(tempfile.mkdtemp(prefix="layerwise-spill-", dir=self._spill_root))
+        return self._spill_dir
+
+    def _hold(self, i: int, t: torch.Tensor) -> None:
+        self._on_device[i] = t
+        self.backend.ledger.add("activations", _nbytes(t))
+
+    def store(self, i: int, h: torch.Tensor, tier: str) -> None:
+        if tier == "recompute":
+            return
+        if tier == "device":
+            self._hold(i, h)
+            return
+        pending = self.backend.to_host(h)
+        meta = (tuple(h.shape), h.dtype)
+        if tier == "host":
+            self._entries[i] = ("host", (pending, meta))
+            self.host_bytes += _nbytes(h)
+        elif tier == "nvme":
+            path = self._dir() / f"boundary-{i}.bin"
+            self._entries[i] = ("nvme", (self._io.submit(self._write, pending, path), meta))
+            self.nvme_bytes_written += _nbytes(h)
+        else:
+            raise ValueError(f"unknown tier {tier!r}")
+
+    @staticmethod
+    def _write(pending: Pending, path: Path) -> Path:
+        t = pending.wait()
+        with open(path, "wb") as f:
+            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return path
+
+    def _read(self, path_future: Future, meta) -> torch.Tensor:
+        path = path_future.result()
+        shape, dtype = meta
+        numel = int(np.prod(shape))
+        out = self.backend.host_empty(numel, dtype)
+        with open(path, "rb") as f:
+            f.readinto(out.view(torch.uint8).numpy())
+        os.unlink(path)
+        return out.view(shape)
+
+    def prefetch(self, i: int) -> None:
+        """Start bringing boundary ``i`` back (NVMe: the file read runs in the background)."""
+        entry = self._entries.get(i)
+        if entry and entry[0] == "nvme":
+            fut, meta = entry[1]
+            self._entries[i] = ("nvme-reading", (self._io.submit(self._read, fut, meta), meta))
+
+    def fetch(self, i: int) -> None:
+        """Make boundary ``i`` present on the device."""
+        if i in self._on_device:
+            return
+        self.prefetch(i)
+        tier, (handle, _meta) = self._entries.pop(i)
+        if tier == "host":
+            host = handle.wait()
+            self.host_bytes -= _nbytes(host)
+        else:
+            host = handle.result()
+        self._hold(i, self.backend.to_device(host).wait())
+
+    def put_recomputed(self, i: int, h: torch.Tensor) -> None:
+        self._hold(i, h)
+
+    def get(self, i: int) -> torch.Tensor:
+        return self._on_device[i]
+
+    def has(self, i: int) -> bool:
+        return i in self._on_device
+
+    def drop(self, i: int) -> None:
+        t = self._on_device.pop(i, None)
+        if t is not None:
+            self.backend.ledger.sub("activations", _nbytes(t))
+
+    def clear(self) -> None:
+        for i in list(self._on_device):
+            self.drop(i)
+        self._entries.clear()
+
+    def close(self) -> None:
+        self.clear()
+        self._io.shutdown(wait=True)
+        if self._spill_dir is not None:
+            for p in self._spill_dir.glob("*"):
+                p.unlink()
+            self._spill_dir.rmdir()
+            self._spill_dir = None
