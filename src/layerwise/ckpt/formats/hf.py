@@ -1,0 +1,190 @@
+"""Export to a Hugging Face model dir: sharded safetensors + index + ``config.json``.
+
+The output loads with ``AutoModelForCausalLM.from_pretrained(dir)``. Weights stream group by group
+into shards (see :mod:`.safetensors_stream`); a tied head is stored once, as the embedding, the way
+``save_pretrained`` does it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from layerwise.ckpt.source import (
+    CONFIG_NAME,
+    GENERATION_CONFIG_NAME,
+    PARAM,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    CheckpointSource,
+    is_tied,
+    meta_model,
+)
+from layerwise.util.atomic import atomic_write_text
+
+from .safetensors_stream import ShardedSafetensorsWriter
+
+SHARD_PATTERN = "model-{:05d}-of-{:05d}.safetensors"
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_size_bytes(size: int | str | None) -> int | None:
+    """``5GB``, ``500MB``, ``2GiB`` or a plain byte count; None means no limit."""
+    if size is None or isinstance(size, int):
+        return size
+    m = _SIZE_RE.match(str(size))
+    if not m:
+        raise ValueError(f"cannot read size {size!r}; write it like 5GB, 500MB, 2GiB or a byte count")
+    unit = (m.group(2) or "").upper()
+    n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise ValueError(f"size {size!r} must be positive")
+    return n
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}") from None
+
+
+class WeightsWriter:
+    """Stream the ``param/…`` tensors of each group into HF-named safetensors shards.
+
+    Checks every tensor against the model that ``config`` describes (name and shape), so a merge of
+    mismatched sources fails with a clear error instead of producing a model that will not load.
+    """
+
+    def __init__(
+        self,
+        out_dir: Path,
+        config: dict | None,
+        max_shard_bytes: int | None,
+        dtype: torch.dtype | None = None,
+    ):
+        self.out_dir = Path(out_dir)
+        self.tied = is_tied(config)
+        self.dtype = dtype
+        self.expected: dict[str, tuple[int, ...]] | None = None
+        if config is not None:
+            try:
+                model = meta_model(config)
+            except (ValueError, KeyError):
+                model = None  # an architecture transformers does not know: no name check possible
+            if model is not None:
+                self.expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        self.written: set[str] = set()
+        self._writer = ShardedSafetensorsWriter(self.out_dir, max_shard_bytes)
+
+    def add_group(self, group: str, tensors: dict[str, torch.Tensor]) -> None:
+        for key, t in tensors.items():
+            if not key.startswith(PARAM):
+                continue
+            name = key[len(PARAM):]
+            if self.tied and name.startswith("lm_head."):
+                continue  # tied: the embedding is the head
+            if name in self.written:
+                raise ValueError(f"parameter {name} appears in more than one group (again in {group!r})")
+            if self.expected is not None:
+                if name not in self.expected:
+                    raise ValueError(
+                        f"group {group!r} has parameter {name}, which the model in config.json does not "
+                        "have; the checkpoint and its config.json do not match"
+                    )
+                if tuple(t.shape) != self.expected[name]:
+                    raise ValueError(
+                        f"parameter {name} (group {group!r}) has shape {tuple(t.shape)} but the model in "
+                        f"config.json expects {self.expected[name]}; the sources do not share one architecture"
+                    )
+            if self.dtype is not None and t.is_floating_point():
+                t = t.to(self.dtype)
+            self._writer.add(name, t)
+            self.written.add(name)
+
+    def finish(self) -> dict[str, Any]:
+        """Close the shards, write the index when there is more than one; return a summary."""
+        if self.expected is not None:
+            missing = sorted(set(self.expected) - self.written - ({"lm_head.weight"} if self.tied else set()))
+            if missing:
+                raise ValueError(
+                    f"the source lacks {len(missing)} parameter(s) of the model, e.g. {missing[:3]}; "
+                    "a complete checkpoint (or recipe) must supply every group"
+                )
+        if not self.written:
+            raise ValueError("the source has no weights to export")
+        weight_map = self._writer.finish(SAFE_WEIGHTS_NAME, SHARD_PATTERN)
+        files = sorted(set(weight_map.values()))
+        if len(files) > 1:
+            index = {"metadata": {"total_size": self._writer.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            atomic_write_text(self.out_dir / SAFE_WEIGHTS_INDEX_NAME, json.dumps(index, indent=2) + "\n")
+        return {"weight_files": files, "num_tensors": len(weight_map), "weight_bytes": self._writer.total_bytes}
+
+    def abort(self) -> None:
+        self._writer.abort()
+
+
+def export_config(config: dict, dtype: torch.dtype | None) -> dict:
+    """``config.json`` contents for the output: the source's, with the dtype the weights are in."""
+    out = dict(config)
+    if dtype is not None:
+        name = str(dtype).removeprefix("torch.")
+        out["dtype"] = name
+        if "torch_dtype" in out:
+            out["torch_dtype"] = name
+    return out
+
+
+def write_config_files(out_dir: Path, config: dict, dtype: torch.dtype | None, generation_config: dict | None) -> None:
+    atomic_write_text(out_dir / CONFIG_NAME, json.dumps(export_config(config, dtype), indent=2, sort_keys=True) + "\n")
+    if generation_config:
+        atomic_write_text(out_dir / GENERATION_CONFIG_NAME, json.dumps(generation_config, indent=2, sort_keys=True) + "\n")
+
+
+def require_config(source: CheckpointSource) -> dict:
+    config = source.model_config()
+    if config is None:
+        raise ValueError(
+            "the source has no model config (config.json), which an exported model needs; save the "
+            "run with its model config or merge from a source that has one"
+        )
+    return config
+
+
+def write_hf(
+    source: CheckpointSource,
+    out_dir: Path,
+    *,
+    max_shard_size: int | str | None = DEFAULT_MAX_SHARD_SIZE,
+    dtype: str | torch.dtype | None = None,
+) -> dict[str, Any]:
+    """Write ``source`` as an HF model dir into the existing, empty ``out_dir``; return a summary.
+
+    Not atomic by itself: :func:`layerwise.ckpt.merge.merge` points it at a temp dir and renames.
+    """
+    config = require_config(source)
+    torch_dtype = parse_dtype(dtype)
+    writer = WeightsWriter(Path(out_dir), config, parse_size_bytes(max_shard_size), torch_dtype)
+    try:
+        for group in source.groups():
+            writer.add_group(group, source.load_group(group))
+        summary = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    extra = source.extra_state()
+    write_config_files(Path(out_dir), config, torch_dtype, extra.get("generation_config"))
+    return {"format": "hf", "step": int(extra.get("step", 0) or 0), **summary}
