@@ -1,0 +1,113 @@
+"""Training with the engine equals training the plain model with torch.optim.AdamW."""
+
+import math
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from layerwise.engine import EngineConfig, StreamingEngine
+from layerwise.models import DecoderAdapter, get_flavor
+from layerwise.models.init import build_hf_model
+from layerwise.optim.adamw import AdamWConfig, HostAdamW
+from layerwise.plan import Plan
+from layerwise.store import HostStore
+from layerwise.train.data import IGNORE_INDEX, Batch
+
+
+def batches(vocab, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (2, 12), generator=g)
+        out.append(Batch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    return out
+
+
+@pytest.mark.parametrize("flavor", ["llama-debug", "qwen2-debug"])
+def test_twenty_steps_equal_torch_adamw_with_clipping(flavor):
+    cfg = get_flavor(flavor).build_config()
+    model = build_hf_model(cfg, seed=0)
+    # lr and max_norm chosen so that clipping is active in some steps and not in others
+    opt_cfg = AdamWConfig(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.5)
+    data = batches(cfg.vocab_size, 20)
+
+    adapter = DecoderAdapter(cfg)
+    store = HostStore(adapter)
+    store.copy_from_model(model)
+    engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 3),
+                             EngineConfig(optimizer=opt_cfg))
+    clipped = 0
+    for b in data:
+        stats = engine.train_step([b])
+        clipped += stats.clip_coef < 1.0
+    engine.synchronize()
+    assert 0 < clipped < 20, "the test should exercise both clipped and unclipped steps"
+
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    ref_opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": opt_cfg.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=opt_cfg.lr, betas=opt_cfg.betas, eps=opt_cfg.eps)
+    for b in data:
+        ref_opt.zero_grad()
+        logits = model(b.input_ids).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), b.labels.flatten(), ignore_index=IGNORE_INDEX)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.max_grad_norm)
+        ref_opt.step()
+
+    got = store.state_dict()
+    max_diff = max((got[n] - p.detach()).abs().max().item() for n, p in model.named_parameters())
+    assert max_diff <= 1e-5
+    engine.close()
+
+
+def test_non_finite_gradient_skips_the_step_and_leaves_weights():
+    cfg = get_flavor("llama-debug").build_config()
+    adapter = DecoderAdapter(cfg)
+    store = HostStore(adapter)
+    store.copy_from_model(build_hf_model(cfg, seed=0))
+    store["layers.1"].master[0] = float("inf")  # poisons the forward -> non-finite grads
+    before = {k: v.clone() for k, v in store.state_dict().items()}
+    engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 1))
+    stats = engine.train_step(batches(cfg.vocab_size, 1))
+    engine.synchronize()
+    assert stats.skipped and not math.isfinite(stats.grad_norm)
+    assert engine.steps_skipped == 1
+    after = store.state_dict()
+    for k in before:
+        assert torch.equal(before[k], after[k]) or torch.isnan(before[k]).any()
+    assert all(float(b.grad.abs().sum()) == 0 for b in store), "grads must be cleared"
+    engine.close()
+
+
+class SlowAdamW(HostAdamW):
+    """Updates late, so a forward that did not wait for its layer would see stale weights."""
+
+    def step_unit(self, buf, lr, clip_coef):
+        time.sleep(0.01)
+        super().step_unit(buf, lr, clip_coef)
+
+
+def test_update_of_a_layer_finishes_before_its_next_forward():
+    cfg = get_flavor("llama-debug").build_config()
+    adapter = DecoderAdapter(cfg)
+    data = batches(cfg.vocab_size, 3)
+    losses = {}
+    for mode in ("overlapped", "synchronous"):
+        store = HostStore(adapter)
+        store.copy_from_model(build_hf_model(cfg, seed=0))
+        slow = SlowAdamW(AdamWConfig())
+        engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 1),
+                                 optimizers={u.name: slow for u in adapter.units})
+        losses[mode] = []
+        for b in data:
+            losses[mode].append(engine.train_step([b]).loss)
+            if mode == "synchronous":
+                engine.synchronize()
+        engine.close()
+    assert losses["overlapped"] == losses["synchronous"]
+    assert losses["overlapped"][0] != losses["overlapped"][1]
