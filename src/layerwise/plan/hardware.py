@@ -1,0 +1,264 @@
+"""Hardware profiles: what one machine can hold and move per second.
+
+A profile is the only thing the planner knows about a machine. Presets describe common
+single-GPU training boxes from their datasheets plus a few stated assumptions (realistic
+efficiency, pinned-copy bandwidth, the host a card usually sits in); ``layerwise calibrate``
+measures the machine it runs on and writes a profile file that replaces them.
+
+Units: bytes, seconds, GB/s = 1e9 bytes/s, TFLOPS = 1e12 FLOP/s.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+GB = 10**9
+GIB = 2**30
+PROFILE_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    """Preset name or a free-form label for a calibrated machine."""
+    device_mem_bytes: int
+    """Accelerator memory (the whole card)."""
+    device_reserved_bytes: int
+    """Device memory the planner must not use: CUDA context, allocator slack, kernels' scratch."""
+    peak_tflops: float
+    """Dense throughput in the compute dtype (bf16 on GPUs, fp32 on CPU), TFLOPS."""
+    efficiency: float
+    """Fraction of ``peak_tflops`` that training GEMMs actually reach (0 < e <= 1)."""
+    h2d_gbps: float
+    """Host-to-device copy bandwidth from pinned memory, GB/s."""
+    d2h_gbps: float
+    """Device-to-host copy bandwidth into pinned memory, GB/s."""
+    nvme_read_gbps: float
+    """Sequential NVMe read bandwidth (activation spill), GB/s."""
+    nvme_write_gbps: float
+    """Sequential NVMe write bandwidth, GB/s."""
+    nvme_capacity_bytes: int
+    """Spill space on NVMe available to activations."""
+    host_mem_bytes: int
+    """Host RAM."""
+    host_reserved_bytes: int
+    """Host RAM the planner must leave alone (OS, data loader, page cache)."""
+    optimizer_params_per_s: float
+    """Host AdamW throughput with fp32 moments, parameters/s over all optimizer workers."""
+    optimizer_8bit_params_per_s: float
+    """Host AdamW throughput with block-wise 8-bit moments (dequantise + requantise cost)."""
+    host_accum_gbps: float = 100.0
+    """Host memory bandwidth of the fp32 gradient accumulation (``grad += copy``), GB/s."""
+    compute_dtype_bytes: int = 2
+    """Bytes per element of streamed weights, gradients and activations (2 = bf16, 4 = fp32)."""
+    synchronous: bool = False
+    """True when copies and compute cannot overlap (the CPU backend): one lane for everything."""
+    op_overhead_s: float = 0.0
+    """Fixed cost of one compute op (launches, Python), seconds."""
+    format_version: int = PROFILE_FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        for f in ("peak_tflops", "h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps",
+                  "optimizer_params_per_s", "optimizer_8bit_params_per_s", "host_accum_gbps"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"hardware profile {self.name!r}: {f} must be > 0, got {getattr(self, f)}")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"hardware profile {self.name!r}: efficiency must be in (0, 1], got {self.efficiency}")
+        if self.device_mem_bytes <= self.device_reserved_bytes:
+            raise ValueError(f"hardware profile {self.name!r}: device_mem_bytes must exceed device_reserved_bytes")
+        if self.host_mem_bytes <= self.host_reserved_bytes:
+            raise ValueError(f"hardware profile {self.name!r}: host_mem_bytes must exceed host_reserved_bytes")
+        if self.compute_dtype_bytes not in (2, 4):
+            raise ValueError(f"compute_dtype_bytes must be 2 (bf16) or 4 (fp32), got {self.compute_dtype_bytes}")
+
+    # ----- derived ------------------------------------------------------------------------
+
+    @property
+    def flops_per_s(self) -> float:
+        """Sustained FLOP/s the cost model uses."""
+        return self.peak_tflops * 1e12 * self.efficiency
+
+    @property
+    def device_cap_bytes(self) -> int:
+        """Device bytes a plan may use."""
+        return self.device_mem_bytes - self.device_reserved_bytes
+
+    @property
+    def host_cap_bytes(self) -> int:
+        """Host bytes the store plus offloaded activations may use."""
+        return self.host_mem_bytes - self.host_reserved_bytes
+
+    def with_memory(self, gpu_mem_gb: float | None = None, host_mem_gb: float | None = None) -> HardwareProfile:
+        """A copy with device and/or host memory overridden (GB = 1e9 bytes)."""
+        kw: dict[str, Any] = {}
+        if gpu_mem_gb is not None:
+            kw["device_mem_bytes"] = int(gpu_mem_gb * GB)
+        if host_mem_gb is not None:
+            kw["host_mem_bytes"] = int(host_mem_gb * GB)
+        return replace(self, **kw) if kw else self
+
+    # ----- JSON ---------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HardwareProfile:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"hardware profile has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        if d.get("format_version", PROFILE_FORMAT_VERSION) != PROFILE_FORMAT_VERSION:
+            raise ValueError(f"hardware profile format_version {d['format_version']} is not supported "
+                             f"(expected {PROFILE_FORMAT_VERSION}); re-run `layerwise calibrate`")
+        missing = {f.name for f in fields(cls) if f.default is MISSING} - set(d)
+        if missing:
+            raise ValueError(f"hardware profile is missing {sorted(missing)}")
+        return cls(**d)
+
+    def save(self, path: str | Path) -> None:
+        from ..util.atomic import atomic_write_text
+
+        atomic_write_text(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> HardwareProfile:
+        try:
+            d = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ValueError(f"hardware profile {path} does not exist; run `layerwise calibrate --out {path}`"
+                             " or use a preset") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"hardware profile {path} is not valid JSON: {e}") from None
+        return cls.from_dict(d)
+
+
+# ----- presets ---------------------------------------------------------------------------
+# Shared assumptions (stated once, used below):
+# [EFF]  0.6 of dense peak: large training GEMMs on Hopper/Ampere typically reach 55-70% of the
+#        datasheet number (cuBLAS/MFU reports); attention and norms pull the average down.
+# [PCIE5] PCIe 5.0 x16 is 64 GB/s per direction raw; pinned cudaMemcpy measures ~50-55 GB/s
+#        (CUDA bandwidthTest on H100/H200 hosts); 50 GB/s used.
+# [PCIE4] PCIe 4.0 x16 is 32 GB/s raw; pinned copies measure ~24-26 GB/s; 25 GB/s used.
+# [DCNVME] one datacenter PCIe 4.0 NVMe drive (Samsung PM9A3 datasheet: 6.9 GB/s read,
+#        4.1 GB/s write sequential); 3.84 TB drive, 3 TB given to spill.
+# [CNVME] one consumer PCIe 4.0 NVMe drive (Samsung 980 PRO datasheet: 7.0 GB/s read,
+#        5.0 GB/s write sequential); 2 TB drive, 1.5 TB given to spill.
+# [OPT]  fused AdamW on host is memory-bound: ~28 bytes moved per parameter with fp32 moments
+#        (master, grad, m, v read; master, m, v written). A 2-socket server sustains ~150 GB/s
+#        -> ~5e9 params/s; a workstation ~60 GB/s -> ~2e9 params/s. 8-bit moments move less
+#        but pay (de)quantisation: ~0.8x the fp32 rate (assumption; calibrate to measure).
+# [ACC]  multi-threaded ``add_`` of large fp32 buffers streams ~100 GB/s on a 2-socket DDR5
+#        server and ~40 GB/s on a DDR4 workstation (about a third of STREAM peak; assumption).
+# [RES]  1.5 GB device reserve: CUDA context (~500 MB) + cuBLAS workspace + allocator slack.
+PRESETS: dict[str, HardwareProfile] = {
+    "h200": HardwareProfile(
+        name="h200",
+        device_mem_bytes=141 * GB,  # NVIDIA H200 datasheet: 141 GB HBM3e
+        device_reserved_bytes=int(1.5 * GB),  # [RES]
+        peak_tflops=989.0,  # H200 SXM datasheet: 1,979 TFLOPS bf16 with sparsity -> 989 dense
+        efficiency=0.6,  # [EFF]
+        h2d_gbps=50.0, d2h_gbps=50.0,  # [PCIE5]
+        nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
+        host_mem_bytes=2000 * GB,  # HGX H200 servers ship with 2 TB DDR5 (e.g. DGX H200 datasheet)
+        host_reserved_bytes=64 * GB,  # OS, data loader, page cache (assumption)
+        optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=4e9,  # [OPT] server
+        host_accum_gbps=100.0,  # [ACC] server
+    ),
+    "h800": HardwareProfile(
+        name="h800",
+        device_mem_bytes=80 * GB,  # NVIDIA H800 SXM: 80 GB HBM3 (same die as H100 SXM)
+        device_reserved_bytes=int(1.5 * GB),  # [RES]
+        peak_tflops=989.0,  # H800 SXM: H100 SXM compute (989 dense bf16); only NVLink is cut
+        efficiency=0.6,  # [EFF]
+        h2d_gbps=50.0, d2h_gbps=50.0,  # [PCIE5]
+        nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
+        host_mem_bytes=2000 * GB,  # HGX H800 servers as DGX H100: 2 TB (DGX H100 datasheet)
+        host_reserved_bytes=64 * GB,
+        optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=4e9,  # [OPT] server
+        host_accum_gbps=100.0,  # [ACC] server
+    ),
+    "h100": HardwareProfile(
+        name="h100",
+        device_mem_bytes=80 * GB,  # NVIDIA H100 SXM datasheet: 80 GB HBM3
+        device_reserved_bytes=int(1.5 * GB),  # [RES]
+        peak_tflops=989.0,  # H100 SXM datasheet: 1,979 bf16 with sparsity -> 989 dense
+        efficiency=0.6,  # [EFF]
+        h2d_gbps=50.0, d2h_gbps=50.0,  # [PCIE5]
+        nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
+        host_mem_bytes=2000 * GB,  # DGX H100 datasheet: 2 TB system memory
+        host_reserved_bytes=64 * GB,
+        optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=4e9,  # [OPT] server
+        host_accum_gbps=100.0,  # [ACC] server
+    ),
+    "a100-80g": HardwareProfile(
+        name="a100-80g",
+        device_mem_bytes=80 * GB,  # NVIDIA A100 80GB datasheet
+        device_reserved_bytes=int(1.5 * GB),  # [RES]
+        peak_tflops=312.0,  # A100 datasheet: 312 TFLOPS bf16 dense (624 with sparsity)
+        efficiency=0.6,  # [EFF]
+        h2d_gbps=25.0, d2h_gbps=25.0,  # [PCIE4]
+        nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
+        host_mem_bytes=1000 * GB,  # DGX A100 datasheet: 1 TB system memory (2 TB option)
+        host_reserved_bytes=64 * GB,
+        optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=4e9,  # [OPT] server
+        host_accum_gbps=100.0,  # [ACC] server
+    ),
+    "rtx3090": HardwareProfile(
+        name="rtx3090",
+        device_mem_bytes=24 * GIB,  # GeForce RTX 3090: 24 GB GDDR6X (24 GiB)
+        device_reserved_bytes=int(1.5 * GB),  # [RES]
+        peak_tflops=71.0,  # GA102 whitepaper: 71 TFLOPS fp16/bf16 tensor with fp32 accumulate
+        efficiency=0.6,  # [EFF]
+        h2d_gbps=25.0, d2h_gbps=25.0,  # [PCIE4]
+        nvme_read_gbps=7.0, nvme_write_gbps=5.0, nvme_capacity_bytes=1500 * GB,  # [CNVME]
+        host_mem_bytes=512 * GB,  # assumption: 8 x 64 GB workstation (Threadripper/EPYC class)
+        host_reserved_bytes=32 * GB,
+        optimizer_params_per_s=2e9, optimizer_8bit_params_per_s=1.6e9,  # [OPT] workstation
+        host_accum_gbps=40.0,  # [ACC] workstation
+    ),
+    "rtx4090": HardwareProfile(
+        name="rtx4090",
+        device_mem_bytes=24 * GIB,  # GeForce RTX 4090: 24 GB GDDR6X (24 GiB)
+        device_reserved_bytes=int(1.5 * GB),  # [RES]
+        peak_tflops=165.2,  # Ada whitepaper: 165.2 TFLOPS fp16/bf16 tensor with fp32 accumulate
+        efficiency=0.6,  # [EFF]
+        h2d_gbps=25.0, d2h_gbps=25.0,  # [PCIE4]
+        nvme_read_gbps=7.0, nvme_write_gbps=5.0, nvme_capacity_bytes=1500 * GB,  # [CNVME]
+        host_mem_bytes=512 * GB,  # assumption: 8 x 64 GB workstation
+        host_reserved_bytes=32 * GB,
+        optimizer_params_per_s=2e9, optimizer_8bit_params_per_s=1.6e9,  # [OPT] workstation
+        host_accum_gbps=40.0,  # [ACC] workstation
+    ),
+    "cpu": HardwareProfile(
+        name="cpu",
+        # The CPU backend: "device" memory is host memory; everything runs on the same cores.
+        device_mem_bytes=16 * GB,  # assumption: a small box; calibrate reads the real size
+        device_reserved_bytes=1 * GB,
+        peak_tflops=0.05,  # assumption: 2 cores x AVX2 fp32 matmul in PyTorch; calibrate measures
+        efficiency=1.0,  # peak_tflops is already a measured-style sustained number
+        h2d_gbps=5.0, d2h_gbps=5.0,  # assumption: memcpy of large buffers; calibrate measures
+        nvme_read_gbps=1.0, nvme_write_gbps=0.5, nvme_capacity_bytes=50 * GB,  # assumption (VM disk)
+        host_mem_bytes=16 * GB,
+        host_reserved_bytes=2 * GB,
+        optimizer_params_per_s=1e8, optimizer_8bit_params_per_s=5e7,  # assumption; calibrate measures
+        host_accum_gbps=5.0,  # assumption; calibrate measures
+        compute_dtype_bytes=4,  # CPU runs fp32
+        synchronous=True,  # CPU backend copies and computes in one thread
+        op_overhead_s=2e-4,  # Python + dispatch per op (assumption)
+    ),
+}
+
+
+def get_hardware(spec: str) -> HardwareProfile:
+    """A preset name or the path of a profile JSON file."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    p = Path(spec)
+    if p.suffix == ".json" or p.exists():
+        return HardwareProfile.load(p)
+    raise ValueError(f"unknown hardware {spec!r}: use a preset ({', '.join(PRESETS)}) "
+                     "or a profile file written by `layerwise calibrate --out profile.json`")

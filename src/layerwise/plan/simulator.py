@@ -1,0 +1,412 @@
+"""Discrete-event simulation of training steps under a Plan, with the engine's real dependencies.
+
+Lanes (each runs its work in issue order, one item at a time, like a CUDA stream or a worker
+thread): ``compute``, ``h2d`` (weights in, offloaded activations back), ``d2h`` (gradients and
+activations out), ``host`` (fp32 gradient accumulation), ``nvme`` (the engine's single
+activation I/O thread: writes and reads), ``optimizer`` (host AdamW workers). On a synchronous
+machine (the CPU backend) copies, accumulation and the optimizer share the compute lane.
+
+Dependencies modelled (as ``layerwise.engine`` runs them):
+
+- the op program per micro-batch is the engine's (:func:`micro_batch_program`): forward, head,
+  backward in reverse with fetches and segment recomputes from the nearest stored boundary below;
+- weights follow the step's weight schedule ``prefetch_depth`` uses ahead: the copy for use
+  ``k + depth`` is issued when use ``k`` is acquired, which is when the compute lane reaches it
+  (a unit still held by a nearby use is not copied again);
+- a weight copy of unit ``u`` in step ``s+1`` waits for ``u``'s optimizer update of step ``s``,
+  and blocks the copies issued after it (the engine's host thread waits there);
+- an op waits for its weights and its input boundary (fetched, recomputed or kept);
+- a stored boundary's D2H copy is issued at its ``layer_fwd``; an NVMe write follows its D2H; the
+  NVMe read is issued two ops before its ``fetch``; a host/NVMe boundary's H2D copy is issued when
+  the compute op before its ``fetch`` starts;
+- each gradient goes D2H when its op ends, then is accumulated in fp32 on the host;
+- the optimizer starts when the last gradient of the step has landed (global clip needs all),
+  updating embed, layers 0.., head in order, overlapping the next step's forward.
+
+The simulated step is the steady-state one: the time between the ends of consecutive steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from .cost import CostModel, ModelShape
+from .hardware import HardwareProfile
+from .plan import Plan
+
+LANES = ("compute", "h2d", "d2h", "host", "nvme", "optimizer")
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str
+    index: int = -1
+
+    def units(self, tied: bool) -> tuple[str, ...]:
+        if self.kind in ("embed_fwd", "recompute_embed", "embed_bwd"):
+            return ("embed",)
+        if self.kind in ("layer_fwd", "recompute_layer", "layer_bwd"):
+            return (f"layers.{self.index}",)
+        if self.kind == "head":
+            return ("embed", "head") if tied else ("head",)
+        return ()
+
+    def __str__(self) -> str:
+        return self.kind if self.index < 0 else f"{self.kind} {self.index}"
+
+
+def micro_batch_program(boundaries: list[str]) -> list[Op]:
+    """The ops of one micro-batch, in the order the engine runs them."""
+    n = len(boundaries)
+    ops = [Op("embed_fwd")] + [Op("layer_fwd", i) for i in range(n)] + [Op("head")]
+    on_device: set[int] = set()
+    for i in reversed(range(n)):
+        if i not in on_device:
+            if boundaries[i] != "recompute":
+                ops.append(Op("fetch", i))
+                on_device.add(i)
+            else:
+                stored = [j for j in range(i) if boundaries[j] != "recompute"]
+                if stored:
+                    j = stored[-1]
+                    if j not in on_device:
+                        ops.append(Op("fetch", j))
+                        on_device.add(j)
+                else:
+                    j = 0
+                    ops.append(Op("recompute_embed"))
+                    on_device.add(0)
+                for k in range(j, i):
+                    ops.append(Op("recompute_layer", k))
+                    on_device.add(k + 1)
+        ops.append(Op("layer_bwd", i))
+        on_device.discard(i)
+    ops.append(Op("embed_bwd"))
+    return ops
+
+
+@dataclass
+class Interval:
+    lane: str
+    start: float
+    end: float
+    label: str
+    step: int
+
+
+@dataclass
+class Alloc:
+    tier: str
+    """``device``, ``host`` (pinned activations; the store is counted separately) or ``nvme``."""
+    start: float
+    end: float
+    nbytes: int
+    label: str
+
+
+@dataclass
+class SimResult:
+    plan: Plan
+    step_s: float
+    tokens_per_step: int
+    model_flops_per_step: float
+    busy_s: dict[str, float]
+    """Busy seconds per lane inside the measured step."""
+    peak_device_bytes: int
+    device_cap_bytes: int
+    peak_pinned_act_bytes: int
+    """Peak pinned host bytes held by offloaded activations (and NVMe staging)."""
+    host_store_bytes: int
+    host_cap_bytes: int
+    peak_nvme_bytes: int
+    nvme_cap_bytes: int
+    recompute_s: float
+    """Compute seconds per step spent recomputing dropped boundaries."""
+    window: tuple[float, float]
+    """(start, end) of the measured step on the simulated clock."""
+    intervals: list[Interval] = field(repr=False, default_factory=list)
+    allocs: list[Alloc] = field(repr=False, default_factory=list)
+    op_log: list[dict[str, Any]] = field(repr=False, default_factory=list)
+    """Every compute op: kind, index, micro-batch, step, start, end, needs (weights, boundary)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def achieved_tflops(self) -> float:
+        return self.model_flops_per_step / self.step_s / 1e12
+
+    @property
+    def idle_s(self) -> dict[str, float]:
+        return {k: max(0.0, self.step_s - v) for k, v in self.busy_s.items()}
+
+    @property
+    def peak_host_bytes(self) -> int:
+        return self.host_store_bytes + self.peak_pinned_act_bytes
+
+    def over_capacity(self) -> dict[str, int]:
+        """Bytes over capacity per tier (empty when the plan fits)."""
+        out = {}
+        for tier, used, cap in (("device", self.peak_device_bytes, self.device_cap_bytes),
+                                ("host", self.peak_host_bytes, self.host_cap_bytes),
+                                ("nvme", self.peak_nvme_bytes, self.nvme_cap_bytes)):
+            if used > cap:
+                out[tier] = used - cap
+        return out
+
+    @property
+    def fits(self) -> bool:
+        return not self.over_capacity()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "step_s": self.step_s,
+            "tokens_per_s": self.tokens_per_s,
+            "achieved_tflops": self.achieved_tflops,
+            "recompute_s": self.recompute_s,
+            "peak_device_bytes": self.peak_device_bytes,
+            "device_cap_bytes": self.device_cap_bytes,
+            "peak_host_bytes": self.peak_host_bytes,
+            "peak_pinned_act_bytes": self.peak_pinned_act_bytes,
+            "peak_nvme_bytes": self.peak_nvme_bytes,
+            "busy_s": dict(self.busy_s),
+            "idle_s": self.idle_s,
+            "fits": self.fits,
+        }
+
+
+def peak_bytes(allocs: list[Alloc], tier: str) -> int:
+    """Largest sum of live ``tier`` allocations at any instant ([start, end) intervals)."""
+    events = []
+    for a in allocs:
+        if a.tier == tier and a.nbytes and a.end > a.start:
+            events.append((a.start, 1, a.nbytes))
+            events.append((a.end, 0, -a.nbytes))
+    events.sort()  # frees (0) before allocations (1) at the same instant
+    cur = best = 0
+    for _, _, d in events:
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+class _Lanes:
+    def __init__(self, synchronous: bool):
+        self.free: dict[str, float] = {}
+        self.map = {k: k for k in LANES}
+        if synchronous:
+            for k in ("h2d", "d2h", "host", "optimizer"):
+                self.map[k] = "compute"
+        self.intervals: list[Interval] = []
+        self.step = 0
+
+    def run(self, lane: str, earliest: float, dur: float, label: str) -> tuple[float, float]:
+        physical = self.map[lane]
+        start = max(self.free.get(physical, 0.0), earliest)
+        end = start + dur
+        self.free[physical] = end
+        if dur > 0:
+            self.intervals.append(Interval(lane, start, end, label, self.step))
+        return start, end
+
+    def free_at(self, lane: str) -> float:
+        return self.free.get(self.map[lane], 0.0)
+
+
+def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
+             keep_trace: bool = True) -> SimResult:
+    """Simulate ``steps`` consecutive steps; report the last one (steady state when steps >= 2)."""
+    if plan.num_layers != shape.num_layers:
+        raise ValueError(f"plan has {plan.num_layers} boundaries but {shape.name} has "
+                         f"{shape.num_layers} layers; make a plan for this model")
+    if plan.seq_len is None:
+        raise ValueError("the plan has no seq_len; the simulator needs the sequence length")
+    cost = CostModel(shape, hw, plan.micro_batch_size, plan.seq_len, plan.head_chunk_tokens)
+    tiers = plan.boundaries
+    tied = shape.tied
+    depth = plan.prefetch_depth
+    units = shape.unit_names()
+    moments = plan.moments or ["fp32"] * len(units)
+    a_bytes = cost.boundary_bytes
+    accum_s = cost.grad_accumulate_s
+    ops = micro_batch_program(tiers)
+    lanes = _Lanes(hw.synchronous)
+    allocs: list[Alloc] = []
+    op_log: list[dict[str, Any]] = []
+    opt_ready: dict[str, float] = {}
+    step_done: list[float] = []
+    recompute_s = 0.0
+    t_begin = 0.0
+
+    def alloc(tier: str, start: float, nbytes: int, label: str, end: float | None = None) -> Alloc:
+        a = Alloc(tier, start, end if end is not None else float("inf"), int(nbytes), label)
+        allocs.append(a)
+        return a
+
+    for step in range(steps):
+        lanes.step = step
+        schedule = [u for _ in range(plan.num_micro_batches) for op in ops for u in op.units(tied)]
+        window: deque[str] = deque()
+        buffers: dict[str, list] = {}  # unit -> [ready_s, refs, Alloc]
+        ptr = 0
+        host_clock = t_begin  # when the engine's host thread may issue the next copy
+
+        def fill(t_issue: float) -> None:
+            nonlocal ptr, host_clock
+            t = max(t_issue, host_clock)
+            while len(window) < depth and ptr < len(schedule):
+                u = schedule[ptr]
+                ptr += 1
+                entry = buffers.get(u)
+                if entry is None:
+                    t = max(t, opt_ready.get(u, 0.0))  # wait_ready: the host thread blocks
+                    nbytes = cost.unit_weight_bytes(u)
+                    _, end = lanes.run("h2d", t, cost.h2d_s(nbytes), f"w {u}")
+                    entry = buffers[u] = [end, 0, alloc("device", t, nbytes, f"weights {u}")]
+                entry[1] += 1
+                window.append(u)
+            host_clock = t
+
+        fill(t_begin)
+        recompute_this_step = 0.0
+        last_grad_landed = 0.0
+        for mb in range(plan.num_micro_batches):
+            ready: dict[int, float] = {}  # boundary -> when it is on the device
+            held: dict[int, Alloc] = {}  # boundary -> its device allocation
+            offloaded: dict[int, tuple[float, Alloc]] = {}  # host/nvme boundary -> (host ready, host alloc)
+            nvme_written: dict[int, tuple[float, Alloc]] = {}
+            prev_start = lanes.free_at("compute")
+            for n, op in enumerate(ops):
+                t_issue = lanes.free_at("compute")
+                kind, i = op.kind, op.index
+                if (n + 2 < len(ops) and ops[n + 2].kind == "fetch" and tiers[ops[n + 2].index] == "nvme"
+                        and ops[n + 2].index in nvme_written):  # not yet written: the engine skips it too
+                    j = ops[n + 2].index
+                    w_end, nv = nvme_written[j]
+                    s, e = lanes.run("nvme", max(t_issue, w_end), cost.nvme_read_s(a_bytes), f"nvme read b{j}")
+                    nv.end = e
+                    offloaded[j] = (e, alloc("host", s, a_bytes, f"nvme staging b{j}"))
+                if kind == "fetch":
+                    if tiers[i] == "device":
+                        continue
+                    if tiers[i] == "nvme" and i not in offloaded:  # not prefetched: read now
+                        w_end, nv = nvme_written[i]
+                        s, e = lanes.run("nvme", max(t_issue, w_end), cost.nvme_read_s(a_bytes), f"nvme read b{i}")
+                        nv.end = e
+                        offloaded[i] = (e, alloc("host", s, a_bytes, f"nvme staging b{i}"))
+                    host_ready, host_alloc = offloaded.pop(i)
+                    earliest = max(prev_start, host_ready)
+                    s, e = lanes.run("h2d", earliest, cost.h2d_s(a_bytes), f"fetch b{i}")
+                    host_alloc.end = e
+                    ready[i] = e
+                    held[i] = alloc("device", s, a_bytes, f"boundary {i} (fetched)")
+                    continue
+                need_w = 0.0
+                op_units = op.units(tied)
+                for u in op_units:
+                    got = window.popleft()
+                    assert got == u, (got, u)
+                    fill(t_issue)
+                    need_w = max(need_w, buffers[u][0])
+                need_b = 0.0
+                if kind in ("layer_bwd", "recompute_layer"):
+                    need_b = ready[i]
+                dur = cost.op_s(kind, i)
+                start, end = lanes.run("compute", max(t_issue, need_w, need_b), dur, str(op))
+                prev_start = start
+                if kind in ("recompute_layer", "recompute_embed"):
+                    recompute_this_step += dur
+                op_log.append({"kind": kind, "index": i, "mb": mb, "step": step, "start": start, "end": end,
+                               "units": op_units})
+                tb = cost.op_transient_bytes(kind, i)
+                if tb:
+                    alloc("device", start, tb, f"transient {op}", end)
+                for u in op_units:
+                    entry = buffers[u]
+                    entry[1] -= 1
+                    if entry[1] == 0:
+                        entry[2].end = end
+                        del buffers[u]
+                grads: list[str] = []
+                if kind == "embed_fwd":
+                    ready[0] = end
+                elif kind == "layer_fwd":
+                    tier = tiers[i]
+                    if tier == "device":
+                        ready[i] = start
+                        held[i] = alloc("device", start, a_bytes, f"boundary {i} (kept)")
+                    elif tier in ("host", "nvme"):
+                        s, e = lanes.run("d2h", start, cost.d2h_s(a_bytes), f"offload b{i}")
+                        if e > end:  # the copy holds the device buffer until it is done
+                            alloc("device", end, a_bytes, f"boundary {i} (in flight)", e)
+                        host = alloc("host", s, a_bytes, f"boundary {i} ({tier})")
+                        if tier == "host":
+                            offloaded[i] = (e, host)
+                        else:
+                            ws, we = lanes.run("nvme", e, cost.nvme_write_s(a_bytes), f"nvme write b{i}")
+                            host.end = we
+                            nvme_written[i] = (we, alloc("nvme", ws, a_bytes, f"boundary {i} (nvme)"))
+                elif kind == "recompute_embed":
+                    ready[0] = end
+                    held[0] = alloc("device", start, a_bytes, "boundary 0 (recomputed)")
+                elif kind == "recompute_layer":
+                    ready[i + 1] = end
+                    held[i + 1] = alloc("device", start, a_bytes, f"boundary {i + 1} (recomputed)")
+                elif kind == "layer_bwd":
+                    held.pop(i).end = end
+                    grads = [f"layers.{i}"]
+                elif kind == "head":
+                    grads = ["head"] + (["embed"] if tied else [])
+                elif kind == "embed_bwd":
+                    grads = ["embed"]
+                for u in grads:
+                    gb = cost.grad_bytes(u)
+                    s, e = lanes.run("d2h", end, cost.d2h_s(gb), f"grad {u}")
+                    if e > end:
+                        alloc("device", end, gb, f"grad {u} (in flight)", e)
+                    _, landed = lanes.run("host", e, accum_s(u), f"accumulate {u}")
+                    last_grad_landed = max(last_grad_landed, landed)
+            assert not held, f"boundaries left on the device: {sorted(held)}"
+        done = max(lanes.free_at("compute"), last_grad_landed)
+        step_done.append(done)
+        recompute_s = recompute_this_step
+        lanes.step = step
+        t = done
+        for u, m in zip(units, moments):
+            _, t = lanes.run("optimizer", t, cost.optimizer_s(u, m), f"update {u}")
+            opt_ready[u] = t
+        t_begin = done
+
+    t0 = step_done[-2] if steps >= 2 else 0.0
+    t1 = step_done[-1]
+    step_s = t1 - t0
+    busy = {k: 0.0 for k in LANES}
+    for iv in lanes.intervals:
+        lo, hi = max(iv.start, t0), min(iv.end, t1)
+        if hi > lo:
+            busy[iv.lane] += hi - lo
+    if hw.synchronous:
+        busy = {k: v for k, v in busy.items() if k in ("compute", "h2d", "d2h", "host", "nvme", "optimizer")}
+    tokens = plan.num_micro_batches * plan.micro_batch_size * plan.seq_len
+    return SimResult(
+        plan=plan,
+        step_s=step_s,
+        tokens_per_step=tokens,
+        model_flops_per_step=plan.num_micro_batches * cost.model_flops(),
+        busy_s=busy,
+        peak_device_bytes=peak_bytes(allocs, "device"),
+        device_cap_bytes=hw.device_cap_bytes,
+        peak_pinned_act_bytes=peak_bytes(allocs, "host"),
+        host_store_bytes=cost.host_store_bytes(plan.moments),
+        host_cap_bytes=hw.host_cap_bytes,
+        peak_nvme_bytes=peak_bytes(allocs, "nvme"),
+        nvme_cap_bytes=hw.nvme_capacity_bytes,
+        recompute_s=recompute_s,
+        window=(t0, t1),
+        intervals=lanes.intervals if keep_trace else [],
+        allocs=allocs if keep_trace else [],
+        op_log=op_log if keep_trace else [],
+    )
