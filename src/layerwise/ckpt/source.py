@@ -54,7 +54,7 @@ class CheckpointSource(Protocol):
 
     def extra_state(self) -> dict:
         """``step`` (int), ``scheduler`` (JSON-able dict or None), ``rng`` (dict or None),
-        ``trainer_state`` (dict or None); optionally ``optimizer_hparams`` (a list with one dict of
+        ``trainer_state`` (dict or None); optionally ``optimizer_param_groups`` (a list with one dict of
         AdamW hyper-parameters per Trainer param group, without ``params``) and
         ``generation_config`` (dict)."""
         ...
@@ -314,7 +314,7 @@ class TrainerCheckpointSource(HFModelDirSource):
                 out[STEP + name] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(()).clone()
         return out
 
-    def optimizer_hparams(self) -> list[dict] | None:
+    def optimizer_param_groups(self) -> list[dict] | None:
         if self._optimizer is None:
             return None
         return [{k: v for k, v in g.items() if k != "params"} for g in self._optimizer["param_groups"]]
@@ -333,7 +333,7 @@ class TrainerCheckpointSource(HFModelDirSource):
         extra["scheduler"] = _to_jsonable(_load_pt(sched)) if sched.is_file() else None
         rng = self.path / RNG_STATE_NAME
         extra["rng"] = load_trainer_rng(rng) if rng.is_file() else None
-        extra["optimizer_hparams"] = self.optimizer_hparams()
+        extra["optimizer_param_groups"] = self.optimizer_param_groups()
         return extra
 
 

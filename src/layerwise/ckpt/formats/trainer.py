@@ -88,7 +88,7 @@ def _param_group_template(hp: AdamWHParams) -> dict:
 
 def _param_groups(extra: dict, hparams: AdamWHParams | None, scheduler: dict) -> list[dict]:
     """Hyper-parameters of the two groups: explicit ones, else the source's, else Trainer's defaults."""
-    saved = extra.get("optimizer_hparams")
+    saved = extra.get("optimizer_param_groups")
     if hparams is None and saved and len(saved) == 2:
         groups = [dict(g) for g in saved]
         for g in groups:
@@ -206,7 +206,7 @@ def write_trainer(
     scheduler = extra.get("scheduler")
     if scheduler is None:
         # Trainer loads optimizer.pt only next to a scheduler.pt, so one is always written.
-        saved_hp = extra.get("optimizer_hparams") or [{}]
+        saved_hp = extra.get("optimizer_param_groups") or [{}]
         base_lr = hparams.lr if hparams else saved_hp[0].get("initial_lr", saved_hp[0].get("lr", AdamWHParams().lr))
         scheduler = constant_scheduler_state(step, base_lr, num_groups=len(order))
     param_groups = _param_groups(extra, hparams, scheduler)
