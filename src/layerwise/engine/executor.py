@@ -246,7 +246,7 @@ class StreamingEngine:
         x = x.detach().requires_grad_()
         wflat = w.detach().requires_grad_()
         if self.config.measure_workspace:
-            saved = _SavedBytes()
+            saved = _SavedBytes(exclude=(x, wflat))  # both already counted
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
                 y = self.adapter.layer(i, self.store[unit].layout.views(wflat), x, rope, pos, masks)
             # autograd's saved tensors + the output, both gradients, on top of what is live
@@ -366,9 +366,9 @@ def _nb(t: torch.Tensor) -> int:
 class _SavedBytes:
     """Counts the distinct storages autograd saves for the backward."""
 
-    def __init__(self) -> None:
+    def __init__(self, exclude: tuple[torch.Tensor, ...] = ()) -> None:
         self.nbytes = 0
-        self._seen: set[int] = set()
+        self._seen: set[int] = {t.untyped_storage().data_ptr() for t in exclude}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage().data_ptr()

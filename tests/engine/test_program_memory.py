@@ -1,0 +1,70 @@
+"""The step program and the device-memory prediction it drives."""
+
+import pytest
+import torch
+
+from layerwise.engine import EngineConfig, StreamingEngine, micro_batch_program
+from layerwise.engine.program import weight_schedule
+from layerwise.models import get_flavor
+from layerwise.models.init import init_store
+from layerwise.plan import Plan
+from layerwise.train.data import Batch
+
+
+def ops_str(plan):
+    return [str(op) for op in micro_batch_program(plan)]
+
+
+def test_every_k_program_recomputes_segments_from_kept_boundaries():
+    ops = ops_str(Plan.every_k(5, 3))  # keeps boundaries 0 and 3
+    backward = ops[ops.index("head") + 1:]
+    assert backward == [
+        "fetch 3", "recompute_layer 3", "layer_bwd 4", "layer_bwd 3",
+        "fetch 0", "recompute_layer 0", "recompute_layer 1", "layer_bwd 2",
+        "layer_bwd 1", "layer_bwd 0", "embed_bwd",
+    ]
+    assert ops_str(Plan.every_k(5, 3))[:7] == [
+        "embed_fwd", "layer_fwd 0", "layer_fwd 1", "layer_fwd 2", "layer_fwd 3", "layer_fwd 4", "head"]
+
+
+def test_recompute_all_rebuilds_from_the_embedding():
+    backward = ops_str(Plan.recompute_all(3))[5:]
+    assert backward == ["recompute_embed", "recompute_layer 0", "recompute_layer 1", "layer_bwd 2",
+                        "layer_bwd 1", "layer_bwd 0", "embed_bwd"]
+
+
+def test_weight_schedule_streams_every_use():
+    ops = micro_batch_program(Plan.every_k(2, 1))
+    assert weight_schedule(ops, tied=True) == [
+        "embed", "layers.0", "layers.1", "embed", "head", "layers.1", "layers.0", "embed"]
+
+
+@pytest.mark.parametrize("plan", [Plan.every_k(10, 1), Plan.every_k(10, 3),
+                                  Plan.recompute_all(10), Plan.keep_all(10, "host")],
+                         ids=lambda p: p.source)
+def test_predicted_peak_matches_measured_within_5_percent(plan):
+    cfg = get_flavor("llama-30m").build_config(num_hidden_layers=10, hidden_size=128,
+                                               intermediate_size=352, num_attention_heads=4,
+                                               num_key_value_heads=2)
+    adapter, store = init_store(cfg)
+    engine = StreamingEngine(adapter, store, plan, EngineConfig(measure_workspace=True))
+    ids = torch.randint(0, cfg.vocab_size, (2, 128))
+    engine.compute_grads([Batch(ids, ids)])
+    measured = engine.backend.ledger.peak_bytes
+    predicted = engine.predict_memory(2, 128).peak_bytes
+    engine.close()
+    assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
+    assert engine.backend.ledger.live_bytes == 0, "engine leaked device buffers"
+
+
+def test_offloading_lowers_predicted_peak():
+    cfg = get_flavor("llama-30m").build_config()
+    from layerwise.models import DecoderAdapter
+    from layerwise.engine import predict_peak_device_bytes
+
+    adapter = DecoderAdapter(cfg)
+    L = adapter.num_layers
+    keep = predict_peak_device_bytes(adapter, Plan.every_k(L, 1), 4, 1024, 2).peak_bytes
+    host = predict_peak_device_bytes(adapter, Plan.keep_all(L, "host"), 4, 1024, 2).peak_bytes
+    k4 = predict_peak_device_bytes(adapter, Plan.every_k(L, 4), 4, 1024, 2).peak_bytes
+    assert host < k4 < keep
