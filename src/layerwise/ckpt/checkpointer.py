@@ -1,0 +1,424 @@
+"""``Checkpointer``: layer-wise checkpoints for a plain PyTorch training loop.
+
+::
+
+    ckpt = Checkpointer("runs/a", model, optimizer, scheduler, policy="filter", threshold=1e-3)
+    start = ckpt.load().step + 1 if ckpt.has_checkpoint() else 0   # resume, no rewrite
+    for step in range(start, num_steps):
+        loss.backward(); optimizer.step(); scheduler.step()
+        ckpt.observe(step)                  # update statistics (every N steps; cheap)
+        optimizer.zero_grad()
+        if step % 100 == 0:
+            ckpt.save(step, extra={"data_position": step + 1})   # blocks only for the snapshot
+    ckpt.wait()                             # the last background write, and its errors
+
+A save asks the policy which groups to write, copies those groups (weights + optimizer state)
+to host memory, and returns; a background thread writes the blobs, the step's non-layer state
+and finally the manifest. One save writes at a time: the next ``save`` first waits for the
+previous one (that wait is part of its blocked time, reported separately as ``wait_s``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save as st_save
+from torch import nn
+
+from .errors import CheckpointError
+from .layer_store import BLOB_FORMAT, FORMAT_VERSION, BlobPayload, LayerStore, now_unix_s
+from .policies import GroupStatus, Policy, PolicyContext, make_policy
+from .resolve import ResolvedStep, open_run_step
+from .state import (
+    PARAM,
+    ModuleStateProvider,
+    StateProvider,
+    capture_rng,
+    group_tensors,
+    jsonable,
+    restore_rng,
+    rng_dict,
+)
+from .tracker import UpdateTracker
+
+
+@dataclass
+class CheckpointConfig:
+    policy: str = "full"
+    """Registry name of the selection policy: full, parity, filter, topk, budget."""
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    """Options of the policy, e.g. {"threshold": 1e-3, "max_staleness": 4, "full_every": 10}."""
+    async_save: bool = True
+    """Write in a background thread; ``save`` blocks only for the host snapshot."""
+    save_rng: bool = True
+    """Store and restore python/numpy/torch RNG states (needed for bit-identical resume)."""
+    track_every_steps: int = 10
+    """``observe(step)`` takes statistics only every N steps (saves always measure)."""
+    tracker_log: bool = True
+    """Append the statistics to ``RUN/tracker.jsonl``."""
+
+
+@dataclass
+class SaveReport:
+    step: int
+    selected: list[str]
+    """Groups the policy chose."""
+    blocked_s: float
+    """Time ``save`` held the caller (includes ``wait_s``)."""
+    wait_s: float
+    """Part of ``blocked_s`` spent waiting for the previous save to finish."""
+    snapshot_bytes: int
+    write_s: float | None = None
+    """Background time to write blobs, state and manifest (None until done)."""
+    written: list[str] | None = None
+    """Groups whose bytes were new (the rest were deduplicated)."""
+    bytes_written: int | None = None
+    """New blob bytes plus the step's state files and manifest."""
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class LoadResult:
+    step: int
+    """The committed step that was loaded."""
+    extra: dict | None
+    data_position: Any
+    trainer_state: dict | None
+    stale_groups: dict[str, int]
+    """Groups whose version is older than ``step``: group -> step it was saved at."""
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        policy: str | Policy | None = None,
+        *,
+        provider: StateProvider | None = None,
+        config: CheckpointConfig | None = None,
+        **options: Any,
+    ):
+        """``options``: fields of ``CheckpointConfig`` (e.g. ``async_save=False``) and the
+        policy's own options (e.g. ``threshold=1e-3``), in one flat namespace."""
+        cfg_fields = {f.name for f in fields(CheckpointConfig)}
+        overrides = {k: v for k, v in options.items() if k in cfg_fields}
+        policy_options = {k: v for k, v in options.items() if k not in cfg_fields}
+        self.config = replace(config or CheckpointConfig(), **overrides)
+        if provider is None:
+            if model is None:
+                raise ValueError("Checkpointer needs a model (and optimizer) or a StateProvider")
+            provider = ModuleStateProvider(model, optimizer)
+        elif model is not None:
+            raise ValueError("pass either model/optimizer or provider=, not both")
+        self.provider = provider
+        self.scheduler = scheduler
+        options = {**self.config.policy_options, **policy_options}
+        self.policy: Policy = make_policy(policy if policy is not None else self.config.policy, **options)
+        self.store = LayerStore.create(run_dir)
+        self.run_dir = self.store.root
+        self.groups: list[str] = list(provider.group_names())
+        self.tracker = UpdateTracker(
+            provider, self.run_dir / "tracker.jsonl" if self.config.tracker_log else None)
+        self.reports: list[SaveReport] = []
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer") if self.config.async_save else None
+        self._pending: Future | None = None
+        self._pending_rollback: dict | None = None
+        self._config_written = (self.run_dir / "config.json").exists()
+        # Bookkeeping of committed versions (rebuilt from the newest manifest, or by load()).
+        self._entries: dict[str, dict] = {}
+        self._save_index = 0
+        latest = self.store.latest_step()
+        if latest is not None:
+            self._adopt_manifest(self.store.read_manifest(latest))
+
+    # ----- bookkeeping --------------------------------------------------------------------
+
+    def _adopt_manifest(self, manifest: dict) -> None:
+        self._entries = {g: dict(e) for g, e in manifest["groups"].items()}
+        self._save_index = int(manifest.get("save_index", 0)) + 1
+
+    def _bookkeeping(self) -> dict:
+        return {"entries": {g: dict(e) for g, e in self._entries.items()},
+                "save_index": self._save_index, "refs": dict(self.tracker._ref),
+                "ref_norms": dict(self.tracker._ref_norm)}
+
+    def _restore(self, b: dict) -> None:
+        self._entries = b["entries"]
+        self._save_index = b["save_index"]
+        self.tracker._ref = b["refs"]
+        self.tracker._ref_norm = b["ref_norms"]
+        self.tracker._change.clear()
+
+    def has_checkpoint(self) -> bool:
+        return self.store.latest_step() is not None
+
+    # ----- statistics -----------------------------------------------------------------------
+
+    def observe(self, step: int, force: bool = False) -> dict | None:
+        """Per-group update statistics at ``step`` every ``track_every_steps`` steps (or ``force``).
+
+        Call after ``optimizer.step()`` and before ``zero_grad()`` to include gradient norms.
+        """
+        every = max(1, self.config.track_every_steps)
+        if not force and step % every != 0:
+            return None
+        return self.tracker.observe(step)
+
+    # ----- saving ---------------------------------------------------------------------------
+
+    def _group_nbytes(self, group: str) -> int:
+        n = 0
+        for k, t in group_tensors(self.provider, group).items():
+            size = 4 if (not k.startswith(PARAM) and t.is_floating_point()) else t.element_size()
+            n += t.numel() * size
+        return n
+
+    def save(self, step: int, extra: dict | None = None, *, data_position: Any = None,
+             trainer_state: dict | None = None) -> SaveReport:
+        """Checkpoint ``step``: choose groups, snapshot them, write in the background.
+
+        ``extra`` (JSON-able dict), ``data_position`` and ``trainer_state`` are stored with the
+        step and returned by ``load``. Raises the error of a previous failed background save.
+        """
+        if step < 0:
+            raise ValueError(f"step must be >= 0 (got {step})")
+        t0 = time.perf_counter()
+        self._finish_pending()
+        wait_s = time.perf_counter() - t0
+
+        # Choose.
+        statuses = []
+        for pos, g in enumerate(self.groups):
+            e = self._entries.get(g)
+            age = None if e is None else self._save_index - int(e.get("saved_index", -1))
+            change = self.tracker.change(g, step) if e is not None else math.inf
+            statuses.append(GroupStatus(g, self._group_nbytes(g), change, age, pos))
+        selected = set(self.policy.select(PolicyContext(step, self._save_index, statuses)))
+        selected |= {g for g in self.groups if g not in self._entries}  # a composite is complete
+        change_of = {s.name: s.change for s in statuses}
+
+        # Snapshot the chosen groups and the non-layer state.
+        snaps: dict[str, dict[str, torch.Tensor]] = {}
+        for g in self.groups:
+            if g in selected:
+                snaps[g] = {k: _host_copy(t, k) for k, t in group_tensors(self.provider, g).items()}
+        if any(t.is_pinned() for s in snaps.values() for t in s.values()):
+            torch.cuda.synchronize()
+        state = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "scheduler": jsonable(self.scheduler.state_dict()) if self.scheduler is not None else None,
+            "optimizer_param_groups": (self.provider.param_groups_state()
+                                       if hasattr(self.provider, "param_groups_state") else None),
+            "data_position": jsonable(data_position),
+            "trainer_state": jsonable(trainer_state),
+            "extra": jsonable(extra),
+        }
+        rng_tensors: dict[str, torch.Tensor] = {}
+        if self.config.save_rng:
+            state["rng"], rng_tensors = capture_rng()
+        state_bytes = (json.dumps(state) + "\n").encode()
+        config = None if self._config_written else self.provider.model_config()
+
+        # Book the new versions now (rolled back if the write fails).
+        rollback = self._bookkeeping()
+        for g, snap in snaps.items():
+            self.tracker.set_reference(g, {k[len(PARAM):]: t for k, t in snap.items() if k.startswith(PARAM)})
+        save_index = self._save_index
+        self._save_index += 1
+        snapshot_bytes = sum(t.numel() * t.element_size() for s in snaps.values() for t in s.values())
+        report = SaveReport(step, [g for g in self.groups if g in selected], 0.0, wait_s, snapshot_bytes)
+        job = _WriteJob(self, step, save_index, snaps, {g: change_of[g] == 0.0 for g in snaps},
+                        state_bytes, rng_tensors, config, report)
+        report.blocked_s = time.perf_counter() - t0
+        if self._pool is None:
+            try:
+                job.run()
+            except BaseException:
+                self._restore(rollback)
+                raise
+            report.blocked_s = time.perf_counter() - t0
+        else:
+            self._pending = self._pool.submit(job.run)
+            self._pending_rollback = rollback
+            report.blocked_s = time.perf_counter() - t0
+        self.reports.append(report)
+        return report
+
+    def _finish_pending(self) -> None:
+        fut, self._pending = self._pending, None
+        if fut is None:
+            return
+        try:
+            fut.result()
+        except BaseException:
+            if self._pending_rollback is not None:
+                self._restore(self._pending_rollback)
+            raise
+        finally:
+            self._pending_rollback = None
+
+    def wait(self) -> SaveReport | None:
+        """Block until the running background save is committed; re-raise its error."""
+        self._finish_pending()
+        return self.reports[-1] if self.reports else None
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ----- loading --------------------------------------------------------------------------
+
+    def load(self, step: int | None = None, *, strict: bool = True) -> LoadResult:
+        """Load the state at ``step`` (default: newest committed) into model, optimizer,
+        scheduler and RNG. ``strict``: every model group must be in the checkpoint."""
+        self.wait()
+        rs = open_run_step(self.run_dir, step)
+        missing = [g for g in self.groups if g not in rs.entries]
+        unknown = [g for g in rs.entries if g not in self.groups]
+        if unknown or (strict and missing):
+            raise ValueError(
+                f"checkpoint step {rs.step} does not match the model: groups missing from the "
+                f"checkpoint {missing}, groups unknown to the model {unknown}; load into the model "
+                "it was saved from (or strict=False to skip missing groups)"
+            )
+        refs: dict[str, dict[str, torch.Tensor]] = {}
+        for g in rs.groups():
+            tensors = rs.load_group(g)
+            self.provider.load_group(g, tensors)
+            refs[g] = {k[len(PARAM):]: t for k, t in tensors.items() if k.startswith(PARAM)}
+        st = rs.state()
+        if self.scheduler is not None and st.get("scheduler") is not None:
+            self.scheduler.load_state_dict(st["scheduler"])
+        if hasattr(self.provider, "load_param_groups_state"):
+            self.provider.load_param_groups_state(st.get("optimizer_param_groups"))
+        if self.config.save_rng:
+            rng = rng_dict(st.get("rng"), rs._rng_tensors())
+            if rng:
+                restore_rng(rng)
+        self._adopt_manifest(rs.manifest)
+        self.tracker._ref.clear()
+        self.tracker._ref_norm.clear()
+        self.tracker._change.clear()
+        for g, r in refs.items():
+            self.tracker.set_reference(g, r)
+        return LoadResult(
+            step=rs.step, extra=st.get("extra"), data_position=st.get("data_position"),
+            trainer_state=st.get("trainer_state"),
+            stale_groups={g: e.saved_step for g, e in rs.entries.items() if e.saved_step < rs.step},
+        )
+
+    def resolve(self, step: int | None = None) -> ResolvedStep:
+        self.wait()
+        return open_run_step(self.run_dir, step)
+
+
+def _host_copy(t: torch.Tensor, key: str) -> torch.Tensor:
+    """A contiguous host copy; optimizer state in fp32 (weights keep their dtype)."""
+    t = t.detach()
+    dtype = t.dtype
+    if not key.startswith(PARAM) and t.is_floating_point():
+        dtype = torch.float32
+    if key.startswith("step/"):
+        t = t.reshape(())
+    if t.device.type == "cpu":
+        out = torch.empty(t.shape, dtype=dtype)
+        out.copy_(t)
+        return out
+    out = torch.empty(t.shape, dtype=dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+class _WriteJob:
+    """Everything one save writes, from host snapshots only (runs on the writer thread)."""
+
+    def __init__(self, ck: Checkpointer, step: int, save_index: int,
+                 snaps: dict[str, dict[str, torch.Tensor]], maybe_dup: dict[str, bool],
+                 state_bytes: bytes, rng_tensors: dict[str, torch.Tensor], config: dict | None,
+                 report: SaveReport):
+        self.ck, self.step, self.save_index = ck, step, save_index
+        self.snaps, self.maybe_dup = snaps, maybe_dup
+        self.state_bytes, self.rng_tensors, self.config = state_bytes, rng_tensors, config
+        self.report = report
+        self.prev_entries = {g: dict(e) for g, e in ck._entries.items()}
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        ck, store, step = self.ck, self.ck.store, self.step
+        try:
+            with store.lock():
+                if self.config is not None:
+                    store.write_config(self.config)
+                dirs: set[Path] = set()
+                groups: dict[str, dict] = {}
+                written, nbytes = [], 0
+                for g in ck.groups:
+                    if g in self.snaps:
+                        payload = BlobPayload.build(self.snaps[g], {
+                            "format": BLOB_FORMAT, "format_version": str(FORMAT_VERSION), "group": g})
+                        rec = store.put_blob(payload, self.maybe_dup[g], dirs)
+                        prev = self.prev_entries.get(g)
+                        first = (prev["written_step"] if prev is not None and prev["sha256"] == rec.sha256
+                                 and not rec.written else step)
+                        groups[g] = {"blob": rec.rel_path, "sha256": rec.sha256, "nbytes": rec.nbytes,
+                                     "saved_step": step, "saved_index": self.save_index,
+                                     "written_step": first}
+                        if rec.written:
+                            written.append(g)
+                            nbytes += rec.nbytes
+                    else:
+                        groups[g] = self.prev_entries[g]
+                files = {"state.json": store.write_step_file(step, "state.json", self.state_bytes)}
+                if self.rng_tensors:
+                    files["rng.safetensors"] = store.write_step_file(
+                        step, "rng.safetensors", st_save(self.rng_tensors))
+                nbytes += sum(f["nbytes"] for f in files.values())
+                manifest = {
+                    "format": "layerwise-ckpt-manifest",
+                    "format_version": FORMAT_VERSION,
+                    "step": step,
+                    "save_index": self.save_index,
+                    "created_unix_s": now_unix_s(),
+                    "policy": ck.policy.name,
+                    "policy_config": ck.policy.config() if hasattr(ck.policy, "config") else {},
+                    "tied": bool(getattr(ck.provider, "tied", False)),
+                    "bytes_written": nbytes,
+                    "groups_written": written,
+                    "files": files,
+                    "groups": groups,
+                }
+                store.commit(step, manifest, dirs)
+        except CheckpointError:
+            raise
+        except OSError as e:
+            from .layer_store import _write_error
+            raise _write_error(e, store.root) from e
+        if self.config is not None:
+            ck._config_written = True
+        ck._entries = {g: dict(e) for g, e in groups.items()}
+        self.report.write_s = time.perf_counter() - t0
+        self.report.written = written
+        self.report.bytes_written = nbytes

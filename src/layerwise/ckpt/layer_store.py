@@ -1,0 +1,522 @@
+"""The on-disk layer store: content-addressed group blobs, one manifest per step, atomic commits.
+
+Layout of a run directory (the format is documented in ``docs/formats.md``)::
+
+    RUN/format.json                       {"format": "layerwise-ckpt", "format_version": 1}
+    RUN/config.json                       the model's HF config (written once, if known)
+    RUN/blobs/ab/<sha256>.safetensors     one group version; named by the sha256 of its bytes
+    RUN/steps/<step:012d>/state.json      non-layer state: scheduler, optimizer hyper-params,
+                                          python/numpy RNG, data position, trainer state, extra
+    RUN/steps/<step:012d>/rng.safetensors torch CPU/CUDA generator states (uint8 tensors)
+    RUN/steps/<step:012d>/manifest.json   every group -> blob, checksum, saved step (written LAST)
+    RUN/latest                            the newest committed step (moved after the manifest)
+    RUN/tmp/                              temp files of writes in progress (safe to delete when
+                                          no save is running)
+
+A step is committed exactly when its ``manifest.json`` exists: every file it names was written
+to a temp file, fsynced and renamed into place (and its directory fsynced) before the manifest
+itself is written the same way. A crash at any point therefore leaves either the old set of
+committed steps or the old set plus the new step, never a half step.
+
+Blob files are plain safetensors, streamed to disk by a small writer here so that a group is
+never duplicated in memory to serialise it; the sha256 is computed on a second thread while
+the bytes are written, so hashing costs no extra pass.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import struct
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..util.atomic import atomic_write_bytes, atomic_write_text, fsync_dir
+from .errors import CheckpointCorruptError, CheckpointWriteError
+
+FORMAT = "layerwise-ckpt"
+FORMAT_VERSION = 1
+"""Bump on any change a reader of version 1 would misread; readers refuse newer versions."""
+
+BLOB_FORMAT = "layerwise-group"
+STEP_DIR_DIGITS = 12
+CHUNK_BYTES = 32 << 20
+"""Write/hash granularity: large enough for full disk bandwidth, small enough to overlap."""
+
+_ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _name):
+        _ST_DTYPES[getattr(torch, _name)] = _code
+
+
+# ----- streaming safetensors writer ---------------------------------------------------------
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    assert t.device.type == "cpu" and t.is_contiguous(), "blob tensors must be contiguous on CPU"
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+@dataclass
+class BlobPayload:
+    """A group version ready to be written: a safetensors header plus tensors in file order."""
+
+    header: bytes
+    tensors: list[torch.Tensor]
+    nbytes: int
+
+    @classmethod
+    def build(cls, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> BlobPayload:
+        # Widest dtypes first keeps every tensor aligned to its element size (header is 8-aligned).
+        keys = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+        entries: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))}
+        ordered, offset = [], 0
+        for k in keys:
+            t = tensors[k]
+            if t.dtype not in _ST_DTYPES:
+                raise ValueError(f"tensor {k!r} has dtype {t.dtype}, which safetensors cannot store")
+            t = t.detach()
+            if t.device.type != "cpu" or not t.is_contiguous():
+                t = t.to("cpu").contiguous()
+            n = t.numel() * t.element_size()
+            entries[k] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
+                          "data_offsets": [offset, offset + n]}
+            ordered.append(t)
+            offset += n
+        text = json.dumps(entries, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        header = struct.pack("<Q", len(text)) + text
+        return cls(header, ordered, len(header) + offset)
+
+    def chunks(self) -> Iterator[memoryview]:
+        yield memoryview(self.header)
+        for t in self.tensors:
+            raw = _raw_bytes(t)
+            for i in range(0, len(raw), CHUNK_BYTES):
+                yield raw[i:i + CHUNK_BYTES]
+
+    def sha256(self) -> str:
+        h = hashlib.sha256()
+        for c in self.chunks():
+            h.update(c)
+        return h.hexdigest()
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def _write_payload(path: Path, payload: BlobPayload, hash_it: bool) -> str | None:
+    """Write ``payload`` to ``path`` (fsynced); return its sha256 when ``hash_it``."""
+    h = hashlib.sha256() if hash_it else None
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        if h is None:
+            for c in payload.chunks():
+                _write_all(fd, c)
+        else:
+            # hashlib and os.write both release the GIL: hash chunk i while writing it.
+            with ThreadPoolExecutor(1) as pool:
+                pending = None
+                for c in payload.chunks():
+                    if pending is not None:
+                        pending.result()
+                    pending = pool.submit(h.update, c)
+                    _write_all(fd, c)
+                if pending is not None:
+                    pending.result()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return h.hexdigest() if h is not None else None
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            b = f.read(CHUNK_BYTES)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def _json_bytes(obj: object) -> bytes:
+    return (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode()
+
+
+# ----- the store --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlobRecord:
+    sha256: str
+    """sha256 of the blob file's bytes; also its name (content addressing)."""
+    nbytes: int
+    rel_path: str
+    """Path relative to the run directory."""
+    written: bool
+    """False when an identical blob already existed (deduplicated, nothing written)."""
+
+
+@dataclass
+class VerifyReport:
+    faults: list[str] = field(default_factory=list)
+    """Anything that makes a committed step unloadable: missing or corrupt files."""
+    warnings: list[str] = field(default_factory=list)
+    """Harmless leftovers of interrupted saves (temp files, steps without a manifest)."""
+    steps: list[int] = field(default_factory=list)
+    blobs_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.faults
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "faults": self.faults, "warnings": self.warnings,
+                "steps": self.steps, "blobs_checked": self.blobs_checked}
+
+
+@dataclass
+class GcReport:
+    kept_steps: list[int]
+    dropped_steps: list[int]
+    removed_blobs: int
+    freed_bytes: int
+
+    def to_json(self) -> dict:
+        return dict(kept_steps=self.kept_steps, dropped_steps=self.dropped_steps,
+                    removed_blobs=self.removed_blobs, freed_bytes=self.freed_bytes)
+
+
+class LayerStore:
+    """Reads and writes one run directory. Writers hold the run's lock while they write."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    # ----- opening ---------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, root: str | Path) -> LayerStore:
+        """Open ``root`` for writing, creating an empty run if needed."""
+        store = cls(root)
+        fmt = store.root / "format.json"
+        if fmt.exists():
+            store._check_format()
+        else:
+            if store.root.exists() and any(store.root.iterdir()):
+                raise ValueError(
+                    f"{store.root} exists, is not empty and is not a layerwise checkpoint run "
+                    "(no format.json); pick an empty or new directory"
+                )
+            store.root.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(fmt, _json_bytes({"format": FORMAT, "format_version": FORMAT_VERSION}))
+        for sub in ("blobs", "steps", "tmp"):
+            (store.root / sub).mkdir(exist_ok=True)
+        return store
+
+    @classmethod
+    def open(cls, root: str | Path) -> LayerStore:
+        """Open an existing run for reading."""
+        store = cls(root)
+        if not store.root.is_dir():
+            raise FileNotFoundError(f"checkpoint run directory {store.root} does not exist")
+        store._check_format()
+        return store
+
+    def _check_format(self) -> None:
+        fmt = self.root / "format.json"
+        if not fmt.exists():
+            raise FileNotFoundError(
+                f"{self.root} is not a layerwise checkpoint run (no format.json); "
+                "pass the directory given to Checkpointer(run_dir=...)"
+            )
+        info = json.loads(fmt.read_text())
+        if info.get("format") != FORMAT:
+            raise ValueError(f"{fmt}: format {info.get('format')!r} is not {FORMAT!r}")
+        version = int(info.get("format_version", -1))
+        if version > FORMAT_VERSION or version < 1:
+            raise ValueError(
+                f"{self.root} has checkpoint format_version {version}; this layerwise reads "
+                f"version {FORMAT_VERSION}. Upgrade layerwise to read it."
+            )
+
+    # ----- paths ----------------------------------------------------------------------
+
+    @staticmethod
+    def blob_rel(sha: str) -> str:
+        return f"blobs/{sha[:2]}/{sha}.safetensors"
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / "steps" / f"{step:0{STEP_DIR_DIGITS}d}"
+
+    def manifest_path(self, step: int) -> Path:
+        return self.step_dir(step) / "manifest.json"
+
+    def _step_dirs(self) -> list[tuple[int, Path]]:
+        d = self.root / "steps"
+        if not d.is_dir():
+            return []
+        out = []
+        for p in d.iterdir():
+            if p.is_dir() and p.name.isdigit():
+                out.append((int(p.name), p))
+        return sorted(out)
+
+    def committed_steps(self) -> list[int]:
+        """Steps whose manifest exists, ascending."""
+        return [s for s, p in self._step_dirs() if (p / "manifest.json").exists()]
+
+    def latest_step(self) -> int | None:
+        steps = self.committed_steps()
+        return steps[-1] if steps else None
+
+    def latest_pointer(self) -> int | None:
+        p = self.root / "latest"
+        try:
+            return int(p.read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def read_manifest(self, step: int) -> dict:
+        path = self.manifest_path(step)
+        if not path.exists():
+            steps = self.committed_steps()
+            raise FileNotFoundError(
+                f"no committed checkpoint for step {step} in {self.root}; committed steps: "
+                f"{steps if steps else 'none'}"
+            )
+        try:
+            m = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointCorruptError(f"{path} is not valid JSON: {e}") from None
+        version = int(m.get("format_version", -1))
+        if version > FORMAT_VERSION:
+            raise ValueError(f"{path} has format_version {version} > {FORMAT_VERSION}; upgrade layerwise")
+        return m
+
+    def read_config(self) -> dict | None:
+        p = self.root / "config.json"
+        return json.loads(p.read_text()) if p.exists() else None
+
+    # ----- locking ----------------------------------------------------------------------
+
+    @contextmanager
+    def lock(self, blocking: bool = True) -> Iterator[None]:
+        """Exclusive writer lock of the run (saves, gc). Non-blocking raises if held."""
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                raise ValueError(
+                    f"{self.root} is being written by another process (a save or gc is running); "
+                    "retry when it has finished"
+                ) from None
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
+
+    # ----- writing (caller holds the lock) ----------------------------------------------
+
+    def write_config(self, config: dict) -> None:
+        atomic_write_bytes(self.root / "config.json", _json_bytes(config))
+
+    def put_blob(self, payload: BlobPayload, maybe_duplicate: bool = False,
+                 dirs_to_sync: set[Path] | None = None) -> BlobRecord:
+        """Store one group version; an identical existing blob is reused (nothing written).
+
+        ``maybe_duplicate`` hashes first (a memory pass) and skips the write on a hit: right for
+        groups believed unchanged (frozen layers). Otherwise the hash is computed while writing.
+        The blob's directory is fsynced by the caller (collected in ``dirs_to_sync``) before the
+        manifest that names it is written.
+        """
+        sha = payload.sha256() if maybe_duplicate else None
+        if sha is not None and self._has_blob(sha, payload.nbytes):
+            return BlobRecord(sha, payload.nbytes, self.blob_rel(sha), written=False)
+        tmp = self.root / "tmp" / f"blob-{uuid.uuid4().hex}.tmp"
+        try:
+            got = _write_payload(tmp, payload, hash_it=sha is None)
+            sha = sha or got
+            assert sha is not None
+            if self._has_blob(sha, payload.nbytes):
+                tmp.unlink()
+                return BlobRecord(sha, payload.nbytes, self.blob_rel(sha), written=False)
+            final = self.root / self.blob_rel(sha)
+            final.parent.mkdir(exist_ok=True)
+            os.replace(tmp, final)
+        except OSError as e:
+            _unlink_quiet(tmp)
+            raise _write_error(e, tmp) from e
+        if dirs_to_sync is not None:
+            dirs_to_sync.add(final.parent)
+        else:
+            fsync_dir(final.parent)
+        return BlobRecord(sha, payload.nbytes, self.blob_rel(sha), written=True)
+
+    def _has_blob(self, sha: str, nbytes: int) -> bool:
+        p = self.root / self.blob_rel(sha)
+        try:
+            return p.stat().st_size == nbytes
+        except FileNotFoundError:
+            return False
+
+    def write_step_file(self, step: int, name: str, data: bytes) -> dict:
+        """Write one per-step file atomically; return its manifest record."""
+        path = self.step_dir(step) / name
+        try:
+            atomic_write_bytes(path, data)
+        except OSError as e:
+            raise _write_error(e, path) from e
+        return {"sha256": hashlib.sha256(data).hexdigest(), "nbytes": len(data)}
+
+    def commit(self, step: int, manifest: dict, dirs_to_sync: set[Path] = frozenset()) -> None:
+        """Make ``step`` committed: sync blob dirs, write the manifest, then move ``latest``."""
+        try:
+            for d in sorted(dirs_to_sync):
+                fsync_dir(d)
+            atomic_write_bytes(self.manifest_path(step), _json_bytes(manifest))
+            fsync_dir(self.step_dir(step).parent)
+        except OSError as e:
+            raise _write_error(e, self.manifest_path(step)) from e
+        try:
+            newest = self.latest_step()
+            if newest is not None:
+                atomic_write_text(self.root / "latest", f"{newest}\n")
+        except OSError:
+            pass  # the commit stands; ``latest`` is a hint and readers fall back to the manifests
+
+    # ----- checking and cleaning ----------------------------------------------------------
+
+    def verify(self, steps: list[int] | None = None) -> VerifyReport:
+        """Check every committed step (or ``steps``): files present, sizes and sha256 match."""
+        rep = VerifyReport()
+        hashed: dict[str, str | None] = {}  # rel path -> sha256 (None: missing)
+        committed = self.committed_steps()
+        for step, p in self._step_dirs():
+            if not (p / "manifest.json").exists():
+                rep.warnings.append(f"step {step}: no manifest (an interrupted save; not committed)")
+        tmp = self.root / "tmp"
+        if tmp.is_dir():
+            n = sum(1 for _ in tmp.iterdir())
+            if n:
+                rep.warnings.append(f"{n} temp file(s) in tmp/ from interrupted or running saves")
+        pointer = self.latest_pointer()
+        if committed and pointer is not None and pointer not in committed:
+            rep.faults.append(f"latest points to step {pointer}, which has no manifest")
+        elif committed and pointer != committed[-1]:
+            rep.warnings.append(f"latest is {pointer}, newest committed step is {committed[-1]}")
+        for step in committed if steps is None else steps:
+            rep.steps.append(step)
+            try:
+                m = self.read_manifest(step)
+            except (CheckpointCorruptError, FileNotFoundError, ValueError) as e:
+                rep.faults.append(f"step {step}: {e}")
+                continue
+            if m.get("step") != step:
+                rep.faults.append(f"step {step}: manifest says step {m.get('step')}")
+            for g, e in m.get("groups", {}).items():
+                rel = e.get("blob", "")
+                if rel not in hashed:
+                    path = self.root / rel
+                    if not path.is_file():
+                        hashed[rel] = None
+                    else:
+                        hashed[rel] = file_sha256(path)
+                        rep.blobs_checked += 1
+                got = hashed[rel]
+                if got is None:
+                    rep.faults.append(f"step {step}: group {g}: blob {rel} is missing")
+                elif got != e.get("sha256"):
+                    rep.faults.append(f"step {step}: group {g}: blob {rel} checksum mismatch "
+                                      f"(sha256 {got[:12]}…, manifest {str(e.get('sha256'))[:12]}…)")
+                elif (self.root / rel).stat().st_size != e.get("nbytes"):
+                    rep.faults.append(f"step {step}: group {g}: blob {rel} has the wrong size")
+            for name, rec in m.get("files", {}).items():
+                path = self.step_dir(step) / name
+                if not path.is_file():
+                    rep.faults.append(f"step {step}: {name} is missing")
+                elif file_sha256(path) != rec.get("sha256"):
+                    rep.faults.append(f"step {step}: {name} checksum mismatch")
+        return rep
+
+    def gc(self, keep: int) -> GcReport:
+        """Keep the newest ``keep`` committed steps; drop the rest and every unreferenced blob."""
+        if keep < 1:
+            raise ValueError(f"--keep must be at least 1 (got {keep}); gc never drops every step")
+        with self.lock(blocking=False):
+            committed = self.committed_steps()
+            kept, dropped = committed[-keep:], committed[:-keep]
+            for step in dropped:
+                # Uncommit first (manifest), then remove the rest: a crash leaves only garbage.
+                self.manifest_path(step).unlink()
+            if dropped:
+                fsync_dir(self.root / "steps")
+            for step, p in self._step_dirs():
+                if step not in kept:
+                    shutil.rmtree(p, ignore_errors=True)
+            needed = set()
+            for step in kept:
+                needed.update(e["blob"] for e in self.read_manifest(step)["groups"].values())
+            removed, freed = 0, 0
+            blobs = self.root / "blobs"
+            for sub in sorted(blobs.iterdir()) if blobs.is_dir() else []:
+                for f in sorted(sub.iterdir()):
+                    rel = f"blobs/{sub.name}/{f.name}"
+                    if rel not in needed:
+                        freed += f.stat().st_size
+                        f.unlink()
+                        removed += 1
+                if not any(sub.iterdir()):
+                    sub.rmdir()
+            tmp = self.root / "tmp"
+            for f in tmp.iterdir() if tmp.is_dir() else []:
+                freed += f.stat().st_size
+                f.unlink()
+            if kept:
+                atomic_write_text(self.root / "latest", f"{kept[-1]}\n")
+        return GcReport(kept, dropped, removed, freed)
+
+
+def _unlink_quiet(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
+def _write_error(e: OSError, path: Path) -> CheckpointWriteError:
+    why = {
+        errno.ENOSPC: "the disk is full",
+        errno.EFBIG: "the file size limit was reached (ulimit -f / RLIMIT_FSIZE)",
+        errno.EDQUOT: "the disk quota is exhausted",
+    }.get(e.errno or 0, e.strerror or str(e))
+    return CheckpointWriteError(
+        f"checkpoint write to {path} failed: {why}. Nothing of this save was committed; the "
+        "previous committed checkpoint is intact. Free space (e.g. `layerwise ckpt gc RUN --keep K`) "
+        "or save elsewhere, then retry."
+    )
+
+
+def now_unix_s() -> float:
+    return round(time.time(), 3)

@@ -1,0 +1,162 @@
+"""Resolve a run directory at a step into a complete state, group by group.
+
+The state at step N is the newest version <= N of every group. Each committed manifest already
+lists, for every group, the newest version at its step, so resolving N means reading the
+manifest of the newest committed step <= N. A ``ResolvedStep`` is a checkpoint *source*: merge
+and export read it group by group (peak memory: one group), and ``Checkpointer.load`` puts it
+straight back into a model and optimizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+
+from .errors import CheckpointCorruptError
+from .layer_store import LayerStore
+from .state import rng_dict
+
+
+@dataclass(frozen=True)
+class GroupEntry:
+    """One group's version in a resolved step."""
+
+    group: str
+    blob: str
+    """Blob path relative to the run directory."""
+    blob_path: Path
+    sha256: str
+    nbytes: int
+    saved_step: int
+    """The newest step whose state of this group is this blob (written or confirmed identical)."""
+    written_step: int
+    """The step at which these bytes were first written."""
+
+
+class ResolvedStep:
+    """The complete state of a layer-wise run at one committed step (a ``CheckpointSource``)."""
+
+    def __init__(self, store: LayerStore, step: int, requested_step: int | None = None):
+        self.store = store
+        self.run_dir = store.root
+        self.step = step
+        self.requested_step = step if requested_step is None else requested_step
+        self.manifest = store.read_manifest(step)
+        self.entries: dict[str, GroupEntry] = {
+            g: GroupEntry(
+                group=g, blob=e["blob"], blob_path=store.root / e["blob"], sha256=e["sha256"],
+                nbytes=int(e["nbytes"]), saved_step=int(e["saved_step"]),
+                written_step=int(e.get("written_step", e["saved_step"])),
+            )
+            for g, e in self.manifest["groups"].items()
+        }
+        self._state: dict | None = None
+
+    # ----- CheckpointSource -------------------------------------------------------------
+
+    def groups(self) -> list[str]:
+        return list(self.entries)
+
+    def load_group(self, group: str) -> dict[str, torch.Tensor]:
+        """The group's tensors in blob keys, after checking the blob's sha256."""
+        try:
+            e = self.entries[group]
+        except KeyError:
+            raise ValueError(f"step {self.step} has no group {group!r}; groups: {self.groups()}") from None
+        return load_blob(e.blob_path, e.sha256, e.nbytes)
+
+    def model_config(self) -> dict | None:
+        return self.store.read_config()
+
+    def extra_state(self) -> dict:
+        st = self.state()
+        rng_tensors = self._rng_tensors()
+        return {
+            "step": self.step,
+            "scheduler": st.get("scheduler"),
+            "rng": rng_dict(st.get("rng"), rng_tensors),
+            "trainer_state": st.get("trainer_state"),
+            "optimizer_param_groups": st.get("optimizer_param_groups"),
+            "data_position": st.get("data_position"),
+            "extra": st.get("extra"),
+        }
+
+    # ----- more ---------------------------------------------------------------------------
+
+    @property
+    def tied(self) -> bool:
+        return bool(self.manifest.get("tied", False))
+
+    @property
+    def policy(self) -> str | None:
+        return self.manifest.get("policy")
+
+    def state(self) -> dict:
+        """The step's ``state.json`` (checksum-verified)."""
+        if self._state is None:
+            data = self._read_step_file("state.json")
+            self._state = json.loads(data) if data is not None else {}
+        return self._state
+
+    def _rng_tensors(self) -> dict[str, torch.Tensor]:
+        data = self._read_step_file("rng.safetensors")
+        return st_load(data) if data is not None else {}
+
+    def _read_step_file(self, name: str) -> bytes | None:
+        rec = self.manifest.get("files", {}).get(name)
+        if rec is None:
+            return None
+        path = self.store.step_dir(self.step) / name
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"step {self.step}: {path} is missing") from None
+        if hashlib.sha256(data).hexdigest() != rec["sha256"]:
+            raise CheckpointCorruptError(
+                f"step {self.step}: {path} does not match its checksum in the manifest (corrupt "
+                "file); load an earlier step or restore the file"
+            )
+        return data
+
+    def staleness_steps(self, group: str) -> int:
+        return self.step - self.entries[group].saved_step
+
+
+def load_blob(path: Path, sha256: str, nbytes: int | None = None) -> dict[str, torch.Tensor]:
+    """Read a blob, verify its sha256 and size, and deserialise it (safetensors; no pickle)."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"blob {path} is missing; run `layerwise ckpt verify`") from None
+    if (nbytes is not None and len(data) != nbytes) or hashlib.sha256(data).hexdigest() != sha256:
+        raise CheckpointCorruptError(
+            f"blob {path} does not match its checksum (corrupt or truncated file); the run cannot "
+            "be loaded at this step. `layerwise ckpt verify RUN` lists every affected step; load "
+            "an unaffected one with --step."
+        )
+    return st_load(data)
+
+
+def open_run_step(run_dir: str | Path, step: int | None = None) -> ResolvedStep:
+    """The state of a run at ``step`` (default: the newest committed step).
+
+    A step that was not checkpointed resolves to the newest committed step before it.
+    """
+    store = LayerStore.open(run_dir)
+    steps = store.committed_steps()
+    if not steps:
+        raise FileNotFoundError(f"{store.root} has no committed checkpoint yet")
+    if step is None:
+        return ResolvedStep(store, steps[-1])
+    older = [s for s in steps if s <= step]
+    if not older:
+        raise ValueError(
+            f"{store.root} has no checkpoint at or before step {step}; the first committed step "
+            f"is {steps[0]}"
+        )
+    return ResolvedStep(store, older[-1], requested_step=step)
