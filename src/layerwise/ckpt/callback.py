@@ -1,0 +1,116 @@
+"""Make the Hugging Face ``Trainer`` write layer-wise checkpoints.
+
+::
+
+    cb = LayerwiseCheckpointCallback("runs/a", policy="filter", every=100, threshold=1e-3)
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb])
+    trainer.train()
+
+Every ``every`` optimizer steps the callback hands the Trainer's model, optimizer, scheduler and
+``TrainerState`` to a :class:`~layerwise.ckpt.checkpointer.Checkpointer`, which writes only the
+groups its policy picks, in the background. To resume with the Trainer, export a step first
+(``layerwise ckpt merge runs/a --step N --format trainer --out ckpt/checkpoint-N``) and pass that
+dir as ``resume_from_checkpoint``. Set ``save_strategy="no"`` in ``TrainingArguments`` when the
+layer-wise checkpoints replace the Trainer's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+
+def _unwrap(obj: Any, attr: str) -> Any:
+    """accelerate wraps optimizers (``.optimizer``) and schedulers (``.scheduler``); the Checkpointer
+    needs the torch objects that own the state."""
+    inner = getattr(obj, attr, None)
+    return inner if inner is not None and inner is not obj else obj
+
+
+def trainer_state_json(state: Any) -> dict:
+    """A ``TrainerState`` as the JSON dict ``trainer_state.json`` holds."""
+    return json.loads(json.dumps(dataclasses.asdict(state), default=str))
+
+
+class LayerwiseCheckpointCallback(TrainerCallback):
+    """Write a layer-wise checkpoint every ``every`` steps (and at the end) of ``Trainer.train``."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        policy: str = "full",
+        every: int | None = None,
+        *,
+        save_at_end: bool = True,
+        observe: bool = True,
+        **policy_options: Any,
+    ):
+        """
+        Args:
+            run_dir: the layer-wise run directory (created on the first save).
+            policy: registry name of the selection policy (full, parity, filter, topk, budget).
+            every: save every N optimizer steps; None: follow ``args.save_steps``.
+            save_at_end: also save the last step when training ends off the ``every`` grid.
+            observe: feed per-step update statistics to the policy (after each optimizer step).
+            policy_options: options of the policy, e.g. ``threshold=1e-3, max_staleness=4``.
+        """
+        if every is not None and (not isinstance(every, int) or every <= 0):
+            raise ValueError(f"every must be a positive number of steps or None (got {every!r})")
+        self.run_dir = Path(run_dir)
+        self.policy = policy
+        self.every = every
+        self.save_at_end = save_at_end
+        self.observe = observe
+        self.policy_options = policy_options
+        self.checkpointer = None
+        self.saved_steps: list[int] = []
+
+    def _every(self, args: Any) -> int:
+        if self.every is not None:
+            return self.every
+        steps = getattr(args, "save_steps", None)
+        if not steps or steps < 1:
+            raise ValueError(
+                "LayerwiseCheckpointCallback(every=None) follows TrainingArguments.save_steps, which is "
+                f"{steps!r}; pass every=N (a whole number of optimizer steps)"
+            )
+        return int(steps)
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        from layerwise.ckpt.checkpointer import Checkpointer
+
+        if model is None or optimizer is None:
+            raise ValueError("LayerwiseCheckpointCallback needs the Trainer's model and optimizer")
+        self._every(args)  # fail early on a bad interval
+        if self.checkpointer is None:
+            self.checkpointer = Checkpointer(
+                self.run_dir, model, _unwrap(optimizer, "optimizer"), _unwrap(lr_scheduler, "scheduler"),
+                policy=self.policy, **self.policy_options,
+            )
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        # Gradients are still there (zero_grad comes next); global_step is incremented after this.
+        if self.observe and self.checkpointer is not None:
+            self.checkpointer.observe(state.global_step + 1)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self._every(args) == 0:
+            self._save(state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.checkpointer is None:
+            return
+        try:
+            if self.save_at_end and state.global_step not in self.saved_steps:
+                self._save(state)
+        finally:
+            self.checkpointer.close()
+            self.checkpointer = None
+
+    def _save(self, state: Any) -> None:
+        self.checkpointer.save(state.global_step, trainer_state=trainer_state_json(state))
+        self.saved_steps.append(state.global_step)

@@ -1,0 +1,127 @@
+"""HF Trainer end to end: train with the layer-wise callback, merge to `trainer` format, resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+from layerwise.ckpt.merge import merge
+from layerwise.models.registry import FAMILIES, get_flavor
+
+pytest.importorskip("layerwise.ckpt.checkpointer")
+from layerwise.ckpt.callback import LayerwiseCheckpointCallback  # noqa: E402
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int = 32, seq_len: int = 16, vocab: int = 96):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, seq_len), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def make_trainer(out_dir: Path, max_steps: int, callbacks=None, flavor: str = "llama-debug") -> Trainer:
+    torch.manual_seed(0)
+    model = FAMILIES["llama"][1](get_flavor(flavor).build_config())
+    args = TrainingArguments(
+        output_dir=str(out_dir), max_steps=max_steps, per_device_train_batch_size=4, learning_rate=1e-2,
+        weight_decay=0.1, warmup_steps=2, lr_scheduler_type="linear", save_strategy="steps", save_steps=2,
+        logging_steps=1, report_to=[], use_cpu=True, dataloader_num_workers=0, seed=0, disable_tqdm=True,
+    )
+    return Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=callbacks)
+
+
+def losses(trainer: Trainer) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cb")
+    cb = LayerwiseCheckpointCallback(root / "run", policy="full", every=2)
+    trainer = make_trainer(root / "hf", max_steps=6, callbacks=[cb])
+    trainer.train()
+    return trainer, cb, root
+
+
+def test_callback_writes_layerwise_steps_with_trainer_state(trained):
+    from layerwise.ckpt.resolve import open_run_step
+
+    trainer, cb, root = trained
+    assert cb.saved_steps == [2, 4, 6] and cb.checkpointer is None  # closed at train end
+    rs = open_run_step(root / "run", 4)
+    assert rs.step == 4
+    extra = rs.extra_state()
+    assert extra["trainer_state"]["global_step"] == 4
+    assert extra["scheduler"]["last_epoch"] == 4
+    assert [g["weight_decay"] for g in extra["optimizer_param_groups"]] == [0.1, 0.0]
+
+
+def test_merge_to_trainer_format_matches_trainers_own_checkpoint(trained, tmp_path):
+    trainer, cb, root = trained
+    out = tmp_path / "checkpoint-4"
+    summary = merge(root / "run", out, format="trainer", step=4)
+    assert summary["step"] == 4 and summary["rng_state"]
+    native = root / "hf" / "checkpoint-4"
+    ours = torch.load(out / "optimizer.pt", weights_only=True)
+    theirs = torch.load(native / "optimizer.pt", weights_only=True)
+    assert ours["param_groups"] == theirs["param_groups"]
+    assert ours["state"].keys() == theirs["state"].keys()
+    for i, st in theirs["state"].items():
+        for k, v in st.items():
+            assert torch.equal(ours["state"][i][k], v), (i, k)
+    assert torch.load(out / "scheduler.pt", weights_only=True) == torch.load(native / "scheduler.pt", weights_only=True)
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 4 and state["max_steps"] == 6
+
+
+def test_trainer_resumes_from_merged_layerwise_step(trained, tmp_path):
+    trainer, cb, root = trained
+    out = tmp_path / "checkpoint-4"
+    merge(root / "run", out, format="trainer", step=4)
+    resumed = make_trainer(tmp_path / "resumed", max_steps=6)
+    resumed.train(resume_from_checkpoint=str(out))
+    assert resumed.state.global_step == 6
+    assert losses(resumed)[5] == losses(trainer)[5] and losses(resumed)[6] == losses(trainer)[6]
+    # The resumed run trained steps 5 and 6 only (earlier entries are the restored log history).
+    assert [h["step"] for h in resumed.state.log_history if "loss" in h and h["step"] > 3] == [5, 6]
+    for (n, p), (_, q) in zip(trainer.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_merge_hf_from_layerwise_run_gives_same_logits(trained, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    trainer, cb, root = trained
+    out = tmp_path / "hf"
+    merge(root / "run", out, format="hf")  # latest step (6) = the trained model
+    model = AutoModelForCausalLM.from_pretrained(out)
+    x = torch.randint(0, 96, (2, 10))
+    trainer.model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, trainer.model(x).logits)
+
+
+def test_ckpt_merge_cli(trained, tmp_path, capsys):
+    from layerwise.cli import main
+
+    _, _, root = trained
+    out = tmp_path / "exported"
+    try:
+        rc = main(["ckpt", "merge", str(root / "run"), "--step", "4", "--out", str(out), "--format", "trainer", "--json"])
+    except SystemExit as e:  # the core's `ckpt` command is not there (yet): nothing to test through it
+        pytest.skip(f"`layerwise ckpt` is not registered ({e})")
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["step"] == 4 and summary["format"] == "trainer" and (out / "optimizer.pt").is_file()
+    # A second export to the same place is refused (nothing overwritten without --overwrite).
+    rc = main(["ckpt", "merge", str(root / "run"), "--out", str(out)])
+    assert rc == 2 and "not empty" in capsys.readouterr().err
