@@ -125,3 +125,36 @@ def test_ckpt_merge_cli(trained, tmp_path, capsys):
     # A second export to the same place is refused (nothing overwritten without --overwrite).
     rc = main(["ckpt", "merge", str(root / "run"), "--out", str(out)])
     assert rc == 2 and "not empty" in capsys.readouterr().err
+
+
+def test_recipe_mixes_layerwise_steps_and_a_trainer_checkpoint(trained, tmp_path):
+    import yaml
+
+    from layerwise.ckpt.recipe import load_recipe
+    from layerwise.ckpt.resolve import open_run_step
+    from layerwise.ckpt.source import TrainerCheckpointSource
+
+    _, _, root = trained
+    run, native = root / "run", root / "hf" / "checkpoint-6"
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump({
+        "slices": [
+            {"sources": [{"model": f"{run}@2", "layer_range": [0, 2]}]},
+            {"sources": [{"model": str(native), "layer_range": [2, 4]}]},
+        ],
+        "pre_weights": [{"model": f"{run}@2"}],
+        "post_weights": [{"model": f"{run}@4"}],
+        "state_from": f"{run}@4",
+    }))
+    out = tmp_path / "checkpoint-4"
+    summary = merge(load_recipe(tmp_path / "r.yaml").open(), out, format="trainer")
+    assert summary["step"] == 4
+    got = TrainerCheckpointSource(out)
+    at2, at4, n6 = open_run_step(run, 2), open_run_step(run, 4), TrainerCheckpointSource(native)
+    for group, src in [("embed", at2), ("layers.0", at2), ("layers.1", at2), ("layers.2", n6),
+                       ("layers.3", n6), ("norm", at4), ("lm_head", at4)]:
+        have, want = got.load_group(group), src.load_group(group)
+        assert have.keys() == want.keys(), group
+        assert all(torch.equal(have[k], want[k]) for k in want), group
+    resumed = make_trainer(tmp_path / "resumed", max_steps=6)
+    resumed.train(resume_from_checkpoint=str(out))
+    assert resumed.state.global_step == 6

@@ -118,6 +118,23 @@ def test_trainer_export_resumes_like_the_original_checkpoint(trained, tmp_path):
         assert torch.equal(p, q), n
 
 
+def test_tied_trainer_checkpoint_round_trips(tmp_path):
+    trainer = make_trainer(tmp_path / "run", max_steps=2, flavor="llama-debug-tied")
+    trainer.train()
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    src = TrainerCheckpointSource(ckpt)
+    assert "lm_head" not in src.groups()
+    emb = trainer.model.model.embed_tokens.weight
+    got = src.load_group("embed")
+    assert set(got) == {f"{k}model.embed_tokens.weight" for k in (PARAM, EXP_AVG, EXP_AVG_SQ, STEP)}
+    assert torch.equal(got[EXP_AVG + "model.embed_tokens.weight"], trainer.optimizer.state[emb]["exp_avg"])
+    out = tmp_path / "export"
+    merge(ckpt, out, format="trainer")
+    ours, theirs = (torch.load(d / "optimizer.pt", weights_only=True) for d in (out, ckpt))
+    assert ours["param_groups"] == theirs["param_groups"]
+    assert all(torch.equal(ours["state"][i][k], v) for i, st in theirs["state"].items() for k, v in st.items())
+
+
 def test_hf_export_loads_with_from_pretrained_and_gives_same_logits(trained, tmp_path):
     trainer, run = trained
     out = tmp_path / "hf"
