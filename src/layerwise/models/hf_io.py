@@ -99,14 +99,16 @@ def load_store(path: str | Path, compute_dtype: torch.dtype = torch.float32,
 
 def write_hf_dir(out_dir: str | Path, config: PretrainedConfig,
                  tensors: Iterable[tuple[str, torch.Tensor]],
-                 max_shard_bytes: int = 2 * 2**30, dtype: torch.dtype | None = None) -> Path:
+                 max_shard_bytes: int = 2 * 2**30, dtype: torch.dtype | None = None,
+                 overwrite: bool = False) -> Path:
     """Write sharded safetensors + index + config.json that ``from_pretrained`` loads.
 
     ``tensors`` is consumed lazily; at most one shard is held in memory. The directory appears
-    only when complete (written under a temp name, then renamed).
+    only when complete (written under a temp name, then renamed); with ``overwrite`` an existing
+    directory is replaced only after the new one is complete.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
+    if not overwrite and out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"output directory {out_dir} exists and is not empty; choose a new path")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
@@ -146,9 +148,13 @@ def write_hf_dir(out_dir: str | Path, config: PretrainedConfig,
         for p in tmp.iterdir():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
+        old = None
         if out_dir.exists():
-            out_dir.rmdir()
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            os.replace(out_dir, old)
         os.replace(tmp, out_dir)
+        if old is not None:
+            shutil.rmtree(old)
         fsync_dir(out_dir.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -157,7 +163,7 @@ def write_hf_dir(out_dir: str | Path, config: PretrainedConfig,
 
 
 def save_store(store: HostStore, out_dir: str | Path, max_shard_bytes: int = 2 * 2**30,
-               dtype: torch.dtype | None = None) -> Path:
+               dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
     """Export the master weights as a ``save_pretrained``-compatible directory."""
     return write_hf_dir(out_dir, store.adapter.config, store.iter_hf_tensors(),
-                        max_shard_bytes=max_shard_bytes, dtype=dtype)
+                        max_shard_bytes=max_shard_bytes, dtype=dtype, overwrite=overwrite)

@@ -1,0 +1,182 @@
+"""The training loop around the StreamingEngine: data, schedule, eval, logging, export."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..engine import EngineConfig, StreamingEngine
+from ..models import DecoderAdapter, FLAVORS, get_flavor
+from ..models.hf_io import load_store, save_store
+from ..models.init import init_store
+from ..optim.adamw import AdamWConfig
+from ..plan.plan import Plan
+from ..store import HostStore
+from .data import Batch, batches, corpus_tokens
+from .schedule import lr_at
+
+
+@dataclass
+class TrainConfig:
+    model: str = "llama-demo"
+    """A flavor name (``layerwise.models.FLAVORS``) or a local Hugging Face model directory."""
+    seed: int = 0
+    """Seed for initialisation (flavors) and data order."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    micro_batch_size: int = 8
+    """Sequences per micro-batch (a plan file's value wins)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (a plan file's value wins)."""
+    steps: int = 60
+    """Optimizer steps."""
+    optimizer: AdamWConfig = field(default_factory=lambda: AdamWConfig(lr=2e-3, weight_decay=0.1))
+    warmup_steps: int = 5
+    """Linear LR warmup steps before the cosine decay."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay floor, as a fraction of the peak LR."""
+    plan: str = "every-2"
+    """``every-K``, ``recompute-all``, ``keep-all``, or a plan JSON file from ``layerwise plan``."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda[:N]``."""
+    compute_dtype: str = "auto"
+    """``float32``, ``bfloat16`` or ``auto`` (bf16 on CUDA, fp32 on CPU)."""
+    device_mem_cap_gb: float | None = None
+    """Refuse plans predicted to need more device memory than this."""
+    corpus: str | None = None
+    """Directory of ``.py`` text files; default: the Python standard library's source."""
+    corpus_tokens: int = 2_000_000
+    """Tokens read from the corpus (the last 5% are held out for eval)."""
+    eval_every: int = 20
+    """Evaluate every N steps (0: only at the start and end)."""
+    eval_batches: int = 4
+    """Held-out micro-batches per evaluation."""
+    log_every: int = 5
+    """Print a progress line every N steps."""
+    out_dir: str = "runs/demo"
+    """Where metrics.jsonl, the plan and the exported model go."""
+    export: bool = True
+    """Write the trained model to ``out_dir/model`` as a Hugging Face directory."""
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    eval_loss_start: float
+    eval_loss_end: float
+    steps: int
+    tokens_per_s: float
+    peak_device_bytes_predicted: int
+    model_dir: Path | None
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    except KeyError:
+        raise ValueError(f"compute_dtype must be auto, float32 or bfloat16, got {name!r}") from None
+
+
+def resolve_plan(spec: str, num_layers: int, cfg: TrainConfig) -> Plan:
+    kw = dict(micro_batch_size=cfg.micro_batch_size, num_micro_batches=cfg.grad_accum,
+              seq_len=cfg.seq_len)
+    if spec.startswith("every-"):
+        try:
+            k = int(spec.split("-", 1)[1])
+        except ValueError:
+            raise ValueError(f"plan {spec!r}: expected every-K with an integer K") from None
+        return Plan.every_k(num_layers, k, **kw)
+    if spec == "recompute-all":
+        return Plan.recompute_all(num_layers, **kw)
+    if spec == "keep-all":
+        return Plan.keep_all(num_layers, **kw)
+    if Path(spec).suffix == ".json":
+        plan = Plan.load(spec)
+        plan.validate(num_layers)
+        return plan
+    raise ValueError(f"plan {spec!r} is not every-K, recompute-all, keep-all or a .json plan file")
+
+
+def build_model(cfg: TrainConfig, compute_dtype: torch.dtype) -> tuple[DecoderAdapter, HostStore]:
+    if cfg.model in FLAVORS:
+        return init_store(get_flavor(cfg.model).build_config(), seed=cfg.seed,
+                          compute_dtype=compute_dtype)
+    if Path(cfg.model).is_dir():
+        return load_store(cfg.model, compute_dtype=compute_dtype)
+    raise ValueError(f"model {cfg.model!r} is neither a known flavor ({', '.join(sorted(FLAVORS))}) "
+                     "nor a local Hugging Face model directory")
+
+
+def train(cfg: TrainConfig, log=print) -> TrainResult:
+    out_dir = Path(cfg.out_dir)
+    compute_dtype = resolve_dtype(cfg.compute_dtype, cfg.device)
+    adapter, store = build_model(cfg, compute_dtype)
+    plan = resolve_plan(cfg.plan, adapter.num_layers, cfg)
+    if adapter.vocab_size < 258:
+        raise ValueError(f"model vocab_size {adapter.vocab_size} < 258 needed by the byte tokenizer")
+    cap = None if cfg.device_mem_cap_gb is None else int(cfg.device_mem_cap_gb * 2**30)
+    engine = StreamingEngine(adapter, store, plan, EngineConfig(
+        device=cfg.device, compute_dtype=compute_dtype, device_mem_cap_bytes=cap,
+        optimizer=cfg.optimizer))
+    mbs, accum = plan.micro_batch_size, plan.num_micro_batches
+    est = engine.check(mbs, cfg.seq_len)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan.save(out_dir / "plan.json")
+
+    tokens = corpus_tokens(cfg.corpus_tokens, cfg.corpus)
+    split = int(tokens.numel() * 0.95)
+    train_iter = batches(tokens[:split], cfg.seq_len, mbs, seed=cfg.seed)
+    held_out = batches(tokens[split:], cfg.seq_len, mbs, seed=cfg.seed + 1)
+    eval_set = [next(held_out) for _ in range(cfg.eval_batches)]
+
+    log(f"model {cfg.model}: {adapter.num_params() / 1e6:.1f}M params, {adapter.num_layers} layers "
+        f"({adapter.family}); host store {store.nbytes() / 2**20:.0f} MiB")
+    log(f"plan {plan.source}: boundaries {''.join(t[0] for t in plan.boundaries)} "
+        f"(d=device h=host n=nvme r=recompute); micro-batch {mbs} x {cfg.seq_len}, accum {accum}; "
+        f"predicted device peak {est.peak_bytes / 2**20:.1f} MiB on {cfg.device}")
+    eval_start = engine.eval_loss(eval_set)
+    log(f"step 0: eval loss {eval_start:.4f}")
+
+    metrics = open(out_dir / "metrics.jsonl", "w")
+    t_start, tokens_seen = time.perf_counter(), 0
+    eval_loss = eval_start
+    try:
+        for step in range(cfg.steps):
+            lr = lr_at(step, cfg.optimizer.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+            micro: list[Batch] = [next(train_iter) for _ in range(accum)]
+            stats = engine.train_step(micro, lr=lr)
+            if not math.isfinite(stats.loss):
+                raise RuntimeError(f"loss is {stats.loss} at step {step + 1}; lower the learning rate")
+            tokens_seen += stats.tokens
+            elapsed = time.perf_counter() - t_start
+            record = {"step": step + 1, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
+                      "clip_coef": stats.clip_coef, "skipped": stats.skipped,
+                      "tokens_per_s": tokens_seen / elapsed, "step_s": stats.step_s}
+            last = step + 1 == cfg.steps
+            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
+                eval_loss = engine.eval_loss(eval_set)
+                record["eval_loss"] = eval_loss
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            if (step + 1) % cfg.log_every == 0 or last or "eval_loss" in record:
+                extra = f" eval {record['eval_loss']:.4f}" if "eval_loss" in record else ""
+                log(f"step {step + 1}/{cfg.steps}: loss {stats.loss:.4f}{extra} lr {lr:.2e} "
+                    f"grad_norm {stats.grad_norm:.2f} {record['tokens_per_s']:.0f} tok/s")
+        engine.synchronize()
+    finally:
+        metrics.close()
+        engine.close()
+    model_dir = None
+    if cfg.export:
+        model_dir = save_store(store, out_dir / "model", overwrite=True)
+        log(f"exported Hugging Face model to {model_dir}")
+    return TrainResult(out_dir, eval_start, eval_loss, cfg.steps,
+                       tokens_seen / max(1e-9, time.perf_counter() - t_start), est.peak_bytes,
+                       model_dir)
