@@ -1,0 +1,142 @@
+"""``layerwise ckpt``: inspect, check and clean layer-wise checkpoint runs.
+
+``ls`` (steps, bytes, policy), ``show`` (per group: source step, staleness, bytes), ``verify``
+(checksums and completeness; exit 1 on any fault), ``gc`` (drop old steps and unreferenced
+blobs). ``merge`` (export to HF / Trainer formats) is added by ``layerwise.ckpt.merge``.
+Every subcommand takes ``--json`` and then prints exactly one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import sys
+
+from .errors import CheckpointError
+from .layer_store import LayerStore
+from .resolve import open_run_step
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "ckpt", help="inspect, verify, clean and merge layer-wise checkpoints",
+        description="Layer-wise checkpoint runs: list steps, show composites, verify, gc, merge.",
+    )
+    sub = p.add_subparsers(dest="ckpt_command", metavar="SUBCOMMAND")
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+    ls = sub.add_parser("ls", help="committed steps with bytes written and policy")
+    ls.add_argument("run", help="run directory (as given to Checkpointer)")
+    ls.add_argument("--json", action="store_true", help="print one JSON object")
+    ls.set_defaults(func=cmd_ls)
+
+    show = sub.add_parser("show", help="per group of one step: source step, staleness, bytes")
+    show.add_argument("run")
+    show.add_argument("--step", type=int, default=None, help="step to resolve (default: newest)")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(func=cmd_show)
+
+    verify = sub.add_parser("verify", help="check checksums and completeness; exit 1 on any fault")
+    verify.add_argument("run")
+    verify.add_argument("--json", action="store_true")
+    verify.set_defaults(func=cmd_verify)
+
+    gc = sub.add_parser("gc", help="keep the newest K steps; delete the rest and unreferenced blobs")
+    gc.add_argument("run")
+    gc.add_argument("--keep", type=int, required=True, help="number of newest committed steps to keep")
+    gc.add_argument("--json", action="store_true")
+    gc.set_defaults(func=cmd_gc)
+
+    # ---- hook for the interop part: ``layerwise.ckpt.merge.register_cli(sub)`` adds ``merge``.
+    if importlib.util.find_spec("layerwise.ckpt.merge") is not None:
+        merge = importlib.import_module("layerwise.ckpt.merge")
+        if hasattr(merge, "register_cli"):
+            merge.register_cli(sub)
+
+
+def _emit(args: argparse.Namespace, obj: dict, text: str) -> None:
+    print(json.dumps(obj, sort_keys=True) if args.json else text)
+
+
+def _fail(args: argparse.Namespace, e: Exception) -> int:
+    if args.json:
+        print(json.dumps({"ok": False, "error": str(e)}))
+    else:
+        print(f"layerwise ckpt: error: {e}", file=sys.stderr)
+    return 1
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store = LayerStore.open(args.run)
+    rows = []
+    try:
+        for step in store.committed_steps():
+            m = store.read_manifest(step)
+            rows.append({
+                "step": step, "policy": m.get("policy"), "bytes_written": m.get("bytes_written"),
+                "bytes_total": sum(e["nbytes"] for e in m["groups"].values()),
+                "groups_written": len(m.get("groups_written", [])), "groups": len(m["groups"]),
+            })
+    except CheckpointError as e:
+        return _fail(args, e)
+    lines = [f"{'step':>10}  {'policy':<8} {'written':>12} {'composite':>12}  groups written"]
+    for r in rows:
+        lines.append(f"{r['step']:>10}  {str(r['policy']):<8} {_mb(r['bytes_written']):>12} "
+                     f"{_mb(r['bytes_total']):>12}  {r['groups_written']}/{r['groups']}")
+    if not rows:
+        lines = ["no committed steps"]
+    _emit(args, {"run": str(store.root), "latest": store.latest_step(), "steps": rows}, "\n".join(lines))
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    try:
+        rs = open_run_step(args.run, args.step)
+        save_index = int(rs.manifest.get("save_index", 0))
+        groups = []
+        for g, e in rs.entries.items():
+            saved_index = rs.manifest["groups"][g].get("saved_index")
+            groups.append({
+                "group": g, "saved_step": e.saved_step, "written_step": e.written_step,
+                "staleness_steps": rs.step - e.saved_step,
+                "staleness_checkpoints": None if saved_index is None else save_index - int(saved_index),
+                "nbytes": e.nbytes, "sha256": e.sha256, "blob": e.blob,
+            })
+    except CheckpointError as e:
+        return _fail(args, e)
+    obj = {"run": str(rs.run_dir), "step": rs.step, "requested_step": rs.requested_step,
+           "policy": rs.policy, "bytes_total": sum(g["nbytes"] for g in groups), "groups": groups}
+    lines = [f"step {rs.step}" + (f" (newest committed <= {rs.requested_step})"
+                                  if rs.requested_step != rs.step else "") + f", policy {rs.policy}",
+             f"{'group':<14} {'saved at':>10} {'stale steps':>12} {'stale ckpts':>12} {'bytes':>12}"]
+    for g in groups:
+        lines.append(f"{g['group']:<14} {g['saved_step']:>10} {g['staleness_steps']:>12} "
+                     f"{str(g['staleness_checkpoints']):>12} {_mb(g['nbytes']):>12}")
+    _emit(args, obj, "\n".join(lines))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    store = LayerStore.open(args.run)
+    rep = store.verify()
+    if not rep.steps and rep.ok:
+        rep.warnings.append("no committed steps")
+    lines = [f"{'OK' if rep.ok else 'FAULTY'}: {len(rep.steps)} step(s), {rep.blobs_checked} blob(s) checked"]
+    lines += [f"fault: {f}" for f in rep.faults] + [f"warning: {w}" for w in rep.warnings]
+    _emit(args, {"run": str(store.root), **rep.to_json()}, "\n".join(lines))
+    return 0 if rep.ok else 1
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    store = LayerStore.open(args.run)
+    rep = store.gc(args.keep)
+    _emit(args, {"run": str(store.root), **rep.to_json()},
+          f"kept steps {rep.kept_steps}; dropped {len(rep.dropped_steps)} step(s) and "
+          f"{rep.removed_blobs} blob(s), freed {_mb(rep.freed_bytes)}")
+    return 0
