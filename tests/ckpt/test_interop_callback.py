@@ -158,3 +158,8 @@ def test_recipe_mixes_layerwise_steps_and_a_trainer_checkpoint(trained, tmp_path
     resumed = make_trainer(tmp_path / "resumed", max_steps=6)
     resumed.train(resume_from_checkpoint=str(out))
     assert resumed.state.global_step == 6
+
+
+def test_callback_rejects_bad_interval(tmp_path):
+    with pytest.raises(ValueError, match="every must be a positive"):
+        LayerwiseCheckpointCallback(tmp_path / "run", every=0)

@@ -209,3 +209,65 @@ def test_export_streams_one_group_at_a_time(hf_dir, tmp_path, fmt):
     largest_group = max(len(src.inner.load_group(g)) for g in src.groups())
     # Only the group being written (all earlier ones were released).
     assert src.peak <= largest_group
+
+
+class LiveModelSource:
+    """A plain PyTorch model + AdamW(model.parameters()) as a CheckpointSource (one param group)."""
+
+    def __init__(self, model, opt, step):
+        from layerwise.ckpt.source import group_of
+
+        self.model, self.opt, self.step = model, opt, step
+        self.named = dict(model.named_parameters())
+        self.by_group: dict[str, list[str]] = {}
+        for n in self.named:
+            self.by_group.setdefault(group_of(n, model.config.tie_word_embeddings), []).append(n)
+
+    def groups(self):
+        return list(self.by_group)
+
+    def load_group(self, group):
+        out = {}
+        for n in self.by_group[group]:
+            p = self.named[n]
+            out[f"param/{n}"] = p.detach().clone()
+            for k, v in self.opt.state[p].items():
+                out[f"{k}/{n}"] = v.detach().clone()
+        return out
+
+    def model_config(self):
+        return self.model.config.to_dict()
+
+    def extra_state(self):
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
+        return {"step": self.step, "scheduler": None, "rng": None, "trainer_state": None,
+                "optimizer_param_groups": groups}
+
+
+def test_trainer_export_from_a_plain_loop_state(tmp_path):
+    from layerwise.ckpt.formats.trainer import trainer_param_groups
+
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05, betas=(0.8, 0.95))
+    for _ in range(3):
+        model(torch.randint(0, 96, (2, 8)), labels=torch.randint(0, 96, (2, 8))).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    out = tmp_path / "checkpoint-3"
+    summary = merge(LiveModelSource(model, opt, 3), out, format="trainer")
+    assert summary["step"] == 3 and not summary["rng_state"]
+    sd = torch.load(out / "optimizer.pt", weights_only=True)
+    g0, g1 = sd["param_groups"]
+    assert (g0["weight_decay"], g1["weight_decay"]) == (0.05, 0.0)
+    assert g0["lr"] == g1["lr"] == 3e-3 and g0["betas"] == g1["betas"] == (0.8, 0.95)
+    decay, no_decay = trainer_param_groups(model)
+    assert all("norm" in n for n in no_decay) and len(decay) + len(no_decay) == len(list(model.parameters()))
+    named = dict(model.named_parameters())
+    for i, name in enumerate(decay + no_decay):
+        assert i in g0["params"] + g1["params"]
+        assert torch.equal(sd["state"][i]["exp_avg"], opt.state[named[name]]["exp_avg"]), name
+        assert sd["state"][i]["step"].item() == 3.0
+    sched = torch.load(out / "scheduler.pt", weights_only=True)
+    assert sched["last_epoch"] == 3 and sched["base_lrs"] == [3e-3, 3e-3]
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 3
+    assert not (out / "rng_state.pth").exists()

@@ -47,6 +47,7 @@ class LayerwiseCheckpointCallback(TrainerCallback):
         *,
         save_at_end: bool = True,
         observe: bool = True,
+        config: Any = None,
         **policy_options: Any,
     ):
         """
@@ -56,6 +57,7 @@ class LayerwiseCheckpointCallback(TrainerCallback):
             every: save every N optimizer steps; None: follow ``args.save_steps``.
             save_at_end: also save the last step when training ends off the ``every`` grid.
             observe: feed per-step update statistics to the policy (after each optimizer step).
+            config: a :class:`~layerwise.ckpt.checkpointer.CheckpointConfig` (async save, RNG, tracking).
             policy_options: options of the policy, e.g. ``threshold=1e-3, max_staleness=4``.
         """
         if every is not None and (not isinstance(every, int) or every <= 0):
@@ -66,6 +68,7 @@ class LayerwiseCheckpointCallback(TrainerCallback):
         self.save_at_end = save_at_end
         self.observe = observe
         self.policy_options = policy_options
+        self.config = config
         self.checkpointer = None
         self.saved_steps: list[int] = []
 
@@ -85,11 +88,19 @@ class LayerwiseCheckpointCallback(TrainerCallback):
 
         if model is None or optimizer is None:
             raise ValueError("LayerwiseCheckpointCallback needs the Trainer's model and optimizer")
+        if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+            # Each rank holds a shard of the state; the callback does not gather it.
+            raise ValueError(
+                "LayerwiseCheckpointCallback does not support sharded training (FSDP, DeepSpeed ZeRO); "
+                "use the Trainer's own checkpoints there"
+            )
         self._every(args)  # fail early on a bad interval
+        if not state.is_world_process_zero:
+            return  # data parallel: every rank holds the same state; one writes it
         if self.checkpointer is None:
             self.checkpointer = Checkpointer(
                 self.run_dir, model, _unwrap(optimizer, "optimizer"), _unwrap(lr_scheduler, "scheduler"),
-                policy=self.policy, **self.policy_options,
+                policy=self.policy, config=self.config, **self.policy_options,
             )
 
     def on_optimizer_step(self, args, state, control, **kwargs):
@@ -98,7 +109,7 @@ class LayerwiseCheckpointCallback(TrainerCallback):
             self.checkpointer.observe(state.global_step + 1)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % self._every(args) == 0:
+        if self.checkpointer is not None and state.global_step % self._every(args) == 0:
             self._save(state)
 
     def on_train_end(self, args, state, control, **kwargs):

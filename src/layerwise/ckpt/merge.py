@@ -49,6 +49,9 @@ def merge(
         source = open_source(source, step)
     elif step is not None:
         raise ValueError("step= is only used when source is a path; an opened source already has its step")
+    recipe = getattr(source, "recipe", None)
+    if dtype is None and recipe is not None:
+        dtype = recipe.dtype  # a recipe's `dtype:` applies unless overridden
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
@@ -73,6 +76,8 @@ def merge(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if hasattr(source, "describe"):
+        summary["sources"] = source.describe()
     summary["out"] = str(out)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     summary["bytes"] = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
@@ -135,20 +140,17 @@ def register_cli(ckpt_subparsers: argparse._SubParsersAction) -> None:
 def _cmd_merge(args: argparse.Namespace) -> int:
     if (args.run is None) == (args.recipe is None):
         raise ValueError("give either RUN or --recipe recipe.yaml (exactly one)")
-    dtype = args.dtype
     if args.recipe is not None:
         if args.step is not None:
             raise ValueError("--step does not apply to --recipe; write path@step for a source in the recipe")
         from layerwise.ckpt.recipe import load_recipe
 
-        recipe = load_recipe(args.recipe)
-        source: CheckpointSource | str = recipe.open()
-        dtype = dtype or recipe.dtype
+        source: CheckpointSource | str = load_recipe(args.recipe).open()
     else:
         source = args.run
     summary = merge(
         source, args.out, args.format, step=args.step if args.recipe is None else None,
-        max_shard_size=args.max_shard_size, dtype=dtype, overwrite=args.overwrite,
+        max_shard_size=args.max_shard_size, dtype=args.dtype, overwrite=args.overwrite,
     )
     if args.json:
         print(json.dumps(summary, sort_keys=True))

@@ -149,9 +149,24 @@ def export_config(config: dict, dtype: torch.dtype | None) -> dict:
 
 
 def write_config_files(out_dir: Path, config: dict, dtype: torch.dtype | None, generation_config: dict | None) -> None:
+    """``config.json`` and ``generation_config.json`` (the source's, else derived from the model
+    config the way ``save_pretrained`` derives it)."""
     atomic_write_text(out_dir / CONFIG_NAME, json.dumps(export_config(config, dtype), indent=2, sort_keys=True) + "\n")
+    if generation_config is None:
+        generation_config = _derived_generation_config(config)
     if generation_config:
         atomic_write_text(out_dir / GENERATION_CONFIG_NAME, json.dumps(generation_config, indent=2, sort_keys=True) + "\n")
+
+
+def _derived_generation_config(config: dict) -> dict | None:
+    from transformers import AutoConfig, GenerationConfig
+
+    cfg = dict(config)
+    try:
+        hf_config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    except (KeyError, ValueError):
+        return None
+    return GenerationConfig.from_model_config(hf_config).to_diff_dict()
 
 
 def require_config(source: CheckpointSource) -> dict:

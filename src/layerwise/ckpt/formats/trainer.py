@@ -87,22 +87,29 @@ def _param_group_template(hp: AdamWHParams) -> dict:
 
 
 def _param_groups(extra: dict, hparams: AdamWHParams | None, scheduler: dict) -> list[dict]:
-    """Hyper-parameters of the two groups: explicit ones, else the source's, else Trainer's defaults."""
-    saved = extra.get("optimizer_param_groups")
-    if hparams is None and saved and len(saved) == 2:
-        groups = [dict(g) for g in saved]
-        for g in groups:
-            if isinstance(g.get("betas"), list):
-                g["betas"] = tuple(g["betas"])
-    else:
-        hp = hparams or AdamWHParams()
-        groups = [{**_param_group_template(hp), "weight_decay": hp.weight_decay},
-                  {**_param_group_template(hp), "weight_decay": 0.0}]
-        base = scheduler.get("base_lrs") or [hp.lr, hp.lr]
-        last = scheduler.get("_last_lr") or base
-        for g, b, lr in zip(groups, base, last):
-            g["initial_lr"] = b
-            g["lr"] = lr  # the rate of the next step, as a live optimizer would hold it
+    """Hyper-parameters of Trainer's two groups: explicit ones, else the source's, else Trainer's defaults.
+
+    A source optimizer with one param group (a plain ``AdamW(model.parameters())`` loop) lends its
+    hyper-parameters to both groups; the no-decay group gets weight_decay 0, as the Trainer builds it.
+    """
+    saved = [dict(g) for g in extra.get("optimizer_param_groups") or []]
+    for g in saved:
+        g.pop("params", None)
+        if isinstance(g.get("betas"), list):
+            g["betas"] = tuple(g["betas"])
+    if hparams is None and len(saved) == 2:
+        return saved
+    if hparams is None and saved:
+        template = {**_param_group_template(AdamWHParams()), **saved[0]}
+        return [dict(template), {**template, "weight_decay": 0.0}]
+    hp = hparams or AdamWHParams()
+    groups = [{**_param_group_template(hp), "weight_decay": hp.weight_decay},
+              {**_param_group_template(hp), "weight_decay": 0.0}]
+    base = scheduler.get("base_lrs") or [hp.lr, hp.lr]
+    last = scheduler.get("_last_lr") or base
+    for g, b, lr in zip(groups, base, last):
+        g["initial_lr"] = b
+        g["lr"] = lr  # the rate of the next step, as a live optimizer would hold it
     return groups
 
 
