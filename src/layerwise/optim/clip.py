@@ -26,3 +26,13 @@ def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
     if max_norm is None or max_norm <= 0:
         return 1.0
     return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def clip_or_skip(total_norm: float, max_norm: float | None) -> float | None:
+    """The clip coefficient, or None when ``total_norm`` is not finite: skip the step then.
+
+    (``clip_coefficient`` alone turns a NaN norm into 1.0, which would apply NaN gradients.)
+    """
+    if not math.isfinite(total_norm):
+        return None
+    return clip_coefficient(total_norm, max_norm)

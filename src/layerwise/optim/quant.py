@@ -1,0 +1,94 @@
+"""Block-wise 8-bit quantisation of Adam moments (square-law companding, fp32 scale per block).
+
+A flat tensor is cut into blocks of ``block_size`` elements; each block stores one fp32 scale
+(its absolute maximum) and one byte per element. The byte is not a linear code: both maps put
+more codes near zero, like the "dynamic" maps of 8-bit Adam, but they are plain arithmetic, so
+encoding needs no table search and runs at memory speed on a CPU:
+
+- ``exp_avg`` (signed, int8, codes -127..127): ``m = scale * sign(c) * (c / 127)**2``.
+- ``exp_avg_sq`` (unsigned, uint8, codes 0..255) is stored through its square root, the
+  quantity the update divides by: ``sqrt(v) = scale * (c / 255)**2`` with
+  ``scale = sqrt(max v)``; so ``v = scale**2 * (c / 255)**4``. A positive ``v`` never gets
+  code 0, so no denominator collapses to ``eps`` by rounding.
+
+Error bound (both maps, per element, ``s`` = the unrounded code, ``Q`` = 127 or 255):
+``|x - deq(x)| <= scale * (s + 0.25) / Q**2``, i.e. about ``sqrt(|x| * scale) / Q``: relative
+error ~``1 / (Q * sqrt(|x| / scale))``, which is why small values keep precision.
+``docs/benchmarks.md`` (issue 4) has the measured comparison with a linear and the
+bitsandbytes dynamic map on real Adam moments, and the block-size sweep.
+
+This module is the reference, device-agnostic torch implementation; ``_kernel.py`` has the
+fused CPU update that uses the same maps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_BLOCK_SIZE = 256
+"""Elements per quantisation block (one fp32 scale each: 4/256 = 0.016 extra bytes/param)."""
+
+SIGNED_LEVELS = 127.0
+UNSIGNED_LEVELS = 255.0
+
+
+def num_blocks(numel: int, block_size: int) -> int:
+    return (numel + block_size - 1) // block_size
+
+
+def _padded_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``x`` (flat, fp32) as ``[num_blocks, block_size]``, zero-padded at the end."""
+    n = x.numel()
+    nb = num_blocks(n, block_size)
+    if nb * block_size == n:
+        return x.view(nb, block_size)
+    out = x.new_zeros(nb * block_size)
+    out[:n] = x
+    return out.view(nb, block_size)
+
+
+def quantize_signed(x: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat fp32 ``x`` → (int8 codes with ``x.numel()`` elements, fp32 per-block absmax)."""
+    n = x.numel()
+    xb = _padded_blocks(x.reshape(-1).float(), block_size)
+    scale = xb.abs().amax(dim=1)
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    s = (xb.abs() * inv[:, None]).sqrt_().mul_(SIGNED_LEVELS).add_(0.5).floor_().clamp_(max=SIGNED_LEVELS)
+    codes = torch.copysign(s, xb).to(torch.int8)
+    return codes.view(-1)[:n].clone(), scale
+
+
+def dequantize_signed(codes: torch.Tensor, scale: torch.Tensor,
+                      block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+    n = codes.numel()
+    c = _padded_blocks(codes.reshape(-1).float(), block_size)
+    x = c * c.abs() * (scale[:, None] / (SIGNED_LEVELS * SIGNED_LEVELS))
+    return x.view(-1)[:n].clone()
+
+
+def quantize_sq(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat fp32 ``v >= 0`` → (uint8 codes of ``sqrt(v)``, fp32 per-block ``sqrt(max v)``)."""
+    n = v.numel()
+    r = _padded_blocks(v.reshape(-1).float(), block_size).clamp(min=0).sqrt()
+    scale = r.amax(dim=1)
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    s = (r * inv[:, None]).sqrt_().mul_(UNSIGNED_LEVELS).add_(0.5).floor_().clamp_(max=UNSIGNED_LEVELS)
+    s = torch.where(r > 0, s.clamp(min=1.0), s)
+    return s.to(torch.uint8).view(-1)[:n].clone(), scale
+
+
+def dequantize_sq(codes: torch.Tensor, scale: torch.Tensor,
+                  block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+    n = codes.numel()
+    c = _padded_blocks(codes.reshape(-1).float(), block_size)
+    r = c * c * (scale[:, None] / (UNSIGNED_LEVELS * UNSIGNED_LEVELS))
+    return (r * r).view(-1)[:n].clone()
+
+
+def signed_error_bound(x: torch.Tensor, scale_per_element: torch.Tensor) -> torch.Tensor:
+    """Largest ``|x - dequantize_signed(quantize_signed(x))|`` the map allows, per element."""
+    a = scale_per_element
+    s = (x.abs() / a.clamp(min=1e-38)).sqrt() * SIGNED_LEVELS
+    return a * (s + 0.25) / SIGNED_LEVELS ** 2
