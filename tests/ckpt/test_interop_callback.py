@@ -121,10 +121,14 @@ def test_ckpt_merge_cli(trained, tmp_path, capsys):
         pytest.skip(f"`layerwise ckpt` is not registered ({e})")
     assert rc == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["step"] == 4 and summary["format"] == "trainer" and (out / "optimizer.pt").is_file()
+    assert summary["ok"] and summary["step"] == 4 and summary["format"] == "trainer"
+    assert (out / "optimizer.pt").is_file()
     # A second export to the same place is refused (nothing overwritten without --overwrite).
     rc = main(["ckpt", "merge", str(root / "run"), "--out", str(out)])
     assert rc == 2 and "not empty" in capsys.readouterr().err
+    rc = main(["ckpt", "merge", str(root / "run"), "--out", str(out), "--json"])
+    err = json.loads(capsys.readouterr().out)
+    assert rc == 2 and err["ok"] is False and "not empty" in err["error"]
 
 
 def test_recipe_mixes_layerwise_steps_and_a_trainer_checkpoint(trained, tmp_path):

@@ -271,3 +271,25 @@ def test_trainer_export_from_a_plain_loop_state(tmp_path):
     assert sched["last_epoch"] == 3 and sched["base_lrs"] == [3e-3, 3e-3]
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 3
     assert not (out / "rng_state.pth").exists()
+
+
+def test_cli_export_out_of_space_fails_cleanly(hf_dir, tmp_path):
+    """A write that hits the file-size limit (as a full disk would) exits 1 and leaves no output."""
+    import subprocess
+    import sys
+    import textwrap
+
+    _, path = hf_dir
+    out = tmp_path / "out"
+    script = textwrap.dedent(f"""
+        import resource, signal, sys
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # get EFBIG instead of being killed
+        from layerwise.cli import main
+        resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, 40_000))
+        sys.exit(main(["ckpt", "merge", {str(path)!r}, "--out", {str(out)!r}, "--format", "trainer", "--json"]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    err = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert err["ok"] is False and "nothing was written" in err["error"] and "File too large" in err["error"]
+    assert list(tmp_path.iterdir()) == []

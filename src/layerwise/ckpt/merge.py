@@ -138,6 +138,33 @@ def register_cli(ckpt_subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:
+    """Exit codes: 0 written; 2 a user mistake (bad arguments, recipe, source); 1 the write failed."""
+    from layerwise.ckpt.errors import CheckpointError
+
+    try:
+        summary = _run_merge(args)
+    except (ValueError, FileNotFoundError) as e:
+        if not args.json:
+            raise  # the ``layerwise`` entry point prints user mistakes as one line, exit 2
+        print(json.dumps({"ok": False, "error": str(e)}))
+        return 2
+    except (CheckpointError, OSError) as e:
+        msg = f"merge failed, nothing was written to {args.out}: {e}"
+        print(json.dumps({"ok": False, "error": msg}) if args.json else f"layerwise ckpt merge: error: {msg}",
+              file=sys.stdout if args.json else sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"ok": True, **summary}, sort_keys=True))
+    else:
+        print(
+            f"wrote {summary['format']} checkpoint of step {summary['step']} to {summary['out']}: "
+            f"{len(summary['weight_files'])} weight file(s), {summary['bytes'] / 1e6:.1f} MB "
+            f"in {summary['seconds']:.1f} s"
+        )
+    return 0
+
+
+def _run_merge(args: argparse.Namespace) -> dict[str, Any]:
     if (args.run is None) == (args.recipe is None):
         raise ValueError("give either RUN or --recipe recipe.yaml (exactly one)")
     if args.recipe is not None:
@@ -146,19 +173,10 @@ def _cmd_merge(args: argparse.Namespace) -> int:
         from layerwise.ckpt.recipe import load_recipe
 
         source: CheckpointSource | str = load_recipe(args.recipe).open()
+        step = None
     else:
-        source = args.run
-    summary = merge(
-        source, args.out, args.format, step=args.step if args.recipe is None else None,
-        max_shard_size=args.max_shard_size, dtype=args.dtype, overwrite=args.overwrite,
+        source, step = args.run, args.step
+    return merge(
+        source, args.out, args.format, step=step, max_shard_size=args.max_shard_size, dtype=args.dtype,
+        overwrite=args.overwrite,
     )
-    if args.json:
-        print(json.dumps(summary, sort_keys=True))
-    else:
-        print(
-            f"wrote {summary['format']} checkpoint of step {summary['step']} to {summary['out']}: "
-            f"{len(summary['weight_files'])} weight file(s), {summary['bytes'] / 1e6:.1f} MB "
-            f"in {summary['seconds']:.1f} s",
-            file=sys.stdout,
-        )
-    return 0
