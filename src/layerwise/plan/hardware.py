@@ -50,7 +50,7 @@ class HardwareProfile:
     """Host AdamW throughput with fp32 moments, parameters/s over all optimizer workers."""
     optimizer_8bit_params_per_s: float
     """Host AdamW throughput with block-wise 8-bit moments (dequantise + requantise cost)."""
-    host_accum_gbps: float = 100.0
+    host_accum_gbps: float = 150.0
     """Host memory bandwidth of the fp32 gradient accumulation (``grad += copy``), GB/s."""
     compute_dtype_bytes: int = 2
     """Bytes per element of streamed weights, gradients and activations (2 = bf16, 4 = fp32)."""
@@ -151,8 +151,9 @@ class HardwareProfile:
 #        (master, grad, m, v read; master, m, v written). A 2-socket server sustains ~150 GB/s
 #        -> ~5e9 params/s; a workstation ~60 GB/s -> ~2e9 params/s. 8-bit moments move less
 #        but pay (de)quantisation: ~0.8x the fp32 rate (assumption; calibrate to measure).
-# [ACC]  multi-threaded ``add_`` of large fp32 buffers streams ~100 GB/s on a 2-socket DDR5
-#        server and ~40 GB/s on a DDR4 workstation (about a third of STREAM peak; assumption).
+# [ACC]  multi-threaded ``add_`` of large fp32 buffers: about a third of STREAM bandwidth
+#        (assumption, same fraction as [OPT]): ~150 GB/s on a 2-socket DDR5 server (STREAM
+#        ~450 GB/s), ~50 GB/s on an 8-channel DDR4 workstation (STREAM ~150 GB/s).
 # [RES]  1.5 GB device reserve: CUDA context (~500 MB) + cuBLAS workspace + allocator slack.
 PRESETS: dict[str, HardwareProfile] = {
     "h200": HardwareProfile(
@@ -166,7 +167,7 @@ PRESETS: dict[str, HardwareProfile] = {
         host_mem_bytes=2000 * GB,  # HGX H200 servers ship with 2 TB DDR5 (e.g. DGX H200 datasheet)
         host_reserved_bytes=64 * GB,  # OS, data loader, page cache (assumption)
         optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=4e9,  # [OPT] server
-        host_accum_gbps=100.0,  # [ACC] server
+        host_accum_gbps=150.0,  # [ACC] server
     ),
     "h800": HardwareProfile(
         name="h800",
@@ -179,7 +180,7 @@ PRESETS: dict[str, HardwareProfile] = {
         host_mem_bytes=2000 * GB,  # HGX H800 servers as DGX H100: 2 TB (DGX H100 datasheet)
         host_reserved_bytes=64 * GB,
         optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=4e9,  # [OPT] server
-        host_accum_gbps=100.0,  # [ACC] server
+        host_accum_gbps=150.0,  # [ACC] server
     ),
     "h100": HardwareProfile(
         name="h100",
@@ -192,7 +193,7 @@ PRESETS: dict[str, HardwareProfile] = {
         host_mem_bytes=2000 * GB,  # DGX H100 datasheet: 2 TB system memory
         host_reserved_bytes=64 * GB,
         optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=4e9,  # [OPT] server
-        host_accum_gbps=100.0,  # [ACC] server
+        host_accum_gbps=150.0,  # [ACC] server
     ),
     "a100-80g": HardwareProfile(
         name="a100-80g",
@@ -205,7 +206,7 @@ PRESETS: dict[str, HardwareProfile] = {
         host_mem_bytes=1000 * GB,  # DGX A100 datasheet: 1 TB system memory (2 TB option)
         host_reserved_bytes=64 * GB,
         optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=4e9,  # [OPT] server
-        host_accum_gbps=100.0,  # [ACC] server
+        host_accum_gbps=150.0,  # [ACC] server
     ),
     "rtx3090": HardwareProfile(
         name="rtx3090",
@@ -218,7 +219,7 @@ PRESETS: dict[str, HardwareProfile] = {
         host_mem_bytes=512 * GB,  # assumption: 8 x 64 GB workstation (Threadripper/EPYC class)
         host_reserved_bytes=32 * GB,
         optimizer_params_per_s=2e9, optimizer_8bit_params_per_s=1.6e9,  # [OPT] workstation
-        host_accum_gbps=40.0,  # [ACC] workstation
+        host_accum_gbps=50.0,  # [ACC] workstation
     ),
     "rtx4090": HardwareProfile(
         name="rtx4090",
@@ -231,7 +232,7 @@ PRESETS: dict[str, HardwareProfile] = {
         host_mem_bytes=512 * GB,  # assumption: 8 x 64 GB workstation
         host_reserved_bytes=32 * GB,
         optimizer_params_per_s=2e9, optimizer_8bit_params_per_s=1.6e9,  # [OPT] workstation
-        host_accum_gbps=40.0,  # [ACC] workstation
+        host_accum_gbps=50.0,  # [ACC] workstation
     ),
     "cpu": HardwareProfile(
         name="cpu",

@@ -1,0 +1,29 @@
+"""Fixed rules the planner must beat, evaluated in the same simulator.
+
+- ``every-K`` (MegaTrain's rule): keep every K-th boundary on the device, recompute the rest;
+- ``keep-all-device``: no recompute, no transfers (only where it fits);
+- ``recompute-all``: keep nothing, recompute every boundary from the embedding.
+
+``keep-all-host`` is not a baseline of the issue but a useful warm start for the MILP.
+"""
+
+from __future__ import annotations
+
+from .plan import Plan
+
+EVERY_K = (1, 2, 4, 8)
+
+
+def baseline_tiers(num_layers: int) -> dict[str, list[str]]:
+    """Name -> boundary tiers of every baseline."""
+    out = {}
+    for k in EVERY_K:
+        out[f"every-{k}"] = Plan.every_k(num_layers, k).boundaries
+    out["keep-all-device"] = ["device"] * num_layers
+    out["recompute-all"] = ["recompute"] * num_layers
+    return out
+
+
+def extra_candidates(num_layers: int) -> dict[str, list[str]]:
+    """Assignments that are not baselines but are good starting points."""
+    return {"keep-all-host": ["host"] * num_layers}

@@ -1,0 +1,395 @@
+"""The MILP: where each layer boundary lives (device / host / NVMe) or whether it is recomputed.
+
+Solved once, before training, with HiGHS. The step is cut into *windows*, one per compute op of
+the engine's program; each window lasts as long as the slowest of the resources working in it
+(compute, H2D, D2H, host accumulation), so a transfer that fits inside the compute of its window
+costs nothing and one that does not shows up as exposed time. Weight and gradient traffic is
+mandatory; the activation traffic each choice adds competes with it in the same windows. The
+formulation (variables, constraints, objective) is written out in ``docs/planner.md``.
+
+:class:`StepModel` holds the linear model's constants (from :class:`~.cost.CostModel`) and can
+evaluate a fixed assignment; :func:`solve` builds and solves the MILP; :func:`dp_device_host`
+is an exact dynamic program for the device/host-only case, used as a cross-check.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .cost import CostModel, ModelShape
+from .hardware import HardwareProfile
+from .plan import Plan
+
+ALL_TIERS = ("device", "host", "nvme", "recompute")
+MS = 1e3  # the solver works in milliseconds (better-scaled coefficients)
+TIE = 1e-3  # fraction of a boundary's copy time charged to offloading, to break ties
+
+
+@dataclass
+class MilpConfig:
+    time_limit_s: float = 5.0
+    """Wall-clock limit for HiGHS; the incumbent is used when it runs out."""
+    mip_rel_gap: float = 1e-3
+    """Stop when (incumbent - bound) / incumbent is below this."""
+    tiers: tuple[str, ...] = ALL_TIERS
+    """Tiers a boundary may take (e.g. ("device", "host") for the DP cross-check)."""
+    include_optimizer_stall: bool = True
+    """Model the next forward waiting for the host optimizer (couples the forward windows)."""
+    threads: int = 1
+    """HiGHS threads (the machines this runs on are often shared)."""
+
+
+@dataclass
+class ModelEval:
+    step_s: float
+    feasible: bool
+    violations: dict[str, float] = field(default_factory=dict)
+    """Constraint -> amount over (bytes or seconds), for infeasible assignments."""
+    f: list[float] = field(default_factory=list, repr=False)
+    b: list[float] = field(default_factory=list, repr=False)
+    run: list[int] = field(default_factory=list, repr=False)
+    stall: float = 0.0
+
+
+class StepModel:
+    """Constants of the linear step model for one (model, machine, micro-batch shape)."""
+
+    def __init__(self, shape: ModelShape, hw: HardwareProfile, micro_batch_size: int, seq_len: int,
+                 num_micro_batches: int = 1, prefetch_depth: int = 1, head_chunk_tokens: int = 1024,
+                 moments: list[str] | None = None):
+        self.shape, self.hw = shape, hw
+        self.micro_batch_size, self.seq_len = micro_batch_size, seq_len
+        self.num_micro_batches = num_micro_batches
+        self.prefetch_depth = prefetch_depth
+        self.head_chunk_tokens = head_chunk_tokens
+        self.moments = moments
+        cost = self.cost = CostModel(shape, hw, micro_batch_size, seq_len, head_chunk_tokens)
+        L = self.L = shape.num_layers
+        a = self.a_bytes = cost.boundary_bytes
+        lw = [cost.unit_weight_bytes(f"layers.{i}") for i in range(L)]
+        self.c_fwd = [cost.layer_fwd_s(i) for i in range(L)]
+        self.w_in = [cost.h2d_s(b) for b in lw]
+        self.a_out = cost.d2h_s(a)
+        self.a_in = cost.h2d_s(a)
+        # window lower bounds that do not depend on the choice
+        self.f_lb = [max(self.c_fwd[i], self.w_in[i]) for i in range(L)]
+        self.b_lb = [max(cost.layer_bwd_s(i), self.w_in[i], cost.d2h_s(lw[i])) for i in range(L)]
+        # the host accumulation lane queues: it only has to keep up over a whole micro-batch
+        self.accumulate = sum(cost.grad_accumulate_s(u) for u in shape.unit_names()) + (
+            cost.grad_accumulate_s("embed") if shape.tied else 0.0)
+        emb_w = cost.unit_weight_bytes("embed")
+        head_units = ["head"] + (["embed"] if shape.tied else [])
+        head_w = sum(cost.unit_weight_bytes(u) for u in head_units)
+        self.e_fwd = max(cost.embed_s, cost.h2d_s(emb_w))
+        self.head = max(cost.head_s, cost.h2d_s(head_w), cost.d2h_s(head_w))
+        self.e_bwd = max(cost.embed_s, cost.h2d_s(emb_w), cost.d2h_s(emb_w))
+        # a dropped boundary k costs the forward of layer k-1 (boundary 0: the embedding) again,
+        # with that layer's weights streamed again
+        self.recompute = [self.e_fwd] + [max(self.c_fwd[k - 1], self.w_in[k - 1]) for k in range(1, L)]
+        # after the last backward: the last gradient lands, then the optimizer starts
+        self.tail = cost.d2h_s(emb_w) + cost.grad_accumulate_s("embed")
+        units = shape.unit_names()
+        mom = moments or ["fp32"] * len(units)
+        opt = [cost.optimizer_s(u, m) for u, m in zip(units, mom)]
+        cum = []
+        t = 0.0
+        for o in opt:
+            t += o
+            cum.append(t)
+        self.opt_embed_ready = cum[0] + cost.h2d_s(emb_w)
+        # next step: layer k's forward can end no earlier than its update + its copy + its compute
+        self.opt_layer_done = [cum[1 + k] + self.w_in[k] + self.c_fwd[k] for k in range(L)]
+        # device memory: the largest weight window plus each op's transient
+        unit_bytes = sorted((cost.unit_weight_bytes(u) for u in set(units) | set(head_units)), reverse=True)
+        biggest = unit_bytes[0]
+        d = prefetch_depth
+        self.dev_cap = hw.device_cap_bytes
+        self.c_bwd_mem = [lw[i] + d * biggest + cost.op_transient_bytes("layer_bwd", i) for i in range(L)]
+        self.c_head_mem = head_w + d * biggest + cost.op_transient_bytes("head")
+        self.host_budget = hw.host_cap_bytes - cost.host_store_bytes(moments)
+        self.nvme_cap = hw.nvme_capacity_bytes
+        self.nvme_rw = a / (hw.nvme_write_gbps * 1e9) + a / (hw.nvme_read_gbps * 1e9)
+        self.nvme_read = a / (hw.nvme_read_gbps * 1e9)
+
+    # capacity limits in units of boundaries
+    def max_device_prefix(self, i: int) -> float:
+        """Device-kept boundaries <= i plus held recomputed ones allowed at layer i's backward."""
+        return (self.dev_cap - self.c_bwd_mem[i]) / self.a_bytes - 2
+
+    def max_device_total(self) -> float:
+        return min((self.dev_cap - self.c_head_mem) / self.a_bytes - 1, self.max_device_prefix(self.L - 1))
+
+    def max_host(self) -> float:
+        return self.host_budget / self.a_bytes - 2
+
+    def max_nvme(self) -> float:
+        return self.nvme_cap / self.a_bytes
+
+    def const_s(self) -> float:
+        """Step seconds that no boundary choice changes."""
+        return self.num_micro_batches * (self.e_fwd + self.head + self.e_bwd) + self.tail
+
+    # ----- evaluate a fixed assignment ----------------------------------------------------
+
+    def evaluate(self, tiers: list[str], include_stall: bool = True) -> ModelEval:
+        """The model's step time for ``tiers`` (an upper bound on the MILP's value for it)."""
+        L = self.L
+        viol: dict[str, float] = {}
+        off = [1.0 if t in ("host", "nvme") else 0.0 for t in tiers]
+        f = [max(self.f_lb[i], self.a_out * off[i]) for i in range(L)]
+        b = [max(self.b_lb[i], self.w_in[i] + self.a_in * off[i]) for i in range(L)]
+        rec = sum(self.recompute[k] for k in range(L) if tiers[k] == "recompute")
+        for i in range(L):  # NVMe reads must fit in the two windows before their use
+            if tiers[i] == "nvme":
+                later = [j for j in (i + 1, i + 2) if j < L]
+                have = sum(b[j] for j in later) + (self.head if i + 2 >= L else 0.0)
+                if have < self.nvme_read:
+                    b[later[0] if later else L - 1] += self.nvme_read - have
+        n_nvme = sum(t == "nvme" for t in tiers)
+        total = sum(f) + sum(b) + rec + self.e_fwd + self.head + self.e_bwd
+        need = max(n_nvme * self.nvme_rw, self.accumulate)
+        if need > total:
+            b[0] += need - total
+        stall = 0.0
+        if include_stall:
+            stall = max(0.0, self.opt_embed_ready)
+            acc = self.e_fwd
+            for k in range(L):
+                acc += f[k]
+                stall = max(stall, self.opt_layer_done[k] - acc)
+        step = self.num_micro_batches * (sum(f) + sum(b) + rec) + stall + self.const_s()
+        # capacities
+        dev = 0
+        run = 0
+        runs = []
+        for i in range(L):
+            dev += tiers[i] == "device"
+            run = run + 1 if tiers[i] == "recompute" else 0
+            runs.append(run)
+            over = dev + run - self.max_device_prefix(i)
+            if over > 1e-9:
+                viol["device"] = max(viol.get("device", 0.0), over * self.a_bytes)
+        over = dev - self.max_device_total()
+        if over > 1e-9:
+            viol["device"] = max(viol.get("device", 0.0), over * self.a_bytes)
+        over = sum(t == "host" for t in tiers) - self.max_host()
+        if over > 1e-9:
+            viol["host"] = over * self.a_bytes
+        over = n_nvme - self.max_nvme()
+        if over > 1e-9:
+            viol["nvme"] = over * self.a_bytes
+        return ModelEval(step, not viol, viol, f, b, runs, stall)
+
+
+@dataclass
+class MilpResult:
+    tiers: list[str] | None
+    """Best assignment found (None when no feasible one exists)."""
+    objective_s: float
+    """Model step time of that assignment."""
+    bound_s: float
+    """Proven lower bound on the model step time."""
+    gap: float
+    status: str
+    solve_s: float
+    warm_start: str | None = None
+    """Which assignment seeded the solver."""
+
+    def plan(self, model: StepModel, **kw: Any) -> Plan:
+        assert self.tiers is not None
+        return Plan(list(self.tiers), micro_batch_size=model.micro_batch_size,
+                    num_micro_batches=model.num_micro_batches, seq_len=model.seq_len,
+                    prefetch_depth=model.prefetch_depth, head_chunk_tokens=model.head_chunk_tokens,
+                    moments=model.moments, source="milp", **kw)
+
+
+def solve(model: StepModel, config: MilpConfig | None = None,
+          warm_start: tuple[str, list[str]] | None = None) -> MilpResult:
+    """Build and solve the MILP for ``model``; ``warm_start`` = (name, tiers) seeds the search."""
+    import highspy
+
+    cfg = config or MilpConfig()
+    bad = set(cfg.tiers) - set(ALL_TIERS)
+    if bad or not cfg.tiers:
+        raise ValueError(f"MilpConfig.tiers must be a non-empty subset of {ALL_TIERS}, got {cfg.tiers}")
+    L = model.L
+    inf = highspy.kHighsInf
+    M = model.num_micro_batches
+    # columns: tier binaries (4L), f (L), b (L), run length l (L), stall (1)
+    T = {t: k for k, t in enumerate(ALL_TIERS)}
+
+    def y(i: int, t: str) -> int:
+        return 4 * i + T[t]
+
+    def fcol(i: int) -> int:
+        return 4 * L + i
+
+    def bcol(i: int) -> int:
+        return 5 * L + i
+
+    def lcol(i: int) -> int:
+        return 6 * L + i
+
+    scol = 7 * L
+    ncol = 7 * L + 1
+    lower = [0.0] * ncol
+    upper = [1.0] * ncol
+    cost = [0.0] * ncol
+    integrality = [highspy.HighsVarType.kContinuous] * ncol
+    for i in range(L):
+        for t in ALL_TIERS:
+            c = y(i, t)
+            integrality[c] = highspy.HighsVarType.kInteger
+            upper[c] = 1.0 if t in cfg.tiers else 0.0
+        cost[y(i, "recompute")] = M * model.recompute[i] * MS
+        # tie-breaks among choices the model prices equally: keep rather than move, host over NVMe
+        cost[y(i, "host")] = TIE * M * model.a_in * MS
+        cost[y(i, "nvme")] = 2 * TIE * M * model.a_in * MS
+        lower[fcol(i)], upper[fcol(i)], cost[fcol(i)] = model.f_lb[i] * MS, inf, M
+        lower[bcol(i)], upper[bcol(i)], cost[bcol(i)] = model.b_lb[i] * MS, inf, M
+        lower[lcol(i)], upper[lcol(i)] = 0.0, float(L)
+    lower[scol] = model.opt_embed_ready * MS if cfg.include_optimizer_stall else 0.0
+    upper[scol] = inf
+    cost[scol] = 1.0 if cfg.include_optimizer_stall else 0.0
+
+    rows: list[tuple[float, float, dict[int, float]]] = []
+    for i in range(L):
+        rows.append((1.0, 1.0, {y(i, t): 1.0 for t in ALL_TIERS}))
+        off = {y(i, "host"): 1.0, y(i, "nvme"): 1.0}
+        rows.append((0.0, inf, {fcol(i): 1.0, **{c: -model.a_out * MS for c in off}}))
+        rows.append((model.w_in[i] * MS, inf, {bcol(i): 1.0, **{c: -model.a_in * MS for c in off}}))
+        run = {lcol(i): 1.0, y(i, "recompute"): -(L + 1.0)}
+        if i > 0:
+            run[lcol(i - 1)] = -1.0
+        rows.append((-float(L), inf, run))
+        prefix = {y(k, "device"): 1.0 for k in range(i + 1)}
+        prefix[lcol(i)] = 1.0
+        rows.append((-inf, model.max_device_prefix(i), prefix))
+        # NVMe read of boundary i within the next two backward windows (the head for the top)
+        read = {bcol(j): 1.0 for j in (i + 1, i + 2) if j < L}
+        read[y(i, "nvme")] = -model.nvme_read * MS
+        rows.append((-(model.head * MS if i + 2 >= L else 0.0), inf, read))
+    rows.append((-inf, model.max_device_total(), {y(k, "device"): 1.0 for k in range(L)}))
+    rows.append((-inf, model.max_host(), {y(k, "host"): 1.0 for k in range(L)}))
+    rows.append((-inf, model.max_nvme(), {y(k, "nvme"): 1.0 for k in range(L)}))
+    agg: dict[int, float] = {}
+    for k in range(L):
+        agg[fcol(k)] = 1.0
+        agg[bcol(k)] = 1.0
+        agg[y(k, "recompute")] = model.recompute[k] * MS
+        agg[y(k, "nvme")] = -model.nvme_rw * MS
+    rows.append((-(model.e_fwd + model.head + model.e_bwd) * MS, inf, agg))
+    acc = {c: v for c, v in agg.items() if v > 0}
+    rows.append(((model.accumulate - model.e_fwd - model.head - model.e_bwd) * MS, inf, acc))
+    if cfg.include_optimizer_stall:
+        for k in range(L):
+            r = {scol: 1.0, **{fcol(u): 1.0 for u in range(k + 1)}}
+            rows.append(((model.opt_layer_done[k] - model.e_fwd) * MS, inf, r))
+
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = ncol, len(rows)
+    lp.col_cost_, lp.col_lower_, lp.col_upper_ = cost, lower, upper
+    lp.row_lower_ = [r[0] for r in rows]
+    lp.row_upper_ = [r[1] for r in rows]
+    starts, index, value = [0], [], []
+    for _, _, coefs in rows:
+        for c, v in coefs.items():
+            index.append(c)
+            value.append(v)
+        starts.append(len(index))
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = starts, index, value
+    lp.integrality_ = integrality
+    lp.offset_ = model.const_s() * MS
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(cfg.time_limit_s))
+    h.setOptionValue("mip_rel_gap", float(cfg.mip_rel_gap))
+    h.setOptionValue("threads", int(cfg.threads))
+    h.setOptionValue("random_seed", 0)
+    h.passModel(lp)
+    ws_name = None
+    if warm_start is not None:
+        ws_name, ws_tiers = warm_start
+        ev = model.evaluate(ws_tiers, cfg.include_optimizer_stall) if len(ws_tiers) == L else None
+        if ev is not None and ev.feasible and all(t in cfg.tiers for t in ws_tiers):
+            vals = [0.0] * ncol
+            for i in range(L):
+                vals[y(i, ws_tiers[i])] = 1.0
+                vals[fcol(i)], vals[bcol(i)], vals[lcol(i)] = ev.f[i] * MS, ev.b[i] * MS, float(ev.run[i])
+            vals[scol] = ev.stall * MS
+            sol = highspy.HighsSolution()
+            sol.col_value = vals
+            sol.value_valid = True
+            h.setSolution(sol)
+            # With presolve on, HiGHS 1.16 can report the improved objective but hand back the
+            # user's solution vector; solving the full model avoids that.
+            h.setOptionValue("presolve", "off")
+        else:
+            ws_name = None
+    t0 = time.perf_counter()
+    h.run()
+    solve_s = time.perf_counter() - t0
+    status = h.modelStatusToString(h.getModelStatus())
+    info = h.getInfo()
+    if info.primal_solution_status != 2:  # 2 = feasible
+        return MilpResult(None, float("inf"), float("inf"), float("inf"), status, solve_s, ws_name)
+    x = list(h.getSolution().col_value)
+    tiers = [max(cfg.tiers, key=lambda t: x[y(i, t)]) for i in range(L)]
+    obj = info.objective_function_value / MS
+    x_obj = sum(c * v for c, v in zip(cost, x)) / MS + model.const_s()
+    ties = sum(cost[y(i, t)] * x[y(i, t)] for i in range(L) for t in ("host", "nvme")) / MS
+    if abs(x_obj - obj) > 1e-6 * max(1.0, abs(obj)):
+        if ws_name is not None:  # the solver's vector does not match its objective: solve cold
+            cold = solve(model, cfg, None)
+            cold.solve_s += solve_s
+            return cold
+        raise AssertionError(f"HiGHS objective {obj} does not match its solution ({x_obj})")
+    bound = info.mip_dual_bound / MS
+    gap = max(0.0, (obj - bound) / obj) if obj > 0 else 0.0
+    return MilpResult(tiers, obj - ties, min(bound, obj) - ties, gap, status, solve_s, ws_name)
+
+
+def dp_device_host(model: StepModel) -> tuple[list[str] | None, float]:
+    """Exact optimum over device/host only, without the optimizer stall (a cross-check).
+
+    With no recompute or NVMe the model separates per boundary and the capacities reduce to a
+    count of device boundaries (<= D) and of host boundaries (<= H): a DP over (layer, #device).
+    """
+    L = model.L
+    dmax = min(int(model.max_device_total() + 1e-9),
+               min(int(model.max_device_prefix(i) + 1e-9) for i in range(L)))
+    hmax = int(model.max_host() + 1e-9)
+    M = model.num_micro_batches
+
+    def cost(i: int, tier: str) -> float:
+        off = 1.0 if tier == "host" else 0.0
+        return M * (max(model.f_lb[i], model.a_out * off) + max(model.b_lb[i], model.w_in[i] + model.a_in * off))
+
+    INF = float("inf")
+    # best[c] = (cost, tiers) over the layers seen so far with c device boundaries
+    best: list[tuple[float, list[str]]] = [(0.0, [])] + [(INF, [])] * max(dmax, 0)
+    if dmax < 0:
+        return None, INF
+    for i in range(L):
+        new: list[tuple[float, list[str]]] = [(INF, [])] * (dmax + 1)
+        for c, (v, tiers) in enumerate(best):
+            if v == INF:
+                continue
+            hosts = i - c
+            if hosts + 1 <= hmax:
+                cand = v + cost(i, "host")
+                if cand < new[c][0]:
+                    new[c] = (cand, tiers + ["host"])
+            if c + 1 <= dmax:
+                cand = v + cost(i, "device")
+                if cand < new[c + 1][0]:
+                    new[c + 1] = (cand, tiers + ["device"])
+        best = new
+    v, tiers = min(best, key=lambda e: e[0])
+    if v == INF:
+        return None, INF
+    return tiers, v + model.const_s()

@@ -1,0 +1,275 @@
+"""Outer search: micro-batch size, accumulation, optimizer moments; the MILP inside.
+
+For every micro-batch size that can fit, the MILP places the boundaries; the MILP plan and every
+baseline are then run through the simulator, and the fastest plan that fits (by simulation, the
+more faithful of the two models) is emitted. So the emitted plan is never slower in simulation
+than any baseline tried; when a baseline wins, the plan says so in its ``source``.
+
+Optimizer moments: fp32 everywhere if the host store fits, else the fewest parameters switched to
+block-wise 8-bit moments (8 -> ~2 bytes/param) until it does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .baselines import baseline_tiers, extra_candidates
+from .cost import MOMENT_BYTES, CostModel, ModelShape
+from .hardware import GB, HardwareProfile
+from .milp import MilpConfig, MilpResult, StepModel, solve
+from .plan import Plan
+from .simulator import SimResult, simulate
+
+
+class PlanInfeasible(ValueError):
+    """No plan fits: ``resource`` is the binding one, ``over_bytes`` by how much."""
+
+    def __init__(self, resource: str, over_bytes: int, detail: str):
+        self.resource, self.over_bytes = resource, over_bytes
+        super().__init__(detail)
+
+
+@dataclass
+class SearchConfig:
+    global_batch: int | None = None
+    """Sequences per optimizer step; None = choose (auto)."""
+    micro_batch_sizes: tuple[int, ...] | None = None
+    """Micro-batch sizes to try; None = the divisors of ``global_batch`` (auto: powers of 2)."""
+    max_micro_batch_size: int = 64
+    """Largest micro-batch size tried in auto mode."""
+    auto_num_micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    """Accumulation counts tried in auto mode."""
+    auto_tolerance: float = 0.03
+    """Auto mode takes the smallest global batch within this fraction of the best tokens/s."""
+    prefetch_depth: int = 1
+    """Weight prefetch depth of emitted plans (1 = double buffering)."""
+    head_chunk_tokens: int = 1024
+    milp: MilpConfig = field(default_factory=MilpConfig)
+
+
+@dataclass
+class Candidate:
+    name: str
+    """``milp`` or a baseline name."""
+    plan: Plan
+    sim: SimResult
+
+    @property
+    def fits(self) -> bool:
+        return self.sim.fits
+
+    def row(self) -> dict[str, Any]:
+        return {"name": self.name, "micro_batch_size": self.plan.micro_batch_size,
+                "num_micro_batches": self.plan.num_micro_batches, **self.sim.summary()}
+
+
+@dataclass
+class SearchResult:
+    plan: Plan
+    """The emitted plan (fastest that fits in simulation)."""
+    best: Candidate
+    milp: MilpResult | None
+    """The MILP solve at the emitted micro-batch size."""
+    by_name: dict[str, Candidate]
+    """Per rule (``milp`` and each baseline): its fastest fitting candidate over micro-batch sizes."""
+    tried: list[dict[str, Any]]
+    moments: list[str]
+    solve_s: float
+    """Seconds spent inside HiGHS, all micro-batch sizes together."""
+    plan_s: float
+    """Wall seconds of the whole search."""
+
+
+def choose_moments(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 0) -> list[str]:
+    """fp32 moments unless the host store would not fit; then the fewest 8-bit parameters."""
+    cost = CostModel(shape, hw, 1, 1)
+    units = shape.unit_names()
+    budget = hw.host_cap_bytes - reserve_bytes
+    moments = ["fp32"] * len(units)
+    over = cost.host_store_bytes(moments) - budget
+    if over <= 0:
+        return moments
+    saving = MOMENT_BYTES["fp32"] - MOMENT_BYTES["8bit"]
+    all8 = cost.host_store_bytes(["8bit"] * len(units))
+    if all8 > budget:
+        raise PlanInfeasible(
+            "host", all8 - budget,
+            f"host memory binds: the host store of {shape.name} needs {all8 / GB:.1f} GB even with "
+            f"8-bit optimizer moments everywhere, but {budget / GB:.1f} GB is usable "
+            f"({(all8 - budget) / GB:.1f} GB over); use a machine with more RAM or --host-mem")
+    # largest units first, then drop any that is not needed (fewest 8-bit parameters, greedily)
+    order = sorted(range(len(units)), key=lambda k: -shape.unit_params(units[k]))
+    chosen: list[int] = []
+    freed = 0.0
+    for k in order:
+        if freed >= over:
+            break
+        chosen.append(k)
+        freed += shape.unit_params(units[k]) * saving
+    for k in sorted(chosen, key=lambda k: shape.unit_params(units[k])):
+        if freed - shape.unit_params(units[k]) * saving >= over:
+            chosen.remove(k)
+            freed -= shape.unit_params(units[k]) * saving
+    for k in chosen:
+        moments[k] = "8bit"
+    return moments
+
+
+def simulate_fast(plan: Plan, shape: ModelShape, hw: HardwareProfile) -> SimResult:
+    """The simulator, with long accumulations extrapolated from 3 and 4 micro-batches.
+
+    Micro-batches repeat identically, so after the first one the step grows linearly in their
+    number; memory peaks do not depend on it. Used to screen candidates; the emitted plan is
+    simulated in full.
+    """
+    m = plan.num_micro_batches
+    if m <= 4:
+        return simulate(plan, shape, hw, keep_trace=False)
+    short = []
+    for k in (3, 4):
+        d = plan.to_dict()
+        d["num_micro_batches"] = k
+        short.append(simulate(Plan.from_dict(d), shape, hw, keep_trace=False))
+    a, b = short
+    per = b.step_s - a.step_s
+    res = b
+    res.plan = plan
+    res.step_s = b.step_s + (m - 4) * per
+    res.busy_s = {k: v + (m - 4) * (v - a.busy_s[k]) for k, v in b.busy_s.items()}
+    res.tokens_per_step = b.tokens_per_step // 4 * m
+    res.model_flops_per_step = b.model_flops_per_step / 4 * m
+    res.recompute_s = b.recompute_s / 4 * m
+    return res
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchConfig | None = None) -> SearchResult:
+    cfg = config or SearchConfig()
+    t_start = time.perf_counter()
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if cfg.global_batch is not None and cfg.global_batch < 1:
+        raise ValueError(f"global batch must be >= 1 sequence, got {cfg.global_batch}")
+    auto = cfg.global_batch is None
+    # leave room for a few offloaded boundaries of a mid-sized micro-batch next to the store
+    moments = choose_moments(shape, hw, reserve_bytes=0)
+    if cfg.micro_batch_sizes is not None:
+        mbs_list = sorted(set(cfg.micro_batch_sizes))
+    elif auto:
+        mbs_list = [2**k for k in range(0, 20) if 2**k <= cfg.max_micro_batch_size]
+    else:
+        mbs_list = _divisors(cfg.global_batch)  # type: ignore[arg-type]
+    if not auto:
+        bad = [m for m in mbs_list if cfg.global_batch % m]  # type: ignore[operator]
+        if bad:
+            raise ValueError(f"micro-batch sizes {bad} do not divide the global batch {cfg.global_batch}")
+    auto_m = 4
+    L = shape.num_layers
+    rules = {**baseline_tiers(L), **extra_candidates(L)}
+    tried: list[dict[str, Any]] = []
+    by_name: dict[str, Candidate] = {}
+    milp_at: dict[int, MilpResult] = {}
+    solve_s = 0.0
+    smallest_failure: Candidate | None = None
+    for mbs in mbs_list:
+        m_count = auto_m if auto else cfg.global_batch // mbs  # type: ignore[operator]
+        kw = dict(micro_batch_size=mbs, num_micro_batches=m_count, seq_len=seq_len,
+                  prefetch_depth=cfg.prefetch_depth, head_chunk_tokens=cfg.head_chunk_tokens, moments=moments)
+        model = StepModel(shape, hw, mbs, seq_len, m_count, cfg.prefetch_depth, cfg.head_chunk_tokens, moments)
+        cands: list[Candidate] = []
+        for name, tiers in rules.items():
+            plan = Plan(list(tiers), source=name, **kw)
+            cands.append(Candidate(name, plan, simulate_fast(plan, shape, hw)))
+        fitting = [c for c in cands if c.fits and model.evaluate(c.plan.boundaries).feasible]
+        warm = max(fitting, key=lambda c: c.sim.tokens_per_s) if fitting else None
+        res = solve(model, cfg.milp, (warm.name, warm.plan.boundaries) if warm else None)
+        solve_s += res.solve_s
+        milp_at[mbs] = res
+        if res.tiers is not None:
+            plan = res.plan(model)
+            cands.append(Candidate("milp", plan, simulate_fast(plan, shape, hw)))
+        any_fit = False
+        for c in cands:
+            tried.append(c.row())
+            if c.fits:
+                any_fit = True
+                cur = by_name.get(c.name)
+                if cur is None or c.sim.tokens_per_s > cur.sim.tokens_per_s:
+                    by_name[c.name] = c
+        if not any_fit and smallest_failure is None:
+            smallest_failure = min(cands, key=lambda x: x.sim.peak_device_bytes)
+        if not any_fit and by_name:
+            break  # larger micro-batches only need more memory
+    if not by_name:
+        raise _infeasible(shape, hw, seq_len, smallest_failure)
+    # screening may have extrapolated: simulate each rule's winner in full before choosing
+    for name, c in list(by_name.items()):
+        full = simulate(c.plan, shape, hw, keep_trace=False)
+        by_name[name] = Candidate(name, c.plan, full)
+        if not full.fits:
+            del by_name[name]
+    if not by_name:
+        raise _infeasible(shape, hw, seq_len, smallest_failure)
+    best = max(by_name.values(), key=lambda c: (c.sim.tokens_per_s, c.name == "milp"))
+    if "milp" in by_name and by_name["milp"].sim.tokens_per_s >= best.sim.tokens_per_s * (1 - 1e-9):
+        best = by_name["milp"]
+    if auto:
+        best = _pick_accumulation(best, shape, hw, cfg)
+        best = Candidate(best.name, best.plan, simulate(best.plan, shape, hw, keep_trace=False))
+    plan = best.plan
+    plan.source = "milp" if best.name == "milp" else f"planner:{best.name}"
+    res = milp_at.get(plan.micro_batch_size)
+    s = best.sim
+    plan.predicted = {
+        "model": shape.name,
+        "hardware": hw.name,
+        "step_s": s.step_s,
+        "tokens_per_s": s.tokens_per_s,
+        "achieved_tflops": s.achieved_tflops,
+        "peak_device_bytes": s.peak_device_bytes,
+        "device_cap_bytes": s.device_cap_bytes,
+        "peak_host_bytes": s.peak_host_bytes,
+        "milp_objective_s": res.objective_s if res else None,
+        "milp_bound_s": res.bound_s if res else None,
+        "milp_gap": res.gap if res else None,
+        "solve_s": solve_s,
+    }
+    return SearchResult(plan, best, res, by_name, tried, moments, solve_s, time.perf_counter() - t_start)
+
+
+def _pick_accumulation(best: Candidate, shape: ModelShape, hw: HardwareProfile, cfg: SearchConfig) -> Candidate:
+    """Auto mode: the smallest accumulation count within tolerance of the best tokens/s."""
+    options = []
+    for m in cfg.auto_num_micro_batches:
+        d = best.plan.to_dict()
+        d["num_micro_batches"] = m
+        plan = Plan.from_dict(d)
+        options.append(Candidate(best.name, plan, simulate_fast(plan, shape, hw)))
+    options = [o for o in options if o.fits] or [best]
+    top = max(o.sim.tokens_per_s for o in options)
+    return min((o for o in options if o.sim.tokens_per_s >= top * (1 - cfg.auto_tolerance)),
+               key=lambda o: o.plan.num_micro_batches)
+
+
+def _infeasible(shape: ModelShape, hw: HardwareProfile, seq_len: int, failure: Candidate | None) -> PlanInfeasible:
+    # the least device-hungry plan: every boundary offloaded, one sequence per micro-batch
+    plan = Plan(["host"] * shape.num_layers, micro_batch_size=1, seq_len=seq_len)
+    sim = simulate(plan, shape, hw, keep_trace=False)
+    over = sim.over_capacity() or (failure.sim.over_capacity() if failure else {})
+    if not over:
+        return PlanInfeasible("unknown", 0, "no candidate plan fits; try a smaller sequence length")
+    tier, nbytes = max(over.items(), key=lambda kv: kv[1])
+    used = {"device": sim.peak_device_bytes, "host": sim.peak_host_bytes, "nvme": sim.peak_nvme_bytes}[tier]
+    cap = {"device": sim.device_cap_bytes, "host": sim.host_cap_bytes, "nvme": sim.nvme_cap_bytes}[tier]
+    hint = {"device": "a shorter sequence, a smaller model or a GPU with more memory (--gpu-mem)",
+            "host": "more host RAM (--host-mem)", "nvme": "more NVMe space"}[tier]
+    return PlanInfeasible(
+        tier, nbytes,
+        f"nothing fits: {tier} memory binds. Even one sequence of {seq_len} tokens with every boundary "
+        f"offloaded needs {used / GB:.2f} GB of {tier} memory, {cap / GB:.2f} GB usable "
+        f"({nbytes / GB:.2f} GB over); needs {hint}")
