@@ -58,3 +58,22 @@ def test_cli_reports_bad_plan_without_traceback(tmp_path, capsys):
     code = main(["train", f"out_dir={tmp_path}", "plan=every-x", "steps=1"])
     assert code == 2
     assert "every-K with an integer K" in capsys.readouterr().err
+
+
+def test_interrupted_run_resumes_from_layerwise_checkpoint_identically(tmp_path):
+    common = dict(seq_len=32, micro_batch_size=2, corpus_tokens=50_000, eval_every=0,
+                  eval_batches=1, log_every=100, export=False, ckpt_every=3, ckpt_policy="full")
+    quiet = lambda *_: None  # noqa: E731
+    train(TrainConfig(steps=8, out_dir=str(tmp_path / "straight"), **common), log=quiet)
+    train(TrainConfig(steps=6, out_dir=str(tmp_path / "cut"), **common), log=quiet)
+    messages = []
+    train(TrainConfig(steps=8, out_dir=str(tmp_path / "cut"), **common), log=messages.append)
+    assert any("resumed from layer-wise checkpoint step 6" in m for m in messages)
+
+    def losses(run):
+        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows}
+
+    straight, cut = losses("straight"), losses("cut")
+    assert sorted(cut) == list(range(1, 9))
+    assert all(cut[s] == straight[s] for s in range(1, 9))

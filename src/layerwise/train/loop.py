@@ -7,6 +7,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -62,6 +63,14 @@ class TrainConfig:
     """Where metrics.jsonl, the plan and the exported model go."""
     export: bool = True
     """Write the trained model to ``out_dir/model`` as a Hugging Face directory."""
+    ckpt_every: int = 0
+    """Write a layer-wise checkpoint to ``out_dir/ckpt`` every N steps (0: never)."""
+    ckpt_policy: str = "filter"
+    """Which groups a checkpoint writes: full, parity, filter, topk, budget."""
+    ckpt_options: dict[str, Any] = field(default_factory=dict)
+    """Policy options, e.g. {threshold: 1e-3, max_staleness: 4, full_every: 10}."""
+    resume: bool = True
+    """Continue from the newest checkpoint in ``out_dir/ckpt`` when there is one."""
 
 
 @dataclass
@@ -130,9 +139,24 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
     out_dir.mkdir(parents=True, exist_ok=True)
     plan.save(out_dir / "plan.json")
 
+    ckpt, start_step = None, 0
+    if cfg.ckpt_every or cfg.resume:
+        from ..ckpt.checkpointer import Checkpointer
+        from ..ckpt.store_state import HostStoreStateProvider
+
+        provider = HostStoreStateProvider(store, engine.optimizers)
+        ckpt = Checkpointer(out_dir / "ckpt", provider=provider, policy=cfg.ckpt_policy,
+                            **cfg.ckpt_options)
+        if cfg.resume and ckpt.has_checkpoint():
+            start_step = ckpt.load().step
+            log(f"resumed from layer-wise checkpoint step {start_step} in {out_dir / 'ckpt'}")
+        elif not cfg.ckpt_every:
+            ckpt.close()
+            ckpt = None
+
     tokens = corpus_tokens(cfg.corpus_tokens, cfg.corpus)
     split = int(tokens.numel() * 0.95)
-    train_iter = batches(tokens[:split], cfg.seq_len, mbs, seed=cfg.seed)
+    train_iter = batches(tokens[:split], cfg.seq_len, mbs, seed=cfg.seed, start=start_step * accum)
     held_out = batches(tokens[split:], cfg.seq_len, mbs, seed=cfg.seed + 1)
     eval_set = [next(held_out) for _ in range(cfg.eval_batches)]
 
@@ -144,11 +168,11 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
     eval_start = engine.eval_loss(eval_set)
     log(f"step 0: eval loss {eval_start:.4f}")
 
-    metrics = open(out_dir / "metrics.jsonl", "w")
+    metrics = open(out_dir / "metrics.jsonl", "a" if start_step else "w")
     t_start, tokens_seen = time.perf_counter(), 0
     eval_loss = eval_start
     try:
-        for step in range(cfg.steps):
+        for step in range(start_step, cfg.steps):
             lr = lr_at(step, cfg.optimizer.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
             micro: list[Batch] = [next(train_iter) for _ in range(accum)]
             stats = engine.train_step(micro, lr=lr)
@@ -163,6 +187,11 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
             if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
                 eval_loss = engine.eval_loss(eval_set)
                 record["eval_loss"] = eval_loss
+            if ckpt is not None and cfg.ckpt_every and ((step + 1) % cfg.ckpt_every == 0 or last):
+                engine.synchronize()
+                rep = ckpt.save(step + 1, data_position=(step + 1) * accum)
+                record["ckpt_groups"] = len(rep.selected)
+                record["ckpt_blocked_s"] = rep.blocked_s
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
             if (step + 1) % cfg.log_every == 0 or last or "eval_loss" in record:
@@ -173,6 +202,8 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
     finally:
         metrics.close()
         engine.close()
+        if ckpt is not None:
+            ckpt.close()
     model_dir = None
     if cfg.export:
         model_dir = save_store(store, out_dir / "model", overwrite=True)
