@@ -214,10 +214,10 @@ def test_export_streams_one_group_at_a_time(hf_dir, tmp_path, fmt):
 class LiveModelSource:
     """A plain PyTorch model + AdamW(model.parameters()) as a CheckpointSource (one param group)."""
 
-    def __init__(self, model, opt, step):
+    def __init__(self, model, opt, step, scheduler=None):
         from layerwise.ckpt.source import group_of
 
-        self.model, self.opt, self.step = model, opt, step
+        self.model, self.opt, self.step, self.scheduler = model, opt, step, scheduler
         self.named = dict(model.named_parameters())
         self.by_group: dict[str, list[str]] = {}
         for n in self.named:
@@ -240,7 +240,8 @@ class LiveModelSource:
 
     def extra_state(self):
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
-        return {"step": self.step, "scheduler": None, "rng": None, "trainer_state": None,
+        sched = None if self.scheduler is None else json.loads(json.dumps(self.scheduler.state_dict()))
+        return {"step": self.step, "scheduler": sched, "rng": None, "trainer_state": None,
                 "optimizer_param_groups": groups}
 
 
@@ -271,6 +272,14 @@ def test_trainer_export_from_a_plain_loop_state(tmp_path):
     assert sched["last_epoch"] == 3 and sched["base_lrs"] == [3e-3, 3e-3]
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 3
     assert not (out / "rng_state.pth").exists()
+
+    # The loop's own one-group scheduler is spread over Trainer's two groups.
+    lam = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
+    out2 = tmp_path / "with-scheduler"
+    merge(LiveModelSource(model, opt, 3, scheduler=lam), out2, format="trainer")
+    sched = torch.load(out2 / "scheduler.pt", weights_only=True)
+    assert sched["base_lrs"] == [3e-3, 3e-3] and sched["_last_lr"] == [1.5e-3, 1.5e-3]
+    assert len(sched["lr_lambdas"]) == 2
 
 
 def test_cli_export_out_of_space_fails_cleanly(hf_dir, tmp_path):

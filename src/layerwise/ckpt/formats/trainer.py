@@ -125,6 +125,26 @@ def constant_scheduler_state(step: int, lr: float, num_groups: int = 2) -> dict:
     return state
 
 
+def _scheduler_for_groups(state: dict, num_groups: int) -> dict:
+    """A scheduler state with one entry per Trainer param group in its per-group lists.
+
+    A plain loop's optimizer has one group; LambdaLR zips its rates with the optimizer's groups, so
+    a one-entry list would leave the Trainer's second group at a stale rate.
+    """
+    out = dict(state)
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        value = out.get(key)
+        if not isinstance(value, list) or len(value) == num_groups:
+            continue
+        if len(value) != 1:
+            raise ValueError(
+                f"the source's LR scheduler has {len(value)} entries in {key!r}, but a Trainer "
+                f"checkpoint has {num_groups} param groups; export with a matching optimizer layout"
+            )
+        out[key] = value * num_groups
+    return out
+
+
 def trainer_rng_state(rng: dict | None) -> dict | None:
     """Trainer's ``rng_state.pth`` contents from the source's RNG states, or None if it has none usable.
 
@@ -216,6 +236,7 @@ def write_trainer(
         saved_hp = extra.get("optimizer_param_groups") or [{}]
         base_lr = hparams.lr if hparams else saved_hp[0].get("initial_lr", saved_hp[0].get("lr", AdamWHParams().lr))
         scheduler = constant_scheduler_state(step, base_lr, num_groups=len(order))
+    scheduler = _scheduler_for_groups(scheduler, len(order))
     param_groups = _param_groups(extra, hparams, scheduler)
     if len(param_groups) != len(order):
         raise ValueError(
@@ -233,7 +254,7 @@ def write_trainer(
     torch.save({"state": dict(sorted(state.items())), "param_groups": param_groups}, out_dir / OPTIMIZER_NAME)
     del state
 
-    torch.save(dict(scheduler), out_dir / SCHEDULER_NAME)
+    torch.save(scheduler, out_dir / SCHEDULER_NAME)
     rng = trainer_rng_state(extra.get("rng"))
     if rng is not None:
         torch.save(rng, out_dir / RNG_STATE_NAME)
