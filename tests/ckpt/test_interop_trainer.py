@@ -91,6 +91,12 @@ def test_trainer_checkpoint_source_maps_optimizer_state_like_trainer(trained):
     assert [g["weight_decay"] for g in extra["optimizer_param_groups"]] == [0.1, 0.0]
 
 
+def test_trainer_output_dir_is_not_a_source(trained):
+    _, run = trained
+    with pytest.raises(ValueError, match="looks like a Trainer output dir.*checkpoint-6"):
+        open_source(run)
+
+
 def test_trainer_export_resumes_like_the_original_checkpoint(trained, tmp_path):
     trainer, run = trained
     out = tmp_path / "checkpoint-4"

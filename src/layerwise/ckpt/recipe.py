@@ -231,7 +231,7 @@ class RecipeSource:
                 ref_model, ref = model, cfg
                 continue
             for k in ARCH_KEYS:
-                if cfg.get(k) != ref.get(k):
+                if k in cfg and k in ref and cfg[k] != ref[k]:
                     raise ValueError(
                         f"recipe: {model!r} and {ref_model!r} have different architectures "
                         f"({k}: {cfg.get(k)!r} vs {ref.get(k)!r}); layers can only be mixed between "

@@ -393,4 +393,10 @@ def open_source(path: str | Path, step: int | None = None) -> CheckpointSource:
         )
     if is_trainer_checkpoint(p):
         return TrainerCheckpointSource(p)
+    checkpoints = sorted(p.glob("checkpoint-*"), key=lambda c: (len(c.name), c.name))
+    if checkpoints and not any((p / f).is_file() for f in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)):
+        raise ValueError(
+            f"{p} looks like a Trainer output dir, not a checkpoint; point at one of its "
+            f"checkpoints, e.g. {checkpoints[-1]}"
+        )
     return HFModelDirSource(p)
