@@ -1,0 +1,221 @@
+"""Measure the machine this runs on and return a :class:`HardwareProfile`.
+
+What is measured (each the median of a few repeats, after a warm-up):
+
+- ``peak_tflops``: a square matmul in the compute dtype (fp32 on CPU, bf16 on CUDA);
+- ``efficiency``: the FLOP rate of a real decoder layer forward+backward (the cost model's
+  FLOPs over its measured time) divided by that matmul rate, so attention, norms and the
+  framework's overhead are priced as they are on this machine;
+- ``op_overhead_s``: the time of a decoder layer on 8 tokens (dispatch + Python per op);
+- copy bandwidth: on CUDA pinned H2D/D2H copies; on CPU the engine's "copies" are clones;
+- disk: write with fsync, then read back, in the spill directory;
+- host optimizer: fused AdamW over a flat fp32 buffer (as the host store updates a unit), and
+  the gradient accumulation ``grad += copy``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from .hardware import GB, PRESETS, HardwareProfile
+
+
+def _median_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _total_ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * GB
+
+
+def measure_matmul_tflops(device: str, dtype, n: int, repeats: int) -> float:
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    t = _median_time(lambda: torch.mm(a, b), repeats, sync)
+    return 2 * n**3 / t / 1e12
+
+
+def measure_layer(device: str, dtype, tokens: int, repeats: int) -> tuple[float, float]:
+    """(FLOP/s of a llama-30m decoder layer forward + backward at ``tokens``, seconds at 8 tokens)."""
+    import torch
+
+    from ..models.registry import get_flavor
+    from .cost import CostModel, ModelShape
+
+    cfg = get_flavor("llama-30m").build_config()
+    cfg._attn_implementation = "sdpa"
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    layer = LlamaDecoderLayer(cfg, 0).to(device=device, dtype=dtype)
+    rope = LlamaRotaryEmbedding(cfg).to(device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def run(seq: int) -> Callable[[], None]:
+        x = torch.randn(1, seq, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
+        pos = torch.arange(seq, device=device)[None]
+        pe = rope(x, pos)
+
+        def step() -> None:
+            out = layer(x, position_embeddings=pe, position_ids=pos)
+            out = out[0] if isinstance(out, tuple) else out
+            out.sum().backward()
+
+        return step
+
+    shape = ModelShape.from_config(cfg)
+    flops = 3 * CostModel(shape, PRESETS["cpu"], 1, tokens).layer_fwd_flops(0)
+    t = _median_time(run(tokens), repeats, sync)
+    t_small = _median_time(run(8), repeats, sync)
+    return flops / t, t_small / 3  # an op in the engine is about a third of fwd+bwd at tiny size
+
+
+def measure_copy_gbps(device: str, nbytes: int, repeats: int) -> tuple[float, float]:
+    import torch
+
+    n = nbytes // 4
+    if device.startswith("cuda"):
+        host = torch.empty(n, dtype=torch.float32).pin_memory()
+        dev = torch.empty(n, dtype=torch.float32, device=device)
+        sync = torch.cuda.synchronize
+        h2d = _median_time(lambda: dev.copy_(host, non_blocking=True), repeats, sync)
+        d2h = _median_time(lambda: host.copy_(dev, non_blocking=True), repeats, sync)
+        return nbytes / h2d / 1e9, nbytes / d2h / 1e9
+    src = torch.ones(n, dtype=torch.float32)
+    t = _median_time(lambda: src.clone(), repeats)
+    return nbytes / t / 1e9, nbytes / t / 1e9
+
+
+def measure_disk_gbps(directory: str | None, nbytes: int, repeats: int) -> tuple[float, float]:
+    """(read, write) GB/s of a file in ``directory``; writes are fsync'ed."""
+    data = os.urandom(min(nbytes, 1 << 20)) * max(1, nbytes // (1 << 20))
+    with tempfile.TemporaryDirectory(dir=directory, prefix="layerwise-calib-") as d:
+        path = Path(d) / "probe.bin"
+
+        def write() -> None:
+            with open(path, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+
+        def read() -> None:
+            with open(path, "rb") as f:
+                buf = bytearray(len(data))
+                f.readinto(buf)
+
+        tw = _median_time(write, repeats)
+        tr = _median_time(read, repeats)
+    return len(data) / tr / 1e9, len(data) / tw / 1e9
+
+
+def _probe_unit(numel: int):
+    import torch
+
+    from ..models.adapter import ParamSpec, Unit
+    from ..store import FlatLayout, UnitBuffers
+
+    unit = Unit("probe", "layer", 0, (ParamSpec("w", "w", (numel // 1024, 1024)),))
+    n = (numel // 1024) * 1024
+    return UnitBuffers(unit, FlatLayout.of(unit), torch.zeros(n), torch.randn(n))
+
+
+def measure_optimizer(numel: int, repeats: int) -> tuple[float, float]:
+    """(host AdamW params/s with fp32 moments, grad-accumulate GB/s), as the engine runs them."""
+    import torch
+
+    from ..optim.adamw import AdamWConfig, HostAdamW
+
+    buf = _probe_unit(numel)
+    opt = HostAdamW(AdamWConfig())
+    opt.init_state(buf)
+    t = _median_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats)
+    grad = torch.zeros(buf.layout.numel)
+    copy = torch.randn(buf.layout.numel)
+    ta = _median_time(lambda: grad.add_(copy), repeats)
+    return buf.layout.numel / t, buf.layout.numel * 12 / ta / 1e9
+
+
+def measure_optimizer_8bit(numel: int, repeats: int) -> float | None:
+    """Params/s of the project's block-wise 8-bit AdamW, if it is available."""
+    try:
+        from ..optim import adamw8bit
+        from ..optim.adamw import AdamWConfig
+    except ImportError:
+        return None
+    cls = getattr(adamw8bit, "HostAdamW8bit", None) or getattr(adamw8bit, "UnitAdamW8bit", None)
+    if cls is None:
+        return None
+    buf = _probe_unit(numel)
+    opt = cls(AdamWConfig())
+    opt.init_state(buf)
+    t = _median_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats)
+    return buf.layout.numel / t
+
+
+def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None = None,
+              name: str | None = None) -> HardwareProfile:
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda but CUDA is not available; use --device cpu")
+    on_gpu = device.startswith("cuda")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    reps = 3 if quick else 7
+    n = (4096 if on_gpu else 512) if quick else (8192 if on_gpu else 1024)
+    peak = measure_matmul_tflops(device, dtype, n, reps)
+    layer_rate, overhead = measure_layer(device, dtype, 256 if quick else 512, reps)
+    h2d, d2h = measure_copy_gbps(device, (64 << 20) if quick else (256 << 20), reps)
+    nvme_r, nvme_w = measure_disk_gbps(spill_dir, (32 << 20) if quick else (256 << 20), 2 if quick else 3)
+    opt_rate, accum = measure_optimizer((4 << 20) if quick else (16 << 20), reps)
+    opt8 = measure_optimizer_8bit((4 << 20) if quick else (16 << 20), reps) or opt_rate * 0.5
+    ram = _total_ram_bytes()
+    free_disk = _free_bytes(spill_dir or tempfile.gettempdir())
+    if on_gpu:
+        dev_mem = torch.cuda.get_device_properties(0).total_memory
+        base = replace(PRESETS["h100"], device_reserved_bytes=int(1.5 * GB), compute_dtype_bytes=2,
+                       synchronous=False)
+    else:
+        dev_mem = ram
+        base = PRESETS["cpu"]
+    return replace(
+        base,
+        name=name or f"calibrated-{device}",
+        device_mem_bytes=dev_mem,
+        device_reserved_bytes=min(base.device_reserved_bytes, dev_mem // 8),
+        peak_tflops=peak,
+        efficiency=max(0.02, min(1.0, layer_rate / (peak * 1e12))),
+        h2d_gbps=h2d, d2h_gbps=d2h,
+        nvme_read_gbps=nvme_r, nvme_write_gbps=nvme_w,
+        nvme_capacity_bytes=int(free_disk * 0.8),
+        host_mem_bytes=ram,
+        host_reserved_bytes=min(base.host_reserved_bytes, ram // 8),
+        optimizer_params_per_s=opt_rate, optimizer_8bit_params_per_s=opt8,
+        host_accum_gbps=accum,
+        op_overhead_s=overhead,
+    )
+
+
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize

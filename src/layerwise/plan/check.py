@@ -1,0 +1,145 @@
+"""Independent feasibility check of a simulated plan.
+
+It does not trust the simulator's own peak numbers or the MILP's capacity rows: from the
+simulated timeline (allocations with their lifetimes, lane intervals, compute ops) it recomputes
+every tier's occupancy at every instant something is allocated, and checks that
+
+- no tier (device, pinned host + the host store, NVMe) is over capacity at any instant;
+- no lane runs two things at once;
+- every compute op had its weights on the device, copied in before it started, and its input
+  boundary present (kept, fetched after its offload finished, or recomputed) for its whole run;
+- NVMe reads start after the matching write ended;
+- a weight copy in step s+1 starts after that unit's optimizer update in step s.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .cost import ModelShape
+from .hardware import HardwareProfile
+from .simulator import LANES, SimResult
+
+EPS = 1e-9
+
+
+@dataclass
+class CheckReport:
+    ok: bool
+    violations: list[str] = field(default_factory=list)
+    peaks: dict[str, int] = field(default_factory=dict)
+    """Recomputed peak bytes per tier (host includes the store)."""
+
+
+def _occupancy_peak(starts: np.ndarray, ends: np.ndarray, nbytes: np.ndarray) -> tuple[int, float]:
+    """Max over allocation instants t of sum(bytes of allocations with start <= t < end)."""
+    if len(starts) == 0:
+        return 0, 0.0
+    so = np.argsort(starts, kind="stable")
+    s_sorted, s_cum = starts[so], np.cumsum(nbytes[so])
+    eo = np.argsort(ends, kind="stable")
+    e_sorted, e_cum = ends[eo], np.cumsum(nbytes[eo])
+    t = s_sorted
+    added = s_cum[np.searchsorted(s_sorted, t, side="right") - 1]
+    k = np.searchsorted(e_sorted, t, side="right")
+    freed = np.where(k > 0, e_cum[np.maximum(k - 1, 0)], 0)
+    live = added - freed
+    j = int(np.argmax(live))
+    return int(live[j]), float(t[j])
+
+
+def check(sim: SimResult, shape: ModelShape, hw: HardwareProfile) -> CheckReport:
+    if not sim.allocs or not sim.op_log:
+        raise ValueError("check needs a simulation with its trace (simulate(..., keep_trace=True))")
+    plan = sim.plan
+    v: list[str] = []
+    try:
+        plan.validate(shape.num_layers)
+    except ValueError as e:
+        v.append(f"plan: {e}")
+
+    # 1. capacity at every instant
+    caps = {"device": hw.device_cap_bytes, "host": hw.host_cap_bytes, "nvme": hw.nvme_capacity_bytes}
+    base = {"device": 0, "host": sim.host_store_bytes, "nvme": 0}
+    peaks = {}
+    for tier in caps:
+        al = [a for a in sim.allocs if a.tier == tier and a.end > a.start]
+        starts = np.array([a.start for a in al], dtype=float)
+        ends = np.array([a.end for a in al], dtype=float)
+        nb = np.array([a.nbytes for a in al], dtype=np.int64)
+        if np.isinf(ends).any():
+            v.append(f"{tier}: {int(np.isinf(ends).sum())} allocations never freed")
+            ends = np.where(np.isinf(ends), starts.max(initial=0) + 1e9, ends)
+        peak, at = _occupancy_peak(starts, ends, nb)
+        peaks[tier] = peak + base[tier]
+        if peaks[tier] > caps[tier]:
+            v.append(f"{tier}: {peaks[tier]} bytes live at t={at:.6f}s > capacity {caps[tier]}")
+
+    # 2. lanes never run two things at once
+    phys = {k: ("compute" if hw.synchronous and k in ("h2d", "d2h", "host", "optimizer") else k) for k in LANES}
+    by_lane: dict[str, list] = defaultdict(list)
+    for iv in sim.intervals:
+        by_lane[phys[iv.lane]].append(iv)
+    for lane, ivs in by_lane.items():
+        ivs.sort(key=lambda x: (x.start, x.end))
+        for a, b in zip(ivs, ivs[1:]):
+            if b.start < a.end - EPS:
+                v.append(f"lane {lane}: '{a.label}' [{a.start:.6f},{a.end:.6f}] overlaps '{b.label}' at {b.start:.6f}")
+                break
+
+    # 3. what each op needs is there
+    allocs_by_label: dict[str, list] = defaultdict(list)
+    for a in sim.allocs:
+        if a.tier == "device":
+            key = a.label.split(" (")[0]
+            allocs_by_label[key].append(a)
+    copies: dict[str, list] = defaultdict(list)
+    for iv in sim.intervals:
+        copies[iv.label].append(iv)
+
+    def covered(key: str, s: float, e: float) -> bool:
+        return any(a.start <= s + EPS and a.end >= e - EPS for a in allocs_by_label.get(key, ()))
+
+    for op in sim.op_log:
+        s, e = op["start"], op["end"]
+        for u in op["units"]:
+            if not covered(f"weights {u}", s, e):
+                v.append(f"{op['kind']} {op['index']} (step {op['step']}, mb {op['mb']}): weights of {u} not on device")
+            elif not any(c.end <= s + EPS and c.start <= s for c in copies.get(f"w {u}", ())):
+                v.append(f"{op['kind']} {op['index']}: weights of {u} not copied in before it starts")
+        if op["kind"] in ("layer_bwd", "recompute_layer"):
+            i = op["index"]
+            if not covered(f"boundary {i}", s, e):
+                v.append(f"{op['kind']} {i} (step {op['step']}, mb {op['mb']}): input boundary {i} not on device")
+        if op["kind"] == "layer_bwd" and plan.boundaries[op["index"]] in ("host", "nvme"):
+            i = op["index"]
+            if not any(c.end <= s + EPS for c in copies.get(f"fetch b{i}", ())):
+                v.append(f"layer_bwd {i}: boundary {i} not fetched before use")
+
+    # 4. ordering of the offload chain: offload -> fetch; nvme write -> read (k-th with k-th)
+    for i, tier in enumerate(plan.boundaries):
+        pairs = [("offload", "fetch")] if tier == "host" else (
+            [("offload", "nvme write"), ("nvme write", "nvme read"), ("nvme read", "fetch")] if tier == "nvme" else [])
+        for first, then in pairs:
+            xs = sorted(copies.get(f"{first} b{i}", ()), key=lambda c: c.start)
+            ys = sorted(copies.get(f"{then} b{i}", ()), key=lambda c: c.start)
+            if len(xs) != len(ys):
+                v.append(f"boundary {i}: {len(xs)} '{first}' but {len(ys)} '{then}'")
+                continue
+            for x, y in zip(xs, ys):
+                if y.start < x.end - EPS:
+                    v.append(f"boundary {i}: '{then}' starts at {y.start:.6f} before '{first}' ends at {x.end:.6f}")
+                    break
+
+    # 5. optimizer update of step s before the unit's weights are copied in step s+1
+    updates = {(iv.step, iv.label[len("update "):]): iv.end for iv in sim.intervals if iv.label.startswith("update ")}
+    for iv in sim.intervals:
+        if iv.label.startswith("w ") and iv.step > 0:
+            done = updates.get((iv.step - 1, iv.label[2:]))
+            if done is None or iv.start < done - EPS:
+                v.append(f"step {iv.step}: weights of {iv.label[2:]} copied before their update finished")
+                break
+    return CheckReport(not v, v, peaks)

@@ -1,0 +1,142 @@
+"""``layerwise plan`` and ``layerwise calibrate``. Heavy imports stay inside the handlers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="plan where activations live (MILP) and compare with fixed rules",
+                       description="Choose, per layer boundary, keep on GPU / offload to host / NVMe / "
+                                   "recompute, the micro-batch size and optimizer moments; print the plan "
+                                   "against the fixed rules in the simulator and write the Plan JSON.")
+    p.add_argument("--model", required=True, help="flavor name (e.g. qwen2.5-7b) or a local HF model directory")
+    p.add_argument("--hardware", required=True, help="preset (h200, h800, h100, a100-80g, rtx3090, rtx4090, cpu) "
+                                                     "or a profile JSON from `layerwise calibrate`")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--batch", default="auto", help="sequences per optimizer step, or 'auto' (default)")
+    p.add_argument("--gpu-mem", type=float, default=None, help="override device memory, GB")
+    p.add_argument("--host-mem", type=float, default=None, help="override host memory, GB")
+    p.add_argument("--prefetch-depth", type=int, default=1, help="weight prefetch depth (1 = double buffer)")
+    p.add_argument("--time-limit", type=float, default=5.0, help="MILP time limit per micro-batch size, s")
+    p.add_argument("--gap", type=float, default=1e-3, help="MILP relative gap to stop at")
+    p.add_argument("--out", default=None, help="write the chosen Plan here (JSON the engine consumes)")
+    p.add_argument("--timeline", default=None, help="write a PNG timeline of the chosen plan's step")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(func=plan_command)
+
+    c = sub.add_parser("calibrate", help="measure this machine and write a hardware profile",
+                       description="Measure matmul throughput, copy bandwidth, disk write/read and host "
+                                   "optimizer throughput; write a profile for `layerwise plan --hardware`.")
+    c.add_argument("--out", default="profile.json", help="profile file to write (default profile.json)")
+    c.add_argument("--quick", action="store_true", help="smaller measurements (seconds, less precise)")
+    c.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    c.add_argument("--spill-dir", default=None, help="directory for the disk measurement (default: temp dir)")
+    c.set_defaults(func=calibrate_command)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f}"
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    from .check import check
+    from .cost import load_shape
+    from .hardware import get_hardware
+    from .milp import MilpConfig
+    from .search import PlanInfeasible, SearchConfig, search
+    from .simulator import simulate
+
+    if args.seq_len < 1:
+        raise ValueError(f"--seq-len must be >= 1, got {args.seq_len}")
+    if args.batch == "auto":
+        batch = None
+    else:
+        try:
+            batch = int(args.batch)
+        except ValueError:
+            raise ValueError(f"--batch must be a number of sequences or 'auto', got {args.batch!r}") from None
+        if batch < 1:
+            raise ValueError(f"--batch must be >= 1, got {batch}")
+    shape = load_shape(args.model)
+    hw = get_hardware(args.hardware).with_memory(args.gpu_mem, args.host_mem)
+    cfg = SearchConfig(global_batch=batch, prefetch_depth=args.prefetch_depth,
+                       milp=MilpConfig(time_limit_s=args.time_limit, mip_rel_gap=args.gap))
+    try:
+        res = search(shape, hw, args.seq_len, cfg)
+    except PlanInfeasible as e:
+        if args.json:
+            print(json.dumps({"fits": False, "binding": e.resource, "over_bytes": e.over_bytes, "message": str(e)}))
+        else:
+            print(f"layerwise plan: {e}", file=sys.stderr)
+        return 1
+    sim = simulate(res.plan, shape, hw)
+    report = check(sim, shape, hw)
+    if not report.ok:  # the search only keeps fitting plans; this is a bug if it happens
+        raise AssertionError("emitted plan fails the feasibility check: " + "; ".join(report.violations[:3]))
+    if args.out:
+        res.plan.save(args.out)
+    if args.timeline:
+        from .timeline import draw_timeline
+
+        draw_timeline(sim, args.timeline)
+    rows = [("plan", res.best)] + sorted(((n, c) for n, c in res.by_name.items()),
+                                         key=lambda nc: -nc[1].sim.tokens_per_s)
+    if args.json:
+        out: dict[str, Any] = {
+            "fits": True, "model": shape.name, "hardware": hw.name, "seq_len": args.seq_len,
+            "plan": res.plan.to_dict(), "solve_s": res.solve_s, "plan_s": res.plan_s,
+            "milp": None if res.milp is None else {
+                "status": res.milp.status, "objective_s": res.milp.objective_s, "bound_s": res.milp.bound_s,
+                "gap": res.milp.gap, "warm_start": res.milp.warm_start},
+            "rules": {n: c.row() for n, c in rows[1:]},
+            "check": {"ok": report.ok, "peaks": report.peaks},
+        }
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+    p = res.plan
+    counts = {t: p.boundaries.count(t) for t in ("device", "host", "nvme", "recompute") if t in p.boundaries}
+    n8 = (p.moments or []).count("8bit")
+    print(f"{shape.name} ({shape.num_params / 1e9:.2f}B params, {shape.num_layers} layers) on {hw.name}: "
+          f"device {_gb(hw.device_cap_bytes)} GB usable, host {_gb(hw.host_cap_bytes)} GB usable; "
+          f"seq {args.seq_len}, batch {p.micro_batch_size * p.num_micro_batches} "
+          f"({p.micro_batch_size} x {p.num_micro_batches} micro-batches)")
+    head = f"{'rule':<22}{'mbs x n':>9}{'step s':>10}{'tokens/s':>11}{'TFLOPS':>8}{'dev GB':>8}{'host GB':>9}{'vs plan':>9}"
+    print(head)
+    print("-" * len(head))
+    best_tps = res.best.sim.tokens_per_s
+    for name, c in rows:
+        label = f"plan ({p.source})" if name == "plan" else name
+        s = c.sim
+        print(f"{label:<22}{c.plan.micro_batch_size:>4} x{c.plan.num_micro_batches:>3}{s.step_s:>10.3f}"
+              f"{s.tokens_per_s:>11,.0f}{s.achieved_tflops:>8.1f}{_gb(s.peak_device_bytes):>8}"
+              f"{_gb(s.peak_host_bytes):>9}{s.tokens_per_s / best_tps:>9.2f}")
+    m = res.milp
+    if m is not None:
+        print(f"MILP: {m.status}, model step {m.objective_s:.3f} s, bound {m.bound_s:.3f} s, gap {m.gap:.2%}, "
+              f"warm start {m.warm_start or 'none'}; HiGHS {res.solve_s:.2f} s, search {res.plan_s:.2f} s")
+    print(f"boundaries: {', '.join(f'{v} {k}' for k, v in counts.items())}; optimizer moments: "
+          f"{len(p.moments or []) - n8} units fp32, {n8} units 8-bit; check: ok "
+          f"(peak device {_gb(report.peaks['device'])} GB, host {_gb(report.peaks['host'])} GB)")
+    busy = sim.busy_s
+    print("busy per step: " + ", ".join(f"{k} {v:.2f}s" for k, v in busy.items() if v > 0))
+    if args.out:
+        print(f"wrote {args.out}")
+    if args.timeline:
+        print(f"wrote {args.timeline}")
+    return 0
+
+
+def calibrate_command(args: argparse.Namespace) -> int:
+    from .calibrate import calibrate
+
+    profile = calibrate(quick=args.quick, device=args.device, spill_dir=args.spill_dir)
+    profile.save(args.out)
+    d = profile.to_dict()
+    for k, v in d.items():
+        print(f"{k:<28}{v}")
+    print(f"wrote {args.out}")
+    return 0
