@@ -111,3 +111,22 @@ def test_update_of_a_layer_finishes_before_its_next_forward():
         engine.close()
     assert losses["overlapped"] == losses["synchronous"]
     assert losses["overlapped"][0] != losses["overlapped"][1]
+
+
+def test_plan_moments_choose_8bit_per_unit_and_training_still_tracks_fp32():
+    cfg = get_flavor("llama-debug").build_config()
+    adapter = DecoderAdapter(cfg)
+    data = batches(cfg.vocab_size, 10)
+    losses = {}
+    for kinds in (None, ["fp32", "8bit", "8bit", "fp32", "8bit", "fp32"]):
+        store = HostStore(adapter)
+        store.copy_from_model(build_hf_model(cfg, seed=0))
+        plan = Plan.every_k(adapter.num_layers, 1, moments=kinds)
+        engine = StreamingEngine(adapter, store, plan, EngineConfig(optimizer=AdamWConfig(lr=1e-2)))
+        if kinds:
+            assert "exp_avg" not in store["layers.0"].state and "exp_avg" in store["embed"].state
+        losses[bool(kinds)] = [engine.train_step([b]).loss for b in data]
+        engine.close()
+    assert losses[True][0] == losses[False][0]
+    assert losses[True] != losses[False]
+    assert abs(losses[True][-1] - losses[False][-1]) < 0.05 * losses[False][-1]

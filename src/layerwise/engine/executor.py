@@ -100,9 +100,9 @@ class StreamingEngine:
         for buf, kind in zip(self.store, kinds):
             if kind == "8bit":
                 if eight is None:
-                    from ..optim.adamw8bit import UnitAdamW8bit  # optional, heavier import
+                    from ..optim.adamw8bit import HostAdamW8bit  # heavier import, only if used
 
-                    eight = UnitAdamW8bit(self.config.optimizer)
+                    eight = HostAdamW8bit(self.config.optimizer)
                 out[buf.name] = eight
             else:
                 out[buf.name] = fp32
