@@ -91,6 +91,24 @@ def test_trainer_checkpoint_source_maps_optimizer_state_like_trainer(trained):
     assert [g["weight_decay"] for g in extra["optimizer_param_groups"]] == [0.1, 0.0]
 
 
+def test_foreign_optimizer_layouts_are_refused(trained, tmp_path):
+    import shutil
+
+    _, run = trained
+    ckpt = tmp_path / "checkpoint-2"
+    shutil.copytree(run / "checkpoint-2", ckpt)
+    sd = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    # One param group over all parameters: not what Trainer builds, so positions cannot be trusted.
+    sd["param_groups"] = [{**sd["param_groups"][0], "params": sorted(sd["state"])}]
+    torch.save(sd, ckpt / "optimizer.pt")
+    with pytest.raises(ValueError, match=r"param groups of sizes \[39\].*would build \[\d+, \d+\]"):
+        TrainerCheckpointSource(ckpt).load_group("layers.0")
+    (ckpt / "optimizer.pt").unlink()
+    (ckpt / "global_step2").mkdir()
+    with pytest.raises(ValueError, match="sharded optimizer state.*DeepSpeed"):
+        open_source(ckpt)
+
+
 def test_trainer_output_dir_is_not_a_source(trained):
     _, run = trained
     with pytest.raises(ValueError, match="looks like a Trainer output dir.*checkpoint-6"):

@@ -250,6 +250,16 @@ class TrainerCheckpointSource(HFModelDirSource):
     """
 
     def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"{self.path} is not a directory")
+        sharded = [d.name for d in self.path.iterdir() if d.is_dir() and d.name.startswith(("global_step", "optimizer_"))]
+        if sharded and not (self.path / OPTIMIZER_NAME).is_file():
+            raise ValueError(
+                f"{path} holds a sharded optimizer state ({', '.join(sorted(sharded))}: DeepSpeed ZeRO or "
+                "FSDP), which layerwise cannot read; consolidate it into optimizer.pt first, or export "
+                "the weights only by pointing at a copy without it"
+            )
         super().__init__(path)
         if self._config is None:
             raise ValueError(
