@@ -104,7 +104,12 @@ def _replace_dir(tmp: Path, out: Path) -> None:
             os.rename(out, old)
         else:
             out.rmdir()
-    os.rename(tmp, out)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.rename(old, out)  # put the previous output back
+        raise
     fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old)
