@@ -104,14 +104,14 @@ def plan_command(args: argparse.Namespace) -> int:
           f"device {_gb(hw.device_cap_bytes)} GB usable, host {_gb(hw.host_cap_bytes)} GB usable; "
           f"seq {args.seq_len}, batch {p.micro_batch_size * p.num_micro_batches} "
           f"({p.micro_batch_size} x {p.num_micro_batches} micro-batches)")
-    head = f"{'rule':<22}{'mbs x n':>9}{'step s':>10}{'tokens/s':>11}{'TFLOPS':>8}{'dev GB':>8}{'host GB':>9}{'vs plan':>9}"
+    head = f"{'rule':<30}{'mbs x n':>9}{'step s':>10}{'tokens/s':>11}{'TFLOPS':>8}{'dev GB':>8}{'host GB':>9}{'vs plan':>9}"
     print(head)
     print("-" * len(head))
     best_tps = res.best.sim.tokens_per_s
     for name, c in rows:
         label = f"plan ({p.source})" if name == "plan" else name
         s = c.sim
-        print(f"{label:<22}{c.plan.micro_batch_size:>4} x{c.plan.num_micro_batches:>3}{s.step_s:>10.3f}"
+        print(f"{label:<30}{c.plan.micro_batch_size:>4} x{c.plan.num_micro_batches:>3}{s.step_s:>10.3f}"
               f"{s.tokens_per_s:>11,.0f}{s.achieved_tflops:>8.1f}{_gb(s.peak_device_bytes):>8}"
               f"{_gb(s.peak_host_bytes):>9}{s.tokens_per_s / best_tps:>9.2f}")
     m = res.milp

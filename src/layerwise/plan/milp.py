@@ -101,13 +101,21 @@ class StepModel:
         self.opt_embed_ready = cum[0] + cost.h2d_s(emb_w)
         # next step: layer k's forward can end no earlier than its update + its copy + its compute
         self.opt_layer_done = [cum[1 + k] + self.w_in[k] + self.c_fwd[k] for k in range(L)]
-        # device memory: the largest weight window plus each op's transient
-        unit_bytes = sorted((cost.unit_weight_bytes(u) for u in set(units) | set(head_units)), reverse=True)
-        biggest = unit_bytes[0]
+        # device memory: each op's weight window (its units + the next `prefetch_depth` uses)
+        # plus its transient; the weight schedule after layer_bwd i is layers i-1..0, embed
+        # (its embed_bwd), then the next micro-batch's embed and layers 0..
         d = prefetch_depth
         self.dev_cap = hw.device_cap_bytes
-        self.c_bwd_mem = [lw[i] + d * biggest + cost.op_transient_bytes("layer_bwd", i) for i in range(L)]
-        self.c_head_mem = head_w + d * biggest + cost.op_transient_bytes("head")
+        after_bwd = [f"layers.{k}" for k in range(L - 1, -1, -1)] + ["embed", "embed"] + \
+            [f"layers.{k}" for k in range(L)] + ["head"]
+        def window(units_now: list[str], ahead: list[str]) -> int:
+            return sum(cost.unit_weight_bytes(u) for u in set(units_now) | set(ahead[:d]))
+        # the previous op's gradient may still be on its way to the host (held until copied)
+        head_grad = sum(cost.grad_bytes(u) for u in head_units)
+        self.c_bwd_mem = [window([f"layers.{i}"], after_bwd[L - i:]) + cost.op_transient_bytes("layer_bwd", i)
+                          + (head_grad if i == L - 1 else cost.grad_bytes(f"layers.{i + 1}"))
+                          for i in range(L)]
+        self.c_head_mem = window(head_units, after_bwd) + cost.op_transient_bytes("head")
         self.host_budget = hw.host_cap_bytes - cost.host_store_bytes(moments)
         self.nvme_cap = hw.nvme_capacity_bytes
         self.nvme_rw = a / (hw.nvme_write_gbps * 1e9) + a / (hw.nvme_read_gbps * 1e9)

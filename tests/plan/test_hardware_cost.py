@@ -1,0 +1,84 @@
+import json
+
+import pytest
+
+from layerwise.models.adapter import DecoderAdapter
+from layerwise.models.registry import get_flavor
+from layerwise.plan.cost import CostModel, ModelShape, load_shape
+from layerwise.plan.hardware import PRESETS, HardwareProfile, get_hardware
+
+
+def test_presets_roundtrip_through_json(tmp_path):
+    for name, hw in PRESETS.items():
+        path = tmp_path / f"{name}.json"
+        hw.save(path)
+        assert get_hardware(str(path)) == hw
+        assert hw.device_cap_bytes < hw.device_mem_bytes
+
+
+def test_profile_errors_say_what_to_do(tmp_path):
+    with pytest.raises(ValueError, match="preset"):
+        get_hardware("tpu-v9")
+    bad = PRESETS["h200"].to_dict()
+    bad["warp_drive"] = 1
+    (tmp_path / "p.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="unknown keys"):
+        get_hardware(str(tmp_path / "p.json"))
+    del bad["warp_drive"], bad["h2d_gbps"]
+    (tmp_path / "p.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="missing"):
+        HardwareProfile.load(tmp_path / "p.json")
+    with pytest.raises(ValueError, match="efficiency"):
+        HardwareProfile.from_dict({**PRESETS["h200"].to_dict(), "efficiency": 1.5})
+
+
+def test_memory_override():
+    hw = PRESETS["rtx3090"].with_memory(gpu_mem_gb=12, host_mem_gb=64)
+    assert hw.device_mem_bytes == 12 * 10**9 and hw.host_mem_bytes == 64 * 10**9
+
+
+@pytest.mark.parametrize("flavor", ["llama-debug", "llama-debug-tied", "qwen2-debug", "qwen3-debug-untied",
+                                    "mistral-debug", "llama-30m"])
+def test_shape_param_counts_match_the_adapter(flavor):
+    cfg = get_flavor(flavor).build_config()
+    shape = ModelShape.from_config(cfg)
+    ad = DecoderAdapter(cfg)
+    by_name = {u.name: u.numel for u in ad.units}
+    for unit in shape.unit_names():
+        assert shape.unit_params(unit) == by_name[unit], unit
+    assert shape.num_params == ad.num_params()
+
+
+def test_real_shape_param_count():
+    # Qwen2.5-7B has 7.62B parameters (model card)
+    assert abs(load_shape("qwen2.5-7b").num_params / 1e9 - 7.62) < 0.01
+    assert abs(load_shape("llama3-8b").num_params / 1e9 - 8.03) < 0.01
+
+
+def test_flops_by_hand():
+    # tiny llama: h=32, f=64, 4 heads x 8, 2 kv heads; matmul weights = 32*32 + 2*32*16 + 32*32 + 3*32*64
+    shape = load_shape("llama-debug")
+    assert shape.layer_matmul_params == 1024 + 1024 + 1024 + 6144
+    cm = CostModel(shape, PRESETS["h200"], micro_batch_size=2, seq_len=4)
+    pairs = 4 * 5 // 2  # causal (q, k) pairs of a 4-token sequence
+    expect = 2 * 9216 * 8 + 4 * 32 * pairs * 2
+    assert cm.layer_fwd_flops(0) == expect
+    assert cm.layer_bwd_s(0) == pytest.approx(3 * expect / PRESETS["h200"].flops_per_s)
+    assert cm.boundary_bytes == 2 * 4 * 32 * 2  # bf16
+    assert shape.attention_pairs(10, 4) == 4 * 5 // 2 + 6 * 4  # sliding window
+
+
+def test_host_store_bytes_moments():
+    shape = load_shape("llama-30m")
+    cm = CostModel(shape, PRESETS["h200"], 1, 16)
+    n = shape.num_params
+    assert cm.host_store_bytes() == n * (4 + 4 + 2 + 8)
+    eight = cm.host_store_bytes(["8bit"] * (shape.num_layers + 2))
+    assert eight == pytest.approx(n * (4 + 4 + 2 + 2 + 8 / 256), rel=1e-6)
+
+
+def test_load_shape_from_hf_dir(tmp_path):
+    get_flavor("qwen2-debug").build_config().save_pretrained(tmp_path)
+    assert load_shape(str(tmp_path)).num_params == load_shape("qwen2-debug").num_params
+    with pytest.raises(ValueError, match="unknown model"):
+        load_shape("no-such-model")
