@@ -1,0 +1,157 @@
+"""MILP, outer search, baselines and the independent checker."""
+
+from dataclasses import replace
+
+import pytest
+
+from layerwise.plan.baselines import baseline_tiers
+from layerwise.plan.check import check
+from layerwise.plan.cost import CostModel, load_shape
+from layerwise.plan.hardware import GB, PRESETS
+from layerwise.plan.milp import MilpConfig, StepModel, dp_device_host, solve
+from layerwise.plan.plan import Plan
+from layerwise.plan.search import PlanInfeasible, SearchConfig, choose_moments, search
+from layerwise.plan.simulator import simulate
+
+CASES = [
+    # (model, hardware, seq, global batch, gpu GB, host GB)
+    ("qwen2.5-7b", "rtx3090", 4096, 8, 12, None),  # device memory binds
+    ("llama3-8b", "h800", 1024, 16, None, None),
+    ("qwen2.5-3b", "rtx3090", 4096, 4, None, 90),  # host memory short: little room for activations
+    ("qwen2.5-14b", "a100-80g", 2048, 4, 30, None),
+    ("llama-30m", "cpu", 256, 4, None, None),
+]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}")
+def planned(request):
+    model, hw_name, seq, batch, gpu, host = request.param
+    shape = load_shape(model)
+    hw = PRESETS[hw_name].with_memory(gpu, host)
+    return shape, hw, search(shape, hw, seq, SearchConfig(global_batch=batch))
+
+
+def test_plan_never_worse_than_any_baseline_in_the_simulator(planned):
+    shape, hw, res = planned
+    best = simulate(res.plan, shape, hw)
+    assert best.fits
+    for name in baseline_tiers(shape.num_layers):
+        rule = res.by_name.get(name)
+        if rule is None:
+            continue  # the rule fits at no micro-batch size
+        assert best.tokens_per_s >= rule.sim.tokens_per_s * (1 - 1e-9), name
+    # every baseline that fits at the emitted micro-batch size, simulated afresh
+    kw = dict(micro_batch_size=res.plan.micro_batch_size, num_micro_batches=res.plan.num_micro_batches,
+              seq_len=res.plan.seq_len, moments=res.plan.moments)
+    for name, tiers in baseline_tiers(shape.num_layers).items():
+        sim = simulate(Plan(tiers, **kw), shape, hw, keep_trace=False)
+        if sim.fits:
+            assert best.tokens_per_s >= sim.tokens_per_s * (1 - 1e-9), name
+
+
+def test_every_emitted_plan_passes_the_checker(planned):
+    shape, hw, res = planned
+    report = check(simulate(res.plan, shape, hw), shape, hw)
+    assert report.ok, report.violations
+    assert report.peaks["device"] <= hw.device_cap_bytes
+    # and the plan JSON round-trips into what the engine loads
+    assert Plan.from_dict(res.plan.to_dict()) == res.plan
+
+
+def test_milp_is_optimal_in_its_own_model(planned):
+    shape, hw, res = planned
+    p = res.plan
+    model = StepModel(shape, hw, p.micro_batch_size, p.seq_len, p.num_micro_batches, p.prefetch_depth,
+                      p.head_chunk_tokens, p.moments)
+    r = solve(model)
+    assert r.tiers is not None and r.bound_s <= r.objective_s + 1e-9 and 0 <= r.gap <= 1e-3 + 1e-9
+    assert model.evaluate(r.tiers).step_s == pytest.approx(r.objective_s, rel=1e-6)
+    for name, tiers in baseline_tiers(shape.num_layers).items():
+        ev = model.evaluate(tiers)
+        if ev.feasible:
+            assert r.objective_s <= ev.step_s * (1 + 1e-3) + 1e-9, name
+
+
+def test_planner_beats_fixed_rules_when_device_memory_binds():
+    shape = load_shape("qwen2.5-7b")
+    hw = PRESETS["rtx3090"].with_memory(gpu_mem_gb=12)
+    res = search(shape, hw, 4096, SearchConfig(global_batch=8))
+    best_k = max(c.sim.tokens_per_s for n, c in res.by_name.items() if n.startswith("every-"))
+    assert res.plan.source == "milp"
+    assert res.best.sim.tokens_per_s > 1.0 * best_k
+    assert "recompute" not in res.plan.boundaries  # offloading inside hidden PCIe windows instead
+
+
+def test_warm_start_and_time_limit():
+    shape = load_shape("qwen2.5-14b")
+    hw = PRESETS["rtx3090"]
+    model = StepModel(shape, hw, 2, 4096, 2)
+    cold = solve(model)
+    warm = solve(model, MilpConfig(time_limit_s=2.0), warm_start=("every-4", baseline_tiers(shape.num_layers)["every-4"]))
+    assert warm.warm_start == "every-4"
+    assert warm.objective_s == pytest.approx(cold.objective_s, rel=2e-3)
+    assert warm.solve_s < 10
+
+
+def test_dp_cross_checks_the_milp_on_device_and_host():
+    shape = load_shape("qwen2.5-3b")
+    # fast compute, slow PCIe: a host boundary's fetch shows; the device holds only some of them
+    hw = replace(PRESETS["h200"].with_memory(gpu_mem_gb=10), h2d_gbps=12.0, peak_tflops=4000.0)
+    for mbs in (2, 8):
+        model = StepModel(shape, hw, mbs, 4096)
+        tiers_dp, best_dp = dp_device_host(model)
+        r = solve(model, MilpConfig(tiers=("device", "host"), include_optimizer_stall=False, mip_rel_gap=1e-9))
+        assert tiers_dp is not None
+        assert r.objective_s == pytest.approx(best_dp, rel=1e-7)
+        assert model.evaluate(tiers_dp, include_stall=False).step_s == pytest.approx(best_dp, rel=1e-9)
+    assert 0 < tiers_dp.count("device") < shape.num_layers  # mbs 8: a mix, not all of one tier
+
+
+def test_moments_switch_to_8bit_only_as_needed():
+    shape = load_shape("qwen2.5-32b")
+    hw = PRESETS["rtx3090"]
+    moments = choose_moments(shape, hw)
+    cm = CostModel(shape, hw, 1, 1)
+    assert cm.host_store_bytes(moments) <= hw.host_cap_bytes < cm.host_store_bytes()
+    n8 = moments.count("8bit")
+    assert 0 < n8 < len(moments)
+    # one 8-bit layer fewer would not fit
+    k = max(i for i, m in enumerate(moments) if m == "8bit" and 0 < i <= shape.num_layers)
+    fewer = list(moments)
+    fewer[k] = "fp32"
+    assert cm.host_store_bytes(fewer) > hw.host_cap_bytes
+    assert choose_moments(load_shape("qwen2.5-7b"), hw) == ["fp32"] * 30
+
+
+def test_nothing_fits_names_the_binding_resource():
+    shape = load_shape("qwen2.5-7b")
+    with pytest.raises(PlanInfeasible) as e:
+        search(shape, PRESETS["rtx3090"].with_memory(gpu_mem_gb=2.5), 4096, SearchConfig(global_batch=1))
+    assert e.value.resource == "device" and e.value.over_bytes > 0
+    assert "device memory binds" in str(e.value) and "GB over" in str(e.value)
+    with pytest.raises(PlanInfeasible) as e:
+        search(shape, PRESETS["rtx3090"].with_memory(host_mem_gb=100), 1024, SearchConfig(global_batch=1))
+    assert e.value.resource == "host" and "8-bit" in str(e.value)
+
+
+def test_checker_catches_overcommitted_and_broken_timelines():
+    shape = load_shape("llama-30m")
+    hw = PRESETS["h200"]
+    sim = simulate(Plan(["device"] * shape.num_layers, micro_batch_size=4, seq_len=256), shape, hw)
+    assert check(sim, shape, hw).ok
+    small = replace(hw, device_mem_bytes=hw.device_reserved_bytes + sim.peak_device_bytes - 1)
+    rep = check(sim, shape, small)
+    assert not rep.ok and any(v.startswith("device:") for v in rep.violations)
+    # a fetch that starts before its offload ended, and a lane running two copies at once
+    host = simulate(Plan(["host"] * shape.num_layers, micro_batch_size=4, seq_len=256), shape, hw)
+    fetch = next(iv for iv in host.intervals if iv.label == "fetch b3")
+    offload = next(iv for iv in host.intervals if iv.label == "offload b3")
+    fetch.start = offload.start
+    rep = check(host, shape, hw)
+    assert any("before 'offload' ends" in v for v in rep.violations)
+    assert any(v.startswith("lane h2d") for v in rep.violations)
+    # an op whose input boundary is gone
+    keep = simulate(Plan(["device"] * shape.num_layers, micro_batch_size=4, seq_len=256), shape, hw)
+    a = next(a for a in keep.allocs if a.label == "boundary 5 (kept)")
+    a.end = a.start
+    assert any("input boundary 5" in v for v in check(keep, shape, hw).violations)
