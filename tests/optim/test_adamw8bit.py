@@ -155,6 +155,31 @@ def test_size_threshold_and_state_bytes():
             assert nbytes / p.numel() <= 2.1
 
 
+def test_hybrid_groups_choose_their_moment_format():
+    model = _model()
+    w = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    opt = AdamW8bit([dict(params=w[:1], moments="fp32"), dict(params=w[1:])], min_8bit_numel=0)
+    _grads(model, 0)
+    opt.step()
+    assert not is_8bit_state(opt.state[w[0]]) and opt.state[w[0]]["exp_avg"].dtype == torch.float32
+    assert is_8bit_state(opt.state[w[1]])
+
+
+@pytest.mark.cuda
+def test_cuda_matches_cpu():
+    cpu, gpu = _model(), _model().cuda()
+    opts = [AdamW8bit(m.parameters(), min_8bit_numel=0, max_grad_norm=1.0) for m in (cpu, gpu)]
+    for step in range(3):
+        _grads(cpu, step)
+        for a, b in zip(cpu.parameters(), gpu.parameters()):
+            b.grad = a.grad.cuda()
+        for o in opts:
+            o.step()
+    for a, b in zip(cpu.parameters(), gpu.parameters()):
+        diff = (a - b.cpu()).abs()
+        assert diff.max() < 0.05 * 1e-3 and (diff > 1e-6).float().mean() < 1e-2
+
+
 def _state_equal(a, b):
     assert a.keys() == b.keys()
     for k in a:

@@ -31,8 +31,10 @@ try:  # numba is optional: the torch path below computes the same update
 except Exception:  # pragma: no cover - depends on the environment
     _nb = None
 
-_TORCH_CHUNK = 1 << 16
-"""Elements per chunk on the torch path (a multiple of every supported block size)."""
+_TORCH_CHUNK = {"cpu": 1 << 16}
+"""Elements per chunk on the torch path, per device type: small on CPU so temporaries stay in
+cache, large elsewhere so a GPU gets few big kernels (default ``_TORCH_CHUNK_OTHER``)."""
+_TORCH_CHUNK_OTHER = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,11 @@ if _nb is not None:
 
     @_nb.njit(nogil=True, fastmath=True, cache=True, error_model="numpy", boundscheck=False)
     def _blocks_numba(p, g, qm, sm, qv, sv, b0, b1, block, n, decay_end,
-                      beta1, one_m_beta1, beta2, one_m_beta2, grad_mul, decay_mul,
+                      beta1, k1, beta2, k2, decay_mul,
                       step_size, inv_sqrt_bc2, eps, in_m, in_r):  # pragma: no cover - compiled
-        # Short loops with few arrays each: LLVM vectorises every one of them (AVX2/AVX-512);
-        # one big loop over all seven arrays does not vectorise and is 2.5x slower.
+        # k1 = (1 - beta1) * clip, k2 = (1 - beta2) * clip**2: the clip costs no extra op.
+        # Short loops over few arrays each: LLVM vectorises every one (AVX2/AVX-512); one loop
+        # over all seven arrays does not vectorise and is 2.5x slower.
         f0 = _np.float32(0.0)
         f1 = _np.float32(1.0)
         half = _np.float32(0.5)
@@ -89,14 +92,13 @@ if _nb is not None:
             if lo < decay_end < lo + cnt:  # the block that straddles the decay boundary
                 for j in range(decay_end - lo):
                     pb[j] *= decay_mul
-            for j in range(cnt):  # dequantise + update exp_avg
+            for j in range(cnt):  # dequantise + update both moments; keep sqrt(exp_avg_sq)
+                gi = gb[j]
                 c = _np.float32(qmb[j])
-                buf_m[j] = beta1 * (am * c * _np.abs(c)) + one_m_beta1 * (gb[j] * grad_mul)
-            for j in range(cnt):  # dequantise + update exp_avg_sq, keep its square root
-                gi = gb[j] * grad_mul
+                buf_m[j] = beta1 * (am * c * _np.abs(c)) + k1 * gi
                 c = _np.float32(qvb[j])
                 r = ar * c * c
-                buf_r[j] = _np.sqrt(beta2 * (r * r) + one_m_beta2 * (gi * gi))
+                buf_r[j] = _np.sqrt(beta2 * (r * r) + k2 * (gi * gi))
             for j in range(cnt):  # the parameter update
                 pb[j] = pb[j] * d - step_size * buf_m[j] / (buf_r[j] * inv_sqrt_bc2 + eps)
             mx_m = f0
@@ -114,7 +116,6 @@ if _nb is not None:
                 m = buf_m[j]
                 si = min(_np.int32(_np.sqrt(_np.abs(m) * km) + half), _np.int32(127))
                 qmb[j] = _np.int8(-si if m < f0 else si)
-            for j in range(cnt):
                 r = buf_r[j]
                 si = min(_np.int32(_np.sqrt(r * kr) + half), _np.int32(255))
                 si = max(si, _np.int32(1)) if r > f0 else si
@@ -167,8 +168,8 @@ def _fused_step_numba(p, g, qm, sm, qv, sv, block_size, decay_end, k, num_thread
     nb = sm.numel()
     arrays = [t.detach().numpy() for t in (p, g, qm, sm, qv, sv)]
     f = _np.float32
-    scalars = (f(k.beta1), f(1.0 - k.beta1), f(k.beta2), f(1.0 - k.beta2), f(k.grad_mul),
-               f(k.decay_mul), f(k.step_size), f(k.inv_sqrt_bc2), f(k.eps),
+    scalars = (f(k.beta1), f((1.0 - k.beta1) * k.grad_mul), f(k.beta2),
+               f((1.0 - k.beta2) * k.grad_mul ** 2), f(k.decay_mul), f(k.step_size), f(k.inv_sqrt_bc2), f(k.eps),
                f(1.0 / SIGNED_LEVELS ** 2), f(1.0 / UNSIGNED_LEVELS ** 2))
 
     def run(b0: int, b1: int) -> None:
@@ -191,7 +192,8 @@ def _fused_step_numba(p, g, qm, sm, qv, sv, block_size, decay_end, k, num_thread
 
 def _fused_step_torch(p, g, qm, sm, qv, sv, block_size, decay_end, k):
     n = p.numel()
-    chunk = max(block_size, _TORCH_CHUNK // block_size * block_size)
+    target = _TORCH_CHUNK.get(p.device.type, _TORCH_CHUNK_OTHER)
+    chunk = max(block_size, target // block_size * block_size)
     in_m = 1.0 / SIGNED_LEVELS ** 2
     in_r = 1.0 / UNSIGNED_LEVELS ** 2
     for lo in range(0, n, chunk):

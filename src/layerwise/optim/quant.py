@@ -62,8 +62,8 @@ def quantize_signed(x: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE
 def dequantize_signed(codes: torch.Tensor, scale: torch.Tensor,
                       block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
     n = codes.numel()
-    c = _padded_blocks(codes.reshape(-1).float(), block_size)
-    x = c * c.abs() * (scale[:, None] / (SIGNED_LEVELS * SIGNED_LEVELS))
+    c = _padded_blocks(codes.reshape(-1).float(), block_size) / SIGNED_LEVELS
+    x = c * c.abs() * scale[:, None]  # code ±127 gives exactly ±scale: re-quantising is exact
     return x.view(-1)[:n].clone()
 
 
@@ -82,8 +82,8 @@ def quantize_sq(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE
 def dequantize_sq(codes: torch.Tensor, scale: torch.Tensor,
                   block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
     n = codes.numel()
-    c = _padded_blocks(codes.reshape(-1).float(), block_size)
-    r = c * c * (scale[:, None] / (UNSIGNED_LEVELS * UNSIGNED_LEVELS))
+    c = _padded_blocks(codes.reshape(-1).float(), block_size) / UNSIGNED_LEVELS
+    r = c * c * scale[:, None]
     return (r * r).view(-1)[:n].clone()
 
 
