@@ -67,7 +67,7 @@ if _nb is not None:
 
     @_nb.njit(nogil=True, fastmath=True, cache=True, error_model="numpy", boundscheck=False)
     def _blocks_numba(p, g, qm, sm, qv, sv, b0, b1, block, n, decay_end,
-                      beta1, k1, beta2, k2, decay_mul,
+                      k1, k2, decay_mul,
                       step_size, inv_sqrt_bc2, eps, in_m, in_r):  # pragma: no cover - compiled
         # k1 = (1 - beta1) * clip, k2 = (1 - beta2) * clip**2: the clip costs no extra op.
         # Short loops over few arrays each: LLVM vectorises every one (AVX2/AVX-512); one loop
@@ -86,8 +86,8 @@ if _nb is not None:
             gb = g[lo:lo + cnt]
             qmb = qm[lo:lo + cnt]
             qvb = qv[lo:lo + cnt]
-            am = sm[b] * in_m
-            ar = sv[b] * in_r
+            am = sm[b] * in_m  # in_m = beta1 / 127**2: the decay of exp_avg folded in
+            ar = sv[b] * in_r  # in_r = sqrt(beta2) / 255**2
             d = decay_mul if lo + cnt <= decay_end else f1
             if lo < decay_end < lo + cnt:  # the block that straddles the decay boundary
                 for j in range(decay_end - lo):
@@ -95,10 +95,10 @@ if _nb is not None:
             for j in range(cnt):  # dequantise + update both moments; keep sqrt(exp_avg_sq)
                 gi = gb[j]
                 c = _np.float32(qmb[j])
-                buf_m[j] = beta1 * (am * c * _np.abs(c)) + k1 * gi
+                buf_m[j] = am * c * _np.abs(c) + k1 * gi
                 c = _np.float32(qvb[j])
                 r = ar * c * c
-                buf_r[j] = _np.sqrt(beta2 * (r * r) + k2 * (gi * gi))
+                buf_r[j] = _np.sqrt(r * r + k2 * (gi * gi))
             for j in range(cnt):  # the parameter update
                 pb[j] = pb[j] * d - step_size * buf_m[j] / (buf_r[j] * inv_sqrt_bc2 + eps)
             mx_m = f0
@@ -112,12 +112,14 @@ if _nb is not None:
             sv[b] = mx_r
             km = qs * qs / mx_m if mx_m > f0 else f0
             kr = qu * qu / mx_r if mx_r > f0 else f0
-            for j in range(cnt):  # requantise (x >= 0, so int(x + 0.5) rounds to nearest)
+            # requantise: x >= 0, so int(x + 0.5) rounds to nearest; x <= 127 (255) because
+            # |m| <= mx_m, so no clamp is needed
+            for j in range(cnt):
                 m = buf_m[j]
-                si = min(_np.int32(_np.sqrt(_np.abs(m) * km) + half), _np.int32(127))
+                si = _np.int32(_np.sqrt(_np.abs(m) * km) + half)
                 qmb[j] = _np.int8(-si if m < f0 else si)
                 r = buf_r[j]
-                si = min(_np.int32(_np.sqrt(r * kr) + half), _np.int32(255))
+                si = _np.int32(_np.sqrt(r * kr) + half)
                 si = max(si, _np.int32(1)) if r > f0 else si
                 qvb[j] = _np.uint8(si)
 
@@ -168,9 +170,9 @@ def _fused_step_numba(p, g, qm, sm, qv, sv, block_size, decay_end, k, num_thread
     nb = sm.numel()
     arrays = [t.detach().numpy() for t in (p, g, qm, sm, qv, sv)]
     f = _np.float32
-    scalars = (f(k.beta1), f((1.0 - k.beta1) * k.grad_mul), f(k.beta2),
-               f((1.0 - k.beta2) * k.grad_mul ** 2), f(k.decay_mul), f(k.step_size), f(k.inv_sqrt_bc2), f(k.eps),
-               f(1.0 / SIGNED_LEVELS ** 2), f(1.0 / UNSIGNED_LEVELS ** 2))
+    scalars = (f((1.0 - k.beta1) * k.grad_mul), f((1.0 - k.beta2) * k.grad_mul ** 2),
+               f(k.decay_mul), f(k.step_size), f(k.inv_sqrt_bc2), f(k.eps),
+               f(k.beta1 / SIGNED_LEVELS ** 2), f(math.sqrt(k.beta2) / UNSIGNED_LEVELS ** 2))
 
     def run(b0: int, b1: int) -> None:
         _blocks_numba(*arrays, b0, b1, block_size, n, decay_end, *scalars)
