@@ -312,8 +312,7 @@ def solve(model: StepModel, config: MilpConfig | None = None,
     lp.integrality_ = integrality
     lp.offset_ = model.const_s() * MS
 
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = _quiet_highs(highspy)
     h.setOptionValue("time_limit", float(cfg.time_limit_s))
     h.setOptionValue("mip_rel_gap", float(cfg.mip_rel_gap))
     h.setOptionValue("threads", int(cfg.threads))
@@ -359,6 +358,30 @@ def solve(model: StepModel, config: MilpConfig | None = None,
     bound = info.mip_dual_bound / MS
     gap = max(0.0, (obj - bound) / obj) if obj > 0 else 0.0
     return MilpResult(tiers, obj - ties, min(bound, obj) - ties, gap, status, solve_s, ws_name)
+
+
+def _quiet_highs(highspy):
+    """A Highs instance; its constructor's banner goes to fd 1, which would spoil JSON output."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no real stdout
+        h = highspy.Highs()
+    else:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, 1)
+            h = highspy.Highs()
+            h.setOptionValue("output_flag", False)
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+            os.close(devnull)
+    h.setOptionValue("output_flag", False)
+    return h
 
 
 def dp_device_host(model: StepModel) -> tuple[list[str] | None, float]:

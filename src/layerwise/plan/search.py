@@ -17,7 +17,7 @@ from typing import Any
 
 from .baselines import baseline_tiers, extra_candidates
 from .cost import MOMENT_BYTES, CostModel, ModelShape
-from .hardware import GB, HardwareProfile
+from .hardware import HardwareProfile
 from .milp import MilpConfig, MilpResult, StepModel, solve
 from .plan import Plan
 from .simulator import SimResult, simulate
@@ -96,9 +96,9 @@ def choose_moments(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 
     if all8 > budget:
         raise PlanInfeasible(
             "host", all8 - budget,
-            f"host memory binds: the host store of {shape.name} needs {all8 / GB:.1f} GB even with "
-            f"8-bit optimizer moments everywhere, but {budget / GB:.1f} GB is usable "
-            f"({(all8 - budget) / GB:.1f} GB over); use a machine with more RAM or --host-mem")
+            f"host memory binds: the host store of {shape.name} needs {human_bytes(all8)} even with "
+            f"8-bit optimizer moments everywhere, but {human_bytes(budget)} is usable "
+            f"({human_bytes(all8 - budget)} over); use a machine with more RAM or --host-mem")
     # largest units first, then drop any that is not needed (fewest 8-bit parameters, greedily)
     order = sorted(range(len(units)), key=lambda k: -shape.unit_params(units[k]))
     chosen: list[int] = []
@@ -256,20 +256,29 @@ def _pick_accumulation(best: Candidate, shape: ModelShape, hw: HardwareProfile, 
                key=lambda o: o.plan.num_micro_batches)
 
 
+def human_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= 0.1 * scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
 def _infeasible(shape: ModelShape, hw: HardwareProfile, seq_len: int, failure: Candidate | None) -> PlanInfeasible:
     # the least device-hungry plan: every boundary offloaded, one sequence per micro-batch
     plan = Plan(["host"] * shape.num_layers, micro_batch_size=1, seq_len=seq_len)
-    sim = simulate(plan, shape, hw, keep_trace=False)
-    over = sim.over_capacity() or (failure.sim.over_capacity() if failure else {})
-    if not over:
+    sims = [simulate(plan, shape, hw, keep_trace=False)] + ([failure.sim] if failure else [])
+    sim = next((x for x in sims if x.over_capacity()), None)
+    if sim is None:
         return PlanInfeasible("unknown", 0, "no candidate plan fits; try a smaller sequence length")
-    tier, nbytes = max(over.items(), key=lambda kv: kv[1])
+    tier, nbytes = max(sim.over_capacity().items(), key=lambda kv: kv[1])
     used = {"device": sim.peak_device_bytes, "host": sim.peak_host_bytes, "nvme": sim.peak_nvme_bytes}[tier]
     cap = {"device": sim.device_cap_bytes, "host": sim.host_cap_bytes, "nvme": sim.nvme_cap_bytes}[tier]
+    p = sim.plan
+    what = (f"one sequence of {seq_len} tokens per micro-batch with every boundary offloaded" if p is plan
+            else f"the leanest candidate ({p.source}, micro-batch {p.micro_batch_size} x {seq_len} tokens)")
     hint = {"device": "a shorter sequence, a smaller model or a GPU with more memory (--gpu-mem)",
             "host": "more host RAM (--host-mem)", "nvme": "more NVMe space"}[tier]
     return PlanInfeasible(
         tier, nbytes,
-        f"nothing fits: {tier} memory binds. Even one sequence of {seq_len} tokens with every boundary "
-        f"offloaded needs {used / GB:.2f} GB of {tier} memory, {cap / GB:.2f} GB usable "
-        f"({nbytes / GB:.2f} GB over); needs {hint}")
+        f"nothing fits: {tier} memory binds. Even {what} needs {human_bytes(used)} of {tier} memory, {human_bytes(cap)} usable "
+        f"({human_bytes(nbytes)} over); needs {hint}")
