@@ -58,6 +58,10 @@ class CheckpointConfig:
     """Options of the policy, e.g. {"threshold": 1e-3, "max_staleness": 4, "full_every": 10}."""
     async_save: bool = True
     """Write in a background thread; ``save`` blocks only for the host snapshot."""
+    sync_copy: bool = True
+    """With ``async_save=False``: still copy the chosen groups first (False: write straight from
+    the live tensors, no extra memory; the update tracker then keeps its own weight copy only if
+    the policy reads weight changes)."""
     save_rng: bool = True
     """Store and restore python/numpy/torch RNG states (needed for bit-identical resume)."""
     track_every_steps: int = 10
@@ -135,7 +139,9 @@ class Checkpointer:
         self.reports: list[SaveReport] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer") if self.config.async_save else None
         self._pending: Future | None = None
+        self._pending_job: _WriteJob | None = None
         self._pending_rollback: dict | None = None
+        self._buffers: dict[tuple, list[torch.Tensor]] = {}
         self._config_written = (self.run_dir / "config.json").exists()
         # Bookkeeping of committed versions (rebuilt from the newest manifest, or by load()).
         self._entries: dict[str, dict] = {}
@@ -204,17 +210,24 @@ class Checkpointer:
         for pos, g in enumerate(self.groups):
             e = self._entries.get(g)
             age = None if e is None else self._save_index - int(e.get("saved_index", -1))
-            change = self.tracker.change(g, step) if e is not None else math.inf
+            if e is None:
+                change = math.inf
+            elif getattr(self.policy, "uses_change", True) or not self.tracker.has_reference(g):
+                change = self.tracker.change(g, step)
+            else:
+                change = math.nan  # not needed by the policy; unchanged groups found below
             statuses.append(GroupStatus(g, self._group_nbytes(g), change, age, pos))
         selected = set(self.policy.select(PolicyContext(step, self._save_index, statuses)))
         selected |= {g for g in self.groups if g not in self._entries}  # a composite is complete
         change_of = {s.name: s.change for s in statuses}
 
         # Snapshot the chosen groups and the non-layer state.
+        copy = self.config.async_save or self.config.sync_copy
         snaps: dict[str, dict[str, torch.Tensor]] = {}
         for g in self.groups:
             if g in selected:
-                snaps[g] = {k: _host_copy(t, k) for k, t in group_tensors(self.provider, g).items()}
+                snaps[g] = {k: self._host_copy(t, k) if copy else _as_blob_tensor(t, k)
+                            for k, t in group_tensors(self.provider, g).items()}
         if any(t.is_pinned() for s in snaps.values() for t in s.values()):
             torch.cuda.synchronize()
         state = {
@@ -233,28 +246,46 @@ class Checkpointer:
         state_bytes = (json.dumps(state) + "\n").encode()
         config = None if self._config_written else self.provider.model_config()
 
+        # Groups that may be byte-identical to their last version are hashed before writing
+        # (nothing written on a hit): measured unchanged, or, when not measured, weights equal
+        # to the reference (checked on the writer thread, off the critical path).
+        maybe_dup: dict[str, bool | dict[str, torch.Tensor]] = {}
+        for g in snaps:
+            c = change_of[g]
+            maybe_dup[g] = self.tracker._ref.get(g, False) if math.isnan(c) else c == 0.0
+
         # Book the new versions now (rolled back if the write fails).
         rollback = self._bookkeeping()
+        old_refs = [self.tracker._ref[g] for g in snaps if g in self.tracker._ref]
         for g, snap in snaps.items():
-            self.tracker.set_reference(g, {k[len(PARAM):]: t for k, t in snap.items() if k.startswith(PARAM)})
+            params = {k[len(PARAM):]: t for k, t in snap.items() if k.startswith(PARAM)}
+            if copy:
+                self.tracker.set_reference(g, params)
+            elif getattr(self.policy, "uses_change", True):
+                self.tracker.set_reference(g, {n: t.clone() for n, t in params.items()})
+            else:
+                self.tracker.drop_reference(g)
         save_index = self._save_index
         self._save_index += 1
         snapshot_bytes = sum(t.numel() * t.element_size() for s in snaps.values() for t in s.values())
         report = SaveReport(step, [g for g in self.groups if g in selected], 0.0, wait_s, snapshot_bytes)
-        job = _WriteJob(self, step, save_index, snaps, {g: change_of[g] == 0.0 for g in snaps},
+        job = _WriteJob(self, step, save_index, snaps, maybe_dup,
                         state_bytes, rng_tensors, config, report)
-        report.blocked_s = time.perf_counter() - t0
+        job.old_refs, job.copied = old_refs, copy
         if self._pool is None:
+            self._pending_job, self._pending_rollback = job, rollback
+            fut: Future = Future()
             try:
                 job.run()
-            except BaseException:
-                self._restore(rollback)
-                raise
-            report.blocked_s = time.perf_counter() - t0
+                fut.set_result(None)
+            except BaseException as e:
+                fut.set_exception(e)
+            self._pending = fut
+            self._finish_pending()
         else:
             self._pending = self._pool.submit(job.run)
-            self._pending_rollback = rollback
-            report.blocked_s = time.perf_counter() - t0
+            self._pending_job, self._pending_rollback = job, rollback
+        report.blocked_s = time.perf_counter() - t0
         self.reports.append(report)
         return report
 
@@ -262,14 +293,43 @@ class Checkpointer:
         fut, self._pending = self._pending, None
         if fut is None:
             return
+        job, self._pending_job = self._pending_job, None
+        rollback, self._pending_rollback = self._pending_rollback, None
         try:
             fut.result()
         except BaseException:
-            if self._pending_rollback is not None:
-                self._restore(self._pending_rollback)
+            if rollback is not None:
+                self._restore(rollback)
+            if job.copied:  # the snapshot is garbage now; the old references are live again
+                self._recycle(t for s in job.snaps.values() for t in s.values())
             raise
-        finally:
-            self._pending_rollback = None
+        if job.copied:
+            # Optimizer state snapshots and replaced weight references are free for reuse.
+            self._recycle(t for s in job.snaps.values() for k, t in s.items() if not k.startswith(PARAM))
+            self._recycle(t for r in job.old_refs for t in r.values())
+
+    # ----- host snapshot buffers (reused: fresh pages cost more than the copy itself) --------
+
+    def _host_copy(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        """A contiguous host copy; optimizer state in fp32 (weights keep their dtype)."""
+        t = t.detach()
+        dtype = t.dtype
+        if not key.startswith(PARAM) and t.is_floating_point():
+            dtype = torch.float32
+        if key.startswith("step/"):
+            t = t.reshape(())
+        pinned = t.device.type != "cpu"
+        free = self._buffers.get((tuple(t.shape), dtype, pinned))
+        if free:
+            out = free.pop()
+        else:
+            out = torch.empty(t.shape, dtype=dtype, pin_memory=pinned)
+        out.copy_(t, non_blocking=pinned)
+        return out
+
+    def _recycle(self, tensors) -> None:
+        for t in tensors:
+            self._buffers.setdefault((tuple(t.shape), t.dtype, t.is_pinned()), []).append(t)
 
     def wait(self) -> SaveReport | None:
         """Block until the running background save is committed; re-raise its error."""
@@ -335,35 +395,40 @@ class Checkpointer:
         return open_run_step(self.run_dir, step)
 
 
-def _host_copy(t: torch.Tensor, key: str) -> torch.Tensor:
-    """A contiguous host copy; optimizer state in fp32 (weights keep their dtype)."""
+def _as_blob_tensor(t: torch.Tensor, key: str) -> torch.Tensor:
+    """``t`` as the blob stores it, without a copy when it already is (sync saves)."""
     t = t.detach()
-    dtype = t.dtype
-    if not key.startswith(PARAM) and t.is_floating_point():
-        dtype = torch.float32
     if key.startswith("step/"):
         t = t.reshape(())
-    if t.device.type == "cpu":
-        out = torch.empty(t.shape, dtype=dtype)
-        out.copy_(t)
-        return out
-    out = torch.empty(t.shape, dtype=dtype, pin_memory=True)
-    out.copy_(t, non_blocking=True)
-    return out
+    if not key.startswith(PARAM) and t.is_floating_point() and t.dtype != torch.float32:
+        t = t.float()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.to("cpu").contiguous()
+    return t
 
 
 class _WriteJob:
     """Everything one save writes, from host snapshots only (runs on the writer thread)."""
 
     def __init__(self, ck: Checkpointer, step: int, save_index: int,
-                 snaps: dict[str, dict[str, torch.Tensor]], maybe_dup: dict[str, bool],
+                 snaps: dict[str, dict[str, torch.Tensor]],
+                 maybe_dup: dict[str, bool | dict[str, torch.Tensor]],
                  state_bytes: bytes, rng_tensors: dict[str, torch.Tensor], config: dict | None,
                  report: SaveReport):
         self.ck, self.step, self.save_index = ck, step, save_index
         self.snaps, self.maybe_dup = snaps, maybe_dup
         self.state_bytes, self.rng_tensors, self.config = state_bytes, rng_tensors, config
         self.report = report
+        self.old_refs: list[dict[str, torch.Tensor]] = []
+        self.copied = True
         self.prev_entries = {g: dict(e) for g, e in ck._entries.items()}
+
+    def _maybe_duplicate(self, group: str) -> bool:
+        hint = self.maybe_dup[group]
+        if isinstance(hint, bool):
+            return hint
+        snap = self.snaps[group]  # hint: the previous version's weights; equal -> maybe identical
+        return all(torch.equal(snap[PARAM + n], ref) for n, ref in hint.items() if PARAM + n in snap)
 
     def run(self) -> None:
         t0 = time.perf_counter()
@@ -379,7 +444,7 @@ class _WriteJob:
                     if g in self.snaps:
                         payload = BlobPayload.build(self.snaps[g], {
                             "format": BLOB_FORMAT, "format_version": str(FORMAT_VERSION), "group": g})
-                        rec = store.put_blob(payload, self.maybe_dup[g], dirs)
+                        rec = store.put_blob(payload, self._maybe_duplicate(g), dirs)
                         prev = self.prev_entries.get(g)
                         first = (prev["written_step"] if prev is not None and prev["sha256"] == rec.sha256
                                  and not rec.written else step)

@@ -28,7 +28,8 @@ class GroupStatus:
     nbytes: int
     """Bytes of the group's blob (weights + optimizer state)."""
     change: float
-    """Relative L2 change of the weights since the version last saved; ``inf`` if never saved."""
+    """Relative L2 change of the weights since the version last saved; ``inf`` if never saved,
+    NaN when the policy does not use it (not measured)."""
     age: int | None
     """Checkpoints since the group was last saved (1 = saved by the previous one); None if never."""
     position: int
@@ -71,6 +72,8 @@ class BasePolicy:
     """Write every group at every N-th checkpoint (None: only the first)."""
 
     name = "base"
+    uses_change = True
+    """Whether ``choose`` reads ``GroupStatus.change`` (else the save skips measuring it: NaN)."""
 
     def __post_init__(self) -> None:
         if self.max_staleness is not None and self.max_staleness < 0:
@@ -144,6 +147,8 @@ def _parse_value(v: str) -> Any:
 class FullPolicy(BasePolicy):
     """Every group at every checkpoint (what an ordinary checkpoint does, but deduplicated)."""
 
+    uses_change = False
+
     def choose(self, ctx: PolicyContext, forced: set[str]) -> set[str]:
         return {g.name for g in ctx.groups}
 
@@ -155,6 +160,8 @@ class ParityPolicy(BasePolicy):
 
     Every group is then at most one checkpoint stale, at half the bytes per checkpoint.
     """
+
+    uses_change = False
 
     def choose(self, ctx: PolicyContext, forced: set[str]) -> set[str]:
         return {g.name for g in ctx.groups if g.position % 2 == ctx.save_index % 2}

@@ -5,8 +5,9 @@ The relative L2 change ``|w - w_saved| / |w_saved|`` drives the ``filter``, ``to
 last saved the group (shared, not copied again), so tracking costs one weight copy of memory in
 total. Gradient and Adam-moment norms are logged alongside for diagnosis.
 
-Cost is a few passes over the weights (no allocation: a reused scratch buffer), so statistics are
-taken every ``every_steps`` steps (and at every save) rather than at every step; see
+Cost is one read of the live weights, the reference, the gradients and the moments (the
+difference is formed in cache-sized chunks, no allocation); ``Checkpointer.observe`` takes the
+statistics every ``track_every_steps`` steps (saves always measure what they need). See
 ``docs/benchmarks.md`` for the measured overhead.
 """
 
@@ -14,20 +15,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .state import StateProvider
 
-
-@dataclass
-class TrackerConfig:
-    every_steps: int = 10
-    """Take (and log) statistics every N steps; saves always get fresh weight changes."""
-    log_name: str | None = "tracker.jsonl"
-    """JSONL log file in the run directory (None: no log)."""
+CHUNK_NUMEL = 1 << 19
+"""Elements per chunk of the weight-difference pass (2 MiB of fp32: stays in cache)."""
 
 
 class UpdateTracker:
@@ -44,9 +39,20 @@ class UpdateTracker:
     def set_reference(self, group: str, params: dict[str, torch.Tensor]) -> None:
         """``params``: host copies of the weights just saved (by HF name); kept, not copied."""
         self._ref[group] = params
-        sq = sum(float(torch.linalg.vector_norm(t.float()) ** 2) for t in params.values())
-        self._ref_norm[group] = math.sqrt(sq)
+        self._ref_norm.pop(group, None)  # measured on first use, off the save's critical path
         self._change.pop(group, None)
+
+    def drop_reference(self, group: str) -> None:
+        self._ref.pop(group, None)
+        self._ref_norm.pop(group, None)
+        self._change.pop(group, None)
+
+    def _reference_norm(self, group: str) -> float:
+        norm = self._ref_norm.get(group)
+        if norm is None:
+            sq = sum(float(torch.linalg.vector_norm(t.float()) ** 2) for t in self._ref[group].values())
+            norm = self._ref_norm[group] = math.sqrt(sq)
+        return norm
 
     def has_reference(self, group: str) -> bool:
         return group in self._ref
@@ -58,12 +64,18 @@ class UpdateTracker:
             live = live.to(ref.device)
         if live.dtype != torch.float32 or ref.dtype != torch.float32:
             return float(torch.linalg.vector_norm(live.float() - ref.float()))
-        n = live.numel()
-        if self._scratch.numel() < n:
-            self._scratch = torch.empty(n)
-        s = self._scratch[:n].view(live.shape)
-        torch.sub(live, ref, out=s)
-        return float(torch.linalg.vector_norm(s))
+        # Cache-sized chunks: the difference never round-trips through main memory, so the
+        # cost is one read of each operand.
+        a, b = live.reshape(-1), ref.reshape(-1)
+        if self._scratch.numel() < CHUNK_NUMEL:
+            self._scratch = torch.empty(CHUNK_NUMEL)
+        sq = 0.0
+        for i in range(0, a.numel(), CHUNK_NUMEL):
+            n = min(CHUNK_NUMEL, a.numel() - i)
+            s = self._scratch[:n]
+            torch.sub(a[i:i + n], b[i:i + n], out=s)
+            sq += float(torch.linalg.vector_norm(s)) ** 2
+        return math.sqrt(sq)
 
     def change(self, group: str, step: int | None = None) -> float:
         """Relative L2 change since the last saved version (``inf`` if none yet).
@@ -80,7 +92,8 @@ class UpdateTracker:
         for n, r in ref.items():
             sq += self._diff_norm(live[n], r) ** 2
         num = math.sqrt(sq)
-        out = num / self._ref_norm[group] if self._ref_norm[group] > 0 else (0.0 if num == 0 else math.inf)
+        den = self._reference_norm(group)
+        out = num / den if den > 0 else (0.0 if num == 0 else math.inf)
         if step is not None:
             self._change[group] = (step, out)
         return out
