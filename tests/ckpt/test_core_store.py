@@ -217,3 +217,29 @@ def test_user_errors_are_clear(tmp_path):
     with pytest.raises(FileNotFoundError):
         open_run_step(tmp_path / "nothing")
     assert ModuleStateProvider(model, opt).model_config()["model_type"] == "llama"
+
+
+def test_tracker_log_and_async_reports(tmp_path):
+    model, opt, sched = make_training()
+    ck = Checkpointer(tmp_path / "run", model, opt, sched, policy="filter", threshold=0.0,
+                      track_every_steps=2)
+    x = torch.randint(0, 96, (2, 12))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    assert ck.observe(1) is None  # not a tracking step
+    stats = ck.observe(2)
+    assert set(stats) == set(ck.groups) and stats["layers.0"]["grad_norm"] > 0
+    assert stats["layers.0"]["change"] == float("inf")  # never saved yet
+    rep = ck.save(2)
+    assert rep.blocked_s >= rep.wait_s >= 0 and rep.snapshot_bytes > 0
+    ck.wait()
+    assert rep.write_s > 0 and rep.bytes_written > 0 and sorted(rep.written) == sorted(ck.groups)
+    opt.zero_grad()
+    train_step(model, opt, sched)
+    stats = ck.observe(4)
+    assert all(0 < s["change"] < 1 for s in stats.values())
+    assert stats["layers.0"]["exp_avg_norm"] > 0 and stats["layers.0"]["exp_avg_sq_norm"] > 0
+    lines = [json.loads(x) for x in (tmp_path / "run" / "tracker.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [2, 4]
+    assert lines[0]["groups"]["embed"]["change"] is None and lines[1]["groups"]["embed"]["change"] > 0
+    ck.close()

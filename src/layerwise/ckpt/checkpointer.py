@@ -34,7 +34,7 @@ from safetensors.torch import save as st_save
 from torch import nn
 
 from .errors import CheckpointError
-from .layer_store import BLOB_FORMAT, FORMAT_VERSION, BlobPayload, LayerStore, now_unix_s
+from .layer_store import BLOB_FORMAT, FORMAT_VERSION, BlobBatch, BlobPayload, LayerStore, now_unix_s
 from .policies import GroupStatus, Policy, PolicyContext, make_policy
 from .resolve import ResolvedStep, open_run_step
 from .state import (
@@ -395,6 +395,14 @@ class Checkpointer:
         return open_run_step(self.run_dir, step)
 
 
+def _finish_quietly(batch: BlobBatch) -> None:
+    """Let the blobs already handed to ``batch`` land (or fail) before reporting an error."""
+    try:
+        batch.finish()
+    except BaseException:
+        pass
+
+
 def _as_blob_tensor(t: torch.Tensor, key: str) -> torch.Tensor:
     """``t`` as the blob stores it, without a copy when it already is (sync saves)."""
     t = t.detach()
@@ -437,14 +445,18 @@ class _WriteJob:
             with store.lock():
                 if self.config is not None:
                     store.write_config(self.config)
-                dirs: set[Path] = set()
+                batch = BlobBatch()
                 groups: dict[str, dict] = {}
                 written, nbytes = [], 0
                 for g in ck.groups:
                     if g in self.snaps:
                         payload = BlobPayload.build(self.snaps[g], {
                             "format": BLOB_FORMAT, "format_version": str(FORMAT_VERSION), "group": g})
-                        rec = store.put_blob(payload, self._maybe_duplicate(g), dirs)
+                        try:
+                            rec = store.put_blob(payload, self._maybe_duplicate(g), batch)
+                        except BaseException:
+                            _finish_quietly(batch)
+                            raise
                         prev = self.prev_entries.get(g)
                         first = (prev["written_step"] if prev is not None and prev["sha256"] == rec.sha256
                                  and not rec.written else step)
@@ -456,6 +468,7 @@ class _WriteJob:
                             nbytes += rec.nbytes
                     else:
                         groups[g] = self.prev_entries[g]
+                batch.finish()
                 files = {"state.json": store.write_step_file(step, "state.json", self.state_bytes)}
                 if self.rng_tensors:
                     files["rng.safetensors"] = store.write_step_file(
@@ -475,7 +488,7 @@ class _WriteJob:
                     "files": files,
                     "groups": groups,
                 }
-                store.commit(step, manifest, dirs)
+                store.commit(step, manifest)
         except CheckpointError:
             raise
         except OSError as e:

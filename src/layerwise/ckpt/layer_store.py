@@ -124,8 +124,9 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[n:]
 
 
-def _write_payload(path: Path, payload: BlobPayload, hash_it: bool) -> str | None:
-    """Write ``payload`` to ``path`` (fsynced); return its sha256 when ``hash_it``."""
+def _write_payload(path: Path, payload: BlobPayload, hash_it: bool, fsync: bool = True) -> str | None:
+    """Write ``payload`` to ``path`` (fsynced unless ``fsync=False``); return its sha256 when
+    ``hash_it``."""
     h = hashlib.sha256() if hash_it else None
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -143,7 +144,8 @@ def _write_payload(path: Path, payload: BlobPayload, hash_it: bool) -> str | Non
                     _write_all(fd, c)
                 if pending is not None:
                     pending.result()
-        os.fsync(fd)
+        if fsync:
+            os.fsync(fd)
     finally:
         os.close(fd)
     return h.hexdigest() if h is not None else None
@@ -206,6 +208,49 @@ class GcReport:
     def to_json(self) -> dict:
         return dict(kept_steps=self.kept_steps, dropped_steps=self.dropped_steps,
                     removed_blobs=self.removed_blobs, freed_bytes=self.freed_bytes)
+
+
+class BlobBatch:
+    """The blobs of one save: each new blob is fsynced and renamed into place on a helper
+    thread while the next one is written (the disk works while the CPU fills the page cache).
+    ``finish`` waits for all of them and fsyncs their directories; only then may a manifest
+    name them."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-fsync")
+        self._futures: list = []
+        self.dirs: set[Path] = set()
+
+    def submit(self, tmp: Path, final: Path) -> None:
+        def land() -> None:
+            try:
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                final.parent.mkdir(exist_ok=True)
+                os.replace(tmp, final)
+            except OSError as e:
+                _unlink_quiet(tmp)
+                raise _write_error(e, tmp) from e
+        self._futures.append(self._pool.submit(land))
+        self.dirs.add(final.parent)
+
+    def finish(self) -> None:
+        try:
+            errors = []
+            for f in self._futures:
+                try:
+                    f.result()
+                except BaseException as e:  # keep waiting: no write may outlive the save
+                    errors.append(e)
+            if errors:
+                raise errors[0]
+            for d in sorted(self.dirs):
+                fsync_dir(d)
+        finally:
+            self._pool.shutdown(wait=True)
 
 
 class LayerStore:
@@ -343,33 +388,34 @@ class LayerStore:
         atomic_write_bytes(self.root / "config.json", _json_bytes(config))
 
     def put_blob(self, payload: BlobPayload, maybe_duplicate: bool = False,
-                 dirs_to_sync: set[Path] | None = None) -> BlobRecord:
+                 batch: BlobBatch | None = None) -> BlobRecord:
         """Store one group version; an identical existing blob is reused (nothing written).
 
         ``maybe_duplicate`` hashes first (a memory pass) and skips the write on a hit: right for
         groups believed unchanged (frozen layers). Otherwise the hash is computed while writing.
-        The blob's directory is fsynced by the caller (collected in ``dirs_to_sync``) before the
-        manifest that names it is written.
+        With a ``batch``, the fsync and rename happen on its thread (``batch.finish()`` before the
+        manifest); without, before returning.
         """
         sha = payload.sha256() if maybe_duplicate else None
         if sha is not None and self._has_blob(sha, payload.nbytes):
             return BlobRecord(sha, payload.nbytes, self.blob_rel(sha), written=False)
         tmp = self.root / "tmp" / f"blob-{uuid.uuid4().hex}.tmp"
         try:
-            got = _write_payload(tmp, payload, hash_it=sha is None)
+            got = _write_payload(tmp, payload, hash_it=sha is None, fsync=batch is None)
             sha = sha or got
             assert sha is not None
             if self._has_blob(sha, payload.nbytes):
                 tmp.unlink()
                 return BlobRecord(sha, payload.nbytes, self.blob_rel(sha), written=False)
             final = self.root / self.blob_rel(sha)
-            final.parent.mkdir(exist_ok=True)
-            os.replace(tmp, final)
+            if batch is None:
+                final.parent.mkdir(exist_ok=True)
+                os.replace(tmp, final)
         except OSError as e:
             _unlink_quiet(tmp)
             raise _write_error(e, tmp) from e
-        if dirs_to_sync is not None:
-            dirs_to_sync.add(final.parent)
+        if batch is not None:
+            batch.submit(tmp, final)
         else:
             fsync_dir(final.parent)
         return BlobRecord(sha, payload.nbytes, self.blob_rel(sha), written=True)
@@ -390,11 +436,10 @@ class LayerStore:
             raise _write_error(e, path) from e
         return {"sha256": hashlib.sha256(data).hexdigest(), "nbytes": len(data)}
 
-    def commit(self, step: int, manifest: dict, dirs_to_sync: set[Path] = frozenset()) -> None:
-        """Make ``step`` committed: sync blob dirs, write the manifest, then move ``latest``."""
+    def commit(self, step: int, manifest: dict) -> None:
+        """Make ``step`` committed: write the manifest, then move ``latest``. Every file the
+        manifest names must already be durable (``BlobBatch.finish``)."""
         try:
-            for d in sorted(dirs_to_sync):
-                fsync_dir(d)
             atomic_write_bytes(self.manifest_path(step), _json_bytes(manifest))
             fsync_dir(self.step_dir(step).parent)
         except OSError as e:
