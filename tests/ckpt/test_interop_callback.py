@@ -84,11 +84,13 @@ def test_merge_to_trainer_format_matches_trainers_own_checkpoint(trained, tmp_pa
 
 
 def test_trainer_resumes_from_merged_layerwise_step(trained, tmp_path):
+    from layerwise.ckpt.callback import export_for_resume
+
     trainer, cb, root = trained
-    out = tmp_path / "checkpoint-4"
-    merge(root / "run", out, format="trainer", step=4)
+    out = export_for_resume(root / "run", tmp_path / "resumed", step=5)  # resolves to step 4
+    assert out == str(tmp_path / "resumed" / "checkpoint-4")
     resumed = make_trainer(tmp_path / "resumed", max_steps=6)
-    resumed.train(resume_from_checkpoint=str(out))
+    resumed.train(resume_from_checkpoint=out)
     assert resumed.state.global_step == 6
     assert losses(resumed)[5] == losses(trainer)[5] and losses(resumed)[6] == losses(trainer)[6]
     # The resumed run trained steps 5 and 6 only (earlier entries are the restored log history).

@@ -10,7 +10,7 @@ Every ``every`` optimizer steps the callback hands the Trainer's model, optimize
 ``TrainerState`` to a :class:`~layerwise.ckpt.checkpointer.Checkpointer`, which writes only the
 groups its policy picks, in the background. To resume with the Trainer, export a step first
 (``layerwise ckpt merge runs/a --step N --format trainer --out ckpt/checkpoint-N``) and pass that
-dir as ``resume_from_checkpoint``. Set ``save_strategy="no"`` in ``TrainingArguments`` when the
+dir as ``resume_from_checkpoint`` (:func:`export_for_resume` does both in Python). Set ``save_strategy="no"`` in ``TrainingArguments`` when the
 layer-wise checkpoints replace the Trainer's own.
 """
 
@@ -125,3 +125,20 @@ class LayerwiseCheckpointCallback(TrainerCallback):
     def _save(self, state: Any) -> None:
         self.checkpointer.save(state.global_step, trainer_state=trainer_state_json(state))
         self.saved_steps.append(state.global_step)
+
+
+def export_for_resume(run_dir: str | Path, output_dir: str | Path, step: int | None = None) -> str:
+    """Export a layer-wise step (default: the newest) as ``output_dir/checkpoint-N`` for the Trainer.
+
+    Returns the path to pass as ``Trainer.train(resume_from_checkpoint=...)``. An existing
+    ``checkpoint-N`` there is reused: exports are atomic, so one that exists is complete.
+    """
+    from layerwise.ckpt.merge import merge
+    from layerwise.ckpt.source import open_source
+
+    source = open_source(run_dir, step)
+    n = int(source.extra_state()["step"])
+    out = Path(output_dir) / f"checkpoint-{n}"
+    if not out.is_dir():
+        merge(source, out, format="trainer")
+    return str(out)

@@ -166,6 +166,10 @@ def _cmd_merge(args: argparse.Namespace) -> int:
             f"{len(summary['weight_files'])} weight file(s), {summary['bytes'] / 1e6:.1f} MB "
             f"in {summary['seconds']:.1f} s"
         )
+        if "sources" in summary:
+            for group, model in summary["sources"]["groups"].items():
+                print(f"  {group:<12} <- {model}")
+            print(f"  state (step, scheduler, RNG, trainer state) <- {summary['sources']['state_from']}")
     return 0
 
 
