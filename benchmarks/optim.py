@@ -188,7 +188,12 @@ def _groups(model, lr, wd):
 
 
 def train_eval(steps: int, seq_len: int, batch_size: int, hidden: int, layers: int,
-               seed: int = 0) -> dict:
+               seed: int = 0, noise_floor: bool = False) -> dict:
+    """fp32 AdamW vs AdamW8bit from the same init on the same batches.
+
+    ``noise_floor`` adds a third run, fp32 again on a different batch order, to show how much
+    eval loss moves between two equally good runs (the scale ``eval_loss_delta_pct`` is read on).
+    """
     torch.set_num_threads(1)
     tokens = corpus_tokens(1_500_000)
     split = int(tokens.numel() * 0.9)
@@ -204,23 +209,24 @@ def train_eval(steps: int, seq_len: int, batch_size: int, hidden: int, layers: i
         eval_batches.append(next(it))
     lr, wd, warmup = 3e-3, 0.1, 30
     results, moments = {}, {}
-    for name in ("fp32", "8bit"):
+    for name in ("fp32", "8bit") + (("fp32_other_order",) if noise_floor else ()):
         torch.manual_seed(seed)
         model = FAMILIES["llama"][1](cfg)
         model.load_state_dict(init)
         groups = _groups(model, lr, wd)
-        if name == "fp32":
+        fp32 = name.startswith("fp32")
+        if fp32:
             opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
         else:
             opt = AdamW8bit(groups, lr=lr, betas=(0.9, 0.95), max_grad_norm=1.0)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: min(1.0, (s + 1) / warmup) * max(0.1, 1 - s / steps))
-        data = batches(train, seq_len, batch_size, seed=seed)
+        data = batches(train, seq_len, batch_size, seed=seed + (name == "fp32_other_order"))
         t0 = time.perf_counter()
         for _ in range(steps):
             loss = _loss(model, next(data))
             loss.backward()
-            if name == "fp32":
+            if fp32:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -235,12 +241,17 @@ def train_eval(steps: int, seq_len: int, batch_size: int, hidden: int, layers: i
         if name == "fp32":
             moments = {n: opt.state[p] for n, p in model.named_parameters()
                        if p.dim() >= 2}
-        else:
+        elif name == "8bit":
             results[name]["skipped_steps"] = opt.skipped_steps
     params = sum(p.numel() for p in model.parameters())
     delta = 100.0 * (results["8bit"]["eval_loss"] - results["fp32"]["eval_loss"]) \
         / results["fp32"]["eval_loss"]
-    return {"model": {"family": "llama", "hidden": hidden, "layers": layers, "params": params,
+    out_noise = {}
+    if noise_floor:
+        out_noise["noise_floor_pct"] = round(
+            100.0 * (results["fp32_other_order"]["eval_loss"] - results["fp32"]["eval_loss"])
+            / results["fp32"]["eval_loss"], 3)
+    return {**out_noise, "model": {"family": "llama", "hidden": hidden, "layers": layers, "params": params,
                       "steps": steps, "seq_len": seq_len, "batch_size": batch_size, "lr": lr},
             "runs": results, "delta_pct": round(delta, 3), "moments": moments}
 
@@ -353,7 +364,7 @@ def main() -> None:
 
     quick = args.quick
     ev = train_eval(steps=300 if quick else 600, seq_len=64 if quick else 128, batch_size=8,
-                    hidden=128, layers=4)
+                    hidden=128, layers=4, noise_floor=not quick)
     total = 50_000_000
     st = step_times(total, rounds=5 if quick else 11, slow_rounds=2 if quick else 3,
                     threads=threads)
@@ -375,6 +386,7 @@ def main() -> None:
         "eval_loss_fp32": ev["runs"]["fp32"]["eval_loss"],
         "eval_loss_8bit": ev["runs"]["8bit"]["eval_loss"],
         "eval_loss_delta_pct": ev["delta_pct"],
+        "eval_loss_noise_floor_pct": ev.get("noise_floor_pct", "full run only"),
         "step_time": st,
         "step_time_1thread": st1,
         "train": {k: v for k, v in ev.items() if k != "moments"},

@@ -3,7 +3,7 @@
 A flat tensor is cut into blocks of ``block_size`` elements; each block stores one fp32 scale
 (its absolute maximum) and one byte per element. The byte is not a linear code: both maps put
 more codes near zero, like the "dynamic" maps of 8-bit Adam, but they are plain arithmetic, so
-encoding needs no table search and runs at memory speed on a CPU:
+encoding needs no table search (one ``sqrt`` per value, vectorised) on a CPU:
 
 - ``exp_avg`` (signed, int8, codes -127..127): ``m = scale * sign(c) * (c / 127)**2``.
 - ``exp_avg_sq`` (unsigned, uint8, codes 0..255) is stored through its square root, the
@@ -13,7 +13,8 @@ encoding needs no table search and runs at memory speed on a CPU:
 
 Error bound (both maps, per element, ``s`` = the unrounded code, ``Q`` = 127 or 255):
 ``|x - deq(x)| <= scale * (s + 0.25) / Q**2``, i.e. about ``sqrt(|x| * scale) / Q``: relative
-error ~``1 / (Q * sqrt(|x| / scale))``, which is why small values keep precision.
+error ~``1 / (Q * sqrt(|x| / scale))``, which is why small values keep precision. (Exception:
+a positive ``v`` whose code would round to 0 is stored as code 1.)
 ``docs/benchmarks.md`` (issue 4) has the measured comparison with a linear and the
 bitsandbytes dynamic map on real Adam moments, and the block-size sweep.
 
@@ -26,7 +27,9 @@ from __future__ import annotations
 import torch
 
 DEFAULT_BLOCK_SIZE = 256
-"""Elements per quantisation block (one fp32 scale each: 4/256 = 0.016 extra bytes/param)."""
+"""Elements per quantisation block: two fp32 scales per block make 2 + 8/256 = 2.031 bytes per
+parameter. Smaller blocks are more precise (measured update error 0.9% at 128 vs 1.8% at 256)
+but 128 costs 2.0625 bytes/param, over the 2.05 budget; step time is flat from 64 to 1024."""
 
 SIGNED_LEVELS = 127.0
 UNSIGNED_LEVELS = 255.0
