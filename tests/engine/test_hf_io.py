@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from layerwise.engine import EngineConfig, StreamingEngine
 from layerwise.models import DecoderAdapter, get_flavor
-from layerwise.models.hf_io import load_store, save_store
+from layerwise.ckpt.store_state import export_store
+from layerwise.models.hf_io import load_store
 from layerwise.models.init import build_hf_model
 from layerwise.plan import Plan
 from layerwise.train.data import Batch
@@ -35,7 +36,7 @@ def test_load_train_export_roundtrip(hf_dir, tmp_path):
         ids = torch.randint(0, adapter.vocab_size, (2, 9), generator=g)
         engine.train_step([Batch(ids[:, :-1], ids[:, 1:])])
     engine.synchronize()
-    out = save_store(store, tmp_path / "out", max_shard_bytes=50_000)
+    out = export_store(store, tmp_path / "out", max_shard_size=50_000)
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     ids = torch.randint(0, adapter.vocab_size, (2, 10), generator=g)
     with torch.no_grad():
@@ -52,7 +53,7 @@ def test_export_refuses_non_empty_directory(hf_dir, tmp_path):
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "keep.txt").write_text("x")
     with pytest.raises(ValueError, match="not empty"):
-        save_store(store, tmp_path / "busy")
+        export_store(store, tmp_path / "busy")
     assert (tmp_path / "busy" / "keep.txt").read_text() == "x"
 
 

@@ -13,7 +13,7 @@ import torch
 
 from ..engine import EngineConfig, StreamingEngine
 from ..models import DecoderAdapter, FLAVORS, get_flavor
-from ..models.hf_io import load_store, save_store
+from ..models.hf_io import load_store
 from ..models.init import init_store
 from ..optim.adamw import AdamWConfig
 from ..plan.plan import Plan
@@ -206,7 +206,9 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
             ckpt.close()
     model_dir = None
     if cfg.export:
-        model_dir = save_store(store, out_dir / "model", overwrite=True)
+        from ..ckpt.store_state import export_store
+
+        model_dir = export_store(store, out_dir / "model", overwrite=True)
         log(f"exported Hugging Face model to {model_dir}")
     return TrainResult(out_dir, eval_start, eval_loss, cfg.steps,
                        tokens_seen / max(1e-9, time.perf_counter() - t_start), est.peak_bytes,
