@@ -19,7 +19,8 @@ Dependencies modelled (as ``layerwise.engine`` runs them):
 - a stored boundary's D2H copy is issued at its ``layer_fwd``; an NVMe write follows its D2H; the
   NVMe read is issued two ops before its ``fetch``; a host/NVMe boundary's H2D copy is issued when
   the compute op before its ``fetch`` starts;
-- each gradient goes D2H when its op ends, then is accumulated in fp32 on the host;
+- each gradient goes D2H when its op ends, then is accumulated in fp32 on the host (the
+  synchronous CPU backend adds it in place, without the copy);
 - the optimizer starts when the last gradient of the step has landed (global clip needs all),
   updating embed, layers 0.., head in order, overlapping the next step's forward.
 
@@ -364,7 +365,8 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
                     grads = ["embed"]
                 for u in grads:
                     gb = cost.grad_bytes(u)
-                    s, e = lanes.run("d2h", end, cost.d2h_s(gb), f"grad {u}")
+                    # the synchronous (CPU) backend accumulates the device grad in place: no copy
+                    s, e = lanes.run("d2h", end, 0.0 if hw.synchronous else cost.d2h_s(gb), f"grad {u}")
                     if e > end:
                         alloc("device", end, gb, f"grad {u} (in flight)", e)
                     _, landed = lanes.run("host", e, accum_s(u), f"accumulate {u}")
