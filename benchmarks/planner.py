@@ -17,14 +17,14 @@ import platform
 import sys
 import time
 
-TOKENS_PER_STEP = 32768  # a common fine-tuning batch (e.g. 8 x 4096 or 32 x 1024)
+TOKENS_PER_STEP = 32768  # default: a common fine-tuning batch (e.g. 8 x 4096 or 32 x 1024)
 MODELS = ["qwen2.5-3b", "qwen2.5-7b", "llama3-8b", "qwen2.5-14b", "qwen2.5-32b"]
 QUICK_MODELS = ["qwen2.5-3b", "llama3-8b", "qwen2.5-14b", "qwen2.5-32b"]
 HARDWARE = ["h800", "h200", "rtx3090"]
 SEQS = [1024, 4096]
 
 
-def run_case(model: str, hw_name: str, seq: int, time_limit_s: float) -> dict:
+def run_case(model: str, hw_name: str, seq: int, time_limit_s: float, tokens_per_step: int) -> dict:
     from layerwise.plan.check import check
     from layerwise.plan.cost import load_shape
     from layerwise.plan.hardware import PRESETS
@@ -34,7 +34,7 @@ def run_case(model: str, hw_name: str, seq: int, time_limit_s: float) -> dict:
 
     shape = load_shape(model)
     hw = PRESETS[hw_name]
-    batch = TOKENS_PER_STEP // seq
+    batch = max(1, tokens_per_step // seq)
     t0 = time.perf_counter()
     try:
         res = search(shape, hw, seq, SearchConfig(global_batch=batch, milp=MilpConfig(time_limit_s=time_limit_s)))
@@ -76,6 +76,8 @@ def run_case(model: str, hw_name: str, seq: int, time_limit_s: float) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer models, shorter MILP time limit")
+    ap.add_argument("--tokens-per-step", type=int, default=TOKENS_PER_STEP,
+                    help="global batch in tokens (sequences = tokens // seq)")
     args = ap.parse_args()
     import highspy  # noqa: F401  (version in the output)
     from importlib.metadata import version
@@ -83,13 +85,13 @@ def main() -> int:
     models = QUICK_MODELS if args.quick else MODELS
     time_limit = 2.0 if args.quick else 10.0
     t0 = time.perf_counter()
-    cases = [run_case(m, h, s, time_limit) for m in models for h in HARDWARE for s in SEQS]
+    cases = [run_case(m, h, s, time_limit, args.tokens_per_step) for m in models for h in HARDWARE for s in SEQS]
     fit = [c for c in cases if c["fits"]]
     vs_k4 = [c["speedup_vs_k4"] for c in fit if c["speedup_vs_k4"]]
     out = {
         "benchmark": "planner",
         "quick": args.quick,
-        "inputs": {"models": models, "hardware": HARDWARE, "seqs": SEQS, "tokens_per_step": TOKENS_PER_STEP,
+        "inputs": {"models": models, "hardware": HARDWARE, "seqs": SEQS, "tokens_per_step": args.tokens_per_step,
                    "milp_time_limit_s": time_limit},
         "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
                     "cpus": os.cpu_count(), "highspy": version("highspy")},

@@ -10,7 +10,7 @@ def test_plan_prints_a_table_and_writes_the_plan(tmp_path, capsys):
                "--batch", "8", "--gpu-mem", "12", "--out", str(out), "--timeline", str(png)])
     assert rc == 0
     text = capsys.readouterr().out
-    for word in ("plan (milp)", "every-4", "recompute-all", "tokens/s", "MILP: Optimal", "check: ok"):
+    for word in ("plan (milp)", "every-4", "recompute-all", "tokens/s", "MILP at micro-batch 8: Optimal", "check: ok"):
         assert word in text
     plan = Plan.load(out)
     plan.validate(28)

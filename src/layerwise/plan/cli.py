@@ -116,7 +116,7 @@ def plan_command(args: argparse.Namespace) -> int:
               f"{_gb(s.peak_host_bytes):>9}{s.tokens_per_s / best_tps:>9.2f}")
     m = res.milp
     if m is not None:
-        print(f"MILP: {m.status}, model step {m.objective_s:.3f} s, bound {m.bound_s:.3f} s, gap {m.gap:.2%}, "
+        print(f"MILP at micro-batch {p.micro_batch_size}: {m.status}, model step {m.objective_s:.3f} s, bound {m.bound_s:.3f} s, gap {m.gap:.2%}, "
               f"warm start {m.warm_start or 'none'}; HiGHS {res.solve_s:.2f} s, search {res.plan_s:.2f} s")
     print(f"boundaries: {', '.join(f'{v} {k}' for k, v in counts.items())}; optimizer moments: "
           f"{len(p.moments or []) - n8} units fp32, {n8} units 8-bit; check: ok "

@@ -176,6 +176,7 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
     milp_at: dict[int, MilpResult] = {}
     solve_s = 0.0
     smallest_failure: Candidate | None = None
+    all_fit: list[Candidate] = []
     for mbs in mbs_list:
         m_count = auto_m if auto else cfg.global_batch // mbs  # type: ignore[operator]
         kw = dict(micro_batch_size=mbs, num_micro_batches=m_count, seq_len=seq_len,
@@ -198,6 +199,7 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
             tried.append(c.row())
             if c.fits:
                 any_fit = True
+                all_fit.append(c)
                 cur = by_name.get(c.name)
                 if cur is None or c.sim.tokens_per_s > cur.sim.tokens_per_s:
                     by_name[c.name] = c
@@ -219,8 +221,20 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
     if "milp" in by_name and by_name["milp"].sim.tokens_per_s >= best.sim.tokens_per_s * (1 - 1e-9):
         best = by_name["milp"]
     if auto:
-        best = _pick_accumulation(best, shape, hw, cfg)
+        # the smallest micro-batch within tolerance of the best, then the smallest accumulation;
+        # the rules are then shown at that accumulation too, for a like-for-like table
+        top = best.sim.tokens_per_s
+        pool = [c for c in all_fit if c.sim.tokens_per_s >= top * (1 - cfg.auto_tolerance)]
+        pick = min(pool, key=lambda c: (c.plan.micro_batch_size, c.name != "milp", -c.sim.tokens_per_s))
+        best = _pick_accumulation(pick, shape, hw, cfg)
         best = Candidate(best.name, best.plan, simulate(best.plan, shape, hw, keep_trace=False))
+        for name, c in list(by_name.items()):
+            d = c.plan.to_dict()
+            d["num_micro_batches"] = best.plan.num_micro_batches
+            again = Plan.from_dict(d)
+            sim = simulate(again, shape, hw, keep_trace=False)
+            if sim.fits:
+                by_name[name] = Candidate(name, again, sim)
     plan = best.plan
     plan.source = "milp" if best.name == "milp" else f"planner:{best.name}"
     res = milp_at.get(plan.micro_batch_size)
