@@ -40,11 +40,13 @@ def draw_timeline(sim: SimResult, path: str | Path, title: str | None = None, al
     fig, (ax, axm) = plt.subplots(2, 1, figsize=(14, 1.0 + 0.55 * len(lanes) + 2.2), sharex=True,
                                   gridspec_kw={"height_ratios": [len(lanes), 2.2]})
     for row, lane in enumerate(lanes):
-        bars = [(iv.start - t0, iv.end - iv.start, _colour(iv.label)) for iv in sim.intervals
+        min_w = (t1 - t0) / 1500  # keep short copies visible (about one pixel)
+        bars = [(iv.start - t0, max(iv.end - iv.start, min_w), _colour(iv.label)) for iv in sim.intervals
                 if iv.lane == lane and iv.end > t0 and iv.start < t1]
         if bars:
+            colours = [c for *_, c in bars]
             ax.broken_barh([(s, w) for s, w, _ in bars], (row - 0.4, 0.8),
-                           facecolors=[c for *_, c in bars], edgecolor="none")
+                           facecolors=colours, edgecolors=colours, linewidth=0.6)
     ax.set_yticks(range(len(lanes)), lanes)
     ax.invert_yaxis()
     ax.set_xlim(0, t1 - t0)
