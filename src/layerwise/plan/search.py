@@ -156,7 +156,7 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
     if cfg.global_batch is not None and cfg.global_batch < 1:
         raise ValueError(f"global batch must be >= 1 sequence, got {cfg.global_batch}")
     auto = cfg.global_batch is None
-    # leave room for a few offloaded boundaries of a mid-sized micro-batch next to the store
+    # the store must fit; offloaded activations get what is left (NVMe takes the rest)
     moments = choose_moments(shape, hw, reserve_bytes=0)
     if cfg.micro_batch_sizes is not None:
         mbs_list = sorted(set(cfg.micro_batch_sizes))
