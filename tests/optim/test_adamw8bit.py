@@ -42,12 +42,13 @@ def _random_8bit_state(n, block, seed):
     return s
 
 
+@pytest.mark.parametrize("block", [128, 256])
 @pytest.mark.parametrize("kernel", ["numba", "torch"])
-def test_one_step_equals_reference(kernel, monkeypatch):
+def test_one_step_equals_reference(kernel, block, monkeypatch):
     if kernel == "numba" and not _kernel.numba_available():
         pytest.skip("numba not installed")
     monkeypatch.setenv("LAYERWISE_OPTIM_KERNEL", kernel)
-    block, n = 128, 128 * 40 + 5
+    n = block * 40 + 5
     gen = torch.Generator().manual_seed(0)
     p = torch.randn(n, generator=gen)
     g = torch.randn(n, generator=gen) * 1e-3
@@ -310,9 +311,10 @@ def _fill_grads(store, seed):
         b.grad.copy_(torch.randn(b.grad.shape, generator=gen) * 1e-2)
 
 
-def test_unit_face_matches_reference_and_is_thread_safe(store_factory):
+@pytest.mark.parametrize("block", [128, 256])  # 256: the kernel's constant-trip-count copy
+def test_unit_face_matches_reference_and_is_thread_safe(store_factory, block):
     cfg = AdamWConfig(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0)
-    opt = HostAdamW8bit(cfg, block_size=128)
+    opt = HostAdamW8bit(cfg, block_size=block)
     seq, par, ref = store_factory(), store_factory(), store_factory()
     for st in (seq, par):
         for b in st:
@@ -320,7 +322,7 @@ def test_unit_face_matches_reference_and_is_thread_safe(store_factory):
             assert b.state["step"].item() == 0 and b.state["exp_avg_codes"].dtype == torch.int8
     ref_state = {}
     for b in ref:
-        HostAdamW8bit(cfg, block_size=128).init_state(b)
+        HostAdamW8bit(cfg, block_size=block).init_state(b)
         ref_state[b.name] = b.state
     for step in range(3):
         for st in (seq, par, ref):
@@ -337,7 +339,7 @@ def test_unit_face_matches_reference_and_is_thread_safe(store_factory):
         for b in ref:
             new_p, new_s = _reference_step(b.master, b.grad, ref_state[b.name], cfg.lr,
                                            cfg.betas, cfg.eps, cfg.weight_decay,
-                                           b.layout.decay_numel, coef, 128)
+                                           b.layout.decay_numel, coef, block)
             b.master.copy_(new_p)
             ref_state[b.name] = new_s
     for a, b, r in zip(seq, par, ref):
