@@ -37,7 +37,7 @@ import torch
 
 from layerwise.models.registry import FAMILIES, get_flavor
 from layerwise.optim import _kernel, quant
-from layerwise.optim.adamw8bit import AdamW8bit, state_to_fp32
+from layerwise.optim.adamw8bit import AdamW8bit
 from layerwise.train.data import IGNORE_INDEX, batches, corpus_tokens
 
 ADAM = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -251,8 +251,9 @@ def train_eval(steps: int, seq_len: int, batch_size: int, hidden: int, layers: i
         out_noise["noise_floor_pct"] = round(
             100.0 * (results["fp32_other_order"]["eval_loss"] - results["fp32"]["eval_loss"])
             / results["fp32"]["eval_loss"], 3)
-    return {**out_noise, "model": {"family": "llama", "hidden": hidden, "layers": layers, "params": params,
-                      "steps": steps, "seq_len": seq_len, "batch_size": batch_size, "lr": lr},
+    model_info = {"family": "llama", "hidden": hidden, "layers": layers, "params": params,
+                  "steps": steps, "seq_len": seq_len, "batch_size": batch_size, "lr": lr}
+    return {**out_noise, "model": model_info,
             "runs": results, "delta_pct": round(delta, 3), "moments": moments}
 
 

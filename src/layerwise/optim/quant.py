@@ -57,7 +57,8 @@ def quantize_signed(x: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE
     xb = _padded_blocks(x.reshape(-1).float(), block_size)
     scale = xb.abs().amax(dim=1)
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    s = (xb.abs() * inv[:, None]).sqrt_().mul_(SIGNED_LEVELS).add_(0.5).floor_().clamp_(max=SIGNED_LEVELS)
+    s = (xb.abs() * inv[:, None]).sqrt_().mul_(SIGNED_LEVELS).add_(0.5).floor_()
+    s.clamp_(max=SIGNED_LEVELS)
     codes = torch.copysign(s, xb).to(torch.int8)
     return codes.view(-1)[:n].clone(), scale
 
@@ -77,7 +78,8 @@ def quantize_sq(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE
     r = _padded_blocks(v.reshape(-1).float(), block_size).clamp(min=0).sqrt()
     scale = r.amax(dim=1)
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    s = (r * inv[:, None]).sqrt_().mul_(UNSIGNED_LEVELS).add_(0.5).floor_().clamp_(max=UNSIGNED_LEVELS)
+    s = (r * inv[:, None]).sqrt_().mul_(UNSIGNED_LEVELS).add_(0.5).floor_()
+    s.clamp_(max=UNSIGNED_LEVELS)
     s = torch.where(r > 0, s.clamp(min=1.0), s)
     return s.to(torch.uint8).view(-1)[:n].clone(), scale
 
