@@ -142,9 +142,6 @@ class HostAdamW8bit:
         return state_to_8bit(state, self.block_size)
 
 
-UnitAdamW8bit = HostAdamW8bit
-"""Alias (the name ``docs/architecture.md`` uses for the per-unit face)."""
-
 
 # ----- the torch.optim face -----------------------------------------------------------------
 
