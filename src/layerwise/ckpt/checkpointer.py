@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
