@@ -100,11 +100,12 @@ class GradSink:
             return
         nbytes = _nbytes(grad)
         self.backend.ledger.add("grads", nbytes)
-        pending = self.backend.to_host(grad)
-        self.backend.ledger.sub("grads", nbytes)  # the copy holds it via record_stream
+        pending = self.backend.to_host(grad)  # the device buffer lives until the copy lands
 
         def land() -> None:
-            host_grad.add_(pending.wait().reshape(-1))
+            landed = pending.wait()
+            self.backend.ledger.sub("grads", nbytes)
+            host_grad.add_(landed.reshape(-1))
             if final:
                 self.sq_norms[unit] = sq_norm(host_grad)
 

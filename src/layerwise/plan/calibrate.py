@@ -155,18 +155,13 @@ def measure_optimizer(numel: int, repeats: int) -> tuple[float, float]:
     return buf.layout.numel / t, buf.layout.numel * 12 / ta / 1e9
 
 
-def measure_optimizer_8bit(numel: int, repeats: int) -> float | None:
-    """Params/s of the project's block-wise 8-bit AdamW, if it is available."""
-    try:
-        from ..optim import adamw8bit
-        from ..optim.adamw import AdamWConfig
-    except ImportError:
-        return None
-    cls = getattr(adamw8bit, "HostAdamW8bit", None) or getattr(adamw8bit, "UnitAdamW8bit", None)
-    if cls is None:
-        return None
+def measure_optimizer_8bit(numel: int, repeats: int) -> float:
+    """Params/s of the project's block-wise 8-bit AdamW."""
+    from ..optim.adamw import AdamWConfig
+    from ..optim.adamw8bit import HostAdamW8bit
+
     buf = _probe_unit(numel)
-    opt = cls(AdamWConfig())
+    opt = HostAdamW8bit(AdamWConfig())
     opt.init_state(buf)
     t = _best_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats)
     return buf.layout.numel / t
@@ -190,7 +185,7 @@ def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None =
     h2d, d2h = measure_copy_gbps(device, (64 << 20) if quick else (256 << 20), reps)
     nvme_r, nvme_w = measure_disk_gbps(spill_dir, (32 << 20) if quick else (256 << 20), 2 if quick else 3)
     opt_rate, accum = measure_optimizer((4 << 20) if quick else (16 << 20), reps)
-    opt8 = measure_optimizer_8bit((4 << 20) if quick else (16 << 20), reps) or opt_rate * 0.5
+    opt8 = measure_optimizer_8bit((4 << 20) if quick else (16 << 20), reps)
     ram = _total_ram_bytes()
     free_disk = _free_bytes(spill_dir or tempfile.gettempdir())
     if on_gpu:
