@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from layerwise.engine import EngineConfig, StreamingEngine, micro_batch_program
-from layerwise.engine.program import weight_schedule
+from layerwise.engine import EngineConfig, StreamingEngine
+from layerwise.plan.program import micro_batch_program, weight_schedule
 from layerwise.models import get_flavor
 from layerwise.models.init import init_store
 from layerwise.plan import Plan
@@ -12,7 +12,7 @@ from layerwise.train.data import Batch
 
 
 def ops_str(plan):
-    return [str(op) for op in micro_batch_program(plan)]
+    return [str(op) for op in micro_batch_program(plan.boundaries)]
 
 
 def test_every_k_program_recomputes_segments_from_kept_boundaries():
@@ -34,7 +34,7 @@ def test_recompute_all_rebuilds_from_the_embedding():
 
 
 def test_weight_schedule_streams_every_use():
-    ops = micro_batch_program(Plan.every_k(2, 1))
+    ops = micro_batch_program(Plan.every_k(2, 1).boundaries)
     assert weight_schedule(ops, tied=True) == [
         "embed", "layers.0", "layers.1", "embed", "head", "layers.1", "layers.0", "embed"]
 
@@ -59,12 +59,24 @@ def test_predicted_peak_matches_measured_within_5_percent(plan):
 
 def test_offloading_lowers_predicted_peak():
     cfg = get_flavor("llama-30m").build_config()
-    from layerwise.models import DecoderAdapter
-    from layerwise.engine import predict_peak_device_bytes
+    from layerwise.plan.cost import ModelShape
+    from layerwise.plan.memory import predict_peak_device_bytes
 
-    adapter = DecoderAdapter(cfg)
-    L = adapter.num_layers
-    keep = predict_peak_device_bytes(adapter, Plan.every_k(L, 1), 4, 1024, 2).peak_bytes
-    host = predict_peak_device_bytes(adapter, Plan.keep_all(L, "host"), 4, 1024, 2).peak_bytes
-    k4 = predict_peak_device_bytes(adapter, Plan.every_k(L, 4), 4, 1024, 2).peak_bytes
+    shape = ModelShape.from_config(cfg)
+    L = shape.num_layers
+    keep = predict_peak_device_bytes(shape, Plan.every_k(L, 1), 4, 1024, 2).peak_bytes
+    host = predict_peak_device_bytes(shape, Plan.keep_all(L, "host"), 4, 1024, 2).peak_bytes
+    k4 = predict_peak_device_bytes(shape, Plan.every_k(L, 4), 4, 1024, 2).peak_bytes
     assert host < k4 < keep
+
+
+@pytest.mark.parametrize("flavor", ["llama-debug", "llama-debug-tied", "qwen2-debug",
+                                    "qwen3-debug-untied", "mistral-debug", "qwen-27b"])
+def test_planner_shape_counts_the_parameters_the_adapter_holds(flavor):
+    from layerwise.models import DecoderAdapter
+    from layerwise.plan.cost import ModelShape
+
+    cfg = get_flavor(flavor).build_config()
+    adapter = DecoderAdapter(cfg)
+    shape = ModelShape.from_config(cfg)
+    assert {u.name: u.numel for u in adapter.units} == {u: shape.unit_params(u) for u in shape.unit_names()}

@@ -27,8 +27,9 @@ from ..plan.plan import Plan
 from ..store import HostStore
 from ..train.data import IGNORE_INDEX, Batch
 from .backend import make_backend
-from .memory import MemoryEstimate, predict_peak_device_bytes
-from .program import Op, micro_batch_program, weight_schedule
+from ..plan.cost import ModelShape
+from ..plan.memory import MemoryEstimate, predict_peak_device_bytes
+from ..plan.program import Op, micro_batch_program, weight_schedule
 from .streams import ActivationStore, GradSink, WeightStreamer
 
 
@@ -79,7 +80,8 @@ class StreamingEngine:
         self.backend = make_backend(self.config.device)
         self.device = self.backend.device
         self.rotary = adapter.new_rotary(self.device)
-        self.program = micro_batch_program(plan)
+        self.program = micro_batch_program(plan.boundaries)
+        self.shape = ModelShape.from_config(adapter.config)
         self.optimizers = optimizers or self._default_optimizers()
         for buf in store:
             if not buf.state:
@@ -112,7 +114,7 @@ class StreamingEngine:
 
     def predict_memory(self, micro_batch_size: int, seq_len: int) -> MemoryEstimate:
         elem = torch.empty((), dtype=self.config.compute_dtype).element_size()
-        return predict_peak_device_bytes(self.adapter, self.plan, micro_batch_size, seq_len, elem)
+        return predict_peak_device_bytes(self.shape, self.plan, micro_batch_size, seq_len, elem)
 
     def check(self, micro_batch_size: int, seq_len: int) -> MemoryEstimate:
         """Refuse, before any work, a batch shape whose predicted device peak is over the cap."""

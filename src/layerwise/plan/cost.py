@@ -12,7 +12,7 @@ FLOP conventions (multiply-add = 2 FLOPs):
 - the engine's ``layer_bwd`` re-runs the layer's forward with a graph, then the backward:
   ``3x`` the forward FLOPs. Model FLOPs (for TFLOPS) count ``1x`` forward + ``2x`` backward only.
 
-Device memory follows the engine's own accounting (``layerwise.engine.memory``) op by op: the
+Device memory follows ``layerwise.plan.memory`` (which the engine uses too) op by op: the
 weight buffers of the op and ``prefetch_depth`` uses ahead, the stored boundaries, and the op's
 transient inputs, outputs, gradients and autograd workspace.
 """
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from . import memory
 from .hardware import HardwareProfile
 
 # Host store bytes per parameter (layerwise.store.HostStore + optimizer state).
@@ -265,27 +266,13 @@ class CostModel:
 
     @property
     def layer_workspace_bytes(self) -> int:
-        """What autograd keeps for one layer's backward (same formula as the engine's)."""
-        s = self.shape
-        per_token = 4 * s.hidden_size + 3 * s.q_dim + 4 * s.kv_dim + 4 * s.intermediate_size
-        return self.tokens * per_token * self.elem_bytes
+        """What autograd keeps for one layer's backward (the engine's formula)."""
+        return memory.layer_workspace_bytes(self.shape, self.tokens, self.elem_bytes)
 
     def op_transient_bytes(self, kind: str, i: int = -1) -> int:
         """Device bytes an op holds only while it runs (inputs, outputs, grads, workspace)."""
-        a = self.boundary_bytes
-        if kind in ("embed_fwd", "recompute_embed"):
-            return a
-        if kind in ("layer_fwd", "recompute_layer"):
-            return 2 * a + self.tokens * 2 * self.shape.intermediate_size * self.elem_bytes
-        if kind == "head":
-            chunk = min(self.head_chunk_tokens, self.tokens)
-            grads = self.unit_weight_bytes("head") + (self.unit_weight_bytes("embed") if self.shape.tied else 0)
-            return 2 * a + grads + chunk * self.shape.vocab_size * (self.elem_bytes + 8)
-        if kind == "layer_bwd":
-            return 3 * a + self.unit_weight_bytes(f"layers.{i}") + self.layer_workspace_bytes
-        if kind == "embed_bwd":
-            return a + self.unit_weight_bytes("embed")
-        return 0
+        return memory.op_transient_bytes(self.shape, kind, i, self.tokens, self.elem_bytes,
+                                         self.head_chunk_tokens)
 
     def host_store_bytes(self, moments: list[str] | None = None) -> int:
         """Host bytes of the store: fp32 master + fp32 grad (+ compute copy) + moments, per unit."""

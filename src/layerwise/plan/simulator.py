@@ -36,56 +36,9 @@ from typing import Any
 from .cost import CostModel, ModelShape
 from .hardware import HardwareProfile
 from .plan import Plan
+from .program import Op, micro_batch_program
 
 LANES = ("compute", "h2d", "d2h", "host", "nvme", "optimizer")
-
-
-@dataclass(frozen=True)
-class Op:
-    kind: str
-    index: int = -1
-
-    def units(self, tied: bool) -> tuple[str, ...]:
-        if self.kind in ("embed_fwd", "recompute_embed", "embed_bwd"):
-            return ("embed",)
-        if self.kind in ("layer_fwd", "recompute_layer", "layer_bwd"):
-            return (f"layers.{self.index}",)
-        if self.kind == "head":
-            return ("embed", "head") if tied else ("head",)
-        return ()
-
-    def __str__(self) -> str:
-        return self.kind if self.index < 0 else f"{self.kind} {self.index}"
-
-
-def micro_batch_program(boundaries: list[str]) -> list[Op]:
-    """The ops of one micro-batch, in the order the engine runs them."""
-    n = len(boundaries)
-    ops = [Op("embed_fwd")] + [Op("layer_fwd", i) for i in range(n)] + [Op("head")]
-    on_device: set[int] = set()
-    for i in reversed(range(n)):
-        if i not in on_device:
-            if boundaries[i] != "recompute":
-                ops.append(Op("fetch", i))
-                on_device.add(i)
-            else:
-                stored = [j for j in range(i) if boundaries[j] != "recompute"]
-                if stored:
-                    j = stored[-1]
-                    if j not in on_device:
-                        ops.append(Op("fetch", j))
-                        on_device.add(j)
-                else:
-                    j = 0
-                    ops.append(Op("recompute_embed"))
-                    on_device.add(0)
-                for k in range(j, i):
-                    ops.append(Op("recompute_layer", k))
-                    on_device.add(k + 1)
-        ops.append(Op("layer_bwd", i))
-        on_device.discard(i)
-    ops.append(Op("embed_bwd"))
-    return ops
 
 
 @dataclass

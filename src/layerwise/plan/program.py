@@ -1,7 +1,8 @@
 """The step program: the exact sequence of operations one micro-batch runs under a Plan.
 
-It is plain data (no tensors), so the same list drives the executor, the weight-prefetch
-schedule and the device-memory prediction: what is predicted is what runs.
+It is plain data (no tensors), so the same list drives the engine's executor, its weight
+prefetch schedule, the device-memory prediction and the planner's simulator: what is predicted
+is what runs.
 
 Op kinds (``i`` is a layer index):
 
@@ -18,8 +19,6 @@ Op kinds (``i`` is a layer index):
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from ..plan.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -41,8 +40,8 @@ class Op:
         return self.kind if self.index < 0 else f"{self.kind} {self.index}"
 
 
-def micro_batch_program(plan: Plan) -> list[Op]:
-    tiers = plan.boundaries
+def micro_batch_program(tiers: list[str]) -> list[Op]:
+    """The ops of one micro-batch for the boundary tiers of a plan."""
     num_layers = len(tiers)
     ops = [Op("embed_fwd")]
     ops += [Op("layer_fwd", i) for i in range(num_layers)]
