@@ -49,6 +49,19 @@ class FlatLayout:
             p.local: flat[o:o + p.numel].view(p.shape) for p, o in zip(self.specs, self.offsets)
         }
 
+    def leaves(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Like ``views``, but each view is its own autograd leaf (in layout order).
+
+        Taking gradients w.r.t. these instead of w.r.t. ``flat`` itself avoids autograd
+        scattering every parameter's gradient into a zero-filled full-size buffer; the parts
+        are joined once (``torch.cat`` in layout order) or added straight into their slices.
+        """
+        return {k: v.detach().requires_grad_() for k, v in self.views(flat).items()}
+
+    def slices(self) -> list[slice]:
+        """Each parameter's range in the flat buffer, in layout order."""
+        return [slice(o, o + p.numel) for p, o in zip(self.specs, self.offsets)]
+
 
 @dataclass
 class UnitBuffers:

@@ -246,59 +246,58 @@ class StreamingEngine:
         unit = f"layers.{i}"
         w = self.streamer.acquire(unit)
         x = x.detach().requires_grad_()
-        wflat = w.detach().requires_grad_()
+        params = self.store[unit].layout.leaves(w)
         if self.config.measure_workspace:
-            saved = _SavedBytes(exclude=(x, wflat))  # both already counted
+            saved = _SavedBytes(exclude=(x, w))  # both already counted
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-                y = self.adapter.layer(i, self.store[unit].layout.views(wflat), x, rope, pos, masks)
+                y = self.adapter.layer(i, params, x, rope, pos, masks)
             # autograd's saved tensors + the output, both gradients, on top of what is live
-            extra = saved.nbytes + 3 * _nb(x) + _nb(wflat)
-            self.backend.ledger.peak_with(extra)
+            self.backend.ledger.peak_with(saved.nbytes + 3 * _nb(x) + _nb(w))
         else:
-            y = self.adapter.layer(i, self.store[unit].layout.views(wflat), x, rope, pos, masks)
-        gx, gw = torch.autograd.grad(y, (x, wflat), grad_out)
+            y = self.adapter.layer(i, params, x, rope, pos, masks)
+        gx, *gw = torch.autograd.grad(y, (x, *params.values()), grad_out)
         self.streamer.release(unit)
         self.sink.put(unit, gw, final)
         return gx
 
     def _embed_backward(self, ids, grad_h, final) -> None:
         w = self.streamer.acquire("embed")
-        wflat = w.detach().requires_grad_()
-        h0 = self.adapter.embed(self.store["embed"].layout.views(wflat), ids)
-        (gw,) = torch.autograd.grad(h0, (wflat,), grad_h)
+        params = self.store["embed"].layout.leaves(w)
+        h0 = self.adapter.embed(params, ids)
+        gw = torch.autograd.grad(h0, tuple(params.values()), grad_h)
         self.streamer.release("embed")
-        self.sink.put("embed", gw, final)
+        self.sink.put("embed", list(gw), final)
 
     def _head(self, h, labels, total_tokens, final) -> tuple[torch.Tensor, torch.Tensor]:
         ad, st = self.adapter, self.store
         units = ("embed", "head") if ad.tied else ("head",)
-        flats = [self.streamer.acquire(u).detach().requires_grad_() for u in units]
-        wh = flats[-1]
-        we = flats[0] if ad.tied else None
-        head_views = st["head"].layout.views(wh)
-        embed_weight = st["embed"].layout.views(we)["weight"] if ad.tied else None
+        leaves = {u: st[u].layout.leaves(self.streamer.acquire(u)) for u in units}
+        head_params = leaves["head"]
+        embed_weight = leaves["embed"]["weight"] if ad.tied else None
+        wrt = [t for u in units for t in leaves[u].values()]
         hidden = h.shape[-1]
         h2 = h.reshape(-1, hidden)
         lab = labels.reshape(-1)
         grad_h2 = torch.empty_like(h2)
-        grads_w = [torch.zeros_like(f) for f in flats]
+        grads_w = [torch.zeros_like(t) for t in wrt]
         loss_sum = torch.zeros((), dtype=torch.float32, device=h.device)
         chunk = self.plan.head_chunk_tokens
         for start in range(0, h2.shape[0], chunk):
             hc = h2[start:start + chunk].detach().requires_grad_()
-            logits = ad.head_logits(head_views, embed_weight, hc)
+            logits = ad.head_logits(head_params, embed_weight, hc)
             loss = F.cross_entropy(logits.float(), lab[start:start + chunk],
                                    ignore_index=IGNORE_INDEX, reduction="sum") / total_tokens
-            g = torch.autograd.grad(loss, [hc, *flats])
+            g = torch.autograd.grad(loss, [hc, *wrt])
             grad_h2[start:start + chunk] = g[0]
             for acc, gi in zip(grads_w, g[1:]):
                 acc += gi
             loss_sum += loss.detach()
         for u in units:
             self.streamer.release(u)
-        self.sink.put("head", grads_w[-1], final)
+        n_embed = len(leaves["embed"]) if ad.tied else 0
+        self.sink.put("head", grads_w[n_embed:], final)
         if ad.tied:
-            self.sink.put("embed", grads_w[0], final=False)  # embed_bwd adds the rest
+            self.sink.put("embed", grads_w[:n_embed], final=False)  # embed_bwd adds the rest
         return grad_h2.view_as(h), loss_sum
 
     # ----- inference (eval, export checks) ------------------------------------------------

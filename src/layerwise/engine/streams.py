@@ -90,14 +90,21 @@ class GradSink:
         self._futures: list[Future] = []
         self.sq_norms: dict[str, float] = {}
 
-    def put(self, unit: str, grad: torch.Tensor, final: bool) -> None:
-        """Accumulate a device gradient (flat, same layout as the unit) into the host fp32 grad."""
-        host_grad = self.store[unit].grad
+    def put(self, unit: str, parts: list[torch.Tensor], final: bool) -> None:
+        """Accumulate a unit's gradient, given per parameter in layout order, into the host grad.
+
+        On the CPU each part is added straight into its slice; on a device the parts are joined
+        into one contiguous buffer, so the gradient leaves in one copy.
+        """
+        buf = self.store[unit]
+        host_grad = buf.grad
         if self.inline:
-            host_grad.add_(grad.reshape(-1))
+            for sl, part in zip(buf.layout.slices(), parts):
+                host_grad[sl].add_(part.reshape(-1))
             if final:
                 self.sq_norms[unit] = sq_norm(host_grad)
             return
+        grad = torch.cat([p.reshape(-1) for p in parts])
         nbytes = _nbytes(grad)
         self.backend.ledger.add("grads", nbytes)
         pending = self.backend.to_host(grad)  # the device buffer lives until the copy lands
@@ -105,7 +112,7 @@ class GradSink:
         def land() -> None:
             landed = pending.wait()
             self.backend.ledger.sub("grads", nbytes)
-            host_grad.add_(landed.reshape(-1))
+            host_grad.add_(landed)
             if final:
                 self.sq_norms[unit] = sq_norm(host_grad)
 
