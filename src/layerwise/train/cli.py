@@ -11,7 +11,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Train the built-in `llama-demo` model with the streaming engine on the Python "
                     "standard library's own source files, export it as a Hugging Face model, reload "
                     "it with transformers and sample from it. Needs no download and no GPU.")
-    demo.add_argument("--steps", type=int, default=60, help="optimizer steps (default 60)")
+    demo.add_argument("--steps", type=int, default=150, help="optimizer steps (default 150)")
     demo.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
     demo.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     demo.set_defaults(func=run_demo)
@@ -48,12 +48,14 @@ def run_demo(args: argparse.Namespace) -> int:
     result = train(cfg)
     model = AutoModelForCausalLM.from_pretrained(result.model_dir)
     tok = ByteTokenizer()
-    prompt = "def "
+    prompt = "import os\n\n\ndef "
     ids = torch.tensor([tok.encode(prompt, eos=False)])
+    torch.manual_seed(0)
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=80, do_sample=False, pad_token_id=tok.eos_id)
+        out = model.generate(ids, max_new_tokens=120, do_sample=True, temperature=0.7, top_k=20,
+                             pad_token_id=tok.eos_id)
     sample = tok.decode(out[0, 1:].tolist())
-    print(f"reloaded {result.model_dir} with transformers; greedy sample:\n---\n{sample}\n---")
+    print(f"reloaded {result.model_dir} with transformers; a sample:\n---\n{sample}\n---")
     print(f"eval loss {result.eval_loss_start:.4f} -> {result.eval_loss_end:.4f} "
           f"({result.tokens_per_s:.0f} tok/s, predicted device peak "
           f"{result.peak_device_bytes_predicted / 2**20:.1f} MiB)")
