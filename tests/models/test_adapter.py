@@ -50,7 +50,8 @@ def test_store_round_trips_the_hf_state_dict():
 
 def test_real_shapes_have_the_published_sizes():
     expected_b = {"llama3-8b": 8.0, "llama3-70b": 70.6, "qwen2.5-7b": 7.6, "qwen2.5-32b": 32.8,
-                  "qwen2.5-72b": 72.7, "qwen2.5-3b": 3.1, "qwen2.5-14b": 14.8}
+                  "qwen2.5-72b": 72.7, "qwen2.5-3b": 3.1, "qwen2.5-14b": 14.8,
+                  "qwen-27b": 27.0}
     for name, billions in expected_b.items():
         adapter = DecoderAdapter(get_flavor(name).build_config())
         assert adapter.num_params() / 1e9 == pytest.approx(billions, rel=0.02), name

@@ -141,7 +141,7 @@ _FLAVORS: list[Flavor] = [
     ),
     Flavor(
         "qwen-27b", "qwen3",
-        dict(vocab_size=151936, hidden_size=5120, intermediate_size=19456, num_hidden_layers=64,
+        dict(vocab_size=151936, hidden_size=5120, intermediate_size=21760, num_hidden_layers=64,
              num_attention_heads=40, num_key_value_heads=8, head_dim=128,
              max_position_embeddings=40960, tie_word_embeddings=False),
         "~27B Qwen3-architecture shape (the size class LazyTrain evaluates); not an official checkpoint",
