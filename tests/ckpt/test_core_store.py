@@ -243,3 +243,36 @@ def test_tracker_log_and_async_reports(tmp_path):
     assert [r["step"] for r in lines] == [2, 4]
     assert lines[0]["groups"]["embed"]["change"] is None and lines[1]["groups"]["embed"]["change"] > 0
     ck.close()
+
+
+def test_a_failed_resave_of_a_committed_step_leaves_the_previous_commit_loadable(tmp_path, monkeypatch):
+    """A resumed run saves a step number again and dies before committing it."""
+    from layerwise.ckpt import open_run_step
+    from layerwise.ckpt.layer_store import LayerStore
+    from layerwise.ckpt.state import DictStateProvider
+
+    def provider(v):
+        return DictStateProvider({"layers.0": {"param/layers.0.w": torch.full((8,), float(v))}})
+
+    run = tmp_path / "run"
+    with Checkpointer(run, provider=provider(1), policy="full", async_save=False, save_rng=False) as ck:
+        ck.save(1, extra={"v": 1})
+        ck.save(2, extra={"v": 2})
+
+    class Crash(BaseException):
+        pass
+
+    def crash(self, step, manifest):
+        raise Crash()
+
+    monkeypatch.setattr(LayerStore, "commit", crash)
+    ck = Checkpointer(run, provider=provider(5), policy="full", async_save=False, save_rng=False)
+    with pytest.raises(Crash):
+        ck.save(2, extra={"v": "resumed"})
+    monkeypatch.undo()
+    store = LayerStore.open(run)
+    assert store.committed_steps() == [1]
+    assert store.verify().faults == []
+    rs = open_run_step(run)
+    assert rs.step == 1 and rs.state()["extra"] == {"v": 1}
+    assert torch.equal(rs.load_group("layers.0")["param/layers.0.w"], torch.full((8,), 1.0))

@@ -468,6 +468,9 @@ class _WriteJob:
                     else:
                         groups[g] = self.prev_entries[g]
                 batch.finish()
+                # Saving a committed step again replaces it: uncommit it before its files are
+                # overwritten, so a failure here leaves the previous commit loadable.
+                store.uncommit(step)
                 files = {"state.json": store.write_step_file(step, "state.json", self.state_bytes)}
                 if self.rng_tensors:
                     files["rng.safetensors"] = store.write_step_file(

@@ -505,6 +505,21 @@ class LayerStore:
                     rep.faults.append(f"step {step}: {name} checksum mismatch")
         return rep
 
+    def uncommit(self, step: int) -> None:
+        """Remove ``step``'s manifest durably, so nothing treats it as committed any more."""
+        try:
+            self.manifest_path(step).unlink()
+        except FileNotFoundError:
+            return
+        fsync_dir(self.step_dir(step))
+        if self.latest_pointer() == step:  # keep the hint pointing at a committed step
+            newest = self.latest_step()
+            if newest is None:
+                (self.root / "latest").unlink()
+                fsync_dir(self.root)
+            else:
+                atomic_write_text(self.root / "latest", f"{newest}\n")
+
     def gc(self, keep: int) -> GcReport:
         """Keep the newest ``keep`` committed steps; drop the rest and every unreferenced blob."""
         if keep < 1:
@@ -514,9 +529,7 @@ class LayerStore:
             kept, dropped = committed[-keep:], committed[:-keep]
             for step in dropped:
                 # Uncommit first (manifest), then remove the rest: a crash leaves only garbage.
-                self.manifest_path(step).unlink()
-            if dropped:
-                fsync_dir(self.root / "steps")
+                self.uncommit(step)
             for step, p in self._step_dirs():
                 if step not in kept:
                     shutil.rmtree(p, ignore_errors=True)
