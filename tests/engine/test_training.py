@@ -140,3 +140,28 @@ def test_plan_moments_choose_8bit_per_unit_and_training_still_tracks_fp32():
     assert losses[True][0] == losses[False][0]
     assert losses[True] != losses[False]
     assert abs(losses[True][-1] - losses[False][-1]) < 0.05 * losses[False][-1]
+
+
+def test_a_failed_step_leaves_the_engine_usable_and_unchanged():
+    cfg = get_flavor("llama-debug").build_config()
+    adapter = DecoderAdapter(cfg)
+    good = batches(cfg.vocab_size, 2)
+    bad = Batch(good[0].input_ids, good[0].labels + cfg.vocab_size)  # labels out of range
+
+    def fresh():
+        store = HostStore(adapter)
+        store.copy_from_model(build_hf_model(cfg, seed=0))
+        return StreamingEngine(adapter, store, Plan(["host", "recompute", "device", "nvme"]))
+
+    engine = fresh()
+    engine.train_step([good[0]])
+    with pytest.raises(IndexError):
+        engine.train_step([bad])
+    assert engine.backend.ledger.live_bytes == 0
+    after_failure = engine.train_step([good[1]]).loss
+    engine.close()
+
+    reference = fresh()
+    reference.train_step([good[0]])
+    assert reference.train_step([good[1]]).loss == after_failure
+    reference.close()

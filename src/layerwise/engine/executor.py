@@ -158,11 +158,21 @@ class StreamingEngine:
         try:
             for k, mb in enumerate(micro_batches):
                 loss += self._micro_batch(mb, total, final=k == len(micro_batches) - 1)
+            assert self.streamer.finished()
+            sq = self.sink.finish()
+        except BaseException:
+            self._abandon_step()
+            raise
         finally:
             self.acts.clear()
-        assert self.streamer.finished()
-        sq = self.sink.finish()
         return float(loss), sq
+
+    def _abandon_step(self) -> None:
+        """After a failed step: drop its buffers and partial gradients so the next step is clean."""
+        self.streamer.reset()
+        self.sink.abandon()
+        self.synchronize()  # the previous step's updates still read their gradients
+        self.store.zero_grads()
 
     def train_step(self, micro_batches: list[Batch], lr: float | None = None) -> StepStats:
         t0 = time.perf_counter()
@@ -175,6 +185,8 @@ class StreamingEngine:
             return StepStats(loss, norm, 0.0, tokens, True, time.perf_counter() - t0)
         coef = clip_coefficient(norm, self.config.optimizer.max_grad_norm)
         lr = self.config.optimizer.lr if lr is None else lr
+        # Safe to overwrite host weights now: each unit's last copy in the step fed an op whose
+        # gradient has landed on the host (sink.finish), so every weight copy has completed.
         for buf in self.store:  # embed first: the next forward needs it first
             self._updates[buf.name] = self._pool.submit(self._update, buf.name, lr, coef)
         self.step_count += 1

@@ -77,6 +77,14 @@ class WeightStreamer:
             del self._buffers[unit]
             self.backend.ledger.sub("weights", entry[2])
 
+    def reset(self) -> None:
+        """Forget the rest of the schedule (a step failed); buffers are released."""
+        for entry in self._buffers.values():
+            self.backend.ledger.sub("weights", entry[2])
+        self._buffers.clear()
+        self._window.clear()
+        self._schedule.clear()
+
     def finished(self) -> bool:
         return not self._schedule and not self._window and not self._buffers
 
@@ -117,6 +125,13 @@ class GradSink:
                 self.sq_norms[unit] = sq_norm(host_grad)
 
         self._futures.append(self._pool.submit(land))
+
+    def abandon(self) -> None:
+        """Wait for copies in flight and forget them (a step failed)."""
+        for f in self._futures:
+            f.exception()
+        self._futures.clear()
+        self.sq_norms = {}
 
     def finish(self) -> dict[str, float]:
         """Wait for every gradient to land; returns the squared norm per unit."""
