@@ -272,6 +272,17 @@ def test_recipe_accepts_llmtailor_placeholders_and_cli(trained, tmp_path):
     assert torch.equal(w, TrainerCheckpointSource(b).load_group("layers.3")["param/model.layers.3.mlp.up_proj.weight"].bfloat16())
     assert torch.equal(got.load_group("embed")["param/model.embed_tokens.weight"],
                        TrainerCheckpointSource(b).load_group("embed")["param/model.embed_tokens.weight"].bfloat16())
+    # ... and everything else from checkpoint a (layers 0-2, the final norm, the head)
+    src_a, src_b = TrainerCheckpointSource(a), TrainerCheckpointSource(b)
+    for group in ("layers.0", "layers.1", "layers.2", "norm", "lm_head"):
+        if group not in src_a.groups():
+            continue  # a tied model has no lm_head group
+        want = {k: v.bfloat16() for k, v in src_a.load_group(group).items() if k.startswith("param/")}
+        have = got.load_group(group)
+        assert set(have) == set(want), group
+        for k in want:
+            assert torch.equal(have[k], want[k]), k
+            assert not torch.equal(want[k], src_b.load_group(group)[k].bfloat16()), k
 
 
 BAD_RECIPES = [

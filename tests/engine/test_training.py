@@ -79,7 +79,7 @@ def test_non_finite_gradient_skips_the_step_and_leaves_weights():
     assert engine.steps_skipped == 1
     after = store.state_dict()
     for k in before:
-        assert torch.equal(before[k], after[k]) or torch.isnan(before[k]).any()
+        assert torch.equal(before[k], after[k]), k
     assert all(float(b.grad.abs().sum()) == 0 for b in store), "grads must be cleared"
     engine.close()
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-engine = pytest.importorskip("layerwise.engine")
+import layerwise.engine as engine
 
 from layerwise.models import DecoderAdapter, get_flavor  # noqa: E402
 from layerwise.models.init import build_hf_model  # noqa: E402

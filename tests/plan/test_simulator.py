@@ -83,7 +83,6 @@ def test_compute_bound_step_is_the_compute_stream():
                               sum(c.layer_fwd_s(i) for i in (0, 1, 2, 4, 5, 6, 8)))):
         sim = simulate(Plan(tiers, seq_len=64), SHAPE, hw, steps=1)
         assert sim.step_s == pytest.approx(fwd + bwd + c.head_s + recompute, rel=1e-6), tiers
-        assert sim.achieved_tflops * 1e12 * sim.step_s == pytest.approx(c.model_flops())
 
 
 def test_optimizer_overlaps_only_the_next_forward():

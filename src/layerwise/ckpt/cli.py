@@ -9,8 +9,6 @@ Every subcommand takes ``--json`` and then prints exactly one JSON object.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import sys
 
@@ -49,11 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gc.add_argument("--json", action="store_true")
     gc.set_defaults(func=cmd_gc)
 
-    # ---- hook for the interop part: ``layerwise.ckpt.merge.register_cli(sub)`` adds ``merge``.
-    if importlib.util.find_spec("layerwise.ckpt.merge") is not None:
-        merge = importlib.import_module("layerwise.ckpt.merge")
-        if hasattr(merge, "register_cli"):
-            merge.register_cli(sub)
+    from .merge import register_cli
+
+    register_cli(sub)  # ``merge``
 
 
 def _emit(args: argparse.Namespace, obj: dict, text: str) -> None:
