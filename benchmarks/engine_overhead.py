@@ -94,6 +94,7 @@ def main() -> None:
     # one more (untimed) step that also counts autograd's saved tensors, for the measured peak
     engine.config.measure_workspace = True
     engine.backend.ledger.reset_peak()
+    engine.backend.reset_allocator_peak()
     engine.train_step([next(data)])
     engine.synchronize()
     predicted = engine.predict_memory(args.batch, args.seq_len).peak_bytes

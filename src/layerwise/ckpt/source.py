@@ -20,6 +20,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .groups import group_of, layer_index  # noqa: F401  (part of this module's API for sources)
+
 # HF file names (the same constants transformers uses).
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -60,35 +62,6 @@ class CheckpointSource(Protocol):
         ...
 
 
-# ---------------------------------------------------------------------------------------------
-# Groups (the core's ``layerwise.ckpt.groups`` owns the rule; the fallback mirrors its contract)
-
-
-def group_of(hf_name: str, tied: bool = False) -> str:
-    """The checkpoint group of an HF parameter name."""
-    try:
-        from layerwise.ckpt.groups import group_of as core_group_of
-    except ImportError:
-        return _group_of_fallback(hf_name, tied)
-    return core_group_of(hf_name, tied=tied)
-
-
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def _group_of_fallback(hf_name: str, tied: bool) -> str:
-    if hf_name.startswith("model.embed_tokens."):
-        return "embed"
-    m = _LAYER_RE.match(hf_name)
-    if m:
-        return f"layers.{m.group(1)}"
-    if hf_name.startswith("model.norm."):
-        return "norm"
-    if hf_name.startswith("lm_head."):
-        return "embed" if tied else "lm_head"
-    return hf_name
-
-
 def group_sort_key(group: str) -> tuple[int, int, str]:
     """Model order: embedding, layers by index, final norm, head, then anything else by name."""
     if group == "embed":
@@ -100,13 +73,6 @@ def group_sort_key(group: str) -> tuple[int, int, str]:
     if group == "lm_head":
         return (3, 0, group)
     return (4, 0, group)
-
-
-def layer_index(group: str) -> int | None:
-    """``i`` for ``layers.{i}``, None for the embedding, norm, head and other groups."""
-    if group.startswith("layers.") and group[len("layers."):].isdigit():
-        return int(group[len("layers."):])
-    return None
 
 
 def is_tied(config: dict | None) -> bool:

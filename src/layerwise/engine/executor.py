@@ -12,7 +12,6 @@ a plan moves activations and adds recomputation, it never changes the arithmetic
 
 from __future__ import annotations
 
-import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 
 from ..models.adapter import DecoderAdapter
 from ..optim.adamw import AdamWConfig, HostAdamW, UnitOptimizer
-from ..optim.clip import clip_coefficient, global_norm
+from ..optim.clip import clip_or_skip, global_norm
 from ..plan.plan import Plan
 from ..store import HostStore
 from ..train.data import IGNORE_INDEX, Batch
@@ -179,11 +178,11 @@ class StreamingEngine:
         loss, sq = self.compute_grads(micro_batches)
         norm = global_norm(list(sq.values()))
         tokens = sum(mb.num_target_tokens for mb in micro_batches)
-        if not math.isfinite(norm):
+        coef = clip_or_skip(norm, self.config.optimizer.max_grad_norm)
+        if coef is None:  # non-finite gradients: no update
             self.steps_skipped += 1
             self.store.zero_grads()
             return StepStats(loss, norm, 0.0, tokens, True, time.perf_counter() - t0)
-        coef = clip_coefficient(norm, self.config.optimizer.max_grad_norm)
         lr = self.config.optimizer.lr if lr is None else lr
         # Safe to overwrite host weights now: each unit's last copy in the step fed an op whose
         # gradient has landed on the host (sink.finish), so every weight copy has completed.

@@ -152,7 +152,6 @@ class ActivationStore:
         self._io = ThreadPoolExecutor(1, thread_name_prefix="nvme-io")
         self._entries: dict[int, tuple[str, object]] = {}
         self._on_device: dict[int, torch.Tensor] = {}
-        self.host_bytes = 0
         self.nvme_bytes_written = 0
 
     def _dir(self) -> Path:
@@ -176,7 +175,6 @@ class ActivationStore:
         meta = (tuple(h.shape), h.dtype)
         if tier == "host":
             self._entries[i] = ("host", (pending, meta))
-            self.host_bytes += _nbytes(h)
         elif tier == "nvme":
             path = self._dir() / f"boundary-{i}.bin"
             self._entries[i] = ("nvme", (self._io.submit(self._write, pending, path), meta))
@@ -216,7 +214,6 @@ class ActivationStore:
         tier, (handle, _meta) = self._entries.pop(i)
         if tier == "host":
             host = handle.wait()
-            self.host_bytes -= _nbytes(host)
         else:
             host = handle.result()
         self._hold(i, self.backend.to_device(host).wait())
@@ -226,9 +223,6 @@ class ActivationStore:
 
     def get(self, i: int) -> torch.Tensor:
         return self._on_device[i]
-
-    def has(self, i: int) -> bool:
-        return i in self._on_device
 
     def drop(self, i: int) -> None:
         t = self._on_device.pop(i, None)

@@ -29,7 +29,7 @@ from ..store import UnitBuffers
 from . import quant
 from ._kernel import StepScalars, fused_step
 from .adamw import AdamWConfig
-from .clip import clip_coefficient
+from .clip import clip_or_skip
 
 Q8_KEYS = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales")
 """State entries of an 8-bit moment pair (besides ``step``)."""
@@ -123,7 +123,7 @@ class HostAdamW8bit:
         if not math.isfinite(clip_coef):
             raise ValueError(
                 f"clip coefficient {clip_coef} is not finite; skip the step when the global "
-                "gradient norm is not finite (see clip.clip_step)"
+                "gradient norm is not finite (see clip.clip_or_skip)"
             )
         c, s = self.config, buf.state
         s["step"] += 1
@@ -234,11 +234,11 @@ class AdamW8bit(torch.optim.Optimizer):
         if self.max_grad_norm:
             total = self.grad_norm()
             self.last_grad_norm = total
-            if not math.isfinite(total):
+            coef = clip_or_skip(total, self.max_grad_norm)
+            if coef is None:
                 self.skipped_steps += 1
                 self.last_step_skipped = True
                 return loss
-            coef = clip_coefficient(total, self.max_grad_norm)
         for group in self.param_groups:
             self._step_group(group, coef)
         return loss
