@@ -235,7 +235,7 @@ class BlobBatch:
                 _unlink_quiet(tmp)
                 raise _write_error(e, tmp) from e
         self._futures.append(self._pool.submit(land))
-        self.dirs.add(final.parent)
+        self.dirs.update((final.parent, final.parent.parent))  # blobs/<aa>/ may be new
 
     def finish(self) -> None:
         try:
@@ -278,6 +278,7 @@ class LayerStore:
             atomic_write_bytes(fmt, _json_bytes({"format": FORMAT, "format_version": FORMAT_VERSION}))
         for sub in ("blobs", "steps", "tmp"):
             (store.root / sub).mkdir(exist_ok=True)
+        fsync_dir(store.root)
         return store
 
     @classmethod
@@ -418,6 +419,7 @@ class LayerStore:
             batch.submit(tmp, final)
         else:
             fsync_dir(final.parent)
+            fsync_dir(final.parent.parent)  # blobs/<aa>/ may be new
         return BlobRecord(sha, payload.nbytes, self.blob_rel(sha), written=True)
 
     def _has_blob(self, sha: str, nbytes: int) -> bool:
