@@ -1,6 +1,6 @@
 """StreamingEngine: layer-by-layer training with all state in host memory.
 
-One optimizer step = the step program (``program.py``) run for every micro-batch, then the
+One optimizer step = the step program (``layerwise.plan.program``) run for every micro-batch, then the
 host optimizer. Weights stream in ahead of use, gradients stream out as each layer's backward
 finishes, activations live where the plan says. The optimizer updates run on host worker
 threads after the backward and overlap the next step's forward: a unit's weights are only
@@ -22,13 +22,13 @@ import torch.nn.functional as F
 from ..models.adapter import DecoderAdapter
 from ..optim.adamw import AdamWConfig, HostAdamW, UnitOptimizer
 from ..optim.clip import clip_or_skip, global_norm
+from ..plan.cost import ModelShape
+from ..plan.memory import MemoryEstimate, predict_peak_device_bytes
 from ..plan.plan import Plan
+from ..plan.program import Op, micro_batch_program, weight_schedule
 from ..store import HostStore
 from ..train.data import IGNORE_INDEX, Batch
 from .backend import make_backend
-from ..plan.cost import ModelShape
-from ..plan.memory import MemoryEstimate, predict_peak_device_bytes
-from ..plan.program import Op, micro_batch_program, weight_schedule
 from .streams import ActivationStore, GradSink, WeightStreamer
 
 
@@ -91,7 +91,6 @@ class StreamingEngine:
         self.sink = GradSink(self.backend, store)
         self.acts = ActivationStore(self.backend, self.config.spill_dir)
         self.steps_skipped = 0
-        self.step_count = 0
 
     def _default_optimizers(self) -> dict[str, UnitOptimizer]:
         kinds = self.plan.moments or ["fp32"] * len(self.store.units)
@@ -188,7 +187,6 @@ class StreamingEngine:
         # gradient has landed on the host (sink.finish), so every weight copy has completed.
         for buf in self.store:  # embed first: the next forward needs it first
             self._updates[buf.name] = self._pool.submit(self._update, buf.name, lr, coef)
-        self.step_count += 1
         return StepStats(loss, norm, coef, tokens, False, time.perf_counter() - t0)
 
     def _update(self, unit: str, lr: float, coef: float) -> None:
