@@ -36,7 +36,7 @@ from typing import Any
 from .cost import CostModel, ModelShape
 from .hardware import HardwareProfile
 from .plan import Plan
-from .program import Op, micro_batch_program
+from .program import micro_batch_program
 
 LANES = ("compute", "h2d", "d2h", "host", "nvme", "optimizer")
 
