@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from layerwise.ckpt import Checkpointer, layer_store
+from layerwise.ckpt import Checkpointer, run_dir
 from layerwise.ckpt.state import DictStateProvider
 
 BLOCK_BYTES = 64 << 20
@@ -148,12 +148,12 @@ def _no_sha256():
         def hexdigest(self) -> str:
             return os.urandom(32).hex()
 
-    real = layer_store.hashlib.sha256
-    layer_store.hashlib.sha256 = NoHash
+    real = run_dir.hashlib.sha256
+    run_dir.hashlib.sha256 = NoHash
     try:
         yield
     finally:
-        layer_store.hashlib.sha256 = real
+        run_dir.hashlib.sha256 = real
 
 
 def main(argv=None) -> dict:

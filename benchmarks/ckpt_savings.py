@@ -80,7 +80,7 @@ def lr_lambda(warmup: int, total: int):
 def build(args, total_steps: int, seed: int = 0):
     torch.manual_seed(seed)
     cfg = get_flavor(args.flavor).build_config()
-    model = FAMILIES[cfg.model_type][1](cfg)
+    model = FAMILIES[cfg.model_type].model_class(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup_steps, total_steps))
     return model, opt, sched

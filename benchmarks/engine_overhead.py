@@ -28,7 +28,8 @@ from layerwise.models.adapter import DecoderAdapter
 from layerwise.optim.adamw import AdamWConfig
 from layerwise.plan import Plan
 from layerwise.store import HostStore
-from layerwise.train.data import IGNORE_INDEX, batches, corpus_tokens
+from layerwise.engine.batch import IGNORE_INDEX
+from layerwise.train.data import batches, corpus_tokens
 
 
 def main() -> None:

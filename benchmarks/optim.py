@@ -38,7 +38,8 @@ import torch
 from layerwise.models.registry import FAMILIES, get_flavor
 from layerwise.optim import _kernel, quant
 from layerwise.optim.adamw8bit import AdamW8bit
-from layerwise.train.data import IGNORE_INDEX, batches, corpus_tokens
+from layerwise.engine.batch import IGNORE_INDEX
+from layerwise.train.data import batches, corpus_tokens
 
 ADAM = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
@@ -202,7 +203,7 @@ def train_eval(steps: int, seq_len: int, batch_size: int, hidden: int, layers: i
         hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(seed)
-    init = FAMILIES["llama"][1](cfg).state_dict()
+    init = FAMILIES["llama"].model_class(cfg).state_dict()
     eval_batches = []
     it = batches(held, seq_len, batch_size, seed=1234)
     for _ in range(16):
@@ -211,7 +212,7 @@ def train_eval(steps: int, seq_len: int, batch_size: int, hidden: int, layers: i
     results, moments = {}, {}
     for name in ("fp32", "8bit") + (("fp32_other_order",) if noise_floor else ()):
         torch.manual_seed(seed)
-        model = FAMILIES["llama"][1](cfg)
+        model = FAMILIES["llama"].model_class(cfg)
         model.load_state_dict(init)
         groups = _groups(model, lr, wd)
         fp32 = name.startswith("fp32")

@@ -26,7 +26,7 @@ SEQS = [1024, 4096]
 
 def run_case(model: str, hw_name: str, seq: int, time_limit_s: float, tokens_per_step: int) -> dict:
     from layerwise.plan.check import check
-    from layerwise.plan.cost import load_shape
+    from layerwise.plan.shape import load_shape
     from layerwise.plan.hardware import PRESETS
     from layerwise.plan.milp import MilpConfig
     from layerwise.plan.search import PlanInfeasible, SearchConfig, search

@@ -43,11 +43,11 @@ def main() -> int:
     from layerwise.models import DecoderAdapter, get_flavor
     from layerwise.models.init import build_hf_model
     from layerwise.plan.calibrate import calibrate
-    from layerwise.plan.cost import ModelShape
+    from layerwise.plan.shape import ModelShape
     from layerwise.plan.plan import Plan
     from layerwise.plan.simulator import simulate
     from layerwise.store import HostStore
-    from layerwise.train.data import Batch
+    from layerwise.engine.batch import Batch
 
     torch.manual_seed(0)
     flavor = "llama-30m"

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 
 # Modules with a ``register(subparsers)`` function; each adds its subcommands.
 COMMAND_MODULES = (
     "layerwise.train.cli",  # demo, train
     "layerwise.plan.cli",  # plan, calibrate
-    "layerwise.ckpt.cli",  # ckpt ls/show/verify/gc/merge
+    "layerwise.ckpt.cli",  # ckpt ls/show/verify/gc
+    "layerwise.interop.cli",  # ckpt merge
 )
 
 
@@ -22,8 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
-        if importlib.util.find_spec(name) is not None:
-            importlib.import_module(name).register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 

@@ -19,7 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from transformers import PretrainedConfig
+
 from .models.adapter import DecoderAdapter, ParamSpec, Unit
+from .models.init import build_hf_model
 
 
 @dataclass(frozen=True)
@@ -177,3 +180,16 @@ class HostStore:
     def zero_grads(self) -> None:
         for b in self.units:
             b.grad.zero_()
+
+
+def init_store(config: PretrainedConfig, seed: int = 0, compute_dtype: torch.dtype = torch.float32,
+               pin: bool | None = None) -> tuple[DecoderAdapter, HostStore]:
+    """Adapter + HostStore holding exactly the weights ``build_hf_model(config, seed)`` has.
+
+    The HF model is built on the host once and dropped; fine for the small models this is used
+    for (tests, demo, CPU benchmarks). Large models are loaded from a directory instead.
+    """
+    adapter = DecoderAdapter(config)
+    store = HostStore(adapter, compute_dtype=compute_dtype, pin=pin)
+    store.copy_from_model(build_hf_model(config, seed))
+    return adapter, store

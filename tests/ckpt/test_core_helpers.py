@@ -11,7 +11,7 @@ from layerwise.models.registry import FAMILIES, get_flavor
 def tiny_llama(seed: int = 0, flavor: str = "llama-debug"):
     torch.manual_seed(seed)
     cfg = get_flavor(flavor).build_config()
-    return FAMILIES["llama"][1](cfg)
+    return FAMILIES["llama"].model_class(cfg)
 
 
 def make_training(seed: int = 0, lr: float = 1e-2, flavor: str = "llama-debug"):

@@ -12,11 +12,10 @@ from layerwise.ckpt import (
     BasePolicy,
     CheckpointCorruptError,
     Checkpointer,
-    LayerStore,
-    group_of,
-    groups_of_model,
+    RunDir,
     open_run_step,
 )
+from layerwise.models.names import group_of, groups_of_model
 from layerwise.ckpt.state import ModuleStateProvider
 
 from test_core_helpers import assert_group_equal, make_training, snapshot, tiny_llama, train_step
@@ -164,7 +163,7 @@ def test_flipped_byte_is_caught_by_verify_and_load(tmp_path):
     with Checkpointer(tmp_path / "run", model, opt, sched) as ck:
         train_step(model, opt, sched)
         ck.save(1)
-    store = LayerStore.open(tmp_path / "run")
+    store = RunDir.open(tmp_path / "run")
     assert store.verify().ok
     blob = open_run_step(tmp_path / "run").entries["layers.2"].blob_path
     data = bytearray(blob.read_bytes())
@@ -184,7 +183,7 @@ def test_gc_keeps_every_blob_a_kept_step_needs(tmp_path):
         train_step(model, opt, sched)
         ck.save(step)
     ck.wait()
-    store = LayerStore.open(tmp_path / "run")
+    store = RunDir.open(tmp_path / "run")
     before = sum(1 for _ in (tmp_path / "run" / "blobs").rglob("*.safetensors"))
     rep = store.gc(keep=2)
     assert rep.kept_steps == [4, 5] and rep.dropped_steps == [0, 1, 2, 3] and rep.removed_blobs > 0
@@ -248,7 +247,7 @@ def test_tracker_log_and_async_reports(tmp_path):
 def test_a_failed_resave_of_a_committed_step_leaves_the_previous_commit_loadable(tmp_path, monkeypatch):
     """A resumed run saves a step number again and dies before committing it."""
     from layerwise.ckpt import open_run_step
-    from layerwise.ckpt.layer_store import LayerStore
+    from layerwise.ckpt.run_dir import RunDir
     from layerwise.ckpt.state import DictStateProvider
 
     def provider(v):
@@ -265,12 +264,12 @@ def test_a_failed_resave_of_a_committed_step_leaves_the_previous_commit_loadable
     def crash(self, step, manifest):
         raise Crash()
 
-    monkeypatch.setattr(LayerStore, "commit", crash)
+    monkeypatch.setattr(RunDir, "commit", crash)
     ck = Checkpointer(run, provider=provider(5), policy="full", async_save=False, save_rng=False)
     with pytest.raises(Crash):
         ck.save(2, extra={"v": "resumed"})
     monkeypatch.undo()
-    store = LayerStore.open(run)
+    store = RunDir.open(run)
     assert store.committed_steps() == [1]
     assert store.verify().faults == []
     rs = open_run_step(run)

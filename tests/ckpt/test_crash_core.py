@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from layerwise.ckpt import Checkpointer, CheckpointWriteError, LayerStore, open_run_step
+from layerwise.ckpt import Checkpointer, CheckpointWriteError, RunDir, open_run_step
 from layerwise.ckpt.state import DictStateProvider
 
 GROUPS = ["embed", "layers.0", "layers.1", "layers.2", "frozen", "norm"]
@@ -94,7 +94,7 @@ def test_sigkill_during_saves_never_loses_a_commit(tmp_path):
         _, status = os.waitpid(pid, 0)
         assert os.WIFSIGNALED(status), "child exited on its own (it must only die by SIGKILL)"
         kills += 1
-        store = LayerStore.open(run)
+        store = RunDir.open(run)
         if not store.committed_steps():
             continue  # killed before the first commit: nothing to check but emptiness
         rep = store.verify()
@@ -140,7 +140,7 @@ def test_out_of_space_fails_clearly_and_keeps_previous(tmp_path, monkeypatch):
     msg = err.read_text()
     assert msg.startswith(CheckpointWriteError.__name__)
     assert "file size limit" in msg and "previous committed checkpoint is intact" in msg
-    store = LayerStore.open(run)
+    store = RunDir.open(run)
     assert store.committed_steps() == [1] and store.verify().ok
     assert not any((run / "tmp").iterdir()), "a failed write left a temp file behind"
     assert _check_loaded(run) == 1
@@ -156,7 +156,7 @@ def test_failed_save_rolls_back_and_next_save_is_complete(tmp_path, monkeypatch)
     for g in GROUPS:
         for k, t in content(g, 2).items():
             prov.state[g][k].copy_(t)
-    import layerwise.ckpt.layer_store as ls
+    import layerwise.ckpt.run_dir as ls
 
     real = ls._write_payload
     monkeypatch.setattr(ls, "_write_payload", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space")))
@@ -171,4 +171,4 @@ def test_failed_save_rolls_back_and_next_save_is_complete(tmp_path, monkeypatch)
     ck.wait()
     # Step 2 never committed, so everything that changed since step 1 is written at step 3.
     assert set(rep.written) == set(GROUPS) - {"frozen"}
-    assert LayerStore.open(run).committed_steps() == [1, 3]
+    assert RunDir.open(run).committed_steps() == [1, 3]

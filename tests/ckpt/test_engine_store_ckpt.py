@@ -6,9 +6,9 @@ from layerwise.ckpt.checkpointer import Checkpointer
 from layerwise.ckpt.store_state import HostStoreStateProvider
 from layerwise.engine import StreamingEngine
 from layerwise.models import get_flavor
-from layerwise.models.init import init_store
+from layerwise.store import init_store
 from layerwise.plan import Plan
-from layerwise.train.data import Batch
+from layerwise.engine.batch import Batch
 
 
 def data(vocab, n, seed=0):

@@ -12,17 +12,19 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from layerwise.ckpt.formats.hf import parse_size_bytes
-from layerwise.ckpt.formats.safetensors_stream import ShardedSafetensorsWriter
-from layerwise.ckpt.merge import merge
-from layerwise.ckpt.source import HFModelDirSource, TrainerCheckpointSource, open_source
+from layerwise.util.units import parse_size_bytes
+from layerwise.util.safetensors_io import ShardedSafetensorsWriter
+from layerwise.interop.merge import merge
+from layerwise.interop.hf_dir import HFModelDirSource
+from layerwise.interop.sources import open_source
+from layerwise.interop.trainer import TrainerCheckpointSource
 from layerwise.models.registry import FAMILIES, get_flavor
 
 
 def tiny_model(flavor: str = "llama-debug", seed: int = 0, **overrides):
     torch.manual_seed(seed)
     family = get_flavor(flavor).family
-    return FAMILIES[family][1](get_flavor(flavor).build_config(**overrides))
+    return FAMILIES[family].model_class(get_flavor(flavor).build_config(**overrides))
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +217,7 @@ class LiveModelSource:
     """A plain PyTorch model + AdamW(model.parameters()) as a CheckpointSource (one param group)."""
 
     def __init__(self, model, opt, step, scheduler=None):
-        from layerwise.ckpt.source import group_of
+        from layerwise.models.names import group_of
 
         self.model, self.opt, self.step, self.scheduler = model, opt, step, scheduler
         self.named = dict(model.named_parameters())
@@ -246,7 +248,7 @@ class LiveModelSource:
 
 
 def test_trainer_export_from_a_plain_loop_state(tmp_path):
-    from layerwise.ckpt.formats.trainer import trainer_param_groups
+    from layerwise.interop.trainer import trainer_param_groups
 
     model = tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05, betas=(0.8, 0.95))

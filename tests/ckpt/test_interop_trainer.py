@@ -14,17 +14,12 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, Trainer
 
-from layerwise.ckpt.merge import merge
-from layerwise.ckpt.recipe import load_recipe
-from layerwise.ckpt.source import (
-    EXP_AVG,
-    EXP_AVG_SQ,
-    PARAM,
-    STEP,
-    HFModelDirSource,
-    TrainerCheckpointSource,
-    open_source,
-)
+from layerwise.interop.merge import merge
+from layerwise.interop.recipe import load_recipe
+from layerwise.interop.hf_dir import HFModelDirSource
+from layerwise.interop.layout import EXP_AVG, EXP_AVG_SQ, PARAM, STEP
+from layerwise.interop.sources import open_source
+from layerwise.interop.trainer import TrainerCheckpointSource
 from layerwise.models.registry import FAMILIES, get_flavor
 from trainer_helpers import losses, make_trainer
 
@@ -148,7 +143,7 @@ def test_hf_export_loads_with_from_pretrained_and_gives_same_logits(trained, tmp
 
 def test_tied_model_exports_no_duplicate_head(tmp_path):
     torch.manual_seed(1)
-    model = FAMILIES["llama"][1](get_flavor("llama-debug-tied").build_config())
+    model = FAMILIES["llama"].model_class(get_flavor("llama-debug-tied").build_config())
     model.save_pretrained(tmp_path / "src")
     out = tmp_path / "out"
     merge(tmp_path / "src", out, format="hf", dtype="bfloat16")
@@ -218,8 +213,9 @@ def test_recipe_mixes_two_trainer_checkpoints_with_their_optimizer_state(trained
 
 
 def test_recipe_accepts_llmtailor_placeholders_and_cli(trained, tmp_path):
-    from layerwise.ckpt.merge import register_cli
     import argparse
+
+    from layerwise.interop.cli import register
 
     _, run = trained
     a, b = run / "checkpoint-4", run / "checkpoint-6"
@@ -235,10 +231,10 @@ def test_recipe_accepts_llmtailor_placeholders_and_cli(trained, tmp_path):
         "post_weights": [{"model": str(a)}],
         "state_from": str(a),
     })
-    parser = argparse.ArgumentParser(prog="layerwise ckpt")
-    register_cli(parser.add_subparsers(dest="sub"))
+    parser = argparse.ArgumentParser(prog="layerwise")
+    register(parser.add_subparsers(dest="sub"))
     out = tmp_path / "hf"
-    args = parser.parse_args(["merge", "--recipe", str(recipe), "--out", str(out), "--json"])
+    args = parser.parse_args(["ckpt", "merge", "--recipe", str(recipe), "--out", str(out), "--json"])
     assert args.func(args) == 0
     got = HFModelDirSource(out)
     w = got.load_group("layers.3")["param/model.layers.3.mlp.up_proj.weight"]
@@ -303,7 +299,7 @@ def test_bad_recipes_fail_clearly_and_write_nothing(trained, tmp_path, make, mes
 def test_recipe_rejects_mixed_architectures(trained, tmp_path):
     _, run = trained
     torch.manual_seed(0)
-    other = FAMILIES["llama"][1](get_flavor("llama-debug").build_config(intermediate_size=48))
+    other = FAMILIES["llama"].model_class(get_flavor("llama-debug").build_config(intermediate_size=48))
     other.save_pretrained(tmp_path / "other")
     recipe = write_recipe(tmp_path / "r.yaml", {"slices": [
         {"sources": [{"model": str(run / "checkpoint-2"), "layer_range": [0, 2]}]},

@@ -24,7 +24,7 @@ class TokenDataset(torch.utils.data.Dataset):
 
 def make_trainer(out_dir: Path, max_steps: int, flavor: str = "llama-debug", callbacks=None) -> Trainer:
     torch.manual_seed(0)
-    model = FAMILIES["llama"][1](get_flavor(flavor).build_config())
+    model = FAMILIES["llama"].model_class(get_flavor(flavor).build_config())
     args = TrainingArguments(
         output_dir=str(out_dir), max_steps=max_steps, per_device_train_batch_size=4, learning_rate=1e-2,
         weight_decay=0.1, warmup_steps=2, lr_scheduler_type="linear", save_strategy="steps", save_steps=2,

@@ -9,7 +9,7 @@ from layerwise.models import DecoderAdapter, get_flavor
 from layerwise.models.init import build_hf_model
 from layerwise.plan import Plan
 from layerwise.store import HostStore
-from layerwise.train.data import IGNORE_INDEX, Batch
+from layerwise.engine.batch import IGNORE_INDEX, Batch
 
 FLAVORS = ["llama-debug", "llama-debug-tied", "qwen2-debug", "qwen2-debug-untied",
            "qwen3-debug", "qwen3-debug-untied", "mistral-debug"]

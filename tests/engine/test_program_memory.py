@@ -6,9 +6,9 @@ import torch
 from layerwise.engine import EngineConfig, StreamingEngine
 from layerwise.plan.program import micro_batch_program, weight_schedule
 from layerwise.models import get_flavor
-from layerwise.models.init import init_store
+from layerwise.store import init_store
 from layerwise.plan import Plan
-from layerwise.train.data import Batch
+from layerwise.engine.batch import Batch
 
 
 def ops_str(plan):
@@ -59,7 +59,7 @@ def test_predicted_peak_matches_measured_within_5_percent(plan):
 
 def test_offloading_lowers_predicted_peak():
     cfg = get_flavor("llama-30m").build_config()
-    from layerwise.plan.cost import ModelShape
+    from layerwise.plan.shape import ModelShape
     from layerwise.plan.memory import predict_peak_device_bytes
 
     shape = ModelShape.from_config(cfg)
@@ -74,7 +74,7 @@ def test_offloading_lowers_predicted_peak():
                                     "qwen3-debug-untied", "mistral-debug", "qwen-27b"])
 def test_planner_shape_counts_the_parameters_the_adapter_holds(flavor):
     from layerwise.models import DecoderAdapter
-    from layerwise.plan.cost import ModelShape
+    from layerwise.plan.shape import ModelShape
 
     cfg = get_flavor(flavor).build_config()
     adapter = DecoderAdapter(cfg)

@@ -13,7 +13,7 @@ from layerwise.models.init import build_hf_model
 from layerwise.optim.adamw import AdamWConfig, HostAdamW
 from layerwise.plan import Plan
 from layerwise.store import HostStore
-from layerwise.train.data import IGNORE_INDEX, Batch
+from layerwise.engine.batch import IGNORE_INDEX, Batch
 
 
 def batches(vocab, n, seed=0):

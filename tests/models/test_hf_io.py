@@ -8,11 +8,11 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from layerwise.engine import EngineConfig, StreamingEngine
 from layerwise.models import DecoderAdapter, get_flavor
-from layerwise.ckpt.store_state import export_store
-from layerwise.models.hf_io import load_store
+from layerwise.interop.export import export_store
+from layerwise.interop.hf_dir import load_store
 from layerwise.models.init import build_hf_model
 from layerwise.plan import Plan
-from layerwise.train.data import Batch
+from layerwise.engine.batch import Batch
 
 
 @pytest.fixture

@@ -4,7 +4,8 @@ import pytest
 
 from layerwise.models.adapter import DecoderAdapter
 from layerwise.models.registry import get_flavor
-from layerwise.plan.cost import CostModel, ModelShape, load_shape
+from layerwise.plan.cost import CostModel
+from layerwise.plan.shape import ModelShape, load_shape
 from layerwise.plan.hardware import PRESETS, HardwareProfile, get_hardware
 
 

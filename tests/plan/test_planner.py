@@ -6,7 +6,8 @@ import pytest
 
 from layerwise.plan.baselines import baseline_tiers
 from layerwise.plan.check import check
-from layerwise.plan.cost import CostModel, load_shape
+from layerwise.plan.cost import CostModel
+from layerwise.plan.shape import load_shape
 from layerwise.plan.hardware import GB, PRESETS
 from layerwise.plan.milp import MilpConfig, StepModel, dp_device_host, solve
 from layerwise.plan.plan import Plan

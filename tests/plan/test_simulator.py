@@ -4,7 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from layerwise.plan.cost import CostModel, load_shape
+from layerwise.plan.cost import CostModel
+from layerwise.plan.shape import load_shape
 from layerwise.plan.hardware import PRESETS
 from layerwise.plan.plan import Plan
 from layerwise.plan.simulator import micro_batch_program, simulate

@@ -33,7 +33,7 @@ from safetensors.torch import save as st_save
 from torch import nn
 
 from .errors import CheckpointError
-from .layer_store import BLOB_FORMAT, FORMAT_VERSION, BlobBatch, BlobPayload, LayerStore, now_unix_s
+from .run_dir import BLOB_FORMAT, FORMAT_VERSION, BlobBatch, BlobPayload, RunDir, now_unix_s, write_error
 from .policies import GroupStatus, Policy, PolicyContext, make_policy
 from .resolve import ResolvedStep, open_run_step
 from .state import (
@@ -130,7 +130,7 @@ class Checkpointer:
         self.scheduler = scheduler
         options = {**self.config.policy_options, **policy_options}
         self.policy: Policy = make_policy(policy if policy is not None else self.config.policy, **options)
-        self.store = LayerStore.create(run_dir)
+        self.store = RunDir.create(run_dir)
         self.run_dir = self.store.root
         self.groups: list[str] = list(provider.group_names())
         self.tracker = UpdateTracker(
@@ -494,8 +494,7 @@ class _WriteJob:
         except CheckpointError:
             raise
         except OSError as e:
-            from .layer_store import _write_error
-            raise _write_error(e, store.root) from e
+            raise write_error(e, store.root) from e
         if self.config is not None:
             ck._config_written = True
         ck._entries = {g: dict(e) for g, e in groups.items()}

@@ -2,7 +2,7 @@
 
 ``ls`` (steps, bytes, policy), ``show`` (per group: source step, staleness, bytes), ``verify``
 (checksums and completeness; exit 1 on any fault), ``gc`` (drop old steps and unreferenced
-blobs). ``merge`` (export to HF / Trainer formats) is added by ``layerwise.ckpt.merge``.
+blobs). ``merge`` (export to HF / Trainer formats) is added by ``layerwise.interop.cli``.
 Every subcommand takes ``--json`` and then prints exactly one JSON object.
 """
 
@@ -12,18 +12,18 @@ import argparse
 import json
 import sys
 
+from ..util.cli import command_group
+from ..util.units import human_bytes
 from .errors import CheckpointError
-from .layer_store import LayerStore
+from .run_dir import RunDir
 from .resolve import open_run_step
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "ckpt", help="inspect, verify, clean and merge layer-wise checkpoints",
+    sub = command_group(
+        subparsers, "ckpt", help="inspect, verify, clean and merge layer-wise checkpoints",
         description="Layer-wise checkpoint runs: list steps, show composites, verify, gc, merge.",
     )
-    sub = p.add_subparsers(dest="ckpt_command", metavar="SUBCOMMAND")
-    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
     ls = sub.add_parser("ls", help="committed steps with bytes written and policy")
     ls.add_argument("run", help="run directory (as given to Checkpointer)")
@@ -47,10 +47,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gc.add_argument("--json", action="store_true")
     gc.set_defaults(func=cmd_gc)
 
-    from .merge import register_cli
-
-    register_cli(sub)  # ``merge``
-
 
 def _emit(args: argparse.Namespace, obj: dict, text: str) -> None:
     print(json.dumps(obj, sort_keys=True) if args.json else text)
@@ -64,12 +60,8 @@ def _fail(args: argparse.Namespace, e: Exception) -> int:
     return 1
 
 
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.2f} MB"
-
-
 def cmd_ls(args: argparse.Namespace) -> int:
-    store = LayerStore.open(args.run)
+    store = RunDir.open(args.run)
     rows = []
     try:
         for step in store.committed_steps():
@@ -83,8 +75,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return _fail(args, e)
     lines = [f"{'step':>10}  {'policy':<8} {'written':>12} {'composite':>12}  groups written"]
     for r in rows:
-        lines.append(f"{r['step']:>10}  {str(r['policy']):<8} {_mb(r['bytes_written']):>12} "
-                     f"{_mb(r['bytes_total']):>12}  {r['groups_written']}/{r['groups']}")
+        lines.append(f"{r['step']:>10}  {str(r['policy']):<8} {human_bytes(r['bytes_written']):>12} "
+                     f"{human_bytes(r['bytes_total']):>12}  {r['groups_written']}/{r['groups']}")
     if not rows:
         lines = ["no committed steps"]
     _emit(args, {"run": str(store.root), "latest": store.latest_step(), "steps": rows}, "\n".join(lines))
@@ -113,13 +105,13 @@ def cmd_show(args: argparse.Namespace) -> int:
              f"{'group':<14} {'saved at':>10} {'stale steps':>12} {'stale ckpts':>12} {'bytes':>12}"]
     for g in groups:
         lines.append(f"{g['group']:<14} {g['saved_step']:>10} {g['staleness_steps']:>12} "
-                     f"{str(g['staleness_checkpoints']):>12} {_mb(g['nbytes']):>12}")
+                     f"{str(g['staleness_checkpoints']):>12} {human_bytes(g['nbytes']):>12}")
     _emit(args, obj, "\n".join(lines))
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    store = LayerStore.open(args.run)
+    store = RunDir.open(args.run)
     rep = store.verify()
     if not rep.steps and rep.ok:
         rep.warnings.append("no committed steps")
@@ -130,9 +122,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    store = LayerStore.open(args.run)
+    store = RunDir.open(args.run)
     rep = store.gc(args.keep)
     _emit(args, {"run": str(store.root), **rep.to_json()},
           f"kept steps {rep.kept_steps}; dropped {len(rep.dropped_steps)} step(s) and "
-          f"{rep.removed_blobs} blob(s), freed {_mb(rep.freed_bytes)}")
+          f"{rep.removed_blobs} blob(s), freed {human_bytes(rep.freed_bytes)}")
     return 0

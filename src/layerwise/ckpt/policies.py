@@ -19,7 +19,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
-from .groups import layer_index
+from ..models.names import layer_index
 
 
 @dataclass(frozen=True)

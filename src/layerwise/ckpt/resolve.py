@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from .errors import CheckpointCorruptError
-from .layer_store import LayerStore
+from .run_dir import RunDir
 from .state import rng_dict
 
 
@@ -41,7 +41,7 @@ class GroupEntry:
 class ResolvedStep:
     """The complete state of a layer-wise run at one committed step (a ``CheckpointSource``)."""
 
-    def __init__(self, store: LayerStore, step: int, requested_step: int | None = None):
+    def __init__(self, store: RunDir, step: int, requested_step: int | None = None):
         self.store = store
         self.run_dir = store.root
         self.step = step
@@ -147,7 +147,7 @@ def open_run_step(run_dir: str | Path, step: int | None = None) -> ResolvedStep:
 
     A step that was not checkpointed resolves to the newest committed step before it.
     """
-    store = LayerStore.open(run_dir)
+    store = RunDir.open(run_dir)
     steps = store.committed_steps()
     if not steps:
         raise FileNotFoundError(f"{store.root} has no committed checkpoint yet")

@@ -21,9 +21,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from .groups import groups_of_model, is_tied
+from ..models.names import groups_of_model, model_is_tied
+from ..util.jsonable import jsonable
 
-PARAM = "param/"
+# Blob keys of one group's tensors: ``<kind><hf_name>``.
+PARAM, EXP_AVG, EXP_AVG_SQ, STEP = "param/", "exp_avg/", "exp_avg_sq/", "step/"
+OPTIM_KINDS = (EXP_AVG, EXP_AVG_SQ, STEP)
 
 
 @runtime_checkable
@@ -75,7 +78,7 @@ class ModuleStateProvider:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
         self.model = model
         self.optimizer = optimizer
-        self.tied = is_tied(model)
+        self.tied = model_is_tied(model)
         self._groups = groups_of_model(model)
         self._param = dict(model.named_parameters())
         if optimizer is not None:
@@ -170,7 +173,7 @@ class ModuleStateProvider:
     def param_groups_state(self) -> list[dict] | None:
         if self.optimizer is None:
             return None
-        return [{k: _jsonable(v) for k, v in pg.items() if k != "params"}
+        return [{k: jsonable(v) for k, v in pg.items() if k != "params"}
                 for pg in self.optimizer.param_groups]
 
     def load_param_groups_state(self, saved: list[dict] | None) -> None:
@@ -224,32 +227,6 @@ class DictStateProvider:
 
 
 # ----- JSON-able non-layer state -------------------------------------------------------------
-
-
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return v.item() if v.numel() == 1 else v.tolist()
-    if isinstance(v, tuple):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, list):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (np.integer,)):
-        return int(v)
-    if isinstance(v, (np.floating,)):
-        return float(v)
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    raise ValueError(
-        f"cannot store a {type(v).__name__} in checkpoint JSON state; checkpoints never pickle. "
-        "Keep scheduler state and `extra` to numbers, strings, lists and dicts."
-    )
-
-
-def jsonable(v: Any) -> Any:
-    """``v`` as plain JSON types (tensors -> numbers/lists); raises ValueError otherwise."""
-    return _jsonable(v)
 
 
 def capture_rng() -> tuple[dict, dict[str, torch.Tensor]]:

@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from pathlib import Path
-from typing import Any
-
 from ..store import HostStore, UnitBuffers
-from .groups import group_of
-from .state import PARAM
+from ..models.names import group_of
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -114,37 +110,3 @@ class HostStoreStateProvider:
 
     def model_config(self) -> dict | None:
         return self.store.adapter.config.to_dict()
-
-
-class StoreSource:
-    """The store's current weights as a ``CheckpointSource`` (for export through ``merge``)."""
-
-    def __init__(self, store: HostStore, step: int = 0):
-        self.provider = HostStoreStateProvider(store)
-        self.step = step
-
-    def groups(self) -> list[str]:
-        return list(self.provider.group_names())
-
-    def load_group(self, group: str) -> dict[str, torch.Tensor]:
-        return {PARAM + n: t for n, t in self.provider.params(group).items()}
-
-    def model_config(self) -> dict | None:
-        return self.provider.model_config()
-
-    def extra_state(self) -> dict[str, Any]:
-        return {"step": self.step, "scheduler": None, "rng": None, "trainer_state": None}
-
-
-def export_store(store: HostStore, out_dir: str | Path, *, overwrite: bool = False,
-                 max_shard_size: int | str = "5GB", dtype: str | None = None) -> Path:
-    """Write the master weights as a ``from_pretrained``-loadable directory, atomically.
-
-    Streams one group at a time; ``overwrite`` replaces an existing directory only once the new
-    one is complete. Call ``engine.synchronize()`` first.
-    """
-    from .merge import merge
-
-    merge(StoreSource(store), out_dir, "hf", max_shard_size=max_shard_size, dtype=dtype,
-          overwrite=overwrite)
-    return Path(out_dir)

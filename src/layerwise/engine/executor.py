@@ -22,12 +22,12 @@ import torch.nn.functional as F
 from ..models.adapter import DecoderAdapter
 from ..optim.adamw import AdamWConfig, HostAdamW, UnitOptimizer
 from ..optim.clip import clip_or_skip, global_norm
-from ..plan.cost import ModelShape
+from ..plan.shape import ModelShape
 from ..plan.memory import MemoryEstimate, predict_peak_device_bytes
 from ..plan.plan import Plan
 from ..plan.program import Op, micro_batch_program, weight_schedule
 from ..store import HostStore
-from ..train.data import IGNORE_INDEX, Batch
+from .batch import IGNORE_INDEX, Batch
 from .backend import make_backend
 from .streams import ActivationStore, GradSink, WeightStreamer
 

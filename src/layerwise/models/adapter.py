@@ -21,9 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from .registry import FAMILIES, check_family
-
-LAYER_PREFIX = "model.layers.{}."
+from .families import SLIDING_ATTENTION, family_of, layer_attention_types
+from .names import EMBED, HEAD, HF_EMBED_PREFIX, HF_LAYER_PREFIX, HF_NORM_PREFIX, layer_unit
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ class DecoderAdapter:
     """The layer view of one HF decoder family (Llama, Mistral, Qwen2, Qwen3)."""
 
     def __init__(self, config: PretrainedConfig):
-        self.family = check_family(config)
+        self.family = family_of(config).model_type
         self.config = config
         # The engine relies on SDPA's is_causal path (no dense mask) for full attention.
         config._attn_implementation = "sdpa"
@@ -69,29 +68,23 @@ class DecoderAdapter:
         self.tied: bool = bool(getattr(config, "tie_word_embeddings", False))
         self.hidden_size: int = config.hidden_size
         self.vocab_size: int = config.vocab_size
-        _, causal_cls = FAMILIES[self.family]
+        causal_cls = family_of(config).model_class
         with torch.device("meta"):
             self._meta = causal_cls(config)
         self._meta.eval()
         inner = self._meta.model
         self.sliding_window: int | None = getattr(config, "sliding_window", None)
-        default_type = (
-            # Mistral applies its window to every layer and has no layer_types.
-            "sliding_attention" if self.family == "mistral" and self.sliding_window else "full_attention"
-        )
-        self.layer_types: list[str] = list(
-            getattr(config, "layer_types", None) or [default_type] * self.num_layers
-        )
+        self.layer_types: list[str] = layer_attention_types(config)
 
-        units = [self._unit("embed", "pre", -1, inner.embed_tokens, "model.embed_tokens.")]
+        units = [self._unit(EMBED, "pre", -1, inner.embed_tokens, HF_EMBED_PREFIX)]
         for i, layer in enumerate(inner.layers):
-            units.append(self._unit(f"layers.{i}", "layer", i, layer, LAYER_PREFIX.format(i)))
-        head_params = [ParamSpec("norm." + n, "model.norm." + n, tuple(p.shape))
+            units.append(self._unit(layer_unit(i), "layer", i, layer, HF_LAYER_PREFIX.format(i)))
+        head_params = [ParamSpec("norm." + n, HF_NORM_PREFIX + n, tuple(p.shape))
                        for n, p in inner.norm.named_parameters()]
         if not self.tied:
             head_params.append(ParamSpec("lm_head.weight", "lm_head.weight",
                                          tuple(self._meta.lm_head.weight.shape)))
-        units.append(Unit("head", "post", -1, tuple(head_params)))
+        units.append(Unit(HEAD, "post", -1, tuple(head_params)))
         self.units: tuple[Unit, ...] = tuple(units)
         self.unit_by_name = {u.name: u for u in self.units}
 
@@ -126,7 +119,7 @@ class DecoderAdapter:
         """HF key -> (unit name, local name)."""
         out = {p.hf_name: (u.name, p.local) for u in self.units for p in u.params}
         if self.tied:
-            out["lm_head.weight"] = ("embed", "weight")
+            out["lm_head.weight"] = (EMBED, "weight")
         return out
 
     def num_params(self) -> int:
@@ -149,14 +142,14 @@ class DecoderAdapter:
     def attention_masks(self, seq_len: int, device: torch.device) -> dict[str, torch.Tensor | None]:
         """Masks per attention type; ``None`` means plain causal (SDPA ``is_causal``)."""
         masks: dict[str, torch.Tensor | None] = {"full_attention": None}
-        if "sliding_attention" in self.layer_types:
+        if SLIDING_ATTENTION in self.layer_types:
             w = self.sliding_window
             if w is None or seq_len <= w:
-                masks["sliding_attention"] = None
+                masks[SLIDING_ATTENTION] = None
             else:
                 q = torch.arange(seq_len, device=device)[:, None]
                 k = torch.arange(seq_len, device=device)[None, :]
-                masks["sliding_attention"] = ((k <= q) & (q - k < w))[None, None]
+                masks[SLIDING_ATTENTION] = ((k <= q) & (q - k < w))[None, None]
         return masks
 
     def layer(

@@ -8,25 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    PretrainedConfig,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import PretrainedConfig
 
-# model_type (as in config.json) -> (config class, causal-LM class)
-FAMILIES: dict[str, tuple[type, type]] = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-}
+from .families import FAMILIES
 
 
 @dataclass(frozen=True)
@@ -40,9 +24,7 @@ class Flavor:
     """Where the shape comes from."""
 
     def build_config(self, **overrides: Any) -> PretrainedConfig:
-        config_cls, _ = FAMILIES[self.family]
-        kwargs = {**self.config, **overrides}
-        return config_cls(**kwargs)
+        return FAMILIES[self.family].config_class(**{**self.config, **overrides})
 
 
 def _debug(family: str, tied: bool, **extra: Any) -> dict[str, Any]:
@@ -157,14 +139,3 @@ def get_flavor(name: str) -> Flavor:
     except KeyError:
         known = ", ".join(sorted(FLAVORS))
         raise ValueError(f"unknown model flavor {name!r}; known flavors: {known}") from None
-
-
-def check_family(config: PretrainedConfig) -> str:
-    """Return the family key of ``config`` or raise a clear error for unsupported ones."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES:
-        raise ValueError(
-            f"unsupported architecture model_type={model_type!r}; layerwise supports "
-            f"{sorted(FAMILIES)} (decoder-only causal LMs). Convert the model or open an issue."
-        )
-    return model_type

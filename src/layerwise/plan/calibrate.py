@@ -61,7 +61,8 @@ def measure_layer(device: str, dtype, tokens: int, repeats: int) -> tuple[float,
     import torch
 
     from ..models.registry import get_flavor
-    from .cost import CostModel, ModelShape
+    from .cost import CostModel
+    from .shape import ModelShape
 
     cfg = get_flavor("llama-30m").build_config()
     cfg._attn_implementation = "sdpa"

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cost import ModelShape
+from .shape import ModelShape
 from .hardware import HardwareProfile
 from .simulator import LANES, SimResult
 

@@ -44,7 +44,7 @@ def _gb(n: float) -> str:
 
 def plan_command(args: argparse.Namespace) -> int:
     from .check import check
-    from .cost import load_shape
+    from .shape import load_shape
     from .hardware import get_hardware
     from .milp import MilpConfig
     from .search import PlanInfeasible, SearchConfig, search

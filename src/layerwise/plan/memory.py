@@ -12,13 +12,9 @@ the same transients, so both agree on what fits.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 from .plan import Plan
 from .program import micro_batch_program, weight_schedule
-
-if TYPE_CHECKING:
-    from .cost import ModelShape
+from .shape import ModelShape
 
 
 @dataclass

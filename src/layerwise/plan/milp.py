@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cost import CostModel, ModelShape
+from .cost import CostModel
+from .shape import ModelShape
 from .hardware import HardwareProfile
 from .plan import Plan
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .baselines import baseline_tiers, extra_candidates
-from .cost import MOMENT_BYTES, CostModel, ModelShape
+from .cost import MOMENT_BYTES, CostModel
+from .shape import ModelShape
 from .hardware import HardwareProfile
 from .milp import MilpConfig, MilpResult, StepModel, solve
 from .plan import Plan

@@ -33,7 +33,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cost import CostModel, ModelShape
+from .cost import CostModel
+from .shape import ModelShape
 from .hardware import HardwareProfile
 from .plan import Plan
 from .program import micro_batch_program

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import sysconfig
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-IGNORE_INDEX = -100
+from ..engine.batch import Batch
+
 
 
 class ByteTokenizer:
@@ -57,18 +57,6 @@ def corpus_tokens(max_tokens: int, root: str | Path | None = None,
         if len(out) >= max_tokens:
             break
     return torch.tensor(out[:max_tokens], dtype=torch.long)
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor
-    """``[batch, seq]`` token ids."""
-    labels: torch.Tensor
-    """``[batch, seq]``: the target of each position (already shifted), IGNORE_INDEX for none."""
-
-    @property
-    def num_target_tokens(self) -> int:
-        return int((self.labels != IGNORE_INDEX).sum())
 
 
 def pack(tokens: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,14 +11,17 @@ from typing import Any
 
 import torch
 
+from ..ckpt.checkpointer import Checkpointer
+from ..ckpt.store_state import HostStoreStateProvider
 from ..engine import EngineConfig, StreamingEngine
-from ..models import DecoderAdapter, FLAVORS, get_flavor
-from ..models.hf_io import load_store
-from ..models.init import init_store
+from ..engine.batch import Batch
+from ..interop.export import export_store
+from ..interop.hf_dir import load_store
+from ..models import FLAVORS, DecoderAdapter, get_flavor
 from ..optim.adamw import AdamWConfig
 from ..plan.plan import Plan
-from ..store import HostStore
-from .data import Batch, batches, corpus_tokens
+from ..store import HostStore, init_store
+from .data import batches, corpus_tokens
 from .schedule import lr_at
 
 
@@ -141,8 +144,6 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
 
     ckpt, start_step = None, 0
     if cfg.ckpt_every or cfg.resume:
-        from ..ckpt.checkpointer import Checkpointer
-        from ..ckpt.store_state import HostStoreStateProvider
 
         provider = HostStoreStateProvider(store, engine.optimizers)
         ckpt = Checkpointer(out_dir / "ckpt", provider=provider, policy=cfg.ckpt_policy,
@@ -206,7 +207,6 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
             ckpt.close()
     model_dir = None
     if cfg.export:
-        from ..ckpt.store_state import export_store
 
         model_dir = export_store(store, out_dir / "model", overwrite=True)
         log(f"exported Hugging Face model to {model_dir}")

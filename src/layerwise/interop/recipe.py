@@ -36,7 +36,10 @@ from typing import Any
 import torch
 import yaml
 
-from layerwise.ckpt.source import CheckpointSource, group_of, group_sort_key, is_tied, layer_index, open_source
+from ..models.names import config_is_tied, group_of, group_sort_key, layer_index, layer_unit
+from ..util.dtypes import parse_dtype
+from .layout import CheckpointSource
+from .sources import open_source
 
 ARCH_KEYS = (
     "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -157,8 +160,6 @@ def parse_recipe(data: Any, base_dir: Path | None = None) -> Recipe:
             parts.append(PartSource(_model(e.get("model"), where), name, section))
     dtype = data.get("dtype")
     if dtype is not None:
-        from layerwise.ckpt.formats.hf import parse_dtype
-
         try:
             parse_dtype(dtype)
         except ValueError as e:
@@ -198,7 +199,7 @@ class RecipeSource:
             self._open(m)
         self._config = self._check_configs()
         self.num_layers = int(self._config["num_hidden_layers"])
-        self.tied = is_tied(self._config)
+        self.tied = config_is_tied(self._config)
         self.assignment: dict[str, str] = {}  # group -> model
         self._assign_layers()
         self._assign_parts()
@@ -265,7 +266,7 @@ class RecipeSource:
                 f"{self.num_layers} layers and every one must come from exactly one source"
             )
         for i, s in sorted(owner.items()):
-            group = f"layers.{i}"
+            group = layer_unit(i)
             if group not in self._sources[s.model].groups():
                 raise ValueError(f"recipe: {s.model!r} has no {group} (slices[{s.index}])")
             self.assignment[group] = s.model

@@ -23,6 +23,10 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from ..ckpt.checkpointer import Checkpointer
+from .merge import merge
+from .sources import open_source
+
 
 def _unwrap(obj: Any, attr: str) -> Any:
     """accelerate wraps optimizers (``.optimizer``) and schedulers (``.scheduler``); the Checkpointer
@@ -84,8 +88,6 @@ class LayerwiseCheckpointCallback(TrainerCallback):
         return int(steps)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
-        from layerwise.ckpt.checkpointer import Checkpointer
-
         if model is None or optimizer is None:
             raise ValueError("LayerwiseCheckpointCallback needs the Trainer's model and optimizer")
         if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
@@ -133,9 +135,6 @@ def export_for_resume(run_dir: str | Path, output_dir: str | Path, step: int | N
     Returns the path to pass as ``Trainer.train(resume_from_checkpoint=...)``. An existing
     ``checkpoint-N`` there is reused: exports are atomic, so one that exists is complete.
     """
-    from layerwise.ckpt.merge import merge
-    from layerwise.ckpt.source import open_source
-
     source = open_source(run_dir, step)
     n = int(source.extra_state()["step"])
     out = Path(output_dir) / f"checkpoint-{n}"

@@ -1,4 +1,5 @@
-"""Export to an HF Trainer ``checkpoint-N`` dir that ``Trainer.train(resume_from_checkpoint=dir)`` accepts.
+"""HF Trainer ``checkpoint-N`` dirs: read them group by group, and write ones that
+``Trainer.train(resume_from_checkpoint=dir)`` accepts.
 
 Files: ``model.safetensors`` (sharded with an index past the shard size), ``optimizer.pt`` (a torch
 AdamW ``state_dict``), ``scheduler.pt``, ``rng_state.pth`` (when the source has RNG states),
@@ -18,14 +19,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from transformers.trainer_pt_utils import safe_globals
 
-from layerwise.ckpt.source import (
+from ..util.atomic import atomic_write_text
+from ..util.dtypes import parse_dtype
+from ..util.jsonable import jsonable
+from ..util.units import parse_size_bytes
+from .hf_dir import HFModelDirSource, load_pt, read_json
+from .hf_export import DEFAULT_MAX_SHARD_SIZE, WeightsWriter, require_config, write_config_files
+from .layout import (
+    CONFIG_NAME,
     EXP_AVG,
     EXP_AVG_SQ,
     OPTIMIZER_NAME,
@@ -37,9 +48,6 @@ from layerwise.ckpt.source import (
     CheckpointSource,
     meta_model,
 )
-from layerwise.util.atomic import atomic_write_text
-
-from .hf import DEFAULT_MAX_SHARD_SIZE, WeightsWriter, parse_dtype, parse_size_bytes, require_config, write_config_files
 
 
 def decay_parameter_names(model: nn.Module) -> list[str]:
@@ -200,7 +208,7 @@ def write_trainer(
 ) -> dict[str, Any]:
     """Write ``source`` as a Trainer checkpoint into the existing, empty ``out_dir``; return a summary.
 
-    Not atomic by itself: :func:`layerwise.ckpt.merge.merge` points it at a temp dir and renames.
+    Not atomic by itself: :func:`layerwise.interop.merge.merge` points it at a temp dir and renames.
     """
     out_dir = Path(out_dir)
     config = require_config(source)
@@ -298,3 +306,118 @@ def _optimizer_entries(group: str, tensors: dict[str, torch.Tensor], position: d
             "exp_avg_sq": v.detach().to(torch.float32).contiguous(),
         }
     return out
+
+
+# ----- reading -------------------------------------------------------------------------
+
+
+class TrainerCheckpointSource(HFModelDirSource):
+    """An HF Trainer ``checkpoint-N`` dir: weights plus AdamW moments, scheduler, RNG and trainer state.
+
+    ``optimizer.pt`` names parameters by position only. The position of each parameter follows how
+    ``transformers.Trainer.create_optimizer`` builds AdamW's param groups: first every parameter that
+    gets weight decay, then every one that does not, each in ``model.named_parameters()`` order
+    (tied parameters once). The model is rebuilt on the meta device from ``config.json`` to replay
+    that order; a count or shape mismatch is reported instead of silently mis-assigning moments.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"{self.path} is not a directory")
+        sharded = [d.name for d in self.path.iterdir() if d.is_dir() and d.name.startswith(("global_step", "optimizer_"))]
+        if sharded and not (self.path / OPTIMIZER_NAME).is_file():
+            raise ValueError(
+                f"{path} holds a sharded optimizer state ({', '.join(sorted(sharded))}: DeepSpeed ZeRO or "
+                "FSDP), which layerwise cannot read; consolidate it into optimizer.pt first, or export "
+                "the weights only by pointing at a copy without it"
+            )
+        super().__init__(path)
+        if self._config is None:
+            raise ValueError(
+                f"{self.path} has no {CONFIG_NAME}; it is needed to map optimizer.pt entries to parameters"
+            )
+
+    @cached_property
+    def _optimizer(self) -> dict | None:
+        f = self.path / OPTIMIZER_NAME
+        return load_pt(f) if f.is_file() else None
+
+    @cached_property
+    def _param_ids(self) -> dict[str, int]:
+        """HF parameter name -> index in optimizer.pt's ``state``."""
+        opt = self._optimizer
+        if opt is None:
+            return {}
+        model = meta_model(self._config)
+        named = trainer_param_groups(model)
+        saved = opt["param_groups"]
+        if len(saved) != len(named) or any(len(g["params"]) != len(n) for g, n in zip(saved, named)):
+            raise ValueError(
+                f"{self.path / OPTIMIZER_NAME} has param groups of sizes "
+                f"{[len(g['params']) for g in saved]}, but transformers.Trainer would build "
+                f"{[len(n) for n in named]} for this config (decay / no-decay). It was written by a "
+                "different optimizer set-up (custom param groups, frozen parameters, another "
+                "optimizer); layerwise can only read the default Trainer AdamW layout."
+            )
+        ids: dict[str, int] = {}
+        for group, names in zip(saved, named):
+            for pid, name in zip(group["params"], names):
+                ids[name] = pid
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        for name, pid in ids.items():
+            st = opt["state"].get(pid)
+            if st and "exp_avg" in st and tuple(st["exp_avg"].shape) != shapes[name]:
+                raise ValueError(
+                    f"{self.path / OPTIMIZER_NAME}: state #{pid} has shape {tuple(st['exp_avg'].shape)} "
+                    f"but parameter {name} has shape {shapes[name]}; the optimizer state does not "
+                    "match the model's config.json"
+                )
+        return ids
+
+    def load_group(self, group: str) -> dict[str, torch.Tensor]:
+        out = super().load_group(group)
+        if self._optimizer is None:
+            return out
+        state = self._optimizer["state"]
+        for key in list(out):
+            name = key[len(PARAM):]
+            pid = self._param_ids.get(name)
+            st = state.get(pid) if pid is not None else None
+            if not st:
+                continue  # never stepped (e.g. frozen): no moments, as in torch
+            if "exp_avg" in st:
+                out[EXP_AVG + name] = st["exp_avg"].to(torch.float32, copy=True)
+            if "exp_avg_sq" in st:
+                out[EXP_AVG_SQ + name] = st["exp_avg_sq"].to(torch.float32, copy=True)
+            if "step" in st:
+                out[STEP + name] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(()).clone()
+        return out
+
+    def optimizer_param_groups(self) -> list[dict] | None:
+        if self._optimizer is None:
+            return None
+        return [{k: v for k, v in g.items() if k != "params"} for g in self._optimizer["param_groups"]]
+
+    def extra_state(self) -> dict:
+        extra = super().extra_state()
+        ts_file = self.path / TRAINER_STATE_NAME
+        trainer_state = read_json(ts_file) if ts_file.is_file() else None
+        extra["trainer_state"] = trainer_state
+        if trainer_state is not None:
+            extra["step"] = int(trainer_state.get("global_step", 0))
+        else:
+            m = re.search(r"(\d+)$", self.path.name)
+            extra["step"] = int(m.group(1)) if m else 0
+        sched = self.path / SCHEDULER_NAME
+        extra["scheduler"] = jsonable(load_pt(sched)) if sched.is_file() else None
+        rng = self.path / RNG_STATE_NAME
+        extra["rng"] = load_trainer_rng(rng) if rng.is_file() else None
+        extra["optimizer_param_groups"] = self.optimizer_param_groups()
+        return extra
+
+
+def load_trainer_rng(path: Path) -> dict:
+    """Trainer's ``rng_state.pth`` (python, numpy, torch states), read with weights_only."""
+    with safe_globals():
+        return torch.load(path, map_location="cpu", weights_only=True)

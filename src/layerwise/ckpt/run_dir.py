@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from ..util.atomic import atomic_write_bytes, atomic_write_text, fsync_dir
+from ..util.safetensors_io import dtype_name, encode_header, tensor_bytes
 from .errors import CheckpointCorruptError, CheckpointWriteError
 
 FORMAT = "layerwise-ckpt"
@@ -54,23 +55,7 @@ STEP_DIR_DIGITS = 12
 CHUNK_BYTES = 32 << 20
 """Write/hash granularity: large enough for full disk bandwidth, small enough to overlap."""
 
-_ST_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}
-for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
-    if hasattr(torch, _name):
-        _ST_DTYPES[getattr(torch, _name)] = _code
-
-
 # ----- streaming safetensors writer ---------------------------------------------------------
-
-
-def _raw_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    assert t.device.type == "cpu" and t.is_contiguous(), "blob tensors must be contiguous on CPU"
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 @dataclass
@@ -85,21 +70,19 @@ class BlobPayload:
     def build(cls, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> BlobPayload:
         # Widest dtypes first keeps every tensor aligned to its element size (header is 8-aligned).
         keys = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
-        entries: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))}
+        entries: dict[str, dict] = {}
         ordered, offset = [], 0
         for k in keys:
             t = tensors[k]
-            if t.dtype not in _ST_DTYPES:
-                raise ValueError(f"tensor {k!r} has dtype {t.dtype}, which safetensors cannot store")
+            dtype = dtype_name(k, t)
             t = t.detach()
             if t.device.type != "cpu" or not t.is_contiguous():
                 t = t.to("cpu").contiguous()
             n = t.numel() * t.element_size()
-            entries[k] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
-                          "data_offsets": [offset, offset + n]}
+            entries[k] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
             ordered.append(t)
             offset += n
-        text = json.dumps(entries, separators=(",", ":")).encode()
+        text = encode_header(entries, dict(sorted(metadata.items())))
         text += b" " * (-len(text) % 8)
         header = struct.pack("<Q", len(text)) + text
         return cls(header, ordered, len(header) + offset)
@@ -107,7 +90,7 @@ class BlobPayload:
     def chunks(self) -> Iterator[memoryview]:
         yield memoryview(self.header)
         for t in self.tensors:
-            raw = _raw_bytes(t)
+            raw = tensor_bytes(t)
             for i in range(0, len(raw), CHUNK_BYTES):
                 yield raw[i:i + CHUNK_BYTES]
 
@@ -233,7 +216,7 @@ class BlobBatch:
                 os.replace(tmp, final)
             except OSError as e:
                 _unlink_quiet(tmp)
-                raise _write_error(e, tmp) from e
+                raise write_error(e, tmp) from e
         self._futures.append(self._pool.submit(land))
         self.dirs.update((final.parent, final.parent.parent))  # blobs/<aa>/ may be new
 
@@ -253,7 +236,7 @@ class BlobBatch:
             self._pool.shutdown(wait=True)
 
 
-class LayerStore:
+class RunDir:
     """Reads and writes one run directory. Writers hold the run's lock while they write."""
 
     def __init__(self, root: str | Path):
@@ -262,7 +245,7 @@ class LayerStore:
     # ----- opening ---------------------------------------------------------------------
 
     @classmethod
-    def create(cls, root: str | Path) -> LayerStore:
+    def create(cls, root: str | Path) -> RunDir:
         """Open ``root`` for writing, creating an empty run if needed."""
         store = cls(root)
         fmt = store.root / "format.json"
@@ -282,7 +265,7 @@ class LayerStore:
         return store
 
     @classmethod
-    def open(cls, root: str | Path) -> LayerStore:
+    def open(cls, root: str | Path) -> RunDir:
         """Open an existing run for reading."""
         store = cls(root)
         if not store.root.is_dir():
@@ -414,7 +397,7 @@ class LayerStore:
                 os.replace(tmp, final)
         except OSError as e:
             _unlink_quiet(tmp)
-            raise _write_error(e, tmp) from e
+            raise write_error(e, tmp) from e
         if batch is not None:
             batch.submit(tmp, final)
         else:
@@ -435,7 +418,7 @@ class LayerStore:
         try:
             atomic_write_bytes(path, data)
         except OSError as e:
-            raise _write_error(e, path) from e
+            raise write_error(e, path) from e
         return {"sha256": hashlib.sha256(data).hexdigest(), "nbytes": len(data)}
 
     def commit(self, step: int, manifest: dict) -> None:
@@ -445,7 +428,7 @@ class LayerStore:
             atomic_write_bytes(self.manifest_path(step), _json_bytes(manifest))
             fsync_dir(self.step_dir(step).parent)
         except OSError as e:
-            raise _write_error(e, self.manifest_path(step)) from e
+            raise write_error(e, self.manifest_path(step)) from e
         try:
             newest = self.latest_step()
             if newest is not None:
@@ -565,7 +548,7 @@ def _unlink_quiet(path: Path) -> None:
         pass
 
 
-def _write_error(e: OSError, path: Path) -> CheckpointWriteError:
+def write_error(e: OSError, path: Path) -> CheckpointWriteError:
     why = {
         errno.ENOSPC: "the disk is full",
         errno.EFBIG: "the file size limit was reached (ulimit -f / RLIMIT_FSIZE)",

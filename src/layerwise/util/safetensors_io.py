@@ -1,4 +1,6 @@
-"""A safetensors writer that streams: each tensor goes to disk as it arrives, one tensor in memory.
+"""The safetensors encoding, shared by checkpoint blobs and HF exports, and a streaming writer.
+
+``ShardedSafetensorsWriter`` streams: each tensor goes to disk as it arrives, one tensor in memory.
 
 ``safetensors.torch.save_file`` needs the whole shard in memory because the header (names, shapes,
 offsets) precedes the data. Here the data is written after a header region reserved up front; when
@@ -35,11 +37,26 @@ DEFAULT_HEADER_RESERVE_BYTES = 64 * 1024
 """Room for the JSON header of one shard: about 500 tensors (a Llama layer has 9)."""
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    t = t.detach().to("cpu").contiguous()
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of ``t`` (copied to a contiguous CPU tensor only when it is not one)."""
+    t = t.detach()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.to("cpu").contiguous()
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def dtype_name(name: str, t: torch.Tensor) -> str:
+    try:
+        return DTYPE_NAMES[t.dtype]
+    except KeyError:
+        raise ValueError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store") from None
+
+
+def encode_header(entries: dict[str, dict], metadata: dict[str, str]) -> bytes:
+    """The JSON header of a safetensors file (unpadded): metadata first, then tensor entries."""
+    return json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
 
 
 class ShardedSafetensorsWriter:
@@ -63,7 +80,7 @@ class ShardedSafetensorsWriter:
         self.total_bytes = 0
 
     def _header(self, entries: dict[str, dict]) -> bytes:
-        return json.dumps({"__metadata__": self.metadata, **entries}, separators=(",", ":")).encode()
+        return encode_header(entries, self.metadata)
 
     def _open_shard(self) -> None:
         self._close_shard()
@@ -88,10 +105,8 @@ class ShardedSafetensorsWriter:
         self._file = None
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if tensor.dtype not in DTYPE_NAMES:
-            raise ValueError(f"tensor {name} has dtype {tensor.dtype}, which safetensors cannot store")
+        entry = {"dtype": dtype_name(name, tensor), "shape": list(tensor.shape)}
         nbytes = tensor.numel() * tensor.element_size()
-        entry = {"dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape)}
         if self._file is not None:
             over_size = self.max_shard_bytes is not None and self._data_bytes + nbytes > self.max_shard_bytes
             probe = {**self._entries[-1], name: {**entry, "data_offsets": [0, 2**62]}}
@@ -103,7 +118,7 @@ class ShardedSafetensorsWriter:
         probe = {name: {**entry, "data_offsets": [0, 2**62]}}
         if len(self._header(probe)) > self.header_reserve_bytes:
             raise ValueError(f"tensor name {name!r} is too long for a safetensors header")
-        self._file.write(_tensor_bytes(tensor))
+        self._file.write(tensor_bytes(tensor))
         self._entries[-1][name] = {**entry, "data_offsets": [self._data_bytes, self._data_bytes + nbytes]}
         self._data_bytes += nbytes
         self.total_bytes += nbytes

@@ -1,66 +1,37 @@
 """Export to a Hugging Face model dir: sharded safetensors + index + ``config.json``.
 
 The output loads with ``AutoModelForCausalLM.from_pretrained(dir)``. Weights stream group by group
-into shards (see :mod:`.safetensors_stream`); a tied head is stored once, as the embedding, the way
+into shards (see :mod:`layerwise.util.safetensors_io`); a tied head is stored once, as the embedding, the way
 ``save_pretrained`` does it.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from layerwise.ckpt.source import (
+from transformers import AutoConfig, GenerationConfig
+
+from ..models.names import config_is_tied
+from ..util.atomic import atomic_write_text
+from ..util.dtypes import parse_dtype
+from ..util.safetensors_io import ShardedSafetensorsWriter
+from ..util.units import parse_size_bytes
+from .layout import (
     CONFIG_NAME,
     GENERATION_CONFIG_NAME,
     PARAM,
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
     CheckpointSource,
-    is_tied,
     meta_model,
 )
-from layerwise.util.atomic import atomic_write_text
-
-from .safetensors_stream import ShardedSafetensorsWriter
 
 SHARD_PATTERN = "model-{:05d}-of-{:05d}.safetensors"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-def parse_size_bytes(size: int | str | None) -> int | None:
-    """``5GB``, ``500MB``, ``2GiB`` or a plain byte count; None means no limit."""
-    if size is None or isinstance(size, int):
-        return size
-    m = _SIZE_RE.match(str(size))
-    if not m:
-        raise ValueError(f"cannot read size {size!r}; write it like 5GB, 500MB, 2GiB or a byte count")
-    unit = (m.group(2) or "").upper()
-    n = int(float(m.group(1)) * _UNITS[unit])
-    if n <= 0:
-        raise ValueError(f"size {size!r} must be positive")
-    return n
-
-
-def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return DTYPES[dtype.lower()]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}") from None
-
 
 class WeightsWriter:
     """Stream the ``param/…`` tensors of each group into HF-named safetensors shards.
@@ -77,7 +48,7 @@ class WeightsWriter:
         dtype: torch.dtype | None = None,
     ):
         self.out_dir = Path(out_dir)
-        self.tied = is_tied(config)
+        self.tied = config_is_tied(config)
         self.dtype = dtype
         self.expected: dict[str, tuple[int, ...]] | None = None
         if config is not None:
@@ -159,8 +130,6 @@ def write_config_files(out_dir: Path, config: dict, dtype: torch.dtype | None, g
 
 
 def _derived_generation_config(config: dict) -> dict | None:
-    from transformers import AutoConfig, GenerationConfig
-
     cfg = dict(config)
     try:
         hf_config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
@@ -188,7 +157,7 @@ def write_hf(
 ) -> dict[str, Any]:
     """Write ``source`` as an HF model dir into the existing, empty ``out_dir``; return a summary.
 
-    Not atomic by itself: :func:`layerwise.ckpt.merge.merge` points it at a temp dir and renames.
+    Not atomic by itself: :func:`layerwise.interop.merge.merge` points it at a temp dir and renames.
     """
     config = require_config(source)
     torch_dtype = parse_dtype(dtype)

@@ -1,0 +1,183 @@
+"""Read a local Hugging Face model dir: weights one group (or one tensor) at a time.
+
+The one HF directory reader: :class:`HFModelDirSource` serves merge, recipes and export, and
+:func:`load_store` fills the engine's HostStore from it. Reading never holds the model twice:
+tensors come from memory-mapped shards, so peak host memory is the store plus one group.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+from ..models.adapter import DecoderAdapter
+from ..models.names import config_is_tied, group_of, group_sort_key
+from ..store import HostStore
+from .layout import (
+    CONFIG_NAME,
+    GENERATION_CONFIG_NAME,
+    PARAM,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+)
+
+
+def read_json(path: Path) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _open_safetensors(file: Path):
+    try:
+        return safe_open(str(file), framework="pt")
+    except SafetensorError as e:
+        raise ValueError(f"{file} is not a readable safetensors file ({e}); it is probably "
+                         "truncated or corrupt: copy it again") from None
+
+
+def load_pt(path: Path) -> Any:
+    """``torch.load`` for foreign files: never unpickles code; memory-maps where the file allows it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):  # legacy (non-zip) files cannot be memory-mapped; other errors are real
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+class HFModelDirSource:
+    """Weights of a Hugging Face model dir (single or sharded safetensors, or ``pytorch_model.bin``)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"{self.path} is not a directory")
+        self._weight_files = self._find_weight_files()
+
+    def _find_weight_files(self) -> dict[str, Path]:
+        """Map every tensor name to the file that holds it, checking that every shard exists."""
+        p = self.path
+        for index_name in (SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME):
+            if (p / index_name).is_file():
+                weight_map = read_json(p / index_name).get("weight_map")
+                if not isinstance(weight_map, dict):
+                    raise ValueError(f"{p / index_name} has no weight_map; the index file is damaged")
+                missing = sorted({f for f in weight_map.values() if not (p / f).is_file()})
+                if missing:
+                    raise ValueError(f"{p}: shard files named in {index_name} are missing: {missing}; "
+                                     "copy the complete model directory")
+                return {name: p / file for name, file in weight_map.items()}
+        if (p / SAFE_WEIGHTS_NAME).is_file():
+            with _open_safetensors(p / SAFE_WEIGHTS_NAME) as f:
+                return {name: p / SAFE_WEIGHTS_NAME for name in f.keys()}
+        if (p / WEIGHTS_NAME).is_file():
+            return {name: p / WEIGHTS_NAME for name in self._bin(p / WEIGHTS_NAME)}
+        raise FileNotFoundError(
+            f"{p} holds no model weights: expected {SAFE_WEIGHTS_NAME}, {SAFE_WEIGHTS_INDEX_NAME}, "
+            f"{WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME}"
+        )
+
+    def _bin(self, path: Path) -> dict[str, torch.Tensor]:
+        # Memory-mapped, so holding the dict costs address space, not RAM.
+        cache = self.__dict__.setdefault("_bin_cache", {})
+        if path not in cache:
+            cache[path] = load_pt(path)
+        return cache[path]
+
+    @cached_property
+    def _config(self) -> dict | None:
+        f = self.path / CONFIG_NAME
+        return read_json(f) if f.is_file() else None
+
+    @cached_property
+    def _groups(self) -> dict[str, list[str]]:
+        tied = config_is_tied(self._config)
+        out: dict[str, list[str]] = {}
+        for name in self._weight_files:
+            if tied and name.startswith("lm_head."):
+                continue  # a tied head is the embedding; some writers still store a copy
+            out.setdefault(group_of(name, tied), []).append(name)
+        return dict(sorted(out.items(), key=lambda kv: group_sort_key(kv[0])))
+
+    def groups(self) -> list[str]:
+        return list(self._groups)
+
+    def _check_group(self, group: str) -> list[str]:
+        try:
+            return self._groups[group]
+        except KeyError:
+            raise ValueError(f"{self.path} has no group {group!r}; it has {self.groups()}") from None
+
+    def load_group(self, group: str) -> dict[str, torch.Tensor]:
+        names = self._check_group(group)
+        return {PARAM + n: t for n, t in self._read_weights(names).items()}
+
+    def _read_weights(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        by_file: dict[Path, list[str]] = {}
+        for n in names:
+            by_file.setdefault(self._weight_files[n], []).append(n)
+        out: dict[str, torch.Tensor] = {}
+        for file, file_names in by_file.items():
+            if file.suffix == ".safetensors":
+                with _open_safetensors(file) as f:
+                    for n in file_names:
+                        try:
+                            out[n] = f.get_tensor(n)
+                        except SafetensorError as e:
+                            raise ValueError(f"{file}: cannot read {n} ({e}); the shard is damaged") from None
+            else:
+                sd = self._bin(file)
+                for n in file_names:
+                    out[n] = sd[n].clone()
+        return out
+
+    def hf_names(self) -> list[str]:
+        return list(self._weight_files)
+
+    def model_config(self) -> dict | None:
+        return self._config
+
+    def extra_state(self) -> dict:
+        extra: dict[str, Any] = {"step": 0, "scheduler": None, "rng": None, "trainer_state": None}
+        gen = self.path / GENERATION_CONFIG_NAME
+        if gen.is_file():
+            extra["generation_config"] = read_json(gen)
+        return extra
+
+
+
+
+def load_config(path: str | Path) -> PretrainedConfig:
+    path = Path(path)
+    if not (path / CONFIG_NAME).is_file():
+        raise ValueError(f"{path} is not a Hugging Face model directory: {CONFIG_NAME} is missing")
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def load_store(path: str | Path, compute_dtype: torch.dtype = torch.float32,
+               pin: bool | None = None) -> tuple[DecoderAdapter, HostStore]:
+    """Build the adapter from ``config.json`` and fill a HostStore, one group at a time."""
+    path = Path(path)
+    adapter = DecoderAdapter(load_config(path))
+    source = HFModelDirSource(path)
+    available, needed = set(source.hf_names()), set(adapter.hf_names())
+    missing = sorted(needed - available)
+    if missing:
+        raise ValueError(f"{path}: weights missing for {len(missing)} tensors, e.g. {missing[:3]}; "
+                         "the checkpoint does not match its config.json")
+    store = HostStore(adapter, compute_dtype=compute_dtype, pin=pin)
+    for group in source.groups():
+        for key, tensor in source.load_group(group).items():
+            if key[len(PARAM):] in needed:  # not e.g. a stored copy of a tied head
+                store.load_hf_tensor(key[len(PARAM):], tensor)
+    store.refresh_compute()
+    return adapter, store

@@ -1,0 +1,111 @@
+"""Merge / export any checkpoint source into an ordinary checkpoint, atomically and streaming.
+
+``merge(source, out_dir, format=...)`` writes a Hugging Face model dir (``hf``) or an HF Trainer
+``checkpoint-N`` dir (``trainer``). The output is built in a hidden temp dir next to ``out_dir`` and
+renamed into place only once complete, so a failed merge (bad recipe, disk full, a kill) never
+leaves a half-written output. Sources are read one group at a time.
+
+The CLI (``layerwise ckpt merge``) is in :mod:`layerwise.interop.cli`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ..util.atomic import fsync_dir
+from .hf_export import write_hf
+from .layout import CheckpointSource
+from .sources import open_source
+from .trainer import write_trainer
+
+FORMATS = ("hf", "trainer")
+
+
+def merge(
+    source: CheckpointSource | str | Path,
+    out_dir: str | Path,
+    format: str = "hf",
+    *,
+    step: int | None = None,
+    max_shard_size: int | str | None = "5GB",
+    dtype: str | None = None,
+    hparams: Any = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Write ``source`` (a CheckpointSource or a path for :func:`open_source`) to ``out_dir``.
+
+    ``hparams`` (an :class:`~layerwise.interop.trainer.AdamWHParams`) overrides the AdamW
+    hyper-parameters of a ``trainer`` export; by default they come from the source, else
+    transformers' defaults. Returns a summary (files, bytes, step, seconds).
+    """
+    if format not in FORMATS:
+        raise ValueError(f"unknown export format {format!r}; choose one of {', '.join(FORMATS)}")
+    if isinstance(source, (str, Path)):
+        source = open_source(source, step)
+    elif step is not None:
+        raise ValueError("step= is only used when source is a path; an opened source already has its step")
+    recipe = getattr(source, "recipe", None)
+    if dtype is None and recipe is not None:
+        dtype = recipe.dtype  # a recipe's `dtype:` applies unless overridden
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"--out {out} exists and is not empty; choose a new path or pass --overwrite")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    t0 = time.perf_counter()
+    try:
+        if format == "hf":
+            summary = write_hf(source, tmp, max_shard_size=max_shard_size, dtype=dtype)
+        else:
+            summary = write_trainer(source, tmp, max_shard_size=max_shard_size, dtype=dtype, hparams=hparams)
+        _fsync_tree(tmp)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if hasattr(source, "describe"):
+        summary["sources"] = source.describe()
+    summary["out"] = str(out)
+    summary["seconds"] = round(time.perf_counter() - t0, 3)
+    summary["bytes"] = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    return summary
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in path.iterdir():
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fsync_dir(path)
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move the finished ``tmp`` to ``out``; an existing ``out`` is swapped out first, then removed."""
+    old = None
+    if out.exists():
+        if any(out.iterdir()):
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(out, old)
+        else:
+            out.rmdir()
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.rename(old, out)  # put the previous output back
+        raise
+    fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old)

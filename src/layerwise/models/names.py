@@ -1,0 +1,114 @@
+"""Names of units and checkpoint groups, and how Hugging Face keys map onto them.
+
+One vocabulary for the whole package:
+
+- *units* (what the engine stores, streams and updates as one piece): ``embed``, ``layers.{i}``,
+  ``head`` (final norm + lm_head when untied);
+- *groups* (what a checkpoint saves and versions as one piece): ``embed``, ``layers.{i}``,
+  ``norm``, ``lm_head``. A tied lm_head *is* the embedding, so it falls into ``embed``. Groups are
+  finer than units for the head because the final norm and the lm_head change at very different
+  rates and have very different sizes.
+
+Anything that is not a known HF key becomes a group of its own (its name without ``.weight``).
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+EMBED = "embed"
+HEAD = "head"
+NORM = "norm"
+LM_HEAD = "lm_head"
+LAYER_GROUP_PREFIX = "layers."
+
+HF_LAYER_PREFIX = "model.layers.{}."
+HF_EMBED_PREFIX = "model.embed_tokens."
+HF_NORM_PREFIX = "model.norm."
+HF_HEAD_PREFIX = "lm_head."
+
+_HF_LAYER_RE = re.compile("^" + re.escape(HF_LAYER_PREFIX).replace(r"\{\}", r"(\d+)"))
+
+
+def layer_unit(i: int) -> str:
+    """The unit (and group) name of decoder layer ``i``: ``layers.{i}``."""
+    return f"{LAYER_GROUP_PREFIX}{i}"
+
+
+def unit_names(num_layers: int) -> list[str]:
+    """Units in forward order."""
+    return [EMBED] + [layer_unit(i) for i in range(num_layers)] + [HEAD]
+
+
+def layer_index(name: str) -> int | None:
+    """``i`` for ``layers.{i}`` (a unit or a group), else None."""
+    rest = name[len(LAYER_GROUP_PREFIX):]
+    if name.startswith(LAYER_GROUP_PREFIX) and rest.isdigit():
+        return int(rest)
+    return None
+
+
+def group_of(hf_name: str, tied: bool = False) -> str:
+    """The checkpoint group of one HF state-dict key (``tied``: lm_head is the embedding)."""
+    if hf_name.startswith(HF_EMBED_PREFIX):
+        return EMBED
+    m = _HF_LAYER_RE.match(hf_name)
+    if m:
+        return layer_unit(int(m.group(1)))
+    if hf_name.startswith(HF_NORM_PREFIX):
+        return NORM
+    if hf_name.startswith(HF_HEAD_PREFIX):
+        return EMBED if tied else LM_HEAD
+    for suffix in (".weight", ".bias"):
+        if hf_name.endswith(suffix):
+            return hf_name[: -len(suffix)]
+    return hf_name
+
+
+def group_sort_key(group: str) -> tuple[int, int, str]:
+    """Model order: embedding, layers by index, final norm, lm_head, then others by name."""
+    i = layer_index(group)
+    if group == EMBED:
+        return (0, 0, group)
+    if i is not None:
+        return (1, i, group)
+    if group == NORM:
+        return (2, 0, group)
+    if group == LM_HEAD:
+        return (3, 0, group)
+    return (4, 0, group)
+
+
+def config_is_tied(config: object) -> bool:
+    """Whether an HF config (object or ``config.json`` dict) ties lm_head to the embedding."""
+    if isinstance(config, dict):
+        return bool(config.get("tie_word_embeddings", False))
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def model_is_tied(model: nn.Module) -> bool:
+    """Whether a live model's lm_head shares its weight with the token embedding (by config,
+    or by tensor identity for models whose config does not say)."""
+    config = getattr(model, "config", None)
+    if config is not None and config_is_tied(config):
+        return True
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    if callable(get_in) and callable(get_out):
+        try:
+            emb, head = get_in(), get_out()
+        except (NotImplementedError, AttributeError):
+            return False
+        return emb is not None and head is not None and head.weight is emb.weight
+    return False
+
+
+def groups_of_model(model: nn.Module) -> dict[str, list[str]]:
+    """Group -> HF parameter names, in model order; a tied (shared) parameter is listed once."""
+    tied = model_is_tied(model)
+    out: dict[str, list[str]] = {}
+    for name, _ in model.named_parameters():  # remove_duplicate=True: shared tensors once
+        out.setdefault(group_of(name, tied), []).append(name)
+    return out
