@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 test: $(VENV)/.installed
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -q
 
 demo: $(VENV)/.installed

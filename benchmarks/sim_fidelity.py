@@ -42,7 +42,7 @@ def main() -> int:
     from layerwise.engine import EngineConfig, StreamingEngine
     from layerwise.models import DecoderAdapter, get_flavor
     from layerwise.models.init import build_hf_model
-    from layerwise.plan.calibrate import calibrate
+    from layerwise.engine.calibrate import calibrate
     from layerwise.plan.shape import ModelShape
     from layerwise.plan.plan import Plan
     from layerwise.plan.simulator import simulate

@@ -9,7 +9,8 @@ import sys
 # Modules with a ``register(subparsers)`` function; each adds its subcommands.
 COMMAND_MODULES = (
     "layerwise.train.cli",  # demo, train
-    "layerwise.plan.cli",  # plan, calibrate
+    "layerwise.plan.cli",  # plan
+    "layerwise.engine.cli",  # calibrate
     "layerwise.ckpt.cli",  # ckpt ls/show/verify/gc
     "layerwise.interop.cli",  # ckpt merge
 )

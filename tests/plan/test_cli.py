@@ -54,7 +54,7 @@ def test_user_errors_are_one_line(capsys):
 
 
 def test_calibrate_pieces_are_quick(tmp_path):
-    from layerwise.plan.calibrate import measure_copy_gbps, measure_disk_gbps, measure_optimizer
+    from layerwise.engine.calibrate import measure_copy_gbps, measure_disk_gbps, measure_optimizer
 
     h2d, d2h = measure_copy_gbps("cpu", 1 << 20, 2)
     r, w = measure_disk_gbps(str(tmp_path), 1 << 20, 1)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..models.adapter import DecoderAdapter
 from ..optim.adamw import AdamWConfig, HostAdamW, UnitOptimizer
+from ..optim.adamw8bit import HostAdamW8bit
 from ..optim.clip import clip_or_skip, global_norm
 from ..plan.shape import ModelShape
 from ..plan.memory import MemoryEstimate, predict_peak_device_bytes
@@ -29,6 +30,7 @@ from ..plan.program import Op, micro_batch_program, weight_schedule
 from ..store import HostStore
 from .batch import IGNORE_INDEX, Batch
 from .backend import make_backend
+from .layer_ops import layer_backward
 from .streams import ActivationStore, GradSink, WeightStreamer
 
 
@@ -100,8 +102,6 @@ class StreamingEngine:
         for buf, kind in zip(self.store, kinds):
             if kind == "8bit":
                 if eight is None:
-                    from ..optim.adamw8bit import HostAdamW8bit  # heavier import, only if used
-
                     eight = HostAdamW8bit(self.config.optimizer)
                 out[buf.name] = eight
             else:
@@ -254,17 +254,15 @@ class StreamingEngine:
     def _layer_backward(self, i, x, grad_out, rope, pos, masks, final) -> torch.Tensor:
         unit = f"layers.{i}"
         w = self.streamer.acquire(unit)
-        x = x.detach().requires_grad_()
-        params = self.store[unit].layout.leaves(w)
+        layout = self.store[unit].layout
         if self.config.measure_workspace:
             saved = _SavedBytes(exclude=(x, w))  # both already counted
-            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-                y = self.adapter.layer(i, params, x, rope, pos, masks)
+            gx, gw = layer_backward(self.adapter, i, layout, w, x, grad_out, rope, pos, masks,
+                                    (saved.pack, saved.unpack))
             # autograd's saved tensors + the output, both gradients, on top of what is live
             self.backend.ledger.peak_with(saved.nbytes + 3 * _nb(x) + _nb(w))
         else:
-            y = self.adapter.layer(i, params, x, rope, pos, masks)
-        gx, *gw = torch.autograd.grad(y, (x, *params.values()), grad_out)
+            gx, gw = layer_backward(self.adapter, i, layout, w, x, grad_out, rope, pos, masks)
         self.streamer.release(unit)
         self.sink.put(unit, gw, final)
         return gx

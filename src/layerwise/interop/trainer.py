@@ -25,9 +25,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
-from transformers.trainer_pt_utils import safe_globals
+from transformers import Trainer, TrainerState
+from transformers.trainer_pt_utils import get_parameter_names, safe_globals
 
 from ..util.atomic import atomic_write_text
 from ..util.dtypes import parse_dtype
@@ -52,14 +54,10 @@ from .layout import (
 
 def decay_parameter_names(model: nn.Module) -> list[str]:
     """Parameter names that transformers.Trainer puts in the weight-decay group."""
-    from transformers import Trainer
-
     try:
         # The method does not touch ``self``; calling it keeps us in step with the installed version.
         return list(Trainer.get_decay_parameter_names(None, model))
     except AttributeError:
-        from transformers.trainer_pt_utils import get_parameter_names
-
         patterns = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
         return list(get_parameter_names(model, [nn.LayerNorm], patterns))
 
@@ -160,8 +158,6 @@ def trainer_rng_state(rng: dict | None) -> dict | None:
     """
     if not rng:
         return None
-    import numpy as np
-
     out: dict[str, Any] = {}
     py = rng.get("python")
     if py is not None:
@@ -185,8 +181,6 @@ def trainer_rng_state(rng: dict | None) -> dict | None:
 
 def trainer_state_dict(extra: dict, step: int) -> dict:
     """``trainer_state.json`` contents: the source's, positioned at ``step``, else a fresh TrainerState."""
-    from transformers import TrainerState
-
     state = extra.get("trainer_state")
     if state is None:
         state = dataclasses.asdict(TrainerState(global_step=step))

@@ -1,4 +1,10 @@
-"""Planning: hardware profiles, cost model, MILP, simulator and the Plan the engine obeys."""
+"""What the engine obeys and how it is chosen, with no tensors.
+
+Contracts first: ``plan`` (the Plan JSON), ``program`` (the step program every consumer shares),
+``shape`` (model shape facts), ``memory`` (the device-memory model). Then the planner on top of
+them: ``hardware`` profiles, the ``cost`` model, the ``milp``, the outer ``search``, the
+discrete-event ``simulator``, its ``check``er and ``timeline`` drawing, and ``cli``.
+"""
 
 from .plan import STORED_TIERS, TIERS, Plan
 

@@ -1,4 +1,4 @@
-"""``layerwise plan`` and ``layerwise calibrate``. Heavy imports stay inside the handlers."""
+"""``layerwise plan``: choose a plan for a model on a machine and compare it with the rules."""
 
 from __future__ import annotations
 
@@ -6,6 +6,14 @@ import argparse
 import json
 import sys
 from typing import Any
+
+from .check import check
+from .hardware import get_hardware
+from .milp import MilpConfig
+from .search import PlanInfeasible, SearchConfig, search
+from .shape import load_shape
+from .simulator import simulate
+from .timeline import draw_timeline
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,27 +36,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=plan_command)
 
-    c = sub.add_parser("calibrate", help="measure this machine and write a hardware profile",
-                       description="Measure matmul throughput, copy bandwidth, disk write/read and host "
-                                   "optimizer throughput; write a profile for `layerwise plan --hardware`.")
-    c.add_argument("--out", default="profile.json", help="profile file to write (default profile.json)")
-    c.add_argument("--quick", action="store_true", help="smaller measurements (seconds, less precise)")
-    c.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    c.add_argument("--spill-dir", default=None, help="directory for the disk measurement (default: temp dir)")
-    c.set_defaults(func=calibrate_command)
-
 
 def _gb(n: float) -> str:
     return f"{n / 1e9:.1f}"
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    from .check import check
-    from .shape import load_shape
-    from .hardware import get_hardware
-    from .milp import MilpConfig
-    from .search import PlanInfeasible, SearchConfig, search
-    from .simulator import simulate
 
     if args.seq_len < 1:
         raise ValueError(f"--seq-len must be >= 1, got {args.seq_len}")
@@ -80,8 +73,6 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.out:
         res.plan.save(args.out)
     if args.timeline:
-        from .timeline import draw_timeline
-
         draw_timeline(sim, args.timeline)
     rows = [("plan", res.best)] + sorted(((n, c) for n, c in res.by_name.items()),
                                          key=lambda nc: -nc[1].sim.tokens_per_s)
@@ -127,16 +118,4 @@ def plan_command(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}")
     if args.timeline:
         print(f"wrote {args.timeline}")
-    return 0
-
-
-def calibrate_command(args: argparse.Namespace) -> int:
-    from .calibrate import calibrate
-
-    profile = calibrate(quick=args.quick, device=args.device, spill_dir=args.spill_dir)
-    profile.save(args.out)
-    d = profile.to_dict()
-    for k, v in d.items():
-        print(f"{k:<28}{v}")
-    print(f"wrote {args.out}")
     return 0

@@ -15,6 +15,8 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ..util.atomic import atomic_write_text
+
 GB = 10**9
 GIB = 2**30
 PROFILE_FORMAT_VERSION = 1
@@ -120,8 +122,6 @@ class HardwareProfile:
         return cls(**d)
 
     def save(self, path: str | Path) -> None:
-        from ..util.atomic import atomic_write_text
-
         atomic_write_text(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod

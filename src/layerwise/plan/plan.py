@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..util.atomic import atomic_write_text
+
 TIERS = ("device", "host", "nvme", "recompute")
 STORED_TIERS = ("device", "host", "nvme")
 MOMENT_KINDS = ("fp32", "8bit")
@@ -113,8 +115,6 @@ class Plan:
         return cls(**d)
 
     def save(self, path: str | Path) -> None:
-        from ..util.atomic import atomic_write_text
-
         atomic_write_text(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+from transformers import AutoModelForCausalLM
+
+from .. import config
+from .data import ByteTokenizer
+from .loop import TrainConfig, train
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser(
@@ -26,9 +33,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from .. import config
-    from .loop import TrainConfig, train
-
     cfg = config.load(TrainConfig, args.config, args.overrides)
     result = train(cfg)
     print(f"done: eval loss {result.eval_loss_start:.4f} -> {result.eval_loss_end:.4f}, "
@@ -37,12 +41,6 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from .data import ByteTokenizer
-    from .loop import TrainConfig, train
-
     cfg = TrainConfig(steps=args.steps, out_dir=args.out, device=args.device)
     print("layerwise demo: streaming-engine training of a small Llama on the Python stdlib source")
     result = train(cfg)

@@ -3,9 +3,10 @@
 What is measured (each the fastest of a few repeats, after a warm-up):
 
 - ``peak_tflops``: a square matmul in the compute dtype (fp32 on CPU, bf16 on CUDA);
-- ``efficiency``: the FLOP rate of a real decoder layer forward+backward (the cost model's
-  FLOPs over its measured time) divided by that matmul rate, so attention, norms and the
-  framework's overhead are priced as they are on this machine;
+- ``efficiency``: the FLOP rate of a decoder layer's backward exactly as the engine runs it
+  (``layer_ops.layer_backward`` on a flat weight buffer; the cost model's FLOPs over its
+  measured time) divided by that matmul rate, so attention, norms and the framework's overhead
+  are priced as they are on this machine;
 - ``op_overhead_s``: the time of a decoder layer on 8 tokens (dispatch + Python per op);
 - copy bandwidth: on CUDA pinned H2D/D2H copies; on CPU the engine's "copies" are clones;
 - disk: write with fsync, then read back, in the spill directory;
@@ -22,7 +23,17 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from .hardware import GB, PRESETS, HardwareProfile
+import torch
+
+from ..models.adapter import DecoderAdapter, ParamSpec, Unit
+from ..models.registry import get_flavor
+from ..optim.adamw import AdamWConfig, HostAdamW
+from ..optim.adamw8bit import HostAdamW8bit
+from ..plan.cost import CostModel
+from ..plan.hardware import GB, PRESETS, HardwareProfile
+from ..plan.shape import ModelShape
+from ..store import FlatLayout, UnitBuffers
+from .layer_ops import layer_backward
 
 
 def _best_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
@@ -47,8 +58,6 @@ def _total_ram_bytes() -> int:
 
 
 def measure_matmul_tflops(device: str, dtype, n: int, repeats: int) -> float:
-    import torch
-
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -57,35 +66,22 @@ def measure_matmul_tflops(device: str, dtype, n: int, repeats: int) -> float:
 
 
 def measure_layer(device: str, dtype, tokens: int, repeats: int) -> tuple[float, float]:
-    """(FLOP/s of a llama-30m decoder layer forward + backward at ``tokens``, seconds at 8 tokens)."""
-    import torch
-
-    from ..models.registry import get_flavor
-    from .cost import CostModel
-    from .shape import ModelShape
-
+    """(FLOP/s of a llama-30m layer's backward as the engine runs it at ``tokens``, seconds at 8 tokens)."""
     cfg = get_flavor("llama-30m").build_config()
-    cfg._attn_implementation = "sdpa"
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-
-    layer = LlamaDecoderLayer(cfg, 0).to(device=device, dtype=dtype)
-    rope = LlamaRotaryEmbedding(cfg).to(device)
+    adapter = DecoderAdapter(cfg)
+    layout = FlatLayout.of(adapter.units[1])
+    flat_w = (torch.randn(layout.numel, device=device) * 0.02).to(dtype)
+    rotary = adapter.new_rotary(device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     def run(seq: int) -> Callable[[], None]:
-        x = torch.randn(1, seq, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
+        x = torch.randn(1, seq, cfg.hidden_size, device=device, dtype=dtype)
+        grad_out = torch.randn_like(x)
         pos = torch.arange(seq, device=device)[None]
-        pe = rope(x, pos)
-
-        params = list(layer.parameters())
-
-        def step() -> None:
-            out = layer(x, position_embeddings=pe, position_ids=pos)
-            out = out[0] if isinstance(out, tuple) else out
-            # grads returned, not accumulated into .grad: as the engine's layer_bwd takes them
-            torch.autograd.grad(out.sum(), [x, *params])
-
-        return step
+        with torch.no_grad():
+            rope = rotary(x, pos)
+        masks = adapter.attention_masks(seq, torch.device(device))
+        return lambda: layer_backward(adapter, 0, layout, flat_w, x, grad_out, rope, pos, masks)
 
     shape = ModelShape.from_config(cfg)
     flops = 3 * CostModel(shape, PRESETS["cpu"], 1, tokens).layer_fwd_flops(0)
@@ -95,8 +91,6 @@ def measure_layer(device: str, dtype, tokens: int, repeats: int) -> tuple[float,
 
 
 def measure_copy_gbps(device: str, nbytes: int, repeats: int) -> tuple[float, float]:
-    import torch
-
     n = nbytes // 4
     if device.startswith("cuda"):
         host = torch.empty(n, dtype=torch.float32).pin_memory()
@@ -137,11 +131,6 @@ def measure_disk_gbps(directory: str | None, nbytes: int, repeats: int) -> tuple
 
 
 def _probe_unit(numel: int):
-    import torch
-
-    from ..models.adapter import ParamSpec, Unit
-    from ..store import FlatLayout, UnitBuffers
-
     unit = Unit("probe", "layer", 0, (ParamSpec("w", "w", (numel // 1024, 1024)),))
     n = (numel // 1024) * 1024
     return UnitBuffers(unit, FlatLayout.of(unit), torch.zeros(n), torch.randn(n))
@@ -149,10 +138,6 @@ def _probe_unit(numel: int):
 
 def measure_optimizer(numel: int, repeats: int) -> tuple[float, float]:
     """(host AdamW params/s with fp32 moments, grad-accumulate GB/s), as the engine runs them."""
-    import torch
-
-    from ..optim.adamw import AdamWConfig, HostAdamW
-
     buf = _probe_unit(numel)
     opt = HostAdamW(AdamWConfig())
     opt.init_state(buf)
@@ -165,9 +150,6 @@ def measure_optimizer(numel: int, repeats: int) -> tuple[float, float]:
 
 def measure_optimizer_8bit(numel: int, repeats: int) -> float:
     """Params/s of the project's block-wise 8-bit AdamW."""
-    from ..optim.adamw import AdamWConfig
-    from ..optim.adamw8bit import HostAdamW8bit
-
     buf = _probe_unit(numel)
     opt = HostAdamW8bit(AdamWConfig())
     opt.init_state(buf)
@@ -177,8 +159,6 @@ def measure_optimizer_8bit(numel: int, repeats: int) -> float:
 
 def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None = None,
               name: str | None = None) -> HardwareProfile:
-    import torch
-
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():

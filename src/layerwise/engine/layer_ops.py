@@ -1,0 +1,26 @@
+"""A decoder layer's backward as the engine runs it: forward with a graph from the stored input
+boundary, then gradients w.r.t. the input and the layer's parameters as leaf views of its flat
+device buffer. The executor and ``layerwise calibrate`` both time exactly this."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from ..models.adapter import DecoderAdapter
+from ..store import FlatLayout
+
+
+def layer_backward(adapter: DecoderAdapter, index: int, layout: FlatLayout, flat_w: torch.Tensor,
+                   x: torch.Tensor, grad_out: torch.Tensor, rope, pos: torch.Tensor, masks,
+                   saved_tensors_hooks=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(grad w.r.t. ``x``, grads of the layer's parameters in layout order)."""
+    x = x.detach().requires_grad_()
+    params = layout.leaves(flat_w)
+    hooks = (torch.autograd.graph.saved_tensors_hooks(*saved_tensors_hooks)
+             if saved_tensors_hooks is not None else nullcontext())
+    with hooks:
+        y = adapter.layer(index, params, x, rope, pos, masks)
+    gx, *gw = torch.autograd.grad(y, (x, *params.values()), grad_out)
+    return gx, gw

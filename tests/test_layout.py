@@ -1,0 +1,50 @@
+"""The package layout holds: imports point down (import-linter contracts in pyproject.toml), and
+no ``layerwise`` import hides inside a function where the contracts and readers can't see it."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "layerwise"
+
+
+def _local_layerwise_imports(source: str) -> list[int]:
+    tree = ast.parse(source)
+    lines = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").startswith("layerwise")):
+                    lines.append(node.lineno)
+                elif isinstance(node, ast.Import) and any(a.name.startswith("layerwise") for a in node.names):
+                    lines.append(node.lineno)
+    return lines
+
+
+def test_no_function_local_layerwise_imports():
+    """Mutation checked: moving ``HostAdamW8bit``'s import back inside ``_default_optimizers``
+    makes this fail."""
+    found = {str(p.relative_to(SRC)): lines for p in sorted(SRC.rglob("*.py"))
+             if (lines := _local_layerwise_imports(p.read_text()))}
+    assert found == {}
+
+
+def test_detector_sees_a_local_import():
+    assert _local_layerwise_imports("def f():\n    from .x import y\n") == [2]
+    assert _local_layerwise_imports("from .x import y\n") == []
+
+
+@pytest.mark.skipif(shutil.which("lint-imports", path=str(Path(sys.executable).parent)) is None,
+                    reason="import-linter not installed (pip install -e '.[test]')")
+def test_import_contracts_hold():
+    """Mutations checked: ``from . import engine`` in store.py breaks the layers contract;
+    ``from . import cost`` in plan/shape.py breaks the acyclic-siblings contract."""
+    exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    out = subprocess.run([exe], cwd=SRC.parents[1], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:]
