@@ -9,3 +9,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(params=["cpu", "cpu-async"])
+def engine_device(request):
+    """Every engine test runs on the synchronous CPU backend and on the asynchronous one, which
+    plays the GPU's protocol (lanes as threads with seeded random delays)."""
+    return request.param
+
+
+def _assert_engine_idle(engine):
+    assert engine.streamer.finished(), "weight slots still held"
+    assert not engine.acts.on_device and not engine.acts._entries, "boundaries still held"
+
+
+@pytest.fixture
+def assert_engine_idle():
+    """After a step nothing is held: no weight copy resident, no boundary kept or offloaded."""
+    return _assert_engine_idle

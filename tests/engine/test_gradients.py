@@ -67,7 +67,7 @@ def assert_grads_close(got, ref, rtol=1e-5):
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)
-def test_gradients_match_autograd_for_every_plan(flavor, tmp_path):
+def test_gradients_match_autograd_for_every_plan(flavor, tmp_path, engine_device, assert_engine_idle):
     cfg = get_flavor(flavor).build_config()
     model = build_hf_model(cfg, seed=0)
     batch = make_batch(cfg.vocab_size)
@@ -76,11 +76,12 @@ def test_gradients_match_autograd_for_every_plan(flavor, tmp_path):
     for name, plan in plans(adapter.num_layers).items():
         store = HostStore(adapter)
         store.copy_from_model(model)
-        engine = StreamingEngine(adapter, store, plan, EngineConfig(spill_dir=str(tmp_path)))
+        engine = StreamingEngine(adapter, store, plan,
+                                 EngineConfig(device=engine_device, spill_dir=str(tmp_path)))
         loss, sq = engine.compute_grads([batch])
         boundary_bytes = batch.input_ids.numel() * cfg.hidden_size * 4
         assert engine.acts.nvme_bytes_written == boundary_bytes * plan.boundaries.count("nvme")
-        assert engine.backend.ledger.live_bytes == 0, "device buffers leaked"
+        assert_engine_idle(engine)
         engine.close()
         assert loss == pytest.approx(ref_loss, rel=1e-5), name
         assert_grads_close(engine_grads(store), ref_grads)
@@ -88,7 +89,7 @@ def test_gradients_match_autograd_for_every_plan(flavor, tmp_path):
     assert not list(tmp_path.glob("layerwise-spill-*")), "spill files left behind"
 
 
-def test_accumulation_of_three_micro_batches_equals_one_big_batch():
+def test_accumulation_of_three_micro_batches_equals_one_big_batch(engine_device):
     cfg = get_flavor("llama-debug").build_config()
     model = build_hf_model(cfg, seed=0)
     big = make_batch(cfg.vocab_size, batch=6, seq=10, seed=3)
@@ -98,8 +99,10 @@ def test_accumulation_of_three_micro_batches_equals_one_big_batch():
     for batches in ([big], micro):
         store = HostStore(adapter)
         store.copy_from_model(model)
-        engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 2))
+        engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 2),
+                                 EngineConfig(device=engine_device))
         loss, _ = engine.compute_grads(batches)
+        engine.close()
         results.append((loss, engine_grads(store)))
     (loss_big, g_big), (loss_micro, g_micro) = results
     assert loss_micro == pytest.approx(loss_big, rel=1e-6)
@@ -110,7 +113,7 @@ def test_accumulation_of_three_micro_batches_equals_one_big_batch():
     assert_grads_close(g_big, ref_grads)
 
 
-def test_sliding_window_mask_matches_hf_when_sequence_exceeds_window():
+def test_sliding_window_mask_matches_hf_when_sequence_exceeds_window(engine_device):
     cfg = get_flavor("mistral-debug").build_config(sliding_window=5)
     model = build_hf_model(cfg, seed=0)
     batch = make_batch(cfg.vocab_size, seq=16)
@@ -118,7 +121,9 @@ def test_sliding_window_mask_matches_hf_when_sequence_exceeds_window():
     adapter = DecoderAdapter(cfg)
     store = HostStore(adapter)
     store.copy_from_model(model)
-    engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 2))
+    engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 2),
+                             EngineConfig(device=engine_device))
     loss, _ = engine.compute_grads([batch])
+    engine.close()
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     assert_grads_close(engine_grads(store), ref_grads)

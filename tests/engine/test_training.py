@@ -26,7 +26,7 @@ def batches(vocab, n, seed=0):
 
 
 @pytest.mark.parametrize("flavor", ["llama-debug", "qwen2-debug"])
-def test_twenty_steps_equal_torch_adamw_with_clipping(flavor):
+def test_twenty_steps_equal_torch_adamw_with_clipping(flavor, engine_device):
     cfg = get_flavor(flavor).build_config()
     model = build_hf_model(cfg, seed=0)
     # lr and max_norm chosen so that clipping is active in some steps and not in others
@@ -37,7 +37,7 @@ def test_twenty_steps_equal_torch_adamw_with_clipping(flavor):
     store = HostStore(adapter)
     store.copy_from_model(model)
     engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 3),
-                             EngineConfig(optimizer=opt_cfg))
+                             EngineConfig(device=engine_device, optimizer=opt_cfg))
     clipped = 0
     for b in data:
         stats = engine.train_step([b])
@@ -65,14 +65,15 @@ def test_twenty_steps_equal_torch_adamw_with_clipping(flavor):
     engine.close()
 
 
-def test_non_finite_gradient_skips_the_step_and_leaves_weights():
+def test_non_finite_gradient_skips_the_step_and_leaves_weights(engine_device):
     cfg = get_flavor("llama-debug").build_config()
     adapter = DecoderAdapter(cfg)
     store = HostStore(adapter)
     store.copy_from_model(build_hf_model(cfg, seed=0))
     store["layers.1"].master[0] = float("inf")  # poisons the forward -> non-finite grads
     before = {k: v.clone() for k, v in store.state_dict().items()}
-    engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 1))
+    engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 1),
+                             EngineConfig(device=engine_device))
     stats = engine.train_step(batches(cfg.vocab_size, 1))
     engine.synchronize()
     assert stats.skipped and not math.isfinite(stats.grad_norm)
@@ -92,8 +93,10 @@ class SlowAdamW(HostAdamW):
         super().step_unit(buf, lr, clip_coef)
 
 
-def test_update_of_a_layer_finishes_before_its_next_forward():
-    """With late updates, the losses must still be those of plain sequential training."""
+def test_update_of_a_layer_finishes_before_its_next_forward(engine_device):
+    """With late updates, the losses must still be those of plain sequential training.
+    Mutation checked: making ``WeightStreamer._issue`` skip ``wait_update`` (copy a unit whose
+    update is still running) fails this test."""
     cfg = get_flavor("llama-debug").build_config()
     model = build_hf_model(cfg, seed=0)
     opt_cfg = AdamWConfig(lr=1e-2, max_grad_norm=None)
@@ -103,7 +106,7 @@ def test_update_of_a_layer_finishes_before_its_next_forward():
     store.copy_from_model(model)
     slow = SlowAdamW(opt_cfg)
     engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 1),
-                             EngineConfig(optimizer=opt_cfg),
+                             EngineConfig(device=engine_device, optimizer=opt_cfg),
                              optimizers={u.name: slow for u in adapter.units})
     got = [engine.train_step([b]).loss for b in data]
     engine.close()
@@ -142,22 +145,53 @@ def test_plan_moments_choose_8bit_per_unit_and_training_still_tracks_fp32():
     assert abs(losses[True][-1] - losses[False][-1]) < 0.05 * losses[False][-1]
 
 
-def test_a_failed_step_leaves_the_engine_usable_and_unchanged():
+def test_bad_token_ids_are_refused_on_the_host_before_any_work(engine_device):
+    """On a GPU an out-of-range id trips a device-side assert that poisons the CUDA context;
+    the engine refuses the batch on the host. Mutation checked: without ``check_batch`` the
+    error is an IndexError from inside the step instead of this ValueError."""
+    cfg = get_flavor("llama-debug").build_config()
+    adapter = DecoderAdapter(cfg)
+    good = batches(cfg.vocab_size, 1)[0]
+    store = HostStore(adapter)
+    store.copy_from_model(build_hf_model(cfg, seed=0))
+    engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 1),
+                             EngineConfig(device=engine_device))
+    with pytest.raises(ValueError, match="labels must be in"):
+        engine.train_step([Batch(good.input_ids, good.labels + cfg.vocab_size)])
+    with pytest.raises(ValueError, match="token ids must be in"):
+        engine.train_step([Batch(good.input_ids - 1000, good.labels)])
+    assert engine.train_step([good]).loss > 0
+    engine.close()
+
+
+def test_a_failed_step_leaves_the_engine_usable_and_unchanged(engine_device, assert_engine_idle,
+                                                             monkeypatch):
+    """A step that fails in the middle of its backward (here: layer 1's) releases its slots and
+    partial gradients: the next step gives exactly what it gives without the failure."""
     cfg = get_flavor("llama-debug").build_config()
     adapter = DecoderAdapter(cfg)
     good = batches(cfg.vocab_size, 2)
-    bad = Batch(good[0].input_ids, good[0].labels + cfg.vocab_size)  # labels out of range
 
     def fresh():
         store = HostStore(adapter)
         store.copy_from_model(build_hf_model(cfg, seed=0))
-        return StreamingEngine(adapter, store, Plan(["host", "recompute", "device", "nvme"]))
+        return StreamingEngine(adapter, store, Plan(["host", "recompute", "device", "nvme"]),
+                               EngineConfig(device=engine_device))
 
     engine = fresh()
     engine.train_step([good[0]])
-    with pytest.raises(IndexError):
-        engine.train_step([bad])
-    assert engine.backend.ledger.live_bytes == 0
+    real_layer = adapter.layer
+
+    def failing_layer(index, params, *args):
+        if index == 1 and any(p.requires_grad for p in params.values()):
+            raise RuntimeError("injected failure in layer 1's backward")
+        return real_layer(index, params, *args)
+
+    monkeypatch.setattr(adapter, "layer", failing_layer)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        engine.train_step([good[1]])
+    monkeypatch.setattr(adapter, "layer", real_layer)
+    assert_engine_idle(engine)
     after_failure = engine.train_step([good[1]]).loss
     engine.close()
 

@@ -1,13 +1,16 @@
 """The streaming executor: runs a Plan's step program on a device with all state on the host.
 
-Owns the device backends (CUDA streams; CPU synchronous), the weight / gradient / activation
+Owns the device backends (CUDA streams; CPU synchronous; CPU asynchronous, which plays the
+GPU's protocol with threads), the weight / gradient / activation
 streams, the executor itself, the micro-batch contract (``batch``), the layer backward shared
 with calibration (``layer_ops``) and ``layerwise calibrate``. The step program and the memory
 model it obeys live in ``layerwise.plan``.
 """
 
-from .backend import CpuBackend, CudaBackend, DeviceBackend, make_backend
+from .backend import CpuBackend, CudaBackend, DeviceBackend
+from .backend_async import AsyncCpuBackend
+from .devices import make_backend
 from .executor import EngineConfig, StepStats, StreamingEngine
 
-__all__ = ["CpuBackend", "CudaBackend", "DeviceBackend", "make_backend", "EngineConfig",
+__all__ = ["AsyncCpuBackend", "CpuBackend", "CudaBackend", "DeviceBackend", "make_backend", "EngineConfig",
            "StepStats", "StreamingEngine"]

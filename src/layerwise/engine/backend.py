@@ -1,147 +1,163 @@
-"""Device backends: how bytes move between host and device, and what the device holds.
+"""Device backends: three lanes (compute, host-to-device copies, device-to-host copies) and the
+events that order them.
 
-The engine is written once against :class:`DeviceBackend`. :class:`CudaBackend` overlaps copies
-with compute (a host-to-device stream, a device-to-host stream, events, pinned memory,
-non-blocking copies, ``record_stream`` so the caching allocator never reuses a buffer that
-another stream still reads). :class:`CpuBackend` does the same copies synchronously, so every
-code path of the engine runs, and is tested, on a machine without a GPU.
+The engine is written once against :class:`DeviceBackend`, the way CUDA works: the host *queues*
+work on a lane and returns at once; a lane runs its work in order; an :class:`Event` recorded on
+one lane can be waited on by another lane (``wait``/``after``) or by the host
+(``Event.synchronize``). Device memory the engine moves data through is a fixed set of buffers
+allocated once (``alloc``); nothing is allocated per copy, so the device peak is what the memory
+model says whatever the host's pace.
 
-Both backends keep a ledger of the device bytes the engine holds (weights, activations,
-gradients in flight), so the peak is reported the same way on both; on CUDA the allocator's own
-peak is reported too.
+- :class:`CudaBackend`: the compute lane is the current stream, the copy lanes are their own
+  streams; events are blocking CUDA events (a host wait sleeps instead of spinning).
+- :class:`CpuBackend`: everything runs synchronously on the calling thread. Fast; every engine
+  path runs on a machine without a GPU.
+- :class:`AsyncCpuBackend` (``backend_async.py``): each lane is a thread with seeded random
+  delays, so a missing wait shows up as wrong numbers in tests.
+
+A copy's source may be a :class:`Ref` whose tensor a compute closure fills in later: on an
+asynchronous backend the host queues the copy before the compute that produces its source has run.
 """
 
 from __future__ import annotations
 
-import threading
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
 
-class Pending(Protocol):
-    """A copy that may still be in flight."""
+class Event(Protocol):
+    def synchronize(self) -> None:
+        """Block the calling host thread until the work before the event has run."""
 
-    def wait(self) -> torch.Tensor:
-        """For H2D: make the compute stream wait, return the device tensor.
-        For D2H: block the calling host thread until the bytes have landed, return them."""
-
-
-class Done:
-    """A copy that has already completed (CPU backend)."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    def wait(self) -> torch.Tensor:
-        return self.tensor
+    def query(self) -> bool:
+        """True when the work before the event has run."""
 
 
-class Ledger:
-    """Live and peak device bytes the engine holds, by category."""
+class Ref:
+    """A tensor a compute closure fills in; a copy lane takes it after an event.
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.live_bytes = 0
-        self.peak_bytes = 0
-        self.by_kind: dict[str, int] = {}
+    A copy *takes* the tensor (the Ref lets go of it), so an offloaded boundary's device memory
+    is freed once its copy is done rather than when the engine forgets the boundary.
+    """
 
-    def add(self, kind: str, nbytes: int) -> None:
-        with self._lock:
-            self.live_bytes += nbytes
-            self.by_kind[kind] = self.by_kind.get(kind, 0) + nbytes
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+    __slots__ = ("value",)
 
-    def sub(self, kind: str, nbytes: int) -> None:
-        with self._lock:
-            self.live_bytes -= nbytes
-            self.by_kind[kind] -= nbytes
-            assert self.live_bytes >= 0 and self.by_kind[kind] >= 0, "ledger went negative"
+    def __init__(self, value: torch.Tensor | None = None):
+        self.value = value
 
-    def peak_with(self, transient_bytes: int) -> None:
-        """Record a transient (e.g. autograd workspace) on top of what is live now."""
-        with self._lock:
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes + transient_bytes)
+    def get(self) -> torch.Tensor:
+        assert self.value is not None, "read a Ref before the compute that fills it ran"
+        return self.value
 
-    def reset_peak(self) -> None:
-        with self._lock:
-            self.peak_bytes = self.live_bytes
+    def take(self) -> torch.Tensor:
+        t, self.value = self.get(), None
+        return t
+
+
+Source = torch.Tensor | Ref
+
+
+def resolve(src: Source) -> torch.Tensor:
+    return src.take() if isinstance(src, Ref) else src
 
 
 class DeviceBackend(Protocol):
     device: torch.device
-    ledger: Ledger
+    asynchronous: bool
+    """True when the host may run ahead of the lanes (CUDA, AsyncCpuBackend)."""
 
-    def to_device(self, host: torch.Tensor) -> Pending:
-        """Start copying a host tensor to a new device tensor (same dtype)."""
+    def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Device memory for a slot, allocated once by the engine."""
 
-    def to_host(self, dev: torch.Tensor) -> Pending:
-        """Start copying a device tensor (produced on the compute stream) to host memory."""
+    def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Host memory a copy lane reads or writes (pinned on CUDA)."""
 
-    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Host memory suitable as a copy source/target (pinned on CUDA)."""
+    def launch(self, fn: Callable[[], None]) -> None:
+        """Queue ``fn`` (tensor work) on the compute lane."""
 
-    def synchronize(self) -> None: ...
+    def record(self) -> Event:
+        """An event at the compute lane's current position."""
 
-    def allocator_peak_bytes(self) -> int | None:
-        """The device allocator's peak since the last reset, if the device has one."""
+    def wait(self, events: Sequence[Event | None]) -> None:
+        """Make the compute lane wait for ``events`` before its next work."""
 
-    def reset_allocator_peak(self) -> None: ...
+    def copy_h2d(self, dst: torch.Tensor, src: Source, after: Sequence[Event | None] = ()) -> Event:
+        """On the H2D lane, after ``after``: ``dst.copy_(src)``; the event marks its end."""
+
+    def copy_d2h(self, dst: torch.Tensor, src: Source, after: Sequence[Event | None] = ()) -> Event:
+        """On the D2H lane, after ``after`` (typically a ``record()`` behind the compute that
+        produces ``src``): ``dst.copy_(src)``; the event marks its end. ``src`` stays valid until
+        then."""
+
+    def synchronize(self) -> None:
+        """Block until every lane is idle; re-raises an error a lane hit."""
+
+    def reserved_peak_bytes(self) -> int | None:
+        """The device allocator's reserved peak since the last reset (None: no allocator)."""
+
+    def reset_peak(self) -> None: ...
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-class CpuBackend:
-    """Synchronous backend: the "device" is host memory; copies are real, completed at once."""
-
-    def __init__(self) -> None:
-        self.device = torch.device("cpu")
-        self.ledger = Ledger()
-
-    def to_device(self, host: torch.Tensor) -> Pending:
-        return Done(host.clone())
-
-    def to_host(self, dev: torch.Tensor) -> Pending:
-        return Done(dev.clone())
-
-    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype)
+class DoneEvent:
+    """An event whose work has run (synchronous backends)."""
 
     def synchronize(self) -> None:
         pass
 
-    def allocator_peak_bytes(self) -> int | None:
+    def query(self) -> bool:
+        return True
+
+
+DONE = DoneEvent()
+
+
+class CpuBackend:
+    """Synchronous: the "device" is host memory; every call has finished when it returns."""
+
+    asynchronous = False
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+
+    def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def launch(self, fn: Callable[[], None]) -> None:
+        fn()
+
+    def record(self) -> Event:
+        return DONE
+
+    def wait(self, events: Sequence[Event | None]) -> None:
+        pass
+
+    def copy_h2d(self, dst: torch.Tensor, src: Source, after: Sequence[Event | None] = ()) -> Event:
+        dst.copy_(resolve(src).reshape(dst.shape))
+        return DONE
+
+    def copy_d2h(self, dst: torch.Tensor, src: Source, after: Sequence[Event | None] = ()) -> Event:
+        dst.copy_(resolve(src).reshape(dst.shape))
+        return DONE
+
+    def synchronize(self) -> None:
+        pass
+
+    def reserved_peak_bytes(self) -> int | None:
         return None
 
-    def reset_allocator_peak(self) -> None:
+    def reset_peak(self) -> None:
         pass
 
 
-class _CudaH2D:
-    def __init__(self, dst: torch.Tensor, event: torch.cuda.Event):
-        self.dst, self.event = dst, event
-
-    def wait(self) -> torch.Tensor:
-        compute = torch.cuda.current_stream(self.dst.device)
-        compute.wait_event(self.event)
-        # dst was allocated on the copy stream; tell the allocator compute uses it too.
-        self.dst.record_stream(compute)
-        return self.dst
-
-
-class _CudaD2H:
-    def __init__(self, dst: torch.Tensor, event: torch.cuda.Event):
-        self.dst, self.event = dst, event
-
-    def wait(self) -> torch.Tensor:
-        self.event.synchronize()
-        return self.dst
-
-
 class CudaBackend:
-    """Copies on their own streams so transfers overlap compute."""
+    """Compute on the current stream; H2D and D2H copies on streams of their own."""
+
+    asynchronous = True
 
     def __init__(self, device: str | torch.device = "cuda"):
         if not torch.cuda.is_available():
@@ -151,47 +167,56 @@ class CudaBackend:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.h2d_stream = torch.cuda.Stream(self.device)
         self.d2h_stream = torch.cuda.Stream(self.device)
-        self.ledger = Ledger()
 
-    def to_device(self, host: torch.Tensor) -> Pending:
-        assert host.device.type == "cpu"
-        with torch.cuda.stream(self.h2d_stream):
-            dst = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-            dst.copy_(host, non_blocking=host.is_pinned())
-            event = torch.cuda.Event()
-            event.record(self.h2d_stream)
-        return _CudaH2D(dst, event)
+    def _event(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        ev = torch.cuda.Event(blocking=True)  # host waits sleep instead of spinning a core
+        ev.record(stream)
+        return ev
 
-    def to_host(self, dev: torch.Tensor) -> Pending:
-        compute = torch.cuda.current_stream(self.device)
-        ready = torch.cuda.Event()
-        ready.record(compute)
-        dst = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
-        with torch.cuda.stream(self.d2h_stream):
-            self.d2h_stream.wait_event(ready)
-            dst.copy_(dev, non_blocking=True)
-            dev.record_stream(self.d2h_stream)
-            done = torch.cuda.Event()
-            done.record(self.d2h_stream)
-        return _CudaD2H(dst, done)
+    @property
+    def _compute(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
 
-    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def launch(self, fn: Callable[[], None]) -> None:
+        fn()  # kernels are queued on the current stream
+
+    def record(self) -> Event:
+        return self._event(self._compute)
+
+    def wait(self, events: Sequence[Event | None]) -> None:
+        for ev in events:
+            if ev is not None and not isinstance(ev, DoneEvent):
+                self._compute.wait_event(ev)
+
+    def _copy(self, stream, dst, src, after) -> Event:
+        with torch.cuda.stream(stream):
+            for ev in after:
+                if ev is not None and not isinstance(ev, DoneEvent):
+                    stream.wait_event(ev)
+            src = resolve(src)
+            dst.copy_(src.reshape(dst.shape), non_blocking=True)
+            if src.is_cuda:
+                src.record_stream(stream)  # allocator memory (an offloaded boundary) lives until copied
+            return self._event(stream)
+
+    def copy_h2d(self, dst: torch.Tensor, src: Source, after: Sequence[Event | None] = ()) -> Event:
+        return self._copy(self.h2d_stream, dst, src, after)
+
+    def copy_d2h(self, dst: torch.Tensor, src: Source, after: Sequence[Event | None] = ()) -> Event:
+        return self._copy(self.d2h_stream, dst, src, after)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
-    def allocator_peak_bytes(self) -> int | None:
-        return int(torch.cuda.max_memory_allocated(self.device))
+    def reserved_peak_bytes(self) -> int | None:
+        # reserved, not allocated: blocks a stream still uses count until they are reusable
+        return int(torch.cuda.max_memory_reserved(self.device))
 
-    def reset_allocator_peak(self) -> None:
+    def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
-
-
-def make_backend(device: str | torch.device) -> DeviceBackend:
-    dev = torch.device(device)
-    if dev.type == "cpu":
-        return CpuBackend()
-    if dev.type == "cuda":
-        return CudaBackend(dev)
-    raise ValueError(f"unsupported device {device!r}; use 'cpu' or 'cuda[:N]'")

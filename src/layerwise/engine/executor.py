@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.adapter import DecoderAdapter
+from ..models.names import EMBED, HEAD, layer_unit
 from ..optim.adamw import AdamWConfig, HostAdamW, UnitOptimizer
 from ..optim.adamw8bit import HostAdamW8bit
 from ..optim.clip import clip_or_skip, global_norm
@@ -29,7 +30,8 @@ from ..plan.plan import Plan
 from ..plan.program import Op, micro_batch_program, weight_schedule
 from ..store import HostStore
 from .batch import IGNORE_INDEX, Batch
-from .backend import make_backend
+from .backend import Ref
+from .devices import make_backend
 from .layer_ops import layer_backward
 from .streams import ActivationStore, GradSink, WeightStreamer
 
@@ -37,7 +39,8 @@ from .streams import ActivationStore, GradSink, WeightStreamer
 @dataclass
 class EngineConfig:
     device: str = "cpu"
-    """``cpu`` (synchronous backend) or ``cuda[:N]``."""
+    """``cpu`` (synchronous backend), ``cpu-async`` (the GPU's protocol on threads, for tests)
+    or ``cuda[:N]``."""
     compute_dtype: torch.dtype = torch.float32
     """Dtype of weights and activations on the device; use torch.bfloat16 on GPUs."""
     device_mem_cap_bytes: int | None = None
@@ -47,8 +50,8 @@ class EngineConfig:
     optimizer_threads: int = 1
     """Host worker threads running per-unit optimizer updates."""
     optimizer: AdamWConfig = field(default_factory=AdamWConfig)
-    measure_workspace: bool = False
-    """Measure autograd's saved bytes per layer (for the measured device peak on CPU); slower."""
+    async_seed: int | None = 0
+    """For ``device="cpu-async"``: seed of the lanes' random delays (None: no delays)."""
 
 
 @dataclass
@@ -78,7 +81,7 @@ class StreamingEngine:
         self.adapter = adapter
         self.store = store
         self.plan = plan
-        self.backend = make_backend(self.config.device)
+        self.backend = make_backend(self.config.device, self.config.async_seed)
         self.device = self.backend.device
         self.rotary = adapter.new_rotary(self.device)
         self.program = micro_batch_program(plan.boundaries)
@@ -89,9 +92,18 @@ class StreamingEngine:
                 self.optimizers[buf.name].init_state(buf)
         self._pool = ThreadPoolExecutor(self.config.optimizer_threads, thread_name_prefix="optim")
         self._updates: dict[str, Future] = {}
-        self.streamer = WeightStreamer(self.backend, store, plan.prefetch_depth, self._wait_update)
-        self.sink = GradSink(self.backend, store)
+        self.streamer = WeightStreamer(self.backend, store, plan.prefetch_depth, self._wait_update,
+                                       self._update_done)
+        head_numel = store[HEAD].layout.numel + (store[EMBED].layout.numel if adapter.tied else 0)
+        self.sink = GradSink(self.backend, store, fp32_numel=max(head_numel, store[EMBED].layout.numel))
         self.acts = ActivationStore(self.backend, self.config.spill_dir)
+        self._ops = {
+            "embed_fwd": self._embed_fwd, "recompute_embed": self._recompute_embed,
+            "layer_fwd": self._layer_fwd, "recompute_layer": self._recompute_layer,
+            "head": self._head, "fetch": self._fetch, "layer_bwd": self._layer_bwd,
+            "embed_bwd": self._embed_bwd,
+        }
+        """The executor's dispatch table: op kind -> method queuing that op."""
         self.steps_skipped = 0
 
     def _default_optimizers(self) -> dict[str, UnitOptimizer]:
@@ -134,10 +146,35 @@ class StreamingEngine:
         if fut is not None:
             fut.result()
 
+    def _update_done(self, unit: str) -> bool:
+        fut = self._updates.get(unit)
+        if fut is None:
+            return True
+        if not fut.done():
+            return False
+        self._wait_update(unit)  # surfaces an error the update raised
+        return True
+
     def synchronize(self) -> None:
         """Wait for all pending optimizer updates (before reading the store, e.g. to save)."""
         for unit in list(self._updates):
             self._wait_update(unit)
+
+    def check_batch(self, mb: Batch) -> None:
+        """Refuse, on the host, token ids or labels outside the vocabulary: on a GPU they would
+        trip a device-side assert that poisons the CUDA context for the rest of the process."""
+        vocab = self.adapter.vocab_size
+        ids, labels = mb.input_ids, mb.labels
+        if ids.shape != labels.shape or ids.dim() != 2:
+            raise ValueError(f"input_ids {tuple(ids.shape)} and labels {tuple(labels.shape)} must "
+                             "both be [batch, seq]")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise ValueError(f"token ids must be in [0, {vocab}) for this model, got "
+                             f"[{int(ids.min())}, {int(ids.max())}]; the tokenizer does not match the model")
+        bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab))
+        if bool(bad.any()):
+            raise ValueError(f"labels must be in [0, {vocab}) or {IGNORE_INDEX} (ignored), got "
+                             f"{int(labels[bad][0])}")
 
     def compute_grads(self, micro_batches: list[Batch]) -> tuple[float, dict[str, float]]:
         """Forward + backward of every micro-batch; grads accumulate in the store.
@@ -146,6 +183,8 @@ class StreamingEngine:
         """
         if not micro_batches:
             raise ValueError("a step needs at least one micro-batch")
+        for mb in micro_batches:
+            self.check_batch(mb)
         total = sum(mb.num_target_tokens for mb in micro_batches)
         if total == 0:
             raise ValueError("the step's batches have no target tokens (all labels are ignored)")
@@ -155,9 +194,10 @@ class StreamingEngine:
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         try:
             for k, mb in enumerate(micro_batches):
-                loss += self._micro_batch(mb, total, final=k == len(micro_batches) - 1)
-            assert self.streamer.finished()
+                self._micro_batch(mb, loss, total, final=k == len(micro_batches) - 1)
             sq = self.sink.finish()
+            self.backend.synchronize()
+            assert self.streamer.finished()
         except BaseException:
             self._abandon_step()
             raise
@@ -167,6 +207,10 @@ class StreamingEngine:
 
     def _abandon_step(self) -> None:
         """After a failed step: drop its buffers and partial gradients so the next step is clean."""
+        try:
+            self.backend.synchronize()  # let the lanes finish what was queued
+        except BaseException:  # noqa: BLE001  (the step's own error is being raised)
+            pass
         self.streamer.reset()
         self.sink.abandon()
         self.synchronize()  # the previous step's updates still read their gradients
@@ -183,8 +227,8 @@ class StreamingEngine:
             self.store.zero_grads()
             return StepStats(loss, norm, 0.0, tokens, True, time.perf_counter() - t0)
         lr = self.config.optimizer.lr if lr is None else lr
-        # Safe to overwrite host weights now: each unit's last copy in the step fed an op whose
-        # gradient has landed on the host (sink.finish), so every weight copy has completed.
+        # Safe to overwrite host weights now: every weight copy of the step fed an op whose
+        # gradient has landed on the host (sink.finish), so every copy has completed.
         for buf in self.store:  # embed first: the next forward needs it first
             self._updates[buf.name] = self._pool.submit(self._update, buf.name, lr, coef)
         return StepStats(loss, norm, coef, tokens, False, time.perf_counter() - t0)
@@ -195,117 +239,153 @@ class StreamingEngine:
         buf.grad.zero_()
         buf.refresh_compute()
 
-    # ----- one micro-batch ----------------------------------------------------------------
+    # ----- one micro-batch: the host queues each op's work on the compute lane --------------
 
-    def _micro_batch(self, mb: Batch, total_tokens: int, final: bool) -> torch.Tensor:
-        ad, st, acts, tiers = self.adapter, self.store, self.acts, self.plan.boundaries
-        ids = mb.input_ids.to(self.device)
-        labels = mb.labels.to(self.device)
-        seq_len = ids.shape[1]
-        pos = torch.arange(seq_len, device=self.device)[None]
-        masks = ad.attention_masks(seq_len, self.device)
-        rope = None
-        h = grad_h = loss = None
+    def _micro_batch(self, batch: Batch, loss: torch.Tensor, total_tokens: int, final: bool) -> None:
+        shape = tuple(batch.input_ids.shape) + (self.adapter.hidden_size,)
+        tiers = self.plan.boundaries
+        self.acts.prepare(_numel(shape), self.config.compute_dtype,
+                          sum(t in ("host", "nvme") for t in tiers), tiers.count("nvme"))
+        mb = _MicroBatch(shape, loss, total_tokens, final)
+        self.backend.launch(lambda: self._start(mb, batch))
         ops = self.program
         for n, op in enumerate(ops):
-            if n + 2 < len(ops) and ops[n + 2].kind == "fetch":
-                acts.prefetch(ops[n + 2].index)  # NVMe reads start two ops ahead
-            kind, i = op.kind, op.index
-            if kind in ("embed_fwd", "recompute_embed"):
-                w = self.streamer.acquire("embed")
-                with torch.no_grad():
-                    h0 = ad.embed(st["embed"].layout.views(w), ids)
-                self.streamer.release("embed")
-                if rope is None:
-                    with torch.no_grad():
-                        rope = self.rotary(h0, pos)
-                if kind == "embed_fwd":
-                    h = h0
-                else:
-                    acts.put_recomputed(0, h0)
-            elif kind == "layer_fwd":
-                acts.store(i, h, tiers[i])
-                h = self._layer_no_grad(i, h, rope, pos, masks)
-            elif kind == "recompute_layer":
-                acts.put_recomputed(i + 1, self._layer_no_grad(i, acts.get(i), rope, pos, masks))
-            elif kind == "head":
-                grad_h, loss = self._head(h, labels, total_tokens, final)
-                h = None
-            elif kind == "fetch":
-                acts.fetch(i)
-            elif kind == "layer_bwd":
-                grad_h = self._layer_backward(i, acts.get(i), grad_h, rope, pos, masks, final)
-                acts.drop(i)
-            elif kind == "embed_bwd":
-                self._embed_backward(ids, grad_h, final)
-                grad_h = None
+            for ahead in ops[n + 1:n + 3]:
+                if ahead.kind == "fetch":
+                    self.acts.prefetch(ahead.index)  # NVMe reads and H2D fetches run ahead
+            self._ops[op.kind](mb, op.index)
+
+    def _start(self, mb: _MicroBatch, batch: Batch) -> None:
+        mb.ids = self._to_device(batch.input_ids)
+        mb.labels = self._to_device(batch.labels)
+        seq_len = batch.input_ids.shape[1]
+        mb.pos = torch.arange(seq_len, device=self.device)[None]
+        mb.masks = self.adapter.attention_masks(seq_len, self.device)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _embed_fwd(self, mb: _MicroBatch, _i: int, recompute: bool = False) -> None:
+        w = self.streamer.acquire(EMBED)
+        out = Ref()
+
+        def run() -> None:
+            with torch.no_grad():
+                h0 = self.adapter.embed(self.store[EMBED].layout.views(w), mb.ids)
+                if mb.rope is None:
+                    mb.rope = self.rotary(h0, mb.pos)
+            if recompute:
+                out.value = h0
             else:
-                raise AssertionError(f"unknown op {op}")
-        return loss
+                mb.h = h0
 
-    def _layer_no_grad(self, i, x, rope, pos, masks) -> torch.Tensor:
-        unit = f"layers.{i}"
+        self.backend.launch(run)
+        self.streamer.release(EMBED)
+        if recompute:
+            self.acts.put_recomputed(0, out)
+
+    def _recompute_embed(self, mb: _MicroBatch, i: int) -> None:
+        self._embed_fwd(mb, i, recompute=True)
+
+    def _layer_fwd(self, mb: _MicroBatch, i: int) -> None:
+        h = Ref()
+        self.backend.launch(lambda: setattr(h, "value", mb.h))
+        self.acts.store(i, h, mb.shape, self.plan.boundaries[i])
+        self._layer_no_grad(mb, i, lambda: mb.h, lambda y: setattr(mb, "h", y))
+
+    def _recompute_layer(self, mb: _MicroBatch, i: int) -> None:
+        out = Ref()
+        self._layer_no_grad(mb, i, lambda: self.acts.on_device[i], lambda y: setattr(out, "value", y))
+        self.acts.put_recomputed(i + 1, out)
+
+    def _layer_no_grad(self, mb: _MicroBatch, i: int, get_input, put_output) -> None:
+        unit = layer_unit(i)
         w = self.streamer.acquire(unit)
-        with torch.no_grad():
-            y = self.adapter.layer(i, self.store[unit].layout.views(w), x, rope, pos, masks)
-        self.streamer.release(unit)
-        return y
 
-    def _layer_backward(self, i, x, grad_out, rope, pos, masks, final) -> torch.Tensor:
-        unit = f"layers.{i}"
+        def run() -> None:
+            with torch.no_grad():
+                put_output(self.adapter.layer(i, self.store[unit].layout.views(w), get_input(),
+                                              mb.rope, mb.pos, mb.masks))
+
+        self.backend.launch(run)
+        self.streamer.release(unit)
+
+    def _fetch(self, mb: _MicroBatch, i: int) -> None:
+        self.acts.fetch(i)
+
+    def _layer_bwd(self, mb: _MicroBatch, i: int) -> None:
+        unit = layer_unit(i)
         w = self.streamer.acquire(unit)
-        layout = self.store[unit].layout
-        if self.config.measure_workspace:
-            saved = _SavedBytes(exclude=(x, w))  # both already counted
-            gx, gw = layer_backward(self.adapter, i, layout, w, x, grad_out, rope, pos, masks,
-                                    (saved.pack, saved.unpack))
-            # autograd's saved tensors + the output, both gradients, on top of what is live
-            self.backend.ledger.peak_with(saved.nbytes + 3 * _nb(x) + _nb(w))
-        else:
-            gx, gw = layer_backward(self.adapter, i, layout, w, x, grad_out, rope, pos, masks)
+        ticket = self.sink.begin(unit)
+
+        def run() -> None:
+            gx, gw = layer_backward(self.adapter, i, self.store[unit].layout, w, self.acts.on_device[i],
+                                    mb.grad_h, mb.rope, mb.pos, mb.masks)
+            mb.grad_h = gx
+            self.sink.deposit(ticket, gw)
+
+        self.backend.launch(run)
         self.streamer.release(unit)
-        self.sink.put(unit, gw, final)
-        return gx
+        self.sink.end(ticket, mb.final)
+        self.acts.drop(i)
 
-    def _embed_backward(self, ids, grad_h, final) -> None:
-        w = self.streamer.acquire("embed")
-        params = self.store["embed"].layout.leaves(w)
-        h0 = self.adapter.embed(params, ids)
-        gw = torch.autograd.grad(h0, tuple(params.values()), grad_h)
-        self.streamer.release("embed")
-        self.sink.put("embed", list(gw), final)
+    def _embed_bwd(self, mb: _MicroBatch, _i: int) -> None:
+        w = self.streamer.acquire(EMBED)
+        ticket = self.sink.begin(EMBED)
 
-    def _head(self, h, labels, total_tokens, final) -> tuple[torch.Tensor, torch.Tensor]:
+        def run() -> None:
+            params = self.store[EMBED].layout.leaves(w)
+            h0 = self.adapter.embed(params, mb.ids)
+            gw = torch.autograd.grad(h0, tuple(params.values()), mb.grad_h)
+            self.sink.deposit(ticket, list(gw))
+            mb.grad_h = None
+
+        self.backend.launch(run)
+        self.streamer.release(EMBED)
+        self.sink.end(ticket, mb.final)
+
+    def _head(self, mb: _MicroBatch, _i: int) -> None:
+        """Final norm + lm_head + loss in chunks of ``head_chunk_tokens``; the weight gradients
+        are summed over chunks in fp32 (in the compute dtype they would lose bits every chunk)."""
         ad, st = self.adapter, self.store
-        units = ("embed", "head") if ad.tied else ("head",)
-        leaves = {u: st[u].layout.leaves(self.streamer.acquire(u)) for u in units}
-        head_params = leaves["head"]
-        embed_weight = leaves["embed"]["weight"] if ad.tied else None
-        wrt = [t for u in units for t in leaves[u].values()]
-        hidden = h.shape[-1]
-        h2 = h.reshape(-1, hidden)
-        lab = labels.reshape(-1)
-        grad_h2 = torch.empty_like(h2)
-        grads_w = [torch.zeros_like(t) for t in wrt]
-        loss_sum = torch.zeros((), dtype=torch.float32, device=h.device)
-        chunk = self.plan.head_chunk_tokens
-        for start in range(0, h2.shape[0], chunk):
-            hc = h2[start:start + chunk].detach().requires_grad_()
-            logits = ad.head_logits(head_params, embed_weight, hc)
-            loss = F.cross_entropy(logits.float(), lab[start:start + chunk],
-                                   ignore_index=IGNORE_INDEX, reduction="sum") / total_tokens
-            g = torch.autograd.grad(loss, [hc, *wrt])
-            grad_h2[start:start + chunk] = g[0]
-            for acc, gi in zip(grads_w, g[1:]):
-                acc += gi
-            loss_sum += loss.detach()
+        units = (EMBED, HEAD) if ad.tied else (HEAD,)
+        ws = {u: self.streamer.acquire(u) for u in units}
+        grads = {u: Ref() for u in units}
+
+        def run() -> None:
+            leaves = {u: st[u].layout.leaves(ws[u]) for u in units}
+            accs = {u: torch.zeros(st[u].layout.numel, dtype=torch.float32, device=self.device)
+                    for u in units}
+            acc_views = [v for u in units for v in st[u].layout.views(accs[u]).values()]
+            wrt = [t for u in units for t in leaves[u].values()]
+            embed_weight = leaves[EMBED]["weight"] if ad.tied else None
+            h2 = mb.h.reshape(-1, mb.h.shape[-1])
+            lab = mb.labels.reshape(-1)
+            grad_h2 = torch.empty_like(h2)
+            chunk = self.plan.head_chunk_tokens
+            for start in range(0, h2.shape[0], chunk):
+                hc = h2[start:start + chunk].detach().requires_grad_()
+                logits = ad.head_logits(leaves[HEAD], embed_weight, hc)
+                loss = F.cross_entropy(logits.float(), lab[start:start + chunk],
+                                       ignore_index=IGNORE_INDEX, reduction="sum") / mb.total_tokens
+                g = torch.autograd.grad(loss, [hc, *wrt])
+                grad_h2[start:start + chunk] = g[0]
+                for acc, gi in zip(acc_views, g[1:]):
+                    acc += gi
+                mb.loss += loss.detach()
+            mb.grad_h = grad_h2.view_as(mb.h)
+            mb.h = None
+            for u in units:
+                grads[u].value = accs[u]
+
+        self.backend.launch(run)
         for u in units:
             self.streamer.release(u)
-        n_embed = len(leaves["embed"]) if ad.tied else 0
-        self.sink.put("head", grads_w[n_embed:], final)
-        if ad.tied:
-            self.sink.put("embed", grads_w[:n_embed], final=False)  # embed_bwd adds the rest
-        return grad_h2.view_as(h), loss_sum
+        self.sink.put_fp32(HEAD, grads[HEAD], st[HEAD].layout.numel, mb.final)
+        if ad.tied:  # embed_bwd adds the rest
+            self.sink.put_fp32(EMBED, grads[EMBED], st[EMBED].layout.numel, final=False)
 
     # ----- inference (eval, export checks) ------------------------------------------------
 
@@ -336,54 +416,60 @@ class StreamingEngine:
         """Yield (sequence slice, final hidden chunk, head views, tied weight) per chunk."""
         self.synchronize()
         ad, st = self.adapter, self.store
-        ids = input_ids.to(self.device)
-        batch, seq_len = ids.shape
-        pos = torch.arange(seq_len, device=self.device)[None]
-        masks = ad.attention_masks(seq_len, self.device)
-        ops = [Op("embed_fwd")] + [Op("layer_fwd", i) for i in range(ad.num_layers)] + [Op("head")]
-        self.streamer.begin(weight_schedule(ops, ad.tied))
-        w = self.streamer.acquire("embed")
-        h = ad.embed(st["embed"].layout.views(w), ids)
-        self.streamer.release("embed")
-        rope = self.rotary(h, pos)
+        batch, seq_len = input_ids.shape
+        self.check_batch(Batch(input_ids, input_ids))
+        mb = _MicroBatch(tuple(input_ids.shape) + (ad.hidden_size,), None, 0, False)
+        ops = [Op("embed_fwd")] + [Op("layer_fwd", i) for i in range(ad.num_layers)]
+        units = (EMBED, HEAD) if ad.tied else (HEAD,)
+        self.streamer.begin(weight_schedule(ops, ad.tied) + list(units))
+        self.backend.launch(lambda: self._start(mb, Batch(input_ids, input_ids)))
+        self._embed_fwd(mb, -1)
         for i in range(ad.num_layers):
-            h = self._layer_no_grad(i, h, rope, pos, masks)
-        units = ("embed", "head") if ad.tied else ("head",)
+            self._layer_no_grad(mb, i, lambda: mb.h, lambda y: setattr(mb, "h", y))
         ws = [self.streamer.acquire(u) for u in units]
-        head_views = st["head"].layout.views(ws[-1])
-        embed_weight = st["embed"].layout.views(ws[0])["weight"] if ad.tied else None
+        self.backend.synchronize()  # the host reads the hidden states below
+        head_views = st[HEAD].layout.views(ws[-1])
+        embed_weight = st[EMBED].layout.views(ws[0])["weight"] if ad.tied else None
         step = max(1, (chunk_tokens or batch * seq_len) // batch)
         try:
             for start in range(0, seq_len, step):
                 sl = slice(start, start + step)
-                yield sl, h[:, sl], head_views, embed_weight
+                yield sl, mb.h[:, sl], head_views, embed_weight
         finally:
             for u in units:
                 self.streamer.release(u)
+            self.backend.synchronize()
 
     def close(self) -> None:
         self.synchronize()
         self._pool.shutdown(wait=True)
         self.acts.close()
+        self.sink.close()
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
 
 
-def _nb(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+@dataclass
+class _MicroBatch:
+    """What the compute closures of one micro-batch share; the host never reads it."""
+
+    shape: tuple[int, ...]
+    """[batch, seq, hidden] of a boundary activation."""
+    loss: torch.Tensor | None
+    total_tokens: int
+    final: bool
+    ids: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+    pos: torch.Tensor | None = None
+    masks: dict | None = None
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    h: torch.Tensor | None = None
+    grad_h: torch.Tensor | None = None
 
 
-class _SavedBytes:
-    """Counts the distinct storages autograd saves for the backward."""
-
-    def __init__(self, exclude: tuple[torch.Tensor, ...] = ()) -> None:
-        self.nbytes = 0
-        self._seen: set[int] = {t.untyped_storage().data_ptr() for t in exclude}
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage().data_ptr()
-        if key not in self._seen:
-            self._seen.add(key)
-            self.nbytes += t.untyped_storage().nbytes()
-        return t
-
-    def unpack(self, t: torch.Tensor) -> torch.Tensor:
-        return t
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

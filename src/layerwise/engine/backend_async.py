@@ -1,0 +1,156 @@
+"""AsyncCpuBackend: the GPU's protocol played on the CPU, to test the engine's ordering.
+
+Each lane (compute, H2D, D2H) is a thread running its queue in order; events are thread events;
+before every item a lane sleeps a seeded random delay, so lanes drift against each other and
+against the host the way streams do. A wait the engine forgets (slot free before a copy
+overwrites it, a copy landed before compute or the host reads it, an update done before its
+weights are copied) then turns into wrong numbers in a test instead of passing by luck of timing.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .backend import DoneEvent, Event, Source, resolve
+
+LANE_TIMEOUT_S = 120.0
+"""A wait longer than this is a deadlock in the engine's ordering; fail instead of hanging."""
+
+
+class ThreadEvent:
+    def __init__(self) -> None:
+        self._ev = threading.Event()
+
+    def set(self) -> None:
+        self._ev.set()
+
+    def synchronize(self) -> None:
+        if not self._ev.wait(LANE_TIMEOUT_S):
+            raise RuntimeError("event never completed: the engine's lanes wait on each other")
+
+    def query(self) -> bool:
+        return self._ev.is_set()
+
+
+def _wait_all(events: Sequence[Event | None]) -> None:
+    for ev in events:
+        if ev is not None and not isinstance(ev, DoneEvent):
+            ev.synchronize()
+
+
+class _Lane:
+    def __init__(self, name: str, rng: random.Random, max_delay_s: float, errors: list[BaseException]):
+        self.name = name
+        self._rng = rng
+        self._max_delay_s = max_delay_s
+        self._errors = errors
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=f"lane-{name}", daemon=True)
+        self._thread.start()
+
+    def put(self, fn: Callable[[], None], done: ThreadEvent | None = None) -> None:
+        self._queue.put((fn, done))
+
+    def _loop(self) -> None:
+        while True:
+            fn, done = self._queue.get()
+            try:
+                if fn is None:
+                    return
+                if self._max_delay_s and self._rng.random() < 0.5:
+                    time.sleep(self._rng.uniform(0, self._max_delay_s))
+                if not self._errors:  # after an error, only release waiters
+                    fn()
+            except BaseException as e:  # noqa: BLE001  (re-raised on the host at synchronize)
+                self._errors.append(e)
+            finally:
+                if done is not None:
+                    done.set()
+                self._queue.task_done()
+
+    def drain(self) -> None:
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put((None, None))
+        self._thread.join()
+
+
+class AsyncCpuBackend:
+    """Lanes as threads with seeded delays; device memory is host memory allocated once."""
+
+    asynchronous = True
+
+    def __init__(self, seed: int | None = 0, max_delay_s: float = 0.002):
+        self.device = torch.device("cpu")
+        rng = random.Random(seed)
+        self._errors: list[BaseException] = []
+        self._lanes = {name: _Lane(name, random.Random(rng.random()), max_delay_s if seed is not None else 0.0,
+                                   self._errors)
+                       for name in ("compute", "h2d", "d2h")}
+        self.allocated_bytes = 0
+        """Bytes of device slots allocated so far (the device memory the engine asked for)."""
+
+    def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(numel, dtype=dtype)
+        self.allocated_bytes += t.untyped_storage().nbytes()
+        return t
+
+    def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def _queue(self, lane: str, fn: Callable[[], None]) -> ThreadEvent:
+        ev = ThreadEvent()
+        self._lanes[lane].put(fn, ev)
+        return ev
+
+    def launch(self, fn: Callable[[], None]) -> None:
+        self._lanes["compute"].put(fn)
+
+    def record(self) -> Event:
+        return self._queue("compute", lambda: None)
+
+    def wait(self, events: Sequence[Event | None]) -> None:
+        events = list(events)
+        self._lanes["compute"].put(lambda: _wait_all(events))
+
+    def _copy(self, lane: str, dst: torch.Tensor, src: Source, after: Sequence[Event | None]) -> Event:
+        after = list(after)
+
+        def run() -> None:
+            _wait_all(after)
+            dst.copy_(resolve(src).reshape(dst.shape))
+
+        return self._queue(lane, run)
+
+    def copy_h2d(self, dst: torch.Tensor, src: Source, after: Sequence[Event | None] = ()) -> Event:
+        return self._copy("h2d", dst, src, after)
+
+    def copy_d2h(self, dst: torch.Tensor, src: Source, after: Sequence[Event | None] = ()) -> Event:
+        return self._copy("d2h", dst, src, after)
+
+    def synchronize(self) -> None:
+        for lane in self._lanes.values():
+            lane.drain()
+        for lane in self._lanes.values():  # a copy queued by a compute item after its lane drained
+            lane.drain()
+        if self._errors:
+            err = self._errors[0]
+            self._errors.clear()
+            raise err
+
+    def reserved_peak_bytes(self) -> int | None:
+        return None
+
+    def reset_peak(self) -> None:
+        pass
+
+    def close(self) -> None:
+        for lane in self._lanes.values():
+            lane.close()
