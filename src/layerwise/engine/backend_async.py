@@ -45,10 +45,12 @@ def _wait_all(events: Sequence[Event | None]) -> None:
 
 
 class _Lane:
-    def __init__(self, name: str, rng: random.Random, max_delay_s: float, errors: list[BaseException]):
+    def __init__(self, name: str, rng: random.Random, max_delay_s: float, errors: list[BaseException],
+                 delay_probability: float = 0.5):
         self.name = name
         self._rng = rng
         self._max_delay_s = max_delay_s
+        self._delay_probability = delay_probability
         self._errors = errors
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=f"lane-{name}", daemon=True)
@@ -63,7 +65,7 @@ class _Lane:
             try:
                 if fn is None:
                     return
-                if self._max_delay_s and self._rng.random() < 0.5:
+                if self._max_delay_s and self._rng.random() < self._delay_probability:
                     time.sleep(self._rng.uniform(0, self._max_delay_s))
                 if not self._errors:  # after an error, only release waiters
                     fn()
@@ -87,11 +89,22 @@ class AsyncCpuBackend:
 
     asynchronous = True
 
-    def __init__(self, seed: int | None = 0, max_delay_s: float = 0.002):
+    def __init__(self, seed: int | None = 0, max_delay_s: float = 0.004,
+                 lane_delays_s: dict[str, float] | None = None):
+        """``lane_delays_s``: instead of seeded paces, every item of a lane sleeps up to this."""
         self.device = torch.device("cpu")
         rng = random.Random(seed)
         self._errors: list[BaseException] = []
-        self._lanes = {name: _Lane(name, random.Random(rng.random()), max_delay_s if seed is not None else 0.0,
+        if lane_delays_s is not None:
+            self._lanes = {name: _Lane(name, random.Random(rng.random()), lane_delays_s.get(name, 0.0),
+                                       self._errors, delay_probability=1.0)
+                           for name in ("compute", "h2d", "d2h")}
+            self.allocated_bytes = 0
+            return
+        # Each lane gets its own pace per seed (idle, quick or slow), so across seeds every lane
+        # is sometimes the one that lags far behind the others.
+        self._lanes = {name: _Lane(name, random.Random(rng.random()),
+                                   rng.choice((0.0, 0.2, 1.0)) * max_delay_s if seed is not None else 0.0,
                                    self._errors)
                        for name in ("compute", "h2d", "d2h")}
         self.allocated_bytes = 0
