@@ -6,7 +6,11 @@ policies ``full``, ``parity``, ``filter`` and ``budget`` (one run directory each
 For each policy: total bytes written, mean blocked and background write seconds per checkpoint.
 Then, from the last checkpoint step, each policy's composite is loaded into a fresh model and
 trained on for the same number of steps as a resume from the ``full`` checkpoint; the eval loss
-of each is compared with that of ``full`` (``eval_loss_delta_pct``). A synchronous full save
+of each is compared with that of ``full`` (``eval_loss_delta_pct``). Each composite's eval loss
+right after loading (``eval_loss_at_load``) is reported too, with the live model's at the last
+checkpoint (``eval_loss_at_save``; ``full`` must reproduce it) and an untrained model's
+(``eval_loss_untrained``): the deltas only mean something if loading restored the run, since a
+load that restored nothing would make every policy agree with ``full``. A synchronous full save
 (``torch.save`` of model + optimizer state dicts, as the HF Trainer writes them) is timed in the
 same run at several checkpoint steps.
 
@@ -169,6 +173,10 @@ def main(argv=None) -> dict:
                 sync_s.append(sync_full_save(model, opt, root / "sync_full"))
         opt.zero_grad(set_to_none=True)
     train_s = time.perf_counter() - t_start
+    # The scale the resume comparison is read on: a load that restored nothing would resume
+    # from an untrained model, and every policy, `full` included, would agree with `full`.
+    eval_at_save = eval_loss(model, eval_set)
+    eval_untrained = eval_loss(build(args, total_steps, seed=1)[0], eval_set)
 
     # Resume every policy's last composite and train on; compare eval loss with `full`.
     results = {}
@@ -177,6 +185,7 @@ def main(argv=None) -> dict:
         m2, o2, s2 = build(args, total_steps, seed=1)
         res = Checkpointer(root / name, m2, o2, s2, policy=name, tracker_log=False).load()
         assert res.step == args.steps
+        eval_at_load = eval_loss(m2, eval_set)
         d2 = batches(train_tokens, args.seq_len, args.batch_size, seed=0, start=res.data_position)
         for _ in range(args.resume_steps):
             train_step(m2, o2, s2, next(d2))
@@ -187,6 +196,7 @@ def main(argv=None) -> dict:
             "blocked_s_mean": statistics.fmean(r.blocked_s for r in reps),
             "write_s_mean": statistics.fmean(r.write_s for r in reps),
             "eval_loss": eval_loss(m2, eval_set),
+            "eval_loss_at_load": eval_at_load,
             "checkpoints": len(reps),
             "groups_written_mean": statistics.fmean(len(r.written) for r in reps),
             "stale_groups_at_resume": len(res.stale_groups),
@@ -210,6 +220,9 @@ def main(argv=None) -> dict:
                     "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
                     "torch": torch.__version__},
         "policies": results,
+        "eval_loss_at_save": eval_at_save,
+        "eval_loss_untrained": eval_untrained,
+        "full_load_eval_loss_rel_diff": abs(results["full"]["eval_loss_at_load"] - eval_at_save) / eval_at_save,
         "sync_full_save_s": sync_mean,
         "size_ratio_filter": results["full"]["bytes_written"] / filt["bytes_written"],
         "blocked_ratio_filter": filt["blocked_s_mean"] / sync_mean,
@@ -218,6 +231,8 @@ def main(argv=None) -> dict:
         "tracker_overhead_pct": tracker_pct,
         "tracker_overhead_pct_if_every_step": 100.0 * filt["tracker_s_mean"] / step_mean,
         "targets": {
+            "full_load_restores_the_saved_model": abs(results["full"]["eval_loss_at_load"] - eval_at_save)
+            <= 1e-6 * eval_at_save,
             "size_ratio_filter>=4": results["full"]["bytes_written"] / filt["bytes_written"] >= 4,
             "filter_eval_loss_delta_pct<=0.5": filt["eval_loss_delta_pct"] <= 0.5,
             "blocked_ratio_filter<=0.1": filt["blocked_s_mean"] / sync_mean <= 0.1,

@@ -218,18 +218,30 @@ def test_user_errors_are_clear(tmp_path):
     assert ModuleStateProvider(model, opt).model_config()["model_type"] == "llama"
 
 
+def _norm(ts) -> float:
+    return float(torch.stack([t.detach().double().norm() for t in ts]).norm())
+
+
 def test_tracker_log_and_async_reports(tmp_path):
+    """The tracker's statistics equal the norms computed by hand from the model and optimizer.
+
+    Mutations this test was seen to catch: ``change`` measured against the live weights' own
+    norm instead of the saved version's; the gradient norm taken over the moments.
+    """
     model, opt, sched = make_training()
     ck = Checkpointer(tmp_path / "run", model, opt, sched, policy="filter", threshold=0.0,
                       track_every_steps=2)
+    layer0 = list(model.model.layers[0].parameters())
     x = torch.randint(0, 96, (2, 12))
     model(input_ids=x, labels=x).loss.backward()
     opt.step()
     assert ck.observe(1) is None  # not a tracking step
     stats = ck.observe(2)
-    assert set(stats) == set(ck.groups) and stats["layers.0"]["grad_norm"] > 0
+    assert set(stats) == set(ck.groups)
+    assert stats["layers.0"]["grad_norm"] == pytest.approx(_norm(p.grad for p in layer0), rel=1e-5)
     assert stats["layers.0"]["change"] == float("inf")  # never saved yet
     rep = ck.save(2)
+    saved = [p.detach().clone() for p in layer0]
     assert rep.blocked_s >= rep.wait_s >= 0 and rep.snapshot_bytes > 0
     ck.wait()
     assert rep.write_s > 0 and rep.bytes_written > 0 and sorted(rep.written) == sorted(ck.groups)
@@ -237,7 +249,12 @@ def test_tracker_log_and_async_reports(tmp_path):
     train_step(model, opt, sched)
     stats = ck.observe(4)
     assert all(0 < s["change"] < 1 for s in stats.values())
-    assert stats["layers.0"]["exp_avg_norm"] > 0 and stats["layers.0"]["exp_avg_sq_norm"] > 0
+    want = _norm(p - q for p, q in zip(layer0, saved)) / _norm(saved)
+    assert stats["layers.0"]["change"] == pytest.approx(want, rel=1e-5)
+    assert stats["layers.0"]["exp_avg_norm"] == pytest.approx(
+        _norm(opt.state[p]["exp_avg"] for p in layer0), rel=1e-5)
+    assert stats["layers.0"]["exp_avg_sq_norm"] == pytest.approx(
+        _norm(opt.state[p]["exp_avg_sq"] for p in layer0), rel=1e-5)
     lines = [json.loads(x) for x in (tmp_path / "run" / "tracker.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [2, 4]
     assert lines[0]["groups"]["embed"]["change"] is None and lines[1]["groups"]["embed"]["change"] > 0

@@ -11,8 +11,10 @@ from layerwise.engine import EngineConfig, StreamingEngine
 from layerwise.models import DecoderAdapter, get_flavor
 from layerwise.models.init import build_hf_model
 from layerwise.optim.adamw import AdamWConfig, HostAdamW
+from layerwise.optim.adamw8bit import HostAdamW8bit
+from layerwise.optim.clip import clip_coefficient
 from layerwise.plan import Plan
-from layerwise.store import HostStore
+from layerwise.store import HostStore, UnitBuffers
 from layerwise.engine.batch import IGNORE_INDEX, Batch
 
 
@@ -126,23 +128,85 @@ def test_update_of_a_layer_finishes_before_its_next_forward(engine_device):
     assert got == pytest.approx(want, rel=1e-5)
 
 
-def test_plan_moments_choose_8bit_per_unit_and_training_still_tracks_fp32():
+def test_plan_moments_give_each_unit_its_own_optimizer_step():
+    """Each unit's weights after two engine steps equal a reference step on the same gradients.
+
+    Units the plan marks ``fp32`` must match ``HostAdamW``; units marked ``8bit`` must match
+    ``HostAdamW8bit`` (8-bit moments only change the update from the second step on, when the
+    moments are read back from their codes, hence two steps), must differ from the fp32 step
+    (by far more than the tolerance: the check can tell the two apart) and must have moved about
+    as far as an fp32 AdamW step would. Gradients are those the engine itself accumulated, read
+    just before its update, so the comparison is of the optimizers alone. Clipping is active.
+
+    Mutations this test was seen to catch:
+    - ``HostAdamW8bit.step_unit`` made a no-op (8-bit units never move);
+    - ``StreamingEngine._default_optimizers`` giving every unit ``HostAdamW`` (8-bit units silently
+      trained with fp32 moments);
+    - the plan's ``moments`` list applied to the units in reverse order.
+    """
     cfg = get_flavor("llama-debug").build_config()
     adapter = DecoderAdapter(cfg)
-    data = batches(cfg.vocab_size, 10)
-    losses = {}
-    for kinds in (None, ["fp32", "8bit", "8bit", "fp32", "8bit", "fp32"]):
-        store = HostStore(adapter)
-        store.copy_from_model(build_hf_model(cfg, seed=0))
-        plan = Plan.every_k(adapter.num_layers, 1, moments=kinds)
-        engine = StreamingEngine(adapter, store, plan, EngineConfig(optimizer=AdamWConfig(lr=1e-2)))
-        if kinds:
-            assert "exp_avg" not in store["layers.0"].state and "exp_avg" in store["embed"].state
-        losses[bool(kinds)] = [engine.train_step([b]).loss for b in data]
-        engine.close()
-    assert losses[True][0] == losses[False][0]
-    assert losses[True] != losses[False]
-    assert abs(losses[True][-1] - losses[False][-1]) < 0.05 * losses[False][-1]
+    names = ["embed"] + [f"layers.{i}" for i in range(adapter.num_layers)] + ["head"]
+    kinds = ["8bit", "fp32", "8bit", "8bit", "fp32", "fp32"]  # Plan.moments order: embed, layers, head
+    assert len(kinds) == len(names)
+    kind_of = dict(zip(names, kinds))
+    opt_cfg = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=0.5)
+    store = HostStore(adapter)
+    store.copy_from_model(build_hf_model(cfg, seed=0))
+    engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 1, moments=kinds),
+                             EngineConfig(optimizer=opt_cfg))
+    assert sorted(b.name for b in store) == sorted(names)
+
+    grads: dict[str, torch.Tensor] = {}
+    compute_grads = engine.compute_grads
+
+    def spy(micro_batches):  # the gradients the engine is about to update with
+        out = compute_grads(micro_batches)
+        grads.update({b.name: b.grad.clone() for b in store})
+        return out
+
+    engine.compute_grads = spy
+
+    # Reference units: a copy of each unit's weights, stepped by both optimizers.
+    refs = {}
+    for b in store:
+        for kind, make in (("fp32", HostAdamW), ("8bit", HostAdamW8bit)):
+            ref = UnitBuffers(b.unit, b.layout, b.master.clone(), torch.zeros_like(b.grad))
+            opt = make(opt_cfg)
+            opt.init_state(ref)
+            refs[b.name, kind] = ref, opt
+
+    tol = 1e-5  # relative, on the step's update; measured ~2e-7
+    for step, batch in enumerate(batches(cfg.vocab_size, 2)):
+        before = {b.name: b.master.clone() for b in store}
+        stats = engine.train_step([batch])
+        engine.synchronize()
+        norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads.values()))
+        coef = clip_coefficient(norm, opt_cfg.max_grad_norm)
+        assert coef < 1.0 and stats.clip_coef == pytest.approx(coef, rel=1e-6)
+        for b in store:
+            moved = b.master - before[b.name]
+            err = {}
+            for kind in ("fp32", "8bit"):
+                ref, opt = refs[b.name, kind]
+                ref_before = ref.master.clone()
+                ref.grad.copy_(grads[b.name])
+                opt.step_unit(ref, opt_cfg.lr, coef)
+                ref_moved = ref.master - ref_before
+                err[kind] = float((moved - ref_moved).norm() / ref_moved.norm())
+            mine, other = kind_of[b.name], {"fp32": "8bit", "8bit": "fp32"}[kind_of[b.name]]
+            where = f"step {step + 1}, {b.name} ({mine})"
+            assert float(moved.abs().max()) > 0, f"{where}: weights did not move"
+            assert err[mine] <= tol, f"{where}: update differs from the {mine} reference by {err}"
+            if mine == "8bit":  # moved like AdamW, up to the moments' quantisation
+                assert err["fp32"] < 0.05, f"{where}: far from an fp32 AdamW step: {err}"
+            if step > 0:  # from step 2 the two optimizers differ, and the check tells them apart
+                assert err[other] > 100 * tol, f"{where}: indistinguishable from {other}: {err}"
+    engine.close()
+
+    for b in store:
+        has_codes = "exp_avg_codes" in b.state
+        assert has_codes == (kind_of[b.name] == "8bit") and ("exp_avg" in b.state) != has_codes, b.name
 
 
 def test_bad_token_ids_are_refused_on_the_host_before_any_work(engine_device):

@@ -25,14 +25,20 @@ def test_units_cover_every_hf_parameter_once(flavor):
 
 
 def test_flat_layout_puts_matrices_first_and_views_share_storage():
+    """Mutations this test was seen to catch: ``decay_numel`` left at 0 (nothing decayed; the
+    old ``all(...)`` over the decayed params passed on an empty list); 1-D params sorted first."""
     adapter = DecoderAdapter(get_flavor("qwen2-debug").build_config())
     layout = FlatLayout.of(adapter.units[1])
     flat = torch.arange(layout.numel, dtype=torch.float32)
     views = layout.views(flat)
-    assert all(len(p.shape) >= 2 for p in layout.specs[:4])
     assert all(v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for v in views.values())
-    decayed = [p for p, o in zip(layout.specs, layout.offsets) if o < layout.decay_numel]
-    assert all(len(p.shape) >= 2 for p in decayed)  # biases and norms are not decayed
+    # exactly the matrices are decayed, and they form one slice at the front
+    # (qwen2 has 1-D biases and norms in a layer, so both sides are non-empty)
+    dims = [len(p.shape) for p in layout.specs]
+    assert 1 in dims and 2 in dims
+    decayed = [len(p.shape) >= 2 for p, o in zip(layout.specs, layout.offsets) if o < layout.decay_numel]
+    assert decayed == [d >= 2 for d in dims][:len(decayed)] and decayed == [True] * dims.count(2)
+    assert layout.decay_numel == sum(p.numel for p in layout.specs if len(p.shape) >= 2)
     assert sum(p.numel for p in layout.specs) == layout.numel
 
 

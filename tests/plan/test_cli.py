@@ -1,10 +1,14 @@
 import json
 
+import pytest
+
 from layerwise.cli import main
 from layerwise.plan.plan import Plan
 
 
 def test_plan_prints_a_table_and_writes_the_plan(tmp_path, capsys):
+    """Mutation this test was seen to catch: the written ``predicted.tokens_per_s`` taken from
+    the MILP's objective instead of the simulator (they differ by 0.05% here)."""
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
     rc = main(["plan", "--model", "qwen2.5-7b", "--hardware", "rtx3090", "--seq-len", "4096",
                "--batch", "8", "--gpu-mem", "12", "--out", str(out), "--timeline", str(png)])
@@ -16,7 +20,14 @@ def test_plan_prints_a_table_and_writes_the_plan(tmp_path, capsys):
     plan.validate(28)
     assert plan.source == "milp" and plan.seq_len == 4096
     assert plan.micro_batch_size * plan.num_micro_batches == 8
-    assert plan.predicted["tokens_per_s"] > 0
+    # the prediction written with the plan is what the simulator says of the plan as loaded
+    from layerwise.plan.hardware import PRESETS
+    from layerwise.plan.shape import load_shape
+    from layerwise.plan.simulator import simulate
+
+    sim = simulate(plan, load_shape("qwen2.5-7b"), PRESETS["rtx3090"].with_memory(gpu_mem_gb=12))
+    assert plan.predicted["tokens_per_s"] == pytest.approx(sim.tokens_per_s, rel=1e-9)
+    assert plan.predicted["peak_device_bytes"] == sim.peak_device_bytes
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

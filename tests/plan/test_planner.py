@@ -73,14 +73,42 @@ def test_milp_is_optimal_in_its_own_model(planned):
             assert r.objective_s <= ev.step_s * (1 + 1e-3) + 1e-9, name
 
 
-def test_planner_beats_fixed_rules_when_device_memory_binds():
+def test_device_memory_bound_plan_offloads_instead_of_recomputing():
+    """qwen2.5-7b on a 12 GB rtx3090: the plan keeps boundaries on the host, recomputes none,
+    and is faster than every every-K rule.
+
+    The margin is small (0.04%: micro-batch 8 with host boundaries against every-1 at 4), and
+    the plan equals the keep-all-host rule; whether it is labelled ``milp`` only reflects that
+    ties go to the MILP, so the label is not asserted (see the next test for the MILP's own gain).
+    """
     shape = load_shape("qwen2.5-7b")
     hw = PRESETS["rtx3090"].with_memory(gpu_mem_gb=12)
     res = search(shape, hw, 4096, SearchConfig(global_batch=8))
     best_k = max(c.sim.tokens_per_s for n, c in res.by_name.items() if n.startswith("every-"))
-    assert res.plan.source == "milp"
-    assert res.best.sim.tokens_per_s > 1.0 * best_k
+    assert res.best.sim.tokens_per_s > best_k
     assert "recompute" not in res.plan.boundaries  # offloading inside hidden PCIe windows instead
+
+
+def test_milp_beats_every_rule_when_the_device_holds_only_some_boundaries():
+    """Slow PCIe and 10 GB of device memory: no rule fits this machine well. The MILP's own plan
+    mixes device and host boundaries and is faster in the simulator than every rule (each at its
+    best micro-batch size) by more than 2% (5.3% when written).
+
+    Mutations this test was seen to catch: the MILP's plan dropped from the candidates (the
+    search then emits every-2); the MILP barred from the host tier (``upper`` bound 0: it then
+    offloads to NVMe), or from both offload tiers (it then recomputes).
+    """
+    shape = load_shape("qwen2.5-3b")
+    hw = replace(PRESETS["h200"].with_memory(gpu_mem_gb=10), h2d_gbps=12.0, peak_tflops=4000.0)
+    res = search(shape, hw, 4096, SearchConfig(global_batch=8))
+    assert res.plan.source == "milp"
+    milp = res.by_name["milp"].sim.tokens_per_s
+    rules = {n: c.sim.tokens_per_s for n, c in res.by_name.items() if n != "milp"}
+    assert set(rules) >= set(baseline_tiers(shape.num_layers)), rules
+    best_rule = max(rules, key=rules.get)
+    assert milp > 1.02 * rules[best_rule], (milp, best_rule, rules[best_rule])
+    tiers = set(res.plan.boundaries)
+    assert {"device", "host"} <= tiers, res.plan.boundaries
 
 
 def test_warm_start_and_time_limit():
