@@ -21,6 +21,7 @@ import numpy as np
 
 from .shape import ModelShape
 from .hardware import HardwareProfile
+from .program import OpKind
 from .simulator import LANES, SimResult
 
 EPS = 1e-9
@@ -110,11 +111,11 @@ def check(sim: SimResult, shape: ModelShape, hw: HardwareProfile) -> CheckReport
                 v.append(f"{op['kind']} {op['index']} (step {op['step']}, mb {op['mb']}): weights of {u} not on device")
             elif not any(c.end <= s + EPS and c.start <= s for c in copies.get(f"w {u}", ())):
                 v.append(f"{op['kind']} {op['index']}: weights of {u} not copied in before it starts")
-        if op["kind"] in ("layer_bwd", "recompute_layer"):
+        if op["kind"] in (OpKind.LAYER_BWD, OpKind.RECOMPUTE_LAYER):
             i = op["index"]
             if not covered(f"boundary {i}", s, e):
                 v.append(f"{op['kind']} {i} (step {op['step']}, mb {op['mb']}): input boundary {i} not on device")
-        if op["kind"] == "layer_bwd" and plan.boundaries[op["index"]] in ("host", "nvme"):
+        if op["kind"] == OpKind.LAYER_BWD and plan.boundaries[op["index"]] in ("host", "nvme"):
             i = op["index"]
             if not any(c.end <= s + EPS for c in copies.get(f"fetch b{i}", ())):
                 v.append(f"layer_bwd {i}: boundary {i} not fetched before use")
