@@ -1,6 +1,7 @@
 """Device memory of a plan: walk the step program, add up what each op holds.
 
-Live across ops: weight buffers (the op's units plus ``prefetch_depth`` uses ahead), stored
+Live across ops: weight buffers (the op's units plus ``prefetch_depth`` uses ahead, by
+:func:`~.program.weight_windows`, the rule the engine's weight streamer follows), stored
 boundary activations (device tier until their layer's backward; host/NVMe ones from their
 fetch; recomputed ones from their recompute). Transient within an op: the op's inputs,
 outputs, gradients and autograd workspace. The peak is the largest sum over the ops.
@@ -12,8 +13,10 @@ the same transients, so both agree on what fits.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from ..models.names import EMBED, HEAD, layer_unit
 from .plan import Plan
-from .program import micro_batch_program, weight_schedule
+from .program import OpKind, micro_batch_program, weight_windows
 from .shape import ModelShape
 
 
@@ -41,25 +44,25 @@ def layer_workspace_bytes(shape: ModelShape, tokens: int, elem_bytes: int) -> in
     return tokens * per_token * elem_bytes
 
 
-def op_transient_bytes(shape: ModelShape, kind: str, i: int, tokens: int, elem_bytes: int,
+def op_transient_bytes(shape: ModelShape, kind: OpKind, i: int, tokens: int, elem_bytes: int,
                        head_chunk_tokens: int) -> int:
     """Device bytes an op holds only while it runs (inputs, outputs, grads, workspace)."""
     a = tokens * shape.hidden_size * elem_bytes  # one boundary activation
-    if kind in ("embed_fwd", "recompute_embed"):
+    if kind in (OpKind.EMBED_FWD, OpKind.RECOMPUTE_EMBED):
         return a
-    if kind in ("layer_fwd", "recompute_layer"):
+    if kind in (OpKind.LAYER_FWD, OpKind.RECOMPUTE_LAYER):
         # input + output + the MLP's widest intermediates (no graph kept)
         return 2 * a + tokens * 2 * shape.intermediate_size * elem_bytes
-    if kind == "head":
+    if kind == OpKind.HEAD:
         chunk = min(head_chunk_tokens, tokens)
-        grads = (shape.unit_params("head") + (shape.unit_params("embed") if shape.tied else 0)) * elem_bytes
+        grads = (shape.unit_params(HEAD) + (shape.unit_params(EMBED) if shape.tied else 0)) * elem_bytes
         # logits in compute dtype, their fp32 copy and its gradient
         return 2 * a + grads + chunk * shape.vocab_size * (elem_bytes + 8)
-    if kind == "layer_bwd":
-        return (3 * a + shape.unit_params(f"layers.{i}") * elem_bytes
+    if kind == OpKind.LAYER_BWD:
+        return (3 * a + shape.unit_params(layer_unit(i)) * elem_bytes
                 + layer_workspace_bytes(shape, tokens, elem_bytes))
-    if kind == "embed_bwd":
-        return a + shape.unit_params("embed") * elem_bytes
+    if kind == OpKind.EMBED_BWD:
+        return a + shape.unit_params(EMBED) * elem_bytes
     return 0  # fetch
 
 
@@ -69,21 +72,17 @@ def predict_peak_device_bytes(shape: ModelShape, plan: Plan, micro_batch_size: i
     boundary = tokens * shape.hidden_size * elem_bytes
     unit_bytes = {u: shape.unit_params(u) * elem_bytes for u in shape.unit_names()}
     ops = micro_batch_program(plan.boundaries)
-    schedule = weight_schedule(ops, shape.tied)
+    windows = weight_windows(ops, shape.tied, plan.prefetch_depth)
     stored: set[int] = set()
-    cursor = 0  # position in the weight schedule
     best = MemoryEstimate(0, "", {})
-    for op in ops:
-        units = op.units(shape.tied)
-        window = schedule[cursor:cursor + len(units) + plan.prefetch_depth]
-        weights = sum(unit_bytes[u] for u in set(window))
-        cursor += len(units)
+    for op, window in zip(ops, windows):
+        weights = sum(unit_bytes[u] for u in window)
         k, i = op.kind, op.index
-        if k == "layer_fwd" and plan.boundaries[i] == "device":
+        if k == OpKind.LAYER_FWD and plan.boundaries[i] == "device":
             stored.add(i)
-        elif k == "fetch" or k == "recompute_embed":
+        elif k in (OpKind.FETCH, OpKind.RECOMPUTE_EMBED):
             stored.add(max(i, 0))
-        elif k == "recompute_layer":
+        elif k == OpKind.RECOMPUTE_LAYER:
             stored.add(i + 1)
         transient = op_transient_bytes(shape, k, i, tokens, elem_bytes, plan.head_chunk_tokens)
         acts = len(stored) * boundary
@@ -91,6 +90,6 @@ def predict_peak_device_bytes(shape: ModelShape, plan: Plan, micro_batch_size: i
         if total > best.peak_bytes:
             best = MemoryEstimate(total, str(op), {
                 "weights": weights, "activations": acts, "transient": transient})
-        if k == "layer_bwd":
+        if k == OpKind.LAYER_BWD:
             stored.discard(i)
     return best
