@@ -2,7 +2,8 @@
 
 - :class:`WeightStreamer` follows the step's weight schedule ``depth`` uses ahead, so the copy
   of the next layer's weights runs while the current layer computes (depth 1 = double buffer).
-  A unit needed again inside the window is not copied twice.
+  A unit needed again inside the window is not copied twice. Which copies to make is decided by
+  :class:`layerwise.plan.program.WeightWindow`, the rule the memory model and simulator count.
 - :class:`GradSink` sends each unit's flat gradient to the host and accumulates it in fp32;
   once a unit's gradient is final it also takes the unit's squared norm, so the global clip
   factor is known the moment the backward ends.
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..optim.clip import sq_norm
+from ..plan.program import WeightWindow
 from ..store import HostStore
 from .backend import DeviceBackend, Pending
 
@@ -38,55 +39,42 @@ class WeightStreamer:
         self.depth = depth
         self.wait_ready = wait_ready
         """Blocks until a unit's host weights are final (its optimizer update is done)."""
-        self._schedule: deque[str] = deque()
-        self._window: deque[str] = deque()
-        self._buffers: dict[str, list] = {}  # unit -> [pending, refs, nbytes]
+        self._window = WeightWindow([], depth)
+        self._buffers: dict[str, tuple[Pending, int]] = {}  # unit -> (device copy, nbytes)
 
     def begin(self, schedule: list[str]) -> None:
-        assert not self._window and not self._buffers, "previous schedule not finished"
-        self._schedule = deque(schedule)
-        self._fill()
+        assert self.finished(), "previous schedule not finished"
+        self._window = WeightWindow(schedule, self.depth)
+        self._copy_in(self._window.fill())
 
-    def _fill(self) -> None:
-        while len(self._window) < self.depth and self._schedule:
-            unit = self._schedule.popleft()
-            entry = self._buffers.get(unit)
-            if entry is None:
-                self.wait_ready(unit)
-                buf = self.store[unit]
-                src = buf.compute if buf.compute is not None else buf.master
-                nbytes = _nbytes(src)
-                self.backend.ledger.add("weights", nbytes)
-                entry = self._buffers[unit] = [self.backend.to_device(src), 0, nbytes]
-            entry[1] += 1
-            self._window.append(unit)
+    def _copy_in(self, units: list[str]) -> None:
+        for unit in units:
+            self.wait_ready(unit)
+            buf = self.store[unit]
+            src = buf.compute if buf.compute is not None else buf.master
+            nbytes = _nbytes(src)
+            self.backend.ledger.add("weights", nbytes)
+            self._buffers[unit] = (self.backend.to_device(src), nbytes)
 
     def acquire(self, unit: str) -> torch.Tensor:
         """The device copy of ``unit``'s weights; starts the next prefetch first."""
-        if not self._window:
-            self._fill()
-        got = self._window.popleft()
-        assert got == unit, f"weight schedule out of step: expected {got}, asked for {unit}"
-        self._fill()
+        self._copy_in(self._window.acquire(unit))
         return self._buffers[unit][0].wait()
 
     def release(self, unit: str) -> None:
-        entry = self._buffers[unit]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self._buffers[unit]
-            self.backend.ledger.sub("weights", entry[2])
+        if self._window.release(unit):
+            _, nbytes = self._buffers.pop(unit)
+            self.backend.ledger.sub("weights", nbytes)
 
     def reset(self) -> None:
         """Forget the rest of the schedule (a step failed); buffers are released."""
-        for entry in self._buffers.values():
-            self.backend.ledger.sub("weights", entry[2])
+        for _, nbytes in self._buffers.values():
+            self.backend.ledger.sub("weights", nbytes)
         self._buffers.clear()
-        self._window.clear()
-        self._schedule.clear()
+        self._window = WeightWindow([], self.depth)
 
     def finished(self) -> bool:
-        return not self._schedule and not self._window and not self._buffers
+        return self._window.finished() and not self._buffers
 
 
 class GradSink:
