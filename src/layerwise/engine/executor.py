@@ -20,12 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from ..models.adapter import DecoderAdapter
+from ..models.names import EMBED, HEAD, layer_unit
 from ..optim.adamw import AdamWConfig, HostAdamW, UnitOptimizer
 from ..optim.clip import clip_or_skip, global_norm
 from ..plan.shape import ModelShape
 from ..plan.memory import MemoryEstimate, predict_peak_device_bytes
 from ..plan.plan import Plan
-from ..plan.program import Op, micro_batch_program, weight_schedule
+from ..plan.program import Op, OpKind, forward_program, micro_batch_program, weight_schedule
 from ..store import HostStore
 from .batch import IGNORE_INDEX, Batch
 from .backend import make_backend
@@ -47,6 +48,26 @@ class EngineConfig:
     optimizer: AdamWConfig = field(default_factory=AdamWConfig)
     measure_workspace: bool = False
     """Measure autograd's saved bytes per layer (for the measured device peak on CPU); slower."""
+
+
+@dataclass
+class _MicroBatchRun:
+    """What the ops of one micro-batch share: its inputs, and the values handed from op to op."""
+
+    ids: torch.Tensor
+    labels: torch.Tensor
+    pos: torch.Tensor
+    masks: object
+    total_tokens: int
+    """Target tokens of the whole step (the loss divisor)."""
+    final: bool
+    """The step's last micro-batch: gradients are final after it."""
+    rope: object = None
+    h: torch.Tensor | None = None
+    """The forward's current hidden state."""
+    grad_h: torch.Tensor | None = None
+    """The gradient flowing backward."""
+    loss: torch.Tensor | None = None
 
 
 @dataclass
@@ -91,6 +112,13 @@ class StreamingEngine:
         self.sink = GradSink(self.backend, store)
         self.acts = ActivationStore(self.backend, self.config.spill_dir)
         self.steps_skipped = 0
+        self._run_op = {
+            OpKind.EMBED_FWD: self._op_embed_fwd, OpKind.LAYER_FWD: self._op_layer_fwd,
+            OpKind.HEAD: self._op_head, OpKind.FETCH: self._op_fetch,
+            OpKind.RECOMPUTE_EMBED: self._op_recompute_embed, OpKind.RECOMPUTE_LAYER: self._op_recompute_layer,
+            OpKind.LAYER_BWD: self._op_layer_bwd, OpKind.EMBED_BWD: self._op_embed_bwd,
+        }
+        """How each kind of op of the step program runs: (layer index, micro-batch run) -> None."""
 
     def _default_optimizers(self) -> dict[str, UnitOptimizer]:
         kinds = self.plan.moments or ["fp32"] * len(self.store.units)
@@ -198,53 +226,58 @@ class StreamingEngine:
     # ----- one micro-batch ----------------------------------------------------------------
 
     def _micro_batch(self, mb: Batch, total_tokens: int, final: bool) -> torch.Tensor:
-        ad, st, acts, tiers = self.adapter, self.store, self.acts, self.plan.boundaries
         ids = mb.input_ids.to(self.device)
-        labels = mb.labels.to(self.device)
         seq_len = ids.shape[1]
-        pos = torch.arange(seq_len, device=self.device)[None]
-        masks = ad.attention_masks(seq_len, self.device)
-        rope = None
-        h = grad_h = loss = None
+        run = _MicroBatchRun(ids, mb.labels.to(self.device), torch.arange(seq_len, device=self.device)[None],
+                             self.adapter.attention_masks(seq_len, self.device), total_tokens, final)
         ops = self.program
         for n, op in enumerate(ops):
-            if n + 2 < len(ops) and ops[n + 2].kind == "fetch":
-                acts.prefetch(ops[n + 2].index)  # NVMe reads start two ops ahead
-            kind, i = op.kind, op.index
-            if kind in ("embed_fwd", "recompute_embed"):
-                w = self.streamer.acquire("embed")
-                with torch.no_grad():
-                    h0 = ad.embed(st["embed"].layout.views(w), ids)
-                self.streamer.release("embed")
-                if rope is None:
-                    with torch.no_grad():
-                        rope = self.rotary(h0, pos)
-                if kind == "embed_fwd":
-                    h = h0
-                else:
-                    acts.put_recomputed(0, h0)
-            elif kind == "layer_fwd":
-                acts.store(i, h, tiers[i])
-                h = self._layer_no_grad(i, h, rope, pos, masks)
-            elif kind == "recompute_layer":
-                acts.put_recomputed(i + 1, self._layer_no_grad(i, acts.get(i), rope, pos, masks))
-            elif kind == "head":
-                grad_h, loss = self._head(h, labels, total_tokens, final)
-                h = None
-            elif kind == "fetch":
-                acts.fetch(i)
-            elif kind == "layer_bwd":
-                grad_h = self._layer_backward(i, acts.get(i), grad_h, rope, pos, masks, final)
-                acts.drop(i)
-            elif kind == "embed_bwd":
-                self._embed_backward(ids, grad_h, final)
-                grad_h = None
-            else:
-                raise AssertionError(f"unknown op {op}")
-        return loss
+            if n + 2 < len(ops) and ops[n + 2].kind == OpKind.FETCH:
+                self.acts.prefetch(ops[n + 2].index)  # NVMe reads start two ops ahead
+            self._run_op[op.kind](op.index, run)
+        return run.loss
+
+    def _op_embed_fwd(self, i: int, run: _MicroBatchRun) -> None:
+        run.h = self._embed_no_grad(run)
+
+    def _op_recompute_embed(self, i: int, run: _MicroBatchRun) -> None:
+        self.acts.put_recomputed(0, self._embed_no_grad(run))
+
+    def _op_layer_fwd(self, i: int, run: _MicroBatchRun) -> None:
+        self.acts.store(i, run.h, self.plan.boundaries[i])
+        run.h = self._layer_no_grad(i, run.h, run.rope, run.pos, run.masks)
+
+    def _op_recompute_layer(self, i: int, run: _MicroBatchRun) -> None:
+        self.acts.put_recomputed(i + 1, self._layer_no_grad(i, self.acts.get(i), run.rope, run.pos, run.masks))
+
+    def _op_head(self, i: int, run: _MicroBatchRun) -> None:
+        run.grad_h, run.loss = self._head(run.h, run.labels, run.total_tokens, run.final)
+        run.h = None
+
+    def _op_fetch(self, i: int, run: _MicroBatchRun) -> None:
+        self.acts.fetch(i)
+
+    def _op_layer_bwd(self, i: int, run: _MicroBatchRun) -> None:
+        run.grad_h = self._layer_backward(i, self.acts.get(i), run.grad_h, run.rope, run.pos, run.masks, run.final)
+        self.acts.drop(i)
+
+    def _op_embed_bwd(self, i: int, run: _MicroBatchRun) -> None:
+        self._embed_backward(run.ids, run.grad_h, run.final)
+        run.grad_h = None
+
+    def _embed_no_grad(self, run: _MicroBatchRun) -> torch.Tensor:
+        """Boundary 0 from the input ids; the rotary tables are made from the first one."""
+        w = self.streamer.acquire(EMBED)
+        with torch.no_grad():
+            h0 = self.adapter.embed(self.store[EMBED].layout.views(w), run.ids)
+        self.streamer.release(EMBED)
+        if run.rope is None:
+            with torch.no_grad():
+                run.rope = self.rotary(h0, run.pos)
+        return h0
 
     def _layer_no_grad(self, i, x, rope, pos, masks) -> torch.Tensor:
-        unit = f"layers.{i}"
+        unit = layer_unit(i)
         w = self.streamer.acquire(unit)
         with torch.no_grad():
             y = self.adapter.layer(i, self.store[unit].layout.views(w), x, rope, pos, masks)
@@ -252,7 +285,7 @@ class StreamingEngine:
         return y
 
     def _layer_backward(self, i, x, grad_out, rope, pos, masks, final) -> torch.Tensor:
-        unit = f"layers.{i}"
+        unit = layer_unit(i)
         w = self.streamer.acquire(unit)
         x = x.detach().requires_grad_()
         params = self.store[unit].layout.leaves(w)
@@ -270,19 +303,19 @@ class StreamingEngine:
         return gx
 
     def _embed_backward(self, ids, grad_h, final) -> None:
-        w = self.streamer.acquire("embed")
-        params = self.store["embed"].layout.leaves(w)
+        w = self.streamer.acquire(EMBED)
+        params = self.store[EMBED].layout.leaves(w)
         h0 = self.adapter.embed(params, ids)
         gw = torch.autograd.grad(h0, tuple(params.values()), grad_h)
-        self.streamer.release("embed")
-        self.sink.put("embed", list(gw), final)
+        self.streamer.release(EMBED)
+        self.sink.put(EMBED, list(gw), final)
 
     def _head(self, h, labels, total_tokens, final) -> tuple[torch.Tensor, torch.Tensor]:
         ad, st = self.adapter, self.store
-        units = ("embed", "head") if ad.tied else ("head",)
+        units = Op(OpKind.HEAD).units(ad.tied)
         leaves = {u: st[u].layout.leaves(self.streamer.acquire(u)) for u in units}
-        head_params = leaves["head"]
-        embed_weight = leaves["embed"]["weight"] if ad.tied else None
+        head_params = leaves[HEAD]
+        embed_weight = leaves[EMBED]["weight"] if ad.tied else None
         wrt = [t for u in units for t in leaves[u].values()]
         hidden = h.shape[-1]
         h2 = h.reshape(-1, hidden)
@@ -303,10 +336,10 @@ class StreamingEngine:
             loss_sum += loss.detach()
         for u in units:
             self.streamer.release(u)
-        n_embed = len(leaves["embed"]) if ad.tied else 0
-        self.sink.put("head", grads_w[n_embed:], final)
+        n_embed = len(leaves[EMBED]) if ad.tied else 0
+        self.sink.put(HEAD, grads_w[n_embed:], final)
         if ad.tied:
-            self.sink.put("embed", grads_w[:n_embed], final=False)  # embed_bwd adds the rest
+            self.sink.put(EMBED, grads_w[:n_embed], final=False)  # embed_bwd adds the rest
         return grad_h2.view_as(h), loss_sum
 
     # ----- inference (eval, export checks) ------------------------------------------------
@@ -342,18 +375,17 @@ class StreamingEngine:
         batch, seq_len = ids.shape
         pos = torch.arange(seq_len, device=self.device)[None]
         masks = ad.attention_masks(seq_len, self.device)
-        ops = [Op("embed_fwd")] + [Op("layer_fwd", i) for i in range(ad.num_layers)] + [Op("head")]
-        self.streamer.begin(weight_schedule(ops, ad.tied))
-        w = self.streamer.acquire("embed")
-        h = ad.embed(st["embed"].layout.views(w), ids)
-        self.streamer.release("embed")
+        self.streamer.begin(weight_schedule(forward_program(ad.num_layers), ad.tied))
+        w = self.streamer.acquire(EMBED)
+        h = ad.embed(st[EMBED].layout.views(w), ids)
+        self.streamer.release(EMBED)
         rope = self.rotary(h, pos)
         for i in range(ad.num_layers):
             h = self._layer_no_grad(i, h, rope, pos, masks)
-        units = ("embed", "head") if ad.tied else ("head",)
+        units = Op(OpKind.HEAD).units(ad.tied)
         ws = [self.streamer.acquire(u) for u in units]
-        head_views = st["head"].layout.views(ws[-1])
-        embed_weight = st["embed"].layout.views(ws[0])["weight"] if ad.tied else None
+        head_views = st[HEAD].layout.views(ws[-1])
+        embed_weight = st[EMBED].layout.views(ws[0])["weight"] if ad.tied else None
         step = max(1, (chunk_tokens or batch * seq_len) // batch)
         try:
             for start in range(0, seq_len, step):
