@@ -18,10 +18,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..models.names import EMBED, layer_unit
 from .cost import CostModel
 from .shape import ModelShape
 from .hardware import HardwareProfile
 from .plan import Plan
+from .program import Op, OpKind, micro_batch_program, weight_schedule, weight_windows
 
 ALL_TIERS = ("device", "host", "nvme", "recompute")
 MS = 1e3  # the solver works in milliseconds (better-scaled coefficients)
@@ -69,7 +71,7 @@ class StepModel:
         cost = self.cost = CostModel(shape, hw, micro_batch_size, seq_len, head_chunk_tokens)
         L = self.L = shape.num_layers
         a = self.a_bytes = cost.boundary_bytes
-        lw = [cost.unit_weight_bytes(f"layers.{i}") for i in range(L)]
+        lw = [cost.unit_weight_bytes(layer_unit(i)) for i in range(L)]
         self.c_fwd = [cost.layer_fwd_s(i) for i in range(L)]
         self.w_in = [cost.h2d_s(b) for b in lw]
         self.a_out = cost.d2h_s(a)
@@ -79,10 +81,9 @@ class StepModel:
         self.b_lb = [max(cost.layer_bwd_s(i), self.w_in[i], cost.d2h_s(lw[i])) for i in range(L)]
         # the host accumulation lane queues: it only has to keep up over a whole micro-batch
         self.accumulate = sum(cost.grad_accumulate_s(u) for u in shape.unit_names()) + (
-            cost.grad_accumulate_s("embed") if shape.tied else 0.0)
-        emb_w = cost.unit_weight_bytes("embed")
-        head_units = ["head"] + (["embed"] if shape.tied else [])
-        head_w = sum(cost.unit_weight_bytes(u) for u in head_units)
+            cost.grad_accumulate_s(EMBED) if shape.tied else 0.0)
+        emb_w = cost.unit_weight_bytes(EMBED)
+        head_w = sum(cost.unit_weight_bytes(u) for u in Op(OpKind.HEAD).units(shape.tied))
         self.e_fwd = max(cost.embed_s, cost.h2d_s(emb_w))
         self.head = max(cost.head_s, cost.h2d_s(head_w), cost.d2h_s(head_w))
         self.e_bwd = max(cost.embed_s, cost.h2d_s(emb_w), cost.d2h_s(emb_w))
@@ -90,7 +91,7 @@ class StepModel:
         # with that layer's weights streamed again
         self.recompute = [self.e_fwd] + [max(self.c_fwd[k - 1], self.w_in[k - 1]) for k in range(1, L)]
         # after the last backward: the last gradient lands, then the optimizer starts
-        self.tail = cost.d2h_s(emb_w) + cost.grad_accumulate_s("embed")
+        self.tail = cost.d2h_s(emb_w) + cost.grad_accumulate_s(EMBED)
         units = shape.unit_names()
         mom = moments or ["fp32"] * len(units)
         opt = [cost.optimizer_s(u, m) for u, m in zip(units, mom)]
@@ -102,25 +103,40 @@ class StepModel:
         self.opt_embed_ready = cum[0] + cost.h2d_s(emb_w)
         # next step: layer k's forward can end no earlier than its update + its copy + its compute
         self.opt_layer_done = [cum[1 + k] + self.w_in[k] + self.c_fwd[k] for k in range(L)]
-        # device memory: each op's weight window (its units + the next `prefetch_depth` uses)
-        # plus its transient; the weight schedule after layer_bwd i is layers i-1..0, embed
-        # (its embed_bwd), then the next micro-batch's embed and layers 0..
-        d = prefetch_depth
+        # device memory at the head and at each layer's backward: the op's weight window plus its
+        # transient, plus the previous op's gradient, which may still be on its way to the host
         self.dev_cap = hw.device_cap_bytes
-        after_bwd = [f"layers.{k}" for k in range(L - 1, -1, -1)] + ["embed", "embed"] + \
-            [f"layers.{k}" for k in range(L)] + ["head"]
-        def window(units_now: list[str], ahead: list[str]) -> int:
-            return sum(cost.unit_weight_bytes(u) for u in set(units_now) | set(ahead[:d]))
-        # the previous op's gradient may still be on its way to the host (held until copied)
-        head_grad = sum(cost.grad_bytes(u) for u in head_units)
-        self.c_bwd_mem = [window([f"layers.{i}"], after_bwd[L - i:]) + cost.op_transient_bytes("layer_bwd", i)
-                          + (head_grad if i == L - 1 else cost.grad_bytes(f"layers.{i + 1}"))
+        self.bwd_windows, self.head_window, bwd_prev_grads = self._backward_schedule()
+        self.c_bwd_mem = [sum(cost.unit_weight_bytes(u) for u in self.bwd_windows[i])
+                          + cost.op_transient_bytes(OpKind.LAYER_BWD, i)
+                          + sum(cost.grad_bytes(u) for u in bwd_prev_grads[i])
                           for i in range(L)]
-        self.c_head_mem = window(head_units, after_bwd) + cost.op_transient_bytes("head")
+        self.c_head_mem = (sum(cost.unit_weight_bytes(u) for u in self.head_window)
+                           + cost.op_transient_bytes(OpKind.HEAD))
         self.host_budget = hw.host_cap_bytes - cost.host_store_bytes(moments)
         self.nvme_cap = hw.nvme_capacity_bytes
         self.nvme_rw = a / (hw.nvme_write_gbps * 1e9) + a / (hw.nvme_read_gbps * 1e9)
         self.nvme_read = a / (hw.nvme_read_gbps * 1e9)
+
+    def _backward_schedule(self) -> tuple[list[frozenset[str]], frozenset[str], list[tuple[str, ...]]]:
+        """(weight window at each layer_bwd i, weight window at the head, units whose gradient
+        the last op before layer_bwd i to send one sends), read off the step program.
+
+        The constants must not depend on the tiers being chosen, so the program is that of a plan
+        keeping every boundary on the device (no recompute between the backwards, and fetches
+        that move nothing), followed by the next micro-batch's weight uses, which the prefetch
+        reaches into at the last backwards.
+        """
+        tied = self.shape.tied
+        ops = micro_batch_program(["device"] * self.L)
+        windows = weight_windows(ops, tied, self.prefetch_depth, then=weight_schedule(ops, tied))
+        at = {(op.kind, op.index): n for n, op in enumerate(ops)}
+        bwd = [at[(OpKind.LAYER_BWD, i)] for i in range(self.L)]
+
+        def grads_before(n: int) -> tuple[str, ...]:
+            return next(g for op in reversed(ops[:n]) if (g := op.grad_units(tied)))
+
+        return [windows[n] for n in bwd], windows[at[(OpKind.HEAD, -1)]], [grads_before(n) for n in bwd]
 
     # capacity limits in units of boundaries
     def max_device_prefix(self, i: int) -> float:
