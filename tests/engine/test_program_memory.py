@@ -12,7 +12,7 @@ from layerwise.engine.batch import Batch
 
 
 def ops_str(plan):
-    return [str(op) for op in micro_batch_program(plan.boundaries)]
+    return [str(op) for op in micro_batch_program(plan.boundary_tiers)]
 
 
 def test_every_k_program_recomputes_segments_from_kept_boundaries():
@@ -34,7 +34,7 @@ def test_recompute_all_rebuilds_from_the_embedding():
 
 
 def test_weight_schedule_streams_every_use():
-    ops = micro_batch_program(Plan.every_k(2, 1).boundaries)
+    ops = micro_batch_program(Plan.every_k(2, 1).boundary_tiers)
     assert weight_schedule(ops, tied=True) == [
         "embed", "layers.0", "layers.1", "embed", "head", "layers.1", "layers.0", "embed"]
 

@@ -48,7 +48,7 @@ def test_engine_runs_every_emitted_plan_exactly(flavor, tmp_path):
     for name, hw in _profiles(shape).items():
         res = search(shape, hw, SEQ, SearchConfig(global_batch=BATCH, micro_batch_sizes=(MBS,)))
         plans[name] = res.plan
-    used = {t for p in plans.values() for t in p.boundaries}
+    used = {t for p in plans.values() for t in p.boundary_tiers}
     assert used == {"device", "host", "nvme", "recompute"}, used
 
     model = build_hf_model(cfg, seed=0)
@@ -85,4 +85,4 @@ def test_engine_runs_every_emitted_plan_exactly(flavor, tmp_path):
             got["lm_head.weight"] = got["model.embed_tokens.weight"]
         for pname, gref in ref.items():
             rel = ((got[pname] - gref).norm() / gref.norm().clamp_min(1e-30)).item()
-            assert rel <= 1e-5, f"{name} plan {plan.boundaries}: {pname} relative error {rel:.2e}"
+            assert rel <= 1e-5, f"{name} plan {plan.boundary_tiers}: {pname} relative error {rel:.2e}"

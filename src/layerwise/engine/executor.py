@@ -100,7 +100,7 @@ class StreamingEngine:
         self.backend = make_backend(self.config.device)
         self.device = self.backend.device
         self.rotary = adapter.new_rotary(self.device)
-        self.program = micro_batch_program(plan.boundaries)
+        self.program = micro_batch_program(plan.boundary_tiers)
         self.shape = ModelShape.from_config(adapter.config)
         self.optimizers = optimizers or self._default_optimizers()
         for buf in store:
@@ -244,7 +244,7 @@ class StreamingEngine:
         self.acts.put_recomputed(0, self._embed_no_grad(run))
 
     def _op_layer_fwd(self, i: int, run: _MicroBatchRun) -> None:
-        self.acts.store(i, run.h, self.plan.boundaries[i])
+        self.acts.store(i, run.h, self.plan.boundary_tiers[i])
         run.h = self._layer_no_grad(i, run.h, run.rope, run.pos, run.masks)
 
     def _op_recompute_layer(self, i: int, run: _MicroBatchRun) -> None:

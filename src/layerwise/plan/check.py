@@ -115,13 +115,13 @@ def check(sim: SimResult, shape: ModelShape, hw: HardwareProfile) -> CheckReport
             i = op["index"]
             if not covered(f"boundary {i}", s, e):
                 v.append(f"{op['kind']} {i} (step {op['step']}, mb {op['mb']}): input boundary {i} not on device")
-        if op["kind"] == OpKind.LAYER_BWD and plan.boundaries[op["index"]] in ("host", "nvme"):
+        if op["kind"] == OpKind.LAYER_BWD and plan.boundary_tiers[op["index"]] in ("host", "nvme"):
             i = op["index"]
             if not any(c.end <= s + EPS for c in copies.get(f"fetch b{i}", ())):
                 v.append(f"layer_bwd {i}: boundary {i} not fetched before use")
 
     # 4. ordering of the offload chain: offload -> fetch; nvme write -> read (k-th with k-th)
-    for i, tier in enumerate(plan.boundaries):
+    for i, tier in enumerate(plan.boundary_tiers):
         pairs = [("offload", "fetch")] if tier == "host" else (
             [("offload", "nvme write"), ("nvme write", "nvme read"), ("nvme read", "fetch")] if tier == "nvme" else [])
         for first, then in pairs:

@@ -71,14 +71,14 @@ def predict_peak_device_bytes(shape: ModelShape, plan: Plan, micro_batch_size: i
     tokens = micro_batch_size * seq_len
     boundary = tokens * shape.hidden_size * elem_bytes
     unit_bytes = {u: shape.unit_params(u) * elem_bytes for u in shape.unit_names()}
-    ops = micro_batch_program(plan.boundaries)
+    ops = micro_batch_program(plan.boundary_tiers)
     windows = weight_windows(ops, shape.tied, plan.prefetch_depth)
     stored: set[int] = set()
     best = MemoryEstimate(0, "", {})
     for op, window in zip(ops, windows):
         weights = sum(unit_bytes[u] for u in window)
         k, i = op.kind, op.index
-        if k == OpKind.LAYER_FWD and plan.boundaries[i] == "device":
+        if k == OpKind.LAYER_FWD and plan.boundary_tiers[i] == "device":
             stored.add(i)
         elif k in (OpKind.FETCH, OpKind.RECOMPUTE_EMBED):
             stored.add(max(i, 0))

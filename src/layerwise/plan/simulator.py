@@ -180,7 +180,7 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
     if plan.seq_len is None:
         raise ValueError("the plan has no seq_len; the simulator needs the sequence length")
     cost = CostModel(shape, hw, plan.micro_batch_size, plan.seq_len, plan.head_chunk_tokens)
-    tiers = plan.boundaries
+    tiers = plan.boundary_tiers
     tied = shape.tied
     depth = plan.prefetch_depth
     units = shape.unit_names()
