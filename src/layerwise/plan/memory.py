@@ -66,15 +66,17 @@ def op_transient_bytes(shape: ModelShape, kind: OpKind, i: int, tokens: int, ele
     return 0  # fetch
 
 
-def predict_peak_device_bytes(shape: ModelShape, plan: Plan, micro_batch_size: int,
-                              seq_len: int, elem_bytes: int) -> MemoryEstimate:
+def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, seq_len: int,
+                        elem_bytes: int) -> list[MemoryEstimate]:
+    """What the device holds at each op of the program (its peak within the op), in program
+    order; separate from the peak so each op's weights can be checked against the streamer."""
     tokens = micro_batch_size * seq_len
     boundary = tokens * shape.hidden_size * elem_bytes
     unit_bytes = {u: shape.unit_params(u) * elem_bytes for u in shape.unit_names()}
     ops = micro_batch_program(plan.boundary_tiers)
     windows = weight_windows(ops, shape.tied, plan.prefetch_depth)
     stored: set[int] = set()
-    best = MemoryEstimate(0, "", {})
+    out = []
     for op, window in zip(ops, windows):
         weights = sum(unit_bytes[u] for u in window)
         k, i = op.kind, op.index
@@ -86,10 +88,18 @@ def predict_peak_device_bytes(shape: ModelShape, plan: Plan, micro_batch_size: i
             stored.add(i + 1)
         transient = op_transient_bytes(shape, k, i, tokens, elem_bytes, plan.head_chunk_tokens)
         acts = len(stored) * boundary
-        total = weights + acts + transient
-        if total > best.peak_bytes:
-            best = MemoryEstimate(total, str(op), {
-                "weights": weights, "activations": acts, "transient": transient})
+        out.append(MemoryEstimate(weights + acts + transient, str(op), {
+            "weights": weights, "activations": acts, "transient": transient}))
         if k == OpKind.LAYER_BWD:
             stored.discard(i)
+    return out
+
+
+def predict_peak_device_bytes(shape: ModelShape, plan: Plan, micro_batch_size: int,
+                              seq_len: int, elem_bytes: int) -> MemoryEstimate:
+    """The largest of :func:`device_bytes_per_op` (the first op to reach it)."""
+    best = MemoryEstimate(0, "", {})
+    for est in device_bytes_per_op(shape, plan, micro_batch_size, seq_len, elem_bytes):
+        if est.peak_bytes > best.peak_bytes:
+            best = est
     return best
