@@ -117,13 +117,13 @@ def check(sim: SimResult, shape: ModelShape, hw: HardwareProfile) -> CheckReport
                 v.append(f"{op['kind']} {i} (step {op['step']}, mb {op['mb']}): input boundary {i} not on device")
         if op["kind"] == OpKind.LAYER_BWD and plan.boundary_tiers[op["index"]] in ("host", "nvme"):
             i = op["index"]
-            if not any(c.end <= s + EPS for c in copies.get(f"fetch b{i}", ())):
+            if not any(c.end <= s + EPS for c in copies.get(f"{OpKind.FETCH} b{i}", ())):
                 v.append(f"layer_bwd {i}: boundary {i} not fetched before use")
 
     # 4. ordering of the offload chain: offload -> fetch; nvme write -> read (k-th with k-th)
     for i, tier in enumerate(plan.boundary_tiers):
-        pairs = [("offload", "fetch")] if tier == "host" else (
-            [("offload", "nvme write"), ("nvme write", "nvme read"), ("nvme read", "fetch")] if tier == "nvme" else [])
+        pairs = [("offload", OpKind.FETCH)] if tier == "host" else (
+            [("offload", "nvme write"), ("nvme write", "nvme read"), ("nvme read", OpKind.FETCH)] if tier == "nvme" else [])
         for first, then in pairs:
             xs = sorted(copies.get(f"{first} b{i}", ()), key=lambda c: c.start)
             ys = sorted(copies.get(f"{then} b{i}", ()), key=lambda c: c.start)

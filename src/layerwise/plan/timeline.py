@@ -9,14 +9,14 @@ from .simulator import LANES, SimResult
 
 # one colour per kind of work, so a glance tells compute from copies from recompute
 # (label prefix, legend name, colour); the first matching prefix wins. Compute ops are labelled
-# by their kind, copies and host work by what they move.
+# by their kind, copies and host work by what they move (a fetch's copy by its op's kind).
 COLOURS = [
     (OpKind.LAYER_FWD, "forward", "#4C72B0"), (OpKind.LAYER_BWD, "backward", "#DD8452"),
     (OpKind.RECOMPUTE_LAYER, "recompute", "#C44E52"), (OpKind.RECOMPUTE_EMBED, "recompute", "#C44E52"),
     (OpKind.HEAD, "head + loss", "#8172B3"),
     (OpKind.EMBED_FWD, "embedding", "#937860"), (OpKind.EMBED_BWD, "embedding", "#937860"),
     ("w ", "weights in", "#55A868"),
-    ("fetch", "activation in", "#64B5CD"), ("offload", "activation out", "#2A7F9E"),
+    (OpKind.FETCH, "activation in", "#64B5CD"), ("offload", "activation out", "#2A7F9E"),
     ("grad", "grads out", "#CCB974"), ("nvme", "NVMe I/O", "#8C8C8C"),
     ("update", "optimizer", "#DA8BC3"), ("accumulate", "grad accumulate", "#B0B0B0"),
 ]
