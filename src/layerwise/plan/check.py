@@ -123,7 +123,8 @@ def check(sim: SimResult, shape: ModelShape, hw: HardwareProfile) -> CheckReport
     # 4. ordering of the offload chain: offload -> fetch; nvme write -> read (k-th with k-th)
     for i, tier in enumerate(plan.boundary_tiers):
         pairs = [("offload", OpKind.FETCH)] if tier == "host" else (
-            [("offload", "nvme write"), ("nvme write", "nvme read"), ("nvme read", OpKind.FETCH)] if tier == "nvme" else [])
+            [("offload", "nvme write"), ("nvme write", "nvme read"), ("nvme read", OpKind.FETCH)]
+            if tier == "nvme" else [])
         for first, then in pairs:
             xs = sorted(copies.get(f"{first} b{i}", ()), key=lambda c: c.start)
             ys = sorted(copies.get(f"{then} b{i}", ()), key=lambda c: c.start)
