@@ -64,7 +64,7 @@ def run_case(model: str, hw_name: str, seq: int, time_limit_s: float, tokens_per
         "model": model, "hardware": hw_name, "seq": seq, "batch": batch, "fits": True,
         "micro_batch_size": p.micro_batch_size, "num_micro_batches": p.num_micro_batches,
         "plan_source": p.source,
-        "tiers": {t: p.boundaries.count(t) for t in ("device", "host", "nvme", "recompute")},
+        "tiers": {t: p.boundary_tiers.count(t) for t in ("device", "host", "nvme", "recompute")},
         "moments_8bit_units": (p.moments or []).count("8bit"),
         "tokens_per_s_emitted": sim.tokens_per_s,
         "tokens_per_s_milp": raw.sim.tokens_per_s if raw else None,

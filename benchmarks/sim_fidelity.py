@@ -99,7 +99,7 @@ def main() -> int:
         # fastest round, like calibrate's fastest repeat: both sides see the machine when others
         # let it; the median is reported too
         measured = min(times[name])
-        cases.append({"plan": name, "boundaries": plans[name].boundaries, "predicted_s": predicted[name],
+        cases.append({"plan": name, "boundary_tiers": plans[name].boundary_tiers, "predicted_s": predicted[name],
                       "measured_s": measured, "measured_median_s": statistics.median(times[name]),
                       "measured_rounds_s": times[name],
                       "error_pct": 100.0 * (predicted[name] - measured) / measured})

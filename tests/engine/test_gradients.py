@@ -80,7 +80,7 @@ def test_gradients_match_autograd_for_every_plan(flavor, tmp_path, engine_device
                                  EngineConfig(device=engine_device, spill_dir=str(tmp_path)))
         loss, sq = engine.compute_grads([batch])
         boundary_bytes = batch.input_ids.numel() * cfg.hidden_size * 4
-        assert engine.acts.nvme_bytes_written == boundary_bytes * plan.boundaries.count("nvme")
+        assert engine.acts.nvme_bytes_written == boundary_bytes * plan.boundary_tiers.count("nvme")
         assert_engine_idle(engine)
         engine.close()
         assert loss == pytest.approx(ref_loss, rel=1e-5), name

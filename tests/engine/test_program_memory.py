@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from layerwise.engine import EngineConfig, StreamingEngine
+from layerwise.engine.memory_probe import measure_step_peak
 from layerwise.plan.program import micro_batch_program, weight_schedule
 from layerwise.models import get_flavor
 from layerwise.store import init_store
@@ -12,7 +13,7 @@ from layerwise.engine.batch import Batch
 
 
 def ops_str(plan):
-    return [str(op) for op in micro_batch_program(plan.boundaries)]
+    return [str(op) for op in micro_batch_program(plan.boundary_tiers)]
 
 
 def test_every_k_program_recomputes_segments_from_kept_boundaries():
@@ -34,7 +35,7 @@ def test_recompute_all_rebuilds_from_the_embedding():
 
 
 def test_weight_schedule_streams_every_use():
-    ops = micro_batch_program(Plan.every_k(2, 1).boundaries)
+    ops = micro_batch_program(Plan.every_k(2, 1).boundary_tiers)
     assert weight_schedule(ops, tied=True) == [
         "embed", "layers.0", "layers.1", "embed", "head", "layers.1", "layers.0", "embed"]
 
@@ -42,19 +43,23 @@ def test_weight_schedule_streams_every_use():
 @pytest.mark.parametrize("plan", [Plan.every_k(10, 1), Plan.every_k(10, 3),
                                   Plan.recompute_all(10), Plan.keep_all(10, "host")],
                          ids=lambda p: p.source)
-def test_predicted_peak_matches_measured_within_5_percent(plan):
+def test_predicted_peak_matches_the_peak_measured_from_allocations(plan):
+    """The memory model against the step's real allocations (torch profiler memory events plus
+    the slots' storages), not against the engine's own bookkeeping: within 5%, at the same op.
+    Mutation checked: dropping the layer backward's autograd workspace from the model (the
+    prediction falls ~40% short)."""
     cfg = get_flavor("llama-30m").build_config(num_hidden_layers=10, hidden_size=128,
                                                intermediate_size=352, num_attention_heads=4,
                                                num_key_value_heads=2)
     adapter, store = init_store(cfg)
-    engine = StreamingEngine(adapter, store, plan, EngineConfig(measure_workspace=True))
+    engine = StreamingEngine(adapter, store, plan, EngineConfig())
     ids = torch.randint(0, cfg.vocab_size, (2, 128))
-    engine.compute_grads([Batch(ids, ids)])
-    measured = engine.backend.ledger.peak_bytes
-    predicted = engine.predict_memory(2, 128).peak_bytes
+    engine.compute_grads([Batch(ids, ids)])  # warm-up: fetch slots are allocated by a first step
+    measured = measure_step_peak(engine, [Batch(ids, ids)])
+    predicted = engine.predict_memory(2, 128)
     engine.close()
-    assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
-    assert engine.backend.ledger.live_bytes == 0, "engine leaked device buffers"
+    assert abs(predicted.peak_bytes - measured.peak_bytes) / measured.peak_bytes < 0.05, (predicted, measured)
+    assert predicted.peak_op == measured.peak_op
 
 
 def test_offloading_lowers_predicted_peak():

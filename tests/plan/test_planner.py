@@ -86,7 +86,7 @@ def test_device_memory_bound_plan_offloads_instead_of_recomputing():
     res = search(shape, hw, 4096, SearchConfig(global_batch=8))
     best_k = max(c.sim.tokens_per_s for n, c in res.by_name.items() if n.startswith("every-"))
     assert res.best.sim.tokens_per_s > best_k
-    assert "recompute" not in res.plan.boundaries  # offloading inside hidden PCIe windows instead
+    assert "recompute" not in res.plan.boundary_tiers  # offloading inside hidden PCIe windows instead
 
 
 def test_milp_beats_every_rule_when_the_device_holds_only_some_boundaries():
@@ -107,8 +107,8 @@ def test_milp_beats_every_rule_when_the_device_holds_only_some_boundaries():
     assert set(rules) >= set(baseline_tiers(shape.num_layers)), rules
     best_rule = max(rules, key=rules.get)
     assert milp > 1.02 * rules[best_rule], (milp, best_rule, rules[best_rule])
-    tiers = set(res.plan.boundaries)
-    assert {"device", "host"} <= tiers, res.plan.boundaries
+    tiers = set(res.plan.boundary_tiers)
+    assert {"device", "host"} <= tiers, res.plan.boundary_tiers
 
 
 def test_warm_start_and_time_limit():

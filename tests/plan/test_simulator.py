@@ -41,7 +41,7 @@ def test_synchronous_recompute_adds_segment_forwards():
     hw = replace(PRESETS["cpu"], op_overhead_s=0.0)
     c = _cost(hw)
     keep = simulate(Plan(["device"] * L, seq_len=64), SHAPE, hw)
-    every2 = simulate(Plan(Plan.every_k(L, 2).boundaries, seq_len=64), SHAPE, hw)
+    every2 = simulate(Plan(Plan.every_k(L, 2).boundary_tiers, seq_len=64), SHAPE, hw)
     # every-2 drops the odd boundaries: layer 2j's forward runs again, with its weights streamed again
     extra = sum(c.layer_fwd_s(i) + c.h2d_s(c.unit_weight_bytes(f"layers.{i}")) for i in range(0, L, 2))
     assert every2.step_s - keep.step_s == pytest.approx(extra, rel=1e-9)
@@ -79,7 +79,7 @@ def test_compute_bound_step_is_the_compute_stream():
     fwd = sum(c.layer_fwd_s(i) for i in range(L))
     bwd = sum(c.layer_bwd_s(i) for i in range(L))
     for tiers, recompute in ((["device"] * L, 0.0), (["nvme"] * L, 0.0),
-                             (Plan.every_k(L, 4).boundaries,
+                             (Plan.every_k(L, 4).boundary_tiers,
                               # boundary k dropped -> layer k-1 runs again: layers 0,1,2,4,5,6,8
                               sum(c.layer_fwd_s(i) for i in (0, 1, 2, 4, 5, 6, 8)))):
         sim = simulate(Plan(tiers, seq_len=64), SHAPE, hw, steps=1)
@@ -119,7 +119,7 @@ def test_engine_memory_model_agrees_when_copies_are_instant():
     from layerwise.plan import memory
 
     hw = replace(PRESETS["h200"], h2d_gbps=1e9, d2h_gbps=1e9, nvme_read_gbps=1e9, nvme_write_gbps=1e9)
-    for tiers in (["device"] * L, ["recompute"] * L, Plan.every_k(L, 3).boundaries, ["host"] * L):
+    for tiers in (["device"] * L, ["recompute"] * L, Plan.every_k(L, 3).boundary_tiers, ["host"] * L):
         plan = Plan(tiers, micro_batch_size=2, seq_len=128)
         est = memory.predict_peak_device_bytes(SHAPE, plan, 2, 128, 2)
         sim = simulate(plan, SHAPE, hw)

@@ -27,7 +27,7 @@ from ..optim.clip import clip_or_skip, global_norm
 from ..plan.shape import ModelShape
 from ..plan.memory import MemoryEstimate, predict_peak_device_bytes
 from ..plan.plan import Plan
-from ..plan.program import Op, micro_batch_program, weight_schedule
+from ..plan.program import OpKind, forward_program, micro_batch_program, weight_schedule
 from ..store import HostStore
 from .batch import IGNORE_INDEX, Batch
 from .backend import Ref
@@ -84,7 +84,7 @@ class StreamingEngine:
         self.backend = make_backend(self.config.device, self.config.async_seed)
         self.device = self.backend.device
         self.rotary = adapter.new_rotary(self.device)
-        self.program = micro_batch_program(plan.boundaries)
+        self.program = micro_batch_program(plan.boundary_tiers)
         self.shape = ModelShape.from_config(adapter.config)
         self.optimizers = optimizers or self._default_optimizers()
         for buf in store:
@@ -98,10 +98,10 @@ class StreamingEngine:
         self.sink = GradSink(self.backend, store, fp32_numel=max(head_numel, store[EMBED].layout.numel))
         self.acts = ActivationStore(self.backend, self.config.spill_dir)
         self._ops = {
-            "embed_fwd": self._embed_fwd, "recompute_embed": self._recompute_embed,
-            "layer_fwd": self._layer_fwd, "recompute_layer": self._recompute_layer,
-            "head": self._head, "fetch": self._fetch, "layer_bwd": self._layer_bwd,
-            "embed_bwd": self._embed_bwd,
+            OpKind.EMBED_FWD: self._embed_fwd, OpKind.RECOMPUTE_EMBED: self._recompute_embed,
+            OpKind.LAYER_FWD: self._layer_fwd, OpKind.RECOMPUTE_LAYER: self._recompute_layer,
+            OpKind.HEAD: self._head, OpKind.FETCH: self._fetch, OpKind.LAYER_BWD: self._layer_bwd,
+            OpKind.EMBED_BWD: self._embed_bwd,
         }
         """The executor's dispatch table: op kind -> method queuing that op."""
         self.steps_skipped = 0
@@ -124,7 +124,8 @@ class StreamingEngine:
 
     def predict_memory(self, micro_batch_size: int, seq_len: int) -> MemoryEstimate:
         elem = torch.empty((), dtype=self.config.compute_dtype).element_size()
-        return predict_peak_device_bytes(self.shape, self.plan, micro_batch_size, seq_len, elem)
+        return predict_peak_device_bytes(self.shape, self.plan, micro_batch_size, seq_len, elem,
+                                         grad_slots=self.backend.asynchronous)
 
     def check(self, micro_batch_size: int, seq_len: int) -> MemoryEstimate:
         """Refuse, before any work, a batch shape whose predicted device peak is over the cap."""
@@ -243,7 +244,7 @@ class StreamingEngine:
 
     def _micro_batch(self, batch: Batch, loss: torch.Tensor, total_tokens: int, final: bool) -> None:
         shape = tuple(batch.input_ids.shape) + (self.adapter.hidden_size,)
-        tiers = self.plan.boundaries
+        tiers = self.plan.boundary_tiers
         self.acts.prepare(_numel(shape), self.config.compute_dtype,
                           sum(t in ("host", "nvme") for t in tiers), tiers.count("nvme"))
         mb = _MicroBatch(shape, loss, total_tokens, final)
@@ -251,9 +252,10 @@ class StreamingEngine:
         ops = self.program
         for n, op in enumerate(ops):
             for ahead in ops[n + 1:n + 3]:
-                if ahead.kind == "fetch":
+                if ahead.kind == OpKind.FETCH:
                     self.acts.prefetch(ahead.index)  # NVMe reads and H2D fetches run ahead
-            self._ops[op.kind](mb, op.index)
+            with torch.profiler.record_function(str(op)):  # lets a memory probe attribute its peak
+                self._ops[op.kind](mb, op.index)
 
     def _start(self, mb: _MicroBatch, batch: Batch) -> None:
         mb.ids = self._to_device(batch.input_ids)
@@ -292,7 +294,7 @@ class StreamingEngine:
     def _layer_fwd(self, mb: _MicroBatch, i: int) -> None:
         h = Ref()
         self.backend.launch(lambda: setattr(h, "value", mb.h))
-        self.acts.store(i, h, mb.shape, self.plan.boundaries[i])
+        self.acts.store(i, h, mb.shape, self.plan.boundary_tiers[i])
         self._layer_no_grad(mb, i, lambda: mb.h, lambda y: setattr(mb, "h", y))
 
     def _recompute_layer(self, mb: _MicroBatch, i: int) -> None:
@@ -375,6 +377,7 @@ class StreamingEngine:
                 for acc, gi in zip(acc_views, g[1:]):
                     acc += gi
                 mb.loss += loss.detach()
+                del g, logits, loss  # free this chunk's grads and logits before the next chunk
             mb.grad_h = grad_h2.view_as(mb.h)
             mb.h = None
             for u in units:
@@ -419,7 +422,7 @@ class StreamingEngine:
         batch, seq_len = input_ids.shape
         self.check_batch(Batch(input_ids, input_ids))
         mb = _MicroBatch(tuple(input_ids.shape) + (ad.hidden_size,), None, 0, False)
-        ops = [Op("embed_fwd")] + [Op("layer_fwd", i) for i in range(ad.num_layers)]
+        ops = forward_program(ad.num_layers)[:-1]  # the head runs on the host below
         units = (EMBED, HEAD) if ad.tied else (HEAD,)
         self.streamer.begin(weight_schedule(ops, ad.tied) + list(units))
         self.backend.launch(lambda: self._start(mb, Batch(input_ids, input_ids)))

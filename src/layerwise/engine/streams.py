@@ -22,7 +22,6 @@ import os
 import queue
 import tempfile
 import threading
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,14 +31,12 @@ import torch
 
 from ..optim.clip import sq_norm
 from ..store import HostStore
+from ..plan.memory import FETCH_SLOTS, GRAD_SLOTS
+from ..plan.program import WeightWindow
 from .backend import DeviceBackend, Event, Ref
 
-GRAD_SLOTS = 2
-"""Device gradient slots: one being filled by the backward while the other is copied out."""
 HOST_GRAD_RING = 2
 """Pinned host buffers gradients land in before the host adds them up."""
-FETCH_SLOTS = 2
-"""Device slots for fetched boundaries: the one in use and the one being fetched ahead."""
 
 
 @dataclass
@@ -50,20 +47,11 @@ class Slot:
     free_after: Event | None = None
 
 
-@dataclass
-class _Resident:
-    slot: int
-    numel: int
-    ready: Event
-    uses: int = 0
-    """Issued or running uses of the unit that still need this copy."""
-
-
 class WeightStreamer:
+    """Weight copies into ``depth + 1`` slots, following the plan's :class:`WeightWindow`."""
+
     def __init__(self, backend: DeviceBackend, store: HostStore, depth: int,
                  wait_update: Callable[[str], None], update_done: Callable[[str], bool]):
-        if depth < 1:
-            raise ValueError(f"prefetch_depth must be >= 1, got {depth}")
         self.backend = backend
         self.store = store
         self.depth = depth
@@ -71,80 +59,50 @@ class WeightStreamer:
         """Blocks until a unit's host weights are final (its optimizer update is done)."""
         self.update_done = update_done
         numel = max(b.copy_source.numel() for b in store)
-        dtype = store.compute_dtype
-        self.slots = [Slot(backend.alloc(numel, dtype)) for _ in range(depth + 1)]
-        self._free = list(range(len(self.slots)))
-        self._schedule: deque[str] = deque()
-        self._issued: deque[str] = deque()  # uses copied (or in flight), not yet acquired
-        self._resident: dict[str, _Resident] = {}
+        self.slots = [Slot(backend.alloc(numel, store.compute_dtype)) for _ in range(depth + 1)]
+        self._window: WeightWindow | None = None
+        self._ready: dict[str, Event] = {}  # unit -> its copy's event, while it holds a slot
         self.loads = 0
         """Weight copies issued so far (a unit needed again inside the window is not recopied)."""
 
     def begin(self, schedule: list[str]) -> None:
         assert self.finished(), "previous schedule not finished"
-        self._schedule = deque(schedule)
-        self._prefetch()
+        self._window = WeightWindow(schedule, self.depth)
+        self._copy(self._window.fill(self.update_done))
 
-    def _issue(self, block: bool) -> bool:
-        """Issue the next use of the schedule; False when it must wait (update or slot)."""
-        unit = self._schedule[0]
-        res = self._resident.get(unit)
-        if res is None:
-            if not self._free:
-                return False
-            if not self.update_done(unit):
-                if not block:
-                    return False
-                self.wait_update(unit)
+    def _copy(self, copies: list[tuple[str, int]]) -> None:
+        for unit, slot in copies:
             src = self.store[unit].copy_source
-            slot = self._free.pop(0)
             dst = self.slots[slot].buffer[:src.numel()]
-            ready = self.backend.copy_h2d(dst, src, after=[self.slots[slot].free_after])
-            res = self._resident[unit] = _Resident(slot, src.numel(), ready)
+            self._ready[unit] = self.backend.copy_h2d(dst, src, after=[self.slots[slot].free_after])
             self.loads += 1
-        res.uses += 1
-        self._issued.append(self._schedule.popleft())
-        return True
-
-    def _prefetch(self) -> None:
-        while self._schedule and len(self._issued) < self.depth and self._issue(block=False):
-            pass
 
     def acquire(self, unit: str) -> torch.Tensor:
-        """The device copy of ``unit``'s weights for the op about to be queued."""
-        if not self._issued:
-            ok = self._issue(block=True)
-            assert ok, "no free weight slot for the op's own unit: more units in use than slots"
-        got = self._issued.popleft()
-        assert got == unit, f"weight schedule out of step: expected {got}, asked for {unit}"
-        res = self._resident[unit]
-        self.backend.wait([res.ready])
-        self._prefetch()
-        return self.slots[res.slot].buffer[:res.numel]
+        """The device copy of ``unit``'s weights for the op about to be queued. Waits (on the
+        host) only for this unit's own update; prefetches skip units whose update is running."""
+        if unit not in self._ready:
+            self.wait_update(unit)
+        self._copy(self._window.acquire(unit, self.update_done))
+        self.backend.wait([self._ready[unit]])  # compute reads the slot after the copy lands
+        return self.slots[self._window.slot(unit)].buffer[:self.store[unit].copy_source.numel()]
 
     def release(self, unit: str) -> None:
         """The op using ``unit`` has been queued; its slot is free once compute passes here."""
-        res = self._resident[unit]
-        res.uses -= 1
-        if res.uses == 0:
-            del self._resident[unit]
-            self.slots[res.slot].free_after = self.backend.record()
-            self._free.append(res.slot)
-            self._free.sort()
-        self._prefetch()
+        slot = self._window.release(unit)
+        if slot is not None:
+            del self._ready[unit]
+            self.slots[slot].free_after = self.backend.record()
+        self._copy(self._window.fill(self.update_done))
 
     def reset(self) -> None:
-        """Forget the rest of the schedule (a step failed)."""
-        for res in self._resident.values():
-            self.slots[res.slot].free_after = None
-            self._free.append(res.slot)
-        self._free.sort()
-        self._resident.clear()
-        self._issued.clear()
-        self._schedule.clear()
+        """Forget the rest of the schedule (a step failed; the lanes are idle)."""
+        self._window = None
+        self._ready.clear()
+        for s in self.slots:
+            s.free_after = None
 
     def finished(self) -> bool:
-        return not self._schedule and not self._issued and not self._resident
+        return self._window is None or self._window.finished()
 
 
 class _HostRing:

@@ -18,7 +18,7 @@ def baseline_tiers(num_layers: int) -> dict[str, list[str]]:
     """Name -> boundary tiers of every baseline."""
     out = {}
     for k in EVERY_K:
-        out[f"every-{k}"] = Plan.every_k(num_layers, k).boundaries
+        out[f"every-{k}"] = Plan.every_k(num_layers, k).boundary_tiers
     out["keep-all-device"] = ["device"] * num_layers
     out["recompute-all"] = ["recompute"] * num_layers
     return out

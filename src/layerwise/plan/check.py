@@ -21,6 +21,7 @@ import numpy as np
 
 from .shape import ModelShape
 from .hardware import HardwareProfile
+from .program import OpKind
 from .simulator import LANES, SimResult
 
 EPS = 1e-9
@@ -103,26 +104,36 @@ def check(sim: SimResult, shape: ModelShape, hw: HardwareProfile) -> CheckReport
     def covered(key: str, s: float, e: float) -> bool:
         return any(a.start <= s + EPS and a.end >= e - EPS for a in allocs_by_label.get(key, ()))
 
+    slot_copies: dict[int, list] = defaultdict(list)  # weight slot -> copies into it, by start
+    for iv in sim.intervals:
+        if iv.label.startswith("w "):
+            slot_copies[int(iv.label.rsplit("@", 1)[1])].append(iv)
+    for ivs in slot_copies.values():
+        ivs.sort(key=lambda c: c.start)
     for op in sim.op_log:
         s, e = op["start"], op["end"]
-        for u in op["units"]:
-            if not covered(f"weights {u}", s, e):
-                v.append(f"{op['kind']} {op['index']} (step {op['step']}, mb {op['mb']}): weights of {u} not on device")
-            elif not any(c.end <= s + EPS and c.start <= s for c in copies.get(f"w {u}", ())):
-                v.append(f"{op['kind']} {op['index']}: weights of {u} not copied in before it starts")
-        if op["kind"] in ("layer_bwd", "recompute_layer"):
+        for u, slot in zip(op["units"], op["slots"]):
+            into = slot_copies.get(slot, ())
+            last = [c for c in into if c.start <= s + EPS]
+            if not last or last[-1].label.split(" @")[0] != f"w {u}" or last[-1].end > s + EPS:
+                v.append(f"{op['kind']} {op['index']} (step {op['step']}, mb {op['mb']}): weights of {u} "
+                         f"not in slot {slot} when it starts")
+            elif any(s + EPS < c.start < e - EPS for c in into):
+                v.append(f"{op['kind']} {op['index']}: slot {slot} overwritten while it runs")
+        if op["kind"] in (OpKind.LAYER_BWD, OpKind.RECOMPUTE_LAYER):
             i = op["index"]
             if not covered(f"boundary {i}", s, e):
                 v.append(f"{op['kind']} {i} (step {op['step']}, mb {op['mb']}): input boundary {i} not on device")
-        if op["kind"] == "layer_bwd" and plan.boundaries[op["index"]] in ("host", "nvme"):
+        if op["kind"] == OpKind.LAYER_BWD and plan.boundary_tiers[op["index"]] in ("host", "nvme"):
             i = op["index"]
-            if not any(c.end <= s + EPS for c in copies.get(f"fetch b{i}", ())):
+            if not any(c.end <= s + EPS for c in copies.get(f"{OpKind.FETCH} b{i}", ())):
                 v.append(f"layer_bwd {i}: boundary {i} not fetched before use")
 
     # 4. ordering of the offload chain: offload -> fetch; nvme write -> read (k-th with k-th)
-    for i, tier in enumerate(plan.boundaries):
-        pairs = [("offload", "fetch")] if tier == "host" else (
-            [("offload", "nvme write"), ("nvme write", "nvme read"), ("nvme read", "fetch")] if tier == "nvme" else [])
+    for i, tier in enumerate(plan.boundary_tiers):
+        pairs = [("offload", OpKind.FETCH)] if tier == "host" else (
+            [("offload", "nvme write"), ("nvme write", "nvme read"), ("nvme read", OpKind.FETCH)]
+            if tier == "nvme" else [])
         for first, then in pairs:
             xs = sorted(copies.get(f"{first} b{i}", ()), key=lambda c: c.start)
             ys = sorted(copies.get(f"{then} b{i}", ()), key=lambda c: c.start)
@@ -138,8 +149,9 @@ def check(sim: SimResult, shape: ModelShape, hw: HardwareProfile) -> CheckReport
     updates = {(iv.step, iv.label[len("update "):]): iv.end for iv in sim.intervals if iv.label.startswith("update ")}
     for iv in sim.intervals:
         if iv.label.startswith("w ") and iv.step > 0:
-            done = updates.get((iv.step - 1, iv.label[2:]))
+            unit = iv.label[2:].split(" @")[0]
+            done = updates.get((iv.step - 1, unit))
             if done is None or iv.start < done - EPS:
-                v.append(f"step {iv.step}: weights of {iv.label[2:]} copied before their update finished")
+                v.append(f"step {iv.step}: weights of {unit} copied before their update finished")
                 break
     return CheckReport(not v, v, peaks)

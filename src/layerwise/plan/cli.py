@@ -89,7 +89,7 @@ def plan_command(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2, default=str))
         return 0
     p = res.plan
-    counts = {t: p.boundaries.count(t) for t in ("device", "host", "nvme", "recompute") if t in p.boundaries}
+    counts = {t: p.boundary_tiers.count(t) for t in ("device", "host", "nvme", "recompute") if t in p.boundary_tiers}
     n8 = (p.moments or []).count("8bit")
     print(f"{shape.name} ({shape.num_params / 1e9:.2f}B params, {shape.num_layers} layers) on {hw.name}: "
           f"device {_gb(hw.device_cap_bytes)} GB usable, host {_gb(hw.host_cap_bytes)} GB usable; "

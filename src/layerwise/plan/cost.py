@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from . import memory
 from .hardware import HardwareProfile
+from .program import EMBED_OPS, OpKind
 from .shape import ModelShape
 
 # Host store bytes per parameter (layerwise.store.HostStore + optimizer state).
@@ -93,14 +94,14 @@ class CostModel:
         """Embedding gather or scatter-add: memory-bound and tiny; only the op overhead counts."""
         return self.hw.op_overhead_s
 
-    def op_s(self, kind: str, i: int = -1) -> float:
-        if kind in ("layer_fwd", "recompute_layer"):
+    def op_s(self, kind: OpKind, i: int = -1) -> float:
+        if kind in (OpKind.LAYER_FWD, OpKind.RECOMPUTE_LAYER):
             return self.layer_fwd_s(i)
-        if kind == "layer_bwd":
+        if kind == OpKind.LAYER_BWD:
             return self.layer_bwd_s(i)
-        if kind == "head":
+        if kind == OpKind.HEAD:
             return self.head_s
-        if kind in ("embed_fwd", "recompute_embed", "embed_bwd"):
+        if kind in EMBED_OPS:
             return self.embed_s
         return 0.0  # fetch: a copy, not compute
 
@@ -143,7 +144,7 @@ class CostModel:
         """What autograd keeps for one layer's backward (the engine's formula)."""
         return memory.layer_workspace_bytes(self.shape, self.tokens, self.elem_bytes)
 
-    def op_transient_bytes(self, kind: str, i: int = -1) -> int:
+    def op_transient_bytes(self, kind: OpKind, i: int = -1) -> int:
         """Device bytes an op holds only while it runs (inputs, outputs, grads, workspace)."""
         return memory.op_transient_bytes(self.shape, kind, i, self.tokens, self.elem_bytes,
                                          self.head_chunk_tokens)

@@ -1,20 +1,31 @@
-"""Device memory of a plan: walk the step program, add up what each op holds.
+"""Device memory of a plan: the slots the engine allocates once, plus what each op holds.
 
-Live across ops: weight buffers (the op's units plus ``prefetch_depth`` uses ahead), stored
-boundary activations (device tier until their layer's backward; host/NVMe ones from their
-fetch; recomputed ones from their recompute). Transient within an op: the op's inputs,
-outputs, gradients and autograd workspace. The peak is the largest sum over the ops.
+Slots (allocated when the engine is built or at its first step, never again; the engine reads
+their counts from here): ``prefetch_depth + 1`` weight slots sized for the largest unit; on an
+asynchronous device ``GRAD_SLOTS`` gradient slots of the same size; ``FETCH_SLOTS`` slots for
+boundaries fetched back from host memory or NVMe. Live across ops: boundaries kept on the
+device (until their layer's backward) and recomputed ones. Transient within an op: its inputs,
+outputs, gradients, autograd workspace, the head's logits and fp32 gradient accumulators. The
+peak is the largest sum over the ops.
 
 The engine checks plans with this before training; the planner's cost model and simulator use
-the same transients, so both agree on what fits.
+the same slots and transients, so all three agree on what fits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from ..models.names import EMBED, HEAD, layer_unit
 from .plan import Plan
-from .program import micro_batch_program, weight_schedule
+from .program import OpKind, micro_batch_program
 from .shape import ModelShape
+
+
+GRAD_SLOTS = 2
+"""Device gradient slots: one being filled by a backward while the other is copied out."""
+FETCH_SLOTS = 2
+"""Device slots for fetched boundaries: the one in use and the one being fetched ahead."""
 
 
 @dataclass
@@ -41,56 +52,76 @@ def layer_workspace_bytes(shape: ModelShape, tokens: int, elem_bytes: int) -> in
     return tokens * per_token * elem_bytes
 
 
-def op_transient_bytes(shape: ModelShape, kind: str, i: int, tokens: int, elem_bytes: int,
+def op_transient_bytes(shape: ModelShape, kind: OpKind, i: int, tokens: int, elem_bytes: int,
                        head_chunk_tokens: int) -> int:
     """Device bytes an op holds only while it runs (inputs, outputs, grads, workspace)."""
     a = tokens * shape.hidden_size * elem_bytes  # one boundary activation
-    if kind in ("embed_fwd", "recompute_embed"):
+    if kind in (OpKind.EMBED_FWD, OpKind.RECOMPUTE_EMBED):
         return a
-    if kind in ("layer_fwd", "recompute_layer"):
+    if kind in (OpKind.LAYER_FWD, OpKind.RECOMPUTE_LAYER):
         # input + output + the MLP's widest intermediates (no graph kept)
         return 2 * a + tokens * 2 * shape.intermediate_size * elem_bytes
-    if kind == "head":
+    if kind == OpKind.HEAD:
         chunk = min(head_chunk_tokens, tokens)
-        grads = (shape.unit_params("head") + (shape.unit_params("embed") if shape.tied else 0)) * elem_bytes
-        # logits in compute dtype, their fp32 copy and its gradient
-        return 2 * a + grads + chunk * shape.vocab_size * (elem_bytes + 8)
-    if kind == "layer_bwd":
-        return (3 * a + shape.unit_params(f"layers.{i}") * elem_bytes
+        params = shape.unit_params(HEAD) + (shape.unit_params(EMBED) if shape.tied else 0)
+        # fp32 accumulators + one chunk's grads; logits in the compute dtype, their fp32 copy
+        # (none when that is fp32 already), the log-softmax output and its gradient
+        fp32_copy = 0 if elem_bytes == 4 else 4
+        return 2 * a + params * (4 + elem_bytes) + chunk * shape.vocab_size * (elem_bytes + fp32_copy + 8)
+    if kind == OpKind.LAYER_BWD:
+        return (3 * a + shape.unit_params(layer_unit(i)) * elem_bytes
                 + layer_workspace_bytes(shape, tokens, elem_bytes))
-    if kind == "embed_bwd":
-        return a + shape.unit_params("embed") * elem_bytes
+    if kind == OpKind.EMBED_BWD:
+        return a + shape.unit_params(EMBED) * elem_bytes
     return 0  # fetch
 
 
-def predict_peak_device_bytes(shape: ModelShape, plan: Plan, micro_batch_size: int,
-                              seq_len: int, elem_bytes: int) -> MemoryEstimate:
+def slot_bytes(shape: ModelShape, plan: Plan, micro_batch_size: int, seq_len: int, elem_bytes: int,
+               grad_slots: bool = True) -> dict[str, int]:
+    """Device bytes of the engine's slots by kind (``grad_slots``: an asynchronous device)."""
+    largest_unit = max(shape.unit_params(u) for u in shape.unit_names()) * elem_bytes
+    boundary = micro_batch_size * seq_len * shape.hidden_size * elem_bytes
+    offloaded = sum(t in ("host", "nvme") for t in plan.boundary_tiers)
+    return {
+        "weight_slots": (plan.prefetch_depth + 1) * largest_unit,
+        "grad_slots": GRAD_SLOTS * largest_unit if grad_slots else 0,
+        "fetch_slots": min(FETCH_SLOTS, offloaded) * boundary,
+    }
+
+
+def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, seq_len: int,
+                        elem_bytes: int, grad_slots: bool = True) -> list[MemoryEstimate]:
+    """What the device holds at each op of the program (its peak within the op), in program order."""
     tokens = micro_batch_size * seq_len
     boundary = tokens * shape.hidden_size * elem_bytes
-    unit_bytes = {u: shape.unit_params(u) * elem_bytes for u in shape.unit_names()}
-    ops = micro_batch_program(plan.boundaries)
-    schedule = weight_schedule(ops, shape.tied)
+    slots = sum(slot_bytes(shape, plan, micro_batch_size, seq_len, elem_bytes, grad_slots).values())
+    windows = [w for w in shape.layer_windows if w is not None and w < seq_len]
+    mask = seq_len * seq_len if windows else 0  # a boolean band mask for the windowed layers
+    ops = micro_batch_program(plan.boundary_tiers)
     stored: set[int] = set()
-    cursor = 0  # position in the weight schedule
-    best = MemoryEstimate(0, "", {})
+    out = []
     for op in ops:
-        units = op.units(shape.tied)
-        window = schedule[cursor:cursor + len(units) + plan.prefetch_depth]
-        weights = sum(unit_bytes[u] for u in set(window))
-        cursor += len(units)
         k, i = op.kind, op.index
-        if k == "layer_fwd" and plan.boundaries[i] == "device":
+        if k == OpKind.LAYER_FWD and plan.boundary_tiers[i] == "device":
             stored.add(i)
-        elif k == "fetch" or k == "recompute_embed":
-            stored.add(max(i, 0))
-        elif k == "recompute_layer":
+        elif k == OpKind.RECOMPUTE_EMBED:
+            stored.add(0)
+        elif k == OpKind.RECOMPUTE_LAYER:
             stored.add(i + 1)
-        transient = op_transient_bytes(shape, k, i, tokens, elem_bytes, plan.head_chunk_tokens)
+        transient = op_transient_bytes(shape, k, i, tokens, elem_bytes, plan.head_chunk_tokens) + mask
         acts = len(stored) * boundary
-        total = weights + acts + transient
-        if total > best.peak_bytes:
-            best = MemoryEstimate(total, str(op), {
-                "weights": weights, "activations": acts, "transient": transient})
-        if k == "layer_bwd":
+        out.append(MemoryEstimate(slots + acts + transient, str(op), {
+            "slots": slots, "activations": acts, "transient": transient}))
+        if k == OpKind.LAYER_BWD:
             stored.discard(i)
+    return out
+
+
+def predict_peak_device_bytes(shape: ModelShape, plan: Plan, micro_batch_size: int,
+                              seq_len: int, elem_bytes: int, grad_slots: bool = True) -> MemoryEstimate:
+    """The largest of :func:`device_bytes_per_op` (the first op to reach it)."""
+    best = MemoryEstimate(0, "", {})
+    for est in device_bytes_per_op(shape, plan, micro_batch_size, seq_len, elem_bytes, grad_slots):
+        if est.peak_bytes > best.peak_bytes:
+            best = est
     return best

@@ -18,10 +18,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..models.names import EMBED, layer_unit
 from .cost import CostModel
 from .shape import ModelShape
 from .hardware import HardwareProfile
 from .plan import Plan
+from .memory import FETCH_SLOTS, GRAD_SLOTS
+from .program import Op, OpKind
 
 ALL_TIERS = ("device", "host", "nvme", "recompute")
 MS = 1e3  # the solver works in milliseconds (better-scaled coefficients)
@@ -69,7 +72,7 @@ class StepModel:
         cost = self.cost = CostModel(shape, hw, micro_batch_size, seq_len, head_chunk_tokens)
         L = self.L = shape.num_layers
         a = self.a_bytes = cost.boundary_bytes
-        lw = [cost.unit_weight_bytes(f"layers.{i}") for i in range(L)]
+        lw = [cost.unit_weight_bytes(layer_unit(i)) for i in range(L)]
         self.c_fwd = [cost.layer_fwd_s(i) for i in range(L)]
         self.w_in = [cost.h2d_s(b) for b in lw]
         self.a_out = cost.d2h_s(a)
@@ -79,10 +82,9 @@ class StepModel:
         self.b_lb = [max(cost.layer_bwd_s(i), self.w_in[i], cost.d2h_s(lw[i])) for i in range(L)]
         # the host accumulation lane queues: it only has to keep up over a whole micro-batch
         self.accumulate = sum(cost.grad_accumulate_s(u) for u in shape.unit_names()) + (
-            cost.grad_accumulate_s("embed") if shape.tied else 0.0)
-        emb_w = cost.unit_weight_bytes("embed")
-        head_units = ["head"] + (["embed"] if shape.tied else [])
-        head_w = sum(cost.unit_weight_bytes(u) for u in head_units)
+            cost.grad_accumulate_s(EMBED) if shape.tied else 0.0)
+        emb_w = cost.unit_weight_bytes(EMBED)
+        head_w = sum(cost.unit_weight_bytes(u) for u in Op(OpKind.HEAD).units(shape.tied))
         self.e_fwd = max(cost.embed_s, cost.h2d_s(emb_w))
         self.head = max(cost.head_s, cost.h2d_s(head_w), cost.d2h_s(head_w))
         self.e_bwd = max(cost.embed_s, cost.h2d_s(emb_w), cost.d2h_s(emb_w))
@@ -90,7 +92,7 @@ class StepModel:
         # with that layer's weights streamed again
         self.recompute = [self.e_fwd] + [max(self.c_fwd[k - 1], self.w_in[k - 1]) for k in range(1, L)]
         # after the last backward: the last gradient lands, then the optimizer starts
-        self.tail = cost.d2h_s(emb_w) + cost.grad_accumulate_s("embed")
+        self.tail = cost.d2h_s(emb_w) + cost.grad_accumulate_s(EMBED)
         units = shape.unit_names()
         mom = moments or ["fp32"] * len(units)
         opt = [cost.optimizer_s(u, m) for u, m in zip(units, mom)]
@@ -102,21 +104,15 @@ class StepModel:
         self.opt_embed_ready = cum[0] + cost.h2d_s(emb_w)
         # next step: layer k's forward can end no earlier than its update + its copy + its compute
         self.opt_layer_done = [cum[1 + k] + self.w_in[k] + self.c_fwd[k] for k in range(L)]
-        # device memory: each op's weight window (its units + the next `prefetch_depth` uses)
-        # plus its transient; the weight schedule after layer_bwd i is layers i-1..0, embed
-        # (its embed_bwd), then the next micro-batch's embed and layers 0..
-        d = prefetch_depth
+        # device memory at the head and at each layer's backward: the engine's slots (fetch
+        # slots counted whatever the tiers, so the constants do not depend on them) plus the op's
+        # transient
         self.dev_cap = hw.device_cap_bytes
-        after_bwd = [f"layers.{k}" for k in range(L - 1, -1, -1)] + ["embed", "embed"] + \
-            [f"layers.{k}" for k in range(L)] + ["head"]
-        def window(units_now: list[str], ahead: list[str]) -> int:
-            return sum(cost.unit_weight_bytes(u) for u in set(units_now) | set(ahead[:d]))
-        # the previous op's gradient may still be on its way to the host (held until copied)
-        head_grad = sum(cost.grad_bytes(u) for u in head_units)
-        self.c_bwd_mem = [window([f"layers.{i}"], after_bwd[L - i:]) + cost.op_transient_bytes("layer_bwd", i)
-                          + (head_grad if i == L - 1 else cost.grad_bytes(f"layers.{i + 1}"))
-                          for i in range(L)]
-        self.c_head_mem = window(head_units, after_bwd) + cost.op_transient_bytes("head")
+        largest_w = max(cost.unit_weight_bytes(u) for u in units)
+        slots = ((self.prefetch_depth + 1) * largest_w + (0 if hw.synchronous else GRAD_SLOTS * largest_w)
+                 + FETCH_SLOTS * a)
+        self.c_bwd_mem = [slots + cost.op_transient_bytes(OpKind.LAYER_BWD, i) for i in range(L)]
+        self.c_head_mem = slots + cost.op_transient_bytes(OpKind.HEAD)
         self.host_budget = hw.host_cap_bytes - cost.host_store_bytes(moments)
         self.nvme_cap = hw.nvme_capacity_bytes
         self.nvme_rw = a / (hw.nvme_write_gbps * 1e9) + a / (hw.nvme_read_gbps * 1e9)

@@ -26,12 +26,13 @@ from ..util.atomic import atomic_write_text
 TIERS = ("device", "host", "nvme", "recompute")
 STORED_TIERS = ("device", "host", "nvme")
 MOMENT_KINDS = ("fp32", "8bit")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the tiers are ``boundary_tiers`` (version 1 called them ``boundaries``; still read)."""
 
 
 @dataclass
 class Plan:
-    boundaries: list[str]
+    boundary_tiers: list[str]
     """Tier of each layer-input boundary, length ``num_layers``."""
     micro_batch_size: int = 1
     """Sequences per micro-batch."""
@@ -56,15 +57,15 @@ class Plan:
 
     @property
     def num_layers(self) -> int:
-        return len(self.boundaries)
+        return len(self.boundary_tiers)
 
     def validate(self, num_layers: int | None = None) -> None:
-        bad = [t for t in self.boundaries if t not in TIERS]
+        bad = [t for t in self.boundary_tiers if t not in TIERS]
         if bad:
             raise ValueError(f"plan has unknown boundary tiers {sorted(set(bad))}; allowed: {TIERS}")
-        if num_layers is not None and len(self.boundaries) != num_layers:
+        if num_layers is not None and len(self.boundary_tiers) != num_layers:
             raise ValueError(
-                f"plan is for {len(self.boundaries)} layers but the model has {num_layers}; "
+                f"plan is for {len(self.boundary_tiers)} layers but the model has {num_layers}; "
                 "make a plan for this model (layerwise plan --model ...)"
             )
         for name in ("micro_batch_size", "num_micro_batches", "prefetch_depth", "head_chunk_tokens"):
@@ -108,6 +109,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
+        d = _upgrade(d)
         known = set(cls.__dataclass_fields__)
         unknown = set(d) - known
         if unknown:
@@ -126,3 +128,18 @@ class Plan:
         except json.JSONDecodeError as e:
             raise ValueError(f"plan file {path} is not valid JSON: {e}") from None
         return cls.from_dict(d)
+
+
+def _upgrade(d: dict[str, Any]) -> dict[str, Any]:
+    """A plan dict of an older format in the current one, so old plan files keep loading.
+
+    Version 1 named the tiers ``boundaries`` (a file without ``format_version`` that has that key
+    is version 1, the only version that wrote it). Other versions pass through unchanged;
+    :meth:`Plan.validate` refuses those it does not know.
+    """
+    version = d.get("format_version", 1 if "boundaries" in d else FORMAT_VERSION)
+    if version != 1:
+        return d
+    out = {("boundary_tiers" if k == "boundaries" else k): v for k, v in d.items()}
+    out["format_version"] = FORMAT_VERSION
+    return out

@@ -4,7 +4,7 @@ It is plain data (no tensors), so the same list drives the engine's executor, it
 prefetch schedule, the device-memory prediction and the planner's simulator: what is predicted
 is what runs.
 
-Op kinds (``i`` is a layer index):
+Op kinds (``i`` is a layer index), the members of :class:`OpKind`:
 
 - ``embed_fwd``: embedding of the input ids -> boundary 0;
 - ``layer_fwd i``: layer i forward (no graph); its input boundary i is stored per the plan first;
@@ -14,64 +14,213 @@ Op kinds (``i`` is a layer index):
 - ``recompute_layer i``: layer i forward (no graph) to rebuild boundary i+1;
 - ``layer_bwd i``: layer i forward with a graph + backward; grads to the host;
 - ``embed_bwd``: embedding backward; grads to the host.
+
+The weight window (:class:`WeightWindow`) is the one rule for which weight buffers the device
+holds at each op: the engine's streamer makes the copies it names, the simulator times them,
+and the memory model and the MILP count their bytes (:func:`weight_windows`).
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
+
+from ..models.names import EMBED, HEAD, layer_unit
+
+
+class OpKind(str, Enum):
+    """What an op does. A ``str`` subclass whose ``str()`` is its value, so logs, labels and
+    JSON read ``layer_bwd``, exactly as when kinds were plain strings."""
+
+    EMBED_FWD = "embed_fwd"
+    LAYER_FWD = "layer_fwd"
+    HEAD = "head"
+    FETCH = "fetch"
+    RECOMPUTE_EMBED = "recompute_embed"
+    RECOMPUTE_LAYER = "recompute_layer"
+    LAYER_BWD = "layer_bwd"
+    EMBED_BWD = "embed_bwd"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+EMBED_OPS = (OpKind.EMBED_FWD, OpKind.RECOMPUTE_EMBED, OpKind.EMBED_BWD)
+"""Ops that run the embedding (its weights on the device)."""
+LAYER_OPS = (OpKind.LAYER_FWD, OpKind.RECOMPUTE_LAYER, OpKind.LAYER_BWD)
+"""Ops that run decoder layer ``index``."""
+RECOMPUTE_OPS = (OpKind.RECOMPUTE_EMBED, OpKind.RECOMPUTE_LAYER)
+"""Ops that exist only because the plan dropped a boundary."""
 
 
 @dataclass(frozen=True)
 class Op:
-    kind: str
+    kind: OpKind
     index: int = -1
 
     def units(self, tied: bool) -> tuple[str, ...]:
         """Units whose weights this op needs on the device, in order of first use."""
-        if self.kind in ("embed_fwd", "recompute_embed", "embed_bwd"):
-            return ("embed",)
-        if self.kind in ("layer_fwd", "recompute_layer", "layer_bwd"):
-            return (f"layers.{self.index}",)
-        if self.kind == "head":
-            return ("embed", "head") if tied else ("head",)
+        if self.kind in EMBED_OPS:
+            return (EMBED,)
+        if self.kind in LAYER_OPS:
+            return (layer_unit(self.index),)
+        if self.kind == OpKind.HEAD:
+            return (EMBED, HEAD) if tied else (HEAD,)
+        return ()
+
+    def grad_units(self, tied: bool) -> tuple[str, ...]:
+        """Units whose gradient this op sends to the host, in the order it sends them (a tied
+        head sends the lm_head's share of the embedding gradient after its own)."""
+        if self.kind == OpKind.LAYER_BWD:
+            return (layer_unit(self.index),)
+        if self.kind == OpKind.HEAD:
+            return (HEAD, EMBED) if tied else (HEAD,)
+        if self.kind == OpKind.EMBED_BWD:
+            return (EMBED,)
         return ()
 
     def __str__(self) -> str:
-        return self.kind if self.index < 0 else f"{self.kind} {self.index}"
+        return str(self.kind) if self.index < 0 else f"{self.kind} {self.index}"
+
+
+def forward_program(num_layers: int) -> list[Op]:
+    """The forward half: embedding, every layer, then the head (also what inference runs)."""
+    return [Op(OpKind.EMBED_FWD)] + [Op(OpKind.LAYER_FWD, i) for i in range(num_layers)] + [Op(OpKind.HEAD)]
 
 
 def micro_batch_program(tiers: list[str]) -> list[Op]:
     """The ops of one micro-batch for the boundary tiers of a plan."""
     num_layers = len(tiers)
-    ops = [Op("embed_fwd")]
-    ops += [Op("layer_fwd", i) for i in range(num_layers)]
-    ops.append(Op("head"))
+    ops = forward_program(num_layers)
     on_device: set[int] = set()  # boundaries present on the device during the backward
     for i in reversed(range(num_layers)):
         if i not in on_device:
             if tiers[i] != "recompute":
-                ops.append(Op("fetch", i))
+                ops.append(Op(OpKind.FETCH, i))
                 on_device.add(i)
             else:
                 below = [j for j in range(i) if tiers[j] != "recompute"]
                 if below:
                     j = below[-1]
                     if j not in on_device:
-                        ops.append(Op("fetch", j))
+                        ops.append(Op(OpKind.FETCH, j))
                         on_device.add(j)
                 else:
                     j = 0
-                    ops.append(Op("recompute_embed"))
+                    ops.append(Op(OpKind.RECOMPUTE_EMBED))
                     on_device.add(0)
                 for k in range(j, i):
-                    ops.append(Op("recompute_layer", k))
+                    ops.append(Op(OpKind.RECOMPUTE_LAYER, k))
                     on_device.add(k + 1)
-        ops.append(Op("layer_bwd", i))
+        ops.append(Op(OpKind.LAYER_BWD, i))
         on_device.discard(i)
-    ops.append(Op("embed_bwd"))
+    ops.append(Op(OpKind.EMBED_BWD))
     return ops
 
 
 def weight_schedule(ops: list[Op], tied: bool) -> list[str]:
     """Units in the order the ops need them (a unit used by consecutive ops appears once each)."""
     return [u for op in ops for u in op.units(tied)]
+
+
+class WeightWindow:
+    """Which weight slots the device holds, use by use, for a weight schedule and a prefetch depth.
+
+    Plain bookkeeping (no tensors, no clock), so the engine's streamer, the memory model and the
+    simulator cannot disagree on it. The device has ``depth + 1`` weight slots. The window holds
+    the next ``depth`` uses of the schedule beyond the ones running (depth 1 = double buffering),
+    as far as free slots allow: a use whose unit needs a copy waits for a slot (a tied head,
+    which runs the embedding and the head at once, delays the next prefetch until one is
+    released). A slot lives from the use that first needs its unit until the release of the last
+    use holding it, so a unit needed again inside the window is copied once. Slots are handed
+    out lowest index first.
+    """
+
+    def __init__(self, schedule: list[str], depth: int):
+        if depth < 1:
+            raise ValueError(f"prefetch_depth must be >= 1, got {depth}")
+        self.depth = depth
+        self.num_slots = depth + 1
+        self._ahead: deque[str] = deque(schedule)
+        """Uses not yet in the window."""
+        self._window: deque[str] = deque()
+        """Uses prefetched, not yet acquired."""
+        self._refs: dict[str, int] = {}
+        """Unit -> uses holding its slot (prefetched or running); a unit here has a slot."""
+        self._slot_of: dict[str, int] = {}
+        self._free = list(range(self.num_slots))
+
+    def next_use(self) -> str | None:
+        return self._ahead[0] if self._ahead else None
+
+    def fill(self, ready: Callable[[str], bool] | None = None) -> list[tuple[str, int]]:
+        """Pull uses into the window until ``depth`` are prefetched, a use needs a slot and none
+        is free, or (``ready``) a unit to copy is not ready; returns the copies to start now
+        (unit, slot), in schedule order."""
+        copies = []
+        while len(self._window) < self.depth and self._ahead:
+            unit = self._ahead[0]
+            if unit not in self._refs:
+                if not self._free or (ready is not None and not ready(unit)):
+                    break
+                slot = self._free.pop(0)
+                self._slot_of[unit] = slot
+                self._refs[unit] = 0
+                copies.append((unit, slot))
+            self._ahead.popleft()
+            self._refs[unit] += 1
+            self._window.append(unit)
+        return copies
+
+    def acquire(self, unit: str, ready: Callable[[str], bool] | None = None) -> list[tuple[str, int]]:
+        """Start the next use, which must be ``unit``; returns the copies this starts: its own if it
+        was not prefetched (the caller made sure it is ready), then the prefetch."""
+        copies = []
+        if not self._window:
+            copies = self.fill()
+            assert self._window, "no free weight slot for an op's own unit"
+        got = self._window.popleft()
+        assert got == unit, f"weight schedule out of step: expected {got}, asked for {unit}"
+        return copies + self.fill(ready)
+
+    def slot(self, unit: str) -> int:
+        return self._slot_of[unit]
+
+    def release(self, unit: str) -> int | None:
+        """End a use of ``unit``; the slot it frees (no use left holds it), else None. Call
+        :meth:`fill` after: a freed slot may let the prefetch go on."""
+        self._refs[unit] -= 1
+        if self._refs[unit]:
+            return None
+        del self._refs[unit]
+        slot = self._slot_of.pop(unit)
+        self._free.append(slot)
+        self._free.sort()
+        return slot
+
+    def resident(self) -> frozenset[str]:
+        """Units whose slots hold (or are receiving) their weights now."""
+        return frozenset(self._refs)
+
+    def finished(self) -> bool:
+        return not self._ahead and not self._window and not self._refs
+
+
+def weight_windows(ops: list[Op], tied: bool, depth: int, then: list[str] | None = None) -> list[frozenset[str]]:
+    """Per op, the units whose weights are on the device while it runs: its own and the next
+    ``depth`` uses of the schedule, which continues into ``then`` (the uses after these ops,
+    e.g. the next micro-batch's; None: the schedule ends with the ops)."""
+    window = WeightWindow(weight_schedule(ops, tied) + list(then or ()), depth)
+    window.fill()
+    out = []
+    for op in ops:
+        units = op.units(tied)
+        for u in units:
+            window.acquire(u)
+        out.append(window.resident())
+        for u in units:
+            window.release(u)
+        window.fill()
+    return out

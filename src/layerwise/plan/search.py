@@ -187,9 +187,9 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
         for name, tiers in rules.items():
             plan = Plan(list(tiers), source=name, **kw)
             cands.append(Candidate(name, plan, simulate_fast(plan, shape, hw)))
-        fitting = [c for c in cands if c.fits and model.evaluate(c.plan.boundaries).feasible]
+        fitting = [c for c in cands if c.fits and model.evaluate(c.plan.boundary_tiers).feasible]
         warm = max(fitting, key=lambda c: c.sim.tokens_per_s) if fitting else None
-        res = solve(model, cfg.milp, (warm.name, warm.plan.boundaries) if warm else None)
+        res = solve(model, cfg.milp, (warm.name, warm.plan.boundary_tiers) if warm else None)
         solve_s += res.solve_s
         milp_at[mbs] = res
         if res.tiers is not None:

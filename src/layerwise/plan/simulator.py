@@ -10,9 +10,10 @@ Dependencies modelled (as ``layerwise.engine`` runs them):
 
 - the op program per micro-batch is the engine's (:func:`micro_batch_program`): forward, head,
   backward in reverse with fetches and segment recomputes from the nearest stored boundary below;
-- weights follow the step's weight schedule ``prefetch_depth`` uses ahead: the copy for use
-  ``k + depth`` is issued when use ``k`` is acquired, which is when the compute lane reaches it
-  (a unit still held by a nearby use is not copied again);
+- weights follow the step's weight schedule ``prefetch_depth`` uses ahead, by the engine's own
+  rule (:class:`~.program.WeightWindow`): the copy for use ``k + depth`` is issued when use ``k``
+  is acquired, which is when the compute lane reaches it (a unit still held by a nearby use is
+  not copied again);
 - a weight copy of unit ``u`` in step ``s+1`` waits for ``u``'s optimizer update of step ``s``,
   and blocks the copies issued after it (the engine's host thread waits there);
 - an op waits for its weights and its input boundary (fetched, recomputed or kept);
@@ -29,7 +30,6 @@ The simulated step is the steady-state one: the time between the ends of consecu
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +37,8 @@ from .cost import CostModel
 from .shape import ModelShape
 from .hardware import HardwareProfile
 from .plan import Plan
-from .program import micro_batch_program
+from .memory import FETCH_SLOTS, GRAD_SLOTS
+from .program import RECOMPUTE_OPS, OpKind, WeightWindow, micro_batch_program, weight_schedule
 
 LANES = ("compute", "h2d", "d2h", "host", "nvme", "optimizer")
 
@@ -180,7 +181,7 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
     if plan.seq_len is None:
         raise ValueError("the plan has no seq_len; the simulator needs the sequence length")
     cost = CostModel(shape, hw, plan.micro_batch_size, plan.seq_len, plan.head_chunk_tokens)
-    tiers = plan.boundaries
+    tiers = plan.boundary_tiers
     tied = shape.tied
     depth = plan.prefetch_depth
     units = shape.unit_names()
@@ -201,31 +202,35 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
         allocs.append(a)
         return a
 
+    # Slots the engine allocates once (plan.memory): weights, gradients, fetched boundaries.
+    slot_free_at = [0.0] * (depth + 1)
+    slot_allocs = [alloc("device", 0.0, (depth + 1) * max(cost.unit_weight_bytes(u) for u in units),
+                         "weight slots")]
+    if not hw.synchronous:
+        slot_allocs.append(alloc("device", 0.0, GRAD_SLOTS * max(cost.grad_bytes(u) for u in units),
+                                 "grad slots"))
+    num_offloaded = sum(t in ("host", "nvme") for t in tiers)
+    if num_offloaded:
+        slot_allocs.append(alloc("device", 0.0, min(FETCH_SLOTS, num_offloaded) * a_bytes, "fetch slots"))
     for step in range(steps):
         lanes.step = step
-        schedule = [u for _ in range(plan.num_micro_batches) for op in ops for u in op.units(tied)]
-        window: deque[str] = deque()
-        buffers: dict[str, list] = {}  # unit -> [ready_s, refs, Alloc]
-        ptr = 0
+        window = WeightWindow(weight_schedule(ops, tied) * plan.num_micro_batches, depth)
+        w_landed: dict[str, float] = {}  # unit -> when its copy lands in its slot
         host_clock = t_begin  # when the engine's host thread may issue the next copy
 
-        def fill(t_issue: float) -> None:
-            nonlocal ptr, host_clock
+        def copy_in(copies: list[tuple[str, int]], t_issue: float) -> None:
+            """Time the weight copies the window asks for, issued from the host thread in order;
+            each waits for its slot's previous reader (the slot-free event)."""
+            nonlocal host_clock
             t = max(t_issue, host_clock)
-            while len(window) < depth and ptr < len(schedule):
-                u = schedule[ptr]
-                ptr += 1
-                entry = buffers.get(u)
-                if entry is None:
-                    t = max(t, opt_ready.get(u, 0.0))  # wait_ready: the host thread blocks
-                    nbytes = cost.unit_weight_bytes(u)
-                    _, end = lanes.run("h2d", t, cost.h2d_s(nbytes), f"w {u}")
-                    entry = buffers[u] = [end, 0, alloc("device", t, nbytes, f"weights {u}")]
-                entry[1] += 1
-                window.append(u)
+            for u, slot in copies:
+                t = max(t, opt_ready.get(u, 0.0))  # wait_ready: the host thread blocks
+                _, end = lanes.run("h2d", max(t, slot_free_at[slot]), cost.h2d_s(cost.unit_weight_bytes(u)),
+                                   f"w {u} @{slot}")
+                w_landed[u] = end
             host_clock = t
 
-        fill(t_begin)
+        copy_in(window.fill(), t_begin)
         recompute_this_step = 0.0
         last_grad_landed = 0.0
         for mb in range(plan.num_micro_batches):
@@ -237,14 +242,14 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
             for n, op in enumerate(ops):
                 t_issue = lanes.free_at("compute")
                 kind, i = op.kind, op.index
-                if (n + 2 < len(ops) and ops[n + 2].kind == "fetch" and tiers[ops[n + 2].index] == "nvme"
+                if (n + 2 < len(ops) and ops[n + 2].kind == OpKind.FETCH and tiers[ops[n + 2].index] == "nvme"
                         and ops[n + 2].index in nvme_written):  # not yet written: the engine skips it too
                     j = ops[n + 2].index
                     w_end, nv = nvme_written[j]
                     s, e = lanes.run("nvme", max(t_issue, w_end), cost.nvme_read_s(a_bytes), f"nvme read b{j}")
                     nv.end = e
                     offloaded[j] = (e, alloc("host", s, a_bytes, f"nvme staging b{j}"))
-                if kind == "fetch":
+                if kind == OpKind.FETCH:
                     if tiers[i] == "device":
                         continue
                     if tiers[i] == "nvme" and i not in offloaded:  # not prefetched: read now
@@ -254,41 +259,37 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
                         offloaded[i] = (e, alloc("host", s, a_bytes, f"nvme staging b{i}"))
                     host_ready, host_alloc = offloaded.pop(i)
                     earliest = max(prev_start, host_ready)
-                    s, e = lanes.run("h2d", earliest, cost.h2d_s(a_bytes), f"fetch b{i}")
+                    s, e = lanes.run("h2d", earliest, cost.h2d_s(a_bytes), f"{OpKind.FETCH} b{i}")
                     host_alloc.end = e
                     ready[i] = e
-                    held[i] = alloc("device", s, a_bytes, f"boundary {i} (fetched)")
+                    held[i] = alloc("device", s, 0, f"boundary {i} (in a fetch slot)")
                     continue
                 need_w = 0.0
                 op_units = op.units(tied)
                 for u in op_units:
-                    got = window.popleft()
-                    assert got == u, (got, u)
-                    fill(t_issue)
-                    need_w = max(need_w, buffers[u][0])
+                    copy_in(window.acquire(u), t_issue)
+                    need_w = max(need_w, w_landed[u])
                 need_b = 0.0
-                if kind in ("layer_bwd", "recompute_layer"):
+                if kind in (OpKind.LAYER_BWD, OpKind.RECOMPUTE_LAYER):
                     need_b = ready[i]
                 dur = cost.op_s(kind, i)
                 start, end = lanes.run("compute", max(t_issue, need_w, need_b), dur, str(op))
                 prev_start = start
-                if kind in ("recompute_layer", "recompute_embed"):
+                if kind in RECOMPUTE_OPS:
                     recompute_this_step += dur
                 op_log.append({"kind": kind, "index": i, "mb": mb, "step": step, "start": start, "end": end,
-                               "units": op_units})
+                               "units": op_units, "slots": [window.slot(u) for u in op_units]})
                 tb = cost.op_transient_bytes(kind, i)
                 if tb:
                     alloc("device", start, tb, f"transient {op}", end)
                 for u in op_units:
-                    entry = buffers[u]
-                    entry[1] -= 1
-                    if entry[1] == 0:
-                        entry[2].end = end
-                        del buffers[u]
-                grads: list[str] = []
-                if kind == "embed_fwd":
+                    slot = window.release(u)
+                    if slot is not None:
+                        slot_free_at[slot] = end
+                copy_in(window.fill(), t_issue)
+                if kind == OpKind.EMBED_FWD:
                     ready[0] = end
-                elif kind == "layer_fwd":
+                elif kind == OpKind.LAYER_FWD:
                     tier = tiers[i]
                     if tier == "device":
                         ready[i] = start
@@ -304,25 +305,20 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
                             ws, we = lanes.run("nvme", e, cost.nvme_write_s(a_bytes), f"nvme write b{i}")
                             host.end = we
                             nvme_written[i] = (we, alloc("nvme", ws, a_bytes, f"boundary {i} (nvme)"))
-                elif kind == "recompute_embed":
+                elif kind == OpKind.RECOMPUTE_EMBED:
                     ready[0] = end
                     held[0] = alloc("device", start, a_bytes, "boundary 0 (recomputed)")
-                elif kind == "recompute_layer":
+                elif kind == OpKind.RECOMPUTE_LAYER:
                     ready[i + 1] = end
                     held[i + 1] = alloc("device", start, a_bytes, f"boundary {i + 1} (recomputed)")
-                elif kind == "layer_bwd":
+                elif kind == OpKind.LAYER_BWD:
                     held.pop(i).end = end
-                    grads = [f"layers.{i}"]
-                elif kind == "head":
-                    grads = ["head"] + (["embed"] if tied else [])
-                elif kind == "embed_bwd":
-                    grads = ["embed"]
-                for u in grads:
+                for u in op.grad_units(tied):
                     gb = cost.grad_bytes(u)
                     # the synchronous (CPU) backend accumulates the device grad in place: no copy
                     s, e = lanes.run("d2h", end, 0.0 if hw.synchronous else cost.d2h_s(gb), f"grad {u}")
-                    if e > end:
-                        alloc("device", end, gb, f"grad {u} (in flight)", e)
+                    if e > end and kind == OpKind.HEAD:  # others leave from a grad slot
+                        alloc("device", end, gb * 4 // cost.elem_bytes, f"grad {u} (fp32, in flight)", e)
                     _, landed = lanes.run("host", e, accum_s(u), f"accumulate {u}")
                     last_grad_landed = max(last_grad_landed, landed)
             assert not held, f"boundaries left on the device: {sorted(held)}"
@@ -336,6 +332,8 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
             opt_ready[u] = t
         t_begin = done
 
+    for a in slot_allocs:  # freed when the engine is
+        a.end = max(step_done[-1], lanes.free_at("optimizer"))
     t0 = step_done[-2] if steps >= 2 else 0.0
     t1 = step_done[-1]
     step_s = t1 - t0

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .program import OpKind
 from .simulator import LANES, SimResult
 
 # one colour per kind of work, so a glance tells compute from copies from recompute
-# (label prefix, legend name, colour); the first matching prefix wins
+# (label prefix, legend name, colour); the first matching prefix wins. Compute ops are labelled
+# by their kind, copies and host work by what they move (a fetch's copy by its op's kind).
 COLOURS = [
-    ("layer_fwd", "forward", "#4C72B0"), ("layer_bwd", "backward", "#DD8452"),
-    ("recompute", "recompute", "#C44E52"), ("head", "head + loss", "#8172B3"),
-    ("embed", "embedding", "#937860"), ("w ", "weights in", "#55A868"),
-    ("fetch", "activation in", "#64B5CD"), ("offload", "activation out", "#2A7F9E"),
+    (OpKind.LAYER_FWD, "forward", "#4C72B0"), (OpKind.LAYER_BWD, "backward", "#DD8452"),
+    (OpKind.RECOMPUTE_LAYER, "recompute", "#C44E52"), (OpKind.RECOMPUTE_EMBED, "recompute", "#C44E52"),
+    (OpKind.HEAD, "head + loss", "#8172B3"),
+    (OpKind.EMBED_FWD, "embedding", "#937860"), (OpKind.EMBED_BWD, "embedding", "#937860"),
+    ("w ", "weights in", "#55A868"),
+    (OpKind.FETCH, "activation in", "#64B5CD"), ("offload", "activation out", "#2A7F9E"),
     ("grad", "grads out", "#CCB974"), ("nvme", "NVMe I/O", "#8C8C8C"),
     ("update", "optimizer", "#DA8BC3"), ("accumulate", "grad accumulate", "#B0B0B0"),
 ]
@@ -53,8 +57,9 @@ def draw_timeline(sim: SimResult, path: str | Path, title: str | None = None, al
     p = sim.plan
     ax.set_title(title or (f"{p.source}: {sim.step_s:.3f} s/step, {sim.tokens_per_s:,.0f} tokens/s, "
                            f"{sim.achieved_tflops:.1f} TFLOPS, mbs {p.micro_batch_size} x {p.num_micro_batches}"))
-    ax.legend(handles=[Patch(color=c, label=name) for _, name, c in COLOURS],
-              loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=len(COLOURS), fontsize=7, frameon=False)
+    legend = dict.fromkeys((name, c) for _, name, c in COLOURS)  # one entry per kind of work
+    ax.legend(handles=[Patch(color=c, label=name) for name, c in legend],
+              loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=len(legend), fontsize=7, frameon=False)
     # device memory over time (step function over allocation events)
     ev = []
     for a in sim.allocs:

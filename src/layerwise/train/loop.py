@@ -163,7 +163,7 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
 
     log(f"model {cfg.model}: {adapter.num_params() / 1e6:.1f}M params, {adapter.num_layers} layers "
         f"({adapter.family}); host store {store.nbytes() / 2**20:.0f} MiB")
-    log(f"plan {plan.source}: boundaries {''.join(t[0] for t in plan.boundaries)} "
+    log(f"plan {plan.source}: boundaries {''.join(t[0] for t in plan.boundary_tiers)} "
         f"(d=device h=host n=nvme r=recompute); micro-batch {mbs} x {cfg.seq_len}, accum {accum}; "
         f"predicted device peak {est.peak_bytes / 2**20:.1f} MiB on {cfg.device}")
     eval_start = engine.eval_loss(eval_set)

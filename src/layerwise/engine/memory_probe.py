@@ -1,0 +1,67 @@
+"""The device memory a step really takes, measured from allocations (never from the engine's own
+bookkeeping), to hold the memory model to account.
+
+- CUDA: the caching allocator's reserved peak over the step (``max_memory_reserved``: blocks a
+  stream still uses count until they can be reused).
+- CPU, synchronous backend: every allocation and free of the step as the torch profiler records
+  them (the compute runs on the calling thread), the running sum's peak above the step's start,
+  plus the storages of the engine's slots, which were allocated before the step. Each op runs
+  inside a ``record_function`` of its name, so the peak is attributed to an op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from .batch import Batch
+from .executor import StreamingEngine
+
+
+@dataclass
+class MeasuredPeak:
+    peak_bytes: int
+    peak_op: str
+    """The op running when the peak was reached ("" when not known)."""
+    slot_bytes: int
+    """Of which the engine's slots (weights, gradients, fetched boundaries)."""
+    how: str
+
+
+def slot_storage_bytes(engine: StreamingEngine) -> int:
+    """Bytes of the device storages behind the engine's slots, read off the tensors themselves."""
+    slots = list(engine.streamer.slots) + list(getattr(engine.sink, "slots", [])) + list(engine.acts.slots)
+    return sum(s.buffer.untyped_storage().nbytes() for s in slots)
+
+
+def measure_step_peak(engine: StreamingEngine, batches: list[Batch]) -> MeasuredPeak:
+    """Run ``engine.compute_grads(batches)`` once and measure its device peak. Run a warm-up step
+    first: slots for fetched boundaries are allocated by the first step."""
+    engine.synchronize()  # no optimizer update allocating on the side
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+        torch.cuda.reset_peak_memory_stats(engine.device)
+        engine.compute_grads(batches)
+        torch.cuda.synchronize(engine.device)
+        return MeasuredPeak(int(torch.cuda.max_memory_reserved(engine.device)), "",
+                            slot_storage_bytes(engine), "cuda max_memory_reserved")
+    if engine.backend.asynchronous:
+        raise ValueError("measure the CPU peak on the synchronous backend (device='cpu'): the "
+                         "profiler records allocations of the calling thread")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        engine.compute_grads(batches)
+    events = prof.profiler.kineto_results.events()
+    mem = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    ops = sorted((e.start_ns(), e.end_ns(), e.name()) for e in events
+                 if e.name() in {str(op) for op in engine.program})
+    live = peak = 0
+    peak_t = None
+    for t, nbytes in mem:
+        live += nbytes
+        if live > peak:
+            peak, peak_t = live, t
+    peak_op = next((name for s, e, name in ops if peak_t is not None and s <= peak_t <= e), "")
+    slots = slot_storage_bytes(engine)
+    return MeasuredPeak(peak + slots, peak_op, slots, "torch profiler allocation events + slot storages")
