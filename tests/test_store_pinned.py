@@ -265,3 +265,28 @@ def test_training_on_an_arena_store_matches_per_unit_buffers(adapter, locks):
         results.append((losses, torch.cat([b.master for b in store])))
     assert results[0][0] == results[1][0]
     assert torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_arena_is_page_locked_in_place(adapter):
+    """The real path: cudaHostRegister, not torch's power-of-two pinned allocator (which would
+    warn here); every copy source is pinned and copies without blocking, nothing else is."""
+    import gc
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        store = HostStore(adapter, compute_dtype=torch.bfloat16)
+    assert store.pinned
+    assert store.pinned_nbytes() == store_footprint(adapter, torch.bfloat16).pinned
+    for b in store:
+        b.master.normal_()
+        b.refresh_compute()
+        assert b.copy_source.is_pinned()
+        assert not b.master.is_pinned() and not b.grad.is_pinned()
+    src = store["layers.0"].copy_source
+    dev = src.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(dev.cpu(), src)
+    del store, src, b
+    gc.collect()  # unregisters the arena
