@@ -10,11 +10,27 @@ Per unit (``embed``, ``layers.{i}``, ``head``) the store keeps:
 
 A flat layout puts weight-decayed parameters first and the rest (norms, biases) after, so an
 optimizer can treat each class as one contiguous slice.
+
+Host memory. Only the *copy sources* (what the device reads: each unit's ``compute`` copy, or
+its ``master`` when the compute dtype is fp32) are page-locked, all of them in one arena: one
+exact-size allocation, page-locked in place, sliced per unit at ``ARENA_ALIGN_BYTES``
+boundaries. fp32 masters that are not copy sources, gradients and optimizer state stay pageable
+(the device never reads them; gradients come back through the engine's own pinned buffers).
+Pinning tensor by tensor (``torch.zeros(n).pin_memory()``) had cost 2x for a moment per tensor
+and a power-of-two rounding of each block by the CUDA host allocator.
+
+``StoreFootprint`` is the byte count of a store, computed without allocating (from a config,
+an adapter or a list of unit sizes) or measured from a live one; ``check_host_memory`` refuses a
+store that does not fit in the RAM the machine has available, before anything is allocated.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+import os
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +39,7 @@ from transformers import PretrainedConfig
 
 from .models.adapter import DecoderAdapter, ParamSpec, Unit
 from .models.init import build_hf_model
+from .util.units import human_bytes, tensor_nbytes
 
 
 @dataclass(frozen=True)
@@ -79,6 +96,13 @@ class UnitBuffers:
     def name(self) -> str:
         return self.unit.name
 
+    @property
+    def copy_source(self) -> torch.Tensor:
+        """What the device receives for this unit: ``compute``, or ``master`` when there is no
+        compute copy (fp32 compute). A view into the store's arena: page-locked when the store
+        is (``HostStore.pinned``), so it can be copied with ``non_blocking=True``."""
+        return self.compute if self.compute is not None else self.master
+
     def weights(self) -> dict[str, torch.Tensor]:
         return self.layout.views(self.master)
 
@@ -92,30 +116,320 @@ class UnitBuffers:
             self.compute.copy_(self.master)
 
 
+# ----- the pinned arena ---------------------------------------------------------------------
+
+ARENA_ALIGN_BYTES = 256
+"""Each unit's copy source starts at a multiple of this many bytes inside the arena: the
+alignment ``cudaMalloc`` gives device buffers, so a copy's source and destination line up."""
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def page_size() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+        return 4096
+
+
+def arena_offsets(numels: Sequence[int], element_size: int,
+                  align_bytes: int = ARENA_ALIGN_BYTES) -> tuple[list[int], int]:
+    """Offset (in elements) of each slice of ``numels`` in one arena, and the arena's length.
+
+    Every slice starts at a multiple of ``align_bytes``; the padding between slices is part of
+    the arena (and counted as pinned); there is none after the last slice.
+    """
+    if align_bytes % element_size:
+        raise ValueError(f"align_bytes={align_bytes} is not a multiple of the element size "
+                         f"{element_size}")
+    align = align_bytes // element_size
+    offsets, pos = [], 0
+    for n in numels:
+        pos = _round_up(pos, align)
+        offsets.append(pos)
+        pos += n
+    return offsets, pos
+
+
+def locked_nbytes(arena_nbytes: int) -> int:
+    """Bytes page-locked for an arena of ``arena_nbytes``: whole pages (``alloc_pinned``)."""
+    return _round_up(arena_nbytes, page_size())
+
+
+def _page_lock(region: torch.Tensor) -> None:
+    """Page-lock ``region`` (contiguous, page-aligned, whole pages) in place for CUDA copies,
+    until its storage is freed. Raises when the CUDA runtime refuses."""
+    ptr, nbytes = region.data_ptr(), tensor_nbytes(region)
+    cudart = torch.cuda.cudart()
+    err = int(cudart.cudaHostRegister(ptr, nbytes, 1))  # 1: cudaHostRegisterPortable
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of {human_bytes(nbytes)} failed with CUDA error {err}")
+    # unregister when the storage (kept alive by every view) is freed; not at interpreter exit,
+    # when the CUDA context may already be gone (as torch.distributed.checkpoint does)
+    weakref.finalize(region.untyped_storage(), _page_unlock, ptr).atexit = False
+
+
+def _page_unlock(ptr: int) -> None:  # pragma: no cover - CUDA only
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:
+        pass
+
+
+def _pinned_empty(nbytes: int) -> torch.Tensor:  # pragma: no cover - CUDA only
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def alloc_pinned(nbytes: int) -> tuple[torch.Tensor, int]:
+    """``nbytes`` of page-locked host memory (uint8, uninitialised) and how many bytes are locked.
+
+    A pageable allocation is page-locked in place (``cudaHostRegister`` on a page-aligned
+    region): exact size up to the last page, no pageable-then-pinned copy. torch's own pinned
+    allocator (``torch.empty(..., pin_memory=True)``) rounds every block up to a power of two
+    (a 29.5 GB arena would lock 34.4 GB); it is only the fallback, with a warning, when the
+    runtime refuses to register.
+    """
+    page = page_size()
+    size = locked_nbytes(nbytes)
+    raw = torch.empty(size + page, dtype=torch.uint8)  # untouched slack pages cost no RAM
+    start = (-raw.data_ptr()) % page
+    region = raw[start:start + size]
+    try:
+        _page_lock(region)
+    except Exception as e:  # pragma: no cover - CUDA only
+        warnings.warn(f"page-locking the {human_bytes(nbytes)} copy-source arena in place failed "
+                      f"({e}); using torch's pinned allocator, which rounds it up to a power of "
+                      "two", RuntimeWarning, stacklevel=3)
+        del raw, region
+        return _pinned_empty(nbytes), 1 << max(nbytes - 1, 0).bit_length()
+    return region[:nbytes], size
+
+
+# ----- bytes, before and after allocating ---------------------------------------------------
+
+@dataclass(frozen=True)
+class StoreFootprint:
+    """Host bytes of a HostStore, by buffer. All host RAM: the pinned bytes are part of it.
+
+    ``total`` = master + grad + compute + state + arena padding. With bf16 compute:
+    4 + 4 + 2 (+ moments) bytes per parameter, of which the 2 of the compute copy are pinned.
+    """
+
+    numel: int
+    """Parameters."""
+    compute_itemsize: int
+    """Bytes per element of the compute dtype; 4 (fp32) means no compute copy."""
+    master: int
+    grad: int
+    compute: int
+    """Separate compute copies (0 with fp32 compute, where the master is the copy source)."""
+    state: int
+    """Optimizer state (0 when not known)."""
+    copy_source: int
+    """Bytes the device reads: every unit's compute copy, or master with fp32 compute."""
+    arena: int
+    """The arena holding the copy sources: ``copy_source`` plus alignment padding."""
+    pinned: int
+    """Page-locked bytes (0 when the store is not pinned): the arena, in whole pages."""
+
+    @classmethod
+    def of_numels(cls, numels: Sequence[int], compute_itemsize: int, *, pin: bool = True,
+                  state_nbytes: int = 0) -> StoreFootprint:
+        """The footprint of a store whose units hold ``numels`` parameters (nothing allocated)."""
+        n = sum(numels)
+        separate = compute_itemsize != 4
+        copy_item = compute_itemsize if separate else 4
+        _, arena_numel = arena_offsets(numels, copy_item)
+        arena = arena_numel * copy_item
+        return cls(numel=n, compute_itemsize=compute_itemsize, master=4 * n, grad=4 * n,
+                   compute=copy_item * n if separate else 0, state=state_nbytes,
+                   copy_source=copy_item * n, arena=arena,
+                   pinned=locked_nbytes(arena) if pin else 0)
+
+    @property
+    def padding(self) -> int:
+        return self.arena - self.copy_source
+
+    @property
+    def total(self) -> int:
+        return self.master + self.grad + self.compute + self.state + self.padding
+
+    @property
+    def pinned_over_copy_source(self) -> float:
+        return self.pinned / self.copy_source if self.copy_source else 0.0
+
+    def with_state(self, state_nbytes: int) -> StoreFootprint:
+        return dataclasses.replace(self, state=state_nbytes)
+
+    def describe(self) -> str:
+        """``fp32 master 59.08 GB + fp32 grad 59.08 GB + 2-byte compute copy 29.54 GB + ...``"""
+        parts = [f"fp32 master {human_bytes(self.master)}", f"fp32 grad {human_bytes(self.grad)}"]
+        if self.compute:
+            parts.append(f"{self.compute_itemsize}-byte compute copy {human_bytes(self.compute)}")
+        parts.append(f"optimizer state {human_bytes(self.state)}" if self.state
+                     else "optimizer state not counted")
+        pinned = f"; of which {human_bytes(self.pinned)} pinned (the copy sources)" if self.pinned else ""
+        return " + ".join(parts) + pinned
+
+
+def store_footprint(model: PretrainedConfig | DecoderAdapter, compute_dtype: torch.dtype, *,
+                    pin: bool = True, state_nbytes: int = 0) -> StoreFootprint:
+    """Bytes a ``HostStore(adapter, compute_dtype, pin)`` would take, without allocating it.
+
+    The unit layouts come from the adapter, which builds the model on the meta device, so this
+    is cheap for any size (e.g. ``get_flavor("qwen2.5-14b").build_config()``); the arithmetic is
+    the store's own. ``state_nbytes``: optimizer state, if known (``optim``'s ``state_nbytes``).
+    """
+    adapter = model if isinstance(model, DecoderAdapter) else DecoderAdapter(model)
+    numels = [FlatLayout.of(u).numel for u in adapter.units]
+    return StoreFootprint.of_numels(numels, compute_dtype.itemsize, pin=pin,
+                                    state_nbytes=state_nbytes)
+
+
+# ----- available RAM ------------------------------------------------------------------------
+
+_MEMINFO = "/proc/meminfo"
+_CGROUP_ROOT = "/sys/fs/cgroup"
+_CGROUP_FILES = (  # limit, usage, stat, reclaimable page-cache key: cgroup v2, then v1
+    ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+    ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+     "total_inactive_file"),
+)
+_NO_LIMIT = 1 << 60  # v1 reports "no limit" as a number near 2**63
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _stat_value(text: str, key: str) -> int | None:
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _cgroup_headroom() -> int | None:
+    """Bytes the memory cgroup this container sees can still grant (inactive page cache counts
+    as reclaimable); None without a limit or without a cgroup."""
+    for limit_f, usage_f, stat_f, inactive_key in _CGROUP_FILES:
+        limit = _read_text(os.path.join(_CGROUP_ROOT, limit_f))
+        usage = _read_text(os.path.join(_CGROUP_ROOT, usage_f))
+        if limit is None or usage is None:
+            continue
+        try:
+            if limit.strip() == "max" or int(limit) >= _NO_LIMIT:
+                return None
+            used = int(usage)
+        except ValueError:
+            return None
+        inactive = _stat_value(_read_text(os.path.join(_CGROUP_ROOT, stat_f)) or "", inactive_key)
+        return max(int(limit) - used + (inactive or 0), 0)
+    return None
+
+
+def available_host_memory() -> int | None:
+    """Bytes of RAM this process can still take: Linux ``MemAvailable``, lowered to the memory
+    cgroup's headroom in a container; None where neither is known (then nothing is checked)."""
+    avail = None
+    for line in (_read_text(_MEMINFO) or "").splitlines():
+        if line.startswith("MemAvailable:"):  # "MemAvailable:   22873056 kB"
+            try:
+                avail = int(line.split()[1]) * 1024
+            except (IndexError, ValueError):
+                pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * page_size()
+        except (AttributeError, ValueError, OSError):
+            avail = None
+    headroom = _cgroup_headroom()
+    if headroom is not None:
+        avail = headroom if avail is None else min(avail, headroom)
+    return avail
+
+
+def check_host_memory(need: StoreFootprint,
+                      available: Callable[[], int | None] | None = None) -> None:
+    """Refuse (``ValueError``) a store that would not fit in the RAM available now.
+
+    ``available`` reads the bytes available (default ``available_host_memory``; tests inject
+    one); when it returns None nothing is checked. The message spells out what the store needs
+    and what to do about it.
+    """
+    avail = (available or available_host_memory)()
+    if avail is None or need.total <= avail:
+        return
+    hint = ""
+    if not need.state:
+        hint = (f"; AdamW moments will add about {human_bytes(8 * need.numel)} more in fp32, "
+                f"{human_bytes(2.03 * need.numel)} in 8-bit")
+    raise ValueError(
+        f"the host store of {need.numel / 1e9:.2f}B parameters needs {human_bytes(need.total)} of "
+        f"RAM ({need.describe()}){hint}, but only {human_bytes(avail)} is available. Use 8-bit "
+        "optimizer moments (Plan.moments '8bit': about 2 bytes per parameter instead of 8; the "
+        "planner picks them when host memory binds), a smaller model, or a machine with more RAM."
+    )
+
+
+# ----- the store ----------------------------------------------------------------------------
+
 def _pin_available() -> bool:
     return torch.cuda.is_available()
 
 
 class HostStore:
-    """Flat host buffers for every unit of a model."""
+    """Flat host buffers for every unit of a model.
+
+    ``pin``: page-lock the copy sources (default: when CUDA is available). ``state_nbytes``:
+    the optimizer state the store will get, if known, so the RAM check counts it.
+    ``mem_available``: reads the bytes of RAM available (default ``available_host_memory``).
+    """
 
     def __init__(self, adapter: DecoderAdapter, compute_dtype: torch.dtype = torch.float32,
-                 pin: bool | None = None):
+                 pin: bool | None = None, *, state_nbytes: int | None = None,
+                 mem_available: Callable[[], int | None] | None = None):
         self.adapter = adapter
         self.compute_dtype = compute_dtype
         self.pinned = _pin_available() if pin is None else pin
+        layouts = [FlatLayout.of(unit) for unit in adapter.units]
+        numels = [lay.numel for lay in layouts]
+        separate = compute_dtype != torch.float32
+        check_host_memory(StoreFootprint.of_numels(numels, compute_dtype.itemsize,
+                                                   pin=self.pinned, state_nbytes=state_nbytes or 0),
+                          mem_available)
+
+        source_dtype = compute_dtype if separate else torch.float32
+        offsets, arena_numel = arena_offsets(numels, source_dtype.itemsize)
+        self.arena, self._pinned_nbytes = self._alloc_arena(arena_numel, source_dtype)
+        """Every unit's copy source, in one allocation (page-locked when ``pinned``)."""
         self.units: list[UnitBuffers] = []
-        for unit in adapter.units:
-            layout = FlatLayout.of(unit)
-            master = self._alloc(layout.numel, torch.float32)
-            grad = self._alloc(layout.numel, torch.float32)
-            compute = None if compute_dtype == torch.float32 else self._alloc(layout.numel, compute_dtype)
+        for unit, layout, off in zip(adapter.units, layouts, offsets):
+            source = self.arena[off:off + layout.numel]
+            master = torch.zeros(layout.numel, dtype=torch.float32) if separate else source
+            grad = torch.zeros(layout.numel, dtype=torch.float32)
+            compute = source if separate else None
             self.units.append(UnitBuffers(unit, layout, master, grad, compute=compute))
         self.by_name = {b.name: b for b in self.units}
 
-    def _alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.zeros(numel, dtype=dtype)
-        return t.pin_memory() if self.pinned else t
+    def _alloc_arena(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        nbytes = numel * dtype.itemsize
+        if not self.pinned:
+            return torch.zeros(numel, dtype=dtype), 0
+        raw, locked = alloc_pinned(nbytes)
+        arena = raw.view(dtype)
+        arena.zero_()
+        return arena, locked
 
     def __getitem__(self, name: str) -> UnitBuffers:
         return self.by_name[name]
@@ -127,13 +441,34 @@ class HostStore:
     def layers(self) -> list[UnitBuffers]:
         return self.units[1:-1]
 
+    def copy_source(self, name: str) -> torch.Tensor:
+        """Unit ``name``'s copy source (see ``UnitBuffers.copy_source``)."""
+        return self.by_name[name].copy_source
+
+    def footprint(self) -> StoreFootprint:
+        """Bytes held now, measured from the buffers (optimizer state included)."""
+        numel = sum(b.layout.numel for b in self.units)
+        separate = self.units[0].compute is not None if self.units else False
+        return StoreFootprint(
+            numel=numel, compute_itemsize=self.compute_dtype.itemsize,
+            master=sum(tensor_nbytes(b.master) for b in self.units),
+            grad=sum(tensor_nbytes(b.grad) for b in self.units),
+            compute=sum(tensor_nbytes(b.compute) for b in self.units) if separate else 0,
+            state=sum(tensor_nbytes(t) for b in self.units for t in b.state.values()),
+            copy_source=self.copy_source_nbytes(), arena=tensor_nbytes(self.arena),
+            pinned=self._pinned_nbytes)
+
     def nbytes(self) -> int:
-        total = 0
-        for b in self.units:
-            for t in (b.master, b.grad, b.compute, *b.state.values()):
-                if t is not None:
-                    total += t.numel() * t.element_size()
-        return total
+        """Host bytes of the whole store: buffers, optimizer state and the arena's padding."""
+        return self.footprint().total
+
+    def pinned_nbytes(self) -> int:
+        """Page-locked bytes (0 when not pinned): the copy-source arena, in whole pages."""
+        return self._pinned_nbytes
+
+    def copy_source_nbytes(self) -> int:
+        """Bytes of all units' copy sources (what one pass of weights streams to the device)."""
+        return sum(tensor_nbytes(b.copy_source) for b in self.units)
 
     # ----- moving weights in and out ------------------------------------------------------
 
@@ -188,13 +523,16 @@ class HostStore:
 
 
 def init_store(config: PretrainedConfig, seed: int = 0, compute_dtype: torch.dtype = torch.float32,
-               pin: bool | None = None) -> tuple[DecoderAdapter, HostStore]:
+               pin: bool | None = None, *, state_nbytes: int | None = None,
+               mem_available: Callable[[], int | None] | None = None
+               ) -> tuple[DecoderAdapter, HostStore]:
     """Adapter + HostStore holding exactly the weights ``build_hf_model(config, seed)`` has.
 
     The HF model is built on the host once and dropped; fine for the small models this is used
     for (tests, demo, CPU benchmarks). Large models are loaded from a directory instead.
     """
     adapter = DecoderAdapter(config)
-    store = HostStore(adapter, compute_dtype=compute_dtype, pin=pin)
+    store = HostStore(adapter, compute_dtype=compute_dtype, pin=pin, state_nbytes=state_nbytes,
+                      mem_available=mem_available)
     store.copy_from_model(build_hf_model(config, seed))
     return adapter, store

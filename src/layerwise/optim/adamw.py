@@ -27,6 +27,11 @@ class AdamWConfig:
     """Global L2 clip; None or 0 disables clipping."""
 
 
+def state_nbytes(numel: int) -> int:
+    """Host bytes of ``HostAdamW``'s state for ``numel`` parameters: two fp32 moments + step."""
+    return 8 * numel + 4
+
+
 class UnitOptimizer(Protocol):
     """Updates one unit's master weights in place from its accumulated gradient."""
 
@@ -44,13 +49,18 @@ class HostAdamW:
         self.config = config
 
     def init_state(self, buf: UnitBuffers) -> None:
+        # pageable: only the copy sources are pinned (see layerwise.store)
         n = buf.layout.numel
-        pin = buf.master.is_pinned()
         buf.state = {
-            "exp_avg": torch.zeros(n, pin_memory=pin),
-            "exp_avg_sq": torch.zeros(n, pin_memory=pin),
+            "exp_avg": torch.zeros(n),
+            "exp_avg_sq": torch.zeros(n),
             "step": torch.zeros((), dtype=torch.float32),
         }
+
+    @staticmethod
+    def state_nbytes(numel: int) -> int:
+        """Bytes ``init_state`` allocates for a unit of ``numel`` parameters."""
+        return state_nbytes(numel)
 
     def step_unit(self, buf: UnitBuffers, lr: float, clip_coef: float) -> None:
         c = self.config

@@ -11,7 +11,9 @@ Two faces over one update (``_kernel.fused_step``):
 
 8-bit state (both faces) is four tensors plus ``step``: ``exp_avg_codes`` (int8),
 ``exp_avg_scales`` (fp32 per block), ``exp_avg_sq_codes`` (uint8), ``exp_avg_sq_scales``;
-``quant.py`` defines the maps. ``state_to_fp32`` / ``state_to_8bit`` convert between this and
+``quant.py`` defines the maps. ``step`` of 8-bit state is a 0-d fp32 CPU tensor (as
+``torch.optim.AdamW`` keeps it), and the update reads the count from a host-side Python int
+(``HostSteps``), never from the tensor: on CUDA every ``.item()`` would be a device sync. ``state_to_fp32`` / ``state_to_8bit`` convert between this and
 ``torch.optim.AdamW``'s ``exp_avg`` / ``exp_avg_sq``, so checkpoints written by either load
 into the other.
 """
@@ -19,11 +21,13 @@ into the other.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..store import UnitBuffers
 from . import quant
@@ -39,16 +43,52 @@ MOMENT_FORMATS = ("8bit", "fp32")
 
 # ----- state conversion ---------------------------------------------------------------------
 
-def zeros_8bit(numel: int, block_size: int, device: torch.device | str = "cpu",
-               pin_memory: bool = False) -> dict[str, torch.Tensor]:
+def zeros_8bit(numel: int, block_size: int, device: torch.device | str = "cpu"
+               ) -> dict[str, torch.Tensor]:
     nb = quant.num_blocks(numel, block_size)
-    kw = dict(device=device, pin_memory=pin_memory)
+    kw = dict(device=device)
     return {
         "exp_avg_codes": torch.zeros(numel, dtype=torch.int8, **kw),
         "exp_avg_scales": torch.zeros(nb, dtype=torch.float32, **kw),
         "exp_avg_sq_codes": torch.zeros(numel, dtype=torch.uint8, **kw),
         "exp_avg_sq_scales": torch.zeros(nb, dtype=torch.float32, **kw),
     }
+
+
+def state_nbytes(numel: int, block_size: int = quant.DEFAULT_BLOCK_SIZE) -> int:
+    """Host bytes of 8-bit state for ``numel`` parameters: two 1-byte codes per element, two fp32
+    scales per block, and the fp32 step."""
+    return 2 * numel + 8 * quant.num_blocks(numel, block_size) + 4
+
+
+class HostSteps:
+    """Step counts as Python ints, one per ``step`` tensor, so an update never reads a tensor.
+
+    ``advance(step)`` adds one to the tensor (checkpoints still see a ``step`` tensor) and
+    returns the new count from the host-side int. The int stays valid while nobody else wrote
+    the tensor, which its version counter tells; after an outside write (a checkpoint load's
+    ``copy_``) or for a tensor never seen, the tensor is read once. Thread-safe across tensors.
+    """
+
+    def __init__(self) -> None:
+        self._counts: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._lock = threading.Lock()
+
+    def seed(self, step: torch.Tensor, count: int) -> None:
+        """``step`` holds ``count`` (it was just created with that value)."""
+        with self._lock:
+            self._counts[step] = (step._version, count)
+
+    def advance(self, step: torch.Tensor) -> int:
+        with self._lock:
+            known = self._counts.get(step)
+        if known is not None and known[0] == step._version:
+            count = known[1] + 1
+        else:
+            count = int(step.item()) + 1  # once, after an outside write
+        step.add_(1)
+        self.seed(step, count)
+        return count
 
 
 def is_8bit_state(state: dict[str, Any]) -> bool:
@@ -113,11 +153,18 @@ class HostAdamW8bit:
         self.block_size = block_size
         self.num_threads = num_threads
         """Threads one ``step_unit`` call splits its blocks over; None: torch's thread count."""
+        self.steps = HostSteps()
 
     def init_state(self, buf: UnitBuffers) -> None:
-        state = zeros_8bit(buf.layout.numel, self.block_size, pin_memory=buf.master.is_pinned())
+        # pageable: only the copy sources are pinned (see layerwise.store)
+        state = zeros_8bit(buf.layout.numel, self.block_size)
         state["step"] = torch.zeros((), dtype=torch.float32)
+        self.steps.seed(state["step"], 0)
         buf.state = state
+
+    def state_nbytes(self, numel: int) -> int:
+        """Bytes ``init_state`` allocates for a unit of ``numel`` parameters."""
+        return state_nbytes(numel, self.block_size)
 
     def step_unit(self, buf: UnitBuffers, lr: float, clip_coef: float) -> None:
         if not math.isfinite(clip_coef):
@@ -126,9 +173,8 @@ class HostAdamW8bit:
                 "gradient norm is not finite (see clip.clip_or_skip)"
             )
         c, s = self.config, buf.state
-        s["step"] += 1
         k = StepScalars.of(lr, c.betas[0], c.betas[1], c.eps, c.weight_decay,
-                           int(s["step"].item()), grad_mul=clip_coef)
+                           self.steps.advance(s["step"]), grad_mul=clip_coef)
         fused_step(buf.master, buf.grad, s["exp_avg_codes"], s["exp_avg_scales"],
                    s["exp_avg_sq_codes"], s["exp_avg_sq_scales"], self.block_size,
                    buf.layout.decay_numel, k, self.num_threads)
@@ -176,6 +222,8 @@ class AdamW8bit(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         """Global L2 clip over all groups; None or 0 disables clipping."""
         self.num_threads = num_threads
+        self.steps = HostSteps()
+        """The step counts of 8-bit state, on the host (their tensors live on the CPU)."""
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False
@@ -198,10 +246,12 @@ class AdamW8bit(torch.optim.Optimizer):
     def _init_state(self, group: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
         if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             if self._uses_8bit(group, p):
+                state["step"] = torch.zeros((), dtype=torch.float32)  # host: read, never synced
+                self.steps.seed(state["step"], 0)
                 state.update(zeros_8bit(p.numel(), group["block_size"], p.device))
-            else:
+            else:  # the fused fp32 kernel reads the step on the parameter's device
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
@@ -257,9 +307,8 @@ class AdamW8bit(torch.optim.Optimizer):
                                          state["step"])):
                     lst.append(t)
                 continue
-            state["step"] += 1
             k = StepScalars.of(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                               int(state["step"].item()), grad_mul=coef)
+                               self.steps.advance(state["step"]), grad_mul=coef)
             flat_p = p.view(-1) if p.is_contiguous() else p.detach().reshape(-1).clone()
             flat_g = p.grad.reshape(-1)
             fused_step(flat_p, flat_g, state["exp_avg_codes"], state["exp_avg_scales"],
@@ -351,7 +400,9 @@ class AdamW8bit(torch.optim.Optimizer):
             st = self.state[p]
             for k, v in exact.get(idx, {}).items():  # the base class cast them to p's dtype
                 st[k] = v.to(p.device)
-            st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
+            # 8-bit: on the host, where the update reads it; fp32: where the fused kernel does
+            where = "cpu" if is_8bit_state(st) else p.device
+            st["step"] = st["step"].to(device=where, dtype=torch.float32)
 
 
 def _saved_block(saved_groups: list[dict[str, Any]], idx: int) -> int | None:

@@ -21,15 +21,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..optim import adamw, adamw8bit
+from ..store import StoreFootprint
 from . import memory
 from .hardware import HardwareProfile
 from .program import EMBED_OPS, OpKind
 from .shape import ModelShape
 
-# Host store bytes per parameter (layerwise.store.HostStore + optimizer state).
-MASTER_BYTES = 4  # fp32 master weights
-GRAD_BYTES = 4  # fp32 gradient accumulator
-MOMENT_BYTES = {"fp32": 8, "8bit": 2 + 2 * 4 / 256}  # m and v; 8-bit: 1 B each + fp32 absmax per 256 block
+# The host store's bytes are counted with the store's own arithmetic (``StoreFootprint``) and
+# the optimizers' (per unit: fp32 moments 8 B/param; 8-bit 2 B/param + 8 B per 256-block).
+STATE_NBYTES = {"fp32": adamw.state_nbytes, "8bit": adamw8bit.state_nbytes}
+"""Exact optimizer-state bytes of a unit of ``n`` parameters, per moment format."""
 
 
 @dataclass(frozen=True)
@@ -149,12 +151,21 @@ class CostModel:
         return memory.op_transient_bytes(self.shape, kind, i, self.tokens, self.elem_bytes,
                                          self.head_chunk_tokens)
 
-    def host_store_bytes(self, moments: list[str] | None = None) -> int:
-        """Host bytes of the store: fp32 master + fp32 grad (+ compute copy) + moments, per unit."""
+    def store_footprint(self, moments: list[str] | None = None) -> StoreFootprint:
+        """The HostStore's bytes by buffer (``layerwise.store.StoreFootprint``), with the optimizer
+        state of ``moments`` (per unit, default fp32). Pinned bytes (the copy-source arena, with
+        its alignment padding) are part of these, not extra."""
         units = self.shape.unit_names()
         moments = moments or ["fp32"] * len(units)
-        compute_copy = self.elem_bytes if self.elem_bytes != 4 else 0
-        total = 0.0
-        for u, m in zip(units, moments):
-            total += self.shape.unit_params(u) * (MASTER_BYTES + GRAD_BYTES + compute_copy + MOMENT_BYTES[m])
-        return int(total)
+        numels = [self.shape.unit_params(u) for u in units]
+        state = sum(STATE_NBYTES[m](n) for n, m in zip(numels, moments))
+        return StoreFootprint.of_numels(numels, self.elem_bytes, state_nbytes=state)
+
+    def host_store_bytes(self, moments: list[str] | None = None) -> int:
+        """Host bytes of the store: fp32 master + fp32 grad + moments (+ compute copy) per unit,
+        plus the copy-source arena's alignment padding; exactly ``HostStore.nbytes()``."""
+        return self.store_footprint(moments).total
+
+    def pinned_store_bytes(self) -> int:
+        """Of ``host_store_bytes``, the page-locked part: the copy-source arena."""
+        return self.store_footprint().pinned

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .baselines import baseline_tiers, extra_candidates
-from .cost import MOMENT_BYTES, CostModel
+from .cost import STATE_NBYTES, CostModel
 from .shape import ModelShape
 from .hardware import HardwareProfile
 from .milp import MilpConfig, MilpResult, StepModel, solve
@@ -92,7 +92,11 @@ def choose_moments(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 
     over = cost.host_store_bytes(moments) - budget
     if over <= 0:
         return moments
-    saving = MOMENT_BYTES["fp32"] - MOMENT_BYTES["8bit"]
+
+    def saving(k: int) -> int:  # exact bytes 8-bit moments free on unit k
+        n = shape.unit_params(units[k])
+        return STATE_NBYTES["fp32"](n) - STATE_NBYTES["8bit"](n)
+
     all8 = cost.host_store_bytes(["8bit"] * len(units))
     if all8 > budget:
         raise PlanInfeasible(
@@ -103,16 +107,16 @@ def choose_moments(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 
     # largest units first, then drop any that is not needed (fewest 8-bit parameters, greedily)
     order = sorted(range(len(units)), key=lambda k: -shape.unit_params(units[k]))
     chosen: list[int] = []
-    freed = 0.0
+    freed = 0
     for k in order:
         if freed >= over:
             break
         chosen.append(k)
-        freed += shape.unit_params(units[k]) * saving
+        freed += saving(k)
     for k in sorted(chosen, key=lambda k: shape.unit_params(units[k])):
-        if freed - shape.unit_params(units[k]) * saving >= over:
+        if freed - saving(k) >= over:
             chosen.remove(k)
-            freed -= shape.unit_params(units[k]) * saving
+            freed -= saving(k)
     for k in chosen:
         moments[k] = "8bit"
     return moments
