@@ -1,14 +1,23 @@
 """Config loading/overrides and a short end-to-end training run."""
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import layerwise
 from layerwise import config
+from layerwise.ckpt import RunDir, open_run_step
 from layerwise.cli import main
-from layerwise.train.loop import TrainConfig, train
+from layerwise.train.loop import TrainConfig, _open_metrics, train
 from layerwise.train.schedule import lr_at
 
 
@@ -60,20 +69,130 @@ def test_cli_reports_bad_plan_without_traceback(tmp_path, capsys):
     assert "every-K with an integer K" in capsys.readouterr().err
 
 
-def test_interrupted_run_resumes_from_layerwise_checkpoint_identically(tmp_path):
-    common = dict(seq_len=32, micro_batch_size=2, corpus_tokens=50_000, eval_every=0,
-                  eval_batches=1, log_every=100, export=False, ckpt_every=3, ckpt_policy="full")
-    quiet = lambda *_: None  # noqa: E731
-    train(TrainConfig(steps=8, out_dir=str(tmp_path / "straight"), **common), log=quiet)
-    train(TrainConfig(steps=6, out_dir=str(tmp_path / "cut"), **common), log=quiet)
-    messages = []
-    train(TrainConfig(steps=8, out_dir=str(tmp_path / "cut"), **common), log=messages.append)
-    assert any("resumed from layer-wise checkpoint step 6" in m for m in messages)
+# ----- a `layerwise train` killed with SIGKILL, then resumed ---------------------------------
 
-    def losses(run):
-        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        return {r["step"]: r["loss"] for r in rows}
+KILL_STEPS = 24  # long enough (~1 s on a laptop) to kill the run between two checkpoints
 
-    straight, cut = losses("straight"), losses("cut")
-    assert sorted(cut) == list(range(1, 9))
-    assert all(cut[s] == straight[s] for s in range(1, 9))
+
+def _tiny_llama_dir(path: Path) -> Path:
+    """The ``llama-debug`` shape with the byte tokenizer's vocabulary, as an HF model dir."""
+    from layerwise.models import get_flavor
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(get_flavor("llama-debug").build_config(vocab_size=258)) \
+        .save_pretrained(path)
+    return path
+
+
+def _train_cmd(model_dir: Path, out_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "layerwise.cli", "train", f"model={model_dir}",
+            f"steps={KILL_STEPS}", "seq_len=32", "micro_batch_size=2", "grad_accum=2",
+            "corpus_tokens=50000", "eval_every=0", "eval_batches=1", "log_every=1",
+            "export=false", "ckpt_every=1", "ckpt_policy=full", f"out_dir={out_dir}"]
+
+
+def _train_env() -> dict[str, str]:
+    env = dict(os.environ)
+    src = str(Path(layerwise.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    env["OMP_NUM_THREADS"] = "1"  # both runs alike, and gentle on a shared machine
+    return env
+
+
+def _kill_inside_a_save(cmd: list[str], out_dir: Path) -> int | None:
+    """Start ``cmd``; once a checkpoint is committed, SIGKILL it while the next one is being
+    written: its step's metrics row is out, ``latest`` still names the step before (or, if that
+    is never seen, halfway through the run). Returns the newest committed step it left (None if
+    it ended before the kill)."""
+    proc = subprocess.Popen(cmd, env=_train_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    ckpt, metrics = out_dir / "ckpt", out_dir / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                latest = int((ckpt / "latest").read_text())
+                rows = metrics.read_text().count("\n")
+            except (FileNotFoundError, ValueError):
+                latest = None  # not started, or a file being replaced right now
+            if latest is not None and (rows > latest or latest >= KILL_STEPS // 2):
+                break
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    if proc.returncode != -signal.SIGKILL:
+        return None
+    return RunDir.open(ckpt).latest_step()
+
+
+def _eval_losses(stdout: str) -> str:
+    """``A -> B`` of the ``done: eval loss A -> B, …`` line."""
+    [done] = [line for line in stdout.splitlines() if line.startswith("done: eval loss ")]
+    return done[len("done: eval loss "):].split(",")[0]
+
+
+def _metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_killed_train_resumes_from_its_last_checkpoint_bit_exactly(tmp_path):
+    """``layerwise train`` (a subprocess, a ``full`` checkpoint every step) killed with SIGKILL
+    inside a save after its first commit, then rerun with the same command: it resumes from the
+    newest committed step (not 0), ends at ``steps``, logs every step once, and every loss, the
+    start and end eval losses and the final weights and AdamW state (compared as the final
+    checkpoint's content-addressed blobs) equal an uninterrupted run's bit for bit: on CPU in
+    fp32 with one thread per run the engine is deterministic (per-unit updates on worker
+    threads touch disjoint buffers), and a ``full`` checkpoint holds the whole state (a
+    ``filter`` one may hold older versions of groups that moved little, so resuming from it is
+    close, not exact, by design).
+
+    Mutations this fails on (each made once, by hand, in ``train/loop.py``): resume ignoring the
+    checkpoint (``if False:`` for ``cfg.resume``: restarts at step 0); the data position not
+    restored (``start=0`` for the batch iterator: other batches, other losses); the AdamW state
+    reset after the load (``init_state`` per unit: other weights); the LR schedule restarted at
+    the resumed step (``lr_at(step - start_step, …)``); metrics appended as they are (the step
+    logged before the kill but never committed appears twice)."""
+    model_dir = _tiny_llama_dir(tmp_path / "model")
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    out_straight = subprocess.run(_train_cmd(model_dir, straight), env=_train_env(), check=True,
+                                  capture_output=True, text=True).stdout
+    for _attempt in range(3):  # the kill must land before the run ends; retry if it did not
+        shutil.rmtree(cut, ignore_errors=True)
+        killed_at = _kill_inside_a_save(_train_cmd(model_dir, cut), cut)
+        if killed_at is not None:
+            break
+    assert killed_at is not None, "the run always finished before it could be killed"
+    assert 1 <= killed_at < KILL_STEPS
+
+    out = subprocess.run(_train_cmd(model_dir, cut), env=_train_env(), check=True,
+                         capture_output=True, text=True).stdout
+    assert f"resumed from layer-wise checkpoint step {killed_at} " in out
+    assert _eval_losses(out) == _eval_losses(out_straight)  # start and end of the whole run
+
+    rows_straight, rows_cut = _metrics(straight), _metrics(cut)
+    assert [r["step"] for r in rows_cut] == list(range(1, KILL_STEPS + 1))
+    assert [r["loss"] for r in rows_cut] == [r["loss"] for r in rows_straight]
+    assert rows_cut[-1]["eval_loss"] == rows_straight[-1]["eval_loss"]
+    final = {run: RunDir.open(run / "ckpt").read_manifest(KILL_STEPS) for run in (straight, cut)}
+    assert {g: e["sha256"] for g, e in final[cut]["groups"].items()} == \
+        {g: e["sha256"] for g, e in final[straight]["groups"].items()}
+    assert open_run_step(cut / "ckpt").state()["data_position"] == \
+        open_run_step(straight / "ckpt").state()["data_position"]
+
+
+def test_resume_keeps_the_metrics_rows_up_to_the_resumed_step(tmp_path):
+    """A killed run may have logged steps past its last commit, and a line cut mid-write: on
+    resume those go; the resumed step's own row comes back from the checkpoint when the kill
+    came before it was logged. Mutation this fails on: ``_open_metrics`` appending to the file
+    as it is."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 2.0}\n'
+                    '{"step": 3, "loss": 3.0}\n{"step": 4, "lo')
+    with _open_metrics(path, 2, {"step": 2, "loss": 9.0}) as f:
+        f.write('{"step": 3, "loss": 3.5}\n')
+    assert [json.loads(x) for x in path.read_text().splitlines()] == [
+        {"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0}, {"step": 3, "loss": 3.5}]
+    path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo')
+    _open_metrics(path, 2, {"step": 2, "loss": 2.0}).close()
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]

@@ -33,7 +33,16 @@ from safetensors.torch import save as st_save
 from torch import nn
 
 from .errors import CheckpointError
-from .run_dir import BLOB_FORMAT, FORMAT_VERSION, BlobBatch, BlobPayload, RunDir, now_unix_s, write_error
+from .run_dir import (
+    BLOB_FORMAT,
+    FORMAT_VERSION,
+    BlobBatch,
+    BlobPayload,
+    BlobRecord,
+    RunDir,
+    now_unix_s,
+    write_error,
+)
 from .policies import GroupStatus, Policy, PolicyContext, make_policy
 from .resolve import ResolvedStep, open_run_step
 from .state import (
@@ -46,7 +55,7 @@ from .state import (
     restore_rng,
     rng_dict,
 )
-from .tracker import UpdateTracker
+from .tracker import TrackerReferences, UpdateTracker
 
 
 @dataclass
@@ -101,6 +110,16 @@ class LoadResult:
     """Groups whose version is older than ``step``: group -> step it was saved at."""
 
 
+@dataclass
+class _Rollback:
+    """The bookkeeping of the committed versions before a save booked its own."""
+
+    entries: dict[str, dict]
+    save_index: int
+    """The save index the save took."""
+    references: TrackerReferences
+
+
 class Checkpointer:
     def __init__(
         self,
@@ -139,7 +158,7 @@ class Checkpointer:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer") if self.config.async_save else None
         self._pending: Future | None = None
         self._pending_job: _WriteJob | None = None
-        self._pending_rollback: dict | None = None
+        self._pending_rollback: _Rollback | None = None
         self._buffers: dict[tuple, list[torch.Tensor]] = {}
         self._config_written = (self.run_dir / "config.json").exists()
         # Bookkeeping of committed versions (rebuilt from the newest manifest, or by load()).
@@ -155,17 +174,11 @@ class Checkpointer:
         self._entries = {g: dict(e) for g, e in manifest["groups"].items()}
         self._save_index = int(manifest.get("save_index", 0)) + 1
 
-    def _bookkeeping(self) -> dict:
-        return {"entries": {g: dict(e) for g, e in self._entries.items()},
-                "save_index": self._save_index, "refs": dict(self.tracker._ref),
-                "ref_norms": dict(self.tracker._ref_norm)}
-
-    def _restore(self, b: dict) -> None:
-        self._entries = b["entries"]
-        self._save_index = b["save_index"]
-        self.tracker._ref = b["refs"]
-        self.tracker._ref_norm = b["ref_norms"]
-        self.tracker._change.clear()
+    def _undo(self, rollback: _Rollback) -> None:
+        """Forget the versions a failed save booked (``_book_versions``)."""
+        self._entries = rollback.entries
+        self._save_index = rollback.save_index
+        self.tracker.restore_references(rollback.references)
 
     def has_checkpoint(self) -> bool:
         return self.store.latest_step() is not None
@@ -204,7 +217,27 @@ class Checkpointer:
         self._finish_pending()
         wait_s = time.perf_counter() - t0
 
-        # Choose.
+        statuses = self._group_statuses(step)
+        selected = self._select_groups(step, statuses)
+        copy = self.config.async_save or self.config.sync_copy
+        snaps = self._snapshot_groups(selected, copy)
+        state_bytes, rng_tensors = self._snapshot_state(step, extra, data_position, trainer_state)
+        maybe_dup = self._duplicate_hints(snaps, statuses)
+        rollback, old_refs = self._book_versions(snaps, copy)
+
+        snapshot_bytes = sum(t.numel() * t.element_size() for s in snaps.values() for t in s.values())
+        report = SaveReport(step, selected, 0.0, wait_s, snapshot_bytes)
+        job = _WriteJob(self, step, rollback.save_index, snaps, maybe_dup, state_bytes, rng_tensors,
+                        None if self._config_written else self.provider.model_config(), report,
+                        old_refs=old_refs, copied=copy)
+        self._submit(job, rollback)
+        report.blocked_s = time.perf_counter() - t0
+        self.reports.append(report)
+        return report
+
+    def _group_statuses(self, step: int) -> list[GroupStatus]:
+        """What the policy sees of every group: its size, its change since the version last
+        saved (``inf`` if never saved, ``nan`` if the policy does not read it) and its age."""
         statuses = []
         for pos, g in enumerate(self.groups):
             e = self._entries.get(g)
@@ -214,21 +247,30 @@ class Checkpointer:
             elif getattr(self.policy, "uses_change", True) or not self.tracker.has_reference(g):
                 change = self.tracker.change(g, step)
             else:
-                change = math.nan  # not needed by the policy; unchanged groups found below
+                change = math.nan  # not needed by the policy; unchanged groups found on writing
             statuses.append(GroupStatus(g, self._group_nbytes(g), change, age, pos))
-        selected = set(self.policy.select(PolicyContext(step, self._save_index, statuses)))
-        selected |= {g for g in self.groups if g not in self._entries}  # a composite is complete
-        change_of = {s.name: s.change for s in statuses}
+        return statuses
 
-        # Snapshot the chosen groups and the non-layer state.
-        copy = self.config.async_save or self.config.sync_copy
-        snaps: dict[str, dict[str, torch.Tensor]] = {}
-        for g in self.groups:
-            if g in selected:
-                snaps[g] = {k: self._host_copy(t, k) if copy else _as_blob_tensor(t, k)
-                            for k, t in group_tensors(self.provider, g).items()}
+    def _select_groups(self, step: int, statuses: list[GroupStatus]) -> list[str]:
+        """The policy's choice plus every group never saved (a composite is complete), in
+        model order."""
+        selected = set(self.policy.select(PolicyContext(step, self._save_index, statuses)))
+        selected |= {g for g in self.groups if g not in self._entries}
+        return [g for g in self.groups if g in selected]
+
+    def _snapshot_groups(self, selected: list[str], copy: bool) -> dict[str, dict[str, torch.Tensor]]:
+        """The chosen groups' tensors as the blob stores them: host copies when ``copy``
+        (reused buffers), else the live tensors (a synchronous save without a copy)."""
+        snaps = {g: {k: self._host_copy(t, k) if copy else _as_blob_tensor(t, k)
+                     for k, t in group_tensors(self.provider, g).items()}
+                 for g in selected}
         if any(t.is_pinned() for s in snaps.values() for t in s.values()):
             torch.cuda.synchronize()
+        return snaps
+
+    def _snapshot_state(self, step: int, extra: dict | None, data_position: Any,
+                        trainer_state: dict | None) -> tuple[bytes, dict[str, torch.Tensor]]:
+        """The step's non-layer state: ``state.json`` bytes and the torch RNG tensors."""
         state = {
             "format_version": FORMAT_VERSION,
             "step": step,
@@ -242,20 +284,31 @@ class Checkpointer:
         rng_tensors: dict[str, torch.Tensor] = {}
         if self.config.save_rng:
             state["rng"], rng_tensors = capture_rng()
-        state_bytes = (json.dumps(state) + "\n").encode()
-        config = None if self._config_written else self.provider.model_config()
+        return (json.dumps(state) + "\n").encode(), rng_tensors
 
-        # Groups that may be byte-identical to their last version are hashed before writing
-        # (nothing written on a hit): measured unchanged, or, when not measured, weights equal
-        # to the reference (checked on the writer thread, off the critical path).
-        maybe_dup: dict[str, bool | dict[str, torch.Tensor]] = {}
+    def _duplicate_hints(self, snaps: dict[str, dict[str, torch.Tensor]],
+                         statuses: list[GroupStatus]) -> dict[str, bool | dict[str, torch.Tensor]]:
+        """Per snapshot: may it be byte-identical to its last version? Such groups are hashed
+        before writing (nothing written on a hit). True when measured unchanged; when not
+        measured, the reference weights, compared on the writer thread (off the critical path)."""
+        change_of = {s.name: s.change for s in statuses}
+        hints: dict[str, bool | dict[str, torch.Tensor]] = {}
         for g in snaps:
-            c = change_of[g]
-            maybe_dup[g] = self.tracker._ref.get(g, False) if math.isnan(c) else c == 0.0
+            if math.isnan(change_of[g]):
+                ref = self.tracker.reference(g)
+                hints[g] = ref if ref is not None else False
+            else:
+                hints[g] = change_of[g] == 0.0
+        return hints
 
-        # Book the new versions now (rolled back if the write fails).
-        rollback = self._bookkeeping()
-        old_refs = [self.tracker._ref[g] for g in snaps if g in self.tracker._ref]
+    def _book_versions(self, snaps: dict[str, dict[str, torch.Tensor]],
+                       copy: bool) -> tuple[_Rollback, list[dict[str, torch.Tensor]]]:
+        """Book the new versions now, before they are written: the snapshots become the
+        tracker's references and the save takes the next save index. Returns what undoes this
+        if the write fails, and the references replaced (reusable once the save commits)."""
+        rollback = _Rollback({g: dict(e) for g, e in self._entries.items()}, self._save_index,
+                             self.tracker.save_references())
+        old_refs = [r for g in snaps if (r := self.tracker.reference(g)) is not None]
         for g, snap in snaps.items():
             params = {k[len(PARAM):]: t for k, t in snap.items() if k.startswith(PARAM)}
             if copy:
@@ -264,29 +317,23 @@ class Checkpointer:
                 self.tracker.set_reference(g, {n: t.clone() for n, t in params.items()})
             else:
                 self.tracker.drop_reference(g)
-        save_index = self._save_index
         self._save_index += 1
-        snapshot_bytes = sum(t.numel() * t.element_size() for s in snaps.values() for t in s.values())
-        report = SaveReport(step, [g for g in self.groups if g in selected], 0.0, wait_s, snapshot_bytes)
-        job = _WriteJob(self, step, save_index, snaps, maybe_dup,
-                        state_bytes, rng_tensors, config, report)
-        job.old_refs, job.copied = old_refs, copy
-        if self._pool is None:
-            self._pending_job, self._pending_rollback = job, rollback
-            fut: Future = Future()
-            try:
-                job.run()
-                fut.set_result(None)
-            except BaseException as e:
-                fut.set_exception(e)
-            self._pending = fut
-            self._finish_pending()
-        else:
+        return rollback, old_refs
+
+    def _submit(self, job: _WriteJob, rollback: _Rollback) -> None:
+        """Run the write on the writer thread (or here, and wait, when not ``async_save``)."""
+        self._pending_job, self._pending_rollback = job, rollback
+        if self._pool is not None:
             self._pending = self._pool.submit(job.run)
-            self._pending_job, self._pending_rollback = job, rollback
-        report.blocked_s = time.perf_counter() - t0
-        self.reports.append(report)
-        return report
+            return
+        fut: Future = Future()
+        try:
+            job.run()
+            fut.set_result(None)
+        except BaseException as e:
+            fut.set_exception(e)
+        self._pending = fut
+        self._finish_pending()
 
     def _finish_pending(self) -> None:
         fut, self._pending = self._pending, None
@@ -298,7 +345,7 @@ class Checkpointer:
             fut.result()
         except BaseException:
             if rollback is not None:
-                self._restore(rollback)
+                self._undo(rollback)
             if job.copied:  # the snapshot is garbage now; the old references are live again
                 self._recycle(t for s in job.snaps.values() for t in s.values())
             raise
@@ -378,11 +425,7 @@ class Checkpointer:
             if rng:
                 restore_rng(rng)
         self._adopt_manifest(rs.manifest)
-        self.tracker._ref.clear()
-        self.tracker._ref_norm.clear()
-        self.tracker._change.clear()
-        for g, r in refs.items():
-            self.tracker.set_reference(g, r)
+        self.tracker.reset(refs)
         return LoadResult(
             step=rs.step, extra=st.get("extra"), data_position=st.get("data_position"),
             trainer_state=st.get("trainer_state"),
@@ -415,19 +458,24 @@ def _as_blob_tensor(t: torch.Tensor, key: str) -> torch.Tensor:
 
 
 class _WriteJob:
-    """Everything one save writes, from host snapshots only (runs on the writer thread)."""
+    """Everything one save writes, from host snapshots only (runs on the writer thread).
+
+    The order is the commit protocol of ``docs/formats.md``: the new blobs (each fsynced, then
+    their directories), the step's state files, then the manifest, which commits the step."""
 
     def __init__(self, ck: Checkpointer, step: int, save_index: int,
                  snaps: dict[str, dict[str, torch.Tensor]],
                  maybe_dup: dict[str, bool | dict[str, torch.Tensor]],
                  state_bytes: bytes, rng_tensors: dict[str, torch.Tensor], config: dict | None,
-                 report: SaveReport):
+                 report: SaveReport, *, old_refs: list[dict[str, torch.Tensor]], copied: bool):
         self.ck, self.step, self.save_index = ck, step, save_index
         self.snaps, self.maybe_dup = snaps, maybe_dup
         self.state_bytes, self.rng_tensors, self.config = state_bytes, rng_tensors, config
         self.report = report
-        self.old_refs: list[dict[str, torch.Tensor]] = []
-        self.copied = True
+        self.old_refs = old_refs
+        """References the snapshots replace: free for reuse once the save commits."""
+        self.copied = copied
+        """The snapshots are the checkpointer's buffers (not the live tensors)."""
         self.prev_entries = {g: dict(e) for g, e in ck._entries.items()}
 
     def _maybe_duplicate(self, group: str) -> bool:
@@ -444,53 +492,13 @@ class _WriteJob:
             with store.lock():
                 if self.config is not None:
                     store.write_config(self.config)
-                batch = BlobBatch()
-                groups: dict[str, dict] = {}
-                written, nbytes = [], 0
-                for g in ck.groups:
-                    if g in self.snaps:
-                        payload = BlobPayload.build(self.snaps[g], {
-                            "format": BLOB_FORMAT, "format_version": str(FORMAT_VERSION), "group": g})
-                        try:
-                            rec = store.put_blob(payload, self._maybe_duplicate(g), batch)
-                        except BaseException:
-                            _finish_quietly(batch)
-                            raise
-                        prev = self.prev_entries.get(g)
-                        first = (prev["written_step"] if prev is not None and prev["sha256"] == rec.sha256
-                                 and not rec.written else step)
-                        groups[g] = {"blob": rec.rel_path, "sha256": rec.sha256, "nbytes": rec.nbytes,
-                                     "saved_step": step, "saved_index": self.save_index,
-                                     "written_step": first}
-                        if rec.written:
-                            written.append(g)
-                            nbytes += rec.nbytes
-                    else:
-                        groups[g] = self.prev_entries[g]
-                batch.finish()
+                groups, written, blob_bytes = self._write_blobs(store)
                 # Saving a committed step again replaces it: uncommit it before its files are
                 # overwritten, so a failure here leaves the previous commit loadable.
                 store.uncommit(step)
-                files = {"state.json": store.write_step_file(step, "state.json", self.state_bytes)}
-                if self.rng_tensors:
-                    files["rng.safetensors"] = store.write_step_file(
-                        step, "rng.safetensors", st_save(self.rng_tensors))
-                nbytes += sum(f["nbytes"] for f in files.values())
-                manifest = {
-                    "format": "layerwise-ckpt-manifest",
-                    "format_version": FORMAT_VERSION,
-                    "step": step,
-                    "save_index": self.save_index,
-                    "created_unix_s": now_unix_s(),
-                    "policy": ck.policy.name,
-                    "policy_config": ck.policy.config() if hasattr(ck.policy, "config") else {},
-                    "tied": bool(getattr(ck.provider, "tied", False)),
-                    "bytes_written": nbytes,
-                    "groups_written": written,
-                    "files": files,
-                    "groups": groups,
-                }
-                store.commit(step, manifest)
+                files = self._write_step_files(store)
+                nbytes = blob_bytes + sum(f["nbytes"] for f in files.values())
+                store.commit(step, self._manifest(groups, written, nbytes, files))
         except CheckpointError:
             raise
         except OSError as e:
@@ -501,3 +509,62 @@ class _WriteJob:
         self.report.write_s = time.perf_counter() - t0
         self.report.written = written
         self.report.bytes_written = nbytes
+
+    def _write_blobs(self, store: RunDir) -> tuple[dict[str, dict], list[str], int]:
+        """Store every snapshot as a blob; return when all new blobs and their directories are
+        durable. Returns the manifest entry of every group (the previous one for groups not
+        saved now), the groups whose bytes were new, and their bytes."""
+        batch = BlobBatch()
+        groups: dict[str, dict] = {}
+        written, nbytes = [], 0
+        for g in self.ck.groups:
+            if g not in self.snaps:
+                groups[g] = self.prev_entries[g]
+                continue
+            payload = BlobPayload.build(self.snaps[g], {
+                "format": BLOB_FORMAT, "format_version": str(FORMAT_VERSION), "group": g})
+            try:
+                rec = store.put_blob(payload, self._maybe_duplicate(g), batch)
+            except BaseException:
+                _finish_quietly(batch)
+                raise
+            groups[g] = self._entry(g, rec)
+            if rec.written:
+                written.append(g)
+                nbytes += rec.nbytes
+        batch.finish()
+        return groups, written, nbytes
+
+    def _entry(self, group: str, rec: BlobRecord) -> dict:
+        """The manifest entry of ``group``'s new version, stored as ``rec``."""
+        prev = self.prev_entries.get(group)
+        same_bytes = prev is not None and prev["sha256"] == rec.sha256 and not rec.written
+        return {"blob": rec.rel_path, "sha256": rec.sha256, "nbytes": rec.nbytes,
+                "saved_step": self.step, "saved_index": self.save_index,
+                "written_step": prev["written_step"] if same_bytes else self.step}
+
+    def _write_step_files(self, store: RunDir) -> dict[str, dict]:
+        """``state.json`` and ``rng.safetensors``, each durable; their manifest records."""
+        files = {"state.json": store.write_step_file(self.step, "state.json", self.state_bytes)}
+        if self.rng_tensors:
+            files["rng.safetensors"] = store.write_step_file(
+                self.step, "rng.safetensors", st_save(self.rng_tensors))
+        return files
+
+    def _manifest(self, groups: dict[str, dict], written: list[str], nbytes: int,
+                  files: dict[str, dict]) -> dict:
+        ck = self.ck
+        return {
+            "format": "layerwise-ckpt-manifest",
+            "format_version": FORMAT_VERSION,
+            "step": self.step,
+            "save_index": self.save_index,
+            "created_unix_s": now_unix_s(),
+            "policy": ck.policy.name,
+            "policy_config": ck.policy.config() if hasattr(ck.policy, "config") else {},
+            "tied": bool(getattr(ck.provider, "tied", False)),
+            "bytes_written": nbytes,
+            "groups_written": written,
+            "files": files,
+            "groups": groups,
+        }

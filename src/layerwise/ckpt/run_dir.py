@@ -491,19 +491,25 @@ class RunDir:
         return rep
 
     def uncommit(self, step: int) -> None:
-        """Remove ``step``'s manifest durably, so nothing treats it as committed any more."""
+        """Remove ``step``'s manifest durably, so nothing treats it as committed any more.
+
+        ``latest`` is moved off ``step`` first (to the newest other committed step, or removed):
+        after a crash at any point it names a committed step, or lags behind the newest one."""
+        manifest = self.manifest_path(step)
+        if not manifest.exists():
+            return
+        if self.latest_pointer() == step:
+            older = [s for s in self.committed_steps() if s != step]
+            if older:
+                atomic_write_text(self.root / "latest", f"{older[-1]}\n")
+            else:
+                (self.root / "latest").unlink()
+                fsync_dir(self.root)
         try:
-            self.manifest_path(step).unlink()
+            manifest.unlink()
         except FileNotFoundError:
             return
         fsync_dir(self.step_dir(step))
-        if self.latest_pointer() == step:  # keep the hint pointing at a committed step
-            newest = self.latest_step()
-            if newest is None:
-                (self.root / "latest").unlink()
-                fsync_dir(self.root)
-            else:
-                atomic_write_text(self.root / "latest", f"{newest}\n")
 
     def gc(self, keep: int) -> GcReport:
         """Keep the newest ``keep`` committed steps; drop the rest and every unreferenced blob."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +24,14 @@ from .state import StateProvider
 
 CHUNK_NUMEL = 1 << 19
 """Elements per chunk of the weight-difference pass (2 MiB of fp32: stays in cache)."""
+
+
+@dataclass(frozen=True)
+class TrackerReferences:
+    """The tracker's references at one moment (``UpdateTracker.save_references``)."""
+
+    refs: dict[str, dict[str, torch.Tensor]]
+    ref_norms: dict[str, float]
 
 
 class UpdateTracker:
@@ -56,6 +65,31 @@ class UpdateTracker:
 
     def has_reference(self, group: str) -> bool:
         return group in self._ref
+
+    def reference(self, group: str) -> dict[str, torch.Tensor] | None:
+        """The weights last saved for ``group`` (kept tensors, not copies), or None."""
+        return self._ref.get(group)
+
+    def reset(self, references: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+        """Forget every reference and measurement; then keep ``references`` (group -> weights,
+        kept, not copied), e.g. the versions a checkpoint load just restored."""
+        self._ref.clear()
+        self._ref_norm.clear()
+        self._change.clear()
+        for group, params in (references or {}).items():
+            self.set_reference(group, params)
+
+    def save_references(self) -> TrackerReferences:
+        """The current references, to put back with ``restore_references`` if the save that is
+        about to replace them fails."""
+        return TrackerReferences(dict(self._ref), dict(self._ref_norm))
+
+    def restore_references(self, saved: TrackerReferences) -> None:
+        """Put back references taken by ``save_references``; measurements since are dropped
+        (they were taken against the references being undone)."""
+        self._ref = dict(saved.refs)
+        self._ref_norm = dict(saved.ref_norms)
+        self._change.clear()
 
     # ----- measurements -------------------------------------------------------------------
 

@@ -7,11 +7,11 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
-from ..ckpt.checkpointer import Checkpointer
+from ..ckpt.checkpointer import Checkpointer, LoadResult
 from ..ckpt.store_state import HostStoreStateProvider
 from ..engine import EngineConfig, StreamingEngine
 from ..engine.batch import Batch
@@ -21,6 +21,7 @@ from ..models import FLAVORS, DecoderAdapter, get_flavor
 from ..optim.adamw import AdamWConfig
 from ..plan.plan import Plan
 from ..store import HostStore, init_store
+from ..util.atomic import atomic_write_text
 from .data import batches, corpus_tokens
 from .schedule import lr_at
 
@@ -126,6 +127,37 @@ def build_model(cfg: TrainConfig, compute_dtype: torch.dtype) -> tuple[DecoderAd
                      "nor a local Hugging Face model directory")
 
 
+def _data_position(resumed: LoadResult | None, accum: int) -> int:
+    """Micro-batches of the training stream already consumed (0 for a fresh run)."""
+    if resumed is None:
+        return 0
+    if resumed.data_position is None:  # a checkpoint written by another loop: one step = accum
+        return resumed.step * accum
+    return int(resumed.data_position)
+
+
+def _open_metrics(path: Path, resumed_step: int, resumed_row: dict | None) -> TextIO:
+    """``metrics.jsonl`` for appending. A fresh run starts it empty. A resumed run keeps the
+    rows up to the step it resumed from and drops the rest: a killed run may have logged steps
+    whose checkpoint never committed, and a line cut by the kill. The resumed step's own row,
+    when the kill came before it was logged, is put back from the checkpoint."""
+    if not resumed_step:
+        return open(path, "w")
+    kept, have_resumed = [], False
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            step = json.loads(line)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+        if step <= resumed_step:
+            kept.append(line + "\n")
+            have_resumed |= step == resumed_step
+    if resumed_row is not None and not have_resumed:
+        kept.append(json.dumps(resumed_row) + "\n")
+    atomic_write_text(path, "".join(kept))
+    return open(path, "a")
+
+
 def train(cfg: TrainConfig, log=print) -> TrainResult:
     out_dir = Path(cfg.out_dir)
     compute_dtype = resolve_dtype(cfg.compute_dtype, cfg.device)
@@ -142,22 +174,27 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
     out_dir.mkdir(parents=True, exist_ok=True)
     plan.save(out_dir / "plan.json")
 
-    ckpt, start_step = None, 0
+    ckpt, resumed = None, None
     if cfg.ckpt_every or cfg.resume:
 
         provider = HostStoreStateProvider(store, engine.optimizers)
         ckpt = Checkpointer(out_dir / "ckpt", provider=provider, policy=cfg.ckpt_policy,
                             **cfg.ckpt_options)
         if cfg.resume and ckpt.has_checkpoint():
-            start_step = ckpt.load().step
-            log(f"resumed from layer-wise checkpoint step {start_step} in {out_dir / 'ckpt'}")
+            # Weights, AdamW moments and step counts, RNG; the data position and the run's
+            # start-of-training eval come back from the checkpoint's state below.
+            resumed = ckpt.load()
+            log(f"resumed from layer-wise checkpoint step {resumed.step} in {out_dir / 'ckpt'}")
         elif not cfg.ckpt_every:
             ckpt.close()
             ckpt = None
+    start_step = resumed.step if resumed is not None else 0
+    saved = (resumed.extra or {}) if resumed is not None else {}
 
     tokens = corpus_tokens(cfg.corpus_tokens, cfg.corpus)
     split = int(tokens.numel() * 0.95)
-    train_iter = batches(tokens[:split], cfg.seq_len, mbs, seed=cfg.seed, start=start_step * accum)
+    train_iter = batches(tokens[:split], cfg.seq_len, mbs, seed=cfg.seed,
+                         start=_data_position(resumed, accum))
     held_out = batches(tokens[split:], cfg.seq_len, mbs, seed=cfg.seed + 1)
     eval_set = [next(held_out) for _ in range(cfg.eval_batches)]
 
@@ -166,12 +203,16 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
     log(f"plan {plan.source}: boundaries {''.join(t[0] for t in plan.boundary_tiers)} "
         f"(d=device h=host n=nvme r=recompute); micro-batch {mbs} x {cfg.seq_len}, accum {accum}; "
         f"predicted device peak {est.peak_bytes / 2**20:.1f} MiB on {cfg.device}")
-    eval_start = engine.eval_loss(eval_set)
-    log(f"step 0: eval loss {eval_start:.4f}")
+    if "eval_loss_start" in saved:
+        eval_start = float(saved["eval_loss_start"])
+    else:
+        eval_start = engine.eval_loss(eval_set)
+        log(f"step 0: eval loss {eval_start:.4f}")
 
-    metrics = open(out_dir / "metrics.jsonl", "a" if start_step else "w")
+    last_row = saved.get("metrics_row")
+    metrics = _open_metrics(out_dir / "metrics.jsonl", start_step, last_row)
     t_start, tokens_seen = time.perf_counter(), 0
-    eval_loss = eval_start
+    eval_loss = float(last_row.get("eval_loss", eval_start)) if last_row else eval_start
     try:
         for step in range(start_step, cfg.steps):
             lr = lr_at(step, cfg.optimizer.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
@@ -190,7 +231,8 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
                 record["eval_loss"] = eval_loss
             if ckpt is not None and cfg.ckpt_every and ((step + 1) % cfg.ckpt_every == 0 or last):
                 engine.synchronize()
-                rep = ckpt.save(step + 1, data_position=(step + 1) * accum)
+                rep = ckpt.save(step + 1, data_position=(step + 1) * accum,
+                                extra={"eval_loss_start": eval_start, "metrics_row": dict(record)})
                 record["ckpt_groups"] = len(rep.selected)
                 record["ckpt_blocked_s"] = rep.blocked_s
             metrics.write(json.dumps(record) + "\n")
