@@ -29,6 +29,7 @@ from layerwise.optim.adamw import AdamWConfig
 from layerwise.plan import Plan
 from layerwise.store import HostStore
 from layerwise.engine.batch import IGNORE_INDEX
+from layerwise.engine.memory_probe import measure_step_peak
 from layerwise.train.data import batches, corpus_tokens
 
 
@@ -92,14 +93,12 @@ def main() -> None:
             plain_s.append(t2 - t1)
 
     e, p = statistics.median(engine_s), statistics.median(plain_s)
-    # one more (untimed) step that also counts autograd's saved tensors, for the measured peak
-    engine.config.measure_workspace = True
-    engine.backend.ledger.reset_peak()
-    engine.backend.reset_allocator_peak()
-    engine.train_step([next(data)])
-    engine.synchronize()
+    # one more (untimed) step, its device peak measured from allocations
+    batch = [next(data)]
+    measured_peak = measure_step_peak(engine, batch)
+    engine.store.zero_grads()
     predicted = engine.predict_memory(args.batch, args.seq_len).peak_bytes
-    measured = engine.backend.allocator_peak_bytes() or engine.backend.ledger.peak_bytes
+    measured = measured_peak.peak_bytes
     engine.close()
     print(json.dumps({
         "benchmark": "engine_overhead",
@@ -115,8 +114,7 @@ def main() -> None:
         "target_ratio": 1.15,
         "peak_device_bytes_predicted": predicted,
         "peak_device_bytes_measured": measured,
-        "peak_measured_how": "cuda allocator" if engine.backend.allocator_peak_bytes() else
-        "ledger of engine buffers + autograd saved tensors (CPU)",
+        "peak_measured_how": measured_peak.how,
         "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "platform": platform.platform(), "torch": torch.__version__,
                     "python": sys.version.split()[0]},

@@ -666,8 +666,8 @@ def run_planner(check: Check, ctx: dict[str, Any]) -> dict[str, Any]:
         "plan_s": res.plan_s,
         "milp_solve_s": res.solve_s,
         "source": plan.source,
-        "boundaries": plan.boundaries,
-        "tiers": tier_counts(plan.boundaries),
+        "boundaries": plan.boundary_tiers,
+        "tiers": tier_counts(plan.boundary_tiers),
         "micro_batch_size": plan.micro_batch_size,
         "num_micro_batches": plan.num_micro_batches,
         "prefetch_depth": plan.prefetch_depth,
@@ -754,8 +754,8 @@ def run_plan(check: Check, ctx: dict[str, Any], name: str, plan) -> dict[str, An
     lr = check.args.lr
     rec: dict[str, Any] = {
         "source": plan.source,
-        "tiers": tier_counts(plan.boundaries),
-        "boundaries": plan.boundaries,
+        "tiers": tier_counts(plan.boundary_tiers),
+        "boundaries": plan.boundary_tiers,
         "prefetch_depth": plan.prefetch_depth,
         "micro_batch_size": mbs, "num_micro_batches": nmb, "seq_len": seq,
     }

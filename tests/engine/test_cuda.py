@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from layerwise.engine.backend import Ref
 from layerwise.engine import CudaBackend, EngineConfig, StreamingEngine
 from layerwise.engine.batch import IGNORE_INDEX, Batch
 from layerwise.models import DecoderAdapter, get_flavor
@@ -73,11 +74,16 @@ def _clean_cuda() -> None:
 
 @cuda
 def test_backend_round_trip_through_pinned_memory():
+    """A copy in, compute, a copy out, ordered only by events across the three streams."""
     backend = CudaBackend()
-    host = torch.randn(1 << 20).pin_memory()
-    dev = backend.to_device(host).wait()
-    assert dev.is_cuda
-    back = backend.to_host(dev * 2).wait()
+    host = backend.host_alloc(1 << 20, torch.float32)
+    host.copy_(torch.randn(1 << 20))
+    dev = backend.alloc(1 << 20, torch.float32)
+    backend.wait([backend.copy_h2d(dev, host)])
+    out = Ref()
+    backend.launch(lambda: setattr(out, "value", dev * 2))
+    back = backend.host_alloc(1 << 20, torch.float32)
+    backend.copy_d2h(back, out, after=[backend.record()]).synchronize()
     assert back.is_pinned()
     assert torch.equal(back, host * 2)
 
