@@ -9,7 +9,7 @@ Mutations checked by hand (each makes ``test_seeded_delay_patterns_match_autogra
 - weights landed before compute reads them: ``WeightStreamer.acquire`` without
   ``backend.wait([res.ready])``;
 - D2H before the host reads: ``GradSink._land_loop`` without ``ev.synchronize()``;
-- offload before fetch: ``ActivationStore._issue_fetch`` without ``e.stored`` in ``after``;
+- offload before fetch: ``BoundaryTiers._issue_fetch`` without ``e.stored`` in ``after``;
 - gradient slot free before it is rewritten: ``GradSink.begin`` without its ``backend.wait``
   (fails ``test_one_lane_far_behind_the_others[d2h]`` every time, the seeded patterns rarely).
 (update-before-forward is ``test_training.test_update_of_a_layer_finishes_before_its_next_forward``.)

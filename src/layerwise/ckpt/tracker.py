@@ -95,7 +95,7 @@ class UpdateTracker:
 
     def _diff_norm(self, live: torch.Tensor, ref: torch.Tensor) -> float:
         if live.device != ref.device:
-            live = live.to(ref.device)
+            return self._diff_norm_on_device(live, ref)
         if live.dtype != torch.float32 or ref.dtype != torch.float32:
             return float(torch.linalg.vector_norm(live.float() - ref.float()))
         # Cache-sized chunks: the difference never round-trips through main memory, so the
@@ -110,6 +110,18 @@ class UpdateTracker:
             torch.sub(a[i:i + n], b[i:i + n], out=s)
             sq += float(torch.linalg.vector_norm(s)) ** 2
         return math.sqrt(sq)
+
+    @staticmethod
+    def _diff_norm_on_device(live: torch.Tensor, ref: torch.Tensor) -> float:
+        """Live weights on a GPU, the reference on the host: bring the reference over in chunks
+        (from pinned memory, asynchronously) and subtract there, one host sync at the end, rather
+        than copying the whole live tensor to pageable host memory."""
+        a, b = live.reshape(-1), ref.reshape(-1)
+        sq = torch.zeros((), dtype=torch.float64, device=live.device)
+        for i in range(0, a.numel(), CHUNK_NUMEL):
+            chunk = b[i:i + CHUNK_NUMEL].to(live.device, non_blocking=b.is_pinned())
+            sq += torch.linalg.vector_norm(a[i:i + CHUNK_NUMEL].float() - chunk.float()).double() ** 2
+        return math.sqrt(float(sq))
 
     def change(self, group: str, step: int | None = None) -> float:
         """Relative L2 change since the last saved version (``inf`` if none yet).

@@ -12,6 +12,7 @@ a plan moves activations and adds recomputation, it never changes the arithmetic
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from .batch import IGNORE_INDEX, Batch
 from .backend import Ref
 from .devices import make_backend
 from .layer_ops import layer_backward
-from .streams import ActivationStore, GradSink, WeightStreamer
+from .streams import BoundaryTiers, GradSink, WeightStreamer
 
 
 @dataclass
@@ -96,7 +97,7 @@ class StreamingEngine:
                                        self._update_done)
         head_numel = store[HEAD].layout.numel + (store[EMBED].layout.numel if adapter.tied else 0)
         self.sink = GradSink(self.backend, store, fp32_numel=max(head_numel, store[EMBED].layout.numel))
-        self.acts = ActivationStore(self.backend, self.config.spill_dir)
+        self.acts = BoundaryTiers(self.backend, self.config.spill_dir)
         self._ops = {
             OpKind.EMBED_FWD: self._embed_fwd, OpKind.RECOMPUTE_EMBED: self._recompute_embed,
             OpKind.LAYER_FWD: self._layer_fwd, OpKind.RECOMPUTE_LAYER: self._recompute_layer,
@@ -245,7 +246,7 @@ class StreamingEngine:
     def _micro_batch(self, batch: Batch, loss: torch.Tensor, total_tokens: int, final: bool) -> None:
         shape = tuple(batch.input_ids.shape) + (self.adapter.hidden_size,)
         tiers = self.plan.boundary_tiers
-        self.acts.prepare(_numel(shape), self.config.compute_dtype,
+        self.acts.prepare(math.prod(shape), self.config.compute_dtype,
                           sum(t in ("host", "nvme") for t in tiers), tiers.count("nvme"))
         mb = _MicroBatch(shape, loss, total_tokens, final)
         self.backend.launch(lambda: self._start(mb, batch))
@@ -470,9 +471,3 @@ class _MicroBatch:
     h: torch.Tensor | None = None
     grad_h: torch.Tensor | None = None
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -12,12 +12,13 @@ ahead.
 - :class:`GradSink`: gradients leave in one copy per unit through two device grad slots and a
   small pinned host ring; a host worker adds each into the unit's fp32 gradient and takes the
   unit's squared norm once it is final, so the clip factor is known when the backward ends.
-- :class:`ActivationStore`: boundary activations kept on the device, offloaded to host memory
+- :class:`BoundaryTiers`: boundary activations kept on the device, offloaded to host memory
   or NVMe, fetched back into fetch slots ahead of use, or dropped (recompute).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import tempfile
@@ -270,7 +271,7 @@ class _Offloaded:
     reading: Future | None = None
 
 
-class ActivationStore:
+class BoundaryTiers:
     """Boundary activations by tier: ``device``, ``host``, ``nvme`` or dropped (``recompute``).
 
     ``on_device`` (boundary -> tensor) is touched only by compute closures.
@@ -319,7 +320,7 @@ class ActivationStore:
         if tier == "device":
             self.backend.launch(lambda: self.on_device.__setitem__(i, h.get()))
             return
-        numel = _numel(shape)
+        numel = math.prod(shape)
         after = [self.backend.record()]
         if tier == "host":
             buf = self._host_bufs.get(i)
@@ -363,13 +364,13 @@ class ActivationStore:
         if e is None or e.fetched is not None:
             return
         if e.tier == "nvme" and e.reading is None:
-            e.reading = self._io.submit(self._read, e.stored, _numel(e.shape))
+            e.reading = self._io.submit(self._read, e.stored, math.prod(e.shape))
         if self._free_slots and (e.tier == "host" or e.reading.done()):
             self._issue_fetch(i, e)
 
     def _issue_fetch(self, i: int, e: _Offloaded) -> None:
         slot = self._free_slots.pop(0)
-        numel = _numel(e.shape)
+        numel = math.prod(e.shape)
         dst = self.slots[slot].buffer[:numel]
         if e.tier == "host":
             # the copy lane waits for the offload to land; the host does not
@@ -392,12 +393,12 @@ class ActivationStore:
             return  # kept on the device (or recomputed)
         if e.fetched is None:
             if e.tier == "nvme" and e.reading is None:
-                e.reading = self._io.submit(self._read, e.stored, _numel(e.shape))
+                e.reading = self._io.submit(self._read, e.stored, math.prod(e.shape))
             assert self._free_slots, "no free fetch slot: more boundaries fetched than slots"
             self._issue_fetch(i, e)
         slot, ev = e.fetched
         self.backend.wait([ev])
-        view = self.slots[slot].buffer[:_numel(e.shape)].view(e.shape)
+        view = self.slots[slot].buffer[:math.prod(e.shape)].view(e.shape)
         self.backend.launch(lambda: self.on_device.__setitem__(i, view))
 
     def put_recomputed(self, i: int, h: Ref) -> None:
@@ -438,9 +439,3 @@ class ActivationStore:
             self._spill_dir.rmdir()
             self._spill_dir = None
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
