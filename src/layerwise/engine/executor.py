@@ -26,7 +26,7 @@ from ..optim.adamw import AdamWConfig, HostAdamW, UnitOptimizer
 from ..optim.adamw8bit import HostAdamW8bit
 from ..optim.clip import clip_or_skip, global_norm
 from ..plan.shape import ModelShape
-from ..plan.memory import MemoryEstimate, predict_peak_device_bytes
+from ..plan.memory import CUDA_WORKSPACE_BYTES, MemoryEstimate, predict_peak_device_bytes
 from ..plan.plan import Plan
 from ..plan.program import OpKind, forward_program, micro_batch_program, weight_schedule
 from ..store import HostStore
@@ -125,8 +125,9 @@ class StreamingEngine:
 
     def predict_memory(self, micro_batch_size: int, seq_len: int) -> MemoryEstimate:
         elem = torch.empty((), dtype=self.config.compute_dtype).element_size()
+        workspace = CUDA_WORKSPACE_BYTES if self.device.type == "cuda" else 0
         return predict_peak_device_bytes(self.shape, self.plan, micro_batch_size, seq_len, elem,
-                                         grad_slots=self.backend.asynchronous)
+                                         grad_slots=self.backend.asynchronous, workspace_bytes=workspace)
 
     def check(self, micro_batch_size: int, seq_len: int) -> MemoryEstimate:
         """Refuse, before any work, a batch shape whose predicted device peak is over the cap."""

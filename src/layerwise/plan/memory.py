@@ -26,6 +26,9 @@ GRAD_SLOTS = 2
 """Device gradient slots: one being filled by a backward while the other is copied out."""
 FETCH_SLOTS = 2
 """Device slots for fetched boundaries: the one in use and the one being fetched ahead."""
+CUDA_WORKSPACE_BYTES = 64 << 20
+"""What a CUDA device holds besides the engine's tensors that the allocator reports: cuBLAS
+workspaces and the allocator's rounding of blocks (the CUDA context itself is not reported)."""
 
 
 @dataclass
@@ -90,11 +93,14 @@ def slot_bytes(shape: ModelShape, plan: Plan, micro_batch_size: int, seq_len: in
 
 
 def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, seq_len: int,
-                        elem_bytes: int, grad_slots: bool = True) -> list[MemoryEstimate]:
-    """What the device holds at each op of the program (its peak within the op), in program order."""
+                        elem_bytes: int, grad_slots: bool = True,
+                        workspace_bytes: int = 0) -> list[MemoryEstimate]:
+    """What the device holds at each op of the program (its peak within the op), in program
+    order. ``workspace_bytes``: a fixed term for the device's own workspaces (CUDA)."""
     tokens = micro_batch_size * seq_len
     boundary = tokens * shape.hidden_size * elem_bytes
     slots = sum(slot_bytes(shape, plan, micro_batch_size, seq_len, elem_bytes, grad_slots).values())
+    slots += workspace_bytes
     windows = [w for w in shape.layer_windows if w is not None and w < seq_len]
     mask = seq_len * seq_len if windows else 0  # a boolean band mask for the windowed layers
     ops = micro_batch_program(plan.boundary_tiers)
@@ -118,10 +124,12 @@ def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, se
 
 
 def predict_peak_device_bytes(shape: ModelShape, plan: Plan, micro_batch_size: int,
-                              seq_len: int, elem_bytes: int, grad_slots: bool = True) -> MemoryEstimate:
+                              seq_len: int, elem_bytes: int, grad_slots: bool = True,
+                              workspace_bytes: int = 0) -> MemoryEstimate:
     """The largest of :func:`device_bytes_per_op` (the first op to reach it)."""
     best = MemoryEstimate(0, "", {})
-    for est in device_bytes_per_op(shape, plan, micro_batch_size, seq_len, elem_bytes, grad_slots):
+    for est in device_bytes_per_op(shape, plan, micro_batch_size, seq_len, elem_bytes, grad_slots,
+                                   workspace_bytes):
         if est.peak_bytes > best.peak_bytes:
             best = est
     return best
