@@ -91,22 +91,21 @@ class AsyncCpuBackend:
 
     def __init__(self, seed: int | None = 0, max_delay_s: float = 0.004,
                  lane_delays_s: dict[str, float] | None = None):
-        """``lane_delays_s``: instead of seeded paces, every item of a lane sleeps up to this."""
+        """``seed``: each lane gets its own pace per seed (idle, quick or slow, up to
+        ``max_delay_s`` before half its items), so across seeds every lane is sometimes the one
+        that lags far behind; None: no delays. ``lane_delays_s``: instead, every item of the named
+        lanes sleeps up to this."""
         self.device = torch.device("cpu")
         rng = random.Random(seed)
         self._errors: list[BaseException] = []
-        if lane_delays_s is not None:
-            self._lanes = {name: _Lane(name, random.Random(rng.random()), lane_delays_s.get(name, 0.0),
-                                       self._errors, delay_probability=1.0)
-                           for name in ("compute", "h2d", "d2h")}
-            self.allocated_bytes = 0
-            return
-        # Each lane gets its own pace per seed (idle, quick or slow), so across seeds every lane
-        # is sometimes the one that lags far behind the others.
-        self._lanes = {name: _Lane(name, random.Random(rng.random()),
-                                   rng.choice((0.0, 0.2, 1.0)) * max_delay_s if seed is not None else 0.0,
-                                   self._errors)
-                       for name in ("compute", "h2d", "d2h")}
+        self._lanes = {}
+        for name in ("compute", "h2d", "d2h"):
+            lane_rng = random.Random(rng.random())
+            if lane_delays_s is not None:
+                delay, probability = lane_delays_s.get(name, 0.0), 1.0
+            else:
+                delay, probability = (rng.choice((0.0, 0.2, 1.0)) * max_delay_s if seed is not None else 0.0), 0.5
+            self._lanes[name] = _Lane(name, lane_rng, delay, self._errors, probability)
         self.allocated_bytes = 0
         """Bytes of device slots allocated so far (the device memory the engine asked for)."""
 
