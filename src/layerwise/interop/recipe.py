@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import yaml
 
-from ..models.names import config_is_tied, group_of, group_sort_key, layer_index, layer_unit
+from ..models.names import EMBED, LM_HEAD, NORM, config_is_tied, group_of, group_sort_key, layer_index, layer_unit
 from ..util.dtypes import parse_dtype
 from .layout import CheckpointSource
 from .sources import open_source
@@ -48,7 +48,7 @@ ARCH_KEYS = (
 """Config keys that must agree across all sources: they fix every tensor's shape."""
 
 _TOP_KEYS = {"slices", "pre_weights", "post_weights", "merge_method", "dtype", "state_from"}
-_GROUP_ALIASES = {"embed", "norm", "lm_head"}
+_GROUP_ALIASES = {EMBED, NORM, LM_HEAD}
 
 
 @dataclass(frozen=True)
@@ -301,7 +301,7 @@ class RecipeSource:
                 )
             prev = explicit.get(group)
             if prev is not None and prev.model != p.model:
-                tied = " (with tied embeddings lm_head.weight is the embedding)" if self.tied and group == "embed" else ""
+                tied = " (with tied embeddings lm_head.weight is the embedding)" if self.tied and group == EMBED else ""
                 raise ValueError(
                     f"recipe: {group!r} is taken from both {prev.model!r} and {p.model!r}{tied}; "
                     "name each part once"
@@ -311,7 +311,7 @@ class RecipeSource:
         for group in sorted(non_layer, key=group_sort_key):
             if group in explicit:
                 model = explicit[group].model
-            elif group == "embed":
+            elif group == EMBED:
                 model = whole.get("pre_weights", first)
             else:
                 model = whole.get("post_weights", last)
