@@ -51,7 +51,10 @@ def test_train_on_chat_jsonl_learns_and_exports_a_loadable_model_and_tokenizer(
         tmp_path, model_dir, capsys):
     """``layerwise train model=DIR data=chat.jsonl steps=30``: the bad line is skipped and
     reported at the start, the loss falls, and the exported directory loads with
-    ``from_pretrained`` / ``AutoTokenizer`` (chat template included) and generates."""
+    ``from_pretrained`` / ``AutoTokenizer`` (chat template included) and generates.
+
+    Mutation this fails on: the tokenizer not saved with the export (``saved_tok = False`` in
+    ``train/loop.py``: ``AutoTokenizer`` cannot load the directory)."""
     data = _chat_file(tmp_path / "chat.jsonl", bad_line=True)
     out = tmp_path / "run"
     code = main(["train", f"model={model_dir}", f"data={data}", "steps=30", "seq_len=64",

@@ -70,8 +70,8 @@ def detect_format(value: dict[str, Any]) -> str | None:
 def check_tokenizer_for(fmt: str, tok: Tokenizer) -> str | None:
     """Refuse a tokenizer that cannot serve ``fmt``; return how chat spans are found."""
     if fmt != "chat":
-        if fmt != "text" and isinstance(tok, HFTokenizer):
-            tok.require_eos()
+        if isinstance(tok, HFTokenizer):
+            tok.require_eos()  # every example ends with it
         return None
     if not isinstance(tok, HFTokenizer) or not tok.chat_template:
         raise ValueError(f"data_format=chat needs a tokenizer with a chat template; {tok.name} has "
