@@ -22,8 +22,9 @@ from ..optim.adamw import AdamWConfig
 from ..plan.plan import Plan
 from ..store import HostStore, init_store
 from ..util.atomic import atomic_write_text
-from .data import batches, corpus_tokens
+from .data import DataSpec, prepare_data
 from .schedule import lr_at
+from .tokenizer import check_vocab, load_tokenizer
 
 
 @dataclass
@@ -57,6 +58,25 @@ class TrainConfig:
     """Directory of ``.py`` text files; default: the Python standard library's source."""
     corpus_tokens: int = 2_000_000
     """Tokens read from the corpus (the last 5% are held out for eval)."""
+    tokenizer: str = "auto"
+    """``auto`` (the model directory's own tokenizer, else the byte tokenizer), ``byte``, or a
+    directory with tokenizer files (loaded with local files only)."""
+    data: str | None = None
+    """A data file or directory (.jsonl, .json, .parquet, .txt/.md/.py); default: the corpus."""
+    data_format: str = "auto"
+    """``auto`` (by the fields present), ``text``, ``chat``, ``prompt_completion``, ``instruction``."""
+    eval_data: str | None = None
+    """Held-out data file or directory (same format); default: ``eval_fraction`` of ``data``."""
+    eval_fraction: float = 0.05
+    """Fraction of ``data``'s examples held out for eval when ``eval_data`` is not given."""
+    pack: bool = True
+    """Pack short examples into ``seq_len`` rows (loss never crosses examples; attention does,
+    causally); false: one example a row, padded."""
+    data_skip_bad: bool = False
+    """Skip bad examples (malformed, missing fields, nothing to train on) and report the count,
+    instead of stopping with an error naming the file and line."""
+    data_cache: bool = True
+    """Keep the tokenized data in ``out_dir/data_cache`` so a resumed run does not redo it."""
     eval_every: int = 20
     """Evaluate every N steps (0: only at the start and end)."""
     eval_batches: int = 4
@@ -163,8 +183,13 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
     compute_dtype = resolve_dtype(cfg.compute_dtype, cfg.device)
     adapter, store = build_model(cfg, compute_dtype)
     plan = resolve_plan(cfg.plan, adapter.num_layers, cfg)
-    if adapter.vocab_size < 258:
-        raise ValueError(f"model vocab_size {adapter.vocab_size} < 258 needed by the byte tokenizer")
+    tokenizer, tokenizer_line = load_tokenizer(cfg.tokenizer, cfg.model)
+    check_vocab(adapter.vocab_size, tokenizer)
+    data = prepare_data(DataSpec(
+        data=cfg.data, data_format=cfg.data_format, eval_data=cfg.eval_data,
+        eval_fraction=cfg.eval_fraction, seq_len=cfg.seq_len, pack=cfg.pack,
+        skip_bad=cfg.data_skip_bad, seed=cfg.seed, cache=cfg.data_cache, corpus=cfg.corpus,
+        corpus_tokens=cfg.corpus_tokens), tokenizer, out_dir, log)
     cap = None if cfg.device_mem_cap_gb is None else int(cfg.device_mem_cap_gb * 2**30)
     engine = StreamingEngine(adapter, store, plan, EngineConfig(
         device=cfg.device, compute_dtype=compute_dtype, device_mem_cap_bytes=cap,
@@ -191,15 +216,16 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
     start_step = resumed.step if resumed is not None else 0
     saved = (resumed.extra or {}) if resumed is not None else {}
 
-    tokens = corpus_tokens(cfg.corpus_tokens, cfg.corpus)
-    split = int(tokens.numel() * 0.95)
-    train_iter = batches(tokens[:split], cfg.seq_len, mbs, seed=cfg.seed,
-                         start=_data_position(resumed, accum))
-    held_out = batches(tokens[split:], cfg.seq_len, mbs, seed=cfg.seed + 1)
-    eval_set = [next(held_out) for _ in range(cfg.eval_batches)]
+    train_iter = data.batches(mbs, seed=cfg.seed, start=_data_position(resumed, accum))
+    eval_set = data.eval_set(mbs, cfg.eval_batches, seed=cfg.seed + 1)
+    if saved.get("data_key", data.key) != data.key:
+        log("warning: the data, tokenizer or data settings differ from the checkpoint's; the "
+            "data position now indexes the new data")
 
     log(f"model {cfg.model}: {adapter.num_params() / 1e6:.1f}M params, {adapter.num_layers} layers "
         f"({adapter.family}); host store {store.nbytes() / 2**20:.0f} MiB")
+    for line in [tokenizer_line, *data.summary()]:
+        log(line)
     log(f"plan {plan.source}: boundaries {''.join(t[0] for t in plan.boundary_tiers)} "
         f"(d=device h=host n=nvme r=recompute); micro-batch {mbs} x {cfg.seq_len}, accum {accum}; "
         f"predicted device peak {est.peak_bytes / 2**20:.1f} MiB on {cfg.device}")
@@ -232,7 +258,8 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
             if ckpt is not None and cfg.ckpt_every and ((step + 1) % cfg.ckpt_every == 0 or last):
                 engine.synchronize()
                 rep = ckpt.save(step + 1, data_position=(step + 1) * accum,
-                                extra={"eval_loss_start": eval_start, "metrics_row": dict(record)})
+                                extra={"eval_loss_start": eval_start, "metrics_row": dict(record),
+                                       "data_key": data.key})
                 record["ckpt_groups"] = len(rep.selected)
                 record["ckpt_blocked_s"] = rep.blocked_s
             metrics.write(json.dumps(record) + "\n")
@@ -251,7 +278,8 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
     if cfg.export:
 
         model_dir = export_store(store, out_dir / "model", overwrite=True)
-        log(f"exported Hugging Face model to {model_dir}")
+        saved_tok = tokenizer.save(model_dir)
+        log(f"exported Hugging Face model{' and tokenizer' if saved_tok else ''} to {model_dir}")
     return TrainResult(out_dir, eval_start, eval_loss, cfg.steps,
                        tokens_seen / max(1e-9, time.perf_counter() - t_start), est.peak_bytes,
                        model_dir)
