@@ -315,8 +315,7 @@ def _plot_heatmap(fig, ax, data: RunData) -> None:
         ax.set_title("relative change per layer")
         return
     masked = np.ma.masked_invalid(np.where(arr > 0, arr, np.nan))
-    cmap = matplotlib.colormaps["viridis"].copy()
-    cmap.set_bad("#eeeeee")
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#eeeeee")
     im = ax.imshow(masked, aspect="auto", interpolation="nearest", cmap=cmap,
                    norm=LogNorm(vmin=float(finite.min()), vmax=float(finite.max())))
     _sparse_ticks(ax, groups, "y", 32)
