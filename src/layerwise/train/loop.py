@@ -289,7 +289,7 @@ def _timing_summary(step_times: list[float], predicted: float | None, plan: Plan
                                      "after the first)" if measured else "n/a (under 2 steps)")
     if predicted:
         hw = plan.predicted.get("hardware_source") or plan.predicted.get("hardware")
-        text += f", predicted {predicted:.4g} s (plan {plan.source} on {hw})"
+        text += f", predicted {predicted:.4g} s for plan {plan.source} on {hw}"
         if measured:
             text += f": measured / predicted {measured / predicted:.2f}"
     return text

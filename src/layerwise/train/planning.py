@@ -73,7 +73,7 @@ def _this_machine(device: str, run_dir: Path, may_calibrate: bool,
             hw = replace(hw, device_mem_bytes=ram, host_mem_bytes=ram,
                          device_reserved_bytes=min(hw.device_reserved_bytes, ram // 8),
                          host_reserved_bytes=min(hw.host_reserved_bytes, ram // 8))
-        return HardwareChoice(hw, "preset cpu (this machine's CPU; memory read from it)")
+        return HardwareChoice(hw, "the cpu preset (this machine's RAM)")
     index = torch.device(device).index or 0
     props = torch.cuda.get_device_properties(index)
     preset = cuda_preset_for(props.name, props.total_memory)
@@ -82,15 +82,15 @@ def _this_machine(device: str, run_dir: Path, may_calibrate: bool,
         if ram:
             hw = replace(hw, host_mem_bytes=ram,
                          host_reserved_bytes=min(hw.host_reserved_bytes, ram // 8))
-        return HardwareChoice(hw, f"preset {preset} (matched to {props.name!r}; memory read from "
-                                  "this machine)")
+        return HardwareChoice(hw, f"the {preset} preset (matched to {props.name!r}; this "
+                                  "machine's memory)")
     if not may_calibrate:
         return None
     log(f"no hardware preset matches {props.name!r}: calibrating this machine (quick) ...")
     hw = calibrate(quick=True, device=device)
     run_dir.mkdir(parents=True, exist_ok=True)
     hw.save(run_dir / PROFILE_NAME)
-    return HardwareChoice(hw, f"calibrated now (quick), saved to {run_dir / PROFILE_NAME}")
+    return HardwareChoice(hw, f"this machine, calibrated now (quick; saved to {run_dir / PROFILE_NAME})")
 
 
 def check_profile(profile: str | None) -> None:
@@ -121,10 +121,10 @@ def resolve_hardware(profile: str | None, hardware: str | None, device: str, run
     ignored = [f"{k}={v}" for k, v in (("hardware", hardware),) if v]
     if profile:
         check_profile(profile)
-        choice = HardwareChoice(HardwareProfile.load(profile), f"profile {profile}")
+        choice = HardwareChoice(HardwareProfile.load(profile), f"the profile {profile}")
     elif (run_dir / PROFILE_NAME).is_file():
         choice = HardwareChoice(HardwareProfile.load(run_dir / PROFILE_NAME),
-                                f"calibrated profile {run_dir / PROFILE_NAME}")
+                                f"the calibrated profile {run_dir / PROFILE_NAME}")
     elif hardware:
         ignored = []
         try:

@@ -158,7 +158,7 @@ def summary_lines(data: RunData) -> list[str]:
         head += (f": {info.get('model')} ({info.get('num_params', 0) / 1e6:.1f}M params, "
                  f"{info.get('num_layers')} layers) on {info.get('device')}, plan {info.get('plan')}")
         if info.get("hardware_source"):
-            head += f" for {info['hardware_source']}"
+            head += f", predicted on {info['hardware_source']}"
     out.append(head)
     if rows:
         last = rows[-1]["step"]
@@ -234,7 +234,7 @@ def _sparse_ticks(ax, labels: list[str], axis: str, max_ticks: int = 24) -> None
     if axis == "y":
         ax.set_yticks(idx, [labels[i] for i in idx])
     else:
-        ax.set_xticks(idx, [labels[i] for i in idx], rotation=90 if len(idx) > 12 else 0)
+        ax.set_xticks(idx, [labels[i] for i in idx], rotation=90 if len(idx) > 20 else 0)
 
 
 def _plot_loss(ax, data: RunData) -> None:
@@ -382,8 +382,9 @@ def draw_report(data: RunData, out: str | Path) -> Path:
 
     n_groups = max(len(_change_matrix(data)[0]), len(data.saves[-1].groups) if data.saves else 0)
     map_h = min(7.0, max(2.6, 0.16 * n_groups))
-    fig = plt.figure(figsize=(15, 7.2 + 2 * map_h), layout="constrained")
-    grid = fig.add_gridspec(4, 2, height_ratios=[3.2, 3.2, map_h, map_h], width_ratios=[3, 2])
+    saves_h = map_h if data.saves else 1.0  # no checkpoints: one line saying so
+    fig = plt.figure(figsize=(15, 7.2 + map_h + saves_h), layout="constrained")
+    grid = fig.add_gridspec(4, 2, height_ratios=[3.2, 3.2, map_h, saves_h], width_ratios=[3, 2])
     panels = [(grid[0, 0], _plot_loss), (grid[0, 1], _plot_lr),
               (grid[1, 0], _plot_throughput), (grid[1, 1], _plot_grad_norm)]
     for spec, fn in panels:
