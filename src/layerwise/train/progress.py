@@ -8,6 +8,7 @@ which reads well in a file and never fills it with carriage returns.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -24,8 +25,17 @@ def resolve_progress(mode: str) -> str:
                          "bar or lines")
     if mode == "auto":
         tty = all(getattr(s, "isatty", lambda: False)() for s in (sys.stdout, sys.stderr))
-        return "bar" if tty else "lines"
+        return "bar" if tty and _columns(sys.stderr) != 0 else "lines"
     return mode
+
+
+def _columns(stream) -> int | None:
+    """The terminal's width (0 for a pseudo-terminal never given a size, where a bar would
+    draw as nothing); None when it cannot be asked."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def _si(x: float) -> str:
