@@ -311,6 +311,7 @@ def test_cuda_devices_match_presets_by_name():
     (["plan=nonsense"], "is not every-K, recompute-all, keep-all, auto or a .json plan file"),
     (["plan=auto", "profile=/nonexistent/profile.json"], "profile=/nonexistent/profile.json: no such file"),
     (["plan=auto", "hardware=tpu-v9"], "unknown hardware 'tpu-v9'"),
+    (["plan=/nonexistent/plan.json"], "plan file /nonexistent/plan.json does not exist"),
     (["progress=fancy"], "progress='fancy'"),
     (["track_every=-1"], "track_every must be >= 0"),
 ])

@@ -233,7 +233,9 @@ def check_options(cfg: TrainConfig) -> None:
     resolve_progress(cfg.progress)
     if cfg.track_every < 0:
         raise ValueError(f"track_every must be >= 0 (0: no tracker), got {cfg.track_every}")
-    if cfg.plan != "auto" and Path(cfg.plan).suffix != ".json":
+    if Path(cfg.plan).suffix == ".json":
+        Plan.load(cfg.plan)  # a missing or malformed plan file's own error
+    elif cfg.plan != "auto":
         resolve_plan(cfg.plan, 1, cfg)  # a malformed rule's own error
     check_profile(cfg.profile)
     check_hardware(cfg.hardware)
