@@ -118,25 +118,20 @@ def resolve_hardware(profile: str | None, hardware: str | None, device: str, run
     None only when nothing was asked for and this machine has no preset and ``may_calibrate``
     is false. Raises ``ValueError`` for a missing or bad profile file or an unknown preset."""
     choice: HardwareChoice | None
-    ignored = [f"{k}={v}" for k, v in (("hardware", hardware),) if v]
-    if profile:
-        check_profile(profile)
-        choice = HardwareChoice(HardwareProfile.load(profile), f"the profile {profile}")
-    elif (run_dir / PROFILE_NAME).is_file():
-        choice = HardwareChoice(HardwareProfile.load(run_dir / PROFILE_NAME),
-                                f"the calibrated profile {run_dir / PROFILE_NAME}")
+    calibrated = Path(profile) if profile else run_dir / PROFILE_NAME
+    if profile or calibrated.is_file():
+        check_profile(str(calibrated))
+        label = f"the {'profile' if profile else 'calibrated profile'} {calibrated}"
+        choice = HardwareChoice(HardwareProfile.load(calibrated), label)
+        if hardware:
+            log(f"hardware: {label} (hardware={hardware} ignored: a calibrated profile wins)")
     elif hardware:
-        ignored = []
-        try:
-            choice = HardwareChoice(get_hardware(hardware), f"hardware={hardware}")
-        except ValueError as e:
-            raise ValueError(f"hardware={hardware}: {e}") from None
+        check_hardware(hardware)
+        choice = HardwareChoice(get_hardware(hardware), f"hardware={hardware}")
     else:
         choice = _this_machine(device, run_dir, may_calibrate, log)
     if choice is None:
         return None
-    if ignored:
-        log(f"hardware: {choice.source} ({', '.join(ignored)} ignored: a calibrated profile wins)")
     hw = choice.profile
     elem = torch.empty((), dtype=compute_dtype).element_size()
     if hw.compute_dtype_bytes != elem and elem in (2, 4):
