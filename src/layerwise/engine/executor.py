@@ -65,6 +65,9 @@ class StepStats:
     skipped: bool
     """True when the gradient norm was not finite and no update was made."""
     step_s: float
+    unit_grad_norms: dict[str, float] = field(default_factory=dict)
+    """L2 norm of each unit's gradient over the whole step, before clipping (the per-unit
+    norms the clip is computed from; the update clears the gradients themselves)."""
 
 
 class StreamingEngine:
@@ -225,16 +228,17 @@ class StreamingEngine:
         norm = global_norm(list(sq.values()))
         tokens = sum(mb.num_target_tokens for mb in micro_batches)
         coef = clip_or_skip(norm, self.config.optimizer.max_grad_norm)
+        unit_norms = {u: math.sqrt(v) if v >= 0 else math.nan for u, v in sq.items()}
         if coef is None:  # non-finite gradients: no update
             self.steps_skipped += 1
             self.store.zero_grads()
-            return StepStats(loss, norm, 0.0, tokens, True, time.perf_counter() - t0)
+            return StepStats(loss, norm, 0.0, tokens, True, time.perf_counter() - t0, unit_norms)
         lr = self.config.optimizer.lr if lr is None else lr
         # Safe to overwrite host weights now: every weight copy of the step fed an op whose
         # gradient has landed on the host (sink.finish), so every copy has completed.
         for buf in self.store:  # embed first: the next forward needs it first
             self._updates[buf.name] = self._pool.submit(self._update, buf.name, lr, coef)
-        return StepStats(loss, norm, coef, tokens, False, time.perf_counter() - t0)
+        return StepStats(loss, norm, coef, tokens, False, time.perf_counter() - t0, unit_norms)
 
     def _update(self, unit: str, lr: float, coef: float) -> None:
         buf = self.store[unit]

@@ -1,4 +1,4 @@
-"""``layerwise demo`` and ``layerwise train``."""
+"""``layerwise demo``, ``layerwise train`` and ``layerwise report``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from .. import config
 from .data import ByteTokenizer
 from .loop import TrainConfig, train
+from .report import report
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,12 +32,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     train.set_defaults(func=run_train)
 
+    rep = sub.add_parser(
+        "report", help="draw a training run: curves, per-layer change, checkpoint history",
+        description="One PNG of a `layerwise train` run (loss and eval, LR, gradient norm, "
+                    "tokens/s against the planner's prediction, a per-layer x step heat map of "
+                    "relative weight change, and which groups each checkpoint wrote with its "
+                    "bytes against a full save), and a short text summary.")
+    rep.add_argument("run", help="the run's out_dir (or a layer-wise checkpoint run directory)")
+    rep.add_argument("--out", default=None, help="PNG to write (default RUN/report.png)")
+    rep.set_defaults(func=run_report)
+
 
 def run_train(args: argparse.Namespace) -> int:
     cfg = config.load(TrainConfig, args.config, args.overrides)
     result = train(cfg)
     print(f"done: eval loss {result.eval_loss_start:.4f} -> {result.eval_loss_end:.4f}, "
           f"{result.tokens_per_s:.0f} tok/s; outputs in {result.out_dir}")
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    path, lines = report(args.run, args.out)
+    print("\n".join(lines))
+    print(f"wrote {path}")
     return 0
 
 
@@ -57,6 +75,8 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"eval loss {result.eval_loss_start:.4f} -> {result.eval_loss_end:.4f} "
           f"({result.tokens_per_s:.0f} tok/s, predicted device peak "
           f"{result.peak_device_bytes_predicted / 2**20:.1f} MiB)")
+    path, _ = report(result.out_dir)
+    print(f"report of the run (loss, throughput, per-layer change): {path}")
     if not result.eval_loss_end < result.eval_loss_start:
         print("warning: eval loss did not improve")
         return 1

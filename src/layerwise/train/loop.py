@@ -1,9 +1,16 @@
-"""The training loop around the StreamingEngine: data, schedule, eval, logging, export."""
+"""The training loop around the StreamingEngine: data, schedule, eval, logging, export.
+
+What a run writes in ``out_dir`` (schemas in ``docs/formats.md``): ``plan.json`` (the plan, with
+the step time predicted for it), ``run.json`` (what ran, start/end evals, measured vs predicted
+step time), ``metrics.jsonl`` (one row per step), ``tracker.jsonl`` (per-layer update
+statistics, ``tracking.py``), ``ckpt/`` (layer-wise checkpoints) and ``model/`` (the export).
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,12 +26,22 @@ from ..interop.export import export_store
 from ..interop.hf_dir import load_store
 from ..models import FLAVORS, DecoderAdapter, get_flavor
 from ..optim.adamw import AdamWConfig
+from ..plan.cost import CostModel
+from ..plan.hardware import PRESETS
 from ..plan.plan import Plan
+from ..plan.shape import ModelShape
 from ..store import HostStore, init_store
 from ..util.atomic import atomic_write_text
 from .data import DataSpec, prepare_data
+from .planning import (HardwareChoice, auto_plan, check_hardware, check_profile, predict,
+                       resolve_hardware)
+from .progress import Progress, resolve_progress
 from .schedule import lr_at
 from .tokenizer import check_vocab, load_tokenizer
+from .tracking import RunTracker
+
+RUN_FORMAT_VERSION = 1
+"""``run.json``'s format (docs/formats.md)."""
 
 
 @dataclass
@@ -47,7 +64,18 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     """Cosine decay floor, as a fraction of the peak LR."""
     plan: str = "every-2"
-    """``every-K``, ``recompute-all``, ``keep-all``, or a plan JSON file from ``layerwise plan``."""
+    """``every-K``, ``recompute-all``, ``keep-all``, ``auto`` (the planner chooses boundary tiers,
+    the micro-batch split of ``micro_batch_size x grad_accum`` sequences and per-unit moments for
+    the hardware below) or a plan JSON file from ``layerwise plan``."""
+    profile: str | None = None
+    """Hardware profile file (``layerwise calibrate --out``) to plan and predict with; default:
+    ``out_dir/profile.json`` when it exists."""
+    hardware: str | None = None
+    """Hardware preset (h200, h100, a100-80g, rtx4090, cpu, ...) when there is no calibrated
+    profile; default: this machine (CPU: ``cpu``; CUDA: the preset matching the GPU's name, else
+    a quick calibration for ``plan=auto``)."""
+    plan_time_limit_s: float = 5.0
+    """``plan=auto``: MILP time limit per micro-batch size tried, seconds."""
     device: str = "cpu"
     """``cpu`` or ``cuda[:N]``."""
     compute_dtype: str = "auto"
@@ -82,7 +110,11 @@ class TrainConfig:
     eval_batches: int = 4
     """Held-out micro-batches per evaluation."""
     log_every: int = 5
-    """Print a progress line every N steps."""
+    """Print a progress line every N steps (plain-line progress)."""
+    progress: str = "auto"
+    """``auto`` (a progress bar on a terminal, plain lines otherwise), ``bar`` or ``lines``."""
+    track_every: int = 10
+    """Per-layer update statistics into ``tracker.jsonl`` every N steps and at the end (0: off)."""
     out_dir: str = "runs/demo"
     """Where metrics.jsonl, the plan and the exported model go."""
     export: bool = True
@@ -106,6 +138,10 @@ class TrainResult:
     tokens_per_s: float
     peak_device_bytes_predicted: int
     model_dir: Path | None
+    step_s_measured: float | None = None
+    """Median engine step time of the run's steps after its first (None: fewer than 2 steps)."""
+    step_s_predicted: float | None = None
+    """The simulator's step time for the plan on the run's hardware profile (None: no profile)."""
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -118,6 +154,7 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 
 def resolve_plan(spec: str, num_layers: int, cfg: TrainConfig) -> Plan:
+    """A rule or a plan file as a Plan (``plan=auto`` is ``choose_plan``'s)."""
     kw = dict(micro_batch_size=cfg.micro_batch_size, num_micro_batches=cfg.grad_accum,
               seq_len=cfg.seq_len)
     if spec.startswith("every-"):
@@ -134,7 +171,40 @@ def resolve_plan(spec: str, num_layers: int, cfg: TrainConfig) -> Plan:
         plan = Plan.load(spec)
         plan.validate(num_layers)
         return plan
-    raise ValueError(f"plan {spec!r} is not every-K, recompute-all, keep-all or a .json plan file")
+    raise ValueError(f"plan {spec!r} is not every-K, recompute-all, keep-all, auto or a .json "
+                     "plan file")
+
+
+def _mem_cap_bytes(cfg: TrainConfig) -> int | None:
+    return None if cfg.device_mem_cap_gb is None else int(cfg.device_mem_cap_gb * 2**30)
+
+
+def choose_plan(cfg: TrainConfig, adapter: DecoderAdapter, compute_dtype: torch.dtype,
+                log=print) -> tuple[Plan, HardwareChoice | None]:
+    """The run's plan and the hardware profile its prediction is for (``train/planning.py``).
+
+    ``plan=auto`` asks the planner; a rule or a plan file is simulated on the resolved profile.
+    Either way ``plan.predicted["step_s"]`` is the predicted step time (absent only for a rule
+    or file when no profile resolves without calibrating: a GPU no preset matches)."""
+    auto = cfg.plan == "auto"
+    plan = None if auto else resolve_plan(cfg.plan, adapter.num_layers, cfg)
+    if auto and cfg.micro_batch_size * cfg.grad_accum < 1:
+        raise ValueError("plan=auto needs micro_batch_size x grad_accum >= 1 sequences per step")
+    hw = resolve_hardware(cfg.profile, cfg.hardware, cfg.device, Path(cfg.out_dir), compute_dtype,
+                          _mem_cap_bytes(cfg), may_calibrate=auto, log=log)
+    shape = ModelShape.from_config(adapter.config, name=Path(cfg.model).name)
+    if auto:
+        assert hw is not None
+        plan = auto_plan(shape, hw, cfg.seq_len, cfg.micro_batch_size * cfg.grad_accum,
+                         cfg.plan_time_limit_s)
+    elif hw is not None:
+        assert plan is not None
+        before = dict(plan.predicted)
+        plan.predicted = predict(plan, shape, hw, cfg.seq_len)
+        if before:  # a plan file's own predictions, for the machine it was planned for
+            plan.predicted["planned_for"] = before
+    assert plan is not None
+    return plan, hw
 
 
 def build_model(cfg: TrainConfig, compute_dtype: torch.dtype) -> tuple[DecoderAdapter, HostStore]:
@@ -178,11 +248,82 @@ def _open_metrics(path: Path, resumed_step: int, resumed_row: dict | None) -> Te
     return open(path, "a")
 
 
+def check_options(cfg: TrainConfig) -> None:
+    """Cheap checks of the run's options, before the model is built (which can take minutes)."""
+    resolve_progress(cfg.progress)
+    if cfg.track_every < 0:
+        raise ValueError(f"track_every must be >= 0 (0: no tracker), got {cfg.track_every}")
+    if Path(cfg.plan).suffix == ".json":
+        Plan.load(cfg.plan)  # a missing or malformed plan file's own error
+    elif cfg.plan != "auto":
+        resolve_plan(cfg.plan, 1, cfg)  # a malformed rule's own error
+    check_profile(cfg.profile)
+    check_hardware(cfg.hardware)
+
+
+class _FlopCounter:
+    """Model FLOPs of a step (forward + backward, no recompute: ``CostModel.model_flops``)."""
+
+    def __init__(self, shape: ModelShape):
+        self.shape, self._per_mb = shape, {}
+
+    def __call__(self, micro: list[Batch]) -> float:
+        total = 0.0
+        for mb in micro:
+            key = tuple(mb.input_ids.shape)
+            if key not in self._per_mb:
+                self._per_mb[key] = CostModel(self.shape, PRESETS["cpu"], *key).model_flops()
+            total += self._per_mb[key]
+        return total
+
+
+def _device_mem_reserved(device: str) -> int | None:
+    """Peak bytes the CUDA caching allocator reserved (None on CPU)."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return int(torch.cuda.max_memory_reserved(torch.device(device)))
+    return None
+
+
+def _step_record(step: int, stats, lr: float, micro: list[Batch], flops: float,
+                 predicted_step_s: float | None, device: str, elapsed_s: float) -> dict[str, Any]:
+    """The ``metrics.jsonl`` row of a step (before eval and checkpoint add theirs)."""
+    tokens = sum(mb.input_ids.numel() for mb in micro)
+    secs = max(stats.step_s, 1e-9)
+    rec: dict[str, Any] = {
+        "step": step, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
+        "clip_coef": stats.clip_coef, "skipped": stats.skipped, "tokens": tokens,
+        "target_tokens": stats.tokens, "tokens_per_s": tokens / secs,
+        "tflops": flops / secs / 1e12, "step_s": stats.step_s,
+        "predicted_step_s": predicted_step_s, "elapsed_s": elapsed_s}
+    mem = _device_mem_reserved(device)
+    if mem is not None:
+        rec["device_mem_reserved_bytes"] = mem
+    return rec
+
+
+def _write_run_json(out_dir: Path, info: dict[str, Any]) -> None:
+    atomic_write_text(out_dir / "run.json", json.dumps(info, indent=2) + "\n")
+
+
+def _timing_summary(step_times: list[float], predicted: float | None, plan: Plan) -> str:
+    measured = statistics.median(step_times[1:]) if len(step_times) > 1 else None
+    text = "step time: measured " + (f"{measured:.4g} s (median of {len(step_times) - 1} steps "
+                                     "after the first)" if measured else "n/a (under 2 steps)")
+    if predicted:
+        hw = plan.predicted.get("hardware_source") or plan.predicted.get("hardware")
+        text += f", predicted {predicted:.4g} s for plan {plan.source} on {hw}"
+        if measured:
+            text += f": measured / predicted {measured / predicted:.2f}"
+    return text
+
+
 def train(cfg: TrainConfig, log=print) -> TrainResult:
+    check_options(cfg)
     out_dir = Path(cfg.out_dir)
     compute_dtype = resolve_dtype(cfg.compute_dtype, cfg.device)
     adapter, store = build_model(cfg, compute_dtype)
-    plan = resolve_plan(cfg.plan, adapter.num_layers, cfg)
+    plan, hw = choose_plan(cfg, adapter, compute_dtype, log)
+    predicted_step_s = plan.predicted.get("step_s")
     tokenizer, tokenizer_line = load_tokenizer(cfg.tokenizer, cfg.model)
     check_vocab(adapter.vocab_size, tokenizer)
     data = prepare_data(DataSpec(
@@ -190,9 +331,8 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
         eval_fraction=cfg.eval_fraction, seq_len=cfg.seq_len, pack=cfg.pack,
         skip_bad=cfg.data_skip_bad, seed=cfg.seed, cache=cfg.data_cache, corpus=cfg.corpus,
         corpus_tokens=cfg.corpus_tokens), tokenizer, out_dir, log)
-    cap = None if cfg.device_mem_cap_gb is None else int(cfg.device_mem_cap_gb * 2**30)
     engine = StreamingEngine(adapter, store, plan, EngineConfig(
-        device=cfg.device, compute_dtype=compute_dtype, device_mem_cap_bytes=cap,
+        device=cfg.device, compute_dtype=compute_dtype, device_mem_cap_bytes=_mem_cap_bytes(cfg),
         optimizer=cfg.optimizer))
     mbs, accum = plan.micro_batch_size, plan.num_micro_batches
     est = engine.check(mbs, cfg.seq_len)
@@ -203,8 +343,9 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
     if cfg.ckpt_every or cfg.resume:
 
         provider = HostStoreStateProvider(store, engine.optimizers)
+        # the run's tracker.jsonl is written by RunTracker (with the engine's gradient norms)
         ckpt = Checkpointer(out_dir / "ckpt", provider=provider, policy=cfg.ckpt_policy,
-                            **cfg.ckpt_options)
+                            **{"tracker_log": False, **cfg.ckpt_options})
         if cfg.resume and ckpt.has_checkpoint():
             # Weights, AdamW moments and step counts, RNG; the data position and the run's
             # start-of-training eval come back from the checkpoint's state below.
@@ -228,16 +369,36 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
         log(line)
     log(f"plan {plan.source}: boundaries {''.join(t[0] for t in plan.boundary_tiers)} "
         f"(d=device h=host n=nvme r=recompute); micro-batch {mbs} x {cfg.seq_len}, accum {accum}; "
-        f"predicted device peak {est.peak_bytes / 2**20:.1f} MiB on {cfg.device}")
+        f"predicted device peak {est.peak_bytes / 2**20:.1f} MiB on {cfg.device}"
+        + (f"; 8-bit moments on {plan.moments.count('8bit')} of {len(plan.moments)} units"
+           if plan.moments and "8bit" in plan.moments else ""))
+    if predicted_step_s is not None and hw is not None:
+        log(f"predicted step time {predicted_step_s:.4g} s on {hw.source}")
     if "eval_loss_start" in saved:
         eval_start = float(saved["eval_loss_start"])
     else:
         eval_start = engine.eval_loss(eval_set)
         log(f"step 0: eval loss {eval_start:.4f}")
+    run_info: dict[str, Any] = {
+        "format": "layerwise-train-run", "format_version": RUN_FORMAT_VERSION,
+        "model": cfg.model, "family": adapter.family, "num_params": adapter.num_params(),
+        "num_layers": adapter.num_layers, "device": cfg.device,
+        "compute_dtype": str(compute_dtype).removeprefix("torch."), "steps": cfg.steps,
+        "seq_len": cfg.seq_len, "plan": plan.source,
+        "hardware": None if hw is None else hw.profile.name,
+        "hardware_source": None if hw is None else hw.source,
+        "predicted_step_s": predicted_step_s, "predicted_peak_device_bytes": est.peak_bytes,
+        "eval_loss_start": eval_start, "resumed_from_step": start_step or None,
+        "finished": False}
+    _write_run_json(out_dir, run_info)
 
     last_row = saved.get("metrics_row")
     metrics = _open_metrics(out_dir / "metrics.jsonl", start_step, last_row)
-    t_start, tokens_seen = time.perf_counter(), 0
+    tracker = RunTracker(out_dir, cfg.track_every, adapter, store, engine.optimizers, ckpt,
+                         start_step, log)
+    flop_count = _FlopCounter(ModelShape.from_config(adapter.config))
+    progress = Progress(cfg.progress, cfg.steps, start_step, cfg.log_every, log)
+    t_start, tokens_seen, step_times = time.perf_counter(), 0, []
     eval_loss = float(last_row.get("eval_loss", eval_start)) if last_row else eval_start
     try:
         for step in range(start_step, cfg.steps):
@@ -247,39 +408,51 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
             if not math.isfinite(stats.loss):
                 raise RuntimeError(f"loss is {stats.loss} at step {step + 1}; lower the learning rate")
             tokens_seen += stats.tokens
-            elapsed = time.perf_counter() - t_start
-            record = {"step": step + 1, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
-                      "clip_coef": stats.clip_coef, "skipped": stats.skipped,
-                      "tokens_per_s": tokens_seen / elapsed, "step_s": stats.step_s}
+            step_times.append(stats.step_s)
+            record = _step_record(step + 1, stats, lr, micro, flop_count(micro), predicted_step_s,
+                                  cfg.device, time.perf_counter() - t_start)
             last = step + 1 == cfg.steps
             if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
                 eval_loss = engine.eval_loss(eval_set)
                 record["eval_loss"] = eval_loss
+            if tracker.due(step + 1, last):
+                engine.synchronize()  # the step's updates applied: moments and weights current
+                tracker.observe(step + 1, stats.unit_grad_norms)
             if ckpt is not None and cfg.ckpt_every and ((step + 1) % cfg.ckpt_every == 0 or last):
                 engine.synchronize()
                 rep = ckpt.save(step + 1, data_position=(step + 1) * accum,
                                 extra={"eval_loss_start": eval_start, "metrics_row": dict(record),
                                        "data_key": data.key})
                 record["ckpt_groups"] = len(rep.selected)
+                record["ckpt_snapshot_bytes"] = rep.snapshot_bytes
                 record["ckpt_blocked_s"] = rep.blocked_s
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
-            if (step + 1) % cfg.log_every == 0 or last or "eval_loss" in record:
-                extra = f" eval {record['eval_loss']:.4f}" if "eval_loss" in record else ""
-                log(f"step {step + 1}/{cfg.steps}: loss {stats.loss:.4f}{extra} lr {lr:.2e} "
-                    f"grad_norm {stats.grad_norm:.2f} {record['tokens_per_s']:.0f} tok/s")
+            progress.step(record)
         engine.synchronize()
     finally:
+        progress.close()
+        tracker.close()
         metrics.close()
         engine.close()
         if ckpt is not None:
             ckpt.close()
+    elapsed = max(1e-9, time.perf_counter() - t_start)
+    log(_timing_summary(step_times, predicted_step_s, plan))
+    mem = _device_mem_reserved(cfg.device)
+    if mem is not None:
+        log(f"device memory: {mem / 2**20:.1f} MiB reserved at peak (allocator), predicted "
+            f"{est.peak_bytes / 2**20:.1f} MiB")
     model_dir = None
     if cfg.export:
 
         model_dir = export_store(store, out_dir / "model", overwrite=True)
         saved_tok = tokenizer.save(model_dir)
         log(f"exported Hugging Face model{' and tokenizer' if saved_tok else ''} to {model_dir}")
-    return TrainResult(out_dir, eval_start, eval_loss, cfg.steps,
-                       tokens_seen / max(1e-9, time.perf_counter() - t_start), est.peak_bytes,
-                       model_dir)
+    measured = statistics.median(step_times[1:]) if len(step_times) > 1 else None
+    run_info.update(eval_loss_end=eval_loss, measured_step_s=measured,
+                    tokens_per_s=tokens_seen / elapsed, device_mem_reserved_bytes=mem,
+                    finished=True)
+    _write_run_json(out_dir, run_info)
+    return TrainResult(out_dir, eval_start, eval_loss, cfg.steps, tokens_seen / elapsed,
+                       est.peak_bytes, model_dir, measured, predicted_step_s)
