@@ -49,18 +49,26 @@ def model_dir(tmp_path_factory):
 
 def test_train_on_chat_jsonl_learns_and_exports_a_loadable_model_and_tokenizer(
         tmp_path, model_dir, capsys):
-    """``layerwise train model=DIR data=chat.jsonl steps=30``: the bad line is skipped and
-    reported at the start, the loss falls, and the exported directory loads with
-    ``from_pretrained`` / ``AutoTokenizer`` (chat template included) and generates.
+    """``layerwise train model=DIR data=chat.jsonl steps=30 plan=auto``: the bad line is skipped
+    and reported at the start, the loss falls, ``metrics.jsonl``, ``tracker.jsonl`` and the
+    chosen ``plan.json`` are written, ``layerwise report`` draws the run, and the exported
+    directory loads with ``from_pretrained`` / ``AutoTokenizer`` (chat template included) and
+    generates.
 
     Mutation this fails on: the tokenizer not saved with the export (``saved_tok = False`` in
     ``train/loop.py``: ``AutoTokenizer`` cannot load the directory)."""
     data = _chat_file(tmp_path / "chat.jsonl", bad_line=True)
     out = tmp_path / "run"
-    code = main(["train", f"model={model_dir}", f"data={data}", "steps=30", "seq_len=64",
-                 "data_skip_bad=true", "eval_every=0", "log_every=10", f"out_dir={out}"])
+    code = main(["train", f"model={model_dir}", f"data={data}", "steps=30", "plan=auto", "seq_len=64",
+                 "data_skip_bad=true", "eval_every=0", "log_every=10", "track_every=5", f"out_dir={out}"])
     assert code == 0
     log = capsys.readouterr().out
+    assert json.loads((out / "plan.json").read_text())["predicted"]["step_s"] > 0
+    tracked = [json.loads(x) for x in (out / "tracker.jsonl").read_text().splitlines()]
+    assert tracked and set(tracked[-1]["groups"]) >= {"embed", "layers.0"}
+    assert main(["report", str(out), "--out", str(tmp_path / "report.png")]) == 0
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
     assert "tokenizer: the model directory's own" in log
     assert "format chat (assistant spans: prefix)" in log
     assert f"skipped 1 bad example(s) (data_skip_bad=true): malformed 1; first: {data}:6" in log
