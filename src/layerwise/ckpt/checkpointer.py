@@ -35,7 +35,7 @@ from torch import nn
 from .errors import CheckpointError
 from .run_dir import (
     BLOB_FORMAT,
-    FORMAT_VERSION,
+    BLOB_FORMAT_VERSION,
     BlobBatch,
     BlobPayload,
     BlobRecord,
@@ -272,7 +272,7 @@ class Checkpointer:
                         trainer_state: dict | None) -> tuple[bytes, dict[str, torch.Tensor]]:
         """The step's non-layer state: ``state.json`` bytes and the torch RNG tensors."""
         state = {
-            "format_version": FORMAT_VERSION,
+            "format_version": self.store.version,
             "step": step,
             "scheduler": jsonable(self.scheduler.state_dict()) if self.scheduler is not None else None,
             "optimizer_param_groups": (self.provider.param_groups_state()
@@ -522,7 +522,7 @@ class _WriteJob:
                 groups[g] = self.prev_entries[g]
                 continue
             payload = BlobPayload.build(self.snaps[g], {
-                "format": BLOB_FORMAT, "format_version": str(FORMAT_VERSION), "group": g})
+                "format": BLOB_FORMAT, "format_version": str(BLOB_FORMAT_VERSION), "group": g})
             try:
                 rec = store.put_blob(payload, self._maybe_duplicate(g), batch)
             except BaseException:
@@ -538,8 +538,9 @@ class _WriteJob:
     def _entry(self, group: str, rec: BlobRecord) -> dict:
         """The manifest entry of ``group``'s new version, stored as ``rec``."""
         prev = self.prev_entries.get(group)
-        same_bytes = prev is not None and prev["sha256"] == rec.sha256 and not rec.written
-        return {"blob": rec.rel_path, "sha256": rec.sha256, "nbytes": rec.nbytes,
+        hash_name = self.ck.store.hash_name
+        same_bytes = prev is not None and prev.get(hash_name) == rec.digest and not rec.written
+        return {"blob": rec.rel_path, hash_name: rec.digest, "nbytes": rec.nbytes,
                 "saved_step": self.step, "saved_index": self.save_index,
                 "written_step": prev["written_step"] if same_bytes else self.step}
 
@@ -554,9 +555,11 @@ class _WriteJob:
     def _manifest(self, groups: dict[str, dict], written: list[str], nbytes: int,
                   files: dict[str, dict]) -> dict:
         ck = self.ck
+        version = ck.store.version
         return {
             "format": "layerwise-ckpt-manifest",
-            "format_version": FORMAT_VERSION,
+            "format_version": version,
+            **({"hash": ck.store.hash_name} if version >= 2 else {}),
             "step": self.step,
             "save_index": self.save_index,
             "created_unix_s": now_unix_s(),
