@@ -10,7 +10,9 @@ in ``BasePolicy.select`` so that no policy can break them:
 - and, in the store, a group whose bytes are exactly unchanged is never written twice.
 
 Add a policy with ``@register_policy("name")`` on a ``BasePolicy`` subclass (a dataclass whose
-fields are its options) implementing ``choose``.
+fields are its options) implementing ``choose``. ``BasePolicy.select_reasons`` says why each group
+was chosen (``REASONS``): by a rule above or by the policy's own criterion, so a benchmark can
+tell a policy that selects from one whose writes all come from its guards.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
 from ..models.names import layer_index
+
+REASONS = ("new", "full_every", "stale", "criterion")
+"""Why a group is written: never saved before; a ``full_every`` checkpoint; ``max_staleness``
+reached; chosen by the policy's own rule (threshold, top-k, budget, parity, full)."""
 
 
 @dataclass(frozen=True)
@@ -82,13 +88,21 @@ class BasePolicy:
             raise ValueError(f"full_every must be >= 1 or None (got {self.full_every})")
 
     def select(self, ctx: PolicyContext) -> set[str]:
+        return set(self.select_reasons(ctx))
+
+    def select_reasons(self, ctx: PolicyContext) -> dict[str, str]:
+        """The groups to write, each with the first rule that chose it (``REASONS``, in that
+        order: a group the guards force counts for the guard even if the criterion agrees)."""
         if self.full_every is not None and ctx.save_index % self.full_every == 0:
-            return {g.name for g in ctx.groups}
-        forced = {g.name for g in ctx.groups if g.age is None}
+            return {g.name: "new" if g.age is None else "full_every" for g in ctx.groups}
+        out = {g.name: "new" for g in ctx.groups if g.age is None}
         if self.max_staleness is not None:
             # Skipped now, this checkpoint would use a version ``age`` checkpoints old.
-            forced |= {g.name for g in ctx.groups if g.age is not None and g.age > self.max_staleness}
-        return forced | self.choose(ctx, forced)
+            out.update({g.name: "stale" for g in ctx.groups
+                        if g.age is not None and g.age > self.max_staleness})
+        for name in self.choose(ctx, set(out)):
+            out.setdefault(name, "criterion")
+        return out
 
     def choose(self, ctx: PolicyContext, forced: set[str]) -> set[str]:
         raise NotImplementedError
