@@ -72,8 +72,11 @@ BLOB_FORMAT_VERSION = 1
 """The blob's own layout (safetensors, key order, metadata): unchanged by run format 2, so the
 same state gives the same blob bytes in runs of either version (only the name differs)."""
 STEP_DIR_DIGITS = 12
-CHUNK_BYTES = 32 << 20
-"""Write/hash granularity: large enough for full disk bandwidth, small enough to overlap."""
+CHUNK_BYTES = 1 << 20
+"""Write/hash granularity. The hash thread and the write's copy into the page cache read each
+chunk at the same time, so a chunk that stays in cache (1 MiB: a core's L2) is read from memory
+once, not twice. On the shared 2-core machine (quick ckpt_io state, 4 interleaved rounds under
+load 5-6) a save wrote 0.67 GB/s with 1 MiB chunks, 0.33-0.36 with 4 and 32 MiB."""
 
 
 class Hasher(Protocol):
