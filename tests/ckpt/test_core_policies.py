@@ -97,3 +97,19 @@ def test_reasons_name_the_guard_before_the_criterion():
     full = make_policy("filter", threshold=0.1, full_every=4).select_reasons(ctx(8, change, age=ages))
     assert full["layers.3"] == "new" and {full[n] for n in NAMES if n != "layers.3"} == {"full_every"}
     assert set(make_policy("topk", k=2).select_reasons(ctx(3, change)).values()) == {"criterion"}
+
+
+def test_filter_cap_spreads_groups_that_cross_together():
+    """``max_fraction``: the most changed groups over the threshold first, up to the cap
+    (forced groups count first); a group larger than the cap alone still goes when nothing
+    else is written."""
+    change = {"layers.0": 0.2, "layers.1": 0.3, "layers.2": 0.25, "layers.3": 0.05}
+    p = make_policy("filter", threshold=0.1, max_fraction=2 / 7)  # 200 of 700 bytes
+    assert p.select(ctx(4, change)) == {"layers.1", "layers.2"}
+    ages = {n: 1 for n in NAMES} | {"norm": None}
+    assert p.select(ctx(4, change, age=ages)) == {"norm", "layers.1"}
+    big = {"layers.1": 1000}
+    assert p.select(ctx(4, change, nbytes=big)) == {"layers.1"}
+    assert make_policy("filter", threshold=0.1).select(ctx(4, change)) == {"layers.0", "layers.1", "layers.2"}
+    with pytest.raises(ValueError, match="max_fraction"):
+        make_policy("filter", max_fraction=0)

@@ -184,18 +184,40 @@ class ParityPolicy(BasePolicy):
 @register_policy("filter")
 @dataclass
 class FilterPolicy(BasePolicy):
-    """The groups whose weights moved more than ``threshold`` since their last saved version."""
+    """The groups whose weights moved more than ``threshold`` since their last saved version.
+
+    With ``max_fraction``, at most that share of all groups' bytes is written per checkpoint
+    (groups a guard forces count first): the groups over the threshold go most changed first,
+    the rest wait for a later checkpoint. Layers of one model often drift at the same rate and
+    cross a threshold together; the cap spreads their writes over several checkpoints, so the
+    composite never holds every layer at its stalest at once.
+    """
 
     threshold: float = 1e-3
     """Relative L2 change ``|w - w_saved| / |w_saved|`` above which a group is written."""
+    max_fraction: float | None = None
+    """Bytes per checkpoint as a fraction of all groups' bytes (None: no cap). When nothing else
+    is written, the most changed group over the threshold is, even if it alone is larger."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.threshold >= 0:
             raise ValueError(f"filter threshold must be >= 0 (got {self.threshold})")
+        if self.max_fraction is not None and not 0 < self.max_fraction <= 1:
+            raise ValueError(f"filter max_fraction must be in (0, 1] or None (got {self.max_fraction})")
 
     def choose(self, ctx: PolicyContext, forced: set[str]) -> set[str]:
-        return {g.name for g in ctx.groups if g.change > self.threshold}
+        over = [g for g in ctx.groups if g.change > self.threshold and g.name not in forced]
+        if self.max_fraction is None:
+            return {g.name for g in over}
+        cap = self.max_fraction * ctx.total_bytes
+        used = sum(g.nbytes for g in ctx.groups if g.name in forced)
+        out: set[str] = set()
+        for g in sorted(over, key=lambda g: (-g.change, g.position)):
+            if used + g.nbytes <= cap or not (out or forced):
+                out.add(g.name)
+                used += g.nbytes
+        return out
 
 
 @register_policy("topk")
