@@ -79,3 +79,37 @@ def test_bad_options():
         make_policy("budget", budget_fraction=0)
     with pytest.raises(ValueError, match="k must be"):
         make_policy("topk", k=0)
+
+
+def test_reasons_name_the_guard_before_the_criterion():
+    """``select_reasons``: a group a guard forces counts for the guard even when the criterion
+    would also pick it, so ``criterion_share`` (ckpt_savings) never credits the threshold with
+    a guard's write.
+
+    Mutation this fails on (made once, by hand): the criterion's choices written over the
+    guards' (``out.update`` instead of ``setdefault``): ``norm`` reads "criterion"."""
+    change = {"layers.0": 0.2, "layers.1": 0.05, "lm_head": 0.5, "norm": 0.3}
+    p = make_policy("filter:threshold=0.1,max_staleness=3")
+    ages = {n: 1 for n in NAMES} | {"norm": 4, "layers.3": None}
+    got = p.select_reasons(ctx(4, change, age=ages))
+    assert got == {"layers.3": "new", "norm": "stale", "layers.0": "criterion", "lm_head": "criterion"}
+    assert set(got) == p.select(ctx(4, change, age=ages))
+    full = make_policy("filter", threshold=0.1, full_every=4).select_reasons(ctx(8, change, age=ages))
+    assert full["layers.3"] == "new" and {full[n] for n in NAMES if n != "layers.3"} == {"full_every"}
+    assert set(make_policy("topk", k=2).select_reasons(ctx(3, change)).values()) == {"criterion"}
+
+
+def test_filter_cap_spreads_groups_that_cross_together():
+    """``max_fraction``: the most changed groups over the threshold first, up to the cap
+    (forced groups count first); a group larger than the cap alone still goes when nothing
+    else is written."""
+    change = {"layers.0": 0.2, "layers.1": 0.3, "layers.2": 0.25, "layers.3": 0.05}
+    p = make_policy("filter", threshold=0.1, max_fraction=2 / 7)  # 200 of 700 bytes
+    assert p.select(ctx(4, change)) == {"layers.1", "layers.2"}
+    ages = {n: 1 for n in NAMES} | {"norm": None}
+    assert p.select(ctx(4, change, age=ages)) == {"norm", "layers.1"}
+    big = {"layers.1": 1000}
+    assert p.select(ctx(4, change, nbytes=big)) == {"layers.1"}
+    assert make_policy("filter", threshold=0.1).select(ctx(4, change)) == {"layers.0", "layers.1", "layers.2"}
+    with pytest.raises(ValueError, match="max_fraction"):
+        make_policy("filter", max_fraction=0)

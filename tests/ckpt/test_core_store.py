@@ -242,8 +242,9 @@ def test_tracker_log_and_async_reports(tmp_path):
     assert stats["layers.0"]["change"] == float("inf")  # never saved yet
     rep = ck.save(2)
     saved = [p.detach().clone() for p in layer0]
-    assert rep.blocked_s >= rep.wait_s >= 0 and rep.snapshot_bytes > 0
+    assert rep.deferred and rep.blocked_s >= rep.wait_s >= 0  # snapshot taken after save()
     ck.wait()
+    assert rep.snapshot_bytes > 0 and rep.snapshot_s > 0
     assert rep.write_s > 0 and rep.bytes_written > 0 and sorted(rep.written) == sorted(ck.groups)
     opt.zero_grad()
     train_step(model, opt, sched)

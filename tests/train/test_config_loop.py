@@ -175,8 +175,8 @@ def test_killed_train_resumes_from_its_last_checkpoint_bit_exactly(tmp_path):
     assert [r["loss"] for r in rows_cut] == [r["loss"] for r in rows_straight]
     assert rows_cut[-1]["eval_loss"] == rows_straight[-1]["eval_loss"]
     final = {run: RunDir.open(run / "ckpt").read_manifest(KILL_STEPS) for run in (straight, cut)}
-    assert {g: e["sha256"] for g, e in final[cut]["groups"].items()} == \
-        {g: e["sha256"] for g, e in final[straight]["groups"].items()}
+    assert {g: e["blob"] for g, e in final[cut]["groups"].items()} == \
+        {g: e["blob"] for g, e in final[straight]["groups"].items()}
     assert open_run_step(cut / "ckpt").state()["data_position"] == \
         open_run_step(straight / "ckpt").state()["data_position"]
 

@@ -9,21 +9,36 @@
         ckpt.observe(step)                  # update statistics (every N steps; cheap)
         optimizer.zero_grad()
         if step % 100 == 0:
-            ckpt.save(step, extra={"data_position": step + 1})   # blocks only for the snapshot
+            ckpt.save(step, extra={"data_position": step + 1})   # blocks only to capture state
     ckpt.wait()                             # the last background write, and its errors
 
 A save asks the policy which groups to write, copies those groups (weights + optimizer state)
-to host memory, and returns; a background thread writes the blobs, the step's non-layer state
-and finally the manifest. One save writes at a time: the next ``save`` first waits for the
-previous one (that wait is part of its blocked time, reported separately as ``wait_s``).
+to host memory, and a background thread writes the blobs, the step's non-layer state and
+finally the manifest. One save writes at a time: the next ``save`` first waits for the previous
+one (that wait is part of its blocked time, reported separately as ``wait_s``).
+
+**Deferred snapshot** (``CheckpointConfig.snapshot``): where the provider can hold the next
+update back (a torch optimizer: a step pre-hook) and the state is on the CPU, ``save`` only
+captures the non-layer state (scheduler, RNG, extra) and references to the live tensors, and
+returns. A helper thread then measures the statistics the policy needs, chooses the groups and
+copies them, while the training loop runs its next forward and backward; the next
+``optimizer.step()`` waits for that copy if it is not done (``SaveReport.stall_s``). The copy is
+of the state at ``save``: the optimizer step is held back, and a tensor written in place
+otherwise (its version counter moved) fails the save (``StateModifiedError``) rather than
+storing a later state. ``observe`` is deferred the same way. The contract: between ``save``
+(or ``observe``) and the next optimizer step, change weights and optimizer state only through
+that step, or use ``snapshot="sync"``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import threading
 import time
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -32,10 +47,10 @@ import torch
 from safetensors.torch import save as st_save
 from torch import nn
 
-from .errors import CheckpointError
+from .errors import CheckpointError, StateModifiedError
 from .run_dir import (
     BLOB_FORMAT,
-    FORMAT_VERSION,
+    BLOB_FORMAT_VERSION,
     BlobBatch,
     BlobPayload,
     BlobRecord,
@@ -55,7 +70,9 @@ from .state import (
     restore_rng,
     rng_dict,
 )
-from .tracker import TrackerReferences, UpdateTracker
+from .tracker import LiveGroup, TrackerReferences, UpdateTracker
+
+SNAPSHOT_MODES = ("auto", "sync", "deferred")
 
 
 @dataclass
@@ -76,18 +93,34 @@ class CheckpointConfig:
     """``observe(step)`` takes statistics only every N steps (saves always measure)."""
     tracker_log: bool = True
     """Append the statistics to ``RUN/tracker.jsonl``."""
+    snapshot: str = "auto"
+    """When the statistics are measured and the chosen groups copied: ``"sync"`` inside ``save``
+    (and ``observe``); ``"deferred"`` on a helper thread after they return, before the next
+    optimizer step (see the module docstring); ``"auto"``: deferred with ``async_save`` where
+    the provider can hold updates back and the state is on the CPU, else sync."""
 
 
 @dataclass
 class SaveReport:
     step: int
     selected: list[str]
-    """Groups the policy chose."""
+    """Groups the policy chose (in model order; filled when the snapshot is taken)."""
     blocked_s: float
-    """Time ``save`` held the caller (includes ``wait_s``)."""
+    """Time ``save`` held the caller (includes ``wait_s``; not ``stall_s``)."""
     wait_s: float
     """Part of ``blocked_s`` spent waiting for the previous save to finish."""
     snapshot_bytes: int
+    """Bytes copied by the snapshot (filled when it is taken)."""
+    reasons: dict[str, str] = field(default_factory=dict)
+    """Why each selected group was written: ``policies.REASONS`` (never saved, ``full_every``,
+    ``max_staleness``, or the policy's own criterion)."""
+    deferred: bool = False
+    """The statistics and the snapshot were taken on the helper thread, after ``save`` returned."""
+    snapshot_s: float | None = None
+    """Time to measure, choose and copy (inside ``blocked_s`` unless ``deferred``)."""
+    stall_s: float = 0.0
+    """Time the training loop's next optimizer step waited for a deferred snapshot: blocked
+    time outside ``save``."""
     write_s: float | None = None
     """Background time to write blobs, state and manifest (None until done)."""
     written: list[str] | None = None
@@ -118,6 +151,66 @@ class _Rollback:
     save_index: int
     """The save index the save took."""
     references: TrackerReferences
+
+
+@dataclass
+class _Pending:
+    """The save in flight: its future (for a deferred save, the snapshot's, which returns the
+    write's) and, once the snapshot is booked, its write job."""
+
+    future: Future
+    job: _WriteJob | None = None
+    deferred: bool = False
+
+
+class _UpdateGate:
+    """Holds the next update of the live state back while a helper thread still reads it."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._readers: list[Callable[[float], None]] = []
+
+    def enter(self, on_stall: Callable[[float], None]) -> Callable[[], None]:
+        """A reader starts; ``on_stall(seconds)`` is told how long an update waited for it.
+        Returns the call that ends the read."""
+        with self._cv:
+            self._readers.append(on_stall)
+
+        def leave() -> None:
+            with self._cv:
+                self._readers.remove(on_stall)
+                self._cv.notify_all()
+        return leave
+
+    def wait(self) -> None:
+        """Called before an update: returns once no reader is left; the wait is charged to the
+        newest reader (a save queued after an observation waits for both)."""
+        with self._cv:
+            if not self._readers:
+                return
+            charge, t0 = self._readers[-1], time.perf_counter()
+            while self._readers:
+                self._cv.wait()
+        charge(time.perf_counter() - t0)
+
+
+class DeferredStats(Mapping):
+    """``observe``'s statistics while the helper thread takes them; reading waits for them."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def _stats(self) -> dict[str, dict[str, float]]:
+        return self._future.result()
+
+    def __getitem__(self, group: str) -> dict[str, float]:
+        return self._stats()[group]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._stats())
+
+    def __len__(self) -> int:
+        return len(self._stats())
 
 
 class Checkpointer:
@@ -155,11 +248,13 @@ class Checkpointer:
         self.tracker = UpdateTracker(
             provider, self.run_dir / "tracker.jsonl" if self.config.tracker_log else None)
         self.reports: list[SaveReport] = []
+        self.observe_stall_s = 0.0
+        """Time optimizer steps waited for deferred ``observe`` statistics (not for saves)."""
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer") if self.config.async_save else None
-        self._pending: Future | None = None
-        self._pending_job: _WriteJob | None = None
-        self._pending_rollback: _Rollback | None = None
+        self._pending: _Pending | None = None
         self._buffers: dict[tuple, list[torch.Tensor]] = {}
+        self._reader, self._hook, self._gate = self._deferral_setup()
+        self._reads: list[Future] = []  # deferred observations in flight
         self._config_written = (self.run_dir / "config.json").exists()
         # Bookkeeping of committed versions (rebuilt from the newest manifest, or by load()).
         self._entries: dict[str, dict] = {}
@@ -167,6 +262,42 @@ class Checkpointer:
         latest = self.store.latest_step()
         if latest is not None:
             self._adopt_manifest(self.store.read_manifest(latest))
+
+    def _deferral_setup(self) -> tuple[ThreadPoolExecutor | None, Any, _UpdateGate]:
+        """The helper thread and the update hook of deferred snapshots, where they can be used."""
+        mode, gate = self.config.snapshot, _UpdateGate()
+        if mode not in SNAPSHOT_MODES:
+            raise ValueError(f"snapshot must be one of {SNAPSHOT_MODES} (got {mode!r})")
+        register = getattr(self.provider, "register_update_hook", None)
+        hook = None
+        if mode != "sync" and self.config.async_save and register is not None:
+            hook = register(gate.wait)
+        if hook is None:
+            if mode == "deferred":
+                raise ValueError(
+                    "snapshot='deferred' needs async_save=True and a provider that can hold the "
+                    "next update back (a model with its torch optimizer); use snapshot='sync'")
+            return None, None, gate
+        return ThreadPoolExecutor(1, thread_name_prefix="ckpt-snapshot"), hook, gate
+
+    def _capture(self, grads: bool) -> dict[str, LiveGroup] | None:
+        """References to every group's live tensors (and their versions) for a deferred read,
+        or None when this read must be synchronous (no helper, or state off the CPU)."""
+        if self._reader is None:
+            return None
+        live = {g: LiveGroup.capture(self.provider, g, grads) for g in self.groups}
+        if all(t.device.type == "cpu" for lv in live.values()
+               for ts in (lv.params, lv.grads, lv.optim) for t in ts.values()):
+            return live
+        if self.config.snapshot == "deferred":
+            raise ValueError("snapshot='deferred' needs the model and optimizer state on the CPU "
+                             "(a CUDA snapshot is copied inside save); use snapshot='auto'")
+        return None
+
+    def _drain_reads(self) -> None:
+        """Wait for the deferred observations in flight (they use the tracker)."""
+        if self._reads:
+            wait_all(self._reads)
 
     # ----- bookkeeping --------------------------------------------------------------------
 
@@ -185,15 +316,42 @@ class Checkpointer:
 
     # ----- statistics -----------------------------------------------------------------------
 
-    def observe(self, step: int, force: bool = False) -> dict | None:
+    def observe(self, step: int, force: bool = False) -> Mapping[str, dict[str, float]] | None:
         """Per-group update statistics at ``step`` every ``track_every_steps`` steps (or ``force``).
 
         Call after ``optimizer.step()`` and before ``zero_grad()`` to include gradient norms.
+        Deferred (see the module docstring): returns at once; the statistics are taken on the
+        helper thread before the next optimizer step, and reading the returned mapping waits for
+        them. A gradient zeroed in place before it was read (``zero_grad(set_to_none=False)``)
+        gives a NaN gradient norm, never the norm of a later gradient.
         """
         every = max(1, self.config.track_every_steps)
         if not force and step % every != 0:
             return None
-        return self.tracker.observe(step)
+        self._reads = [f for f in self._reads if not f.done() or f.exception() is not None]
+        live = self._capture(grads=True)
+        if live is None:  # synchronous, after whatever the helper thread still reads
+            self._drain_reads()
+            self._pending_snapshot()
+            return self.tracker.observe(step)
+        leave = self._gate.enter(self._add_observe_stall)
+
+        def run() -> dict[str, dict[str, float]]:
+            try:
+                return self.tracker.observe(step, live)
+            finally:
+                leave()
+        fut = self._reader.submit(run)
+        self._reads.append(fut)
+        return DeferredStats(fut)
+
+    def _add_observe_stall(self, seconds: float) -> None:
+        self.observe_stall_s += seconds
+
+    def _pending_snapshot(self) -> None:
+        """Wait until the pending save's snapshot (not its write) is taken."""
+        if self._pending is not None and self._pending.deferred:
+            wait_all([self._pending.future])
 
     # ----- saving ---------------------------------------------------------------------------
 
@@ -217,25 +375,70 @@ class Checkpointer:
         self._finish_pending()
         wait_s = time.perf_counter() - t0
 
-        statuses = self._group_statuses(step)
-        selected = self._select_groups(step, statuses)
-        copy = self.config.async_save or self.config.sync_copy
-        snaps = self._snapshot_groups(selected, copy)
         state_bytes, rng_tensors = self._snapshot_state(step, extra, data_position, trainer_state)
-        maybe_dup = self._duplicate_hints(snaps, statuses)
-        rollback, old_refs = self._book_versions(snaps, copy)
-
-        snapshot_bytes = sum(t.numel() * t.element_size() for s in snaps.values() for t in s.values())
-        report = SaveReport(step, selected, 0.0, wait_s, snapshot_bytes)
-        job = _WriteJob(self, step, rollback.save_index, snaps, maybe_dup, state_bytes, rng_tensors,
-                        None if self._config_written else self.provider.model_config(), report,
-                        old_refs=old_refs, copied=copy)
-        self._submit(job, rollback)
-        report.blocked_s = time.perf_counter() - t0
+        config = None if self._config_written else self.provider.model_config()
+        report = SaveReport(step, [], 0.0, wait_s, 0)
         self.reports.append(report)
+        live = self._capture(grads=False)
+        if live is None:  # synchronous snapshot: measure, choose and copy now
+            self._drain_reads()
+            self._submit(self._prepare(step, report, state_bytes, rng_tensors, config, None))
+        else:  # deferred: the helper thread does it before the next optimizer step
+            report.deferred = True
+            leave = self._gate.enter(lambda s: setattr(report, "stall_s", report.stall_s + s))
+            pending = _Pending(Future(), deferred=True)
+
+            def snapshot_then_write() -> Future:
+                try:
+                    pending.job = self._prepare(step, report, state_bytes, rng_tensors, config, live)
+                finally:
+                    leave()
+                assert self._pool is not None
+                return self._pool.submit(pending.job.run)
+            pending.future = self._reader.submit(snapshot_then_write)
+            self._pending = pending
+        report.blocked_s = time.perf_counter() - t0
         return report
 
-    def _group_statuses(self, step: int) -> list[GroupStatus]:
+    def _prepare(self, step: int, report: SaveReport, state_bytes: bytes,
+                 rng_tensors: dict[str, torch.Tensor], config: dict | None,
+                 live: dict[str, LiveGroup] | None) -> _WriteJob:
+        """Measure, choose, copy and book one save (in ``save``, or on the helper thread from
+        the tensors ``live`` captured at ``save``); returns its write job."""
+        t0 = time.perf_counter()
+        statuses = self._group_statuses(step, live)
+        reasons = self._select_groups(step, statuses)
+        selected = list(reasons)
+        copy = self.config.async_save or self.config.sync_copy
+        snaps = self._snapshot_groups(selected, copy, live)
+        if live is not None:
+            self._check_unmodified(step, live, selected, snaps)
+        maybe_dup = self._duplicate_hints(snaps, statuses)
+        rollback, old_refs = self._book_versions(snaps, copy)
+        report.selected[:] = selected
+        report.reasons = reasons
+        report.snapshot_bytes = sum(t.numel() * t.element_size() for s in snaps.values() for t in s.values())
+        report.snapshot_s = time.perf_counter() - t0
+        return _WriteJob(self, step, rollback.save_index, snaps, maybe_dup, state_bytes, rng_tensors,
+                         config, report, old_refs=old_refs, copied=copy, rollback=rollback)
+
+    def _check_unmodified(self, step: int, live: dict[str, LiveGroup], selected: list[str],
+                          snaps: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Refuse a deferred snapshot of state written in place since ``save`` captured it: the
+        statistics read every group's weights, the copy the chosen groups' optimizer state."""
+        bad = [g for g, lv in live.items()
+               if lv.modified("params") or (g in selected and lv.modified("optim"))]
+        if bad:
+            self._recycle(t for s in snaps.values() for t in s.values())
+            self.tracker.forget_changes()
+            raise StateModifiedError(
+                f"checkpoint of step {step}: the live state of {bad[:3]} was written in place "
+                "after save() and before its deferred snapshot was taken (only the optimizer "
+                "step waits for it). Nothing of this save was committed. Change weights and "
+                "optimizer state only through optimizer.step() between save() and the next "
+                "step, call Checkpointer.wait() before doing so, or use snapshot='sync'.")
+
+    def _group_statuses(self, step: int, live: dict[str, LiveGroup] | None = None) -> list[GroupStatus]:
         """What the policy sees of every group: its size, its change since the version last
         saved (``inf`` if never saved, ``nan`` if the policy does not read it) and its age."""
         statuses = []
@@ -245,24 +448,33 @@ class Checkpointer:
             if e is None:
                 change = math.inf
             elif getattr(self.policy, "uses_change", True) or not self.tracker.has_reference(g):
-                change = self.tracker.change(g, step)
+                change = self.tracker.change(g, step, None if live is None else live[g].params)
             else:
                 change = math.nan  # not needed by the policy; unchanged groups found on writing
             statuses.append(GroupStatus(g, self._group_nbytes(g), change, age, pos))
         return statuses
 
-    def _select_groups(self, step: int, statuses: list[GroupStatus]) -> list[str]:
+    def _select_groups(self, step: int, statuses: list[GroupStatus]) -> dict[str, str]:
         """The policy's choice plus every group never saved (a composite is complete), in
-        model order."""
-        selected = set(self.policy.select(PolicyContext(step, self._save_index, statuses)))
-        selected |= {g for g in self.groups if g not in self._entries}
-        return [g for g in self.groups if g in selected]
+        model order, each with why it was chosen (``policies.REASONS``)."""
+        ctx = PolicyContext(step, self._save_index, statuses)
+        explain = getattr(self.policy, "select_reasons", None)
+        reasons = dict(explain(ctx)) if explain is not None else {
+            g: "criterion" for g in self.policy.select(ctx)}
+        reasons.update({g: "new" for g in self.groups if g not in self._entries})
+        return {g: reasons[g] for g in self.groups if g in reasons}
 
-    def _snapshot_groups(self, selected: list[str], copy: bool) -> dict[str, dict[str, torch.Tensor]]:
+    def _snapshot_groups(self, selected: list[str], copy: bool,
+                         live: dict[str, LiveGroup] | None = None) -> dict[str, dict[str, torch.Tensor]]:
         """The chosen groups' tensors as the blob stores them: host copies when ``copy``
-        (reused buffers), else the live tensors (a synchronous save without a copy)."""
+        (reused buffers), else the live tensors (a synchronous save without a copy). From the
+        tensors ``live`` captured at ``save`` when deferred."""
+        def tensors(g: str) -> dict[str, torch.Tensor]:
+            if live is None:
+                return group_tensors(self.provider, g)
+            return {**{PARAM + n: t for n, t in live[g].params.items()}, **live[g].optim}
         snaps = {g: {k: self._host_copy(t, k) if copy else _as_blob_tensor(t, k)
-                     for k, t in group_tensors(self.provider, g).items()}
+                     for k, t in tensors(g).items()}
                  for g in selected}
         if any(t.is_pinned() for s in snaps.values() for t in s.values()):
             torch.cuda.synchronize()
@@ -272,7 +484,7 @@ class Checkpointer:
                         trainer_state: dict | None) -> tuple[bytes, dict[str, torch.Tensor]]:
         """The step's non-layer state: ``state.json`` bytes and the torch RNG tensors."""
         state = {
-            "format_version": FORMAT_VERSION,
+            "format_version": self.store.version,
             "step": step,
             "scheduler": jsonable(self.scheduler.state_dict()) if self.scheduler is not None else None,
             "optimizer_param_groups": (self.provider.param_groups_state()
@@ -320,11 +532,10 @@ class Checkpointer:
         self._save_index += 1
         return rollback, old_refs
 
-    def _submit(self, job: _WriteJob, rollback: _Rollback) -> None:
+    def _submit(self, job: _WriteJob) -> None:
         """Run the write on the writer thread (or here, and wait, when not ``async_save``)."""
-        self._pending_job, self._pending_rollback = job, rollback
         if self._pool is not None:
-            self._pending = self._pool.submit(job.run)
+            self._pending = _Pending(self._pool.submit(job.run), job)
             return
         fut: Future = Future()
         try:
@@ -332,23 +543,27 @@ class Checkpointer:
             fut.set_result(None)
         except BaseException as e:
             fut.set_exception(e)
-        self._pending = fut
+        self._pending = _Pending(fut, job)
         self._finish_pending()
 
     def _finish_pending(self) -> None:
-        fut, self._pending = self._pending, None
-        if fut is None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             return
-        job, self._pending_job = self._pending_job, None
-        rollback, self._pending_rollback = self._pending_rollback, None
         try:
-            fut.result()
+            out = pending.future.result()
+            if isinstance(out, Future):  # a deferred save: its snapshot returned its write
+                out.result()
         except BaseException:
-            if rollback is not None:
-                self._undo(rollback)
-            if job.copied:  # the snapshot is garbage now; the old references are live again
-                self._recycle(t for s in job.snaps.values() for t in s.values())
+            self._drain_reads()  # deferred observations use the tracker being rolled back
+            job = pending.job
+            if job is not None:  # booked: forget its versions
+                self._undo(job.rollback)
+                if job.copied:  # the snapshot is garbage now; the old references are live again
+                    self._recycle(t for s in job.snaps.values() for t in s.values())
             raise
+        job = pending.job
+        assert job is not None
         if job.copied:
             # Optimizer state snapshots and replaced weight references are free for reuse.
             self._recycle(t for s in job.snaps.values() for k, t in s.items() if not k.startswith(PARAM))
@@ -378,16 +593,24 @@ class Checkpointer:
             self._buffers.setdefault((tuple(t.shape), t.dtype, t.is_pinned()), []).append(t)
 
     def wait(self) -> SaveReport | None:
-        """Block until the running background save is committed; re-raise its error."""
+        """Block until the running background save is committed (and deferred observations
+        are taken); re-raise its error."""
         self._finish_pending()
+        reads, self._reads = self._reads, []
+        for f in reads:
+            f.result()
         return self.reports[-1] if self.reports else None
 
     def close(self) -> None:
         try:
             self.wait()
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+            for pool in (self._reader, self._pool):
+                if pool is not None:
+                    pool.shutdown(wait=True)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -467,8 +690,11 @@ class _WriteJob:
                  snaps: dict[str, dict[str, torch.Tensor]],
                  maybe_dup: dict[str, bool | dict[str, torch.Tensor]],
                  state_bytes: bytes, rng_tensors: dict[str, torch.Tensor], config: dict | None,
-                 report: SaveReport, *, old_refs: list[dict[str, torch.Tensor]], copied: bool):
+                 report: SaveReport, *, old_refs: list[dict[str, torch.Tensor]], copied: bool,
+                 rollback: _Rollback):
         self.ck, self.step, self.save_index = ck, step, save_index
+        self.rollback = rollback
+        """What undoes this save's booking if its write fails."""
         self.snaps, self.maybe_dup = snaps, maybe_dup
         self.state_bytes, self.rng_tensors, self.config = state_bytes, rng_tensors, config
         self.report = report
@@ -522,7 +748,7 @@ class _WriteJob:
                 groups[g] = self.prev_entries[g]
                 continue
             payload = BlobPayload.build(self.snaps[g], {
-                "format": BLOB_FORMAT, "format_version": str(FORMAT_VERSION), "group": g})
+                "format": BLOB_FORMAT, "format_version": str(BLOB_FORMAT_VERSION), "group": g})
             try:
                 rec = store.put_blob(payload, self._maybe_duplicate(g), batch)
             except BaseException:
@@ -538,8 +764,9 @@ class _WriteJob:
     def _entry(self, group: str, rec: BlobRecord) -> dict:
         """The manifest entry of ``group``'s new version, stored as ``rec``."""
         prev = self.prev_entries.get(group)
-        same_bytes = prev is not None and prev["sha256"] == rec.sha256 and not rec.written
-        return {"blob": rec.rel_path, "sha256": rec.sha256, "nbytes": rec.nbytes,
+        hash_name = self.ck.store.hash_name
+        same_bytes = prev is not None and prev.get(hash_name) == rec.digest and not rec.written
+        return {"blob": rec.rel_path, hash_name: rec.digest, "nbytes": rec.nbytes,
                 "saved_step": self.step, "saved_index": self.save_index,
                 "written_step": prev["written_step"] if same_bytes else self.step}
 
@@ -554,9 +781,11 @@ class _WriteJob:
     def _manifest(self, groups: dict[str, dict], written: list[str], nbytes: int,
                   files: dict[str, dict]) -> dict:
         ck = self.ck
+        version = ck.store.version
         return {
             "format": "layerwise-ckpt-manifest",
-            "format_version": FORMAT_VERSION,
+            "format_version": version,
+            **({"hash": ck.store.hash_name} if version >= 2 else {}),
             "step": self.step,
             "save_index": self.save_index,
             "created_unix_s": now_unix_s(),

@@ -94,7 +94,7 @@ def cmd_show(args: argparse.Namespace) -> int:
                 "group": g, "saved_step": e.saved_step, "written_step": e.written_step,
                 "staleness_steps": rs.step - e.saved_step,
                 "staleness_checkpoints": None if saved_index is None else save_index - int(saved_index),
-                "nbytes": e.nbytes, "sha256": e.sha256, "blob": e.blob,
+                "nbytes": e.nbytes, e.hash_name: e.digest, "blob": e.blob,
             })
     except CheckpointError as e:
         return _fail(args, e)

@@ -13,3 +13,8 @@ class CheckpointWriteError(CheckpointError):
 
 class CheckpointCorruptError(CheckpointError):
     """A stored file does not match its recorded checksum or size, or is missing."""
+
+
+class StateModifiedError(CheckpointError):
+    """Live state was written in place between ``save`` and its deferred snapshot (anything
+    but the optimizer step, which waits for the snapshot); nothing of that save was committed."""

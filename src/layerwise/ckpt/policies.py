@@ -10,7 +10,9 @@ in ``BasePolicy.select`` so that no policy can break them:
 - and, in the store, a group whose bytes are exactly unchanged is never written twice.
 
 Add a policy with ``@register_policy("name")`` on a ``BasePolicy`` subclass (a dataclass whose
-fields are its options) implementing ``choose``.
+fields are its options) implementing ``choose``. ``BasePolicy.select_reasons`` says why each group
+was chosen (``REASONS``): by a rule above or by the policy's own criterion, so a benchmark can
+tell a policy that selects from one whose writes all come from its guards.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
 from ..models.names import layer_index
+
+REASONS = ("new", "full_every", "stale", "criterion")
+"""Why a group is written: never saved before; a ``full_every`` checkpoint; ``max_staleness``
+reached; chosen by the policy's own rule (threshold, top-k, budget, parity, full)."""
 
 
 @dataclass(frozen=True)
@@ -82,13 +88,21 @@ class BasePolicy:
             raise ValueError(f"full_every must be >= 1 or None (got {self.full_every})")
 
     def select(self, ctx: PolicyContext) -> set[str]:
+        return set(self.select_reasons(ctx))
+
+    def select_reasons(self, ctx: PolicyContext) -> dict[str, str]:
+        """The groups to write, each with the first rule that chose it (``REASONS``, in that
+        order: a group the guards force counts for the guard even if the criterion agrees)."""
         if self.full_every is not None and ctx.save_index % self.full_every == 0:
-            return {g.name for g in ctx.groups}
-        forced = {g.name for g in ctx.groups if g.age is None}
+            return {g.name: "new" if g.age is None else "full_every" for g in ctx.groups}
+        out = {g.name: "new" for g in ctx.groups if g.age is None}
         if self.max_staleness is not None:
             # Skipped now, this checkpoint would use a version ``age`` checkpoints old.
-            forced |= {g.name for g in ctx.groups if g.age is not None and g.age > self.max_staleness}
-        return forced | self.choose(ctx, forced)
+            out.update({g.name: "stale" for g in ctx.groups
+                        if g.age is not None and g.age > self.max_staleness})
+        for name in self.choose(ctx, set(out)):
+            out.setdefault(name, "criterion")
+        return out
 
     def choose(self, ctx: PolicyContext, forced: set[str]) -> set[str]:
         raise NotImplementedError
@@ -170,18 +184,40 @@ class ParityPolicy(BasePolicy):
 @register_policy("filter")
 @dataclass
 class FilterPolicy(BasePolicy):
-    """The groups whose weights moved more than ``threshold`` since their last saved version."""
+    """The groups whose weights moved more than ``threshold`` since their last saved version.
+
+    With ``max_fraction``, at most that share of all groups' bytes is written per checkpoint
+    (groups a guard forces count first): the groups over the threshold go most changed first,
+    the rest wait for a later checkpoint. Layers of one model often drift at the same rate and
+    cross a threshold together; the cap spreads their writes over several checkpoints, so the
+    composite never holds every layer at its stalest at once.
+    """
 
     threshold: float = 1e-3
     """Relative L2 change ``|w - w_saved| / |w_saved|`` above which a group is written."""
+    max_fraction: float | None = None
+    """Bytes per checkpoint as a fraction of all groups' bytes (None: no cap). When nothing else
+    is written, the most changed group over the threshold is, even if it alone is larger."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.threshold >= 0:
             raise ValueError(f"filter threshold must be >= 0 (got {self.threshold})")
+        if self.max_fraction is not None and not 0 < self.max_fraction <= 1:
+            raise ValueError(f"filter max_fraction must be in (0, 1] or None (got {self.max_fraction})")
 
     def choose(self, ctx: PolicyContext, forced: set[str]) -> set[str]:
-        return {g.name for g in ctx.groups if g.change > self.threshold}
+        over = [g for g in ctx.groups if g.change > self.threshold and g.name not in forced]
+        if self.max_fraction is None:
+            return {g.name for g in over}
+        cap = self.max_fraction * ctx.total_bytes
+        used = sum(g.nbytes for g in ctx.groups if g.name in forced)
+        out: set[str] = set()
+        for g in sorted(over, key=lambda g: (-g.change, g.position)):
+            if used + g.nbytes <= cap or not (out or forced):
+                out.add(g.name)
+                used += g.nbytes
+        return out
 
 
 @register_policy("topk")

@@ -9,7 +9,6 @@ straight back into a model and optimizer.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from .errors import CheckpointCorruptError
-from .run_dir import RunDir
+from .run_dir import RunDir, digest_bytes, manifest_hash
 from .state import rng_dict
 
 
@@ -30,7 +29,10 @@ class GroupEntry:
     blob: str
     """Blob path relative to the run directory."""
     blob_path: Path
-    sha256: str
+    digest: str
+    """The blob's checksum (and name) under ``hash_name``."""
+    hash_name: str
+    """The manifest's content hash: ``sha256`` (format 1) or ``blake3`` (format 2)."""
     nbytes: int
     saved_step: int
     """The newest step whose state of this group is this blob (written or confirmed identical)."""
@@ -47,9 +49,11 @@ class ResolvedStep:
         self.step = step
         self.requested_step = step if requested_step is None else requested_step
         self.manifest = store.read_manifest(step)
+        self.hash_name = manifest_hash(self.manifest)
         self.entries: dict[str, GroupEntry] = {
             g: GroupEntry(
-                group=g, blob=e["blob"], blob_path=store.root / e["blob"], sha256=e["sha256"],
+                group=g, blob=e["blob"], blob_path=store.root / e["blob"],
+                digest=e[self.hash_name], hash_name=self.hash_name,
                 nbytes=int(e["nbytes"]), saved_step=int(e["saved_step"]),
                 written_step=int(e.get("written_step", e["saved_step"])),
             )
@@ -63,12 +67,12 @@ class ResolvedStep:
         return list(self.entries)
 
     def load_group(self, group: str) -> dict[str, torch.Tensor]:
-        """The group's tensors in blob keys, after checking the blob's sha256."""
+        """The group's tensors in blob keys, after checking the blob's checksum."""
         try:
             e = self.entries[group]
         except KeyError:
             raise ValueError(f"step {self.step} has no group {group!r}; groups: {self.groups()}") from None
-        return load_blob(e.blob_path, e.sha256, e.nbytes)
+        return load_blob(e.blob_path, e.digest, e.nbytes, e.hash_name)
 
     def model_config(self) -> dict | None:
         return self.store.read_config()
@@ -116,7 +120,7 @@ class ResolvedStep:
             data = path.read_bytes()
         except FileNotFoundError:
             raise CheckpointCorruptError(f"step {self.step}: {path} is missing") from None
-        if hashlib.sha256(data).hexdigest() != rec["sha256"]:
+        if digest_bytes(data, self.hash_name) != rec.get(self.hash_name):
             raise CheckpointCorruptError(
                 f"step {self.step}: {path} does not match its checksum in the manifest (corrupt "
                 "file); load an earlier step or restore the file"
@@ -127,13 +131,15 @@ class ResolvedStep:
         return self.step - self.entries[group].saved_step
 
 
-def load_blob(path: Path, sha256: str, nbytes: int | None = None) -> dict[str, torch.Tensor]:
-    """Read a blob, verify its sha256 and size, and deserialise it (safetensors; no pickle)."""
+def load_blob(path: Path, digest: str, nbytes: int | None,
+              hash_name: str) -> dict[str, torch.Tensor]:
+    """Read a blob, verify its size and checksum (``digest`` under ``hash_name``), and
+    deserialise it (safetensors; no pickle)."""
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
         raise CheckpointCorruptError(f"blob {path} is missing; run `layerwise ckpt verify`") from None
-    if (nbytes is not None and len(data) != nbytes) or hashlib.sha256(data).hexdigest() != sha256:
+    if (nbytes is not None and len(data) != nbytes) or digest_bytes(data, hash_name) != digest:
         raise CheckpointCorruptError(
             f"blob {path} does not match its checksum (corrupt or truncated file); the run cannot "
             "be loaded at this step. `layerwise ckpt verify RUN` lists every affected step; load "

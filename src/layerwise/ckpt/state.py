@@ -6,6 +6,11 @@ tensors back. ``ModuleStateProvider`` serves an ``nn.Module`` + ``torch.optim`` 
 the layer-streaming engine's host store plugs in with its own provider (views into its flat
 per-unit buffers), and everything else (policies, tracker, store, resolve) is shared.
 
+A provider may also offer ``register_update_hook(fn)``: call ``fn`` before anything writes its
+weights or optimizer state (the optimizer's step), returning a handle with ``remove()``, or None
+when it cannot. With it the checkpointer copies a save's groups after ``save`` returns, while the
+training loop runs its next forward and backward (``CheckpointConfig.snapshot``).
+
 Blob keys (the contract with merge/export): ``param/<hf_name>`` (weights, in the parameter's
 dtype), ``exp_avg/<hf_name>`` and ``exp_avg_sq/<hf_name>`` (AdamW moments, fp32; absent before
 the optimizer's first step), ``step/<hf_name>`` (0-d fp32). Other optimizer state tensors are
@@ -15,6 +20,7 @@ stored as ``<state_key>/<hf_name>`` (fp32 for floating point), e.g. ``max_exp_av
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -167,6 +173,15 @@ class ModuleStateProvider:
         config = getattr(self.model, "config", None)
         to_dict = getattr(config, "to_dict", None)
         return to_dict() if callable(to_dict) else None
+
+    def register_update_hook(self, fn: Callable[[], None]) -> Any:
+        """Call ``fn`` before every ``optimizer.step()`` (a torch step pre-hook), which is what
+        changes the weights and optimizer state in a training loop; its handle, or None without
+        a torch optimizer."""
+        register = getattr(self.optimizer, "register_step_pre_hook", None)
+        if register is None:
+            return None
+        return register(lambda _opt, _args, _kwargs: fn())
 
     # ----- non-layer optimizer state (hyper-parameters per param group) ------------------
 

@@ -9,13 +9,18 @@ Cost is one read of the live weights, the reference, the gradients and the momen
 difference is formed in cache-sized chunks, no allocation); ``Checkpointer.observe`` takes the
 statistics every ``track_every_steps`` steps (saves always measure what they need). See
 ``docs/benchmarks.md`` for the measured overhead.
+
+The statistics may be taken on another thread than the training loop's (``Checkpointer``'s
+deferred snapshot): the live tensors are captured by reference when they are asked for
+(``capture``), with their version counters, and a statistic of a tensor modified in place since
+then is reported as NaN, never as a value of a later state.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,6 +29,37 @@ from .state import StateProvider
 
 CHUNK_NUMEL = 1 << 19
 """Elements per chunk of the weight-difference pass (2 MiB of fp32: stays in cache)."""
+
+
+@dataclass
+class LiveGroup:
+    """One group's live tensors, captured by reference (not copied), and their versions then."""
+
+    params: dict[str, torch.Tensor]
+    grads: dict[str, torch.Tensor]
+    optim: dict[str, torch.Tensor]
+    """Optimizer state in blob keys."""
+    versions: dict[str, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def capture(cls, provider: StateProvider, group: str, grads: bool = True) -> LiveGroup:
+        out = cls(provider.params(group), provider.grads(group) if grads else {},
+                  provider.optimizer_state(group))
+        out.versions = {kind: _versions(ts) for kind, ts in out._kinds().items()}
+        return out
+
+    def _kinds(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {"params": self.params, "grads": self.grads, "optim": self.optim}
+
+    def modified(self, kind: str) -> bool:
+        """Whether a tensor of ``kind`` (params, grads, optim) was written in place since the
+        capture. In-place ops bump a tensor's version counter; an optimizer step bumps at least
+        its ``step`` tensors (fused AdamW on the CPU leaves the weights' counters alone)."""
+        return _versions(self._kinds()[kind]) != self.versions.get(kind)
+
+
+def _versions(ts: dict[str, torch.Tensor]) -> list[int]:
+    return [t._version for t in ts.values()]
 
 
 @dataclass(frozen=True)
@@ -91,6 +127,10 @@ class UpdateTracker:
         self._ref_norm = dict(saved.ref_norms)
         self._change.clear()
 
+    def forget_changes(self) -> None:
+        """Drop the changes measured so far (they were read from state that is not trusted)."""
+        self._change.clear()
+
     # ----- measurements -------------------------------------------------------------------
 
     def _diff_norm(self, live: torch.Tensor, ref: torch.Tensor) -> float:
@@ -123,8 +163,10 @@ class UpdateTracker:
             sq += torch.linalg.vector_norm(a[i:i + CHUNK_NUMEL].float() - chunk.float()).double() ** 2
         return math.sqrt(float(sq))
 
-    def change(self, group: str, step: int | None = None) -> float:
-        """Relative L2 change since the last saved version (``inf`` if none yet).
+    def change(self, group: str, step: int | None = None,
+               live: dict[str, torch.Tensor] | None = None) -> float:
+        """Relative L2 change since the last saved version (``inf`` if none yet), of ``live``
+        (the weights captured for ``step``; default: the provider's now).
 
         A value measured at ``step`` already (by ``observe``) is reused.
         """
@@ -133,7 +175,7 @@ class UpdateTracker:
             return math.inf
         if step is not None and group in self._change and self._change[group][0] == step:
             return self._change[group][1]
-        live = self.provider.params(group)
+        live = self.provider.params(group) if live is None else live
         sq = 0.0
         for n, r in ref.items():
             sq += self._diff_norm(live[n], r) ** 2
@@ -144,23 +186,40 @@ class UpdateTracker:
             self._change[group] = (step, out)
         return out
 
-    def observe(self, step: int) -> dict[str, dict[str, float]]:
+    def capture(self) -> dict[str, LiveGroup]:
+        """Every group's live tensors, by reference, for an ``observe`` made later (elsewhere)."""
+        return {g: LiveGroup.capture(self.provider, g) for g in self.provider.group_names()}
+
+    def observe(self, step: int, live: dict[str, LiveGroup] | None = None) -> dict[str, dict[str, float]]:
         """Statistics of every group at ``step`` (call after ``optimizer.step()``, before
-        ``zero_grad``); appended to the JSONL log."""
+        ``zero_grad``), of ``live`` (``capture()`` at ``step``; default: captured now);
+        appended to the JSONL log.
+
+        A statistic of tensors modified in place since the capture is NaN (``null`` in the log),
+        never a value of a later state: gradients zeroed in place (``zero_grad(set_to_none=False)``)
+        before a deferred observation read them, say.
+        """
+        live = self.capture() if live is None else live
         stats: dict[str, dict[str, float]] = {}
-        for group in self.provider.group_names():
-            grads = list(self.provider.grads(group).values())
-            opt = self.provider.optimizer_state(group)
-            m1 = [t for k, t in opt.items() if k.startswith("exp_avg/")]
-            m2 = [t for k, t in opt.items() if k.startswith("exp_avg_sq/")]
-            stats[group] = {
-                "change": self.change(group, step),
-                "grad_norm": _norm(grads),
+        for group, lv in live.items():
+            m1 = [t for k, t in lv.optim.items() if k.startswith("exp_avg/")]
+            m2 = [t for k, t in lv.optim.items() if k.startswith("exp_avg_sq/")]
+            st = {
+                "change": self.change(group, step, lv.params),
+                "grad_norm": _norm(list(lv.grads.values())),
                 "exp_avg_norm": _norm(m1),
                 "exp_avg_sq_norm": _norm(m2),
             }
+            if lv.modified("params"):
+                st["change"] = math.nan
+                self._change.pop(group, None)
+            if lv.modified("grads"):
+                st["grad_norm"] = math.nan
+            if lv.modified("optim"):
+                st["exp_avg_norm"] = st["exp_avg_sq_norm"] = math.nan
+            stats[group] = st
         if self.log_path is not None:
-            rec = {"step": step, "groups": {g: {k: (None if math.isinf(v) else v) for k, v in s.items()}
+            rec = {"step": step, "groups": {g: {k: (v if math.isfinite(v) else None) for k, v in s.items()}
                                             for g, s in stats.items()}}
             with open(self.log_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
