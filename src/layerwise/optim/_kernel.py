@@ -10,8 +10,9 @@ Two implementations of the same arithmetic (maps in ``quant.py``):
   on the divider and one as an estimate on the FMA pipes. One call takes a *table* of tensors (``fused_steps``), so a drop-in optimizer
   over a model's parameter list pays one kernel launch per step, not one per tensor, and its
   threads split the blocks of all tensors evenly. Compiled with ``nogil=True`` and run on a
-  small thread pool (ours, not numba's ``parallel=True``: numba's pool is not safe to enter
-  from several engine worker threads at once, ours is). Cold start: ~2 s to compile on first
+  small thread pool (ours, not numba's ``parallel=True``: numba's only always-present
+  threading layer, ``workqueue``, aborts when entered from several engine worker threads at
+  once; ours is safe). Cold start: ~2 s to compile on first
   use in a fresh environment; ``cache=True`` keeps the machine code in ``__pycache__``, and
   later processes load it in ~0.3 s.
 - ``torch`` (any device, any float dtype): the same maths as a few dozen elementwise ops over
