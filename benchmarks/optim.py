@@ -1,6 +1,6 @@
-"""Issue 4: the hybrid 8-bit AdamW — state size, CPU step time side by side, eval loss.
+"""Issues 4 and 13: the hybrid 8-bit AdamW — state size, CPU step time side by side, eval loss.
 
-    python benchmarks/optim.py [--quick]
+    python benchmarks/optim.py [--quick] [--skip-train]
 
 Prints one JSON object:
 
@@ -11,13 +11,23 @@ Prints one JSON object:
   torch's default thread count and at one thread (``*_1thread``). ``*_with_clip`` compares
   ``AdamW8bit(max_grad_norm=1)`` with ``clip_grad_norm_`` + fused AdamW. An optimizer that
   cannot run gives a reason string instead of a number.
-- ``eval_loss_fp32`` / ``eval_loss_8bit`` / ``eval_loss_delta_pct``: a small Llama trained on the
-  built-in corpus with ``torch.optim.AdamW`` vs ``AdamW8bit`` (same seed, data and clip),
-  evaluated on held-out text. Trained at one thread: the machine's cores are shared and
-  intra-op threads then mostly wait on each other.
+- ``dropin_step_ratio_vs_torch_fused`` (and ``*_1thread``): the same, through the drop-in
+  ``AdamW8bit`` over a real model's parameter list (``llama-30m``: 93 tensors, 29.8M
+  parameters; matrices in a decay group, norms in a no-decay group; tensors under 4096
+  elements keep fp32 moments, as the optimizer's default does), vs ``torch.optim.AdamW``
+  (fused) over the same groups.
+- ``quality``: eval loss of a >= 10M-parameter Llama trained on the built-in corpus with
+  ``torch.optim.AdamW`` vs ``AdamW8bit`` (same init, data and clip), one pair of runs per data
+  seed; ``eval_loss_delta_pct`` is the mean of the per-seed deltas, read against
+  ``eval_loss_fp32_seed_spread_pct`` (how far the fp32 runs of different data seeds lie apart).
+  Trained at one thread: the machine's cores are shared and intra-op threads then mostly wait
+  on each other.
 - ``quant_error``: the update-direction error (``m / sqrt(v)``) each quantisation map makes
   on the trained model's real moments, and ``block_size_sweep``: that error and the step time
   per block size (how the defaults were chosen).
+
+``--skip-train`` leaves out the training, ``quant_error`` and the sweep (for repeated timing
+runs: the training comparison is deterministic).
 """
 
 from __future__ import annotations
@@ -164,6 +174,41 @@ def step_times(total_params: int, rounds: int, slow_rounds: int, threads: int,
     return out
 
 
+def _llama_groups(flavor: str = "llama-30m") -> list[dict]:
+    """A real model's parameter list, grads filled: matrices (decay) and norms (no decay)."""
+    torch.manual_seed(0)
+    model = FAMILIES["llama"].model_class(get_flavor(flavor).build_config())
+    gen = torch.Generator().manual_seed(1)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return [dict(params=decay, weight_decay=ADAM["weight_decay"]),
+            dict(params=rest, weight_decay=0.0)]
+
+
+def dropin_step_times(rounds: int, threads: int, flavor: str = "llama-30m") -> dict:
+    """``AdamW8bit`` vs fused ``torch.optim.AdamW`` over a model's parameter groups."""
+    torch.set_num_threads(threads)
+    groups = _llama_groups(flavor)
+    params = [p for g in groups for p in g["params"]]
+    kw = {k: v for k, v in ADAM.items() if k != "weight_decay"}
+    ours = AdamW8bit(groups, **kw, num_threads=threads)
+    fused = torch.optim.AdamW(groups, **kw, fused=True)
+    fns = {"ours": ours.step, "torch_fused": fused.step}
+    cold = {}
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
+        fn()
+        cold[name] = round(time.perf_counter() - t0, 3)
+    t = _time_round_robin(fns, {k: rounds for k in fns}, lambda: None)
+    eight = sum(1 for p in params if "exp_avg_codes" in ours.state[p])
+    return {"model": flavor, "params": sum(p.numel() for p in params), "tensors": len(params),
+            "tensors_8bit": eight, "threads": threads, "rounds": rounds,
+            "step_s": {k: round(v, 5) for k, v in t.items()}, "first_step_s": cold,
+            "ratio_vs_torch_fused": round(t["ours"] / t["torch_fused"], 3)}
+
+
 def _state_bytes(state: dict) -> int:
     """Bytes of an optimizer state's moment tensors (``step`` excluded)."""
     return sum(v.numel() * v.element_size() for k, v in state.items() if k != "step")
@@ -191,21 +236,24 @@ def _groups(model, lr, wd):
     return [dict(params=decay, weight_decay=wd), dict(params=rest, weight_decay=0.0)]
 
 
-def train_eval(steps: int, seq_len: int, batch_size: int, hidden: int, layers: int,
-               seed: int = 0, noise_floor: bool = False) -> dict:
-    """fp32 AdamW vs AdamW8bit from the same init on the same batches.
+QUALITY_MODEL = dict(hidden_size=384, intermediate_size=1152, num_hidden_layers=6,
+                     num_attention_heads=6, num_key_value_heads=2)
+"""The quality comparison's Llama: 10.6M parameters (byte vocabulary 320, untied)."""
+DATA_SEEDS = (0, 1000, 2000)
+"""Batch-order seeds of the quality runs (far apart: ``batches`` reseeds each epoch with
+``seed + epoch``)."""
 
-    ``noise_floor`` adds a third run, fp32 again on a different batch order, to show how much
-    eval loss moves between two equally good runs (the scale ``eval_loss_delta_pct`` is read on).
-    """
+
+def train_eval(steps: int, seq_len: int, batch_size: int, arch: dict,
+               seed: int = 0, init_seed: int = 0) -> dict:
+    """fp32 AdamW vs AdamW8bit from the same init (``init_seed``) on the same batches
+    (``seed``)."""
     torch.set_num_threads(1)
     tokens = corpus_tokens(1_500_000)
     split = int(tokens.numel() * 0.9)
     train, held = tokens[:split], tokens[split:]
-    cfg = get_flavor("llama-30m").build_config(
-        hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(seed)
+    cfg = get_flavor("llama-30m").build_config(**arch)
+    torch.manual_seed(init_seed)
     init = FAMILIES["llama"].model_class(cfg).state_dict()
     eval_batches = []
     it = batches(held, seq_len, batch_size, seed=1234)
@@ -213,19 +261,19 @@ def train_eval(steps: int, seq_len: int, batch_size: int, hidden: int, layers: i
         eval_batches.append(next(it))
     lr, wd, warmup = 3e-3, 0.1, 30
     results, moments = {}, {}
-    for name in ("fp32", "8bit") + (("fp32_other_order",) if noise_floor else ()):
-        torch.manual_seed(seed)
+    for name in ("fp32", "8bit"):
+        torch.manual_seed(init_seed)
         model = FAMILIES["llama"].model_class(cfg)
         model.load_state_dict(init)
         groups = _groups(model, lr, wd)
-        fp32 = name.startswith("fp32")
+        fp32 = name == "fp32"
         if fp32:
             opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
         else:
             opt = AdamW8bit(groups, lr=lr, betas=(0.9, 0.95), max_grad_norm=1.0)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: min(1.0, (s + 1) / warmup) * max(0.1, 1 - s / steps))
-        data = batches(train, seq_len, batch_size, seed=seed + (name == "fp32_other_order"))
+        data = batches(train, seq_len, batch_size, seed=seed)
         t0 = time.perf_counter()
         for _ in range(steps):
             loss = _loss(model, next(data))
@@ -250,15 +298,46 @@ def train_eval(steps: int, seq_len: int, batch_size: int, hidden: int, layers: i
     params = sum(p.numel() for p in model.parameters())
     delta = 100.0 * (results["8bit"]["eval_loss"] - results["fp32"]["eval_loss"]) \
         / results["fp32"]["eval_loss"]
-    out_noise = {}
-    if noise_floor:
-        out_noise["noise_floor_pct"] = round(
-            100.0 * (results["fp32_other_order"]["eval_loss"] - results["fp32"]["eval_loss"])
-            / results["fp32"]["eval_loss"], 3)
-    model_info = {"family": "llama", "hidden": hidden, "layers": layers, "params": params,
-                  "steps": steps, "seq_len": seq_len, "batch_size": batch_size, "lr": lr}
-    return {**out_noise, "model": model_info,
+    model_info = {"family": "llama", **arch, "vocab_size": cfg.vocab_size, "params": params,
+                  "steps": steps, "seq_len": seq_len, "batch_size": batch_size, "lr": lr,
+                  "data_seed": seed, "init_seed": init_seed}
+    return {"model": model_info,
             "runs": results, "delta_pct": round(delta, 3), "moments": moments}
+
+
+def quality(steps: int, seq_len: int, batch_size: int, seeds=DATA_SEEDS) -> dict:
+    """``train_eval`` once per data seed (same init): per-seed deltas, their mean and spread,
+    and the spread of the fp32 eval losses across seeds (the noise scale)."""
+    per_seed, moments = [], None
+    for seed in seeds:
+        r = train_eval(steps, seq_len, batch_size, QUALITY_MODEL, seed=seed)
+        if moments is None:
+            moments = r.pop("moments")
+        else:
+            r.pop("moments")
+        per_seed.append(r)
+    deltas = [r["delta_pct"] for r in per_seed]
+    fp32 = [r["runs"]["fp32"]["eval_loss"] for r in per_seed]
+    q8 = [r["runs"]["8bit"]["eval_loss"] for r in per_seed]
+    table = [{"data_seed": r["model"]["data_seed"], "eval_loss_fp32": a, "eval_loss_8bit": b,
+              "delta_pct": d, "skipped_steps_8bit": r["runs"]["8bit"]["skipped_steps"],
+              "train_s_fp32": r["runs"]["fp32"]["train_s"],
+              "train_s_8bit": r["runs"]["8bit"]["train_s"]}
+             for r, a, b, d in zip(per_seed, fp32, q8, deltas)]
+    model = {k: v for k, v in per_seed[0]["model"].items() if k != "data_seed"}
+    return {
+        "model": model,
+        "seeds": table,
+        "eval_loss_fp32_mean": round(statistics.fmean(fp32), 4),
+        "eval_loss_8bit_mean": round(statistics.fmean(q8), 4),
+        "delta_pct_mean": round(statistics.fmean(deltas), 3),
+        "delta_pct_min": min(deltas),
+        "delta_pct_max": max(deltas),
+        "delta_pct_stdev": round(statistics.stdev(deltas), 3) if len(deltas) > 1 else None,
+        "fp32_seed_spread_pct": round(100.0 * (max(fp32) - min(fp32)) / statistics.fmean(fp32),
+                                      3),
+        "moments": moments,
+    }
 
 
 # ----- quantisation error on real moments ---------------------------------------------------
@@ -356,7 +435,9 @@ def block_sweep(moments: dict, numel: int, rounds: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer rounds/steps (< 3 min)")
+    ap.add_argument("--quick", action="store_true", help="fewer rounds/steps (~6 min)")
+    ap.add_argument("--skip-train", action="store_true",
+                    help="step times only: no training, quant_error or block-size sweep")
     args = ap.parse_args()
     t_start = time.perf_counter()
     threads = torch.get_num_threads()
@@ -369,14 +450,18 @@ def main() -> None:
     kernel_first_call_s = time.perf_counter() - cold_import
 
     quick = args.quick
-    ev = train_eval(steps=300 if quick else 600, seq_len=64 if quick else 128, batch_size=8,
-                    hidden=128, layers=4, noise_floor=not quick)
+    q = None
+    if not args.skip_train:
+        q = quality(steps=100 if quick else 400, seq_len=64, batch_size=4 if quick else 8)
     total = 50_000_000
     st = step_times(total, rounds=5 if quick else 11, slow_rounds=2 if quick else 3,
                     threads=threads)
     st1 = step_times(total, rounds=3 if quick else 7, slow_rounds=1, threads=1,
                      with_others=False)
+    dr = dropin_step_times(rounds=11 if quick else 31, threads=threads)
+    dr1 = dropin_step_times(rounds=7 if quick else 21, threads=1)
     torch.set_num_threads(threads)
+    info["load_avg_1m_end"] = os.getloadavg()[0]
     result = {
         "benchmark": "optim",
         "quick": quick,
@@ -389,18 +474,30 @@ def main() -> None:
         "step_ratio_with_clip_vs_torch_fused_clip": st["ratios"]["with_clip"],
         "step_ratio_vs_torch_fused_1thread": st1["ratios"]["torch_fused"],
         "step_ratio_with_clip_vs_torch_fused_clip_1thread": st1["ratios"]["with_clip"],
-        "eval_loss_fp32": ev["runs"]["fp32"]["eval_loss"],
-        "eval_loss_8bit": ev["runs"]["8bit"]["eval_loss"],
-        "eval_loss_delta_pct": ev["delta_pct"],
-        "eval_loss_noise_floor_pct": ev.get("noise_floor_pct", "full run only"),
+        "dropin_step_ratio_vs_torch_fused": dr["ratio_vs_torch_fused"],
+        "dropin_step_ratio_vs_torch_fused_1thread": dr1["ratio_vs_torch_fused"],
+    }
+    if q is not None:
+        result.update({
+            "eval_loss_fp32": q["eval_loss_fp32_mean"],
+            "eval_loss_8bit": q["eval_loss_8bit_mean"],
+            "eval_loss_delta_pct": q["delta_pct_mean"],
+            "eval_loss_delta_pct_range": [q["delta_pct_min"], q["delta_pct_max"]],
+            "eval_loss_fp32_seed_spread_pct": q["fp32_seed_spread_pct"],
+        })
+    result.update({
         "step_time": st,
         "step_time_1thread": st1,
-        "train": {k: v for k, v in ev.items() if k != "moments"},
+        "dropin_step_time": dr,
+        "dropin_step_time_1thread": dr1,
         "kernel_first_call_s": round(kernel_first_call_s, 3),
-        "quant_error": quant_errors(ev["moments"], quant.DEFAULT_BLOCK_SIZE),
-    }
-    result["block_size_sweep"] = block_sweep(ev["moments"], 4_000_000 if quick else 50_000_000,
-                                             rounds=3 if quick else 5)
+    })
+    if q is not None:
+        moments = q.pop("moments")
+        result["quality"] = q
+        result["quant_error"] = quant_errors(moments, quant.DEFAULT_BLOCK_SIZE)
+        result["block_size_sweep"] = block_sweep(moments, 4_000_000 if quick else 50_000_000,
+                                                 rounds=3 if quick else 5)
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
     json.dump(result, sys.stdout, indent=1)
     print()

@@ -4,6 +4,8 @@ import threading
 import pytest
 import torch
 
+from layerwise.models.adapter import DecoderAdapter
+from layerwise.models.registry import get_flavor
 from layerwise.optim import _kernel, quant
 from layerwise.optim.adamw import AdamWConfig, HostAdamW
 from layerwise.optim.adamw8bit import (
@@ -14,6 +16,7 @@ from layerwise.optim.adamw8bit import (
     state_to_fp32,
 )
 from layerwise.optim.clip import clip_coefficient, clip_or_skip, global_norm, sq_norm
+from layerwise.store import HostStore
 
 
 def _reference_step(p, g, state, lr, betas, eps, wd, decay_end, clip, block):
@@ -289,10 +292,6 @@ def test_bad_arguments_raise():
 
 @pytest.fixture(scope="module")
 def store_factory():
-    from layerwise.models.adapter import DecoderAdapter
-    from layerwise.models.registry import get_flavor
-    from layerwise.store import HostStore
-
     adapter = DecoderAdapter(get_flavor("llama-debug").build_config())
 
     def make(seed=0):

@@ -3,12 +3,18 @@
 Two implementations of the same arithmetic (maps in ``quant.py``):
 
 - ``numba`` (CPU, fp32, contiguous): per block, one vectorised loop dequantises, updates both
-  moments and the parameter; a second finds the block maxima; a third requantises. The block's
-  new moments wait in two ``block_size`` scratch arrays (L1-resident), so memory is read and
-  written once. Compiled with ``nogil=True`` and run on a small thread pool (ours, not
-  numba's), so it is safe to call from several engine worker threads at once. Cold start:
-  ~1.7 s to compile on first use in a fresh environment; ``cache=True`` keeps the machine code
-  in ``__pycache__``, and later processes load it in ~0.3 s.
+  moments and the parameter and finds the block maxima; a second requantises. The block's new
+  moments wait in two ``block_size`` scratch arrays (on the stack, L1-resident), so memory is
+  read and written once. The moments are kept in units where the gradient (clip included)
+  enters with factor 1 (``StepScalars.folded``), and of the three roots per element two run
+  on the divider and one as an estimate on the FMA pipes. One call takes a *table* of tensors (``fused_steps``), so a drop-in optimizer
+  over a model's parameter list pays one kernel launch per step, not one per tensor, and its
+  threads split the blocks of all tensors evenly. Compiled with ``nogil=True`` and run on a
+  small thread pool (ours, not numba's ``parallel=True``: numba's only always-present
+  threading layer, ``workqueue``, aborts when entered from several engine worker threads at
+  once; ours is safe). Cold start: ~2 s to compile on first
+  use in a fresh environment; ``cache=True`` keeps the machine code in ``__pycache__``, and
+  later processes load it in ~0.3 s.
 - ``torch`` (any device, any float dtype): the same maths as a few dozen elementwise ops over
   chunks of ``_TORCH_CHUNK`` elements, so the temporaries stay in cache. Used on CUDA, when
   numba is missing, or when ``LAYERWISE_OPTIM_KERNEL=torch``.
@@ -19,16 +25,22 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from .quant import SIGNED_LEVELS, UNSIGNED_LEVELS, num_blocks
 
 try:  # numba is optional: the torch path below computes the same update
+    import llvmlite.ir as _ir
     import numba as _nb
     import numpy as _np
+    from numba import types as _nbt
+    from numba.core import cgutils as _cgutils
+    from numba.extending import intrinsic as _intrinsic
 except Exception:  # pragma: no cover - depends on the environment
     _nb = None
 
@@ -36,6 +48,18 @@ _TORCH_CHUNK = {"cpu": 1 << 16}
 """Elements per chunk on the torch path, per device type: small on CPU so temporaries stay in
 cache, large elsewhere so a GPU gets few big kernels (default ``_TORCH_CHUNK_OTHER``)."""
 _TORCH_CHUNK_OTHER = 1 << 24
+
+_MAX_NUMBA_BLOCK = 4096
+"""Largest block the numba kernel takes (its two scratch arrays live on the stack); larger
+blocks run on the torch path."""
+
+_FOLD_MIN_K1 = 1e-12
+_FOLD_MIN_SQRT_K2 = 1e-10
+_FOLD_MIN_NUM = 1e-30
+"""Where the numba kernel's folded units stay safe in fp32 (see ``StepScalars.folded``):
+``mu = m / k1`` and ``w = v / k2`` must not overflow, nor may ``1 / (step_size * k1)``. Only a
+clip coefficient below ~1e-8 (a gradient norm 1e8 times the limit) or an ``lr`` below ~1e-29
+falls outside; such a step runs on the torch path, which takes any value."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +85,52 @@ class StepScalars:
         return cls(beta1, beta2, grad_mul, 1.0 - lr * weight_decay,
                    lr / (1.0 - beta1 ** step), 1.0 / math.sqrt(1.0 - beta2 ** step), eps)
 
+    def folded(self) -> tuple[float, ...] | None:
+        """The numba kernel's scalars (one row of its scalar table), or None where the folded
+        units would leave fp32's safe range (then the torch path runs the step).
+
+        The kernel keeps the moments in units where the gradient enters with factor 1:
+        ``mu = m / k1`` and ``w = v / k2`` with ``k1 = (1 - beta1) * clip`` and
+        ``k2 = (1 - beta2) * clip**2``, so ``mu' = beta1 * mu + g`` and
+        ``w' = beta2 * w + g * g`` cost no multiply by a constant, and the clip costs nothing.
+        The factors move into the per-block scales (in and out) and into the update's
+        denominator: ``step_size * m / (sqrt(v / bc2) + eps) = mu / (sqrt(w) * den + eps')``
+        with ``den = sqrt(k2) / (sqrt(bc2) * step_size * k1)`` and
+        ``eps' = eps / (step_size * k1)``. With ``lr == 0`` the kernel updates the moments
+        only. Computed in float64, rounded once to fp32 by the caller.
+        """
+        k1 = (1.0 - self.beta1) * self.grad_mul
+        sk2 = math.sqrt(1.0 - self.beta2) * self.grad_mul
+        num = self.step_size * k1
+        if k1 < _FOLD_MIN_K1 or sk2 < _FOLD_MIN_SQRT_K2 or 0.0 < num < _FOLD_MIN_NUM:
+            return None
+        upd = num > 0.0
+        row = (self.inv_sqrt_bc2 * sk2 / num if upd else 0.0,    # sqrt(w) → denominator
+               self.eps / num if upd else 0.0,
+               self.decay_mul,
+               self.beta1 / SIGNED_LEVELS ** 2 / k1,              # scale → beta1 * mu / c|c|
+               math.sqrt(self.beta2) / UNSIGNED_LEVELS ** 2 / sk2,  # scale → sqrt(beta2 w)/c²
+               k1,                                                # max |mu| → scale
+               sk2,                                               # max sqrt(w) → scale
+               1.0 if upd else 0.0)                               # update the parameter?
+        if not all(abs(x) < 1e37 for x in row):
+            return None
+        return row
+
+
+class FlatStep(NamedTuple):
+    """One flat tensor's update: ``fused_steps`` takes a sequence of these."""
+
+    p: torch.Tensor
+    g: torch.Tensor
+    exp_avg_codes: torch.Tensor
+    exp_avg_scales: torch.Tensor
+    exp_avg_sq_codes: torch.Tensor
+    exp_avg_sq_scales: torch.Tensor
+    block_size: int
+    decay_end: int
+    k: StepScalars
+
 
 # ----- numba --------------------------------------------------------------------------------
 
@@ -68,66 +138,92 @@ if _nb is not None:
 
     _jit = dict(nogil=True, fastmath=True, cache=True, error_model="numpy", boundscheck=False)
 
+    # raw addresses → typed pointers, so one call can take a table of tensors (a numba list of
+    # arrays would cost microseconds per element to build, every step)
+    def _ptr_codegen(context, builder, signature, args):  # pragma: no cover - compiled
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    @_intrinsic
+    def _f32_at(typingctx, addr):  # pragma: no cover - compiled
+        return _nbt.CPointer(_nbt.float32)(_nbt.int64), _ptr_codegen
+
+    @_intrinsic
+    def _i8_at(typingctx, addr):  # pragma: no cover - compiled
+        return _nbt.CPointer(_nbt.int8)(_nbt.int64), _ptr_codegen
+
+    @_intrinsic
+    def _u8_at(typingctx, addr):  # pragma: no cover - compiled
+        return _nbt.CPointer(_nbt.uint8)(_nbt.int64), _ptr_codegen
+
+    @_intrinsic
+    def _stack_scratch(typingctx):  # pragma: no cover - compiled
+        # 2 * _MAX_NUMBA_BLOCK fp32 on the stack of the calling function. LLVM knows a local
+        # that never escapes aliases none of the tensors, so the loops need no runtime overlap
+        # checks against the scratch (from the heap, ~100 instructions per block: -7%)
+        def codegen(context, builder, signature, args):
+            arr = _cgutils.alloca_once(builder, _ir.ArrayType(_ir.FloatType(),
+                                                              2 * _MAX_NUMBA_BLOCK))
+            return builder.bitcast(arr, _ir.FloatType().as_pointer())
+        return _nbt.CPointer(_nbt.float32)(), codegen
+
     @_nb.njit(inline="always", **_jit)
-    def _one_block(pb, gb, qmb, qvb, cnt, am, ar, d, k1, k2, step_size, inv_sqrt_bc2, eps,
-                   buf_m, buf_r, buf_mi, buf_ri, bits):  # pragma: no cover - compiled
+    def _one_block(pb, gb, qmb, qvb, cnt, am, ar, d, den, eps, upd,
+                   buf_m, buf_r):  # pragma: no cover - compiled
+        # In folded units (StepScalars.folded): mu' = beta1 mu + g, sqrt(w') = sqrt(beta2 w + g²).
+        i32 = _np.int32
         f0 = _np.float32(0.0)
+        f1 = _np.float32(1.0)
         half = _np.float32(0.5)
+        tiny = _np.float32(1e-30)
         qs = _np.float32(SIGNED_LEVELS)
         qu = _np.float32(UNSIGNED_LEVELS)
-        for j in range(cnt):  # dequantise, update both moments and the parameter
+        # 1. dequantise, update both moments and the parameter, and the block maxima (on the
+        # float bits: for x >= 0 they order like the values, and an int max-reduction
+        # vectorises where a float one does not)
+        im = i32(0)
+        ir = i32(0)
+        for j in range(cnt):
             gi = gb[j]
             c = _np.float32(qmb[j])
-            m = am * c * _np.abs(c) + k1 * gi
+            m = am * (c * _np.abs(c)) + gi
             c = _np.float32(qvb[j])
-            r = ar * c * c
-            r = _np.sqrt(r * r + k2 * (gi * gi))
+            r = ar * (c * c)
+            r = _np.sqrt(r * r + gi * gi)
             buf_m[j] = m
             buf_r[j] = r
-            pb[j] = pb[j] * d - step_size * m / (r * inv_sqrt_bc2 + eps)
-        # block maxima on the float bits: for x >= 0 they order like the values, and an int
-        # max-reduction vectorises where a float one (NaN rules) does not
-        im = _np.int32(0)
-        ir = _np.int32(0)
-        for j in range(cnt):
-            x = buf_mi[j] & _np.int32(0x7FFFFFFF)
+            if upd:  # a constant after inlining: no branch in the loop
+                pb[j] = pb[j] * d - m / (r * den + eps)
+            else:
+                pb[j] = pb[j] * d
+            x = i32(_np.float32(m).view(i32) & i32(0x7FFFFFFF))
             im = x if x > im else im
-            x = buf_ri[j]
+            x = _np.float32(r).view(i32)
             ir = x if x > ir else ir
-        bits[0] = im
-        bits[1] = ir
-        mx = bits.view(_np.float32)
-        mx_m = mx[0]
-        mx_r = mx[1]
+        mx_m = i32(im).view(_np.float32)
+        mx_r = i32(ir).view(_np.float32)
         km = qs * qs / mx_m if mx_m > f0 else f0
         kr = qu * qu / mx_r if mx_r > f0 else f0
-        # requantise: x >= 0, so int(x + 0.5) rounds to nearest; x <= 127 (255) since
-        # |m| <= mx_m, so no clamp is needed
+        # 2. requantise: s >= 0, so int(s + 0.5) rounds to nearest; s <= 127 (255) since
+        # |m| <= mx_m, so no clamp is needed. Of the three roots per element, two run on the
+        # divider (sqrt) and one on the FMA pipes (x * rsqrt(x): fastmath emits an estimate
+        # plus one Newton step, ~2 ulp); all three on one unit make it the bottleneck.
         for j in range(cnt):
             m = buf_m[j]
-            si = _np.int32(_np.sqrt(_np.abs(m) * km) + half)
-            qmb[j] = _np.int8(-si if m < f0 else si)
-            r = buf_r[j]
-            si = _np.int32(_np.sqrt(r * kr) + half)
-            si = max(si, _np.int32(1)) if r > f0 else si
-            qvb[j] = _np.uint8(si)
+            s = _np.sqrt(_np.abs(m) * km) + half
+            qmb[j] = _np.int8(i32(_np.copysign(s, m)))
+            x = buf_r[j] * kr
+            si = i32(x * (f1 / _np.sqrt(max(x, tiny))) + half)
+            # a positive v never gets code 0: x >= 0, so its float bits are > 0 iff x > 0
+            qvb[j] = _np.uint8(max(si, min(_np.float32(x).view(i32), i32(1))))
         return mx_m, mx_r
 
-    @_nb.njit(**_jit)
-    def _blocks_numba(p, g, qm, sm, qv, sv, b0, b1, block, n, decay_end,
-                      k1, k2, decay_mul, step_size, inv_sqrt_bc2, eps,
-                      in_m, in_r):  # pragma: no cover - compiled
-        # k1 = (1 - beta1) * clip, k2 = (1 - beta2) * clip**2: the clip costs no extra op;
-        # in_m = beta1 / 127**2 and in_r = sqrt(beta2) / 255**2 fold the decay into the scales.
-        # A few short loops per block over few arrays: LLVM vectorises each (AVX2/AVX-512); one
-        # loop doing everything does not vectorise and is 2.5x slower. Full blocks of the
-        # default size take a copy of the block code with a constant trip count (~15% faster).
+    @_nb.njit(inline="always", **_jit)
+    def _blocks(p, g, qm, sm, qv, sv, b0, b1, block, n, decay_end, sc,
+                buf_m, buf_r):  # pragma: no cover - compiled
         f1 = _np.float32(1.0)
-        buf_m = _np.empty(block, _np.float32)
-        buf_r = _np.empty(block, _np.float32)
-        buf_mi = buf_m.view(_np.int32)
-        buf_ri = buf_r.view(_np.int32)
-        bits = _np.empty(2, _np.int32)
+        den, eps, decay_mul = sc[0], sc[1], sc[2]
+        in_m, in_r, out_m, out_r = sc[3], sc[4], sc[5], sc[6]
+        upd = sc[7] != _np.float32(0.0)
         for b in range(b0, b1):
             lo = b * block
             cnt = min(block, n - lo)
@@ -141,14 +237,44 @@ if _nb is not None:
             if lo < decay_end < lo + cnt:  # the block that straddles the decay boundary
                 for j in range(decay_end - lo):
                     pb[j] *= decay_mul
-            if cnt == 256:
-                mx_m, mx_r = _one_block(pb, gb, qmb, qvb, 256, am, ar, d, k1, k2, step_size,
-                                        inv_sqrt_bc2, eps, buf_m, buf_r, buf_mi, buf_ri, bits)
+            # full blocks of the default size take a copy with a constant trip count (faster)
+            if not upd:  # lr == 0: the moments move, the parameter does not
+                mx_m, mx_r = _one_block(pb, gb, qmb, qvb, cnt, am, ar, d, den, eps, False,
+                                        buf_m, buf_r)
+            elif cnt == 256:
+                mx_m, mx_r = _one_block(pb, gb, qmb, qvb, 256, am, ar, d, den, eps, True,
+                                        buf_m, buf_r)
             else:
-                mx_m, mx_r = _one_block(pb, gb, qmb, qvb, cnt, am, ar, d, k1, k2, step_size,
-                                        inv_sqrt_bc2, eps, buf_m, buf_r, buf_mi, buf_ri, bits)
-            sm[b] = mx_m
-            sv[b] = mx_r
+                mx_m, mx_r = _one_block(pb, gb, qmb, qvb, cnt, am, ar, d, den, eps, True,
+                                        buf_m, buf_r)
+            sm[b] = mx_m * out_m
+            sv[b] = mx_r * out_r
+
+    @_nb.njit(**_jit)
+    def _run_table(tab, scal, b0, b1):  # pragma: no cover - compiled
+        # tab[i] = addresses of p, g, qm, sm, qv, sv; numel, decay_end, block size, first
+        # global block. Runs global blocks [b0, b1) of all rows.
+        rows = tab.shape[0]
+        scratch = _nb.carray(_stack_scratch(), 2 * _MAX_NUMBA_BLOCK)
+        buf_m = scratch[:_MAX_NUMBA_BLOCK]
+        buf_r = scratch[_MAX_NUMBA_BLOCK:]
+        for i in range(rows):
+            n = tab[i, 6]
+            block = tab[i, 8]
+            first = tab[i, 9]
+            lo = max(b0, first)
+            hi = min(b1, first + (n + block - 1) // block)
+            if lo >= hi:
+                continue
+            nbk = (n + block - 1) // block
+            p = _nb.carray(_f32_at(tab[i, 0]), n)
+            g = _nb.carray(_f32_at(tab[i, 1]), n)
+            qm = _nb.carray(_i8_at(tab[i, 2]), n)
+            sm = _nb.carray(_f32_at(tab[i, 3]), nbk)
+            qv = _nb.carray(_u8_at(tab[i, 4]), n)
+            sv = _nb.carray(_f32_at(tab[i, 5]), nbk)
+            _blocks(p, g, qm, sm, qv, sv, lo - first, hi - first, block, n, tab[i, 7],
+                    scal[i], buf_m, buf_r)
 
 
 _pool: ThreadPoolExecutor | None = None
@@ -183,38 +309,83 @@ def fused_step(p: torch.Tensor, g: torch.Tensor, qm: torch.Tensor, sm: torch.Ten
 
     Updates ``p``, ``qm``, ``sm``, ``qv``, ``sv`` in place; ``g`` is only read.
     """
-    assert p.dim() == 1 and p.shape == g.shape == qm.shape == qv.shape
-    assert sm.numel() == sv.numel() == num_blocks(p.numel(), block_size)
-    if (kernel_name(p.device) == "numba" and p.dtype == torch.float32
-            and g.dtype == torch.float32 and p.is_contiguous() and g.is_contiguous()):
-        _fused_step_numba(p, g, qm, sm, qv, sv, block_size, decay_end, k, num_threads)
-    else:
-        _fused_step_torch(p, g, qm, sm, qv, sv, block_size, decay_end, k)
+    fused_steps([FlatStep(p, g, qm, sm, qv, sv, block_size, decay_end, k)], num_threads)
 
 
-def _fused_step_numba(p, g, qm, sm, qv, sv, block_size, decay_end, k, num_threads):
-    n = p.numel()
-    nb = sm.numel()
-    arrays = [t.detach().numpy() for t in (p, g, qm, sm, qv, sv)]
-    f = _np.float32
-    scalars = (f((1.0 - k.beta1) * k.grad_mul), f((1.0 - k.beta2) * k.grad_mul ** 2),
-               f(k.decay_mul), f(k.step_size), f(k.inv_sqrt_bc2), f(k.eps),
-               f(k.beta1 / SIGNED_LEVELS ** 2), f(math.sqrt(k.beta2) / UNSIGNED_LEVELS ** 2))
+_F32, _I8, _U8 = torch.float32, torch.int8, torch.uint8
 
-    def run(b0: int, b1: int) -> None:
-        _blocks_numba(*arrays, b0, b1, block_size, n, decay_end, *scalars)
 
+def _numba_ok(s: FlatStep) -> bool:
+    """The numba kernel reads raw addresses: CPU, the exact dtypes, contiguous; and its scratch
+    holds ``_MAX_NUMBA_BLOCK`` elements."""
+    p, g, qm, sm, qv, sv = s.p, s.g, s.exp_avg_codes, s.exp_avg_scales, \
+        s.exp_avg_sq_codes, s.exp_avg_sq_scales
+    return (0 < s.block_size <= _MAX_NUMBA_BLOCK and p.dtype is _F32 and g.dtype is _F32 and qm.dtype is _I8 and qv.dtype is _U8
+            and sm.dtype is _F32 and sv.dtype is _F32
+            and p.is_cpu and g.is_cpu and qm.is_cpu and qv.is_cpu and sm.is_cpu and sv.is_cpu
+            and p.is_contiguous() and g.is_contiguous() and qm.is_contiguous()
+            and qv.is_contiguous() and sm.is_contiguous() and sv.is_contiguous())
+
+
+def fused_steps(steps: Sequence[FlatStep], num_threads: int | None = None) -> None:
+    """``fused_step`` for many tensors at once: the numba kernel runs them all in one call per
+    worker thread, the blocks of all tensors split evenly over ``num_threads`` (default:
+    torch's thread count). Tensors it cannot take run on the torch path, one by one.
+
+    ``p`` must be contiguous and is updated as a flat tensor of ``p.numel()`` elements (so a
+    caller need not make flat views); ``g`` has as many elements, in the same order.
+    """
+    use_numba = _nb is not None and os.environ.get("LAYERWISE_OPTIM_KERNEL", "") != "torch"
+    rows, scal, folded = [], [], {}
+    first = 0
+    for s in steps:
+        p = s.p
+        n = p.numel()
+        block = s.block_size
+        nb = (n + block - 1) // block
+        assert p.is_contiguous(), "p is updated in place as a flat tensor: make it contiguous"
+        assert s.g.numel() == s.exp_avg_codes.numel() == s.exp_avg_sq_codes.numel() == n
+        assert s.exp_avg_scales.numel() == s.exp_avg_sq_scales.numel() == nb
+        f = None
+        if use_numba and _numba_ok(s):
+            f = folded.get(id(s.k), False)  # callers share one StepScalars per step count
+            if f is False:
+                f = folded[id(s.k)] = s.k.folded()
+        if f is None:
+            _fused_step_torch(p.view(-1), s.g.reshape(-1), s.exp_avg_codes.view(-1),
+                              s.exp_avg_scales, s.exp_avg_sq_codes.view(-1),
+                              s.exp_avg_sq_scales, block, s.decay_end, s.k)
+            continue
+        if n == 0:
+            continue
+        rows.append((p.data_ptr(), s.g.data_ptr(), s.exp_avg_codes.data_ptr(),
+                     s.exp_avg_scales.data_ptr(), s.exp_avg_sq_codes.data_ptr(),
+                     s.exp_avg_sq_scales.data_ptr(), n, min(max(s.decay_end, 0), n),
+                     block, first))
+        scal.append(f)
+        first += nb
+    if rows:
+        tab = _np.array(rows, dtype=_np.int64)
+        sc = _np.array(scal, dtype=_np.float32)
+        # the tensors stay referenced by ``steps`` until every task below has returned
+        _run_split(tab, sc, first, num_threads)
+
+
+def _run_split(tab, sc, total_blocks: int, num_threads: int | None) -> None:
     workers = num_threads or torch.get_num_threads()
-    tasks = max(1, min(workers, nb // _MIN_BLOCKS_PER_TASK))
+    tasks = max(1, min(workers, total_blocks // _MIN_BLOCKS_PER_TASK))
     if tasks == 1:
-        run(0, nb)
+        _run_table(tab, sc, 0, total_blocks)
         return
-    edges = [nb * i // tasks for i in range(tasks + 1)]
+    edges = [total_blocks * i // tasks for i in range(tasks + 1)]
     pool = _get_pool(tasks - 1)
-    futures = [pool.submit(run, edges[i], edges[i + 1]) for i in range(1, tasks)]
-    run(edges[0], edges[1])
-    for fut in futures:
-        fut.result()
+    futures = [pool.submit(_run_table, tab, sc, edges[i], edges[i + 1])
+               for i in range(1, tasks)]
+    try:
+        _run_table(tab, sc, edges[0], edges[1])
+    finally:  # never return (and free tensors) while a worker still writes them
+        for fut in futures:
+            fut.result()
 
 
 # ----- torch --------------------------------------------------------------------------------

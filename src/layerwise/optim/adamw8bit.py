@@ -1,8 +1,9 @@
 """Hybrid 8-bit AdamW: block-wise 8-bit moments where memory is short, fp32 elsewhere.
 
-Two faces over one update (``_kernel.fused_step``):
+Two faces over one update (``_kernel.fused_step`` / ``fused_steps``):
 
-- ``AdamW8bit``: a drop-in ``torch.optim.Optimizer`` (CPU and CUDA) with per-group
+- ``AdamW8bit``: a drop-in ``torch.optim.Optimizer`` (CPU and CUDA), all of whose 8-bit
+  tensors take one kernel call per step (``fused_steps``: a table of tensors), with per-group
   hyper-parameters like ``torch.optim.AdamW``, a per-group choice of moment format
   (``moments="8bit"`` or ``"fp32"``; tensors under ``min_8bit_numel`` stay fp32), and an
   optional fused global-norm clip (``max_grad_norm``): one fp32 pass computes the norm, the clip
@@ -22,16 +23,16 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..store import UnitBuffers
 from . import quant
-from ._kernel import StepScalars, fused_step
+from ._kernel import FlatStep, StepScalars, fused_step, fused_steps
 from .adamw import AdamWConfig
 from .clip import clip_or_skip
 
@@ -68,27 +69,54 @@ class HostSteps:
     returns the new count from the host-side int. The int stays valid while nobody else wrote
     the tensor, which its version counter tells; after an outside write (a checkpoint load's
     ``copy_``) or for a tensor never seen, the tensor is read once. Thread-safe across tensors.
+
+    Entries are keyed by ``id(step)`` and hold a weak reference that must still point at the
+    tensor (a recycled id never matches); a dead tensor's entry is dropped by the reference's
+    callback. A dropped or missing entry only costs one read of the tensor.
     """
 
     def __init__(self) -> None:
-        self._counts: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._counts: dict[int, tuple[weakref.ref, int, int]] = {}
         self._lock = threading.Lock()
 
     def seed(self, step: torch.Tensor, count: int) -> None:
         """``step`` holds ``count`` (it was just created with that value)."""
         with self._lock:
-            self._counts[step] = (step._version, count)
+            self._put(step, count)
+
+    def _put(self, step: torch.Tensor, count: int) -> None:
+        key = id(step)
+        old = self._counts.get(key)
+        if old is not None and old[0]() is step:
+            ref = old[0]
+        else:
+            counts = self._counts
+
+            def forget(r: weakref.ref, key: int = key) -> None:  # no lock: runs inside GC
+                entry = counts.get(key)
+                if entry is not None and entry[0] is r:
+                    counts.pop(key, None)
+
+            ref = weakref.ref(step, forget)
+        self._counts[key] = (ref, step._version, count)
 
     def advance(self, step: torch.Tensor) -> int:
+        return self.advance_many([step])[0]
+
+    def advance_many(self, steps: list[torch.Tensor]) -> list[int]:
+        """``advance`` for many tensors: one lock round and one ``_foreach_add_``."""
+        counts = []
         with self._lock:
-            known = self._counts.get(step)
-        if known is not None and known[0] == step._version:
-            count = known[1] + 1
-        else:
-            count = int(step.item()) + 1  # once, after an outside write
-        step.add_(1)
-        self.seed(step, count)
-        return count
+            for s in steps:
+                e = self._counts.get(id(s))
+                if e is not None and e[0]() is s and e[1] == s._version:
+                    counts.append(e[2] + 1)
+                else:
+                    counts.append(int(s.item()) + 1)  # once, after an outside write
+            torch._foreach_add_(steps, 1)
+            for s, c in zip(steps, counts):
+                self._put(s, c)
+        return counts
 
 
 def is_8bit_state(state: dict[str, Any]) -> bool:
@@ -289,33 +317,55 @@ class AdamW8bit(torch.optim.Optimizer):
                 self.skipped_steps += 1
                 self.last_step_skipped = True
                 return loss
+        # every 8-bit tensor of every group in one kernel call (per worker thread): the
+        # per-tensor cost is a row of a table, not a launch; fp32 tensors: one fused torch
+        # call per group
+        flat: list[FlatStep] = []
+        copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         for group in self.param_groups:
-            self._step_group(group, coef)
+            self._step_group(group, coef, flat, copy_back)
+        if flat:
+            fused_steps(flat, self.num_threads)
+            for p, flat_p in copy_back:
+                p.copy_(flat_p.view_as(p))
         return loss
 
-    def _step_group(self, group: dict[str, Any], coef: float) -> None:
+    def _step_group(self, group: dict[str, Any], coef: float, flat: list[FlatStep],
+                    copy_back: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Run ``group``'s fp32 tensors; append its 8-bit tensors' updates to ``flat``."""
         beta1, beta2 = group["betas"]
         fp32 = ([], [], [], [], [])
+        eight = []
         for p in group["params"]:
-            if p.grad is None:
+            grad = p.grad
+            if grad is None:
                 continue
-            if p.grad.is_sparse:
+            if grad.is_sparse:
                 raise ValueError("AdamW8bit does not support sparse gradients; use dense ones")
             state = self._init_state(group, p)
-            if not is_8bit_state(state):
-                for lst, t in zip(fp32, (p, p.grad, state["exp_avg"], state["exp_avg_sq"],
-                                         state["step"])):
-                    lst.append(t)
+            if "exp_avg_codes" in state:
+                eight.append((p, grad, state))
                 continue
-            k = StepScalars.of(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                               self.steps.advance(state["step"]), grad_mul=coef)
-            flat_p = p.view(-1) if p.is_contiguous() else p.detach().reshape(-1).clone()
-            flat_g = p.grad.reshape(-1)
-            fused_step(flat_p, flat_g, state["exp_avg_codes"], state["exp_avg_scales"],
-                       state["exp_avg_sq_codes"], state["exp_avg_sq_scales"],
-                       group["block_size"], flat_p.numel(), k, self.num_threads)
-            if not p.is_contiguous():
-                p.copy_(flat_p.view_as(p))
+            for lst, t in zip(fp32, (p, grad, state["exp_avg"], state["exp_avg_sq"],
+                                     state["step"])):
+                lst.append(t)
+        if eight:
+            counts = self.steps.advance_many([st["step"] for _, _, st in eight])
+            scalars: dict[int, StepScalars] = {}
+            block = group["block_size"]
+            for (p, grad, st), count in zip(eight, counts):
+                k = scalars.get(count)
+                if k is None:
+                    k = scalars[count] = StepScalars.of(
+                        group["lr"], beta1, beta2, group["eps"], group["weight_decay"], count,
+                        grad_mul=coef)
+                if not p.is_contiguous():  # the kernel updates a flat copy, copied back after
+                    flat_p = p.detach().reshape(-1).clone()
+                    copy_back.append((p, flat_p))
+                    p = flat_p
+                flat.append(FlatStep(p, grad, st["exp_avg_codes"], st["exp_avg_scales"],
+                                     st["exp_avg_sq_codes"], st["exp_avg_sq_scales"], block,
+                                     p.numel(), k))
         if fp32[0]:
             params, grads, exp_avgs, exp_avg_sqs, steps = fp32
             fused = all(t.dtype in (torch.float32, torch.float16, torch.bfloat16)
