@@ -17,6 +17,7 @@ import layerwise
 from layerwise import config
 from layerwise.ckpt import RunDir, open_run_step
 from layerwise.cli import main
+from layerwise.models import get_flavor
 from layerwise.train.loop import TrainConfig, _open_metrics, train
 from layerwise.train.schedule import lr_at
 
@@ -58,7 +59,7 @@ def test_short_training_run_learns_and_exports(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(1, 13))
     model = AutoModelForCausalLM.from_pretrained(result.model_dir)
-    assert model.config.num_hidden_layers == 6
+    assert model.config.num_hidden_layers == get_flavor("llama-demo").build_config().num_hidden_layers
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[256, 100, 101]])).logits).all()
 

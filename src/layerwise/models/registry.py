@@ -54,7 +54,7 @@ _FLAVORS: list[Flavor] = [
     Flavor("qwen3-debug", "qwen3", _debug("qwen3", tied=True), "tiny test model"),
     Flavor("qwen3-debug-untied", "qwen3", _debug("qwen3", tied=False), "tiny test model"),
     Flavor("mistral-debug", "mistral", _debug("mistral", tied=False, sliding_window=None), "tiny test model"),
-    # Small trainable models for the demo and CPU benchmarks (byte-level vocabulary).
+    # Small trainable models for CPU benchmarks (byte-level vocabulary) and the demo.
     Flavor(
         "llama-30m",
         "llama",
@@ -66,10 +66,13 @@ _FLAVORS: list[Flavor] = [
     Flavor(
         "llama-demo",
         "llama",
-        dict(vocab_size=320, hidden_size=256, intermediate_size=704, num_hidden_layers=6,
+        dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-             tie_word_embeddings=True, rms_norm_eps=1e-5),
-        "~5M-parameter Llama for `layerwise demo`",
+             tie_word_embeddings=True, rms_norm_eps=1e-5,
+             bos_token_id=None, eos_token_id=0, pad_token_id=0),
+        "~0.9M-parameter Llama for `layerwise demo`, sized to learn in its 2 CPU minutes; the "
+        "vocabulary and special ids of the demo's BPE tokenizer (1024 ids, <|endoftext|> = 0 "
+        "ends and pads, no BOS); the byte tokenizer fits too",
     ),
     # Real shapes (for planning only; no weights). Values from the public config.json files.
     Flavor(

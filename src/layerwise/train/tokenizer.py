@@ -4,15 +4,20 @@ byte tokenizer of the built-in flavors, behind one small interface.
 ``tokenizer=auto`` takes the model directory's tokenizer when the directory has tokenizer files,
 else the byte tokenizer; ``byte`` always the byte tokenizer; any other value is a directory with
 tokenizer files. Nothing is ever fetched from the hub (``local_files_only=True``).
+
+``train_bpe_tokenizer`` makes such a directory from text on the spot (``layerwise demo``: a BPE
+tokenizer learnt from the standard library's source with the ``tokenizers`` library).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
+import tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                    "merges.txt", "special_tokens_map.json", "added_tokens.json",
@@ -134,6 +139,39 @@ def load_tokenizer(spec: str, model: str) -> tuple[Tokenizer, str]:
         return ByteTokenizer(), "tokenizer: byte (258 ids), the built-in flavors' tokenizer"
     tok = load_hf_tokenizer(spec)
     return tok, f"tokenizer: {spec} ({type(tok.tok).__name__}, {len(tok)} ids)"
+
+
+END_OF_TEXT = "<|endoftext|>"
+"""The one special token of ``train_bpe_tokenizer``'s tokenizers (id 0): EOS and padding."""
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, directory: str | Path) -> HFTokenizer:
+    """A byte-level BPE tokenizer learnt from ``texts`` with the ``tokenizers`` library, wrapped
+    as a ``transformers.PreTrainedTokenizerFast``, written to ``directory`` with
+    ``save_pretrained`` and loaded back from there (so it is exactly what ``tokenizer=DIRECTORY``
+    and ``AutoTokenizer.from_pretrained`` see).
+
+    Id 0 is ``<|endoftext|>`` (EOS and padding; no BOS), then the 256 byte symbols, then merges
+    up to ``vocab_size`` (fewer when the text has fewer pairs worth merging). Byte-level, so
+    any text round-trips; whitespace is kept as is (``clean_up_tokenization_spaces=False``), as
+    code needs."""
+    byte_level = tokenizers.pre_tokenizers.ByteLevel
+    min_size = len(byte_level.alphabet()) + 1
+    if vocab_size < min_size:
+        raise ValueError(f"vocab_size must be >= {min_size} (the 256 bytes and {END_OF_TEXT}), "
+                         f"got {vocab_size}")
+    tk = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tk.pre_tokenizer = byte_level(add_prefix_space=False)
+    tk.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT],
+                                             initial_alphabet=byte_level.alphabet(),
+                                             show_progress=False)
+    tk.train_from_iterator(texts, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT,
+                                  clean_up_tokenization_spaces=False)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(directory))
+    return load_hf_tokenizer(directory)
 
 
 def check_vocab(model_vocab_size: int, tokenizer: Tokenizer) -> None:
