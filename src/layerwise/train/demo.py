@@ -96,7 +96,7 @@ class DemoConfig:
     temperature: float = 0.0
     """0: greedy decoding; above 0: sampling at this temperature (top-k 40, seed 0)."""
     repetition_penalty: float = 1.3
-    """Divides the logits of ids already in the text (``generate``'s ``repetition_penalty``):
+    """``generate``'s ``repetition_penalty``: makes ids already in the text less likely, which
     keeps a small model's greedy output from looping on one line."""
     progress: str = "auto"
     """``auto`` (a bar on a terminal, plain lines otherwise), ``bar`` or ``lines``."""
