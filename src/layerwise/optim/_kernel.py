@@ -22,6 +22,7 @@ Two implementations of the same arithmetic (maps in ``quant.py``):
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import threading
@@ -280,6 +281,7 @@ if _nb is not None:
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 _MIN_BLOCKS_PER_TASK = 256
+_CHUNKS_PER_THREAD = 8
 
 
 def _get_pool(workers: int) -> ThreadPoolExecutor:
@@ -372,17 +374,27 @@ def fused_steps(steps: Sequence[FlatStep], num_threads: int | None = None) -> No
 
 
 def _run_split(tab, sc, total_blocks: int, num_threads: int | None) -> None:
+    """Run blocks ``[0, total_blocks)`` of the table on up to ``num_threads`` threads (the
+    caller is one of them). The blocks are cut into ``_CHUNKS_PER_THREAD`` chunks per thread,
+    taken from a shared counter: a thread the OS deschedules (a shared or busy machine) holds
+    up at most one chunk, where an even static split waits for its whole half."""
     workers = num_threads or torch.get_num_threads()
     tasks = max(1, min(workers, total_blocks // _MIN_BLOCKS_PER_TASK))
     if tasks == 1:
         _run_table(tab, sc, 0, total_blocks)
         return
-    edges = [total_blocks * i // tasks for i in range(tasks + 1)]
+    chunks = max(tasks, min(total_blocks // _MIN_BLOCKS_PER_TASK, tasks * _CHUNKS_PER_THREAD))
+    edges = [total_blocks * i // chunks for i in range(chunks + 1)]
+    counter = itertools.count()  # next() is atomic under the GIL
+
+    def work() -> None:
+        while (i := next(counter)) < chunks:
+            _run_table(tab, sc, edges[i], edges[i + 1])
+
     pool = _get_pool(tasks - 1)
-    futures = [pool.submit(_run_table, tab, sc, edges[i], edges[i + 1])
-               for i in range(1, tasks)]
+    futures = [pool.submit(work) for _ in range(tasks - 1)]
     try:
-        _run_table(tab, sc, edges[0], edges[1])
+        work()
     finally:  # never return (and free tensors) while a worker still writes them
         for fut in futures:
             fut.result()
