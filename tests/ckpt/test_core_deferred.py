@@ -46,6 +46,8 @@ def held_helper(monkeypatch) -> threading.Event:
             return fn(self, *a, **k)
         return run
 
+    # _prepare too: a policy that needs no statistics (full) would otherwise snapshot at once
+    monkeypatch.setattr(Checkpointer, "_prepare", held(Checkpointer._prepare))
     monkeypatch.setattr(UpdateTracker, "change", held(change))
     monkeypatch.setattr(UpdateTracker, "observe", held(observe))
     monkeypatch.setattr(checkpointer_mod._UpdateGate, "wait", release(gate_wait))
