@@ -263,11 +263,11 @@ if _nb is not None:
             n = tab[i, 6]
             block = tab[i, 8]
             first = tab[i, 9]
+            nbk = (n + block - 1) // block
             lo = max(b0, first)
-            hi = min(b1, first + (n + block - 1) // block)
+            hi = min(b1, first + nbk)
             if lo >= hi:
                 continue
-            nbk = (n + block - 1) // block
             p = _nb.carray(_f32_at(tab[i, 0]), n)
             g = _nb.carray(_f32_at(tab[i, 1]), n)
             qm = _nb.carray(_i8_at(tab[i, 2]), n)
