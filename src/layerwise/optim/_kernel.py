@@ -12,9 +12,9 @@ Two implementations of the same arithmetic (maps in ``quant.py``):
   threads split the blocks of all tensors evenly. Compiled with ``nogil=True`` and run on a
   small thread pool (ours, not numba's ``parallel=True``: numba's only always-present
   threading layer, ``workqueue``, aborts when entered from several engine worker threads at
-  once; ours is safe). Cold start: ~2 s to compile on first
-  use in a fresh environment; ``cache=True`` keeps the machine code in ``__pycache__``, and
-  later processes load it in ~0.3 s.
+  once; ours is safe). Cold start: ~5 s to compile on first
+  use in a fresh environment (measured on the loaded 2-core box); ``cache=True`` keeps the
+  machine code in ``__pycache__``, and later processes load it in ~0.4 s.
 - ``torch`` (any device, any float dtype): the same maths as a few dozen elementwise ops over
   chunks of ``_TORCH_CHUNK`` elements, so the temporaries stay in cache. Used on CUDA, when
   numba is missing, or when ``LAYERWISE_OPTIM_KERNEL=torch``.
