@@ -12,9 +12,9 @@ Two implementations of the same arithmetic (maps in ``quant.py``):
   threads split the blocks of all tensors evenly. Compiled with ``nogil=True`` and run on a
   small thread pool (ours, not numba's ``parallel=True``: numba's only always-present
   threading layer, ``workqueue``, aborts when entered from several engine worker threads at
-  once; ours is safe). Cold start: ~2 s to compile on first
-  use in a fresh environment; ``cache=True`` keeps the machine code in ``__pycache__``, and
-  later processes load it in ~0.3 s.
+  once; ours is safe). Cold start: ~5 s to compile on first
+  use in a fresh environment (measured on the loaded 2-core box); ``cache=True`` keeps the
+  machine code in ``__pycache__``, and later processes load it in ~0.4 s.
 - ``torch`` (any device, any float dtype): the same maths as a few dozen elementwise ops over
   chunks of ``_TORCH_CHUNK`` elements, so the temporaries stay in cache. Used on CUDA, when
   numba is missing, or when ``LAYERWISE_OPTIM_KERNEL=torch``.
@@ -263,11 +263,11 @@ if _nb is not None:
             n = tab[i, 6]
             block = tab[i, 8]
             first = tab[i, 9]
+            nbk = (n + block - 1) // block
             lo = max(b0, first)
-            hi = min(b1, first + (n + block - 1) // block)
+            hi = min(b1, first + nbk)
             if lo >= hi:
                 continue
-            nbk = (n + block - 1) // block
             p = _nb.carray(_f32_at(tab[i, 0]), n)
             g = _nb.carray(_f32_at(tab[i, 1]), n)
             qm = _nb.carray(_i8_at(tab[i, 2]), n)
