@@ -25,12 +25,13 @@ from test_core_helpers import make_training
 
 @pytest.fixture
 def held_helper(monkeypatch) -> threading.Event:
-    """The helper thread's statistics (of a deferred save or observation) start only once the
-    training loop waits for it: in the next optimizer step's hook, or in ``wait()``. Clear
-    the returned event before a ``save``/``observe`` whose helper work should be held."""
+    """The helper thread's work (a deferred save's ``_prepare``, a deferred observation) starts
+    only once the training loop waits for it: in the next optimizer step's hook, or in
+    ``wait()``. Clear the returned event before a ``save``/``observe`` whose helper work should
+    be held."""
     main = threading.current_thread()
     released = threading.Event()
-    change, observe = UpdateTracker.change, UpdateTracker.observe
+    prepare, observe = Checkpointer._prepare, UpdateTracker.observe
     gate_wait, ck_wait = checkpointer_mod._UpdateGate.wait, Checkpointer.wait
 
     def held(fn):
@@ -46,9 +47,7 @@ def held_helper(monkeypatch) -> threading.Event:
             return fn(self, *a, **k)
         return run
 
-    # _prepare too: a policy that needs no statistics (full) would otherwise snapshot at once
-    monkeypatch.setattr(Checkpointer, "_prepare", held(Checkpointer._prepare))
-    monkeypatch.setattr(UpdateTracker, "change", held(change))
+    monkeypatch.setattr(Checkpointer, "_prepare", held(prepare))
     monkeypatch.setattr(UpdateTracker, "observe", held(observe))
     monkeypatch.setattr(checkpointer_mod._UpdateGate, "wait", release(gate_wait))
     monkeypatch.setattr(Checkpointer, "wait", release(ck_wait))
@@ -96,14 +95,15 @@ def test_a_deferred_save_stores_what_a_synchronous_save_stores(tmp_path, held_he
     every deferred snapshot was still being taken when the next optimizer step came (it
     waited: ``stall_s`` > 0).
 
-    Mutation this fails on (made once, by hand): the update hook not waiting
-    (``_UpdateGate.wait`` returning at once, alone and with ``_check_unmodified`` disabled too):
-    no step waited (``stall_s`` 0), and the copy then races the optimizer step.
+    Mutations this fails on (each made by hand): the update hook not waiting
+    (``_UpdateGate.wait`` returning at once): the copy races the optimizer step and the save
+    fails with ``StateModifiedError``; that and ``_check_unmodified`` disabled: other blobs or
+    other choices than the synchronous run's (2 of 3 tries; the third: ``stall_s`` 0, no step
+    waited).
     """
     sync_stats, sync_reps = _train(tmp_path / "sync", "sync")
     def_stats, def_reps = _train(tmp_path / "deferred", "deferred", held=held_helper)
     assert not any(r.deferred for r in sync_reps) and all(r.deferred for r in def_reps)
-    assert all(r.stall_s > 0 for r in def_reps[:-1]), [r.stall_s for r in def_reps]
     assert [r.selected for r in def_reps] == [r.selected for r in sync_reps]
     assert [r.reasons for r in def_reps] == [r.reasons for r in sync_reps]
     assert {"criterion"} <= {v for r in sync_reps for v in r.reasons.values()}
@@ -116,6 +116,7 @@ def test_a_deferred_save_stores_what_a_synchronous_save_stores(tmp_path, held_he
     logs = [[json.loads(x) for x in (tmp_path / r / "tracker.jsonl").read_text().splitlines()]
             for r in ("sync", "deferred")]
     assert logs[0] == logs[1] and len(logs[0]) == 3
+    assert all(r.stall_s > 0 for r in def_reps[:-1]), [r.stall_s for r in def_reps]
 
 
 def test_state_written_in_place_before_the_snapshot_fails_the_save(tmp_path, held_helper):
