@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 from layerwise.ckpt import Checkpointer
+from layerwise.ckpt.policies import parse_policy_value
 from layerwise.models.registry import FAMILIES, get_flavor
 from layerwise.train.data import batches, corpus_tokens
 
@@ -175,20 +176,9 @@ def policy_specs(args) -> dict[str, tuple[str, dict]]:
                 specs[f"budget-{f:g}"] = ("budget", {"budget_fraction": f, **stale})
     for spec in args.extra:
         name, _, opts = spec.partition(":")
-        specs[spec] = (name, {k: _value(v) for k, _, v in (o.partition("=") for o in opts.split(",") if o)})
+        specs[spec] = (name, {k: parse_policy_value(v) for k, _, v in (o.partition("=") for o in opts.split(",") if o)})
     order = [n for n in specs if n != "filter"] + ["filter"]  # filter last, not waited for
     return {n: specs[n] for n in order}
-
-
-def _value(v: str):
-    if v.lower() in ("none", "null"):
-        return None
-    for conv in (int, float):
-        try:
-            return conv(v)
-        except ValueError:
-            pass
-    return v
 
 
 def criterion_share(reports) -> float:

@@ -282,14 +282,7 @@ def fill_store_random(store, seed: int = 0, std: float = 0.02, device: str | Non
 
 def pinned_bytes(store) -> tuple[int, str]:
     """(pinned bytes of the store, how they were counted)."""
-    if hasattr(store, "pinned_nbytes"):
-        return int(store.pinned_nbytes()), "store.pinned_nbytes()"
-    total = 0
-    for buf in store:
-        for t in (buf.master, buf.grad, buf.compute, *buf.state.values()):
-            if t is not None and t.device.type == "cpu" and t.is_pinned():
-                total += t.numel() * t.element_size()
-    return total, "sum of is_pinned() tensors"
+    return int(store.pinned_nbytes()), "store.pinned_nbytes() (the page-locked arena)"
 
 
 # ----- bookkeeping ---------------------------------------------------------------------------

@@ -134,7 +134,7 @@ def make_policy(policy: str | BasePolicy | Any, **options: Any) -> Policy:
             k, eq, v = item.partition("=")
             if not eq:
                 raise ValueError(f"policy option {item!r} is not key=value (in {policy!r})")
-            options.setdefault(k.strip(), _parse_value(v.strip()))
+            options.setdefault(k.strip(), parse_policy_value(v.strip()))
     cls = POLICIES.get(name)
     if cls is None:
         raise ValueError(f"unknown checkpoint policy {name!r}; known: {sorted(POLICIES)}")
@@ -145,7 +145,8 @@ def make_policy(policy: str | BasePolicy | Any, **options: Any) -> Policy:
     return cls(**options)
 
 
-def _parse_value(v: str) -> Any:
+def parse_policy_value(v: str) -> Any:
+    """A ``key=value`` option's value: None, an int, a float, else the string."""
     if v.lower() in ("none", "null"):
         return None
     for conv in (int, float):
