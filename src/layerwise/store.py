@@ -106,11 +106,6 @@ class UnitBuffers:
     def weights(self) -> dict[str, torch.Tensor]:
         return self.layout.views(self.master)
 
-    @property
-    def copy_source(self) -> torch.Tensor:
-        """What is copied to the device: the compute-dtype copy, or the fp32 master itself."""
-        return self.compute if self.compute is not None else self.master
-
     def refresh_compute(self) -> None:
         if self.compute is not None:
             self.compute.copy_(self.master)
