@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import shutil
 import socket
 from pathlib import Path
@@ -173,3 +175,25 @@ def test_cli_merge_to_dcp(exported, tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["ok"] and summary["format"] == "dcp" and (dst / ".metadata").is_file()
     assert groups_equal(open_source(out), open_source(dst)) == []
+
+
+class _RunsCode:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_dcp_metadata_that_would_run_code_is_refused(exported, tmp_path):
+    """DCP itself unpickles ``.metadata`` with plain pickle; a source reads it with an allow-list.
+    Mutation seen failing: ``_DataOnlyReader`` falling back to ``pickle.load`` (the marker file
+    appears)."""
+    _, _, _, out, _ = exported
+    evil = tmp_path / "evil"
+    shutil.copytree(out, evil)
+    marker = tmp_path / "ran"
+    (evil / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    with pytest.raises(ValueError, match="system.*not a DCP metadata class"):
+        open_source(evil)
+    assert not marker.exists()

@@ -18,19 +18,26 @@ needs come from a first pass over the groups (each group is read twice).
 
 Reading (:class:`DCPCheckpointSource`) takes the keys from DCP's metadata, finds the weight and
 optimizer prefixes (``model.`` or none; ``optim.state.``, ``optimizer.state.`` or ``state.``) by
-matching the model's parameter names, and loads one group's keys per ``dcp.load``.
+matching the model's parameter names, and loads one group's keys per ``dcp.load``. DCP pickles
+its ``.metadata`` and non-tensor values; a foreign checkpoint is untrusted, so both are read here
+with allow-lists (:class:`_DataOnlyReader`, :class:`_DataOnlyLoadPlanner`) instead of DCP's plain
+``pickle.load`` / ``torch.load(weights_only=False)``.
 """
 
 from __future__ import annotations
 
+import io
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint import (DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader,
+                                         FileSystemWriter)
+from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex, StorageMeta,
+                                                   TensorStorageMetadata)
 
 from ..models.names import group_sort_key, groups_of_model
 from ..util.dtypes import parse_dtype
@@ -157,6 +164,47 @@ def write_dcp(source: CheckpointSource, out_dir: Path, *, dtype: str | torch.dty
 
 # ----- reading ---------------------------------------------------------------------------
 
+_TORCH_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's metadata classes, torch dtypes/layouts/memory formats, ``torch.Size`` and the paths
+    DCP records (``storage_meta.checkpoint_id``); nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith("torch.distributed.checkpoint.") or (module, name) in (
+                ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                ("builtins", "set"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUE_TYPES):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"the DCP metadata needs {module}.{name}, which is not a DCP metadata class; refusing to "
+            "unpickle it (a checkpoint from an untrusted source could run code this way)")
+
+
+class _DataOnlyReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / METADATA_NAME
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        except pickle.UnpicklingError as e:
+            raise ValueError(f"{path}: {e}") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _DataOnlyLoadPlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise ValueError(f"DCP value {read_item.dest_index.fqn!r} is not plain data: {e}") from None
+        self.original_state_dict[read_item.dest_index.fqn] = obj  # flat requests only
+
+
 
 class DCPCheckpointSource:
     """A DCP checkpoint dir (torchtitan-style flat keys or ``get_state_dict``'s nesting, HF parameter
@@ -172,8 +220,9 @@ class DCPCheckpointSource:
         if self._config is None:
             raise ValueError(f"{self.path} has no {CONFIG_NAME}; DCP records no architecture, so copy the "
                              "model's config.json into it (or pass config=)")
-        self._reader = FileSystemReader(self.path)
+        self._reader = _DataOnlyReader(self.path)
         meta = self._reader.read_metadata()
+        self._keys = set(meta.state_dict_metadata)
         self._tensors = {k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         self._groups = groups_of_model(meta_model(self._config))
         self._param_prefix = self._find_param_prefix()
@@ -216,12 +265,16 @@ class DCPCheckpointSource:
                         wanted[fqn] = key + name
         request = {fqn: torch.empty(tuple(self._tensors[fqn].size), dtype=self._tensors[fqn].properties.dtype)
                    for fqn in wanted}
-        _quiet_single_process(dcp.load, request, storage_reader=self._reader)
+        self._load(request)
         out = {wanted[fqn]: t for fqn, t in request.items()}
         for key in list(out):
             if key.startswith(STEP):
                 out[key] = out[key].to(torch.float32).reshape(())
         return out
+
+    def _load(self, flat_request: dict[str, Any]) -> None:
+        _quiet_single_process(dcp.load, flat_request, storage_reader=self._reader,
+                              planner=_DataOnlyLoadPlanner(flatten_state_dict=False))
 
     def model_config(self) -> dict | None:
         return dict(self._config)
@@ -229,9 +282,9 @@ class DCPCheckpointSource:
     def extra_state(self) -> dict:
         step = 0
         for key in ("train_state.step", "step"):
-            if key in self._reader.read_metadata().state_dict_metadata:
+            if key in self._keys:
                 request: dict[str, Any] = {key: 0}
-                _quiet_single_process(dcp.load, request, storage_reader=self._reader)
+                self._load(request)
                 step = int(request[key])
                 break
         return {"step": step, "scheduler": None, "rng": None, "trainer_state": None}
