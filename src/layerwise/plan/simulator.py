@@ -30,7 +30,9 @@ Dependencies modelled (as ``layerwise.engine`` runs them):
 Data parallel (``topology``; :mod:`.topology` says what is shared): one GPU's process is
 simulated, on the machine as it sees it while its node's other GPUs run too
 (:func:`~.topology.rank_hardware`); after a unit's last gradient of the step is accumulated it is
-reduced to its owner (``intra``) and all-reduced between nodes on the owner's NIC (``inter``);
+reduced to its owner (``intra``) and all-reduced between nodes on the owner's NIC (``inter``)
+(``grad_reduce="device"`` instead reduces every micro-batch's gradient on the GPUs before its
+copy, and only the owner copies and accumulates it);
 the optimizer starts when every unit is reduced, each owner updating its own units in order on
 its own lane. The simulated (traced) process is the owner with the most parameters, the one the
 step waits for; other owners' lanes are timed but not traced. Host and NVMe bytes are then the
@@ -346,14 +348,19 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
                     held.pop(i).end = end
                 for u in op.grad_units(tied):
                     gb = cost.grad_bytes(u)
+                    t_out, lander = end, None  # who lands it: every process, or (reduced on the GPUs) its owner
+                    if topo.grad_reduce == "device":
+                        _, t_out = lanes.run("intra", end, intra_reduce_s(gb, hw, topo), f"reduce {u}")
+                        lander = owner[u]
                     # the synchronous (CPU) backend accumulates the device grad in place: no copy
-                    s, e = lanes.run("d2h", end, 0.0 if hw.synchronous else cost.d2h_s(gb), f"grad {u}")
-                    if e > end and kind == OpKind.HEAD:  # others leave from a grad slot
+                    s, e = lanes.run("d2h", t_out, 0.0 if hw.synchronous else cost.d2h_s(gb), f"grad {u}", rank=lander)
+                    if e > end and kind == OpKind.HEAD and lander in (None, lanes.me):  # others leave from a grad slot
                         alloc("device", end, gb * 4 // cost.elem_bytes, f"grad {u} (fp32, in flight)", e)
-                    _, landed = lanes.run("host", e, accum_s(u), f"accumulate {u}")
+                    _, landed = lanes.run("host", e, accum_s(u), f"accumulate {u}", rank=lander)
                     if mb == plan.num_micro_batches - 1 and last_grad_op[u] == n:  # the step's sum: reduce it
-                        _, landed = lanes.run("intra", landed, intra_reduce_s(reduce_bytes(u), hw, topo),
-                                              f"reduce {u}")
+                        if topo.grad_reduce == "host":
+                            _, landed = lanes.run("intra", landed, intra_reduce_s(reduce_bytes(u), hw, topo),
+                                                  f"reduce {u}")
                         _, landed = lanes.run("inter", landed, inter_allreduce_s(reduce_bytes(u), hw, topo),
                                               f"all-reduce {u}", rank=owner[u])
                     last_grad_landed = max(last_grad_landed, landed)

@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 from .hardware import HardwareProfile
 
 REDUCE_BYTES_PER_PARAM = 4
-"""Gradients are reduced after they are accumulated on the host, in fp32."""
+"""The step's gradient sum on the host is fp32."""
+GRAD_REDUCE = ("host", "device")
 
 
 @dataclass(frozen=True)
@@ -31,11 +32,19 @@ class Topology:
     """GPUs (processes) per node; they share the node's host store, memory bandwidth and cores."""
     nodes: int = 1
     """Nodes; each holds its own host copy and updates it identically."""
+    grad_reduce: str = "host"
+    """Where a node's gradients are summed. ``host``: every process copies and accumulates its own
+    gradient on the host, and the step's fp32 sum is reduced to the owner after the last
+    micro-batch (what ``train/`` runs). ``device``: every micro-batch's gradient is reduced on the
+    GPUs (NCCL, compute dtype) right after its backward, and only the owner copies and
+    accumulates it: 1/G of the host traffic, priced for comparison."""
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1 or self.nodes < 1:
             raise ValueError(f"need at least 1 GPU per node and 1 node, got {self.gpus_per_node} GPUs "
                              f"per node on {self.nodes} nodes")
+        if self.grad_reduce not in GRAD_REDUCE:
+            raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE}, got {self.grad_reduce!r}")
 
     @property
     def world_size(self) -> int:
