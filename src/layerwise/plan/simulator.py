@@ -204,7 +204,7 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
         raise ValueError("the plan has no seq_len; the simulator needs the sequence length")
     topo = topology or Topology()
     topo.check(hw)
-    rank_hw = rank_hardware(hw, topo)
+    rank_hw = rank_hardware(hw, topo) if topology else hw  # (no topology: the plain one-GPU path)
     cost = CostModel(shape, rank_hw, plan.micro_batch_size, plan.seq_len, plan.head_chunk_tokens)
     tiers = plan.boundary_tiers
     tied = shape.tied
