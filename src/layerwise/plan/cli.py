@@ -96,8 +96,7 @@ def plan_command(args: argparse.Namespace) -> int:
     if topo is not None:
         global_batch = res.plan.micro_batch_size * res.plan.num_micro_batches * world
         scaling = predict_scaling(shape, hw, res.plan, global_batch,
-                                  [Topology(t.gpus_per_node, t.nodes, topo.grad_reduce)
-                                   for t in ladder(topo.gpus_per_node, topo.nodes)])
+                                  ladder(topo.gpus_per_node, topo.nodes, args.grad_reduce))
     rows = [("plan", res.best)] + sorted(((n, c) for n, c in res.by_name.items()),
                                          key=lambda nc: -nc[1].sim.tokens_per_s)
     if args.json:
@@ -111,7 +110,7 @@ def plan_command(args: argparse.Namespace) -> int:
             "check": {"ok": report.ok, "peaks": report.peaks},
         }
         if scaling:
-            out["scaling"] = {"global_batch": global_batch, "grad_reduce": topo.grad_reduce,  # type: ignore[union-attr]
+            out["scaling"] = {"global_batch": global_batch, "grad_reduce": args.grad_reduce,
                               "points": [pt.row() for pt in scaling]}
         print(json.dumps(out, indent=2, default=str))
         return 0

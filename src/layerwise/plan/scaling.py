@@ -106,11 +106,10 @@ def predict_scaling(shape: ModelShape, hw: HardwareProfile, plan: Plan, global_b
     return out
 
 
-def ladder(gpus_per_node: int, nodes: int) -> list[Topology]:
+def ladder(gpus_per_node: int, nodes: int, grad_reduce: str = "host") -> list[Topology]:
     """1, 2, 4, ... GPUs on one node up to ``gpus_per_node``, then that many on ``nodes`` nodes."""
-    counts = sorted({1 << k for k in range(gpus_per_node.bit_length()) if 1 << k <= gpus_per_node}
-                    | {gpus_per_node})
-    out = [Topology(g, 1) for g in counts]
+    counts = sorted({1 << k for k in range(gpus_per_node.bit_length())} | {gpus_per_node})
+    out = [Topology(g, 1, grad_reduce) for g in counts]
     if nodes > 1:
-        out.append(Topology(gpus_per_node, nodes))
+        out.append(Topology(gpus_per_node, nodes, grad_reduce))
     return out

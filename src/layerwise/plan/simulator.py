@@ -387,6 +387,7 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
         busy = {k: v for k, v in busy.items() if k in ("compute", "h2d", "d2h", "host", "nvme", "optimizer")}
     tokens = plan.num_micro_batches * plan.micro_batch_size * plan.seq_len
     g = topo.gpus_per_node
+    own_grads = topo.grad_reduce == "host"
     return SimResult(
         plan=plan,
         step_s=step_s,
@@ -396,8 +397,9 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
         peak_device_bytes=peak_bytes(allocs, "device"),
         device_cap_bytes=hw.device_cap_bytes,
         peak_pinned_act_bytes=g * peak_bytes(allocs, "host"),
-        # the node's: one store, the other processes' own fp32 gradients, everyone's activations
-        host_store_bytes=cost.host_store_bytes(plan.moments) + (g - 1) * cost.store_footprint().grad,
+        # the node's: one store, the other processes' own fp32 gradients (summed on the host: each
+        # keeps its own), everyone's activations
+        host_store_bytes=cost.host_store_bytes(plan.moments) + (g - 1) * own_grads * cost.store_footprint().grad,
         host_cap_bytes=hw.host_cap_bytes,
         peak_nvme_bytes=g * peak_bytes(allocs, "nvme"),
         nvme_cap_bytes=hw.nvme_capacity_bytes,
