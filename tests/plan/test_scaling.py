@@ -80,8 +80,8 @@ def test_ideal_interconnect_and_unshared_host_scale_near_linearly():
 def test_a_tiny_interconnect_makes_the_reduction_the_bound(topo, field):
     """At 10 MB/s the reduction dominates: the step is slower than 1 GPU's (speedup < 1, reported),
     and the interconnect is named as the bound.
-    Mutation caught: the step's end not waiting for the reduction (``landed`` not taken from the
-    ``intra`` lane) -- the slow reduction then hides behind the next step."""
+    Mutation caught (host-side case): the step's end not waiting for the reduction (``landed`` not
+    taken from the ``intra`` lane) -- the slow reduction then hides behind the next step."""
     hw = replace(H200, **{field: 0.01})
     pt, = predict_scaling(SHAPE, hw, PLAN, 8, [topo])
     assert pt.speedup < 1.0

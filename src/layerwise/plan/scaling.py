@@ -65,7 +65,7 @@ class ScalingPoint:
 
     @property
     def bound(self) -> str:
-        """The resource busiest in the step: what a faster one of would shorten it most."""
+        """The resource busiest in the step: the first one a faster machine needs more of."""
         fractions = self.busy_fractions()
         return max(fractions, key=lambda k: fractions[k])
 
