@@ -29,14 +29,15 @@ Dependencies modelled (as ``layerwise.engine`` runs them):
 
 Data parallel (``topology``; :mod:`.topology` says what is shared): one GPU's process is
 simulated, on the machine as it sees it while its node's other GPUs run too
-(:func:`~.topology.rank_hardware`); after a unit's last gradient of the step is accumulated it is
-reduced to its owner (``intra``) and all-reduced between nodes on the owner's NIC (``inter``)
-(``grad_reduce="device"`` instead reduces every micro-batch's gradient on the GPUs before its
-copy, and only the owner copies and accumulates it);
-the optimizer starts when every unit is reduced, each owner updating its own units in order on
-its own lane. The simulated (traced) process is the owner with the most parameters, the one the
-step waits for; other owners' lanes are timed but not traced. Host and NVMe bytes are then the
-node's: one store, the other processes' fp32 gradients, everyone's offloaded activations.
+(:func:`~.topology.rank_hardware`). After a unit's last gradient of the step is accumulated it is
+reduced to its owner (``intra``) and all-reduced between nodes on the owner's NIC (``inter``);
+with ``grad_reduce="device"`` every micro-batch's gradient is reduced on the GPUs before its copy
+instead, and only the owner copies and accumulates it. The optimizer starts when every unit is
+reduced, each owner updating its own units in order on its own lane. The simulated (traced)
+process is the owner with the most parameters, the one the step waits for; other owners' lanes
+are timed but not traced, and carry only their owner work (their activation copies are not
+modelled). Host and NVMe bytes are then the node's: one store, with host-side sums the other
+processes' own fp32 gradients, and everyone's offloaded activations.
 
 The simulated step is the steady-state one: the time between the ends of consecutive steps.
 """
