@@ -48,11 +48,14 @@ def _compute_s(hw: HardwareProfile, plan: Plan) -> float:
     return sum(c.op_s(op.kind, op.index) for op in micro_batch_program(plan.boundary_tiers))
 
 
-@pytest.mark.parametrize("hw", [H200, _ideal()], ids=["h200", "ideal"])
+@pytest.mark.parametrize("hw", [H200, replace(H200, peak_tflops=50.0), _ideal(peak_tflops=50.0)],
+                         ids=["h200", "slow-gpu", "slow-gpu-ideal"])
 def test_more_gpus_never_beat_the_compute_bound(hw):
     """Each GPU computes its share of the global batch at its own speed: the step is never shorter
     than that share's compute, and W GPUs never exceed W times one.
-    Mutation caught: ``rank_hardware`` pretending the GPUs pool their FLOPs (``peak_tflops * g``)."""
+    Mutations caught: ``rank_hardware`` pretending the GPUs pool their FLOPs (``peak_tflops * g``;
+    the slow-GPU cases, where compute is the step), and ``split_plan`` giving every GPU the whole
+    batch."""
     global_batch = 32
     points = predict_scaling(SHAPE, hw, PLAN, global_batch, ladder(8, 2))
     for pt in points:
