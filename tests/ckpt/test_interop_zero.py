@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from layerwise.interop.recipe import load_recipe
 from layerwise.interop.sources import open_source
 from layerwise.interop.trainer import TrainerCheckpointSource
 from layerwise.interop.zero import ZeroCheckpointSource
-from zero_helpers import NUM_LAYERS, SAVE_STEPS, make_zero_checkpoints
+from layerwise.models.registry import FAMILIES
+from zero_helpers import NUM_LAYERS, SAVE_STEPS, config, make_zero_checkpoints
 
 STAGES = (1, 2, 3)
 
@@ -131,3 +133,33 @@ def test_zero_file_that_would_run_code_is_refused(zero_dir, tmp_path):
     with pytest.raises(ValueError, match="refusing to unpickle.*posix.system"):
         ZeroCheckpointSource(evil, config=config)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_deepspeed_resumes_from_a_merged_recipe(zero_dir, stage):
+    """``merge --format deepspeed`` of a recipe (layers 0..1 from step 2, the rest from step 4),
+    loaded by DeepSpeed's own ``load_checkpoint`` into a fresh 2-rank engine (``zero_helpers``):
+    DeepSpeed then holds exactly the recipe's weights and moments, and trains on. Mutation seen
+    failing: the writer skipping ``exp_avg_sq`` (19 mismatches a stage: the template's own moments
+    of the early layers stay)."""
+    run = zero_dir / f"zero{stage}"
+    resumed = torch.load(run / "resumed.pt", weights_only=True)
+    early, late = (torch.load(run / f"reference_step{s}.pt", weights_only=True) for s in SAVE_STEPS)
+    half = NUM_LAYERS // 2
+    for name, got in resumed.items():
+        layer = int(name.split(".")[2]) if ".layers." in name else None
+        want = early if name.startswith("model.embed_tokens") or (layer is not None and layer < half) else late
+        for kind in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[kind], want[name][kind]), (name, kind)
+    assert math.isfinite(json.loads((run / "resumed_loss.json").read_text())["loss"])
+    merged = ZeroCheckpointSource(run / "merged")
+    assert merged.extra_state()["step"] == SAVE_STEPS[1]  # counters from the template (the newest save)
+
+
+def test_deepspeed_format_needs_a_template(tmp_path):
+    model_dir = tmp_path / "hf"
+    torch.manual_seed(0)
+    FAMILIES["llama"].model_class(config()).save_pretrained(model_dir)
+    with pytest.raises(ValueError, match="needs --template"):
+        merge(model_dir, tmp_path / "out", format="deepspeed")
+    assert not (tmp_path / "out").exists()

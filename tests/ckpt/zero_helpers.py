@@ -4,6 +4,12 @@ One spawned session trains the same model under ZeRO stages 1, 2 and 3 and saves
 ``SAVE_STEPS``. Beside each save it keeps DeepSpeed's own view of the full state
 (``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``, gathered across ranks) as
 ``reference_step{N}.pt``: what a reader of the files must reproduce.
+
+Then, in the same session (a DeepSpeed start costs tens of seconds), rank 0 merges a recipe of
+the two saves (layers below ``NUM_LAYERS // 2`` from the first, the rest from the second) with
+``merge --format deepspeed``; every rank loads it with DeepSpeed's own ``load_checkpoint`` into
+a fresh engine and keeps what DeepSpeed then holds (``resumed.pt``) and the loss of one more
+step (``resumed_loss.json``).
 """
 
 from __future__ import annotations
@@ -15,8 +21,12 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+import yaml
 
+from layerwise.interop.merge import merge
+from layerwise.interop.recipe import load_recipe
 from layerwise.interop.trainer import trainer_param_groups
 from layerwise.models.registry import FAMILIES, get_flavor
 
@@ -38,53 +48,98 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def recipe(run: Path) -> dict:
+    half = NUM_LAYERS // 2
+    return {"slices": [
+        {"sources": [{"model": str(run / f"global_step{SAVE_STEPS[0]}"), "layer_range": [0, half]}]},
+        {"sources": [{"model": str(run / f"global_step{SAVE_STEPS[1]}"), "layer_range": [half, NUM_LAYERS]}]}]}
+
+
+def _full_state(engine) -> dict:
+    """DeepSpeed's own gathered view of every parameter's fp32 master and moments."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    return {n: {"param": safe_get_full_fp32_param(p).clone(),
+                "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").clone(),
+                "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").clone()}
+            for n, p in engine.module.named_parameters()}
+
+
+def _relink(engine, stage: int) -> None:
+    if stage < 3:
+        # DeepSpeed 0.19 links each parameter to its moments after the first group's step only,
+        # before the second group has any; link again so safe_get_full_optimizer_state works.
+        engine.optimizer._hp_optimizer_states_linked = False
+        engine.optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def _engine(stage: int):
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = FAMILIES["llama"].model_class(config())
+    named = dict(model.named_parameters())
+    decay, no_decay = trainer_param_groups(model)
+    groups = [{"params": [named[n] for n in decay], "weight_decay": 0.1},
+              {"params": [named[n] for n in no_decay], "weight_decay": 0.0}]
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.8, 0.95], "torch_adam": True}},
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
+    return engine
+
+
+def _train_step(engine, gen) -> float:
+    x = torch.randint(0, 96, (2, 8), generator=gen)
+    loss = engine(x, labels=x).loss
+    engine.backward(loss)
+    engine.step()
+    return float(loss)
+
+
 def _worker(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
     os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(WORLD_SIZE))
     import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
     # DeepSpeed's shared-memory all-reduce kernel only speeds up CPU collectives; without it
     # DeepSpeed uses gloo and skips a C++ build of a minute or more.
     # (``deepspeed.comm.torch`` as an attribute is the torch package, re-exported: go by module name.)
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     for stage in stages:
-        torch.manual_seed(0)
-        model = FAMILIES["llama"].model_class(config())
-        named = dict(model.named_parameters())
-        decay, no_decay = trainer_param_groups(model)
-        groups = [{"params": [named[n] for n in decay], "weight_decay": 0.1},
-                  {"params": [named[n] for n in no_decay], "weight_decay": 0.0}]
-        ds_config = {
-            "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
-            "zero_optimization": {"stage": stage},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.8, 0.95], "torch_adam": True}},
-        }
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
+        engine = _engine(stage)
         gen = torch.Generator().manual_seed(rank)
         save_dir = Path(out) / f"zero{stage}"
         for step in range(1, max(SAVE_STEPS) + 1):
-            x = torch.randint(0, 96, (2, 8), generator=gen)
-            engine.backward(engine(x, labels=x).loss)
-            engine.step()
+            _train_step(engine, gen)
             if step in SAVE_STEPS:
                 engine.save_checkpoint(str(save_dir), tag=f"global_step{step}")
-                if stage < 3:
-                    # DeepSpeed 0.19 links each parameter to its moments after the first group's
-                    # step only, before the second group has any; link again for the reference.
-                    engine.optimizer._hp_optimizer_states_linked = False
-                    engine.optimizer._lazy_init_hp_params_optimizer_state()
-                ref = {n: {"param": safe_get_full_fp32_param(p).clone(),
-                           "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").clone(),
-                           "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").clone()}
-                       for n, p in engine.module.named_parameters()}
+                _relink(engine, stage)
+                ref = _full_state(engine)
                 if rank == 0:
                     torch.save(ref, save_dir / f"reference_step{step}.pt")
         if rank == 0:
             (save_dir / "config.json").write_text(json.dumps(config().to_dict()))
         engine.destroy()
+
+        merged = save_dir / "merged"
+        if rank == 0:
+            (save_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe(save_dir)))
+            merge(load_recipe(save_dir / "recipe.yaml").open(), merged, format="deepspeed")
+        dist.barrier()
+        engine = _engine(stage)
+        engine.load_checkpoint(str(merged))
+        _relink(engine, stage)
+        resumed = _full_state(engine)
+        loss = _train_step(engine, torch.Generator().manual_seed(100 + rank))
+        if rank == 0:
+            torch.save(resumed, save_dir / "resumed.pt")
+            (save_dir / "resumed_loss.json").write_text(json.dumps({"loss": loss}))
+        engine.destroy()
+    dist.destroy_process_group()
 
 
 def make_zero_checkpoints(out: Path, stages: tuple[int, ...] = (1, 2, 3)) -> Path:

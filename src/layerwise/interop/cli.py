@@ -30,7 +30,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--step", type=int, default=None, help="step of a layer-wise run (default: latest)")
     p.add_argument("--recipe", default=None, help="YAML recipe (mergekit/LLMTailor slices) instead of RUN")
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    p.add_argument("--format", choices=FORMATS, default="hf", help="hf: model dir; trainer: checkpoint-N dir; dcp: torch.distributed.checkpoint dir")
+    p.add_argument("--format", choices=FORMATS, default="hf", help="hf: model dir; trainer: checkpoint-N dir; dcp: torch.distributed.checkpoint dir; "
+                   "deepspeed: ZeRO save (see --template)")
+    p.add_argument("--template", default=None,
+                   help="--format deepspeed: a ZeRO save (global_stepN) of the run that will resume, made "
+                        "after its first step; default: the source's own when it is a ZeRO save")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB")
     p.add_argument("--dtype", default=None, help="cast weights (float32, bfloat16, float16); default: as stored")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
@@ -79,5 +83,5 @@ def _run_merge(args: argparse.Namespace) -> dict[str, Any]:
         source, step = args.run, args.step
     return merge(
         source, args.out, args.format, step=step, max_shard_size=args.max_shard_size, dtype=args.dtype,
-        overwrite=args.overwrite,
+        template=args.template, overwrite=args.overwrite,
     )

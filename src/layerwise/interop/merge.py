@@ -1,7 +1,8 @@
 """Merge / export any checkpoint source into an ordinary checkpoint, atomically and streaming.
 
 ``merge(source, out_dir, format=...)`` writes a Hugging Face model dir (``hf``), an HF Trainer
-``checkpoint-N`` dir (``trainer``) or a torch.distributed.checkpoint dir (``dcp``). The output is built in a hidden temp dir next to ``out_dir`` and
+``checkpoint-N`` dir (``trainer``), a torch.distributed.checkpoint dir (``dcp``) or a DeepSpeed ZeRO
+save (``deepspeed``, filling a template save's layout). The output is built in a hidden temp dir next to ``out_dir`` and
 renamed into place only once complete, so a failed merge (bad recipe, disk full, a kill) never
 leaves a half-written output. Sources are read one group at a time.
 
@@ -23,8 +24,9 @@ from .hf_export import write_hf
 from .layout import CheckpointSource
 from .sources import open_source
 from .trainer import write_trainer
+from .zero import ZeroCheckpointSource, write_zero
 
-FORMATS = ("hf", "trainer", "dcp")
+FORMATS = ("hf", "trainer", "dcp", "deepspeed")
 
 
 def merge(
@@ -36,13 +38,16 @@ def merge(
     max_shard_size: int | str | None = "5GB",
     dtype: str | None = None,
     hparams: Any = None,
+    template: str | Path | None = None,
     overwrite: bool = False,
 ) -> dict[str, Any]:
     """Write ``source`` (a CheckpointSource or a path for :func:`open_source`) to ``out_dir``.
 
     ``hparams`` (an :class:`~layerwise.interop.trainer.AdamWHParams`) overrides the AdamW
     hyper-parameters of a ``trainer`` export; by default they come from the source, else
-    transformers' defaults. Returns a summary (files, bytes, step, seconds).
+    transformers' defaults. ``template``: for ``deepspeed``, a ZeRO save of the target run whose
+    layout is filled (default: the source's own, or the recipe's ``state_from``, when it is a
+    ZeRO save). Returns a summary (files, bytes, step, seconds).
     """
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}; choose one of {', '.join(FORMATS)}")
@@ -68,6 +73,8 @@ def merge(
             summary = write_hf(source, tmp, max_shard_size=max_shard_size, dtype=dtype)
         elif format == "dcp":
             summary = write_dcp(source, tmp, dtype=dtype, hparams=hparams)
+        elif format == "deepspeed":
+            summary = write_zero(source, tmp, template=_zero_template(source, template))
         else:
             summary = write_trainer(source, tmp, max_shard_size=max_shard_size, dtype=dtype, hparams=hparams)
         _fsync_tree(tmp)
@@ -79,8 +86,19 @@ def merge(
         summary["sources"] = source.describe()
     summary["out"] = str(out)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
-    summary["bytes"] = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    summary["bytes"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     return summary
+
+
+def _zero_template(source: CheckpointSource, template: str | Path | None) -> Path:
+    if template is not None:
+        return Path(template)
+    state = getattr(source, "state_source", source)  # a recipe: the source its state comes from
+    if isinstance(state, ZeroCheckpointSource):
+        return state.path
+    raise ValueError("--format deepspeed needs --template: a ZeRO save (global_stepN dir) of the run "
+                     "that will resume, saved after its first step with the same DeepSpeed config and "
+                     "world size; its layout is filled with the source's numbers")
 
 
 def _fsync_tree(path: Path) -> None:

@@ -348,6 +348,11 @@ class RecipeSource:
     def extra_state(self) -> dict:
         return self._sources[self._state_model].extra_state()
 
+    @property
+    def state_source(self) -> CheckpointSource:
+        """The source whose step, scheduler, RNG and trainer state the output carries."""
+        return self._sources[self._state_model]
+
     def describe(self) -> dict[str, Any]:
         """Which model each group comes from, and whose state the output carries (for reports)."""
         return {"groups": {g: self.assignment[g] for g in self.groups()}, "state_from": self._state_model}

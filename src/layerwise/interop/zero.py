@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO checkpoints (stages 1, 2 and 3) read a layer group at a time.
+"""DeepSpeed ZeRO checkpoints (stages 1, 2 and 3): read a layer group at a time, and written by
+filling a template save's layout.
 
 A ZeRO save (``<dir>/global_stepN/``, with ``<dir>/latest`` naming the tag) holds, per data-parallel
 rank, ``zero_pp_rank_R_mp_rank_00_optim_states.pt``: that rank's partition of each optimizer param
@@ -20,6 +21,14 @@ describes, and partition sizes against the layout, so a checkpoint that does not
 with what differs rather than mis-assigned. The ``.pt`` files are pickles: they are read with
 ``weights_only=True`` and an allow-list of the three DeepSpeed classes they hold, mapped to inert
 local stand-ins, so reading needs no DeepSpeed and runs no code from the file.
+
+Writing (:func:`write_zero`) does not re-create DeepSpeed's pickles: it copies a *template* save
+made by the target run's own DeepSpeed set-up (config and world size; e.g. its first save), maps
+the copies shared and writable, and overwrites in place the numbers a source provides: each
+rank's fp32 master and moment partitions, the optimizer step, and (stages 1/2) the module
+weights. Padding, alignment, the loss scaler, the scheduler and the counters are the
+template's, so DeepSpeed's own ``load_checkpoint`` resumes from the output; another world size
+is another template.
 """
 
 from __future__ import annotations
@@ -27,8 +36,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import mmap
+import os
 import pickle
 import re
+import shutil
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -36,9 +48,11 @@ from typing import Any
 import torch
 
 from ..models.names import group_sort_key, groups_of_model
+from ..util.atomic import atomic_write_text, fsync_dir
 from ..util.jsonable import jsonable
 from .hf_dir import read_json
-from .layout import CONFIG_NAME, EXP_AVG, EXP_AVG_SQ, PARAM, STEP, meta_model
+from .hf_export import require_config, write_config_files
+from .layout import CONFIG_NAME, EXP_AVG, EXP_AVG_SQ, PARAM, STEP, CheckpointSource, meta_model
 
 LATEST_NAME = "latest"
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -72,10 +86,12 @@ _ALLOWED = [
 ]
 
 
-def load_zero_file(path: Path) -> dict:
-    """One ZeRO ``.pt`` file, memory-mapped, as data only (see the module docstring)."""
+def load_zero_file(path: Path, writable: bool = False) -> dict:
+    """One ZeRO ``.pt`` file, memory-mapped, as data only (see the module docstring).
+    ``writable``: mapped shared, so writes into its tensors go to the file."""
     try:
-        with torch.serialization.safe_globals(_ALLOWED):
+        with torch.serialization.safe_globals(_ALLOWED), \
+                torch.serialization.set_default_mmap_options(mmap.MAP_SHARED if writable else mmap.MAP_PRIVATE):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         m = re.search(r"GLOBAL ([\w.]+)", str(e))
@@ -132,7 +148,7 @@ class ZeroCheckpointSource:
     model's HF config; default: ``config.json`` in the tag dir or its parent (a Trainer
     ``checkpoint-N`` holds both)."""
 
-    def __init__(self, path: str | Path, config: dict | None = None):
+    def __init__(self, path: str | Path, config: dict | None = None, *, writable: bool = False):
         path = Path(path)
         latest = path / LATEST_NAME
         if not any(_OPTIM_RE.match(p.name) for p in path.glob("*_optim_states.pt")) and latest.is_file():
@@ -149,8 +165,8 @@ class ZeroCheckpointSource:
         self._config = config
         self._optim_files = _rank_files(path, _OPTIM_RE, "optimizer-state (*_optim_states.pt)")
         self._model_files = _rank_files(path, _MODEL_RE, "model-state (*_model_states.pt)")
-        self._optim = [load_zero_file(f)["optimizer_state_dict"] for f in self._optim_files]
-        self._model_state = load_zero_file(self._model_files[0])
+        self._optim = [load_zero_file(f, writable)["optimizer_state_dict"] for f in self._optim_files]
+        self._model_state = load_zero_file(self._model_files[0], writable)
         stages = [int(o["zero_stage"]) for o in self._optim]
         if len(set(stages)) > 1:
             raise ValueError(f"{path}: the ranks' optimizer files have ZeRO stages {stages}; the files do "
@@ -246,16 +262,51 @@ class ZeroCheckpointSource:
     # ----- reading -----------------------------------------------------------------------
 
     def _gather(self, slot: _Slot, flats: list[torch.Tensor]) -> torch.Tensor:
+        parts = [dst for dst, _, _ in self._pieces(slot, flats)]
+        return torch.cat(parts).to(torch.float32).view(slot.shape).clone()
+
+    def _pieces(self, slot: _Slot, flats: list[torch.Tensor]) -> list[tuple[torch.Tensor, int, int]]:
+        """(rank's flat, start, end in the parameter's elements) for each piece of ``slot``."""
         n = slot.numel
         if self.stage == 3:
             piece = math.ceil(n / self.world_size)
-            parts = [f[slot.offset:slot.offset + piece] for f in flats]
-        else:
-            part = flats[0].numel()
-            first, last = slot.offset // part, (slot.offset + n - 1) // part
-            parts = [flats[r][max(slot.offset, r * part) - r * part:min(slot.offset + n, (r + 1) * part) - r * part]
-                     for r in range(first, last + 1)]
-        return torch.cat(parts)[:n].to(torch.float32).view(slot.shape).clone()
+            return [(f[slot.offset:slot.offset + min(piece, max(n - r * piece, 0))], r * piece,
+                     min(n, (r + 1) * piece)) for r, f in enumerate(flats)]
+        part = flats[0].numel()
+        out = []
+        for r in range(slot.offset // part, (slot.offset + n - 1) // part + 1):
+            lo, hi = max(slot.offset, r * part), min(slot.offset + n, (r + 1) * part)
+            out.append((flats[r][lo - r * part:hi - r * part], lo - slot.offset, hi - slot.offset))
+        return out
+
+    def _scatter(self, slot: _Slot, flats: list[torch.Tensor], value: torch.Tensor) -> None:
+        flat_value = value.reshape(-1)
+        for dst, lo, hi in self._pieces(slot, flats):
+            dst.copy_(flat_value[lo:hi])
+
+    def put_group(self, group: str, tensors: dict[str, torch.Tensor], step: float) -> None:
+        """Write one group's weights and moments into the mapped files (``writable=True``)."""
+        with torch.no_grad():
+            for name in self._groups[group]:
+                slot = self._slots[name]
+                ranks = range(self.world_size)
+                for key in (PARAM, EXP_AVG, EXP_AVG_SQ):
+                    if key + name not in tensors:
+                        raise ValueError(f"the source has no {key.rstrip('/')} for {name}; a DeepSpeed "
+                                         "checkpoint needs weights and both AdamW moments of every parameter")
+                self._scatter(slot, [self._flat(r, slot.group) for r in ranks], tensors[PARAM + name])
+                moments = [self._moments(r, slot.group) for r in ranks]
+                if not all("exp_avg" in m and "exp_avg_sq" in m for m in moments):
+                    raise ValueError(f"{self.path} has no optimizer state for {name}: a template must be "
+                                     "saved after the run's first optimizer step")
+                for key, field in ((EXP_AVG, "exp_avg"), (EXP_AVG_SQ, "exp_avg_sq")):
+                    self._scatter(slot, [m[field] for m in moments], tensors[key + name])
+                for m in moments:
+                    if isinstance(m.get("step"), torch.Tensor):
+                        m["step"].fill_(step)
+                module = self._model_state.get("module") or {}
+                if self.stage != 3 and name in module:
+                    module[name].copy_(tensors[PARAM + name])
 
     def groups(self) -> list[str]:
         return sorted(self._groups, key=group_sort_key)
@@ -288,3 +339,42 @@ class ZeroCheckpointSource:
         return {"step": int(self._model_state.get("global_steps") or 0),
                 "scheduler": jsonable(sched) if sched else None, "rng": None, "trainer_state": None,
                 "optimizer_param_groups": self._param_groups}
+
+
+# ----- writing -----------------------------------------------------------------------------
+
+
+def write_zero(source: CheckpointSource, out_dir: Path, *, template: str | Path) -> dict[str, Any]:
+    """Write ``source`` into a copy of the ZeRO save ``template`` under the empty ``out_dir``
+    (``out_dir/<tag>/``, ``out_dir/latest``, ``out_dir/config.json``); return a summary.
+
+    Not atomic by itself: :func:`layerwise.interop.merge.merge` points it at a temp dir and renames.
+    """
+    config = require_config(source)
+    tmpl = ZeroCheckpointSource(template, config=config)
+    tag_dir = Path(out_dir) / tmpl.path.name
+    tag_dir.mkdir()
+    for f in [*tmpl._optim_files, *tmpl._model_files]:
+        shutil.copyfile(f, tag_dir / f.name)
+    target = ZeroCheckpointSource(tag_dir, config=config, writable=True)
+    extra = source.extra_state()
+    steps: set[float] = set()
+    for group in source.groups():
+        tensors = source.load_group(group)
+        steps |= {float(t) for k, t in tensors.items() if k.startswith(STEP)}
+        target.put_group(group, tensors, step=float(extra.get("step") or max(steps, default=0.0)))
+    del target  # unmap: the kernel writes the shared pages back
+    for f in tag_dir.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fsync_dir(tag_dir)
+    atomic_write_text(Path(out_dir) / LATEST_NAME, tmpl.path.name)
+    write_config_files(Path(out_dir), config, None, extra.get("generation_config"))
+    written_step = float(extra.get("step") or max(steps, default=0.0))
+    return {"format": "deepspeed", "step": int(tmpl._model_state.get("global_steps") or 0),
+            "stage": tmpl.stage, "world_size": tmpl.world_size, "template": str(tmpl.path),
+            "weight_files": sorted(f.name for f in tag_dir.iterdir()),
+            "optimizer_step_written": written_step, "optimizer_steps_in_source": sorted(steps)}
