@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from layerwise.interop.sources import open_source
 from layerwise.interop.trainer import TrainerCheckpointSource
 from layerwise.interop.zero import ZeroCheckpointSource
 from layerwise.models.registry import FAMILIES
-from zero_helpers import NUM_LAYERS, SAVE_STEPS, config, make_zero_checkpoints
+from zero_helpers import BIG_LAYERS, NUM_LAYERS, SAVE_STEPS, big_config, config, make_zero_checkpoints
 
 STAGES = (1, 2, 3)
 
@@ -163,3 +165,50 @@ def test_deepspeed_format_needs_a_template(tmp_path):
     with pytest.raises(ValueError, match="needs --template"):
         merge(model_dir, tmp_path / "out", format="deepspeed")
     assert not (tmp_path / "out").exists()
+
+
+_PEAK_SCRIPT = """
+import json, sys, threading, time
+from layerwise.interop.merge import merge
+from layerwise.interop.sources import open_source
+
+def rss_anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+
+base, peak, done = rss_anon(), [0], threading.Event()
+
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss_anon())
+        time.sleep(0.001)
+
+t = threading.Thread(target=sample)
+t.start()
+merge(open_source(sys.argv[1]), sys.argv[2], format=sys.argv[3])
+done.set()
+t.join()
+print(json.dumps({"base": base, "peak": peak[0]}))
+"""
+
+
+@pytest.mark.parametrize("fmt", ["hf", "trainer"])
+def test_zero_merge_peak_memory_is_about_one_group(zero_dir, tmp_path, fmt):
+    """Converting an 8-layer ZeRO-3 save (2 ranks) reads one group at a time from memory-mapped
+    rank files: the merge's peak anonymous memory (RssAnon, sampled every millisecond from
+    /proc, from before the source is opened) stays under two groups' bytes (weights + both
+    moments, fp32) plus 16 MiB, where the whole state is 8 groups. Mutation seen failing:
+    ``mmap=False`` in ``load_zero_file`` (every rank's partitions in memory: the whole state)."""
+    src = zero_dir / "big"
+    cfg = big_config()
+    layer_params = sum(p.numel() for p in FAMILIES["llama"].model_class(cfg).model.layers[0].parameters())
+    group_bytes = 3 * 4 * layer_params
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(src), str(tmp_path / "out"), fmt],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    mem = json.loads(out.stdout.strip().splitlines()[-1])
+    grew = mem["peak"] - mem["base"]
+    assert grew <= 2 * group_bytes + 16 * 2**20, (grew / 2**20, group_bytes / 2**20)
+    print(f"peak RssAnon growth {grew / 2**20:.1f} MiB; a group {group_bytes / 2**20:.1f} MiB; "
+          f"the state {BIG_LAYERS * group_bytes / 2**20:.0f} MiB+")

@@ -35,6 +35,16 @@ WORLD_SIZE = 2
 NUM_LAYERS = 4
 
 
+BIG_LAYERS = 8
+
+
+def big_config():
+    """For the memory test: 8 layers of ~1.6M parameters (~20 MB a group with both moments)."""
+    return get_flavor("llama-debug").build_config(num_hidden_layers=BIG_LAYERS, hidden_size=513, head_dim=8,
+                                                  num_attention_heads=3, num_key_value_heads=1,
+                                                  intermediate_size=1025)
+
+
 def config():
     """Odd sizes (hidden 33, MLP 65), so parameters do not split evenly over 2 ranks: ZeRO pads."""
     return get_flavor("llama-debug").build_config(num_hidden_layers=NUM_LAYERS, hidden_size=33, head_dim=8,
@@ -73,11 +83,11 @@ def _relink(engine, stage: int) -> None:
         engine.optimizer._lazy_init_hp_params_optimizer_state()
 
 
-def _engine(stage: int):
+def _engine(stage: int, model_config=None):
     import deepspeed
 
     torch.manual_seed(0)
-    model = FAMILIES["llama"].model_class(config())
+    model = FAMILIES["llama"].model_class(model_config or config())
     named = dict(model.named_parameters())
     decay, no_decay = trainer_param_groups(model)
     groups = [{"params": [named[n] for n in decay], "weight_decay": 0.1},
@@ -139,6 +149,13 @@ def _worker(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
             torch.save(resumed, save_dir / "resumed.pt")
             (save_dir / "resumed_loss.json").write_text(json.dumps({"loss": loss}))
         engine.destroy()
+
+    engine = _engine(3, big_config())  # one stage-3 save of the bigger model, for the memory test
+    _train_step(engine, torch.Generator().manual_seed(rank))
+    engine.save_checkpoint(str(Path(out) / "big"), tag="global_step1")
+    if rank == 0:
+        (Path(out) / "big" / "config.json").write_text(json.dumps(big_config().to_dict()))
+    engine.destroy()
     dist.destroy_process_group()
 
 
