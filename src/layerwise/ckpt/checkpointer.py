@@ -48,9 +48,12 @@ from safetensors.torch import save as st_save
 from torch import nn
 
 from .errors import CheckpointError, StateModifiedError
+from .moments import fp32_moments, has_8bit
 from .run_dir import (
     BLOB_FORMAT,
     BLOB_FORMAT_VERSION,
+    BLOB_FORMAT_VERSION_8BIT,
+    FIRST_VERSION_8BIT,
     BlobBatch,
     BlobPayload,
     BlobRecord,
@@ -680,6 +683,16 @@ def _as_blob_tensor(t: torch.Tensor, key: str) -> torch.Tensor:
     return t
 
 
+def _blob_content(tensors: dict[str, torch.Tensor], group: str,
+                  run_version: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A group's tensors and metadata as its blob stores them: 8-bit moments as they are (blob
+    layout 2) in a run that may hold them, else as fp32 moments (layout 1)."""
+    if run_version < FIRST_VERSION_8BIT:
+        tensors = fp32_moments(tensors)
+    layout = BLOB_FORMAT_VERSION_8BIT if has_8bit(tensors) else BLOB_FORMAT_VERSION
+    return tensors, {"format": BLOB_FORMAT, "format_version": str(layout), "group": group}
+
+
 class _WriteJob:
     """Everything one save writes, from host snapshots only (runs on the writer thread).
 
@@ -747,8 +760,7 @@ class _WriteJob:
             if g not in self.snaps:
                 groups[g] = self.prev_entries[g]
                 continue
-            payload = BlobPayload.build(self.snaps[g], {
-                "format": BLOB_FORMAT, "format_version": str(BLOB_FORMAT_VERSION), "group": g})
+            payload = BlobPayload.build(*_blob_content(self.snaps[g], g, store.version))
             try:
                 rec = store.put_blob(payload, self._maybe_duplicate(g), batch)
             except BaseException:

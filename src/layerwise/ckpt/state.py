@@ -29,6 +29,7 @@ from torch import nn
 
 from ..models.names import groups_of_model, model_is_tied
 from ..util.jsonable import jsonable
+from .moments import CODES_M, Q8_BLOCKS, Q8_KINDS, dequantize, geometry
 
 # Blob keys of one group's tensors: ``<kind><hf_name>``.
 PARAM, EXP_AVG, EXP_AVG_SQ, STEP = "param/", "exp_avg/", "exp_avg_sq/", "step/"
@@ -87,6 +88,8 @@ class ModuleStateProvider:
         self.tied = model_is_tied(model)
         self._groups = groups_of_model(model)
         self._param = dict(model.named_parameters())
+        self._block_size: dict[str, int | None] = {}
+        """Per parameter: its optimizer group's 8-bit block size (``AdamW8bit``), else None."""
         if optimizer is not None:
             known = {id(p) for p in self._param.values()}
             for pg in optimizer.param_groups:
@@ -96,6 +99,9 @@ class ModuleStateProvider:
                             "the optimizer holds a parameter that is not in the model; build the "
                             "optimizer from model.parameters() (or pass the matching model)"
                         )
+            name_of = {id(p): n for n, p in self._param.items()}
+            self._block_size = {name_of[id(p)]: pg.get("block_size")
+                                for pg in optimizer.param_groups for p in pg["params"]}
 
     def group_names(self) -> dict[str, list[str]]:
         return self._groups
@@ -124,6 +130,8 @@ class ModuleStateProvider:
                     out[f"{k}/{n}"] = v.detach()
                 elif isinstance(v, (int, float)) and not isinstance(v, bool):
                     out[f"{k}/{n}"] = torch.tensor(float(v), dtype=torch.float32)
+            if CODES_M + n in out:  # AdamW8bit: blocks start at the tensor's first element
+                out[Q8_BLOCKS + n] = torch.tensor([self._block_size[n], 0], dtype=torch.int64)
         return out
 
     def load_group(self, group: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -137,6 +145,8 @@ class ModuleStateProvider:
         for n in names:
             got = by_name.get(n, {})
             p = self._param[n]
+            if Q8_BLOCKS[:-1] in got:
+                got = self._moments_for(n, got)
             if "param" not in got:
                 raise ValueError(f"checkpoint group {group!r} has no weights for {n!r}")
             w = got.pop("param")
@@ -168,6 +178,18 @@ class ModuleStateProvider:
         extra = set(by_name) - set(names)
         if extra:
             raise ValueError(f"checkpoint group {group!r} has tensors for unknown parameters {sorted(extra)}")
+
+    def _moments_for(self, name: str, got: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A parameter's stored 8-bit moments as its optimizer keeps them: as they are when it
+        keeps 8-bit moments in the same blocks, else as fp32 ``exp_avg`` / ``exp_avg_sq``."""
+        q8 = {kind + name: got.pop(kind[:-1]) for kind in Q8_KINDS}
+        live = self.optimizer.state.get(self._param[name]) if self.optimizer is not None else None
+        block_size, lead = geometry(q8, name)
+        if live and CODES_M[:-1] in live and (block_size, lead) == (self._block_size[name], 0):
+            return {**got, **{kind[:-1]: q8[kind + name] for kind in Q8_KINDS[:-1]}}
+        m, v = dequantize(q8, name)
+        shape = self._param[name].shape
+        return {**got, "exp_avg": m.view(shape), "exp_avg_sq": v.view(shape)}
 
     def model_config(self) -> dict | None:
         config = getattr(self.model, "config", None)

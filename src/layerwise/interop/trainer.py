@@ -31,6 +31,7 @@ from torch import nn
 from transformers import Trainer, TrainerState
 from transformers.trainer_pt_utils import get_parameter_names, safe_globals
 
+from ..ckpt.moments import fp32_moments
 from ..util.atomic import atomic_write_text
 from ..util.dtypes import parse_dtype
 from ..util.jsonable import jsonable
@@ -277,6 +278,7 @@ def write_trainer(
 def _optimizer_entries(group: str, tensors: dict[str, torch.Tensor], position: dict[str, int]) -> dict[int, dict]:
     """AdamW ``state`` entries (position -> {step, exp_avg, exp_avg_sq}) for one group's parameters."""
     out: dict[int, dict[str, torch.Tensor]] = {}
+    tensors = fp32_moments(tensors)  # the Trainer's AdamW keeps fp32 moments
     for key, t in tensors.items():
         if not key.startswith(PARAM):
             continue
