@@ -300,6 +300,27 @@ def rng_dict(js: dict | None, tensors: dict[str, torch.Tensor]) -> dict | None:
     return out
 
 
+def rng_parts(rng: dict | None) -> tuple[dict | None, dict[str, torch.Tensor]]:
+    """``rng_dict``'s inverse: RNG states in the Trainer's shape -> (JSON part, tensors), as a
+    save stores them. (None, {}) for None."""
+    if rng is None:
+        return None, {}
+    js: dict[str, Any] = {}
+    if rng.get("python") is not None:
+        version, internal, gauss = rng["python"]
+        js["python"] = [version, list(internal), gauss]
+    if rng.get("numpy") is not None:
+        name, keys, pos, has_gauss, cached = rng["numpy"]
+        js["numpy"] = [name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)]
+    tensors = {}
+    if rng.get("cpu") is not None:
+        tensors["torch_cpu"] = rng["cpu"]
+    cuda = rng.get("cuda")
+    for i, s in enumerate([cuda] if isinstance(cuda, torch.Tensor) else cuda or []):
+        tensors[f"torch_cuda_{i}"] = s
+    return js, tensors
+
+
 def restore_rng(rng: dict) -> None:
     if rng.get("python") is not None:
         random.setstate(rng["python"])
