@@ -14,6 +14,7 @@ from layerwise.ckpt.errors import StateModifiedError
 from layerwise.ckpt.moments import fp32_moments, unit_part, write_unit_part
 from layerwise.ckpt.resolve import open_run_step
 from layerwise.ckpt.store_state import HostStoreStateProvider
+from layerwise.ckpt.tracker import UpdateTracker
 from layerwise.engine import StreamingEngine
 from layerwise.interop.merge import merge
 from layerwise.interop.trainer import TrainerCheckpointSource
@@ -306,3 +307,24 @@ def test_drop_in_adamw8bit_state_round_trips_and_defers(tmp_path, held_helper):
     with pytest.raises(StateModifiedError):
         ck.wait()
     ck.close()
+
+
+def test_tracker_norms_of_8bit_moments_are_of_their_fp32_values():
+    """``tracker.jsonl``'s moment norms for an 8-bit unit are those of the dequantised moments
+    (the provider now serves codes, not fp32).
+
+    Mutation this fails on (made once, by hand): ``UpdateTracker.observe`` reading ``lv.optim``
+    without ``fp32_moments`` (the norms are 0: no ``exp_avg/`` keys)."""
+    engine, provider = fresh(mixed)
+    engine.train_step(data(97, 1))
+    engine.synchronize()
+    stats = UpdateTracker(provider).observe(1)
+    for buf in engine.store:
+        fp32 = state_to_fp32(buf.state)
+        groups = [g for g in provider.group_names() if provider._units(g) == {buf.name: buf}]
+        for g in groups:
+            names = provider.group_names()[g]
+            want = torch.linalg.vector_norm(torch.cat(
+                [buf.layout.views(fp32["exp_avg"])[provider._where[n][1]].reshape(-1) for n in names]))
+            assert stats[g]["exp_avg_norm"] == pytest.approx(float(want), rel=1e-5), g
+    engine.close()
