@@ -29,7 +29,7 @@ from torch import nn
 
 from ..models.names import groups_of_model, model_is_tied
 from ..util.jsonable import jsonable
-from .moments import CODES_M, Q8_BLOCKS, Q8_KINDS, dequantize, geometry
+from .moments import CODES_M, Q8_BLOCKS, Q8_KINDS, UNIT_KEYS, dequantize, geometry
 
 # Blob keys of one group's tensors: ``<kind><hf_name>``.
 PARAM, EXP_AVG, EXP_AVG_SQ, STEP = "param/", "exp_avg/", "exp_avg_sq/", "step/"
@@ -163,9 +163,14 @@ class ModuleStateProvider:
                 self.optimizer.state.pop(p, None)
                 continue
             st = self.optimizer.state[p]  # defaultdict: creates the entry
+            for k in (*UNIT_KEYS, "exp_avg", "exp_avg_sq"):
+                if k not in got:  # moments of the other form (8-bit / fp32) the live state had
+                    st.pop(k, None)
             for k, v in got.items():
                 old = st.get(k)
-                if isinstance(old, torch.Tensor):
+                if k in UNIT_KEYS:  # 8-bit codes and scales keep their own dtypes
+                    st[k] = v.to(device=p.device)
+                elif isinstance(old, torch.Tensor):
                     st[k] = v.to(device=old.device, dtype=old.dtype)
                 elif k == "step":
                     # torch.optim keeps ``step`` as a 0-d fp32 CPU tensor (non-capturable).
@@ -180,12 +185,11 @@ class ModuleStateProvider:
             raise ValueError(f"checkpoint group {group!r} has tensors for unknown parameters {sorted(extra)}")
 
     def _moments_for(self, name: str, got: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A parameter's stored 8-bit moments as its optimizer keeps them: as they are when it
-        keeps 8-bit moments in the same blocks, else as fp32 ``exp_avg`` / ``exp_avg_sq``."""
+        """A parameter's stored 8-bit moments as its optimizer keeps them: as they are when its
+        param group quantises in blocks of the same size (``AdamW8bit``), else as fp32
+        ``exp_avg`` / ``exp_avg_sq``."""
         q8 = {kind + name: got.pop(kind[:-1]) for kind in Q8_KINDS}
-        live = self.optimizer.state.get(self._param[name]) if self.optimizer is not None else None
-        block_size, lead = geometry(q8, name)
-        if live and CODES_M[:-1] in live and (block_size, lead) == (self._block_size[name], 0):
+        if geometry(q8, name) == (self._block_size.get(name), 0):
             return {**got, **{kind[:-1]: q8[kind + name] for kind in Q8_KINDS[:-1]}}
         m, v = dequantize(q8, name)
         shape = self._param[name].shape
