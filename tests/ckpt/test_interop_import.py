@@ -147,6 +147,35 @@ def test_filter_import_stores_what_moved(checkpoints, tmp_path):
     assert rep.stored_bytes < full.stored_bytes < full.input_bytes == rep.input_bytes
 
 
+def test_an_import_in_two_parts_stores_what_one_import_stores(checkpoints, tmp_path):
+    """Continuing a run measures changes against its stored versions, so the second part picks
+    the groups the single import picks, and the runs end with the same blobs.
+
+    Mutation this fails on (made once, by hand): the tracker references not seeded from the
+    run in ``import_checkpoints`` (the second part's first step writes every group)."""
+    one = import_checkpoints(checkpoints, tmp_path / "one", FILTER)
+    import_checkpoints(checkpoints[:5], tmp_path / "two", FILTER)
+    second = import_checkpoints(checkpoints[5:], tmp_path / "two", FILTER)
+    assert [s.selected for s in second.steps] == [s.selected for s in one.steps[5:]]
+    a, b = open_run_step(tmp_path / "one"), open_run_step(tmp_path / "two")
+    assert {g: e.blob for g, e in a.entries.items()} == {g: e.blob for g, e in b.entries.items()}
+
+
+def test_hf_model_dirs_are_numbered_in_the_order_given(checkpoints, tmp_path):
+    dirs = []
+    for i in (2, 0):
+        merge(checkpoints[i], tmp_path / f"hf-{i}", "hf")
+        dirs.append(tmp_path / f"hf-{i}")
+    rep = import_checkpoints(dirs, tmp_path / "run")
+    assert [(s.step, s.source) for s in rep.steps] == [(1, str(dirs[0])), (2, str(dirs[1]))]
+    rs, src = open_run_step(tmp_path / "run", 2), TrainerCheckpointSource(checkpoints[0])
+    for g in rs.groups():
+        want = {k: t for k, t in src.load_group(g).items() if k.startswith("param/")}
+        assert _equal(rs.load_group(g), want), g
+    with pytest.raises(ValueError, match="some checkpoints have a step"):
+        import_checkpoints([dirs[0], checkpoints[0]], tmp_path / "mixed")
+
+
 def test_one_group_at_a_time(checkpoints, tmp_path, monkeypatch):
     """An import holds one checkpoint group in memory at a time (two while the next replaces the
     one cached), not the whole checkpoint: every group a source returns is tracked until freed.

@@ -12,7 +12,8 @@ Under ``full`` every group is stored, and content addressing stores a group whos
 an earlier version (a frozen layer) once. Under ``filter``/``topk``/``budget`` the tracker
 measures each group's change since its stored version, from the checkpoints themselves, and only
 the groups the policy picks are stored (LLMTailor's tailoring, after the fact); the others
-resolve to their stored version.
+resolve to their stored version. An import into a run that has steps continues it: the stored
+versions are the references, so importing a pile in two parts stores what one import would.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from ..ckpt.checkpointer import Checkpointer
-from ..ckpt.resolve import ResolvedStep
+from ..ckpt.resolve import ResolvedStep, open_run_step
 from ..ckpt.run_dir import RunDir
 from ..ckpt.state import PARAM, rng_parts
 from ..models.names import config_is_tied, group_of
@@ -182,6 +183,11 @@ def import_checkpoints(paths: list[str | Path], run_dir: str | Path, policy: str
     with Checkpointer(run, provider=provider, scheduler=_SourceScheduler(provider), policy=policy,
                       async_save=False, sync_copy=False, snapshot="sync",
                       tracker_log=False) as ck:
+        if ck.has_checkpoint() and getattr(ck.policy, "uses_change", True):
+            # continuing an import: changes are measured against the versions stored so far
+            rs = open_run_step(run)
+            ck.tracker.reset({g: {k[len(PARAM):]: t for k, t in rs.load_group(g).items()
+                                  if k.startswith(PARAM)} for g in rs.groups()})
         for step, path, src in ordered:
             provider.use(src)
             rep = ck.save(step, trainer_state=provider.extra.get("trainer_state"),
