@@ -27,10 +27,13 @@ class HostStoreStateProvider:
         tied = store.adapter.tied
         self._where: dict[str, tuple[UnitBuffers, str]] = {}  # hf name -> (unit buffers, local)
         self._groups: dict[str, list[str]] = {}
+        self._span: dict[str, tuple[int, int]] = {}  # hf name -> (offset, numel) in its unit
         for buf in store:
             for p in buf.unit.params:
                 self._where[p.hf_name] = (buf, p.local)
                 self._groups.setdefault(group_of(p.hf_name, tied), []).append(p.hf_name)
+            for spec, offset in zip(buf.layout.specs, buf.layout.offsets):
+                self._span[spec.hf_name] = (offset, spec.numel)
 
     def _units(self, group: str) -> dict[str, UnitBuffers]:
         return {self._where[n][0].name: self._where[n][0] for n in self._groups[group]}
@@ -68,11 +71,6 @@ class HostStoreStateProvider:
                              "(HostStoreStateProvider(store, engine.optimizers))")
         return opt.block_size
 
-    def _offset(self, name: str) -> tuple[int, int]:
-        buf, local = self._where[name]
-        i = next(i for i, p in enumerate(buf.layout.specs) if p.local == local)
-        return buf.layout.offsets[i], buf.layout.specs[i].numel
-
     def optimizer_state(self, group: str) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for n in self._groups[group]:
@@ -86,7 +84,7 @@ class HostStoreStateProvider:
                     out[f"{k}/{n}"] = buf.layout.views(st[k])[local]
             else:
                 out.update({kind + n: t for kind, t in
-                            unit_part(st, *self._offset(n), block_size).items()})
+                            unit_part(st, *self._span[n], block_size).items()})
             out[f"step/{n}"] = st["step"].reshape(())
         return out
 
@@ -122,7 +120,7 @@ class HostStoreStateProvider:
         block_size = self._block_size(buf)
         if block_size is None:
             return False
-        where = {n: self._offset(n) for n in names}
+        where = {n: self._span[n] for n in names}
         if not all(fits_unit(tensors, n, *where[n], block_size) for n in names):
             return False
         owned = torch.zeros(buf.layout.numel, dtype=torch.bool)
