@@ -34,6 +34,7 @@ def checkpoint(tmp_path_factory) -> Path:
     return run / "checkpoint-2"
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # the plain pickle below
 def test_a_pickle_that_runs_code_is_refused_and_nothing_runs(tmp_path):
     """Mutation this fails on (made once, by hand): ``weights_only=False`` in ``load_data_file``
     (the marker file is created: the pickle ran ``os.system``)."""
