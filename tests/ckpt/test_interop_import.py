@@ -213,6 +213,9 @@ def test_cli_prints_bytes_and_refuses_mistakes(checkpoints, tmp_path, capsys):
     assert rep["ok"] and [s["step"] for s in rep["steps"]] == [40]
     with pytest.raises(ValueError, match="at step"):
         import_checkpoints([checkpoints[0], checkpoints[0]], tmp_path / "dup")
+    with pytest.raises(ValueError, match="unknown checkpoint policy"):
+        import_checkpoints(checkpoints, tmp_path / "bad", "filtre")
+    assert not (tmp_path / "dup").exists() and not (tmp_path / "bad").exists()
 
 
 def test_real_trainer_checkpoints_keep_their_state_through_the_run(tmp_path):

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..ckpt.checkpointer import Checkpointer
+from ..ckpt.policies import make_policy
 from ..ckpt.resolve import ResolvedStep, open_run_step
 from ..ckpt.run_dir import RunDir
 from ..ckpt.state import PARAM, rng_parts
@@ -164,6 +165,7 @@ def import_checkpoints(paths: list[str | Path], run_dir: str | Path, policy: str
     ``on_step`` is called after each step is committed."""
     if not paths:
         raise ValueError("give at least one checkpoint to import")
+    make_policy(policy)  # a mistyped policy fails before any checkpoint is read
     ordered = _ordered(paths)
     provider = ImportProvider(ordered[0][2])
     run = Path(run_dir)
