@@ -5,7 +5,7 @@ random values, 13.2 GB) is written four ways, side by side in one run:
 
 - ``disk``: the disk's sequential write bandwidth: one file of the state's size written in
   64 MiB blocks (from the same random pool) and fsynced;
-- ``layerwise``: a synchronous ``full`` save through ``Checkpointer`` into a new run (format 2:
+- ``layerwise``: a synchronous ``full`` save through ``Checkpointer`` into a new run (format 3, BLAKE3 since format 2:
   one safetensors blob per group named by its BLAKE3, hashed on a second thread while written,
   fsync per file, manifest last), straight from the live tensors (``sync_copy=False``);
 - ``layerwise_sha256``: the same save into a format 1 run (sha256 content addresses, as every

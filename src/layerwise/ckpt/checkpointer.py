@@ -48,9 +48,12 @@ from safetensors.torch import save as st_save
 from torch import nn
 
 from .errors import CheckpointError, StateModifiedError
+from .moments import fp32_moments, has_8bit
 from .run_dir import (
     BLOB_FORMAT,
     BLOB_FORMAT_VERSION,
+    BLOB_FORMAT_VERSION_8BIT,
+    FIRST_VERSION_8BIT,
     BlobBatch,
     BlobPayload,
     BlobRecord,
@@ -417,7 +420,7 @@ class Checkpointer:
         rollback, old_refs = self._book_versions(snaps, copy)
         report.selected[:] = selected
         report.reasons = reasons
-        report.snapshot_bytes = sum(t.numel() * t.element_size() for s in snaps.values() for t in s.values())
+        report.snapshot_bytes = sum(s.nbytes for s in statuses if s.name in reasons)
         report.snapshot_s = time.perf_counter() - t0
         return _WriteJob(self, step, rollback.save_index, snaps, maybe_dup, state_bytes, rng_tensors,
                          config, report, old_refs=old_refs, copied=copy, rollback=rollback)
@@ -469,6 +472,9 @@ class Checkpointer:
         """The chosen groups' tensors as the blob stores them: host copies when ``copy``
         (reused buffers), else the live tensors (a synchronous save without a copy). From the
         tensors ``live`` captured at ``save`` when deferred."""
+        if not copy and live is None:
+            return _GroupsOnDemand(self.provider, selected)
+
         def tensors(g: str) -> dict[str, torch.Tensor]:
             if live is None:
                 return group_tensors(self.provider, g)
@@ -495,7 +501,9 @@ class Checkpointer:
         }
         rng_tensors: dict[str, torch.Tensor] = {}
         if self.config.save_rng:
-            state["rng"], rng_tensors = capture_rng()
+            # a provider with RNG states of its own (an imported checkpoint's) gives them
+            own = getattr(self.provider, "rng_state", None)
+            state["rng"], rng_tensors = own() if own is not None else capture_rng()
         return (json.dumps(state) + "\n").encode(), rng_tensors
 
     def _duplicate_hints(self, snaps: dict[str, dict[str, torch.Tensor]],
@@ -521,14 +529,12 @@ class Checkpointer:
         rollback = _Rollback({g: dict(e) for g, e in self._entries.items()}, self._save_index,
                              self.tracker.save_references())
         old_refs = [r for g in snaps if (r := self.tracker.reference(g)) is not None]
-        for g, snap in snaps.items():
-            params = {k[len(PARAM):]: t for k, t in snap.items() if k.startswith(PARAM)}
-            if copy:
-                self.tracker.set_reference(g, params)
-            elif getattr(self.policy, "uses_change", True):
-                self.tracker.set_reference(g, {n: t.clone() for n, t in params.items()})
-            else:
+        for g in snaps:
+            if not copy and not getattr(self.policy, "uses_change", True):
                 self.tracker.drop_reference(g)
+                continue
+            params = {k[len(PARAM):]: t for k, t in snaps[g].items() if k.startswith(PARAM)}
+            self.tracker.set_reference(g, params if copy else {n: t.clone() for n, t in params.items()})
         self._save_index += 1
         return rollback, old_refs
 
@@ -660,6 +666,27 @@ class Checkpointer:
         return open_run_step(self.run_dir, step)
 
 
+class _GroupsOnDemand(Mapping):
+    """The chosen groups of a save that does not copy (``async_save=False, sync_copy=False``),
+    each read from the provider when it is used. A provider that materialises its groups (a
+    checkpoint being imported, ``interop.ingest``) then holds one group at a time, not every
+    chosen one; a module's live tensors cost nothing to read again."""
+
+    def __init__(self, provider: StateProvider, groups: list[str]):
+        self.provider, self.groups = provider, groups
+
+    def __getitem__(self, group: str) -> dict[str, torch.Tensor]:
+        if group not in self.groups:
+            raise KeyError(group)
+        return {k: _as_blob_tensor(t, k) for k, t in group_tensors(self.provider, group).items()}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.groups)
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+
 def _finish_quietly(batch: BlobBatch) -> None:
     """Let the blobs already handed to ``batch`` land (or fail) before reporting an error."""
     try:
@@ -678,6 +705,16 @@ def _as_blob_tensor(t: torch.Tensor, key: str) -> torch.Tensor:
     if t.device.type != "cpu" or not t.is_contiguous():
         t = t.to("cpu").contiguous()
     return t
+
+
+def _blob_content(tensors: dict[str, torch.Tensor], group: str,
+                  run_version: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A group's tensors and metadata as its blob stores them: 8-bit moments as they are (blob
+    layout 2) in a run that may hold them, else as fp32 moments (layout 1)."""
+    if run_version < FIRST_VERSION_8BIT:
+        tensors = fp32_moments(tensors)
+    layout = BLOB_FORMAT_VERSION_8BIT if has_8bit(tensors) else BLOB_FORMAT_VERSION
+    return tensors, {"format": BLOB_FORMAT, "format_version": str(layout), "group": group}
 
 
 class _WriteJob:
@@ -747,8 +784,7 @@ class _WriteJob:
             if g not in self.snaps:
                 groups[g] = self.prev_entries[g]
                 continue
-            payload = BlobPayload.build(self.snaps[g], {
-                "format": BLOB_FORMAT, "format_version": str(BLOB_FORMAT_VERSION), "group": g})
+            payload = BlobPayload.build(*_blob_content(self.snaps[g], g, store.version))
             try:
                 rec = store.put_blob(payload, self._maybe_duplicate(g), batch)
             except BaseException:

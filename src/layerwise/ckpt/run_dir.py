@@ -54,12 +54,14 @@ from ..util.safetensors_io import dtype_name, encode_header, tensor_bytes
 from .errors import CheckpointCorruptError, CheckpointWriteError
 
 FORMAT = "layerwise-ckpt"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Written for new runs. Bump on any change a reader of an older version would misread; readers
 refuse newer versions. 1: sha256 content addresses; 2: BLAKE3 (``"hash"`` in format.json and in
-each manifest; entries carry their digest under the hash's name)."""
+each manifest; entries carry their digest under the hash's name); 3: blobs may hold 8-bit
+moments as codes and scales (blob layout 2, ``ckpt.moments``); runs of format 1 and 2 get fp32
+moments, as their readers expect."""
 
-HASH_OF_VERSION = {1: "sha256", 2: "blake3"}
+HASH_OF_VERSION = {1: "sha256", 2: "blake3", 3: "blake3"}
 """The content hash a run of each format version uses."""
 
 BLAKE3_MAX_THREADS = 1
@@ -71,6 +73,11 @@ BLOB_FORMAT = "layerwise-group"
 BLOB_FORMAT_VERSION = 1
 """The blob's own layout (safetensors, key order, metadata): unchanged by run format 2, so the
 same state gives the same blob bytes in runs of either version (only the name differs)."""
+BLOB_FORMAT_VERSION_8BIT = 2
+"""The layout of a blob that holds 8-bit moments (``ckpt.moments``; runs of format 3 only).
+Blobs without them keep layout 1, so fp32 state still gives the same bytes in every run."""
+FIRST_VERSION_8BIT = 3
+"""The first run format whose blobs may hold 8-bit moments."""
 STEP_DIR_DIGITS = 12
 CHUNK_BYTES = 1 << 20
 """Write/hash granularity. The hash thread and the write's copy into the page cache read each

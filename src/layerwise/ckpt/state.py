@@ -29,6 +29,7 @@ from torch import nn
 
 from ..models.names import groups_of_model, model_is_tied
 from ..util.jsonable import jsonable
+from .moments import CODES_M, Q8_BLOCKS, Q8_KINDS, UNIT_KEYS, dequantize, geometry
 
 # Blob keys of one group's tensors: ``<kind><hf_name>``.
 PARAM, EXP_AVG, EXP_AVG_SQ, STEP = "param/", "exp_avg/", "exp_avg_sq/", "step/"
@@ -87,6 +88,8 @@ class ModuleStateProvider:
         self.tied = model_is_tied(model)
         self._groups = groups_of_model(model)
         self._param = dict(model.named_parameters())
+        self._block_size: dict[str, int | None] = {}
+        """Per parameter: its optimizer group's 8-bit block size (``AdamW8bit``), else None."""
         if optimizer is not None:
             known = {id(p) for p in self._param.values()}
             for pg in optimizer.param_groups:
@@ -96,6 +99,9 @@ class ModuleStateProvider:
                             "the optimizer holds a parameter that is not in the model; build the "
                             "optimizer from model.parameters() (or pass the matching model)"
                         )
+            name_of = {id(p): n for n, p in self._param.items()}
+            self._block_size = {name_of[id(p)]: pg.get("block_size")
+                                for pg in optimizer.param_groups for p in pg["params"]}
 
     def group_names(self) -> dict[str, list[str]]:
         return self._groups
@@ -124,6 +130,8 @@ class ModuleStateProvider:
                     out[f"{k}/{n}"] = v.detach()
                 elif isinstance(v, (int, float)) and not isinstance(v, bool):
                     out[f"{k}/{n}"] = torch.tensor(float(v), dtype=torch.float32)
+            if CODES_M + n in out:  # AdamW8bit: blocks start at the tensor's first element
+                out[Q8_BLOCKS + n] = torch.tensor([self._block_size[n], 0], dtype=torch.int64)
         return out
 
     def load_group(self, group: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -137,6 +145,8 @@ class ModuleStateProvider:
         for n in names:
             got = by_name.get(n, {})
             p = self._param[n]
+            if Q8_BLOCKS[:-1] in got:
+                got = self._moments_for(n, got)
             if "param" not in got:
                 raise ValueError(f"checkpoint group {group!r} has no weights for {n!r}")
             w = got.pop("param")
@@ -153,9 +163,14 @@ class ModuleStateProvider:
                 self.optimizer.state.pop(p, None)
                 continue
             st = self.optimizer.state[p]  # defaultdict: creates the entry
+            for k in (*UNIT_KEYS, "exp_avg", "exp_avg_sq"):
+                if k not in got:  # moments of the other form (8-bit / fp32) the live state had
+                    st.pop(k, None)
             for k, v in got.items():
                 old = st.get(k)
-                if isinstance(old, torch.Tensor):
+                if k in UNIT_KEYS:  # 8-bit codes and scales keep their own dtypes
+                    st[k] = v.to(device=p.device)
+                elif isinstance(old, torch.Tensor):
                     st[k] = v.to(device=old.device, dtype=old.dtype)
                 elif k == "step":
                     # torch.optim keeps ``step`` as a 0-d fp32 CPU tensor (non-capturable).
@@ -168,6 +183,17 @@ class ModuleStateProvider:
         extra = set(by_name) - set(names)
         if extra:
             raise ValueError(f"checkpoint group {group!r} has tensors for unknown parameters {sorted(extra)}")
+
+    def _moments_for(self, name: str, got: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A parameter's stored 8-bit moments as its optimizer keeps them: as they are when its
+        param group quantises in blocks of the same size (``AdamW8bit``), else as fp32
+        ``exp_avg`` / ``exp_avg_sq``."""
+        q8 = {kind + name: got.pop(kind[:-1]) for kind in Q8_KINDS}
+        if geometry(q8, name) == (self._block_size.get(name), 0):
+            return {**got, **{kind[:-1]: q8[kind + name] for kind in Q8_KINDS[:-1]}}
+        m, v = dequantize(q8, name)
+        shape = self._param[name].shape
+        return {**got, "exp_avg": m.view(shape), "exp_avg_sq": v.view(shape)}
 
     def model_config(self) -> dict | None:
         config = getattr(self.model, "config", None)
@@ -276,6 +302,27 @@ def rng_dict(js: dict | None, tensors: dict[str, torch.Tensor]) -> dict | None:
     cuda = [tensors[k] for k in sorted(cuda_keys, key=lambda k: int(k.rsplit("_", 1)[1]))]
     out["cuda"] = cuda or None
     return out
+
+
+def rng_parts(rng: dict | None) -> tuple[dict | None, dict[str, torch.Tensor]]:
+    """``rng_dict``'s inverse: RNG states in the Trainer's shape -> (JSON part, tensors), as a
+    save stores them. (None, {}) for None."""
+    if rng is None:
+        return None, {}
+    js: dict[str, Any] = {}
+    if rng.get("python") is not None:
+        version, internal, gauss = rng["python"]
+        js["python"] = [version, list(internal), gauss]
+    if rng.get("numpy") is not None:
+        name, keys, pos, has_gauss, cached = rng["numpy"]
+        js["numpy"] = [name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)]
+    tensors = {}
+    if rng.get("cpu") is not None:
+        tensors["torch_cpu"] = rng["cpu"]
+    cuda = rng.get("cuda")
+    for i, s in enumerate([cuda] if isinstance(cuda, torch.Tensor) else cuda or []):
+        tensors[f"torch_cuda_{i}"] = s
+    return js, tensors
 
 
 def restore_rng(rng: dict) -> None:

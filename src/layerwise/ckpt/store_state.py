@@ -2,9 +2,11 @@
 
 Weights, gradients and optimizer moments are served as views into the store's flat per-unit
 buffers, so a checkpoint snapshot is one copy from the host store and a load writes straight
-back into it. 8-bit moments are converted to fp32 AdamW state on the way out (and back on the
-way in) by their optimizer, so a layer-wise checkpoint is the same whichever moments trained it.
-Call ``engine.synchronize()`` first: a pending update would otherwise race the snapshot.
+back into it. A unit with 8-bit moments is served as its codes and scales, sliced per
+parameter (``ckpt.moments``), and loaded back bit for bit; a stored version in the other format
+(fp32 moments into an 8-bit unit, or the reverse: the plan changed) is converted by the unit's
+optimizer. Call ``engine.synchronize()`` first: a pending update would otherwise race the
+snapshot.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 from ..store import HostStore, UnitBuffers
 from ..models.names import group_of
+from .moments import Q8_KINDS, UNIT_KEYS, fits_unit, fp32_moments, unit_part, write_unit_part
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -24,10 +27,13 @@ class HostStoreStateProvider:
         tied = store.adapter.tied
         self._where: dict[str, tuple[UnitBuffers, str]] = {}  # hf name -> (unit buffers, local)
         self._groups: dict[str, list[str]] = {}
+        self._span: dict[str, tuple[int, int]] = {}  # hf name -> (offset, numel) in its unit
         for buf in store:
             for p in buf.unit.params:
                 self._where[p.hf_name] = (buf, p.local)
                 self._groups.setdefault(group_of(p.hf_name, tied), []).append(p.hf_name)
+            for spec, offset in zip(buf.layout.specs, buf.layout.offsets):
+                self._span[spec.hf_name] = (offset, spec.numel)
 
     def _units(self, group: str) -> dict[str, UnitBuffers]:
         return {self._where[n][0].name: self._where[n][0] for n in self._groups[group]}
@@ -55,16 +61,30 @@ class HostStoreStateProvider:
         convert = getattr(opt, "to_fp32_state", None)
         return convert(buf.state) if convert is not None else buf.state
 
+    def _block_size(self, buf: UnitBuffers) -> int | None:
+        """The unit's 8-bit block size, or None when its moments are fp32."""
+        if not buf.state or UNIT_KEYS[0] not in buf.state:
+            return None
+        opt = self.optimizers.get(buf.name)
+        if opt is None:
+            raise ValueError(f"unit {buf.name} keeps 8-bit moments: pass the engine's optimizers "
+                             "(HostStoreStateProvider(store, engine.optimizers))")
+        return opt.block_size
+
     def optimizer_state(self, group: str) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        states = {u: self._fp32_state(b) for u, b in self._units(group).items()}
         for n in self._groups[group]:
             buf, local = self._where[n]
-            st = states[buf.name]
+            st = buf.state
             if not st or float(st["step"]) == 0:
                 continue  # no step taken yet: like torch.optim, there is no state to save
-            for k in MOMENTS:
-                out[f"{k}/{n}"] = buf.layout.views(st[k])[local]
+            block_size = self._block_size(buf)
+            if block_size is None:
+                for k in MOMENTS:
+                    out[f"{k}/{n}"] = buf.layout.views(st[k])[local]
+            else:
+                out.update({kind + n: t for kind, t in
+                            unit_part(st, *self._span[n], block_size).items()})
             out[f"step/{n}"] = st["step"].reshape(())
         return out
 
@@ -72,41 +92,63 @@ class HostStoreStateProvider:
         names = self._groups.get(group)
         if names is None:
             raise ValueError(f"checkpoint group {group!r} does not exist in this model")
-        known = {f"{k}/{n}" for n in names for k in ("param", *MOMENTS, "step")}
-        extra = set(tensors) - known
+        kinds = ("param/", *(k + "/" for k in MOMENTS), "step/", *Q8_KINDS)
+        extra = {k for k in tensors if not any(k == kind + n for n in names for kind in kinds)}
         if extra:
             raise ValueError(f"checkpoint group {group!r} has unexpected tensors {sorted(extra)[:3]}")
+        for n in names:
+            if f"param/{n}" not in tensors:
+                raise ValueError(f"checkpoint group {group!r} has no weights for {n!r}")
         for unit, buf in self._units(group).items():
-            fp32 = {k: v.clone() for k, v in self._fp32_state(buf).items()} if buf.state else {}
-            for n in names:
-                b, local = self._where[n]
-                if b is not buf:
-                    continue
-                w = tensors.get(f"param/{n}")
-                if w is None:
-                    raise ValueError(f"checkpoint group {group!r} has no weights for {n!r}")
-                view = buf.layout.views(buf.master)[local]
+            mine = [n for n in names if self._where[n][0] is buf]
+            for n in mine:
+                view = buf.layout.views(buf.master)[self._where[n][1]]
+                w = tensors[f"param/{n}"]
                 if tuple(w.shape) != tuple(view.shape):
                     raise ValueError(f"{n}: checkpoint shape {tuple(w.shape)} != model shape "
                                      f"{tuple(view.shape)}; saved from a different configuration")
                 view.copy_(w)
-                if not fp32:
-                    continue
-                if f"step/{n}" in tensors:
-                    for k in MOMENTS:
-                        buf.layout.views(fp32[k])[local].copy_(tensors[f"{k}/{n}"])
-                    fp32["step"].copy_(tensors[f"step/{n}"].reshape(()))
-                else:  # saved before any step: fresh moments
-                    for k in MOMENTS:
-                        buf.layout.views(fp32[k])[local].zero_()
-                    fp32["step"].zero_()
-            if fp32:
-                opt = self.optimizers.get(unit)
-                back = getattr(opt, "from_fp32_state", None)
-                new_state = back(fp32) if back is not None else fp32
-                for k, v in new_state.items():
-                    buf.state[k].copy_(v)
+            if buf.state:
+                if not self._load_8bit_exact(buf, mine, tensors):
+                    self._load_converted(buf, mine, fp32_moments(tensors))
             buf.refresh_compute()
+
+    def _load_8bit_exact(self, buf: UnitBuffers, names: list[str],
+                         tensors: dict[str, torch.Tensor]) -> bool:
+        """Copy 8-bit moments stored as this unit keeps them, bit for bit; False (nothing
+        written) when the unit is fp32 or any parameter's version is not in that form."""
+        block_size = self._block_size(buf)
+        if block_size is None:
+            return False
+        where = {n: self._span[n] for n in names}
+        if not all(fits_unit(tensors, n, *where[n], block_size) for n in names):
+            return False
+        owned = torch.zeros(buf.layout.numel, dtype=torch.bool)
+        for off, numel in where.values():
+            owned[off:off + numel] = True
+        for n in names:
+            write_unit_part(buf.state, tensors, n, *where[n], block_size, owned)
+            buf.state["step"].copy_(tensors[f"step/{n}"].reshape(()))
+        return True
+
+    def _load_converted(self, buf: UnitBuffers, names: list[str],
+                        tensors: dict[str, torch.Tensor]) -> None:
+        """fp32 moments (or none: saved before any step) through the unit's fp32 form."""
+        fp32 = {k: v.clone() for k, v in self._fp32_state(buf).items()}
+        for n in names:
+            local = self._where[n][1]
+            if f"step/{n}" in tensors:
+                for k in MOMENTS:
+                    buf.layout.views(fp32[k])[local].copy_(tensors[f"{k}/{n}"])
+                fp32["step"].copy_(tensors[f"step/{n}"].reshape(()))
+            else:  # saved before any step: fresh moments
+                for k in MOMENTS:
+                    buf.layout.views(fp32[k])[local].zero_()
+                fp32["step"].zero_()
+        back = getattr(self.optimizers.get(buf.name), "from_fp32_state", None)
+        new_state = back(fp32) if back is not None else fp32
+        for k, v in new_state.items():
+            buf.state[k].copy_(v)
 
     def model_config(self) -> dict | None:
         return self.store.adapter.config.to_dict()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .moments import fp32_moments
 from .state import StateProvider
 
 CHUNK_NUMEL = 1 << 19
@@ -202,8 +203,9 @@ class UpdateTracker:
         live = self.capture() if live is None else live
         stats: dict[str, dict[str, float]] = {}
         for group, lv in live.items():
-            m1 = [t for k, t in lv.optim.items() if k.startswith("exp_avg/")]
-            m2 = [t for k, t in lv.optim.items() if k.startswith("exp_avg_sq/")]
+            optim = fp32_moments(lv.optim)  # 8-bit moments: the norms of their fp32 values
+            m1 = [t for k, t in optim.items() if k.startswith("exp_avg/")]
+            m2 = [t for k, t in optim.items() if k.startswith("exp_avg_sq/")]
             st = {
                 "change": self.change(group, step, lv.params),
                 "grad_norm": _norm(list(lv.grads.values())),

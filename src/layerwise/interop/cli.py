@@ -1,4 +1,5 @@
-"""``layerwise ckpt merge``: write an ordinary checkpoint from any source or a recipe."""
+"""``layerwise ckpt merge``: write an ordinary checkpoint from any source or a recipe;
+``layerwise ckpt import``: compact ordinary checkpoints into a layer-wise run."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any
 
 from ..ckpt.errors import CheckpointError
 from ..util.cli import command_group
+from ..util.units import human_bytes
+from .ingest import ImportedStep, import_checkpoints
 from .layout import CheckpointSource
 from .merge import FORMATS, merge
 from .recipe import load_recipe
@@ -40,6 +43,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_merge)
+    imp = ckpt_subparsers.add_parser(
+        "import",
+        help="compact HF Trainer checkpoints / HF model dirs into a layer-wise run, one step each",
+        description=(
+            "Store each checkpoint as a step of a layer-wise run, oldest first (the Trainer's "
+            "global_step, else the order given). Group versions already stored are not stored "
+            "again; with a policy other than full, only the groups it picks (from their change "
+            "since the stored version) are stored."
+        ),
+    )
+    imp.add_argument("sources", nargs="+", metavar="SRC", help="checkpoint-N dirs or HF model dirs")
+    imp.add_argument("--run", required=True, help="layer-wise run dir (created if needed)")
+    imp.add_argument("--policy", default="full",
+                     help="full, filter, topk or budget, with options: filter:threshold=0.01,max_staleness=4")
+    imp.add_argument("--json", action="store_true", help="print one JSON object")
+    imp.set_defaults(func=_cmd_import)
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    def line(s: ImportedStep) -> None:
+        if not args.json:
+            print(f"step {s.step:>8}  {s.source}: {len(s.selected)} group(s) chosen, "
+                  f"{len(s.written)} new, {human_bytes(s.bytes_written)} written "
+                  f"of {human_bytes(s.input_bytes)}")
+    rep = import_checkpoints(args.sources, args.run, args.policy, on_step=line)
+    if args.json:
+        print(json.dumps({"ok": True, **rep.to_json()}, sort_keys=True))
+    else:
+        ratio = rep.stored_bytes / rep.input_bytes if rep.input_bytes else 0.0
+        print(f"imported {len(rep.steps)} checkpoint(s) into {rep.run} ({rep.policy}): "
+              f"{human_bytes(rep.input_bytes)} in, {human_bytes(rep.stored_bytes)} stored ({ratio:.1%})")
+    return 0
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:

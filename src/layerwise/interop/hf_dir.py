@@ -20,6 +20,7 @@ from transformers import AutoConfig, PretrainedConfig
 from ..models.adapter import DecoderAdapter
 from ..models.names import config_is_tied, group_of, group_sort_key
 from ..store import HostStore
+from ..util.safe_load import load_data_file
 from .layout import (
     CONFIG_NAME,
     GENERATION_CONFIG_NAME,
@@ -45,13 +46,8 @@ def _open_safetensors(file: Path):
 
 
 def load_pt(path: Path) -> Any:
-    """``torch.load`` for foreign files: never unpickles code; memory-maps where the file allows it."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as e:
-        if "mmap" not in str(e):  # legacy (non-zip) files cannot be memory-mapped; other errors are real
-            raise
-        return torch.load(path, map_location="cpu", weights_only=True)
+    """A foreign ``.pt``/``.bin`` file as data (``util.safe_load``), memory-mapped where it allows."""
+    return load_data_file(path, mmap=True)
 
 
 class HFModelDirSource:

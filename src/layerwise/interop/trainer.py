@@ -29,11 +29,13 @@ import numpy as np
 import torch
 from torch import nn
 from transformers import Trainer, TrainerState
-from transformers.trainer_pt_utils import get_parameter_names, safe_globals
+from transformers.trainer_pt_utils import get_parameter_names
 
+from ..ckpt.moments import fp32_moments
 from ..util.atomic import atomic_write_text
 from ..util.dtypes import parse_dtype
 from ..util.jsonable import jsonable
+from ..util.safe_load import load_data_file
 from ..util.units import parse_size_bytes
 from .hf_dir import HFModelDirSource, load_pt, read_json
 from .hf_export import DEFAULT_MAX_SHARD_SIZE, WeightsWriter, require_config, write_config_files
@@ -249,7 +251,7 @@ def write_trainer(
     state: dict[int, dict[str, torch.Tensor]] = {}
     for f in staged_files:
         # Memory-mapped: torch.save below copies each tensor from the page cache, not from our heap.
-        state.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+        state.update(load_data_file(f, mmap=True))
     ids = iter(range(len(position)))
     for g, names in zip(param_groups, order):
         g["params"] = [next(ids) for _ in names]
@@ -277,6 +279,7 @@ def write_trainer(
 def _optimizer_entries(group: str, tensors: dict[str, torch.Tensor], position: dict[str, int]) -> dict[int, dict]:
     """AdamW ``state`` entries (position -> {step, exp_avg, exp_avg_sq}) for one group's parameters."""
     out: dict[int, dict[str, torch.Tensor]] = {}
+    tensors = fp32_moments(tensors)  # the Trainer's AdamW keeps fp32 moments
     for key, t in tensors.items():
         if not key.startswith(PARAM):
             continue
@@ -412,6 +415,5 @@ class TrainerCheckpointSource(HFModelDirSource):
 
 
 def load_trainer_rng(path: Path) -> dict:
-    """Trainer's ``rng_state.pth`` (python, numpy, torch states), read with weights_only."""
-    with safe_globals():
-        return torch.load(path, map_location="cpu", weights_only=True)
+    """Trainer's ``rng_state.pth`` (python, numpy, torch states), read as data."""
+    return load_data_file(path)

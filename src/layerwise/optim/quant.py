@@ -53,14 +53,22 @@ def _padded_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
 def quantize_signed(x: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat fp32 ``x`` → (int8 codes with ``x.numel()`` elements, fp32 per-block absmax)."""
-    n = x.numel()
     xb = _padded_blocks(x.reshape(-1).float(), block_size)
     scale = xb.abs().amax(dim=1)
+    return encode_signed(x, scale, block_size), scale
+
+
+def encode_signed(x: torch.Tensor, scale: torch.Tensor,
+                  block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+    """int8 codes of flat fp32 ``x`` under given per-block scales; values beyond a block's
+    scale get the largest code (a checkpoint load re-encodes a shared block this way)."""
+    n = x.numel()
+    xb = _padded_blocks(x.reshape(-1).float(), block_size)
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     s = (xb.abs() * inv[:, None]).sqrt_().mul_(SIGNED_LEVELS).add_(0.5).floor_()
     s.clamp_(max=SIGNED_LEVELS)
     codes = torch.copysign(s, xb).to(torch.int8)
-    return codes.view(-1)[:n].clone(), scale
+    return codes.view(-1)[:n].clone()
 
 
 def dequantize_signed(codes: torch.Tensor, scale: torch.Tensor,
@@ -74,14 +82,22 @@ def dequantize_signed(codes: torch.Tensor, scale: torch.Tensor,
 def quantize_sq(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat fp32 ``v >= 0`` → (uint8 codes of ``sqrt(v)``, fp32 per-block ``sqrt(max v)``)."""
-    n = v.numel()
     r = _padded_blocks(v.reshape(-1).float(), block_size).clamp(min=0).sqrt()
     scale = r.amax(dim=1)
+    return encode_sq(v, scale, block_size), scale
+
+
+def encode_sq(v: torch.Tensor, scale: torch.Tensor,
+              block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+    """uint8 codes of flat ``v >= 0`` under given per-block scales (of ``sqrt(v)``); values
+    beyond a block's scale get the largest code."""
+    n = v.numel()
+    r = _padded_blocks(v.reshape(-1).float(), block_size).clamp(min=0).sqrt()
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     s = (r * inv[:, None]).sqrt_().mul_(UNSIGNED_LEVELS).add_(0.5).floor_()
     s.clamp_(max=UNSIGNED_LEVELS)
     s = torch.where(r > 0, s.clamp(min=1.0), s)
-    return s.to(torch.uint8).view(-1)[:n].clone(), scale
+    return s.to(torch.uint8).view(-1)[:n].clone()
 
 
 def dequantize_sq(codes: torch.Tensor, scale: torch.Tensor,

@@ -22,6 +22,7 @@ import torch
 
 from ..engine.batch import IGNORE_INDEX, Batch
 from ..util.atomic import atomic_write
+from ..util.safe_load import load_data_file
 from .data_files import (NO_TRAINABLE, BadExample, BadInputLedger, data_files, files_digest,
                          read_records)
 from .formats import check_format_name, check_tokenizer_for, detect_format, encode_example
@@ -283,7 +284,7 @@ def _save_cache(path: Path, data: TrainData) -> None:
 
 
 def _load_cache(path: Path, key: str) -> TrainData:
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    obj = load_data_file(path)
     if obj.get("format_version") != CACHE_FORMAT_VERSION or obj.get("key") != key:
         raise ValueError("written by another version or for other data")
     return TrainData(Rows(obj["train_input_ids"].long(), obj["train_labels"].long()),

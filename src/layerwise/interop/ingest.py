@@ -1,0 +1,204 @@
+"""``layerwise ckpt import``: compact a pile of ordinary checkpoints into a layer-wise run.
+
+Each checkpoint (an HF Trainer ``checkpoint-N`` dir or an HF model dir) becomes one step of the
+run, oldest first: the Trainer's ``global_step``, else the order given. The steps are saved by a
+``Checkpointer`` whose provider serves the checkpoint being imported (``ImportProvider``), so
+the run is written by the same code, in the same format and with the same commit protocol as a
+training run's. The save is synchronous and copies nothing: each group is read from the
+checkpoint when it is measured or written, one at a time (plus, under a policy that reads
+weight changes, the tracker's reference weights of every group, as in training).
+
+Under ``full`` every group is stored, and content addressing stores a group whose bytes equal
+an earlier version (a frozen layer) once. Under ``filter``/``topk``/``budget`` the tracker
+measures each group's change since its stored version, from the checkpoints themselves, and only
+the groups the policy picks are stored (LLMTailor's tailoring, after the fact); the others
+resolve to their stored version. An import into a run that has steps continues it: the stored
+versions are the references, so importing a pile in two parts stores what one import would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..ckpt.checkpointer import Checkpointer
+from ..ckpt.policies import make_policy
+from ..ckpt.resolve import ResolvedStep, open_run_step
+from ..ckpt.run_dir import RunDir
+from ..ckpt.state import PARAM, rng_parts
+from ..models.names import config_is_tied, group_of
+from .layout import CheckpointSource
+from .sources import open_source
+
+
+@dataclass
+class ImportedStep:
+    step: int
+    source: str
+    input_bytes: int
+    """Bytes of the checkpoint directory's files."""
+    selected: list[str]
+    """Groups the policy chose (all, under ``full``)."""
+    written: list[str]
+    """Chosen groups whose bytes were new (the rest equalled a stored version)."""
+    bytes_written: int
+    """New blob bytes plus the step's own files (``SaveReport.bytes_written``)."""
+
+
+@dataclass
+class ImportReport:
+    run: str
+    policy: str
+    steps: list[ImportedStep]
+    input_bytes: int
+    """Sum of the imported checkpoints' file sizes."""
+    stored_bytes: int
+    """How much the run directory grew, measured on the disk."""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class ImportProvider:
+    """The checkpoint being imported as a ``StateProvider``: groups read on demand (the last one
+    kept, so the size and change passes of a save read it once)."""
+
+    def __init__(self, source: CheckpointSource):
+        config = source.model_config()
+        self.tied = config_is_tied(config) if config else False
+        hf_names = getattr(source, "hf_names", None)
+        if hf_names is None:
+            raise ValueError(f"{source!r}: import reads HF model dirs and HF Trainer checkpoints")
+        self._groups: dict[str, list[str]] = {g: [] for g in source.groups()}
+        for n in hf_names():
+            g = group_of(n, self.tied)
+            if g in self._groups:  # not e.g. a tied head's stored copy
+                self._groups[g].append(n)
+        self.source = source
+        self.extra: dict[str, Any] = {}
+        self._cached: tuple[str, dict[str, torch.Tensor]] | None = None
+        self.use(source)
+
+    def use(self, source: CheckpointSource) -> None:
+        """Serve ``source`` from now on; it must be a checkpoint of the same model."""
+        if source.groups() != list(self._groups):
+            raise ValueError(f"checkpoint groups {source.groups()} differ from the first "
+                             f"checkpoint's {list(self._groups)}; import checkpoints of one model")
+        self.source, self._cached = source, None
+        self.extra = source.extra_state()
+
+    def _group(self, group: str) -> dict[str, torch.Tensor]:
+        if self._cached is None or self._cached[0] != group:
+            self._cached = None  # drop the previous group before reading the next
+            self._cached = (group, self.source.load_group(group))
+        return self._cached[1]
+
+    def group_names(self) -> dict[str, list[str]]:
+        return self._groups
+
+    def params(self, group: str) -> dict[str, torch.Tensor]:
+        return {k[len(PARAM):]: t for k, t in self._group(group).items() if k.startswith(PARAM)}
+
+    def grads(self, group: str) -> dict[str, torch.Tensor]:
+        return {}
+
+    def optimizer_state(self, group: str) -> dict[str, torch.Tensor]:
+        return {k: t for k, t in self._group(group).items() if not k.startswith(PARAM)}
+
+    def load_group(self, group: str, tensors: dict[str, torch.Tensor]) -> None:
+        raise ValueError("an imported checkpoint is read-only")
+
+    def model_config(self) -> dict | None:
+        return self.source.model_config()
+
+    def param_groups_state(self) -> list[dict] | None:
+        return self.extra.get("optimizer_param_groups")
+
+    def rng_state(self) -> tuple[dict | None, dict[str, torch.Tensor]]:
+        return rng_parts(self.extra.get("rng"))
+
+
+class _SourceScheduler:
+    """The imported checkpoint's LR-scheduler state, where a ``Checkpointer`` reads a scheduler."""
+
+    def __init__(self, provider: ImportProvider):
+        self.provider = provider
+
+    def state_dict(self) -> dict | None:
+        return self.provider.extra.get("scheduler")
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def _ordered(paths: list[str | Path]) -> list[tuple[int, Path, CheckpointSource]]:
+    """(step, path, source) oldest first: by the checkpoints' own steps when each has one, else
+    in the order given, numbered from 1."""
+    opened = []
+    for p in paths:
+        src = open_source(p)
+        if isinstance(src, ResolvedStep):
+            raise ValueError(f"{p} is a layer-wise run already; import reads HF model dirs and HF "
+                             "Trainer checkpoints (merge a run's step to one first)")
+        opened.append((int(src.extra_state().get("step") or 0), Path(p), src))
+    steps = [s for s, _, _ in opened]
+    if all(s > 0 for s in steps):
+        if len(set(steps)) != len(steps):
+            dup = sorted({s for s in steps if steps.count(s) > 1})
+            raise ValueError(f"several checkpoints are at step(s) {dup}; import each step once")
+        return sorted(opened, key=lambda o: o[0])
+    if any(s > 0 for s in steps):
+        raise ValueError("some checkpoints have a step (Trainer checkpoints) and some do not (HF "
+                         "model dirs); import them separately, or all in the order given as HF dirs")
+    return [(i + 1, p, src) for i, (_, p, src) in enumerate(opened)]
+
+
+def import_checkpoints(paths: list[str | Path], run_dir: str | Path, policy: str = "full",
+                       on_step: Callable[[ImportedStep], None] | None = None) -> ImportReport:
+    """Import ``paths`` into the layer-wise run ``run_dir`` (created if needed) under ``policy``
+    (a registry name, optionally with options: ``filter:threshold=0.01,max_staleness=4``).
+    ``on_step`` is called after each step is committed."""
+    if not paths:
+        raise ValueError("give at least one checkpoint to import")
+    make_policy(policy)  # a mistyped policy fails before any checkpoint is read
+    ordered = _ordered(paths)
+    provider = ImportProvider(ordered[0][2])
+    run = Path(run_dir)
+    if (run / "format.json").exists():
+        store = RunDir.open(run)
+        latest = store.latest_step()
+        if latest is not None:
+            if latest >= ordered[0][0]:
+                raise ValueError(f"{run} already has step {latest}; import only checkpoints after "
+                                 f"it (the first one here is step {ordered[0][0]}), or into a new run")
+            stored = list(store.read_manifest(latest)["groups"])
+            if stored != list(provider.group_names()):
+                raise ValueError(f"{run} holds groups {stored}, the checkpoints "
+                                 f"{list(provider.group_names())}: another model; use a new run")
+    before = dir_bytes(run) if run.exists() else 0
+    steps: list[ImportedStep] = []
+    with Checkpointer(run, provider=provider, scheduler=_SourceScheduler(provider), policy=policy,
+                      async_save=False, sync_copy=False, snapshot="sync",
+                      tracker_log=False) as ck:
+        if ck.has_checkpoint() and getattr(ck.policy, "uses_change", True):
+            # continuing an import: changes are measured against the versions stored so far
+            rs = open_run_step(run)
+            ck.tracker.reset({g: {k[len(PARAM):]: t for k, t in rs.load_group(g).items()
+                                  if k.startswith(PARAM)} for g in rs.groups()})
+        for step, path, src in ordered:
+            provider.use(src)
+            rep = ck.save(step, trainer_state=provider.extra.get("trainer_state"),
+                          extra={"imported_from": str(path)})
+            done = ImportedStep(step, str(path), dir_bytes(path), list(rep.selected),
+                                list(rep.written or []), int(rep.bytes_written or 0))
+            steps.append(done)
+            if on_step is not None:
+                on_step(done)
+        policy_name = ck.policy.name
+    return ImportReport(str(run), policy_name, steps, sum(s.input_bytes for s in steps),
+                        dir_bytes(run) - before)

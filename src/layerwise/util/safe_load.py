@@ -1,0 +1,59 @@
+"""The one way layerwise reads a ``torch.save`` file: as data, never as code.
+
+A ``.pt`` / ``.pth`` / ``.bin`` file is a pickle, and unpickling may call any importable
+function (``os.system`` included). Everything here goes through ``torch.load(weights_only=True)``,
+which rebuilds only tensors, containers and primitives, plus an explicit allowlist of the few
+classes the files we read hold (``ALLOWED_GLOBALS``). A file that needs anything else is refused
+with the class named, before any of it is called.
+
+What the files we read hold: a Trainer's ``optimizer.pt`` and ``scheduler.pt`` (tensors, dicts,
+lists, numbers), ``pytorch_model.bin`` (tensors), ``rng_state.pth`` (also numpy's RNG state: an
+array and its dtype), our own staged optimizer moments and tokenized-data cache (tensors).
+``training_args.bin`` (a pickled ``TrainingArguments``) is not read.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ALLOWED_GLOBALS: list = [
+    np.core.multiarray._reconstruct if not hasattr(np, "_core") else np._core.multiarray._reconstruct,
+    np.ndarray,
+    np.dtype,
+    type(np.dtype(np.uint32)),
+]
+"""Beyond what ``weights_only`` allows by default: numpy's array rebuild, array and dtype classes
+(the Trainer's ``rng_state.pth`` holds ``np.random.get_state()``; the same list as
+``transformers.trainer_pt_utils.safe_globals``)."""
+
+
+def load_data_file(path: str | Path, *, mmap: bool = False) -> Any:
+    """``torch.load`` of ``path`` onto the CPU with ``weights_only=True`` and ``ALLOWED_GLOBALS``.
+
+    ``mmap``: memory-map the tensors where the file allows it (zip files; a legacy file is read
+    whole). Raises ``ValueError`` naming the class when the file needs one outside the allowlist.
+    """
+    try:
+        with torch.serialization.safe_globals(ALLOWED_GLOBALS):
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            except RuntimeError as e:
+                if not mmap or "mmap" not in str(e):
+                    raise
+                return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = found.group(1) if found else "an object that is not plain data"
+        raise ValueError(
+            f"{path} needs {what} to load, which layerwise does not allow: loading it could run "
+            "code the file names. layerwise reads only tensors, containers, numbers and numpy "
+            "RNG state from .pt/.pth/.bin files. If you trust the file, load it yourself and "
+            "save the plain state (e.g. torch.save(obj.state_dict(), ...)); for weights, use "
+            "safetensors (model.safetensors)."
+        ) from None
