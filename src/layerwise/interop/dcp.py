@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex, Stor
 
 from ..models.names import group_sort_key, groups_of_model
 from ..util.dtypes import parse_dtype
+from ..util.safe_load import load_data_file
 from .hf_dir import read_json
 from .hf_export import require_config, write_config_files
 from .layout import CONFIG_NAME, EXP_AVG, EXP_AVG_SQ, PARAM, STEP, CheckpointSource, meta_model
@@ -198,11 +199,8 @@ class _DataOnlyReader(FileSystemReader):
 
 class _DataOnlyLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise ValueError(f"DCP value {read_item.dest_index.fqn!r} is not plain data: {e}") from None
-        self.original_state_dict[read_item.dest_index.fqn] = obj  # flat requests only
+        # flat requests only (DCPCheckpointSource)
+        self.original_state_dict[read_item.dest_index.fqn] = load_data_file(value)
 
 
 
@@ -251,6 +249,10 @@ class DCPCheckpointSource:
 
     def groups(self) -> list[str]:
         return sorted(self._groups, key=group_sort_key)
+
+    def hf_names(self) -> list[str]:
+        """The parameters the checkpoint holds (a tied head once, as the embedding)."""
+        return self._names()
 
     def load_group(self, group: str) -> dict[str, torch.Tensor]:
         if group not in self._groups:

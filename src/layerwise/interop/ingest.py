@@ -72,7 +72,8 @@ class ImportProvider:
         self.tied = config_is_tied(config) if config else False
         hf_names = getattr(source, "hf_names", None)
         if hf_names is None:
-            raise ValueError(f"{source!r}: import reads HF model dirs and HF Trainer checkpoints")
+            raise ValueError(f"{source!r}: import reads HF model dirs, HF Trainer checkpoints, DeepSpeed "
+                             "ZeRO saves and DCP dirs")
         self._groups: dict[str, list[str]] = {g: [] for g in source.groups()}
         for n in hf_names():
             g = group_of(n, self.tied)
@@ -143,8 +144,8 @@ def _ordered(paths: list[str | Path]) -> list[tuple[int, Path, CheckpointSource]
     for p in paths:
         src = open_source(p)
         if isinstance(src, ResolvedStep):
-            raise ValueError(f"{p} is a layer-wise run already; import reads HF model dirs and HF "
-                             "Trainer checkpoints (merge a run's step to one first)")
+            raise ValueError(f"{p} is a layer-wise run already; import reads HF model dirs, HF "
+                             "Trainer checkpoints, ZeRO saves and DCP dirs (merge a run's step to one first)")
         opened.append((int(src.extra_state().get("step") or 0), Path(p), src))
     steps = [s for s, _, _ in opened]
     if all(s > 0 for s in steps):

@@ -36,9 +36,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import mmap
 import os
-import pickle
 import re
 import shutil
 from functools import cached_property
@@ -50,6 +48,7 @@ import torch
 from ..models.names import group_sort_key, groups_of_model
 from ..util.atomic import atomic_write_text, fsync_dir
 from ..util.jsonable import jsonable
+from ..util.safe_load import load_data_file
 from .hf_dir import read_json
 from .hf_export import require_config, write_config_files
 from .layout import CONFIG_NAME, EXP_AVG, EXP_AVG_SQ, PARAM, STEP, CheckpointSource, meta_model
@@ -89,16 +88,7 @@ _ALLOWED = [
 def load_zero_file(path: Path, writable: bool = False) -> dict:
     """One ZeRO ``.pt`` file, memory-mapped, as data only (see the module docstring).
     ``writable``: mapped shared, so writes into its tensors go to the file."""
-    try:
-        with torch.serialization.safe_globals(_ALLOWED), \
-                torch.serialization.set_default_mmap_options(mmap.MAP_SHARED if writable else mmap.MAP_PRIVATE):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as e:
-        m = re.search(r"GLOBAL ([\w.]+)", str(e))
-        needs = m.group(1) if m else str(e).strip().splitlines()[0]
-        raise ValueError(f"{path}: refusing to unpickle it: it needs {needs}, which is neither a tensor nor "
-                         "one of the DeepSpeed classes a ZeRO checkpoint holds (a file from an untrusted "
-                         "source could run code this way)") from None
+    return load_data_file(path, mmap=True, writable=writable, allow=_ALLOWED)
 
 
 def is_zero_checkpoint(path: Path) -> bool:
@@ -310,6 +300,10 @@ class ZeroCheckpointSource:
 
     def groups(self) -> list[str]:
         return sorted(self._groups, key=group_sort_key)
+
+    def hf_names(self) -> list[str]:
+        """The parameters the save holds (a tied head once, as the embedding)."""
+        return list(self._slots)
 
     def load_group(self, group: str) -> dict[str, torch.Tensor]:
         if group not in self._groups:

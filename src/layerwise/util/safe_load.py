@@ -14,10 +14,11 @@ array and its dtype), our own staged optimizer moments and tokenized-data cache 
 
 from __future__ import annotations
 
+import mmap as mmap_module
 import pickle
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Sequence
 
 import numpy as np
 import torch
@@ -33,14 +34,20 @@ ALLOWED_GLOBALS: list = [
 ``transformers.trainer_pt_utils.safe_globals``)."""
 
 
-def load_data_file(path: str | Path, *, mmap: bool = False) -> Any:
+def load_data_file(path: str | Path | BinaryIO, *, mmap: bool = False, writable: bool = False,
+                   allow: Sequence = ()) -> Any:
     """``torch.load`` of ``path`` onto the CPU with ``weights_only=True`` and ``ALLOWED_GLOBALS``.
 
     ``mmap``: memory-map the tensors where the file allows it (zip files; a legacy file is read
-    whole). Raises ``ValueError`` naming the class when the file needs one outside the allowlist.
+    whole); ``writable``: map it shared, so writes into the tensors go to the file. ``allow``:
+    more classes a particular format holds, as ``(stand_in, "module.Name")`` pairs (e.g. inert
+    stand-ins for DeepSpeed's). Raises ``ValueError`` naming the class when the file needs one
+    outside the allowlist.
     """
+    share = mmap_module.MAP_SHARED if writable else mmap_module.MAP_PRIVATE
     try:
-        with torch.serialization.safe_globals(ALLOWED_GLOBALS):
+        with torch.serialization.safe_globals([*ALLOWED_GLOBALS, *allow]), \
+                torch.serialization.set_default_mmap_options(share):
             try:
                 return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
             except RuntimeError as e:
