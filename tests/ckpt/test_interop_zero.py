@@ -229,3 +229,15 @@ def test_import_of_zero_saves_resolves_to_each_save(zero_dir, tmp_path):
         for name, kinds in want.items():
             for kind, t in kinds.items():
                 assert torch.equal(got[name][kind], t), (step, name, kind)
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_two_rank_save_resumes_at_world_size_one(zero_dir, stage):
+    """World size 2 -> 1: the 2-rank step-4 save merged into a 1-rank run's template and loaded
+    by DeepSpeed at world size 1 holds exactly the 2-rank save's weights and moments."""
+    resumed = torch.load(zero_dir / "ws1" / f"zero{stage}" / "resumed.pt", weights_only=True)
+    want = torch.load(zero_dir / f"zero{stage}" / f"reference_step{SAVE_STEPS[1]}.pt", weights_only=True)
+    assert set(resumed) == set(want)
+    for name, kinds in want.items():
+        for kind, t in kinds.items():
+            assert torch.equal(resumed[name][kind], t), (name, kind)

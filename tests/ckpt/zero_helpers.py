@@ -109,16 +109,20 @@ def _train_step(engine, gen) -> float:
     return float(loss)
 
 
-def _worker(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
+def _init(rank: int, world_size: int, port: int) -> None:
     os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(WORLD_SIZE))
+                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
     import deepspeed
     # DeepSpeed's shared-memory all-reduce kernel only speeds up CPU collectives; without it
     # DeepSpeed uses gloo and skips a C++ build of a minute or more.
     # (``deepspeed.comm.torch`` as an attribute is the torch package, re-exported: go by module name.)
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
+
+
+def _worker(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
+    _init(rank, WORLD_SIZE, port)
     for stage in stages:
         engine = _engine(stage)
         gen = torch.Generator().manual_seed(rank)
@@ -159,7 +163,29 @@ def _worker(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
     dist.destroy_process_group()
 
 
+def _one_rank_worker(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
+    """World size 2 -> 1: a 1-rank run saves a template after one step; the 2-rank step-4 save is
+    merged into it and loaded by DeepSpeed at world size 1 (``ws1/zero{stage}/resumed.pt``)."""
+    _init(rank, 1, port)
+    for stage in stages:
+        run = Path(out) / "ws1" / f"zero{stage}"
+        engine = _engine(stage)
+        _train_step(engine, torch.Generator().manual_seed(7))
+        engine.save_checkpoint(str(run), tag="global_step1")
+        engine.destroy()
+        source = Path(out) / f"zero{stage}" / f"global_step{SAVE_STEPS[1]}"
+        merge(source, run / "merged", format="deepspeed", template=run / "global_step1")
+        engine = _engine(stage)
+        engine.load_checkpoint(str(run / "merged"))
+        _relink(engine, stage)
+        torch.save(_full_state(engine), run / "resumed.pt")
+        engine.destroy()
+    dist.destroy_process_group()
+
+
 def make_zero_checkpoints(out: Path, stages: tuple[int, ...] = (1, 2, 3)) -> Path:
-    """``out/zero{stage}/global_step{N}`` for each stage, with references and config.json."""
+    """``out/zero{stage}/global_step{N}`` for each stage, with references and config.json, the
+    2-rank merge-and-resume of each, and (stages 2 and 3) the same resumed at world size 1."""
     mp.spawn(_worker, args=(_free_port(), str(out), stages), nprocs=WORLD_SIZE)
+    mp.spawn(_one_rank_worker, args=(_free_port(), str(out), tuple(s for s in stages if s >= 2)), nprocs=1)
     return out
