@@ -19,8 +19,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
+from layerwise.ckpt.resolve import open_run_step
 from layerwise.cli import main
 from layerwise.interop.dcp import DCPCheckpointSource
+from layerwise.interop.ingest import import_checkpoints
 from layerwise.interop.merge import merge
 from layerwise.interop.sources import open_source
 from layerwise.interop.trainer import trainer_param_groups
@@ -197,3 +199,18 @@ def test_dcp_metadata_that_would_run_code_is_refused(exported, tmp_path):
     with pytest.raises(ValueError, match="system.*not a DCP metadata class"):
         open_source(evil)
     assert not marker.exists()
+
+
+def test_import_of_dcp_exports_resolves_to_each(tmp_path):
+    """``ckpt import`` takes DCP dirs (step from ``train_state.step``): two exports of one run,
+    three steps apart, resolve back to themselves."""
+    model, opt = trained(steps=2)
+    first = merge(LiveModelSource(model, opt, step=2), tmp_path / "a", format="dcp")["out"]
+    for _ in range(3):
+        model(torch.randint(0, 96, (2, 8)), labels=torch.randint(0, 96, (2, 8))).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    second = merge(LiveModelSource(model, opt, step=5), tmp_path / "b", format="dcp")["out"]
+    import_checkpoints([second, first], tmp_path / "run", policy="full")
+    for step, path in ((2, first), (5, second)):
+        assert groups_equal(open_source(path), open_run_step(tmp_path / "run", step)) == []
