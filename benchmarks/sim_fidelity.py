@@ -1,13 +1,14 @@
 """Simulator fidelity: calibrate this machine, predict the engine's step time, then measure it.
 
 On this CPU, a ~30M-parameter Llama (``llama-30m``) is trained by the streaming engine under
-several plans; for each, the simulator (with a profile measured by ``calibrate`` in the same
-run) predicts the steady-state step time before the engine runs it. Plans run interleaved
-(round-robin, several rounds), and the median step per plan is compared with its prediction.
-Calibration keeps the fastest of its repeats and the engine's measured step is the fastest
-round (the machine is shared: both sides then see it uncontended); medians are reported too.
-Prints one JSON object with ``cases`` (``predicted_s``, ``measured_s``, ``error_pct``) and
-``max_abs_error_pct``.
+several plans; for each, the simulator predicts the steady-state step time from a profile
+measured by ``calibrate``, and the engine runs it. Calibration and measurement share their
+window: every round calibrates afresh, then runs every plan (round-robin), and each
+measurement is compared with the prediction from its own round's calibration, so a change of
+load between rounds moves both sides. Per plan the error is the median over rounds; the load
+average is recorded at the start and end of each round. Prints one JSON object with ``cases``
+(``predicted_s``, ``measured_s``, ``error_pct`` per round and their medians) and
+``max_abs_error_pct`` (over plans, of the median error).
 
     python benchmarks/sim_fidelity.py [--quick]
 """
@@ -64,9 +65,6 @@ def main() -> int:
         "mixed-nvme": Plan(["device", "host", "nvme", "recompute", "recompute"] * (L // 5), source="mixed", **kw),
     }
     t0 = time.perf_counter()
-    hw = calibrate(quick=args.quick)
-    calibrate_s = time.perf_counter() - t0
-    predicted = {name: simulate(p, shape, hw, steps=2, keep_trace=False).step_s for name, p in plans.items()}
 
     model = build_hf_model(cfg, seed=0)
     adapter = DecoderAdapter(cfg)
@@ -84,7 +82,16 @@ def main() -> int:
     steps = 2 if args.quick else 3
     rounds = 3 if args.quick else 5
     times: dict[str, list[float]] = {name: [] for name in plans}
+    predicted: dict[str, list[float]] = {name: [] for name in plans}
+    profiles, loads, calibrate_s = [], [], []
     for _ in range(rounds):
+        load_start = os.getloadavg()[0]
+        t = time.perf_counter()
+        hw = calibrate(quick=args.quick)
+        calibrate_s.append(time.perf_counter() - t)
+        profiles.append(hw.to_dict())
+        for name, p in plans.items():
+            predicted[name].append(simulate(p, shape, hw, steps=2, keep_trace=False).step_s)
         for name, eng in engines.items():
             eng.train_step(batches)  # warm-up; its optimizer update overlaps the next step
             t = time.perf_counter()
@@ -92,17 +99,17 @@ def main() -> int:
                 eng.train_step(batches)
             eng.synchronize()
             times[name].append((time.perf_counter() - t) / steps)
+        loads.append((load_start, os.getloadavg()[0]))
     for eng in engines.values():
         eng.close()
     cases = []
     for name in plans:
-        # fastest round, like calibrate's fastest repeat: both sides see the machine when others
-        # let it; the median is reported too
-        measured = min(times[name])
-        cases.append({"plan": name, "boundary_tiers": plans[name].boundary_tiers, "predicted_s": predicted[name],
-                      "measured_s": measured, "measured_median_s": statistics.median(times[name]),
-                      "measured_rounds_s": times[name],
-                      "error_pct": 100.0 * (predicted[name] - measured) / measured})
+        errors = [100.0 * (p - m) / m for p, m in zip(predicted[name], times[name])]
+        cases.append({"plan": name, "boundary_tiers": plans[name].boundary_tiers,
+                      "predicted_s": statistics.median(predicted[name]),
+                      "measured_s": statistics.median(times[name]),
+                      "predicted_rounds_s": predicted[name], "measured_rounds_s": times[name],
+                      "error_rounds_pct": errors, "error_pct": statistics.median(errors)})
     out = {
         "benchmark": "sim_fidelity",
         "quick": args.quick,
@@ -110,7 +117,8 @@ def main() -> int:
                    "num_micro_batches": m, "steps_per_round": steps, "rounds": rounds},
         "machine": {"platform": platform.platform(), "python": sys.version.split()[0], "cpus": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "load_avg_1m": os.getloadavg()[0]},
-        "profile": hw.to_dict(),
+        "load_avg_1m_rounds": loads,
+        "profiles": profiles,
         "calibrate_s": calibrate_s,
         "cases": cases,
         "max_abs_error_pct": max(abs(c["error_pct"]) for c in cases),

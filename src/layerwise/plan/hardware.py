@@ -60,6 +60,10 @@ class HardwareProfile:
     """True when copies and compute cannot overlap (the CPU backend): one lane for everything."""
     op_overhead_s: float = 0.0
     """Fixed cost of one compute op (launches, Python), seconds."""
+    fwd_efficiency: float | None = None
+    """Fraction of ``peak_tflops`` a layer's forward without a graph reaches (the engine's
+    ``layer_fwd`` and recompute); None = ``efficiency``. Calibration measures both: a forward
+    without autograd bookkeeping runs at a different rate than forward + backward."""
     format_version: int = PROFILE_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -67,8 +71,10 @@ class HardwareProfile:
                   "optimizer_params_per_s", "optimizer_8bit_params_per_s", "host_accum_gbps"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"hardware profile {self.name!r}: {f} must be > 0, got {getattr(self, f)}")
-        if not 0 < self.efficiency <= 1:
-            raise ValueError(f"hardware profile {self.name!r}: efficiency must be in (0, 1], got {self.efficiency}")
+        for f in ("efficiency", "fwd_efficiency"):
+            v = getattr(self, f)
+            if v is not None and not 0 < v <= 1:
+                raise ValueError(f"hardware profile {self.name!r}: {f} must be in (0, 1], got {v}")
         if self.device_mem_bytes <= self.device_reserved_bytes:
             raise ValueError(f"hardware profile {self.name!r}: device_mem_bytes must exceed device_reserved_bytes")
         if self.host_mem_bytes <= self.host_reserved_bytes:
@@ -82,6 +88,12 @@ class HardwareProfile:
     def flops_per_s(self) -> float:
         """Sustained FLOP/s the cost model uses."""
         return self.peak_tflops * 1e12 * self.efficiency
+
+    @property
+    def fwd_flops_per_s(self) -> float:
+        """Sustained FLOP/s of a forward without a graph."""
+        eff = self.efficiency if self.fwd_efficiency is None else self.fwd_efficiency
+        return self.peak_tflops * 1e12 * eff
 
     @property
     def device_cap_bytes(self) -> int:
