@@ -24,7 +24,7 @@ def test_layer_fit_recovers_rates_and_overhead(monkeypatch):
     times = [overhead_s + 3 * flops[512] / bwd_rate, overhead_s + 3 * flops[8] / bwd_rate,
              overhead_s + flops[512] / fwd_rate, overhead_s + flops[8] / fwd_rate]
     calls = iter(times)  # measure_layer times: backward 512, backward 8, forward 512, forward 8
-    monkeypatch.setattr(calibrate, "_best_time", lambda fn, repeats, sync=None: next(calls))
+    monkeypatch.setattr(calibrate, "_best_time", lambda *a, **kw: next(calls))
     b, f, o = calibrate.measure_layer("cpu", __import__("torch").float32, 512, 1)
     assert b == pytest.approx(bwd_rate, rel=1e-9)
     assert f == pytest.approx(fwd_rate, rel=1e-9)

@@ -39,17 +39,21 @@ from ..store import FlatLayout, UnitBuffers
 from .layer_ops import layer_backward
 
 
-def _best_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
+Clock = Callable[[], float]
+
+
+def _best_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None,
+               clock: Clock = time.perf_counter) -> float:
     """Fastest of ``repeats`` runs after a warm-up: what the machine can do when others let it
     (shared machines are noisy; the minimum is the stable statistic, as in ``timeit``)."""
     fn()
     sync()
     times = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = clock()
         fn()
         sync()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return min(times)
 
 
@@ -60,15 +64,16 @@ def _total_ram_bytes() -> int:
         return 16 * GB
 
 
-def measure_matmul_tflops(device: str, dtype, n: int, repeats: int) -> float:
+def measure_matmul_tflops(device: str, dtype, n: int, repeats: int, clock: Clock = time.perf_counter) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    t = _best_time(lambda: torch.mm(a, b), repeats, sync)
+    t = _best_time(lambda: torch.mm(a, b), repeats, sync, clock)
     return 2 * n**3 / t / 1e12
 
 
-def measure_layer(device: str, dtype, tokens: int, repeats: int) -> tuple[float, float, float]:
+def measure_layer(device: str, dtype, tokens: int, repeats: int,
+                  clock: Clock = time.perf_counter) -> tuple[float, float, float]:
     """(FLOP/s of a llama-30m layer's backward as the engine runs it, FLOP/s of its forward
     without a graph, seconds of fixed cost per op), each a fit through ``tokens`` and 8 tokens.
 
@@ -102,15 +107,16 @@ def measure_layer(device: str, dtype, tokens: int, repeats: int) -> tuple[float,
     big = CostModel(shape, PRESETS["cpu"], 1, tokens).layer_fwd_flops(0)
     small = CostModel(shape, PRESETS["cpu"], 1, 8).layer_fwd_flops(0)
     (bwd_big, fwd_big), (bwd_small, fwd_small) = run(tokens), run(8)
-    tb, tb8 = _best_time(bwd_big, repeats, sync), _best_time(bwd_small, repeats, sync)
-    tf, tf8 = _best_time(fwd_big, repeats, sync), _best_time(fwd_small, repeats, sync)
+    tb, tb8 = _best_time(bwd_big, repeats, sync, clock), _best_time(bwd_small, repeats, sync, clock)
+    tf, tf8 = _best_time(fwd_big, repeats, sync, clock), _best_time(fwd_small, repeats, sync, clock)
     bwd_rate = 3 * (big - small) / max(tb - tb8, 1e-9)
     fwd_rate = (big - small) / max(tf - tf8, 1e-9)
     overhead = max(0.0, tf8 - small / fwd_rate)
     return bwd_rate, fwd_rate, overhead
 
 
-def measure_copy_gbps(device: str, nbytes: int, repeats: int) -> tuple[float, float]:
+def measure_copy_gbps(device: str, nbytes: int, repeats: int,
+                      clock: Clock = time.perf_counter) -> tuple[float, float]:
     n = nbytes // 4
     if device.startswith("cuda"):
         host = torch.empty(n, dtype=torch.float32).pin_memory()
@@ -126,7 +132,7 @@ def measure_copy_gbps(device: str, nbytes: int, repeats: int) -> tuple[float, fl
     src = torch.ones(piece, dtype=torch.float32)
     k = max(1, n // piece)
     slots = [torch.empty(piece, dtype=torch.float32) for _ in range(2)]
-    t = _best_time(lambda: [slots[j % 2].copy_(src) for j in range(k)], repeats)
+    t = _best_time(lambda: [slots[j % 2].copy_(src) for j in range(k)], repeats, clock=clock)
     return k * piece * 4 / t / 1e9, k * piece * 4 / t / 1e9
 
 
@@ -158,44 +164,51 @@ def _probe_unit(numel: int):
     return UnitBuffers(unit, FlatLayout.of(unit), torch.zeros(n), torch.randn(n))
 
 
-def measure_optimizer(numel: int, repeats: int) -> tuple[float, float]:
+def measure_optimizer(numel: int, repeats: int, clock: Clock = time.perf_counter) -> tuple[float, float]:
     """(host AdamW params/s with fp32 moments, grad-accumulate GB/s), as the engine runs them."""
     buf = _probe_unit(numel)
     opt = HostAdamW(AdamWConfig())
     opt.init_state(buf)
-    t = _best_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats)
+    t = _best_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats, clock=clock)
     grad = torch.zeros(buf.layout.numel)
     copy = torch.randn(buf.layout.numel)
-    ta = _best_time(lambda: grad.add_(copy), repeats)
+    ta = _best_time(lambda: grad.add_(copy), repeats, clock=clock)
     return buf.layout.numel / t, buf.layout.numel * 12 / ta / 1e9
 
 
-def measure_optimizer_8bit(numel: int, repeats: int) -> float:
+def measure_optimizer_8bit(numel: int, repeats: int, clock: Clock = time.perf_counter) -> float:
     """Params/s of the project's block-wise 8-bit AdamW."""
     buf = _probe_unit(numel)
     opt = HostAdamW8bit(AdamWConfig())
     opt.init_state(buf)
-    t = _best_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats)
+    t = _best_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats, clock=clock)
     return buf.layout.numel / t
 
 
 def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None = None,
-              name: str | None = None) -> HardwareProfile:
+              name: str | None = None, cpu_time: bool = False) -> HardwareProfile:
+    """``cpu_time``: time the compute, copies and optimizer by this process's CPU clock
+    (``time.process_time``), not the wall clock: on a machine shared with other jobs that is what
+    the work costs rather than how long the others let it run. CPU only (a GPU's work is not
+    this process's CPU time); the disk is timed by the wall clock either way."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda but CUDA is not available; use --device cpu")
     on_gpu = device.startswith("cuda")
+    if cpu_time and on_gpu:
+        raise ValueError("cpu_time calibration is for the CPU backend; a GPU is timed by the wall clock")
+    clock = time.process_time if cpu_time else time.perf_counter
     dtype = torch.bfloat16 if on_gpu else torch.float32
     reps = 3 if quick else 7
     n = (4096 if on_gpu else 1024) if quick else (8192 if on_gpu else 2048)
-    layer_rate, fwd_rate, overhead = measure_layer(device, dtype, 512, reps)  # small counts under-rate the rate
+    layer_rate, fwd_rate, overhead = measure_layer(device, dtype, 512, reps, clock)  # small counts under-rate the rate
     # a real layer can beat a lone square matmul of the size tried; peak is the largest of them
-    peak = max(measure_matmul_tflops(device, dtype, n, reps), layer_rate / 1e12, fwd_rate / 1e12)
-    h2d, d2h = measure_copy_gbps(device, (64 << 20) if quick else (256 << 20), reps)
+    peak = max(measure_matmul_tflops(device, dtype, n, reps, clock), layer_rate / 1e12, fwd_rate / 1e12)
+    h2d, d2h = measure_copy_gbps(device, (64 << 20) if quick else (256 << 20), reps, clock)
     nvme_r, nvme_w = measure_disk_gbps(spill_dir, (32 << 20) if quick else (256 << 20), 2 if quick else 3)
-    opt_rate, accum = measure_optimizer((4 << 20) if quick else (16 << 20), reps)
-    opt8 = measure_optimizer_8bit((4 << 20) if quick else (16 << 20), reps)
+    opt_rate, accum = measure_optimizer((4 << 20) if quick else (16 << 20), reps, clock)
+    opt8 = measure_optimizer_8bit((4 << 20) if quick else (16 << 20), reps, clock)
     ram = _total_ram_bytes()
     free_disk = _free_bytes(spill_dir or tempfile.gettempdir())
     if on_gpu:
