@@ -234,6 +234,9 @@ def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None =
         optimizer_params_per_s=opt_rate, optimizer_8bit_params_per_s=opt8,
         host_accum_gbps=accum,
         op_overhead_s=overhead,
+        # not measured: the base preset's interconnects would be a guess about another machine
+        gpus_per_node=max(1, torch.cuda.device_count()) if on_gpu else 1,
+        intra_node_gbps=None, inter_node_gbps=None, node_host_link_gbps=None,
     )
 
 

@@ -19,7 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ckpt_subparsers = command_group(subparsers, "ckpt")
     p = ckpt_subparsers.add_parser(
         "merge",
-        help="export a step (or a recipe of layers) to an HF model dir or HF Trainer checkpoint",
+        help="export a step (or a recipe of layers) to an HF model dir, HF Trainer or DCP checkpoint",
         description=(
             "Write an ordinary checkpoint from a layer-wise run step, an HF Trainer checkpoint-N dir "
             "or an HF model dir; or, with --recipe, from layer ranges of several of them. The output "
@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--step", type=int, default=None, help="step of a layer-wise run (default: latest)")
     p.add_argument("--recipe", default=None, help="YAML recipe (mergekit/LLMTailor slices) instead of RUN")
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    p.add_argument("--format", choices=FORMATS, default="hf", help="hf: model dir; trainer: checkpoint-N dir")
+    p.add_argument("--format", choices=FORMATS, default="hf", help="hf: model dir; trainer: checkpoint-N dir; dcp: torch.distributed.checkpoint dir")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB")
     p.add_argument("--dtype", default=None, help="cast weights (float32, bfloat16, float16); default: as stored")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")

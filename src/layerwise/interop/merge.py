@@ -1,7 +1,7 @@
 """Merge / export any checkpoint source into an ordinary checkpoint, atomically and streaming.
 
-``merge(source, out_dir, format=...)`` writes a Hugging Face model dir (``hf``) or an HF Trainer
-``checkpoint-N`` dir (``trainer``). The output is built in a hidden temp dir next to ``out_dir`` and
+``merge(source, out_dir, format=...)`` writes a Hugging Face model dir (``hf``), an HF Trainer
+``checkpoint-N`` dir (``trainer``) or a torch.distributed.checkpoint dir (``dcp``). The output is built in a hidden temp dir next to ``out_dir`` and
 renamed into place only once complete, so a failed merge (bad recipe, disk full, a kill) never
 leaves a half-written output. Sources are read one group at a time.
 
@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from ..util.atomic import fsync_dir
+from .dcp import write_dcp
 from .hf_export import write_hf
 from .layout import CheckpointSource
 from .sources import open_source
 from .trainer import write_trainer
 
-FORMATS = ("hf", "trainer")
+FORMATS = ("hf", "trainer", "dcp")
 
 
 def merge(
@@ -65,6 +66,8 @@ def merge(
     try:
         if format == "hf":
             summary = write_hf(source, tmp, max_shard_size=max_shard_size, dtype=dtype)
+        elif format == "dcp":
+            summary = write_dcp(source, tmp, dtype=dtype, hparams=hparams)
         else:
             summary = write_trainer(source, tmp, max_shard_size=max_shard_size, dtype=dtype, hparams=hparams)
         _fsync_tree(tmp)

@@ -1,17 +1,20 @@
-"""Open any checkpoint by path: a layer-wise run, an HF Trainer checkpoint or an HF model dir."""
+"""Open any checkpoint by path: a layer-wise run, a DeepSpeed ZeRO save, an HF Trainer checkpoint, a DCP
+dir or an HF model dir."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from ..ckpt.resolve import open_run_step
+from .dcp import DCPCheckpointSource, is_dcp_checkpoint
 from .hf_dir import HFModelDirSource
 from .layout import OPTIMIZER_NAME, TRAINER_STATE_NAME, WEIGHT_FILE_NAMES, CheckpointSource
 from .trainer import TrainerCheckpointSource
+from .zero import ZeroCheckpointSource, is_zero_checkpoint
 
 
 def is_layerwise_run(path: Path) -> bool:
-    return (path / "manifests").is_dir() or (path / "latest").is_file()
+    return (path / "format.json").is_file() or (path / "manifests").is_dir()
 
 
 def is_trainer_checkpoint(path: Path) -> bool:
@@ -19,7 +22,8 @@ def is_trainer_checkpoint(path: Path) -> bool:
 
 
 def open_source(path: str | Path, step: int | None = None) -> CheckpointSource:
-    """Open a layer-wise run (at ``step``, default latest), an HF Trainer checkpoint or an HF model dir.
+    """Open a layer-wise run (at ``step``, default latest), an HF Trainer checkpoint, a
+    torch.distributed.checkpoint dir or an HF model dir.
 
     ``path@N`` is accepted as a short form of ``path`` with ``step=N`` for layer-wise runs.
     """
@@ -36,13 +40,19 @@ def open_source(path: str | Path, step: int | None = None) -> CheckpointSource:
     if is_layerwise_run(p):
         return open_run_step(p, step)
     if step is not None:
-        kind = "an HF Trainer checkpoint" if is_trainer_checkpoint(p) else "an HF model dir"
+        kind = ("a DeepSpeed ZeRO checkpoint" if is_zero_checkpoint(p) else
+                "an HF Trainer checkpoint" if is_trainer_checkpoint(p) else
+                "a DCP checkpoint" if is_dcp_checkpoint(p) else "an HF model dir")
         raise ValueError(
             f"{p} is {kind}, which holds a single step; drop the step ({step}) or point at a "
             "layer-wise run dir"
         )
+    if is_zero_checkpoint(p):  # before Trainer: a Trainer + DeepSpeed checkpoint-N holds a ZeRO save
+        return ZeroCheckpointSource(p)
     if is_trainer_checkpoint(p):
         return TrainerCheckpointSource(p)
+    if is_dcp_checkpoint(p):
+        return DCPCheckpointSource(p)
     checkpoints = sorted(p.glob("checkpoint-*"), key=lambda c: (len(c.name), c.name))
     if checkpoints and not any((p / f).is_file() for f in WEIGHT_FILE_NAMES):
         raise ValueError(

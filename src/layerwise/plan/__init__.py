@@ -3,7 +3,8 @@
 Contracts first: ``plan`` (the Plan JSON), ``program`` (the step program every consumer shares),
 ``shape`` (model shape facts), ``memory`` (the device-memory model). Then the planner on top of
 them: ``hardware`` profiles, the ``cost`` model, the ``milp``, the outer ``search``, the
-discrete-event ``simulator``, its ``check``er and ``timeline`` drawing, and ``cli``.
+discrete-event ``simulator``, its ``check``er and ``timeline`` drawing, the data-parallel
+``topology`` and ``scaling`` prediction, and ``cli``.
 """
 
 from .plan import STORED_TIERS, TIERS, Plan

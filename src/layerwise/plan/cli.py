@@ -10,10 +10,12 @@ from typing import Any
 from .check import check
 from .hardware import get_hardware
 from .milp import MilpConfig
+from .scaling import ScalingPoint, ladder, predict_scaling
 from .search import PlanInfeasible, SearchConfig, search
 from .shape import load_shape
 from .simulator import simulate
 from .timeline import draw_timeline
+from .topology import GRAD_REDUCE, Topology
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +27,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", required=True, help="preset (h200, h800, h100, a100-80g, rtx3090, rtx4090, cpu) "
                                                      "or a profile JSON from `layerwise calibrate`")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
-    p.add_argument("--batch", default="auto", help="sequences per optimizer step, or 'auto' (default)")
+    p.add_argument("--batch", default="auto", help="sequences per optimizer step (all GPUs together), or 'auto' "
+                                                   "(default; with --gpus: the auto batch of one GPU, times the GPUs)")
+    p.add_argument("--gpus", type=int, default=None, help="data parallel: GPUs per node; also print the predicted "
+                                                          "step, tokens/s and speedup vs 1 GPU at 1, 2, 4, ... GPUs")
+    p.add_argument("--nodes", type=int, default=1, help="data parallel: nodes (with --gpus)")
+    p.add_argument("--grad-reduce", choices=GRAD_REDUCE, default="host",
+                   help="where gradients are summed in the prediction: 'host' (what `layerwise train` runs) or "
+                        "'device' (reduced on the GPUs before the copy), see docs/architecture.md")
     p.add_argument("--gpu-mem", type=float, default=None, help="override device memory, GB")
     p.add_argument("--host-mem", type=float, default=None, help="override host memory, GB")
     p.add_argument("--prefetch-depth", type=int, default=None,
@@ -57,7 +66,16 @@ def plan_command(args: argparse.Namespace) -> int:
             raise ValueError(f"--batch must be >= 1, got {batch}")
     shape = load_shape(args.model)
     hw = get_hardware(args.hardware).with_memory(args.gpu_mem, args.host_mem)
-    cfg = SearchConfig(global_batch=batch, prefetch_depth=args.prefetch_depth,
+    topo = None
+    if args.gpus is not None or args.nodes != 1:
+        topo = Topology(args.gpus or 1, args.nodes, args.grad_reduce)
+        topo.check(hw)
+        if batch is not None and batch % topo.world_size:
+            raise ValueError(f"--batch {batch} does not split over {topo.world_size} GPUs; use a multiple of "
+                             f"{topo.world_size}")
+    world = topo.world_size if topo else 1
+    # the plan is what one GPU runs on its share of the batch
+    cfg = SearchConfig(global_batch=None if batch is None else batch // world, prefetch_depth=args.prefetch_depth,
                        milp=MilpConfig(time_limit_s=args.time_limit, mip_rel_gap=args.gap))
     try:
         res = search(shape, hw, args.seq_len, cfg)
@@ -75,6 +93,11 @@ def plan_command(args: argparse.Namespace) -> int:
         res.plan.save(args.out)
     if args.timeline:
         draw_timeline(sim, args.timeline)
+    scaling: list[ScalingPoint] = []
+    if topo is not None:
+        global_batch = res.plan.micro_batch_size * res.plan.num_micro_batches * world
+        scaling = predict_scaling(shape, hw, res.plan, global_batch,
+                                  ladder(topo.gpus_per_node, topo.nodes, args.grad_reduce))
     rows = [("plan", res.best)] + sorted(((n, c) for n, c in res.by_name.items()),
                                          key=lambda nc: -nc[1].sim.tokens_per_s)
     if args.json:
@@ -88,6 +111,9 @@ def plan_command(args: argparse.Namespace) -> int:
             "max_micro_batch_size": res.max_micro_batch_size,
             "check": {"ok": report.ok, "peaks": report.peaks},
         }
+        if scaling:
+            out["scaling"] = {"global_batch": global_batch, "grad_reduce": args.grad_reduce,
+                              "points": [pt.row() for pt in scaling]}
         print(json.dumps(out, indent=2, default=str))
         return 0
     p = res.plan
@@ -119,8 +145,27 @@ def plan_command(args: argparse.Namespace) -> int:
           f"(peak device {_gb(report.peaks['device'])} GB, host {_gb(report.peaks['host'])} GB)")
     busy = sim.busy_s
     print("busy per step: " + ", ".join(f"{k} {v:.2f}s" for k, v in busy.items() if v > 0))
+    if scaling:
+        _print_scaling(scaling, global_batch, args.seq_len)
     if args.out:
         print(f"wrote {args.out}")
     if args.timeline:
         print(f"wrote {args.timeline}")
     return 0
+
+
+def _print_scaling(points: list[ScalingPoint], global_batch: int, seq_len: int) -> None:
+    reduce = points[0].topology.grad_reduce
+    print(f"data parallel, predicted: global batch {global_batch} x {seq_len} tokens, the plan's tiers on every "
+          f"GPU, gradients summed on the {reduce}; speedup vs 1 GPU on the same batch")
+    head = f"{'GPUs':>6}{'nodes':>6}{'mbs x n':>9}{'step s':>10}{'tokens/s':>12}{'speedup':>9}{'eff':>6}  bound (busy share of the step)"
+    print(head)
+    print("-" * len(head))
+    for pt in points:
+        t, p = pt.topology, pt.plan
+        busy = pt.busy_fractions()
+        second = sorted(busy, key=lambda k: -busy[k])[1]
+        fits = "" if pt.sim.fits else f"  DOES NOT FIT: {', '.join(pt.sim.over_capacity())}"
+        print(f"{t.world_size:>6}{t.nodes:>6}{p.micro_batch_size:>4} x{p.num_micro_batches:>3}{pt.step_s:>10.3f}"
+              f"{pt.tokens_per_s:>12,.0f}{pt.speedup:>9.2f}{pt.efficiency:>6.2f}  {pt.bound} {busy[pt.bound]:.0%}"
+              f" (then {second} {busy[second]:.0%}){fits}")

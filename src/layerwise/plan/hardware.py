@@ -1,9 +1,11 @@
 """Hardware profiles: what one machine can hold and move per second.
 
 A profile is the only thing the planner knows about a machine. Presets describe common
-single-GPU training boxes from their datasheets plus a few stated assumptions (realistic
-efficiency, pinned-copy bandwidth, the host a card usually sits in); ``layerwise calibrate``
-measures the machine it runs on and writes a profile file that replaces them.
+training boxes from their datasheets plus a few stated assumptions (realistic efficiency,
+pinned-copy bandwidth, the host a card usually sits in); ``layerwise calibrate`` measures the
+machine it runs on and writes a profile file that replaces them. Per-GPU figures are what one GPU
+gets alone; the scale-out fields (GPUs per node, the interconnects, the host side all GPUs of a
+node share) serve the data-parallel prediction (``plan.scaling``).
 
 Units: bytes, seconds, GB/s = 1e9 bytes/s, TFLOPS = 1e12 FLOP/s.
 """
@@ -19,7 +21,9 @@ from ..util.atomic import atomic_write_text
 
 GB = 10**9
 GIB = 2**30
-PROFILE_FORMAT_VERSION = 1
+PROFILE_FORMAT_VERSION = 3
+"""2: adds the optional scale-out fields (``gpus_per_node`` ... ``node_host_link_gbps``); a version 1
+file is read as a single-GPU profile without them."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,18 @@ class HardwareProfile:
     """Fraction of ``peak_tflops`` a layer's forward without a graph reaches (the engine's
     ``layer_fwd`` and recompute); None = ``efficiency``. Calibration measures both: a forward
     without autograd bookkeeping runs at a different rate than forward + backward."""
+    gpus_per_node: int = 1
+    """GPUs in one node of this machine type: a data-parallel run uses at most this many per node."""
+    intra_node_gbps: float | None = None
+    """Per-GPU bandwidth of the gradient reduction inside a node (NVLink, or PCIe peer), GB/s;
+    None: unknown (a single-GPU profile), and a multi-GPU prediction refuses it."""
+    inter_node_gbps: float | None = None
+    """Per-GPU bandwidth between nodes when every GPU sends at once (its share of the node's
+    InfiniBand / Ethernet NICs), GB/s; None: unknown, a multi-node prediction refuses it."""
+    node_host_link_gbps: float | None = None
+    """Host<->device copy bandwidth the host side of a node sustains for all its GPUs together,
+    per direction (host memory, PCIe root complexes), GB/s; None: not shared (each GPU keeps
+    ``h2d_gbps``/``d2h_gbps`` however many copy at once)."""
     format_version: int = PROFILE_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -79,6 +95,11 @@ class HardwareProfile:
             raise ValueError(f"hardware profile {self.name!r}: device_mem_bytes must exceed device_reserved_bytes")
         if self.host_mem_bytes <= self.host_reserved_bytes:
             raise ValueError(f"hardware profile {self.name!r}: host_mem_bytes must exceed host_reserved_bytes")
+        for f in ("intra_node_gbps", "inter_node_gbps", "node_host_link_gbps"):
+            if getattr(self, f) is not None and not getattr(self, f) > 0:
+                raise ValueError(f"hardware profile {self.name!r}: {f} must be > 0 or null, got {getattr(self, f)}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"hardware profile {self.name!r}: gpus_per_node must be >= 1, got {self.gpus_per_node}")
         if self.compute_dtype_bytes not in (2, 4):
             raise ValueError(f"compute_dtype_bytes must be 2 (bf16) or 4 (fp32), got {self.compute_dtype_bytes}")
 
@@ -125,9 +146,10 @@ class HardwareProfile:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"hardware profile has unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        if d.get("format_version", PROFILE_FORMAT_VERSION) != PROFILE_FORMAT_VERSION:
+        if d.get("format_version", PROFILE_FORMAT_VERSION) not in (1, 2, PROFILE_FORMAT_VERSION):
             raise ValueError(f"hardware profile format_version {d['format_version']} is not supported "
                              f"(expected {PROFILE_FORMAT_VERSION}); re-run `layerwise calibrate`")
+        d = {**d, "format_version": PROFILE_FORMAT_VERSION}  # versions 1, 2 lack only optional fields
         missing = {f.name for f in fields(cls) if f.default is MISSING} - set(d)
         if missing:
             raise ValueError(f"hardware profile is missing {sorted(missing)}")
@@ -174,6 +196,20 @@ class HardwareProfile:
 #        (assumption, same fraction as [OPT]): ~150 GB/s on a 2-socket DDR5 server (STREAM
 #        ~450 GB/s), ~50 GB/s on an 8-channel DDR4 workstation (STREAM ~150 GB/s).
 # [RES]  1.5 GB device reserve: CUDA context (~500 MB) + cuBLAS workspace + allocator slack.
+# Scale-out (data parallel, ``plan.scaling``):
+# [NODE8] HGX/DGX boards carry 8 GPUs (DGX H200, DGX H100, DGX A100 datasheets).
+# [NVL]  NVLink per GPU, bidirectional: 900 GB/s on H100/H200 SXM (NVLink 4, datasheets), 400 GB/s
+#        on H800 SXM, 600 GB/s on A100 SXM (NVLink 3): 450 / 200 / 300 GB/s per direction; NCCL
+#        reaches ~80% of that as bus bandwidth (assumption) -> 360 / 160 / 240 GB/s.
+# [IB]   one NIC per GPU: DGX H100/H200 have 8 single-port ConnectX-7 400 Gb/s (50 GB/s), DGX A100
+#        8 ConnectX-6 200 Gb/s (25 GB/s) (datasheets); ~90% reached (assumption) -> 45 / 22.5 GB/s.
+# [HOSTLINK] assumption: all GPUs' pinned copies draw on the host's memory bandwidth (STREAM ~450
+#        GB/s on a 2-socket DDR5 server, ~300 GB/s on 2-socket EPYC DDR4, ~150 GB/s on a workstation,
+#        as [ACC]), which the optimizer and accumulation use too: ~200 / ~120 / ~50 GB/s per
+#        direction for the copies of all GPUs together. Measure concurrent copies to replace it.
+# [WS4]  assumption: a workstation with 4 cards and no NVLink or peer access (the RTX 4090 has no
+#        P2P; RTX 3090 bridges pair two cards only): reduction through PCIe and host memory, ~10
+#        GB/s per GPU; one 100 GbE NIC per node shared by 4 GPUs (12.5 GB/s x 0.9 / 4 = 2.8 GB/s).
 PRESETS: dict[str, HardwareProfile] = {
     "h200": HardwareProfile(
         name="h200",
@@ -187,6 +223,8 @@ PRESETS: dict[str, HardwareProfile] = {
         host_reserved_bytes=64 * GB,  # OS, data loader, page cache (assumption)
         optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=4e9,  # [OPT] server
         host_accum_gbps=150.0,  # [ACC] server
+        gpus_per_node=8,  # [NODE8]
+        intra_node_gbps=360.0, inter_node_gbps=45.0, node_host_link_gbps=200.0,  # [NVL] [IB] [HOSTLINK]
     ),
     "h800": HardwareProfile(
         name="h800",
@@ -200,6 +238,8 @@ PRESETS: dict[str, HardwareProfile] = {
         host_reserved_bytes=64 * GB,
         optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=4e9,  # [OPT] server
         host_accum_gbps=150.0,  # [ACC] server
+        gpus_per_node=8,  # [NODE8]
+        intra_node_gbps=160.0, inter_node_gbps=45.0, node_host_link_gbps=200.0,  # [NVL] H800 [IB] [HOSTLINK]
     ),
     "h100": HardwareProfile(
         name="h100",
@@ -213,6 +253,8 @@ PRESETS: dict[str, HardwareProfile] = {
         host_reserved_bytes=64 * GB,
         optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=4e9,  # [OPT] server
         host_accum_gbps=150.0,  # [ACC] server
+        gpus_per_node=8,  # [NODE8]
+        intra_node_gbps=360.0, inter_node_gbps=45.0, node_host_link_gbps=200.0,  # [NVL] [IB] [HOSTLINK]
     ),
     "a100-80g": HardwareProfile(
         name="a100-80g",
@@ -226,6 +268,8 @@ PRESETS: dict[str, HardwareProfile] = {
         host_reserved_bytes=64 * GB,
         optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=4e9,  # [OPT] server
         host_accum_gbps=150.0,  # [ACC] server
+        gpus_per_node=8,  # [NODE8]
+        intra_node_gbps=240.0, inter_node_gbps=22.5, node_host_link_gbps=120.0,  # [NVL] A100 [IB] [HOSTLINK]
     ),
     "rtx3090": HardwareProfile(
         name="rtx3090",
@@ -239,6 +283,7 @@ PRESETS: dict[str, HardwareProfile] = {
         host_reserved_bytes=32 * GB,
         optimizer_params_per_s=2e9, optimizer_8bit_params_per_s=1.6e9,  # [OPT] workstation
         host_accum_gbps=50.0,  # [ACC] workstation
+        gpus_per_node=4, intra_node_gbps=10.0, inter_node_gbps=2.8, node_host_link_gbps=50.0,  # [WS4] [HOSTLINK]
     ),
     "rtx4090": HardwareProfile(
         name="rtx4090",
@@ -252,6 +297,7 @@ PRESETS: dict[str, HardwareProfile] = {
         host_reserved_bytes=32 * GB,
         optimizer_params_per_s=2e9, optimizer_8bit_params_per_s=1.6e9,  # [OPT] workstation
         host_accum_gbps=50.0,  # [ACC] workstation
+        gpus_per_node=4, intra_node_gbps=10.0, inter_node_gbps=2.8, node_host_link_gbps=50.0,  # [WS4] [HOSTLINK]
     ),
     "cpu": HardwareProfile(
         name="cpu",

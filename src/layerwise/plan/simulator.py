@@ -3,8 +3,10 @@
 Lanes (each runs its work in issue order, one item at a time, like a CUDA stream or a worker
 thread): ``compute``, ``h2d`` (weights in, offloaded activations back), ``d2h`` (gradients and
 activations out), ``host`` (fp32 gradient accumulation), ``nvme`` (the engine's single
-activation I/O thread: writes and reads), ``optimizer`` (host AdamW workers). On a synchronous
-machine (the CPU backend) copies, accumulation and the optimizer share the compute lane.
+activation I/O thread: writes and reads), ``optimizer`` (host AdamW workers), and for a
+data-parallel :class:`~.topology.Topology` ``intra`` (gradient reduction inside the node) and
+``inter`` (all-reduce between nodes). On a synchronous machine (the CPU backend) copies,
+accumulation, reduction and the optimizer share the compute lane.
 
 Dependencies modelled (as ``layerwise.engine`` runs them):
 
@@ -25,6 +27,18 @@ Dependencies modelled (as ``layerwise.engine`` runs them):
 - the optimizer starts when the last gradient of the step has landed (global clip needs all),
   updating embed, layers 0.., head in order, overlapping the next step's forward.
 
+Data parallel (``topology``; :mod:`.topology` says what is shared): one GPU's process is
+simulated, on the machine as it sees it while its node's other GPUs run too
+(:func:`~.topology.rank_hardware`). After a unit's last gradient of the step is accumulated it is
+reduced to its owner (``intra``) and all-reduced between nodes on the owner's NIC (``inter``);
+with ``grad_reduce="device"`` every micro-batch's gradient is reduced on the GPUs before its copy
+instead, and only the owner copies and accumulates it. The optimizer starts when every unit is
+reduced, each owner updating its own units in order on its own lane. The simulated (traced)
+process is the owner with the most parameters, the one the step waits for; other owners' lanes
+are timed but not traced, and carry only their owner work (their activation copies are not
+modelled). Host and NVMe bytes are then the node's: one store, with host-side sums the other
+processes' own fp32 gradients, and everyone's offloaded activations.
+
 The simulated step is the steady-state one: the time between the ends of consecutive steps.
 """
 
@@ -39,8 +53,10 @@ from .hardware import HardwareProfile
 from .plan import Plan
 from .memory import FETCH_SLOTS, GRAD_SLOTS
 from .program import RECOMPUTE_OPS, OpKind, WeightWindow, micro_batch_program, weight_schedule
+from .topology import (REDUCE_BYTES_PER_PARAM, Topology, assign_owners, inter_allreduce_s, intra_reduce_s,
+                       rank_hardware)
 
-LANES = ("compute", "h2d", "d2h", "host", "nvme", "optimizer")
+LANES = ("compute", "h2d", "d2h", "host", "nvme", "optimizer", "intra", "inter")
 
 
 @dataclass
@@ -150,21 +166,25 @@ def peak_bytes(allocs: list[Alloc], tier: str) -> int:
 
 
 class _Lanes:
-    def __init__(self, synchronous: bool):
+    def __init__(self, synchronous: bool, me: int = 0):
         self.free: dict[str, float] = {}
         self.map = {k: k for k in LANES}
         if synchronous:
-            for k in ("h2d", "d2h", "host", "optimizer"):
+            for k in ("h2d", "d2h", "host", "optimizer", "intra", "inter"):
                 self.map[k] = "compute"
+        self.me = me
+        """The simulated process (local rank); other ranks' lanes are timed, not traced."""
         self.intervals: list[Interval] = []
         self.step = 0
 
-    def run(self, lane: str, earliest: float, dur: float, label: str) -> tuple[float, float]:
-        physical = self.map[lane]
+    def run(self, lane: str, earliest: float, dur: float, label: str, rank: int | None = None) -> tuple[float, float]:
+        """Run on the simulated process's ``lane``, or on another local ``rank``'s own one."""
+        mine = rank is None or rank == self.me
+        physical = self.map[lane] if mine else f"{lane}@{rank}"
         start = max(self.free.get(physical, 0.0), earliest)
         end = start + dur
         self.free[physical] = end
-        if dur > 0:
+        if dur > 0 and mine:
             self.intervals.append(Interval(lane, start, end, label, self.step))
         return start, end
 
@@ -173,14 +193,20 @@ class _Lanes:
 
 
 def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
-             keep_trace: bool = True) -> SimResult:
-    """Simulate ``steps`` consecutive steps; report the last one (steady state when steps >= 2)."""
+             keep_trace: bool = True, topology: Topology | None = None) -> SimResult:
+    """Simulate ``steps`` consecutive steps; report the last one (steady state when steps >= 2).
+
+    With a ``topology``, one GPU of a data-parallel run running ``plan`` on its share of the batch.
+    """
     if plan.num_layers != shape.num_layers:
         raise ValueError(f"plan has {plan.num_layers} boundaries but {shape.name} has "
                          f"{shape.num_layers} layers; make a plan for this model")
     if plan.seq_len is None:
         raise ValueError("the plan has no seq_len; the simulator needs the sequence length")
-    cost = CostModel(shape, hw, plan.micro_batch_size, plan.seq_len, plan.head_chunk_tokens)
+    topo = topology or Topology()
+    topo.check(hw)
+    rank_hw = rank_hardware(hw, topo) if topology else hw  # (no topology: the plain one-GPU path)
+    cost = CostModel(shape, rank_hw, plan.micro_batch_size, plan.seq_len, plan.head_chunk_tokens)
     tiers = plan.boundary_tiers
     tied = shape.tied
     depth = plan.prefetch_depth
@@ -189,7 +215,15 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
     a_bytes = cost.boundary_bytes
     accum_s = cost.grad_accumulate_s
     ops = micro_batch_program(tiers)
-    lanes = _Lanes(hw.synchronous)
+    owners = assign_owners([shape.unit_params(u) for u in units], topo.gpus_per_node)
+    owner = dict(zip(units, owners))
+    owned = [sum(shape.unit_params(u) for u in units if owner[u] == r) for r in range(topo.gpus_per_node)]
+    lanes = _Lanes(hw.synchronous, me=max(range(topo.gpus_per_node), key=lambda r: (owned[r], -r)))
+    last_grad_op = {u: n for n, op in enumerate(ops) for u in op.grad_units(tied)}  # its final landing
+
+    def reduce_bytes(u: str) -> int:
+        return shape.unit_params(u) * REDUCE_BYTES_PER_PARAM
+
     allocs: list[Alloc] = []
     op_log: list[dict[str, Any]] = []
     opt_ready: dict[str, float] = {}
@@ -315,25 +349,33 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
                     held.pop(i).end = end
                 for u in op.grad_units(tied):
                     gb = cost.grad_bytes(u)
+                    t_out, lander = end, None  # who lands it: every process, or (reduced on the GPUs) its owner
+                    if topo.grad_reduce == "device":
+                        _, t_out = lanes.run("intra", end, intra_reduce_s(gb, hw, topo), f"reduce {u}")
+                        lander = owner[u]
                     # the synchronous (CPU) backend accumulates the device grad in place: no copy
-                    s, e = lanes.run("d2h", end, 0.0 if hw.synchronous else cost.d2h_s(gb), f"grad {u}")
-                    if e > end and kind == OpKind.HEAD:  # others leave from a grad slot
+                    s, e = lanes.run("d2h", t_out, 0.0 if hw.synchronous else cost.d2h_s(gb), f"grad {u}", rank=lander)
+                    if e > end and kind == OpKind.HEAD and lander in (None, lanes.me):  # others leave from a grad slot
                         alloc("device", end, gb * 4 // cost.elem_bytes, f"grad {u} (fp32, in flight)", e)
-                    _, landed = lanes.run("host", e, accum_s(u), f"accumulate {u}")
+                    _, landed = lanes.run("host", e, accum_s(u), f"accumulate {u}", rank=lander)
+                    if mb == plan.num_micro_batches - 1 and last_grad_op[u] == n:  # the step's sum: reduce it
+                        if topo.grad_reduce == "host":
+                            _, landed = lanes.run("intra", landed, intra_reduce_s(reduce_bytes(u), hw, topo),
+                                                  f"reduce {u}")
+                        _, landed = lanes.run("inter", landed, inter_allreduce_s(reduce_bytes(u), hw, topo),
+                                              f"all-reduce {u}", rank=owner[u])
                     last_grad_landed = max(last_grad_landed, landed)
             assert not held, f"boundaries left on the device: {sorted(held)}"
         done = max(lanes.free_at("compute"), last_grad_landed)
         step_done.append(done)
         recompute_s = recompute_this_step
         lanes.step = step
-        t = done
-        for u, m in zip(units, moments):
-            _, t = lanes.run("optimizer", t, cost.optimizer_s(u, m), f"update {u}")
-            opt_ready[u] = t
+        for u, m in zip(units, moments):  # each owner its own units, in order
+            _, opt_ready[u] = lanes.run("optimizer", done, cost.optimizer_s(u, m), f"update {u}", rank=owner[u])
         t_begin = done
 
     for a in slot_allocs:  # freed when the engine is
-        a.end = max(step_done[-1], lanes.free_at("optimizer"))
+        a.end = max(step_done[-1], *opt_ready.values())
     t0 = step_done[-2] if steps >= 2 else 0.0
     t1 = step_done[-1]
     step_s = t1 - t0
@@ -345,6 +387,8 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
     if hw.synchronous:
         busy = {k: v for k, v in busy.items() if k in ("compute", "h2d", "d2h", "host", "nvme", "optimizer")}
     tokens = plan.num_micro_batches * plan.micro_batch_size * plan.seq_len
+    g = topo.gpus_per_node
+    own_grads = topo.grad_reduce == "host"
     return SimResult(
         plan=plan,
         step_s=step_s,
@@ -353,10 +397,12 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
         busy_s=busy,
         peak_device_bytes=peak_bytes(allocs, "device"),
         device_cap_bytes=hw.device_cap_bytes,
-        peak_pinned_act_bytes=peak_bytes(allocs, "host"),
-        host_store_bytes=cost.host_store_bytes(plan.moments),
+        peak_pinned_act_bytes=g * peak_bytes(allocs, "host"),
+        # the node's: one store, the other processes' own fp32 gradients (summed on the host: each
+        # keeps its own), everyone's activations
+        host_store_bytes=cost.host_store_bytes(plan.moments) + (g - 1) * own_grads * cost.store_footprint().grad,
         host_cap_bytes=hw.host_cap_bytes,
-        peak_nvme_bytes=peak_bytes(allocs, "nvme"),
+        peak_nvme_bytes=g * peak_bytes(allocs, "nvme"),
         nvme_cap_bytes=hw.nvme_capacity_bytes,
         recompute_s=recompute_s,
         window=(t0, t1),

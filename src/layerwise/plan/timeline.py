@@ -19,6 +19,7 @@ COLOURS = [
     (OpKind.FETCH, "activation in", "#64B5CD"), ("offload", "activation out", "#2A7F9E"),
     ("grad", "grads out", "#CCB974"), ("nvme", "NVMe I/O", "#8C8C8C"),
     ("update", "optimizer", "#DA8BC3"), ("accumulate", "grad accumulate", "#B0B0B0"),
+    ("reduce", "grad reduction", "#17BECF"), ("all-reduce", "grad reduction", "#17BECF"),
 ]
 
 

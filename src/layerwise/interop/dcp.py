@@ -1,0 +1,290 @@
+"""torch.distributed.checkpoint (DCP) checkpoints, written and read a group at a time.
+
+Written layout (the nesting ``torch.distributed.checkpoint.state_dict.get_state_dict`` returns, so an
+FSDP2 loop loads it with ``dcp.load({"model": msd, "optim": osd}, checkpoint_id=dir)`` and
+``set_state_dict``, at any world size: DCP reshards on load):
+
+- ``model.<hf_name>``: weights;
+- ``optim.state.<hf_name>.{step, exp_avg, exp_avg_sq}``: AdamW state, fp32;
+- ``optim.param_groups``: the Trainer's two AdamW groups (weight decay / none), params by name;
+- ``train_state.step``: the training step;
+- ``config.json`` (and ``generation_config.json``) beside DCP's own files, so the directory also
+  opens as a source.
+
+DCP plans a save from the whole state dict, so the writer hands it meta tensors and resolves each
+one when DCP writes it (``_LazySavePlanner``): with one writer thread DCP writes in plan order,
+which is group order, and only one group is in memory at a time. The shapes and dtypes the plan
+needs come from a first pass over the groups (each group is read twice).
+
+Reading (:class:`DCPCheckpointSource`) takes the keys from DCP's metadata, finds the weight and
+optimizer prefixes (``model.`` or none; ``optim.state.``, ``optimizer.state.`` or ``state.``) by
+matching the model's parameter names, and loads one group's keys per ``dcp.load``. DCP pickles
+its ``.metadata`` and non-tensor values; a foreign checkpoint is untrusted, so both are read here
+with allow-lists (:class:`_DataOnlyReader`, :class:`_DataOnlyLoadPlanner`) instead of DCP's plain
+``pickle.load`` / ``torch.load(weights_only=False)``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import (DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader,
+                                         FileSystemWriter)
+from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex, StorageMeta,
+                                                   TensorStorageMetadata)
+
+from ..models.names import group_sort_key, groups_of_model
+from ..util.dtypes import parse_dtype
+from .hf_dir import read_json
+from .hf_export import require_config, write_config_files
+from .layout import CONFIG_NAME, EXP_AVG, EXP_AVG_SQ, PARAM, STEP, CheckpointSource, meta_model
+from .trainer import AdamWHParams, _param_groups, trainer_param_groups
+
+METADATA_NAME = ".metadata"
+"""DCP's metadata file (what marks a directory as a DCP checkpoint)."""
+
+MODEL, OPTIM, TRAIN_STATE = "model.", "optim.state.", "train_state."
+_MOMENTS = {EXP_AVG: "exp_avg", EXP_AVG_SQ: "exp_avg_sq", STEP: "step"}
+_OPTIM_PREFIXES = ("optim.state.", "optimizer.state.", "state.")
+
+
+def is_dcp_checkpoint(path: Path) -> bool:
+    return (path / METADATA_NAME).is_file()
+
+
+def _quiet_single_process(fn, *args, **kwargs):
+    """DCP warns that it runs without a process group; here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        return fn(*args, **kwargs)
+
+
+# ----- writing ---------------------------------------------------------------------------
+
+
+def _dcp_key(key: str) -> str | None:
+    """The DCP FQN of a source tensor key (None: not written, e.g. a tied head's copy)."""
+    if key.startswith(PARAM):
+        return MODEL + key[len(PARAM):]
+    for prefix, field in _MOMENTS.items():
+        if key.startswith(prefix):
+            return f"{OPTIM}{key[len(prefix):]}.{field}"
+    return None
+
+
+class _LazySavePlanner(DefaultSavePlanner):
+    """Resolves each tensor from its source group when DCP writes it, one group cached."""
+
+    def __init__(self, source: CheckpointSource, group_of_fqn: dict[str, str], dtype: torch.dtype | None):
+        super().__init__()
+        self.source, self.group_of_fqn, self.dtype = source, group_of_fqn, dtype
+        self._group: str | None = None
+        self._tensors: dict[str, torch.Tensor] = {}
+        self.group_loads = 0
+        """Source groups read while writing (one per group when DCP writes in plan order)."""
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        group = self.group_of_fqn.get(index.fqn)
+        if group is None:
+            return super().lookup_object(index)  # a non-tensor value (param groups, step)
+        if group != self._group:
+            self._tensors = _dcp_tensors(self.source.load_group(group), self.dtype)
+            self._group = group
+            self.group_loads += 1
+        return self._tensors[index.fqn]
+
+
+def _dcp_tensors(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, t in tensors.items():
+        fqn = _dcp_key(key)
+        if fqn is None:
+            continue
+        if fqn.startswith(MODEL):
+            t = t if dtype is None else t.to(dtype)
+        else:
+            t = t.to(torch.float32).reshape(()) if fqn.endswith(".step") else t.to(torch.float32)
+        out[fqn] = t.detach().contiguous()
+    return out
+
+
+def write_dcp(source: CheckpointSource, out_dir: Path, *, dtype: str | torch.dtype | None = None,
+              hparams: AdamWHParams | None = None) -> dict[str, Any]:
+    """Write ``source`` as a DCP checkpoint into the existing, empty ``out_dir``; return a summary.
+
+    Not atomic by itself: :func:`layerwise.interop.merge.merge` points it at a temp dir and renames.
+    """
+    config = require_config(source)
+    torch_dtype = parse_dtype(dtype)
+    model = meta_model(config)
+    names = {n for names in groups_of_model(model).values() for n in names}
+    extra = source.extra_state()
+
+    # Pass 1: the plan needs every tensor's shape and dtype; a group at a time, nothing kept.
+    state: dict[str, torch.Tensor] = {}
+    group_of_fqn: dict[str, str] = {}
+    stepped: set[str] = set()
+    for group in source.groups():
+        for fqn, t in _dcp_tensors(source.load_group(group), torch_dtype).items():
+            name = fqn[len(MODEL):] if fqn.startswith(MODEL) else fqn[len(OPTIM):].rsplit(".", 1)[0]
+            if name not in names:
+                raise ValueError(f"group {group!r} has tensor {name!r}, which the model of config.json "
+                                 "does not have; the source and its config disagree")
+            if not fqn.startswith(MODEL):
+                stepped.add(name)
+            state[fqn] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            group_of_fqn[fqn] = group
+    missing = sorted(names - {f[len(MODEL):] for f in state if f.startswith(MODEL)})
+    if missing:
+        raise ValueError(f"the source has no weights for {len(missing)} parameter(s) of the model, e.g. "
+                         f"{missing[0]}; it is not a complete checkpoint")
+
+    groups = _param_groups(extra, hparams, extra.get("scheduler") or {})
+    order = trainer_param_groups(model)
+    param_groups = [{**g, "params": list(n)} for g, n in zip(groups, order)]
+    # Flat keys, group by group: DCP writes in this order, so each group is read once. They are
+    # the FQNs DCP makes of get_state_dict's nesting, so a nested request loads them.
+    to_save: dict[str, Any] = {**state, "optim": {"param_groups": param_groups},
+                               "train_state": {"step": int(extra.get("step") or 0)}}
+    planner = _LazySavePlanner(source, group_of_fqn, torch_dtype)
+    _quiet_single_process(dcp.save, to_save, storage_writer=FileSystemWriter(out_dir, thread_count=1),
+                          planner=planner)
+    write_config_files(Path(out_dir), config, torch_dtype, extra.get("generation_config"))
+    files = sorted(f.name for f in Path(out_dir).iterdir() if f.suffix == ".distcp")
+    return {"format": "dcp", "step": int(extra.get("step") or 0), "weight_files": files,
+            "tensors": len(state), "params_with_optimizer_state": len(stepped),
+            "group_loads": planner.group_loads, "groups": len(source.groups())}
+
+
+# ----- reading ---------------------------------------------------------------------------
+
+_TORCH_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's metadata classes, torch dtypes/layouts/memory formats, ``torch.Size`` and the paths
+    DCP records (``storage_meta.checkpoint_id``); nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith("torch.distributed.checkpoint.") or (module, name) in (
+                ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                ("builtins", "set"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUE_TYPES):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"the DCP metadata needs {module}.{name}, which is not a DCP metadata class; refusing to "
+            "unpickle it (a checkpoint from an untrusted source could run code this way)")
+
+
+class _DataOnlyReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / METADATA_NAME
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        except pickle.UnpicklingError as e:
+            raise ValueError(f"{path}: {e}") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _DataOnlyLoadPlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise ValueError(f"DCP value {read_item.dest_index.fqn!r} is not plain data: {e}") from None
+        self.original_state_dict[read_item.dest_index.fqn] = obj  # flat requests only
+
+
+
+class DCPCheckpointSource:
+    """A DCP checkpoint dir (torchtitan-style flat keys or ``get_state_dict``'s nesting, HF parameter
+    names) as a ``CheckpointSource``. Needs the model's ``config.json`` in the directory (or given),
+    since DCP itself records no architecture."""
+
+    def __init__(self, path: str | Path, config: dict | None = None):
+        self.path = Path(path)
+        if not is_dcp_checkpoint(self.path):
+            raise ValueError(f"{self.path} is not a torch.distributed.checkpoint dir (no {METADATA_NAME})")
+        cfg_file = self.path / CONFIG_NAME
+        self._config = config if config is not None else (read_json(cfg_file) if cfg_file.is_file() else None)
+        if self._config is None:
+            raise ValueError(f"{self.path} has no {CONFIG_NAME}; DCP records no architecture, so copy the "
+                             "model's config.json into it (or pass config=)")
+        self._reader = _DataOnlyReader(self.path)
+        meta = self._reader.read_metadata()
+        self._keys = set(meta.state_dict_metadata)
+        self._tensors = {k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        self._groups = groups_of_model(meta_model(self._config))
+        self._param_prefix = self._find_param_prefix()
+        self._optim_prefix = self._find_optim_prefix()
+
+    def _names(self) -> list[str]:
+        return [n for names in self._groups.values() for n in names]
+
+    def _find_param_prefix(self) -> str:
+        names = self._names()
+        for prefix in (MODEL, ""):
+            found = [n for n in names if prefix + n in self._tensors]
+            if len(found) == len(names):
+                return prefix
+        best = max((MODEL, ""), key=lambda p: sum(p + n in self._tensors for n in names))
+        missing = [n for n in names if best + n not in self._tensors]
+        raise ValueError(f"{self.path}: {len(missing)} parameter(s) of config.json's model are not in the "
+                         f"checkpoint (looked for '{best}{missing[0]}'); the checkpoint holds another "
+                         "model or names its weights differently")
+
+    def _find_optim_prefix(self) -> str | None:
+        names = self._names()
+        counts = {p: sum(f"{p}{n}.exp_avg" in self._tensors for n in names) for p in _OPTIM_PREFIXES}
+        best = max(counts, key=counts.get)
+        return best if counts[best] else None
+
+    def groups(self) -> list[str]:
+        return sorted(self._groups, key=group_sort_key)
+
+    def load_group(self, group: str) -> dict[str, torch.Tensor]:
+        if group not in self._groups:
+            raise KeyError(f"no group {group!r} in {self.path}; groups: {', '.join(self.groups())}")
+        wanted: dict[str, str] = {}
+        for name in self._groups[group]:
+            wanted[self._param_prefix + name] = PARAM + name
+            if self._optim_prefix is not None:
+                for key, field in _MOMENTS.items():
+                    fqn = f"{self._optim_prefix}{name}.{field}"
+                    if fqn in self._tensors:
+                        wanted[fqn] = key + name
+        request = {fqn: torch.empty(tuple(self._tensors[fqn].size), dtype=self._tensors[fqn].properties.dtype)
+                   for fqn in wanted}
+        self._load(request)
+        out = {wanted[fqn]: t for fqn, t in request.items()}
+        for key in list(out):
+            if key.startswith(STEP):
+                out[key] = out[key].to(torch.float32).reshape(())
+        return out
+
+    def _load(self, flat_request: dict[str, Any]) -> None:
+        _quiet_single_process(dcp.load, flat_request, storage_reader=self._reader,
+                              planner=_DataOnlyLoadPlanner(flatten_state_dict=False))
+
+    def model_config(self) -> dict | None:
+        return dict(self._config)
+
+    def extra_state(self) -> dict:
+        step = 0
+        for key in ("train_state.step", "step"):
+            if key in self._keys:
+                request: dict[str, Any] = {key: 0}
+                self._load(request)
+                step = int(request[key])
+                break
+        return {"step": step, "scheduler": None, "rng": None, "trainer_state": None}

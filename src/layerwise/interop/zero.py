@@ -1,0 +1,290 @@
+"""DeepSpeed ZeRO checkpoints (stages 1, 2 and 3) read a layer group at a time.
+
+A ZeRO save (``<dir>/global_stepN/``, with ``<dir>/latest`` naming the tag) holds, per data-parallel
+rank, ``zero_pp_rank_R_mp_rank_00_optim_states.pt``: that rank's partition of each optimizer param
+group's flat fp32 master and of its AdamW moments. ``*_model_states.pt`` carries ``param_shapes``
+(one ordered ``{name: shape}`` per param group: the flat layout) and the step.
+
+- Stages 1 and 2: a group's flat vector (parameters back to back, with ``param_alignment_paddings``
+  after each when recorded) is cut into ``partition_count`` equal contiguous partitions (the last
+  is saved without the group's padding, so it may be shorter).
+  ``param_slice_mappings`` (where each parameter's fragment sits in a rank's partition) is checked
+  against the offsets computed from the shapes.
+- Stage 3: every parameter is cut separately into ``ceil(numel / world)`` elements per rank, and
+  a rank's flat vector is its pieces of each parameter in order.
+
+A group's tensors are gathered from every rank's partition through memory-mapped loads
+(``torch.load(mmap=True)``), so only the bytes of that group are read into memory, never a
+whole partition. Parameter names and shapes are checked against the model that ``config.json``
+describes, and partition sizes against the layout, so a checkpoint that does not fit is refused
+with what differs rather than mis-assigned. The ``.pt`` files are pickles: they are read with
+``weights_only=True`` and an allow-list of the three DeepSpeed classes they hold, mapped to inert
+local stand-ins, so reading needs no DeepSpeed and runs no code from the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import pickle
+import re
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..models.names import group_sort_key, groups_of_model
+from ..util.jsonable import jsonable
+from .hf_dir import read_json
+from .layout import CONFIG_NAME, EXP_AVG, EXP_AVG_SQ, PARAM, STEP, meta_model
+
+LATEST_NAME = "latest"
+_OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+
+
+# ----- the classes ZeRO pickles, as inert stand-ins ----------------------------------------
+
+class _ZeroStage(enum.IntEnum):
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+
+
+@dataclasses.dataclass
+class _FragmentAddress:
+    numel: int = 0
+    start: int = 0
+
+
+class _LossScaler:
+    """State only (fp16 loss scaling); never used here."""
+
+
+_ALLOWED = [
+    (_ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    (_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
+    (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+]
+
+
+def load_zero_file(path: Path) -> dict:
+    """One ZeRO ``.pt`` file, memory-mapped, as data only (see the module docstring)."""
+    try:
+        with torch.serialization.safe_globals(_ALLOWED):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        m = re.search(r"GLOBAL ([\w.]+)", str(e))
+        needs = m.group(1) if m else str(e).strip().splitlines()[0]
+        raise ValueError(f"{path}: refusing to unpickle it: it needs {needs}, which is neither a tensor nor "
+                         "one of the DeepSpeed classes a ZeRO checkpoint holds (a file from an untrusted "
+                         "source could run code this way)") from None
+
+
+def is_zero_checkpoint(path: Path) -> bool:
+    """A ``global_stepN`` dir, or a DeepSpeed save dir whose ``latest`` names one."""
+    if any(_OPTIM_RE.match(p.name) for p in path.glob("*_optim_states.pt")):
+        return True
+    latest = path / LATEST_NAME
+    return latest.is_file() and (path / latest.read_text().strip()).is_dir()
+
+
+def _rank_files(tag_dir: Path, pattern: re.Pattern, what: str) -> list[Path]:
+    by_rank: dict[int, Path] = {}
+    for p in tag_dir.iterdir():
+        m = pattern.match(p.name)
+        if not m:
+            continue
+        if int(m.group(2)) != 0:
+            raise ValueError(f"{p}: model-parallel rank {m.group(2)}; layerwise reads data-parallel ZeRO "
+                             "checkpoints only (no tensor or pipeline parallelism)")
+        by_rank[int(m.group(1) or 0)] = p
+    if not by_rank:
+        raise ValueError(f"{tag_dir} has no DeepSpeed {what} files")
+    ranks = sorted(by_rank)
+    if ranks != list(range(len(ranks))):
+        raise ValueError(f"{tag_dir}: {what} files for ranks {ranks}; some ranks' files are missing")
+    return [by_rank[r] for r in ranks]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """Where one parameter lives in its param group's flat layout."""
+
+    group: int
+    offset: int
+    """Stages 1/2: start in the group's whole flat vector; stage 3: start in each rank's flat."""
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class ZeroCheckpointSource:
+    """A DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint as a ``CheckpointSource``.
+
+    ``path``: the ``global_stepN`` dir, or the save dir whose ``latest`` names it. ``config``: the
+    model's HF config; default: ``config.json`` in the tag dir or its parent (a Trainer
+    ``checkpoint-N`` holds both)."""
+
+    def __init__(self, path: str | Path, config: dict | None = None):
+        path = Path(path)
+        latest = path / LATEST_NAME
+        if not any(_OPTIM_RE.match(p.name) for p in path.glob("*_optim_states.pt")) and latest.is_file():
+            path = path / latest.read_text().strip()
+        self.path = path
+        if config is None:
+            for d in (path, path.parent):
+                if (d / CONFIG_NAME).is_file():
+                    config = read_json(d / CONFIG_NAME)
+                    break
+        if config is None:
+            raise ValueError(f"no {CONFIG_NAME} in {path} or {path.parent}; a ZeRO checkpoint records no "
+                             "architecture, so put the model's config.json beside it (or pass config=)")
+        self._config = config
+        self._optim_files = _rank_files(path, _OPTIM_RE, "optimizer-state (*_optim_states.pt)")
+        self._model_files = _rank_files(path, _MODEL_RE, "model-state (*_model_states.pt)")
+        self._optim = [load_zero_file(f)["optimizer_state_dict"] for f in self._optim_files]
+        self._model_state = load_zero_file(self._model_files[0])
+        stages = [int(o["zero_stage"]) for o in self._optim]
+        if len(set(stages)) > 1:
+            raise ValueError(f"{path}: the ranks' optimizer files have ZeRO stages {stages}; the files do "
+                             "not belong together (copied from different saves?)")
+        self.stage = stages[0]
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"{path}: ZeRO stage {self.stage}; layerwise reads stages 1, 2 and 3")
+        counts = self._optim[0]["partition_count"]
+        self.world_size = max(counts) if isinstance(counts, (list, tuple)) else int(counts)
+        if len(self._optim_files) != self.world_size:
+            raise ValueError(f"{path}: partition_count says {self.world_size} ranks but there are "
+                             f"{len(self._optim_files)} optimizer-state files")
+        self._model = meta_model(config)
+        self._groups = groups_of_model(self._model)
+        self._slots = self._layout()
+
+    # ----- layout and checks -------------------------------------------------------------
+
+    def _flat(self, rank: int, group: int) -> torch.Tensor:
+        o = self._optim[rank]
+        return o["fp32_flat_groups"][group] if self.stage == 3 else o["single_partition_of_fp32_groups"][group]
+
+    def _moments(self, rank: int, group: int) -> dict[str, torch.Tensor]:
+        o = self._optim[rank]
+        inner = o["optimizer_state_dict"] if self.stage == 3 else o["base_optimizer_state"]
+        (pid,) = inner["param_groups"][group]["params"]  # ZeRO's optimizer sees one flat param a group
+        return inner["state"].get(pid, {})
+
+    def _layout(self) -> dict[str, _Slot]:
+        shapes: list[dict[str, Any]] = self._model_state["param_shapes"]
+        frozen = self._model_state.get("frozen_param_shapes") or {}
+        if frozen:
+            raise ValueError(f"{self.path}: {len(frozen)} frozen parameter(s) (e.g. {next(iter(frozen))}); "
+                             "layerwise reads ZeRO checkpoints of fully trained models only")
+        expected = {n: tuple(p.shape) for n, p in self._model.named_parameters()}
+        slots: dict[str, _Slot] = {}
+        for g, group_shapes in enumerate(shapes):
+            pads = None
+            if self.stage != 3:
+                pads = (self._optim[0].get("param_alignment_paddings") or [None] * len(shapes))[g]
+            offset = 0
+            for i, (name, shape) in enumerate(group_shapes.items()):
+                shape = tuple(int(s) for s in shape)
+                if name not in expected:
+                    raise ValueError(f"{self.path}: parameter {name!r} is not in the model of config.json "
+                                     "(another model, or a wrapper that renames parameters)")
+                if shape != expected[name]:
+                    raise ValueError(f"{self.path}: {name} has shape {shape} in the checkpoint, "
+                                     f"{expected[name]} in config.json's model")
+                slots[name] = _Slot(g, offset, shape)
+                numel = math.prod(shape)
+                offset += math.ceil(numel / self.world_size) if self.stage == 3 else numel
+                if pads is not None:
+                    offset += int(pads[i])
+            self._check_group_size(g, offset)
+        missing = sorted(set(expected) - set(slots))
+        if missing:
+            raise ValueError(f"{self.path}: no state for {len(missing)} parameter(s) of config.json's model, "
+                             f"e.g. {missing[0]}")
+        if self.stage != 3:
+            self._check_fragments(slots)
+        return slots
+
+    def _check_group_size(self, group: int, used: int) -> None:
+        sizes = [self._flat(r, group).numel() for r in range(self.world_size)]
+        if self.stage == 3:
+            short = [r for r, n in enumerate(sizes) if n < used]
+            what = f"each rank needs {used} elements"
+        else:  # equal partitions; the last one is saved without the group's padding
+            fits = len(set(sizes[:-1])) <= 1 and sizes[-1] <= sizes[0] and sum(sizes) >= used
+            short = [] if fits else list(range(len(sizes)))
+            what = f"{used} elements in equal partitions (the last one may be shorter)"
+        if short:
+            raise ValueError(f"{self.path}: param group {group}'s partitions hold {sizes} elements, but the "
+                             f"layout of param_shapes needs {what}; the files do not belong together")
+
+    def _check_fragments(self, slots: dict[str, _Slot]) -> None:
+        """Stages 1/2: each rank's recorded fragments must sit where the shapes put them."""
+        for r in range(self.world_size):
+            mappings = self._optim[r].get("param_slice_mappings")
+            if not mappings:
+                return  # older DeepSpeed: nothing recorded to check against
+            for g, frags in enumerate(mappings):
+                part = self._flat(0, g).numel()  # every partition's size but the (shorter) last
+                for name, frag in frags.items():
+                    s = slots.get(name)
+                    lo = r * part + int(frag.start)
+                    if s is None or s.group != g or not (s.offset <= lo and lo + int(frag.numel) <= s.offset + s.numel):
+                        raise ValueError(f"{self.path}: rank {r}'s fragment of {name} (elements {lo}.."
+                                         f"{lo + int(frag.numel)}) is not where param_shapes puts it; "
+                                         "the checkpoint's layout is not the one layerwise expects")
+
+    # ----- reading -----------------------------------------------------------------------
+
+    def _gather(self, slot: _Slot, flats: list[torch.Tensor]) -> torch.Tensor:
+        n = slot.numel
+        if self.stage == 3:
+            piece = math.ceil(n / self.world_size)
+            parts = [f[slot.offset:slot.offset + piece] for f in flats]
+        else:
+            part = flats[0].numel()
+            first, last = slot.offset // part, (slot.offset + n - 1) // part
+            parts = [flats[r][max(slot.offset, r * part) - r * part:min(slot.offset + n, (r + 1) * part) - r * part]
+                     for r in range(first, last + 1)]
+        return torch.cat(parts)[:n].to(torch.float32).view(slot.shape).clone()
+
+    def groups(self) -> list[str]:
+        return sorted(self._groups, key=group_sort_key)
+
+    def load_group(self, group: str) -> dict[str, torch.Tensor]:
+        if group not in self._groups:
+            raise KeyError(f"no group {group!r} in {self.path}; groups: {', '.join(self.groups())}")
+        out: dict[str, torch.Tensor] = {}
+        for name in self._groups[group]:
+            slot = self._slots[name]
+            ranks = range(self.world_size)
+            out[PARAM + name] = self._gather(slot, [self._flat(r, slot.group) for r in ranks])
+            moments = [self._moments(r, slot.group) for r in ranks]
+            if all("exp_avg" in m and "exp_avg_sq" in m for m in moments):
+                out[EXP_AVG + name] = self._gather(slot, [m["exp_avg"] for m in moments])
+                out[EXP_AVG_SQ + name] = self._gather(slot, [m["exp_avg_sq"] for m in moments])
+                out[STEP + name] = torch.as_tensor(moments[0].get("step", 0), dtype=torch.float32).reshape(()).clone()
+        return out
+
+    def model_config(self) -> dict | None:
+        return dict(self._config)
+
+    @cached_property
+    def _param_groups(self) -> list[dict]:
+        inner = self._optim[0]["optimizer_state_dict"] if self.stage == 3 else self._optim[0]["base_optimizer_state"]
+        return [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]]
+
+    def extra_state(self) -> dict:
+        sched = self._model_state.get("lr_scheduler")
+        return {"step": int(self._model_state.get("global_steps") or 0),
+                "scheduler": jsonable(sched) if sched else None, "rng": None, "trainer_state": None,
+                "optimizer_param_groups": self._param_groups}

@@ -1,0 +1,118 @@
+"""Data-parallel topology: how many GPUs train one model together, and what each one gets.
+
+The semantics priced here are the ones ``train/`` runs (issue 11): every GPU runs the same step
+program on its share of the global batch; the GPUs of a node share one host store (master,
+compute copy, optimizer state) but keep their own fp32 gradients; when a unit's last gradient of
+the step has landed on the host it is reduced to the unit's owner (a local rank; units are
+assigned to owners balanced by bytes), then all-reduced among the owners of that unit on the
+other nodes; after one all-reduce of per-unit squared norms (the clip), each owner updates its
+units with its share of the node's CPU cores. Every node updates its own copy identically.
+
+So what one GPU gets of the node's shared host side shrinks with the GPUs per node
+(:func:`rank_hardware`), and a unit's reduction costs ring-style times on the interconnects
+(:func:`intra_reduce_s`, :func:`inter_allreduce_s`). The simulator prices all of it per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .hardware import HardwareProfile
+
+REDUCE_BYTES_PER_PARAM = 4
+"""The step's gradient sum on the host is fp32."""
+GRAD_REDUCE = ("host", "device")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A data-parallel run: ``gpus_per_node`` processes (one GPU each) on each of ``nodes``."""
+
+    gpus_per_node: int = 1
+    """GPUs (processes) per node; they share the node's host store, memory bandwidth and cores."""
+    nodes: int = 1
+    """Nodes; each holds its own host copy and updates it identically."""
+    grad_reduce: str = "host"
+    """Where a node's gradients are summed. ``host``: every process copies and accumulates its own
+    gradient on the host, and the step's fp32 sum is reduced to the owner after the last
+    micro-batch (what ``train/`` runs). ``device``: every micro-batch's gradient is reduced on the
+    GPUs (NCCL, compute dtype) right after its backward, and only the owner copies and
+    accumulates it: 1/G of the host traffic, priced for comparison."""
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node < 1 or self.nodes < 1:
+            raise ValueError(f"need at least 1 GPU per node and 1 node, got {self.gpus_per_node} GPUs "
+                             f"per node on {self.nodes} nodes")
+        if self.grad_reduce not in GRAD_REDUCE:
+            raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE}, got {self.grad_reduce!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def check(self, hw: HardwareProfile) -> None:
+        """Refuse a topology the profile cannot price, saying which field to set."""
+        if self.gpus_per_node > hw.gpus_per_node:
+            raise ValueError(f"{self.gpus_per_node} GPUs per node, but a {hw.name} node has {hw.gpus_per_node}; "
+                             f"use --gpus <= {hw.gpus_per_node} and more --nodes, or a profile with a larger "
+                             "gpus_per_node")
+        if self.gpus_per_node > 1 and hw.intra_node_gbps is None:
+            raise ValueError(f"hardware profile {hw.name!r} has no intra_node_gbps (the GPUs' reduction bandwidth "
+                             "inside a node); add it to the profile file to predict more than one GPU per node")
+        if self.nodes > 1 and hw.inter_node_gbps is None:
+            raise ValueError(f"hardware profile {hw.name!r} has no inter_node_gbps (per-GPU network bandwidth "
+                             "between nodes); add it to the profile file to predict more than one node")
+
+
+def rank_hardware(hw: HardwareProfile, topo: Topology) -> HardwareProfile:
+    """The machine as one GPU's process sees it while all ``gpus_per_node`` of its node run.
+
+    Shared by the node: host copies (each GPU gets at most the node's host link over G), host
+    memory bandwidth for the gradient accumulation, the optimizer's cores (an owner runs on 1/G
+    of them) and the spill drive. Device-side figures are the GPU's own. With one GPU per node
+    nothing changes: ``h2d_gbps``/``d2h_gbps`` are what one GPU gets alone.
+    """
+    g = topo.gpus_per_node
+    link = hw.node_host_link_gbps if g > 1 else None  # one GPU alone gets h2d_gbps by definition
+    return replace(
+        hw,
+        h2d_gbps=min(hw.h2d_gbps, link / g) if link else hw.h2d_gbps,
+        d2h_gbps=min(hw.d2h_gbps, link / g) if link else hw.d2h_gbps,
+        host_accum_gbps=hw.host_accum_gbps / g,
+        optimizer_params_per_s=hw.optimizer_params_per_s / g,
+        optimizer_8bit_params_per_s=hw.optimizer_8bit_params_per_s / g,
+        nvme_read_gbps=hw.nvme_read_gbps / g,
+        nvme_write_gbps=hw.nvme_write_gbps / g,
+    )
+
+
+def assign_owners(unit_params: list[int], gpus: int) -> list[int]:
+    """The local rank that owns each unit: largest first, each to the least-loaded rank (ties: the
+    lower rank), so owners' parameters, and with them their optimizer and reduction work, balance."""
+    load = [0] * gpus
+    owner = [0] * len(unit_params)
+    for k in sorted(range(len(unit_params)), key=lambda k: (-unit_params[k], k)):
+        r = min(range(gpus), key=lambda r: (load[r], r))
+        owner[k] = r
+        load[r] += unit_params[k]
+    return owner
+
+
+def intra_reduce_s(nbytes: float, hw: HardwareProfile, topo: Topology) -> float:
+    """Reduce ``nbytes`` from the node's G GPUs to the owner, ring-style: (G-1)/G of the bytes
+    cross each GPU's link."""
+    g = topo.gpus_per_node
+    if g == 1:
+        return 0.0
+    assert hw.intra_node_gbps is not None  # Topology.check refuses it first
+    return (g - 1) / g * nbytes / (hw.intra_node_gbps * 1e9)
+
+
+def inter_allreduce_s(nbytes: float, hw: HardwareProfile, topo: Topology) -> float:
+    """All-reduce ``nbytes`` among the unit's owners on the N nodes, ring: 2(N-1)/N of the bytes
+    cross each owner's NIC."""
+    n = topo.nodes
+    if n == 1:
+        return 0.0
+    assert hw.inter_node_gbps is not None  # Topology.check refuses it first
+    return 2 * (n - 1) / n * nbytes / (hw.inter_node_gbps * 1e9)
