@@ -1,4 +1,5 @@
-"""The MILP: where each layer boundary lives (device / host / NVMe) or whether it is recomputed.
+"""The MILP: where each layer boundary lives (device / host / NVMe) or whether it is recomputed,
+and which units keep 8-bit optimizer moments.
 
 Solved once, before training, with HiGHS. The step is cut into *windows*, one per compute op of
 the engine's program; each window lasts as long as the slowest of the resources working in it
