@@ -134,7 +134,7 @@ def plan_command(args: argparse.Namespace) -> int:
         print(f"{label:<30}{c.plan.micro_batch_size:>4} x{c.plan.num_micro_batches:>3}{s.step_s:>10.3f}"
               f"{s.tokens_per_s:>11,.0f}{s.achieved_tflops:>8.1f}{_gb(s.peak_device_bytes):>8}"
               f"{_gb(s.peak_host_bytes):>9}{s.tokens_per_s / best_tps:>9.2f}"
-              f"{res.max_micro_batch_size.get(c.name if name == 'plan' else name, 0):>9}")
+              f"{res.max_micro_batch_size.get(c.name, 0):>9}")
     m = res.milp
     if m is not None:
         print(f"MILP at micro-batch {p.micro_batch_size}: {m.status}, model step {m.objective_s:.3f} s, bound {m.bound_s:.3f} s, gap {m.gap:.2%}, "
