@@ -103,12 +103,12 @@ def main() -> int:
         calibrate_s.append(time.perf_counter() - t)
         for name, eng in engines.items():
             eng.train_step(batches)  # warm-up; its optimizer update overlaps the next step
-            t0_ = {c: f() for c, f in clocks.items()}
+            start = {c: f() for c, f in clocks.items()}
             for _ in range(steps):
                 eng.train_step(batches)
             eng.synchronize()
             for c, f in clocks.items():
-                times[c][name].append((f() - t0_[c]) / steps)
+                times[c][name].append((f() - start[c]) / steps)
         loads.append((load_start, os.getloadavg()[0]))
     for eng in engines.values():
         eng.close()
