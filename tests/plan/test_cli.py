@@ -32,6 +32,12 @@ def test_plan_prints_a_table_and_writes_the_plan(tmp_path, capsys):
     assert plan.predicted["tokens_per_s"] == pytest.approx(sim.tokens_per_s, rel=1e-9)
     assert plan.predicted["peak_device_bytes"] == sim.peak_device_bytes
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # beside each rule, the largest micro-batch size that fits (the plan's own record of it)
+    assert "max mbs" in text
+    mx = plan.predicted["max_micro_batch_size"]
+    for rule in ("every-4", "recompute-all"):
+        row = next(line for line in text.splitlines() if line.startswith(rule + " "))
+        assert int(row.split()[-1]) == mx[rule]
 
 
 def test_plan_json_and_auto_batch(tmp_path, capsys):

@@ -66,9 +66,9 @@ def test_milp_is_optimal_in_its_own_model(planned):
                       p.head_chunk_tokens, p.moments)
     r = solve(model)
     assert r.tiers is not None and r.bound_s <= r.objective_s + 1e-9 and 0 <= r.gap <= 1e-3 + 1e-9
-    assert model.evaluate(r.tiers).step_s == pytest.approx(r.objective_s, rel=1e-6)
+    assert model.evaluate(r.tiers, moments=r.moments).step_s == pytest.approx(r.objective_s, rel=1e-6)
     for name, tiers in baseline_tiers(shape.num_layers).items():
-        ev = model.evaluate(tiers)
+        ev = model.evaluate(tiers, moments=p.moments)
         if ev.feasible:
             assert r.objective_s <= ev.step_s * (1 + 1e-3) + 1e-9, name
 

@@ -7,7 +7,7 @@ import pytest
 
 from layerwise.cli import main
 from layerwise.plan.cost import CostModel
-from layerwise.plan.hardware import PRESETS, HardwareProfile
+from layerwise.plan.hardware import PRESETS, PROFILE_FORMAT_VERSION, HardwareProfile
 from layerwise.plan.plan import Plan
 from layerwise.plan.program import micro_batch_program
 from layerwise.plan.scaling import ladder, predict_scaling, split_plan
@@ -150,7 +150,7 @@ def test_a_version_1_profile_loads_as_single_gpu(tmp_path):
     p = tmp_path / "old.json"
     p.write_text(json.dumps(d))
     hw = HardwareProfile.load(p)
-    assert (hw.gpus_per_node, hw.intra_node_gbps, hw.format_version) == (1, None, 2)
+    assert (hw.gpus_per_node, hw.intra_node_gbps, hw.format_version) == (1, None, PROFILE_FORMAT_VERSION)
 
 
 def test_plan_gpus_prints_the_predicted_scaling(capsys):

@@ -7,8 +7,11 @@ What is measured (each the fastest of a few repeats, after a warm-up):
   (``layer_ops.layer_backward`` on a flat weight buffer; the cost model's FLOPs over its
   measured time) divided by that matmul rate, so attention, norms and the framework's overhead
   are priced as they are on this machine;
-- ``op_overhead_s``: the time of a decoder layer on 8 tokens (dispatch + Python per op);
-- copy bandwidth: on CUDA pinned H2D/D2H copies; on CPU the engine's "copies" are clones;
+- ``fwd_efficiency``: the same for the layer's forward without a graph (``layer_fwd``, recompute);
+- ``op_overhead_s``: the fixed cost of a layer op (dispatch + Python), the intercept of a fit
+  through 512 and 8 tokens, so that the rates above exclude it;
+- copy bandwidth: on CUDA pinned H2D/D2H copies; on CPU the engine's "copies" are ``copy_``
+  into slots allocated once;
 - disk: write with fsync, then read back, in the spill directory;
 - host optimizer: fused AdamW over a flat fp32 buffer (as the host store updates a unit), and
   the gradient accumulation ``grad += copy``.
@@ -36,17 +39,21 @@ from ..store import FlatLayout, UnitBuffers
 from .layer_ops import layer_backward
 
 
-def _best_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
+Clock = Callable[[], float]
+
+
+def _best_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None,
+               clock: Clock = time.perf_counter) -> float:
     """Fastest of ``repeats`` runs after a warm-up: what the machine can do when others let it
     (shared machines are noisy; the minimum is the stable statistic, as in ``timeit``)."""
     fn()
     sync()
     times = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = clock()
         fn()
         sync()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return min(times)
 
 
@@ -57,16 +64,24 @@ def _total_ram_bytes() -> int:
         return 16 * GB
 
 
-def measure_matmul_tflops(device: str, dtype, n: int, repeats: int) -> float:
+def measure_matmul_tflops(device: str, dtype, n: int, repeats: int, clock: Clock = time.perf_counter) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    t = _best_time(lambda: torch.mm(a, b), repeats, sync)
+    t = _best_time(lambda: torch.mm(a, b), repeats, sync, clock)
     return 2 * n**3 / t / 1e12
 
 
-def measure_layer(device: str, dtype, tokens: int, repeats: int) -> tuple[float, float]:
-    """(FLOP/s of a llama-30m layer's backward as the engine runs it at ``tokens``, seconds at 8 tokens)."""
+def measure_layer(device: str, dtype, tokens: int, repeats: int,
+                  clock: Clock = time.perf_counter) -> tuple[float, float, float]:
+    """(FLOP/s of a llama-30m layer's backward as the engine runs it, FLOP/s of its forward
+    without a graph, seconds of fixed cost per op), each a fit through ``tokens`` and 8 tokens.
+
+    The op's time is ``overhead + FLOPs / rate``: the fit keeps the fixed per-op cost (Python,
+    dispatch) out of the rate, so the cost model, which adds ``op_overhead_s`` to every op,
+    does not count it twice. The forward is fitted on its own: without autograd's bookkeeping
+    it runs at a different rate than forward + backward.
+    """
     cfg = get_flavor("llama-30m").build_config()
     adapter = DecoderAdapter(cfg)
     layout = FlatLayout.of(adapter.units[1])
@@ -74,23 +89,34 @@ def measure_layer(device: str, dtype, tokens: int, repeats: int) -> tuple[float,
     rotary = adapter.new_rotary(device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
-    def run(seq: int) -> Callable[[], None]:
+    def run(seq: int) -> tuple[Callable[[], None], Callable[[], None]]:
         x = torch.randn(1, seq, cfg.hidden_size, device=device, dtype=dtype)
         grad_out = torch.randn_like(x)
         pos = torch.arange(seq, device=device)[None]
         with torch.no_grad():
             rope = rotary(x, pos)
         masks = adapter.attention_masks(seq, torch.device(device))
-        return lambda: layer_backward(adapter, 0, layout, flat_w, x, grad_out, rope, pos, masks)
+
+        def fwd() -> None:
+            with torch.no_grad():
+                adapter.layer(0, layout.views(flat_w), x, rope, pos, masks)
+
+        return (lambda: layer_backward(adapter, 0, layout, flat_w, x, grad_out, rope, pos, masks)), fwd
 
     shape = ModelShape.from_config(cfg)
-    flops = 3 * CostModel(shape, PRESETS["cpu"], 1, tokens).layer_fwd_flops(0)
-    t = _best_time(run(tokens), repeats, sync)
-    t_small = _best_time(run(8), repeats, sync)
-    return flops / t, t_small / 3  # an op in the engine is about a third of fwd+bwd at tiny size
+    big = CostModel(shape, PRESETS["cpu"], 1, tokens).layer_fwd_flops(0)
+    small = CostModel(shape, PRESETS["cpu"], 1, 8).layer_fwd_flops(0)
+    (bwd_big, fwd_big), (bwd_small, fwd_small) = run(tokens), run(8)
+    tb, tb8 = _best_time(bwd_big, repeats, sync, clock), _best_time(bwd_small, repeats, sync, clock)
+    tf, tf8 = _best_time(fwd_big, repeats, sync, clock), _best_time(fwd_small, repeats, sync, clock)
+    bwd_rate = 3 * (big - small) / max(tb - tb8, 1e-9)
+    fwd_rate = (big - small) / max(tf - tf8, 1e-9)
+    overhead = max(0.0, tf8 - small / fwd_rate)
+    return bwd_rate, fwd_rate, overhead
 
 
-def measure_copy_gbps(device: str, nbytes: int, repeats: int) -> tuple[float, float]:
+def measure_copy_gbps(device: str, nbytes: int, repeats: int,
+                      clock: Clock = time.perf_counter) -> tuple[float, float]:
     n = nbytes // 4
     if device.startswith("cuda"):
         host = torch.empty(n, dtype=torch.float32).pin_memory()
@@ -99,12 +125,14 @@ def measure_copy_gbps(device: str, nbytes: int, repeats: int) -> tuple[float, fl
         h2d = _best_time(lambda: dev.copy_(host, non_blocking=True), repeats, sync)
         d2h = _best_time(lambda: host.copy_(dev, non_blocking=True), repeats, sync)
         return nbytes / h2d / 1e9, nbytes / d2h / 1e9
-    # The engine clones one unit at a time (a few MB to tens of MB); the allocator reuses those
-    # blocks, whereas one huge clone would time fresh pages being faulted in.
+    # The CPU backend copies a unit (a few MB to tens of MB) into a slot allocated once
+    # (``copy_`` into warm pages); a clone would time fresh pages being allocated and faulted in,
+    # several times slower.
     piece = min(n, 4 << 20)
     src = torch.ones(piece, dtype=torch.float32)
     k = max(1, n // piece)
-    t = _best_time(lambda: [src.clone() for _ in range(k)], repeats)
+    slots = [torch.empty(piece, dtype=torch.float32) for _ in range(2)]
+    t = _best_time(lambda: [slots[j % 2].copy_(src) for j in range(k)], repeats, clock=clock)
     return k * piece * 4 / t / 1e9, k * piece * 4 / t / 1e9
 
 
@@ -136,44 +164,51 @@ def _probe_unit(numel: int):
     return UnitBuffers(unit, FlatLayout.of(unit), torch.zeros(n), torch.randn(n))
 
 
-def measure_optimizer(numel: int, repeats: int) -> tuple[float, float]:
+def measure_optimizer(numel: int, repeats: int, clock: Clock = time.perf_counter) -> tuple[float, float]:
     """(host AdamW params/s with fp32 moments, grad-accumulate GB/s), as the engine runs them."""
     buf = _probe_unit(numel)
     opt = HostAdamW(AdamWConfig())
     opt.init_state(buf)
-    t = _best_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats)
+    t = _best_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats, clock=clock)
     grad = torch.zeros(buf.layout.numel)
     copy = torch.randn(buf.layout.numel)
-    ta = _best_time(lambda: grad.add_(copy), repeats)
+    ta = _best_time(lambda: grad.add_(copy), repeats, clock=clock)
     return buf.layout.numel / t, buf.layout.numel * 12 / ta / 1e9
 
 
-def measure_optimizer_8bit(numel: int, repeats: int) -> float:
+def measure_optimizer_8bit(numel: int, repeats: int, clock: Clock = time.perf_counter) -> float:
     """Params/s of the project's block-wise 8-bit AdamW."""
     buf = _probe_unit(numel)
     opt = HostAdamW8bit(AdamWConfig())
     opt.init_state(buf)
-    t = _best_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats)
+    t = _best_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats, clock=clock)
     return buf.layout.numel / t
 
 
 def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None = None,
-              name: str | None = None) -> HardwareProfile:
+              name: str | None = None, cpu_time: bool = False) -> HardwareProfile:
+    """``cpu_time``: time the compute, copies and optimizer by this process's CPU clock
+    (``time.process_time``), not the wall clock: on a machine shared with other jobs that is what
+    the work costs rather than how long the others let it run. CPU only (a GPU's work is not
+    this process's CPU time); the disk is timed by the wall clock either way."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda but CUDA is not available; use --device cpu")
     on_gpu = device.startswith("cuda")
+    if cpu_time and on_gpu:
+        raise ValueError("cpu_time calibration is for the CPU backend; a GPU is timed by the wall clock")
+    clock = time.process_time if cpu_time else time.perf_counter
     dtype = torch.bfloat16 if on_gpu else torch.float32
     reps = 3 if quick else 7
     n = (4096 if on_gpu else 1024) if quick else (8192 if on_gpu else 2048)
-    layer_rate, overhead = measure_layer(device, dtype, 512, reps)  # small counts under-rate the rate
-    # a real layer can beat a lone square matmul of the size tried; peak is the larger of the two
-    peak = max(measure_matmul_tflops(device, dtype, n, reps), layer_rate / 1e12)
-    h2d, d2h = measure_copy_gbps(device, (64 << 20) if quick else (256 << 20), reps)
+    layer_rate, fwd_rate, overhead = measure_layer(device, dtype, 512, reps, clock)  # small counts under-rate the rate
+    # a real layer can beat a lone square matmul of the size tried; peak is the largest of them
+    peak = max(measure_matmul_tflops(device, dtype, n, reps, clock), layer_rate / 1e12, fwd_rate / 1e12)
+    h2d, d2h = measure_copy_gbps(device, (64 << 20) if quick else (256 << 20), reps, clock)
     nvme_r, nvme_w = measure_disk_gbps(spill_dir, (32 << 20) if quick else (256 << 20), 2 if quick else 3)
-    opt_rate, accum = measure_optimizer((4 << 20) if quick else (16 << 20), reps)
-    opt8 = measure_optimizer_8bit((4 << 20) if quick else (16 << 20), reps)
+    opt_rate, accum = measure_optimizer((4 << 20) if quick else (16 << 20), reps, clock)
+    opt8 = measure_optimizer_8bit((4 << 20) if quick else (16 << 20), reps, clock)
     ram = _total_ram_bytes()
     free_disk = _free_bytes(spill_dir or tempfile.gettempdir())
     if on_gpu:
@@ -190,6 +225,7 @@ def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None =
         device_reserved_bytes=min(base.device_reserved_bytes, dev_mem // 8),
         peak_tflops=peak,
         efficiency=max(0.02, min(1.0, layer_rate / (peak * 1e12))),
+        fwd_efficiency=max(0.02, min(1.0, fwd_rate / (peak * 1e12))),
         h2d_gbps=h2d, d2h_gbps=d2h,
         nvme_read_gbps=nvme_r, nvme_write_gbps=nvme_w,
         nvme_capacity_bytes=int(free_disk * 0.8),

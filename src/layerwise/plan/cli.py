@@ -37,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "'device' (reduced on the GPUs before the copy), see docs/architecture.md")
     p.add_argument("--gpu-mem", type=float, default=None, help="override device memory, GB")
     p.add_argument("--host-mem", type=float, default=None, help="override host memory, GB")
-    p.add_argument("--prefetch-depth", type=int, default=1, help="weight prefetch depth (1 = double buffer)")
+    p.add_argument("--prefetch-depth", type=int, default=None,
+                   help="weight prefetch depth (1 = double buffer); default: the planner tries 1 and 2")
     p.add_argument("--time-limit", type=float, default=5.0, help="MILP time limit per micro-batch size, s")
     p.add_argument("--gap", type=float, default=1e-3, help="MILP relative gap to stop at")
     p.add_argument("--out", default=None, help="write the chosen Plan here (JSON the engine consumes)")
@@ -107,6 +108,7 @@ def plan_command(args: argparse.Namespace) -> int:
                 "status": res.milp.status, "objective_s": res.milp.objective_s, "bound_s": res.milp.bound_s,
                 "gap": res.milp.gap, "warm_start": res.milp.warm_start},
             "rules": {n: c.row() for n, c in rows[1:]},
+            "max_micro_batch_size": res.max_micro_batch_size,
             "check": {"ok": report.ok, "peaks": report.peaks},
         }
         if scaling:
@@ -121,7 +123,8 @@ def plan_command(args: argparse.Namespace) -> int:
           f"device {_gb(hw.device_cap_bytes)} GB usable, host {_gb(hw.host_cap_bytes)} GB usable; "
           f"seq {args.seq_len}, batch {p.micro_batch_size * p.num_micro_batches} "
           f"({p.micro_batch_size} x {p.num_micro_batches} micro-batches)")
-    head = f"{'rule':<30}{'mbs x n':>9}{'step s':>10}{'tokens/s':>11}{'TFLOPS':>8}{'dev GB':>8}{'host GB':>9}{'vs plan':>9}"
+    head = (f"{'rule':<30}{'mbs x n':>9}{'step s':>10}{'tokens/s':>11}{'TFLOPS':>8}{'dev GB':>8}{'host GB':>9}"
+            f"{'vs plan':>9}{'max mbs':>9}")
     print(head)
     print("-" * len(head))
     best_tps = res.best.sim.tokens_per_s
@@ -130,12 +133,14 @@ def plan_command(args: argparse.Namespace) -> int:
         s = c.sim
         print(f"{label:<30}{c.plan.micro_batch_size:>4} x{c.plan.num_micro_batches:>3}{s.step_s:>10.3f}"
               f"{s.tokens_per_s:>11,.0f}{s.achieved_tflops:>8.1f}{_gb(s.peak_device_bytes):>8}"
-              f"{_gb(s.peak_host_bytes):>9}{s.tokens_per_s / best_tps:>9.2f}")
+              f"{_gb(s.peak_host_bytes):>9}{s.tokens_per_s / best_tps:>9.2f}"
+              f"{res.max_micro_batch_size.get(c.name, 0):>9}")
     m = res.milp
     if m is not None:
         print(f"MILP at micro-batch {p.micro_batch_size}: {m.status}, model step {m.objective_s:.3f} s, bound {m.bound_s:.3f} s, gap {m.gap:.2%}, "
               f"warm start {m.warm_start or 'none'}; HiGHS {res.solve_s:.2f} s, search {res.plan_s:.2f} s")
-    print(f"boundaries: {', '.join(f'{v} {k}' for k, v in counts.items())}; optimizer moments: "
+    print(f"boundaries: {', '.join(f'{v} {k}' for k, v in counts.items())}; prefetch depth {p.prefetch_depth}; "
+          f"optimizer moments: "
           f"{len(p.moments or []) - n8} units fp32, {n8} units 8-bit; check: ok "
           f"(peak device {_gb(report.peaks['device'])} GB, host {_gb(report.peaks['host'])} GB)")
     busy = sim.busy_s

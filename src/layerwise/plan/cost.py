@@ -79,7 +79,8 @@ class CostModel:
         return flops / self.hw.flops_per_s + self.hw.op_overhead_s
 
     def layer_fwd_s(self, i: int) -> float:
-        return self._secs(self.layer_fwd_flops(i))
+        """A forward without a graph (``layer_fwd``, recompute), at the forward's own rate."""
+        return self.layer_fwd_flops(i) / self.hw.fwd_flops_per_s + self.hw.op_overhead_s
 
     def layer_bwd_s(self, i: int) -> float:
         """Forward with a graph + backward (2x): 3x forward FLOPs."""

@@ -21,7 +21,7 @@ from ..util.atomic import atomic_write_text
 
 GB = 10**9
 GIB = 2**30
-PROFILE_FORMAT_VERSION = 2
+PROFILE_FORMAT_VERSION = 3
 """2: adds the optional scale-out fields (``gpus_per_node`` ... ``node_host_link_gbps``); a version 1
 file is read as a single-GPU profile without them."""
 
@@ -64,6 +64,10 @@ class HardwareProfile:
     """True when copies and compute cannot overlap (the CPU backend): one lane for everything."""
     op_overhead_s: float = 0.0
     """Fixed cost of one compute op (launches, Python), seconds."""
+    fwd_efficiency: float | None = None
+    """Fraction of ``peak_tflops`` a layer's forward without a graph reaches (the engine's
+    ``layer_fwd`` and recompute); None = ``efficiency``. Calibration measures both: a forward
+    without autograd bookkeeping runs at a different rate than forward + backward."""
     gpus_per_node: int = 1
     """GPUs in one node of this machine type: a data-parallel run uses at most this many per node."""
     intra_node_gbps: float | None = None
@@ -83,8 +87,10 @@ class HardwareProfile:
                   "optimizer_params_per_s", "optimizer_8bit_params_per_s", "host_accum_gbps"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"hardware profile {self.name!r}: {f} must be > 0, got {getattr(self, f)}")
-        if not 0 < self.efficiency <= 1:
-            raise ValueError(f"hardware profile {self.name!r}: efficiency must be in (0, 1], got {self.efficiency}")
+        for f in ("efficiency", "fwd_efficiency"):
+            v = getattr(self, f)
+            if v is not None and not 0 < v <= 1:
+                raise ValueError(f"hardware profile {self.name!r}: {f} must be in (0, 1], got {v}")
         if self.device_mem_bytes <= self.device_reserved_bytes:
             raise ValueError(f"hardware profile {self.name!r}: device_mem_bytes must exceed device_reserved_bytes")
         if self.host_mem_bytes <= self.host_reserved_bytes:
@@ -103,6 +109,12 @@ class HardwareProfile:
     def flops_per_s(self) -> float:
         """Sustained FLOP/s the cost model uses."""
         return self.peak_tflops * 1e12 * self.efficiency
+
+    @property
+    def fwd_flops_per_s(self) -> float:
+        """Sustained FLOP/s of a forward without a graph."""
+        eff = self.efficiency if self.fwd_efficiency is None else self.fwd_efficiency
+        return self.peak_tflops * 1e12 * eff
 
     @property
     def device_cap_bytes(self) -> int:
@@ -134,10 +146,10 @@ class HardwareProfile:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"hardware profile has unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        if d.get("format_version", PROFILE_FORMAT_VERSION) not in (1, PROFILE_FORMAT_VERSION):
+        if d.get("format_version", PROFILE_FORMAT_VERSION) not in (1, 2, PROFILE_FORMAT_VERSION):
             raise ValueError(f"hardware profile format_version {d['format_version']} is not supported "
                              f"(expected {PROFILE_FORMAT_VERSION}); re-run `layerwise calibrate`")
-        d = {**d, "format_version": PROFILE_FORMAT_VERSION}  # version 1 lacks only optional fields
+        d = {**d, "format_version": PROFILE_FORMAT_VERSION}  # versions 1, 2 lack only optional fields
         missing = {f.name for f in fields(cls) if f.default is MISSING} - set(d)
         if missing:
             raise ValueError(f"hardware profile is missing {sorted(missing)}")
@@ -160,8 +172,15 @@ class HardwareProfile:
 
 # ----- presets ---------------------------------------------------------------------------
 # Shared assumptions (stated once, used below):
-# [EFF]  0.6 of dense peak: large training GEMMs on Hopper/Ampere typically reach 55-70% of the
-#        datasheet number (cuBLAS/MFU reports); attention and norms pull the average down.
+# [EFF-H] 0.40 of dense peak on Hopper: the best published whole-step BF16 training rates on
+#        H100 are ~390-400 model TFLOPS/GPU (GPT-3 175B, 47% MFU counted with attention;
+#        Llama 3 405B on 16k H100, 38-43% MFU: Megatron-Core benchmark notes), and 328-334 on
+#        DGX-H100 for NeMo AutoModel's Nemotron 3 BF16 runs. Sources and the gap to
+#        MegaTrain's published figures: docs/benchmarks.md, "Preset efficiencies".
+# [EFF-A] 0.52 on the A100: Megatron-LM (Narayanan et al. 2021) sustains 163 TFLOPS/GPU (52% of
+#        312) on 3072 A100s for a 1T-parameter GPT, data loading and optimizer included.
+# [EFF-C] 0.52 on GeForce cards: no published training rate found; assumption, the A100's
+#        fraction.
 # [PCIE5] PCIe 5.0 x16 is 64 GB/s per direction raw; pinned cudaMemcpy measures ~50-55 GB/s
 #        (CUDA bandwidthTest on H100/H200 hosts); 50 GB/s used.
 # [PCIE4] PCIe 4.0 x16 is 32 GB/s raw; pinned copies measure ~24-26 GB/s; 25 GB/s used.
@@ -197,7 +216,7 @@ PRESETS: dict[str, HardwareProfile] = {
         device_mem_bytes=141 * GB,  # NVIDIA H200 datasheet: 141 GB HBM3e
         device_reserved_bytes=int(1.5 * GB),  # [RES]
         peak_tflops=989.0,  # H200 SXM datasheet: 1,979 TFLOPS bf16 with sparsity -> 989 dense
-        efficiency=0.6,  # [EFF]
+        efficiency=0.40,  # [EFF-H]
         h2d_gbps=50.0, d2h_gbps=50.0,  # [PCIE5]
         nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
         host_mem_bytes=2000 * GB,  # HGX H200 servers ship with 2 TB DDR5 (e.g. DGX H200 datasheet)
@@ -212,7 +231,7 @@ PRESETS: dict[str, HardwareProfile] = {
         device_mem_bytes=80 * GB,  # NVIDIA H800 SXM: 80 GB HBM3 (same die as H100 SXM)
         device_reserved_bytes=int(1.5 * GB),  # [RES]
         peak_tflops=989.0,  # H800 SXM: H100 SXM compute (989 dense bf16); only NVLink is cut
-        efficiency=0.6,  # [EFF]
+        efficiency=0.40,  # [EFF-H]
         h2d_gbps=50.0, d2h_gbps=50.0,  # [PCIE5]
         nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
         host_mem_bytes=2000 * GB,  # HGX H800 servers as DGX H100: 2 TB (DGX H100 datasheet)
@@ -227,7 +246,7 @@ PRESETS: dict[str, HardwareProfile] = {
         device_mem_bytes=80 * GB,  # NVIDIA H100 SXM datasheet: 80 GB HBM3
         device_reserved_bytes=int(1.5 * GB),  # [RES]
         peak_tflops=989.0,  # H100 SXM datasheet: 1,979 bf16 with sparsity -> 989 dense
-        efficiency=0.6,  # [EFF]
+        efficiency=0.40,  # [EFF-H]
         h2d_gbps=50.0, d2h_gbps=50.0,  # [PCIE5]
         nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
         host_mem_bytes=2000 * GB,  # DGX H100 datasheet: 2 TB system memory
@@ -242,7 +261,7 @@ PRESETS: dict[str, HardwareProfile] = {
         device_mem_bytes=80 * GB,  # NVIDIA A100 80GB datasheet
         device_reserved_bytes=int(1.5 * GB),  # [RES]
         peak_tflops=312.0,  # A100 datasheet: 312 TFLOPS bf16 dense (624 with sparsity)
-        efficiency=0.6,  # [EFF]
+        efficiency=0.52,  # [EFF-A]
         h2d_gbps=25.0, d2h_gbps=25.0,  # [PCIE4]
         nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
         host_mem_bytes=1000 * GB,  # DGX A100 datasheet: 1 TB system memory (2 TB option)
@@ -257,7 +276,7 @@ PRESETS: dict[str, HardwareProfile] = {
         device_mem_bytes=24 * GIB,  # GeForce RTX 3090: 24 GB GDDR6X (24 GiB)
         device_reserved_bytes=int(1.5 * GB),  # [RES]
         peak_tflops=71.0,  # GA102 whitepaper: 71 TFLOPS fp16/bf16 tensor with fp32 accumulate
-        efficiency=0.6,  # [EFF]
+        efficiency=0.52,  # [EFF-C]
         h2d_gbps=25.0, d2h_gbps=25.0,  # [PCIE4]
         nvme_read_gbps=7.0, nvme_write_gbps=5.0, nvme_capacity_bytes=1500 * GB,  # [CNVME]
         host_mem_bytes=512 * GB,  # assumption: 8 x 64 GB workstation (Threadripper/EPYC class)
@@ -271,7 +290,7 @@ PRESETS: dict[str, HardwareProfile] = {
         device_mem_bytes=24 * GIB,  # GeForce RTX 4090: 24 GB GDDR6X (24 GiB)
         device_reserved_bytes=int(1.5 * GB),  # [RES]
         peak_tflops=165.2,  # Ada whitepaper: 165.2 TFLOPS fp16/bf16 tensor with fp32 accumulate
-        efficiency=0.6,  # [EFF]
+        efficiency=0.52,  # [EFF-C]
         h2d_gbps=25.0, d2h_gbps=25.0,  # [PCIE4]
         nvme_read_gbps=7.0, nvme_write_gbps=5.0, nvme_capacity_bytes=1500 * GB,  # [CNVME]
         host_mem_bytes=512 * GB,  # assumption: 8 x 64 GB workstation

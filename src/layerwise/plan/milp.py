@@ -1,4 +1,5 @@
-"""The MILP: where each layer boundary lives (device / host / NVMe) or whether it is recomputed.
+"""The MILP: where each layer boundary lives (device / host / NVMe) or whether it is recomputed,
+and which units keep 8-bit optimizer moments.
 
 Solved once, before training, with HiGHS. The step is cut into *windows*, one per compute op of
 the engine's program; each window lasts as long as the slowest of the resources working in it
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..models.names import EMBED, layer_unit
-from .cost import CostModel
+from .cost import STATE_NBYTES, CostModel
 from .shape import ModelShape
 from .hardware import HardwareProfile
 from .plan import Plan
@@ -29,6 +30,9 @@ from .program import Op, OpKind
 ALL_TIERS = ("device", "host", "nvme", "recompute")
 MS = 1e3  # the solver works in milliseconds (better-scaled coefficients)
 TIE = 1e-3  # fraction of a boundary's copy time charged to offloading, to break ties
+NVME_STAGING = 2
+"""Host buffers NVMe traffic holds: one boundary waiting for its write, one read back ahead of
+its fetch. Only a plan with an NVMe boundary needs them (the simulator allocates them then)."""
 
 
 @dataclass
@@ -43,6 +47,9 @@ class MilpConfig:
     """Model the next forward waiting for the host optimizer (couples the forward windows)."""
     threads: int = 1
     """HiGHS threads (the machines this runs on are often shared)."""
+    choose_moments: bool = True
+    """Let the MILP pick each unit's optimizer moments (8-bit frees host memory for offloaded
+    boundaries, fp32 keeps the optimizer faster); False keeps the model's ``moments``."""
 
 
 @dataclass
@@ -62,7 +69,9 @@ class StepModel:
 
     def __init__(self, shape: ModelShape, hw: HardwareProfile, micro_batch_size: int, seq_len: int,
                  num_micro_batches: int = 1, prefetch_depth: int = 1, head_chunk_tokens: int = 1024,
-                 moments: list[str] | None = None):
+                 moments: list[str] | None = None, device_reserve_bytes: int = 0, host_reserve_bytes: int = 0):
+        """``device_reserve_bytes`` / ``host_reserve_bytes``: capacity held back from the linear
+        model, for what it does not see (the search sets them from the simulator's overflow)."""
         self.shape, self.hw = shape, hw
         self.micro_batch_size, self.seq_len = micro_batch_size, seq_len
         self.num_micro_batches = num_micro_batches
@@ -93,27 +102,26 @@ class StepModel:
         self.recompute = [self.e_fwd] + [max(self.c_fwd[k - 1], self.w_in[k - 1]) for k in range(1, L)]
         # after the last backward: the last gradient lands, then the optimizer starts
         self.tail = cost.d2h_s(emb_w) + cost.grad_accumulate_s(EMBED)
-        units = shape.unit_names()
-        mom = moments or ["fp32"] * len(units)
-        opt = [cost.optimizer_s(u, m) for u, m in zip(units, mom)]
-        cum = []
-        t = 0.0
-        for o in opt:
-            t += o
-            cum.append(t)
-        self.opt_embed_ready = cum[0] + cost.h2d_s(emb_w)
-        # next step: layer k's forward can end no earlier than its update + its copy + its compute
-        self.opt_layer_done = [cum[1 + k] + self.w_in[k] + self.c_fwd[k] for k in range(L)]
+        units = self.units = shape.unit_names()
+        self.emb_w_in = cost.h2d_s(emb_w)
+        # per unit: optimizer seconds with fp32 and with 8-bit moments, and the host bytes 8-bit
+        # moments free (the MILP may switch any unit; ``moments`` is the fixed choice evaluated)
+        self.opt_fp32 = [cost.optimizer_s(u, "fp32") for u in units]
+        self.opt_8bit = [cost.optimizer_s(u, "8bit") for u in units]
+        self.saving_8bit = [STATE_NBYTES["fp32"](n) - STATE_NBYTES["8bit"](n)
+                            for n in (shape.unit_params(u) for u in units)]
         # device memory at the head and at each layer's backward: the engine's slots (fetch
         # slots counted whatever the tiers, so the constants do not depend on them) plus the op's
         # transient
-        self.dev_cap = hw.device_cap_bytes
+        self.dev_cap = hw.device_cap_bytes - device_reserve_bytes
         largest_w = max(cost.unit_weight_bytes(u) for u in units)
         slots = ((self.prefetch_depth + 1) * largest_w + (0 if hw.synchronous else GRAD_SLOTS * largest_w)
                  + FETCH_SLOTS * a)
         self.c_bwd_mem = [slots + cost.op_transient_bytes(OpKind.LAYER_BWD, i) for i in range(L)]
         self.c_head_mem = slots + cost.op_transient_bytes(OpKind.HEAD)
-        self.host_budget = hw.host_cap_bytes - cost.host_store_bytes(moments)
+        # host: what the store leaves (all-fp32 moments; each 8-bit unit frees saving_8bit)
+        self.host_budget_fp32 = hw.host_cap_bytes - host_reserve_bytes - cost.host_store_bytes(["fp32"] * len(units))
+        self.host_budget = self.host_budget_for(moments)
         self.nvme_cap = hw.nvme_capacity_bytes
         self.nvme_rw = a / (hw.nvme_write_gbps * 1e9) + a / (hw.nvme_read_gbps * 1e9)
         self.nvme_read = a / (hw.nvme_read_gbps * 1e9)
@@ -126,8 +134,25 @@ class StepModel:
     def max_device_total(self) -> float:
         return min((self.dev_cap - self.c_head_mem) / self.a_bytes - 1, self.max_device_prefix(self.L - 1))
 
+    def optimizer_bounds(self, moments: list[str] | None) -> tuple[float, list[float]]:
+        """(when the embedding's update is on the device, per layer k the earliest end of its
+        next forward: its update + its copy + its compute), the optimizer running units in order."""
+        mom = moments or ["fp32"] * len(self.units)
+        t, cum = 0.0, []
+        for k, m in enumerate(mom):
+            t += self.opt_8bit[k] if m == "8bit" else self.opt_fp32[k]
+            cum.append(t)
+        return (cum[0] + self.emb_w_in,
+                [cum[1 + k] + self.w_in[k] + self.c_fwd[k] for k in range(self.L)])
+
+    def host_budget_for(self, moments: list[str] | None) -> float:
+        """Host bytes left for offloaded boundaries (and NVMe staging) beside the store."""
+        return self.host_budget_fp32 + sum(s for s, m in zip(self.saving_8bit, moments or []) if m == "8bit")
+
     def max_host(self) -> float:
-        return self.host_budget / self.a_bytes - 2
+        """Host-offloaded boundaries that fit beside the store (with ``moments``). NVMe staging
+        (NVME_STAGING boundaries) is charged only when some boundary goes to NVMe."""
+        return self.host_budget / self.a_bytes
 
     def max_nvme(self) -> float:
         return self.nvme_cap / self.a_bytes
@@ -138,9 +163,13 @@ class StepModel:
 
     # ----- evaluate a fixed assignment ----------------------------------------------------
 
-    def evaluate(self, tiers: list[str], include_stall: bool = True) -> ModelEval:
-        """The model's step time for ``tiers`` (an upper bound on the MILP's value for it)."""
+    def evaluate(self, tiers: list[str], include_stall: bool = True,
+                 moments: list[str] | None = None) -> ModelEval:
+        """The model's step time for ``tiers`` with ``moments`` (default: the model's); an upper
+        bound on the MILP's value for that assignment."""
         L = self.L
+        moments = moments if moments is not None else self.moments
+        embed_ready, layer_done = self.optimizer_bounds(moments)
         viol: dict[str, float] = {}
         off = [1.0 if t in ("host", "nvme") else 0.0 for t in tiers]
         f = [max(self.f_lb[i], self.a_out * off[i]) for i in range(L)]
@@ -159,11 +188,11 @@ class StepModel:
             b[0] += need - total
         stall = 0.0
         if include_stall:
-            stall = max(0.0, self.opt_embed_ready)
+            stall = max(0.0, embed_ready)
             acc = self.e_fwd
             for k in range(L):
                 acc += f[k]
-                stall = max(stall, self.opt_layer_done[k] - acc)
+                stall = max(stall, layer_done[k] - acc)
         step = self.num_micro_batches * (sum(f) + sum(b) + rec) + stall + self.const_s()
         # capacities
         dev = 0
@@ -179,7 +208,8 @@ class StepModel:
         over = dev - self.max_device_total()
         if over > 1e-9:
             viol["device"] = max(viol.get("device", 0.0), over * self.a_bytes)
-        over = sum(t == "host" for t in tiers) - self.max_host()
+        staging = NVME_STAGING if n_nvme else 0
+        over = sum(t == "host" for t in tiers) + staging - self.host_budget_for(moments) / self.a_bytes
         if over > 1e-9:
             viol["host"] = over * self.a_bytes
         over = n_nvme - self.max_nvme()
@@ -201,18 +231,22 @@ class MilpResult:
     solve_s: float
     warm_start: str | None = None
     """Which assignment seeded the solver."""
+    moments: list[str] | None = None
+    """Per unit optimizer moments of that assignment (chosen by the MILP, or the model's)."""
 
     def plan(self, model: StepModel, **kw: Any) -> Plan:
         assert self.tiers is not None
         return Plan(list(self.tiers), micro_batch_size=model.micro_batch_size,
                     num_micro_batches=model.num_micro_batches, seq_len=model.seq_len,
                     prefetch_depth=model.prefetch_depth, head_chunk_tokens=model.head_chunk_tokens,
-                    moments=model.moments, source="milp", **kw)
+                    moments=self.moments, source="milp", **kw)
 
 
 def solve(model: StepModel, config: MilpConfig | None = None,
-          warm_start: tuple[str, list[str]] | None = None) -> MilpResult:
-    """Build and solve the MILP for ``model``; ``warm_start`` = (name, tiers) seeds the search."""
+          warm_start: tuple[str, list[str]] | None = None,
+          warm_moments: list[str] | None = None) -> MilpResult:
+    """Build and solve the MILP for ``model``; ``warm_start`` = (name, tiers), with
+    ``warm_moments`` (default: the model's), seeds the search."""
     import highspy
 
     cfg = config or MilpConfig()
@@ -222,7 +256,9 @@ def solve(model: StepModel, config: MilpConfig | None = None,
     L = model.L
     inf = highspy.kHighsInf
     M = model.num_micro_batches
-    # columns: tier binaries (4L), f (L), b (L), run length l (L), stall (1)
+    # columns: tier binaries (4L), f (L), b (L), run length l (L), stall (1), 8-bit moments per
+    # unit (U), any boundary on NVMe (1)
+    U = len(model.units)
     T = {t: k for k, t in enumerate(ALL_TIERS)}
 
     def y(i: int, t: str) -> int:
@@ -238,7 +274,13 @@ def solve(model: StepModel, config: MilpConfig | None = None,
         return 6 * L + i
 
     scol = 7 * L
-    ncol = 7 * L + 1
+
+    def qcol(u: int) -> int:
+        return 7 * L + 1 + u
+
+    zcol = 7 * L + 1 + U
+    ncol = zcol + 1
+    fixed = model.moments or ["fp32"] * U
     lower = [0.0] * ncol
     upper = [1.0] * ncol
     cost = [0.0] * ncol
@@ -255,9 +297,17 @@ def solve(model: StepModel, config: MilpConfig | None = None,
         lower[fcol(i)], upper[fcol(i)], cost[fcol(i)] = model.f_lb[i] * MS, inf, M
         lower[bcol(i)], upper[bcol(i)], cost[bcol(i)] = model.b_lb[i] * MS, inf, M
         lower[lcol(i)], upper[lcol(i)] = 0.0, float(L)
-    lower[scol] = model.opt_embed_ready * MS if cfg.include_optimizer_stall else 0.0
     upper[scol] = inf
     cost[scol] = 1.0 if cfg.include_optimizer_stall else 0.0
+    d_opt = [b - a for a, b in zip(model.opt_fp32, model.opt_8bit)]  # 8-bit's extra seconds
+    for u in range(U):
+        integrality[qcol(u)] = highspy.HighsVarType.kInteger
+        if not cfg.choose_moments:
+            lower[qcol(u)] = upper[qcol(u)] = 1.0 if fixed[u] == "8bit" else 0.0
+        # tie-break: fp32 moments where 8-bit buys nothing (fewest parameters in 8-bit)
+        cost[qcol(u)] = TIE * model.opt_fp32[u] * MS
+    integrality[zcol] = highspy.HighsVarType.kInteger
+    tie_cols = [y(i, t) for i in range(L) for t in ("host", "nvme")] + [qcol(u) for u in range(U)]
 
     rows: list[tuple[float, float, dict[int, float]]] = []
     for i in range(L):
@@ -276,8 +326,14 @@ def solve(model: StepModel, config: MilpConfig | None = None,
         read = {bcol(j): 1.0 for j in (i + 1, i + 2) if j < L}
         read[y(i, "nvme")] = -model.nvme_read * MS
         rows.append((-(model.head * MS if i + 2 >= L else 0.0), inf, read))
+        rows.append((0.0, inf, {zcol: 1.0, y(i, "nvme"): -1.0}))
     rows.append((-inf, model.max_device_total(), {y(k, "device"): 1.0 for k in range(L)}))
-    rows.append((-inf, model.max_host(), {y(k, "host"): 1.0 for k in range(L)}))
+    # host, in boundaries: offloaded ones + NVMe staging (if any NVMe) <= what the store leaves,
+    # which each 8-bit unit enlarges
+    host = {y(k, "host"): 1.0 for k in range(L)}
+    host[zcol] = float(NVME_STAGING)
+    host.update({qcol(u): -model.saving_8bit[u] / model.a_bytes for u in range(U)})
+    rows.append((-inf, model.host_budget_fp32 / model.a_bytes, host))
     rows.append((-inf, model.max_nvme(), {y(k, "nvme"): 1.0 for k in range(L)}))
     agg: dict[int, float] = {}
     for k in range(L):
@@ -289,9 +345,13 @@ def solve(model: StepModel, config: MilpConfig | None = None,
     acc = {c: v for c, v in agg.items() if v > 0}
     rows.append(((model.accumulate - model.e_fwd - model.head - model.e_bwd) * MS, inf, acc))
     if cfg.include_optimizer_stall:
+        # the optimizer updates units in order; 8-bit moments make unit u's update d_opt[u] longer
+        embed_ready, layer_done = model.optimizer_bounds(None)
+        rows.append((embed_ready * MS, inf, {scol: 1.0, qcol(0): -d_opt[0] * MS}))
         for k in range(L):
             r = {scol: 1.0, **{fcol(u): 1.0 for u in range(k + 1)}}
-            rows.append(((model.opt_layer_done[k] - model.e_fwd) * MS, inf, r))
+            r.update({qcol(u): -d_opt[u] * MS for u in range(k + 2)})
+            rows.append(((layer_done[k] - model.e_fwd) * MS, inf, r))
 
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = ncol, len(rows)
@@ -318,13 +378,18 @@ def solve(model: StepModel, config: MilpConfig | None = None,
     ws_name = None
     if warm_start is not None:
         ws_name, ws_tiers = warm_start
-        ev = model.evaluate(ws_tiers, cfg.include_optimizer_stall) if len(ws_tiers) == L else None
+        ws_moments = warm_moments if cfg.choose_moments and warm_moments is not None else fixed
+        ev = (model.evaluate(ws_tiers, cfg.include_optimizer_stall, ws_moments)
+              if len(ws_tiers) == L else None)
         if ev is not None and ev.feasible and all(t in cfg.tiers for t in ws_tiers):
             vals = [0.0] * ncol
             for i in range(L):
                 vals[y(i, ws_tiers[i])] = 1.0
                 vals[fcol(i)], vals[bcol(i)], vals[lcol(i)] = ev.f[i] * MS, ev.b[i] * MS, float(ev.run[i])
             vals[scol] = ev.stall * MS
+            for u in range(U):
+                vals[qcol(u)] = 1.0 if ws_moments[u] == "8bit" else 0.0
+            vals[zcol] = 1.0 if "nvme" in ws_tiers else 0.0
             sol = highspy.HighsSolution()
             sol.col_value = vals
             sol.value_valid = True
@@ -343,18 +408,20 @@ def solve(model: StepModel, config: MilpConfig | None = None,
         return MilpResult(None, float("inf"), float("inf"), float("inf"), status, solve_s, ws_name)
     x = list(h.getSolution().col_value)
     tiers = [max(cfg.tiers, key=lambda t: x[y(i, t)]) for i in range(L)]
+    moments = ["8bit" if x[qcol(u)] > 0.5 else "fp32" for u in range(U)]
     obj = info.objective_function_value / MS
     x_obj = sum(c * v for c, v in zip(cost, x)) / MS + model.const_s()
-    ties = sum(cost[y(i, t)] * x[y(i, t)] for i in range(L) for t in ("host", "nvme")) / MS
+    ties = sum(cost[c] * x[c] for c in tie_cols) / MS
     if abs(x_obj - obj) > 1e-6 * max(1.0, abs(obj)):
         if ws_name is not None:  # the solver's vector does not match its objective: solve cold
-            cold = solve(model, cfg, None)
+            cold = solve(model, cfg)
             cold.solve_s += solve_s
             return cold
         raise AssertionError(f"HiGHS objective {obj} does not match its solution ({x_obj})")
     bound = info.mip_dual_bound / MS
     gap = max(0.0, (obj - bound) / obj) if obj > 0 else 0.0
-    return MilpResult(tiers, obj - ties, min(bound, obj) - ties, gap, status, solve_s, ws_name)
+    return MilpResult(tiers, obj - ties, min(bound, obj) - ties, gap, status, solve_s, ws_name,
+                      moments if cfg.choose_moments or model.moments is not None else None)
 
 
 def _quiet_highs(highspy):

@@ -5,8 +5,14 @@ baseline are then run through the simulator, and the fastest plan that fits (by 
 more faithful of the two models) is emitted. So the emitted plan is never slower in simulation
 than any baseline tried; when a baseline wins, the plan says so in its ``source``.
 
-Optimizer moments: fp32 everywhere if the host store fits, else the fewest parameters switched to
-block-wise 8-bit moments (8 -> ~2 bytes/param) until it does.
+Prefetch depth: each depth in ``SearchConfig.prefetch_depths`` is tried at every micro-batch size
+(a deeper prefetch costs one weight slot more per step of depth, and hides a weight copy that is
+longer than one compute window).
+
+Optimizer moments: the MILP chooses them per unit (8-bit frees ~6 bytes/param of host memory
+for offloaded boundaries; fp32 keeps the host optimizer faster). A fixed rule gets fp32
+everywhere if the store plus the host memory its own offloaded boundaries need fits, else the
+fewest parameters switched to block-wise 8-bit moments until it does.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from .baselines import baseline_tiers, extra_candidates
 from .cost import STATE_NBYTES, CostModel
 from .shape import ModelShape
 from .hardware import HardwareProfile
-from .milp import MilpConfig, MilpResult, StepModel, solve
+from .milp import NVME_STAGING, MilpConfig, MilpResult, StepModel, solve
 from .plan import Plan
 from .simulator import SimResult, simulate
 
@@ -44,8 +50,11 @@ class SearchConfig:
     """Accumulation counts tried in auto mode."""
     auto_tolerance: float = 0.03
     """Auto mode takes the smallest global batch within this fraction of the best tokens/s."""
-    prefetch_depth: int = 1
-    """Weight prefetch depth of emitted plans (1 = double buffering)."""
+    prefetch_depth: int | None = None
+    """Weight prefetch depth of emitted plans (1 = double buffering); None = choose among
+    ``prefetch_depths``."""
+    prefetch_depths: tuple[int, ...] = (1, 2)
+    """Depths tried when ``prefetch_depth`` is None."""
     head_chunk_tokens: int = 1024
     milp: MilpConfig = field(default_factory=MilpConfig)
 
@@ -77,6 +86,9 @@ class SearchResult:
     """Per rule (``milp`` and each baseline): its fastest fitting candidate over micro-batch sizes."""
     tried: list[dict[str, Any]]
     moments: list[str]
+    """The emitted plan's optimizer moments per unit."""
+    max_micro_batch_size: dict[str, int]
+    """Per rule (``milp`` and each baseline): the largest micro-batch size tried that fits (0: none)."""
     solve_s: float
     """Seconds spent inside HiGHS, all micro-batch sizes together."""
     plan_s: float
@@ -122,6 +134,17 @@ def choose_moments(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 
     return moments
 
 
+def rule_moments(shape: ModelShape, hw: HardwareProfile, tiers: list[str], boundary_bytes: int) -> list[str]:
+    """Moments for a fixed rule: the fewest 8-bit parameters with which the store and the host
+    memory the rule's own offloaded boundaries need (NVMe staging included) fit; all 8-bit when
+    nothing does (the simulator then reports the plan over host capacity)."""
+    staging = NVME_STAGING if "nvme" in tiers else 0
+    try:
+        return choose_moments(shape, hw, (tiers.count("host") + staging) * boundary_bytes)
+    except PlanInfeasible:
+        return ["8bit"] * len(shape.unit_names())
+
+
 def simulate_fast(plan: Plan, shape: ModelShape, hw: HardwareProfile) -> SimResult:
     """The simulator, with long accumulations extrapolated from 3 and 4 micro-batches.
 
@@ -161,8 +184,10 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
     if cfg.global_batch is not None and cfg.global_batch < 1:
         raise ValueError(f"global batch must be >= 1 sequence, got {cfg.global_batch}")
     auto = cfg.global_batch is None
-    # the store must fit; offloaded activations get what is left (NVMe takes the rest)
-    moments = choose_moments(shape, hw, reserve_bytes=0)
+    depths = (cfg.prefetch_depth,) if cfg.prefetch_depth is not None else tuple(sorted(set(cfg.prefetch_depths)))
+    if not depths or min(depths) < 1:
+        raise ValueError(f"prefetch depths must be >= 1, got {depths}")
+    choose_moments(shape, hw)  # the store must fit with 8-bit moments at most: else say so now
     if cfg.micro_batch_sizes is not None:
         mbs_list = sorted(set(cfg.micro_batch_sizes))
     elif auto:
@@ -178,33 +203,55 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
     rules = {**baseline_tiers(L), **extra_candidates(L)}
     tried: list[dict[str, Any]] = []
     by_name: dict[str, Candidate] = {}
-    milp_at: dict[int, MilpResult] = {}
+    milp_at: dict[tuple[int, int], MilpResult] = {}
+    max_mbs = dict.fromkeys([*rules, "milp"], 0)  # 0: fits at no micro-batch size tried
     solve_s = 0.0
     smallest_failure: Candidate | None = None
     all_fit: list[Candidate] = []
     for mbs in mbs_list:
         m_count = auto_m if auto else cfg.global_batch // mbs  # type: ignore[operator]
-        kw = dict(micro_batch_size=mbs, num_micro_batches=m_count, seq_len=seq_len,
-                  prefetch_depth=cfg.prefetch_depth, head_chunk_tokens=cfg.head_chunk_tokens, moments=moments)
-        model = StepModel(shape, hw, mbs, seq_len, m_count, cfg.prefetch_depth, cfg.head_chunk_tokens, moments)
+        a_bytes = CostModel(shape, hw, mbs, seq_len).boundary_bytes
         cands: list[Candidate] = []
-        for name, tiers in rules.items():
-            plan = Plan(list(tiers), source=name, **kw)
-            cands.append(Candidate(name, plan, simulate_fast(plan, shape, hw)))
-        fitting = [c for c in cands if c.fits and model.evaluate(c.plan.boundary_tiers).feasible]
-        warm = max(fitting, key=lambda c: c.sim.tokens_per_s) if fitting else None
-        res = solve(model, cfg.milp, (warm.name, warm.plan.boundary_tiers) if warm else None)
-        solve_s += res.solve_s
-        milp_at[mbs] = res
-        if res.tiers is not None:
-            plan = res.plan(model)
-            cands.append(Candidate("milp", plan, simulate_fast(plan, shape, hw)))
+        for depth in depths:
+            kw = dict(micro_batch_size=mbs, num_micro_batches=m_count, seq_len=seq_len,
+                      prefetch_depth=depth, head_chunk_tokens=cfg.head_chunk_tokens)
+            model = StepModel(shape, hw, mbs, seq_len, m_count, depth, cfg.head_chunk_tokens)
+            here: list[Candidate] = []
+            for name, tiers in rules.items():
+                plan = Plan(list(tiers), source=name, moments=rule_moments(shape, hw, tiers, a_bytes), **kw)
+                here.append(Candidate(name, plan, simulate_fast(plan, shape, hw)))
+            fitting = [c for c in here if c.fits
+                       and model.evaluate(c.plan.boundary_tiers, moments=c.plan.moments).feasible]
+            warm = max(fitting, key=lambda c: c.sim.tokens_per_s) if fitting else None
+            res = solve(model, cfg.milp, (warm.name, warm.plan.boundary_tiers) if warm else None,
+                        warm.plan.moments if warm else None)
+            solve_s += res.solve_s
+            if res.tiers is not None:
+                plan = res.plan(model)
+                cand = Candidate("milp", plan, simulate_fast(plan, shape, hw))
+                over = cand.sim.over_capacity()
+                if set(over) <= {"device", "host"} and over:
+                    # the simulator sees what the linear model does not (a gradient still in
+                    # flight, a fetch slot): solve once more with that overflow held back
+                    model = StepModel(shape, hw, mbs, seq_len, m_count, depth, cfg.head_chunk_tokens,
+                                      device_reserve_bytes=over.get("device", 0),
+                                      host_reserve_bytes=over.get("host", 0))
+                    again = solve(model, cfg.milp)
+                    solve_s += again.solve_s
+                    if again.tiers is not None:
+                        res = again
+                        plan = res.plan(model)
+                        cand = Candidate("milp", plan, simulate_fast(plan, shape, hw))
+                here.append(cand)
+            milp_at[(mbs, depth)] = res
+            cands += here
         any_fit = False
         for c in cands:
             tried.append(c.row())
             if c.fits:
                 any_fit = True
                 all_fit.append(c)
+                max_mbs[c.name] = max(max_mbs.get(c.name, 0), mbs)
                 cur = by_name.get(c.name)
                 if cur is None or c.sim.tokens_per_s > cur.sim.tokens_per_s:
                     by_name[c.name] = c
@@ -242,7 +289,7 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
                 by_name[name] = Candidate(name, again, sim)
     plan = best.plan
     plan.source = "milp" if best.name == "milp" else f"planner:{best.name}"
-    res = milp_at.get(plan.micro_batch_size)
+    res = milp_at.get((plan.micro_batch_size, plan.prefetch_depth))
     s = best.sim
     plan.predicted = {
         "model": shape.name,
@@ -257,8 +304,13 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
         "milp_bound_s": res.bound_s if res else None,
         "milp_gap": res.gap if res else None,
         "solve_s": solve_s,
+        "prefetch_depth": plan.prefetch_depth,
+        "moments_8bit_units": (plan.moments or []).count("8bit"),
+        # per rule, the largest micro-batch size tried (up to the largest that fits any) that fits
+        "max_micro_batch_size": dict(max_mbs),
     }
-    return SearchResult(plan, best, res, by_name, tried, moments, solve_s, time.perf_counter() - t_start)
+    return SearchResult(plan, best, res, by_name, tried, plan.moments or ["fp32"] * len(shape.unit_names()),
+                        dict(max_mbs), solve_s, time.perf_counter() - t_start)
 
 
 def _pick_accumulation(best: Candidate, shape: ModelShape, hw: HardwareProfile, cfg: SearchConfig) -> Candidate:

@@ -1,0 +1,60 @@
+"""Calibration's layer fit and the cost model's use of it: the per-op overhead is not counted
+twice, and a forward without a graph is priced at its own rate."""
+
+from dataclasses import replace
+
+import pytest
+
+import layerwise.engine.calibrate as calibrate
+from layerwise.models import get_flavor
+from layerwise.plan.cost import CostModel
+from layerwise.plan.hardware import PRESETS, HardwareProfile
+from layerwise.plan.shape import ModelShape
+
+
+def test_layer_fit_recovers_rates_and_overhead(monkeypatch):
+    """Times synthesised from ``overhead + FLOPs / rate`` (backward 3x the forward FLOPs, each
+    op with its own rate) come back exactly from the fit through 512 and 8 tokens.
+
+    Mutation seen caught: the old calibration (rate from the 512-token time alone, overhead =
+    the 8-token backward / 3): the rate then absorbs the overhead and the overhead is wrong."""
+    shape = ModelShape.from_config(get_flavor("llama-30m").build_config())
+    flops = {n: CostModel(shape, PRESETS["cpu"], 1, n).layer_fwd_flops(0) for n in (512, 8)}
+    overhead_s, bwd_rate, fwd_rate = 3e-3, 8e10, 1.2e11
+    times = [overhead_s + 3 * flops[512] / bwd_rate, overhead_s + 3 * flops[8] / bwd_rate,
+             overhead_s + flops[512] / fwd_rate, overhead_s + flops[8] / fwd_rate]
+    calls = iter(times)  # measure_layer times: backward 512, backward 8, forward 512, forward 8
+    monkeypatch.setattr(calibrate, "_best_time", lambda *a, **kw: next(calls))
+    b, f, o = calibrate.measure_layer("cpu", __import__("torch").float32, 512, 1)
+    assert b == pytest.approx(bwd_rate, rel=1e-9)
+    assert f == pytest.approx(fwd_rate, rel=1e-9)
+    assert o == pytest.approx(overhead_s, rel=1e-9)
+
+
+def test_forward_is_priced_at_its_own_rate():
+    """``layer_fwd`` (and recompute) use ``fwd_efficiency``; ``layer_bwd`` and the head use
+    ``efficiency``; a profile without ``fwd_efficiency`` (older files) prices both alike.
+
+    Mutation seen caught: ``layer_fwd_s`` dividing by ``flops_per_s``."""
+    shape = ModelShape.from_config(get_flavor("llama-30m").build_config())
+    hw = replace(PRESETS["cpu"], efficiency=0.5, fwd_efficiency=1.0, op_overhead_s=0.0)
+    c = CostModel(shape, hw, 2, 256)
+    peak = hw.peak_tflops * 1e12
+    assert c.layer_fwd_s(0) == pytest.approx(c.layer_fwd_flops(0) / peak)
+    assert c.layer_bwd_s(0) == pytest.approx(3 * c.layer_fwd_flops(0) / (0.5 * peak))
+    old = CostModel(shape, replace(hw, fwd_efficiency=None), 2, 256)
+    assert old.layer_fwd_s(0) == pytest.approx(c.layer_fwd_flops(0) / (0.5 * peak))
+    with pytest.raises(ValueError, match="fwd_efficiency"):
+        replace(hw, fwd_efficiency=1.5)
+
+
+def test_a_version_2_profile_without_fwd_efficiency_loads(tmp_path):
+    """Profiles written before ``fwd_efficiency`` (format version 2) load, pricing the forward
+    at ``efficiency`` as they did. Mutation seen caught: version 2 dropped from the readable
+    versions."""
+    d = {k: v for k, v in PRESETS["cpu"].to_dict().items() if k != "fwd_efficiency"}
+    d["format_version"] = 2
+    p = tmp_path / "v2.json"
+    p.write_text(__import__("json").dumps(d))
+    hw = HardwareProfile.load(p)
+    assert hw.fwd_efficiency is None and hw.fwd_flops_per_s == hw.flops_per_s
