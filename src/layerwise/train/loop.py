@@ -417,7 +417,10 @@ def _train(cfg: TrainConfig, ctx: DistContext, log) -> TrainResult:
 
     global_iter = data.batches(global_rows, seed=cfg.seed,
                                start=_data_start(resumed, accum, global_rows, log))
-    eval_set = data.eval_set(mbs, cfg.eval_batches, seed=cfg.seed + 1)
+    # the global micro-batches' rows, in pieces of this rank's size (its device's plan)
+    eval_set = [_rows_of(b, r, mbs) for b in data.eval_set(global_rows, cfg.eval_batches,
+                                                           seed=cfg.seed + 1)
+                for r in range(-(-b.input_ids.shape[0] // mbs))]
     if saved.get("data_key", data.key) != data.key:
         log("warning: the data, tokenizer or data settings differ from the checkpoint's; the "
             "data position now indexes the new data")
@@ -527,7 +530,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, log) -> TrainResult:
 
 def _rows_of(global_mb: Batch, rank: int, rows: int) -> Batch:
     """Rank ``rank``'s share of a global micro-batch (the whole of it in one process)."""
-    if global_mb.input_ids.shape[0] == rows:
+    if global_mb.input_ids.shape[0] == rows and rank == 0:
         return global_mb
     sl = slice(rank * rows, (rank + 1) * rows)
     return Batch(global_mb.input_ids[sl].contiguous(), global_mb.labels[sl].contiguous())

@@ -1,0 +1,191 @@
+"""Data parallel over torch.distributed (gloo, 2 CPU processes launched the way torchrun does:
+RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_* in the environment).
+
+One launch of 2 ranks runs several trainings back to back (``dist_child.py``); the single-process
+references run in this process. Every comparison is of the exported fp32 weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from layerwise import config
+from layerwise.models import get_flavor
+from layerwise.optim.adamw import state_nbytes as fp32_state_nbytes
+from layerwise.plan.plan import Plan
+from layerwise.store import store_footprint
+from layerwise.train.loop import TrainConfig, train
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dist_child import BASE  # noqa: E402
+from tiny_hf import make_model_dir  # noqa: E402
+
+CHILD = Path(__file__).with_name("dist_child.py")
+SRC = Path(__file__).resolve().parents[2] / "src"
+STEPS = 10
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp: Path, runs: list[dict], world: int = 2, local_world: int | None = None,
+            name: str = "launch") -> list[subprocess.Popen]:
+    spec = tmp / f"{name}.json"
+    spec.write_text(json.dumps(runs))
+    local_world = local_world or world
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               "MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": str(world), "RANK": str(rank),
+               "LOCAL_RANK": str(rank % local_world), "LOCAL_WORLD_SIZE": str(local_world),
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(CHILD), str(spec)], env=env,
+                                      stdout=open(tmp / f"{name}.{rank}.log", "w"),
+                                      stderr=subprocess.STDOUT))
+    return procs
+
+
+def _wait_ok(procs, tmp: Path, name: str, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    for rank, p in enumerate(procs):
+        try:
+            p.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert p.returncode == 0, (tmp / f"{name}.{rank}.log").read_text()[-4000:]
+
+
+def _run(out: Path, *overrides: str) -> Path:
+    cfg = config.apply_overrides(TrainConfig(**BASE), [f"out_dir={out}", *overrides])
+    train(cfg, log=lambda *_: None)
+    return out
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for f in sorted((out / "model").glob("*.safetensors")):
+        tensors.update(load_file(f))
+    assert tensors
+    return tensors
+
+
+def _max_diff(a: Path, b: Path) -> float:
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    return max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa)
+
+
+def _moments_plan(path: Path, mbs: int, accum: int) -> Path:
+    layers = get_flavor("llama-debug").build_config().num_hidden_layers
+    plan = Plan.every_k(layers, 2, micro_batch_size=mbs, num_micro_batches=accum,
+                        seq_len=BASE["seq_len"])
+    plan.moments = ["8bit", "fp32", "8bit", "8bit", "fp32", "8bit"][:layers + 2]
+    plan.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Single-process references (global micro-batch of 2 rows), then one 2-rank launch of the
+    same trainings with 1 row per rank, plus the checkpoint hand-overs between world sizes."""
+    tmp = tmp_path_factory.mktemp("dist")
+    # 8-bit moments turn round-off into whole quantisation steps (one process with 2 rows per
+    # micro-batch and with 1 row x 2 micro-batches differ by ~6e-4), so their reference adds
+    # the same per-row gradients the 2 ranks reduce: 1 row x 2 micro-batches. And an untied
+    # model: a tied embedding's gradient arrives in two parts per micro-batch (head, then
+    # embedding), which one process adds in another order than the reduction does.
+    p8_1 = _moments_plan(tmp / "plan8_1.json", 1, 1)
+    p8_ref = _moments_plan(tmp / "plan8_ref.json", 1, 2)
+    untied = make_model_dir(tmp / "untied")
+    steps = f"steps={STEPS}"
+    ref = {
+        "plain": _run(tmp / "ref_plain", steps, "micro_batch_size=2"),
+        "accum": _run(tmp / "ref_accum", steps, "micro_batch_size=2", "grad_accum=2"),
+        "8bit": _run(tmp / "ref_8bit", steps, f"plan={p8_ref}", f"model={untied}"),
+    }
+    # 1 process saves at step 6; 2 ranks resume it to the end
+    _run(tmp / "p1_to_r2", "steps=6", "micro_batch_size=2", "ckpt_every=3", "ckpt_policy=full",
+         "export=false")
+    shm_dir = Path("/dev/shm") / f"layerwise-test-{uuid.uuid4().hex[:8]}"
+    shm_dir.mkdir()
+    common = ["micro_batch_size=1", f"dist_shm_dir={shm_dir}"]
+    two = [
+        {"overrides": [f"out_dir={tmp / 'r2_plain'}", steps, *common], "port": _port(),
+         "memory": str(tmp / "mem")},
+        {"overrides": [f"out_dir={tmp / 'r2_accum'}", steps, "grad_accum=2", *common],
+         "port": _port()},
+        {"overrides": [f"out_dir={tmp / 'r2_8bit'}", steps, f"plan={p8_1}", f"model={untied}",
+                       *common],
+         "port": _port()},
+        {"overrides": [f"out_dir={tmp / 'r2_to_p1'}", "steps=6", "ckpt_every=3",
+                       "ckpt_policy=full", "export=false", *common], "port": _port()},
+        {"overrides": [f"out_dir={tmp / 'p1_to_r2'}", steps, *common], "port": _port()},
+    ]
+    t0 = time.monotonic()
+    _wait_ok(_launch(tmp, two), tmp, "launch")
+    launch_s = time.monotonic() - t0
+    # 2 ranks saved at step 6; 1 process resumes it to the end
+    _run(tmp / "r2_to_p1", steps, "micro_batch_size=2")
+    yield dict(tmp=tmp, ref=ref, shm_dir=shm_dir, launch_s=launch_s)
+    shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("kind", ["plain", "accum", "8bit"])
+def test_two_ranks_train_the_same_weights_as_one_process(runs, kind):
+    """10 steps of 2 ranks x 1 row equal 1 process x 2 rows (fp32, max abs diff <= 1e-5), plain,
+    with gradient accumulation (2 micro-batches) and with 8-bit moments on half the units.
+
+    Mutations seen failing: ``DistReducer.global_tokens`` returning the local count (each rank
+    normalises by its own tokens: diff ~3e-3); ``unit_landed`` not reducing (each owner steps
+    on its own rank's gradient: diff ~1e-2)."""
+    diff = _max_diff(runs["ref"][kind], runs["tmp"] / f"r2_{kind}")
+    assert diff <= 1e-5, diff
+
+
+def test_checkpoints_resume_across_world_sizes(runs):
+    """A run checkpointed by 2 ranks at step 6 and resumed by 1 process, and one checkpointed
+    by 1 process and resumed by 2 ranks, end where the uninterrupted run ends.
+
+    Mutation seen failing: ``_data_start`` ignoring ``data_rows_per_micro_batch`` fails the
+    1 -> 2 hand-over (rank 0's global batch restarts at the wrong rows)."""
+    for out in ("r2_to_p1", "p1_to_r2"):
+        diff = _max_diff(runs["ref"]["plain"], runs["tmp"] / out)
+        assert diff <= 1e-5, (out, diff)
+    metrics = [json.loads(x) for x in (runs["tmp"] / "r2_to_p1" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+
+
+def test_the_two_ranks_hold_one_host_store_not_two(runs):
+    """Measured from /proc: the shared memory the two ranks hold (their ``Pss_Shmem``, which
+    splits each shared page between the processes mapping it) adds up to one store's master
+    weights and optimizer state (fp32 compute: the master is the copy source), within 10% plus
+    a page per buffer; and nothing is left in the shm directory.
+
+    Mutation seen failing: every rank creating its own files (``creator=True`` everywhere,
+    names per rank): the sum is ~1.6x one store."""
+    cfg = get_flavor("llama-demo").build_config()
+    fp = store_footprint(cfg, torch.float32)
+    shared = fp.total - fp.grad + fp32_state_nbytes(fp.numel) * 1  # + moments of every unit
+    per_rank = [json.loads((runs["tmp"] / f"mem.{r}").read_text()) for r in range(2)]
+    held = sum(s["Pss_Shmem"] for s in per_rank) * 1024
+    buffers = 6 * 4  # units x (master, exp_avg, exp_avg_sq, step), one page each at most
+    assert abs(held - shared) <= 0.1 * shared + buffers * 4096 + 64 * 1024, (held, shared)
+    assert list(runs["shm_dir"].iterdir()) == []
