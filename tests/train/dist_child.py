@@ -55,7 +55,7 @@ class MemorySampler:
 def main() -> None:
     runs = json.loads(Path(sys.argv[1]).read_text())
     for run in runs:
-        os.environ["MASTER_PORT"] = str(run["port"])
+        os.environ.update(MASTER_PORT=str(run["port"]), **run.get("env", {}))
         cfg = config.apply_overrides(TrainConfig(**BASE), run["overrides"])
         sampler = MemorySampler() if run.get("memory") else None
         train(cfg)

@@ -54,7 +54,7 @@ def _launch(tmp: Path, runs: list[dict], world: int = 2, local_world: int | None
         env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                "MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": str(world), "RANK": str(rank),
                "LOCAL_RANK": str(rank % local_world), "LOCAL_WORLD_SIZE": str(local_world),
-               "OMP_NUM_THREADS": "1"}
+               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         procs.append(subprocess.Popen([sys.executable, str(CHILD), str(spec)], env=env,
                                       stdout=open(tmp / f"{name}.{rank}.log", "w"),
                                       stderr=subprocess.STDOUT))
@@ -138,6 +138,9 @@ def runs(tmp_path_factory):
         {"overrides": [f"out_dir={tmp / 'r2_to_p1'}", "steps=6", "ckpt_every=3",
                        "ckpt_policy=full", "export=false", *common], "port": _port()},
         {"overrides": [f"out_dir={tmp / 'p1_to_r2'}", steps, *common], "port": _port()},
+        # two "nodes" of one rank each: a store per node, the all-reduce across nodes
+        {"overrides": [f"out_dir={tmp / 'r2_nodes'}", steps, *common], "port": _port(),
+         "env": {"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}},
     ]
     t0 = time.monotonic()
     _wait_ok(_launch(tmp, two), tmp, "launch")
@@ -151,12 +154,33 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("kind", ["plain", "accum", "8bit"])
 def test_two_ranks_train_the_same_weights_as_one_process(runs, kind):
     """10 steps of 2 ranks x 1 row equal 1 process x 2 rows (fp32, max abs diff <= 1e-5), plain,
-    with gradient accumulation (2 micro-batches) and with 8-bit moments on half the units.
+    with gradient accumulation (2 micro-batches) and with 8-bit moments on half the units; and
+    rank 0 logs the loss and gradient norm of the whole global batch.
 
     Mutations seen failing: ``DistReducer.global_tokens`` returning the local count (each rank
-    normalises by its own tokens: diff ~3e-3); ``unit_landed`` not reducing (each owner steps
-    on its own rank's gradient: diff ~1e-2)."""
-    diff = _max_diff(runs["ref"][kind], runs["tmp"] / f"r2_{kind}")
+    normalises by its own tokens: the logged loss and norm double; the weights, AdamW being
+    nearly scale-free, move by ~6e-5 through the clip); ``unit_landed`` not reducing (each
+    owner steps on its own rank's gradient: diff ~3e-2)."""
+    ref, two = runs["ref"][kind], runs["tmp"] / f"r2_{kind}"
+    diff = _max_diff(ref, two)
+    assert diff <= 1e-5, diff
+    rows = [[json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+            for out in (ref, two)]
+    assert len(rows[0]) == len(rows[1]) == STEPS
+    for a, b in zip(*rows):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["target_tokens"] == b["target_tokens"]
+
+
+def test_two_single_rank_nodes_train_the_same_weights(runs):
+    """LOCAL_WORLD_SIZE=1 on 2 ranks: two nodes, each with its own shared store, each owner
+    (the only local rank) all-reducing every unit's gradient with the other node's and applying
+    the same update to its node's copy.
+
+    Mutation seen failing: contributing the squared norms on every node instead of node 0 only
+    (the clip norm counts each unit twice: diff ~4e-4)."""
+    diff = _max_diff(runs["ref"]["plain"], runs["tmp"] / "r2_nodes")
     assert diff <= 1e-5, diff
 
 
@@ -189,3 +213,38 @@ def test_the_two_ranks_hold_one_host_store_not_two(runs):
     buffers = 6 * 4  # units x (master, exp_avg, exp_avg_sq, step), one page each at most
     assert abs(held - shared) <= 0.1 * shared + buffers * 4096 + 64 * 1024, (held, shared)
     assert list(runs["shm_dir"].iterdir()) == []
+
+
+def test_a_killed_rank_ends_the_other_with_an_error_within_the_timeout(tmp_path):
+    """Rank 1 is killed (SIGKILL) in the middle of training; rank 0 exits with an error that
+    names the timeout, within ``dist_timeout_s`` (plus start-up slack), and the shm directory is
+    empty (the store's files are unlinked as soon as both ranks mapped them).
+
+    Mutation seen failing: ``DistReducer.update_done`` polling without a deadline (rank 0, not
+    the owner of some units, waits forever for rank 1's update: killed by the test's timeout)."""
+    timeout_s = 10
+    shm_dir = Path("/dev/shm") / f"layerwise-test-{uuid.uuid4().hex[:8]}"
+    shm_dir.mkdir()
+    try:
+        procs = _launch(tmp_path, [{"overrides": [
+            f"out_dir={tmp_path / 'run'}", "steps=100000", "micro_batch_size=1",
+            f"dist_timeout_s={timeout_s}", f"dist_shm_dir={shm_dir}"], "port": _port()}],
+            name="kill")
+        log0 = tmp_path / "kill.0.log"
+        deadline = time.monotonic() + 120
+        while "step 3/" not in log0.read_text():
+            assert procs[0].poll() is None and time.monotonic() < deadline, log0.read_text()[-3000:]
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        try:
+            procs[0].wait(timeout_s + 20)
+        finally:
+            procs[0].kill()
+        waited = time.monotonic() - killed
+        text = log0.read_text()
+        assert procs[0].returncode not in (0, None) and waited <= timeout_s + 5, (waited, text[-3000:])
+        assert f"dist_timeout_s={timeout_s}" in text and "resume=true" in text, text[-3000:]
+        assert list(shm_dir.iterdir()) == []
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)

@@ -68,7 +68,7 @@ class DistReducer:
                                          for r in range(ctx.local_world_size)], ctx.local_rank)
 
     def _groups(self, members: list[list[int]], mine: int):
-        """This rank's group among ``members`` (None: the whole world, which needs no group)."""
+        """This rank's group among ``members`` (None: the default group, when it is the world)."""
         if len(members) == 1:
             return None
         groups = [self.ctx.collective("creating process groups",
@@ -98,7 +98,7 @@ class DistReducer:
         for unit, work in pending:
             self.ctx.collective(f"reducing {unit}'s gradient", work.wait)
         mine = [u for u in self.units if self.owns(u)]
-        if self.cross_group is not None:
+        if self.ctx.num_nodes > 1:
             for unit in mine:  # the same units, in the same order, on every node
                 self.ctx.collective(f"all-reducing {unit}'s gradient across nodes",
                                     lambda u=unit: dist.all_reduce(self.store[u].grad,
