@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from layerwise import config
+from layerwise.ckpt.run_dir import RunDir
 from layerwise.models import get_flavor
 from layerwise.optim.adamw import state_nbytes as fp32_state_nbytes
 from layerwise.plan.plan import Plan
@@ -215,19 +216,23 @@ def test_the_two_ranks_hold_one_host_store_not_two(runs):
     assert list(runs["shm_dir"].iterdir()) == []
 
 
-def test_a_killed_rank_ends_the_other_with_an_error_within_the_timeout(tmp_path):
-    """Rank 1 is killed (SIGKILL) in the middle of training; rank 0 exits with an error that
-    names the timeout, within ``dist_timeout_s`` (plus start-up slack), and the shm directory is
-    empty (the store's files are unlinked as soon as both ranks mapped them).
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stalled"])
+def test_a_lost_rank_ends_the_other_with_an_error_within_the_timeout(tmp_path, sig):
+    """Rank 1 is killed (SIGKILL: gloo sees the connection close) or stalled (SIGSTOP: only the
+    timeouts can tell) in the middle of training, while rank 0 saves a checkpoint every step;
+    rank 0 exits with an error that names the timeout, within ``dist_timeout_s`` (plus slack),
+    the shm directory is empty (the store's files are unlinked as soon as both ranks mapped
+    them), ``ckpt verify`` finds the checkpoints clean, and one process resumes from them.
 
-    Mutation seen failing: ``DistReducer.update_done`` polling without a deadline (rank 0, not
-    the owner of some units, waits forever for rank 1's update: killed by the test's timeout)."""
+    Mutation seen failing: no timeout on the process group (``init_process_group`` without
+    ``timeout=``: the stalled case waits the default 30 minutes, past the test's limit)."""
     timeout_s = 10
     shm_dir = Path("/dev/shm") / f"layerwise-test-{uuid.uuid4().hex[:8]}"
     shm_dir.mkdir()
     try:
         procs = _launch(tmp_path, [{"overrides": [
-            f"out_dir={tmp_path / 'run'}", "steps=100000", "micro_batch_size=1",
+            f"out_dir={tmp_path / 'run'}", "steps=100000", "micro_batch_size=1", "ckpt_every=1",
+            "ckpt_policy=full", "export=false",
             f"dist_timeout_s={timeout_s}", f"dist_shm_dir={shm_dir}"], "port": _port()}],
             name="kill")
         log0 = tmp_path / "kill.0.log"
@@ -235,12 +240,13 @@ def test_a_killed_rank_ends_the_other_with_an_error_within_the_timeout(tmp_path)
         while "step 3/" not in log0.read_text():
             assert procs[0].poll() is None and time.monotonic() < deadline, log0.read_text()[-3000:]
             time.sleep(0.05)
-        procs[1].send_signal(signal.SIGKILL)
+        procs[1].send_signal(sig)
         killed = time.monotonic()
         try:
             procs[0].wait(timeout_s + 20)
         finally:
-            procs[0].kill()
+            for p in procs:
+                p.kill()
         waited = time.monotonic() - killed
         text = log0.read_text()
         assert procs[0].returncode not in (0, None) and waited <= timeout_s + 5, (waited, text[-3000:])
@@ -248,3 +254,9 @@ def test_a_killed_rank_ends_the_other_with_an_error_within_the_timeout(tmp_path)
         assert list(shm_dir.iterdir()) == []
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
+    report = RunDir.open(tmp_path / "run" / "ckpt").verify()
+    assert report.ok and report.steps, report.to_json()
+    resume_to = max(report.steps) + 1
+    _run(tmp_path / "run", f"steps={resume_to}", "micro_batch_size=2", "export=false")
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, resume_to + 1))
