@@ -176,8 +176,16 @@ class StreamingEngine:
     def synchronize(self) -> None:
         """Wait for all pending optimizer updates (before reading the store, e.g. to save);
         data parallel: the other owners' too."""
-        for unit in list(self._updates) if self.reducer is None else [b.name for b in self.store]:
-            self._wait_update(unit)
+        self._wait_own_updates()
+        if self.reducer is not None:
+            for buf in self.store:
+                self._wait_update(buf.name)
+
+    def _wait_own_updates(self) -> None:
+        """This process's updates only: on the way out of a failed step or at close, another
+        rank's update may never come (that rank is why we are failing)."""
+        for unit in list(self._updates):
+            self._updates.pop(unit).result()
 
     def check_batch(self, mb: Batch) -> None:
         """Refuse, on the host, token ids or labels outside the vocabulary: on a GPU they would
@@ -240,7 +248,7 @@ class StreamingEngine:
             pass
         self.streamer.reset()
         self.sink.abandon()
-        self.synchronize()  # the previous step's updates still read their gradients
+        self._wait_own_updates()  # the previous step's updates still read their gradients
         self.store.zero_grads()
 
     def train_step(self, micro_batches: list[Batch], lr: float | None = None) -> StepStats:
@@ -479,7 +487,7 @@ class StreamingEngine:
             self.backend.synchronize()
 
     def close(self) -> None:
-        self.synchronize()
+        self._wait_own_updates()
         self._pool.shutdown(wait=True)
         self.acts.close()
         self.sink.close()
