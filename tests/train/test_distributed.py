@@ -130,29 +130,29 @@ def runs(tmp_path_factory):
          "ckpt_policy=full", "export=false")
     shm_dir = Path("/dev/shm") / f"layerwise-test-{uuid.uuid4().hex[:8]}"
     shm_dir.mkdir()
-    common = ["micro_batch_size=1", f"dist_shm_dir={shm_dir}"]
-    two = [
-        {"overrides": [f"out_dir={tmp / 'r2_plain'}", steps, *common], "port": _port(),
-         "memory": str(tmp / "mem")},
-        {"overrides": [f"out_dir={tmp / 'r2_accum'}", steps, "grad_accum=2", *common],
-         "port": _port()},
-        {"overrides": [f"out_dir={tmp / 'r2_8bit'}", steps, f"plan={p8_1}", f"model={untied}",
-                       *common],
-         "port": _port()},
-        {"overrides": [f"out_dir={tmp / 'r2_to_p1'}", "steps=6", "ckpt_every=3",
-                       "ckpt_policy=full", "export=false", *common], "port": _port()},
-        {"overrides": [f"out_dir={tmp / 'p1_to_r2'}", steps, *common], "port": _port()},
-        # two "nodes" of one rank each: a store per node, the all-reduce across nodes
-        {"overrides": [f"out_dir={tmp / 'r2_nodes'}", steps, *common], "port": _port(),
-         "env": {"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}},
-    ]
-    t0 = time.monotonic()
-    _wait_ok(_launch(tmp, two), tmp, "launch")
-    launch_s = time.monotonic() - t0
-    # 2 ranks saved at step 6; 1 process resumes it to the end
-    _run(tmp / "r2_to_p1", steps, "micro_batch_size=1", "grad_accum=2")
-    yield dict(tmp=tmp, ref=ref, shm_dir=shm_dir, launch_s=launch_s)
-    shutil.rmtree(shm_dir, ignore_errors=True)
+    try:
+        common = ["micro_batch_size=1", f"dist_shm_dir={shm_dir}"]
+        two = [
+            {"overrides": [f"out_dir={tmp / 'r2_plain'}", steps, *common], "port": _port(),
+             "memory": str(tmp / "mem")},
+            {"overrides": [f"out_dir={tmp / 'r2_accum'}", steps, "grad_accum=2", *common],
+             "port": _port()},
+            {"overrides": [f"out_dir={tmp / 'r2_8bit'}", steps, f"plan={p8_1}", f"model={untied}",
+                           *common],
+             "port": _port()},
+            {"overrides": [f"out_dir={tmp / 'r2_to_p1'}", "steps=6", "ckpt_every=3",
+                           "ckpt_policy=full", "export=false", *common], "port": _port()},
+            {"overrides": [f"out_dir={tmp / 'p1_to_r2'}", steps, *common], "port": _port()},
+            # two "nodes" of one rank each: a store per node, the all-reduce across nodes
+            {"overrides": [f"out_dir={tmp / 'r2_nodes'}", steps, *common], "port": _port(),
+             "env": {"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}},
+        ]
+        _wait_ok(_launch(tmp, two), tmp, "launch")
+        # 2 ranks saved at step 6; 1 process resumes it to the end
+        _run(tmp / "r2_to_p1", steps, "micro_batch_size=1", "grad_accum=2")
+        yield dict(tmp=tmp, ref=ref, shm_dir=shm_dir)
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 @pytest.mark.parametrize("kind", ["plain", "accum", "8bit"])
@@ -234,6 +234,7 @@ def test_a_lost_rank_ends_the_other_with_an_error_within_the_timeout(tmp_path, s
     timeout_s = 10
     shm_dir = Path("/dev/shm") / f"layerwise-test-{uuid.uuid4().hex[:8]}"
     shm_dir.mkdir()
+    procs: list[subprocess.Popen] = []
     try:
         procs = _launch(tmp_path, [{"overrides": [
             f"out_dir={tmp_path / 'run'}", "steps=100000", "micro_batch_size=1", "ckpt_every=1",
@@ -247,17 +248,16 @@ def test_a_lost_rank_ends_the_other_with_an_error_within_the_timeout(tmp_path, s
             time.sleep(0.05)
         procs[1].send_signal(sig)
         killed = time.monotonic()
-        try:
-            procs[0].wait(timeout_s + 20)
-        finally:
-            for p in procs:
-                p.kill()
+        procs[0].wait(timeout_s + 20)
         waited = time.monotonic() - killed
         text = log0.read_text()
         assert procs[0].returncode not in (0, None) and waited <= timeout_s + 5, (waited, text[-3000:])
         assert f"dist_timeout_s={timeout_s}" in text and "resume=true" in text, text[-3000:]
         assert list(shm_dir.iterdir()) == []
     finally:
+        for p in procs:
+            p.kill()
+            p.wait()
         shutil.rmtree(shm_dir, ignore_errors=True)
     report = RunDir.open(tmp_path / "run" / "ckpt").verify()
     assert report.ok and report.steps, report.to_json()

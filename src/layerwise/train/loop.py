@@ -151,6 +151,8 @@ class TrainResult:
     """Median engine step time of the run's steps after its first (None: fewer than 2 steps)."""
     step_s_predicted: float | None = None
     """The simulator's step time for the plan on the run's hardware profile (None: no profile)."""
+    rank: int = 0
+    """Under torchrun, this process's rank: only rank 0's result has the evals (and the export)."""
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -525,7 +527,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, log) -> TrainResult:
     if lead:
         _write_run_json(out_dir, run_info)
     return TrainResult(out_dir, eval_start, eval_loss, cfg.steps, tokens_seen / elapsed,
-                       est.peak_bytes, model_dir, measured, predicted_step_s)
+                       est.peak_bytes, model_dir, measured, predicted_step_s, ctx.rank)
 
 
 def _rows_of(global_mb: Batch, rank: int, rows: int) -> Batch:
