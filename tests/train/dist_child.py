@@ -3,7 +3,8 @@
 Argument: a JSON file with a list of runs ``{"overrides": [...], "port": int, "memory": path?}``;
 each is ``train()`` of a small TrainConfig with those overrides, run one after the other with a
 fresh process group. ``memory``: sample this process's ``/proc/self/smaps_rollup`` during the run
-and write the sample with the most shared memory resident (the last such) there.
+and write the level sample (``MemorySampler``) to ``<memory>.<rank>``. ``env``: variables set
+for that run and the ones after it.
 """
 
 from __future__ import annotations

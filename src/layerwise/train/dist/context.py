@@ -107,8 +107,9 @@ def shutdown(ctx: DistContext) -> None:
 
 def barrier(ctx: DistContext, what: str) -> None:
     if ctx.enabled:
-        # a gloo barrier is an all-reduce on the host: it honours the group's timeout
-        ctx.collective(what, lambda: dist.barrier())
+        # an all-reduce of a host tensor: gloo even when NCCL is joined too (dist.barrier would
+        # pick the CUDA backend), under the group's timeout
+        ctx.collective(what, lambda: dist.all_reduce(torch.zeros(1)))
 
 
 def broadcast_object(ctx: DistContext, obj: T, what: str) -> T:
