@@ -128,6 +128,11 @@ def runs(tmp_path_factory):
     # 1 process saves at step 6; 2 ranks resume it to the end
     _run(tmp / "p1_to_r2", "steps=6", "micro_batch_size=1", "grad_accum=2", "ckpt_every=3",
          "ckpt_policy=full", "export=false")
+    # the same with 8-bit moments, resumed by 1 process and by 2 ranks
+    _run(tmp / "p1_to_p1_8bit", "steps=6", f"plan={p8_ref}", f"model={untied}", "ckpt_every=3",
+         "ckpt_policy=full", "export=false")
+    shutil.copytree(tmp / "p1_to_p1_8bit", tmp / "p1_to_r2_8bit")
+    _run(tmp / "p1_to_p1_8bit", steps, f"plan={p8_ref}", f"model={untied}")
     shm_dir = Path("/dev/shm") / f"layerwise-test-{uuid.uuid4().hex[:8]}"
     shm_dir.mkdir()
     try:
@@ -143,6 +148,8 @@ def runs(tmp_path_factory):
             {"overrides": [f"out_dir={tmp / 'r2_to_p1'}", "steps=6", "ckpt_every=3",
                            "ckpt_policy=full", "export=false", *common], "port": _port()},
             {"overrides": [f"out_dir={tmp / 'p1_to_r2'}", steps, *common], "port": _port()},
+            {"overrides": [f"out_dir={tmp / 'p1_to_r2_8bit'}", steps, f"plan={p8_1}",
+                           f"model={untied}", *common], "port": _port()},
             # two "nodes" of one rank each: a store per node, the all-reduce across nodes
             {"overrides": [f"out_dir={tmp / 'r2_nodes'}", steps, *common], "port": _port(),
              "env": {"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}},
@@ -201,6 +208,17 @@ def test_checkpoints_resume_across_world_sizes(runs):
         assert diff <= 1e-5, (out, diff)
     metrics = [json.loads(x) for x in (runs["tmp"] / "r2_to_p1" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+
+
+def test_an_8bit_checkpoint_resumes_the_same_in_2_ranks_as_in_1_process(runs):
+    """One 8-bit checkpoint (step 6 of 1 process), resumed to step 10 by 1 process and by 2
+    ranks: equal weights. Rank 1 did not load the checkpoint (its node's local rank 0 did, into
+    the shared store), yet its 8-bit units' bias correction must count from the saved step.
+
+    Mutation seen failing: ``setup.resume`` not re-reading ``HostSteps`` on the ranks that did
+    not load (rank 1's units restart their step count at 0)."""
+    diff = _max_diff(runs["tmp"] / "p1_to_p1_8bit", runs["tmp"] / "p1_to_r2_8bit")
+    assert diff <= 1e-5, diff
 
 
 def test_the_two_ranks_hold_one_host_store_not_two(runs):
