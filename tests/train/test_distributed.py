@@ -165,13 +165,15 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("kind", ["plain", "accum", "8bit"])
 def test_two_ranks_train_the_same_weights_as_one_process(runs, kind):
     """10 steps of 2 ranks x 1 row equal 1 process x 2 rows (fp32, max abs diff <= 1e-5), plain,
-    with gradient accumulation (2 micro-batches) and with 8-bit moments on half the units; and
-    rank 0 logs the loss and gradient norm of the whole global batch.
+    with gradient accumulation (2 micro-batches) and with 8-bit moments on half the units (whose
+    reference takes the 2 rows as 2 micro-batches: see ``runs``); and rank 0 logs the loss and
+    gradient norm of the whole global batch.
 
     Mutations seen failing: ``DistReducer.global_tokens`` returning the local count (each rank
     normalises by its own tokens: the logged loss and norm double; the weights, AdamW being
     nearly scale-free, move by ~6e-5 through the clip); ``unit_landed`` not reducing (each
-    owner steps on its own rank's gradient: diff ~3e-2)."""
+    owner steps on its own rank's gradient: diff ~3e-2); ``update_done`` not waiting for the
+    owner's counter (a rank streams weights its owner has not updated yet: diff ~1e-2)."""
     ref, two = runs["ref"][kind], runs["tmp"] / f"r2_{kind}"
     diff = _max_diff(ref, two)
     assert diff <= 1e-5, diff
