@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ...ckpt.checkpointer import Checkpointer, LoadResult
-from ...store import PRIVATE, HostAllocator
+from ...store import PRIVATE, HostAllocator, HostStore
 from .context import DistContext, barrier, broadcast_object
 from .shm import SharedAllocator
 
@@ -48,7 +48,7 @@ def first_then_others(ctx: DistContext, fn: Callable[[], T], what: str) -> T:
 
 
 def resume(ctx: DistContext, ckpt: Checkpointer | None, want: bool, optimizers: dict,
-           store) -> LoadResult | None:
+           store: HostStore) -> LoadResult | None:
     """The newest checkpoint loaded into each node's store once (by its local rank 0), its
     LoadResult on every rank. Ranks that did not load re-read the optimizers' cached step
     counts (another process wrote the shared ``step`` tensors)."""
