@@ -32,6 +32,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -83,6 +84,39 @@ class FlatLayout:
         return [slice(o, o + p.numel) for p, o in zip(self.specs, self.offsets)]
 
 
+class HostAllocator(Protocol):
+    """Where a store's shared buffers (masters, copy sources, optimizer state) live.
+
+    The default is private memory; ``layerwise.train.dist`` maps them from one shared-memory
+    file per node instead, so the local ranks of a node hold one copy. Gradients never go
+    through it: they are a rank's own.
+    """
+
+    def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled flat tensor (zero as seen by the first process to map it)."""
+
+    def arena(self, nbytes: int, pin: bool) -> tuple[torch.Tensor, int]:
+        """``nbytes`` of zero-filled uint8 for the copy sources, and the bytes page-locked
+        (0 when ``pin`` is false or locking was refused)."""
+
+
+class PrivateAllocator:
+    """This process's own memory: what a single-process store uses."""
+
+    def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype)
+
+    def arena(self, nbytes: int, pin: bool) -> tuple[torch.Tensor, int]:
+        if not pin:
+            return torch.zeros(nbytes, dtype=torch.uint8), 0
+        raw, locked = alloc_pinned(nbytes)
+        raw.zero_()
+        return raw, locked
+
+
+PRIVATE = PrivateAllocator()
+
+
 @dataclass
 class UnitBuffers:
     unit: Unit
@@ -91,6 +125,8 @@ class UnitBuffers:
     grad: torch.Tensor
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     compute: torch.Tensor | None = None
+    alloc: HostAllocator = PRIVATE
+    """Where ``state`` is allocated (``UnitOptimizer.init_state`` goes through it)."""
 
     @property
     def name(self) -> str:
@@ -389,12 +425,16 @@ class HostStore:
     ``pin``: page-lock the copy sources (default: when CUDA is available). ``state_nbytes``:
     the optimizer state the store will get, if known, so the RAM check counts it.
     ``mem_available``: reads the bytes of RAM available (default ``available_host_memory``).
+    ``alloc``: where masters, copy sources and optimizer state live (default: this process's
+    memory; gradients always do).
     """
 
     def __init__(self, adapter: DecoderAdapter, compute_dtype: torch.dtype = torch.float32,
                  pin: bool | None = None, *, state_nbytes: int | None = None,
-                 mem_available: Callable[[], int | None] | None = None):
+                 mem_available: Callable[[], int | None] | None = None,
+                 alloc: HostAllocator = PRIVATE):
         self.adapter = adapter
+        self.alloc = alloc
         self.compute_dtype = compute_dtype
         self.pinned = _pin_available() if pin is None else pin
         layouts = [FlatLayout.of(unit) for unit in adapter.units]
@@ -411,20 +451,15 @@ class HostStore:
         self.units: list[UnitBuffers] = []
         for unit, layout, off in zip(adapter.units, layouts, offsets):
             source = self.arena[off:off + layout.numel]
-            master = torch.zeros(layout.numel, dtype=torch.float32) if separate else source
+            master = alloc.zeros(layout.numel, torch.float32) if separate else source
             grad = torch.zeros(layout.numel, dtype=torch.float32)
             compute = source if separate else None
-            self.units.append(UnitBuffers(unit, layout, master, grad, compute=compute))
+            self.units.append(UnitBuffers(unit, layout, master, grad, compute=compute, alloc=alloc))
         self.by_name = {b.name: b for b in self.units}
 
     def _alloc_arena(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-        nbytes = numel * dtype.itemsize
-        if not self.pinned:
-            return torch.zeros(numel, dtype=dtype), 0
-        raw, locked = alloc_pinned(nbytes)
-        arena = raw.view(dtype)
-        arena.zero_()
-        return arena, locked
+        raw, locked = self.alloc.arena(numel * dtype.itemsize, self.pinned)
+        return raw.view(dtype), locked
 
     def __getitem__(self, name: str) -> UnitBuffers:
         return self.by_name[name]
@@ -519,8 +554,8 @@ class HostStore:
 
 def init_store(config: PretrainedConfig, seed: int = 0, compute_dtype: torch.dtype = torch.float32,
                pin: bool | None = None, *, state_nbytes: int | None = None,
-               mem_available: Callable[[], int | None] | None = None
-               ) -> tuple[DecoderAdapter, HostStore]:
+               mem_available: Callable[[], int | None] | None = None,
+               alloc: HostAllocator = PRIVATE) -> tuple[DecoderAdapter, HostStore]:
     """Adapter + HostStore holding exactly the weights ``build_hf_model(config, seed)`` has.
 
     The HF model is built on the host once and dropped; fine for the small models this is used
@@ -528,6 +563,6 @@ def init_store(config: PretrainedConfig, seed: int = 0, compute_dtype: torch.dty
     """
     adapter = DecoderAdapter(config)
     store = HostStore(adapter, compute_dtype=compute_dtype, pin=pin, state_nbytes=state_nbytes,
-                      mem_available=mem_available)
+                      mem_available=mem_available, alloc=alloc)
     store.copy_from_model(build_hf_model(config, seed))
     return adapter, store

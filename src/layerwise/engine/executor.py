@@ -34,6 +34,7 @@ from .batch import IGNORE_INDEX, Batch
 from .backend import Ref
 from .devices import make_backend
 from .layer_ops import layer_backward
+from .reduce import StepReducer
 from .streams import BoundaryTiers, GradSink, WeightStreamer
 
 
@@ -73,8 +74,11 @@ class StepStats:
 class StreamingEngine:
     def __init__(self, adapter: DecoderAdapter, store: HostStore, plan: Plan,
                  config: EngineConfig | None = None,
-                 optimizers: dict[str, UnitOptimizer] | None = None):
+                 optimizers: dict[str, UnitOptimizer] | None = None,
+                 reducer: StepReducer | None = None):
+        """``reducer``: data parallel, the ranks' seam (``engine/reduce.py``); None: one process."""
         self.config = config or EngineConfig()
+        self.reducer = reducer
         plan.validate(adapter.num_layers)
         if store.compute_dtype != self.config.compute_dtype:
             raise ValueError(
@@ -99,7 +103,8 @@ class StreamingEngine:
         self.streamer = WeightStreamer(self.backend, store, plan.prefetch_depth, self._wait_update,
                                        self._update_done)
         head_numel = store[HEAD].layout.numel + (store[EMBED].layout.numel if adapter.tied else 0)
-        self.sink = GradSink(self.backend, store, fp32_numel=max(head_numel, store[EMBED].layout.numel))
+        self.sink = GradSink(self.backend, store, fp32_numel=max(head_numel, store[EMBED].layout.numel),
+                             on_final=None if reducer is None else reducer.unit_landed)
         self.acts = BoundaryTiers(self.backend, self.config.spill_dir)
         self._ops = {
             OpKind.EMBED_FWD: self._embed_fwd, OpKind.RECOMPUTE_EMBED: self._recompute_embed,
@@ -109,6 +114,8 @@ class StreamingEngine:
         }
         """The executor's dispatch table: op kind -> method queuing that op."""
         self.steps_skipped = 0
+        self.step_tokens = 0
+        """Target tokens of the last step, over all ranks (the loss's divisor)."""
 
     def _default_optimizers(self) -> dict[str, UnitOptimizer]:
         kinds = self.plan.moments or ["fp32"] * len(self.store.units)
@@ -148,11 +155,16 @@ class StreamingEngine:
     # ----- training -----------------------------------------------------------------------
 
     def _wait_update(self, unit: str) -> None:
+        if self.reducer is not None and not self.reducer.owns(unit):
+            self.reducer.update_done(unit, wait=True)
+            return
         fut = self._updates.pop(unit, None)
         if fut is not None:
             fut.result()
 
     def _update_done(self, unit: str) -> bool:
+        if self.reducer is not None and not self.reducer.owns(unit):
+            return self.reducer.update_done(unit, wait=False)
         fut = self._updates.get(unit)
         if fut is None:
             return True
@@ -162,9 +174,18 @@ class StreamingEngine:
         return True
 
     def synchronize(self) -> None:
-        """Wait for all pending optimizer updates (before reading the store, e.g. to save)."""
+        """Wait for all pending optimizer updates (before reading the store, e.g. to save);
+        data parallel: the other owners' too."""
+        self._wait_own_updates()
+        if self.reducer is not None:
+            for buf in self.store:
+                self._wait_update(buf.name)
+
+    def _wait_own_updates(self) -> None:
+        """This process's updates only: on the way out of a failed step or at close, another
+        rank's update may never come (that rank is why we are failing)."""
         for unit in list(self._updates):
-            self._wait_update(unit)
+            self._updates.pop(unit).result()
 
     def check_batch(self, mb: Batch) -> None:
         """Refuse, on the host, token ids or labels outside the vocabulary: on a GPU they would
@@ -186,12 +207,17 @@ class StreamingEngine:
         """Forward + backward of every micro-batch; grads accumulate in the store.
 
         Returns the loss (mean over all target tokens of the step) and per-unit squared grad norms.
+        Data parallel: over all ranks' micro-batches (``self.step_tokens`` is the step's target
+        tokens on all ranks), and a unit's gradient is summed only on its owner.
         """
         if not micro_batches:
             raise ValueError("a step needs at least one micro-batch")
         for mb in micro_batches:
             self.check_batch(mb)
         total = sum(mb.num_target_tokens for mb in micro_batches)
+        if self.reducer is not None:
+            total = self.reducer.global_tokens(total)
+        self.step_tokens = total
         if total == 0:
             raise ValueError("the step's batches have no target tokens (all labels are ignored)")
         self.check(*micro_batches[0].input_ids.shape)
@@ -204,12 +230,15 @@ class StreamingEngine:
             sq = self.sink.finish()
             self.backend.synchronize()
             assert self.streamer.finished()
+            step_loss = float(loss)
+            if self.reducer is not None:
+                sq, step_loss = self.reducer.finish(step_loss)
         except BaseException:
             self._abandon_step()
             raise
         finally:
             self.acts.clear()
-        return float(loss), sq
+        return step_loss, sq
 
     def _abandon_step(self) -> None:
         """After a failed step: drop its buffers and partial gradients so the next step is clean."""
@@ -219,14 +248,14 @@ class StreamingEngine:
             pass
         self.streamer.reset()
         self.sink.abandon()
-        self.synchronize()  # the previous step's updates still read their gradients
+        self._wait_own_updates()  # the previous step's updates still read their gradients
         self.store.zero_grads()
 
     def train_step(self, micro_batches: list[Batch], lr: float | None = None) -> StepStats:
         t0 = time.perf_counter()
         loss, sq = self.compute_grads(micro_batches)
         norm = global_norm(list(sq.values()))
-        tokens = sum(mb.num_target_tokens for mb in micro_batches)
+        tokens = self.step_tokens
         coef = clip_or_skip(norm, self.config.optimizer.max_grad_norm)
         unit_norms = {u: math.sqrt(v) if v >= 0 else math.nan for u, v in sq.items()}
         if coef is None:  # non-finite gradients: no update
@@ -235,8 +264,14 @@ class StreamingEngine:
             return StepStats(loss, norm, 0.0, tokens, True, time.perf_counter() - t0, unit_norms)
         lr = self.config.optimizer.lr if lr is None else lr
         # Safe to overwrite host weights now: every weight copy of the step fed an op whose
-        # gradient has landed on the host (sink.finish), so every copy has completed.
+        # gradient has landed on the host (sink.finish), so every copy has completed. Data
+        # parallel: on every rank (the reduction needed every rank's gradient of the unit).
+        if self.reducer is not None:
+            self.reducer.begin_updates()
         for buf in self.store:  # embed first: the next forward needs it first
+            if self.reducer is not None and not self.reducer.owns(buf.name):
+                buf.grad.zero_()  # reduced into the owner's; this rank's part is spent
+                continue
             self._updates[buf.name] = self._pool.submit(self._update, buf.name, lr, coef)
         return StepStats(loss, norm, coef, tokens, False, time.perf_counter() - t0, unit_norms)
 
@@ -245,6 +280,8 @@ class StreamingEngine:
         self.optimizers[unit].step_unit(buf, lr, coef)
         buf.grad.zero_()
         buf.refresh_compute()
+        if self.reducer is not None:
+            self.reducer.published(unit)
 
     # ----- one micro-batch: the host queues each op's work on the compute lane --------------
 
@@ -450,7 +487,7 @@ class StreamingEngine:
             self.backend.synchronize()
 
     def close(self) -> None:
-        self.synchronize()
+        self._wait_own_updates()
         self._pool.shutdown(wait=True)
         self.acts.close()
         self.sink.close()

@@ -138,9 +138,13 @@ class GradTicket:
 
 
 class GradSink:
-    def __init__(self, backend: DeviceBackend, store: HostStore, fp32_numel: int):
-        """``fp32_numel``: the largest gradient sent in fp32 (the head's accumulators)."""
+    def __init__(self, backend: DeviceBackend, store: HostStore, fp32_numel: int,
+                 on_final: Callable[[str], None] | None = None):
+        """``fp32_numel``: the largest gradient sent in fp32 (the head's accumulators).
+        ``on_final(unit)``: called where a unit's step gradient is complete on the host (the
+        landing worker, or inline), e.g. to start reducing it across ranks."""
         self.backend = backend
+        self.on_final = on_final
         self.store = store
         self.inline = not backend.asynchronous
         self.sq_norms: dict[str, float] = {}
@@ -184,7 +188,7 @@ class GradSink:
         """The deposit is queued: send the gradient to the host and add it up there."""
         if ticket.device is None:
             if final:
-                self.sq_norms[ticket.unit] = sq_norm(self.store[ticket.unit].grad)
+                self._final(ticket.unit)
             return
         ev = self._send(ticket.device, ticket.numel, ticket.device.dtype, ticket.unit, final)
         self.slots[ticket.slot].free_after = ev
@@ -194,7 +198,7 @@ class GradSink:
         if self.inline:
             self.store[unit].grad.add_(grad.get())
             if final:
-                self.sq_norms[unit] = sq_norm(self.store[unit].grad)
+                self._final(unit)
             return
         self._send(grad, numel, torch.float32, unit, final)
 
@@ -220,7 +224,7 @@ class GradSink:
                 host_grad = self.store[unit].grad
                 host_grad.add_(dst)
                 if final:
-                    self.sq_norms[unit] = sq_norm(host_grad)
+                    self._final(unit)
             except BaseException as e:  # noqa: BLE001  (re-raised by finish)
                 self._errors.append(e)
             finally:
@@ -228,6 +232,11 @@ class GradSink:
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
+
+    def _final(self, unit: str) -> None:
+        self.sq_norms[unit] = sq_norm(self.store[unit].grad)
+        if self.on_final is not None:
+            self.on_final(unit)
 
     def _drain(self) -> None:
         if self.inline:

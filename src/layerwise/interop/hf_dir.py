@@ -19,7 +19,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from ..models.adapter import DecoderAdapter
 from ..models.names import config_is_tied, group_of, group_sort_key
-from ..store import HostStore
+from ..store import PRIVATE, HostAllocator, HostStore
 from ..util.safe_load import load_data_file
 from .layout import (
     CONFIG_NAME,
@@ -160,7 +160,8 @@ def load_config(path: str | Path) -> PretrainedConfig:
 
 
 def load_store(path: str | Path, compute_dtype: torch.dtype = torch.float32,
-               pin: bool | None = None) -> tuple[DecoderAdapter, HostStore]:
+               pin: bool | None = None, alloc: HostAllocator = PRIVATE
+               ) -> tuple[DecoderAdapter, HostStore]:
     """Build the adapter from ``config.json`` and fill a HostStore, one group at a time."""
     path = Path(path)
     adapter = DecoderAdapter(load_config(path))
@@ -170,7 +171,7 @@ def load_store(path: str | Path, compute_dtype: torch.dtype = torch.float32,
     if missing:
         raise ValueError(f"{path}: weights missing for {len(missing)} tensors, e.g. {missing[:3]}; "
                          "the checkpoint does not match its config.json")
-    store = HostStore(adapter, compute_dtype=compute_dtype, pin=pin)
+    store = HostStore(adapter, compute_dtype=compute_dtype, pin=pin, alloc=alloc)
     for group in source.groups():
         for key, tensor in source.load_group(group).items():
             if key[len(PARAM):] in needed:  # not e.g. a stored copy of a tied head

@@ -50,11 +50,12 @@ class HostAdamW:
 
     def init_state(self, buf: UnitBuffers) -> None:
         # pageable: only the copy sources are pinned (see layerwise.store)
-        n = buf.layout.numel
+        # through the store's allocator: shared by the local ranks of a node under torchrun
+        n, zeros = buf.layout.numel, buf.alloc.zeros
         buf.state = {
-            "exp_avg": torch.zeros(n),
-            "exp_avg_sq": torch.zeros(n),
-            "step": torch.zeros((), dtype=torch.float32),
+            "exp_avg": zeros(n, torch.float32),
+            "exp_avg_sq": zeros(n, torch.float32),
+            "step": zeros(1, torch.float32).view(()),
         }
 
     @staticmethod

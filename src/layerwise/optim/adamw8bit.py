@@ -44,15 +44,19 @@ MOMENT_FORMATS = ("8bit", "fp32")
 
 # ----- state conversion ---------------------------------------------------------------------
 
-def zeros_8bit(numel: int, block_size: int, device: torch.device | str = "cpu"
+def zeros_8bit(numel: int, block_size: int, device: torch.device | str = "cpu",
+               zeros: Callable[[int, torch.dtype], torch.Tensor] | None = None
                ) -> dict[str, torch.Tensor]:
+    """``zeros(numel, dtype)``: where the host tensors come from (a store's allocator)."""
     nb = quant.num_blocks(numel, block_size)
-    kw = dict(device=device)
+    if zeros is None:
+        def zeros(n: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, device=device)
     return {
-        "exp_avg_codes": torch.zeros(numel, dtype=torch.int8, **kw),
-        "exp_avg_scales": torch.zeros(nb, dtype=torch.float32, **kw),
-        "exp_avg_sq_codes": torch.zeros(numel, dtype=torch.uint8, **kw),
-        "exp_avg_sq_scales": torch.zeros(nb, dtype=torch.float32, **kw),
+        "exp_avg_codes": zeros(numel, torch.int8),
+        "exp_avg_scales": zeros(nb, torch.float32),
+        "exp_avg_sq_codes": zeros(numel, torch.uint8),
+        "exp_avg_sq_scales": zeros(nb, torch.float32),
     }
 
 
@@ -185,8 +189,8 @@ class HostAdamW8bit:
 
     def init_state(self, buf: UnitBuffers) -> None:
         # pageable: only the copy sources are pinned (see layerwise.store)
-        state = zeros_8bit(buf.layout.numel, self.block_size)
-        state["step"] = torch.zeros((), dtype=torch.float32)
+        state = zeros_8bit(buf.layout.numel, self.block_size, zeros=buf.alloc.zeros)
+        state["step"] = buf.alloc.zeros(1, torch.float32).view(())
         self.steps.seed(state["step"], 0)
         buf.state = state
 

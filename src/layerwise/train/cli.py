@@ -51,6 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_train(args: argparse.Namespace) -> int:
     cfg = config.load(TrainConfig, args.config, args.overrides)
     result = train(cfg)
+    if result.rank:
+        return 0  # rank 0 reports for the run
     print(f"done: eval loss {result.eval_loss_start:.4f} -> {result.eval_loss_end:.4f}, "
           f"{result.tokens_per_s:.0f} tok/s; outputs in {result.out_dir}")
     return 0

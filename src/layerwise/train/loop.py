@@ -30,9 +30,12 @@ from ..plan.cost import CostModel
 from ..plan.hardware import PRESETS
 from ..plan.plan import Plan
 from ..plan.shape import ModelShape
-from ..store import HostStore, init_store
+from ..store import PRIVATE, HostAllocator, HostStore, init_store
 from ..util.atomic import atomic_write_text
 from .data import DataSpec, prepare_data
+from .dist import setup as dist_setup
+from .dist.context import DistContext, init as dist_init, shutdown as dist_shutdown
+from .dist.reducer import DistReducer
 from .planning import (HardwareChoice, auto_plan, check_hardware, check_profile, predict,
                        resolve_hardware)
 from .progress import Progress, resolve_progress
@@ -127,6 +130,12 @@ class TrainConfig:
     """Policy options, e.g. {threshold: 1e-3, max_staleness: 4, full_every: 10}."""
     resume: bool = True
     """Continue from the newest checkpoint in ``out_dir/ckpt`` when there is one."""
+    dist_timeout_s: float = 600.0
+    """Under torchrun: every collective, and every wait for another rank, gives up after this
+    many seconds (a dead peer then ends the run with an error instead of a hang)."""
+    dist_shm_dir: str = "/dev/shm"
+    """Under torchrun: the tmpfs directory holding each node's shared host store while the local
+    ranks map it (the files are removed once all have)."""
 
 
 @dataclass
@@ -142,6 +151,8 @@ class TrainResult:
     """Median engine step time of the run's steps after its first (None: fewer than 2 steps)."""
     step_s_predicted: float | None = None
     """The simulator's step time for the plan on the run's hardware profile (None: no profile)."""
+    rank: int = 0
+    """Under torchrun, this process's rank: only rank 0's result has the evals (and the export)."""
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -207,12 +218,15 @@ def choose_plan(cfg: TrainConfig, adapter: DecoderAdapter, compute_dtype: torch.
     return plan, hw
 
 
-def build_model(cfg: TrainConfig, compute_dtype: torch.dtype) -> tuple[DecoderAdapter, HostStore]:
+def build_model(cfg: TrainConfig, compute_dtype: torch.dtype, alloc: HostAllocator = PRIVATE
+                ) -> tuple[DecoderAdapter, HostStore]:
+    """Every local rank builds the same weights into the node's shared store (identical writes,
+    before the store-ready barrier), so no rank needs to know which one wrote them."""
     if cfg.model in FLAVORS:
         return init_store(get_flavor(cfg.model).build_config(), seed=cfg.seed,
-                          compute_dtype=compute_dtype)
+                          compute_dtype=compute_dtype, alloc=alloc)
     if Path(cfg.model).is_dir():
-        return load_store(cfg.model, compute_dtype=compute_dtype)
+        return load_store(cfg.model, compute_dtype=compute_dtype, alloc=alloc)
     raise ValueError(f"model {cfg.model!r} is neither a known flavor ({', '.join(sorted(FLAVORS))}) "
                      "nor a local Hugging Face model directory")
 
@@ -285,9 +299,11 @@ def _device_mem_reserved(device: str) -> int | None:
 
 
 def _step_record(step: int, stats, lr: float, micro: list[Batch], flops: float,
-                 predicted_step_s: float | None, device: str, elapsed_s: float) -> dict[str, Any]:
-    """The ``metrics.jsonl`` row of a step (before eval and checkpoint add theirs)."""
-    tokens = sum(mb.input_ids.numel() for mb in micro)
+                 predicted_step_s: float | None, device: str, elapsed_s: float,
+                 world_size: int = 1) -> dict[str, Any]:
+    """The ``metrics.jsonl`` row of a step (before eval and checkpoint add theirs); tokens and
+    FLOPs of all ranks (every rank's micro-batches have the same shape)."""
+    tokens = sum(mb.input_ids.numel() for mb in micro) * world_size
     secs = max(stats.step_s, 1e-9)
     rec: dict[str, Any] = {
         "step": step, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
@@ -317,54 +333,104 @@ def _timing_summary(step_times: list[float], predicted: float | None, plan: Plan
     return text
 
 
+def _quiet(*_: Any) -> None:
+    pass
+
+
+def _data_start(resumed: LoadResult | None, accum: int, global_rows: int, log) -> int:
+    """The first global micro-batch (of ``global_rows`` rows) to train on. A checkpoint written
+    with another world size or micro-batch counted micro-batches of its own size: its position
+    is converted through rows (rounded down when the sizes do not divide)."""
+    start = _data_position(resumed, accum)
+    saved_rows = ((resumed.extra or {}).get("data_rows_per_micro_batch")
+                  if resumed is not None else None)
+    if not saved_rows or saved_rows == global_rows:
+        return start
+    rows = start * int(saved_rows)
+    if rows % global_rows:
+        log(f"warning: the checkpoint consumed {rows} rows, not a multiple of this run's "
+            f"{global_rows} rows per micro-batch; {rows % global_rows} rows are skipped")
+    return rows // global_rows
+
+
 def train(cfg: TrainConfig, log=print) -> TrainResult:
+    """One process, or one rank of a ``torchrun`` launch (``train/dist``): N ranks of
+    ``micro_batch_size`` rows train as one process of N x ``micro_batch_size`` rows would."""
     check_options(cfg)
+    ctx = DistContext.from_env(timeout_s=cfg.dist_timeout_s)
+    dist_init(ctx, cfg.device)
+    try:
+        return _train(cfg, ctx, log if ctx.rank == 0 else _quiet)
+    finally:
+        dist_shutdown(ctx)
+
+
+def _train(cfg: TrainConfig, ctx: DistContext, log) -> TrainResult:
+    lead = ctx.rank == 0  # alone logs, writes run.json, metrics, the plan, checkpoints, export
     out_dir = Path(cfg.out_dir)
     compute_dtype = resolve_dtype(cfg.compute_dtype, cfg.device)
-    adapter, store = build_model(cfg, compute_dtype)
-    plan, hw = choose_plan(cfg, adapter, compute_dtype, log)
+    alloc = dist_setup.host_allocator(ctx, cfg.dist_shm_dir)
+    try:
+        adapter, store = build_model(cfg, compute_dtype, alloc)
+        plan, hw = dist_setup.decided_by_rank0(
+            ctx, lambda: choose_plan(cfg, adapter, compute_dtype, log), "sharing the plan")
+        flags = alloc.zeros(len(store.units), torch.int64) if ctx.enabled else None
+        engine = StreamingEngine(adapter, store, plan, EngineConfig(
+            device=cfg.device, compute_dtype=compute_dtype,
+            device_mem_cap_bytes=_mem_cap_bytes(cfg), optimizer=cfg.optimizer),
+            reducer=DistReducer(ctx, store, flags) if ctx.enabled else None)
+        dist_setup.store_ready(ctx, alloc)
+    except BaseException:
+        if ctx.enabled:
+            alloc.unlink()
+        raise
     predicted_step_s = plan.predicted.get("step_s")
     tokenizer, tokenizer_line = load_tokenizer(cfg.tokenizer, cfg.model)
     check_vocab(adapter.vocab_size, tokenizer)
-    data = prepare_data(DataSpec(
+    data = dist_setup.first_then_others(ctx, lambda: prepare_data(DataSpec(
         data=cfg.data, data_format=cfg.data_format, eval_data=cfg.eval_data,
         eval_fraction=cfg.eval_fraction, seq_len=cfg.seq_len, pack=cfg.pack,
         skip_bad=cfg.data_skip_bad, seed=cfg.seed, cache=cfg.data_cache, corpus=cfg.corpus,
-        corpus_tokens=cfg.corpus_tokens), tokenizer, out_dir, log)
-    engine = StreamingEngine(adapter, store, plan, EngineConfig(
-        device=cfg.device, compute_dtype=compute_dtype, device_mem_cap_bytes=_mem_cap_bytes(cfg),
-        optimizer=cfg.optimizer))
+        corpus_tokens=cfg.corpus_tokens), tokenizer, out_dir, log), "preparing the data")
     mbs, accum = plan.micro_batch_size, plan.num_micro_batches
+    global_rows = mbs * ctx.world_size
+    """Rows of a global micro-batch: rank r trains on rows [r*mbs, (r+1)*mbs) of each."""
     est = engine.check(mbs, cfg.seq_len)
     out_dir.mkdir(parents=True, exist_ok=True)
-    plan.save(out_dir / "plan.json")
+    if lead:
+        plan.save(out_dir / "plan.json")
 
-    ckpt, resumed = None, None
-    if cfg.ckpt_every or cfg.resume:
-
+    ckpt = None
+    if (cfg.ckpt_every and lead) or (cfg.resume and ctx.local_rank == 0):
         provider = HostStoreStateProvider(store, engine.optimizers)
         # the run's tracker.jsonl is written by RunTracker (with the engine's gradient norms)
         ckpt = Checkpointer(out_dir / "ckpt", provider=provider, policy=cfg.ckpt_policy,
                             **{"tracker_log": False, **cfg.ckpt_options})
-        if cfg.resume and ckpt.has_checkpoint():
-            # Weights, AdamW moments and step counts, RNG; the data position and the run's
-            # start-of-training eval come back from the checkpoint's state below.
-            resumed = ckpt.load()
-            log(f"resumed from layer-wise checkpoint step {resumed.step} in {out_dir / 'ckpt'}")
-        elif not cfg.ckpt_every:
-            ckpt.close()
-            ckpt = None
+    # Weights, AdamW moments and step counts, RNG; the data position and the run's
+    # start-of-training eval come back from the checkpoint's state below.
+    resumed = dist_setup.resume(ctx, ckpt, cfg.resume, engine.optimizers, store)
+    if resumed is not None:
+        log(f"resumed from layer-wise checkpoint step {resumed.step} in {out_dir / 'ckpt'}")
+    if ckpt is not None and (not lead or (resumed is None and not cfg.ckpt_every)):
+        ckpt.close()
+        ckpt = None
     start_step = resumed.step if resumed is not None else 0
     saved = (resumed.extra or {}) if resumed is not None else {}
 
-    train_iter = data.batches(mbs, seed=cfg.seed, start=_data_position(resumed, accum))
-    eval_set = data.eval_set(mbs, cfg.eval_batches, seed=cfg.seed + 1)
+    global_iter = data.batches(global_rows, seed=cfg.seed,
+                               start=_data_start(resumed, accum, global_rows, log))
+    # the global micro-batches' rows, in pieces of this rank's size (its device's plan)
+    eval_set = [_rows_of(b, r, mbs) for b in data.eval_set(global_rows, cfg.eval_batches,
+                                                           seed=cfg.seed + 1)
+                for r in range(-(-b.input_ids.shape[0] // mbs))]
     if saved.get("data_key", data.key) != data.key:
         log("warning: the data, tokenizer or data settings differ from the checkpoint's; the "
             "data position now indexes the new data")
 
     log(f"model {cfg.model}: {adapter.num_params() / 1e6:.1f}M params, {adapter.num_layers} layers "
-        f"({adapter.family}); host store {store.nbytes() / 2**20:.0f} MiB")
+        f"({adapter.family}); host store {store.nbytes() / 2**20:.0f} MiB"
+        + (f"; data parallel over {ctx.world_size} ranks ({ctx.num_nodes} node(s) x "
+           f"{ctx.local_world_size}), one shared store per node" if ctx.enabled else ""))
     for line in [tokenizer_line, *data.summary()]:
         log(line)
     log(f"plan {plan.source}: boundaries {''.join(t[0] for t in plan.boundary_tiers)} "
@@ -374,10 +440,11 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
            if plan.moments and "8bit" in plan.moments else ""))
     if predicted_step_s is not None and hw is not None:
         log(f"predicted step time {predicted_step_s:.4g} s on {hw.source}")
+    # eval runs on rank 0 alone: every rank would compute the same number from the same store
     if "eval_loss_start" in saved:
         eval_start = float(saved["eval_loss_start"])
     else:
-        eval_start = engine.eval_loss(eval_set)
+        eval_start = engine.eval_loss(eval_set) if lead else math.nan
         log(f"step 0: eval loss {eval_start:.4f}")
     run_info: dict[str, Any] = {
         "format": "layerwise-train-run", "format_version": RUN_FORMAT_VERSION,
@@ -389,51 +456,56 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
         "hardware_source": None if hw is None else hw.source,
         "predicted_step_s": predicted_step_s, "predicted_peak_device_bytes": est.peak_bytes,
         "eval_loss_start": eval_start, "resumed_from_step": start_step or None,
-        "finished": False}
-    _write_run_json(out_dir, run_info)
+        "world_size": ctx.world_size, "finished": False}
+    if lead:
+        _write_run_json(out_dir, run_info)
 
     last_row = saved.get("metrics_row")
-    metrics = _open_metrics(out_dir / "metrics.jsonl", start_step, last_row)
-    tracker = RunTracker(out_dir, cfg.track_every, adapter, store, engine.optimizers, ckpt,
-                         start_step, log)
+    metrics = _open_metrics(out_dir / "metrics.jsonl", start_step, last_row) if lead else None
+    tracker = RunTracker(out_dir, cfg.track_every if lead else 0, adapter, store,
+                         engine.optimizers, ckpt, start_step, log)
     flop_count = _FlopCounter(ModelShape.from_config(adapter.config))
-    progress = Progress(cfg.progress, cfg.steps, start_step, cfg.log_every, log)
+    progress = Progress(cfg.progress if lead else "lines", cfg.steps, start_step, cfg.log_every, log)
     t_start, tokens_seen, step_times = time.perf_counter(), 0, []
     eval_loss = float(last_row.get("eval_loss", eval_start)) if last_row else eval_start
     try:
         for step in range(start_step, cfg.steps):
             lr = lr_at(step, cfg.optimizer.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
-            micro: list[Batch] = [next(train_iter) for _ in range(accum)]
+            micro: list[Batch] = [_rows_of(next(global_iter), ctx.rank, mbs) for _ in range(accum)]
             stats = engine.train_step(micro, lr=lr)
             if not math.isfinite(stats.loss):
                 raise RuntimeError(f"loss is {stats.loss} at step {step + 1}; lower the learning rate")
             tokens_seen += stats.tokens
             step_times.append(stats.step_s)
-            record = _step_record(step + 1, stats, lr, micro, flop_count(micro), predicted_step_s,
-                                  cfg.device, time.perf_counter() - t_start)
+            record = _step_record(step + 1, stats, lr, micro, flop_count(micro) * ctx.world_size,
+                                  predicted_step_s, cfg.device, time.perf_counter() - t_start,
+                                  ctx.world_size)
             last = step + 1 == cfg.steps
-            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
+            if lead and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last):
                 eval_loss = engine.eval_loss(eval_set)
                 record["eval_loss"] = eval_loss
             if tracker.due(step + 1, last):
                 engine.synchronize()  # the step's updates applied: moments and weights current
                 tracker.observe(step + 1, stats.unit_grad_norms)
             if ckpt is not None and cfg.ckpt_every and ((step + 1) % cfg.ckpt_every == 0 or last):
-                engine.synchronize()
+                engine.synchronize()  # data parallel: every owner's updates
                 rep = ckpt.save(step + 1, data_position=(step + 1) * accum,
                                 extra={"eval_loss_start": eval_start, "metrics_row": dict(record),
-                                       "data_key": data.key})
+                                       "data_key": data.key,
+                                       "data_rows_per_micro_batch": global_rows})
                 record["ckpt_groups"] = len(rep.selected)
                 record["ckpt_snapshot_bytes"] = rep.snapshot_bytes
                 record["ckpt_blocked_s"] = rep.blocked_s
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-            progress.step(record)
+            if metrics is not None:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+                progress.step(record)
         engine.synchronize()
     finally:
         progress.close()
         tracker.close()
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
         engine.close()
         if ckpt is not None:
             ckpt.close()
@@ -444,8 +516,7 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
         log(f"device memory: {mem / 2**20:.1f} MiB reserved at peak (allocator), predicted "
             f"{est.peak_bytes / 2**20:.1f} MiB")
     model_dir = None
-    if cfg.export:
-
+    if cfg.export and lead:
         model_dir = export_store(store, out_dir / "model", overwrite=True)
         saved_tok = tokenizer.save(model_dir)
         log(f"exported Hugging Face model{' and tokenizer' if saved_tok else ''} to {model_dir}")
@@ -453,6 +524,15 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
     run_info.update(eval_loss_end=eval_loss, measured_step_s=measured,
                     tokens_per_s=tokens_seen / elapsed, device_mem_reserved_bytes=mem,
                     finished=True)
-    _write_run_json(out_dir, run_info)
+    if lead:
+        _write_run_json(out_dir, run_info)
     return TrainResult(out_dir, eval_start, eval_loss, cfg.steps, tokens_seen / elapsed,
-                       est.peak_bytes, model_dir, measured, predicted_step_s)
+                       est.peak_bytes, model_dir, measured, predicted_step_s, ctx.rank)
+
+
+def _rows_of(global_mb: Batch, rank: int, rows: int) -> Batch:
+    """Rank ``rank``'s share of a global micro-batch (the whole of it in one process)."""
+    if global_mb.input_ids.shape[0] == rows and rank == 0:
+        return global_mb
+    sl = slice(rank * rows, (rank + 1) * rows)
+    return Batch(global_mb.input_ids[sl].contiguous(), global_mb.labels[sl].contiguous())

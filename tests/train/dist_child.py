@@ -1,0 +1,68 @@
+"""One rank of a test's data-parallel launch (``tests/train/test_distributed.py``).
+
+Argument: a JSON file with a list of runs ``{"overrides": [...], "port": int, "memory": path?}``;
+each is ``train()`` of a small TrainConfig with those overrides, run one after the other with a
+fresh process group. ``memory``: sample this process's ``/proc/self/smaps_rollup`` during the run
+and write the level sample (``MemorySampler``) to ``<memory>.<rank>``. ``env``: variables set
+for that run and the ones after it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+from layerwise import config
+from layerwise.train.loop import TrainConfig, train
+
+BASE = dict(model="llama-demo", seq_len=32, corpus_tokens=20_000, eval_every=0, eval_batches=1,
+            log_every=1, progress="lines", track_every=0, warmup_steps=0, min_lr_ratio=1.0)
+
+
+def smaps_rollup_kib() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]:
+        key, _, rest = line.partition(":")
+        out[key] = int(rest.split()[0])
+    return out
+
+
+class MemorySampler:
+    """Samples ``smaps_rollup`` every 10 ms. A rank's ``Pss_Shmem`` rises while it touches the
+    store, halves page by page as the other rank touches the same pages, stays level through
+    training, then falls to ~0 when the store is freed; the reported sample is the last one at
+    least half the peak: the level, with the store still mapped."""
+
+    def __init__(self) -> None:
+        self.samples: list[dict[str, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            self.samples.append(smaps_rollup_kib())
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        peak = max(s["Pss_Shmem"] for s in self.samples)
+        return [s for s in self.samples if s["Pss_Shmem"] >= peak / 2][-1]
+
+
+def main() -> None:
+    runs = json.loads(Path(sys.argv[1]).read_text())
+    for run in runs:
+        os.environ.update(MASTER_PORT=str(run["port"]), **run.get("env", {}))
+        cfg = config.apply_overrides(TrainConfig(**BASE), run["overrides"])
+        sampler = MemorySampler() if run.get("memory") else None
+        train(cfg)
+        if sampler is not None:
+            Path(f"{run['memory']}.{os.environ['RANK']}").write_text(json.dumps(sampler.stop()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+"""Data parallel over torch.distributed (gloo, 2 CPU processes launched the way torchrun does:
+RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_* in the environment).
+
+One launch of 2 ranks runs several trainings back to back (``dist_child.py``); the single-process
+references run in this process. Every comparison is of the exported fp32 weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from layerwise import config
+from layerwise.ckpt.run_dir import RunDir
+from layerwise.models import get_flavor
+from layerwise.optim.adamw import state_nbytes as fp32_state_nbytes
+from layerwise.plan.plan import Plan
+from layerwise.store import store_footprint
+from layerwise.train.loop import TrainConfig, train
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dist_child import BASE  # noqa: E402
+from tiny_hf import make_model_dir  # noqa: E402
+
+CHILD = Path(__file__).with_name("dist_child.py")
+SRC = Path(__file__).resolve().parents[2] / "src"
+STEPS = 10
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp: Path, runs: list[dict], world: int = 2, local_world: int | None = None,
+            name: str = "launch") -> list[subprocess.Popen]:
+    spec = tmp / f"{name}.json"
+    spec.write_text(json.dumps(runs))
+    local_world = local_world or world
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               "MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": str(world), "RANK": str(rank),
+               "LOCAL_RANK": str(rank % local_world), "LOCAL_WORLD_SIZE": str(local_world),
+               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(CHILD), str(spec)], env=env,
+                                      stdout=open(tmp / f"{name}.{rank}.log", "w"),
+                                      stderr=subprocess.STDOUT))
+    return procs
+
+
+def _wait_ok(procs, tmp: Path, name: str, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    for rank, p in enumerate(procs):
+        try:
+            p.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert p.returncode == 0, (tmp / f"{name}.{rank}.log").read_text()[-4000:]
+
+
+def _run(out: Path, *overrides: str) -> Path:
+    cfg = config.apply_overrides(TrainConfig(**BASE), [f"out_dir={out}", *overrides])
+    train(cfg, log=lambda *_: None)
+    return out
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for f in sorted((out / "model").glob("*.safetensors")):
+        tensors.update(load_file(f))
+    assert tensors
+    return tensors
+
+
+def _max_diff(a: Path, b: Path) -> float:
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    return max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa)
+
+
+def _moments_plan(path: Path, mbs: int, accum: int) -> Path:
+    layers = get_flavor("llama-debug").build_config().num_hidden_layers
+    plan = Plan.every_k(layers, 2, micro_batch_size=mbs, num_micro_batches=accum,
+                        seq_len=BASE["seq_len"])
+    plan.moments = ["8bit", "fp32", "8bit", "8bit", "fp32", "8bit"][:layers + 2]
+    plan.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Single-process references (global micro-batch of 2 rows), then one 2-rank launch of the
+    same trainings with 1 row per rank, plus the checkpoint hand-overs between world sizes."""
+    tmp = tmp_path_factory.mktemp("dist")
+    # 8-bit moments turn round-off into whole quantisation steps (one process with 2 rows per
+    # micro-batch and with 1 row x 2 micro-batches differ by ~6e-4), so their reference adds
+    # the same per-row gradients the 2 ranks reduce: 1 row x 2 micro-batches. And an untied
+    # model: a tied embedding's gradient arrives in two parts per micro-batch (head, then
+    # embedding), which one process adds in another order than the reduction does.
+    p8_1 = _moments_plan(tmp / "plan8_1.json", 1, 1)
+    p8_ref = _moments_plan(tmp / "plan8_ref.json", 1, 2)
+    untied = make_model_dir(tmp / "untied")
+    steps = f"steps={STEPS}"
+    ref = {
+        "plain": _run(tmp / "ref_plain", steps, "micro_batch_size=2"),
+        "accum": _run(tmp / "ref_accum", steps, "micro_batch_size=2", "grad_accum=2"),
+        "8bit": _run(tmp / "ref_8bit", steps, f"plan={p8_ref}", f"model={untied}"),
+        # the hand-overs' reference: 1-row micro-batches, 2 a step, so that a resume between
+        # this and 2 ranks (one 2-row global micro-batch a step) converts the data position
+        "rows": _run(tmp / "ref_rows", steps, "micro_batch_size=1", "grad_accum=2"),
+    }
+    # 1 process saves at step 6; 2 ranks resume it to the end
+    _run(tmp / "p1_to_r2", "steps=6", "micro_batch_size=1", "grad_accum=2", "ckpt_every=3",
+         "ckpt_policy=full", "export=false")
+    # the same with 8-bit moments, resumed by 1 process and by 2 ranks
+    _run(tmp / "p1_to_p1_8bit", "steps=6", f"plan={p8_ref}", f"model={untied}", "ckpt_every=3",
+         "ckpt_policy=full", "export=false")
+    shutil.copytree(tmp / "p1_to_p1_8bit", tmp / "p1_to_r2_8bit")
+    _run(tmp / "p1_to_p1_8bit", steps, f"plan={p8_ref}", f"model={untied}")
+    shm_dir = Path("/dev/shm") / f"layerwise-test-{uuid.uuid4().hex[:8]}"
+    shm_dir.mkdir()
+    try:
+        common = ["micro_batch_size=1", f"dist_shm_dir={shm_dir}"]
+        two = [
+            {"overrides": [f"out_dir={tmp / 'r2_plain'}", steps, *common], "port": _port(),
+             "memory": str(tmp / "mem")},
+            {"overrides": [f"out_dir={tmp / 'r2_accum'}", steps, "grad_accum=2", *common],
+             "port": _port()},
+            {"overrides": [f"out_dir={tmp / 'r2_8bit'}", steps, f"plan={p8_1}", f"model={untied}",
+                           *common],
+             "port": _port()},
+            {"overrides": [f"out_dir={tmp / 'r2_to_p1'}", "steps=6", "ckpt_every=3",
+                           "ckpt_policy=full", "export=false", *common], "port": _port()},
+            {"overrides": [f"out_dir={tmp / 'p1_to_r2'}", steps, *common], "port": _port()},
+            {"overrides": [f"out_dir={tmp / 'p1_to_r2_8bit'}", steps, f"plan={p8_1}",
+                           f"model={untied}", *common], "port": _port()},
+            # two "nodes" of one rank each: a store per node, the all-reduce across nodes
+            {"overrides": [f"out_dir={tmp / 'r2_nodes'}", steps, *common], "port": _port(),
+             "env": {"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}},
+        ]
+        _wait_ok(_launch(tmp, two), tmp, "launch")
+        # 2 ranks saved at step 6; 1 process resumes it to the end
+        _run(tmp / "r2_to_p1", steps, "micro_batch_size=1", "grad_accum=2")
+        yield dict(tmp=tmp, ref=ref, shm_dir=shm_dir)
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("kind", ["plain", "accum", "8bit"])
+def test_two_ranks_train_the_same_weights_as_one_process(runs, kind):
+    """10 steps of 2 ranks x 1 row equal 1 process x 2 rows (fp32, max abs diff <= 1e-5), plain,
+    with gradient accumulation (2 micro-batches) and with 8-bit moments on half the units (whose
+    reference takes the 2 rows as 2 micro-batches: see ``runs``); and rank 0 logs the loss and
+    gradient norm of the whole global batch.
+
+    Mutations seen failing: ``DistReducer.global_tokens`` returning the local count (each rank
+    normalises by its own tokens: the logged loss and norm double; the weights, AdamW being
+    nearly scale-free, move by ~6e-5 through the clip); ``unit_landed`` not reducing (each
+    owner steps on its own rank's gradient: diff ~3e-2); ``update_done`` not waiting for the
+    owner's counter (a rank streams weights its owner has not updated yet: diff ~1e-2)."""
+    ref, two = runs["ref"][kind], runs["tmp"] / f"r2_{kind}"
+    diff = _max_diff(ref, two)
+    assert diff <= 1e-5, diff
+    rows = [[json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+            for out in (ref, two)]
+    assert len(rows[0]) == len(rows[1]) == STEPS
+    for a, b in zip(*rows):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["target_tokens"] == b["target_tokens"]
+
+
+def test_two_single_rank_nodes_train_the_same_weights(runs):
+    """LOCAL_WORLD_SIZE=1 on 2 ranks: two nodes, each with its own shared store, each owner
+    (the only local rank) all-reducing every unit's gradient with the other node's and applying
+    the same update to its node's copy.
+
+    Mutation seen failing: contributing the squared norms on every node instead of node 0 only
+    (the clip norm counts each unit twice: diff ~5e-4)."""
+    diff = _max_diff(runs["ref"]["plain"], runs["tmp"] / "r2_nodes")
+    assert diff <= 1e-5, diff
+
+
+def test_checkpoints_resume_across_world_sizes(runs):
+    """A run checkpointed by 2 ranks at step 6 and resumed by 1 process, and one checkpointed
+    by 1 process and resumed by 2 ranks, end where the uninterrupted run ends. The single
+    process takes 1-row micro-batches, 2 a step, so each hand-over converts the data position
+    (12 micro-batches of 1 row = 6 global micro-batches of 2).
+
+    Mutation seen failing: ``_data_start`` ignoring ``data_rows_per_micro_batch`` (both
+    hand-overs restart the data at the wrong rows)."""
+    for out in ("r2_to_p1", "p1_to_r2"):
+        diff = _max_diff(runs["ref"]["rows"], runs["tmp"] / out)
+        assert diff <= 1e-5, (out, diff)
+    metrics = [json.loads(x) for x in (runs["tmp"] / "r2_to_p1" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+
+
+def test_an_8bit_checkpoint_resumes_the_same_in_2_ranks_as_in_1_process(runs):
+    """One 8-bit checkpoint (step 6 of 1 process), resumed to step 10 by 1 process and by 2
+    ranks: equal weights. Rank 1 did not load the checkpoint (its node's local rank 0 did, into
+    the shared store), yet its 8-bit units' bias correction must count from the saved step.
+
+    Mutation seen failing: ``setup.resume`` not re-reading ``HostSteps`` on the ranks that did
+    not load (rank 1's units restart their step count at 0)."""
+    diff = _max_diff(runs["tmp"] / "p1_to_p1_8bit", runs["tmp"] / "p1_to_r2_8bit")
+    assert diff <= 1e-5, diff
+
+
+def test_the_two_ranks_hold_one_host_store_not_two(runs):
+    """Measured from /proc: the shared memory the two ranks hold (their ``Pss_Shmem``, which
+    splits each shared page between the processes mapping it) adds up to one store's master
+    weights and optimizer state (fp32 compute: the master is the copy source), within 10% plus
+    a page per buffer; and nothing is left in the shm directory.
+
+    Mutation seen failing: the store built through a per-rank allocator (every rank creating
+    its own files; the update counters still shared): 14.8 MB held for an 11.0 MB store."""
+    cfg = get_flavor("llama-demo").build_config()
+    fp = store_footprint(cfg, torch.float32)
+    shared = fp.total - fp.grad + fp32_state_nbytes(fp.numel)  # masters + fp32 moments
+    per_rank = [json.loads((runs["tmp"] / f"mem.{r}").read_text()) for r in range(2)]
+    held = sum(s["Pss_Shmem"] for s in per_rank) * 1024
+    buffers = 6 * 4  # units x (master, exp_avg, exp_avg_sq, step), one page each at most
+    assert abs(held - shared) <= 0.1 * shared + buffers * 4096 + 64 * 1024, (held, shared)
+    assert list(runs["shm_dir"].iterdir()) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stalled"])
+def test_a_lost_rank_ends_the_other_with_an_error_within_the_timeout(tmp_path, sig):
+    """Rank 1 is killed (SIGKILL: gloo sees the connection close) or stalled (SIGSTOP: only the
+    timeouts can tell) in the middle of training, while rank 0 saves a checkpoint every step;
+    rank 0 exits with an error that names the timeout, within ``dist_timeout_s`` (plus slack),
+    the shm directory is empty (the store's files are unlinked as soon as both ranks mapped
+    them), ``ckpt verify`` finds the checkpoints clean, and one process resumes from them.
+
+    Mutation seen failing: no timeout on the process group (``init_process_group`` without
+    ``timeout=``: the stalled case waits the default 30 minutes, past the test's limit)."""
+    timeout_s = 10
+    shm_dir = Path("/dev/shm") / f"layerwise-test-{uuid.uuid4().hex[:8]}"
+    shm_dir.mkdir()
+    procs: list[subprocess.Popen] = []
+    try:
+        procs = _launch(tmp_path, [{"overrides": [
+            f"out_dir={tmp_path / 'run'}", "steps=100000", "micro_batch_size=1", "ckpt_every=1",
+            "ckpt_policy=full", "export=false",
+            f"dist_timeout_s={timeout_s}", f"dist_shm_dir={shm_dir}"], "port": _port()}],
+            name="kill")
+        log0 = tmp_path / "kill.0.log"
+        deadline = time.monotonic() + 120
+        while "step 3/" not in log0.read_text():
+            assert procs[0].poll() is None and time.monotonic() < deadline, log0.read_text()[-3000:]
+            time.sleep(0.05)
+        procs[1].send_signal(sig)
+        killed = time.monotonic()
+        procs[0].wait(timeout_s + 20)
+        waited = time.monotonic() - killed
+        text = log0.read_text()
+        assert procs[0].returncode not in (0, None) and waited <= timeout_s + 5, (waited, text[-3000:])
+        assert f"dist_timeout_s={timeout_s}" in text and "resume=true" in text, text[-3000:]
+        assert list(shm_dir.iterdir()) == []
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+    report = RunDir.open(tmp_path / "run" / "ckpt").verify()
+    assert report.ok and report.steps, report.to_json()
+    resume_to = max(report.steps) + 1
+    _run(tmp_path / "run", f"steps={resume_to}", "micro_batch_size=2", "export=false")
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, resume_to + 1))
