@@ -13,9 +13,10 @@ On 2 shared cores expect little: the ranks contend for the same cores the single
 already uses, and add a reduction and a second store of gradients. The figure that matters is
 on GPUs, where each rank has its own device.
 
-Predicted part: ``predicted_part`` below is where the planner's scaling model (``layerwise
-plan --gpus``: predicted step and speedup for 1/2/4/8 GPUs on a qwen2.5-14b shape, h200 preset)
-joins this report; it adds nothing until that model exists.
+Predicted part: the planner's scaling model (``layerwise plan --gpus``; ``scaling_model.py``
+beside this script): predicted step and speedup for 1/2/4/8 GPUs and 2 nodes of 8 on a
+qwen2.5-14b shape with the h200 preset (``predicted_speedup_8gpu``, and under ``predicted`` the
+whole table, also with gradients reduced on the GPUs).
 
 Prints one JSON object; ``--quick`` runs fewer, shorter steps.
 """
@@ -32,6 +33,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from scaling_model import predicted  # the script's own directory is on sys.path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -63,8 +66,10 @@ def run(world: int, out: Path, overrides: list[str], threads: int) -> float:
 
 
 def predicted_part(args: argparse.Namespace) -> dict:
-    """The planner's predicted scaling (issue 11 item 6) joins here; nothing until it exists."""
-    return {}
+    """The planner's predicted scaling (issue 11 item 6), from ``scaling_model.predicted``."""
+    pred = predicted(milp_time_limit_s=2.0 if args.quick else 5.0)
+    top = {k: v for k, v in pred.items() if k.startswith("predicted_speedup_") and "device" not in k}
+    return {**top, "predicted": pred}
 
 
 def main() -> None:
