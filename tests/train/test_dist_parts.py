@@ -10,7 +10,6 @@ import torch
 from layerwise.store import HostStore, init_store
 from layerwise.models import get_flavor
 from layerwise.train.dist.context import DistContext
-from layerwise.train.dist.reducer import assign_owners
 from layerwise.train.dist.shm import SharedAllocator
 
 
@@ -36,18 +35,6 @@ def test_peer_errors_name_the_timeout_and_the_way_back():
     with pytest.raises(RuntimeError, match=r"rank 1 of 2.*reducing x.*Connection closed.*"
                                            r"dist_timeout_s=7 s.*resume=true"):
         ctx.collective("reducing x", boom)
-
-
-def test_owners_are_balanced_by_bytes():
-    """Every local rank's load is within the largest unit of every other's (greedy, largest
-    first); the assignment is a function of the sizes alone (the same on every rank)."""
-    numels = {"embed": 900, **{f"layers.{i}": 300 + 10 * i for i in range(7)}, "head": 50}
-    owners = assign_owners(numels, 3)
-    assert owners == assign_owners(dict(reversed(numels.items())), 3)
-    load = [sum(n for u, n in numels.items() if owners[u] == r) for r in range(3)]
-    assert max(load) - min(load) <= max(numels.values())
-    assert set(owners.values()) == {0, 1, 2}
-    assert assign_owners(numels, 1) == {u: 0 for u in numels}
 
 
 def test_shared_allocator_maps_one_copy(tmp_path):

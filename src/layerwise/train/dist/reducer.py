@@ -1,7 +1,8 @@
 """``StepReducer`` over torch.distributed: per-unit gradient reduction to the unit's owner.
 
 Ownership. The units are dealt to the local ranks of a node, largest first to the least loaded
-(``assign_owners``: balanced by bytes, the same on every node). A unit's owner runs its
+(``plan.topology.assign_owners``, the assignment the scaling model simulates: balanced by
+parameters, ties in model order, the same on every node). A unit's owner runs its
 optimizer update on the node's shared store; the other local ranks only read it.
 
 Reduction, as soon as a unit's last micro-batch has landed on the host (``unit_landed``, from
@@ -33,21 +34,11 @@ import torch
 import torch.distributed as dist
 
 from ...optim.clip import sq_norm
+from ...plan.topology import assign_owners
 from ...store import HostStore
 from .context import DistContext
 
 _POLL_S = 0.0002
-
-
-def assign_owners(numels: dict[str, int], ranks: int) -> dict[str, int]:
-    """unit -> local rank, balanced by parameters (greedy, largest first; ties by name order)."""
-    load = [0] * ranks
-    owners: dict[str, int] = {}
-    for unit in sorted(numels, key=lambda u: -numels[u]):
-        r = min(range(ranks), key=lambda k: (load[k], k))
-        owners[unit] = r
-        load[r] += numels[unit]
-    return {u: owners[u] for u in numels}
 
 
 class DistReducer:
@@ -56,7 +47,8 @@ class DistReducer:
         self.ctx, self.store = ctx, store
         self.units = [b.name for b in store]
         self.index = {u: i for i, u in enumerate(self.units)}
-        self.owner = assign_owners({b.name: b.layout.numel for b in store}, ctx.local_world_size)
+        owners = assign_owners([b.layout.numel for b in store], ctx.local_world_size)
+        self.owner = dict(zip(self.units, owners))  # the planner's assignment, so it predicts this one
         self.flags = flags
         self.applied = 0
         """Updates the run has made (steps not skipped)."""
