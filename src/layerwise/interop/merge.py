@@ -102,13 +102,15 @@ def _zero_template(source: CheckpointSource, template: str | Path | None) -> Pat
 
 
 def _fsync_tree(path: Path) -> None:
-    for f in path.iterdir():
+    for f in sorted(path.rglob("*"), reverse=True):  # files before the dirs that hold them
         if f.is_file():
             fd = os.open(f, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+        elif f.is_dir():
+            fsync_dir(f)
     fsync_dir(path)
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import os
 import re
 import shutil
 from functools import cached_property
@@ -46,7 +45,7 @@ from typing import Any
 import torch
 
 from ..models.names import group_sort_key, groups_of_model
-from ..util.atomic import atomic_write_text, fsync_dir
+from ..util.atomic import atomic_write_text
 from ..util.jsonable import jsonable
 from ..util.safe_load import load_data_file
 from .hf_dir import read_json
@@ -352,22 +351,15 @@ def write_zero(source: CheckpointSource, out_dir: Path, *, template: str | Path)
         shutil.copyfile(f, tag_dir / f.name)
     target = ZeroCheckpointSource(tag_dir, config=config, writable=True)
     extra = source.extra_state()
+    written_step = float(extra.get("step") or 0)  # ZeRO keeps one step per param group
     steps: set[float] = set()
     for group in source.groups():
         tensors = source.load_group(group)
         steps |= {float(t) for k, t in tensors.items() if k.startswith(STEP)}
-        target.put_group(group, tensors, step=float(extra.get("step") or max(steps, default=0.0)))
-    del target  # unmap: the kernel writes the shared pages back
-    for f in tag_dir.iterdir():
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    fsync_dir(tag_dir)
+        target.put_group(group, tensors, step=written_step)
+    del target  # unmap; merge fsyncs the files, which writes the shared pages back
     atomic_write_text(Path(out_dir) / LATEST_NAME, tmpl.path.name)
     write_config_files(Path(out_dir), config, None, extra.get("generation_config"))
-    written_step = float(extra.get("step") or max(steps, default=0.0))
     return {"format": "deepspeed", "step": int(tmpl._model_state.get("global_steps") or 0),
             "stage": tmpl.stage, "world_size": tmpl.world_size, "template": str(tmpl.path),
             "weight_files": sorted(f.name for f in tag_dir.iterdir()),
