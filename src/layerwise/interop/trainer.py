@@ -326,8 +326,9 @@ class TrainerCheckpointSource(HFModelDirSource):
         if sharded and not (self.path / OPTIMIZER_NAME).is_file():
             raise ValueError(
                 f"{path} holds a sharded optimizer state ({', '.join(sorted(sharded))}: DeepSpeed ZeRO or "
-                "FSDP), which layerwise cannot read; consolidate it into optimizer.pt first, or export "
-                "the weights only by pointing at a copy without it"
+                "FSDP), not optimizer.pt; open it with layerwise.interop.sources.open_source (which "
+                "reads a DeepSpeed ZeRO save, given its `latest` file or global_stepN dir), or, for "
+                "FSDP, consolidate the optimizer state into optimizer.pt first"
             )
         super().__init__(path)
         if self._config is None:
