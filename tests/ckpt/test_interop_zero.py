@@ -23,7 +23,8 @@ from layerwise.interop.sources import open_source
 from layerwise.interop.trainer import TrainerCheckpointSource
 from layerwise.interop.zero import ZeroCheckpointSource
 from layerwise.models.registry import FAMILIES
-from zero_helpers import BIG_LAYERS, NUM_LAYERS, SAVE_STEPS, big_config, config, make_zero_checkpoints
+from zero_helpers import (BIG_LAYERS, NUM_LAYERS, SAVE_STEPS, WS1_STEPS, big_config, config,
+                          make_zero_checkpoints)
 
 STAGES = (1, 2, 3)
 
@@ -237,6 +238,19 @@ def test_two_rank_save_resumes_at_world_size_one(zero_dir, stage):
     by DeepSpeed at world size 1 holds exactly the 2-rank save's weights and moments."""
     resumed = torch.load(zero_dir / "ws1" / f"zero{stage}" / "resumed.pt", weights_only=True)
     want = torch.load(zero_dir / f"zero{stage}" / f"reference_step{SAVE_STEPS[1]}.pt", weights_only=True)
+    assert set(resumed) == set(want)
+    for name, kinds in want.items():
+        for kind, t in kinds.items():
+            assert torch.equal(resumed[name][kind], t), (name, kind)
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_one_rank_save_resumes_at_world_size_two(zero_dir, stage):
+    """World size 1 -> 2: a 1-rank step-3 save merged into the 2-rank run's step-2 save (the
+    template) and loaded by DeepSpeed in 2 processes holds exactly the 1-rank save's state."""
+    resumed = torch.load(zero_dir / f"zero{stage}" / "resumed_from_ws1.pt", weights_only=True)
+    want = torch.load(zero_dir / "ws1" / f"zero{stage}" / f"reference_step{WS1_STEPS[1]}.pt",
+                      weights_only=True)
     assert set(resumed) == set(want)
     for name, kinds in want.items():
         for kind, t in kinds.items():

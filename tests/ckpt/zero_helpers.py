@@ -154,6 +154,20 @@ def _worker(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
             (save_dir / "resumed_loss.json").write_text(json.dumps({"loss": loss}))
         engine.destroy()
 
+        one_rank = Path(out) / "ws1" / f"zero{stage}" / f"global_step{WS1_STEPS[1]}"
+        if one_rank.is_dir():  # world size 1 -> 2: into this run's own step-2 save as the template
+            if rank == 0:
+                merge(one_rank, save_dir / "from_ws1", format="deepspeed",
+                      template=save_dir / f"global_step{SAVE_STEPS[0]}")
+            dist.barrier()
+            engine = _engine(stage)
+            engine.load_checkpoint(str(save_dir / "from_ws1"))
+            _relink(engine, stage)
+            resumed = _full_state(engine)
+            if rank == 0:
+                torch.save(resumed, save_dir / "resumed_from_ws1.pt")
+            engine.destroy()
+
     engine = _engine(3, big_config())  # one stage-3 save of the bigger model, for the memory test
     _train_step(engine, torch.Generator().manual_seed(rank))
     engine.save_checkpoint(str(Path(out) / "big"), tag="global_step1")
@@ -163,18 +177,37 @@ def _worker(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
     dist.destroy_process_group()
 
 
-def _one_rank_worker(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
-    """World size 2 -> 1: a 1-rank run saves a template after one step; the 2-rank step-4 save is
-    merged into it and loaded by DeepSpeed at world size 1 (``ws1/zero{stage}/resumed.pt``)."""
+WS1_STEPS = (1, 3)
+"""The 1-rank run's saves: step 1 is the template a 2-rank save is merged into (2 -> 1), step 3
+the save merged into the 2-rank run's template (1 -> 2)."""
+
+
+def _one_rank_saves(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
+    """Before the 2-rank session: a 1-rank run of each stage, saved at ``WS1_STEPS``."""
     _init(rank, 1, port)
     for stage in stages:
         run = Path(out) / "ws1" / f"zero{stage}"
         engine = _engine(stage)
-        _train_step(engine, torch.Generator().manual_seed(7))
-        engine.save_checkpoint(str(run), tag="global_step1")
+        gen = torch.Generator().manual_seed(7)
+        for step in range(1, max(WS1_STEPS) + 1):
+            _train_step(engine, gen)
+            if step in WS1_STEPS:
+                engine.save_checkpoint(str(run), tag=f"global_step{step}")
+                _relink(engine, stage)
+                torch.save(_full_state(engine), run / f"reference_step{step}.pt")
+        (run / "config.json").write_text(json.dumps(config().to_dict()))
         engine.destroy()
+    dist.destroy_process_group()
+
+
+def _one_rank_resume(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
+    """World size 2 -> 1: the 2-rank step-4 save merged into the 1-rank run's step-1 template,
+    loaded by DeepSpeed at world size 1 (``ws1/zero{stage}/resumed.pt``)."""
+    _init(rank, 1, port)
+    for stage in stages:
+        run = Path(out) / "ws1" / f"zero{stage}"
         source = Path(out) / f"zero{stage}" / f"global_step{SAVE_STEPS[1]}"
-        merge(source, run / "merged", format="deepspeed", template=run / "global_step1")
+        merge(source, run / "merged", format="deepspeed", template=run / f"global_step{WS1_STEPS[0]}")
         engine = _engine(stage)
         engine.load_checkpoint(str(run / "merged"))
         _relink(engine, stage)
@@ -185,7 +218,9 @@ def _one_rank_worker(rank: int, port: int, out: str, stages: tuple[int, ...]) ->
 
 def make_zero_checkpoints(out: Path, stages: tuple[int, ...] = (1, 2, 3)) -> Path:
     """``out/zero{stage}/global_step{N}`` for each stage, with references and config.json, the
-    2-rank merge-and-resume of each, and (stages 2 and 3) the same resumed at world size 1."""
+    2-rank merge-and-resume of each, and (stages 2 and 3) world size 1 -> 2 and 2 -> 1."""
+    resharded = tuple(s for s in stages if s >= 2)
+    mp.spawn(_one_rank_saves, args=(_free_port(), str(out), resharded), nprocs=1)
     mp.spawn(_worker, args=(_free_port(), str(out), stages), nprocs=WORLD_SIZE)
-    mp.spawn(_one_rank_worker, args=(_free_port(), str(out), tuple(s for s in stages if s >= 2)), nprocs=1)
+    mp.spawn(_one_rank_resume, args=(_free_port(), str(out), resharded), nprocs=1)
     return out
