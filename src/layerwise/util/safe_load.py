@@ -14,6 +14,7 @@ array and its dtype), our own staged optimizer moments and tokenized-data cache 
 
 from __future__ import annotations
 
+import contextlib
 import mmap as mmap_module
 import pickle
 import re
@@ -44,15 +45,18 @@ def load_data_file(path: str | Path | BinaryIO, *, mmap: bool = False, writable:
     stand-ins for DeepSpeed's). Raises ``ValueError`` naming the class when the file needs one
     outside the allowlist.
     """
-    share = mmap_module.MAP_SHARED if writable else mmap_module.MAP_PRIVATE
+    if writable and not mmap:
+        raise ValueError("writable=True needs mmap=True: only a shared mapping writes to the file")
+    # Only a writable load changes the mapping mode (the default path works on any torch >= 2.4).
+    shared = (torch.serialization.set_default_mmap_options(mmap_module.MAP_SHARED) if writable
+              else contextlib.nullcontext())
     try:
-        with torch.serialization.safe_globals([*ALLOWED_GLOBALS, *allow]), \
-                torch.serialization.set_default_mmap_options(share):
+        with torch.serialization.safe_globals([*ALLOWED_GLOBALS, *allow]), shared:
             try:
                 return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
             except RuntimeError as e:
-                if not mmap or "mmap" not in str(e):
-                    raise
+                if not mmap or writable or "mmap" not in str(e):
+                    raise  # a writable load read into memory would drop every write
                 return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
