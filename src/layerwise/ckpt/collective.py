@@ -1,0 +1,90 @@
+"""How the ranks of a save agree: the only seam between checkpoint writing and torch.distributed.
+
+A save written by several ranks follows one protocol: rank 0 decides what is saved and tells the
+others (``broadcast``); every rank writes its own blobs (content-addressed, so concurrent writers
+never collide) and sends their records to rank 0 (``gather``); rank 0 alone commits the manifest,
+so a rank that dies before the commit leaves the last committed step as it was.
+
+``SingleProcess`` is the exchange of one process (what every save used before); ``TorchExchange``
+runs the same calls as torch.distributed collectives on a process group of its own (gloo), with
+a timeout, so a checkpoint thread's collectives never interleave with the training step's.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+
+class RankExchange(Protocol):
+    rank: int
+    world_size: int
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` from rank ``src`` on every rank (picklable)."""
+
+    def gather(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every rank's ``obj`` in rank order on rank ``dst``; ``None`` elsewhere."""
+
+    def barrier(self) -> None:
+        """Returns once every rank has called it."""
+
+
+class SingleProcess:
+    rank, world_size = 0, 1
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def gather(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        return [obj]
+
+    def barrier(self) -> None:
+        pass
+
+
+class CollectiveTimeout(RuntimeError):
+    """Another rank did not reach a checkpoint collective in time (it died or stalled)."""
+
+
+class TorchExchange:
+    """A ``RankExchange`` over a new gloo group of every rank of the default group (create it on
+    every rank, in the same order relative to other ``new_group`` calls)."""
+
+    def __init__(self, timeout_s: float):
+        if not dist.is_initialized():
+            raise ValueError("TorchExchange needs torch.distributed initialised "
+                             "(launch with torchrun and call init_process_group first)")
+        self.timeout_s = timeout_s
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def _failed(self, what: str, e: Exception) -> CollectiveTimeout:
+        return CollectiveTimeout(
+            f"rank {self.rank}: checkpoint {what} across {self.world_size} ranks failed within "
+            f"{self.timeout_s:g} s (another rank died or stalled): {e}; the last committed step "
+            "is intact, restart the run with resume")
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        box = [obj if self.rank == src else None]
+        try:
+            dist.broadcast_object_list(box, src=src, group=self.group)
+        except RuntimeError as e:
+            raise self._failed("broadcast", e) from e
+        return box[0]
+
+    def gather(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        out = [None] * self.world_size if self.rank == dst else None
+        try:
+            dist.gather_object(obj, out, dst=dst, group=self.group)
+        except RuntimeError as e:
+            raise self._failed("gather", e) from e
+        return out
+
+    def barrier(self) -> None:
+        try:
+            dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:
+            raise self._failed("barrier", e) from e
