@@ -164,7 +164,7 @@ def test_groups_no_rank_writes_and_blobs_rank_0_cannot_see_are_refused(tmp_path)
     committed.
 
     Mutation seen failing: dropping the visibility check (``_visible``): rank 0 commits a step
-    whose blobs are elsewhere, and verify reports them missing."""
+    naming blobs that are not in its run directory."""
     model, opt, sched = make_training()
     train_step(model, opt, sched)
     probe = Checkpointer(tmp_path / "probe", model, opt, async_save=False)
