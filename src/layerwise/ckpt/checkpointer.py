@@ -48,8 +48,8 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
 from concurrent.futures import wait as wait_all
+from contextlib import nullcontext
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -125,7 +125,8 @@ class SaveReport:
     wait_s: float
     """Part of ``blocked_s`` spent waiting for the previous save to finish."""
     snapshot_bytes: int
-    """Bytes copied by the snapshot (filled when it is taken)."""
+    """Bytes copied by the snapshot (filled when it is taken); with several writers, this
+    rank's."""
     reasons: dict[str, str] = field(default_factory=dict)
     """Why each selected group was written: ``policies.REASONS`` (never saved, ``full_every``,
     ``max_staleness``, or the policy's own criterion)."""
@@ -139,9 +140,10 @@ class SaveReport:
     write_s: float | None = None
     """Background time to write blobs, state and manifest (None until done)."""
     written: list[str] | None = None
-    """Groups whose bytes were new (the rest were deduplicated)."""
+    """Groups whose bytes were new (the rest were deduplicated); on a rank other than 0 of
+    several writers, of the groups it wrote."""
     bytes_written: int | None = None
-    """New blob bytes plus the step's state files and manifest."""
+    """New blob bytes plus the step's state files and manifest (rank 0's report only)."""
 
     def to_json(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
