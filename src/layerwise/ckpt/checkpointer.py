@@ -887,7 +887,8 @@ class _WriteJob:
                 f"({'; '.join(failed)}). Nothing of this save was committed; the previous "
                 "committed checkpoint is intact.")
         records = {g: r for part in everyone for g, r in part.items()}
-        unseen = [r.rel_path for r in records.values() if not _visible(self.ck.store, r)]
+        unseen = [r.rel_path for part in everyone[1:] for r in part.values()
+                  if not _visible(self.ck.store, r)]
         if unseen:  # written by a rank on another machine into a directory of its own
             raise CheckpointError(
                 f"checkpoint of step {self.step}: blobs other ranks wrote are not in "
