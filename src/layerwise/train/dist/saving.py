@@ -7,7 +7,7 @@ ranks), so each rank writes what it updates, from the node's shared store. With 
 every node holds an identical copy, so the groups are spread over every rank of every node: the
 writes use every node's disk or network link instead of node 0's alone, at the price that the
 run directory must be on a filesystem all nodes see (resuming already needs that: each node's
-local rank 0 loads the checkpoint). Rank 0 checks that every blob it commits is visible to it.
+local rank 0 loads the checkpoint). Rank 0 checks that it sees every blob the others wrote.
 """
 
 from __future__ import annotations
