@@ -100,15 +100,16 @@ def _save_worker(rank: int, port: int, model: str, rounds: int, tmp: str, thread
     exchange = TorchExchange(timeout_s=600)
     kinds = {"save_s_1writer": set(writers) if rank == 0 else set(),
              "save_s_2writers": {g for g, r in writers.items() if r == rank}}
+    def open_run(kind: str) -> Checkpointer:
+        return Checkpointer(Path(tmp) / kind, provider=provider, policy="full",
+                            tracker_log=False, exchange=exchange, mine=kinds[kind])
     cks = {}
-    for kind, mine in kinds.items():  # rank 0 creates each run directory first
+    for kind in kinds:  # rank 0 creates each run directory, then the other rank opens it
         if rank == 0:
-            cks[kind] = Checkpointer(Path(tmp) / kind, provider=provider, policy="full",
-                                     tracker_log=False, exchange=exchange, mine=mine)
+            cks[kind] = open_run(kind)
         dist.barrier()
         if rank != 0:
-            cks[kind] = Checkpointer(Path(tmp) / kind, provider=provider, policy="full",
-                                     tracker_log=False, exchange=exchange, mine=mine)
+            cks[kind] = open_run(kind)
     times: dict[str, list[float]] = {k: [] for k in kinds}
     for step in range(1, rounds + 1):
         for kind, ck in cks.items():  # interleaved
