@@ -4,7 +4,8 @@ Argument: a JSON file with a list of runs ``{"overrides": [...], "port": int, "m
 each is ``train()`` of a small TrainConfig with those overrides, run one after the other with a
 fresh process group. ``memory``: sample this process's ``/proc/self/smaps_rollup`` during the run
 and write the level sample (``MemorySampler``) to ``<memory>.<rank>``. ``env``: variables set
-for that run and the ones after it.
+for that run and the ones after it. ``stall_in_blob_writes``: ``{"rank", "step", "marker"}``,
+a fault (``stall_in_blob_writes``) for that run and the ones after it.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 from layerwise import config
+from layerwise.ckpt.checkpointer import Checkpointer
+from layerwise.ckpt.run_dir import RunDir
 from layerwise.train.loop import TrainConfig, train
 
 BASE = dict(model="llama-demo", seq_len=32, corpus_tokens=20_000, eval_every=0, eval_batches=1,
@@ -53,10 +57,35 @@ class MemorySampler:
         return [s for s in self.samples if s["Pss_Shmem"] >= peak / 2][-1]
 
 
+def stall_in_blob_writes(step: int, marker: str) -> None:
+    """A fault: from the save of ``step`` on, this process stops for good right after it has
+    handed its first blob of a save to the run directory (the bytes written, their fsync and
+    rename possibly still running), and touches ``marker`` so the test can kill it there."""
+    save, put_blob = Checkpointer.save, RunDir.put_blob
+    armed: list[int] = []
+
+    def save_then_arm(self, at: int, *args, **kwargs):
+        if at >= step:
+            armed.append(at)
+        return save(self, at, *args, **kwargs)
+
+    def put_blob_then_stall(self, *args, **kwargs):
+        rec = put_blob(self, *args, **kwargs)
+        if armed:
+            Path(marker).touch()
+            time.sleep(3600)
+        return rec
+
+    Checkpointer.save, RunDir.put_blob = save_then_arm, put_blob_then_stall
+
+
 def main() -> None:
     runs = json.loads(Path(sys.argv[1]).read_text())
     for run in runs:
         os.environ.update(MASTER_PORT=str(run["port"]), **run.get("env", {}))
+        fault = run.get("stall_in_blob_writes")
+        if fault is not None and int(os.environ["RANK"]) == fault["rank"]:
+            stall_in_blob_writes(fault["step"], fault["marker"])
         cfg = config.apply_overrides(TrainConfig(**BASE), run["overrides"])
         sampler = MemorySampler() if run.get("memory") else None
         train(cfg)

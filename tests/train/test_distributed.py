@@ -2,7 +2,9 @@
 RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_* in the environment).
 
 One launch of 2 ranks runs several trainings back to back (``dist_child.py``); the single-process
-references run in this process. Every comparison is of the exported fp32 weights.
+references run in this process. Every comparison is of the exported fp32 weights. Rank 0 runs
+under umask 022 and the other ranks under umask 077, so every file tells which rank created it
+(a blob is created with mode 0644 less the umask): 0644 rank 0, 0600 another rank.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ import torch
 from safetensors.torch import load_file
 
 from layerwise import config
+from layerwise.ckpt.resolve import open_run_step
 from layerwise.ckpt.run_dir import RunDir
+from layerwise.ckpt.state import PARAM
 from layerwise.models import get_flavor
 from layerwise.optim.adamw import state_nbytes as fp32_state_nbytes
 from layerwise.plan.plan import Plan
-from layerwise.store import store_footprint
+from layerwise.store import init_store, store_footprint
+from layerwise.train.dist.saving import group_writers
 from layerwise.train.loop import TrainConfig, train
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -37,6 +42,7 @@ from tiny_hf import make_model_dir  # noqa: E402
 CHILD = Path(__file__).with_name("dist_child.py")
 SRC = Path(__file__).resolve().parents[2] / "src"
 STEPS = 10
+RANK0_UMASK, OTHER_UMASK = 0o022, 0o077
 
 
 def _port() -> int:
@@ -58,7 +64,8 @@ def _launch(tmp: Path, runs: list[dict], world: int = 2, local_world: int | None
                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         procs.append(subprocess.Popen([sys.executable, str(CHILD), str(spec)], env=env,
                                       stdout=open(tmp / f"{name}.{rank}.log", "w"),
-                                      stderr=subprocess.STDOUT))
+                                      stderr=subprocess.STDOUT,
+                                      umask=RANK0_UMASK if rank == 0 else OTHER_UMASK))
     return procs
 
 
@@ -150,8 +157,10 @@ def runs(tmp_path_factory):
             {"overrides": [f"out_dir={tmp / 'p1_to_r2'}", steps, *common], "port": _port()},
             {"overrides": [f"out_dir={tmp / 'p1_to_r2_8bit'}", steps, f"plan={p8_1}",
                            f"model={untied}", *common], "port": _port()},
-            # two "nodes" of one rank each: a store per node, the all-reduce across nodes
-            {"overrides": [f"out_dir={tmp / 'r2_nodes'}", steps, *common], "port": _port(),
+            # two "nodes" of one rank each: a store per node, the all-reduce across nodes,
+            # each node's rank writing its groups of the checkpoints
+            {"overrides": [f"out_dir={tmp / 'r2_nodes'}", steps, "ckpt_every=5",
+                           "ckpt_policy=full", *common], "port": _port(),
              "env": {"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}},
         ]
         _wait_ok(_launch(tmp, two), tmp, "launch")
@@ -195,6 +204,56 @@ def test_two_single_rank_nodes_train_the_same_weights(runs):
     (the clip norm counts each unit twice: diff ~5e-4)."""
     diff = _max_diff(runs["ref"]["plain"], runs["tmp"] / "r2_nodes")
     assert diff <= 1e-5, diff
+
+
+def _creators(ckpt: Path) -> dict[int, dict[str, int]]:
+    """Per committed step, each group's blob -> the rank whose process created the file, read
+    from its mode (``_launch``'s umasks): 0 for 0644, 1 for 0600 (2 ranks here)."""
+    out = {}
+    for step in RunDir.open(ckpt).committed_steps():
+        entries = json.loads((ckpt / "steps" / f"{step:012d}" / "manifest.json").read_text())["groups"]
+        modes = {g: (ckpt / e["blob"]).stat().st_mode & 0o777 for g, e in entries.items()}
+        assert set(modes.values()) <= {0o644 & ~RANK0_UMASK, 0o644 & ~OTHER_UMASK}, modes
+        out[step] = {g: 0 if m == 0o644 & ~RANK0_UMASK else 1 for g, m in modes.items()}
+    return out
+
+
+def _demo_group_writers() -> dict[str, int]:
+    _, store = init_store(get_flavor("llama-demo").build_config())
+    return group_writers(store, 2)
+
+
+def test_each_rank_writes_its_own_groups_of_a_save(runs):
+    """Both saves of a 2-rank run (steps 3 and 6) hold blob files created by rank 1's process
+    (told from the outside by the file modes its umask gives them), exactly the groups dealt to
+    rank 1, and the rest by rank 0's. The same run resumes in one process to the uninterrupted
+    run's weights (``test_checkpoints_resume_across_world_sizes``).
+
+    Mutation seen failing: ``saving.checkpointer`` giving rank 0 every group and rank 1 none
+    (rank 0 writes the whole save: every blob 0644)."""
+    expected = _demo_group_writers()
+    assert set(expected.values()) == {0, 1}
+    got = _creators(runs["tmp"] / "r2_to_p1" / "ckpt")
+    assert list(got) == [3, 6]
+    for step, creators in got.items():
+        assert creators == expected, (step, creators)
+
+
+def test_each_node_writes_its_groups_from_its_own_copy(runs):
+    """Two single-rank nodes: node 1's rank writes its groups of the checkpoints from its
+    node's copy of the store (mode 0600: its process made the files), and the last checkpoint
+    (step 10) holds exactly the weights rank 0 exported at the end.
+
+    Mutation seen failing: ``group_writers`` dealing the groups over the local world size
+    (1 here: node 0 writes everything)."""
+    out = runs["tmp"] / "r2_nodes"
+    got = _creators(out / "ckpt")
+    assert list(got) == [5, 10] and got[10] == _demo_group_writers(), got
+    exported, rs = _weights(out), open_run_step(out / "ckpt", 10)
+    params = {k[len(PARAM):]: t for g in rs.groups() for k, t in rs.load_group(g).items()
+              if k.startswith(PARAM)}
+    assert params.keys() == exported.keys()
+    assert all(torch.equal(params[k], exported[k]) for k in params)
 
 
 def test_checkpoints_resume_across_world_sizes(runs):
@@ -285,3 +344,58 @@ def test_a_lost_rank_ends_the_other_with_an_error_within_the_timeout(tmp_path, s
     _run(tmp_path / "run", f"steps={resume_to}", "micro_batch_size=2", "export=false")
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, resume_to + 1))
+
+
+@pytest.mark.parametrize("killed", [True, False], ids=["killed", "stalled"])
+def test_a_rank_lost_in_its_blob_writes_leaves_the_last_commit(tmp_path, killed):
+    """Rank 1 stops right after handing its first blob of the step-3 save to the run directory
+    (``dist_child.stall_in_blob_writes``) and is killed there (or left stalled), while rank 0
+    waits to gather the records: rank 0 exits with an error within ``dist_timeout_s``, the
+    steps committed are exactly 1 and 2, rank 1's half-written save left a file of its own
+    (mode 0600) that no manifest names, ``ckpt verify`` is clean, and one process resumes from
+    step 2.
+
+    Mutation seen failing: ``saving.checkpointer`` making the exchange with a 30-minute timeout
+    instead of ``dist_timeout_s`` (stalled: rank 0 waits at the gather past the test's limit)."""
+    timeout_s = 10
+    shm_dir = Path("/dev/shm") / f"layerwise-test-{uuid.uuid4().hex[:8]}"
+    shm_dir.mkdir()
+    marker = tmp_path / "rank1-stalled"
+    run = tmp_path / "run"
+    procs: list[subprocess.Popen] = []
+    try:
+        procs = _launch(tmp_path, [{"overrides": [
+            f"out_dir={run}", "steps=100000", "micro_batch_size=1", "ckpt_every=1",
+            "ckpt_policy=full", "export=false",
+            f"dist_timeout_s={timeout_s}", f"dist_shm_dir={shm_dir}"], "port": _port(),
+            "stall_in_blob_writes": {"rank": 1, "step": 3, "marker": str(marker)}}],
+            name="kill")
+        log0 = tmp_path / "kill.0.log"
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert procs[0].poll() is None and time.monotonic() < deadline, log0.read_text()[-3000:]
+            time.sleep(0.02)
+        if killed:
+            procs[1].kill()
+        lost = time.monotonic()
+        procs[0].wait(timeout_s + 20)
+        waited = time.monotonic() - lost
+        text = log0.read_text()
+        assert procs[0].returncode not in (0, None) and waited <= timeout_s + 5, (waited, text[-3000:])
+        assert f"dist_timeout_s={timeout_s}" in text and "resume=true" in text, text[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+    ckpt = run / "ckpt"
+    report = RunDir.open(ckpt).verify()
+    assert report.ok and report.steps == [1, 2], report.to_json()
+    named = {e["blob"] for s in report.steps for e in json.loads(
+        (ckpt / "steps" / f"{s:012d}" / "manifest.json").read_text())["groups"].values()}
+    orphans = [p for p in [*(ckpt / "blobs").rglob("*"), *(ckpt / "tmp").iterdir()]
+               if p.is_file() and str(p.relative_to(ckpt)) not in named]
+    assert any(p.stat().st_mode & 0o777 == 0o644 & ~OTHER_UMASK for p in orphans), orphans
+    _run(run, "steps=4", "micro_batch_size=2", "export=false")
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]

@@ -28,6 +28,16 @@ otherwise (its version counter moved) fails the save (``StateModifiedError``) ra
 storing a later state. ``observe`` is deferred the same way. The contract: between ``save``
 (or ``observe``) and the next optimizer step, change weights and optimizer state only through
 that step, or use ``snapshot="sync"``.
+
+**Several writers** (``exchange=``, ``mine=``; ``ckpt.collective``): every rank holds a
+checkpointer of the same state (a node's shared store, or identical copies) and calls ``save``
+at the same step. Rank 0 alone measures and chooses, and broadcasts the choice; each rank copies
+and writes the chosen groups it owns; rank 0, holding the run's lock from before the first
+blob to the commit, gathers every rank's blob records and alone writes the step's files and
+the manifest. A rank that fails or dies before the gather leaves the last committed step as it
+was; the others fail within the exchange's timeout. The snapshot is taken inside ``save``
+(never deferred); the writes still run on the writer thread, whose collectives use the
+exchange's own process group.
 """
 
 from __future__ import annotations
@@ -36,9 +46,10 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
+from contextlib import nullcontext
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -47,6 +58,7 @@ import torch
 from safetensors.torch import save as st_save
 from torch import nn
 
+from .collective import RankExchange, SingleProcess
 from .errors import CheckpointError, StateModifiedError
 from .moments import fp32_moments, has_8bit
 from .run_dir import (
@@ -113,7 +125,8 @@ class SaveReport:
     wait_s: float
     """Part of ``blocked_s`` spent waiting for the previous save to finish."""
     snapshot_bytes: int
-    """Bytes copied by the snapshot (filled when it is taken)."""
+    """Bytes copied by the snapshot (filled when it is taken); with several writers, this
+    rank's."""
     reasons: dict[str, str] = field(default_factory=dict)
     """Why each selected group was written: ``policies.REASONS`` (never saved, ``full_every``,
     ``max_staleness``, or the policy's own criterion)."""
@@ -127,9 +140,10 @@ class SaveReport:
     write_s: float | None = None
     """Background time to write blobs, state and manifest (None until done)."""
     written: list[str] | None = None
-    """Groups whose bytes were new (the rest were deduplicated)."""
+    """Groups whose bytes were new (the rest were deduplicated); on a rank other than 0 of
+    several writers, of the groups it wrote."""
     bytes_written: int | None = None
-    """New blob bytes plus the step's state files and manifest."""
+    """New blob bytes plus the step's state files and manifest (rank 0's report only)."""
 
     def to_json(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -227,10 +241,17 @@ class Checkpointer:
         *,
         provider: StateProvider | None = None,
         config: CheckpointConfig | None = None,
+        exchange: RankExchange | None = None,
+        mine: Callable[[str], bool] | Collection[str] | None = None,
         **options: Any,
     ):
         """``options``: fields of ``CheckpointConfig`` (e.g. ``async_save=False``) and the
-        policy's own options (e.g. ``threshold=1e-3``), in one flat namespace."""
+        policy's own options (e.g. ``threshold=1e-3``), in one flat namespace.
+
+        Saves written by several ranks (see *Several writers* in the module docstring):
+        ``exchange`` joins this rank's checkpointer to the others' (``ckpt.collective``;
+        default: one process) and ``mine`` names the groups this rank writes (a set, or a
+        predicate on group names; default: all)."""
         cfg_fields = {f.name for f in fields(CheckpointConfig)}
         overrides = {k: v for k, v in options.items() if k in cfg_fields}
         policy_options = {k: v for k, v in options.items() if k not in cfg_fields}
@@ -248,6 +269,8 @@ class Checkpointer:
         self.store = RunDir.create(run_dir)
         self.run_dir = self.store.root
         self.groups: list[str] = list(provider.group_names())
+        self.exchange: RankExchange = exchange or SingleProcess()
+        self.mine = self._own_groups(mine)
         self.tracker = UpdateTracker(
             provider, self.run_dir / "tracker.jsonl" if self.config.tracker_log else None)
         self.reports: list[SaveReport] = []
@@ -266,14 +289,28 @@ class Checkpointer:
         if latest is not None:
             self._adopt_manifest(self.store.read_manifest(latest))
 
+    def _own_groups(self, mine: Callable[[str], bool] | Collection[str] | None) -> set[str]:
+        if mine is None:
+            return set(self.groups)
+        own = {g for g in self.groups if mine(g)} if callable(mine) else set(mine)
+        unknown = sorted(own - set(self.groups))
+        if unknown:
+            raise ValueError(f"mine= names groups the model does not have: {unknown[:5]}; "
+                             f"its groups are {self.groups[:5]}...")
+        return own
+
     def _deferral_setup(self) -> tuple[ThreadPoolExecutor | None, Any, _UpdateGate]:
         """The helper thread and the update hook of deferred snapshots, where they can be used."""
         mode, gate = self.config.snapshot, _UpdateGate()
         if mode not in SNAPSHOT_MODES:
             raise ValueError(f"snapshot must be one of {SNAPSHOT_MODES} (got {mode!r})")
+        if mode == "deferred" and self.exchange.world_size > 1:
+            raise ValueError("snapshot='deferred' is for saves written by one process; with "
+                             "several writers (exchange=) use snapshot='auto' or 'sync'")
         register = getattr(self.provider, "register_update_hook", None)
         hook = None
-        if mode != "sync" and self.config.async_save and register is not None:
+        if (mode != "sync" and self.config.async_save and register is not None
+                and self.exchange.world_size == 1):
             hook = register(gate.wait)
         if hook is None:
             if mode == "deferred":
@@ -378,8 +415,10 @@ class Checkpointer:
         self._finish_pending()
         wait_s = time.perf_counter() - t0
 
-        state_bytes, rng_tensors = self._snapshot_state(step, extra, data_position, trainer_state)
-        config = None if self._config_written else self.provider.model_config()
+        state_bytes, rng_tensors, config = b"", {}, None  # the step's files are rank 0's
+        if self.exchange.rank == 0:
+            state_bytes, rng_tensors = self._snapshot_state(step, extra, data_position, trainer_state)
+            config = None if self._config_written else self.provider.model_config()
         report = SaveReport(step, [], 0.0, wait_s, 0)
         self.reports.append(report)
         live = self._capture(grads=False)
@@ -409,18 +448,25 @@ class Checkpointer:
         """Measure, choose, copy and book one save (in ``save``, or on the helper thread from
         the tensors ``live`` captured at ``save``); returns its write job."""
         t0 = time.perf_counter()
-        statuses = self._group_statuses(step, live)
-        reasons = self._select_groups(step, statuses)
+        decides = self.exchange.rank == 0
+        statuses = self._group_statuses(step, live) if decides else []
+        # Rank 0 chooses for every rank: it sees every group (the node's shared store, or an
+        # identical copy) and holds the statistics; the others copy their share of its choice.
+        reasons, unchanged = self.exchange.broadcast(
+            (self._select_groups(step, statuses), {s.name for s in statuses if s.change == 0.0})
+            if decides else None)
         selected = list(reasons)
+        own = [g for g in selected if g in self.mine]
         copy = self.config.async_save or self.config.sync_copy
-        snaps = self._snapshot_groups(selected, copy, live)
+        snaps = self._snapshot_groups(own, copy, live)
         if live is not None:
             self._check_unmodified(step, live, selected, snaps)
-        maybe_dup = self._duplicate_hints(snaps, statuses)
-        rollback, old_refs = self._book_versions(snaps, copy)
+        maybe_dup = (self._duplicate_hints(snaps, statuses) if decides
+                     else {g: g in unchanged for g in snaps})
+        rollback, old_refs = self._book_versions(snaps, copy, [g for g in selected if g not in own])
         report.selected[:] = selected
         report.reasons = reasons
-        report.snapshot_bytes = sum(s.nbytes for s in statuses if s.name in reasons)
+        report.snapshot_bytes = sum(self._group_nbytes(g) for g in own)
         report.snapshot_s = time.perf_counter() - t0
         return _WriteJob(self, step, rollback.save_index, snaps, maybe_dup, state_bytes, rng_tensors,
                          config, report, old_refs=old_refs, copied=copy, rollback=rollback)
@@ -521,21 +567,32 @@ class Checkpointer:
                 hints[g] = change_of[g] == 0.0
         return hints
 
-    def _book_versions(self, snaps: dict[str, dict[str, torch.Tensor]],
-                       copy: bool) -> tuple[_Rollback, list[dict[str, torch.Tensor]]]:
+    def _book_versions(self, snaps: dict[str, dict[str, torch.Tensor]], copy: bool,
+                       others: list[str]) -> tuple[_Rollback, list[dict[str, torch.Tensor]]]:
         """Book the new versions now, before they are written: the snapshots become the
         tracker's references and the save takes the next save index. Returns what undoes this
-        if the write fails, and the references replaced (reusable once the save commits)."""
+        if the write fails, and the references replaced (reusable once the save commits).
+
+        ``others``: chosen groups other ranks write; rank 0, whose tracker chooses, copies
+        their weights as its references. The other ranks keep no references."""
         rollback = _Rollback({g: dict(e) for g, e in self._entries.items()}, self._save_index,
                              self.tracker.save_references())
-        old_refs = [r for g in snaps if (r := self.tracker.reference(g)) is not None]
-        for g in snaps:
+        self._save_index += 1
+        if self.exchange.rank != 0:
+            return rollback, []
+        old_refs = [r for g in [*snaps, *others] if (r := self.tracker.reference(g)) is not None]
+        for g in [*snaps, *others]:
             if not copy and not getattr(self.policy, "uses_change", True):
                 self.tracker.drop_reference(g)
-                continue
-            params = {k[len(PARAM):]: t for k, t in snaps[g].items() if k.startswith(PARAM)}
-            self.tracker.set_reference(g, params if copy else {n: t.clone() for n, t in params.items()})
-        self._save_index += 1
+            elif g in others:
+                ref = {n: self._host_copy(t, PARAM + n) for n, t in self.provider.params(g).items()}
+                if any(t.is_pinned() for t in ref.values()):
+                    torch.cuda.synchronize()
+                self.tracker.set_reference(g, ref)
+            else:
+                params = {k[len(PARAM):]: t for k, t in snaps[g].items() if k.startswith(PARAM)}
+                self.tracker.set_reference(
+                    g, params if copy else {n: t.clone() for n, t in params.items()})
         return rollback, old_refs
 
     def _submit(self, job: _WriteJob) -> None:
@@ -571,8 +628,11 @@ class Checkpointer:
         job = pending.job
         assert job is not None
         if job.copied:
-            # Optimizer state snapshots and replaced weight references are free for reuse.
-            self._recycle(t for s in job.snaps.values() for k, t in s.items() if not k.startswith(PARAM))
+            # Optimizer state snapshots and replaced weight references are free for reuse (and
+            # the weights too where they are no references: on the ranks that do not choose).
+            keep = PARAM if self.exchange.rank == 0 else None
+            self._recycle(t for s in job.snaps.values() for k, t in s.items()
+                          if keep is None or not k.startswith(keep))
             self._recycle(t for r in job.old_refs for t in r.values())
 
     # ----- host snapshot buffers (reused: fresh pages cost more than the copy itself) --------
@@ -687,6 +747,14 @@ class _GroupsOnDemand(Mapping):
         return len(self.groups)
 
 
+def _visible(store: RunDir, rec: BlobRecord) -> bool:
+    """``rec``'s blob is in ``store``, whole (another process may have written it)."""
+    try:
+        return (store.root / rec.rel_path).stat().st_size == rec.nbytes
+    except FileNotFoundError:
+        return False
+
+
 def _finish_quietly(batch: BlobBatch) -> None:
     """Let the blobs already handed to ``batch`` land (or fail) before reporting an error."""
     try:
@@ -750,12 +818,25 @@ class _WriteJob:
 
     def run(self) -> None:
         t0 = time.perf_counter()
-        ck, store, step = self.ck, self.ck.store, self.step
+        ck, store, step, ex = self.ck, self.ck.store, self.step, self.ck.exchange
         try:
-            with store.lock():
+            # Rank 0 holds the run's lock from before any rank writes until the commit, so a
+            # `ckpt gc` never removes a blob written for a manifest still to come.
+            with store.lock() if ex.rank == 0 else nullcontext():
+                ex.barrier()
                 if self.config is not None:
                     store.write_config(self.config)
-                groups, written, blob_bytes = self._write_blobs(store)
+                try:
+                    own = self._write_blobs(store)
+                except Exception as e:
+                    if ex.world_size > 1:  # rank 0 gives up now, not at the timeout
+                        ex.gather(f"rank {ex.rank}: {e}")
+                    raise
+                records = self._gather_records(own)
+                if records is None:  # another rank's share: rank 0 commits
+                    self._report(t0, [g for g, r in own.items() if r.written], None)
+                    return
+                groups, written, blob_bytes = self._entries(records)
                 # Saving a committed step again replaces it: uncommit it before its files are
                 # overwritten, so a failure here leaves the previous commit loadable.
                 store.uncommit(step)
@@ -769,32 +850,71 @@ class _WriteJob:
         if self.config is not None:
             ck._config_written = True
         ck._entries = {g: dict(e) for g, e in groups.items()}
+        self._report(t0, written, nbytes)
+
+    def _report(self, t0: float, written: list[str], nbytes: int | None) -> None:
         self.report.write_s = time.perf_counter() - t0
         self.report.written = written
         self.report.bytes_written = nbytes
 
-    def _write_blobs(self, store: RunDir) -> tuple[dict[str, dict], list[str], int]:
-        """Store every snapshot as a blob; return when all new blobs and their directories are
-        durable. Returns the manifest entry of every group (the previous one for groups not
-        saved now), the groups whose bytes were new, and their bytes."""
+    def _write_blobs(self, store: RunDir) -> dict[str, BlobRecord]:
+        """Store this rank's snapshots as blobs, in model order; return their records when all
+        new blobs and their directories are durable."""
         batch = BlobBatch()
-        groups: dict[str, dict] = {}
-        written, nbytes = [], 0
+        records: dict[str, BlobRecord] = {}
         for g in self.ck.groups:
             if g not in self.snaps:
-                groups[g] = self.prev_entries[g]
                 continue
             payload = BlobPayload.build(*_blob_content(self.snaps[g], g, store.version))
             try:
-                rec = store.put_blob(payload, self._maybe_duplicate(g), batch)
+                records[g] = store.put_blob(payload, self._maybe_duplicate(g), batch)
             except BaseException:
                 _finish_quietly(batch)
                 raise
+        batch.finish()
+        return records
+
+    def _gather_records(self, own: dict[str, BlobRecord]) -> dict[str, BlobRecord] | None:
+        """Every rank's records on rank 0 (None elsewhere), once every rank's blobs are
+        durable. A rank that failed sent its error instead: rank 0 then commits nothing."""
+        everyone = self.ck.exchange.gather(own)
+        if everyone is None:
+            return None
+        failed = [x for x in everyone if isinstance(x, str)]
+        if failed:
+            raise CheckpointError(
+                f"checkpoint of step {self.step}: another rank could not write its groups "
+                f"({'; '.join(failed)}). Nothing of this save was committed; the previous "
+                "committed checkpoint is intact.")
+        records = {g: r for part in everyone for g, r in part.items()}
+        unseen = [r.rel_path for part in everyone[1:] for r in part.values()
+                  if not _visible(self.ck.store, r)]
+        if unseen:  # written by a rank on another machine into a directory of its own
+            raise CheckpointError(
+                f"checkpoint of step {self.step}: blobs other ranks wrote are not in "
+                f"{self.ck.store.root} ({unseen[:3]}): the run directory must be on a "
+                "filesystem every writing rank sees. Nothing of this save was committed.")
+        missing = [g for g in self.report.selected if g not in records]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint of step {self.step}: no rank wrote {missing[:5]} (each group needs "
+                "a rank whose mine= includes it). Nothing of this save was committed.")
+        return records
+
+    def _entries(self, records: dict[str, BlobRecord]) -> tuple[dict[str, dict], list[str], int]:
+        """The manifest entry of every group (the previous one for groups not saved now), the
+        groups whose bytes were new, and their bytes."""
+        groups: dict[str, dict] = {}
+        written, nbytes = [], 0
+        for g in self.ck.groups:
+            rec = records.get(g)
+            if rec is None:
+                groups[g] = self.prev_entries[g]
+                continue
             groups[g] = self._entry(g, rec)
             if rec.written:
                 written.append(g)
                 nbytes += rec.nbytes
-        batch.finish()
         return groups, written, nbytes
 
     def _entry(self, group: str, rec: BlobRecord) -> dict:

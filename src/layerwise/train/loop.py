@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 import torch
 
-from ..ckpt.checkpointer import Checkpointer, LoadResult
+from ..ckpt.checkpointer import LoadResult
 from ..ckpt.store_state import HostStoreStateProvider
 from ..engine import EngineConfig, StreamingEngine
 from ..engine.batch import Batch
@@ -33,7 +33,7 @@ from ..plan.shape import ModelShape
 from ..store import PRIVATE, HostAllocator, HostStore, init_store
 from ..util.atomic import atomic_write_text
 from .data import DataSpec, prepare_data
-from .dist import setup as dist_setup
+from .dist import saving as dist_saving, setup as dist_setup
 from .dist.context import DistContext, init as dist_init, shutdown as dist_shutdown
 from .dist.reducer import DistReducer
 from .planning import (HardwareChoice, auto_plan, check_hardware, check_profile, predict,
@@ -366,7 +366,8 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
 
 
 def _train(cfg: TrainConfig, ctx: DistContext, log) -> TrainResult:
-    lead = ctx.rank == 0  # alone logs, writes run.json, metrics, the plan, checkpoints, export
+    lead = ctx.rank == 0  # alone logs, writes run.json, metrics, the plan, the export, and
+    # commits checkpoints (every rank writes its own groups of them)
     out_dir = Path(cfg.out_dir)
     compute_dtype = resolve_dtype(cfg.compute_dtype, cfg.device)
     alloc = dist_setup.host_allocator(ctx, cfg.dist_shm_dir)
@@ -401,17 +402,18 @@ def _train(cfg: TrainConfig, ctx: DistContext, log) -> TrainResult:
         plan.save(out_dir / "plan.json")
 
     ckpt = None
-    if (cfg.ckpt_every and lead) or (cfg.resume and ctx.local_rank == 0):
+    if cfg.ckpt_every or (cfg.resume and ctx.local_rank == 0):
         provider = HostStoreStateProvider(store, engine.optimizers)
         # the run's tracker.jsonl is written by RunTracker (with the engine's gradient norms)
-        ckpt = Checkpointer(out_dir / "ckpt", provider=provider, policy=cfg.ckpt_policy,
-                            **{"tracker_log": False, **cfg.ckpt_options})
+        ckpt = dist_saving.checkpointer(ctx, out_dir / "ckpt", provider, store,
+                                        bool(cfg.ckpt_every), policy=cfg.ckpt_policy,
+                                        **{"tracker_log": False, **cfg.ckpt_options})
     # Weights, AdamW moments and step counts, RNG; the data position and the run's
     # start-of-training eval come back from the checkpoint's state below.
     resumed = dist_setup.resume(ctx, ckpt, cfg.resume, engine.optimizers, store)
     if resumed is not None:
         log(f"resumed from layer-wise checkpoint step {resumed.step} in {out_dir / 'ckpt'}")
-    if ckpt is not None and (not lead or (resumed is None and not cfg.ckpt_every)):
+    if ckpt is not None and not cfg.ckpt_every and (not lead or resumed is None):
         ckpt.close()
         ckpt = None
     start_step = resumed.step if resumed is not None else 0
@@ -489,10 +491,10 @@ def _train(cfg: TrainConfig, ctx: DistContext, log) -> TrainResult:
                 tracker.observe(step + 1, stats.unit_grad_norms)
             if ckpt is not None and cfg.ckpt_every and ((step + 1) % cfg.ckpt_every == 0 or last):
                 engine.synchronize()  # data parallel: every owner's updates
-                rep = ckpt.save(step + 1, data_position=(step + 1) * accum,
-                                extra={"eval_loss_start": eval_start, "metrics_row": dict(record),
-                                       "data_key": data.key,
-                                       "data_rows_per_micro_batch": global_rows})
+                with dist_saving.peer_failures(ctx, f"checkpointing step {step + 1}"):
+                    rep = ckpt.save(step + 1, data_position=(step + 1) * accum, extra={
+                        "eval_loss_start": eval_start, "metrics_row": dict(record),
+                        "data_key": data.key, "data_rows_per_micro_batch": global_rows})
                 record["ckpt_groups"] = len(rep.selected)
                 record["ckpt_snapshot_bytes"] = rep.snapshot_bytes
                 record["ckpt_blocked_s"] = rep.blocked_s
@@ -508,7 +510,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, log) -> TrainResult:
             metrics.close()
         engine.close()
         if ckpt is not None:
-            ckpt.close()
+            with dist_saving.peer_failures(ctx, "writing the last checkpoint"):
+                ckpt.close()
     elapsed = max(1e-9, time.perf_counter() - t_start)
     log(_timing_summary(step_times, predicted_step_s, plan))
     mem = _device_mem_reserved(cfg.device)

@@ -1,0 +1,63 @@
+"""Checkpoints under torchrun: which rank writes which groups, and each rank's checkpointer.
+
+Every rank writes the groups of the units it is dealt by ``plan.topology.assign_owners`` over
+all ranks of all nodes (a group spanning units goes with its first unit). On one node that is
+exactly the update owners' assignment (``reducer.py``: the same function over the local
+ranks), so each rank writes what it updates, from the node's shared store. With several nodes
+every node holds an identical copy, so the groups are spread over every rank of every node: the
+writes use every node's disk or network link instead of node 0's alone, at the price that the
+run directory must be on a filesystem all nodes see (resuming already needs that: each node's
+local rank 0 loads the checkpoint). Rank 0 checks that it sees every blob the others wrote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ...ckpt.checkpointer import Checkpointer
+from ...ckpt.collective import CollectiveTimeout, TorchExchange
+from ...ckpt.state import StateProvider
+from ...models.names import group_of
+from ...plan.topology import assign_owners
+from ...store import HostStore
+from .context import DistContext
+from .setup import first_then_others
+
+
+def group_writers(store: HostStore, world_size: int) -> dict[str, int]:
+    """Each checkpoint group's writing rank (global)."""
+    ranks = assign_owners([b.layout.numel for b in store], world_size)
+    writers: dict[str, int] = {}
+    for buf, rank in zip(store, ranks):
+        for p in buf.unit.params:
+            writers.setdefault(group_of(p.hf_name, store.adapter.tied), rank)
+    return writers
+
+
+def checkpointer(ctx: DistContext, run_dir: Path, provider: StateProvider, store: HostStore,
+                 writes: bool, **options) -> Checkpointer:
+    """This rank's checkpointer. ``writes`` (every rank calls it): a writer of its own groups,
+    joined to the others by a ``TorchExchange``; else a reader (resume), made by the node's
+    local rank 0 alone."""
+    if not (ctx.enabled and writes):
+        return Checkpointer(run_dir, provider=provider, **options)
+    exchange = TorchExchange(ctx.timeout_s)  # on every rank, in the same order
+    writers = group_writers(store, ctx.world_size)
+    mine = {g for g, r in writers.items() if r == ctx.rank}
+    # rank 0 first: it creates the run directory the others then open
+    return first_then_others(ctx, lambda: Checkpointer(
+        run_dir, provider=provider, exchange=exchange, mine=mine, **options),
+        "opening the checkpoint run directory")
+
+
+@contextmanager
+def peer_failures(ctx: DistContext, what: str) -> Iterator[None]:
+    """A checkpoint collective that failed (its writer thread's, raised by ``save``, ``wait``
+    or ``close``) as the run's other collectives report theirs: a peer is gone, the timeout,
+    the way back."""
+    try:
+        yield
+    except CollectiveTimeout as e:
+        raise ctx.peer_error(what, e) from e
