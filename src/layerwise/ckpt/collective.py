@@ -46,7 +46,8 @@ class SingleProcess:
 
 
 class CollectiveTimeout(RuntimeError):
-    """Another rank did not reach a checkpoint collective in time (it died or stalled)."""
+    """Another rank did not take part in a checkpoint collective: it died, or it stalled past
+    the timeout."""
 
 
 class TorchExchange:
@@ -63,9 +64,9 @@ class TorchExchange:
 
     def _failed(self, what: str, e: Exception) -> CollectiveTimeout:
         return CollectiveTimeout(
-            f"rank {self.rank}: checkpoint {what} across {self.world_size} ranks failed within "
-            f"{self.timeout_s:g} s (another rank died or stalled): {e}; the last committed step "
-            "is intact, restart the run with resume")
+            f"rank {self.rank}: checkpoint {what} across {self.world_size} ranks failed (another "
+            f"rank died, or stalled past the {self.timeout_s:g} s timeout): {e}; the last "
+            "committed step is intact, restart the run with resume")
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         box = [obj if self.rank == src else None]
