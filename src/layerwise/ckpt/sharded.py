@@ -136,6 +136,9 @@ class ShardedSaveReport:
     step: int
     selected: list[str]
     reasons: dict[str, str]
+    changes: dict[str, float]
+    """Every group's relative L2 change since its last saved version, over all ranks (what the
+    policy saw; ``inf`` for a group never saved)."""
     written: list[str]
     """Groups of which this rank wrote new shard bytes."""
     bytes_written: int
@@ -260,7 +263,7 @@ class ShardedCheckpointer:
         for g in chosen["selected"]:
             self._refs[g] = {s.key: s.data.detach().clone() for s in shards[g]
                              if s.key.startswith(PARAM)}
-        return ShardedSaveReport(step, chosen["selected"], chosen["reasons"],
+        return ShardedSaveReport(step, chosen["selected"], chosen["reasons"], chosen["changes"],
                                  [g for g, r in recs.items() if r["written"]],
                                  sum(r["nbytes"] for r in recs.values() if r["written"]),
                                  time.perf_counter() - t0)
@@ -286,7 +289,8 @@ class ShardedCheckpointer:
         selected = [g for g in self.groups if g in reasons]
         unchanged = [s.name for s in statuses if s.change == 0.0]
         return {"selected": selected, "reasons": {g: reasons[g] for g in selected},
-                "unchanged": unchanged, "save_index": self._save_index}
+                "changes": {s.name: s.change for s in statuses}, "unchanged": unchanged,
+                "save_index": self._save_index}
 
     def _write_shards(self, chosen: dict, shards: dict[str, list[FlatShard]]) -> dict[str, dict]:
         """This rank's blob of every chosen group it holds elements of, durable on return."""
@@ -332,6 +336,10 @@ class ShardedCheckpointer:
                 written.append(g)
                 nbytes += sum(r["nbytes"] for r in new)
             groups[g] = self._entry(g, shard_recs, step, chosen["save_index"])
+        if not (self.run_dir / "config.json").exists():
+            config = self.provider.model_config()
+            if config is not None:
+                self.store.write_config(config)  # merge and export need the architecture
         self.store.uncommit(step)
         files = self._write_step_files(step, extra, data_position)
         nbytes += sum(f["nbytes"] for f in files.values())
