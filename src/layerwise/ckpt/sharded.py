@@ -156,6 +156,11 @@ class ShardedLoadResult:
     stale_groups: dict[str, int] = field(default_factory=dict)
 
 
+def _stored_itemsize(s: FlatShard) -> int:
+    fp32_state = not s.key.startswith(PARAM) and s.data.is_floating_point()
+    return 4 if fp32_state else s.data.element_size()
+
+
 def blob_tensor(s: FlatShard) -> torch.Tensor:
     """A shard's elements as its blob stores them: optimizer state fp32, weights as they are."""
     t = s.data.detach().reshape(-1)
@@ -164,6 +169,11 @@ def blob_tensor(s: FlatShard) -> torch.Tensor:
     if t.device.type != "cpu" or not t.is_contiguous():
         t = t.to("cpu").contiguous()
     return t
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """The rank's reference copy of saved weights: on the host (device memory is the scarce one)."""
+    return t.detach().to("cpu", copy=True)
 
 
 def _outcome(fn) -> dict:
@@ -227,7 +237,7 @@ class ShardedCheckpointer:
 
     def partial_stats(self, group: str, shards: list[FlatShard]) -> PartialStats:
         ref = self._refs.get(group)
-        nbytes = sum(blob_tensor(s).nbytes for s in shards)
+        nbytes = sum(s.data.numel() * _stored_itemsize(s) for s in shards)
         diff_sq = ref_sq = 0.0
         if ref is not None:
             for s in shards:
@@ -235,7 +245,8 @@ class ShardedCheckpointer:
                     r = ref.get(s.key)
                     if r is None or r.numel() != s.data.numel():
                         return PartialStats(nbytes, 0.0, 0.0, False)
-                    diff_sq += float(torch.linalg.vector_norm(s.data.float() - r.float())) ** 2
+                    live = s.data.detach().float()
+                    diff_sq += float(torch.linalg.vector_norm(live - r.to(live.device).float())) ** 2
                     ref_sq += float(torch.linalg.vector_norm(r.float())) ** 2
         return PartialStats(nbytes, diff_sq, ref_sq, ref is not None)
 
@@ -261,7 +272,7 @@ class ShardedCheckpointer:
             _raise_if_failed(ex.broadcast(result), self.rank, "commit")
         recs = _raise_if_failed(mine, self.rank, "write")
         for g in chosen["selected"]:
-            self._refs[g] = {s.key: s.data.detach().clone() for s in shards[g]
+            self._refs[g] = {s.key: _host_copy(s.data) for s in shards[g]
                              if s.key.startswith(PARAM)}
         return ShardedSaveReport(step, chosen["selected"], chosen["reasons"], chosen["changes"],
                                  [g for g, r in recs.items() if r["written"]],
@@ -399,7 +410,7 @@ class ShardedCheckpointer:
                 "it was saved from")
         for g in self.groups:
             self.provider.load_shards(g, rs.group_reader(g))
-            self._refs[g] = {s.key: s.data.detach().clone() for s in self.provider.shards(g)
+            self._refs[g] = {s.key: _host_copy(s.data) for s in self.provider.shards(g)
                              if s.key.startswith(PARAM) and s.data.numel()}
         st = rs.state()
         if self.scheduler is not None and st.get("scheduler") is not None:
