@@ -139,9 +139,9 @@ def _diff(a: dict, b: dict, atol: float = 0.0) -> list[str]:
 
 def test_resume_at_the_same_world_size_equals_the_uninterrupted_run(scenario):
     """Save at step 3 by 2 ranks, fresh processes load it and train to 4: weights, both moments
-    and every step counter equal the uninterrupted run's, bit for bit. Mutations seen failing:
-    ``local_range`` starting every shard at 0 (``row0 * row_numel`` -> 0); ``load_shards`` not
-    loading ``exp_avg_sq`` (skipped in ``kinds``)."""
+    and every step counter equal the uninterrupted run's, bit for bit. Mutation seen failing:
+    ``load_shards`` reading ``exp_avg/`` into ``exp_avg_sq`` too. (``local_range`` starting every
+    shard at 0 is refused earlier, by the save's cover check: the ranks' ranges overlap.)"""
     assert _diff(scenario["resume"]["loaded"], scenario["train"]["state3"]) == []
     assert _diff(scenario["resume"]["final"], scenario["train"]["final"]) == []
 

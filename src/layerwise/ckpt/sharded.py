@@ -185,11 +185,14 @@ def _outcome(fn) -> dict:
 
 
 def _raise_if_failed(rec: dict, rank: int, what: str) -> Any:
-    if not rec["ok"]:
-        raise CheckpointWriteError(f"rank {rank}: sharded checkpoint {what} failed: {rec['error']}. "
-                                   "Nothing of this save was committed; the previous committed "
-                                   "step is intact.")
-    return rec.get("value")
+    """``rec``'s value; its error (raised on whichever rank it happened) raised on this rank."""
+    if rec["ok"]:
+        return rec.get("value")
+    if what == "setup":
+        raise ValueError(f"rank {rank}: sharded checkpointer setup failed: {rec['error']}")
+    raise CheckpointWriteError(f"rank {rank}: sharded checkpoint {what} failed: {rec['error']}. "
+                               "Nothing of this save was committed; the previous committed "
+                               "step is intact.")
 
 
 class ShardedCheckpointer:
@@ -335,7 +338,10 @@ class ShardedCheckpointer:
                 data_position: Any) -> None:
         """Rank 0: check every rank's records, write the step's state files, commit."""
         assert records is not None
-        per_rank = [_raise_if_failed(r, i, "write") for i, r in enumerate(records)]
+        failed = [f"rank {i}: {r['error']}" for i, r in enumerate(records) if not r["ok"]]
+        if failed:
+            raise RuntimeError("; ".join(failed))
+        per_rank = [r["value"] for r in records]
         groups = {g: dict(e) for g, e in self._entries.items()}
         written, nbytes = [], 0
         for g in chosen["selected"]:

@@ -42,7 +42,8 @@ from ..ckpt.collective import RankExchange, SingleProcess, TorchExchange
 from ..ckpt.sharded import FlatShard, GroupReader, ShardedCheckpointer
 from ..ckpt.state import PARAM, ModuleStateProvider
 
-MOMENT_KINDS = ("exp_avg", "exp_avg_sq")
+STATE_ORDER = ("step", "exp_avg", "exp_avg_sq")
+"""The order in which torch's AdamW creates a parameter's state entries."""
 
 
 def local_range(p: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
@@ -120,7 +121,11 @@ class FSDPShardProvider:
                 flat.copy_(reader.read(PARAM + n, start, stop))
             if self.optimizer is None:
                 continue
-            kinds = {k.partition("/")[0] for k in stored if k.partition("/")[2] == n} - {"param"}
+            stored_kinds = {k.partition("/")[0] for k in stored if k.partition("/")[2] == n} - {"param"}
+            # torch's own order (step, exp_avg, exp_avg_sq): code that walks the state and
+            # gathers each DTensor (a full state dict) must meet the same order on every rank
+            kinds = sorted(stored_kinds, key=lambda k: (STATE_ORDER.index(k) if k in STATE_ORDER
+                                                        else len(STATE_ORDER), k))
             if not kinds:
                 self.optimizer.state.pop(p, None)
                 continue
