@@ -30,7 +30,9 @@ from transformers import AutoModelForCausalLM
 
 from layerwise.ckpt import CheckpointCorruptError, RunDir, open_run_step
 from layerwise.interop.fsdp import fsdp_checkpointer
+from layerwise.interop.dcp import DCPCheckpointSource
 from layerwise.interop.merge import merge
+from layerwise.interop.recipe import RecipeSource, parse_recipe
 from layerwise.interop.trainer import trainer_param_groups
 from layerwise.models.registry import FAMILIES, get_flavor
 
@@ -274,3 +276,19 @@ def test_a_manifest_whose_ranges_overlap_or_leave_a_gap_is_refused(scenario, tmp
         assert any(what in f and key in f for f in rep.faults), rep.faults
         with pytest.raises(CheckpointCorruptError, match=what):
             open_run_step(run, RESUME_AT).load_group("layers.0")
+
+
+def test_recipe_of_two_sharded_steps_exports_to_dcp(scenario, tmp_path):
+    """An FSDP2 run as a recipe source: layers 0-1 from step 2 (a composite of saves 1 and 2),
+    the rest from step 3, written as a DCP dir; read back, every group is its source step's
+    reassembled group."""
+    run = scenario["run"]
+    recipe = parse_recipe({"slices": [{"sources": [{"model": f"{run}@2", "layer_range": [0, 2]}]},
+                                      {"sources": [{"model": f"{run}@3", "layer_range": [2, 4]}]}]})
+    merge(RecipeSource(recipe), tmp_path / "dcp", format="dcp")
+    back = DCPCheckpointSource(tmp_path / "dcp")
+    step_of = {"embed": 2, "layers.0": 2, "layers.1": 2, "layers.2": 3, "layers.3": 3, "norm": 3, "lm_head": 3}
+    for g, step in step_of.items():
+        want = open_run_step(run, step).load_group(g)
+        got = back.load_group(g)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), g
