@@ -62,9 +62,10 @@ class FlatShard:
     """Blob key, as an unsharded group names it: ``param/<hf_name>``, ``exp_avg/<hf_name>``,
     ``exp_avg_sq/<hf_name>``, ``step/<hf_name>`` (``ckpt.state``)."""
     data: torch.Tensor
-    """1-D, on the CPU: elements ``[start, start + numel)`` of the flattened full tensor (a view
-    of the live state; the save copies nothing it does not write). Optimizer state is stored as
-    fp32, weights in their dtype."""
+    """1-D: elements ``[start, start + numel)`` of the flattened full tensor, a view of the live
+    state on any device (the save copies to the host only what it writes, and keeps a host copy
+    of the weights it saved to measure the next change). Optimizer state is stored as fp32,
+    weights in their dtype."""
     start: int
     full_shape: tuple[int, ...]
     """The full (unsharded) tensor's shape; ``()`` for a scalar such as ``step/``. A value every
