@@ -292,3 +292,20 @@ def test_recipe_of_two_sharded_steps_exports_to_dcp(scenario, tmp_path):
         want = open_run_step(run, step).load_group(g)
         got = back.load_group(g)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), g
+
+
+def test_gc_keeps_the_shards_of_kept_steps(scenario, tmp_path):
+    """``gc --keep 1`` on the 2-rank run keeps exactly the shard blobs step 3 names and drops
+    the rest; step 3 still verifies and loads. Mutation seen failing: gc collecting only
+    ``e.get("blob")`` of each entry (every shard blob is then removed)."""
+    run = _copy(scenario["run"], tmp_path)
+    store = RunDir.open(run)
+    m = store.read_manifest(RESUME_AT)
+    named = {s["blob"] for e in m["groups"].values() for s in e["shards"]}
+    rep = store.gc(keep=1)
+    assert rep.kept_steps == [RESUME_AT] and rep.removed_blobs > 0
+    on_disk = {str(p.relative_to(run)) for p in (run / "blobs").rglob("*.safetensors")}
+    assert on_disk == named
+    assert store.verify().ok
+    got = open_run_step(run).load_group("embed")["param/model.embed_tokens.weight"]
+    assert torch.equal(got, scenario["train"]["state3"]["param/model.embed_tokens.weight"])
