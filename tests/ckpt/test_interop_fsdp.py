@@ -29,8 +29,8 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from layerwise.ckpt import CheckpointCorruptError, RunDir, open_run_step
-from layerwise.interop.fsdp import fsdp_checkpointer
 from layerwise.interop.dcp import DCPCheckpointSource
+from layerwise.interop.fsdp import fsdp_checkpointer
 from layerwise.interop.merge import merge
 from layerwise.interop.recipe import RecipeSource, parse_recipe
 from layerwise.interop.trainer import trainer_param_groups
@@ -93,7 +93,8 @@ def _worker(rank: int, world: int, port: int, runs: list[str], phase: str, out: 
         start = 1
         if phase == "resume":  # first the mixed run's step 4, then over it this run's step 3
             mixed = fsdp_checkpointer(runs[1], model, opt, policy="topk", k=2, timeout_s=60)
-            dumps["reloaded"] = (mixed.load(STEPS), _full_state(model, opt))[1]
+            mixed.load(STEPS)
+            dumps["reloaded"] = _full_state(model, opt)
         if phase != "train":
             res = ck.load(RESUME_AT)
             dumps["loaded"] = _full_state(model, opt)
