@@ -4,8 +4,10 @@ Owns the checkpoint core, free of foreign formats: ``tracker`` (how much each gr
 ``policies`` (which groups a checkpoint writes), ``run_dir`` (content-addressed blobs + per-step
 manifests, atomic commits), ``resolve`` (the state at step N, group by group), ``checkpointer``
 (the plain-PyTorch API), ``state`` (the ``StateProvider`` protocol and blob keys) and
-``store_state`` (the engine's HostStore as a provider). Group names come from
-``layerwise.models.names``; HF / Trainer formats, merge and recipes are ``layerwise.interop``.
+``store_state`` (the engine's HostStore as a provider); ``collective``, ``shards`` and
+``sharded`` for saves written by every rank of a sharded loop (run format 4: a group as one blob
+per rank). Group names come from ``layerwise.models.names``; HF / Trainer formats, merge and
+recipes are ``layerwise.interop``.
 """
 
 from .checkpointer import CheckpointConfig, Checkpointer, LoadResult, SaveReport

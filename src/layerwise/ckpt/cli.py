@@ -95,6 +95,7 @@ def cmd_show(args: argparse.Namespace) -> int:
                 "staleness_steps": rs.step - e.saved_step,
                 "staleness_checkpoints": None if saved_index is None else save_index - int(saved_index),
                 "nbytes": e.nbytes, e.hash_name: e.digest, "blob": e.blob,
+                **({"shards": [s["blob"] for s in e.shards]} if e.shards is not None else {}),
             })
     except CheckpointError as e:
         return _fail(args, e)

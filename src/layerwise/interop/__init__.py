@@ -5,5 +5,6 @@ module here imports), ``hf_dir`` (the one HF model-dir reader, also filling a Ho
 ``trainer`` (HF Trainer ``checkpoint-N`` read and write), ``hf_export`` (HF model dir writer),
 ``sources`` (open any checkpoint by path), ``recipe`` (mergekit/LLMTailor layer recipes),
 ``merge`` (atomic, streaming export), ``export`` (a HostStore as an HF dir), ``callback`` (the
-``transformers.Trainer`` hook) and ``cli`` (``layerwise ckpt merge``).
+``transformers.Trainer`` hook), ``fsdp`` (layer-wise saves of FSDP2 loops, each rank its shards)
+and ``cli`` (``layerwise ckpt merge``).
 """
