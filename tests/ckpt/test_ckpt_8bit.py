@@ -116,7 +116,7 @@ def test_an_8bit_run_resumes_bit_identical_from_codes_and_scales(tmp_path):
         keys = rs.load_group(g)
         assert not any(k.startswith("exp_avg/") for k in keys), g
         assert any(k.startswith("exp_avg_codes/") for k in keys), g
-    assert json.loads((tmp_path / "run" / "format.json").read_text())["format_version"] == 3
+    assert json.loads((tmp_path / "run" / "format.json").read_text())["format_version"] >= 3
 
 
 def test_a_mixed_run_resumes_bit_identical(tmp_path):

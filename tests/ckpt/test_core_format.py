@@ -1,4 +1,4 @@
-"""Run format versions: new runs are format 3 (BLAKE3 content addresses, 8-bit moments kept 8-bit); format 1 runs (sha256),
+"""Run format versions: new runs are the current format (BLAKE3 content addresses; 8-bit moments kept 8-bit from 3, sharded groups from 4); format 1 runs (sha256),
 as an older layerwise wrote them (``data/run_v1_sha256``, see ``data/make_run_v1_sha256.py``),
 still open, verify, load, and are continued as format 1; corruption is caught under both hashes.
 """
@@ -14,7 +14,7 @@ import hashlib
 import pytest
 import torch
 
-from layerwise.ckpt import Checkpointer, CheckpointCorruptError, RunDir, open_run_step
+from layerwise.ckpt import FORMAT_VERSION, Checkpointer, CheckpointCorruptError, RunDir, open_run_step
 from layerwise.ckpt.state import DictStateProvider
 
 V1_RUN = Path(__file__).with_name("data") / "run_v1_sha256"
@@ -88,7 +88,7 @@ def test_a_corrupted_blob_of_a_format_1_run_is_detected(v1_run):
         open_run_step(v1_run, 20).load_group("layers.0")
 
 
-def test_new_runs_are_format_3_named_by_blake3(tmp_path, v1_run):
+def test_new_runs_are_the_current_format_named_by_blake3(tmp_path, v1_run):
     """A new run's format.json, manifests and step-file records name BLAKE3, and each blob's
     name and checksum are the BLAKE3 of its bytes (computed here by the ``blake3`` package
     directly). The blob bytes themselves are those format 1 wrote for the same state.
@@ -100,9 +100,9 @@ def test_new_runs_are_format_3_named_by_blake3(tmp_path, v1_run):
     with Checkpointer(run, provider=prov, policy="full", async_save=False, tracker_log=False) as ck:
         ck.save(10, extra={"v": 1}, data_position=10)
     assert json.loads((run / "format.json").read_text()) == {
-        "format": "layerwise-ckpt", "format_version": 3, "hash": "blake3"}
+        "format": "layerwise-ckpt", "format_version": FORMAT_VERSION, "hash": "blake3"}
     m = RunDir.open(run).read_manifest(10)
-    assert (m["format_version"], m["hash"]) == (3, "blake3")
+    assert (m["format_version"], m["hash"]) == (FORMAT_VERSION, "blake3")
     for e in m["groups"].values():
         data = (run / e["blob"]).read_bytes()
         assert "sha256" not in e and e["blake3"] == blake3.blake3(data).hexdigest()
@@ -166,8 +166,9 @@ def test_saving_into_a_format_1_run_continues_it_as_format_1(v1_run):
 
 def test_an_unknown_hash_or_a_newer_version_is_refused_clearly(tmp_path, v1_run):
     fmt = v1_run / "format.json"
-    fmt.write_text(json.dumps({"format": "layerwise-ckpt", "format_version": 4, "hash": "blake3"}))
-    with pytest.raises(ValueError, match="format_version 4.*Upgrade layerwise"):
+    newer = FORMAT_VERSION + 1
+    fmt.write_text(json.dumps({"format": "layerwise-ckpt", "format_version": newer, "hash": "blake3"}))
+    with pytest.raises(ValueError, match=f"format_version {newer}.*Upgrade layerwise"):
         RunDir.open(v1_run)
     fmt.write_text(json.dumps({"format": "layerwise-ckpt", "format_version": 2, "hash": "k12"}))
     with pytest.raises(ValueError, match="content hash 'k12'"):

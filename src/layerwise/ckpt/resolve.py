@@ -5,6 +5,10 @@ lists, for every group, the newest version at its step, so resolving N means rea
 manifest of the newest committed step <= N. A ``ResolvedStep`` is a checkpoint *source*: merge
 and export read it group by group (peak memory: one group), and ``Checkpointer.load`` puts it
 straight back into a model and optimizer.
+
+A group may be stored sharded (run format 4, ``ckpt.shards``): ``load_group`` reassembles it
+from its shards (their ranges checked), and ``group_reader`` reads only the elements a rank
+asks for, from either kind of entry, so a save by N ranks loads at M.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from safetensors.torch import load as st_load
 
 from .errors import CheckpointCorruptError
 from .run_dir import RunDir, digest_bytes, manifest_hash
+from .shards import ShardedGroupReader, is_sharded
 from .state import rng_dict
 
 
@@ -27,17 +32,20 @@ class GroupEntry:
 
     group: str
     blob: str
-    """Blob path relative to the run directory."""
+    """Blob path relative to the run directory ("" for a sharded group)."""
     blob_path: Path
     digest: str
-    """The blob's checksum (and name) under ``hash_name``."""
+    """The blob's checksum (and name) under ``hash_name`` ("" for a sharded group)."""
     hash_name: str
     """The manifest's content hash: ``sha256`` (format 1) or ``blake3`` (format 2)."""
     nbytes: int
+    """Bytes of the blob (of a sharded group: of all its shard blobs)."""
     saved_step: int
     """The newest step whose state of this group is this blob (written or confirmed identical)."""
     written_step: int
     """The step at which these bytes were first written."""
+    shards: tuple[dict, ...] | None = None
+    """A sharded group's shard records (manifest format 4, ``ckpt.shards``); None: one blob."""
 
 
 class ResolvedStep:
@@ -51,15 +59,19 @@ class ResolvedStep:
         self.manifest = store.read_manifest(step)
         self.hash_name = manifest_hash(self.manifest)
         self.entries: dict[str, GroupEntry] = {
-            g: GroupEntry(
-                group=g, blob=e["blob"], blob_path=store.root / e["blob"],
-                digest=e[self.hash_name], hash_name=self.hash_name,
-                nbytes=int(e["nbytes"]), saved_step=int(e["saved_step"]),
-                written_step=int(e.get("written_step", e["saved_step"])),
-            )
-            for g, e in self.manifest["groups"].items()
-        }
+            g: self._entry(g, e) for g, e in self.manifest["groups"].items()}
         self._state: dict | None = None
+
+    def _entry(self, group: str, e: dict) -> GroupEntry:
+        saved = int(e["saved_step"])
+        common = dict(group=group, hash_name=self.hash_name, saved_step=saved,
+                      written_step=int(e.get("written_step", saved)))
+        if is_sharded(e):
+            shards = tuple(e["shards"])
+            return GroupEntry(blob="", blob_path=self.store.root, digest="", shards=shards,
+                              nbytes=sum(int(s["nbytes"]) for s in shards), **common)
+        return GroupEntry(blob=e["blob"], blob_path=self.store.root / e["blob"],
+                          digest=e[self.hash_name], nbytes=int(e["nbytes"]), **common)
 
     # ----- CheckpointSource -------------------------------------------------------------
 
@@ -67,12 +79,30 @@ class ResolvedStep:
         return list(self.entries)
 
     def load_group(self, group: str) -> dict[str, torch.Tensor]:
-        """The group's tensors in blob keys, after checking the blob's checksum."""
+        """The group's tensors in blob keys, after checking the blob's checksum (of a sharded
+        group: every shard's, and that the shards cover each tensor exactly)."""
+        e = self._get(group)
+        if e.shards is not None:
+            return self.group_reader(group).assemble()
+        return load_blob(e.blob_path, e.digest, e.nbytes, e.hash_name)
+
+    def group_reader(self, group: str) -> ShardedGroupReader | WholeGroupReader:
+        """Reads parts of ``group``'s tensors (``keys()``, ``read(key, start, stop)``): of a
+        sharded group, only the shards that hold the elements asked for."""
+        e = self._get(group)
+        if e.shards is None:
+            return WholeGroupReader(self.load_group(group))
+        return ShardedGroupReader(group, list(e.shards), self._load_shard)
+
+    def _load_shard(self, rec: dict) -> dict[str, torch.Tensor]:
+        return load_blob(self.store.root / rec["blob"], rec[self.hash_name], int(rec["nbytes"]),
+                         self.hash_name)
+
+    def _get(self, group: str) -> GroupEntry:
         try:
-            e = self.entries[group]
+            return self.entries[group]
         except KeyError:
             raise ValueError(f"step {self.step} has no group {group!r}; groups: {self.groups()}") from None
-        return load_blob(e.blob_path, e.digest, e.nbytes, e.hash_name)
 
     def model_config(self) -> dict | None:
         return self.store.read_config()
@@ -129,6 +159,23 @@ class ResolvedStep:
 
     def staleness_steps(self, group: str) -> int:
         return self.step - self.entries[group].saved_step
+
+
+class WholeGroupReader:
+    """``ShardedGroupReader``'s reading interface over a group stored as one blob."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def keys(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {k: (tuple(t.shape), t.dtype) for k, t in self.tensors.items()}
+
+    def read(self, key: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        flat = self.tensors[key].reshape(-1)
+        stop = flat.numel() if stop is None else stop
+        if not 0 <= start <= stop <= flat.numel():
+            raise ValueError(f"{key}: range [{start}, {stop}) is outside its {flat.numel()} elements")
+        return flat[start:stop].clone()
 
 
 def load_blob(path: Path, digest: str, nbytes: int | None,

@@ -52,16 +52,21 @@ import torch
 from ..util.atomic import atomic_write_bytes, atomic_write_text, fsync_dir
 from ..util.safetensors_io import dtype_name, encode_header, tensor_bytes
 from .errors import CheckpointCorruptError, CheckpointWriteError
+from .shards import ShardLayoutError, is_sharded, shard_layout
 
 FORMAT = "layerwise-ckpt"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """Written for new runs. Bump on any change a reader of an older version would misread; readers
 refuse newer versions. 1: sha256 content addresses; 2: BLAKE3 (``"hash"`` in format.json and in
 each manifest; entries carry their digest under the hash's name); 3: blobs may hold 8-bit
 moments as codes and scales (blob layout 2, ``ckpt.moments``); runs of format 1 and 2 get fp32
-moments, as their readers expect."""
+moments, as their readers expect; 4: a group entry may be sharded, one blob per writing rank
+(``ckpt.shards``, written by ``ckpt.sharded``)."""
 
-HASH_OF_VERSION = {1: "sha256", 2: "blake3", 3: "blake3"}
+FIRST_VERSION_SHARDED = 4
+"""The first run format whose manifests may hold sharded group entries."""
+
+HASH_OF_VERSION = {1: "sha256", 2: "blake3", 3: "blake3", 4: "blake3"}
 """The content hash a run of each format version uses."""
 
 BLAKE3_MAX_THREADS = 1
@@ -215,6 +220,13 @@ def file_digest(path: Path, hash_name: str) -> str:
                 break
             h.update(b)
     return h.hexdigest()
+
+
+def entry_blobs(entry: dict, hash_name: str) -> list[tuple[str, str, int | None]]:
+    """``(path, digest, nbytes)`` of every blob a manifest group entry names: its one blob, or
+    each of its shards' (format 4)."""
+    recs = entry["shards"] if is_sharded(entry) else [entry]
+    return [(r.get("blob", ""), str(r.get(hash_name)), r.get("nbytes")) for r in recs]
 
 
 def _json_bytes(obj: object) -> bytes:
@@ -554,22 +566,28 @@ class RunDir:
                 rep.faults.append(f"step {step}: manifest says step {m.get('step')}")
             hash_name = manifest_hash(m)
             for g, e in m.get("groups", {}).items():
-                rel = e.get("blob", "")
-                if (rel, hash_name) not in hashed:
-                    path = self.root / rel
-                    if not path.is_file():
-                        hashed[rel, hash_name] = None
-                    else:
-                        hashed[rel, hash_name] = file_digest(path, hash_name)
-                        rep.blobs_checked += 1
-                got, want = hashed[rel, hash_name], str(e.get(hash_name))
-                if got is None:
-                    rep.faults.append(f"step {step}: group {g}: blob {rel} is missing")
-                elif got != want:
-                    rep.faults.append(f"step {step}: group {g}: blob {rel} checksum mismatch "
-                                      f"({hash_name} {got[:12]}…, manifest {want[:12]}…)")
-                elif (self.root / rel).stat().st_size != e.get("nbytes"):
-                    rep.faults.append(f"step {step}: group {g}: blob {rel} has the wrong size")
+                if is_sharded(e):
+                    try:
+                        shard_layout(g, e["shards"])
+                    except ShardLayoutError as err:
+                        rep.faults.append(f"step {step}: {err}")
+                        continue
+                for rel, want, nbytes in entry_blobs(e, hash_name):
+                    if (rel, hash_name) not in hashed:
+                        path = self.root / rel
+                        if not rel or not path.is_file():
+                            hashed[rel, hash_name] = None
+                        else:
+                            hashed[rel, hash_name] = file_digest(path, hash_name)
+                            rep.blobs_checked += 1
+                    got = hashed[rel, hash_name]
+                    if got is None:
+                        rep.faults.append(f"step {step}: group {g}: blob {rel} is missing")
+                    elif got != want:
+                        rep.faults.append(f"step {step}: group {g}: blob {rel} checksum mismatch "
+                                          f"({hash_name} {got[:12]}…, manifest {want[:12]}…)")
+                    elif (self.root / rel).stat().st_size != nbytes:
+                        rep.faults.append(f"step {step}: group {g}: blob {rel} has the wrong size")
             for name, rec in m.get("files", {}).items():
                 path = self.step_dir(step) / name
                 if not path.is_file():
@@ -614,7 +632,9 @@ class RunDir:
                     shutil.rmtree(p, ignore_errors=True)
             needed = set()
             for step in kept:
-                needed.update(e["blob"] for e in self.read_manifest(step)["groups"].values())
+                m = self.read_manifest(step)
+                needed.update(rel for e in m["groups"].values()
+                              for rel, _, _ in entry_blobs(e, manifest_hash(m)))
             removed, freed = 0, 0
             blobs = self.root / "blobs"
             for sub in sorted(blobs.iterdir()) if blobs.is_dir() else []:

@@ -1,0 +1,409 @@
+"""Layer-wise saves written by every rank of a sharded training loop (FSDP2, DeepSpeed ZeRO).
+
+::
+
+    ckpt = ShardedCheckpointer("runs/a", provider, TorchExchange(timeout_s=600), policy="filter",
+                               threshold=1e-3)
+    if ckpt.has_checkpoint():
+        start = ckpt.load().step + 1            # at this world size, whatever the save's was
+    ...
+    ckpt.save(step)                             # on every rank, after optimizer.step()
+
+Each rank sees only its elements of each group: a ``ShardProvider`` hands them as ``FlatShard``s
+(a blob key as an unsharded group has it, a 1-D view of the rank's elements, where they start
+in the flattened full tensor, its full shape). One save is the protocol of ``ckpt.collective``:
+
+1. every rank measures its partial statistics of every group (bytes, squared distance to the
+   version it last saved, squared norm of that version) and rank 0 gathers them; summed, they
+   are the global numbers an unsharded save would measure, so the policy decides the same;
+2. rank 0 selects the groups and broadcasts them;
+3. every rank writes one blob per chosen group with its elements (content-addressed: an
+   identical shard is not written again) and makes it durable;
+4. rank 0 gathers the shard records, checks that they cover every tensor exactly, writes the
+   step's state files and commits the manifest (run format 4, ``ckpt.shards``); every rank
+   learns the outcome, so an error anywhere raises on every rank and nothing is committed.
+
+Loading reads, per group, only the elements the rank holds now (``ShardProvider.load_shards``
+with a ranged reader), from shards written at any world size or from unsharded blobs.
+
+This module knows no FSDP or DeepSpeed: ``interop.fsdp`` (and a DeepSpeed hook) provide the
+shards. Saves are synchronous: ``save`` returns once the step is committed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors.torch import save as st_save
+
+from ..util.safetensors_io import dtype_name
+from .collective import RankExchange, SingleProcess
+from .errors import CheckpointWriteError
+from .policies import GroupStatus, Policy, PolicyContext, make_policy
+from .resolve import open_run_step
+from .run_dir import (BLOB_FORMAT, BLOB_FORMAT_VERSION, FIRST_VERSION_SHARDED, BlobBatch,
+                      BlobPayload, RunDir, now_unix_s)
+from .shards import shard_layout
+from .state import PARAM, capture_rng, jsonable, restore_rng, rng_dict
+
+
+@dataclass(frozen=True)
+class FlatShard:
+    """One rank's elements of one tensor of a group."""
+
+    key: str
+    """Blob key, as an unsharded group names it: ``param/<hf_name>``, ``exp_avg/<hf_name>``,
+    ``exp_avg_sq/<hf_name>``, ``step/<hf_name>`` (``ckpt.state``)."""
+    data: torch.Tensor
+    """1-D, on the CPU: elements ``[start, start + numel)`` of the flattened full tensor (a view
+    of the live state; the save copies nothing it does not write). Optimizer state is stored as
+    fp32, weights in their dtype."""
+    start: int
+    full_shape: tuple[int, ...]
+    """The full (unsharded) tensor's shape; ``()`` for a scalar such as ``step/``. A value every
+    rank holds (a scalar, a replicated tensor) is handed by one rank only: the shards of a key
+    must cover it exactly once, or the save fails before committing."""
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.data.numel()
+
+
+class GroupReader(Protocol):
+    """Ranged reads of one stored group version (``ShardedGroupReader``, ``WholeGroupReader``)."""
+
+    def keys(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every tensor key of the stored group: full shape and dtype."""
+        ...
+
+    def read(self, key: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the flattened full tensor ``key`` (1-D)."""
+        ...
+
+
+class ShardProvider(Protocol):
+    """A rank's part of the live training state, group by group."""
+
+    def group_names(self) -> list[str]:
+        """Every group of the model in model order; the same list on every rank."""
+        ...
+
+    def shards(self, group: str) -> list[FlatShard]:
+        """This rank's elements of ``group``: weights and optimizer state (none before the
+        optimizer's first step). Empty shards may be left out."""
+        ...
+
+    def load_shards(self, group: str, reader: GroupReader) -> None:
+        """Put this rank's elements of a stored version of ``group`` into the live state."""
+        ...
+
+    def model_config(self) -> dict | None:
+        ...
+
+
+@dataclass(frozen=True)
+class PartialStats:
+    """One rank's part of a group's statistics; ``combine`` sums them into the global ones."""
+
+    nbytes: int
+    """Bytes this rank's elements take in a blob."""
+    diff_sq: float
+    """Sum of squares of (weights - weights last saved) over this rank's elements."""
+    ref_sq: float
+    """Sum of squares of the weights last saved, over this rank's elements."""
+    has_ref: bool
+    """Whether this rank holds the version last saved (False after it was never saved)."""
+
+    @staticmethod
+    def combine(parts: list[PartialStats]) -> tuple[int, float]:
+        """(bytes, relative L2 change) of the whole group: ``inf`` when a rank has no reference."""
+        nbytes = sum(p.nbytes for p in parts)
+        if not all(p.has_ref for p in parts):
+            return nbytes, math.inf
+        num, den = math.sqrt(sum(p.diff_sq for p in parts)), math.sqrt(sum(p.ref_sq for p in parts))
+        return nbytes, num / den if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+@dataclass
+class ShardedSaveReport:
+    step: int
+    selected: list[str]
+    reasons: dict[str, str]
+    written: list[str]
+    """Groups of which this rank wrote new shard bytes."""
+    bytes_written: int
+    """New shard bytes this rank wrote."""
+    save_s: float
+
+
+@dataclass
+class ShardedLoadResult:
+    step: int
+    extra: dict | None
+    data_position: Any
+    world_size_saved: int | None
+    """The world size of the newest sharded save in the loaded step (None: unsharded)."""
+    stale_groups: dict[str, int] = field(default_factory=dict)
+
+
+def blob_tensor(s: FlatShard) -> torch.Tensor:
+    """A shard's elements as its blob stores them: optimizer state fp32, weights as they are."""
+    t = s.data.detach().reshape(-1)
+    if not s.key.startswith(PARAM) and t.is_floating_point() and t.dtype != torch.float32:
+        t = t.float()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.to("cpu").contiguous()
+    return t
+
+
+def _outcome(fn) -> dict:
+    """``fn()``'s result or its error, as a picklable record for the other ranks."""
+    try:
+        return {"ok": True, "value": fn()}
+    except Exception as e:  # every rank must hear of it, or they wait for a step that never comes
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def _raise_if_failed(rec: dict, rank: int, what: str) -> Any:
+    if not rec["ok"]:
+        raise CheckpointWriteError(f"rank {rank}: sharded checkpoint {what} failed: {rec['error']}. "
+                                   "Nothing of this save was committed; the previous committed "
+                                   "step is intact.")
+    return rec.get("value")
+
+
+class ShardedCheckpointer:
+    """Layer-wise checkpoints of a loop whose state is sharded across ranks (create on every
+    rank with the same arguments; ``exchange`` connects them)."""
+
+    def __init__(self, run_dir: str | Path, provider: ShardProvider,
+                 exchange: RankExchange | None = None, policy: str | Policy = "full", *,
+                 scheduler: Any = None, save_rng: bool = True, **policy_options: Any):
+        self.provider, self.scheduler, self.save_rng = provider, scheduler, save_rng
+        self.exchange = exchange or SingleProcess()
+        self.rank, self.world_size = self.exchange.rank, self.exchange.world_size
+        self.policy: Policy = make_policy(policy, **policy_options)
+        self.groups = list(provider.group_names())
+        # Rank 0 creates the run (format.json); the others open it once it exists.
+        made = _outcome(lambda: self._create(run_dir)) if self.rank == 0 else None
+        _raise_if_failed(self.exchange.broadcast(made), self.rank, "setup")
+        self.store = RunDir.open(run_dir)
+        self.run_dir = self.store.root
+        self._refs: dict[str, dict[str, torch.Tensor]] = {}
+        """This rank's elements of each group's weights as last saved (or loaded)."""
+        self._entries: dict[str, dict] = {}
+        self._save_index = 0
+        latest = self.store.latest_step()
+        if latest is not None:
+            self._adopt(self.store.read_manifest(latest))
+
+    @staticmethod
+    def _create(run_dir: str | Path) -> None:
+        store = RunDir.create(run_dir)
+        if store.version < FIRST_VERSION_SHARDED:
+            raise ValueError(
+                f"{store.root} is a format {store.version} run; sharded saves need format "
+                f"{FIRST_VERSION_SHARDED} (readers of older runs would not understand them). "
+                "Start a new run directory, or import this one into a new run.")
+
+    def _adopt(self, manifest: dict) -> None:
+        self._entries = {g: dict(e) for g, e in manifest["groups"].items()}
+        self._save_index = int(manifest.get("save_index", 0)) + 1
+
+    def has_checkpoint(self) -> bool:
+        return self.store.latest_step() is not None
+
+    # ----- saving ----------------------------------------------------------------------------
+
+    def partial_stats(self, group: str, shards: list[FlatShard]) -> PartialStats:
+        ref = self._refs.get(group)
+        nbytes = sum(blob_tensor(s).nbytes for s in shards)
+        diff_sq = ref_sq = 0.0
+        if ref is not None:
+            for s in shards:
+                if s.key.startswith(PARAM):
+                    r = ref.get(s.key)
+                    if r is None or r.numel() != s.data.numel():
+                        return PartialStats(nbytes, 0.0, 0.0, False)
+                    diff_sq += float(torch.linalg.vector_norm(s.data.float() - r.float())) ** 2
+                    ref_sq += float(torch.linalg.vector_norm(r.float())) ** 2
+        return PartialStats(nbytes, diff_sq, ref_sq, ref is not None)
+
+    def save(self, step: int, extra: dict | None = None, *,
+             data_position: Any = None) -> ShardedSaveReport:
+        """Checkpoint ``step`` on every rank (a collective: call it on all of them)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0 (got {step})")
+        t0 = time.perf_counter()
+        ex = self.exchange
+        shards = {g: [s for s in self.provider.shards(g) if s.data.numel()] for g in self.groups}
+        stats = ex.gather({g: self.partial_stats(g, shards[g]) for g in self.groups})
+        decision = result = None
+        with ExitStack() as held:
+            if self.rank == 0:
+                held.enter_context(self.store.lock())  # no gc while shards are being written
+                decision = _outcome(lambda: self._decide(step, stats))
+            chosen = _raise_if_failed(ex.broadcast(decision), self.rank, "selection")
+            mine = _outcome(lambda: self._write_shards(chosen, shards))
+            records = ex.gather(mine)
+            if self.rank == 0:
+                result = _outcome(lambda: self._commit(step, chosen, records, extra, data_position))
+            _raise_if_failed(ex.broadcast(result), self.rank, "commit")
+        recs = _raise_if_failed(mine, self.rank, "write")
+        for g in chosen["selected"]:
+            self._refs[g] = {s.key: s.data.detach().clone() for s in shards[g]
+                             if s.key.startswith(PARAM)}
+        return ShardedSaveReport(step, chosen["selected"], chosen["reasons"],
+                                 [g for g, r in recs.items() if r["written"]],
+                                 sum(r["nbytes"] for r in recs.values() if r["written"]),
+                                 time.perf_counter() - t0)
+
+    def _decide(self, step: int, stats: list[dict[str, PartialStats]] | None) -> dict:
+        """Rank 0: the policy's choice from the global statistics (plus every group never
+        saved), with why, and which groups may be byte-identical to their last version."""
+        assert stats is not None
+        statuses = []
+        for pos, g in enumerate(self.groups):
+            nbytes, change = PartialStats.combine([s[g] for s in stats])
+            e = self._entries.get(g)
+            if e is None:
+                change, age = math.inf, None
+            else:
+                age = self._save_index - int(e.get("saved_index", -1))
+            statuses.append(GroupStatus(g, nbytes, change, age, pos))
+        ctx = PolicyContext(step, self._save_index, statuses)
+        explain = getattr(self.policy, "select_reasons", None)
+        reasons = dict(explain(ctx)) if explain is not None else {
+            g: "criterion" for g in self.policy.select(ctx)}
+        reasons.update({g: "new" for g in self.groups if g not in self._entries})
+        selected = [g for g in self.groups if g in reasons]
+        unchanged = [s.name for s in statuses if s.change == 0.0]
+        return {"selected": selected, "reasons": {g: reasons[g] for g in selected},
+                "unchanged": unchanged, "save_index": self._save_index}
+
+    def _write_shards(self, chosen: dict, shards: dict[str, list[FlatShard]]) -> dict[str, dict]:
+        """This rank's blob of every chosen group it holds elements of, durable on return."""
+        batch, out = BlobBatch(), {}
+        try:
+            for g in chosen["selected"]:
+                if not shards[g]:
+                    continue
+                tensors = {s.key: blob_tensor(s) for s in shards[g]}
+                if len(tensors) != len(shards[g]):
+                    raise ValueError(f"group {g!r}: rank {self.rank} handed a key twice")
+                meta = {"format": BLOB_FORMAT, "format_version": str(BLOB_FORMAT_VERSION),
+                        "group": g, "shard": "flat"}
+                rec = self.store.put_blob(BlobPayload.build(tensors, meta),
+                                          g in chosen["unchanged"], batch)
+                out[g] = {"rank": self.rank, "blob": rec.rel_path, self.store.hash_name: rec.digest,
+                          "nbytes": rec.nbytes, "written": rec.written, "tensors": {
+                              s.key: {"range": [s.start, s.stop], "shape": list(s.full_shape),
+                                      "dtype": dtype_name(s.key, tensors[s.key])}
+                              for s in shards[g]}}
+        except BaseException:
+            try:  # let the blobs already handed over land (or fail) before reporting
+                batch.finish()
+            except BaseException:
+                pass
+            raise
+        batch.finish()
+        return out
+
+    def _commit(self, step: int, chosen: dict, records: list[dict], extra: dict | None,
+                data_position: Any) -> None:
+        """Rank 0: check every rank's records, write the step's state files, commit."""
+        assert records is not None
+        per_rank = [_raise_if_failed(r, i, "write") for i, r in enumerate(records)]
+        groups = {g: dict(e) for g, e in self._entries.items()}
+        written, nbytes = [], 0
+        for g in chosen["selected"]:
+            shard_recs = [{k: v for k, v in r[g].items() if k != "written"}
+                          for r in per_rank if g in r]
+            shard_layout(g, shard_recs)  # exact cover, or no commit
+            new = [r[g] for r in per_rank if g in r and r[g]["written"]]
+            if new:
+                written.append(g)
+                nbytes += sum(r["nbytes"] for r in new)
+            groups[g] = self._entry(g, shard_recs, step, chosen["save_index"])
+        self.store.uncommit(step)
+        files = self._write_step_files(step, extra, data_position)
+        nbytes += sum(f["nbytes"] for f in files.values())
+        manifest = {
+            "format": "layerwise-ckpt-manifest", "format_version": self.store.version,
+            "hash": self.store.hash_name, "step": step, "save_index": chosen["save_index"],
+            "created_unix_s": now_unix_s(), "policy": self.policy.name,
+            "policy_config": self.policy.config() if hasattr(self.policy, "config") else {},
+            "tied": bool(getattr(self.provider, "tied", False)), "world_size": self.world_size,
+            "bytes_written": nbytes, "groups_written": written, "files": files, "groups": groups,
+        }
+        self.store.commit(step, manifest)
+        self._adopt(manifest)
+
+    def _entry(self, group: str, shard_recs: list[dict], step: int, save_index: int) -> dict:
+        prev = self._entries.get(group)
+        same = (prev is not None and "shards" in prev
+                and [(r["blob"], r["tensors"]) for r in prev["shards"]]
+                == [(r["blob"], r["tensors"]) for r in shard_recs])
+        return {"shards": shard_recs, "world_size": self.world_size,
+                "nbytes": sum(r["nbytes"] for r in shard_recs), "saved_step": step,
+                "saved_index": save_index,
+                "written_step": prev["written_step"] if same else step}
+
+    def _write_step_files(self, step: int, extra: dict | None, data_position: Any) -> dict[str, dict]:
+        state: dict[str, Any] = {
+            "format_version": self.store.version, "step": step, "world_size": self.world_size,
+            "scheduler": jsonable(self.scheduler.state_dict()) if self.scheduler is not None else None,
+            "optimizer_param_groups": (self.provider.param_groups_state()
+                                       if hasattr(self.provider, "param_groups_state") else None),
+            "data_position": jsonable(data_position), "trainer_state": None,
+            "extra": jsonable(extra),
+        }
+        rng_tensors: dict[str, torch.Tensor] = {}
+        if self.save_rng:
+            state["rng"], rng_tensors = capture_rng()  # rank 0's
+        files = {"state.json": self.store.write_step_file(
+            step, "state.json", (json.dumps(state) + "\n").encode())}
+        if rng_tensors:
+            files["rng.safetensors"] = self.store.write_step_file(
+                step, "rng.safetensors", st_save(rng_tensors))
+        return files
+
+    # ----- loading ---------------------------------------------------------------------------
+
+    def load(self, step: int | None = None) -> ShardedLoadResult:
+        """Load the state at ``step`` (default: newest committed) on every rank: each reads
+        only the elements it holds now, from a save at any world size (or an unsharded one).
+        Also restores the scheduler, the optimizer's hyper-parameters and (rank 0's) RNG."""
+        rs = open_run_step(self.run_dir, step)
+        missing = [g for g in self.groups if g not in rs.entries]
+        unknown = [g for g in rs.entries if g not in self.groups]
+        if missing or unknown:
+            raise ValueError(
+                f"checkpoint step {rs.step} does not match the model: groups missing from the "
+                f"checkpoint {missing}, groups unknown to the model {unknown}; load into the model "
+                "it was saved from")
+        for g in self.groups:
+            self.provider.load_shards(g, rs.group_reader(g))
+            self._refs[g] = {s.key: s.data.detach().clone() for s in self.provider.shards(g)
+                             if s.key.startswith(PARAM) and s.data.numel()}
+        st = rs.state()
+        if self.scheduler is not None and st.get("scheduler") is not None:
+            self.scheduler.load_state_dict(st["scheduler"])
+        if hasattr(self.provider, "load_param_groups_state"):
+            self.provider.load_param_groups_state(st.get("optimizer_param_groups"))
+        if self.save_rng:
+            rng = rng_dict(st.get("rng"), rs._rng_tensors())
+            if rng:
+                restore_rng(rng)
+        self._adopt(rs.manifest)
+        self.exchange.barrier()
+        return ShardedLoadResult(
+            rs.step, st.get("extra"), st.get("data_position"), rs.manifest.get("world_size"),
+            {g: e.saved_step for g, e in rs.entries.items() if e.saved_step < rs.step})
