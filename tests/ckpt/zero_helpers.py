@@ -83,10 +83,10 @@ def _relink(engine, stage: int) -> None:
         engine.optimizer._lazy_init_hp_params_optimizer_state()
 
 
-def _engine(stage: int, model_config=None):
+def _engine(stage: int, model_config=None, seed: int = 0):
     import deepspeed
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = FAMILIES["llama"].model_class(model_config or config())
     named = dict(model.named_parameters())
     decay, no_decay = trainer_param_groups(model)

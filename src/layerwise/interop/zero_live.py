@@ -203,12 +203,9 @@ class LiveZeroState:
         """Every rank's ``ranges()``: each parameter's pieces must tile it exactly."""
         for name, shape in self.shapes.items():
             spans = sorted(r[name] for r in ranges_by_rank if name in r)
-            at = 0
-            for lo, hi in spans:
-                if lo != at or hi <= lo:
-                    break
-                at = hi
-            if at != math.prod(shape) or len(spans) > self.world_size:
+            bounds = [0] + [b for span in spans for b in span] + [math.prod(shape)]
+            # tiled exactly: each piece starts where the previous ended, none is empty
+            if bounds[1:-1:2] != bounds[:-2:2] or any(hi <= lo for lo, hi in spans) or bounds[-2] != bounds[-1]:
                 raise _layout_error(f"the ranks' pieces of {name} {spans} do not cover its "
                                     f"{math.prod(shape)} elements exactly once")
 
