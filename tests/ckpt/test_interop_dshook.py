@@ -46,8 +46,8 @@ def test_resumed_deepspeed_run_equals_uninterrupted(runs, stage):
     the uninterrupted run's at step 2 and at step 4 (within 1e-6; they are bit-equal here), and
     the engine's step counter is back. Mutations seen failing: ``load_shards`` not setting the
     flat's ``step`` (step 4 differs: bias correction); stage 2 without ``update_lp_params`` (the
-    module keeps its initial weights: step 4 differs); stage 3 without re-gathering the
-    persistent parameters (``checkpoint_event_epilogue``; step 4 differs)."""
+    module keeps its initial weights: step 4 differs); stage 3 without copying the fp32
+    partitions into the module's partitions (likewise)."""
     run = runs / f"zero{stage}"
     for step in (SAVE_STEP, END_STEP):
         _assert_same(_load(run / f"resumed_step{step}.pt"), _load(run / f"reference_step{step}.pt"))
@@ -134,8 +134,10 @@ def test_layerwise_run_merges_to_hf_like_zero_to_fp32(runs, stage, tmp_path):
 def test_partition_metadata_that_disagrees_is_refused(runs, stage):
     """One parameter's partition metadata moved by one element (stage 3: ``grad_position``;
     stage 2: the fragment's place in the partition), and pieces of two ranks that overlap by
-    one element: each refused, naming the parameter. Mutation seen failing: the stage-3 offset
-    check removed (the moved metadata is read as given)."""
+    one element: each refused, naming the parameter. Mutations seen failing: the stage-3 offset
+    check removed (the moved metadata is read as given); a cover check that walked the sorted
+    pieces and stopped at the first that did not follow on (an overlap at a parameter's end
+    passed: the first version of ``check_cover``)."""
     errors = json.loads((runs / f"zero{stage}" / "layout_errors.json").read_text())
     assert "disagrees" in errors["offset"] and "model.layers.0.self_attn.q_proj.weight" in errors["offset"]
     assert "do not cover" in errors["cover"] and "model.embed_tokens.weight" in errors["cover"]
