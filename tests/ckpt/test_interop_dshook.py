@@ -1,5 +1,6 @@
-"""The DeepSpeed hook: layer-wise saves written by every rank of a DeepSpeed ZeRO loop (stages 2
-and 3, 2 ranks, real DeepSpeed on CPU), resumed in fresh processes (``dshook_helpers``)."""
+"""The DeepSpeed hook: layer-wise saves written by every rank of a DeepSpeed ZeRO loop (stages
+1-3, 2 ranks, real DeepSpeed on CPU), resumed in fresh processes; made by the DeepSpeed session
+of ``zero_helpers`` (the ``zero_dir`` fixture)."""
 
 from __future__ import annotations
 
@@ -17,14 +18,11 @@ from layerwise.ckpt.run_dir import RunDir
 from layerwise.interop.merge import merge
 from layerwise.interop.sources import open_source
 from layerwise.interop.zero import ZeroCheckpointSource
-from dshook_helpers import END_STEP, SAVE_STEP, STAGES, TRAINER_STEPS, WORLD_SIZE, make_runs
+from zero_helpers import LW_STEP, SAVE_STEPS, TRAINER_STEPS, WORLD_SIZE
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    return make_runs(tmp_path_factory.mktemp("dshook"))
+STAGES = (1, 2, 3)
+END_STEP = max(SAVE_STEPS)
 
 
 def _load(path: Path) -> dict:
@@ -40,7 +38,7 @@ def _assert_same(got: dict, want: dict, tol: float = 1e-6) -> None:
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_resumed_deepspeed_run_equals_uninterrupted(runs, stage):
+def test_resumed_deepspeed_run_equals_uninterrupted(zero_dir, stage):
     """Saved layer-wise by 2 ranks at step 2, loaded by 2 fresh processes into an engine with
     other initial weights, trained on to step 4: DeepSpeed's fp32 weights and both moments equal
     the uninterrupted run's at step 2 and at step 4 (within 1e-6; they are bit-equal here), and
@@ -48,19 +46,19 @@ def test_resumed_deepspeed_run_equals_uninterrupted(runs, stage):
     flat's ``step`` (step 4 differs: bias correction); stage 2 without ``update_lp_params`` (the
     module keeps its initial weights: step 4 differs); stage 3 without copying the fp32
     partitions into the module's partitions (likewise)."""
-    run = runs / f"zero{stage}"
-    for step in (SAVE_STEP, END_STEP):
-        _assert_same(_load(run / f"resumed_step{step}.pt"), _load(run / f"reference_step{step}.pt"))
-    counters = json.loads((run / "resumed_counters.json").read_text())
-    assert counters == {"step": SAVE_STEP, "global_steps": SAVE_STEP, "world_size_saved": WORLD_SIZE}
+    run = zero_dir / f"zero{stage}"
+    for step in (LW_STEP, END_STEP):
+        _assert_same(_load(run / f"lw_resumed_step{step}.pt"), _load(run / f"reference_step{step}.pt"))
+    counters = json.loads((run / "lw_resumed_counters.json").read_text())
+    assert counters == {"step": LW_STEP, "global_steps": LW_STEP, "world_size_saved": WORLD_SIZE}
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_two_rank_save_loads_in_one_process(runs, stage):
+@pytest.mark.parametrize("stage", (2, 3))
+def test_two_rank_save_loads_in_one_process(zero_dir, stage):
     """A save by 2 ranks loads into a 1-rank engine (each parameter whole on one rank): the
     state DeepSpeed then holds is the 2-rank run's at the saved step."""
-    run = runs / f"zero{stage}"
-    _assert_same(_load(run / f"ws1_step{SAVE_STEP}.pt"), _load(run / f"reference_step{SAVE_STEP}.pt"))
+    _assert_same(_load(zero_dir / "ws1" / f"zero{stage}" / f"lw_loaded_step{LW_STEP}.pt"),
+                 _load(zero_dir / f"zero{stage}" / f"reference_step{LW_STEP}.pt"))
 
 
 def _expected_ranges(ds: ZeroCheckpointSource, name: str) -> list[tuple[int, int]]:
@@ -83,17 +81,16 @@ def _expected_ranges(ds: ZeroCheckpointSource, name: str) -> list[tuple[int, int
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_manifest_holds_each_ranks_partition(runs, stage):
+def test_manifest_holds_each_ranks_partition(zero_dir, stage):
     """The committed step has, per group, one shard blob per rank that holds elements of it,
     each blob a file of its own, shards come from both ranks, and every tensor's ranges are
     exactly the ranks' ZeRO partition pieces, as DeepSpeed's own save of the same step lays
     them out; ``verify`` passes."""
-    run = runs / f"zero{stage}"
+    run = zero_dir / f"zero{stage}"
     lw = run / "layerwise"
-    manifest = RunDir.open(lw).read_manifest(SAVE_STEP)
+    manifest = RunDir.open(lw).read_manifest(LW_STEP)
     assert manifest["world_size"] == WORLD_SIZE
-    ds = ZeroCheckpointSource(run / "deepspeed" / f"global_step{SAVE_STEP}", config=json.loads(
-        (lw / "config.json").read_text()))
+    ds = ZeroCheckpointSource(run / f"global_step{LW_STEP}")
     both = 0
     for group, entry in manifest["groups"].items():
         shards = entry["shards"]
@@ -118,36 +115,36 @@ def test_manifest_holds_each_ranks_partition(runs, stage):
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_layerwise_run_merges_to_hf_like_zero_to_fp32(runs, stage, tmp_path):
+def test_layerwise_run_merges_to_hf_like_zero_to_fp32(zero_dir, stage, tmp_path):
     """``merge --format hf`` of the 2-rank layer-wise run gives exactly the fp32 weights that
     DeepSpeed's ``zero_to_fp32`` reads from DeepSpeed's own save of the same step."""
-    run = runs / f"zero{stage}"
+    run = zero_dir / f"zero{stage}"
     merge(open_source(run / "layerwise"), tmp_path / "hf", format="hf")
     got = load_file(tmp_path / "hf" / "model.safetensors")
-    want = get_fp32_state_dict_from_zero_checkpoint(str(run / "deepspeed"))
+    want = get_fp32_state_dict_from_zero_checkpoint(str(run), tag=f"global_step{LW_STEP}")
     assert set(got) == set(want)
     for k, t in want.items():
         assert torch.equal(got[k], t), k
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_partition_metadata_that_disagrees_is_refused(runs, stage):
+def test_partition_metadata_that_disagrees_is_refused(zero_dir, stage):
     """One parameter's partition metadata moved by one element (stage 3: ``grad_position``;
     stage 2: the fragment's place in the partition), and pieces of two ranks that overlap by
     one element: each refused, naming the parameter. Mutations seen failing: the stage-3 offset
     check removed (the moved metadata is read as given); a cover check that walked the sorted
     pieces and stopped at the first that did not follow on (an overlap at a parameter's end
     passed: the first version of ``check_cover``)."""
-    errors = json.loads((runs / f"zero{stage}" / "layout_errors.json").read_text())
+    errors = json.loads((zero_dir / f"zero{stage}" / "layout_errors.json").read_text())
     assert "disagrees" in errors["offset"] and "model.layers.0.self_attn.q_proj.weight" in errors["offset"]
     assert "do not cover" in errors["cover"] and "model.embed_tokens.weight" in errors["cover"]
 
 
-def test_trainer_with_deepspeed_writes_layerwise_shards(runs):
+def test_trainer_with_deepspeed_writes_layerwise_shards(zero_dir):
     """``LayerwiseCheckpointCallback`` in an HF Trainer with DeepSpeed ZeRO-3 on 2 ranks: every
     2 steps each rank writes its own pieces; the last step resolves to exactly the state
     DeepSpeed holds at the end of training."""
-    out = runs / "trainer"
+    out = zero_dir / "trainer"
     assert json.loads((out / "saved_steps.json").read_text()) == [2, TRAINER_STEPS]
     rs = open_run_step(out / "layerwise", TRAINER_STEPS)
     assert rs.manifest["world_size"] == WORLD_SIZE
