@@ -136,6 +136,9 @@ class ShardedSaveReport:
     step: int
     selected: list[str]
     reasons: dict[str, str]
+    changes: dict[str, float]
+    """Every group's relative L2 change since its last saved version, over all ranks (what the
+    policy saw; ``inf`` for a group never saved)."""
     written: list[str]
     """Groups of which this rank wrote new shard bytes."""
     bytes_written: int
@@ -153,6 +156,11 @@ class ShardedLoadResult:
     stale_groups: dict[str, int] = field(default_factory=dict)
 
 
+def _stored_itemsize(s: FlatShard) -> int:
+    fp32_state = not s.key.startswith(PARAM) and s.data.is_floating_point()
+    return 4 if fp32_state else s.data.element_size()
+
+
 def blob_tensor(s: FlatShard) -> torch.Tensor:
     """A shard's elements as its blob stores them: optimizer state fp32, weights as they are."""
     t = s.data.detach().reshape(-1)
@@ -161,6 +169,11 @@ def blob_tensor(s: FlatShard) -> torch.Tensor:
     if t.device.type != "cpu" or not t.is_contiguous():
         t = t.to("cpu").contiguous()
     return t
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """The rank's reference copy of saved weights: on the host (device memory is the scarce one)."""
+    return t.detach().to("cpu", copy=True)
 
 
 def _outcome(fn) -> dict:
@@ -224,7 +237,7 @@ class ShardedCheckpointer:
 
     def partial_stats(self, group: str, shards: list[FlatShard]) -> PartialStats:
         ref = self._refs.get(group)
-        nbytes = sum(blob_tensor(s).nbytes for s in shards)
+        nbytes = sum(s.data.numel() * _stored_itemsize(s) for s in shards)
         diff_sq = ref_sq = 0.0
         if ref is not None:
             for s in shards:
@@ -232,7 +245,8 @@ class ShardedCheckpointer:
                     r = ref.get(s.key)
                     if r is None or r.numel() != s.data.numel():
                         return PartialStats(nbytes, 0.0, 0.0, False)
-                    diff_sq += float(torch.linalg.vector_norm(s.data.float() - r.float())) ** 2
+                    live = s.data.detach().float()
+                    diff_sq += float(torch.linalg.vector_norm(live - r.to(live.device).float())) ** 2
                     ref_sq += float(torch.linalg.vector_norm(r.float())) ** 2
         return PartialStats(nbytes, diff_sq, ref_sq, ref is not None)
 
@@ -258,9 +272,9 @@ class ShardedCheckpointer:
             _raise_if_failed(ex.broadcast(result), self.rank, "commit")
         recs = _raise_if_failed(mine, self.rank, "write")
         for g in chosen["selected"]:
-            self._refs[g] = {s.key: s.data.detach().clone() for s in shards[g]
+            self._refs[g] = {s.key: _host_copy(s.data) for s in shards[g]
                              if s.key.startswith(PARAM)}
-        return ShardedSaveReport(step, chosen["selected"], chosen["reasons"],
+        return ShardedSaveReport(step, chosen["selected"], chosen["reasons"], chosen["changes"],
                                  [g for g, r in recs.items() if r["written"]],
                                  sum(r["nbytes"] for r in recs.values() if r["written"]),
                                  time.perf_counter() - t0)
@@ -286,7 +300,8 @@ class ShardedCheckpointer:
         selected = [g for g in self.groups if g in reasons]
         unchanged = [s.name for s in statuses if s.change == 0.0]
         return {"selected": selected, "reasons": {g: reasons[g] for g in selected},
-                "unchanged": unchanged, "save_index": self._save_index}
+                "changes": {s.name: s.change for s in statuses}, "unchanged": unchanged,
+                "save_index": self._save_index}
 
     def _write_shards(self, chosen: dict, shards: dict[str, list[FlatShard]]) -> dict[str, dict]:
         """This rank's blob of every chosen group it holds elements of, durable on return."""
@@ -332,6 +347,10 @@ class ShardedCheckpointer:
                 written.append(g)
                 nbytes += sum(r["nbytes"] for r in new)
             groups[g] = self._entry(g, shard_recs, step, chosen["save_index"])
+        if not (self.run_dir / "config.json").exists():
+            config = self.provider.model_config()
+            if config is not None:
+                self.store.write_config(config)  # merge and export need the architecture
         self.store.uncommit(step)
         files = self._write_step_files(step, extra, data_position)
         nbytes += sum(f["nbytes"] for f in files.values())
@@ -391,7 +410,7 @@ class ShardedCheckpointer:
                 "it was saved from")
         for g in self.groups:
             self.provider.load_shards(g, rs.group_reader(g))
-            self._refs[g] = {s.key: s.data.detach().clone() for s in self.provider.shards(g)
+            self._refs[g] = {s.key: _host_copy(s.data) for s in self.provider.shards(g)
                              if s.key.startswith(PARAM) and s.data.numel()}
         st = rs.state()
         if self.scheduler is not None and st.get("scheduler") is not None:
