@@ -12,6 +12,14 @@ groups its policy picks, in the background. To resume with the Trainer, export a
 (``layerwise ckpt merge runs/a --step N --format trainer --out ckpt/checkpoint-N``) and pass that
 dir as ``resume_from_checkpoint`` (:func:`export_for_resume` does both in Python). Set ``save_strategy="no"`` in ``TrainingArguments`` when the
 layer-wise checkpoints replace the Trainer's own.
+
+With DeepSpeed ZeRO (``args.deepspeed``) the callback runs on every rank and drives a
+:class:`~layerwise.interop.deepspeed_hook.DeepSpeedCheckpointer`: each rank writes its own
+partition of the chosen groups, and the policy sees statistics summed over the ranks. The
+``TrainerState`` is kept in the step's ``extra["trainer_state"]``. Such a run merges and exports
+like any other (``merge --format hf``); the Trainer's own resume from it is not built (load it
+into the engine with ``DeepSpeedCheckpointer(run_dir, trainer.model_wrapped).load()``).
+FSDP is refused.
 """
 
 from __future__ import annotations

@@ -85,10 +85,6 @@ class DeepSpeedCheckpointer:
 
     def save(self, step: int, extra: dict | None = None, *, data_position: Any = None) -> ShardedSaveReport:
         """Write this rank's pieces of the groups the policy picks at ``step`` (every rank)."""
-        if self.exchange.rank == 0 and not (self.run_dir / "config.json").exists():
-            config = self.state.model_config()
-            if config is not None:  # exports (merge --format hf) need the architecture
-                self.ckpt.store.write_config(config)
         counters = {k: getattr(self.engine, k) for k in ENGINE_COUNTERS if hasattr(self.engine, k)}
         extra = {**(extra or {}), "deepspeed": counters} if counters else extra
         return self.ckpt.save(step, extra, data_position=data_position)
