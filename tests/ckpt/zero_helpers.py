@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
+from accelerate import PartialState
+from transformers import Trainer, TrainingArguments
 
 from layerwise.interop.callback import LayerwiseCheckpointCallback
 from layerwise.interop.deepspeed_hook import DeepSpeedCheckpointer
@@ -256,9 +258,6 @@ def _layout_errors(engine, stage: int) -> dict[str, str]:
 def _trainer_run(rank: int, out: Path) -> None:
     """HF Trainer + DeepSpeed ZeRO-3 (2 ranks) with the layer-wise callback saving every 2
     steps; DeepSpeed's own view of the state at the end (``reference.pt``)."""
-    from accelerate import PartialState
-    from transformers import Trainer, TrainingArguments
-
     # accelerate runs DeepSpeed on the CPU only in a state configured beforehand (gloo)
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     PartialState(backend="gloo")

@@ -17,10 +17,12 @@ view of the partition at that place), so a DeepSpeed whose layout differs is ref
 differs, never read by blind index. ``check_cover`` checks that the ranks' pieces of every
 parameter cover it exactly.
 
+``LiveZeroState`` is the ``ShardProvider`` of the sharded save (``ckpt.sharded``):
 ``shards(group)`` gives a rank's pieces of a group's fp32 weights, both moments and the step as
-flat ranges of the full tensors (``FlatShard``), the same keys a whole layer-wise group has;
-``restore`` writes ranges read back from a save into the partitions, and ``finish_restore``
-rebuilds the module's weights from them, as DeepSpeed's own checkpoint load does.
+flat ranges of the full tensors (``FlatShard``), under the keys a whole layer-wise group has;
+``load_shards`` writes the ranges it reads back from a save (of any world size) into the
+partitions, and ``finish_restore`` rebuilds the module's weights from them, as DeepSpeed's own
+checkpoint load does.
 """
 
 from __future__ import annotations
@@ -47,7 +49,6 @@ class Piece:
     """The elements ``[start, start + numel)`` of one parameter's flattened full tensor that this
     rank holds, at ``offset`` in its flat partition number ``flat``."""
 
-    name: str
     shape: tuple[int, ...]
     start: int
     numel: int
@@ -141,7 +142,7 @@ class LiveZeroState:
                         f"{name}: fragment (param elements {lp.start}+{lp.numel}, partition elements "
                         f"{hp.start}+{hp.numel}) is not where offset {at} in param group {i} puts it "
                         f"in rank {self.rank}'s partition [{lo}, {hi})")
-                self.pieces[name] = Piece(name, shape, lp.start, lp.numel, i, hp.start)
+                self.pieces[name] = Piece(shape, lp.start, lp.numel, i, hp.start)
 
     def _map_stage3(self) -> None:
         o = self.optimizer
@@ -160,7 +161,7 @@ class LiveZeroState:
                         f"{i}, offset {offset}, {piece} elements")
                 start = self.rank * piece
                 if start < numel:
-                    self.pieces[name] = Piece(name, shape, start, min(numel, start + piece) - start, i, offset)
+                    self.pieces[name] = Piece(shape, start, min(numel, start + piece) - start, i, offset)
                 offset += piece
             if offset > self.flats[i].numel():
                 raise _layout_error(f"sub-group {i}'s pieces need {offset} elements, its fp32 partition "
@@ -279,7 +280,7 @@ class LiveZeroState:
                     state["step"] = self._restored_steps[pc.flat]
 
     def begin_restore(self) -> None:
-        """Before ``restore``: stage 3 partitions every parameter (as DeepSpeed's load does)."""
+        """Before ``load_shards``: stage 3 partitions every parameter (as DeepSpeed's load does)."""
         self._restored_steps.clear()
         if self.stage == 3:
             self.optimizer.checkpoint_event_prologue()
