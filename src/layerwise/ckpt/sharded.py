@@ -62,9 +62,10 @@ class FlatShard:
     """Blob key, as an unsharded group names it: ``param/<hf_name>``, ``exp_avg/<hf_name>``,
     ``exp_avg_sq/<hf_name>``, ``step/<hf_name>`` (``ckpt.state``)."""
     data: torch.Tensor
-    """1-D, on the CPU: elements ``[start, start + numel)`` of the flattened full tensor (a view
-    of the live state; the save copies nothing it does not write). Optimizer state is stored as
-    fp32, weights in their dtype."""
+    """1-D: elements ``[start, start + numel)`` of the flattened full tensor, a view of the live
+    state on any device (the save copies to the host only what it writes, and keeps a host copy
+    of the weights it saved to measure the next change). Optimizer state is stored as fp32,
+    weights in their dtype."""
     start: int
     full_shape: tuple[int, ...]
     """The full (unsharded) tensor's shape; ``()`` for a scalar such as ``step/``. A value every
@@ -185,11 +186,14 @@ def _outcome(fn) -> dict:
 
 
 def _raise_if_failed(rec: dict, rank: int, what: str) -> Any:
-    if not rec["ok"]:
-        raise CheckpointWriteError(f"rank {rank}: sharded checkpoint {what} failed: {rec['error']}. "
-                                   "Nothing of this save was committed; the previous committed "
-                                   "step is intact.")
-    return rec.get("value")
+    """``rec``'s value; its error (raised on whichever rank it happened) raised on this rank."""
+    if rec["ok"]:
+        return rec.get("value")
+    if what == "setup":
+        raise ValueError(f"rank {rank}: sharded checkpointer setup failed: {rec['error']}")
+    raise CheckpointWriteError(f"rank {rank}: sharded checkpoint {what} failed: {rec['error']}. "
+                               "Nothing of this save was committed; the previous committed "
+                               "step is intact.")
 
 
 class ShardedCheckpointer:
@@ -335,7 +339,10 @@ class ShardedCheckpointer:
                 data_position: Any) -> None:
         """Rank 0: check every rank's records, write the step's state files, commit."""
         assert records is not None
-        per_rank = [_raise_if_failed(r, i, "write") for i, r in enumerate(records)]
+        failed = [f"rank {i}: {r['error']}" for i, r in enumerate(records) if not r["ok"]]
+        if failed:
+            raise RuntimeError("; ".join(failed))
+        per_rank = [r["value"] for r in records]
         groups = {g: dict(e) for g, e in self._entries.items()}
         written, nbytes = [], 0
         for g in chosen["selected"]:
