@@ -23,15 +23,9 @@ from layerwise.interop.sources import open_source
 from layerwise.interop.trainer import TrainerCheckpointSource
 from layerwise.interop.zero import ZeroCheckpointSource
 from layerwise.models.registry import FAMILIES
-from zero_helpers import (BIG_LAYERS, NUM_LAYERS, SAVE_STEPS, WS1_STEPS, big_config, config,
-                          make_zero_checkpoints)
+from zero_helpers import BIG_LAYERS, NUM_LAYERS, SAVE_STEPS, WS1_STEPS, big_config, config
 
 STAGES = (1, 2, 3)
-
-
-@pytest.fixture(scope="module")
-def zero_dir(tmp_path_factory) -> Path:
-    return make_zero_checkpoints(tmp_path_factory.mktemp("zero"), STAGES)
 
 
 def as_state(src) -> dict[str, dict[str, torch.Tensor]]:

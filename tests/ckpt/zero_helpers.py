@@ -10,11 +10,20 @@ the two saves (layers below ``NUM_LAYERS // 2`` from the first, the rest from th
 ``merge --format deepspeed``; every rank loads it with DeepSpeed's own ``load_checkpoint`` into
 a fresh engine and keeps what DeepSpeed then holds (``resumed.pt``) and the loss of one more
 step (``resumed_loss.json``).
+
+The same loops also save layer-wise through the DeepSpeed hook at step ``SAVE_STEPS[0]``
+(``zero{stage}/layerwise``, every rank its own pieces; what the live-state map says of tampered
+partition metadata in ``layout_errors.json``), and an HF ``Trainer`` with DeepSpeed ZeRO-3 and
+the layer-wise callback runs in the same session (``trainer/``). Afterwards, fresh processes
+load the layer-wise save into an engine with other initial weights and train on to the last
+step (``lw_resumed_step{N}.pt``); one process loads it at world size 1
+(``ws1/zero{stage}/lw_loaded_step{N}.pt``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import sys
@@ -24,15 +33,24 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
+from accelerate import PartialState
+from transformers import Trainer, TrainingArguments
 
+from layerwise.interop.callback import LayerwiseCheckpointCallback
+from layerwise.interop.deepspeed_hook import DeepSpeedCheckpointer
 from layerwise.interop.merge import merge
 from layerwise.interop.recipe import load_recipe
 from layerwise.interop.trainer import trainer_param_groups
+from layerwise.interop.zero_live import LiveZeroState
 from layerwise.models.registry import FAMILIES, get_flavor
+from trainer_helpers import TokenDataset
 
 SAVE_STEPS = (2, 4)
 WORLD_SIZE = 2
 NUM_LAYERS = 4
+LW_STEP = SAVE_STEPS[0]
+"""The step the loops also save layer-wise (through the DeepSpeed hook)."""
+TRAINER_STEPS = 4
 
 
 BIG_LAYERS = 8
@@ -83,10 +101,10 @@ def _relink(engine, stage: int) -> None:
         engine.optimizer._lazy_init_hp_params_optimizer_state()
 
 
-def _engine(stage: int, model_config=None):
+def _engine(stage: int, model_config=None, seed: int = 0):
     import deepspeed
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = FAMILIES["llama"].model_class(model_config or config())
     named = dict(model.named_parameters())
     decay, no_decay = trainer_param_groups(model)
@@ -121,14 +139,27 @@ def _init(rank: int, world_size: int, port: int) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
 
 
+def _batches(rank: int, done: int = 0) -> torch.Generator:
+    """Rank ``rank``'s batch generator, past the batches of the first ``done`` steps."""
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(done):
+        torch.randint(0, 96, (2, 8), generator=gen)
+    return gen
+
+
 def _worker(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
     _init(rank, WORLD_SIZE, port)
     for stage in stages:
         engine = _engine(stage)
-        gen = torch.Generator().manual_seed(rank)
+        gen = _batches(rank)
         save_dir = Path(out) / f"zero{stage}"
+        layerwise = DeepSpeedCheckpointer(save_dir / "layerwise", engine)
         for step in range(1, max(SAVE_STEPS) + 1):
             _train_step(engine, gen)
+            if step == LW_STEP:
+                if rank == 0:
+                    (save_dir / "layout_errors.json").write_text(json.dumps(_layout_errors(engine, stage)))
+                layerwise.save(step)
             if step in SAVE_STEPS:
                 engine.save_checkpoint(str(save_dir), tag=f"global_step{step}")
                 _relink(engine, stage)
@@ -174,6 +205,102 @@ def _worker(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
     if rank == 0:
         (Path(out) / "big" / "config.json").write_text(json.dumps(big_config().to_dict()))
     engine.destroy()
+    _trainer_run(rank, Path(out) / "trainer")
+    dist.destroy_process_group()
+
+
+def _keep(engine, stage: int, rank: int, path: Path) -> None:
+    """DeepSpeed's gathered view of the state, saved by rank 0 (a collective)."""
+    _relink(engine, stage)
+    state = _full_state(engine)
+    if rank == 0:
+        torch.save(state, path)
+
+
+def _layout_errors(engine, stage: int) -> dict[str, str]:
+    """What ``LiveZeroState`` says when one parameter's partition metadata is off by one element
+    (put back afterwards), and when another rank's piece overlaps this rank's by one element."""
+    o, out = engine.optimizer, {}
+    if stage == 3:
+        pos = o.grad_position[o.get_param_id(o.fp16_groups[0][1])]
+        pos[1] += 1
+        try:
+            LiveZeroState(engine.module, o)
+        except ValueError as e:
+            out["offset"] = str(e)
+        pos[1] -= 1
+    else:
+        m = o.bit16_groups[0][1]._hp_mapping
+        addr = m.hp_fragment_address
+        m.hp_fragment_address = type(addr)(numel=addr.numel, start=addr.start + 1)
+        try:
+            LiveZeroState(engine.module, o)
+        except ValueError as e:
+            out["offset"] = str(e)
+        m.hp_fragment_address = addr
+    live = LiveZeroState(engine.module, o)
+    mine = live.ranges()
+    other = {}  # what the other rank holds: the rest of each parameter
+    for n, shape in live.shapes.items():
+        lo, hi = mine.get(n, (0, 0))
+        rest = (hi, math.prod(shape)) if lo == 0 else (0, lo)
+        if rest[1] > rest[0]:
+            other[n] = rest
+    name = next(iter(live.pieces))  # the embedding: rank 0 holds its first elements
+    other[name] = (mine[name][1] - 1, math.prod(live.shapes[name]))  # overlaps by one element
+    try:
+        live.check_cover([mine, other])
+    except ValueError as e:
+        out["cover"] = str(e)
+    return out
+
+
+def _trainer_run(rank: int, out: Path) -> None:
+    """HF Trainer + DeepSpeed ZeRO-3 (2 ranks) with the layer-wise callback saving every 2
+    steps; DeepSpeed's own view of the state at the end (``reference.pt``)."""
+    # accelerate runs DeepSpeed on the CPU only in a state configured beforehand (gloo)
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    PartialState(backend="gloo")
+    del os.environ["ACCELERATE_USE_DEEPSPEED"]
+    ds = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_clipping": "auto",
+          "zero_optimization": {"stage": 3},
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}}}
+    args = TrainingArguments(output_dir=str(out / "hf_out"), max_steps=TRAINER_STEPS, per_device_train_batch_size=2,
+                             learning_rate=1e-2, save_strategy="no", report_to=[], dataloader_num_workers=0,
+                             seed=0, disable_tqdm=True, deepspeed=ds,
+                             accelerator_config={"use_configured_state": True})
+    torch.manual_seed(0)
+    callback = LayerwiseCheckpointCallback(out / "layerwise", every=2)
+    trainer = Trainer(model=FAMILIES["llama"].model_class(config()), args=args, train_dataset=TokenDataset(),
+                      callbacks=[callback])
+    trainer.train()
+    _relink(trainer.model_wrapped, 3)
+    ref = _full_state(trainer.model_wrapped)
+    if rank == 0:
+        torch.save(ref, out / "reference.pt")
+        (out / "saved_steps.json").write_text(json.dumps(callback.saved_steps))
+    trainer.model_wrapped.destroy()
+
+
+def _layerwise_resume(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
+    """Fresh processes load each stage's layer-wise save into an engine with other initial
+    weights and train on to the last step, keeping DeepSpeed's view after the load and at the
+    end (``lw_resumed_step{N}.pt``) and the engine's counters (``lw_resumed_counters.json``)."""
+    _init(rank, WORLD_SIZE, port)
+    for stage in stages:
+        run = Path(out) / f"zero{stage}"
+        engine = _engine(stage, seed=123)
+        loaded = DeepSpeedCheckpointer(run / "layerwise", engine).load()
+        if rank == 0:
+            (run / "lw_resumed_counters.json").write_text(json.dumps(
+                {"step": loaded.step, "global_steps": engine.global_steps,
+                 "world_size_saved": loaded.world_size_saved}))
+        _keep(engine, stage, rank, run / f"lw_resumed_step{loaded.step}.pt")
+        gen = _batches(rank, done=loaded.step)
+        for _ in range(loaded.step, max(SAVE_STEPS)):
+            _train_step(engine, gen)
+        _keep(engine, stage, rank, run / f"lw_resumed_step{max(SAVE_STEPS)}.pt")
+        engine.destroy()
     dist.destroy_process_group()
 
 
@@ -213,14 +340,22 @@ def _one_rank_resume(rank: int, port: int, out: str, stages: tuple[int, ...]) ->
         _relink(engine, stage)
         torch.save(_full_state(engine), run / "resumed.pt")
         engine.destroy()
+        # the 2-rank run's layer-wise save (step LW_STEP), loaded at world size 1
+        engine = _engine(stage, seed=123)
+        DeepSpeedCheckpointer(Path(out) / f"zero{stage}" / "layerwise", engine).load()
+        _keep(engine, stage, rank, run / f"lw_loaded_step{LW_STEP}.pt")
+        engine.destroy()
     dist.destroy_process_group()
 
 
 def make_zero_checkpoints(out: Path, stages: tuple[int, ...] = (1, 2, 3)) -> Path:
     """``out/zero{stage}/global_step{N}`` for each stage, with references and config.json, the
-    2-rank merge-and-resume of each, and (stages 2 and 3) world size 1 -> 2 and 2 -> 1."""
+    2-rank merge-and-resume of each, and (stages 2 and 3) world size 1 -> 2 and 2 -> 1; the
+    layer-wise saves of the same loops, resumed by fresh processes (and, stages 2 and 3, loaded
+    at world size 1); the Trainer run (``out/trainer``)."""
     resharded = tuple(s for s in stages if s >= 2)
     mp.spawn(_one_rank_saves, args=(_free_port(), str(out), resharded), nprocs=1)
     mp.spawn(_worker, args=(_free_port(), str(out), stages), nprocs=WORLD_SIZE)
+    mp.spawn(_layerwise_resume, args=(_free_port(), str(out), stages), nprocs=WORLD_SIZE)
     mp.spawn(_one_rank_resume, args=(_free_port(), str(out), resharded), nprocs=1)
     return out

@@ -12,6 +12,14 @@ groups its policy picks, in the background. To resume with the Trainer, export a
 (``layerwise ckpt merge runs/a --step N --format trainer --out ckpt/checkpoint-N``) and pass that
 dir as ``resume_from_checkpoint`` (:func:`export_for_resume` does both in Python). Set ``save_strategy="no"`` in ``TrainingArguments`` when the
 layer-wise checkpoints replace the Trainer's own.
+
+With DeepSpeed ZeRO (``args.deepspeed``) the callback runs on every rank and drives a
+:class:`~layerwise.interop.deepspeed_hook.DeepSpeedCheckpointer`: each rank writes its own
+partition of the chosen groups, and the policy sees statistics summed over the ranks. The
+``TrainerState`` is kept in the step's ``extra["trainer_state"]``. Such a run merges and exports
+like any other (``merge --format hf``); the Trainer's own resume from it is not built (load it
+into the engine with ``DeepSpeedCheckpointer(run_dir, trainer.model_wrapped).load()``).
+FSDP is refused.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..ckpt.checkpointer import Checkpointer
+from .deepspeed_hook import DeepSpeedCheckpointer
 from .merge import merge
 from .sources import open_source
 
@@ -90,13 +99,19 @@ class LayerwiseCheckpointCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         if model is None or optimizer is None:
             raise ValueError("LayerwiseCheckpointCallback needs the Trainer's model and optimizer")
-        if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+        if getattr(args, "fsdp", None):
             # Each rank holds a shard of the state; the callback does not gather it.
             raise ValueError(
-                "LayerwiseCheckpointCallback does not support sharded training (FSDP, DeepSpeed ZeRO); "
-                "use the Trainer's own checkpoints there"
+                "LayerwiseCheckpointCallback does not support FSDP; use the Trainer's own checkpoints "
+                "there (DeepSpeed ZeRO is supported: each rank writes its own partition)"
             )
         self._every(args)  # fail early on a bad interval
+        if getattr(args, "deepspeed", None):
+            if self.checkpointer is None:  # on every rank: each writes the pieces it holds
+                self.checkpointer = DeepSpeedCheckpointer(
+                    self.run_dir, module=model, optimizer=_unwrap(optimizer, "optimizer"),
+                    scheduler=_unwrap(lr_scheduler, "scheduler"), policy=self.policy, **self.policy_options)
+            return
         if not state.is_world_process_zero:
             return  # data parallel: every rank holds the same state; one writes it
         if self.checkpointer is None:
@@ -107,7 +122,8 @@ class LayerwiseCheckpointCallback(TrainerCallback):
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         # Gradients are still there (zero_grad comes next); global_step is incremented after this.
-        if self.observe and self.checkpointer is not None:
+        # (A DeepSpeed save measures its statistics itself, across the ranks.)
+        if self.observe and isinstance(self.checkpointer, Checkpointer):
             self.checkpointer.observe(state.global_step + 1)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -121,11 +137,15 @@ class LayerwiseCheckpointCallback(TrainerCallback):
             if self.save_at_end and state.global_step not in self.saved_steps:
                 self._save(state)
         finally:
-            self.checkpointer.close()
+            if isinstance(self.checkpointer, Checkpointer):
+                self.checkpointer.close()
             self.checkpointer = None
 
     def _save(self, state: Any) -> None:
-        self.checkpointer.save(state.global_step, trainer_state=trainer_state_json(state))
+        if isinstance(self.checkpointer, DeepSpeedCheckpointer):
+            self.checkpointer.save(state.global_step, extra={"trainer_state": trainer_state_json(state)})
+        else:
+            self.checkpointer.save(state.global_step, trainer_state=trainer_state_json(state))
         self.saved_steps.append(state.global_step)
 
 

@@ -1,0 +1,101 @@
+"""Layer-wise checkpoints written straight from a DeepSpeed ZeRO loop (stages 1, 2 and 3).
+
+::
+
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=..., config=ds_config)
+    ckpt = DeepSpeedCheckpointer("runs/a", engine, policy="filter", threshold=1e-3)
+    if ckpt.has_checkpoint():
+        start = ckpt.load().step + 1        # at this world size, whatever the save's was
+    for step in range(start, n):
+        loss = engine(batch).loss; engine.backward(loss); engine.step()
+        if step % 100 == 0:
+            ckpt.save(step)                 # on every rank
+
+Every rank writes its own pieces (``interop.zero_live``) of the groups the policy picks, through
+the sharded save protocol (``ckpt.sharded``): no rank gathers a full parameter, and a run saved
+by N ranks loads at M. Loading writes the fp32 master, both AdamW moments and the step into the
+engine's partitions, rebuilds the module's weights from them, and puts back the engine's step
+counters, the scheduler and the optimizer's hyper-parameters, so training continues exactly.
+The run is an ordinary layer-wise run: ``merge --format hf`` (or trainer, deepspeed, dcp) and
+recipes read it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from ..ckpt.collective import RankExchange, SingleProcess, TorchExchange
+from ..ckpt.sharded import ShardedCheckpointer, ShardedLoadResult, ShardedSaveReport
+from .zero_live import LiveZeroState
+
+ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+"""The engine's own step counters, kept in a save's ``extra["deepspeed"]``."""
+
+
+def default_exchange(timeout_s: float) -> RankExchange:
+    """The ranks of the default process group (one process when there is none)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return TorchExchange(timeout_s)
+    return SingleProcess()
+
+
+class DeepSpeedCheckpointer:
+    """Create on every rank after ``deepspeed.initialize``; ``save``/``load`` are collectives."""
+
+    def __init__(self, run_dir: str | Path, engine: Any = None, *, module: nn.Module | None = None,
+                 optimizer: Any = None, scheduler: Any = None, policy: str = "full",
+                 exchange: RankExchange | None = None, timeout_s: float = 600.0, **policy_options: Any):
+        """``engine``: the DeepSpeed engine; or, where only its parts are at hand (the HF
+        Trainer's callbacks), ``module`` (the model it wraps) and ``optimizer`` (its ZeRO
+        optimizer), plus ``scheduler``. ``policy_options``: the policy's own, e.g.
+        ``threshold=1e-3``."""
+        if engine is not None:
+            module, optimizer = engine.module, engine.optimizer
+            scheduler = scheduler if scheduler is not None else engine.lr_scheduler
+        if module is None or optimizer is None:
+            raise ValueError("DeepSpeedCheckpointer needs the DeepSpeed engine (or module= and optimizer=)")
+        self.engine = engine
+        self.state = LiveZeroState(module, optimizer)
+        self.exchange = exchange or default_exchange(timeout_s)
+        self._check_cover()
+        self.ckpt = ShardedCheckpointer(run_dir, self.state, self.exchange, policy, scheduler=scheduler,
+                                        **policy_options)
+        self.run_dir = self.ckpt.run_dir
+
+    def _check_cover(self) -> None:
+        """Every parameter covered exactly once by the ranks' pieces, checked on rank 0 before
+        anything is written; every rank raises if not."""
+        ranges = self.exchange.gather(self.state.ranges())
+        error = None
+        if self.exchange.rank == 0:
+            try:
+                self.state.check_cover(ranges)
+            except ValueError as e:
+                error = str(e)
+        error = self.exchange.broadcast(error)
+        if error:
+            raise ValueError(error)
+
+    def has_checkpoint(self) -> bool:
+        return self.ckpt.has_checkpoint()
+
+    def save(self, step: int, extra: dict | None = None, *, data_position: Any = None) -> ShardedSaveReport:
+        """Write this rank's pieces of the groups the policy picks at ``step`` (every rank)."""
+        counters = {k: getattr(self.engine, k) for k in ENGINE_COUNTERS if hasattr(self.engine, k)}
+        extra = {**(extra or {}), "deepspeed": counters} if counters else extra
+        return self.ckpt.save(step, extra, data_position=data_position)
+
+    def load(self, step: int | None = None) -> ShardedLoadResult:
+        """Put the state at ``step`` (default: newest) into the engine, on every rank."""
+        self.state.begin_restore()
+        result = self.ckpt.load(step)
+        self.state.finish_restore()
+        counters = (result.extra or {}).get("deepspeed") or {}
+        for k, v in counters.items():
+            if self.engine is not None and k in ENGINE_COUNTERS:
+                setattr(self.engine, k, v)
+        return result
