@@ -143,7 +143,10 @@ def test_partition_metadata_that_disagrees_is_refused(zero_dir, stage):
 def test_trainer_with_deepspeed_writes_layerwise_shards(zero_dir):
     """``LayerwiseCheckpointCallback`` in an HF Trainer with DeepSpeed ZeRO-3 on 2 ranks: every
     2 steps each rank writes its own pieces; the last step resolves to exactly the state
-    DeepSpeed holds at the end of training."""
+    DeepSpeed holds at the end of training, and keeps the ``TrainerState`` where
+    ``merge --format trainer`` reads it.
+
+    Mutation seen failing: ``ShardedCheckpointer`` writing ``trainer_state: None``."""
     out = zero_dir / "trainer"
     assert json.loads((out / "saved_steps.json").read_text()) == [2, TRAINER_STEPS]
     rs = open_run_step(out / "layerwise", TRAINER_STEPS)
@@ -157,3 +160,4 @@ def test_trainer_with_deepspeed_writes_layerwise_shards(zero_dir):
             got.setdefault(name, {})[kind] = t
     _assert_same(got, ref, tol=0.0)
     assert all(float(got[n]["step"]) == TRAINER_STEPS for n in got)
+    assert rs.extra_state()["trainer_state"]["global_step"] == TRAINER_STEPS  # --format trainer

@@ -254,9 +254,11 @@ class ShardedCheckpointer:
                     ref_sq += float(torch.linalg.vector_norm(r.float())) ** 2
         return PartialStats(nbytes, diff_sq, ref_sq, ref is not None)
 
-    def save(self, step: int, extra: dict | None = None, *,
-             data_position: Any = None) -> ShardedSaveReport:
-        """Checkpoint ``step`` on every rank (a collective: call it on all of them)."""
+    def save(self, step: int, extra: dict | None = None, *, data_position: Any = None,
+             trainer_state: dict | None = None) -> ShardedSaveReport:
+        """Checkpoint ``step`` on every rank (a collective: call it on all of them).
+        ``trainer_state``: rank 0's HF ``TrainerState`` dict (``merge --format trainer`` writes
+        it as ``trainer_state.json``)."""
         if step < 0:
             raise ValueError(f"step must be >= 0 (got {step})")
         t0 = time.perf_counter()
@@ -272,7 +274,8 @@ class ShardedCheckpointer:
             mine = _outcome(lambda: self._write_shards(chosen, shards))
             records = ex.gather(mine)
             if self.rank == 0:
-                result = _outcome(lambda: self._commit(step, chosen, records, extra, data_position))
+                result = _outcome(lambda: self._commit(step, chosen, records, extra, data_position,
+                                                      trainer_state))
             _raise_if_failed(ex.broadcast(result), self.rank, "commit")
         recs = _raise_if_failed(mine, self.rank, "write")
         for g in chosen["selected"]:
@@ -336,7 +339,7 @@ class ShardedCheckpointer:
         return out
 
     def _commit(self, step: int, chosen: dict, records: list[dict], extra: dict | None,
-                data_position: Any) -> None:
+                data_position: Any, trainer_state: dict | None) -> None:
         """Rank 0: check every rank's records, write the step's state files, commit."""
         assert records is not None
         failed = [f"rank {i}: {r['error']}" for i, r in enumerate(records) if not r["ok"]]
@@ -359,7 +362,7 @@ class ShardedCheckpointer:
             if config is not None:
                 self.store.write_config(config)  # merge and export need the architecture
         self.store.uncommit(step)
-        files = self._write_step_files(step, extra, data_position)
+        files = self._write_step_files(step, extra, data_position, trainer_state)
         nbytes += sum(f["nbytes"] for f in files.values())
         manifest = {
             "format": "layerwise-ckpt-manifest", "format_version": self.store.version,
@@ -382,13 +385,14 @@ class ShardedCheckpointer:
                 "saved_index": save_index,
                 "written_step": prev["written_step"] if same else step}
 
-    def _write_step_files(self, step: int, extra: dict | None, data_position: Any) -> dict[str, dict]:
+    def _write_step_files(self, step: int, extra: dict | None, data_position: Any,
+                          trainer_state: dict | None) -> dict[str, dict]:
         state: dict[str, Any] = {
             "format_version": self.store.version, "step": step, "world_size": self.world_size,
             "scheduler": jsonable(self.scheduler.state_dict()) if self.scheduler is not None else None,
             "optimizer_param_groups": (self.provider.param_groups_state()
                                        if hasattr(self.provider, "param_groups_state") else None),
-            "data_position": jsonable(data_position), "trainer_state": None,
+            "data_position": jsonable(data_position), "trainer_state": jsonable(trainer_state),
             "extra": jsonable(extra),
         }
         rng_tensors: dict[str, torch.Tensor] = {}

@@ -16,8 +16,8 @@ layer-wise checkpoints replace the Trainer's own.
 With DeepSpeed ZeRO (``args.deepspeed``) the callback runs on every rank and drives a
 :class:`~layerwise.interop.deepspeed_hook.DeepSpeedCheckpointer`: each rank writes its own
 partition of the chosen groups, and the policy sees statistics summed over the ranks. The
-``TrainerState`` is kept in the step's ``extra["trainer_state"]``. Such a run merges and exports
-like any other (``merge --format hf``); the Trainer's own resume from it is not built (load it
+``TrainerState`` is kept with the step as in one process. Such a run merges and exports like
+any other (``merge --format hf|trainer``); the Trainer's own resume from it is not built (load it
 into the engine with ``DeepSpeedCheckpointer(run_dir, trainer.model_wrapped).load()``).
 FSDP is refused.
 """
@@ -142,10 +142,7 @@ class LayerwiseCheckpointCallback(TrainerCallback):
             self.checkpointer = None
 
     def _save(self, state: Any) -> None:
-        if isinstance(self.checkpointer, DeepSpeedCheckpointer):
-            self.checkpointer.save(state.global_step, extra={"trainer_state": trainer_state_json(state)})
-        else:
-            self.checkpointer.save(state.global_step, trainer_state=trainer_state_json(state))
+        self.checkpointer.save(state.global_step, trainer_state=trainer_state_json(state))
         self.saved_steps.append(state.global_step)
 
 

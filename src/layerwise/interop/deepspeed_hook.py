@@ -83,11 +83,13 @@ class DeepSpeedCheckpointer:
     def has_checkpoint(self) -> bool:
         return self.ckpt.has_checkpoint()
 
-    def save(self, step: int, extra: dict | None = None, *, data_position: Any = None) -> ShardedSaveReport:
+    def save(self, step: int, extra: dict | None = None, *, data_position: Any = None,
+             trainer_state: dict | None = None) -> ShardedSaveReport:
         """Write this rank's pieces of the groups the policy picks at ``step`` (every rank)."""
         counters = {k: getattr(self.engine, k) for k in ENGINE_COUNTERS if hasattr(self.engine, k)}
         extra = {**(extra or {}), "deepspeed": counters} if counters else extra
-        return self.ckpt.save(step, extra, data_position=data_position)
+        return self.ckpt.save(step, extra, data_position=data_position,
+                              trainer_state=trainer_state)
 
     def load(self, step: int | None = None) -> ShardedLoadResult:
         """Put the state at ``step`` (default: newest) into the engine, on every rank."""
