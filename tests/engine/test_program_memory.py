@@ -85,3 +85,16 @@ def test_planner_shape_counts_the_parameters_the_adapter_holds(flavor):
     adapter = DecoderAdapter(cfg)
     shape = ModelShape.from_config(cfg)
     assert {u.name: u.numel for u in adapter.units} == {u: shape.unit_params(u) for u in shape.unit_names()}
+
+
+def test_kept_internals_skip_the_recompute_and_the_input_boundary():
+    """A layer with kept internals runs its forward with a graph and backpropagates through it:
+    no fetch or recompute of its input boundary, a fetch of its internals on the host tier only;
+    a dropped boundary above it is still recomputed from the stored one below."""
+    plan = Plan(["device", "recompute", "recompute", "host"], internal_tiers=["recompute", "host", "recompute", "device"])
+    ops = [str(op) for op in micro_batch_program(plan.boundary_tiers, plan.internal_tiers)]
+    assert ops == [
+        "embed_fwd", "layer_fwd 0", "layer_fwd_keep 1", "layer_fwd 2", "layer_fwd_keep 3", "head",
+        "layer_bwd_kept 3",
+        "fetch 0", "recompute_layer 0", "recompute_layer 1", "layer_bwd 2",
+        "fetch_internals 1", "layer_bwd_kept 1", "layer_bwd 0", "embed_bwd"]

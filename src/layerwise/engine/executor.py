@@ -33,6 +33,7 @@ from ..store import HostStore
 from .batch import IGNORE_INDEX, Batch
 from .backend import Ref
 from .devices import make_backend
+from .internals import KeptInternals
 from .layer_ops import layer_backward
 from .reduce import StepReducer
 from .streams import BoundaryTiers, GradSink, WeightStreamer
@@ -92,7 +93,7 @@ class StreamingEngine:
         self.backend = make_backend(self.config.device, self.config.async_seed)
         self.device = self.backend.device
         self.rotary = adapter.new_rotary(self.device)
-        self.program = micro_batch_program(plan.boundary_tiers)
+        self.program = micro_batch_program(plan.boundary_tiers, plan.internal_tiers)
         self.shape = ModelShape.from_config(adapter.config)
         self.optimizers = optimizers or self._default_optimizers()
         for buf in store:
@@ -106,11 +107,13 @@ class StreamingEngine:
         self.sink = GradSink(self.backend, store, fp32_numel=max(head_numel, store[EMBED].layout.numel),
                              on_final=None if reducer is None else reducer.unit_landed)
         self.acts = BoundaryTiers(self.backend, self.config.spill_dir)
+        self.internals = KeptInternals(self.backend)
         self._ops = {
             OpKind.EMBED_FWD: self._embed_fwd, OpKind.RECOMPUTE_EMBED: self._recompute_embed,
             OpKind.LAYER_FWD: self._layer_fwd, OpKind.RECOMPUTE_LAYER: self._recompute_layer,
             OpKind.HEAD: self._head, OpKind.FETCH: self._fetch, OpKind.LAYER_BWD: self._layer_bwd,
-            OpKind.EMBED_BWD: self._embed_bwd,
+            OpKind.EMBED_BWD: self._embed_bwd, OpKind.LAYER_FWD_KEEP: self._layer_fwd_keep,
+            OpKind.FETCH_INTERNALS: self._fetch_internals, OpKind.LAYER_BWD_KEPT: self._layer_bwd_kept,
         }
         """The executor's dispatch table: op kind -> method queuing that op."""
         self.steps_skipped = 0
@@ -238,6 +241,7 @@ class StreamingEngine:
             raise
         finally:
             self.acts.clear()
+            self.internals.clear()
         return step_loss, sq
 
     def _abandon_step(self) -> None:
@@ -297,6 +301,8 @@ class StreamingEngine:
             for ahead in ops[n + 1:n + 3]:
                 if ahead.kind == OpKind.FETCH:
                     self.acts.prefetch(ahead.index)  # NVMe reads and H2D fetches run ahead
+                elif ahead.kind == OpKind.FETCH_INTERNALS:
+                    self.internals.fetch(ahead.index)
             with torch.profiler.record_function(str(op)):  # lets a memory probe attribute its peak
                 self._ops[op.kind](mb, op.index)
 
@@ -340,6 +346,26 @@ class StreamingEngine:
         self.acts.store(i, h, mb.shape, self.plan.boundary_tiers[i])
         self._layer_no_grad(mb, i, lambda: mb.h, lambda y: setattr(mb, "h", y))
 
+    def _layer_fwd_keep(self, mb: _MicroBatch, i: int) -> None:
+        """The forward with a graph whose saved tensors are kept (``engine/internals.py``)."""
+        h = Ref()
+        self.backend.launch(lambda: setattr(h, "value", mb.h))
+        self.acts.store(i, h, mb.shape, self.plan.boundary_tiers[i])
+        unit = layer_unit(i)
+        w = self.streamer.acquire(unit)
+        g = self.internals.begin(i, self.plan.internal_tiers[i])
+
+        def run() -> None:
+            leaves = self.store[unit].layout.leaves(w)
+            shared = [t for t in (*mb.rope, mb.pos, *mb.masks.values()) if t is not None]
+            mb.h = self.internals.forward(
+                g, lambda x: self.adapter.layer(i, leaves, x, mb.rope, mb.pos, mb.masks),
+                mb.h, w, leaves, shared)
+
+        self.backend.launch(run)
+        self.internals.forward_queued(g)
+        self.streamer.release(unit)
+
     def _recompute_layer(self, mb: _MicroBatch, i: int) -> None:
         out = Ref()
         self._layer_no_grad(mb, i, lambda: self.acts.on_device[i], lambda y: setattr(out, "value", y))
@@ -368,6 +394,25 @@ class StreamingEngine:
         def run() -> None:
             gx, gw = layer_backward(self.adapter, i, self.store[unit].layout, w, self.acts.on_device[i],
                                     mb.grad_h, mb.rope, mb.pos, mb.masks)
+            mb.grad_h = gx
+            self.sink.deposit(ticket, gw)
+
+        self.backend.launch(run)
+        self.streamer.release(unit)
+        self.sink.end(ticket, mb.final)
+        self.acts.drop(i)
+
+    def _fetch_internals(self, mb: _MicroBatch, i: int) -> None:
+        self.internals.fetch(i)
+
+    def _layer_bwd_kept(self, mb: _MicroBatch, i: int) -> None:
+        unit = layer_unit(i)
+        w = self.streamer.acquire(unit)
+        ticket = self.sink.begin(unit)
+        self.internals.ready(i)
+
+        def run() -> None:
+            gx, gw = self.internals.backward(i, w, mb.grad_h)
             mb.grad_h = gx
             self.sink.deposit(ticket, gw)
 
