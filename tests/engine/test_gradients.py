@@ -116,8 +116,7 @@ def test_gradients_match_autograd_with_kept_internals(flavor, tmp_path, engine_d
     """Every boundary tier x internal tier (device, host), and mixes, equal plain autograd.
     Mutations seen failing: unpacking a weight as the forward's slot (which holds another
     layer's weights by the backward) instead of the backward's copy; packing weights by reference
-    like activations; the host tier's unpack reading the host copy before its fetch landed
-    (cpu-async); not swapping out the input leaf's data (the memory test's peak moves)."""
+    like activations; the backward not waiting for the host tier's fetch (cpu-async: nan)."""
     cfg = get_flavor(flavor).build_config(num_hidden_layers=4)
     check_plans_match_autograd(cfg, internal_plans, tmp_path, engine_device, assert_engine_idle)
 

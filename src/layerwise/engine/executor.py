@@ -28,7 +28,7 @@ from ..optim.clip import clip_or_skip, global_norm
 from ..plan.shape import ModelShape
 from ..plan.memory import CUDA_WORKSPACE_BYTES, MemoryEstimate, predict_peak_device_bytes
 from ..plan.plan import Plan
-from ..plan.program import OpKind, forward_program, micro_batch_program, weight_schedule
+from ..plan.program import FETCH_AHEAD, OpKind, forward_program, micro_batch_program, weight_schedule
 from ..store import HostStore
 from .batch import IGNORE_INDEX, Batch
 from .backend import Ref
@@ -298,7 +298,7 @@ class StreamingEngine:
         self.backend.launch(lambda: self._start(mb, batch))
         ops = self.program
         for n, op in enumerate(ops):
-            for ahead in ops[n + 1:n + 3]:
+            for ahead in ops[n + 1:n + 1 + FETCH_AHEAD]:
                 if ahead.kind == OpKind.FETCH:
                     self.acts.prefetch(ahead.index)  # NVMe reads and H2D fetches run ahead
                 elif ahead.kind == OpKind.FETCH_INTERNALS:

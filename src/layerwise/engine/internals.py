@@ -48,6 +48,7 @@ class _Stored:
 class LayerGraph:
     """The kept forward of one layer: its graph's ends and how to unpack its saved tensors."""
 
+    index: int
     tier: str
     weight_ptr: int = 0
     """Data pointer of the forward's weight slot storage (what a weight view is recognised by)."""
@@ -74,12 +75,16 @@ class KeptInternals:
     def __init__(self, backend: DeviceBackend):
         self.backend = backend
         self.layers: dict[int, LayerGraph] = {}
+        self._host_bufs: dict[tuple[int, int], torch.Tensor] = {}
+        """(layer, k) -> host buffer of the layer's k-th offloaded storage, reused every step (the
+        shapes repeat); rewritten only after the compute that read its last fetch (the D2H copy
+        waits for a later compute position)."""
 
     # ----- forward (inside the compute closure) ---------------------------------------------
 
     def begin(self, i: int, tier: str) -> LayerGraph:
         """Host side, before the forward is queued."""
-        g = self.layers[i] = LayerGraph(tier)
+        g = self.layers[i] = LayerGraph(i, tier)
         return g
 
     def forward(self, g: LayerGraph, run, x: torch.Tensor, weights: torch.Tensor,
@@ -110,7 +115,11 @@ class KeptInternals:
             return ("tensor", t.detach())
         if ptr not in g.stored:
             src = _storage_bytes(t)
-            host = self.backend.host_alloc(src.numel(), torch.uint8)
+            key = (g.index, len(g.stored))
+            host = self._host_bufs.get(key)
+            if host is None or host.numel() < src.numel():
+                host = self._host_bufs[key] = self.backend.host_alloc(src.numel(), torch.uint8)
+            host = host[:src.numel()]
             ev = self.backend.copy_d2h(host, src, after=[self.backend.record()])
             g.stored[ptr] = _Stored(host, ev)
             g.sources.append(src)

@@ -62,6 +62,10 @@ LAYER_OPS = (OpKind.LAYER_FWD, OpKind.RECOMPUTE_LAYER, OpKind.LAYER_BWD, OpKind.
 """Ops that run decoder layer ``index``."""
 RECOMPUTE_OPS = (OpKind.RECOMPUTE_EMBED, OpKind.RECOMPUTE_LAYER)
 """Ops that exist only because the plan dropped a boundary."""
+FETCH_AHEAD = 2
+"""Fetches (boundaries and internals) are issued this many ops before their own op, so the copy
+overlaps the compute before it: the engine issues them then, the memory model counts their bytes
+from then."""
 FORWARD_OPS = (OpKind.LAYER_FWD, OpKind.LAYER_FWD_KEEP)
 """A layer's forward in the forward pass (its input boundary is stored per the plan first)."""
 BACKWARD_OPS = (OpKind.LAYER_BWD, OpKind.LAYER_BWD_KEPT)
