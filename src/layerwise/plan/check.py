@@ -144,6 +144,8 @@ def check(sim: SimResult, shape: ModelShape, hw: HardwareProfile) -> CheckReport
         for first, then in pairs:
             xs = sorted(copies.get(f"{first} b{i}", ()), key=lambda c: c.start)
             ys = sorted(copies.get(f"{then} b{i}", ()), key=lambda c: c.start)
+            if not ys and plan.internal_tiers[i] != "recompute" and then in (OpKind.FETCH, "nvme read"):
+                continue  # its layer keeps its internals and no recompute starts here: never read
             if len(xs) != len(ys):
                 v.append(f"boundary {i}: {len(xs)} '{first}' but {len(ys)} '{then}'")
                 continue

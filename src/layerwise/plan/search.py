@@ -221,10 +221,11 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
                 plan = Plan(list(tiers), source=name, moments=rule_moments(shape, hw, tiers, a_bytes), **kw)
                 here.append(Candidate(name, plan, simulate_fast(plan, shape, hw)))
             fitting = [c for c in here if c.fits
-                       and model.evaluate(c.plan.boundary_tiers, moments=c.plan.moments).feasible]
+                       and model.evaluate(c.plan.boundary_tiers, moments=c.plan.moments,
+                                          internal=c.plan.internal_tiers).feasible]
             warm = max(fitting, key=lambda c: c.sim.tokens_per_s) if fitting else None
             res = solve(model, cfg.milp, (warm.name, warm.plan.boundary_tiers) if warm else None,
-                        warm.plan.moments if warm else None)
+                        warm.plan.moments if warm else None, warm.plan.internal_tiers if warm else None)
             solve_s += res.solve_s
             if res.tiers is not None:
                 plan = res.plan(model)
