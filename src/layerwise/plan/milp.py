@@ -232,14 +232,14 @@ class StepModel:
                 acc += f[k]
                 stall = max(stall, layer_done[k] - acc)
         step = self.num_micro_batches * (sum(f) + sum(b) + rec) + stall + self.const_s()
-        # capacities, in boundaries: kept boundaries, held recomputed ones (the run of dropped
-        # ones), device internals of the layers at or below, host internals being fetched
+        # capacities, in boundaries: kept boundaries, held recomputed ones (the run of recomputed
+        # ones ending here), device internals of the layers at or below, host internals being fetched
         dev = 0.0
         run = 0
         runs = []
         for i in range(L):
             dev += (tiers[i] == "device") + self.ws_ratio * (internal[i] == "device")
-            run = run + 1 if tiers[i] == "recompute" else 0
+            run = run + 1 if recomputed[i] else 0
             runs.append(run)
             fetched = self.ws_ratio * (hostk[i] + (hostk[i - 1] if i else 0.0))
             over = dev + fetched + run - self.max_device_prefix(i)
@@ -396,7 +396,7 @@ def solve(model: StepModel, config: MilpConfig | None = None,
         if i + 1 < L:
             rows.append((-1.0, inf, {needcol(i): 1.0, needcol(i + 1): -1.0, y(i + 1, "recompute"): -1.0}))
         rows.append((-1.0, inf, {reccol(i): 1.0, needcol(i): -1.0, y(i, "recompute"): -1.0}))
-        run = {lcol(i): 1.0, y(i, "recompute"): -(L + 1.0)}
+        run = {lcol(i): 1.0, reccol(i): -(L + 1.0)}
         if i > 0:
             run[lcol(i - 1)] = -1.0
         rows.append((-float(L), inf, run))
