@@ -409,10 +409,10 @@ class StreamingEngine:
         unit = layer_unit(i)
         w = self.streamer.acquire(unit)
         ticket = self.sink.begin(unit)
-        self.internals.ready(i)
+        g = self.internals.ready(i)
 
         def run() -> None:
-            gx, gw = self.internals.backward(i, w, mb.grad_h)
+            gx, gw = self.internals.backward(g, w, mb.grad_h)
             mb.grad_h = gx
             self.sink.deposit(ticket, gw)
 

@@ -161,18 +161,21 @@ class KeptInternals:
             s.device = self.backend.alloc(s.host.numel(), torch.uint8)
             s.fetched = self.backend.copy_h2d(s.device, s.host, after=[now, s.stored])
 
-    def ready(self, i: int) -> None:
-        """Queue: compute waits until layer ``i``'s internals are on the device."""
+    def ready(self, i: int) -> LayerGraph:
+        """Host side, queueing layer ``i``'s backward: compute waits until its internals are on
+        the device; hands over (and forgets) its graph, since the next micro-batch's forward of
+        the same layer may be queued before this backward runs."""
         g = self.layers[i]
         if g.tier == "host":
             self.fetch(i)
             self.backend.wait([s.fetched for s in g.stored.values()])
+        return self.layers.pop(i)
 
-    def backward(self, i: int, weights: torch.Tensor, grad_out: torch.Tensor
+    @staticmethod
+    def backward(g: LayerGraph, weights: torch.Tensor, grad_out: torch.Tensor
                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Compute lane: (grad w.r.t. the layer's input, its parameters' grads in layout order),
         through the kept graph with ``weights`` (the backward's copy) in place of the forward's."""
-        g = self.layers.pop(i)
         g.backward_weights = weights
         x, leaves = g.inputs
         gx, *gw = torch.autograd.grad([g.output], (x, *leaves), [grad_out])
