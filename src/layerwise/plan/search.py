@@ -72,7 +72,8 @@ class Candidate:
 
     def row(self) -> dict[str, Any]:
         return {"name": self.name, "micro_batch_size": self.plan.micro_batch_size,
-                "num_micro_batches": self.plan.num_micro_batches, **self.sim.summary()}
+                "num_micro_batches": self.plan.num_micro_batches, "prefetch_depth": self.plan.prefetch_depth,
+                **self.sim.summary()}
 
 
 @dataclass
