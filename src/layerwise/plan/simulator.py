@@ -219,6 +219,7 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
     ops = micro_batch_program(tiers, internal)
     ws_bytes = cost.layer_workspace_bytes  # one layer's internals as they travel
     kept_bytes = [kept_internal_bytes(shape, plan, i, cost.tokens, cost.elem_bytes) for i in range(shape.num_layers)]
+    forward_at = {op.index: n for n, op in enumerate(ops) if op.kind == OpKind.LAYER_FWD_KEEP}
     owners = assign_owners([shape.unit_params(u) for u in units], topo.gpus_per_node)
     owner = dict(zip(units, owners))
     owned = [sum(shape.unit_params(u) for u in units if owner[u] == r) for r in range(topo.gpus_per_node)]
@@ -280,13 +281,11 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
             internals_ready: dict[int, float] = {}
             internals_held: dict[int, Alloc] = {}  # layer -> its internals' device allocation
             prev_start = lanes.free_at("compute")
-            op_time: list[float] = []  # per op: when the host reached it (a compute op: its start)
-            done_by: list[float] = []  # per op: when the compute queued before it has run
+            issued: list[float] = []  # per op: when the compute queued before it has run
             for n, op in enumerate(ops):
                 t_issue = lanes.free_at("compute")
                 kind, i = op.kind, op.index
-                op_time.append(t_issue)
-                done_by.append(t_issue)
+                issued.append(t_issue)
                 if (n + 2 < len(ops) and ops[n + 2].kind == OpKind.FETCH and tiers[ops[n + 2].index] == "nvme"
                         and ops[n + 2].index in nvme_written):  # not yet written: the engine skips it too
                     j = ops[n + 2].index
@@ -295,14 +294,15 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
                     nv.end = e
                     offloaded[j] = (e, alloc("host", s, a_bytes, f"nvme staging b{j}"))
                 if kind == OpKind.FETCH_INTERNALS:
-                    # issued FETCH_AHEAD ops early, after the compute queued by then (fresh memory)
-                    k = max(0, n - FETCH_AHEAD)
+                    # issued FETCH_AHEAD ops early (not before the layer's forward), after the
+                    # compute queued by then (its memory is fresh from the allocator)
+                    k = max(n - FETCH_AHEAD, forward_at[i] + 1)
                     host_ready, host_alloc = internals_host.pop(i)
-                    s, e = lanes.run("h2d", max(done_by[k], host_ready), cost.h2d_s(ws_bytes),
+                    s, e = lanes.run("h2d", max(issued[k], host_ready), cost.h2d_s(ws_bytes),
                                      f"{OpKind.FETCH_INTERNALS} L{i}")
                     host_alloc.end = e
                     internals_ready[i] = e
-                    internals_held[i] = alloc("device", op_time[k], kept_bytes[i], f"internals {i} (fetched)")
+                    internals_held[i] = alloc("device", issued[k], kept_bytes[i], f"internals {i} (fetched)")
                     continue
                 if kind == OpKind.FETCH:
                     if tiers[i] == "device":
@@ -331,8 +331,7 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
                     need_b = internals_ready.get(i, 0.0)
                 dur = cost.op_s(kind, i)
                 start, end = lanes.run("compute", max(t_issue, need_w, need_b), dur, str(op))
-                prev_start = op_time[n] = start
-                done_by[n] = end
+                prev_start = start
                 if kind in RECOMPUTE_OPS:
                     recompute_this_step += dur
                 op_log.append({"kind": kind, "index": i, "mb": mb, "step": step, "start": start, "end": end,
