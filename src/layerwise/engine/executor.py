@@ -340,17 +340,19 @@ class StreamingEngine:
     def _recompute_embed(self, mb: _MicroBatch, i: int) -> None:
         self._embed_fwd(mb, i, recompute=True)
 
-    def _layer_fwd(self, mb: _MicroBatch, i: int) -> None:
+    def _store_input(self, mb: _MicroBatch, i: int) -> None:
+        """Boundary i (the layer's input, as compute will have it) kept per its tier."""
         h = Ref()
         self.backend.launch(lambda: setattr(h, "value", mb.h))
         self.acts.store(i, h, mb.shape, self.plan.boundary_tiers[i])
+
+    def _layer_fwd(self, mb: _MicroBatch, i: int) -> None:
+        self._store_input(mb, i)
         self._layer_no_grad(mb, i, lambda: mb.h, lambda y: setattr(mb, "h", y))
 
     def _layer_fwd_keep(self, mb: _MicroBatch, i: int) -> None:
         """The forward with a graph whose saved tensors are kept (``engine/internals.py``)."""
-        h = Ref()
-        self.backend.launch(lambda: setattr(h, "value", mb.h))
-        self.acts.store(i, h, mb.shape, self.plan.boundary_tiers[i])
+        self._store_input(mb, i)
         unit = layer_unit(i)
         w = self.streamer.acquire(unit)
         g = self.internals.begin(i, self.plan.internal_tiers[i])
