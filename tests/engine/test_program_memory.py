@@ -56,7 +56,7 @@ def test_predicted_peak_matches_the_peak_measured_from_allocations(plan):
     the slots' storages), not against the engine's own bookkeeping: within 5%, at the same op.
     Mutations checked: dropping the layer backward's autograd workspace from the model (the
     prediction falls ~40% short); not counting host-tier internals fetched ahead (internals-host
-    falls 33% short); not swapping out a kept graph's input leaf data (internals-host: the
+    falls ~35% short); not swapping out a kept graph's input leaf data (internals-host: the
     boundary stays pinned)."""
     cfg = get_flavor("llama-30m").build_config(num_hidden_layers=10, hidden_size=128,
                                                intermediate_size=352, num_attention_heads=4,
