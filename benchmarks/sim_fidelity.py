@@ -70,6 +70,13 @@ def main() -> int:
         "recompute-all": Plan.recompute_all(L, **kw),
         "keep-all-host": Plan.keep_all(L, "host", **kw),
         "mixed-nvme": Plan(["device", "host", "nvme", "recompute", "recompute"] * (L // 5), source="mixed", **kw),
+        # kept layer internals (issue 13): on the device, on the host, and mixed with the rest
+        "every-4+internals-device": Plan(Plan.every_k(L, 4).boundary_tiers, internal_tiers=["device"] * L,
+                                         source="every-4+internals-device", **kw),
+        "internals-host": Plan(["recompute"] * L, internal_tiers=["host"] * L, source="internals-host", **kw),
+        "mixed-internals": Plan(["device", "recompute", "host", "recompute", "recompute"] * (L // 5),
+                                internal_tiers=["device", "host", "recompute", "recompute", "device"] * (L // 5),
+                                source="mixed-internals", **kw),
     }
     t0 = time.perf_counter()
 
@@ -114,7 +121,8 @@ def main() -> int:
         eng.close()
     cases = []
     for name in plans:
-        case = {"plan": name, "boundary_tiers": plans[name].boundary_tiers}
+        case = {"plan": name, "boundary_tiers": plans[name].boundary_tiers,
+                "internal_tiers": plans[name].internal_tiers}
         for c in clocks:
             sfx = "" if c == "cpu" else "_wall"
             errors = [100.0 * (p - m) / m for p, m in zip(predicted[c][name], times[c][name])]

@@ -21,6 +21,7 @@ def engine_device(request):
 def _assert_engine_idle(engine):
     assert engine.streamer.finished(), "weight slots still held"
     assert not engine.acts.on_device and not engine.acts._entries, "boundaries still held"
+    assert not engine.internals.layers, "kept layer internals still held"
 
 
 @pytest.fixture

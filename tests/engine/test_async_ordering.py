@@ -11,7 +11,12 @@ Mutations checked by hand (each makes ``test_seeded_delay_patterns_match_autogra
 - D2H before the host reads: ``GradSink._land_loop`` without ``ev.synchronize()``;
 - offload before fetch: ``BoundaryTiers._issue_fetch`` without ``e.stored`` in ``after``;
 - gradient slot free before it is rewritten: ``GradSink.begin`` without its ``backend.wait``
-  (fails ``test_one_lane_far_behind_the_others[d2h]`` every time, the seeded patterns rarely).
+  (fails ``test_one_lane_far_behind_the_others[d2h]`` every time, the seeded patterns rarely);
+- kept internals fetched before the backward reads them: ``KeptInternals.ready`` without its
+  ``backend.wait`` (``internals``, with prefetch depth 2: at depth 1 the backward's weight copy
+  follows the fetch on the H2D lane and covers it);
+- kept internals' offload landed before their fetch: ``KeptInternals.fetch`` without
+  ``s.stored`` in ``after`` (``internals``).
 (update-before-forward is ``test_training.test_update_of_a_layer_finishes_before_its_next_forward``.)
 """
 
@@ -43,6 +48,8 @@ PLANS = {
     "mixed-depth1": Plan(["host", "device", "nvme", "recompute", "host", "recompute"],
                          head_chunk_tokens=9, prefetch_depth=1),
     "host-depth2": Plan(["host"] * 6, head_chunk_tokens=13, prefetch_depth=2),
+    "internals": Plan(["host", "recompute", "nvme", "recompute", "device", "recompute"], prefetch_depth=2,
+                      internal_tiers=["host", "device", "recompute", "host", "recompute", "host"]),
 }
 
 
@@ -67,8 +74,9 @@ def test_seeded_delay_patterns_match_autograd(setup, plan_name, tmp_path):
     assert not failures, f"{len(failures)} of {len(SEEDS)} delay patterns went wrong: {failures[:3]}"
 
 
+@pytest.mark.parametrize("plan_name", ["mixed-depth1", "internals"])
 @pytest.mark.parametrize("slow_lane", ["compute", "h2d", "d2h"])
-def test_one_lane_far_behind_the_others(setup, slow_lane, monkeypatch, tmp_path):
+def test_one_lane_far_behind_the_others(setup, slow_lane, plan_name, monkeypatch, tmp_path):
     """One lane sleeps up to 20 ms before every item while the others run free: each wait is
     exercised in its worst case (e.g. a slow D2H lane with a fast compute lane is what the
     gradient slot's wait guards against: without it this fails for ``d2h``)."""
@@ -78,7 +86,7 @@ def test_one_lane_far_behind_the_others(setup, slow_lane, monkeypatch, tmp_path)
     store.copy_from_model(model)
     monkeypatch.setattr(executor, "make_backend",
                         lambda device, seed: AsyncCpuBackend(lane_delays_s={slow_lane: 0.02}))
-    engine = StreamingEngine(adapter, store, PLANS["mixed-depth1"],
+    engine = StreamingEngine(adapter, store, PLANS[plan_name],
                              EngineConfig(device="cpu-async", spill_dir=str(tmp_path)))
     loss, _ = engine.compute_grads(batches)
     engine.close()

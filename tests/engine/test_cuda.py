@@ -89,8 +89,10 @@ def test_backend_round_trip_through_pinned_memory():
 
 
 @cuda
-@pytest.mark.parametrize("plan_name", ["k1", "mixed"])
+@pytest.mark.parametrize("plan_name", ["k1", "mixed", "internals"])
 def test_fp32_gradients_on_gpu_match_autograd(plan_name, tmp_path, no_tf32):
+    """``internals``: kept layer internals on the device and on the host (saved tensors copied
+    out on the D2H stream, fetched back on the H2D stream into fresh allocator memory)."""
     cfg = get_flavor("llama-debug").build_config()
     model = build_hf_model(cfg, seed=0)
     batch = make_batch(cfg.vocab_size)
@@ -99,9 +101,10 @@ def test_fp32_gradients_on_gpu_match_autograd(plan_name, tmp_path, no_tf32):
     store = HostStore(adapter)
     assert store.pinned
     store.copy_from_model(model)
-    plan = (Plan.every_k(4, 1) if plan_name == "k1"
-            else Plan(["host", "nvme", "recompute", "device"], prefetch_depth=2))
-    engine = StreamingEngine(adapter, store, plan,
+    plans = {"k1": Plan.every_k(4, 1), "mixed": Plan(["host", "nvme", "recompute", "device"], prefetch_depth=2),
+             "internals": Plan(["recompute", "host", "recompute", "device"], prefetch_depth=2,
+                               internal_tiers=["host", "device", "recompute", "host"])}
+    engine = StreamingEngine(adapter, store, plans[plan_name],
                              EngineConfig(device="cuda", spill_dir=str(tmp_path)))
     loss, _ = engine.compute_grads([batch])
     engine.close()

@@ -25,6 +25,24 @@ def plans(num_layers):
     }
 
 
+BOUNDARY = ["device", "host", "nvme", "recompute"]
+
+
+def internal_plans(num_layers):
+    """Every boundary tier beside every internal tier, and kept internals beside recomputed
+    ones (a recompute segment passing through a kept layer, a stored boundary no backward needs)."""
+    out = {}
+    for b in BOUNDARY:
+        for t in ("device", "host"):
+            out[f"{b}+{t}"] = Plan([b] * num_layers, internal_tiers=[t] * num_layers)
+    pattern = ["host", "recompute", "device", "recompute"]
+    out["mixed-internals"] = Plan((["nvme", "recompute", "recompute", "host"] * num_layers)[:num_layers],
+                                  internal_tiers=(pattern * num_layers)[:num_layers], prefetch_depth=2)
+    out["kept-below-recompute"] = Plan((["device", "recompute", "recompute", "recompute"] * num_layers)[:num_layers],
+                                       internal_tiers=(["device", "recompute"] * num_layers)[:num_layers])
+    return out
+
+
 def make_batch(vocab, batch=2, seq=12, seed=1):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
@@ -66,14 +84,12 @@ def assert_grads_close(got, ref, rtol=1e-5):
         assert rel <= rtol, f"{name}: relative error {rel:.2e}"
 
 
-@pytest.mark.parametrize("flavor", FLAVORS)
-def test_gradients_match_autograd_for_every_plan(flavor, tmp_path, engine_device, assert_engine_idle):
-    cfg = get_flavor(flavor).build_config()
+def check_plans_match_autograd(cfg, make_plans, tmp_path, engine_device, assert_engine_idle):
     model = build_hf_model(cfg, seed=0)
     batch = make_batch(cfg.vocab_size)
     ref_loss, ref_grads = reference(model, [batch])
     adapter = DecoderAdapter(cfg)
-    for name, plan in plans(adapter.num_layers).items():
+    for name, plan in make_plans(adapter.num_layers).items():
         store = HostStore(adapter)
         store.copy_from_model(model)
         engine = StreamingEngine(adapter, store, plan,
@@ -87,6 +103,22 @@ def test_gradients_match_autograd_for_every_plan(flavor, tmp_path, engine_device
         assert_grads_close(engine_grads(store), ref_grads)
         assert set(sq) == {u.name for u in adapter.units}
     assert not list(tmp_path.glob("layerwise-spill-*")), "spill files left behind"
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_gradients_match_autograd_for_every_plan(flavor, tmp_path, engine_device, assert_engine_idle):
+    check_plans_match_autograd(get_flavor(flavor).build_config(), plans, tmp_path, engine_device,
+                               assert_engine_idle)
+
+
+@pytest.mark.parametrize("flavor", ["llama-debug", "qwen3-debug-untied", "mistral-debug"])
+def test_gradients_match_autograd_with_kept_internals(flavor, tmp_path, engine_device, assert_engine_idle):
+    """Every boundary tier x internal tier (device, host), and mixes, equal plain autograd.
+    Mutations seen failing: unpacking a weight as the forward's slot (which holds another
+    layer's weights by the backward) instead of the backward's copy; packing weights by reference
+    like activations; the backward not waiting for the host tier's fetch (cpu-async: nan)."""
+    cfg = get_flavor(flavor).build_config(num_hidden_layers=4)
+    check_plans_match_autograd(cfg, internal_plans, tmp_path, engine_device, assert_engine_idle)
 
 
 def test_accumulation_of_three_micro_batches_equals_one_big_batch(engine_device):

@@ -40,6 +40,10 @@ def _profiles(shape: ModelShape):
         "host-tight": replace(base, device_mem_bytes=dev + 4 * a, host_mem_bytes=store + 1 * a),
         "all-tight": replace(base, device_mem_bytes=dev + 5 * a, host_mem_bytes=store + 3 * a,
                              nvme_capacity_bytes=4 * a),
+        # compute-bound (copies fast): internals kept where they fit, on the device or the host
+        "compute-bound": replace(base, h2d_gbps=1e-1, d2h_gbps=1e-1),
+        "compute-bound-device-tight": replace(base, h2d_gbps=1e-1, d2h_gbps=1e-1,
+                                              device_mem_bytes=dev + 3 * c.layer_workspace_bytes),
     }
 
 
@@ -53,6 +57,8 @@ def test_engine_runs_every_emitted_plan_exactly(flavor, tmp_path):
         plans[name] = res.plan
     used = {t for p in plans.values() for t in p.boundary_tiers}
     assert used == {"device", "host", "nvme", "recompute"}, used
+    kept = {t for p in plans.values() for t in p.internal_tiers}
+    assert kept == {"device", "host", "recompute"}, kept
 
     model = build_hf_model(cfg, seed=0)
     g = torch.Generator().manual_seed(0)

@@ -11,6 +11,9 @@ from layerwise.plan.search import SearchConfig, choose_moments, search
 from layerwise.plan.shape import load_shape
 from layerwise.plan.simulator import simulate
 
+BOUNDARIES_ONLY = MilpConfig(internal_tiers=("recompute",))
+"""The MILP as before issue 13 (every layer recomputes its internals)."""
+
 
 @pytest.fixture(scope="module")
 def tight():
@@ -62,6 +65,8 @@ def test_milp_switches_units_to_8bit_to_offload_boundaries(tight):
     """Device memory for 53 of 64 boundaries at micro-batch 64, host memory for none beside the
     minimal-8-bit store: the MILP puts more units in 8-bit to hold the rest on the host, rather
     than recompute them, and its plan fits in the simulator and matches its model's step.
+    (Boundaries only: the internals stay recomputed, so the trade is the one between 8-bit
+    moments and host boundaries.)
 
     Mutations seen caught: 8-bit savings left out of the host row (the MILP then recomputes, and
     its step is slower than this plan's); the moments of the result ignored (the plan then
@@ -69,8 +74,8 @@ def test_milp_switches_units_to_8bit_to_offload_boundaries(tight):
     shape, hw, moments = tight
     model = StepModel(shape, hw, 64, 1024, 4)
     fixed = StepModel(shape, hw, 64, 1024, 4, moments=moments)
-    r = solve(model)
-    r_fixed = solve(fixed, MilpConfig(choose_moments=False))
+    r = solve(model, BOUNDARIES_ONLY)
+    r_fixed = solve(fixed, MilpConfig(choose_moments=False, internal_tiers=("recompute",)))
     assert r.tiers is not None and r_fixed.tiers is not None
     assert r.tiers.count("host") > 1 and "recompute" not in r.tiers
     assert r.moments.count("8bit") > moments.count("8bit")
@@ -82,7 +87,8 @@ def test_milp_switches_units_to_8bit_to_offload_boundaries(tight):
     assert cm.host_store_bytes(r.moments) + r.tiers.count("host") * cm.boundary_bytes <= hw.host_cap_bytes
     # through the search (which re-solves once with the simulator's overflow held back): the
     # MILP's plan fits, is emitted, and beats every rule at this micro-batch size
-    res = search(shape, hw, 1024, SearchConfig(global_batch=256, micro_batch_sizes=(64,), prefetch_depth=1))
+    res = search(shape, hw, 1024, SearchConfig(global_batch=256, micro_batch_sizes=(64,), prefetch_depth=1,
+                                               milp=BOUNDARIES_ONLY))
     milp = res.by_name["milp"]
     assert milp.sim.fits and milp.plan.moments.count("8bit") > moments.count("8bit")
     assert milp.plan.boundary_tiers.count("host") > 1
@@ -105,19 +111,21 @@ def test_milp_keeps_fp32_moments_when_host_memory_is_plentiful():
 
 
 def test_search_tries_prefetch_depths_and_reports_max_micro_batch_per_rule():
-    """The emitted plan is at least as fast as the best plan at each fixed depth; here depth 2
-    wins (slightly); and the largest micro-batch that fits is reported per rule, consistent
-    with what each rule fits in the simulator.
+    """The emitted plan is at least as fast as the best plan at each fixed depth (both depths
+    are tried: depth 2 won here before the rules that keep internals, which win at depth 1); and
+    the largest micro-batch that fits is reported per rule, consistent with what each rule fits
+    in the simulator.
 
     Mutation seen caught: the search ignoring ``prefetch_depths`` (always depth 1)."""
     shape = load_shape("qwen2.5-3b")
     hw = PRESETS["rtx3090"].with_memory(host_mem_gb=90)
-    auto = search(shape, hw, 4096, SearchConfig(global_batch=4))
-    fixed = {d: search(shape, hw, 4096, SearchConfig(global_batch=4, prefetch_depth=d)) for d in (1, 2)}
+    auto = search(shape, hw, 4096, SearchConfig(global_batch=4, milp=BOUNDARIES_ONLY))
+    fixed = {d: search(shape, hw, 4096, SearchConfig(global_batch=4, prefetch_depth=d, milp=BOUNDARIES_ONLY))
+             for d in (1, 2)}
     best = max(fixed.values(), key=lambda r: r.best.sim.tokens_per_s)
     assert auto.best.sim.tokens_per_s >= best.best.sim.tokens_per_s * (1 - 1e-9)
-    assert auto.plan.prefetch_depth == best.plan.prefetch_depth == 2
-    assert auto.plan.predicted["prefetch_depth"] == 2
+    assert auto.plan.prefetch_depth == best.plan.prefetch_depth == auto.plan.predicted["prefetch_depth"]
+    assert {row["prefetch_depth"] for row in auto.tried} == {1, 2}
     mx = auto.plan.predicted["max_micro_batch_size"]
     assert set(mx) >= {"every-1", "every-4", "keep-all-device", "recompute-all", "milp"}
     assert all(1 <= v <= 4 for v in mx.values())
@@ -140,14 +148,17 @@ def test_a_milp_plan_over_capacity_in_the_simulator_is_solved_again():
     simulated device by ~2.3 GB (the head's fp32 gradient still being copied out while the top
     layer's backward runs); the search re-solves with that much held back and its plan fits.
 
-    Mutation seen caught: the re-solve removed (the MILP then has no fitting plan here)."""
+    Mutation seen caught: the re-solve removed (the MILP then has no fitting plan here).
+    (Boundaries only: with kept internals the MILP's plan fits here at once.)"""
     shape = load_shape("qwen2.5-14b")
     hw = PRESETS["rtx3090"]
     model = StepModel(shape, hw, 8, 4096, 4)
-    r = solve(model)
+    r = solve(model, BOUNDARIES_ONLY)
     assert simulate(r.plan(model), shape, hw, keep_trace=False).over_capacity().get("device", 0) > 0
-    res = search(shape, hw, 4096, SearchConfig(global_batch=32, micro_batch_sizes=(8,), prefetch_depth=1))
+    res = search(shape, hw, 4096, SearchConfig(global_batch=32, micro_batch_sizes=(8,), prefetch_depth=1,
+                                               milp=BOUNDARIES_ONLY))
     milp = res.by_name["milp"]
     assert milp.sim.fits and milp.plan.micro_batch_size == 8
-    best_rule = max(c.sim.tokens_per_s for n, c in res.by_name.items() if n != "milp")
+    best_rule = max(c.sim.tokens_per_s for n, c in res.by_name.items()
+                    if n != "milp" and not n.startswith("internals-"))  # the rules it can express
     assert milp.sim.tokens_per_s >= best_rule * (1 - 1e-9)

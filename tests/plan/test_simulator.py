@@ -119,9 +119,49 @@ def test_engine_memory_model_agrees_when_copies_are_instant():
     from layerwise.plan import memory
 
     hw = replace(PRESETS["h200"], h2d_gbps=1e9, d2h_gbps=1e9, nvme_read_gbps=1e9, nvme_write_gbps=1e9)
-    for tiers in (["device"] * L, ["recompute"] * L, Plan.every_k(L, 3).boundary_tiers, ["host"] * L):
-        plan = Plan(tiers, micro_batch_size=2, seq_len=128)
+    mixed = ["device", "recompute", "host", "recompute", "host"] * 2
+    for tiers, internal in ((["device"] * L, None), (["recompute"] * L, None),
+                            (Plan.every_k(L, 3).boundary_tiers, None), (["host"] * L, None),
+                            (["device"] * L, ["device"] * L), (["recompute"] * L, ["host"] * L),
+                            (Plan.every_k(L, 2).boundary_tiers, mixed)):
+        plan = Plan(tiers, internal_tiers=internal, micro_batch_size=2, seq_len=128)
         est = memory.predict_peak_device_bytes(SHAPE, plan, 2, 128, 2)
         sim = simulate(plan, SHAPE, hw)
         # the simulator adds what is in flight (prefetched boundaries, grads being copied out)
         assert est.peak_bytes <= sim.peak_device_bytes <= est.peak_bytes * 1.25, tiers
+
+
+def test_kept_internals_skip_the_backward_forward_and_host_ones_add_their_copies():
+    """Synchronous (one lane): keeping every layer's internals on the device turns each layer's
+    forward + (forward with graph + backward) into forward with graph + backward; the host tier
+    adds each layer's internals copied out and back in. Mutation seen failing: timing
+    ``layer_bwd_kept`` as ``layer_bwd`` (the difference vanishes)."""
+    hw = replace(PRESETS["cpu"], op_overhead_s=1e-3)
+    c = _cost(hw, 2, 64)
+    base = simulate(Plan(["device"] * L, micro_batch_size=2, seq_len=64), SHAPE, hw)
+    kept = simulate(Plan(["device"] * L, internal_tiers=["device"] * L, micro_batch_size=2, seq_len=64), SHAPE, hw)
+    host = simulate(Plan(["device"] * L, internal_tiers=["host"] * L, micro_batch_size=2, seq_len=64), SHAPE, hw)
+    saved = sum(c.layer_fwd_s(i) + c.layer_bwd_s(i) - c.layer_fwd_keep_s(i) - c.layer_bwd_kept_s(i)
+                for i in range(L))
+    assert saved > 0
+    assert base.step_s - kept.step_s == pytest.approx(saved, rel=1e-9)
+    copies = L * (c.d2h_s(c.layer_workspace_bytes) + c.h2d_s(c.layer_workspace_bytes))
+    assert host.step_s - kept.step_s == pytest.approx(copies, rel=1e-9)
+    assert host.peak_pinned_act_bytes == L * c.layer_workspace_bytes  # all on the host after the forward
+    assert kept.peak_device_bytes - base.peak_device_bytes >= (L - 1) * (c.layer_workspace_bytes - c.boundary_bytes)
+
+
+def test_checker_passes_kept_internals_and_catches_a_missing_fetch():
+    """Async machine: host-tier internals are fetched before their backward; the checker sees it,
+    and sees the backward start early when the fetch is slowed and the wait removed."""
+    from layerwise.plan.check import check
+
+    hw = PRESETS["h200"]
+    plan = Plan(Plan.every_k(L, 2).boundary_tiers, micro_batch_size=2, seq_len=128,
+                internal_tiers=["host", "device", "recompute", "host", "recompute"] * 2)
+    sim = simulate(plan, SHAPE, hw)
+    assert check(sim, SHAPE, hw).ok, check(sim, SHAPE, hw).violations
+    for iv in sim.intervals:  # a fetch that lands after its backward started
+        if iv.label == "fetch_internals L3":
+            iv.end = next(o["end"] for o in sim.op_log if o["kind"] == "layer_bwd_kept" and o["index"] == 3)
+    assert any("internals of layer 3 not fetched" in v for v in check(sim, SHAPE, hw).violations)

@@ -28,11 +28,12 @@ from ..optim.clip import clip_or_skip, global_norm
 from ..plan.shape import ModelShape
 from ..plan.memory import CUDA_WORKSPACE_BYTES, MemoryEstimate, predict_peak_device_bytes
 from ..plan.plan import Plan
-from ..plan.program import OpKind, forward_program, micro_batch_program, weight_schedule
+from ..plan.program import FETCH_AHEAD, OpKind, forward_program, micro_batch_program, weight_schedule
 from ..store import HostStore
 from .batch import IGNORE_INDEX, Batch
 from .backend import Ref
 from .devices import make_backend
+from .internals import KeptInternals
 from .layer_ops import layer_backward
 from .reduce import StepReducer
 from .streams import BoundaryTiers, GradSink, WeightStreamer
@@ -92,7 +93,7 @@ class StreamingEngine:
         self.backend = make_backend(self.config.device, self.config.async_seed)
         self.device = self.backend.device
         self.rotary = adapter.new_rotary(self.device)
-        self.program = micro_batch_program(plan.boundary_tiers)
+        self.program = micro_batch_program(plan.boundary_tiers, plan.internal_tiers)
         self.shape = ModelShape.from_config(adapter.config)
         self.optimizers = optimizers or self._default_optimizers()
         for buf in store:
@@ -106,11 +107,13 @@ class StreamingEngine:
         self.sink = GradSink(self.backend, store, fp32_numel=max(head_numel, store[EMBED].layout.numel),
                              on_final=None if reducer is None else reducer.unit_landed)
         self.acts = BoundaryTiers(self.backend, self.config.spill_dir)
+        self.internals = KeptInternals(self.backend)
         self._ops = {
             OpKind.EMBED_FWD: self._embed_fwd, OpKind.RECOMPUTE_EMBED: self._recompute_embed,
             OpKind.LAYER_FWD: self._layer_fwd, OpKind.RECOMPUTE_LAYER: self._recompute_layer,
             OpKind.HEAD: self._head, OpKind.FETCH: self._fetch, OpKind.LAYER_BWD: self._layer_bwd,
-            OpKind.EMBED_BWD: self._embed_bwd,
+            OpKind.EMBED_BWD: self._embed_bwd, OpKind.LAYER_FWD_KEEP: self._layer_fwd_keep,
+            OpKind.FETCH_INTERNALS: self._fetch_internals, OpKind.LAYER_BWD_KEPT: self._layer_bwd_kept,
         }
         """The executor's dispatch table: op kind -> method queuing that op."""
         self.steps_skipped = 0
@@ -238,6 +241,7 @@ class StreamingEngine:
             raise
         finally:
             self.acts.clear()
+            self.internals.clear()
         return step_loss, sq
 
     def _abandon_step(self) -> None:
@@ -294,9 +298,11 @@ class StreamingEngine:
         self.backend.launch(lambda: self._start(mb, batch))
         ops = self.program
         for n, op in enumerate(ops):
-            for ahead in ops[n + 1:n + 3]:
+            for ahead in ops[n + 1:n + 1 + FETCH_AHEAD]:
                 if ahead.kind == OpKind.FETCH:
                     self.acts.prefetch(ahead.index)  # NVMe reads and H2D fetches run ahead
+                elif ahead.kind == OpKind.FETCH_INTERNALS:
+                    self.internals.fetch(ahead.index)
             with torch.profiler.record_function(str(op)):  # lets a memory probe attribute its peak
                 self._ops[op.kind](mb, op.index)
 
@@ -334,11 +340,33 @@ class StreamingEngine:
     def _recompute_embed(self, mb: _MicroBatch, i: int) -> None:
         self._embed_fwd(mb, i, recompute=True)
 
-    def _layer_fwd(self, mb: _MicroBatch, i: int) -> None:
+    def _store_input(self, mb: _MicroBatch, i: int) -> None:
+        """Boundary i (the layer's input, as compute will have it) kept per its tier."""
         h = Ref()
         self.backend.launch(lambda: setattr(h, "value", mb.h))
         self.acts.store(i, h, mb.shape, self.plan.boundary_tiers[i])
+
+    def _layer_fwd(self, mb: _MicroBatch, i: int) -> None:
+        self._store_input(mb, i)
         self._layer_no_grad(mb, i, lambda: mb.h, lambda y: setattr(mb, "h", y))
+
+    def _layer_fwd_keep(self, mb: _MicroBatch, i: int) -> None:
+        """The forward with a graph whose saved tensors are kept (``engine/internals.py``)."""
+        self._store_input(mb, i)
+        unit = layer_unit(i)
+        w = self.streamer.acquire(unit)
+        g = self.internals.begin(i, self.plan.internal_tiers[i])
+
+        def run() -> None:
+            leaves = self.store[unit].layout.leaves(w)
+            shared = [t for t in (*mb.rope, mb.pos, *mb.masks.values()) if t is not None]
+            mb.h = self.internals.forward(
+                g, lambda x: self.adapter.layer(i, leaves, x, mb.rope, mb.pos, mb.masks),
+                mb.h, w, leaves, shared)
+
+        self.backend.launch(run)
+        self.internals.forward_queued(g)
+        self.streamer.release(unit)
 
     def _recompute_layer(self, mb: _MicroBatch, i: int) -> None:
         out = Ref()
@@ -368,6 +396,25 @@ class StreamingEngine:
         def run() -> None:
             gx, gw = layer_backward(self.adapter, i, self.store[unit].layout, w, self.acts.on_device[i],
                                     mb.grad_h, mb.rope, mb.pos, mb.masks)
+            mb.grad_h = gx
+            self.sink.deposit(ticket, gw)
+
+        self.backend.launch(run)
+        self.streamer.release(unit)
+        self.sink.end(ticket, mb.final)
+        self.acts.drop(i)
+
+    def _fetch_internals(self, mb: _MicroBatch, i: int) -> None:
+        self.internals.fetch(i)
+
+    def _layer_bwd_kept(self, mb: _MicroBatch, i: int) -> None:
+        unit = layer_unit(i)
+        w = self.streamer.acquire(unit)
+        ticket = self.sink.begin(unit)
+        g = self.internals.ready(i)
+
+        def run() -> None:
+            gx, gw = self.internals.backward(g, w, mb.grad_h)
             mb.grad_h = gx
             self.sink.deposit(ticket, gw)
 

@@ -5,6 +5,15 @@
 - ``recompute-all``: keep nothing, recompute every boundary from the embedding.
 
 ``keep-all-host`` is not a baseline of the issue but a useful warm start for the MILP.
+
+With a tier for a layer's internals (issue 13) two more fixed rules, so that the MILP is not
+measured against rules that cannot use the new tier:
+
+- ``internals-device``: every layer's internals kept on the device (no recompute, no copies:
+  the fastest plan wherever it fits);
+- ``internals-host``: every layer's internals offloaded to host memory and fetched back.
+
+Their boundaries are all dropped: a layer that keeps its internals never reads its boundary.
 """
 
 from __future__ import annotations
@@ -27,3 +36,8 @@ def baseline_tiers(num_layers: int) -> dict[str, list[str]]:
 def extra_candidates(num_layers: int) -> dict[str, list[str]]:
     """Assignments that are not baselines but are good starting points."""
     return {"keep-all-host": ["host"] * num_layers}
+
+
+def internal_rules(num_layers: int) -> dict[str, tuple[list[str], list[str]]]:
+    """Name -> (boundary tiers, internal tiers) of the rules that keep layer internals."""
+    return {f"internals-{t}": (["recompute"] * num_layers, [t] * num_layers) for t in ("device", "host")}

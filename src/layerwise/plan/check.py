@@ -124,6 +124,13 @@ def check(sim: SimResult, shape: ModelShape, hw: HardwareProfile) -> CheckReport
             i = op["index"]
             if not covered(f"boundary {i}", s, e):
                 v.append(f"{op['kind']} {i} (step {op['step']}, mb {op['mb']}): input boundary {i} not on device")
+        if op["kind"] == OpKind.LAYER_BWD_KEPT:
+            i = op["index"]
+            if not covered(f"internals {i}", s, e):
+                v.append(f"layer_bwd_kept {i} (step {op['step']}, mb {op['mb']}): internals of layer {i} not on device")
+            if plan.internal_tiers[i] == "host" and not any(
+                    c.end <= s + EPS for c in copies.get(f"{OpKind.FETCH_INTERNALS} L{i}", ())):
+                v.append(f"layer_bwd_kept {i}: internals of layer {i} not fetched before use")
         if op["kind"] == OpKind.LAYER_BWD and plan.boundary_tiers[op["index"]] in ("host", "nvme"):
             i = op["index"]
             if not any(c.end <= s + EPS for c in copies.get(f"{OpKind.FETCH} b{i}", ())):
@@ -137,6 +144,8 @@ def check(sim: SimResult, shape: ModelShape, hw: HardwareProfile) -> CheckReport
         for first, then in pairs:
             xs = sorted(copies.get(f"{first} b{i}", ()), key=lambda c: c.start)
             ys = sorted(copies.get(f"{then} b{i}", ()), key=lambda c: c.start)
+            if not ys and plan.internal_tiers[i] != "recompute" and then in (OpKind.FETCH, "nvme read"):
+                continue  # its layer keeps its internals and no recompute starts here: never read
             if len(xs) != len(ys):
                 v.append(f"boundary {i}: {len(xs)} '{first}' but {len(ys)} '{then}'")
                 continue

@@ -118,6 +118,7 @@ def plan_command(args: argparse.Namespace) -> int:
         return 0
     p = res.plan
     counts = {t: p.boundary_tiers.count(t) for t in ("device", "host", "nvme", "recompute") if t in p.boundary_tiers}
+    internal = {t: p.internal_tiers.count(t) for t in ("device", "host", "recompute") if t in p.internal_tiers}
     n8 = (p.moments or []).count("8bit")
     print(f"{shape.name} ({shape.num_params / 1e9:.2f}B params, {shape.num_layers} layers) on {hw.name}: "
           f"device {_gb(hw.device_cap_bytes)} GB usable, host {_gb(hw.host_cap_bytes)} GB usable; "
@@ -139,7 +140,8 @@ def plan_command(args: argparse.Namespace) -> int:
     if m is not None:
         print(f"MILP at micro-batch {p.micro_batch_size}: {m.status}, model step {m.objective_s:.3f} s, bound {m.bound_s:.3f} s, gap {m.gap:.2%}, "
               f"warm start {m.warm_start or 'none'}; HiGHS {res.solve_s:.2f} s, search {res.plan_s:.2f} s")
-    print(f"boundaries: {', '.join(f'{v} {k}' for k, v in counts.items())}; prefetch depth {p.prefetch_depth}; "
+    print(f"boundaries: {', '.join(f'{v} {k}' for k, v in counts.items())}; "
+          f"layer internals: {', '.join(f'{v} {k}' for k, v in internal.items())}; prefetch depth {p.prefetch_depth}; "
           f"optimizer moments: "
           f"{len(p.moments or []) - n8} units fp32, {n8} units 8-bit; check: ok "
           f"(peak device {_gb(report.peaks['device'])} GB, host {_gb(report.peaks['host'])} GB)")

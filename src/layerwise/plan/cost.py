@@ -10,7 +10,9 @@ FLOP conventions (multiply-add = 2 FLOPs):
 - causal attention costs ``4 * heads * head_dim`` FLOPs per (query, key) pair forward (QK^T and
   AV), over ``sum_q min(q + 1, window)`` pairs per sequence, and twice that backward;
 - the engine's ``layer_bwd`` re-runs the layer's forward with a graph, then the backward:
-  ``3x`` the forward FLOPs. Model FLOPs (for TFLOPS) count ``1x`` forward + ``2x`` backward only.
+  ``3x`` the forward FLOPs; a layer with kept internals runs its forward with a graph
+  (``layer_fwd_keep``, ``1x`` at the graph rate) and a backward only (``layer_bwd_kept``, ``2x``).
+  Model FLOPs (for TFLOPS) count ``1x`` forward + ``2x`` backward only.
 
 Device memory follows ``layerwise.plan.memory`` (which the engine uses too) op by op: the
 weight buffers of the op and ``prefetch_depth`` uses ahead, the stored boundaries, and the op's
@@ -86,6 +88,14 @@ class CostModel:
         """Forward with a graph + backward (2x): 3x forward FLOPs."""
         return self._secs(3.0 * self.layer_fwd_flops(i))
 
+    def layer_fwd_keep_s(self, i: int) -> float:
+        """A forward with a graph whose saved tensors are kept: 1x forward FLOPs at the graph rate."""
+        return self._secs(self.layer_fwd_flops(i))
+
+    def layer_bwd_kept_s(self, i: int) -> float:
+        """The backward through a kept graph: 2x forward FLOPs."""
+        return self._secs(2.0 * self.layer_fwd_flops(i))
+
     @property
     def head_s(self) -> float:
         """Norm + lm_head + loss forward and backward, all chunks."""
@@ -102,11 +112,15 @@ class CostModel:
             return self.layer_fwd_s(i)
         if kind == OpKind.LAYER_BWD:
             return self.layer_bwd_s(i)
+        if kind == OpKind.LAYER_FWD_KEEP:
+            return self.layer_fwd_keep_s(i)
+        if kind == OpKind.LAYER_BWD_KEPT:
+            return self.layer_bwd_kept_s(i)
         if kind == OpKind.HEAD:
             return self.head_s
         if kind in EMBED_OPS:
             return self.embed_s
-        return 0.0  # fetch: a copy, not compute
+        return 0.0  # fetch, fetch_internals: a copy, not compute
 
     def h2d_s(self, nbytes: float) -> float:
         return nbytes / (self.hw.h2d_gbps * 1e9)

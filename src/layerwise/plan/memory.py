@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ..models.names import EMBED, HEAD, layer_unit
 from .plan import Plan
-from .program import OpKind, micro_batch_program
+from .program import BACKWARD_OPS, FETCH_AHEAD, FORWARD_OPS, OpKind, micro_batch_program
 from .shape import ModelShape
 
 
@@ -64,19 +64,40 @@ def op_transient_bytes(shape: ModelShape, kind: OpKind, i: int, tokens: int, ele
     if kind in (OpKind.LAYER_FWD, OpKind.RECOMPUTE_LAYER):
         # input + output + the MLP's widest intermediates (no graph kept)
         return 2 * a + tokens * 2 * shape.intermediate_size * elem_bytes
+    if kind == OpKind.LAYER_FWD_KEEP:
+        # the saved tensors as they are made (device tier: they stay, as kept internals, after
+        # the op; host tier: they leave) + the output + one MLP intermediate not saved
+        return (a + tokens * shape.intermediate_size * elem_bytes
+                + layer_workspace_bytes(shape, tokens, elem_bytes))
+    if kind == OpKind.LAYER_BWD_KEPT:
+        # the output and input gradients, the residual branches' gradients inside, the weight
+        # gradients (fitted to allocations); the kept internals are counted as live
+        return 5 * a + shape.unit_params(layer_unit(i)) * elem_bytes
     if kind == OpKind.HEAD:
         chunk = min(head_chunk_tokens, tokens)
         params = shape.unit_params(HEAD) + (shape.unit_params(EMBED) if shape.tied else 0)
         # fp32 accumulators + one chunk's grads; logits in the compute dtype, their fp32 copy
         # (none when that is fp32 already), the log-softmax output and its gradient
         fp32_copy = 0 if elem_bytes == 4 else 4
-        return 2 * a + params * (4 + elem_bytes) + chunk * shape.vocab_size * (elem_bytes + fp32_copy + 8)
+        # (4 a: the input, its gradient, and the final norm's output and its gradient, measured)
+        return 4 * a + params * (4 + elem_bytes) + chunk * shape.vocab_size * (elem_bytes + fp32_copy + 8)
     if kind == OpKind.LAYER_BWD:
         return (3 * a + shape.unit_params(layer_unit(i)) * elem_bytes
                 + layer_workspace_bytes(shape, tokens, elem_bytes))
     if kind == OpKind.EMBED_BWD:
         return a + shape.unit_params(EMBED) * elem_bytes
-    return 0  # fetch
+    return 0  # fetch, fetch_internals
+
+
+def kept_internal_bytes(shape: ModelShape, plan: Plan, i: int, tokens: int, elem_bytes: int) -> int:
+    """Device bytes of layer ``i``'s kept internals once its forward is done (0: recomputed).
+    The input boundary is among them, so when the plan also keeps that boundary on the device
+    the two share it."""
+    if plan.internal_tiers[i] == "recompute":
+        return 0
+    shared = tokens * shape.hidden_size * elem_bytes if (
+        plan.internal_tiers[i] == "device" and plan.boundary_tiers[i] == "device") else 0
+    return layer_workspace_bytes(shape, tokens, elem_bytes) - shared
 
 
 def slot_bytes(shape: ModelShape, plan: Plan, micro_batch_size: int, seq_len: int, elem_bytes: int,
@@ -103,12 +124,17 @@ def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, se
     slots += workspace_bytes
     windows = [w for w in shape.layer_windows if w is not None and w < seq_len]
     mask = seq_len * seq_len if windows else 0  # a boolean band mask for the windowed layers
-    ops = micro_batch_program(plan.boundary_tiers)
+    ops = micro_batch_program(plan.boundary_tiers, plan.internal_tiers)
     stored: set[int] = set()
+    kept: dict[int, int] = {}  # layer -> bytes of its internals on the device
+    forwarded: set[int] = set()  # layers whose forward has run (their internals can be fetched)
     out = []
-    for op in ops:
+    for n, op in enumerate(ops):
         k, i = op.kind, op.index
-        if k == OpKind.LAYER_FWD and plan.boundary_tiers[i] == "device":
+        for ahead in ops[n:n + 1 + FETCH_AHEAD]:  # host-tier internals arrive when fetched ahead
+            if ahead.kind == OpKind.FETCH_INTERNALS and ahead.index in forwarded:
+                kept[ahead.index] = kept_internal_bytes(shape, plan, ahead.index, tokens, elem_bytes)
+        if k in FORWARD_OPS and plan.boundary_tiers[i] == "device":
             stored.add(i)
         elif k == OpKind.RECOMPUTE_EMBED:
             stored.add(0)
@@ -116,10 +142,16 @@ def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, se
             stored.add(i + 1)
         transient = op_transient_bytes(shape, k, i, tokens, elem_bytes, plan.head_chunk_tokens) + mask
         acts = len(stored) * boundary
-        out.append(MemoryEstimate(slots + acts + transient, str(op), {
-            "slots": slots, "activations": acts, "transient": transient}))
-        if k == OpKind.LAYER_BWD:
+        internals = sum(kept.values())
+        out.append(MemoryEstimate(slots + acts + internals + transient, str(op), {
+            "slots": slots, "activations": acts, "internals": internals, "transient": transient}))
+        if k in BACKWARD_OPS:
             stored.discard(i)
+            kept.pop(i, None)
+        elif k == OpKind.LAYER_FWD_KEEP:
+            forwarded.add(i)
+            if plan.internal_tiers[i] == "device":
+                kept[i] = kept_internal_bytes(shape, plan, i, tokens, elem_bytes)
     return out
 
 

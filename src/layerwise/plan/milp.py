@@ -1,5 +1,6 @@
 """The MILP: where each layer boundary lives (device / host / NVMe) or whether it is recomputed,
-and which units keep 8-bit optimizer moments.
+where each layer's internals live (device / host) or whether they are recomputed, and which units
+keep 8-bit optimizer moments.
 
 Solved once, before training, with HiGHS. The step is cut into *windows*, one per compute op of
 the engine's program; each window lasts as long as the slowest of the resources working in it
@@ -16,7 +17,7 @@ is an exact dynamic program for the device/host-only case, used as a cross-check
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..models.names import EMBED, layer_unit
@@ -28,6 +29,7 @@ from .memory import FETCH_SLOTS, GRAD_SLOTS
 from .program import Op, OpKind
 
 ALL_TIERS = ("device", "host", "nvme", "recompute")
+ALL_INTERNAL_TIERS = ("device", "host", "recompute")
 MS = 1e3  # the solver works in milliseconds (better-scaled coefficients)
 TIE = 1e-3  # fraction of a boundary's copy time charged to offloading, to break ties
 NVME_STAGING = 2
@@ -43,6 +45,8 @@ class MilpConfig:
     """Stop when (incumbent - bound) / incumbent is below this."""
     tiers: tuple[str, ...] = ALL_TIERS
     """Tiers a boundary may take (e.g. ("device", "host") for the DP cross-check)."""
+    internal_tiers: tuple[str, ...] = ALL_INTERNAL_TIERS
+    """Tiers a layer's internals may take (("recompute",): boundaries only, as before issue 13)."""
     include_optimizer_stall: bool = True
     """Model the next forward waiting for the host optimizer (couples the forward windows)."""
     threads: int = 1
@@ -61,6 +65,10 @@ class ModelEval:
     f: list[float] = field(default_factory=list, repr=False)
     b: list[float] = field(default_factory=list, repr=False)
     run: list[int] = field(default_factory=list, repr=False)
+    needed: list[float] = field(default_factory=list, repr=False)
+    """Per boundary: 1 when the backward needs it (its layer recomputes its internals, or the
+    boundary above is needed and dropped)."""
+    recomputed: list[float] = field(default_factory=list, repr=False)
     stall: float = 0.0
 
 
@@ -89,6 +97,18 @@ class StepModel:
         # window lower bounds that do not depend on the choice
         self.f_lb = [max(self.c_fwd[i], self.w_in[i]) for i in range(L)]
         self.b_lb = [max(cost.layer_bwd_s(i), self.w_in[i], cost.d2h_s(lw[i])) for i in range(L)]
+        # a layer with kept internals: forward with a graph, backward without the forward; its
+        # internals (ws bytes) copied out in its forward window and back in its backward window
+        # on the host tier
+        self.c_fwd_keep = [cost.layer_fwd_keep_s(i) for i in range(L)]
+        self.c_bwd = [cost.layer_bwd_s(i) for i in range(L)]
+        self.c_bwd_kept = [cost.layer_bwd_kept_s(i) for i in range(L)]
+        self.grad_out = [cost.d2h_s(b) for b in lw]
+        ws = cost.layer_workspace_bytes
+        self.ws_ratio = ws / a
+        """One layer's internals in boundaries (the unit of the capacity rows)."""
+        self.ws_out = cost.d2h_s(ws)
+        self.ws_in = cost.h2d_s(ws)
         # the host accumulation lane queues: it only has to keep up over a whole micro-batch
         self.accumulate = sum(cost.grad_accumulate_s(u) for u in shape.unit_names()) + (
             cost.grad_accumulate_s(EMBED) if shape.tied else 0.0)
@@ -163,18 +183,36 @@ class StepModel:
 
     # ----- evaluate a fixed assignment ----------------------------------------------------
 
+    def needed(self, tiers: list[str], internal: list[str]) -> tuple[list[float], list[float]]:
+        """Per boundary: (needed by the backward, recomputed). A boundary is needed when its layer
+        recomputes its internals, or when the boundary above is needed and dropped (the recompute
+        of that one starts below it); a needed dropped boundary is recomputed once."""
+        L = self.L
+        needed, rec = [0.0] * L, [0.0] * L
+        for i in reversed(range(L)):
+            above = i + 1 < L and needed[i + 1] and tiers[i + 1] == "recompute"
+            needed[i] = 1.0 if internal[i] == "recompute" or above else 0.0
+            rec[i] = 1.0 if needed[i] and tiers[i] == "recompute" else 0.0
+        return needed, rec
+
     def evaluate(self, tiers: list[str], include_stall: bool = True,
-                 moments: list[str] | None = None) -> ModelEval:
-        """The model's step time for ``tiers`` with ``moments`` (default: the model's); an upper
-        bound on the MILP's value for that assignment."""
+                 moments: list[str] | None = None, internal: list[str] | None = None) -> ModelEval:
+        """The model's step time for ``tiers`` and ``internal`` tiers (default: all recompute) with
+        ``moments`` (default: the model's); an upper bound on the MILP's value for that assignment."""
         L = self.L
         moments = moments if moments is not None else self.moments
+        internal = internal or ["recompute"] * L
         embed_ready, layer_done = self.optimizer_bounds(moments)
         viol: dict[str, float] = {}
         off = [1.0 if t in ("host", "nvme") else 0.0 for t in tiers]
-        f = [max(self.f_lb[i], self.a_out * off[i]) for i in range(L)]
-        b = [max(self.b_lb[i], self.w_in[i] + self.a_in * off[i]) for i in range(L)]
-        rec = sum(self.recompute[k] for k in range(L) if tiers[k] == "recompute")
+        kept = [0.0 if t == "recompute" else 1.0 for t in internal]
+        hostk = [1.0 if t == "host" else 0.0 for t in internal]
+        f = [max(self.w_in[i], self.c_fwd[i] + (self.c_fwd_keep[i] - self.c_fwd[i]) * kept[i],
+                 self.a_out * off[i] + self.ws_out * hostk[i]) for i in range(L)]
+        b = [max(self.w_in[i] + self.a_in * off[i] + self.ws_in * hostk[i], self.grad_out[i],
+                 self.c_bwd[i] - (self.c_bwd[i] - self.c_bwd_kept[i]) * kept[i]) for i in range(L)]
+        needed, recomputed = self.needed(tiers, internal)
+        rec = sum(self.recompute[k] * recomputed[k] for k in range(L))
         for i in range(L):  # NVMe reads must fit in the two windows before their use
             if tiers[i] == "nvme":
                 later = [j for j in (i + 1, i + 2) if j < L]
@@ -194,28 +232,31 @@ class StepModel:
                 acc += f[k]
                 stall = max(stall, layer_done[k] - acc)
         step = self.num_micro_batches * (sum(f) + sum(b) + rec) + stall + self.const_s()
-        # capacities
-        dev = 0
+        # capacities, in boundaries: kept boundaries, held recomputed ones (the run of recomputed
+        # ones ending here), device internals of the layers at or below, host internals being fetched
+        dev = 0.0
         run = 0
         runs = []
         for i in range(L):
-            dev += tiers[i] == "device"
-            run = run + 1 if tiers[i] == "recompute" else 0
+            dev += (tiers[i] == "device") + self.ws_ratio * (internal[i] == "device")
+            run = run + 1 if recomputed[i] else 0
             runs.append(run)
-            over = dev + run - self.max_device_prefix(i)
+            fetched = self.ws_ratio * (hostk[i] + (hostk[i - 1] if i else 0.0))
+            over = dev + fetched + run - self.max_device_prefix(i)
             if over > 1e-9:
                 viol["device"] = max(viol.get("device", 0.0), over * self.a_bytes)
-        over = dev - self.max_device_total()
+        over = dev + self.ws_ratio * hostk[L - 1] - self.max_device_total()
         if over > 1e-9:
             viol["device"] = max(viol.get("device", 0.0), over * self.a_bytes)
         staging = NVME_STAGING if n_nvme else 0
-        over = sum(t == "host" for t in tiers) + staging - self.host_budget_for(moments) / self.a_bytes
+        over = (sum(t == "host" for t in tiers) + staging + self.ws_ratio * sum(hostk)
+                - self.host_budget_for(moments) / self.a_bytes)
         if over > 1e-9:
             viol["host"] = over * self.a_bytes
         over = n_nvme - self.max_nvme()
         if over > 1e-9:
             viol["nvme"] = over * self.a_bytes
-        return ModelEval(step, not viol, viol, f, b, runs, stall)
+        return ModelEval(step, not viol, viol, f, b, runs, needed, recomputed, stall)
 
 
 @dataclass
@@ -233,10 +274,12 @@ class MilpResult:
     """Which assignment seeded the solver."""
     moments: list[str] | None = None
     """Per unit optimizer moments of that assignment (chosen by the MILP, or the model's)."""
+    internal_tiers: list[str] | None = None
+    """Per layer tier of its internals."""
 
     def plan(self, model: StepModel, **kw: Any) -> Plan:
         assert self.tiers is not None
-        return Plan(list(self.tiers), micro_batch_size=model.micro_batch_size,
+        return Plan(list(self.tiers), internal_tiers=self.internal_tiers, micro_batch_size=model.micro_batch_size,
                     num_micro_batches=model.num_micro_batches, seq_len=model.seq_len,
                     prefetch_depth=model.prefetch_depth, head_chunk_tokens=model.head_chunk_tokens,
                     moments=self.moments, source="milp", **kw)
@@ -244,20 +287,45 @@ class MilpResult:
 
 def solve(model: StepModel, config: MilpConfig | None = None,
           warm_start: tuple[str, list[str]] | None = None,
-          warm_moments: list[str] | None = None) -> MilpResult:
+          warm_moments: list[str] | None = None, warm_internal: list[str] | None = None) -> MilpResult:
     """Build and solve the MILP for ``model``; ``warm_start`` = (name, tiers), with
-    ``warm_moments`` (default: the model's), seeds the search."""
+    ``warm_moments`` (default: the model's) and ``warm_internal`` (default: all recompute),
+    seeds the search."""
     import highspy
 
     cfg = config or MilpConfig()
     bad = set(cfg.tiers) - set(ALL_TIERS)
     if bad or not cfg.tiers:
         raise ValueError(f"MilpConfig.tiers must be a non-empty subset of {ALL_TIERS}, got {cfg.tiers}")
+    if not cfg.internal_tiers or set(cfg.internal_tiers) - set(ALL_INTERNAL_TIERS):
+        raise ValueError(f"MilpConfig.internal_tiers must be a non-empty subset of {ALL_INTERNAL_TIERS}, "
+                         f"got {cfg.internal_tiers}")
     L = model.L
+    presolved_s = 0.0
+    if "recompute" in cfg.internal_tiers and len(cfg.internal_tiers) > 1:
+        # Boundaries first (fast: its LP relaxation is tight), then everything warm-started from
+        # the better of that and the given start: cold, the joint model can stall at its time
+        # limit far from the optimum (qwen-27b, h800, micro-batch 4: 26% gap after 2 s, a plan
+        # 18% slower than the boundary-only optimum; warm, optimal in 0.75 s).
+        plain = warm_internal is None or set(warm_internal) == {"recompute"}
+        first = solve(model, replace(cfg, internal_tiers=("recompute",)), warm_start if plain else None,
+                      warm_moments if plain else None)
+        presolved_s = first.solve_s
+        given = None
+        if warm_start is not None and len(warm_start[1]) == L:
+            ev = model.evaluate(warm_start[1], cfg.include_optimizer_stall,
+                                warm_moments if cfg.choose_moments and warm_moments is not None else model.moments,
+                                warm_internal)
+            given = ev.step_s if ev.feasible else None
+        if first.tiers is not None and (given is None or first.objective_s < given):
+            # (named after the start it came from, if any: the boundary solve began there)
+            name = warm_start[0] if warm_start is not None else "boundaries"
+            warm_start, warm_moments, warm_internal = (name, first.tiers), first.moments, None
     inf = highspy.kHighsInf
     M = model.num_micro_batches
     # columns: tier binaries (4L), f (L), b (L), run length l (L), stall (1), 8-bit moments per
-    # unit (U), any boundary on NVMe (1)
+    # unit (U), any boundary on NVMe (1), internal tier binaries (3L), boundary needed (L),
+    # boundary recomputed (L)
     U = len(model.units)
     T = {t: k for k, t in enumerate(ALL_TIERS)}
 
@@ -279,7 +347,18 @@ def solve(model: StepModel, config: MilpConfig | None = None,
         return 7 * L + 1 + u
 
     zcol = 7 * L + 1 + U
-    ncol = zcol + 1
+    IT = {t: k for k, t in enumerate(ALL_INTERNAL_TIERS)}
+
+    def k(i: int, t: str) -> int:
+        return zcol + 1 + 3 * i + IT[t]
+
+    def needcol(i: int) -> int:
+        return zcol + 1 + 3 * L + i
+
+    def reccol(i: int) -> int:
+        return zcol + 1 + 4 * L + i
+
+    ncol = zcol + 1 + 5 * L
     fixed = model.moments or ["fp32"] * U
     lower = [0.0] * ncol
     upper = [1.0] * ncol
@@ -290,12 +369,17 @@ def solve(model: StepModel, config: MilpConfig | None = None,
             c = y(i, t)
             integrality[c] = highspy.HighsVarType.kInteger
             upper[c] = 1.0 if t in cfg.tiers else 0.0
-        cost[y(i, "recompute")] = M * model.recompute[i] * MS
+        for t in ALL_INTERNAL_TIERS:
+            integrality[k(i, t)] = highspy.HighsVarType.kInteger
+            upper[k(i, t)] = 1.0 if t in cfg.internal_tiers else 0.0
+        cost[reccol(i)] = M * model.recompute[i] * MS
         # tie-breaks among choices the model prices equally: keep rather than move, host over NVMe
         cost[y(i, "host")] = TIE * M * model.a_in * MS
         cost[y(i, "nvme")] = 2 * TIE * M * model.a_in * MS
-        lower[fcol(i)], upper[fcol(i)], cost[fcol(i)] = model.f_lb[i] * MS, inf, M
-        lower[bcol(i)], upper[bcol(i)], cost[bcol(i)] = model.b_lb[i] * MS, inf, M
+        cost[k(i, "host")] = TIE * M * model.ws_in * MS
+        lower[fcol(i)], upper[fcol(i)], cost[fcol(i)] = model.w_in[i] * MS, inf, M
+        lower[bcol(i)], upper[bcol(i)], cost[bcol(i)] = max(
+            model.w_in[i], model.grad_out[i], model.c_bwd_kept[i]) * MS, inf, M
         lower[lcol(i)], upper[lcol(i)] = 0.0, float(L)
     upper[scol] = inf
     cost[scol] = 1.0 if cfg.include_optimizer_stall else 0.0
@@ -307,19 +391,40 @@ def solve(model: StepModel, config: MilpConfig | None = None,
         # tie-break: fp32 moments where 8-bit buys nothing (fewest parameters in 8-bit)
         cost[qcol(u)] = TIE * model.opt_fp32[u] * MS
     integrality[zcol] = highspy.HighsVarType.kInteger
-    tie_cols = [y(i, t) for i in range(L) for t in ("host", "nvme")] + [qcol(u) for u in range(U)]
+    tie_cols = ([y(i, t) for i in range(L) for t in ("host", "nvme")] + [qcol(u) for u in range(U)]
+                + [k(i, "host") for i in range(L)])
 
     rows: list[tuple[float, float, dict[int, float]]] = []
     for i in range(L):
         rows.append((1.0, 1.0, {y(i, t): 1.0 for t in ALL_TIERS}))
+        rows.append((1.0, 1.0, {k(i, t): 1.0 for t in ALL_INTERNAL_TIERS}))
         off = {y(i, "host"): 1.0, y(i, "nvme"): 1.0}
-        rows.append((0.0, inf, {fcol(i): 1.0, **{c: -model.a_out * MS for c in off}}))
-        rows.append((model.w_in[i] * MS, inf, {bcol(i): 1.0, **{c: -model.a_in * MS for c in off}}))
-        run = {lcol(i): 1.0, y(i, "recompute"): -(L + 1.0)}
+        kept = (k(i, "device"), k(i, "host"))
+        # windows: the D2H lane in the forward, the H2D lane in the backward, and compute (a
+        # kept layer's forward runs with a graph, its backward without the forward)
+        rows.append((0.0, inf, {fcol(i): 1.0, **{c: -model.a_out * MS for c in off},
+                                k(i, "host"): -model.ws_out * MS}))
+        rows.append((model.w_in[i] * MS, inf, {bcol(i): 1.0, **{c: -model.a_in * MS for c in off},
+                                               k(i, "host"): -model.ws_in * MS}))
+        rows.append((model.c_fwd[i] * MS, inf,
+                     {fcol(i): 1.0, **{c: -(model.c_fwd_keep[i] - model.c_fwd[i]) * MS for c in kept}}))
+        rows.append((model.c_bwd[i] * MS, inf,
+                     {bcol(i): 1.0, **{c: (model.c_bwd[i] - model.c_bwd_kept[i]) * MS for c in kept}}))
+        # boundary i is needed when layer i recomputes its internals or boundary i+1 is needed and
+        # dropped; a needed dropped boundary is recomputed (the objective pays for those)
+        rows.append((0.0, inf, {needcol(i): 1.0, k(i, "recompute"): -1.0}))
+        if i + 1 < L:
+            rows.append((-1.0, inf, {needcol(i): 1.0, needcol(i + 1): -1.0, y(i + 1, "recompute"): -1.0}))
+        rows.append((-1.0, inf, {reccol(i): 1.0, needcol(i): -1.0, y(i, "recompute"): -1.0}))
+        run = {lcol(i): 1.0, reccol(i): -(L + 1.0)}
         if i > 0:
             run[lcol(i - 1)] = -1.0
         rows.append((-float(L), inf, run))
-        prefix = {y(k, "device"): 1.0 for k in range(i + 1)}
+        prefix = {y(j, "device"): 1.0 for j in range(i + 1)}
+        prefix.update({k(j, "device"): model.ws_ratio for j in range(i + 1)})
+        for j in (i, i - 1):  # host internals fetched for this backward and the next
+            if j >= 0:
+                prefix[k(j, "host")] = prefix.get(k(j, "host"), 0.0) + model.ws_ratio
         prefix[lcol(i)] = 1.0
         rows.append((-inf, model.max_device_prefix(i), prefix))
         # NVMe read of boundary i within the next two backward windows (the head for the top)
@@ -327,20 +432,24 @@ def solve(model: StepModel, config: MilpConfig | None = None,
         read[y(i, "nvme")] = -model.nvme_read * MS
         rows.append((-(model.head * MS if i + 2 >= L else 0.0), inf, read))
         rows.append((0.0, inf, {zcol: 1.0, y(i, "nvme"): -1.0}))
-    rows.append((-inf, model.max_device_total(), {y(k, "device"): 1.0 for k in range(L)}))
-    # host, in boundaries: offloaded ones + NVMe staging (if any NVMe) <= what the store leaves,
-    # which each 8-bit unit enlarges
-    host = {y(k, "host"): 1.0 for k in range(L)}
+    total = {y(j, "device"): 1.0 for j in range(L)}
+    total.update({k(j, "device"): model.ws_ratio for j in range(L)})
+    total[k(L - 1, "host")] = model.ws_ratio  # fetched ahead, during the head
+    rows.append((-inf, model.max_device_total(), total))
+    # host, in boundaries: offloaded ones + host internals + NVMe staging (if any NVMe) <= what
+    # the store leaves, which each 8-bit unit enlarges
+    host = {y(j, "host"): 1.0 for j in range(L)}
+    host.update({k(j, "host"): model.ws_ratio for j in range(L)})
     host[zcol] = float(NVME_STAGING)
     host.update({qcol(u): -model.saving_8bit[u] / model.a_bytes for u in range(U)})
     rows.append((-inf, model.host_budget_fp32 / model.a_bytes, host))
-    rows.append((-inf, model.max_nvme(), {y(k, "nvme"): 1.0 for k in range(L)}))
+    rows.append((-inf, model.max_nvme(), {y(j, "nvme"): 1.0 for j in range(L)}))
     agg: dict[int, float] = {}
-    for k in range(L):
-        agg[fcol(k)] = 1.0
-        agg[bcol(k)] = 1.0
-        agg[y(k, "recompute")] = model.recompute[k] * MS
-        agg[y(k, "nvme")] = -model.nvme_rw * MS
+    for j in range(L):
+        agg[fcol(j)] = 1.0
+        agg[bcol(j)] = 1.0
+        agg[reccol(j)] = model.recompute[j] * MS
+        agg[y(j, "nvme")] = -model.nvme_rw * MS
     rows.append((-(model.e_fwd + model.head + model.e_bwd) * MS, inf, agg))
     acc = {c: v for c, v in agg.items() if v > 0}
     rows.append(((model.accumulate - model.e_fwd - model.head - model.e_bwd) * MS, inf, acc))
@@ -348,10 +457,10 @@ def solve(model: StepModel, config: MilpConfig | None = None,
         # the optimizer updates units in order; 8-bit moments make unit u's update d_opt[u] longer
         embed_ready, layer_done = model.optimizer_bounds(None)
         rows.append((embed_ready * MS, inf, {scol: 1.0, qcol(0): -d_opt[0] * MS}))
-        for k in range(L):
-            r = {scol: 1.0, **{fcol(u): 1.0 for u in range(k + 1)}}
-            r.update({qcol(u): -d_opt[u] * MS for u in range(k + 2)})
-            rows.append(((layer_done[k] - model.e_fwd) * MS, inf, r))
+        for j in range(L):
+            r = {scol: 1.0, **{fcol(u): 1.0 for u in range(j + 1)}}
+            r.update({qcol(u): -d_opt[u] * MS for u in range(j + 2)})
+            rows.append(((layer_done[j] - model.e_fwd) * MS, inf, r))
 
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = ncol, len(rows)
@@ -379,12 +488,16 @@ def solve(model: StepModel, config: MilpConfig | None = None,
     if warm_start is not None:
         ws_name, ws_tiers = warm_start
         ws_moments = warm_moments if cfg.choose_moments and warm_moments is not None else fixed
-        ev = (model.evaluate(ws_tiers, cfg.include_optimizer_stall, ws_moments)
+        ws_internal = warm_internal or ["recompute"] * L
+        ev = (model.evaluate(ws_tiers, cfg.include_optimizer_stall, ws_moments, ws_internal)
               if len(ws_tiers) == L else None)
-        if ev is not None and ev.feasible and all(t in cfg.tiers for t in ws_tiers):
+        if (ev is not None and ev.feasible and all(t in cfg.tiers for t in ws_tiers)
+                and all(t in cfg.internal_tiers for t in ws_internal)):
             vals = [0.0] * ncol
             for i in range(L):
                 vals[y(i, ws_tiers[i])] = 1.0
+                vals[k(i, ws_internal[i])] = 1.0
+                vals[needcol(i)], vals[reccol(i)] = ev.needed[i], ev.recomputed[i]
                 vals[fcol(i)], vals[bcol(i)], vals[lcol(i)] = ev.f[i] * MS, ev.b[i] * MS, float(ev.run[i])
             vals[scol] = ev.stall * MS
             for u in range(U):
@@ -401,13 +514,14 @@ def solve(model: StepModel, config: MilpConfig | None = None,
             ws_name = None
     t0 = time.perf_counter()
     h.run()
-    solve_s = time.perf_counter() - t0
+    solve_s = time.perf_counter() - t0 + presolved_s
     status = h.modelStatusToString(h.getModelStatus())
     info = h.getInfo()
     if info.primal_solution_status != 2:  # 2 = feasible
         return MilpResult(None, float("inf"), float("inf"), float("inf"), status, solve_s, ws_name)
     x = list(h.getSolution().col_value)
     tiers = [max(cfg.tiers, key=lambda t: x[y(i, t)]) for i in range(L)]
+    internal = [max(cfg.internal_tiers, key=lambda t: x[k(i, t)]) for i in range(L)]
     moments = ["8bit" if x[qcol(u)] > 0.5 else "fp32" for u in range(U)]
     obj = info.objective_function_value / MS
     x_obj = sum(c * v for c, v in zip(cost, x)) / MS + model.const_s()
@@ -420,8 +534,16 @@ def solve(model: StepModel, config: MilpConfig | None = None,
         raise AssertionError(f"HiGHS objective {obj} does not match its solution ({x_obj})")
     bound = info.mip_dual_bound / MS
     gap = max(0.0, (obj - bound) / obj) if obj > 0 else 0.0
-    return MilpResult(tiers, obj - ties, min(bound, obj) - ties, gap, status, solve_s, ws_name,
-                      moments if cfg.choose_moments or model.moments is not None else None)
+    step_s = obj - ties
+    needed, _ = model.needed(tiers, internal)
+    if "recompute" in cfg.tiers and not all(needed[i] or t == "recompute" for i, t in enumerate(tiers)):
+        # a stored boundary no backward reads (its layer keeps its internals, no recompute starts
+        # from it) costs copies and memory for nothing, and the model may leave one where its
+        # copies hide in a window: drop it
+        tiers = [t if needed[i] else "recompute" for i, t in enumerate(tiers)]
+        step_s = min(step_s, model.evaluate(tiers, cfg.include_optimizer_stall, moments, internal).step_s)
+    return MilpResult(tiers, step_s, min(bound - ties, step_s), gap, status, solve_s, ws_name,
+                      moments if cfg.choose_moments or model.moments is not None else None, internal)
 
 
 def _quiet_highs(highspy):

@@ -12,6 +12,19 @@ backward pass:
 
 The activation entering the head (boundary ``num_layers``) is consumed at once by the chunked
 loss, so it is never stored.
+
+A layer's *internals* (the tensors its forward saves for its backward) have a tier of their own,
+``internal_tiers[i]``:
+
+- ``recompute``: the forward runs without a graph; the backward re-runs it with one (from
+  boundary ``i``), then backpropagates;
+- ``device``: the forward runs with a graph and its saved tensors stay on the device until the
+  layer's backward, which backpropagates through them without re-running the forward (so it
+  needs no boundary ``i``);
+- ``host``: as ``device``, but the saved tensors are copied to host memory during the forward
+  and fetched back before the backward.
+
+Weights are never among the kept tensors: the backward streams them in again as today.
 """
 
 from __future__ import annotations
@@ -25,15 +38,21 @@ from ..util.atomic import atomic_write_text
 
 TIERS = ("device", "host", "nvme", "recompute")
 STORED_TIERS = ("device", "host", "nvme")
+INTERNAL_TIERS = ("device", "host", "recompute")
+KEPT_INTERNAL_TIERS = ("device", "host")
 MOMENT_KINDS = ("fp32", "8bit")
-FORMAT_VERSION = 2
-"""2: the tiers are ``boundary_tiers`` (version 1 called them ``boundaries``; still read)."""
+FORMAT_VERSION = 3
+"""3: adds ``internal_tiers`` (versions 1 and 2 are read with every layer's internals
+``recompute``); 2: the tiers are ``boundary_tiers`` (version 1 called them ``boundaries``)."""
 
 
 @dataclass
 class Plan:
     boundary_tiers: list[str]
     """Tier of each layer-input boundary, length ``num_layers``."""
+    internal_tiers: list[str] | None = None
+    """Tier of each layer's internals (saved tensors), length ``num_layers``; None (read as all
+    ``recompute``) is replaced by the list in ``__post_init__``."""
     micro_batch_size: int = 1
     """Sequences per micro-batch."""
     num_micro_batches: int = 1
@@ -53,6 +72,8 @@ class Plan:
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
+        if self.internal_tiers is None:
+            self.internal_tiers = ["recompute"] * len(self.boundary_tiers)
         self.validate()
 
     @property
@@ -63,6 +84,13 @@ class Plan:
         bad = [t for t in self.boundary_tiers if t not in TIERS]
         if bad:
             raise ValueError(f"plan has unknown boundary tiers {sorted(set(bad))}; allowed: {TIERS}")
+        bad = [t for t in self.internal_tiers if t not in INTERNAL_TIERS]
+        if bad:
+            raise ValueError(f"plan has unknown internal tiers {sorted(set(bad))}; allowed: {INTERNAL_TIERS}")
+        if len(self.internal_tiers) != len(self.boundary_tiers):
+            raise ValueError(
+                f"plan has {len(self.internal_tiers)} internal tiers but {len(self.boundary_tiers)} "
+                "boundary tiers; give one of each per layer")
         if num_layers is not None and len(self.boundary_tiers) != num_layers:
             raise ValueError(
                 f"plan is for {len(self.boundary_tiers)} layers but the model has {num_layers}; "
@@ -134,12 +162,13 @@ def _upgrade(d: dict[str, Any]) -> dict[str, Any]:
     """A plan dict of an older format in the current one, so old plan files keep loading.
 
     Version 1 named the tiers ``boundaries`` (a file without ``format_version`` that has that key
-    is version 1, the only version that wrote it). Other versions pass through unchanged;
-    :meth:`Plan.validate` refuses those it does not know.
+    is version 1, the only version that wrote it); versions 1 and 2 had no ``internal_tiers``
+    (every layer recomputed its internals, which is what a missing list means). Other versions
+    pass through unchanged; :meth:`Plan.validate` refuses those it does not know.
     """
     version = d.get("format_version", 1 if "boundaries" in d else FORMAT_VERSION)
-    if version != 1:
+    if version not in (1, 2):
         return d
-    out = {("boundary_tiers" if k == "boundaries" else k): v for k, v in d.items()}
+    out = {("boundary_tiers" if k == "boundaries" and version == 1 else k): v for k, v in d.items()}
     out["format_version"] = FORMAT_VERSION
     return out

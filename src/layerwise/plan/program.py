@@ -8,11 +8,16 @@ Op kinds (``i`` is a layer index), the members of :class:`OpKind`:
 
 - ``embed_fwd``: embedding of the input ids -> boundary 0;
 - ``layer_fwd i``: layer i forward (no graph); its input boundary i is stored per the plan first;
+- ``layer_fwd_keep i``: as ``layer_fwd``, but with a graph whose saved tensors (the layer's
+  internals) are kept on the device or copied to host memory, per the plan's internal tier;
 - ``head``: final norm + lm_head + loss in chunks, with grads -> grad of the last boundary;
 - ``fetch i``: bring stored boundary i back to the device (no-op for the device tier);
 - ``recompute_embed``: rebuild boundary 0 from the input ids;
 - ``recompute_layer i``: layer i forward (no graph) to rebuild boundary i+1;
 - ``layer_bwd i``: layer i forward with a graph + backward; grads to the host;
+- ``fetch_internals i``: bring layer i's host-tier internals back to the device;
+- ``layer_bwd_kept i``: layer i backward through the graph its ``layer_fwd_keep`` kept (no
+  forward again, no input boundary); grads to the host;
 - ``embed_bwd``: embedding backward; grads to the host.
 
 The weight window (:class:`WeightWindow`) is the one rule for which weight buffers the device
@@ -41,6 +46,9 @@ class OpKind(str, Enum):
     RECOMPUTE_EMBED = "recompute_embed"
     RECOMPUTE_LAYER = "recompute_layer"
     LAYER_BWD = "layer_bwd"
+    LAYER_FWD_KEEP = "layer_fwd_keep"
+    FETCH_INTERNALS = "fetch_internals"
+    LAYER_BWD_KEPT = "layer_bwd_kept"
     EMBED_BWD = "embed_bwd"
 
     def __str__(self) -> str:
@@ -49,10 +57,19 @@ class OpKind(str, Enum):
 
 EMBED_OPS = (OpKind.EMBED_FWD, OpKind.RECOMPUTE_EMBED, OpKind.EMBED_BWD)
 """Ops that run the embedding (its weights on the device)."""
-LAYER_OPS = (OpKind.LAYER_FWD, OpKind.RECOMPUTE_LAYER, OpKind.LAYER_BWD)
+LAYER_OPS = (OpKind.LAYER_FWD, OpKind.RECOMPUTE_LAYER, OpKind.LAYER_BWD, OpKind.LAYER_FWD_KEEP,
+             OpKind.LAYER_BWD_KEPT)
 """Ops that run decoder layer ``index``."""
 RECOMPUTE_OPS = (OpKind.RECOMPUTE_EMBED, OpKind.RECOMPUTE_LAYER)
 """Ops that exist only because the plan dropped a boundary."""
+FETCH_AHEAD = 2
+"""Fetches (boundaries and internals) are issued this many ops before their own op, so the copy
+overlaps the compute before it: the engine issues them then, the memory model counts their bytes
+from then."""
+FORWARD_OPS = (OpKind.LAYER_FWD, OpKind.LAYER_FWD_KEEP)
+"""A layer's forward in the forward pass (its input boundary is stored per the plan first)."""
+BACKWARD_OPS = (OpKind.LAYER_BWD, OpKind.LAYER_BWD_KEPT)
+"""A layer's backward (its input boundary, if held, is dropped after it)."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +90,7 @@ class Op:
     def grad_units(self, tied: bool) -> tuple[str, ...]:
         """Units whose gradient this op sends to the host, in the order it sends them (a tied
         head sends the lm_head's share of the embedding gradient after its own)."""
-        if self.kind == OpKind.LAYER_BWD:
+        if self.kind in BACKWARD_OPS:
             return (layer_unit(self.index),)
         if self.kind == OpKind.HEAD:
             return (HEAD, EMBED) if tied else (HEAD,)
@@ -85,17 +102,33 @@ class Op:
         return str(self.kind) if self.index < 0 else f"{self.kind} {self.index}"
 
 
-def forward_program(num_layers: int) -> list[Op]:
-    """The forward half: embedding, every layer, then the head (also what inference runs)."""
-    return [Op(OpKind.EMBED_FWD)] + [Op(OpKind.LAYER_FWD, i) for i in range(num_layers)] + [Op(OpKind.HEAD)]
+def forward_program(num_layers: int, internal_tiers: list[str] | None = None) -> list[Op]:
+    """The forward half: embedding, every layer, then the head (also what inference runs, with
+    no internal tiers)."""
+    internal = internal_tiers or ["recompute"] * num_layers
+    layers = [Op(OpKind.LAYER_FWD if internal[i] == "recompute" else OpKind.LAYER_FWD_KEEP, i)
+              for i in range(num_layers)]
+    return [Op(OpKind.EMBED_FWD)] + layers + [Op(OpKind.HEAD)]
 
 
-def micro_batch_program(tiers: list[str]) -> list[Op]:
-    """The ops of one micro-batch for the boundary tiers of a plan."""
+def micro_batch_program(tiers: list[str], internal_tiers: list[str] | None = None) -> list[Op]:
+    """The ops of one micro-batch for the boundary tiers and internal tiers of a plan (None:
+    every layer recomputes its internals).
+
+    A layer whose internals are kept needs no input boundary in the backward; its stored
+    boundary (if any) is still the start of the recompute of dropped boundaries above it.
+    """
     num_layers = len(tiers)
-    ops = forward_program(num_layers)
+    internal = internal_tiers or ["recompute"] * num_layers
+    ops = forward_program(num_layers, internal)
     on_device: set[int] = set()  # boundaries present on the device during the backward
     for i in reversed(range(num_layers)):
+        if internal[i] != "recompute":
+            if internal[i] == "host":
+                ops.append(Op(OpKind.FETCH_INTERNALS, i))
+            ops.append(Op(OpKind.LAYER_BWD_KEPT, i))
+            on_device.discard(i)
+            continue
         if i not in on_device:
             if tiers[i] != "recompute":
                 ops.append(Op(OpKind.FETCH, i))

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .baselines import baseline_tiers, extra_candidates
+from .baselines import baseline_tiers, extra_candidates, internal_rules
 from .cost import STATE_NBYTES, CostModel
 from .shape import ModelShape
 from .hardware import HardwareProfile
@@ -72,7 +72,8 @@ class Candidate:
 
     def row(self) -> dict[str, Any]:
         return {"name": self.name, "micro_batch_size": self.plan.micro_batch_size,
-                "num_micro_batches": self.plan.num_micro_batches, **self.sim.summary()}
+                "num_micro_batches": self.plan.num_micro_batches, "prefetch_depth": self.plan.prefetch_depth,
+                **self.sim.summary()}
 
 
 @dataclass
@@ -134,13 +135,15 @@ def choose_moments(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 
     return moments
 
 
-def rule_moments(shape: ModelShape, hw: HardwareProfile, tiers: list[str], boundary_bytes: int) -> list[str]:
+def rule_moments(shape: ModelShape, hw: HardwareProfile, tiers: list[str], boundary_bytes: int,
+                 internal: list[str] | None = None, internal_bytes: int = 0) -> list[str]:
     """Moments for a fixed rule: the fewest 8-bit parameters with which the store and the host
-    memory the rule's own offloaded boundaries need (NVMe staging included) fit; all 8-bit when
-    nothing does (the simulator then reports the plan over host capacity)."""
+    memory the rule's own offloaded boundaries and internals need (NVMe staging included) fit;
+    all 8-bit when nothing does (the simulator then reports the plan over host capacity)."""
     staging = NVME_STAGING if "nvme" in tiers else 0
+    offloaded = (tiers.count("host") + staging) * boundary_bytes + (internal or []).count("host") * internal_bytes
     try:
-        return choose_moments(shape, hw, (tiers.count("host") + staging) * boundary_bytes)
+        return choose_moments(shape, hw, offloaded)
     except PlanInfeasible:
         return ["8bit"] * len(shape.unit_names())
 
@@ -200,7 +203,8 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
             raise ValueError(f"micro-batch sizes {bad} do not divide the global batch {cfg.global_batch}")
     auto_m = 4
     L = shape.num_layers
-    rules = {**baseline_tiers(L), **extra_candidates(L)}
+    rules = {name: (tiers, None) for name, tiers in {**baseline_tiers(L), **extra_candidates(L)}.items()}
+    rules.update(internal_rules(L))
     tried: list[dict[str, Any]] = []
     by_name: dict[str, Candidate] = {}
     milp_at: dict[tuple[int, int], MilpResult] = {}
@@ -210,21 +214,24 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
     all_fit: list[Candidate] = []
     for mbs in mbs_list:
         m_count = auto_m if auto else cfg.global_batch // mbs  # type: ignore[operator]
-        a_bytes = CostModel(shape, hw, mbs, seq_len).boundary_bytes
+        mbs_cost = CostModel(shape, hw, mbs, seq_len)
+        a_bytes = mbs_cost.boundary_bytes
         cands: list[Candidate] = []
         for depth in depths:
             kw = dict(micro_batch_size=mbs, num_micro_batches=m_count, seq_len=seq_len,
                       prefetch_depth=depth, head_chunk_tokens=cfg.head_chunk_tokens)
             model = StepModel(shape, hw, mbs, seq_len, m_count, depth, cfg.head_chunk_tokens)
             here: list[Candidate] = []
-            for name, tiers in rules.items():
-                plan = Plan(list(tiers), source=name, moments=rule_moments(shape, hw, tiers, a_bytes), **kw)
+            for name, (tiers, internal) in rules.items():
+                moments = rule_moments(shape, hw, tiers, a_bytes, internal, mbs_cost.layer_workspace_bytes)
+                plan = Plan(list(tiers), internal_tiers=internal, source=name, moments=moments, **kw)
                 here.append(Candidate(name, plan, simulate_fast(plan, shape, hw)))
             fitting = [c for c in here if c.fits
-                       and model.evaluate(c.plan.boundary_tiers, moments=c.plan.moments).feasible]
+                       and model.evaluate(c.plan.boundary_tiers, moments=c.plan.moments,
+                                          internal=c.plan.internal_tiers).feasible]
             warm = max(fitting, key=lambda c: c.sim.tokens_per_s) if fitting else None
             res = solve(model, cfg.milp, (warm.name, warm.plan.boundary_tiers) if warm else None,
-                        warm.plan.moments if warm else None)
+                        warm.plan.moments if warm else None, warm.plan.internal_tiers if warm else None)
             solve_s += res.solve_s
             if res.tiers is not None:
                 plan = res.plan(model)

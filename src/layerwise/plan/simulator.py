@@ -51,8 +51,9 @@ from .cost import CostModel
 from .shape import ModelShape
 from .hardware import HardwareProfile
 from .plan import Plan
-from .memory import FETCH_SLOTS, GRAD_SLOTS
-from .program import RECOMPUTE_OPS, OpKind, WeightWindow, micro_batch_program, weight_schedule
+from .memory import FETCH_SLOTS, GRAD_SLOTS, kept_internal_bytes
+from .program import (FETCH_AHEAD, FORWARD_OPS, RECOMPUTE_OPS, OpKind, WeightWindow, micro_batch_program,
+                      weight_schedule)
 from .topology import (REDUCE_BYTES_PER_PARAM, Topology, assign_owners, inter_allreduce_s, intra_reduce_s,
                        rank_hardware)
 
@@ -214,7 +215,11 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
     moments = plan.moments or ["fp32"] * len(units)
     a_bytes = cost.boundary_bytes
     accum_s = cost.grad_accumulate_s
-    ops = micro_batch_program(tiers)
+    internal = plan.internal_tiers
+    ops = micro_batch_program(tiers, internal)
+    ws_bytes = cost.layer_workspace_bytes  # one layer's internals as they travel
+    kept_bytes = [kept_internal_bytes(shape, plan, i, cost.tokens, cost.elem_bytes) for i in range(shape.num_layers)]
+    forward_at = {op.index: n for n, op in enumerate(ops) if op.kind == OpKind.LAYER_FWD_KEEP}
     owners = assign_owners([shape.unit_params(u) for u in units], topo.gpus_per_node)
     owner = dict(zip(units, owners))
     owned = [sum(shape.unit_params(u) for u in units if owner[u] == r) for r in range(topo.gpus_per_node)]
@@ -272,10 +277,15 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
             held: dict[int, Alloc] = {}  # boundary -> its device allocation
             offloaded: dict[int, tuple[float, Alloc]] = {}  # host/nvme boundary -> (host ready, host alloc)
             nvme_written: dict[int, tuple[float, Alloc]] = {}
+            internals_host: dict[int, tuple[float, Alloc]] = {}  # host-tier internals -> (host ready, host alloc)
+            internals_ready: dict[int, float] = {}
+            internals_held: dict[int, Alloc] = {}  # layer -> its internals' device allocation
             prev_start = lanes.free_at("compute")
+            issued: list[float] = []  # per op: when the compute queued before it has run
             for n, op in enumerate(ops):
                 t_issue = lanes.free_at("compute")
                 kind, i = op.kind, op.index
+                issued.append(t_issue)
                 if (n + 2 < len(ops) and ops[n + 2].kind == OpKind.FETCH and tiers[ops[n + 2].index] == "nvme"
                         and ops[n + 2].index in nvme_written):  # not yet written: the engine skips it too
                     j = ops[n + 2].index
@@ -283,6 +293,17 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
                     s, e = lanes.run("nvme", max(t_issue, w_end), cost.nvme_read_s(a_bytes), f"nvme read b{j}")
                     nv.end = e
                     offloaded[j] = (e, alloc("host", s, a_bytes, f"nvme staging b{j}"))
+                if kind == OpKind.FETCH_INTERNALS:
+                    # issued FETCH_AHEAD ops early (not before the layer's forward), after the
+                    # compute queued by then (its memory is fresh from the allocator)
+                    k = max(n - FETCH_AHEAD, forward_at[i] + 1)
+                    host_ready, host_alloc = internals_host.pop(i)
+                    s, e = lanes.run("h2d", max(issued[k], host_ready), cost.h2d_s(ws_bytes),
+                                     f"{OpKind.FETCH_INTERNALS} L{i}")
+                    host_alloc.end = e
+                    internals_ready[i] = e
+                    internals_held[i] = alloc("device", issued[k], kept_bytes[i], f"internals {i} (fetched)")
+                    continue
                 if kind == OpKind.FETCH:
                     if tiers[i] == "device":
                         continue
@@ -306,6 +327,8 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
                 need_b = 0.0
                 if kind in (OpKind.LAYER_BWD, OpKind.RECOMPUTE_LAYER):
                     need_b = ready[i]
+                elif kind == OpKind.LAYER_BWD_KEPT:
+                    need_b = internals_ready.get(i, 0.0)
                 dur = cost.op_s(kind, i)
                 start, end = lanes.run("compute", max(t_issue, need_w, need_b), dur, str(op))
                 prev_start = start
@@ -321,9 +344,17 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
                     if slot is not None:
                         slot_free_at[slot] = end
                 copy_in(window.fill(), t_issue)
+                if kind == OpKind.LAYER_FWD_KEEP:
+                    if internal[i] == "device":
+                        internals_held[i] = alloc("device", end, kept_bytes[i], f"internals {i} (kept)")
+                    else:  # copied out as the forward makes them
+                        s, e = lanes.run("d2h", start, cost.d2h_s(ws_bytes), f"offload L{i}")
+                        if e > end:
+                            alloc("device", end, ws_bytes, f"internals {i} (in flight)", e)
+                        internals_host[i] = (e, alloc("host", s, ws_bytes, f"internals {i} (host)"))
                 if kind == OpKind.EMBED_FWD:
                     ready[0] = end
-                elif kind == OpKind.LAYER_FWD:
+                elif kind in FORWARD_OPS:
                     tier = tiers[i]
                     if tier == "device":
                         ready[i] = start
@@ -347,6 +378,12 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
                     held[i + 1] = alloc("device", start, a_bytes, f"boundary {i + 1} (recomputed)")
                 elif kind == OpKind.LAYER_BWD:
                     held.pop(i).end = end
+                elif kind == OpKind.LAYER_BWD_KEPT:
+                    internals_held.pop(i).end = end
+                    # its stored boundary, if no recompute above fetched it, is let go unread
+                    for a in (held.pop(i, None), offloaded.pop(i, (0, None))[1], nvme_written.pop(i, (0, None))[1]):
+                        if a is not None:
+                            a.end = min(a.end, end)
                 for u in op.grad_units(tied):
                     gb = cost.grad_bytes(u)
                     t_out, lander = end, None  # who lands it: every process, or (reduced on the GPUs) its owner
@@ -365,7 +402,7 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
                         _, landed = lanes.run("inter", landed, inter_allreduce_s(reduce_bytes(u), hw, topo),
                                               f"all-reduce {u}", rank=owner[u])
                     last_grad_landed = max(last_grad_landed, landed)
-            assert not held, f"boundaries left on the device: {sorted(held)}"
+            assert not held and not internals_held, f"left on the device: {sorted(held)}, {sorted(internals_held)}"
         done = max(lanes.free_at("compute"), last_grad_landed)
         step_done.append(done)
         recompute_s = recompute_this_step
