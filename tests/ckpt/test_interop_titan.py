@@ -1,0 +1,173 @@
+"""torchtitan's DCP saves (Llama names, Meta's RoPE row order) as sources, merged to HF and imported.
+
+The saves are built here the way torchtitan's ``CheckpointManager`` writes them: the model's
+state dict flat at the top level (older torchtitan: under ``model.``), ``optimizer`` holding
+``get_optimizer_state_dict(flatten_optimizer_state_dict=True)``'s keys and ``train_state.step``
+an int32 tensor. The HF -> torchtitan transform is written from torchtitan's Llama3
+``StateDictAdapter.from_hf`` (the name map and the q/k row order), as an index permutation,
+independent of the reader's reshape.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+from transformers import AutoModelForCausalLM
+
+from layerwise.ckpt.resolve import open_run_step
+from layerwise.cli import main
+from layerwise.interop.merge import merge
+from layerwise.interop.sources import open_source
+from live_source import LiveModelSource
+from test_interop_dcp import groups_equal, trained
+
+TITAN = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
+         "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo",
+         "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
+         "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm",
+         "post_attention_layernorm": "ffn_norm"}
+
+
+def to_titan_name(hf: str) -> str:
+    top = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf in top:
+        return top[hf]
+    i, part = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", hf).groups()
+    return f"layers.{i}.{TITAN[part]}.weight"
+
+
+def to_titan_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF's row ``c * half + j`` of a head is torchtitan's row ``2 * j + c``."""
+    head_rows = t.shape[0] // heads
+    half = head_rows // 2
+    order = [h * head_rows + c * half + j for h in range(heads) for j in range(half) for c in range(2)]
+    return t[torch.tensor(order)].clone()
+
+
+def titan_state(model, opt, step: int, prefix: str = "") -> dict:
+    """The nested state dict torchtitan's CheckpointManager hands to dcp.save."""
+    cfg = model.config
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    weights, optim = {}, {}
+    for name, p in model.named_parameters():
+        t_name = to_titan_name(name)
+        proj = name.split(".")[-2]
+        fix = (lambda t, n=heads[proj]: to_titan_rows(t, n)) if proj in heads else (lambda t: t.clone())
+        weights[t_name] = fix(p.detach())
+        st = opt.state[p]
+        optim[f"state.{t_name}.exp_avg"] = fix(st["exp_avg"])
+        optim[f"state.{t_name}.exp_avg_sq"] = fix(st["exp_avg_sq"])
+        optim[f"state.{t_name}.step"] = st["step"].clone()
+        group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+        for hp in ("lr", "weight_decay", "eps"):
+            optim[f"param_groups.{t_name}.{hp}"] = group[hp]
+    weights["freqs_cis"] = torch.randn(16, 4)  # older torchtitan saved its RoPE buffer too
+    model_part = {"model": weights} if prefix else weights
+    return {**model_part, "optimizer": optim,
+            "train_state": {"step": torch.tensor(step, dtype=torch.int32),
+                            "ntokens_seen": torch.tensor(step * 16, dtype=torch.int64)}}
+
+
+def save_titan(model, opt, step: int, path, prefix: str = ""):
+    dcp.save(titan_state(model, opt, step, prefix), checkpoint_id=path)
+    return path
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.arange(24).reshape(2, 12) % 96).logits
+
+
+@pytest.fixture(scope="module")
+def titan(tmp_path_factory):
+    model, opt = trained(steps=3)
+    root = tmp_path_factory.mktemp("titan")
+    cfg_dir = root / "hf_config"
+    model.config.save_pretrained(cfg_dir)
+    return model, opt, save_titan(model, opt, 3, root / "step-3"), cfg_dir
+
+
+@pytest.mark.parametrize("prefix", ["", "model."])
+def test_torchtitan_save_reads_as_the_hf_model_exactly(titan, tmp_path, prefix):
+    """Every group's weights and both moments equal the HF model's and optimizer's, bit for bit,
+    with the weights flat (torchtitan today) or under ``model.`` (older torchtitan). Mutation seen
+    failing: ``titan_rows_to_hf`` skipped in ``load_group`` (q_proj/k_proj weights and moments differ)."""
+    model, opt, path, cfg_dir = titan
+    if prefix:
+        path = save_titan(model, opt, 3, tmp_path / "step-3", prefix)
+    src = open_source(path, config=cfg_dir / "config.json")
+    assert src.layout == "torchtitan"
+    assert groups_equal(LiveModelSource(model, opt, step=3), src) == []
+    assert src.extra_state()["step"] == 3
+
+
+def test_merge_hf_of_torchtitan_save_gives_the_original_logits(titan, tmp_path, capsys):
+    """``ckpt merge --format hf --config`` of a torchtitan save loads in transformers and computes
+    the original model's logits. The naive rename (no RoPE row order) is checked to differ, so the
+    tiny model does see the permutation."""
+    model, opt, path, cfg_dir = titan
+    out = tmp_path / "hf"
+    assert main(["ckpt", "merge", str(path), "--config", str(cfg_dir), "--out", str(out),
+                 "--format", "hf", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"]
+    back = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(logits(back), logits(model))
+
+    naive = AutoModelForCausalLM.from_config(model.config)
+    state = titan_state(model, opt, 3)  # renamed and permuted, as saved
+    naive.load_state_dict({n: state[to_titan_name(n)] for n, _ in naive.named_parameters()})
+    assert not torch.allclose(logits(naive), logits(model), atol=1e-4)
+
+
+def test_torchtitan_save_needs_a_config_and_checks_shapes_against_it(titan, tmp_path):
+    model, _, path, cfg_dir = titan
+    with pytest.raises(ValueError, match="--config"):
+        open_source(path)
+    wider = {**model.config.to_dict(), "intermediate_size": 128}
+    with pytest.raises(ValueError, match=r"feed_forward.w1.weight' is \[64, 32\].*\[128, 32\]"):
+        open_source(path, config=wider)
+    with pytest.raises(ValueError, match="no such file"):
+        open_source(path, config=tmp_path / "missing")
+
+
+def test_dcp_of_unknown_names_is_refused_naming_what_it_holds(titan, tmp_path):
+    model, _, _, cfg_dir = titan
+    other = tmp_path / "other"
+    dcp.save({"encoder.block.0.weight": torch.zeros(2), "decoder.head.weight": torch.zeros(2)},
+             checkpoint_id=other)
+    with pytest.raises(ValueError, match="not in the checkpoint.*decoder.head.weight, encoder.block.0.weight"):
+        open_source(other, config=cfg_dir)
+
+
+def test_import_and_recipe_of_torchtitan_saves(titan, tmp_path, capsys):
+    """``ckpt import --config`` takes torchtitan saves (their ``train_state.step`` as the step) and
+    each step resolves to its model; a recipe with ``config:`` takes layers from both saves."""
+    model, opt, first, cfg_dir = titan
+    live = LiveModelSource(model, opt, step=3)
+    before = {g: live.load_group(g) for g in live.groups()}
+    later_model, later_opt = trained(steps=5)
+    second = save_titan(later_model, later_opt, 5, tmp_path / "step-5")
+    run = tmp_path / "run"
+    assert main(["ckpt", "import", str(second), str(first), "--run", str(run), "--config",
+                 str(cfg_dir), "--json"]) == 0
+    assert [s["step"] for s in json.loads(capsys.readouterr().out)["steps"]] == [3, 5]
+    assert groups_equal(LiveModelSource(later_model, later_opt, step=5), open_run_step(run, 5)) == []
+    at3 = open_run_step(run, 3)
+    assert all(torch.equal(t, at3.load_group(g)[k]) for g, ts in before.items() for k, t in ts.items())
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"config": str(cfg_dir), "slices": [
+        {"sources": [{"model": str(first), "layer_range": [0, 2]}]},
+        {"sources": [{"model": str(second), "layer_range": [2, 4]}]}]}))
+    out = tmp_path / "merged"
+    assert main(["ckpt", "merge", "--recipe", str(recipe), "--out", str(out), "--json"]) == 0
+    merged = dict(AutoModelForCausalLM.from_pretrained(out).named_parameters())
+    for n, p in merged.items():
+        want = model if ".layers.0." in n or ".layers.1." in n or "embed" in n else later_model
+        assert torch.equal(p, dict(want.named_parameters())[n]), n
