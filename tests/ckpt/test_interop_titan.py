@@ -97,7 +97,8 @@ def titan(tmp_path_factory):
 def test_torchtitan_save_reads_as_the_hf_model_exactly(titan, tmp_path, prefix):
     """Every group's weights and both moments equal the HF model's and optimizer's, bit for bit,
     with the weights flat (torchtitan today) or under ``model.`` (older torchtitan). Mutation seen
-    failing: ``titan_rows_to_hf`` skipped in ``load_group`` (q_proj/k_proj weights and moments differ)."""
+    failing: ``titan_rows_to_hf`` skipped in ``load_group`` (q_proj/k_proj weights and moments differ);
+    ``rope_heads`` giving k_proj the query heads' count (4, not the 2 kv heads: k_proj differs)."""
     model, opt, path, cfg_dir = titan
     if prefix:
         path = save_titan(model, opt, 3, tmp_path / "step-3", prefix)
