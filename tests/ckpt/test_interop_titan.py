@@ -1,7 +1,8 @@
 """torchtitan's DCP saves (Llama names, Meta's RoPE row order) as sources, merged to HF and imported.
 
-The saves are built here the way torchtitan's ``CheckpointManager`` writes them: the model's
-state dict flat at the top level (older torchtitan: under ``model.``), ``optimizer`` holding
+The saves are built here the way torchtitan's ``CheckpointManager`` writes them, with the same
+torch calls on a module in torchtitan's Llama layout: the model's state dict flat at the top level
+(older torchtitan: under ``model.``), ``optimizer`` holding
 ``get_optimizer_state_dict(flatten_optimizer_state_dict=True)``'s keys and ``train_state.step``
 an int32 tensor. The HF -> torchtitan transform is written from torchtitan's Llama3
 ``StateDictAdapter.from_hf`` (the name map and the q/k row order), as an index permutation,
@@ -16,7 +17,10 @@ import re
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.nn as nn
 import yaml
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict)
 from transformers import AutoModelForCausalLM
 
 from layerwise.ckpt.resolve import open_run_step
@@ -50,26 +54,48 @@ def to_titan_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t[torch.tensor(order)].clone()
 
 
-def titan_state(model, opt, step: int, prefix: str = "") -> dict:
-    """The nested state dict torchtitan's CheckpointManager hands to dcp.save."""
-    cfg = model.config
-    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
-    weights, optim = {}, {}
+def titan_module(model) -> tuple[nn.Module, dict[str, nn.Parameter]]:
+    """torchtitan's Llama layout of ``model``'s weights (renamed, q/k rows reordered), as a module
+    whose parameters come in the HF model's order; also HF name -> its parameter."""
+    heads = {"q_proj": model.config.num_attention_heads, "k_proj": model.config.num_key_value_heads}
+    root, by_hf = nn.Module(), {}
     for name, p in model.named_parameters():
-        t_name = to_titan_name(name)
+        *path, leaf = to_titan_name(name).split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, nn.Module())
+            mod = getattr(mod, part)
         proj = name.split(".")[-2]
-        fix = (lambda t, n=heads[proj]: to_titan_rows(t, n)) if proj in heads else (lambda t: t.clone())
-        weights[t_name] = fix(p.detach())
-        st = opt.state[p]
-        optim[f"state.{t_name}.exp_avg"] = fix(st["exp_avg"])
-        optim[f"state.{t_name}.exp_avg_sq"] = fix(st["exp_avg_sq"])
-        optim[f"state.{t_name}.step"] = st["step"].clone()
-        group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
-        for hp in ("lr", "weight_decay", "eps"):
-            optim[f"param_groups.{t_name}.{hp}"] = group[hp]
-    weights["freqs_cis"] = torch.randn(16, 4)  # older torchtitan saved its RoPE buffer too
-    model_part = {"model": weights} if prefix else weights
-    return {**model_part, "optimizer": optim,
+        t = to_titan_rows(p.detach(), heads[proj]) if proj in heads else p.detach().clone()
+        mod.register_parameter(leaf, nn.Parameter(t))
+        by_hf[name] = getattr(mod, leaf)
+    return root, by_hf
+
+
+def titan_state(model, opt, step: int, prefix: str = "") -> dict:
+    """What torchtitan's CheckpointManager hands to dcp.save: ``get_model_state_dict`` of its
+    model (flat; older torchtitan: under ``model``), the optimizer's
+    ``get_optimizer_state_dict(flatten_optimizer_state_dict=True)`` under ``optimizer`` and its
+    TrainState, for an AdamW over the torchtitan-layout module holding ``opt``'s moments."""
+    tmod, by_hf = titan_module(model)
+    hf_of = {id(p): n for n, p in model.named_parameters()}
+    topt = torch.optim.AdamW([{**{k: v for k, v in g.items() if k != "params"},
+                               "params": [by_hf[hf_of[id(p)]] for p in g["params"]]}
+                              for g in opt.param_groups])
+    heads = {"q_proj": model.config.num_attention_heads, "k_proj": model.config.num_key_value_heads}
+    state = opt.state_dict()
+    names = [hf_of[id(p)] for g in opt.param_groups for p in g["params"]]
+    for i, st in state["state"].items():
+        proj = names[i].split(".")[-2]
+        if proj in heads:
+            st = {k: (v if k == "step" else to_titan_rows(v, heads[proj])) for k, v in st.items()}
+        state["state"][i] = {k: v.clone() for k, v in st.items()}
+    topt.load_state_dict(state)
+    weights = {**get_model_state_dict(tmod), "freqs_cis": torch.randn(16, 4)}  # older torchtitan
+    # kept its RoPE buffer in the state dict
+    optim = get_optimizer_state_dict(tmod, topt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    return {**({"model": weights} if prefix else weights), "optimizer": optim,
             "train_state": {"step": torch.tensor(step, dtype=torch.int32),
                             "ntokens_seen": torch.tensor(step * 16, dtype=torch.int64)}}
 
