@@ -134,6 +134,23 @@ def test_torchtitan_save_reads_as_the_hf_model_exactly(titan, tmp_path, prefix):
     assert src.extra_state()["step"] == 3
 
 
+def test_torchtitan_model_only_last_save_reads_with_its_dir_step(titan, tmp_path):
+    """torchtitan's last save (``last_save_model_only``, ``export_dtype``) holds only the weights,
+    cast, flat: it reads as weights without moments, at the step its ``step-N`` dir names."""
+    model, _, _, cfg_dir = titan
+    tmod, _ = titan_module(model)
+    path = tmp_path / "step-7"
+    dcp.save({k: v.to(torch.bfloat16) for k, v in get_model_state_dict(tmod).items()}, checkpoint_id=path)
+    src = open_source(path, config=cfg_dir)
+    assert src.extra_state()["step"] == 7
+    hf = dict(model.named_parameters())
+    for g in src.groups():
+        got = src.load_group(g)
+        assert {k.split("/")[0] for k in got} == {"param"}
+        for k, t in got.items():
+            assert t.dtype == torch.bfloat16 and torch.equal(t, hf[k[len("param/"):]].to(torch.bfloat16)), k
+
+
 def test_merge_hf_of_torchtitan_save_gives_the_original_logits(titan, tmp_path, capsys):
     """``ckpt merge --format hf --config`` of a torchtitan save loads in transformers and computes
     the original model's logits. The naive rename (no RoPE row order) is checked to differ, so the

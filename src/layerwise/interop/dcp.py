@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -334,7 +335,9 @@ class DCPCheckpointSource:
         return dict(self._config)
 
     def extra_state(self) -> dict:
-        step = 0
+        # torchtitan's last save is model-only by default (no train_state), in a ``step-N`` dir
+        named = re.fullmatch(r"step-(\d+)", self.path.name)
+        step = int(named.group(1)) if named else 0
         for key in ("train_state.step", "step"):
             if key in self._keys:
                 meta = self._tensors.get(key)  # torchtitan's TrainState stores an int32 tensor
