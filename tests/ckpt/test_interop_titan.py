@@ -180,6 +180,24 @@ def test_torchtitan_save_needs_a_config_and_checks_shapes_against_it(titan, tmp_
         open_source(path, config=tmp_path / "missing")
 
 
+def test_tied_config_reads_a_tied_torchtitan_run_and_refuses_an_untied_one(titan, tmp_path):
+    """A tied HF config drops torchtitan's ``output.weight`` (as torchtitan's own conversion of a
+    tied model does), after checking it equals the embedding. Mutation seen failing: the check
+    removed from ``load_group`` (the untied run reads, its output layer silently lost)."""
+    model, _, _, cfg_dir = titan
+    tied = {**model.config.to_dict(), "tie_word_embeddings": True}
+    tmod, _ = titan_module(model)
+    weights = get_model_state_dict(tmod)
+    dcp.save(weights, checkpoint_id=tmp_path / "untied")
+    with pytest.raises(ValueError, match="output.weight differs from tok_embeddings.weight"):
+        open_source(tmp_path / "untied", config=tied).load_group("embed")
+    dcp.save({**weights, "output.weight": weights["tok_embeddings.weight"]}, checkpoint_id=tmp_path / "tied")
+    src = open_source(tmp_path / "tied", config=tied)
+    assert "lm_head" not in src.groups()
+    assert torch.equal(src.load_group("embed")["param/model.embed_tokens.weight"],
+                       model.model.embed_tokens.weight)
+
+
 def test_dcp_of_unknown_names_is_refused_naming_what_it_holds(titan, tmp_path):
     model, _, _, cfg_dir = titan
     other = tmp_path / "other"

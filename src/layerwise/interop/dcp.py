@@ -45,7 +45,7 @@ from torch.distributed.checkpoint import (DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex, StorageMeta,
                                                    TensorStorageMetadata)
 
-from ..models.names import group_sort_key, groups_of_model
+from ..models.names import config_is_tied, group_sort_key, groups_of_model
 from ..util.dtypes import parse_dtype
 from ..util.safe_load import load_data_file
 from .hf_dir import read_json
@@ -313,9 +313,14 @@ class DCPCheckpointSource:
                     fqn = f"{self._optim_prefix}{stored}.{field}"
                     if fqn in self._tensors:
                         wanted[fqn] = (kind, name)
+        head = self._untied_head(group)
         request = {fqn: torch.empty(tuple(self._tensors[fqn].size), dtype=self._tensors[fqn].properties.dtype)
-                   for fqn in wanted}
+                   for fqn in [*wanted, *head]}
         self._load(request)
+        if head and not torch.equal(request.pop(head[0]), request[head[1]]):
+            raise ValueError(f"{self.path}: the config ties lm_head to the embedding, but the checkpoint's "
+                             f"{head[0]} differs from {head[1]}: the run had its own output layer; "
+                             "give a config with tie_word_embeddings: false")
         out = {}
         for fqn, t in request.items():
             kind, name = wanted[fqn]
@@ -326,6 +331,16 @@ class DCPCheckpointSource:
                 t = titan_rows_to_hf(t, heads)
             out[kind + name] = t
         return out
+
+    def _untied_head(self, group: str) -> tuple[str, str] | tuple[()]:
+        """(torchtitan's ``output.weight``, its embedding) when reading ``group`` must check them
+        equal: a tied config reads no head (as torchtitan's own HF conversion of a tied model does),
+        which is only right if the run tied it too."""
+        head, embed = self._param_prefix + "output.weight", self._param_prefix + "tok_embeddings.weight"
+        if (self.layout != "torchtitan" or not config_is_tied(self._config) or head not in self._tensors
+                or embed not in [self._param_prefix + self._stored[n] for n in self._groups[group]]):
+            return ()
+        return head, embed
 
     def _load(self, flat_request: dict[str, Any]) -> None:
         _quiet_single_process(dcp.load, flat_request, storage_reader=self._reader,
