@@ -336,11 +336,11 @@ class DCPCheckpointSource:
         """(torchtitan's ``output.weight``, its embedding) when reading ``group`` must check them
         equal: a tied config reads no head (as torchtitan's own HF conversion of a tied model does),
         which is only right if the run tied it too."""
-        head, embed = self._param_prefix + "output.weight", self._param_prefix + "tok_embeddings.weight"
+        head = self._param_prefix + "output.weight"
         if (self.layout != "torchtitan" or not config_is_tied(self._config) or head not in self._tensors
-                or embed not in [self._param_prefix + self._stored[n] for n in self._groups[group]]):
+                or "model.embed_tokens.weight" not in self._groups[group]):
             return ()
-        return head, embed
+        return head, self._param_prefix + "tok_embeddings.weight"
 
     def _load(self, flat_request: dict[str, Any]) -> None:
         _quiet_single_process(dcp.load, flat_request, storage_reader=self._reader,
