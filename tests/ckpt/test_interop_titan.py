@@ -25,7 +25,6 @@ from transformers import AutoModelForCausalLM
 
 from layerwise.ckpt.resolve import open_run_step
 from layerwise.cli import main
-from layerwise.interop.merge import merge
 from layerwise.interop.sources import open_source
 from layerwise.models.registry import FAMILIES, get_flavor
 from live_source import LiveModelSource
@@ -55,10 +54,14 @@ def to_titan_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t[torch.tensor(order)].clone()
 
 
+def rope_heads(model) -> dict[str, int]:
+    return {"q_proj": model.config.num_attention_heads, "k_proj": model.config.num_key_value_heads}
+
+
 def titan_module(model) -> tuple[nn.Module, dict[str, nn.Parameter]]:
     """torchtitan's Llama layout of ``model``'s weights (renamed, q/k rows reordered), as a module
     whose parameters come in the HF model's order; also HF name -> its parameter."""
-    heads = {"q_proj": model.config.num_attention_heads, "k_proj": model.config.num_key_value_heads}
+    heads = rope_heads(model)
     root, by_hf = nn.Module(), {}
     for name, p in model.named_parameters():
         *path, leaf = to_titan_name(name).split(".")
@@ -84,7 +87,7 @@ def titan_state(model, opt, step: int, prefix: str = "") -> dict:
     topt = torch.optim.AdamW([{**{k: v for k, v in g.items() if k != "params"},
                                "params": [by_hf[hf_of[id(p)]] for p in g["params"]]}
                               for g in opt.param_groups])
-    heads = {"q_proj": model.config.num_attention_heads, "k_proj": model.config.num_key_value_heads}
+    heads = rope_heads(model)
     state = opt.state_dict()
     names = [hf_of[id(p)] for g in opt.param_groups for p in g["params"]]
     for i, st in state["state"].items():
@@ -93,8 +96,8 @@ def titan_state(model, opt, step: int, prefix: str = "") -> dict:
             st = {k: (v if k == "step" else to_titan_rows(v, heads[proj])) for k, v in st.items()}
         state["state"][i] = {k: v.clone() for k, v in st.items()}
     topt.load_state_dict(state)
-    weights = {**get_model_state_dict(tmod), "freqs_cis": torch.randn(16, 4)}  # older torchtitan
-    # kept its RoPE buffer in the state dict
+    # older torchtitan kept its RoPE buffer in the state dict
+    weights = {**get_model_state_dict(tmod), "freqs_cis": torch.randn(16, 4)}
     optim = get_optimizer_state_dict(tmod, topt, options=StateDictOptions(flatten_optimizer_state_dict=True))
     return {**({"model": weights} if prefix else weights), "optimizer": optim,
             "train_state": {"step": torch.tensor(step, dtype=torch.int32),
