@@ -29,7 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "appears only when complete."
         ),
     )
-    p.add_argument("run", nargs="?", help="layer-wise run dir, HF Trainer checkpoint-N dir or HF model dir")
+    p.add_argument("run", nargs="?", help="layer-wise run dir, HF Trainer checkpoint-N dir, HF model dir, ZeRO "
+                   "save or DCP dir (torchtitan step-N: see --config)")
     p.add_argument("--step", type=int, default=None, help="step of a layer-wise run (default: latest)")
     p.add_argument("--recipe", default=None, help="YAML recipe (mergekit/LLMTailor slices) instead of RUN")
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
@@ -41,6 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB")
     p.add_argument("--dtype", default=None, help="cast weights (float32, bfloat16, float16); default: as stored")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--config", default=None,
+                   help="HF config (config.json or an HF model dir) of a DCP checkpoint that holds none, "
+                        "e.g. a torchtitan step-N dir")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_merge)
     imp = ckpt_subparsers.add_parser(
@@ -53,10 +57,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "since the stored version) are stored."
         ),
     )
-    imp.add_argument("sources", nargs="+", metavar="SRC", help="checkpoint-N dirs or HF model dirs")
+    imp.add_argument("sources", nargs="+", metavar="SRC",
+                     help="checkpoint-N dirs, HF model dirs, ZeRO saves or DCP dirs (torchtitan's step-N)")
     imp.add_argument("--run", required=True, help="layer-wise run dir (created if needed)")
     imp.add_argument("--policy", default="full",
                      help="full, filter, topk or budget, with options: filter:threshold=0.01,max_staleness=4")
+    imp.add_argument("--config", default=None,
+                     help="HF config (config.json or an HF model dir) of a DCP checkpoint that holds none, "
+                          "e.g. a torchtitan step-N dir")
     imp.add_argument("--json", action="store_true", help="print one JSON object")
     imp.set_defaults(func=_cmd_import)
 
@@ -67,7 +75,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
             print(f"step {s.step:>8}  {s.source}: {len(s.selected)} group(s) chosen, "
                   f"{len(s.written)} new, {human_bytes(s.bytes_written)} written "
                   f"of {human_bytes(s.input_bytes)}")
-    rep = import_checkpoints(args.sources, args.run, args.policy, on_step=line)
+    rep = import_checkpoints(args.sources, args.run, args.policy, on_step=line, config=args.config)
     if args.json:
         print(json.dumps({"ok": True, **rep.to_json()}, sort_keys=True))
     else:
@@ -112,11 +120,13 @@ def _run_merge(args: argparse.Namespace) -> dict[str, Any]:
     if args.recipe is not None:
         if args.step is not None:
             raise ValueError("--step does not apply to --recipe; write path@step for a source in the recipe")
+        if args.config is not None:
+            raise ValueError("--config does not apply to --recipe; write `config: PATH` in the recipe")
         source: CheckpointSource | str = load_recipe(args.recipe).open()
         step = None
     else:
         source, step = args.run, args.step
     return merge(
         source, args.out, args.format, step=step, max_shard_size=args.max_shard_size, dtype=args.dtype,
-        template=args.template, overwrite=args.overwrite,
+        template=args.template, overwrite=args.overwrite, config=args.config,
     )

@@ -16,9 +16,14 @@ one when DCP writes it (``_LazySavePlanner``): with one writer thread DCP writes
 which is group order, and only one group is in memory at a time. The shapes and dtypes the plan
 needs come from a first pass over the groups (each group is read twice).
 
-Reading (:class:`DCPCheckpointSource`) takes the keys from DCP's metadata, finds the weight and
-optimizer prefixes (``model.`` or none; ``optim.state.``, ``optimizer.state.`` or ``state.``) by
-matching the model's parameter names, and loads one group's keys per ``dcp.load``. DCP pickles
+Reading (:class:`DCPCheckpointSource`) takes the keys from DCP's metadata, finds the names
+(HF's, or torchtitan's Llama names: :mod:`layerwise.interop.titan`) and the weight and optimizer
+prefixes (``model.`` or none; ``optim.state.``, ``optimizer.state.`` or ``state.``) by matching the
+config's parameter names, and loads one group's keys per ``dcp.load``. torchtitan's
+``CheckpointManager`` saves ``{model, optimizer, lr_scheduler, dataloader, train_state}``: the
+model's weights flat at the top level (older versions: under ``model.``), the optimizer as
+``get_optimizer_state_dict(flatten_optimizer_state_dict=True)`` (``optimizer.state.<fqn>.exp_avg``,
+``optimizer.param_groups.<fqn>.lr``, ...) and ``train_state.step`` as an int32 tensor. DCP pickles
 its ``.metadata`` and non-tensor values; a foreign checkpoint is untrusted, so both are read here
 with allow-lists (:class:`_DataOnlyReader`, :class:`_DataOnlyLoadPlanner`) instead of DCP's plain
 ``pickle.load`` / ``torch.load(weights_only=False)``.
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -39,12 +45,13 @@ from torch.distributed.checkpoint import (DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex, StorageMeta,
                                                    TensorStorageMetadata)
 
-from ..models.names import group_sort_key, groups_of_model
+from ..models.names import config_is_tied, group_sort_key, groups_of_model
 from ..util.dtypes import parse_dtype
 from ..util.safe_load import load_data_file
 from .hf_dir import read_json
 from .hf_export import require_config, write_config_files
 from .layout import CONFIG_NAME, EXP_AVG, EXP_AVG_SQ, PARAM, STEP, CheckpointSource, meta_model
+from .titan import rope_heads, titan_name, titan_rows_to_hf
 from .trainer import AdamWHParams, _param_groups, trainer_param_groups
 
 METADATA_NAME = ".metadata"
@@ -203,47 +210,87 @@ class _DataOnlyLoadPlanner(DefaultLoadPlanner):
         self.original_state_dict[read_item.dest_index.fqn] = load_data_file(value)
 
 
+_ModelConfig = dict | str | Path | None
+
+
+def read_model_config(config: _ModelConfig, ckpt: Path) -> dict:
+    """The HF config for a DCP dir: ``config`` (a dict, a config.json or an HF model dir), else the
+    dir's own config.json."""
+    if isinstance(config, dict):
+        return dict(config)
+    if config is not None:
+        p = Path(config)
+        file = p / CONFIG_NAME if p.is_dir() else p
+        if not file.is_file():
+            raise ValueError(f"model config {p}: no such file (give a config.json or an HF model dir "
+                             "holding one)")
+        return read_json(file)
+    if (ckpt / CONFIG_NAME).is_file():
+        return read_json(ckpt / CONFIG_NAME)
+    raise ValueError(
+        f"{ckpt} has no {CONFIG_NAME}: DCP records no architecture (torchtitan's saves hold no HF "
+        "config), so give the model's HF config: `--config path/to/config.json` (or an HF model dir) "
+        "on `layerwise ckpt merge/import`, `config:` in a recipe, config= in Python; or copy the "
+        "config.json into the checkpoint dir")
+
 
 class DCPCheckpointSource:
-    """A DCP checkpoint dir (torchtitan-style flat keys or ``get_state_dict``'s nesting, HF parameter
-    names) as a ``CheckpointSource``. Needs the model's ``config.json`` in the directory (or given),
-    since DCP itself records no architecture."""
+    """A DCP checkpoint dir as a ``CheckpointSource``: HF parameter names (``get_state_dict``'s
+    nesting or flat keys), or torchtitan's Llama names (``tok_embeddings``, ``layers.{i}.attention.wq``,
+    ...; weights flat or under ``model.``, AdamW under ``optimizer.state.``), renamed to HF's with
+    ``wq``/``wk`` rows put in HF's RoPE order (:mod:`layerwise.interop.titan`). DCP itself records no
+    architecture, so the HF config comes from ``config`` or the dir's own config.json; the
+    checkpoint's shapes are checked against it."""
 
-    def __init__(self, path: str | Path, config: dict | None = None):
+    def __init__(self, path: str | Path, config: _ModelConfig = None):
         self.path = Path(path)
         if not is_dcp_checkpoint(self.path):
             raise ValueError(f"{self.path} is not a torch.distributed.checkpoint dir (no {METADATA_NAME})")
-        cfg_file = self.path / CONFIG_NAME
-        self._config = config if config is not None else (read_json(cfg_file) if cfg_file.is_file() else None)
-        if self._config is None:
-            raise ValueError(f"{self.path} has no {CONFIG_NAME}; DCP records no architecture, so copy the "
-                             "model's config.json into it (or pass config=)")
+        self._config = read_model_config(config, self.path)
         self._reader = _DataOnlyReader(self.path)
         meta = self._reader.read_metadata()
         self._keys = set(meta.state_dict_metadata)
         self._tensors = {k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-        self._groups = groups_of_model(meta_model(self._config))
-        self._param_prefix = self._find_param_prefix()
+        model = meta_model(self._config)
+        self._groups = groups_of_model(model)
+        self.layout, self._param_prefix, self._stored = self._find_layout()
+        self._check_shapes({n: tuple(p.shape) for n, p in model.named_parameters()})
         self._optim_prefix = self._find_optim_prefix()
 
     def _names(self) -> list[str]:
         return [n for names in self._groups.values() for n in names]
 
-    def _find_param_prefix(self) -> str:
+    def _find_layout(self) -> tuple[str, str, dict[str, str]]:
+        """(layout, weight prefix, HF name -> stored name): the first layout holding every parameter."""
         names = self._names()
-        for prefix in (MODEL, ""):
-            found = [n for n in names if prefix + n in self._tensors]
-            if len(found) == len(names):
-                return prefix
-        best = max((MODEL, ""), key=lambda p: sum(p + n in self._tensors for n in names))
-        missing = [n for n in names if best + n not in self._tensors]
-        raise ValueError(f"{self.path}: {len(missing)} parameter(s) of config.json's model are not in the "
-                         f"checkpoint (looked for '{best}{missing[0]}'); the checkpoint holds another "
-                         "model or names its weights differently")
+        layouts = [("hf", {n: n for n in names})]
+        titan = {n: titan_name(n) for n in names}
+        if all(titan.values()):
+            layouts.append(("torchtitan", titan))
+        candidates = [(layout, prefix, stored) for layout, stored in layouts for prefix in (MODEL, "")]
+        found = [sum(prefix + s in self._tensors for s in stored.values()) for _, prefix, stored in candidates]
+        if len(names) in found:
+            return candidates[found.index(len(names))]
+        _, prefix, stored = candidates[found.index(max(found))]
+        missing = [prefix + s for s in stored.values() if prefix + s not in self._tensors]
+        held = sorted(k for k in self._tensors if not k.startswith(_OPTIM_PREFIXES))[:4]
+        raise ValueError(
+            f"{self.path}: {len(missing)} parameter(s) of the config's model are not in the checkpoint "
+            f"under HF or torchtitan Llama names (looked for '{missing[0]}'); it holds e.g. "
+            f"{', '.join(held) or 'no model tensors'}: another model, or weights named in a way "
+            "layerwise does not read")
+
+    def _check_shapes(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        for name, stored in self._stored.items():
+            got = tuple(self._tensors[self._param_prefix + stored].size)
+            if got != shapes[name]:
+                raise ValueError(f"{self.path}: '{self._param_prefix + stored}' is {list(got)} in the "
+                                 f"checkpoint but {name} is {list(shapes[name])} in the config's model; "
+                                 "give the config the checkpoint was trained with")
 
     def _find_optim_prefix(self) -> str | None:
-        names = self._names()
-        counts = {p: sum(f"{p}{n}.exp_avg" in self._tensors for n in names) for p in _OPTIM_PREFIXES}
+        counts = {p: sum(f"{p}{s}.exp_avg" in self._tensors for s in self._stored.values())
+                  for p in _OPTIM_PREFIXES}
         best = max(counts, key=counts.get)
         return best if counts[best] else None
 
@@ -257,22 +304,43 @@ class DCPCheckpointSource:
     def load_group(self, group: str) -> dict[str, torch.Tensor]:
         if group not in self._groups:
             raise KeyError(f"no group {group!r} in {self.path}; groups: {', '.join(self.groups())}")
-        wanted: dict[str, str] = {}
+        wanted: dict[str, tuple[str, str]] = {}  # DCP key -> (tensor kind, HF name)
         for name in self._groups[group]:
-            wanted[self._param_prefix + name] = PARAM + name
+            stored = self._stored[name]
+            wanted[self._param_prefix + stored] = (PARAM, name)
             if self._optim_prefix is not None:
-                for key, field in _MOMENTS.items():
-                    fqn = f"{self._optim_prefix}{name}.{field}"
+                for kind, field in _MOMENTS.items():
+                    fqn = f"{self._optim_prefix}{stored}.{field}"
                     if fqn in self._tensors:
-                        wanted[fqn] = key + name
+                        wanted[fqn] = (kind, name)
+        head = self._untied_head(group)
         request = {fqn: torch.empty(tuple(self._tensors[fqn].size), dtype=self._tensors[fqn].properties.dtype)
-                   for fqn in wanted}
+                   for fqn in [*wanted, *head]}
         self._load(request)
-        out = {wanted[fqn]: t for fqn, t in request.items()}
-        for key in list(out):
-            if key.startswith(STEP):
-                out[key] = out[key].to(torch.float32).reshape(())
+        if head and not torch.equal(request.pop(head[0]), request[head[1]]):
+            raise ValueError(f"{self.path}: the config ties lm_head to the embedding, but the checkpoint's "
+                             f"{head[0]} differs from {head[1]}: the run had its own output layer; "
+                             "give a config with tie_word_embeddings: false")
+        out = {}
+        for fqn, t in request.items():
+            kind, name = wanted[fqn]
+            heads = rope_heads(name, self._config) if self.layout == "torchtitan" else None
+            if kind == STEP:
+                t = t.to(torch.float32).reshape(())
+            elif heads is not None:
+                t = titan_rows_to_hf(t, heads)
+            out[kind + name] = t
         return out
+
+    def _untied_head(self, group: str) -> tuple[str, str] | tuple[()]:
+        """(torchtitan's ``output.weight``, its embedding) when reading ``group`` must check them
+        equal: a tied config reads no head (as torchtitan's own HF conversion of a tied model does),
+        which is only right if the run tied it too."""
+        head = self._param_prefix + "output.weight"
+        if (self.layout != "torchtitan" or not config_is_tied(self._config) or head not in self._tensors
+                or "model.embed_tokens.weight" not in self._groups[group]):
+            return ()
+        return head, self._param_prefix + "tok_embeddings.weight"
 
     def _load(self, flat_request: dict[str, Any]) -> None:
         _quiet_single_process(dcp.load, flat_request, storage_reader=self._reader,
@@ -282,10 +350,14 @@ class DCPCheckpointSource:
         return dict(self._config)
 
     def extra_state(self) -> dict:
-        step = 0
+        # torchtitan's last save is model-only by default (no train_state), in a ``step-N`` dir
+        named = re.fullmatch(r"step-(\d+)", self.path.name)
+        step = int(named.group(1)) if named else 0
         for key in ("train_state.step", "step"):
             if key in self._keys:
-                request: dict[str, Any] = {key: 0}
+                meta = self._tensors.get(key)  # torchtitan's TrainState stores an int32 tensor
+                request: dict[str, Any] = {key: 0 if meta is None else torch.empty(
+                    tuple(meta.size), dtype=meta.properties.dtype)}
                 self._load(request)
                 step = int(request[key])
                 break

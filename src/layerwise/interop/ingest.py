@@ -137,12 +137,13 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-def _ordered(paths: list[str | Path]) -> list[tuple[int, Path, CheckpointSource]]:
+def _ordered(paths: list[str | Path], config: dict | str | Path | None
+             ) -> list[tuple[int, Path, CheckpointSource]]:
     """(step, path, source) oldest first: by the checkpoints' own steps when each has one, else
     in the order given, numbered from 1."""
     opened = []
     for p in paths:
-        src = open_source(p)
+        src = open_source(p, config=config)
         if isinstance(src, ResolvedStep):
             raise ValueError(f"{p} is a layer-wise run already; import reads HF model dirs, HF "
                              "Trainer checkpoints, ZeRO saves and DCP dirs (merge a run's step to one first)")
@@ -160,14 +161,16 @@ def _ordered(paths: list[str | Path]) -> list[tuple[int, Path, CheckpointSource]
 
 
 def import_checkpoints(paths: list[str | Path], run_dir: str | Path, policy: str = "full",
-                       on_step: Callable[[ImportedStep], None] | None = None) -> ImportReport:
+                       on_step: Callable[[ImportedStep], None] | None = None,
+                       config: dict | str | Path | None = None) -> ImportReport:
     """Import ``paths`` into the layer-wise run ``run_dir`` (created if needed) under ``policy``
     (a registry name, optionally with options: ``filter:threshold=0.01,max_staleness=4``).
-    ``on_step`` is called after each step is committed."""
+    ``on_step`` is called after each step is committed. ``config``: the HF config of DCP dirs that
+    have none (torchtitan saves)."""
     if not paths:
         raise ValueError("give at least one checkpoint to import")
     make_policy(policy)  # a mistyped policy fails before any checkpoint is read
-    ordered = _ordered(paths)
+    ordered = _ordered(paths, config)
     provider = ImportProvider(ordered[0][2])
     run = Path(run_dir)
     if (run / "format.json").exists():

@@ -40,6 +40,7 @@ def merge(
     hparams: Any = None,
     template: str | Path | None = None,
     overwrite: bool = False,
+    config: dict | str | Path | None = None,
 ) -> dict[str, Any]:
     """Write ``source`` (a CheckpointSource or a path for :func:`open_source`) to ``out_dir``.
 
@@ -47,12 +48,13 @@ def merge(
     hyper-parameters of a ``trainer`` export; by default they come from the source, else
     transformers' defaults. ``template``: for ``deepspeed``, a ZeRO save of the target run whose
     layout is filled (default: the source's own, or the recipe's ``state_from``, when it is a
-    ZeRO save). Returns a summary (files, bytes, step, seconds).
+    ZeRO save). ``config``: the HF config of a DCP source that has none (:func:`open_source`).
+    Returns a summary (files, bytes, step, seconds).
     """
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}; choose one of {', '.join(FORMATS)}")
     if isinstance(source, (str, Path)):
-        source = open_source(source, step)
+        source = open_source(source, step, config)
     elif step is not None:
         raise ValueError("step= is only used when source is a path; an opened source already has its step")
     recipe = getattr(source, "recipe", None)

@@ -17,6 +17,8 @@ The YAML has the shape mergekit and LLMTailor users know::
       - model: out/checkpoint-500
     state_from: out/checkpoint-500     # optional: step, scheduler, RNG, trainer state
                                        # (default: the source with the newest step)
+    config: hf/Llama-3-8B              # optional: HF config (config.json or its dir) of DCP
+                                       # sources that hold none (torchtitan's step-N dirs)
 
 ``pre_weights`` / ``post_weights`` entries may also name single parts, LLMTailor-style:
 ``- name: lm_head.weight`` (an HF tensor name or a group name: ``embed``, ``norm``, ``lm_head``)
@@ -47,7 +49,7 @@ ARCH_KEYS = (
 )
 """Config keys that must agree across all sources: they fix every tensor's shape."""
 
-_TOP_KEYS = {"slices", "pre_weights", "post_weights", "merge_method", "dtype", "state_from"}
+_TOP_KEYS = {"slices", "pre_weights", "post_weights", "merge_method", "dtype", "state_from", "config"}
 _GROUP_ALIASES = {EMBED, NORM, LM_HEAD}
 
 
@@ -88,6 +90,8 @@ class Recipe:
     """The model whose step, scheduler, RNG and trainer state the output gets."""
     base_dir: Path = field(default_factory=Path.cwd)
     """The recipe file's directory, for relative paths."""
+    config: str | None = None
+    """The HF config (a config.json or an HF model dir) of DCP sources that record none."""
 
     def open(self) -> RecipeSource:
         return RecipeSource(self)
@@ -167,7 +171,10 @@ def parse_recipe(data: Any, base_dir: Path | None = None) -> Recipe:
     state_from = data.get("state_from")
     if state_from is not None:
         state_from = _model(state_from, "state_from")
-    return Recipe(slices, parts, dtype, state_from, base_dir or Path.cwd())
+    config = data.get("config")
+    if config is not None and (not isinstance(config, str) or not config):
+        raise _err("config", f"expected the path of an HF config.json or of an HF model dir, not {config!r}")
+    return Recipe(slices, parts, dtype, state_from, base_dir or Path.cwd(), config)
 
 
 def _model(value: Any, where: str) -> str:
@@ -217,7 +224,8 @@ class RecipeSource:
     def _open(self, model: str) -> CheckpointSource:
         if model not in self._sources:
             try:
-                self._sources[model] = open_source(self._resolve(model))
+                config = None if self.recipe.config is None else self._resolve(self.recipe.config)
+                self._sources[model] = open_source(self._resolve(model), config=config)
             except (FileNotFoundError, ValueError) as e:
                 raise ValueError(f"recipe: cannot open model {model!r}: {e}") from None
         return self._sources[model]

@@ -21,9 +21,13 @@ def is_trainer_checkpoint(path: Path) -> bool:
     return (path / OPTIMIZER_NAME).is_file() or (path / TRAINER_STATE_NAME).is_file()
 
 
-def open_source(path: str | Path, step: int | None = None) -> CheckpointSource:
+def open_source(path: str | Path, step: int | None = None, config: dict | str | Path | None = None
+                ) -> CheckpointSource:
     """Open a layer-wise run (at ``step``, default latest), an HF Trainer checkpoint, a
     torch.distributed.checkpoint dir or an HF model dir.
+
+    ``config`` (a dict, a config.json or an HF model dir) is the model's HF config for a DCP dir,
+    which records none (a torchtitan save); the other kinds carry their own and ignore it.
 
     ``path@N`` is accepted as a short form of ``path`` with ``step=N`` for layer-wise runs.
     """
@@ -52,7 +56,7 @@ def open_source(path: str | Path, step: int | None = None) -> CheckpointSource:
     if is_trainer_checkpoint(p):
         return TrainerCheckpointSource(p)
     if is_dcp_checkpoint(p):
-        return DCPCheckpointSource(p)
+        return DCPCheckpointSource(p, config)
     checkpoints = sorted(p.glob("checkpoint-*"), key=lambda c: (len(c.name), c.name))
     if checkpoints and not any((p / f).is_file() for f in WEIGHT_FILE_NAMES):
         raise ValueError(
