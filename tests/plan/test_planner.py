@@ -11,6 +11,7 @@ from layerwise.plan.shape import load_shape
 from layerwise.plan.hardware import GB, PRESETS
 from layerwise.plan.milp import MilpConfig, StepModel, dp_device_host, solve
 from layerwise.plan.plan import Plan
+from layerwise.plan import search as search_mod
 from layerwise.plan.search import PlanInfeasible, SearchConfig, choose_moments, search
 from layerwise.plan.simulator import simulate
 
@@ -242,3 +243,26 @@ def test_milp_recomputes_exactly_the_boundaries_the_program_recomputes():
             elif op.kind == OpKind.RECOMPUTE_LAYER:
                 ran[op.index + 1] += 1
         assert model.needed(tiers, internal)[1] == ran, (tiers, internal)
+
+
+def test_search_keeps_the_milp_inside_its_time_budget(monkeypatch):
+    """Every solve of a search gets at most what is left of ``milp_budget_s`` (at least
+    ``MIN_SOLVE_S``), and the search still emits a plan no slower than the best rule.
+
+    Mutation seen failing: ``search`` passing ``cfg.milp`` unchanged (every limit 5 s)."""
+    limits: list[float] = []
+    real_solve = search_mod.solve
+
+    def recording_solve(model, cfg, *args, **kw):
+        limits.append(cfg.time_limit_s)
+        return real_solve(model, cfg, *args, **kw)
+
+    monkeypatch.setattr(search_mod, "solve", recording_solve)
+    shape = load_shape("qwen2.5-3b")
+    hw = PRESETS["h200"].with_memory(gpu_mem_gb=20)
+    res = search(shape, hw, 4096, SearchConfig(global_batch=8, milp_budget_s=0.01))
+    assert len(limits) >= 4 and set(limits) == {search_mod.MIN_SOLVE_S}, limits
+    rules = [c.sim.tokens_per_s for n, c in res.by_name.items() if n != "milp"]
+    assert res.best.sim.tokens_per_s >= max(rules)
+    assert search_mod._budgeted(SearchConfig(milp_budget_s=None), 1e9).time_limit_s == MilpConfig().time_limit_s
+    assert search_mod._budgeted(SearchConfig(milp_budget_s=6.0), 3.5).time_limit_s == pytest.approx(2.5)

@@ -18,7 +18,7 @@ fewest parameters switched to block-wise 8-bit moments until it does.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .baselines import baseline_tiers, extra_candidates, internal_rules
@@ -57,6 +57,13 @@ class SearchConfig:
     """Depths tried when ``prefetch_depth`` is None."""
     head_chunk_tokens: int = 1024
     milp: MilpConfig = field(default_factory=MilpConfig)
+    milp_budget_s: float | None = 6.0
+    """HiGHS time for the whole search (every micro-batch size and depth solves the MILP, twice
+    with the internals tier); a solve gets at most what is left, but at least ``MIN_SOLVE_S``, in
+    which it returns its warm start (the best fitting rule) or better. None: no budget."""
+
+
+MIN_SOLVE_S = 0.1
 
 
 @dataclass
@@ -230,7 +237,8 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
                        and model.evaluate(c.plan.boundary_tiers, moments=c.plan.moments,
                                           internal=c.plan.internal_tiers).feasible]
             warm = max(fitting, key=lambda c: c.sim.tokens_per_s) if fitting else None
-            res = solve(model, cfg.milp, (warm.name, warm.plan.boundary_tiers) if warm else None,
+            milp_cfg = _budgeted(cfg, solve_s)
+            res = solve(model, milp_cfg, (warm.name, warm.plan.boundary_tiers) if warm else None,
                         warm.plan.moments if warm else None, warm.plan.internal_tiers if warm else None)
             solve_s += res.solve_s
             if res.tiers is not None:
@@ -243,7 +251,7 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
                     model = StepModel(shape, hw, mbs, seq_len, m_count, depth, cfg.head_chunk_tokens,
                                       device_reserve_bytes=over.get("device", 0),
                                       host_reserve_bytes=over.get("host", 0))
-                    again = solve(model, cfg.milp)
+                    again = solve(model, _budgeted(cfg, solve_s))
                     solve_s += again.solve_s
                     if again.tiers is not None:
                         res = again
@@ -318,6 +326,14 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
     }
     return SearchResult(plan, best, res, by_name, tried, plan.moments or ["fp32"] * len(shape.unit_names()),
                         dict(max_mbs), solve_s, time.perf_counter() - t_start)
+
+
+def _budgeted(cfg: SearchConfig, spent_s: float) -> MilpConfig:
+    """``cfg.milp`` with its time limit cut to what is left of the search's budget."""
+    if cfg.milp_budget_s is None:
+        return cfg.milp
+    left_s = max(MIN_SOLVE_S, cfg.milp_budget_s - spent_s)
+    return cfg.milp if left_s >= cfg.milp.time_limit_s else replace(cfg.milp, time_limit_s=left_s)
 
 
 def _pick_accumulation(best: Candidate, shape: ModelShape, hw: HardwareProfile, cfg: SearchConfig) -> Candidate:
