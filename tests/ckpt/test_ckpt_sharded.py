@@ -112,7 +112,8 @@ def test_zero_style_partitions_two_ranks_to_one_and_three(tmp_path):
     the policy sees the global change (only ``layers.1`` moved), an unchanged shard is not
     written again, doubled scalars fail on both ranks with nothing committed, and the run reads
     back whole and at 1 and 3 ranks. Mutation seen failing: ``_commit`` without the
-    ``shard_layout`` check (step 5 commits with ``step/a`` held twice)."""
+    ``shard_layout`` check (step 5 commits with ``step/a`` held twice); ``_entry`` always
+    recording ``written_step`` as the save's step."""
     run = tmp_path / "run"
     mp.spawn(_worker, args=(_free_port(), str(run), str(tmp_path)), nprocs=2)
     r0, r1 = (torch.load(tmp_path / f"r{r}.pt", weights_only=False) for r in (0, 1))
@@ -124,6 +125,8 @@ def test_zero_style_partitions_two_ranks_to_one_and_three(tmp_path):
         assert "overlaps" in log[4] and "step/a" in log[4] and "Nothing of this save was committed" in log[4]
     assert RunDir.open(run).committed_steps() == [1, 2, 3, 4]
     assert RunDir.open(run).verify().ok
+    resaved = RunDir.open(run).read_manifest(4)["groups"]  # every group again, same bytes
+    assert [resaved[g]["written_step"] for g in GROUPS] == [1, 2]
     m = RunDir.open(run).read_manifest(2)
     cut = [s["tensors"]["exp_avg/a"]["range"] for s in m["groups"]["layers.0"]["shards"]
            if "exp_avg/a" in s["tensors"]]

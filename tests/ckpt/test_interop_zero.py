@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -103,12 +104,26 @@ def test_zero_checkpoints_that_do_not_fit_are_refused(zero_dir, tmp_path):
     with pytest.raises(ValueError, match=r"has shape \(\d+, \d+\) in the checkpoint"):
         ZeroCheckpointSource(src, config={**config, "intermediate_size": config["intermediate_size"] * 2})
 
-    # rank 1's file from the stage-3 save beside stage 2's rank 0: the layouts disagree
+    # rank 1's file from the stage-3 save beside stage 2's rank 0: the stages disagree
     mixed = shutil.copytree(src, tmp_path / "mixed")
     stage3 = zero_dir / "zero3" / f"global_step{SAVE_STEPS[1]}"
     shutil.copy(next(stage3.glob("zero_pp_rank_1_*optim_states.pt")), next(mixed.glob("zero_pp_rank_1_*optim_states.pt")))
-    with pytest.raises(ValueError, match="do not belong together"):
+    with pytest.raises(ValueError, match="optimizer files have ZeRO stages"):
         ZeroCheckpointSource(mixed, config=config)
+
+    # rank 1's record of where a parameter's fragment sits, moved by one element: refused, not
+    # read by index (mutation seen failing: ``_check_fragments`` returning at once)
+    moved = shutil.copytree(src, tmp_path / "moved")
+    rank1 = next(moved.glob("zero_pp_rank_1_*optim_states.pt"))
+    sd = torch.load(rank1, weights_only=False)  # the test's own DeepSpeed save: trusted
+    frags = sd["optimizer_state_dict"]["param_slice_mappings"][0]
+    name = next(iter(frags))
+    frags[name] = dataclasses.replace(frags[name], start=frags[name].start + 1)
+    torch.save(sd, rank1)
+    with pytest.raises(ValueError, match="is not where param_shapes puts it"):
+        moved_src = ZeroCheckpointSource(moved, config=config)
+        for group in moved_src.groups():
+            moved_src.load_group(group)
 
 
 class _RunsCode:
@@ -121,7 +136,7 @@ class _RunsCode:
 
 
 def test_zero_file_that_would_run_code_is_refused(zero_dir, tmp_path):
-    """The rank files are pickles; reading allows only tensors and three DeepSpeed classes.
+    """The rank files are pickles; reading allows only tensors and four DeepSpeed classes.
     Mutation seen failing: ``weights_only=False`` in ``load_data_file`` (the marker appears)."""
     evil = tmp_path / "evil"
     shutil.copytree(zero_dir / "zero2" / f"global_step{SAVE_STEPS[1]}", evil)

@@ -11,7 +11,7 @@ from layerwise.plan.shape import load_shape
 from layerwise.plan.hardware import GB, PRESETS
 from layerwise.plan.milp import MilpConfig, StepModel, dp_device_host, solve
 from layerwise.plan.plan import Plan
-from layerwise.plan import search as search_mod
+from layerwise.plan import milp as milp_mod, search as search_mod
 from layerwise.plan.search import PlanInfeasible, SearchConfig, choose_moments, search
 from layerwise.plan.simulator import simulate
 
@@ -266,3 +266,33 @@ def test_search_keeps_the_milp_inside_its_time_budget(monkeypatch):
     assert res.best.sim.tokens_per_s >= max(rules)
     assert search_mod._budgeted(SearchConfig(milp_budget_s=None), 1e9).time_limit_s == MilpConfig().time_limit_s
     assert search_mod._budgeted(SearchConfig(milp_budget_s=6.0), 3.5).time_limit_s == pytest.approx(2.5)
+
+
+def test_one_solve_keeps_both_its_highs_runs_inside_its_time_limit(monkeypatch):
+    """With the internals tier a solve runs HiGHS twice (boundaries, then the joint model); the
+    joint run gets what the boundary run left of the call's limit (at least a tenth of it), so a
+    search's budget holds.
+
+    Mutation seen failing: the joint run set to the full ``time_limit_s`` again."""
+    set_limits: list[float] = []
+    real_quiet = milp_mod._quiet_highs
+
+    def recording_highs(highspy):
+        h = real_quiet(highspy)
+        real_set = h.setOptionValue
+
+        def set_option(name, value):
+            if name == "time_limit":
+                set_limits.append(value)
+            return real_set(name, value)
+
+        h.setOptionValue = set_option
+        return h
+
+    monkeypatch.setattr(milp_mod, "_quiet_highs", recording_highs)
+    shape = load_shape("qwen2.5-3b")
+    model = StepModel(shape, PRESETS["h200"].with_memory(gpu_mem_gb=20), 2, 4096, 4)
+    res = solve(model, MilpConfig(time_limit_s=1.0))
+    assert res.tiers is not None and len(set_limits) == 2, set_limits
+    first, joint = set_limits
+    assert first == 1.0 and 0.1 <= joint < first, set_limits  # what the boundary run left

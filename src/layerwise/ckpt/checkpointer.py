@@ -73,7 +73,7 @@ from .run_dir import (
     now_unix_s,
     write_error,
 )
-from .policies import GroupStatus, Policy, PolicyContext, make_policy
+from .policies import GroupStatus, Policy, PolicyContext, make_policy, select_with_reasons
 from .resolve import ResolvedStep, open_run_step
 from .state import (
     PARAM,
@@ -506,12 +506,8 @@ class Checkpointer:
     def _select_groups(self, step: int, statuses: list[GroupStatus]) -> dict[str, str]:
         """The policy's choice plus every group never saved (a composite is complete), in
         model order, each with why it was chosen (``policies.REASONS``)."""
-        ctx = PolicyContext(step, self._save_index, statuses)
-        explain = getattr(self.policy, "select_reasons", None)
-        reasons = dict(explain(ctx)) if explain is not None else {
-            g: "criterion" for g in self.policy.select(ctx)}
-        reasons.update({g: "new" for g in self.groups if g not in self._entries})
-        return {g: reasons[g] for g in self.groups if g in reasons}
+        return select_with_reasons(self.policy, PolicyContext(step, self._save_index, statuses),
+                                   self.groups, self._entries)
 
     def _snapshot_groups(self, selected: list[str], copy: bool,
                          live: dict[str, LiveGroup] | None = None) -> dict[str, dict[str, torch.Tensor]]:
@@ -755,14 +751,6 @@ def _visible(store: RunDir, rec: BlobRecord) -> bool:
         return False
 
 
-def _finish_quietly(batch: BlobBatch) -> None:
-    """Let the blobs already handed to ``batch`` land (or fail) before reporting an error."""
-    try:
-        batch.finish()
-    except BaseException:
-        pass
-
-
 def _as_blob_tensor(t: torch.Tensor, key: str) -> torch.Tensor:
     """``t`` as the blob stores it, without a copy when it already is (sync saves)."""
     t = t.detach()
@@ -869,7 +857,7 @@ class _WriteJob:
             try:
                 records[g] = store.put_blob(payload, self._maybe_duplicate(g), batch)
             except BaseException:
-                _finish_quietly(batch)
+                batch.finish_quietly()
                 raise
         batch.finish()
         return records

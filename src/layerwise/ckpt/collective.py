@@ -89,3 +89,10 @@ class TorchExchange:
             dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=self.timeout_s))
         except RuntimeError as e:
             raise self._failed("barrier", e) from e
+
+
+def default_exchange(timeout_s: float) -> RankExchange:
+    """The ranks of the default process group (one process when there is none, or one rank)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return TorchExchange(timeout_s)
+    return SingleProcess()

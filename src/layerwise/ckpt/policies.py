@@ -18,6 +18,7 @@ tell a policy that selects from one whose writes all come from its guards.
 from __future__ import annotations
 
 import math
+from collections.abc import Container
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
@@ -68,6 +69,16 @@ class Policy(Protocol):
     def config(self) -> dict:
         """Options, for the manifest."""
         ...
+
+
+def select_with_reasons(policy: Policy, ctx: PolicyContext, groups: list[str],
+                        saved: Container[str]) -> dict[str, str]:
+    """The policy's choice plus every group never saved (so a composite is complete), in the
+    order of ``groups``, each with why it was chosen (``REASONS``)."""
+    explain = getattr(policy, "select_reasons", None)
+    reasons = dict(explain(ctx)) if explain is not None else {g: "criterion" for g in policy.select(ctx)}
+    reasons.update({g: "new" for g in groups if g not in saved})
+    return {g: reasons[g] for g in groups if g in reasons}
 
 
 @dataclass

@@ -319,6 +319,14 @@ class BlobBatch:
         finally:
             self._pool.shutdown(wait=True)
 
+    def finish_quietly(self) -> None:
+        """On an error path: let the blobs already handed over land (or fail), so none is being
+        written when the error is reported; their own errors give way to that one."""
+        try:
+            self.finish()
+        except BaseException:
+            pass
+
 
 class RunDir:
     """Reads and writes one run directory. Writers hold the run's lock while they write."""

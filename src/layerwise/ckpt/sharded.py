@@ -46,7 +46,7 @@ from safetensors.torch import save as st_save
 from ..util.safetensors_io import dtype_name
 from .collective import RankExchange, SingleProcess
 from .errors import CheckpointWriteError
-from .policies import GroupStatus, Policy, PolicyContext, make_policy
+from .policies import GroupStatus, Policy, PolicyContext, make_policy, select_with_reasons
 from .resolve import open_run_step
 from .run_dir import (BLOB_FORMAT, BLOB_FORMAT_VERSION, FIRST_VERSION_SHARDED, BlobBatch,
                       BlobPayload, RunDir, now_unix_s)
@@ -299,14 +299,10 @@ class ShardedCheckpointer:
             else:
                 age = self._save_index - int(e.get("saved_index", -1))
             statuses.append(GroupStatus(g, nbytes, change, age, pos))
-        ctx = PolicyContext(step, self._save_index, statuses)
-        explain = getattr(self.policy, "select_reasons", None)
-        reasons = dict(explain(ctx)) if explain is not None else {
-            g: "criterion" for g in self.policy.select(ctx)}
-        reasons.update({g: "new" for g in self.groups if g not in self._entries})
-        selected = [g for g in self.groups if g in reasons]
+        reasons = select_with_reasons(self.policy, PolicyContext(step, self._save_index, statuses),
+                                      self.groups, self._entries)
         unchanged = [s.name for s in statuses if s.change == 0.0]
-        return {"selected": selected, "reasons": {g: reasons[g] for g in selected},
+        return {"selected": list(reasons), "reasons": reasons,
                 "changes": {s.name: s.change for s in statuses}, "unchanged": unchanged,
                 "save_index": self._save_index}
 
@@ -330,10 +326,7 @@ class ShardedCheckpointer:
                                       "dtype": dtype_name(s.key, tensors[s.key])}
                               for s in shards[g]}}
         except BaseException:
-            try:  # let the blobs already handed over land (or fail) before reporting
-                batch.finish()
-            except BaseException:
-                pass
+            batch.finish_quietly()
             raise
         batch.finish()
         return out

@@ -142,7 +142,8 @@ class GradSink:
                  on_final: Callable[[str], None] | None = None):
         """``fp32_numel``: the largest gradient sent in fp32 (the head's accumulators).
         ``on_final(unit)``: called where a unit's step gradient is complete on the host (the
-        landing worker, or inline), e.g. to start reducing it across ranks."""
+        landing worker, or inline), e.g. to start reducing it across ranks; the reducer then
+        gives the norms (of the reduced gradient) and ``finish`` returns none."""
         self.backend = backend
         self.on_final = on_final
         self.store = store
@@ -234,9 +235,10 @@ class GradSink:
                     self._idle.notify_all()
 
     def _final(self, unit: str) -> None:
-        self.sq_norms[unit] = sq_norm(self.store[unit].grad)
-        if self.on_final is not None:
+        if self.on_final is not None:  # data parallel: the norm is of the reduced gradient
             self.on_final(unit)
+        else:
+            self.sq_norms[unit] = sq_norm(self.store[unit].grad)
 
     def _drain(self) -> None:
         if self.inline:

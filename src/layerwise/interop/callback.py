@@ -70,7 +70,9 @@ class LayerwiseCheckpointCallback(TrainerCallback):
             every: save every N optimizer steps; None: follow ``args.save_steps``.
             save_at_end: also save the last step when training ends off the ``every`` grid.
             observe: feed per-step update statistics to the policy (after each optimizer step).
-            config: a :class:`~layerwise.ckpt.checkpointer.CheckpointConfig` (async save, RNG, tracking).
+            config: a :class:`~layerwise.ckpt.checkpointer.CheckpointConfig` (async save, RNG,
+                tracking; not under DeepSpeed, whose sharded saves are synchronous and never
+                observe: the change is measured at each save).
             policy_options: options of the policy, e.g. ``threshold=1e-3, max_staleness=4``.
         """
         if every is not None and (not isinstance(every, int) or every <= 0):
@@ -107,6 +109,11 @@ class LayerwiseCheckpointCallback(TrainerCallback):
             )
         self._every(args)  # fail early on a bad interval
         if getattr(args, "deepspeed", None):
+            if self.config is not None:
+                raise ValueError(
+                    "LayerwiseCheckpointCallback(config=...) configures the one-process "
+                    "Checkpointer; under DeepSpeed each rank writes its partition in a synchronous "
+                    "sharded save, which takes none of it: leave config unset")
             if self.checkpointer is None:  # on every rank: each writes the pieces it holds
                 self.checkpointer = DeepSpeedCheckpointer(
                     self.run_dir, module=model, optimizer=_unwrap(optimizer, "optimizer"),

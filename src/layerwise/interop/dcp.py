@@ -139,7 +139,8 @@ def write_dcp(source: CheckpointSource, out_dir: Path, *, dtype: str | torch.dty
     group_of_fqn: dict[str, str] = {}
     stepped: set[str] = set()
     for group in source.groups():
-        for fqn, t in _dcp_tensors(source.load_group(group), torch_dtype).items():
+        metas = {k: t.to("meta") for k, t in source.load_group(group).items()}  # casts copy nothing
+        for fqn, t in _dcp_tensors(metas, torch_dtype).items():
             name = fqn[len(MODEL):] if fqn.startswith(MODEL) else fqn[len(OPTIM):].rsplit(".", 1)[0]
             if name not in names:
                 raise ValueError(f"group {group!r} has tensor {name!r}, which the model of config.json "

@@ -25,22 +25,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 
-from ..ckpt.collective import RankExchange, SingleProcess, TorchExchange
+from ..ckpt.collective import RankExchange, default_exchange
 from ..ckpt.sharded import ShardedCheckpointer, ShardedLoadResult, ShardedSaveReport
 from .zero_live import LiveZeroState
 
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 """The engine's own step counters, kept in a save's ``extra["deepspeed"]``."""
-
-
-def default_exchange(timeout_s: float) -> RankExchange:
-    """The ranks of the default process group (one process when there is none)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        return TorchExchange(timeout_s)
-    return SingleProcess()
 
 
 class DeepSpeedCheckpointer:

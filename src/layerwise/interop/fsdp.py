@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ..ckpt.collective import RankExchange, SingleProcess, TorchExchange
+from ..ckpt.collective import RankExchange, default_exchange
 from ..ckpt.sharded import FlatShard, GroupReader, ShardedCheckpointer
 from ..ckpt.state import PARAM, ModuleStateProvider
 
@@ -156,8 +156,6 @@ def fsdp_checkpointer(run_dir: str | Path, model: nn.Module, optimizer: torch.op
     """A ``ShardedCheckpointer`` for an FSDP2 model on every rank of the default process group
     (its exchange: a gloo group of its own with ``timeout_s``; one process: no exchange).
     ``options``: ``scheduler=``, ``save_rng=`` and the policy's own (``threshold=``…)."""
-    if exchange is None:
-        dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
-        exchange = TorchExchange(timeout_s) if dist_on else SingleProcess()
-    return ShardedCheckpointer(run_dir, FSDPShardProvider(model, optimizer), exchange, policy,
+    return ShardedCheckpointer(run_dir, FSDPShardProvider(model, optimizer),
+                               exchange or default_exchange(timeout_s), policy,
                                **options)

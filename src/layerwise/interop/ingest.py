@@ -1,7 +1,7 @@
 """``layerwise ckpt import``: compact a pile of ordinary checkpoints into a layer-wise run.
 
-Each checkpoint (an HF Trainer ``checkpoint-N`` dir or an HF model dir) becomes one step of the
-run, oldest first: the Trainer's ``global_step``, else the order given. The steps are saved by a
+Each checkpoint (an HF Trainer ``checkpoint-N`` dir, a DeepSpeed ZeRO save, a DCP dir or an HF
+model dir) becomes one step of the run, oldest first: its own step, else the order given. The steps are saved by a
 ``Checkpointer`` whose provider serves the checkpoint being imported (``ImportProvider``), so
 the run is written by the same code, in the same format and with the same commit protocol as a
 training run's. The save is synchronous and copies nothing: each group is read from the
@@ -67,7 +67,7 @@ class ImportProvider:
     """The checkpoint being imported as a ``StateProvider``: groups read on demand (the last one
     kept, so the size and change passes of a save read it once)."""
 
-    def __init__(self, source: CheckpointSource):
+    def __init__(self, source: CheckpointSource, extra: dict[str, Any] | None = None):
         config = source.model_config()
         self.tied = config_is_tied(config) if config else False
         hf_names = getattr(source, "hf_names", None)
@@ -79,18 +79,17 @@ class ImportProvider:
             g = group_of(n, self.tied)
             if g in self._groups:  # not e.g. a tied head's stored copy
                 self._groups[g].append(n)
-        self.source = source
-        self.extra: dict[str, Any] = {}
-        self._cached: tuple[str, dict[str, torch.Tensor]] | None = None
-        self.use(source)
+        self.use(source, extra)
 
-    def use(self, source: CheckpointSource) -> None:
-        """Serve ``source`` from now on; it must be a checkpoint of the same model."""
+    def use(self, source: CheckpointSource, extra: dict[str, Any] | None = None) -> None:
+        """Serve ``source`` from now on; it must be a checkpoint of the same model. ``extra``:
+        its ``extra_state()`` where already read (it reads files: scheduler, RNG, DCP values)."""
         if source.groups() != list(self._groups):
             raise ValueError(f"checkpoint groups {source.groups()} differ from the first "
                              f"checkpoint's {list(self._groups)}; import checkpoints of one model")
-        self.source, self._cached = source, None
-        self.extra = source.extra_state()
+        self.source: CheckpointSource = source
+        self._cached: tuple[str, dict[str, torch.Tensor]] | None = None
+        self.extra: dict[str, Any] = source.extra_state() if extra is None else extra
 
     def _group(self, group: str) -> dict[str, torch.Tensor]:
         if self._cached is None or self._cached[0] != group:
@@ -138,17 +137,18 @@ def dir_bytes(path: Path) -> int:
 
 
 def _ordered(paths: list[str | Path], config: dict | str | Path | None
-             ) -> list[tuple[int, Path, CheckpointSource]]:
-    """(step, path, source) oldest first: by the checkpoints' own steps when each has one, else
-    in the order given, numbered from 1."""
+             ) -> list[tuple[int, Path, CheckpointSource, dict[str, Any]]]:
+    """(step, path, source, its extra state) oldest first: by the checkpoints' own steps when
+    each has one, else in the order given, numbered from 1."""
     opened = []
     for p in paths:
         src = open_source(p, config=config)
         if isinstance(src, ResolvedStep):
             raise ValueError(f"{p} is a layer-wise run already; import reads HF model dirs, HF "
                              "Trainer checkpoints, ZeRO saves and DCP dirs (merge a run's step to one first)")
-        opened.append((int(src.extra_state().get("step") or 0), Path(p), src))
-    steps = [s for s, _, _ in opened]
+        extra = src.extra_state()
+        opened.append((int(extra.get("step") or 0), Path(p), src, extra))
+    steps = [o[0] for o in opened]
     if all(s > 0 for s in steps):
         if len(set(steps)) != len(steps):
             dup = sorted({s for s in steps if steps.count(s) > 1})
@@ -157,7 +157,7 @@ def _ordered(paths: list[str | Path], config: dict | str | Path | None
     if any(s > 0 for s in steps):
         raise ValueError("some checkpoints have a step (Trainer checkpoints) and some do not (HF "
                          "model dirs); import them separately, or all in the order given as HF dirs")
-    return [(i + 1, p, src) for i, (_, p, src) in enumerate(opened)]
+    return [(i + 1, p, src, extra) for i, (_, p, src, extra) in enumerate(opened)]
 
 
 def import_checkpoints(paths: list[str | Path], run_dir: str | Path, policy: str = "full",
@@ -171,7 +171,7 @@ def import_checkpoints(paths: list[str | Path], run_dir: str | Path, policy: str
         raise ValueError("give at least one checkpoint to import")
     make_policy(policy)  # a mistyped policy fails before any checkpoint is read
     ordered = _ordered(paths, config)
-    provider = ImportProvider(ordered[0][2])
+    provider = ImportProvider(ordered[0][2], ordered[0][3])
     run = Path(run_dir)
     if (run / "format.json").exists():
         store = RunDir.open(run)
@@ -194,8 +194,8 @@ def import_checkpoints(paths: list[str | Path], run_dir: str | Path, policy: str
             rs = open_run_step(run)
             ck.tracker.reset({g: {k[len(PARAM):]: t for k, t in rs.load_group(g).items()
                                   if k.startswith(PARAM)} for g in rs.groups()})
-        for step, path, src in ordered:
-            provider.use(src)
+        for step, path, src, extra in ordered:
+            provider.use(src, extra)
             rep = ck.save(step, trainer_state=provider.extra.get("trainer_state"),
                           extra={"imported_from": str(path)})
             done = ImportedStep(step, str(path), dir_bytes(path), list(rep.selected),

@@ -19,7 +19,7 @@ A group's tensors are gathered from every rank's partition through memory-mapped
 whole partition. Parameter names and shapes are checked against the model that ``config.json``
 describes, and partition sizes against the layout, so a checkpoint that does not fit is refused
 with what differs rather than mis-assigned. The ``.pt`` files are pickles: they are read with
-``weights_only=True`` and an allow-list of the three DeepSpeed classes they hold, mapped to inert
+``weights_only=True`` and an allow-list of the four DeepSpeed classes they hold, mapped to three inert
 local stand-ins, so reading needs no DeepSpeed and runs no code from the file.
 
 Writing (:func:`write_zero`) does not re-create DeepSpeed's pickles: it copies a *template* save

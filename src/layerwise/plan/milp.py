@@ -24,12 +24,12 @@ from ..models.names import EMBED, layer_unit
 from .cost import STATE_NBYTES, CostModel
 from .shape import ModelShape
 from .hardware import HardwareProfile
-from .plan import Plan
+from .plan import INTERNAL_TIERS, Plan
 from .memory import FETCH_SLOTS, GRAD_SLOTS
 from .program import Op, OpKind
 
 ALL_TIERS = ("device", "host", "nvme", "recompute")
-ALL_INTERNAL_TIERS = ("device", "host", "recompute")
+ALL_INTERNAL_TIERS = INTERNAL_TIERS
 MS = 1e3  # the solver works in milliseconds (better-scaled coefficients)
 TIE = 1e-3  # fraction of a boundary's copy time charged to offloading, to break ties
 NVME_STAGING = 2
@@ -479,7 +479,9 @@ def solve(model: StepModel, config: MilpConfig | None = None,
     lp.offset_ = model.const_s() * MS
 
     h = _quiet_highs(highspy)
-    h.setOptionValue("time_limit", float(cfg.time_limit_s))
+    # one call's limit covers both solves (a search's budget hands it what is left); the joint
+    # solve keeps a tenth of it, in which it returns its warm start or better
+    h.setOptionValue("time_limit", max(cfg.time_limit_s - presolved_s, 0.1 * cfg.time_limit_s))
     h.setOptionValue("mip_rel_gap", float(cfg.mip_rel_gap))
     h.setOptionValue("threads", int(cfg.threads))
     h.setOptionValue("random_seed", 0)

@@ -39,7 +39,6 @@ from ..util.atomic import atomic_write_text
 TIERS = ("device", "host", "nvme", "recompute")
 STORED_TIERS = ("device", "host", "nvme")
 INTERNAL_TIERS = ("device", "host", "recompute")
-KEPT_INTERNAL_TIERS = ("device", "host")
 MOMENT_KINDS = ("fp32", "8bit")
 FORMAT_VERSION = 3
 """3: adds ``internal_tiers`` (versions 1 and 2 are read with every layer's internals

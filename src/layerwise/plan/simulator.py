@@ -286,9 +286,10 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
                 t_issue = lanes.free_at("compute")
                 kind, i = op.kind, op.index
                 issued.append(t_issue)
-                if (n + 2 < len(ops) and ops[n + 2].kind == OpKind.FETCH and tiers[ops[n + 2].index] == "nvme"
-                        and ops[n + 2].index in nvme_written):  # not yet written: the engine skips it too
-                    j = ops[n + 2].index
+                ahead = n + FETCH_AHEAD  # the engine starts an NVMe read this far ahead
+                if (ahead < len(ops) and ops[ahead].kind == OpKind.FETCH and tiers[ops[ahead].index] == "nvme"
+                        and ops[ahead].index in nvme_written):  # not yet written: the engine skips it too
+                    j = ops[ahead].index
                     w_end, nv = nvme_written[j]
                     s, e = lanes.run("nvme", max(t_issue, w_end), cost.nvme_read_s(a_bytes), f"nvme read b{j}")
                     nv.end = e
