@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from layerwise.ckpt import Checkpointer, RunDir
-from layerwise.ckpt.store_state import HostStoreStateProvider
+from layerwise.ckpt.store_provider import HostStoreStateProvider
 from layerwise.engine import StreamingEngine
 from layerwise.engine.batch import Batch
 from layerwise.models import get_flavor

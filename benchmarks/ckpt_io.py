@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from layerwise.ckpt import Checkpointer, run_dir
-from layerwise.ckpt.state import DictStateProvider
+from layerwise.ckpt.provider import DictStateProvider
 
 BLOCK_BYTES = 64 << 20
 

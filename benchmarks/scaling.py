@@ -51,7 +51,7 @@ from scaling_model import predicted  # the script's own directory is on sys.path
 
 from layerwise.ckpt.checkpointer import Checkpointer
 from layerwise.ckpt.collective import TorchExchange
-from layerwise.ckpt.store_state import HostStoreStateProvider
+from layerwise.ckpt.store_provider import HostStoreStateProvider
 from layerwise.models import get_flavor
 from layerwise.optim.adamw import AdamWConfig, HostAdamW
 from layerwise.store import init_store

@@ -13,11 +13,11 @@ from layerwise.ckpt.checkpointer import Checkpointer
 from layerwise.ckpt.errors import StateModifiedError
 from layerwise.ckpt.moments import fp32_moments, unit_part, write_unit_part
 from layerwise.ckpt.resolve import open_run_step
-from layerwise.ckpt.store_state import HostStoreStateProvider
+from layerwise.ckpt.store_provider import HostStoreStateProvider
 from layerwise.ckpt.tracker import UpdateTracker
 from layerwise.engine import StreamingEngine
-from layerwise.interop.merge import merge
-from layerwise.interop.trainer import TrainerCheckpointSource
+from layerwise.interop.recipes.merge import merge
+from layerwise.interop.hf.trainer_checkpoint import TrainerCheckpointSource
 from layerwise.models import get_flavor
 from layerwise.optim import quant
 from layerwise.optim.adamw8bit import AdamW8bit, state_to_fp32

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from layerwise.ckpt import RunDir, open_run_step
 from layerwise.ckpt.collective import SingleProcess, TorchExchange
 from layerwise.ckpt.errors import CheckpointWriteError
-from layerwise.ckpt.sharded import FlatShard, ShardedCheckpointer
+from layerwise.ckpt.sharded_checkpointer import FlatShard, ShardedCheckpointer
 
 GROUPS = ("layers.0", "layers.1")
 

@@ -17,7 +17,7 @@ import torch
 from layerwise.ckpt import Checkpointer, RunDir
 from layerwise.ckpt import checkpointer as checkpointer_mod
 from layerwise.ckpt.errors import StateModifiedError
-from layerwise.ckpt.state import DictStateProvider
+from layerwise.ckpt.provider import DictStateProvider
 from layerwise.ckpt.tracker import UpdateTracker
 
 from test_core_helpers import make_training

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from layerwise.ckpt import FORMAT_VERSION, Checkpointer, CheckpointCorruptError, RunDir, open_run_step
-from layerwise.ckpt.state import DictStateProvider
+from layerwise.ckpt.provider import DictStateProvider
 
 V1_RUN = Path(__file__).with_name("data") / "run_v1_sha256"
 GROUPS = ["embed", "layers.0", "layers.1", "norm"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from layerwise.ckpt.state import ModuleStateProvider, group_tensors
+from layerwise.ckpt.provider import ModuleStateProvider, group_tensors
 from layerwise.models.registry import FAMILIES, get_flavor
 
 

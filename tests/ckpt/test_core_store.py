@@ -16,7 +16,7 @@ from layerwise.ckpt import (
     open_run_step,
 )
 from layerwise.models.names import group_of, groups_of_model
-from layerwise.ckpt.state import ModuleStateProvider
+from layerwise.ckpt.provider import ModuleStateProvider
 
 from test_core_helpers import assert_group_equal, make_training, snapshot, tiny_llama, train_step
 
@@ -266,7 +266,7 @@ def test_a_failed_resave_of_a_committed_step_leaves_the_previous_commit_loadable
     """A resumed run saves a step number again and dies before committing it."""
     from layerwise.ckpt import open_run_step
     from layerwise.ckpt.run_dir import RunDir
-    from layerwise.ckpt.state import DictStateProvider
+    from layerwise.ckpt.provider import DictStateProvider
 
     def provider(v):
         return DictStateProvider({"layers.0": {"param/layers.0.w": torch.full((8,), float(v))}})

@@ -20,7 +20,7 @@ import torch
 
 import layerwise
 from layerwise.ckpt import Checkpointer, CheckpointWriteError, RunDir, open_run_step
-from layerwise.ckpt.state import DictStateProvider
+from layerwise.ckpt.provider import DictStateProvider
 from powercut import MUTANTS, SCENARIOS, allowed_labels
 
 # ----- a save stopped at every call ---------------------------------------------------------

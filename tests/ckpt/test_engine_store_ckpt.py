@@ -3,7 +3,7 @@
 import torch
 
 from layerwise.ckpt.checkpointer import Checkpointer
-from layerwise.ckpt.store_state import HostStoreStateProvider
+from layerwise.ckpt.store_provider import HostStoreStateProvider
 from layerwise.engine import StreamingEngine
 from layerwise.models import get_flavor
 from layerwise.store import init_store

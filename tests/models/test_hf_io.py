@@ -8,8 +8,8 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from layerwise.engine import EngineConfig, StreamingEngine
 from layerwise.models import DecoderAdapter, get_flavor
-from layerwise.interop.export import export_store
-from layerwise.interop.hf_dir import load_store
+from layerwise.interop.recipes.store_export import export_store
+from layerwise.interop.hf.model_dir import load_store
 from layerwise.models.init import build_hf_model
 from layerwise.plan import Plan
 from layerwise.engine.batch import Batch

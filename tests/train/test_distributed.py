@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from layerwise import config
 from layerwise.ckpt.resolve import open_run_step
 from layerwise.ckpt.run_dir import RunDir
-from layerwise.ckpt.state import PARAM
+from layerwise.ckpt.provider import PARAM
 from layerwise.models import get_flavor
 from layerwise.optim.adamw import state_nbytes as fp32_state_nbytes
 from layerwise.plan.plan import Plan
@@ -82,8 +82,15 @@ def _wait_ok(procs, tmp: Path, name: str, timeout_s: float = 240) -> None:
 
 
 def _run(out: Path, *overrides: str) -> Path:
+    """A single-process reference, on one thread as the ranks are (``OMP_NUM_THREADS=1``):
+    on some CPUs a 2-thread matmul rounds differently, and AdamW turns that into ~1e-4."""
     cfg = config.apply_overrides(TrainConfig(**BASE), [f"out_dir={out}", *overrides])
-    train(cfg, log=lambda *_: None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(cfg, log=lambda *_: None)
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 

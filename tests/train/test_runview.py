@@ -36,7 +36,7 @@ from layerwise.train.loop import TrainConfig, train
 from layerwise.train.planning import cuda_preset_for, resolve_hardware
 from layerwise.train.progress import Progress
 from layerwise.train.report import load_run
-from layerwise.train.tracking import open_jsonl_upto
+from layerwise.train.update_log import open_jsonl_upto
 
 STEPS = 6
 

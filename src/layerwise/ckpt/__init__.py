@@ -3,10 +3,10 @@
 Owns the checkpoint core, free of foreign formats: ``tracker`` (how much each group moved),
 ``policies`` (which groups a checkpoint writes), ``run_dir`` (content-addressed blobs + per-step
 manifests, atomic commits), ``resolve`` (the state at step N, group by group), ``checkpointer``
-(the plain-PyTorch API), ``state`` (the ``StateProvider`` protocol and blob keys) and
-``store_state`` (the engine's HostStore as a provider); ``collective``, ``shards`` and
-``sharded`` for saves written by every rank of a sharded loop (run format 4: a group as one blob
-per rank). Group names come from ``layerwise.models.names``; HF / Trainer formats, merge and
+(the plain-PyTorch API), ``provider`` (the ``StateProvider`` protocol and blob keys) and
+``store_provider`` (the engine's HostStore as a provider); ``collective``, ``shard_ranges`` and
+``sharded_checkpointer`` for saves written by every rank of a sharded loop (run format 4: a
+group as one blob per rank). Group names come from ``layerwise.models.names``; HF / Trainer formats, merge and
 recipes are ``layerwise.interop``.
 """
 
@@ -14,8 +14,8 @@ from .checkpointer import CheckpointConfig, Checkpointer, LoadResult, SaveReport
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
 from .policies import POLICIES, BasePolicy, make_policy, register_policy
 from .resolve import GroupEntry, ResolvedStep, open_run_step
+from .provider import DictStateProvider, ModuleStateProvider, StateProvider
 from .run_dir import FORMAT_VERSION, RunDir
-from .state import DictStateProvider, ModuleStateProvider, StateProvider
 
 __all__ = [
     "CheckpointConfig", "Checkpointer", "LoadResult", "SaveReport",

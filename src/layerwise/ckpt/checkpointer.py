@@ -75,7 +75,7 @@ from .run_dir import (
 )
 from .policies import GroupStatus, Policy, PolicyContext, make_policy, select_with_reasons
 from .resolve import ResolvedStep, open_run_step
-from .state import (
+from .provider import (
     PARAM,
     ModuleStateProvider,
     StateProvider,

@@ -22,8 +22,8 @@ from safetensors.torch import load as st_load
 
 from .errors import CheckpointCorruptError
 from .run_dir import RunDir, digest_bytes, manifest_hash
-from .shards import ShardedGroupReader, is_sharded
-from .state import rng_dict
+from .shard_ranges import ShardedGroupReader, is_sharded
+from .provider import rng_dict
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ import torch
 from ..util.atomic import atomic_write_bytes, atomic_write_text, fsync_dir
 from ..util.safetensors_io import dtype_name, encode_header, tensor_bytes
 from .errors import CheckpointCorruptError, CheckpointWriteError
-from .shards import ShardLayoutError, is_sharded, shard_layout
+from .shard_ranges import ShardLayoutError, is_sharded, shard_layout
 
 FORMAT = "layerwise-ckpt"
 FORMAT_VERSION = 4

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .moments import fp32_moments
-from .state import StateProvider
+from .provider import StateProvider
 
 CHUNK_NUMEL = 1 << 19
 """Elements per chunk of the weight-difference pass (2 MiB of fp32: stays in cache)."""

@@ -11,10 +11,10 @@ from typing import Any
 from ..ckpt.errors import CheckpointError
 from ..util.cli import command_group
 from ..util.units import human_bytes
-from .ingest import ImportedStep, import_checkpoints
+from .recipes.import_checkpoints import ImportedStep, import_checkpoints
 from .layout import CheckpointSource
-from .merge import FORMATS, merge
-from .recipe import load_recipe
+from .recipes.merge import FORMATS, merge
+from .recipes.recipe import load_recipe
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

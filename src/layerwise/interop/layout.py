@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ..ckpt.state import EXP_AVG, EXP_AVG_SQ, OPTIM_KINDS, PARAM, STEP
+from ..ckpt.provider import EXP_AVG, EXP_AVG_SQ, OPTIM_KINDS, PARAM, STEP
 
 __all__ = ["EXP_AVG", "EXP_AVG_SQ", "OPTIM_KINDS", "PARAM", "STEP", "CheckpointSource", "meta_model"]
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..ckpt.resolve import open_run_step
-from .dcp import DCPCheckpointSource, is_dcp_checkpoint
-from .hf_dir import HFModelDirSource
+from .torchdist.dcp_checkpoint import DCPCheckpointSource, is_dcp_checkpoint
+from .hf.model_dir import HFModelDirSource
 from .layout import OPTIMIZER_NAME, TRAINER_STATE_NAME, WEIGHT_FILE_NAMES, CheckpointSource
-from .trainer import TrainerCheckpointSource
-from .zero import ZeroCheckpointSource, is_zero_checkpoint
+from .hf.trainer_checkpoint import TrainerCheckpointSource
+from .deepspeed.zero_checkpoint import ZeroCheckpointSource, is_zero_checkpoint
 
 
 def is_layerwise_run(path: Path) -> bool:

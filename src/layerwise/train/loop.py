@@ -3,7 +3,7 @@
 What a run writes in ``out_dir`` (schemas in ``docs/formats.md``): ``plan.json`` (the plan, with
 the step time predicted for it), ``run.json`` (what ran, start/end evals, measured vs predicted
 step time), ``metrics.jsonl`` (one row per step), ``tracker.jsonl`` (per-layer update
-statistics, ``tracking.py``), ``ckpt/`` (layer-wise checkpoints) and ``model/`` (the export).
+statistics, ``update_log.py``), ``ckpt/`` (layer-wise checkpoints) and ``model/`` (the export).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import Any, TextIO
 import torch
 
 from ..ckpt.checkpointer import LoadResult
-from ..ckpt.store_state import HostStoreStateProvider
+from ..ckpt.store_provider import HostStoreStateProvider
 from ..engine import EngineConfig, StreamingEngine
 from ..engine.batch import Batch
-from ..interop.export import export_store
-from ..interop.hf_dir import load_store
+from ..interop.recipes.store_export import export_store
+from ..interop.hf.model_dir import load_store
 from ..models import FLAVORS, DecoderAdapter, get_flavor
 from ..optim.adamw import AdamWConfig
 from ..plan.cost import CostModel
@@ -41,7 +41,7 @@ from .planning import (HardwareChoice, auto_plan, check_hardware, check_profile,
 from .progress import Progress, resolve_progress
 from .schedule import lr_at
 from .tokenizer import check_vocab, load_tokenizer
-from .tracking import RunTracker
+from .update_log import RunTracker
 
 RUN_FORMAT_VERSION = 1
 """``run.json``'s format (docs/formats.md)."""

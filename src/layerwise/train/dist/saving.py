@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ...ckpt.checkpointer import Checkpointer
 from ...ckpt.collective import CollectiveTimeout, TorchExchange
-from ...ckpt.state import StateProvider
+from ...ckpt.provider import StateProvider
 from ...models.names import group_of
 from ...plan.topology import assign_owners
 from ...store import HostStore

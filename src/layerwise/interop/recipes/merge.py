@@ -18,13 +18,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..util.atomic import fsync_dir
-from .dcp import write_dcp
-from .hf_export import write_hf
-from .layout import CheckpointSource
-from .sources import open_source
-from .trainer import write_trainer
-from .zero import ZeroCheckpointSource, write_zero
+from ...util.atomic import fsync_dir
+from ..torchdist.dcp_checkpoint import write_dcp
+from ..hf.model_dir_writer import write_hf
+from ..layout import CheckpointSource
+from ..sources import open_source
+from ..hf.trainer_checkpoint import write_trainer
+from ..deepspeed.zero_checkpoint import ZeroCheckpointSource, write_zero
 
 FORMATS = ("hf", "trainer", "dcp", "deepspeed")
 
@@ -44,7 +44,7 @@ def merge(
 ) -> dict[str, Any]:
     """Write ``source`` (a CheckpointSource or a path for :func:`open_source`) to ``out_dir``.
 
-    ``hparams`` (an :class:`~layerwise.interop.trainer.AdamWHParams`) overrides the AdamW
+    ``hparams`` (an :class:`~layerwise.interop.hf.trainer_checkpoint.AdamWHParams`) overrides the AdamW
     hyper-parameters of a ``trainer`` export; by default they come from the source, else
     transformers' defaults. ``template``: for ``deepspeed``, a ZeRO save of the target run whose
     layout is filled (default: the source's own, or the recipe's ``state_from``, when it is a

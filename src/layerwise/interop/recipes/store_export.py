@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from ..ckpt.state import PARAM
-from ..ckpt.store_state import HostStoreStateProvider
-from ..store import HostStore
+from ...ckpt.provider import PARAM
+from ...ckpt.store_provider import HostStoreStateProvider
+from ...store import HostStore
 from .merge import merge
 
 

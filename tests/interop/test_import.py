@@ -15,9 +15,9 @@ import torch
 from layerwise.ckpt import RunDir
 from layerwise.cli import main
 from layerwise.ckpt.resolve import open_run_step
-from layerwise.interop.ingest import import_checkpoints
-from layerwise.interop.merge import merge
-from layerwise.interop.trainer import TrainerCheckpointSource
+from layerwise.interop.recipes.import_checkpoints import import_checkpoints
+from layerwise.interop.recipes.merge import merge
+from layerwise.interop.hf.trainer_checkpoint import TrainerCheckpointSource
 
 from test_core_helpers import tiny_llama
 from trainer_helpers import make_trainer

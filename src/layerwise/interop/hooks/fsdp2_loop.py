@@ -38,9 +38,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ..ckpt.collective import RankExchange, default_exchange
-from ..ckpt.sharded import FlatShard, GroupReader, ShardedCheckpointer
-from ..ckpt.state import PARAM, ModuleStateProvider
+from ...ckpt.collective import RankExchange, default_exchange
+from ...ckpt.sharded_checkpointer import FlatShard, GroupReader, ShardedCheckpointer
+from ...ckpt.provider import PARAM, ModuleStateProvider
 
 STATE_ORDER = ("step", "exp_avg", "exp_avg_sq")
 """The order in which torch's AdamW creates a parameter's state entries."""

@@ -16,13 +16,13 @@ import yaml
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from layerwise.ckpt.resolve import open_run_step
-from layerwise.interop.ingest import import_checkpoints
+from layerwise.interop.recipes.import_checkpoints import import_checkpoints
 from layerwise.interop.layout import EXP_AVG
-from layerwise.interop.merge import merge
-from layerwise.interop.recipe import load_recipe
+from layerwise.interop.recipes.merge import merge
+from layerwise.interop.recipes.recipe import load_recipe
 from layerwise.interop.sources import open_source
-from layerwise.interop.trainer import TrainerCheckpointSource
-from layerwise.interop.zero import ZeroCheckpointSource
+from layerwise.interop.hf.trainer_checkpoint import TrainerCheckpointSource
+from layerwise.interop.deepspeed.zero_checkpoint import ZeroCheckpointSource
 from layerwise.models.registry import FAMILIES
 from zero_helpers import BIG_LAYERS, NUM_LAYERS, SAVE_STEPS, WS1_STEPS, big_config, config
 
@@ -181,7 +181,7 @@ def test_deepspeed_format_needs_a_template(tmp_path):
 
 _PEAK_SCRIPT = """
 import json, sys, threading, time
-from layerwise.interop.merge import merge
+from layerwise.interop.recipes.merge import merge
 from layerwise.interop.sources import open_source
 
 def rss_anon():

@@ -36,12 +36,12 @@ import yaml
 from accelerate import PartialState
 from transformers import Trainer, TrainingArguments
 
-from layerwise.interop.callback import LayerwiseCheckpointCallback
-from layerwise.interop.deepspeed_hook import DeepSpeedCheckpointer
-from layerwise.interop.merge import merge
-from layerwise.interop.recipe import load_recipe
-from layerwise.interop.trainer import trainer_param_groups
-from layerwise.interop.zero_live import LiveZeroState
+from layerwise.interop.hooks.trainer_callback import LayerwiseCheckpointCallback
+from layerwise.interop.hooks.deepspeed_loop import DeepSpeedCheckpointer
+from layerwise.interop.recipes.merge import merge
+from layerwise.interop.recipes.recipe import load_recipe
+from layerwise.interop.hf.trainer_checkpoint import trainer_param_groups
+from layerwise.interop.hooks.zero_partitions import LiveZeroState
 from layerwise.models.registry import FAMILIES, get_flavor
 from trainer_helpers import TokenDataset
 

@@ -21,11 +21,11 @@ from transformers import AutoModelForCausalLM
 
 from layerwise.ckpt.resolve import open_run_step
 from layerwise.cli import main
-from layerwise.interop.dcp import DCPCheckpointSource
-from layerwise.interop.ingest import import_checkpoints
-from layerwise.interop.merge import merge
+from layerwise.interop.torchdist.dcp_checkpoint import DCPCheckpointSource
+from layerwise.interop.recipes.import_checkpoints import import_checkpoints
+from layerwise.interop.recipes.merge import merge
 from layerwise.interop.sources import open_source
-from layerwise.interop.trainer import trainer_param_groups
+from layerwise.interop.hf.trainer_checkpoint import trainer_param_groups
 from layerwise.models.registry import FAMILIES, get_flavor
 from live_source import LiveModelSource
 

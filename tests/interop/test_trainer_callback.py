@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from layerwise.interop.callback import LayerwiseCheckpointCallback
-from layerwise.interop.merge import merge
+from layerwise.interop.hooks.trainer_callback import LayerwiseCheckpointCallback
+from layerwise.interop.recipes.merge import merge
 from trainer_helpers import losses, make_trainer
 
 
@@ -52,7 +52,7 @@ def test_merge_to_trainer_format_matches_trainers_own_checkpoint(trained, tmp_pa
 
 
 def test_trainer_resumes_from_merged_layerwise_step(trained, tmp_path):
-    from layerwise.interop.callback import export_for_resume
+    from layerwise.interop.hooks.trainer_callback import export_for_resume
 
     trainer, cb, root = trained
     out = export_for_resume(root / "run", tmp_path / "resumed", step=5)  # resolves to step 4
@@ -101,9 +101,9 @@ def test_ckpt_merge_cli(trained, tmp_path, capsys):
 def test_recipe_mixes_layerwise_steps_and_a_trainer_checkpoint(trained, tmp_path):
     import yaml
 
-    from layerwise.interop.recipe import load_recipe
+    from layerwise.interop.recipes.recipe import load_recipe
     from layerwise.ckpt.resolve import open_run_step
-    from layerwise.interop.trainer import TrainerCheckpointSource
+    from layerwise.interop.hf.trainer_checkpoint import TrainerCheckpointSource
 
     _, _, root = trained
     run, native = root / "run", root / "hf" / "checkpoint-6"

@@ -29,11 +29,11 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from layerwise.ckpt import CheckpointCorruptError, RunDir, open_run_step
-from layerwise.interop.dcp import DCPCheckpointSource
-from layerwise.interop.fsdp import fsdp_checkpointer
-from layerwise.interop.merge import merge
-from layerwise.interop.recipe import RecipeSource, parse_recipe
-from layerwise.interop.trainer import trainer_param_groups
+from layerwise.interop.torchdist.dcp_checkpoint import DCPCheckpointSource
+from layerwise.interop.hooks.fsdp2_loop import fsdp_checkpointer
+from layerwise.interop.recipes.merge import merge
+from layerwise.interop.recipes.recipe import RecipeSource, parse_recipe
+from layerwise.interop.hf.trainer_checkpoint import trainer_param_groups
 from layerwise.models.registry import FAMILIES, get_flavor
 
 VOCAB, STEPS, RESUME_AT, BATCH, SEQ = 97, 4, 3, 4, 8

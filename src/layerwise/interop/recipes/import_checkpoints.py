@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
-from ..ckpt.checkpointer import Checkpointer
-from ..ckpt.policies import make_policy
-from ..ckpt.resolve import ResolvedStep, open_run_step
-from ..ckpt.run_dir import RunDir
-from ..ckpt.state import PARAM, rng_parts
-from ..models.names import config_is_tied, group_of
-from .layout import CheckpointSource
-from .sources import open_source
+from ...ckpt.checkpointer import Checkpointer
+from ...ckpt.policies import make_policy
+from ...ckpt.resolve import ResolvedStep, open_run_step
+from ...ckpt.run_dir import RunDir
+from ...ckpt.provider import PARAM, rng_parts
+from ...models.names import config_is_tied, group_of
+from ..layout import CheckpointSource
+from ..sources import open_source
 
 
 @dataclass

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ..ckpt.checkpointer import Checkpointer
-from ..ckpt.store_state import HostStoreStateProvider
+from ..ckpt.store_provider import HostStoreStateProvider
 from ..ckpt.tracker import UpdateTracker
 from ..models.adapter import DecoderAdapter
 from ..models.names import group_of

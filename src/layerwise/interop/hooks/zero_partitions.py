@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..ckpt.sharded import FlatShard, GroupReader
-from ..models.names import groups_of_model, model_is_tied
-from ..util.jsonable import jsonable
-from .layout import EXP_AVG, EXP_AVG_SQ, PARAM, STEP
+from ...ckpt.sharded_checkpointer import FlatShard, GroupReader
+from ...models.names import groups_of_model, model_is_tied
+from ...util.jsonable import jsonable
+from ..layout import EXP_AVG, EXP_AVG_SQ, PARAM, STEP
 
 MOMENTS = ((EXP_AVG, "exp_avg"), (EXP_AVG_SQ, "exp_avg_sq"))
 """Blob key prefix -> the torch AdamW state key."""

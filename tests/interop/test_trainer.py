@@ -14,12 +14,12 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, Trainer
 
-from layerwise.interop.merge import merge
-from layerwise.interop.recipe import load_recipe
-from layerwise.interop.hf_dir import HFModelDirSource
+from layerwise.interop.recipes.merge import merge
+from layerwise.interop.recipes.recipe import load_recipe
+from layerwise.interop.hf.model_dir import HFModelDirSource
 from layerwise.interop.layout import EXP_AVG, EXP_AVG_SQ, PARAM, STEP
 from layerwise.interop.sources import open_source
-from layerwise.interop.trainer import TrainerCheckpointSource
+from layerwise.interop.hf.trainer_checkpoint import TrainerCheckpointSource
 from layerwise.models.registry import FAMILIES, get_flavor
 from trainer_helpers import losses, make_trainer
 

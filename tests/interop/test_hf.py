@@ -14,10 +14,10 @@ from transformers import AutoModelForCausalLM
 
 from layerwise.util.units import parse_size_bytes
 from layerwise.util.safetensors_io import ShardedSafetensorsWriter
-from layerwise.interop.merge import merge
-from layerwise.interop.hf_dir import HFModelDirSource
+from layerwise.interop.recipes.merge import merge
+from layerwise.interop.hf.model_dir import HFModelDirSource
 from layerwise.interop.sources import open_source
-from layerwise.interop.trainer import TrainerCheckpointSource
+from layerwise.interop.hf.trainer_checkpoint import TrainerCheckpointSource
 from layerwise.models.registry import FAMILIES, get_flavor
 from live_source import LiveModelSource
 
@@ -215,7 +215,7 @@ def test_export_streams_one_group_at_a_time(hf_dir, tmp_path, fmt):
 
 
 def test_trainer_export_from_a_plain_loop_state(tmp_path):
-    from layerwise.interop.trainer import trainer_param_groups
+    from layerwise.interop.hf.trainer_checkpoint import trainer_param_groups
 
     model = tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05, betas=(0.8, 0.95))

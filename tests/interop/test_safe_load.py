@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from layerwise.interop.trainer import TrainerCheckpointSource, load_trainer_rng
+from layerwise.interop.hf.trainer_checkpoint import TrainerCheckpointSource, load_trainer_rng
 from layerwise.util.safe_load import load_data_file
 from trainer_helpers import make_trainer
 

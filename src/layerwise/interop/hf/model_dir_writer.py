@@ -15,12 +15,12 @@ import torch
 
 from transformers import AutoConfig, GenerationConfig
 
-from ..models.names import config_is_tied
-from ..util.atomic import atomic_write_text
-from ..util.dtypes import parse_dtype
-from ..util.safetensors_io import ShardedSafetensorsWriter
-from ..util.units import parse_size_bytes
-from .layout import (
+from ...models.names import config_is_tied
+from ...util.atomic import atomic_write_text
+from ...util.dtypes import parse_dtype
+from ...util.safetensors_io import ShardedSafetensorsWriter
+from ...util.units import parse_size_bytes
+from ..layout import (
     CONFIG_NAME,
     GENERATION_CONFIG_NAME,
     PARAM,
@@ -157,7 +157,7 @@ def write_hf(
 ) -> dict[str, Any]:
     """Write ``source`` as an HF model dir into the existing, empty ``out_dir``; return a summary.
 
-    Not atomic by itself: :func:`layerwise.interop.merge.merge` points it at a temp dir and renames.
+    Not atomic by itself: :func:`layerwise.interop.recipes.merge.merge` points it at a temp dir and renames.
     """
     config = require_config(source)
     torch_dtype = parse_dtype(dtype)

@@ -38,10 +38,10 @@ from typing import Any
 import torch
 import yaml
 
-from ..models.names import EMBED, LM_HEAD, NORM, config_is_tied, group_of, group_sort_key, layer_index, layer_unit
-from ..util.dtypes import parse_dtype
-from .layout import CheckpointSource
-from .sources import open_source
+from ...models.names import EMBED, LM_HEAD, NORM, config_is_tied, group_of, group_sort_key, layer_index, layer_unit
+from ...util.dtypes import parse_dtype
+from ..layout import CheckpointSource
+from ..sources import open_source
 
 ARCH_KEYS = (
     "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

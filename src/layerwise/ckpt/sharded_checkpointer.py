@@ -50,8 +50,8 @@ from .policies import GroupStatus, Policy, PolicyContext, make_policy, select_wi
 from .resolve import open_run_step
 from .run_dir import (BLOB_FORMAT, BLOB_FORMAT_VERSION, FIRST_VERSION_SHARDED, BlobBatch,
                       BlobPayload, RunDir, now_unix_s)
-from .shards import shard_layout
-from .state import PARAM, capture_rng, jsonable, restore_rng, rng_dict
+from .shard_ranges import shard_layout
+from .provider import PARAM, capture_rng, jsonable, restore_rng, rng_dict
 
 
 @dataclass(frozen=True)

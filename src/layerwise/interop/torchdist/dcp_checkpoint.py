@@ -17,7 +17,7 @@ which is group order, and only one group is in memory at a time. The shapes and 
 needs come from a first pass over the groups (each group is read twice).
 
 Reading (:class:`DCPCheckpointSource`) takes the keys from DCP's metadata, finds the names
-(HF's, or torchtitan's Llama names: :mod:`layerwise.interop.titan`) and the weight and optimizer
+(HF's, or torchtitan's Llama names: :mod:`layerwise.interop.torchdist.titan_names`) and the weight and optimizer
 prefixes (``model.`` or none; ``optim.state.``, ``optimizer.state.`` or ``state.``) by matching the
 config's parameter names, and loads one group's keys per ``dcp.load``. torchtitan's
 ``CheckpointManager`` saves ``{model, optimizer, lr_scheduler, dataloader, train_state}``: the
@@ -45,14 +45,14 @@ from torch.distributed.checkpoint import (DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex, StorageMeta,
                                                    TensorStorageMetadata)
 
-from ..models.names import config_is_tied, group_sort_key, groups_of_model
-from ..util.dtypes import parse_dtype
-from ..util.safe_load import load_data_file
-from .hf_dir import read_json
-from .hf_export import require_config, write_config_files
-from .layout import CONFIG_NAME, EXP_AVG, EXP_AVG_SQ, PARAM, STEP, CheckpointSource, meta_model
-from .titan import rope_heads, titan_name, titan_rows_to_hf
-from .trainer import AdamWHParams, _param_groups, trainer_param_groups
+from ...models.names import config_is_tied, group_sort_key, groups_of_model
+from ...util.dtypes import parse_dtype
+from ...util.safe_load import load_data_file
+from ..hf.model_dir import read_json
+from ..hf.model_dir_writer import require_config, write_config_files
+from ..layout import CONFIG_NAME, EXP_AVG, EXP_AVG_SQ, PARAM, STEP, CheckpointSource, meta_model
+from .titan_names import rope_heads, titan_name, titan_rows_to_hf
+from ..hf.trainer_checkpoint import AdamWHParams, _param_groups, trainer_param_groups
 
 METADATA_NAME = ".metadata"
 """DCP's metadata file (what marks a directory as a DCP checkpoint)."""
@@ -126,7 +126,7 @@ def write_dcp(source: CheckpointSource, out_dir: Path, *, dtype: str | torch.dty
               hparams: AdamWHParams | None = None) -> dict[str, Any]:
     """Write ``source`` as a DCP checkpoint into the existing, empty ``out_dir``; return a summary.
 
-    Not atomic by itself: :func:`layerwise.interop.merge.merge` points it at a temp dir and renames.
+    Not atomic by itself: :func:`layerwise.interop.recipes.merge.merge` points it at a temp dir and renames.
     """
     config = require_config(source)
     torch_dtype = parse_dtype(dtype)
@@ -239,7 +239,7 @@ class DCPCheckpointSource:
     """A DCP checkpoint dir as a ``CheckpointSource``: HF parameter names (``get_state_dict``'s
     nesting or flat keys), or torchtitan's Llama names (``tok_embeddings``, ``layers.{i}.attention.wq``,
     ...; weights flat or under ``model.``, AdamW under ``optimizer.state.``), renamed to HF's with
-    ``wq``/``wk`` rows put in HF's RoPE order (:mod:`layerwise.interop.titan`). DCP itself records no
+    ``wq``/``wk`` rows put in HF's RoPE order (:mod:`layerwise.interop.torchdist.titan_names`). DCP itself records no
     architecture, so the HF config comes from ``config`` or the dir's own config.json; the
     checkpoint's shapes are checked against it."""
 

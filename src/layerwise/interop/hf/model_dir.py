@@ -17,11 +17,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from ..models.adapter import DecoderAdapter
-from ..models.names import config_is_tied, group_of, group_sort_key
-from ..store import PRIVATE, HostAllocator, HostStore
-from ..util.safe_load import load_data_file
-from .layout import (
+from ...models.adapter import DecoderAdapter
+from ...models.names import config_is_tied, group_of, group_sort_key
+from ...store import PRIVATE, HostAllocator, HostStore
+from ...util.safe_load import load_data_file
+from ..layout import (
     CONFIG_NAME,
     GENERATION_CONFIG_NAME,
     PARAM,

@@ -31,15 +31,15 @@ from torch import nn
 from transformers import Trainer, TrainerState
 from transformers.trainer_pt_utils import get_parameter_names
 
-from ..ckpt.moments import fp32_moments
-from ..util.atomic import atomic_write_text
-from ..util.dtypes import parse_dtype
-from ..util.jsonable import jsonable
-from ..util.safe_load import load_data_file
-from ..util.units import parse_size_bytes
-from .hf_dir import HFModelDirSource, load_pt, read_json
-from .hf_export import DEFAULT_MAX_SHARD_SIZE, WeightsWriter, require_config, write_config_files
-from .layout import (
+from ...ckpt.moments import fp32_moments
+from ...util.atomic import atomic_write_text
+from ...util.dtypes import parse_dtype
+from ...util.jsonable import jsonable
+from ...util.safe_load import load_data_file
+from ...util.units import parse_size_bytes
+from .model_dir import HFModelDirSource, load_pt, read_json
+from .model_dir_writer import DEFAULT_MAX_SHARD_SIZE, WeightsWriter, require_config, write_config_files
+from ..layout import (
     CONFIG_NAME,
     EXP_AVG,
     EXP_AVG_SQ,
@@ -204,7 +204,7 @@ def write_trainer(
 ) -> dict[str, Any]:
     """Write ``source`` as a Trainer checkpoint into the existing, empty ``out_dir``; return a summary.
 
-    Not atomic by itself: :func:`layerwise.interop.merge.merge` points it at a temp dir and renames.
+    Not atomic by itself: :func:`layerwise.interop.recipes.merge.merge` points it at a temp dir and renames.
     """
     out_dir = Path(out_dir)
     config = require_config(source)

@@ -44,13 +44,13 @@ from typing import Any
 
 import torch
 
-from ..models.names import group_sort_key, groups_of_model
-from ..util.atomic import atomic_write_text
-from ..util.jsonable import jsonable
-from ..util.safe_load import load_data_file
-from .hf_dir import read_json
-from .hf_export import require_config, write_config_files
-from .layout import CONFIG_NAME, EXP_AVG, EXP_AVG_SQ, PARAM, STEP, CheckpointSource, meta_model
+from ...models.names import group_sort_key, groups_of_model
+from ...util.atomic import atomic_write_text
+from ...util.jsonable import jsonable
+from ...util.safe_load import load_data_file
+from ..hf.model_dir import read_json
+from ..hf.model_dir_writer import require_config, write_config_files
+from ..layout import CONFIG_NAME, EXP_AVG, EXP_AVG_SQ, PARAM, STEP, CheckpointSource, meta_model
 
 LATEST_NAME = "latest"
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -341,7 +341,7 @@ def write_zero(source: CheckpointSource, out_dir: Path, *, template: str | Path)
     """Write ``source`` into a copy of the ZeRO save ``template`` under the empty ``out_dir``
     (``out_dir/<tag>/``, ``out_dir/latest``, ``out_dir/config.json``); return a summary.
 
-    Not atomic by itself: :func:`layerwise.interop.merge.merge` points it at a temp dir and renames.
+    Not atomic by itself: :func:`layerwise.interop.recipes.merge.merge` points it at a temp dir and renames.
     """
     config = require_config(source)
     tmpl = ZeroCheckpointSource(template, config=config)

@@ -14,7 +14,7 @@ dir as ``resume_from_checkpoint`` (:func:`export_for_resume` does both in Python
 layer-wise checkpoints replace the Trainer's own.
 
 With DeepSpeed ZeRO (``args.deepspeed``) the callback runs on every rank and drives a
-:class:`~layerwise.interop.deepspeed_hook.DeepSpeedCheckpointer`: each rank writes its own
+:class:`~layerwise.interop.hooks.deepspeed_loop.DeepSpeedCheckpointer`: each rank writes its own
 partition of the chosen groups, and the policy sees statistics summed over the ranks. The
 ``TrainerState`` is kept with the step as in one process. Such a run merges and exports like
 any other (``merge --format hf|trainer``); the Trainer's own resume from it is not built (load it
@@ -31,10 +31,10 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..ckpt.checkpointer import Checkpointer
-from .deepspeed_hook import DeepSpeedCheckpointer
-from .merge import merge
-from .sources import open_source
+from ...ckpt.checkpointer import Checkpointer
+from .deepspeed_loop import DeepSpeedCheckpointer
+from ..recipes.merge import merge
+from ..sources import open_source
 
 
 def _unwrap(obj: Any, attr: str) -> Any:

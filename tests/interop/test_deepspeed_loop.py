@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 from layerwise.ckpt.resolve import open_run_step
 from layerwise.ckpt.run_dir import RunDir
-from layerwise.interop.merge import merge
+from layerwise.interop.recipes.merge import merge
 from layerwise.interop.sources import open_source
-from layerwise.interop.zero import ZeroCheckpointSource
+from layerwise.interop.deepspeed.zero_checkpoint import ZeroCheckpointSource
 from zero_helpers import LW_STEP, SAVE_STEPS, TRAINER_STEPS, WORLD_SIZE
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")

@@ -11,7 +11,7 @@
         if step % 100 == 0:
             ckpt.save(step)                 # on every rank
 
-Every rank writes its own pieces (``interop.zero_live``) of the groups the policy picks, through
+Every rank writes its own pieces (``interop.hooks.zero_partitions``) of the groups the policy picks, through
 the sharded save protocol (``ckpt.sharded``): no rank gathers a full parameter, and a run saved
 by N ranks loads at M. Loading writes the fp32 master, both AdamW moments and the step into the
 engine's partitions, rebuilds the module's weights from them, and puts back the engine's step
@@ -27,9 +27,9 @@ from typing import Any
 
 from torch import nn
 
-from ..ckpt.collective import RankExchange, default_exchange
-from ..ckpt.sharded import ShardedCheckpointer, ShardedLoadResult, ShardedSaveReport
-from .zero_live import LiveZeroState
+from ...ckpt.collective import RankExchange, default_exchange
+from ...ckpt.sharded_checkpointer import ShardedCheckpointer, ShardedLoadResult, ShardedSaveReport
+from .zero_partitions import LiveZeroState
 
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 """The engine's own step counters, kept in a save's ``extra["deepspeed"]``."""

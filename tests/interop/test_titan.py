@@ -28,7 +28,7 @@ from layerwise.cli import main
 from layerwise.interop.sources import open_source
 from layerwise.models.registry import FAMILIES, get_flavor
 from live_source import LiveModelSource
-from test_interop_dcp import groups_equal, trained
+from test_dcp import groups_equal, trained
 
 TITAN = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
          "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo",

@@ -1,0 +1,1 @@
+"""DeepSpeed ZeRO checkpoints, read and written without DeepSpeed."""

@@ -1,0 +1,1 @@
+"""Hugging Face formats: model dirs read and written, Trainer ``checkpoint-N`` dirs."""

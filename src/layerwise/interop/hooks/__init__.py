@@ -1,0 +1,1 @@
+"""Live training hooks: layer-wise saves written from a running HF Trainer, DeepSpeed or FSDP2 loop."""

@@ -1,0 +1,1 @@
+"""torch.distributed formats: DCP dirs, and torchtitan's parameter names."""
