@@ -19,7 +19,7 @@ stage's Python on the CPU (a tiny model, the engine's asynchronous CPU backend),
 CUDA calls; the test suite runs it so the check cannot rot. The JSON schema is defined once, in
 ``gpu_check_schema.py``, and rendered into docs/benchmarks.md ("GPU check"; ``--print-schema``).
 
-    python benchmarks/gpu_check.py --host-budget-gb 137.4 [--out gpu-check.json] [--budget-s 380]
+    python benchmarks/gpu_check.py --host-budget-gb 137.4 [--out gpu-check.json] [--budget-s 360]
     python benchmarks/gpu_check.py --dry-run
     make gpu-check                  # on the GPU machine: wheels from .whl/, the Makefile's budget
 
@@ -65,8 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--host-budget-gb", type=float, default=None,
                     help="host RAM in GB (1e9 bytes) for the store's and the planner's RAM checks; required "
                          "on a GPU (MemTotal/MemAvailable are not used)")
-    ap.add_argument("--budget-s", type=float, default=380.0,
-                    help="time budget: no stage starts when less than its estimate is left (default 380)")
+    ap.add_argument("--budget-s", type=float, default=360.0,
+                    help="time budget: no stage starts when less than its estimate is left (default 360)")
     ap.add_argument("--stages", default="", help=f"comma-separated subset of {','.join(STAGES)} "
                                                   "(with what they need)")
     ap.add_argument("--hide-modules", default="",

@@ -45,8 +45,11 @@ class Dev:
             self.torch.cuda.synchronize()
 
     def clean(self) -> None:
-        gc.collect()
+        """Give device memory back between stages (a collection first: tensors held by cycles
+        would keep their blocks). On the CPU there is nothing to give back, and a collection in
+        a process holding torch and transformers takes most of a second."""
         if self.is_cuda:
+            gc.collect()
             self.torch.cuda.synchronize()
             self.torch.cuda.empty_cache()
 

@@ -134,7 +134,8 @@ def _shrunk(fn, overrides: dict[str, Any]):
 
 def measure_layer_at_shape(lg: Large) -> dict[str, Any]:
     """One decoder layer's backward as the engine runs it (``layer_ops.layer_backward``) at the
-    run's micro-batch shape: FLOP rate by the cost model's count (3x forward), best of 3."""
+    run's micro-batch shape, in bf16 on a GPU: FLOP rate by the cost model's count (3x forward),
+    best of 3."""
     import torch
     from layerwise.engine.layer_ops import layer_backward
     from layerwise.plan.cost import CostModel
@@ -142,13 +143,14 @@ def measure_layer_at_shape(lg: Large) -> dict[str, Any]:
     from layerwise.store import FlatLayout
 
     dev, adapter, shape, mbs, seq = lg.dev, lg.adapter, lg.shape, lg.mbs, lg.seq
+    dtype = torch.bfloat16 if dev.is_cuda else torch.float32  # as calibrate times each device
     layout = FlatLayout.of(adapter.units[1])
     gen = dev.generator(1)
-    w = torch.randn(layout.numel, device=dev.name, generator=gen).mul_(0.02).to(torch.bfloat16)
+    w = torch.randn(layout.numel, device=dev.name, generator=gen).mul_(0.02).to(dtype)
     for spec, view in zip(layout.specs, layout.views(w).values()):
         if len(spec.shape) < 2:
             view.fill_(1.0 if "norm" in spec.local else 0.0)
-    x = torch.randn(mbs, seq, shape.hidden_size, device=dev.name, generator=gen).to(torch.bfloat16)
+    x = torch.randn(mbs, seq, shape.hidden_size, device=dev.name, generator=gen).to(dtype)
     grad_out = torch.randn_like(x)
     pos = torch.arange(seq, device=dev.name)[None]
     with torch.no_grad():

@@ -214,7 +214,7 @@ RAM_CHECK = R("store.ram_check",
               K("fits", "bool", "what the store's check decides"))
 
 STORE = R("store",
-          K("ram_check", "record", "", of=RAM_CHECK),
+          K("ram_check", "record", "the store's RAM check", of=RAM_CHECK),
           K("alloc_s", "number", "`HostStore(...)`: allocation and page-locking"),
           K("init_s", "number", "seeded fill + compute copy"),
           K("state_init_s", "number", "optimizer state of every unit"),
@@ -286,17 +286,17 @@ TOP = R("(top level)",
         K("stages", "map", "per stage, in run order: `device`, `layer_check`, `tiny_steps`, `pinned_arena`, "
                            "`copy_bandwidth`, `cuda_tests`, `model`, `calibration`, `optimizer`, `planner`, "
                            "`store`, `plan:<name>`, `simulator`", of=STAGE),
-        K("host_ram", "record", "", of=HOST_RAM),
-        *(K(r.title, "record", "", optional=True, of=r)
+        K("host_ram", "record", "the RAM figure the checks use, beside the kernel's", of=HOST_RAM),
+        *(K(r.title, "record", f"stage `{r.title}`'s result", optional=True, of=r)
           for r in (DEVICE, LAYER_CHECK, TINY_STEPS, PINNED_ARENA, COPY_BANDWIDTH)),
         K("first_contact_s", "number", "seconds from the start to the end of `copy_bandwidth`", optional=True),
-        K("cuda_tests", "record", "", optional=True, of=CUDA_TESTS),
-        *(K(r.title, "record", "", optional=True, of=r)
+        K("cuda_tests", "record", "stage `cuda_tests`'s result", optional=True, of=CUDA_TESTS),
+        *(K(r.title, "record", f"stage `{r.title}`'s result", optional=True, of=r)
           for r in (MODEL, CALIBRATION, OPTIMIZER, PLANNER, STORE)),
         K("plan_order", "list", f"`{PLAN_ORDER.title}` records: the plans, smallest predicted device peak "
                                 "first (the order they run in)", optional=True),
         K("plans", "map", "per plan run (`every-1`, `every-4`, `keep-all-host`, `planner`)", optional=True, of=PLAN),
-        K("simulator", "record", "", optional=True, of=SIMULATOR),
+        K("simulator", "record", "stage `simulator`'s result", optional=True, of=SIMULATOR),
         K("failed_stages", "list", "names, at the end", optional=True),
         K("skipped_stages", "list", "names, at the end (not counting stages not selected)", optional=True))
 
