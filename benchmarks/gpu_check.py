@@ -90,10 +90,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--optim-rounds", type=int, help="7 [1]")
     g.add_argument("--milp-budget-s", type=float, help="HiGHS time of the planner's search (6 [0.5])")
     t = ap.add_argument_group("CUDA tests")
-    t.add_argument("--cuda-tests-timeout-s", type=float, default=150.0, help="all CUDA tests (150)")
+    t.add_argument("--cuda-tests-timeout-s", type=float, default=120.0, help="all CUDA tests (120)")
     t.add_argument("--cuda-test-timeout-s", type=float, default=90.0, help="one test, with pytest-timeout (90)")
-    t.add_argument("--reserve-after-tests-s", type=float, default=150.0,
-                   help="budget kept for the large stages when the tests' timeout is set (150)")
+    t.add_argument("--reserve-after-tests-s", type=float, default=200.0,
+                   help="budget kept for the large stages when the tests' timeout is set (200)")
     args = ap.parse_args(argv)
     for key, value in (DRY_DEFAULTS if args.dry_run else DEFAULTS).items():
         if getattr(args, key) is None:
@@ -130,9 +130,9 @@ def run_stages(report: Report, args: argparse.Namespace) -> None:
     res = report.result
     dev = Dev(args.dry_run)
     sizes = FirstSizes.dry() if args.dry_run else FirstSizes()
-    report.stage("device", 30, lambda d: device_facts(dev, d))
-    report.stage("layer_check", 20, lambda d: run_layer_check(dev, sizes, d))
-    report.stage("tiny_steps", 20, lambda d: run_tiny_steps(dev, sizes, d))
+    report.stage("device", 10, lambda d: device_facts(dev, d))
+    report.stage("layer_check", 15, lambda d: run_layer_check(dev, sizes, d))
+    report.stage("tiny_steps", 15, lambda d: run_tiny_steps(dev, sizes, d))
     report.stage("pinned_arena", 10, lambda d: run_pinned_arena(dev, sizes, d))
     report.stage("copy_bandwidth", 10, lambda d: run_copy_bandwidth(dev, sizes, d))
     res["first_contact_s"] = round(report.elapsed_s(), 3)
@@ -144,7 +144,7 @@ def run_stages(report: Report, args: argparse.Namespace) -> None:
     lg = Large(dev, args.model, int(args.host_budget_gb * 1e9), args.micro_batch_size, args.seq_len,
                args.micro_batches, args.moments)
     report.stage("model", 10, lambda d: run_model(lg, args.layers, d))
-    report.stage("calibration", 40, lambda d: run_calibration(lg, args.calibrate_quick, d), needs=("model",))
+    report.stage("calibration", 25, lambda d: run_calibration(lg, args.calibrate_quick, d), needs=("model",))
     report.stage("optimizer", 20, lambda d: run_optimizer(lg, args.optim_layers, args.optim_rounds, d),
                  needs=("model",))
     report.stage("planner", 10 + args.milp_budget_s, lambda d: run_planner(lg, args.milp_budget_s, d),

@@ -113,7 +113,8 @@ PINNED_ARENA = R("pinned_arena",
                  K("expected_pinned_bytes", "int", "the arena in whole pages (0 unpinned)"),
                  K("page_size_bytes", "int", ""),
                  K("arena_is_pinned", "bool", "`arena.is_pinned()`", null=True),
-                 K("probe_bytes", "int", "a larger region page-locked by `alloc_pinned`"),
+                 K("probe_bytes", "int", "a larger region page-locked by `alloc_pinned` (768 MiB: not a power of "
+                                         "two, so the fallback's rounding shows)"),
                  K("probe_registered", "bool", "locked in place (cudaHostRegister), not by the "
                                                "power-of-two fallback", null=True),
                  K("probe_locked_bytes", "int", "bytes locked", null=True),

@@ -33,8 +33,6 @@ from layerwise.engine import CudaBackend, EngineConfig, StreamingEngine
 from layerwise.engine.batch import IGNORE_INDEX, Batch
 from layerwise.models import DecoderAdapter, get_flavor
 from layerwise.models.init import build_hf_model
-from layerwise.optim.adamw import AdamWConfig, HostAdamW
-from layerwise.optim.adamw8bit import HostAdamW8bit
 from layerwise.plan import Plan
 from layerwise.store import HostStore
 
