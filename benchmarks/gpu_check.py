@@ -105,7 +105,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         ap.error(f"unknown stages {unknown}; choose from {','.join(STAGES)}")
     args.hide_modules = [s.strip() for s in args.hide_modules.split(",") if s.strip()]
-    args.needs_budget = args.host_budget_gb is None
     return args
 
 
@@ -188,18 +187,23 @@ def main(argv: list[str] | None = None) -> int:
         return no_gpu(f"torch is not importable: {type(e).__name__}: {e}")
     if not args.dry_run and not torch.cuda.is_available():
         return no_gpu(f"torch {torch.__version__} sees no CUDA device")
-    if args.needs_budget:
+    if args.host_budget_gb is None:
         print("gpu-check: give --host-budget-gb, the machine's RAM in GB (`make gpu-check` passes the GPU "
               "machine's documented 128 GiB); MemTotal/MemAvailable are not used", file=sys.stderr)
         return 2
     if str(REPO / "src") not in sys.path:
         sys.path.insert(0, str(REPO / "src"))
-    report = Report(Path(args.out), args.budget_s, {k: v for k, v in vars(args).items() if k != "needs_budget"},
-                    args.dry_run, selected_stages(args.stages))
+    report = Report(Path(args.out), args.budget_s, vars(args), args.dry_run, selected_stages(args.stages))
     report.result["host_ram"] = host_ram(int(args.host_budget_gb * 1e9))
     report.save()
-    with hidden_modules(args.hide_modules):
-        run_stages(report, args)
+    threads = torch.get_num_threads()
+    if args.dry_run:  # tiny tensors: with more threads than idle cores every op waits for the others
+        torch.set_num_threads(1)
+    try:
+        with hidden_modules(args.hide_modules):
+            run_stages(report, args)
+    finally:
+        torch.set_num_threads(threads)
     status = report.finish(FIRST_CONTACT)
     print(json.dumps(report.result, indent=2, default=str))
     print(summary(report.result))

@@ -360,3 +360,13 @@ def test_gpu_check_dry_run_on_cpu(tmp_path, capsys):
         assert rec["reserved_over_predicted"] is None and rec["profile"]["kernels"] == 0, name
     assert len(res["simulator"]["runs"]) == 4 * 3  # every plan under h200, calibrated, calibrated-shape
     assert "gpu-check: status ok" in capsys.readouterr().out
+
+
+def test_gpu_check_on_a_gpu_needs_the_host_budget(tmp_path, monkeypatch, capsys):
+    """On a GPU the RAM is given, never read from MemTotal: without --host-budget-gb the check
+    says so and stops before touching anything."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    out = tmp_path / "gpu-check.json"
+    assert gpu_check.main(["--out", str(out)]) == 2
+    assert "--host-budget-gb" in capsys.readouterr().err
+    assert not out.exists()
