@@ -260,5 +260,5 @@ def run_copy_bandwidth(dev: Dev, sizes: FirstSizes, data: dict[str, Any]) -> Non
                                               sizes.copy_repeats, dev.sync)
         data[f"d2h_{kind}_gbps"] = _best_gbps(lambda: host.copy_(device_buf, non_blocking=True), n,
                                               sizes.copy_repeats, dev.sync)
-    del device_buf, hosts
+    device_buf = hosts = None  # freed before the cache is emptied (the closures above are done)
     dev.clean()

@@ -169,7 +169,7 @@ def measure_layer_at_shape(lg: Large) -> dict[str, Any]:
         dev.sync()
         times.append(time.perf_counter() - t)
     flops = 3.0 * CostModel(shape, PRESETS["h200"], mbs, seq).layer_fwd_flops(0)
-    del w, x, grad_out
+    w = x = grad_out = None  # freed before the cache is emptied
     dev.clean()
     return {"layer_bwd_s": min(times), "layer_bwd_flops": flops, "layer_bwd_tflops": flops / min(times) / 1e12}
 
@@ -193,8 +193,8 @@ def run_calibration(lg: Large, quick: bool, data: dict[str, Any]) -> None:
     shaped = replace(profile, name=f"{profile.name}-at-shape", peak_tflops=peak,
                      efficiency=min(1.0, layer["layer_bwd_tflops"] / peak))
     lg.profiles["calibrated-shape"] = shaped
-    data.update(calibrate_s=round(cal_s, 3), quick=quick, probes=("dry-run sizes" if lg.dev.dry_run else "calibrate's own"),
-                profile=profile.to_dict(), layer_at_shape=layer,
+    data.update(calibrate_s=round(cal_s, 3), quick=quick,
+                probes="dry-run sizes" if lg.dev.dry_run else "calibrate's own", profile=profile.to_dict(), layer_at_shape=layer,
                 profile_at_shape={"peak_tflops": shaped.peak_tflops, "efficiency": shaped.efficiency},
                 host_mem_bytes=profile.host_mem_bytes, host_mem_figure="--host-budget-gb")
 
@@ -271,7 +271,7 @@ def run_optimizer(lg: Large, layers: int, rounds: int, data: dict[str, Any]) -> 
         "torch_fused_state_bytes_per_param": state_bytes(fused) / numel,
         "update_rel_diff_after_3_steps": float(diff / moved),
     })
-    del fused, q8, q8_clip, fused_p, q_p, p0, grads, saved
+    fused = q8 = q8_clip = fused_p = q_p = p0 = grads = saved = None  # freed before the cache is emptied
     dev.clean()
 
 
