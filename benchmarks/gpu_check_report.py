@@ -143,8 +143,9 @@ _ABSENT = object()
 def hidden_modules(names: list[str]) -> Iterator[None]:
     """Make ``import name`` fail for each of ``names`` (``sys.modules[name] = None``), as on a
     machine without those packages; restored afterwards (a dry run inside the test suite)."""
-    saved = {n: sys.modules.get(n, _ABSENT) for n in names}
-    for n in names:
+    hide = set(names) | {m for m in sys.modules for n in names if m.startswith(n + ".")}  # loaded before
+    saved = {n: sys.modules.get(n, _ABSENT) for n in hide}
+    for n in hide:
         sys.modules[n] = None  # type: ignore[assignment]
     try:
         yield

@@ -6,6 +6,7 @@ keeps working against the engine between GPU runs."""
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import re
 import sys
@@ -370,3 +371,20 @@ def test_gpu_check_on_a_gpu_needs_the_host_budget(tmp_path, monkeypatch, capsys)
     assert gpu_check.main(["--out", str(out)]) == 2
     assert "--host-budget-gb" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_hidden_modules_cannot_be_imported_and_come_back(tmp_path, monkeypatch):
+    """A package and its submodule loaded before (as deepspeed's may be in the test session)
+    are both unimportable while hidden (``from pkg.sub import x`` too), and the same modules
+    afterwards. Mutation: hiding only the package lets ``import_module("pkg.sub")`` through."""
+    (tmp_path / "gc_probe_pkg").mkdir()
+    (tmp_path / "gc_probe_pkg" / "__init__.py").write_text("")
+    (tmp_path / "gc_probe_pkg" / "sub.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import gc_probe_pkg.sub
+
+    with report.hidden_modules(["gc_probe_pkg"]):
+        for name in ("gc_probe_pkg", "gc_probe_pkg.sub"):
+            with pytest.raises(ImportError):
+                importlib.import_module(name)
+    assert importlib.import_module("gc_probe_pkg.sub") is gc_probe_pkg.sub
