@@ -28,8 +28,9 @@ from ..ckpt.store_provider import HostStoreStateProvider
 from ..ckpt.tracker import UpdateTracker
 from ..models.adapter import DecoderAdapter
 from ..models.names import group_of
-from ..store import HostStore, available_host_memory
+from ..store import HostStore
 from ..util.atomic import atomic_write_text
+from ..util.host_memory import available_host_memory
 
 TRACKER_LOG = "tracker.jsonl"
 
