@@ -146,55 +146,44 @@ class OpHandlers:
     def _fetch(self, mb: MicroBatch, i: int) -> None:
         self.acts.fetch(i)
 
-    def _layer_bwd(self, mb: MicroBatch, i: int) -> None:
-        unit = layer_unit(i)
+    def _backward(self, mb: MicroBatch, unit: str, grads_of, prepare=None) -> None:
+        """Queue ``unit``'s backward: its weights in; on the compute lane ``grads_of(w, prepared)``
+        -> (gradient w.r.t. its input, which the next backward reads; its parameters' gradients
+        in layout order, which leave through the sink). ``prepare``: host-side work queued once
+        the weights and the grad slot are, its result handed to ``grads_of``."""
         w = self.streamer.acquire(unit)
         ticket = self.sink.begin(unit)
+        prepared = prepare() if prepare is not None else None
 
         def run() -> None:
-            gx, gw = layer_backward(self.adapter, i, self.store[unit].layout, w, self.acts.on_device[i],
-                                    mb.grad_h, mb.rope, mb.pos, mb.masks)
-            mb.grad_h = gx
+            mb.grad_h, gw = grads_of(w, prepared)
             self.sink.deposit(ticket, gw)
 
         self.backend.launch(run)
         self.streamer.release(unit)
         self.sink.end(ticket, mb.final)
+
+    def _layer_bwd(self, mb: MicroBatch, i: int) -> None:
+        layout = self.store[layer_unit(i)].layout
+        self._backward(mb, layer_unit(i), lambda w, _: layer_backward(
+            self.adapter, i, layout, w, self.acts.on_device[i], mb.grad_h, mb.rope, mb.pos, mb.masks))
         self.acts.drop(i)
 
     def _fetch_internals(self, mb: MicroBatch, i: int) -> None:
         self.internals.fetch(i)
 
     def _layer_bwd_kept(self, mb: MicroBatch, i: int) -> None:
-        unit = layer_unit(i)
-        w = self.streamer.acquire(unit)
-        ticket = self.sink.begin(unit)
-        g = self.internals.ready(i)
-
-        def run() -> None:
-            gx, gw = self.internals.backward(g, w, mb.grad_h)
-            mb.grad_h = gx
-            self.sink.deposit(ticket, gw)
-
-        self.backend.launch(run)
-        self.streamer.release(unit)
-        self.sink.end(ticket, mb.final)
+        self._backward(mb, layer_unit(i), lambda w, g: self.internals.backward(g, w, mb.grad_h),
+                       prepare=lambda: self.internals.ready(i))
         self.acts.drop(i)
 
     def _embed_bwd(self, mb: MicroBatch, _i: int) -> None:
-        w = self.streamer.acquire(EMBED)
-        ticket = self.sink.begin(EMBED)
-
-        def run() -> None:
+        def grads_of(w: torch.Tensor, _) -> tuple[None, list[torch.Tensor]]:
             params = self.store[EMBED].layout.leaves(w)
             h0 = self.adapter.embed(params, mb.ids)
-            gw = torch.autograd.grad(h0, tuple(params.values()), mb.grad_h)
-            self.sink.deposit(ticket, list(gw))
-            mb.grad_h = None
+            return None, list(torch.autograd.grad(h0, tuple(params.values()), mb.grad_h))
 
-        self.backend.launch(run)
-        self.streamer.release(EMBED)
-        self.sink.end(ticket, mb.final)
+        self._backward(mb, EMBED, grads_of)
 
     def _head(self, mb: MicroBatch, _i: int) -> None:
         """Final norm + lm_head + loss in chunks of ``head_chunk_tokens``; the weight gradients
