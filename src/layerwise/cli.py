@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from .util.logs import command_output
+
 # Modules with a ``register(subparsers)`` function; each adds its subcommands.
 COMMAND_MODULES = (
     "layerwise.train.cli",  # demo, train
@@ -34,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        with command_output():  # the library's log lines, printed as plain lines
+            return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:
         # User mistakes: one clear line, no traceback.
         print(f"layerwise {args.command}: error: {e}", file=sys.stderr)

@@ -21,6 +21,7 @@ from layerwise import config
 from layerwise.ckpt.checkpointer import Checkpointer
 from layerwise.ckpt.run_dir import RunDir
 from layerwise.train.loop import TrainConfig, train
+from layerwise.util.logs import command_output
 
 BASE = dict(model="llama-demo", seq_len=32, corpus_tokens=20_000, eval_every=0, eval_batches=1,
             log_every=1, progress="lines", track_every=0, warmup_steps=0, min_lr_ratio=1.0)
@@ -88,7 +89,8 @@ def main() -> None:
             stall_in_blob_writes(fault["step"], fault["marker"])
         cfg = config.apply_overrides(TrainConfig(**BASE), run["overrides"])
         sampler = MemorySampler() if run.get("memory") else None
-        train(cfg)
+        with command_output():  # rank 0's lines on stdout, as under `layerwise train`
+            train(cfg)
         if sampler is not None:
             Path(f"{run['memory']}.{os.environ['RANK']}").write_text(json.dumps(sampler.stop()))
 

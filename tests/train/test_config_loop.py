@@ -54,7 +54,7 @@ def test_short_training_run_learns_and_exports(tmp_path):
     cfg = TrainConfig(steps=12, seq_len=64, micro_batch_size=4, grad_accum=2, plan="every-3",
                       corpus_tokens=200_000, eval_every=0, eval_batches=2, out_dir=str(tmp_path),
                       log_every=100)
-    result = train(cfg, log=lambda *_: None)
+    result = train(cfg)
     assert result.eval_loss_end < result.eval_loss_start - 0.5
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(1, 13))

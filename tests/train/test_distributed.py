@@ -88,7 +88,7 @@ def _run(out: Path, *overrides: str) -> Path:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        train(cfg, log=lambda *_: None)
+        train(cfg)
     finally:
         torch.set_num_threads(threads)
     return out

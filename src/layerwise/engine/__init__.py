@@ -2,8 +2,10 @@
 
 Owns the device backends (CUDA streams; CPU synchronous; CPU asynchronous, which plays the
 GPU's protocol with threads), the weight / gradient / activation
-streams, the executor itself, the micro-batch contract (``batch``), the layer backward shared
-with calibration (``layer_ops``) and ``layerwise calibrate``. The step program and the memory
+streams, the executor (``executor``: a step's sequence; ``op_handlers``: the ops; ``updates``:
+the host optimizer updates; ``reduce``: how ranks combine a step, ``LocalReducer`` alone), the
+micro-batch contract (``batch``), the layer backward shared with calibration (``layer_ops``)
+and ``layerwise calibrate``. The step program and the memory
 model it obeys live in ``layerwise.plan``.
 """
 

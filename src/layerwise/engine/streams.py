@@ -10,8 +10,9 @@ ahead.
   copying a unit whose optimizer update has not finished (it retries at the next op), and never
   waiting for a unit other than the one the op needs now.
 - :class:`GradSink`: gradients leave in one copy per unit through two device grad slots and a
-  small pinned host ring; a host worker adds each into the unit's fp32 gradient and takes the
-  unit's squared norm once it is final, so the clip factor is known when the backward ends.
+  small pinned host ring; a host worker adds each into the unit's fp32 gradient and hands the
+  unit to the step reducer once it is final (which takes its squared norm, or reduces it across
+  ranks), so the clip factor is known when the backward ends.
 - :class:`BoundaryTiers`: boundary activations kept on the device, offloaded to host memory
   or NVMe, fetched back into fetch slots ahead of use, or dropped (recompute).
 """
@@ -30,7 +31,6 @@ from pathlib import Path
 
 import torch
 
-from ..optim.clip import sq_norm
 from ..store import HostStore
 from ..plan.memory import FETCH_SLOTS, GRAD_SLOTS
 from ..plan.program import WeightWindow
@@ -139,16 +139,15 @@ class GradTicket:
 
 class GradSink:
     def __init__(self, backend: DeviceBackend, store: HostStore, fp32_numel: int,
-                 on_final: Callable[[str], None] | None = None):
+                 on_final: Callable[[str], None]):
         """``fp32_numel``: the largest gradient sent in fp32 (the head's accumulators).
         ``on_final(unit)``: called where a unit's step gradient is complete on the host (the
-        landing worker, or inline), e.g. to start reducing it across ranks; the reducer then
-        gives the norms (of the reduced gradient) and ``finish`` returns none."""
+        landing worker, or inline): the step reducer's ``unit_landed``, which takes its norm or
+        starts reducing it across ranks."""
         self.backend = backend
         self.on_final = on_final
         self.store = store
         self.inline = not backend.asynchronous
-        self.sq_norms: dict[str, float] = {}
         if self.inline:
             return
         dtype = store.compute_dtype
@@ -189,7 +188,7 @@ class GradSink:
         """The deposit is queued: send the gradient to the host and add it up there."""
         if ticket.device is None:
             if final:
-                self._final(ticket.unit)
+                self.on_final(ticket.unit)
             return
         ev = self._send(ticket.device, ticket.numel, ticket.device.dtype, ticket.unit, final)
         self.slots[ticket.slot].free_after = ev
@@ -199,7 +198,7 @@ class GradSink:
         if self.inline:
             self.store[unit].grad.add_(grad.get())
             if final:
-                self._final(unit)
+                self.on_final(unit)
             return
         self._send(grad, numel, torch.float32, unit, final)
 
@@ -225,7 +224,7 @@ class GradSink:
                 host_grad = self.store[unit].grad
                 host_grad.add_(dst)
                 if final:
-                    self._final(unit)
+                    self.on_final(unit)
             except BaseException as e:  # noqa: BLE001  (re-raised by finish)
                 self._errors.append(e)
             finally:
@@ -233,12 +232,6 @@ class GradSink:
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
-
-    def _final(self, unit: str) -> None:
-        if self.on_final is not None:  # data parallel: the norm is of the reduced gradient
-            self.on_final(unit)
-        else:
-            self.sq_norms[unit] = sq_norm(self.store[unit].grad)
 
     def _drain(self) -> None:
         if self.inline:
@@ -253,17 +246,14 @@ class GradSink:
             self._errors.clear()
             for s in self.slots:
                 s.free_after = None
-        self.sq_norms = {}
 
-    def finish(self) -> dict[str, float]:
-        """Wait for every gradient to land; returns the squared norm per unit."""
+    def finish(self) -> None:
+        """Wait for every gradient to land (and its ``on_final`` to have run)."""
         self._drain()
         if not self.inline and self._errors:
             err = self._errors[0]
             self._errors.clear()
             raise err
-        out, self.sq_norms = self.sq_norms, {}
-        return out
 
     def close(self) -> None:
         if not self.inline:

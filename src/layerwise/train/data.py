@@ -10,11 +10,12 @@ and ``packing`` (rows, batch order).
 
 from __future__ import annotations
 
+import logging
 import hashlib
 import json
 import math
 import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,8 @@ from .data_files import (NO_TRAINABLE, BadExample, BadInputLedger, data_files, f
 from .formats import check_format_name, check_tokenizer_for, detect_format, encode_example
 from .packing import Example, Rows, eval_batches, pack_examples, row_batches, shift
 from .tokenizer import ByteTokenizer, Tokenizer
+
+_log = logging.getLogger(__name__)
 
 CACHE_FORMAT_VERSION = 1
 """Version of ``out_dir/data_cache/<key>.pt`` (docs/formats.md)."""
@@ -146,8 +149,7 @@ class TrainData:
         return lines
 
 
-def prepare_data(spec: DataSpec, tok: Tokenizer, out_dir: Path,
-                 log: Callable[[str], None] = print) -> TrainData:
+def prepare_data(spec: DataSpec, tok: Tokenizer, out_dir: Path) -> TrainData:
     """The run's data: the built-in corpus without ``spec.data``, else the data files tokenized,
     split, packed, and cached under ``out_dir/data_cache`` (loaded from there when the files,
     tokenizer and settings are the same)."""
@@ -168,7 +170,7 @@ def prepare_data(spec: DataSpec, tok: Tokenizer, out_dir: Path,
             data.report["cache"] = f"loaded from {cache}"
             return data
         except (OSError, RuntimeError, KeyError, ValueError) as e:
-            log(f"data: cache {cache} unreadable ({e}); tokenizing again")
+            _log.warning(f"data: cache {cache} unreadable ({e}); tokenizing again")
     data = _tokenize_files(spec, tok, files, eval_files, key)
     if spec.cache:
         _save_cache(cache, data)

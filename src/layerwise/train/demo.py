@@ -24,9 +24,10 @@ resuming at the last step; any other non-empty directory is refused and left as 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,8 @@ from .data import stdlib_files
 from .loop import TrainConfig, TrainResult, train
 from .report import report
 from .tokenizer import train_bpe_tokenizer
+
+_log = logging.getLogger(__name__)
 
 DEMO_FORMAT_VERSION = 1
 """``demo.json``'s format (docs/formats.md)."""
@@ -199,10 +202,10 @@ def sample(model_dir: Path, cfg: DemoConfig) -> str:
     return tok.decode(out[0].tolist(), skip_special_tokens=True)
 
 
-def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> DemoResult:
+def run_demo(cfg: DemoConfig) -> DemoResult:
     t0 = time.perf_counter()
     out_dir = Path(cfg.out_dir)
-    log(fresh_out_dir(out_dir))
+    _log.info(fresh_out_dir(out_dir))
     info: dict[str, Any] = {"format": "layerwise-demo", "format_version": DEMO_FORMAT_VERSION,
                             "settings": asdict(cfg), "finished": False}
     atomic_write_text(out_dir / "demo.json", json.dumps(info, indent=2) + "\n")
@@ -210,26 +213,28 @@ def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> DemoResult:
     t = time.perf_counter()
     tokenizer_dir = out_dir / "tokenizer"
     tok = train_bpe_tokenizer(demo_texts(cfg.tokenizer_chars), cfg.vocab_size, tokenizer_dir)
-    log(f"tokenizer: byte-level BPE, {len(tok)} ids, learnt from {cfg.tokenizer_chars / 1e6:g}M "
-        f"characters of the stdlib source in {time.perf_counter() - t:.1f} s -> {tokenizer_dir}")
+    _log.info(f"tokenizer: byte-level BPE, {len(tok)} ids, learnt from "
+              f"{cfg.tokenizer_chars / 1e6:g}M characters of the stdlib source in "
+              f"{time.perf_counter() - t:.1f} s -> {tokenizer_dir}")
     plan_path = out_dir / "demo-plan.json"
     demo_plan(cfg).save(plan_path)
 
-    result = train(train_config(cfg, tokenizer_dir, plan_path), log)
+    result = train(train_config(cfg, tokenizer_dir, plan_path))
     assert result.model_dir is not None  # export is on
     text = sample(result.model_dir, cfg)
     how = "greedy" if cfg.temperature <= 0 else f"temperature {cfg.temperature}, top-k 40"
-    log(f"reloaded {result.model_dir} with AutoModelForCausalLM + AutoTokenizer; it continues "
-        f"the prompt ({how}, repetition penalty {cfg.repetition_penalty:g}):\n---\n{text}\n---")
-    log(f"eval loss {result.eval_loss_start:.4f} -> {result.eval_loss_end:.4f} "
-        f"({result.tokens_per_s:.0f} tokens/s)")
+    _log.info(f"reloaded {result.model_dir} with AutoModelForCausalLM + AutoTokenizer; it "
+              f"continues the prompt ({how}, repetition penalty {cfg.repetition_penalty:g}):"
+              f"\n---\n{text}\n---")
+    _log.info(f"eval loss {result.eval_loss_start:.4f} -> {result.eval_loss_end:.4f} "
+              f"({result.tokens_per_s:.0f} tokens/s)")
     path, lines = report(out_dir)
     for line in lines[1:]:  # the first names the run directory, said above
-        log(line)
-    log(f"report of the run (loss, throughput, per-layer change, checkpoints): {path}")
+        _log.info(line)
+    _log.info(f"report of the run (loss, throughput, per-layer change, checkpoints): {path}")
     wall = time.perf_counter() - t0
     info.update(finished=True, eval_loss_start=result.eval_loss_start,
                 eval_loss_end=result.eval_loss_end, sample=text, wall_s=wall)
     atomic_write_text(out_dir / "demo.json", json.dumps(info, indent=2) + "\n")
-    log(f"demo done in {wall:.0f} s")
+    _log.info(f"demo done in {wall:.0f} s")
     return DemoResult(result, tokenizer_dir, plan_path, path, lines, text, wall)

@@ -9,6 +9,7 @@ statistics, ``update_log.py``), ``ckpt/`` (layer-wise checkpoints) and ``model/`
 from __future__ import annotations
 
 import json
+import logging
 import math
 import statistics
 import time
@@ -32,6 +33,7 @@ from ..plan.plan import Plan
 from ..plan.shape import ModelShape
 from ..store import PRIVATE, HostAllocator, HostStore, init_store
 from ..util.atomic import atomic_write_text
+from ..util.logs import quiet_unless
 from .data import DataSpec, prepare_data
 from .dist import saving as dist_saving, setup as dist_setup
 from .dist.context import DistContext, init as dist_init, shutdown as dist_shutdown
@@ -42,6 +44,8 @@ from .progress import Progress, resolve_progress
 from .schedule import lr_at
 from .tokenizer import check_vocab, load_tokenizer
 from .update_log import RunTracker
+
+_log = logging.getLogger(__name__)
 
 RUN_FORMAT_VERSION = 1
 """``run.json``'s format (docs/formats.md)."""
@@ -190,8 +194,8 @@ def _mem_cap_bytes(cfg: TrainConfig) -> int | None:
     return None if cfg.device_mem_cap_gb is None else int(cfg.device_mem_cap_gb * 2**30)
 
 
-def choose_plan(cfg: TrainConfig, adapter: DecoderAdapter, compute_dtype: torch.dtype,
-                log=print) -> tuple[Plan, HardwareChoice | None]:
+def choose_plan(cfg: TrainConfig, adapter: DecoderAdapter,
+                compute_dtype: torch.dtype) -> tuple[Plan, HardwareChoice | None]:
     """The run's plan and the hardware profile its prediction is for (``train/planning.py``).
 
     ``plan=auto`` asks the planner; a rule or a plan file is simulated on the resolved profile.
@@ -202,7 +206,7 @@ def choose_plan(cfg: TrainConfig, adapter: DecoderAdapter, compute_dtype: torch.
     if auto and cfg.micro_batch_size * cfg.grad_accum < 1:
         raise ValueError("plan=auto needs micro_batch_size x grad_accum >= 1 sequences per step")
     hw = resolve_hardware(cfg.profile, cfg.hardware, cfg.device, Path(cfg.out_dir), compute_dtype,
-                          _mem_cap_bytes(cfg), may_calibrate=auto, log=log)
+                          _mem_cap_bytes(cfg), may_calibrate=auto)
     shape = ModelShape.from_config(adapter.config, name=Path(cfg.model).name)
     if auto:
         assert hw is not None
@@ -333,11 +337,7 @@ def _timing_summary(step_times: list[float], predicted: float | None, plan: Plan
     return text
 
 
-def _quiet(*_: Any) -> None:
-    pass
-
-
-def _data_start(resumed: LoadResult | None, accum: int, global_rows: int, log) -> int:
+def _data_start(resumed: LoadResult | None, accum: int, global_rows: int) -> int:
     """The first global micro-batch (of ``global_rows`` rows) to train on. A checkpoint written
     with another world size or micro-batch counted micro-batches of its own size: its position
     is converted through rows (rounded down when the sizes do not divide)."""
@@ -348,24 +348,27 @@ def _data_start(resumed: LoadResult | None, accum: int, global_rows: int, log) -
         return start
     rows = start * int(saved_rows)
     if rows % global_rows:
-        log(f"warning: the checkpoint consumed {rows} rows, not a multiple of this run's "
-            f"{global_rows} rows per micro-batch; {rows % global_rows} rows are skipped")
+        _log.warning(f"warning: the checkpoint consumed {rows} rows, not a multiple of this "
+                     f"run's {global_rows} rows per micro-batch; {rows % global_rows} rows are "
+                     "skipped")
     return rows // global_rows
 
 
-def train(cfg: TrainConfig, log=print) -> TrainResult:
+def train(cfg: TrainConfig) -> TrainResult:
     """One process, or one rank of a ``torchrun`` launch (``train/dist``): N ranks of
-    ``micro_batch_size`` rows train as one process of N x ``micro_batch_size`` rows would."""
+    ``micro_batch_size`` rows train as one process of N x ``micro_batch_size`` rows would.
+    What it says goes to this module's logger (rank 0's only: the others are quiet)."""
     check_options(cfg)
     ctx = DistContext.from_env(timeout_s=cfg.dist_timeout_s)
     dist_init(ctx, cfg.device)
     try:
-        return _train(cfg, ctx, log if ctx.rank == 0 else _quiet)
+        with quiet_unless(ctx.rank == 0):
+            return _train(cfg, ctx)
     finally:
         dist_shutdown(ctx)
 
 
-def _train(cfg: TrainConfig, ctx: DistContext, log) -> TrainResult:
+def _train(cfg: TrainConfig, ctx: DistContext) -> TrainResult:
     lead = ctx.rank == 0  # alone logs, writes run.json, metrics, the plan, the export, and
     # commits checkpoints (every rank writes its own groups of them)
     out_dir = Path(cfg.out_dir)
@@ -374,7 +377,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, log) -> TrainResult:
     try:
         adapter, store = build_model(cfg, compute_dtype, alloc)
         plan, hw = dist_setup.decided_by_rank0(
-            ctx, lambda: choose_plan(cfg, adapter, compute_dtype, log), "sharing the plan")
+            ctx, lambda: choose_plan(cfg, adapter, compute_dtype), "sharing the plan")
         flags = alloc.zeros(len(store.units), torch.int64) if ctx.enabled else None
         engine = StreamingEngine(adapter, store, plan, EngineConfig(
             device=cfg.device, compute_dtype=compute_dtype,
@@ -392,7 +395,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, log) -> TrainResult:
         data=cfg.data, data_format=cfg.data_format, eval_data=cfg.eval_data,
         eval_fraction=cfg.eval_fraction, seq_len=cfg.seq_len, pack=cfg.pack,
         skip_bad=cfg.data_skip_bad, seed=cfg.seed, cache=cfg.data_cache, corpus=cfg.corpus,
-        corpus_tokens=cfg.corpus_tokens), tokenizer, out_dir, log), "preparing the data")
+        corpus_tokens=cfg.corpus_tokens), tokenizer, out_dir), "preparing the data")
     mbs, accum = plan.micro_batch_size, plan.num_micro_batches
     global_rows = mbs * ctx.world_size
     """Rows of a global micro-batch: rank r trains on rows [r*mbs, (r+1)*mbs) of each."""
@@ -412,7 +415,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, log) -> TrainResult:
     # start-of-training eval come back from the checkpoint's state below.
     resumed = dist_setup.resume(ctx, ckpt, cfg.resume, engine.optimizers, store)
     if resumed is not None:
-        log(f"resumed from layer-wise checkpoint step {resumed.step} in {out_dir / 'ckpt'}")
+        _log.info(f"resumed from layer-wise checkpoint step {resumed.step} in {out_dir / 'ckpt'}")
     if ckpt is not None and not cfg.ckpt_every and (not lead or resumed is None):
         ckpt.close()
         ckpt = None
@@ -420,34 +423,36 @@ def _train(cfg: TrainConfig, ctx: DistContext, log) -> TrainResult:
     saved = (resumed.extra or {}) if resumed is not None else {}
 
     global_iter = data.batches(global_rows, seed=cfg.seed,
-                               start=_data_start(resumed, accum, global_rows, log))
+                               start=_data_start(resumed, accum, global_rows))
     # the global micro-batches' rows, in pieces of this rank's size (its device's plan)
     eval_set = [_rows_of(b, r, mbs) for b in data.eval_set(global_rows, cfg.eval_batches,
                                                            seed=cfg.seed + 1)
                 for r in range(-(-b.input_ids.shape[0] // mbs))]
     if saved.get("data_key", data.key) != data.key:
-        log("warning: the data, tokenizer or data settings differ from the checkpoint's; the "
-            "data position now indexes the new data")
+        _log.warning("warning: the data, tokenizer or data settings differ from the "
+                     "checkpoint's; the data position now indexes the new data")
 
-    log(f"model {cfg.model}: {adapter.num_params() / 1e6:.1f}M params, {adapter.num_layers} layers "
-        f"({adapter.family}); host store {store.nbytes() / 2**20:.0f} MiB"
-        + (f"; data parallel over {ctx.world_size} ranks ({ctx.num_nodes} node(s) x "
-           f"{ctx.local_world_size}), one shared store per node" if ctx.enabled else ""))
+    _log.info(f"model {cfg.model}: {adapter.num_params() / 1e6:.1f}M params, "
+              f"{adapter.num_layers} layers ({adapter.family}); host store "
+              f"{store.nbytes() / 2**20:.0f} MiB"
+              + (f"; data parallel over {ctx.world_size} ranks ({ctx.num_nodes} node(s) x "
+                 f"{ctx.local_world_size}), one shared store per node" if ctx.enabled else ""))
     for line in [tokenizer_line, *data.summary()]:
-        log(line)
-    log(f"plan {plan.source}: boundaries {''.join(t[0] for t in plan.boundary_tiers)} "
-        f"(d=device h=host n=nvme r=recompute); micro-batch {mbs} x {cfg.seq_len}, accum {accum}; "
-        f"predicted device peak {est.peak_bytes / 2**20:.1f} MiB on {cfg.device}"
-        + (f"; 8-bit moments on {plan.moments.count('8bit')} of {len(plan.moments)} units"
-           if plan.moments and "8bit" in plan.moments else ""))
+        _log.info(line)
+    _log.info(f"plan {plan.source}: boundaries {''.join(t[0] for t in plan.boundary_tiers)} "
+              f"(d=device h=host n=nvme r=recompute); micro-batch {mbs} x {cfg.seq_len}, "
+              f"accum {accum}; predicted device peak {est.peak_bytes / 2**20:.1f} MiB on "
+              f"{cfg.device}"
+              + (f"; 8-bit moments on {plan.moments.count('8bit')} of {len(plan.moments)} units"
+                 if plan.moments and "8bit" in plan.moments else ""))
     if predicted_step_s is not None and hw is not None:
-        log(f"predicted step time {predicted_step_s:.4g} s on {hw.source}")
+        _log.info(f"predicted step time {predicted_step_s:.4g} s on {hw.source}")
     # eval runs on rank 0 alone: every rank would compute the same number from the same store
     if "eval_loss_start" in saved:
         eval_start = float(saved["eval_loss_start"])
     else:
         eval_start = engine.eval_loss(eval_set) if lead else math.nan
-        log(f"step 0: eval loss {eval_start:.4f}")
+        _log.info(f"step 0: eval loss {eval_start:.4f}")
     run_info: dict[str, Any] = {
         "format": "layerwise-train-run", "format_version": RUN_FORMAT_VERSION,
         "model": cfg.model, "family": adapter.family, "num_params": adapter.num_params(),
@@ -465,9 +470,9 @@ def _train(cfg: TrainConfig, ctx: DistContext, log) -> TrainResult:
     last_row = saved.get("metrics_row")
     metrics = _open_metrics(out_dir / "metrics.jsonl", start_step, last_row) if lead else None
     tracker = RunTracker(out_dir, cfg.track_every if lead else 0, adapter, store,
-                         engine.optimizers, ckpt, start_step, log)
+                         engine.optimizers, ckpt, start_step)
     flop_count = _FlopCounter(ModelShape.from_config(adapter.config))
-    progress = Progress(cfg.progress if lead else "lines", cfg.steps, start_step, cfg.log_every, log)
+    progress = Progress(cfg.progress if lead else "lines", cfg.steps, start_step, cfg.log_every)
     t_start, tokens_seen, step_times = time.perf_counter(), 0, []
     eval_loss = float(last_row.get("eval_loss", eval_start)) if last_row else eval_start
     try:
@@ -513,16 +518,17 @@ def _train(cfg: TrainConfig, ctx: DistContext, log) -> TrainResult:
             with dist_saving.peer_failures(ctx, "writing the last checkpoint"):
                 ckpt.close()
     elapsed = max(1e-9, time.perf_counter() - t_start)
-    log(_timing_summary(step_times, predicted_step_s, plan))
+    _log.info(_timing_summary(step_times, predicted_step_s, plan))
     mem = _device_mem_reserved(cfg.device)
     if mem is not None:
-        log(f"device memory: {mem / 2**20:.1f} MiB reserved at peak (allocator), predicted "
-            f"{est.peak_bytes / 2**20:.1f} MiB")
+        _log.info(f"device memory: {mem / 2**20:.1f} MiB reserved at peak (allocator), "
+                  f"predicted {est.peak_bytes / 2**20:.1f} MiB")
     model_dir = None
     if cfg.export and lead:
         model_dir = export_store(store, out_dir / "model", overwrite=True)
         saved_tok = tokenizer.save(model_dir)
-        log(f"exported Hugging Face model{' and tokenizer' if saved_tok else ''} to {model_dir}")
+        _log.info(f"exported Hugging Face model{' and tokenizer' if saved_tok else ''} to "
+                  f"{model_dir}")
     measured = statistics.median(step_times[1:]) if len(step_times) > 1 else None
     run_info.update(eval_loss_end=eval_loss, measured_step_s=measured,
                     tokens_per_s=tokens_seen / elapsed, device_mem_reserved_bytes=mem,
