@@ -199,7 +199,8 @@ def run_pinned_arena(dev: Dev, sizes: FirstSizes, data: dict[str, Any]) -> None:
     page), not through torch's power-of-two fallback; and the time to lock ``lock_bytes``."""
     import torch
     from layerwise.models import DecoderAdapter, get_flavor
-    from layerwise.store import HostStore, alloc_pinned, locked_nbytes, page_size
+    from layerwise.store import HostStore
+    from layerwise.util.host_memory import alloc_pinned, locked_nbytes, page_size
 
     store = HostStore(DecoderAdapter(get_flavor("llama-debug").build_config()), compute_dtype=torch.bfloat16,
                       pin=dev.is_cuda)
@@ -246,7 +247,7 @@ def run_copy_bandwidth(dev: Dev, sizes: FirstSizes, data: dict[str, Any]) -> Non
     """H2D and D2H GB/s (best of ``copy_repeats`` after a warm-up) from memory registered in
     place as the store's arena is, from torch's pinned allocator, and from pageable memory."""
     import torch
-    from layerwise.store import alloc_pinned
+    from layerwise.util.host_memory import alloc_pinned
 
     n = sizes.copy_bytes
     device_buf = torch.empty(n, dtype=torch.uint8, device=dev.name)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from layerwise.engine.backend import CpuBackend
-from layerwise.engine.streams import WeightStreamer
+from layerwise.engine.weight_stream import WeightStreamer
 from layerwise.models.names import EMBED, HEAD, layer_unit
 from layerwise.plan.hardware import PRESETS
 from layerwise.plan.memory import device_bytes_per_op

@@ -6,9 +6,9 @@ finishes, activations live where the plan says. The optimizer updates run on hos
 threads after the backward and overlap the next step's forward: a unit's weights are only
 streamed in once its update is done.
 
-Where each part lives: the ops' handlers and their dispatch table in ``op_handlers.py``, the
-streams (weights in, gradients out, activation tiers) in ``streams.py``, the optimizer updates in
-``updates.py``, how ranks combine a step in ``reduce.py`` (:class:`LocalReducer` for one
+Where each part lives: the ops' handlers and their dispatch table in ``op_handlers.py``, weights
+in (``weight_stream.py``), gradients out (``grad_sink.py``), activation tiers
+(``boundary_tiers.py``) over the slots of ``slots.py``, the optimizer updates in ``updates.py``, how ranks combine a step in ``reduce.py`` (:class:`LocalReducer` for one
 process). This module sequences a step and checks what it is given.
 
 With fp32 compute the numbers are those of plain autograd on the same model, for any plan:
@@ -35,12 +35,14 @@ from ..plan.plan import Plan
 from ..plan.program import micro_batch_program, weight_schedule
 from ..store import HostStore
 from .batch import IGNORE_INDEX, Batch
+from .boundary_tiers import BoundaryTiers
 from .devices import make_backend
+from .grad_sink import GradSink
 from .internals import KeptInternals
 from .op_handlers import OpHandlers
 from .reduce import LocalReducer, StepReducer
-from .streams import BoundaryTiers, GradSink, WeightStreamer
 from .updates import HostUpdates
+from .weight_stream import WeightStreamer
 
 
 @dataclass

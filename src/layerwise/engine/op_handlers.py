@@ -23,9 +23,11 @@ from ..plan.program import FETCH_AHEAD, Op, OpKind, forward_program, weight_sche
 from ..store import HostStore
 from .backend import DeviceBackend, Ref
 from .batch import IGNORE_INDEX, Batch
+from .boundary_tiers import BoundaryTiers
+from .grad_sink import GradSink
 from .internals import KeptInternals
 from .layer_ops import layer_backward
-from .streams import BoundaryTiers, GradSink, WeightStreamer
+from .weight_stream import WeightStreamer
 
 
 class OpHandlers:
