@@ -163,13 +163,13 @@ def _parse_number(value: Any, tp: type, where: str) -> Any:
             try:
                 value = float(text)  # an int written 1e3
             except ValueError:
-                what = "an integer like 100 or 1_000" if tp is int else "a number like 1e-3"
+                what = "int (e.g. 100 or 1_000)" if tp is int else "float (e.g. 1e-3)"
                 raise ValueError(f"{where}: expected {what}, got {text!r}") from None
     if not isinstance(value, (int, float)):
         raise ValueError(f"{where}: expected {tp.__name__}, got {value!r}")
     if tp is int:
         if isinstance(value, float) and not value.is_integer():
-            raise ValueError(f"{where}: expected an integer, got {value!r}")
+            raise ValueError(f"{where}: expected int, got {value!r}")
         return int(value)
     return float(value)
 
@@ -248,7 +248,7 @@ def _check_choice(value: Any, choices: tuple | None, where: str) -> None:
         return
     for v in value if isinstance(value, (list, tuple)) else [value]:
         if v is not None and v not in choices:
-            raise ValueError(f"{where}={show_value(v)}: use one of {', '.join(map(str, choices))}"
+            raise ValueError(f"{where}={v!r}: use one of {', '.join(map(str, choices))}"
                              + suggest(str(v), [str(c) for c in choices]))
 
 
@@ -261,7 +261,7 @@ def _known_keys(cls: type) -> list[str]:
 
 def _unknown(key: str, cls: type) -> ValueError:
     legacy = list(getattr(cls, "legacy_keys", {}))
-    return ValueError(f"unknown config key {key!r}" + suggest(key, _known_keys(cls) + legacy))
+    return ValueError(f"unknown key {key!r}" + suggest(key, _known_keys(cls) + legacy))
 
 
 def _rename(key: str, cls: type, notices: list[str] | None) -> str:
@@ -335,7 +335,7 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     unknown = [k for k in data if k not in fields]
     if unknown:
         known = [prefix + n for n in fields]
-        raise ValueError(f"unknown config key {prefix + unknown[0]!r}"
+        raise ValueError(f"unknown key {prefix + unknown[0]!r}"
                          + suggest(prefix + unknown[0], known))
     kwargs = {}
     for k, v in data.items():

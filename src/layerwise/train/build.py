@@ -22,9 +22,8 @@ from ..plan.shape import ModelShape
 from ..store import PRIVATE, HostAllocator, HostStore, init_store
 from . import checks
 from .config import TrainConfig
-from .planning import (HardwareChoice, auto_plan, check_hardware, check_profile, predict,
-                       resolve_hardware)
-from .progress import resolve_progress
+from .options import check_settings, resolve_plan
+from .planning import HardwareChoice, auto_plan, predict, resolve_hardware
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -36,40 +35,11 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
         raise ValueError(f"model.compute_dtype must be auto, float32 or bfloat16, got {name!r}") from None
 
 
-def resolve_plan(spec: str, num_layers: int, cfg: TrainConfig) -> Plan:
-    """A rule or a plan file as a Plan (``plan=auto`` is ``choose_plan``'s)."""
-    kw = dict(micro_batch_size=cfg.micro_batch_size, num_micro_batches=cfg.grad_accum,
-              seq_len=cfg.seq_len)
-    if spec.startswith("every-"):
-        try:
-            k = int(spec.split("-", 1)[1])
-        except ValueError:
-            raise ValueError(f"plan {spec!r}: expected every-K with an integer K") from None
-        return Plan.every_k(num_layers, k, **kw)
-    if spec == "recompute-all":
-        return Plan.recompute_all(num_layers, **kw)
-    if spec == "keep-all":
-        return Plan.keep_all(num_layers, **kw)
-    if Path(spec).suffix == ".json":
-        plan = Plan.load(spec)
-        plan.validate(num_layers)
-        return plan
-    raise ValueError(f"plan {spec!r} is not every-K, recompute-all, keep-all, auto or a .json "
-                     "plan file")
-
-
 def check_options(cfg: TrainConfig) -> None:
     """Cheap checks of the run's options and the machine, before the model is built."""
-    cfg.check()
-    resolve_progress(cfg.log.progress)
+    check_settings(cfg)
     checks.check_device(cfg.device)
     checks.check_report_to(cfg.log.report_to)
-    if Path(cfg.plan).suffix == ".json":
-        Plan.load(cfg.plan)  # a missing or malformed plan file's own error
-    elif cfg.plan != "auto":
-        resolve_plan(cfg.plan, 1, cfg)  # a malformed rule's own error
-    check_profile(cfg.profile)
-    check_hardware(cfg.hardware)
 
 
 def _rope_scaled(config: PretrainedConfig, factor: float | None) -> PretrainedConfig:

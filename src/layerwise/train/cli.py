@@ -18,6 +18,7 @@ from .. import config as config_lib
 from ..util import dirlock
 from . import outdir
 from .config import DemoConfig, TrainConfig, help_keys
+from .options import check_settings
 
 TRAIN_DESCRIPTION = (
     "Train with the streaming engine. Settings: the defaults, then (when out_dir holds a run "
@@ -108,7 +109,7 @@ def prepare_train(args: argparse.Namespace) -> int | None:
     cfg, lines = resolve_config(args.config, args.overrides)
     for line in lines:
         print(line, file=sys.stderr)
-    cfg.check()
+    check_settings(cfg)
     if args.print_config:
         print(config_lib.to_yaml(cfg), end="")
         return 0

@@ -20,7 +20,7 @@ from pathlib import Path
 
 LOCK_NAME = ".train.lock"
 
-_held: dict[Path, list] = {}  # resolved dir -> [fd, count]
+_held: dict[Path, list] = {}  # resolved dir -> [fd, count, created by this lock]
 
 
 class DirLocked(ValueError):
@@ -32,12 +32,17 @@ class DirLock:
     path: Path
 
     def release(self) -> None:
+        """Count down; the last release unlocks, and removes the directory again when this
+        lock created it and nothing else was written there (a run refused before any work)."""
         entry = _held.get(self.path)
         if entry is None:
             return
         entry[1] -= 1
         if entry[1] == 0:
             del _held[self.path]
+            if entry[2] and [p.name for p in self.path.iterdir()] == [LOCK_NAME]:
+                (self.path / LOCK_NAME).unlink()
+                self.path.rmdir()
             os.close(entry[0])  # closing releases the flock
 
 
@@ -54,6 +59,7 @@ def acquire(directory: str | Path, what: str = "run") -> DirLock:
     """The exclusive lock of ``directory`` (created if missing), or ``DirLocked`` naming the
     holder. ``ValueError`` when the directory cannot be created or written."""
     directory = Path(directory)
+    created = not directory.exists()
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -84,5 +90,5 @@ def acquire(directory: str | Path, what: str = "run") -> DirLock:
         os.close(fd)
         raise ValueError(f"out_dir {directory} is not writable ({e.strerror or e}); pick another "
                          "out_dir or fix its permissions") from None
-    _held[key] = [fd, 1]
+    _held[key] = [fd, 1, created]
     return DirLock(key)
