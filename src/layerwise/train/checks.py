@@ -75,17 +75,27 @@ def resolve_model(name: str) -> tuple[str, str | None]:
                      + ("" if Path(name).exists() else f" (no such path: {name})"))
 
 
+def _scaling(rope: object) -> dict | None:
+    """A RoPE parameters dict that scales positions (None for plain RoPE)."""
+    if not isinstance(rope, dict):
+        return None
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    return None if kind == "default" else rope
+
+
 def context_length(model: str) -> tuple[int | None, dict | None]:
-    """``max_position_embeddings`` and ``rope_scaling`` of a flavor or a model directory."""
+    """``max_position_embeddings`` and the RoPE scaling (None: none) of a flavor or a model
+    directory (transformers 5 calls it ``rope_parameters``, 4.x ``rope_scaling``)."""
     if model in FLAVORS:
-        c = get_flavor(model).build_config()
-        return getattr(c, "max_position_embeddings", None), getattr(c, "rope_scaling", None)
-    try:
-        c = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None, None  # the model loader says what is wrong with the directory
-    c = c.get("text_config", c)
-    return c.get("max_position_embeddings"), c.get("rope_scaling")
+        c = vars(get_flavor(model).build_config())
+    else:
+        try:
+            c = json.loads((Path(model) / "config.json").read_text())
+        except (OSError, ValueError):
+            return None, None  # the model loader says what is wrong with the directory
+        c = c.get("text_config", c)
+    return (c.get("max_position_embeddings"),
+            _scaling(c.get("rope_parameters")) or _scaling(c.get("rope_scaling")))
 
 
 def check_context(cfg: TrainConfig, model: str) -> None:

@@ -290,17 +290,19 @@ class Trainer:
             _log.info(f"predicted step time {self.predicted_step_s:.4g} s on {self.hw.source}")
         self.prompts = sample_prompts(self.eval_set, cfg.eval.prompts, cfg.eval.samples,
                                       self.tokenizer)
+        # a run started from another run's checkpoint logs its own steps only
+        last_row = self.saved.get("metrics_row") if self.start.source == self.ckpt_dir else None
+        self.out.start(self.start_step, last_row,
+                       Progress(cfg.log.progress, self.steps, self.start_step, cfg.log.every),
+                       cfg.log.report_to, config_lib.to_dict(cfg))
         if "eval_loss_start" in self.saved:
             self.eval_start = float(self.saved["eval_loss_start"])
         else:
             self.eval_start = self.evaluate(0)
         self.run_info = self._run_info()
         self.out.run_json(self.run_info)
-        last_row = self.saved.get("metrics_row")
-        self.eval_loss = float(last_row.get("eval_loss", self.eval_start)) if last_row else self.eval_start
-        self.out.start(self.start_step, last_row,
-                       Progress(cfg.log.progress, self.steps, self.start_step, cfg.log.every),
-                       cfg.log.report_to, config_lib.to_dict(cfg))
+        last = self.saved.get("metrics_row")
+        self.eval_loss = float(last.get("eval_loss", self.eval_start)) if last else self.eval_start
         self.tracker = RunTracker(self.out_dir, self.out.tracker_every(cfg.log.track_every),
                                   self.adapter, self.store, self.engine.optimizers, self.ckpt,
                                   self.start_step)

@@ -26,6 +26,7 @@ from ..store import HostStore
 from ..util import dirlock
 from .outdir import clear_run, open_metrics, write_run_json
 from .progress import Progress
+from .update_log import open_jsonl_upto
 
 _log = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class RunOutput:
         self.progress: Progress | None = None
         self.sinks: list = []
         self.samples: TextIO | None = None
+        self.start_step = 0
 
     def save_plan(self, plan: Plan) -> None:
         plan.save(self.out_dir / "plan.json")
@@ -123,6 +125,7 @@ class RunOutput:
               report_to: list[str], config: dict) -> None:
         """Open ``metrics.jsonl`` (kept up to ``start_step``), the display and the sinks."""
         self.metrics = open_metrics(self.out_dir / "metrics.jsonl", start_step, resumed_row)
+        self.start_step = start_step
         self.progress, self.sinks = progress, open_sinks(report_to, self.out_dir, config)
 
     def tracker_every(self, every: int) -> int:
@@ -155,8 +158,8 @@ class RunOutput:
     def sample(self, step: int, make: Callable[[], list[tuple[str, str]]]) -> None:
         """The generations ``make()`` returns: logged, in ``samples.jsonl`` and the sinks."""
         texts = make()
-        if self.samples is None:
-            self.samples = open(self.out_dir / "samples.jsonl", "a")
+        if self.samples is None:  # rows up to the resumed step kept, as in metrics.jsonl
+            self.samples = open_jsonl_upto(self.out_dir / "samples.jsonl", self.start_step)
         for prompt, text in texts:
             self.samples.write(json.dumps({"step": step, "prompt": prompt, "text": text}) + "\n")
             _log.info(f"step {step}: sample: {prompt!r} -> {text!r}")
