@@ -72,6 +72,8 @@ def test_policy_options_are_nested_keys_and_old_flat_keys_still_work(caplog):
     assert old.model.name == "llama-debug" and old.data.path == "x.jsonl" and old.seq_len == 32
     assert (old.ckpt.every, old.ckpt.policy, old.ckpt.full_every, old.eval.every) == (3, "full", 2, 0)
     assert "ckpt_every -> ckpt.every" in caplog.text
+    assert TrainConfig(resume=False, steps="1_000").resume == "false"  # typed as on the command line
+    assert TrainConfig(steps="1_000").steps == 1000
     # replace() of a config built from old keys copies, never shares, its sections
     again = dataclasses.replace(old, eval_every=5)
     assert again.eval.every == 5 and old.eval.every == 0

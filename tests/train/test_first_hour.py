@@ -190,6 +190,22 @@ def test_seq_len_beyond_the_context_is_refused_unless_rope_scaling_says_so(tmp_p
     assert rope["rope_type"] == "linear" and rope["factor"] == 2.0
 
 
+def test_a_micro_batch_that_cannot_fit_is_refused_before_the_store_is_built(tmp_path, capsys,
+                                                                           monkeypatch):
+    """A batch that can't fit is refused before the host store is allocated (minutes for a
+    large model), with what to change. Mutation seen failing: ``check_fits`` not called (the
+    engine's own check refuses it, after the store was built: ``init_store`` ran)."""
+    from layerwise.train import build
+
+    built = []
+    monkeypatch.setattr(build, "init_store", lambda *a, **k: built.append(1))
+    assert main(["train", f"out_dir={tmp_path / 'run'}", "device_mem_cap_gb=0.001",
+                 "micro_batch_size=64", *TINY[:1], *TINY[2:]]) == 2
+    err = capsys.readouterr().err
+    assert "a micro-batch of 64 x 32 tokens with plan every-2 needs" in err
+    assert "lower micro_batch_size" in err and built == []
+
+
 # ----- runs that lose nothing ---------------------------------------------------------------
 
 
@@ -349,8 +365,8 @@ def test_a_second_run_into_the_same_out_dir_is_refused_at_once(tmp_path):
     """Friction: two runs into one out_dir both exited 0, their checkpoints interleaved and
     ``metrics.jsonl`` corrupted. The second now exits 2 within 10 s (it does not even import
     torch) naming the first's pid and start time; the first finishes, its checkpoints verify
-    clean, ``metrics.jsonl`` has one row per step. Mutation seen failing: ``prepare_train``
-    not taking the lock (the second trains too: rc 0, rows interleaved)."""
+    clean, ``metrics.jsonl`` has one row per step. Mutation seen failing: ``dirlock.acquire``
+    without its ``flock`` (the second trains too: rc 0)."""
     out = tmp_path / "run"
     argv = _cli("train", f"out_dir={out}", "steps=30", "ckpt.every=5", "export=false", *TINY)
     first = subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,

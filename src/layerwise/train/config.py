@@ -253,9 +253,14 @@ class TrainConfig:
         notices: list[str] = []
         flat = {k: v for k, v in kwargs.items() if k in self.legacy_keys or (
             k in ("model", "data", "schedule") and not dataclasses.is_dataclass(v))}
+        hints = config_lib._types(TrainConfig)
         for f in dataclasses.fields(self):
             given = f.name in kwargs and f.name not in flat
-            setattr(self, f.name, kwargs.pop(f.name) if given else config_lib._default(f))
+            value = kwargs.pop(f.name) if given else config_lib._default(f)
+            if given and not dataclasses.is_dataclass(value):  # resume=False -> "false", ...
+                value = config_lib.coerce(value, hints[f.name], f.name)
+                config_lib._check_choice(value, f.metadata.get("choices"), f.name)
+            setattr(self, f.name, value)
         unknown = set(kwargs) - set(flat)
         if unknown:
             raise TypeError(f"TrainConfig got unknown keys {sorted(unknown)}"
