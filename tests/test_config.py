@@ -48,7 +48,7 @@ def test_misspelled_keys_and_choices_get_a_suggestion():
         config.apply_overrides(TrainConfig(), ["optimizer.lrr=1"])
     with pytest.raises(ValueError, match=r"unknown key 'evl\.every'; did you mean 'eval\.every'"):
         config.apply_overrides(TrainConfig(), ["evl.every=3"])
-    with pytest.raises(ValueError, match=r"ckpt\.policy=filtr: use one of .*did you mean 'filter'"):
+    with pytest.raises(ValueError, match=r"ckpt\.policy='filtr': use one of .*did you mean 'filter'"):
         config.apply_overrides(TrainConfig(), ["ckpt.policy=filtr"])
     assert config.suggest("zzzz", ["steps"]) == ""
 
