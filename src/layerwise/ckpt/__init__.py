@@ -10,12 +10,14 @@ group as one blob per rank). Group names come from ``layerwise.models.names``; H
 recipes are ``layerwise.interop``.
 """
 
-from .checkpointer import CheckpointConfig, Checkpointer, LoadResult, SaveReport
+from .checkpoint_config import CheckpointConfig
+from .checkpointer import Checkpointer, LoadResult, SaveReport
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
 from .policies import POLICIES, BasePolicy, make_policy, register_policy
 from .resolve import GroupEntry, ResolvedStep, open_run_step
 from .provider import DictStateProvider, ModuleStateProvider, StateProvider
-from .run_dir import FORMAT_VERSION, RunDir
+from .run_dir import RunDir
+from .run_format import FORMAT_VERSION
 
 __all__ = [
     "CheckpointConfig", "Checkpointer", "LoadResult", "SaveReport",

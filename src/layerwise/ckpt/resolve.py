@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as st_load
 
+from .content_hash import digest_bytes, manifest_hash
 from .errors import CheckpointCorruptError
-from .run_dir import RunDir, digest_bytes, manifest_hash
+from .run_dir import RunDir
 from .shard_ranges import ShardedGroupReader, is_sharded
 from .provider import rng_dict
 
