@@ -44,8 +44,10 @@ Who does what: ``snapshot`` (the helper thread, the update gate, deferred statis
 ``policies`` (the choice), ``save_writer`` (the write and the several-writer protocol, on the
 writer thread), ``commit`` and ``step_state`` (the manifest, the step's files and the
 bookkeeping of committed versions, shared with ``ShardedCheckpointer``). The writer thread
-returns a ``WriteResult`` that the checkpointer adopts on its owner's thread (``wait``, the
-next ``save``, ``close``): only that thread changes a ``Checkpointer``.
+reads a ``WriteJob`` and returns a ``WriteResult`` that the checkpointer adopts on its owner's
+thread (``wait``, the next ``save``, ``close``): only that thread changes the checkpointer's
+state (committed versions, the save in flight). The tracker and the buffer pool are used by one
+thread at a time: the helper while it takes a deferred snapshot, the owner otherwise.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,57 +72,13 @@ from .host_copies import (GroupsOnDemand, HostBufferPool, stored_nbytes,
                           synchronize_if_pinned)
 from .policies import GroupStatus, Policy, make_policy
 from .provider import PARAM, ModuleStateProvider, StateProvider, group_tensors
+from .reports import LoadResult, SaveReport
 from .resolve import ResolvedStep, open_run_step
 from .run_dir import RunDir
 from .save_writer import DuplicateHint, SaveWriter, WriteJob, WriteResult
 from .snapshot import DeferredSnapshots
 from .step_state import StepState, restore_step_state
 from .tracker import LiveGroup, TrackerReferences, UpdateTracker
-
-@dataclass
-class SaveReport:
-    step: int
-    selected: list[str]
-    """Groups the policy chose (in model order; filled when the snapshot is taken)."""
-    blocked_s: float
-    """Time ``save`` held the caller (includes ``wait_s``; not ``stall_s``)."""
-    wait_s: float
-    """Part of ``blocked_s`` spent waiting for the previous save to finish."""
-    snapshot_bytes: int
-    """Bytes copied by the snapshot (filled when it is taken); with several writers, this
-    rank's."""
-    reasons: dict[str, str] = field(default_factory=dict)
-    """Why each selected group was written: ``policies.REASONS`` (never saved, ``full_every``,
-    ``max_staleness``, or the policy's own criterion)."""
-    deferred: bool = False
-    """The statistics and the snapshot were taken on the helper thread, after ``save`` returned."""
-    snapshot_s: float | None = None
-    """Time to measure, choose and copy (inside ``blocked_s`` unless ``deferred``)."""
-    stall_s: float = 0.0
-    """Time the training loop's next optimizer step waited for a deferred snapshot: blocked
-    time outside ``save``."""
-    write_s: float | None = None
-    """Background time to write blobs, state and manifest (None until the checkpointer adopted
-    the write: in ``wait``, the next ``save`` or ``close``; at once without ``async_save``)."""
-    written: list[str] | None = None
-    """Groups whose bytes were new (the rest were deduplicated); on a rank other than 0 of
-    several writers, of the groups it wrote (None until adopted, as ``write_s``)."""
-    bytes_written: int | None = None
-    """New blob bytes plus the step's state files and manifest (rank 0's report only)."""
-
-    def to_json(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-@dataclass
-class LoadResult:
-    step: int
-    """The committed step that was loaded."""
-    extra: dict | None
-    data_position: Any
-    trainer_state: dict | None
-    stale_groups: dict[str, int]
-    """Groups whose version is older than ``step``: group -> step it was saved at."""
 
 
 @dataclass

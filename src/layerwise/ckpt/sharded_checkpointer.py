@@ -20,13 +20,13 @@ in the flattened full tensor, its full shape). One save is the protocol of ``ckp
 3. every rank writes one blob per chosen group with its elements (content-addressed: an
    identical shard is not written again) and makes it durable;
 4. rank 0 gathers the shard records, checks that they cover every tensor exactly, writes the
-   step's state files and commits the manifest (run format 4, ``ckpt.shards``); every rank
+   step's state files and commits the manifest (run format 4, ``ckpt.shard_ranges``); every rank
    learns the outcome, so an error anywhere raises on every rank and nothing is committed.
 
 Loading reads, per group, only the elements the rank holds now (``ShardProvider.load_shards``
 with a ranged reader), from shards written at any world size or from unsharded blobs.
 
-This module knows no FSDP or DeepSpeed: ``interop.fsdp`` (and a DeepSpeed hook) provide the
+This module knows no FSDP or DeepSpeed: ``interop.hooks.fsdp2_loop`` and ``interop.hooks.zero_partitions`` provide the
 shards. Saves are synchronous: ``save`` returns once the step is committed.
 """
 
@@ -63,7 +63,7 @@ class FlatShard:
 
     key: str
     """Blob key, as an unsharded group names it: ``param/<hf_name>``, ``exp_avg/<hf_name>``,
-    ``exp_avg_sq/<hf_name>``, ``step/<hf_name>`` (``ckpt.state``)."""
+    ``exp_avg_sq/<hf_name>``, ``step/<hf_name>`` (``ckpt.provider``)."""
     data: torch.Tensor
     """1-D: elements ``[start, start + numel)`` of the flattened full tensor, a view of the live
     state on any device (the save copies to the host only what it writes, and keeps a host copy
