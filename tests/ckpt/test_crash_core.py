@@ -135,7 +135,7 @@ def test_save_makes_everything_durable_before_what_names_it(powercut, scenario):
     run directory fsync.
 
     Mutations this fails on (each made once, by hand): ``os.fsync`` a no-op in
-    ``util/atomic.py`` and ``ckpt/blob_store.py`` (no fsync recorded at all); ``batch.finish()``
+    ``util/atomic.py`` and ``ckpt/blob_store.py`` (no fsync recorded at all); ``BlobBatch.finish``
     moved after ``commit_step`` in ``SaveWriter.run`` (the manifest renamed before the blobs
     and their directories are fsynced); the blob file fsync removed from ``BlobBatch.submit``;
     ``commit``'s ``fsync_dir(steps/)`` removed."""
@@ -156,7 +156,7 @@ def test_stop_at_every_call_leaves_the_last_commit_loadable(powercut, scenario):
 
     Mutations this fails on (each made once, by hand): ``os.fsync`` a no-op in
     ``util/atomic.py`` and ``ckpt/blob_store.py`` (power state after the save returned: the step
-    is gone); ``batch.finish()`` moved after ``commit_step`` in ``SaveWriter.run``, i.e. the
+    is gone); ``BlobBatch.finish`` moved after ``commit_step`` in ``SaveWriter.run``, i.e. the
     manifest renamed before the blobs are fsynced (the manifest names missing blobs); the blob
     file fsync removed from ``BlobBatch.submit`` (power state: empty blobs); ``commit``'s
     ``fsync_dir(steps/)`` removed (``first``, ``next``: a power cut after the save returned

@@ -136,7 +136,7 @@ class BlobBatch:
     """The blobs of one save: each new blob is fsynced and renamed into place on a helper
     thread while the next one is written (the disk works while the CPU fills the page cache).
     ``finish`` waits for all of them and fsyncs their directories; only then may a manifest
-    name them."""
+    name them. As a context manager: ``finish`` on leaving, ``finish_quietly`` on an error."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-fsync")
@@ -181,6 +181,15 @@ class BlobBatch:
             self.finish()
         except BaseException:
             pass
+
+    def __enter__(self) -> BlobBatch:
+        return self
+
+    def __exit__(self, exc_type: type | None, *_: object) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.finish_quietly()
 
 
 def blob_rel(digest: str) -> str:

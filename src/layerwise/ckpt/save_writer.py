@@ -106,18 +106,12 @@ class SaveWriter:
     def _write_blobs(self, job: WriteJob) -> dict[str, BlobRecord]:
         """Store this rank's snapshots as blobs, in model order; return their records when all
         new blobs and their directories are durable."""
-        batch = BlobBatch()
         records: dict[str, BlobRecord] = {}
-        for g in job.groups:
-            if g not in job.snaps:
-                continue
-            payload = BlobPayload.of_group(job.snaps[g], g, self.store.version)
-            try:
-                records[g] = self.store.put_blob(payload, _maybe_duplicate(job, g), batch)
-            except BaseException:
-                batch.finish_quietly()
-                raise
-        batch.finish()
+        with BlobBatch() as batch:
+            for g in job.groups:
+                if g in job.snaps:
+                    payload = BlobPayload.of_group(job.snaps[g], g, self.store.version)
+                    records[g] = self.store.put_blob(payload, _maybe_duplicate(job, g), batch)
         return records
 
     def _gather_records(self, job: WriteJob,

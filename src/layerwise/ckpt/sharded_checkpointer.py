@@ -286,8 +286,8 @@ class ShardedCheckpointer:
 
     def _write_shards(self, chosen: dict, shards: dict[str, list[FlatShard]]) -> dict[str, dict]:
         """This rank's blob of every chosen group it holds elements of, durable on return."""
-        batch, out = BlobBatch(), {}
-        try:
+        out: dict[str, dict] = {}
+        with BlobBatch() as batch:
             for g in chosen["selected"]:
                 if not shards[g]:
                     continue
@@ -303,10 +303,6 @@ class ShardedCheckpointer:
                               s.key: {"range": [s.start, s.stop], "shape": list(s.full_shape),
                                       "dtype": dtype_name(s.key, tensors[s.key])}
                               for s in shards[g]}}
-        except BaseException:
-            batch.finish_quietly()
-            raise
-        batch.finish()
         return out
 
     def _commit(self, step: int, chosen: dict, records: list[dict], extra: dict | None,
