@@ -387,7 +387,8 @@ is committed instead of before."""
 
 
 def _defer_blob_fsync_past_commit() -> None:
-    from layerwise.ckpt.run_dir import BlobBatch, RunDir
+    from layerwise.ckpt.blob_store import BlobBatch
+    from layerwise.ckpt.run_dir import RunDir
 
     finish, commit, pending = BlobBatch.finish, RunDir.commit, []
 
