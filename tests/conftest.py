@@ -1,8 +1,19 @@
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+# ``multiproc`` (the multi-process tests' helper) imports as a top-level module from every test
+# folder, with or without an ``__init__.py``, and in the children it starts.
+sys.path.insert(0, str(Path(__file__).parent))
+
 
 def pytest_collection_modifyitems(config, items):
+    if any("dist" in item.keywords for item in items):
+        import multiproc
+
+        multiproc.context()  # the fork server imports while the single-process tests run
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
