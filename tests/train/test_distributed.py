@@ -94,8 +94,9 @@ def _moments_plan(path: Path, mbs: int, accum: int) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Single-process references (global micro-batch of 2 rows), then one 2-rank launch of the
-    same trainings with 1 row per rank, plus the checkpoint hand-overs between world sizes."""
+    """One 2-rank launch of trainings with 1 row per rank, plus the checkpoint hand-overs
+    between world sizes, and the single-process references (global micro-batch of 2 rows),
+    which run here while the ranks run (they take one core; the ranks wait on each other)."""
     tmp = tmp_path_factory.mktemp("dist")
     # 8-bit moments turn round-off into whole quantisation steps (one process with 2 rows per
     # micro-batch and with 1 row x 2 micro-batches differ by ~6e-4), so their reference adds
@@ -106,14 +107,6 @@ def runs(tmp_path_factory):
     p8_ref = _moments_plan(tmp / "plan8_ref.json", 1, 2)
     untied = make_model_dir(tmp / "untied")
     steps = f"steps={STEPS}"
-    ref = {
-        "plain": _run(tmp / "ref_plain", steps, "micro_batch_size=2"),
-        "accum": _run(tmp / "ref_accum", steps, "micro_batch_size=2", "grad_accum=2"),
-        "8bit": _run(tmp / "ref_8bit", steps, f"plan={p8_ref}", f"model={untied}"),
-        # the hand-overs' reference: 1-row micro-batches, 2 a step, so that a resume between
-        # this and 2 ranks (one 2-row global micro-batch a step) converts the data position
-        "rows": _run(tmp / "ref_rows", steps, "micro_batch_size=1", "grad_accum=2"),
-    }
     # 1 process saves at step 6; 2 ranks resume it to the end
     _run(tmp / "p1_to_r2", "steps=6", "micro_batch_size=1", "grad_accum=2", "ckpt_every=3",
          "ckpt_policy=full", "export=false")
@@ -121,7 +114,6 @@ def runs(tmp_path_factory):
     _run(tmp / "p1_to_p1_8bit", "steps=6", f"plan={p8_ref}", f"model={untied}", "ckpt_every=3",
          "ckpt_policy=full", "export=false")
     shutil.copytree(tmp / "p1_to_p1_8bit", tmp / "p1_to_r2_8bit")
-    _run(tmp / "p1_to_p1_8bit", steps, f"plan={p8_ref}", f"model={untied}")
     shm_dir = Path("/dev/shm") / f"layerwise-test-{uuid.uuid4().hex[:8]}"
     shm_dir.mkdir()
     try:
@@ -143,7 +135,18 @@ def runs(tmp_path_factory):
                            "ckpt_policy=full", *common],
              "env": {"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}},
         ]
-        _launch(tmp, two).wait(timeout_s=400)
+        with _launch(tmp, two) as ranks:
+            ref = {
+                "plain": _run(tmp / "ref_plain", steps, "micro_batch_size=2"),
+                "accum": _run(tmp / "ref_accum", steps, "micro_batch_size=2", "grad_accum=2"),
+                "8bit": _run(tmp / "ref_8bit", steps, f"plan={p8_ref}", f"model={untied}"),
+                # the hand-overs' reference: 1-row micro-batches, 2 a step, so that a resume
+                # between this and 2 ranks (one 2-row global micro-batch a step) converts the
+                # data position
+                "rows": _run(tmp / "ref_rows", steps, "micro_batch_size=1", "grad_accum=2"),
+            }
+            _run(tmp / "p1_to_p1_8bit", steps, f"plan={p8_ref}", f"model={untied}")
+            ranks.wait(timeout_s=400)
         # 2 ranks saved at step 6; 1 process resumes it to the end
         _run(tmp / "r2_to_p1", steps, "micro_batch_size=1", "grad_accum=2")
         yield dict(tmp=tmp, ref=ref, shm_dir=shm_dir)
