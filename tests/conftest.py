@@ -9,17 +9,27 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def pytest_collection_modifyitems(config, items):
-    if any("dist" in item.keywords for item in items):
-        import multiproc
+PROCESS_FIXTURES = {"zero_dir"}
+"""Fixtures that run multi-process sessions: a test that uses one is a ``dist`` test."""
 
-        multiproc.context()  # the fork server imports while the single-process tests run
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.dist)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    if any("dist" in item.keywords for item in session.items):
+        import multiproc
+
+        multiproc.context()  # the fork server imports while the single-process tests run
 
 
 @pytest.fixture(params=["cpu", "cpu-async"])

@@ -118,10 +118,11 @@ def _child(rank: int, spec: _Spec) -> None:
     _redirect_output(f"{spec.log}.{rank}.log")
     if spec.umasks[rank] is not None:
         os.umask(spec.umasks[rank])
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec.port), RANK=str(rank),
-                      WORLD_SIZE=str(spec.world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(spec.world), TORCHELASTIC_USE_AGENT_STORE="True",
-                      OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if spec.port:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec.port), RANK=str(rank),
+                          WORLD_SIZE=str(spec.world), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(spec.world), TORCHELASTIC_USE_AGENT_STORE="True")
+    os.environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     os.environ.update(spec.env)
     os.environ.update(spec.rank_env[rank])
     import torch
@@ -258,7 +259,8 @@ def start(fn: Callable, args: tuple = (), world: int = 2, *, log: str | Path | N
     torchrun's variables plus ``env`` and ``rank_env[rank]``; ``MASTER_PORT`` is the port of
     ``stores[0]`` (default: a new store), stores this process holds until the launch ends (a
     child that joins several process groups in turn takes the other stores' ports from its
-    arguments: a store serves one group). Each child's output goes to ``<log>.<rank>.log`` (a
+    arguments: a store serves one group). ``stores=[]``: children of no process group, without
+    torchrun's variables. Each child's output goes to ``<log>.<rank>.log`` (a
     temporary prefix when ``log`` is None). ``fn`` must be importable (a module-level function).
     """
     ctx = context()
