@@ -99,13 +99,18 @@ class _Spec:
     env: dict[str, str]
     rank_env: list[dict[str, str]]
     umasks: list[int | None]
+    split_stderr: bool
 
 
-def _redirect_output(path: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def _redirect_output(out: str, err: str | None) -> None:
+    """fds 1 and 2 (and ``sys.stdout``/``sys.stderr``, line-buffered) to ``out`` (2: ``err``)."""
     sys.stdout.flush()
     sys.stderr.flush()
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
+    if err is not None:
+        os.close(fd)
+        fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 2)
     os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
@@ -115,7 +120,7 @@ def _redirect_output(path: str) -> None:
 def _child(rank: int, spec: _Spec) -> None:
     """A child's whole life: its log, umask and torchrun-style environment, ``fn(rank, *args)``,
     then ``leave``."""
-    _redirect_output(f"{spec.log}.{rank}.log")
+    _redirect_output(f"{spec.log}.{rank}.log", f"{spec.log}.{rank}.err" if spec.split_stderr else None)
     if spec.umasks[rank] is not None:
         os.umask(spec.umasks[rank])
     if spec.port:
@@ -187,11 +192,13 @@ class Child:
             raise subprocess.TimeoutExpired(f"child {self.proc.pid}", timeout)
         return self.proc.exitcode
 
-    def log_tail(self, n: int = 4000) -> str:
+    def log_tail(self, n: int = 4000, suffix: str = ".log") -> str:
+        """The last ``n`` characters of the child's output (``suffix=".err"``: its stderr,
+        when split)."""
         try:
-            return self.log.read_text(errors="replace")[-n:]
+            return self.log.with_suffix(suffix).read_text(errors="replace")[-n:]
         except FileNotFoundError:
-            return "(no log)"
+            return ""
 
 
 @dataclass
@@ -210,8 +217,8 @@ class Launch:
         return iter(self.children)
 
     def logs(self) -> str:
-        return "\n".join(f"--- rank {r} ({c.returncode}) ---\n{c.log_tail()}"
-                         for r, c in enumerate(self.children))
+        return "\n".join(f"--- rank {r} ({c.returncode}) ---\n{c.log_tail()}{c.log_tail(suffix='.err')}"
+                          for r, c in enumerate(self.children))
 
     def wait(self, timeout_s: float) -> None:
         """Every child ends with 0 within ``timeout_s``; else kill them all and raise with their
@@ -254,14 +261,15 @@ class Launch:
 
 def start(fn: Callable, args: tuple = (), world: int = 2, *, log: str | Path | None = None,
           env: dict[str, str] | None = None, rank_env: list[dict[str, str]] | None = None,
-          umasks: list[int | None] | None = None, stores: list[Store] | None = None) -> Launch:
+          umasks: list[int | None] | None = None, stores: list[Store] | None = None,
+          split_stderr: bool = False) -> Launch:
     """Start ``fn(rank, *args)`` in ``world`` children forked from the fork server, with
     torchrun's variables plus ``env`` and ``rank_env[rank]``; ``MASTER_PORT`` is the port of
     ``stores[0]`` (default: a new store), stores this process holds until the launch ends (a
     child that joins several process groups in turn takes the other stores' ports from its
     arguments: a store serves one group). ``stores=[]``: children of no process group, without
     torchrun's variables. Each child's output goes to ``<log>.<rank>.log`` (a
-    temporary prefix when ``log`` is None). ``fn`` must be importable (a module-level function).
+    temporary prefix when ``log`` is None; ``split_stderr``: its stderr to ``<log>.<rank>.err``). ``fn`` must be importable (a module-level function).
     """
     ctx = context()
     if log is None:
@@ -269,7 +277,7 @@ def start(fn: Callable, args: tuple = (), world: int = 2, *, log: str | Path | N
     stores = [Store()] if stores is None else stores
     spec = _Spec(fn, tuple(args), world, stores[0].port if stores else 0, str(log), dict(env or {}),
                  list(rank_env or [{} for _ in range(world)]),
-                 list(umasks or [None] * world))
+                 list(umasks or [None] * world), split_stderr)
     children = []
     try:
         for rank in range(world):
