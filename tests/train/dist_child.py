@@ -60,8 +60,10 @@ class MemorySampler:
 def stall_in_blob_writes(step: int, marker: str) -> None:
     """A fault: in the save of ``step`` (or the first save after it), this process stops for good
     right after it has handed its first blob of that save to the run directory (the bytes
-    written, their fsync and rename possibly still running), and writes that save's step to
-    ``marker`` (atomically) so the test can kill it there and check where it stopped.
+    written, their fsync and rename possibly still running), and writes to ``marker``
+    (atomically) where it stopped, so the test can kill it there and check:
+    ``{"armed_at_save": s, "latest_committed": c}``, ``c`` the run's newest commit as this rank
+    sees it then (the save it stopped in is ``c + 1``).
 
     It arms only once the previous save has finished (``Checkpointer.wait``): a save writes in
     the background and the next ``save`` first waits for it, so a fault armed on entry to
@@ -79,7 +81,8 @@ def stall_in_blob_writes(step: int, marker: str) -> None:
         rec = put_blob(self, *args, **kwargs)
         if armed:
             part = f"{marker}.part"
-            Path(part).write_text(str(armed[0]))
+            Path(part).write_text(json.dumps({"armed_at_save": armed[0],
+                                              "latest_committed": self.latest_step()}))
             os.replace(part, marker)
             threading.Event().wait()  # for good: the test kills this process or leaves it so
         return rec

@@ -351,15 +351,18 @@ def test_a_lost_rank_ends_the_other_with_an_error_within_the_timeout(tmp_path, s
 def test_a_rank_lost_in_its_blob_writes_leaves_the_last_commit(tmp_path, killed):
     """Rank 1 stops right after handing its first blob of the step-3 save to the run directory
     (``dist_child.stall_in_blob_writes``, armed once the step-2 save has finished; its marker
-    says it stopped in step 3) and is killed there (or left stalled), while rank 0 waits to
+    says it stopped after step 2 was committed: in step 3's blobs, as rank 0 commits step 2
+    before it sends step 3's choice) and is killed there (or left stalled), while rank 0 waits to
     gather the records: rank 0 exits with an error within ``dist_timeout_s``, the steps
     committed are exactly 1 and 2, rank 1's half-written save left a file of its own (mode
     0600) that no manifest names, ``ckpt verify`` is clean, and one process resumes from step 2.
 
     Mutations seen failing: ``saving.checkpointer`` making the exchange with a 30-minute timeout
     instead of ``dist_timeout_s`` (stalled: rank 0 waits at the gather past the test's limit);
-    the fault armed on entry to ``save(3)`` without waiting for step 2's write (now and then
-    the stall lands in step 2's blobs: committed ``[1]``; the marker's step tells)."""
+    the fault armed on entry to ``save(3)`` without waiting for step 2's write, with rank 1's
+    blob writes slowed by 0.3 s each so that step 2's is still running then (the stall lands in
+    step 2's blobs: the marker's ``latest_committed`` is 1; unslowed, that race hit about one
+    suite run in 200)."""
     shm_dir = Path("/dev/shm") / f"layerwise-test-{uuid.uuid4().hex[:8]}"
     shm_dir.mkdir()
     marker = tmp_path / "rank1-stalled"
@@ -369,7 +372,7 @@ def test_a_rank_lost_in_its_blob_writes_leaves_the_last_commit(tmp_path, killed)
                      marker.exists, {"rank": 1, "step": 3, "marker": str(marker)})
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
-    assert marker.read_text() == "3"
+    assert json.loads(marker.read_text()) == {"armed_at_save": 3, "latest_committed": 2}
     ckpt = run / "ckpt"
     report = RunDir.open(ckpt).verify()
     assert report.ok and report.steps == [1, 2], report.to_json()
