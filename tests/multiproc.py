@@ -142,24 +142,25 @@ def _child(rank: int, spec: _Spec) -> None:
 
 
 def leave(code: int = 0, barrier: bool = True) -> None:
-    """End this child: (on success) meet the other ranks at a barrier so that none closes its
-    connections while another still reads, destroy the process group with no tensor of it left
-    alive, flush, ``os._exit``. ``barrier=False`` where the group is known broken."""
-    gc.collect()
-    try:
-        import torch.distributed as dist
+    """End this child. On success: meet the other ranks at a barrier (so that none closes its
+    connections while another still reads), destroy the process group with no tensor of it left
+    alive (the work's frame is gone), flush, ``os._exit(0)``. ``barrier=False`` where the group
+    is known broken. On failure: flush and ``os._exit(code)`` at once (a peer may be gone)."""
+    if code == 0:
+        gc.collect()
+        try:
+            import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            if code == 0 and barrier:
-                dist.barrier()
-            dist.destroy_process_group()
-    except BaseException:
-        traceback.print_exc()
-        code = code or 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+            if dist.is_available() and dist.is_initialized():
+                if barrier:
+                    dist.barrier()
+                dist.destroy_process_group()
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class Child:
