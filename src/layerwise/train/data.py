@@ -14,6 +14,7 @@ import logging
 import hashlib
 import json
 import math
+import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -36,19 +37,42 @@ CACHE_FORMAT_VERSION = 1
 """Version of ``out_dir/data_cache/<key>.pt`` (docs/formats.md)."""
 
 __all__ = ["ByteTokenizer", "DataSpec", "TrainData", "batches", "corpus_tokens", "pack",
-           "prepare_data", "stdlib_files"]
+           "iter_stdlib_files", "prepare_data", "stdlib_files"]
+
+
+_NOT_CORPUS = frozenset({"site-packages", "test", "tests"})
+
+
+def iter_stdlib_files(root: str | Path | None = None) -> Iterator[Path]:
+    """``stdlib_files`` lazily, in the same (sorted) order: the walk prunes the excluded
+    directories and goes only as far as the reader reads, so a small corpus costs a few files,
+    not a walk through all the interpreter's library holds. ``ValueError`` if there is none."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+
+    def walk(d: Path) -> Iterator[Path]:
+        try:
+            entries = sorted(os.scandir(d), key=lambda e: e.name)
+        except OSError:
+            return
+        for e in entries:
+            if e.is_dir():  # follows links to directories, as ``rglob`` does
+                if e.name not in _NOT_CORPUS:
+                    yield from walk(d / e.name)
+            elif e.name.endswith(".py") and e.is_file():
+                yield d / e.name
+
+    found = False
+    if not _NOT_CORPUS.intersection(root.parts):
+        for path in walk(root):
+            found = True
+            yield path
+    if not found:
+        raise ValueError(f"no .py files under {root}; pass a directory of text files instead")
 
 
 def stdlib_files(root: str | Path | None = None) -> list[Path]:
     """Sorted ``.py`` files of the standard library (tests and site-packages excluded)."""
-    root = Path(root or sysconfig.get_paths()["stdlib"])
-    files = [
-        p for p in root.rglob("*.py")
-        if "site-packages" not in p.parts and "test" not in p.parts and "tests" not in p.parts
-    ]
-    if not files:
-        raise ValueError(f"no .py files under {root}; pass a directory of text files instead")
-    return sorted(files)
+    return list(iter_stdlib_files(root))
 
 
 def corpus_tokens(max_tokens: int, root: str | Path | None = None,
@@ -56,7 +80,7 @@ def corpus_tokens(max_tokens: int, root: str | Path | None = None,
     """The first ``max_tokens`` tokens of the corpus, files joined with BOS/EOS."""
     tok = tokenizer or ByteTokenizer()
     out: list[int] = []
-    for path in stdlib_files(root):
+    for path in iter_stdlib_files(root):
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):

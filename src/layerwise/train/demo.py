@@ -40,9 +40,9 @@ from ..models import get_flavor
 from ..optim.config import AdamWConfig
 from ..plan.plan import Plan
 from ..util.atomic import atomic_write_text
-from .data import stdlib_files
 from .config import CkptConfig, DataConfig, DemoConfig, EvalConfig, LogConfig, ModelConfig
 from .config import ScheduleConfig, TrainConfig
+from .data import iter_stdlib_files
 from .loop import TrainResult, train
 from .report import report
 from .tokenizer import train_bpe_tokenizer
@@ -70,7 +70,7 @@ def demo_texts(max_chars: int, root: str | Path | None = None) -> Iterator[str]:
     """Whole standard-library source files in the corpus' order, until ``max_chars`` is
     reached (the file that crosses it is the last)."""
     total = 0
-    for path in stdlib_files(root):
+    for path in iter_stdlib_files(root):
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
