@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        print(f"layerwise {args.command}: interrupted (nothing was being trained: nothing to "
-              "save)", file=sys.stderr)
+        print(f"layerwise {args.command}: interrupted, stopped at once (nothing saved now; a "
+              "checkpoint committed before is intact)", file=sys.stderr)
         return 130
     except USER_ERRORS as e:
         if debug:
