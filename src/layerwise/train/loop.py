@@ -32,8 +32,8 @@ from ..plan.plan import Plan
 from ..plan.shape import ModelShape
 from ..util.errors import Interrupted
 from ..util.logs import quiet_unless
-from .build import FlopCounter, ModelSource, check_fits, check_options, choose_plan, mem_cap_bytes
-from .build import resolve_dtype, resolve_plan  # noqa: F401  (the loop's API, used by callers)
+from .build import (FlopCounter, ModelSource, check_fits, check_options, choose_plan, mem_cap_bytes,
+                    resolve_dtype)
 from .config import TrainConfig
 from .data import DataSpec, prepare_data
 from .dist import saving as dist_saving, setup as dist_setup
