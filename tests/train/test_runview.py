@@ -33,6 +33,7 @@ from layerwise.plan.plan import Plan
 from layerwise.plan.shape import load_shape
 from layerwise.plan.simulator import simulate
 from layerwise.train import progress as progress_mod
+from layerwise.train.config import CkptConfig
 from layerwise.train.loop import TrainConfig, train
 from layerwise.train.planning import cuda_preset_for, resolve_hardware
 from layerwise.train.progress import Progress
@@ -89,12 +90,14 @@ def auto_run(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rule_run(model_dir, tmp_path_factory):
-    """In process: ``every-2``, 2 micro-batches per step, no checkpoints: (out_dir, log lines)."""
+    """In process: ``every-2``, 2 micro-batches per step, no checkpoints (turned off: they are
+    on by default): (out_dir, log lines)."""
     out = tmp_path_factory.mktemp("rule") / "run"
     cfg = TrainConfig(model=str(model_dir), plan="every-2", steps=STEPS, seq_len=32,
                       micro_batch_size=2, grad_accum=2, corpus_tokens=50_000, eval_every=0,
                       eval_batches=1, log_every=100, export=False, track_every=3,
-                      resume=False, progress="lines", out_dir=str(out))
+                      ckpt=CkptConfig(every=0, at_end=False), resume=False, progress="lines",
+                      out_dir=str(out))
     with logged_lines() as lines:
         train(cfg)
     return out, lines

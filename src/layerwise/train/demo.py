@@ -28,7 +28,7 @@ import logging
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +37,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from ..models import get_flavor
-from ..optim.adamw import AdamWConfig
+from ..optim.config import AdamWConfig
 from ..plan.plan import Plan
 from ..util.atomic import atomic_write_text
+from .config import CkptConfig, DataConfig, DemoConfig, EvalConfig, LogConfig, ModelConfig
+from .config import ScheduleConfig, TrainConfig
 from .data import iter_stdlib_files
-from .loop import TrainConfig, TrainResult, train
+from .loop import TrainResult, train
 from .report import report
 from .tokenizer import train_bpe_tokenizer
 
@@ -51,58 +53,6 @@ DEMO_FORMAT_VERSION = 1
 """``demo.json``'s format (docs/formats.md)."""
 
 DEMO_MODEL = "llama-demo"
-
-
-@dataclass
-class DemoConfig:
-    """The demo's settings; the defaults are what ``layerwise demo`` runs."""
-
-    steps: int = 400
-    """Optimizer steps (16 x 128 tokens each: about 0.8M tokens, 1.4 passes over the corpus)."""
-    out_dir: str = "runs/demo"
-    """Where the run goes (replaced when an earlier demo left it; see the module docstring)."""
-    device: str = "cpu"
-    """``cpu`` or ``cuda[:N]``."""
-    model: str = DEMO_MODEL
-    """A flavor whose vocabulary holds the tokenizer's (``llama-demo``: 1024 rows, 0.9M params)."""
-    vocab_size: int = 1024
-    """The BPE tokenizer's vocabulary (special token + 256 bytes + merges): small, so that
-    every id is seen often in a short run, yet ``self``, ``return``, indentation are one id."""
-    tokenizer_chars: int = 2_000_000
-    """Characters of standard-library source (whole files, in sorted order) the tokenizer learns
-    from: about 2 MB, a second or two."""
-    corpus_tokens: int = 600_000
-    """Tokens read from the same files (about 1.8M characters; the last 5% held out for eval)."""
-    seq_len: int = 128
-    """Tokens per sequence."""
-    micro_batch_size: int = 16
-    """Sequences per step (one micro-batch)."""
-    lr: float = 1e-2
-    """Peak learning rate (linear warmup, cosine decay to a tenth)."""
-    warmup_steps: int = 10
-    """Warmup steps."""
-    eval_every: int = 50
-    """Held-out eval every N steps (and at the start and end)."""
-    track_every: int = 10
-    """Per-layer update statistics every N steps (``tracker.jsonl``, the report's heat map)."""
-    ckpt_every: int = 50
-    """A layer-wise checkpoint every N steps and at the end."""
-    ckpt_options: dict[str, Any] = field(
-        default_factory=lambda: {"threshold": 0.1, "max_staleness": 2})
-    """``filter`` policy options: a group is written when its weights moved more than
-    ``threshold`` (relative) since its saved version, or when its newest version is more than
-    ``max_staleness`` saves old."""
-    prompt: str = "import os\nimport sys\n\n\nclass Config:\n    def __init__(self"
-    """What the trained model continues."""
-    max_new_tokens: int = 100
-    """Tokens generated after the prompt."""
-    temperature: float = 0.0
-    """0: greedy decoding; above 0: sampling at this temperature (top-k 40, seed 0)."""
-    repetition_penalty: float = 1.3
-    """``generate``'s ``repetition_penalty``: makes ids already in the text less likely, which
-    keeps a small model's greedy output from looping on one line."""
-    progress: str = "auto"
-    """``auto`` (a bar on a terminal, plain lines otherwise), ``bar`` or ``lines``."""
 
 
 @dataclass
@@ -170,14 +120,17 @@ def demo_plan(cfg: DemoConfig) -> Plan:
 
 def train_config(cfg: DemoConfig, tokenizer_dir: Path, plan_path: Path) -> TrainConfig:
     """The ``TrainConfig`` the demo runs: what ``layerwise train`` would get from
-    ``model=llama-demo tokenizer=OUT/tokenizer plan=OUT/demo-plan.json ckpt_policy=filter ...``."""
+    ``model=llama-demo model.tokenizer=OUT/tokenizer plan=OUT/demo-plan.json ckpt.policy=filter ...``."""
     return TrainConfig(
-        model=cfg.model, tokenizer=str(tokenizer_dir), plan=str(plan_path), steps=cfg.steps,
-        seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, corpus_tokens=cfg.corpus_tokens,
-        optimizer=AdamWConfig(lr=cfg.lr, weight_decay=0.1), warmup_steps=cfg.warmup_steps,
-        device=cfg.device, eval_every=cfg.eval_every, track_every=cfg.track_every,
-        ckpt_every=cfg.ckpt_every, ckpt_policy="filter", ckpt_options=dict(cfg.ckpt_options),
-        resume=False, out_dir=cfg.out_dir, progress=cfg.progress)
+        model=ModelConfig(name=cfg.model, tokenizer=str(tokenizer_dir)), plan=str(plan_path),
+        steps=cfg.steps, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
+        data=DataConfig(corpus_tokens=cfg.corpus_tokens),
+        optimizer=AdamWConfig(lr=cfg.lr, weight_decay=0.1),
+        schedule=ScheduleConfig(warmup_steps=cfg.warmup_steps), device=cfg.device,
+        eval=EvalConfig(every=cfg.eval_every),
+        log=LogConfig(track_every=cfg.track_every, progress=cfg.progress),
+        ckpt=CkptConfig(every=cfg.ckpt_every, policy="filter", **cfg.ckpt_options),
+        resume="false", out_dir=cfg.out_dir)
 
 
 def sample(model_dir: Path, cfg: DemoConfig) -> str:

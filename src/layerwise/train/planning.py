@@ -32,6 +32,7 @@ from ..plan.plan import Plan
 from ..plan.search import SearchConfig, search
 from ..plan.shape import ModelShape
 from ..plan.simulator import simulate
+from .options import check_hardware, check_profile
 
 _log = logging.getLogger(__name__)
 
@@ -92,22 +93,6 @@ def _this_machine(device: str, run_dir: Path, may_calibrate: bool) -> HardwareCh
     run_dir.mkdir(parents=True, exist_ok=True)
     hw.save(run_dir / PROFILE_NAME)
     return HardwareChoice(hw, f"this machine, calibrated now (quick; saved to {run_dir / PROFILE_NAME})")
-
-
-def check_profile(profile: str | None) -> None:
-    """Refuse a ``profile=`` that names no file (before any work)."""
-    if profile and not Path(profile).is_file():
-        raise ValueError(f"profile={profile}: no such file; write one with `layerwise calibrate "
-                         f"--out {profile}`, or leave profile unset")
-
-
-def check_hardware(hardware: str | None) -> None:
-    """Refuse an unknown ``hardware=`` preset or a bad profile file (before any work)."""
-    if hardware:
-        try:
-            get_hardware(hardware)
-        except ValueError as e:
-            raise ValueError(f"hardware={hardware}: {e}") from None
 
 
 def resolve_hardware(profile: str | None, hardware: str | None, device: str, run_dir: Path,
