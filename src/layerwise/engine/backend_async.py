@@ -38,6 +38,8 @@ class LaneItem(NamedTuple):
     queued_s: float
     start_s: float
     end_s: float
+    tag: str = ""
+    """The backend's ``trace_tag`` when the item was queued (e.g. the op a caller is running)."""
 
 
 class ThreadEvent:
@@ -75,12 +77,13 @@ class _Lane:
         self._thread = threading.Thread(target=self._loop, name=f"lane-{name}", daemon=True)
         self._thread.start()
 
-    def put(self, fn: Callable[[], None], done: ThreadEvent | None = None, kind: str = "compute") -> None:
-        self._queue.put((fn, done, kind, time.perf_counter()))
+    def put(self, fn: Callable[[], None], done: ThreadEvent | None = None, kind: str = "compute",
+            tag: str = "") -> None:
+        self._queue.put((fn, done, kind, tag, time.perf_counter()))
 
     def _loop(self) -> None:
         while True:
-            fn, done, kind, queued_s = self._queue.get()
+            fn, done, kind, tag, queued_s = self._queue.get()
             try:
                 if fn is None:
                     return
@@ -91,7 +94,7 @@ class _Lane:
                     fn()
                     trace = self.trace
                     if trace is not None:
-                        trace.append(LaneItem(self.name, kind, queued_s, start_s, time.perf_counter()))
+                        trace.append(LaneItem(self.name, kind, queued_s, start_s, time.perf_counter(), tag))
             except BaseException as e:  # noqa: BLE001  (re-raised on the host at synchronize)
                 self._errors.append(e)
             finally:
@@ -103,7 +106,7 @@ class _Lane:
         self._queue.join()
 
     def close(self) -> None:
-        self._queue.put((None, None, "", 0.0))
+        self._queue.put((None, None, "", "", 0.0))
         self._thread.join()
 
 
@@ -133,6 +136,8 @@ class AsyncCpuBackend:
         """Bytes of device slots allocated so far (the device memory the engine asked for)."""
         self.copied_bytes = new_byte_counter()
         """Bytes each copy lane has copied, counted by that lane as it runs the copy."""
+        self.trace_tag = ""
+        """Stamped on each item queued from now on (read back in :class:`LaneItem`)."""
 
     def start_trace(self) -> list[LaneItem]:
         """From now on every lane appends each item it runs to the returned list."""
@@ -155,18 +160,18 @@ class AsyncCpuBackend:
 
     def _queue(self, lane: str, fn: Callable[[], None], kind: str) -> ThreadEvent:
         ev = ThreadEvent()
-        self._lanes[lane].put(fn, ev, kind)
+        self._lanes[lane].put(fn, ev, kind, self.trace_tag)
         return ev
 
     def launch(self, fn: Callable[[], None]) -> None:
-        self._lanes["compute"].put(fn)
+        self._lanes["compute"].put(fn, tag=self.trace_tag)
 
     def record(self) -> Event:
         return self._queue("compute", lambda: None, "record")
 
     def wait(self, events: Sequence[Event | None]) -> None:
         events = list(events)
-        self._lanes["compute"].put(lambda: _wait_all(events), kind="wait")
+        self._lanes["compute"].put(lambda: _wait_all(events), kind="wait", tag=self.trace_tag)
 
     def _copy(self, lane: str, dst: torch.Tensor, src: Source, after: Sequence[Event | None]) -> Event:
         after = list(after)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -98,6 +99,9 @@ class GradSink:
         """Units with a gradient sent (or added inline) this step."""
         self.ring_wait_s = 0.0
         """Seconds the thread queuing device work spent waiting for a free ring buffer."""
+        self.ring_waits: deque[tuple[float, float]] = deque(maxlen=4096)
+        """The latest such waits, ``(start, end)`` in ``perf_counter`` seconds (a benchmark
+        intersects them with the device's idle time)."""
         if self.inline:
             return
         dtype = store.compute_dtype
@@ -171,7 +175,9 @@ class GradSink:
     def _take(self) -> int:
         t0 = time.perf_counter()
         ring = self._ring.take()  # blocks while every buffer is in flight
-        self.ring_wait_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.ring_wait_s += t1 - t0
+        self.ring_waits.append((t0, t1))
         return ring
 
     def _send(self, src: Source, numel: int, dtype: torch.dtype, unit: str, first: bool,
