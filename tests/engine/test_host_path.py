@@ -169,3 +169,26 @@ def test_host_thread_layout_leaves_the_launchers_cpu_free():
     th.join()
     assert seen["worker"] == seen["child"] == layout.worker_cpus == mine - {max(mine)}
     assert os.sched_getaffinity(0) == mine  # the caller's thread is left alone
+
+
+def test_bf16_landing_on_the_async_path_equals_the_synchronous_one_bit_for_bit():
+    """bf16 compute: the asynchronous path's gradients (joined, copied through the ring in
+    pieces, added by the fused kernel on the landing thread) are bit-equal to the synchronous
+    path's (each parameter's part added straight into its slice), over two micro-batches.
+    Mutation seen failing: ``_land_loop`` passing ``first=True`` for every piece (the second
+    micro-batch overwrites the first)."""
+    grads = {}
+    for device in ("cpu", "cpu-async"):
+        cfg = get_flavor("llama-debug").build_config(vocab_size=2000)
+        model = build_hf_model(cfg, seed=0)
+        adapter = DecoderAdapter(cfg)
+        store = HostStore(adapter, compute_dtype=torch.bfloat16)
+        store.copy_from_model(model)
+        engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 2),
+                                 EngineConfig(device=device, compute_dtype=torch.bfloat16,
+                                              async_seed=None))
+        engine.compute_grads([make_batch(2000, seed=s) for s in (1, 2)])
+        engine.close()
+        grads[device] = {b.name: b.grad.clone() for b in store}
+    for unit, g in grads["cpu"].items():
+        assert torch.equal(g.view(torch.int32), grads["cpu-async"][unit].view(torch.int32)), unit
