@@ -34,7 +34,6 @@ import time
 import torch
 
 from layerwise.engine import EngineConfig, StreamingEngine
-from layerwise.engine.backend_async import LaneItem
 from layerwise.engine.batch import Batch
 from layerwise.models import DecoderAdapter, get_flavor
 from layerwise.models.init import build_hf_model

@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 
 from ..models.adapter import DecoderAdapter
-from ..models.names import EMBED, HEAD
 from ..optim.adamw import AdamWConfig, HostAdamW, UnitOptimizer
 from ..optim.adamw8bit import HostAdamW8bit
 from ..optim.clip import clip_or_skip, global_norm
