@@ -21,6 +21,7 @@ Mutations checked by hand (each makes ``test_seeded_delay_patterns_match_autogra
 """
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
@@ -132,16 +133,18 @@ def test_device_slots_are_allocated_once_and_bounded_by_prefetch_depth(setup):
 def test_a_unit_is_copied_once_per_use_window(setup):
     """A tied head needs the embedding right after the last layer's forward; the embedding copy
     of ``embed_fwd`` is not reused (its slot was freed), but within one window a unit is not
-    copied twice: every-1 with two micro-batches copies each use of the schedule except the
-    embedding shared by ``embed_bwd`` and the next micro-batch's ``embed_fwd``."""
+    copied twice: every-1 at prefetch depth 2 with two micro-batches copies each use of the
+    schedule except ``layers.0``, shared by the first micro-batch's last backward and the
+    second's first layer forward (two uses ahead: the embedding's forward is between them;
+    ``embed_bwd`` reads no weights)."""
     cfg, model, batches, _, _ = setup
     adapter = DecoderAdapter(cfg)
     store = HostStore(adapter)
     store.copy_from_model(model)
-    engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 1),
-                             EngineConfig(device="cpu-async", async_seed=None))
+    plan = replace(Plan.every_k(adapter.num_layers, 1), prefetch_depth=2)
+    engine = StreamingEngine(adapter, store, plan, EngineConfig(device="cpu-async", async_seed=None))
     engine.compute_grads(batches)
-    uses_per_mb = 1 + 6 + 2 + 6 + 1  # embed_fwd, layers, head (embed + head), layers back, embed_bwd
+    uses_per_mb = 1 + 6 + 2 + 6  # embed_fwd, layers, head (embed + head), layers back
     assert engine.streamer.loads == 2 * uses_per_mb - 1
     engine.close()
 

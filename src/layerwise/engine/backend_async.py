@@ -5,6 +5,10 @@ before every item a lane sleeps a seeded random delay, so lanes drift against ea
 against the host the way streams do. A wait the engine forgets (slot free before a copy
 overwrites it, a copy landed before compute or the host reads it, an update done before its
 weights are copied) then turns into wrong numbers in a test instead of passing by luck of timing.
+
+Each copy lane counts the bytes it copied as it runs them (``copied_bytes``); ``start_trace``
+makes every lane record each item it runs (:class:`LaneItem`: kind, when queued, started,
+ended), the device's timeline a benchmark or test reads overlap from.
 """
 
 from __future__ import annotations
@@ -14,13 +18,28 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
-from .backend import DoneEvent, Event, Source, resolve
+from .backend import DoneEvent, Event, Source, nbytes_of, new_byte_counter, resolve
 
 LANE_TIMEOUT_S = 120.0
 """A wait longer than this is a deadlock in the engine's ordering; fail instead of hanging."""
+
+
+class LaneItem(NamedTuple):
+    """One item a lane ran, with ``time.perf_counter()`` times."""
+
+    lane: str
+    kind: str
+    """``compute`` (a launched closure), ``wait`` (the compute lane waiting on events),
+    ``record`` (an event marker) or ``copy``."""
+    queued_s: float
+    start_s: float
+    end_s: float
+    tag: str = ""
+    """The backend's ``trace_tag`` when the item was queued (e.g. the op a caller is running)."""
 
 
 class ThreadEvent:
@@ -53,22 +72,29 @@ class _Lane:
         self._delay_probability = delay_probability
         self._errors = errors
         self._queue: queue.Queue = queue.Queue()
+        self.trace: list[LaneItem] | None = None
+        """Where the lane appends the items it runs (None: not tracing)."""
         self._thread = threading.Thread(target=self._loop, name=f"lane-{name}", daemon=True)
         self._thread.start()
 
-    def put(self, fn: Callable[[], None], done: ThreadEvent | None = None) -> None:
-        self._queue.put((fn, done))
+    def put(self, fn: Callable[[], None], done: ThreadEvent | None = None, kind: str = "compute",
+            tag: str = "") -> None:
+        self._queue.put((fn, done, kind, tag, time.perf_counter()))
 
     def _loop(self) -> None:
         while True:
-            fn, done = self._queue.get()
+            fn, done, kind, tag, queued_s = self._queue.get()
             try:
                 if fn is None:
                     return
                 if self._max_delay_s and self._rng.random() < self._delay_probability:
                     time.sleep(self._rng.uniform(0, self._max_delay_s))
                 if not self._errors:  # after an error, only release waiters
+                    start_s = time.perf_counter()
                     fn()
+                    trace = self.trace
+                    if trace is not None:
+                        trace.append(LaneItem(self.name, kind, queued_s, start_s, time.perf_counter(), tag))
             except BaseException as e:  # noqa: BLE001  (re-raised on the host at synchronize)
                 self._errors.append(e)
             finally:
@@ -80,7 +106,7 @@ class _Lane:
         self._queue.join()
 
     def close(self) -> None:
-        self._queue.put((None, None))
+        self._queue.put((None, None, "", "", 0.0))
         self._thread.join()
 
 
@@ -108,6 +134,21 @@ class AsyncCpuBackend:
             self._lanes[name] = _Lane(name, lane_rng, delay, self._errors, probability)
         self.allocated_bytes = 0
         """Bytes of device slots allocated so far (the device memory the engine asked for)."""
+        self.copied_bytes = new_byte_counter()
+        """Bytes each copy lane has copied, counted by that lane as it runs the copy."""
+        self.trace_tag = ""
+        """Stamped on each item queued from now on (read back in :class:`LaneItem`)."""
+
+    def start_trace(self) -> list[LaneItem]:
+        """From now on every lane appends each item it runs to the returned list."""
+        trace: list[LaneItem] = []
+        for lane in self._lanes.values():
+            lane.trace = trace
+        return trace
+
+    def stop_trace(self) -> None:
+        for lane in self._lanes.values():
+            lane.trace = None
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(numel, dtype=dtype)
@@ -117,20 +158,20 @@ class AsyncCpuBackend:
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
 
-    def _queue(self, lane: str, fn: Callable[[], None]) -> ThreadEvent:
+    def _queue(self, lane: str, fn: Callable[[], None], kind: str) -> ThreadEvent:
         ev = ThreadEvent()
-        self._lanes[lane].put(fn, ev)
+        self._lanes[lane].put(fn, ev, kind, self.trace_tag)
         return ev
 
     def launch(self, fn: Callable[[], None]) -> None:
-        self._lanes["compute"].put(fn)
+        self._lanes["compute"].put(fn, tag=self.trace_tag)
 
     def record(self) -> Event:
-        return self._queue("compute", lambda: None)
+        return self._queue("compute", lambda: None, "record")
 
     def wait(self, events: Sequence[Event | None]) -> None:
         events = list(events)
-        self._lanes["compute"].put(lambda: _wait_all(events))
+        self._lanes["compute"].put(lambda: _wait_all(events), kind="wait", tag=self.trace_tag)
 
     def _copy(self, lane: str, dst: torch.Tensor, src: Source, after: Sequence[Event | None]) -> Event:
         after = list(after)
@@ -138,8 +179,9 @@ class AsyncCpuBackend:
         def run() -> None:
             _wait_all(after)
             dst.copy_(resolve(src).reshape(dst.shape))
+            self.copied_bytes[lane] += nbytes_of(dst)  # only this lane's thread writes its entry
 
-        return self._queue(lane, run)
+        return self._queue(lane, run, "copy")
 
     def copy_h2d(self, dst: torch.Tensor, src: Source, after: Sequence[Event | None] = ()) -> Event:
         return self._copy("h2d", dst, src, after)
@@ -152,6 +194,9 @@ class AsyncCpuBackend:
             lane.drain()
         for lane in self._lanes.values():  # a copy queued by a compute item after its lane drained
             lane.drain()
+        self.raise_errors()
+
+    def raise_errors(self) -> None:
         if self._errors:
             err = self._errors[0]
             self._errors.clear()

@@ -3,8 +3,9 @@
 One optimizer step = the step program (``layerwise.plan.program``) run for every micro-batch, then the
 host optimizer. Weights stream in ahead of use, gradients stream out as each layer's backward
 finishes, activations live where the plan says. The optimizer updates run on host worker
-threads after the backward and overlap the next step's forward: a unit's weights are only
-streamed in once its update is done.
+threads after the backward and overlap the next step's forward: a step ends when its last
+gradient has landed on the host (no drain of the device), and the next forward of unit ``u``
+waits for ``u``'s update alone (the streamer asks before it copies ``u``).
 
 Where each part lives: the ops' handlers and their dispatch table in ``op_handlers.py``, weights
 in (``weight_stream.py``), gradients out (``grad_sink.py``), activation tiers
@@ -25,7 +26,6 @@ import torch
 import torch.nn.functional as F
 
 from ..models.adapter import DecoderAdapter
-from ..models.names import EMBED, HEAD
 from ..optim.adamw import AdamWConfig, HostAdamW, UnitOptimizer
 from ..optim.adamw8bit import HostAdamW8bit
 from ..optim.clip import clip_or_skip, global_norm
@@ -38,6 +38,7 @@ from .batch import IGNORE_INDEX, Batch
 from .boundary_tiers import BoundaryTiers
 from .devices import make_backend
 from .grad_sink import GradSink
+from .host_threads import plan_host_threads
 from .internals import KeptInternals
 from .op_handlers import OpHandlers
 from .reduce import LocalReducer, StepReducer
@@ -58,6 +59,9 @@ class EngineConfig:
     """Directory for NVMe-tier activations (None: a temp dir)."""
     optimizer_threads: int = 1
     """Host worker threads running per-unit optimizer updates."""
+    landing_threads: int | None = None
+    """Threads one gradient landing is split over (None: ``host_threads.plan_host_threads``'s
+    choice: the CPUs but one on CUDA, 1 on the CPU backends)."""
     optimizer: AdamWConfig = field(default_factory=AdamWConfig)
     async_seed: int | None = 0
     """For ``device="cpu-async"``: seed of the lanes' random delays (None: no delays)."""
@@ -105,12 +109,17 @@ class StreamingEngine:
         for buf in store:
             if not buf.state:
                 self.optimizers[buf.name].init_state(buf)
-        self.updates = HostUpdates(store, self.optimizers, self.reducer, self.config.optimizer_threads)
+        threads = plan_host_threads(self.device.type, self.config.optimizer_threads)
+        if threads.optimizer_intra is not None:
+            torch.set_num_threads(threads.optimizer_intra)  # the launcher's CPU stays free
+        self.host_threads = threads
+        self.updates = HostUpdates(store, self.optimizers, self.reducer, self.config.optimizer_threads,
+                                   initializer=threads.initializer)
         self.streamer = WeightStreamer(self.backend, store, plan.prefetch_depth, self.updates.wait,
                                        self.updates.done)
-        head_numel = store[HEAD].layout.numel + (store[EMBED].layout.numel if adapter.tied else 0)
-        self.sink = GradSink(self.backend, store, fp32_numel=max(head_numel, store[EMBED].layout.numel),
-                             on_final=self.reducer.unit_landed)
+        landing = self.config.landing_threads or threads.landing
+        self.sink = GradSink(self.backend, store, on_final=self.reducer.unit_landed,
+                             landing_threads=landing, thread_init=threads.initializer)
         self.acts = BoundaryTiers(self.backend, self.config.spill_dir)
         self.internals = KeptInternals(self.backend)
         self.handlers = OpHandlers(adapter, store, plan, self.backend, self.config.compute_dtype,
@@ -195,14 +204,19 @@ class StreamingEngine:
         self.check(*micro_batches[0].input_ids.shape)
         schedule = weight_schedule(self.program, self.adapter.tied) * len(micro_batches)
         self.streamer.begin(schedule)
+        self.sink.begin_step()
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         try:
             for k, mb in enumerate(micro_batches):
                 self.handlers.micro_batch(self.program, mb, loss, total,
                                           final=k == len(micro_batches) - 1)
+            # The step ends when its last gradient has landed: that gradient's copy followed the
+            # last compute of the step, and the lanes run in order, so nothing of the step is
+            # still running that the host or the updates could race. No drain of the device.
             self.sink.finish()
-            self.backend.synchronize()
+            self.backend.raise_errors()
             assert self.streamer.finished()
+            assert self.sink.landed() == set(self.store.by_name), "a unit got no gradient this step"
             sq, step_loss = self.reducer.finish(float(loss))
         except BaseException:
             self._abandon_step()

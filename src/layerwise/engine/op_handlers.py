@@ -180,12 +180,21 @@ class OpHandlers:
         self.acts.drop(i)
 
     def _embed_bwd(self, mb: MicroBatch, _i: int) -> None:
-        def grads_of(w: torch.Tensor, _) -> tuple[None, list[torch.Tensor]]:
-            params = self.store[EMBED].layout.leaves(w)
-            h0 = self.adapter.embed(params, mb.ids)
-            return None, list(torch.autograd.grad(h0, tuple(params.values()), mb.grad_h))
+        """The embedding's gradient from the token ids and boundary 0's gradient: no weights
+        (with tied embeddings the head streamed them for its own op). On an asynchronous
+        device it is written straight into the grad slot."""
+        (weight,) = self.store[EMBED].layout.specs  # nn.Embedding: one parameter
+        ticket = self.sink.begin(EMBED)
 
-        self._backward(mb, EMBED, grads_of)
+        def run() -> None:
+            out = None if ticket.device is None else ticket.device.view(weight.shape)
+            g = self.adapter.embed_weight_grad(mb.ids, mb.grad_h, out=out)
+            mb.grad_h = None
+            if out is None:
+                self.sink.deposit(ticket, [g])
+
+        self.backend.launch(run)
+        self.sink.end(ticket, mb.final)
 
     def _head(self, mb: MicroBatch, _i: int) -> None:
         """Final norm + lm_head + loss in chunks of ``head_chunk_tokens``; the weight gradients

@@ -28,6 +28,8 @@ class HostRing:
     """Pinned host buffers handed out in turn; a buffer comes back when the host is done with it."""
 
     def __init__(self, backend: DeviceBackend, count: int, nbytes: int):
+        self.nbytes = nbytes
+        """Bytes of each buffer."""
         self.buffers = [backend.host_alloc(nbytes, torch.uint8) for _ in range(count)]
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(count):

@@ -3,12 +3,19 @@
 The updates are submitted after the backward (embed first: the next forward needs it first) and
 overlap the next step's forward; the weight streamer asks :meth:`HostUpdates.wait` /
 :meth:`HostUpdates.done` before it copies a unit, so a unit streams in only once its update is
-applied. Data parallel: a unit another rank owns is updated there; its gradient here is spent
-and is cleared, and "done" means the owner has published its update (the step reducer says).
+applied. Data parallel: a unit another rank owns is updated there, and "done" means the owner
+has published its update (the step reducer says).
+
+No update zeroes a gradient, and a rank that does not own a unit leaves its spent gradient as it
+is: the first landing of the next step overwrites it (``GradSink``), a pass over every gradient
+saved per step. Each update's start and end (``perf_counter``) are kept in ``times`` for the
+overlap the benchmark and tests read.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..optim.adamw import UnitOptimizer
@@ -18,11 +25,14 @@ from .reduce import StepReducer
 
 class HostUpdates:
     def __init__(self, store: HostStore, optimizers: dict[str, UnitOptimizer],
-                 reducer: StepReducer, threads: int):
+                 reducer: StepReducer, threads: int, initializer: Callable[[], None] | None = None):
+        """``initializer``: run by each worker thread as it starts (its CPU mask)."""
         self.store = store
         self.optimizers = optimizers
         self.reducer = reducer
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="optim")
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="optim", initializer=initializer)
+        self.times: dict[str, tuple[float, float]] = {}
+        """Unit -> (start, end) of its latest update, ``time.perf_counter()`` seconds."""
         self._pending: dict[str, Future] = {}
         """This process's updates not yet waited on, by unit."""
 
@@ -32,15 +42,15 @@ class HostUpdates:
         self.reducer.begin_updates()
         for buf in self.store:  # embed first: the next forward needs it first
             if not self.reducer.owns(buf.name):
-                buf.grad.zero_()  # reduced into the owner's; this rank's part is spent
-                continue
+                continue  # reduced into the owner's; this rank's part is spent
             self._pending[buf.name] = self._pool.submit(self._update, buf.name, lr, coef)
 
     def _update(self, unit: str, lr: float, coef: float) -> None:
+        t0 = time.perf_counter()
         buf = self.store[unit]
         self.optimizers[unit].step_unit(buf, lr, coef)
-        buf.grad.zero_()
         buf.refresh_compute()
+        self.times[unit] = (t0, time.perf_counter())
         self.reducer.published(unit)
 
     def wait(self, unit: str) -> None:
