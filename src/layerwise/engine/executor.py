@@ -70,7 +70,8 @@ class EngineConfig:
 @dataclass
 class StepStats:
     loss: float
-    """Mean cross-entropy per target token over the whole step."""
+    """Mean cross-entropy per target token over the whole step (plus, for an MoE trained with
+    its router aux loss, that loss as ``models/moe.py`` weights it)."""
     grad_norm: float
     clip_coef: float
     tokens: int
@@ -178,6 +179,9 @@ class StreamingEngine:
         if ids.shape != labels.shape or ids.dim() != 2:
             raise ValueError(f"input_ids {tuple(ids.shape)} and labels {tuple(labels.shape)} must "
                              "both be [batch, seq]")
+        if mb.segment_ids is not None and mb.segment_ids.shape != ids.shape:
+            raise ValueError(f"segment_ids {tuple(mb.segment_ids.shape)} must have the shape of "
+                             f"input_ids {tuple(ids.shape)}")
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             raise ValueError(f"token ids must be in [0, {vocab}) for this model, got "
                              f"[{int(ids.min())}, {int(ids.max())}]; the tokenizer does not match the model")
@@ -270,7 +274,8 @@ class StreamingEngine:
         total_loss, total_tokens = 0.0, 0
         for mb in batches:
             labels = mb.labels.to(self.device)
-            for sl, h, hv, ew in self._forward_hidden(mb.input_ids, self.plan.head_chunk_tokens):
+            for sl, h, hv, ew in self._forward_hidden(mb.input_ids, self.plan.head_chunk_tokens,
+                                                      mb.segment_ids):
                 logits = self.adapter.head_logits(hv, ew, h)
                 total_loss += float(F.cross_entropy(
                     logits.float().flatten(0, 1), labels[:, sl].flatten(),
@@ -280,11 +285,12 @@ class StreamingEngine:
             raise ValueError("eval batches have no target tokens")
         return total_loss / total_tokens
 
-    def _forward_hidden(self, input_ids: torch.Tensor, chunk_tokens: int | None = None):
+    def _forward_hidden(self, input_ids: torch.Tensor, chunk_tokens: int | None = None,
+                        segment_ids: torch.Tensor | None = None):
         """Yield (sequence slice, final hidden chunk, head views, tied weight) per chunk."""
         self.synchronize()
-        self.check_batch(Batch(input_ids, input_ids))
-        yield from self.handlers.forward_hidden(input_ids, chunk_tokens)
+        self.check_batch(Batch(input_ids, input_ids, segment_ids))
+        yield from self.handlers.forward_hidden(input_ids, chunk_tokens, segment_ids)
 
     def close(self) -> None:
         self.updates.close()

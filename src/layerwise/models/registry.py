@@ -45,6 +45,51 @@ def _debug(family: str, tied: bool, **extra: Any) -> dict[str, Any]:
     return cfg
 
 
+def _tiny(**extra: Any) -> dict[str, Any]:
+    cfg = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+               max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-6,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg.update(extra)
+    return cfg
+
+
+_MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02)
+_LINEAR = dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+               linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+               linear_conv_kernel_dim=3)
+_QUIRKY: list[tuple[str, str, dict[str, Any]]] = [
+    ("gemma", "gemma", dict(tie_word_embeddings=True)),
+    ("gemma2", "gemma2", dict(sliding_window=5, attn_logit_softcapping=20.0,
+                              final_logit_softcapping=10.0, query_pre_attn_scalar=16,
+                              tie_word_embeddings=True)),
+    ("gemma3", "gemma3_text", dict(sliding_window=5, final_logit_softcapping=10.0,
+                                   layer_types=["sliding_attention", "full_attention"],
+                                   query_pre_attn_scalar=16, tie_word_embeddings=True)),
+    ("gpt-oss", "gpt_oss", dict(num_local_experts=4, intermediate_size=32, sliding_window=5,
+                                layer_types=["sliding_attention", "full_attention"],
+                                attention_bias=True, **_MOE)),
+    ("phi3", "phi3", dict(partial_rotary_factor=0.5, sliding_window=5)),
+    ("glm4", "glm4", dict(partial_rotary_factor=0.5, attention_bias=True)),
+    ("olmo2", "olmo2", dict()),
+    ("deepseek-v3", "deepseek_v3", dict(first_k_dense_replace=1, n_routed_experts=4,
+                                        n_shared_experts=1, moe_intermediate_size=16,
+                                        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+                                        qk_nope_head_dim=4, v_head_dim=8, n_group=2,
+                                        topk_group=1, num_experts_per_tok=2, head_dim=4)),
+    ("qwen3-moe", "qwen3_moe", dict(num_experts=4, moe_intermediate_size=16, mlp_only_layers=[0],
+                                    norm_topk_prob=True, **_MOE)),
+    ("mixtral", "mixtral", dict(num_local_experts=4, sliding_window=5, **_MOE)),
+    ("qwen3-next", "qwen3_next", dict(num_experts=4, moe_intermediate_size=16,
+                                      shared_expert_intermediate_size=16, **_LINEAR, **_MOE)),
+    ("qwen3.5", "qwen3_5_text", dict(**_LINEAR)),
+    ("qwen3.5-moe", "qwen3_5_moe_text", dict(num_experts=4, moe_intermediate_size=16,
+                                             shared_expert_intermediate_size=16, **_LINEAR,
+                                             **_MOE)),
+]
+"""(flavor stem, family, config) of the tiny models of the families beyond the first four."""
+
+
 _FLAVORS: list[Flavor] = [
     # Tiny models for tests: every family, tied and untied embeddings.
     Flavor("llama-debug", "llama", _debug("llama", tied=False), "tiny test model"),
@@ -54,6 +99,10 @@ _FLAVORS: list[Flavor] = [
     Flavor("qwen3-debug", "qwen3", _debug("qwen3", tied=True), "tiny test model"),
     Flavor("qwen3-debug-untied", "qwen3", _debug("qwen3", tied=False), "tiny test model"),
     Flavor("mistral-debug", "mistral", _debug("mistral", tied=False, sliding_window=None), "tiny test model"),
+    # Tiny models of the other families, two layers, every quirk of the family switched on
+    # (windows shorter than the tests' sequences, soft caps, MoE with the router aux loss).
+    *(Flavor(f"{name}-debug", family, _tiny(**cfg), "tiny test model, quirks on")
+      for name, family, cfg in _QUIRKY),
     # Small trainable models for CPU benchmarks (byte-level vocabulary) and the demo.
     Flavor(
         "llama-30m",
