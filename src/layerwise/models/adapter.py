@@ -219,10 +219,12 @@ class DecoderAdapter:
         layout = row_layout(tuple(shape), segment_ids)
         pos = layout.positions.to(device, non_blocking=True)
         probe = torch.empty(0, dtype=dtype, device=device)  # RoPE reads only its dtype and device
+        axes = self.spec.rope_position_axes
+        rope_pos = pos[None].expand(axes, *pos.shape) if axes else pos
         rope = {}
         with torch.no_grad():
             for key in sorted(set(self._rope_key)):
-                rope[key] = rotary(probe, pos, key) if key else rotary(probe, pos)
+                rope[key] = rotary(probe, rope_pos, key) if key else rotary(probe, rope_pos)
         masks = attention_masks(self.layer_types, self.layer_windows, layout,
                                 self.attn_implementation, dtype, device)
         state = None

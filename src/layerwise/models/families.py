@@ -60,6 +60,9 @@ class FamilySpec:
     """The factor HF's embedding multiplies its output by (cast to the weight dtype first)."""
     logit_softcap: str | None = None
     """The config attribute of the final-logit soft cap: ``cap * tanh(logits / cap)``."""
+    rope_position_axes: int = 0
+    """The rotary module takes position ids per axis, ``[axes, b, s]`` (Qwen3.5's multimodal
+    RoPE: text positions repeated on its 3 axes, as its text model does); 0: ``[b, s]``."""
     quirks: str = ""
     """What the row's family brings (for the list of supported families)."""
 
@@ -103,9 +106,9 @@ FAMILIES: dict[str, FamilySpec] = {s.model_type: s for s in (
     FamilySpec("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM", qk_norm=True,
                quirks="linear-attention layers, gated attention, MoE with a gated shared expert"),
     FamilySpec("qwen3_5_text", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", qk_norm=True,
-               quirks="linear-attention layers, multi-axis RoPE"),
+               rope_position_axes=3, quirks="linear-attention layers, multi-axis RoPE"),
     FamilySpec("qwen3_5_moe_text", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", qk_norm=True,
-               quirks="linear-attention layers, MoE with a gated shared expert"),
+               rope_position_axes=3, quirks="linear-attention layers, MoE with a gated shared expert"),
 )}
 
 TEXT_MODEL_OF = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}

@@ -29,7 +29,6 @@ from ..ckpt.store_provider import HostStoreStateProvider
 from ..engine import EngineConfig, StreamingEngine
 from ..engine.batch import Batch
 from ..plan.plan import Plan
-from ..plan.shape import ModelShape
 from ..util.errors import Interrupted
 from ..util.logs import quiet_unless
 from .build import (FlopCounter, ModelSource, check_fits, check_options, choose_plan, mem_cap_bytes,
@@ -115,8 +114,7 @@ def _rows_of(global_mb: Batch, rank: int, rows: int) -> Batch:
     """Rank ``rank``'s share of a global micro-batch (the whole of it in one process)."""
     if global_mb.input_ids.shape[0] == rows and rank == 0:
         return global_mb
-    sl = slice(rank * rows, (rank + 1) * rows)
-    return Batch(global_mb.input_ids[sl].contiguous(), global_mb.labels[sl].contiguous())
+    return global_mb.rows(slice(rank * rows, (rank + 1) * rows))
 
 
 class Trainer:
@@ -306,7 +304,7 @@ class Trainer:
         self.tracker = RunTracker(self.out_dir, self.out.tracker_every(cfg.log.track_every),
                                   self.adapter, self.store, self.engine.optimizers, self.ckpt,
                                   self.start_step)
-        self.flop_count = FlopCounter(ModelShape.from_config(self.adapter.config))
+        self.flop_count = FlopCounter(self.adapter)
         self.t_start = time.perf_counter()
 
     def _run_info(self) -> dict[str, Any]:
