@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from ..plan.memory import FETCH_SLOTS
-from .backend import DeviceBackend, Event, Ref
-from .slots import HostRing, Slot
+from .backend import DeviceBackend, Event, HeldRef, Ref
+from .slots import HostRing, OffloadWindow, Slot
 
 
 @dataclass
@@ -47,6 +47,9 @@ class BoundaryTiers:
         self._free_slots: list[int] = []
         self._entries: dict[int, _Offloaded] = {}
         self.on_device: dict[int, torch.Tensor] = {}
+        self.offloads = OffloadWindow(backend)
+        """The D2H copies of stored boundaries, waited for by compute ``OFFLOAD_WINDOW_OPS`` ops
+        later (``next_op``)."""
         self.nvme_bytes_written = 0
 
     def _dir(self) -> Path:
@@ -80,21 +83,23 @@ class BoundaryTiers:
             return
         numel = math.prod(shape)
         after = [self.backend.record()]
+        src = HeldRef(h)  # let go once compute waits for the copy (OffloadWindow), not before
         if tier == "host":
             buf = self._host_bufs.get(i)
             if buf is None or buf.numel() < numel:
                 buf = self._host_bufs[i] = self.backend.host_alloc(numel, self._dtype)
-            ev = self.backend.copy_d2h(buf[:numel], h, after=after)
+            ev = self.backend.copy_d2h(buf[:numel], src, after=after)
             self._entries[i] = _Offloaded("host", shape, ev)
         elif tier == "nvme":
             ring = self._staging.take()
             dst = self._staging.view(ring, numel, self._dtype)
-            ev = self.backend.copy_d2h(dst, h, after=after)
+            ev = self.backend.copy_d2h(dst, src, after=after)
             path = self._dir() / f"boundary-{i}.bin"
             self._entries[i] = _Offloaded("nvme", shape, self._io.submit(self._write, ev, dst, ring, path))
             self.nvme_bytes_written += numel * dst.element_size()
         else:
             raise ValueError(f"unknown tier {tier!r}")
+        self.offloads.add(ev, src)
 
     def _write(self, ev: Event, src: torch.Tensor, ring: int, path: Path) -> Path:
         try:
@@ -187,6 +192,7 @@ class BoundaryTiers:
             s.free_after = None
         self._entries.clear()
         self.on_device.clear()
+        self.offloads.clear()
 
     def close(self) -> None:
         self.clear()

@@ -63,6 +63,8 @@ class OpHandlers:
                     self.acts.prefetch(ahead.index)  # NVMe reads and H2D fetches run ahead
                 elif ahead.kind == OpKind.FETCH_INTERNALS:
                     self.internals.fetch(ahead.index)
+            self.acts.offloads.next_op()  # compute waits for the offloads of k ops back
+            self.internals.offloads.next_op()
             with torch.profiler.record_function(str(op)):  # lets a memory probe attribute its peak
                 self.ops[op.kind](mb, op.index)
 
