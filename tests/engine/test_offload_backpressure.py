@@ -43,7 +43,7 @@ backend's test, ``test_program_memory``); a backlog is far more."""
 PLANS = {
     "host-boundaries": Plan.keep_all(LAYERS, "host"),
     "host-internals": Plan(["nvme" if i % 8 == 3 else "host" for i in range(LAYERS)],
-                           internal_tiers=["host" if i % 4 == 1 else "recompute" for i in range(LAYERS)]),
+                           internal_tiers=["host" if i % 8 in (1, 2, 3) else "recompute" for i in range(LAYERS)]),
 }
 
 
