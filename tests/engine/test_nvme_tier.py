@@ -9,7 +9,8 @@ Mutations checked by hand:
   before) makes ``test_written_boundaries_hold_no_page_cache`` fail for both paths;
 - the fallback without ``posix_fadvise(POSIX_FADV_DONTNEED)`` fails its ``buffered`` case;
 - ``HostRing`` with the backend's plain ``host_alloc`` (not page-aligned on the CPU backends)
-  fails ``test_staging_buffers_are_page_aligned_whole_blocks`` (and ``O_DIRECT`` refuses them).
+  fails ``test_staging_buffers_are_page_aligned_whole_blocks`` (and the O_DIRECT writes, whose
+  alignment check trips).
 """
 
 import errno
