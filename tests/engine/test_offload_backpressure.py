@@ -4,8 +4,8 @@ memory measured from allocations stays within the memory model's prediction.
 Each op's compute waits for the offloads queued one op back (``engine/slots.py``
 ``OffloadWindow``, ``plan.memory.OFFLOAD_WINDOW_OPS``); without it compute runs ahead and every
 boundary and host-tier internal the slow lane has not copied yet stays on the device (measured
-before the window, same shape and lane: host boundaries 1.62x the prediction, host boundaries
-with host internals on every 4th layer 3.50x).
+before the window, same shapes and lane, median of 3: ``host-boundaries`` 1.59x the prediction,
+``host-internals`` 4.10x; with it 0.93x and 1.03x).
 
 Mutations checked by hand (each makes ``test_measured_peak_stays_within_the_model`` fail):
 - ``OffloadWindow.next_op`` without its ``backend.wait`` (both plans);

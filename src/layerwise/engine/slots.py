@@ -11,6 +11,7 @@ runs the next op, so memory an offload still reads never piles up behind a slow 
 from __future__ import annotations
 
 import queue
+import threading
 from collections import deque
 from dataclasses import dataclass
 
@@ -71,14 +72,16 @@ class EventGroup:
         self.events: list[Event] = []
         self._holds: list[HeldRef] = []
         self._released = False
+        self._lock = threading.Lock()  # the closure adds while the host may release
 
     def add(self, event: Event, hold: HeldRef | None = None) -> None:
         self.events.append(event)
         if hold is not None:
-            if self._released:
-                hold.release()
-            else:
-                self._holds.append(hold)
+            with self._lock:
+                if not self._released:
+                    self._holds.append(hold)
+                    return
+            hold.release()  # the host has waited already (it ran ahead of this closure)
 
     def synchronize(self) -> None:
         for ev in self.events:
@@ -92,10 +95,10 @@ class EventGroup:
             stream.wait_event(ev)
 
     def release(self) -> None:
-        self._released = True
-        for h in self._holds:
+        with self._lock:
+            self._released, holds, self._holds = True, self._holds, []
+        for h in holds:
             h.release()
-        self._holds.clear()
 
 
 class OffloadWindow:
