@@ -104,3 +104,51 @@ def test_a_wider_window_counts_the_offloads_still_in_flight():
             assert b.breakdown["offloads_in_flight"] == sum(own[max(0, n - k + 1):n])
         assert all(est.breakdown["offloads_in_flight"] == 0 for est in sync)
     assert all(est.breakdown["offloads_in_flight"] == 0 for est in one)
+
+
+SLEEP_CYCLES = 50_000_000
+"""~25 ms of a GPU clock: a kernel that long ahead of every D2H copy makes that stream slow."""
+
+
+@pytest.mark.cuda
+def test_reserved_peak_within_prediction_with_a_slow_d2h_stream(monkeypatch):
+    """CUDA: every D2H copy is queued behind a ~25 ms sleep kernel on the D2H stream; with every
+    boundary on the host (16 layers, 32 MiB each), the caching allocator's reserved peak over two
+    steps stays within 1.1x of ``predict_memory``, the bound ``test_cuda`` holds a normal step
+    to. The failure it guards against: offloads piling up on the device (no window wait), or
+    offload sources tied to the D2H stream (``record_stream``), whose blocks the allocator cannot
+    hand out again until the host, running ahead, sees the late copy done. Written without a
+    GPU: those mutations are yet to be seen failing here."""
+    from layerwise.engine.backend import CudaBackend
+
+    from . import test_cuda
+
+    real = CudaBackend.copy_d2h
+
+    def slow_copy_d2h(self, dst, src, after=()):
+        with torch.cuda.stream(self.d2h_stream):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        return real(self, dst, src, after)
+
+    monkeypatch.setattr(CudaBackend, "copy_d2h", slow_copy_d2h)
+    mbs, seq, layers = 2, 4096, 16
+    adapter, store, cfg = test_cuda._random_store(num_hidden_layers=layers)
+    batch = test_cuda._random_batch(cfg.vocab_size, mbs, seq)
+    test_cuda._clean_cuda()
+    base = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    engine = test_cuda._bf16_engine(adapter, store, Plan.keep_all(layers, "host"))
+    try:
+        predicted = engine.predict_memory(mbs, seq)
+        for _ in range(2):
+            assert not engine.train_step([batch], lr=1e-5).skipped
+        engine.synchronize()
+        torch.cuda.synchronize()
+        reserved = torch.cuda.max_memory_reserved() - base
+    finally:
+        engine.close()
+        del engine
+        test_cuda._clean_cuda()
+    assert reserved <= 1.1 * predicted.peak_bytes, (
+        f"reserved peak {reserved / 2**20:.0f} MiB > 1.1 x predicted {predicted.peak_bytes / 2**20:.0f} MiB "
+        f"(prediction at '{predicted.peak_op}': {predicted.describe()})")
