@@ -262,10 +262,12 @@ class StreamingEngine:
     # ----- inference (eval, export checks) ------------------------------------------------
 
     @torch.no_grad()
-    def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits of a batch, streamed layer by layer (``[batch, seq, vocab]`` on the host)."""
+    def forward_logits(self, input_ids: torch.Tensor,
+                       segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of a batch, streamed layer by layer (``[batch, seq, vocab]`` on the host);
+        ``segment_ids``: packed rows (``Batch.segment_ids``)."""
         parts = [self.adapter.head_logits(hv, ew, h).float().cpu()
-                 for _, h, hv, ew in self._forward_hidden(input_ids)]
+                 for _, h, hv, ew in self._forward_hidden(input_ids, None, segment_ids)]
         return torch.cat(parts, dim=1)
 
     @torch.no_grad()

@@ -69,7 +69,11 @@ _QUIRKY: list[tuple[str, str, dict[str, Any]]] = [
     ("gpt-oss", "gpt_oss", dict(num_local_experts=4, intermediate_size=32, sliding_window=5,
                                 layer_types=["sliding_attention", "full_attention"],
                                 attention_bias=True, **_MOE)),
-    ("phi3", "phi3", dict(partial_rotary_factor=0.5, sliding_window=5)),
+    # LongRoPE (Phi-3-128k, Phi-4-mini): its factors switch when a position passes
+    # original_max_position_embeddings, so RoPE depends on absolute positions
+    ("phi3", "phi3", dict(partial_rotary_factor=0.5, sliding_window=5, original_max_position_embeddings=8,
+                          rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                               short_factor=[1.0, 1.5], long_factor=[4.0, 8.0]))),
     ("glm4", "glm4", dict(partial_rotary_factor=0.5, attention_bias=True)),
     ("olmo2", "olmo2", dict()),
     ("deepseek-v3", "deepseek_v3", dict(first_k_dense_replace=1, n_routed_experts=4,
