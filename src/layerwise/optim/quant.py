@@ -15,7 +15,7 @@ Error bound (both maps, per element, ``s`` = the unrounded code, ``Q`` = 127 or 
 ``|x - deq(x)| <= scale * (s + 0.25) / Q**2``, i.e. about ``sqrt(|x| * scale) / Q``: relative
 error ~``1 / (Q * sqrt(|x| / scale))``, which is why small values keep precision. (Exception:
 a positive ``v`` whose code would round to 0 is stored as code 1.)
-``docs/benchmarks.md`` (issue 4) has the measured comparison with a linear and the
+``docs/benchmarks.md`` has the measured comparison with a linear and the
 bitsandbytes dynamic map on real Adam moments, and the block-size sweep.
 
 This module is the reference, device-agnostic torch implementation; ``_kernel.py`` has the
