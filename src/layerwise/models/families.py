@@ -65,6 +65,10 @@ class FamilySpec:
     RoPE: text positions repeated on its 3 axes, as its text model does); 0: ``[b, s]``."""
     quirks: str = ""
     """What the row's family brings (for the list of supported families)."""
+    closed_form_shape: bool = False
+    """Every layer is the same dense Llama-style block, so the planner's closed-form sizes and
+    fitted memory formulas (``plan/shape.py``) are exact; otherwise the planner reads per-layer
+    sizes and FLOPs off the (meta) modules (``models/structure.py``)."""
 
     @property
     def config_class(self) -> type:
@@ -76,11 +80,13 @@ class FamilySpec:
 
 
 FAMILIES: dict[str, FamilySpec] = {s.model_type: s for s in (
-    FamilySpec("llama", "LlamaConfig", "LlamaForCausalLM"),
+    FamilySpec("llama", "LlamaConfig", "LlamaForCausalLM", closed_form_shape=True),
     FamilySpec("mistral", "MistralConfig", "MistralForCausalLM", window_on_every_layer=True,
-               quirks="sliding window"),
-    FamilySpec("qwen2", "Qwen2Config", "Qwen2ForCausalLM", qkv_bias=True, quirks="qkv bias"),
-    FamilySpec("qwen3", "Qwen3Config", "Qwen3ForCausalLM", qk_norm=True, quirks="qk-norm"),
+               quirks="sliding window", closed_form_shape=True),
+    FamilySpec("qwen2", "Qwen2Config", "Qwen2ForCausalLM", qkv_bias=True, quirks="qkv bias",
+               closed_form_shape=True),
+    FamilySpec("qwen3", "Qwen3Config", "Qwen3ForCausalLM", qk_norm=True, quirks="qk-norm",
+               closed_form_shape=True),
     FamilySpec("gemma", "GemmaConfig", "GemmaForCausalLM", embed_scale=_sqrt_hidden,
                quirks="embedding scale"),
     FamilySpec("gemma2", "Gemma2Config", "Gemma2ForCausalLM", attn_implementation="eager",

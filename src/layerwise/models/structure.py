@@ -46,6 +46,9 @@ class LayerFacts:
     experts_per_token: int = 0
     routed_expert_params: int = 0
     """Parameters of all routed experts together (the part of ``params`` top-k reads from)."""
+    mlp_active_matmul_params: int = 0
+    """Of ``active_matmul_params``, the MLP's (``mlp.*``: routed experts at top-k, shared ones,
+    the router); the rest is the token mixer's."""
 
     def forward_flops(self, tokens: int, pairs: int) -> float:
         """Forward FLOPs over ``tokens`` tokens whose attention scores ``pairs`` pairs."""
@@ -94,22 +97,24 @@ def layer_facts(adapter) -> tuple[LayerFacts, ...]:
         i = unit.index
         layer = adapter.layer_module(i)
         experts, top_k = _experts(layer)
-        active = routed = 0
-        for p in layer.parameters():
+        active = routed = mlp = 0
+        for name, p in layer.named_parameters():
             if p.dim() < 2:
                 continue
             n = experts.get(id(p))
             if n is None:
-                active += p.numel()
+                used = p.numel()
             else:
                 routed += p.numel()
-                active += p.numel() * top_k // n
+                used = p.numel() * top_k // n
+            active += used
+            mlp += used if name.startswith("mlp.") else 0
         kind = adapter.layer_types[i]
         out.append(LayerFacts(
             i, kind, adapter.layer_windows[i], unit.numel, active,
             0.0 if kind == LINEAR_ATTENTION else _pair_flops(layer, adapter.config),
             _recurrent_flops(layer), max(experts.values(), default=0), top_k if experts else 0,
-            routed))
+            routed, mlp))
     return tuple(out)
 
 

@@ -54,15 +54,26 @@ class MemoryEstimate:
         return ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in self.breakdown.items())
 
 
-def layer_workspace_bytes(shape: ModelShape, tokens: int, elem_bytes: int) -> int:
-    """What autograd keeps for one decoder layer's backward.
+def layer_workspace_bytes(shape: ModelShape, tokens: int, elem_bytes: int, i: int = 0) -> int:
+    """What autograd keeps for decoder layer ``i``'s backward.
 
     Per token: norm inputs and outputs, q/k/v before and after rotary, attention output, the
     o_proj input, the MLP gate, up, activation and product. Measured with saved_tensors_hooks
-    it is within 2% on the CPU benchmark model.
+    it is within 2% on the CPU benchmark model. Layers with their own facts: their estimate
+    (``LayerCost.workspace_per_token``).
     """
+    c = shape.layer(i)
+    if c is not None:
+        return tokens * c.workspace_per_token * elem_bytes
     per_token = (4 * shape.hidden_size + 3 * shape.q_dim + 4 * shape.kv_dim
                  + 4 * shape.intermediate_size)
+    return tokens * per_token * elem_bytes
+
+
+def _widest_bytes(shape: ModelShape, i: int, tokens: int, elem_bytes: int) -> int:
+    """The MLP's widest intermediates of a forward without a graph (gate and up)."""
+    c = shape.layer(i)
+    per_token = c.widest_per_token if c is not None else 2 * shape.intermediate_size
     return tokens * per_token * elem_bytes
 
 
@@ -74,12 +85,12 @@ def op_transient_bytes(shape: ModelShape, kind: OpKind, i: int, tokens: int, ele
         return a
     if kind in (OpKind.LAYER_FWD, OpKind.RECOMPUTE_LAYER):
         # input + output + the MLP's widest intermediates (no graph kept)
-        return 2 * a + tokens * 2 * shape.intermediate_size * elem_bytes
+        return 2 * a + _widest_bytes(shape, i, tokens, elem_bytes)
     if kind == OpKind.LAYER_FWD_KEEP:
         # the saved tensors as they are made (device tier: they stay, as kept internals, after
         # the op; host tier: they leave) + the output + one MLP intermediate not saved
-        return (a + tokens * shape.intermediate_size * elem_bytes
-                + layer_workspace_bytes(shape, tokens, elem_bytes))
+        return (a + _widest_bytes(shape, i, tokens, elem_bytes) // 2
+                + layer_workspace_bytes(shape, tokens, elem_bytes, i))
     if kind == OpKind.LAYER_BWD_KEPT:
         # the output and input gradients, the residual branches' gradients inside, the weight
         # gradients (fitted to allocations); the kept internals are counted as live
@@ -94,7 +105,7 @@ def op_transient_bytes(shape: ModelShape, kind: OpKind, i: int, tokens: int, ele
         return 4 * a + params * (4 + elem_bytes) + chunk * shape.vocab_size * (elem_bytes + fp32_copy + 8)
     if kind == OpKind.LAYER_BWD:
         return (3 * a + shape.unit_params(layer_unit(i)) * elem_bytes
-                + layer_workspace_bytes(shape, tokens, elem_bytes))
+                + layer_workspace_bytes(shape, tokens, elem_bytes, i))
     if kind == OpKind.EMBED_BWD:
         return a + shape.unit_params(EMBED) * elem_bytes
     return 0  # fetch, fetch_internals
@@ -108,7 +119,7 @@ def kept_internal_bytes(shape: ModelShape, plan: Plan, i: int, tokens: int, elem
         return 0
     shared = tokens * shape.hidden_size * elem_bytes if (
         plan.internal_tiers[i] == "device" and plan.boundary_tiers[i] == "device") else 0
-    return layer_workspace_bytes(shape, tokens, elem_bytes) - shared
+    return layer_workspace_bytes(shape, tokens, elem_bytes, i) - shared
 
 
 def slot_bytes(shape: ModelShape, plan: Plan, micro_batch_size: int, seq_len: int, elem_bytes: int,
@@ -130,7 +141,7 @@ def offload_bytes(shape: ModelShape, plan: Plan, op: Op, tokens: int, elem_bytes
         return 0
     out = tokens * shape.hidden_size * elem_bytes if plan.boundary_tiers[op.index] in ("host", "nvme") else 0
     if op.kind == OpKind.LAYER_FWD_KEEP and plan.internal_tiers[op.index] == "host":
-        out += layer_workspace_bytes(shape, tokens, elem_bytes)
+        out += layer_workspace_bytes(shape, tokens, elem_bytes, op.index)
     return out
 
 
