@@ -60,6 +60,12 @@ def bench_config(flavor: str, hidden: int, layers: int, seq: int):
         if isinstance(cfg.get(k), int):
             cfg[k] = cfg[k] * scale
     cfg.update(num_hidden_layers=layers, vocab_size=512, max_position_embeddings=max(256, seq))
+    rope = dict(cfg.get("rope_parameters") or {})
+    if "short_factor" in rope:  # LongRoPE: one factor per rotary frequency of the wider heads
+        n = int(cfg["head_dim"] * cfg.get("partial_rotary_factor", 1.0)) // 2
+        for k in ("short_factor", "long_factor"):
+            rope[k] = [x for x in rope[k] for _ in range(n // len(rope[k]))]
+        cfg["rope_parameters"] = rope
     if cfg.get("sliding_window"):
         cfg["sliding_window"] = seq // 4
     if cfg.get("layer_types"):
@@ -77,7 +83,10 @@ def time_family(flavor: str, args: argparse.Namespace, steps: int) -> dict[str, 
     store.copy_from_model(model)
     engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 1),
                              EngineConfig(optimizer=opt_cfg))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     model.train()
     for m in model.modules():  # dropout off, as the engine runs
@@ -152,6 +161,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--families", default=None, help="comma-separated flavor stems (default: all)")
     ap.add_argument("--no-plan", action="store_true", help="skip the planner part")
+    ap.add_argument("--presets", default=None, help="comma-separated presets (default: all)")
+    ap.add_argument("--no-engine", action="store_true", help="skip the engine part")
     args = ap.parse_args()
     args.hidden = args.hidden or (128 if args.quick else 256)
     args.seq_len = args.seq_len or (128 if args.quick else 256)
@@ -160,14 +171,15 @@ def main() -> None:
     if args.families:
         flavors = [f"{s}-debug" for s in args.families.split(",")]
     t0 = time.perf_counter()
-    families = {f[:-len("-debug")]: time_family(f, args, steps) for f in flavors}
-    presets = {} if args.no_plan else {n: plan_preset(n, 4096, args.quick) for n in FAMILY_PRESETS}
+    families = {} if args.no_engine else {f[:-len("-debug")]: time_family(f, args, steps) for f in flavors}
+    names = args.presets.split(",") if args.presets else FAMILY_PRESETS
+    presets = {} if args.no_plan else {n: plan_preset(n, 4096, args.quick) for n in names}
     print(json.dumps({
         "benchmark": "families",
         "inputs": {"hidden": args.hidden, "layers": args.layers, "seq_len": args.seq_len,
                    "batch": args.batch, "steps": steps, "plan": "every-1", "preset_seq_len": 4096,
                    "hardware": "h200", "quick": args.quick},
-        "max_step_ratio_vs_hf": max(r["step_ratio_vs_hf"] for r in families.values()),
+        "max_step_ratio_vs_hf": max((r["step_ratio_vs_hf"] for r in families.values()), default=None),
         "target_max_step_ratio_vs_hf": 1.15,
         "families": families,
         "presets": presets,

@@ -12,7 +12,7 @@ from layerwise.models.registry import FAMILY_PRESETS
 from layerwise.models.structure import layer_facts, model_flops
 from layerwise.plan.cost import CostModel
 from layerwise.plan.hardware import PRESETS
-from layerwise.plan.memory import layer_workspace_bytes
+from layerwise.plan.memory import layer_workspace_bytes, mask_bytes
 from layerwise.plan.plan import Plan
 from layerwise.plan.shape import load_shape
 from layerwise.plan.simulator import simulate
@@ -84,3 +84,23 @@ def test_workspace_is_per_layer():
     linear, full = (layer_workspace_bytes(shape, 1024, 2, i) for i in range(2))
     assert linear != full and min(linear, full) > 0
     assert CostModel(shape, PRESETS["h200"], 1, 1024).layer_workspace_bytes == max(linear, full)
+
+
+@pytest.mark.parametrize("flavor", ["llama-debug", "mistral-debug", "gpt-oss-debug", "gemma3-debug",
+                                    "qwen3-next-debug"])
+def test_mask_bytes_are_the_masks_the_adapter_builds(flavor):
+    """Packed and unpacked rows, SDPA (boolean) and eager (float), sliding, full and linear
+    layers: the memory model's mask bytes are the bytes of the masks a micro-batch's
+    ``LayerContext`` holds. Mutation seen failing: one mask per micro-batch whatever the
+    attention types (the model's count before per-type masks)."""
+    import torch
+
+    cfg = get_flavor(flavor).build_config()
+    adapter = DecoderAdapter(cfg)
+    shape = load_shape(flavor)
+    rotary = adapter.new_rotary("cpu")
+    seg = torch.tensor([[0] * 5 + [1] * 7, [2] * 12])
+    for packed, segment_ids in ((True, seg), (False, None)):
+        ctx = adapter.layer_context((2, 12), "cpu", torch.float32, rotary, segment_ids)
+        built = sum(m.numel() * m.element_size() for m in ctx.masks.values() if m is not None)
+        assert mask_bytes(shape, 2, 12, 4, packed=packed) == built, packed

@@ -111,6 +111,25 @@ def op_transient_bytes(shape: ModelShape, kind: OpKind, i: int, tokens: int, ele
     return 0  # fetch, fetch_internals
 
 
+def mask_bytes(shape: ModelShape, micro_batch_size: int, seq_len: int, elem_bytes: int,
+               packed: bool = True) -> int:
+    """Device bytes of one micro-batch's attention masks, as ``models/attention.py`` builds them:
+    one per masked attention type (full, sliding), shared by its layers; ``[b, 1, s, s]`` for
+    packed rows (block-diagonal; the data's default, so assumed), ``[1, 1, s, s]`` otherwise;
+    boolean for SDPA, the compute dtype for eager. SDPA's plain causal path (a full layer of
+    unpacked rows) and linear attention need none."""
+    kinds: dict[str, bool] = {}  # attention type -> its window is shorter than the row
+    for i, w in enumerate(shape.layer_windows):
+        c = shape.layer(i)
+        if c is not None and not c.pair_flops:
+            continue  # linear attention
+        kind = "full" if w is None else "sliding"
+        kinds[kind] = kinds.get(kind, False) or (w is not None and w < seq_len)
+    masked = [k for k, short in kinds.items() if packed or shape.eager_attention or short]
+    per_row = seq_len * seq_len * (elem_bytes if shape.eager_attention else 1)
+    return len(masked) * per_row * (micro_batch_size if packed else 1)
+
+
 def kept_internal_bytes(shape: ModelShape, plan: Plan, i: int, tokens: int, elem_bytes: int) -> int:
     """Device bytes of layer ``i``'s kept internals once its forward is done (0: recomputed).
     The input boundary is among them, so when the plan also keeps that boundary on the device
@@ -156,8 +175,7 @@ def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, se
     boundary = tokens * shape.hidden_size * elem_bytes
     slots = sum(slot_bytes(shape, plan, micro_batch_size, seq_len, elem_bytes, grad_slots).values())
     slots += workspace_bytes
-    windows = [w for w in shape.layer_windows if w is not None and w < seq_len]
-    mask = seq_len * seq_len if windows else 0  # a boolean band mask for the windowed layers
+    mask = mask_bytes(shape, micro_batch_size, seq_len, elem_bytes)
     ops = micro_batch_program(plan.boundary_tiers, plan.internal_tiers)
     stored: set[int] = set()
     kept: dict[int, int] = {}  # layer -> bytes of its internals on the device

@@ -19,7 +19,7 @@ from typing import Any
 from transformers import AutoConfig
 
 from ..models.adapter import DecoderAdapter
-from ..models.families import family_of, has_qkv_bias, layer_windows
+from ..models.families import attn_implementation, family_of, has_qkv_bias, layer_windows
 from ..models.names import EMBED, HEAD, layer_index, unit_names
 from ..models.registry import FLAVORS
 from ..models.structure import LayerFacts, layer_facts
@@ -84,6 +84,8 @@ class ModelShape:
     """Attention window per layer (None = full causal)."""
     layers: tuple[LayerCost, ...] = ()
     """Per-layer facts; empty for a closed-form family (every layer the dense formula's)."""
+    eager_attention: bool = False
+    """The layers run HF's eager attention (sinks, soft-capped scores): float masks."""
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None) -> ModelShape:
@@ -109,6 +111,7 @@ class ModelShape:
             qk_norm=family.qk_norm,
             layer_windows=layer_windows(config),
             layers=layers,
+            eager_attention=attn_implementation(config) == "eager",
         )
 
     def layer(self, i: int) -> LayerCost | None:
