@@ -41,7 +41,7 @@ from layerwise.optim.adamw import AdamWConfig
 from layerwise.plan import Plan
 from layerwise.plan.cost import CostModel
 from layerwise.plan.hardware import PRESETS
-from layerwise.plan.search import SearchConfig, search
+from layerwise.plan.search import PlanInfeasible, SearchConfig, search
 from layerwise.plan.shape import load_shape
 from layerwise.store import HostStore
 
@@ -135,11 +135,22 @@ def plan_preset(name: str, seq_len: int, quick: bool) -> dict[str, Any]:
     hw = PRESETS["h200"]
     cfg = SearchConfig(global_batch=8 if quick else None, milp_budget_s=2.0 if quick else 6.0)
     t0 = time.perf_counter()
-    res = search(shape, hw, seq_len, cfg)
+    out: dict[str, Any] = {}
+    try:
+        res = search(shape, hw, seq_len, cfg)
+    except PlanInfeasible as e:
+        if e.resource != "host":
+            raise
+        # one H200 host's RAM is too small for the whole host store (DeepSeek-V3): say so, and
+        # predict with the host memory it would need
+        need_gb = (hw.host_mem_bytes + e.over_bytes) * 1.05 / 1e9
+        out.update(fits_on_one_h200_host=False, binding="host", host_mem_gb_assumed=round(need_gb))
+        hw = hw.with_memory(host_mem_gb=need_gb)
+        res = search(shape, hw, seq_len, cfg)
     plan_s = time.perf_counter() - t0
     cost = CostModel(shape, hw, 1, seq_len)
     per_layer = [cost.unit_weight_bytes(f"layers.{i}") / cost.layer_fwd_flops(i) for i in range(shape.num_layers)]
-    return {"params_b": round(shape.num_params / 1e9, 2), "active_params_b": round(shape.active_params / 1e9, 2),
+    return {**out, "params_b": round(shape.num_params / 1e9, 2), "active_params_b": round(shape.active_params / 1e9, 2),
             "distinct_layers": len(set(shape.layers)) if shape.layers else 1,
             "max_layer_bytes_per_gflop": round(max(per_layer) * 1e9, 1),
             "min_layer_bytes_per_gflop": round(min(per_layer) * 1e9, 1),
