@@ -178,7 +178,8 @@ class Trainer:
             self.engine = StreamingEngine(self.adapter, self.store, self.plan, EngineConfig(
                 device=cfg.device, compute_dtype=self.compute_dtype,
                 device_mem_cap_bytes=mem_cap_bytes(cfg), optimizer=cfg.optimizer),
-                reducer=DistReducer(ctx, self.store, flags) if ctx.enabled else None)
+                reducer=DistReducer(ctx, self.store, flags, cfg.dist.grad_reduce, cfg.device)
+                if ctx.enabled else None)
             dist_setup.store_ready(ctx, self.alloc)
         except BaseException:
             if ctx.enabled:
