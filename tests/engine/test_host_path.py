@@ -192,3 +192,51 @@ def test_bf16_landing_on_the_async_path_equals_the_synchronous_one_bit_for_bit()
         grads[device] = {b.name: b.grad.clone() for b in store}
     for unit, g in grads["cpu"].items():
         assert torch.equal(g.view(torch.int32), grads["cpu-async"][unit].view(torch.int32)), unit
+
+
+def test_every_host_worker_thread_binds_the_engine_device(monkeypatch):
+    """Each thread the engine starts (the gradient landing thread, every optimizer worker) runs
+    the backend's ``bind_thread`` before any work: on CUDA that is ``torch.cuda.set_device``
+    of the engine's device, so no thread of a rank with LOCAL_RANK > 0 makes a context on GPU 0.
+    Recorded on the asynchronous backend: the landing thread that lands each gradient and
+    every thread that ran an update had bound first.
+
+    Mutation seen failing: the executor handing the workers ``threads.initializer`` (the CPU
+    mask alone) instead of ``_thread_init``."""
+    from layerwise.engine import AsyncCpuBackend, backend as backend_mod
+    from layerwise.engine import updates as updates_mod
+
+    bound: set[str] = set()
+    monkeypatch.setattr(AsyncCpuBackend, "bind_thread",
+                        lambda self: bound.add(threading.current_thread().name))
+    updated_on: set[str] = set()
+    update = updates_mod.HostUpdates._update
+
+    def recording_update(self, unit, lr, coef):
+        updated_on.add(threading.current_thread().name)
+        return update(self, unit, lr, coef)
+
+    monkeypatch.setattr(updates_mod.HostUpdates, "_update", recording_update)
+    cfg = get_flavor("llama-debug").build_config()
+    adapter = DecoderAdapter(cfg)
+    store = HostStore(adapter)
+    engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 2),
+                             EngineConfig(device="cpu-async", async_seed=None, optimizer_threads=2))
+    try:
+        batch = make_batch(cfg.vocab_size)
+        for _ in range(2):
+            engine.train_step([batch])
+        engine.synchronize()
+    finally:
+        engine.close()
+    assert "grad-sink" in bound
+    assert updated_on and updated_on <= bound, (updated_on, bound)
+
+    class Cuda(backend_mod.CudaBackend):
+        def __init__(self):  # no GPU here: only the device it binds
+            self.device = torch.device("cuda", 3)
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    Cuda().bind_thread()
+    assert calls == [torch.device("cuda", 3)]

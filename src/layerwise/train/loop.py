@@ -39,6 +39,7 @@ from .data import DataSpec, prepare_data
 from .dist import saving as dist_saving, setup as dist_setup
 from .dist.context import DistContext, init as dist_init, shutdown as dist_shutdown
 from .dist.reducer import DistReducer
+from .dist.shm import shared_store_nbytes
 from .interrupt import StopFlag
 from .outdir import RUN_FORMAT_VERSION, read_run_json
 from .outdir import open_metrics as _open_metrics  # noqa: F401  (tests read it here)
@@ -171,7 +172,8 @@ class Trainer:
         self.plan, self.hw = dist_setup.decided_by_rank0(
             ctx, lambda: choose_plan(cfg, source.config, self.compute_dtype), "sharing the plan")
         check_fits(cfg, source.config, self.plan, self.compute_dtype)
-        self.alloc = dist_setup.host_allocator(ctx, cfg.dist.shm_dir)
+        self.alloc = dist_setup.host_allocator(ctx, cfg.dist.shm_dir, lambda: shared_store_nbytes(
+            source.config, self.compute_dtype, self.plan.moments))
         try:
             self.adapter, self.store = source.build(cfg.seed, self.compute_dtype, self.alloc)
             flags = self.alloc.zeros(len(self.store.units), torch.int64) if ctx.enabled else None
