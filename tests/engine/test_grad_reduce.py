@@ -105,7 +105,10 @@ def _expected_d2h_bytes(store: HostStore, mine: set[str], micro_batches: int) ->
 def test_only_the_owner_lands_the_reduced_gradient(setup, owned):
     """Synchronous CPU backend: the owner's host gradient is exactly twice autograd's, the other
     units' are untouched (NaN: no landing) and only the owned units' bytes were copied out;
-    every unit's gradient was reduced once per micro-batch part."""
+    every unit's gradient was reduced once per micro-batch part.
+
+    Mutation seen failing: ``GradSink._out`` taking every unit as this rank's (``mine =
+    True``): the units it does not own land too (not NaN) and their bytes are copied out."""
     mine = OWNERSHIPS[owned]
     store, seen, d2h = _run(setup, mine, "cpu")
     ref = reference_by_unit(setup, store)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from layerwise import config
 from layerwise.ckpt.checkpointer import Checkpointer
-from layerwise.engine.executor import StreamingEngine
 from layerwise.ckpt.run_dir import RunDir
+from layerwise.engine.executor import StreamingEngine
 from layerwise.train.loop import TrainConfig, train
 from layerwise.util.logs import command_output
 

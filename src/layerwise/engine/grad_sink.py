@@ -283,7 +283,7 @@ class GradSink:
         """Wait for copies in flight and forget them (a step failed)."""
         try:
             self._drain()
-        except BaseException:  # noqa: BLE001  (the step's own error is being raised)
+        except Exception:  # noqa: BLE001  (the step's own error is being raised)
             pass
         self._landed = set()
         if not self.inline:
