@@ -284,3 +284,61 @@ def test_on_cuda_the_arena_is_page_locked_in_place(adapter):
     assert torch.equal(dev.cpu(), src)
     del store, src, b
     gc.collect()  # unregisters the arena
+
+
+class _RefusingCudart:
+    """A CUDA runtime that refuses to register (error 1: cudaErrorInvalidValue) and counts the
+    resets of its last-error state."""
+
+    def __init__(self) -> None:
+        self.cleared = 0
+
+    def cudaHostRegister(self, ptr, nbytes, flags):  # noqa: N802 - the runtime's name
+        return 1
+
+    def cudaGetLastError(self):  # noqa: N802
+        self.cleared += 1
+        return 1
+
+
+def test_a_refused_registration_clears_the_cuda_error_state(monkeypatch):
+    """A failed ``cudaHostRegister`` leaves the runtime's last error set; the fallback's next
+    kernel launch would raise it as its own. ``page_lock`` raises (the callers fall back to
+    other memory, with a warning) only after resetting it.
+
+    Mutation seen failing: ``page_lock`` raising without ``clear_cuda_error``."""
+    cudart = _RefusingCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    region = torch.empty(page_size(), dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="cudaHostRegister .* failed with CUDA error 1"):
+        host_memory.page_lock(region)
+    assert cudart.cleared == 1
+
+
+def test_the_cuda_runtime_is_found_among_the_mappings():
+    maps = ("7f00-7f10 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n"
+            "7f20-7f30 r-xp 00000000 08:01 2 /venv/nvidia/cuda_runtime/lib/libcudart.so.12\n"
+            "7f40-7f50 rw-p 00000000 00:00 0\n")
+    assert host_memory.mapped_cudart(maps) == "/venv/nvidia/cuda_runtime/lib/libcudart.so.12"
+    assert host_memory.mapped_cudart("7f00-7f10 r-xp 0 08:01 1 /usr/lib/libc.so.6\n") is None
+
+
+def test_pageable_copy_sources_on_a_gpu_are_warned_about(adapter):
+    """A store without a page-locked arena (``pin=False``, or locking refused) feeding a GPU:
+    every weight copy would be staged by the driver from pageable memory (the engine warns with
+    this text when it is built on CUDA); nothing is said on the CPU backends or for a pinned
+    store.
+
+    Mutation seen failing: ``pageable_copy_warning`` testing ``store.pinned`` (the request)
+    instead of the bytes actually locked (a refused lock goes unreported)."""
+    from layerwise.engine.executor import pageable_copy_warning
+
+    pageable = HostStore(adapter, compute_dtype=torch.bfloat16, pin=False, mem_available=PLENTY)
+    msg = pageable_copy_warning(torch.device("cuda", 0), pageable)
+    assert msg is not None and "pageable" in msg and "pin=True" in msg
+    assert pageable_copy_warning(torch.device("cpu"), pageable) is None
+    refused = HostStore(adapter, compute_dtype=torch.bfloat16, pin=False, mem_available=PLENTY)
+    refused.pinned = True  # asked for, but nothing was locked
+    assert pageable_copy_warning(torch.device("cuda", 0), refused) is not None
+    refused._pinned_nbytes = 4096
+    assert pageable_copy_warning(torch.device("cuda", 0), refused) is None

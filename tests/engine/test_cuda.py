@@ -97,7 +97,8 @@ def test_fp32_gradients_on_gpu_match_autograd(plan_name, tmp_path, no_tf32):
              "internals": Plan(["recompute", "host", "recompute", "device"], prefetch_depth=2,
                                internal_tiers=["host", "device", "recompute", "host"])}
     engine = StreamingEngine(adapter, store, plans[plan_name],
-                             EngineConfig(device="cuda", spill_dir=str(tmp_path)))
+                             EngineConfig(device="cuda", compute_dtype=torch.float32,
+                                          spill_dir=str(tmp_path)))
     loss, _ = engine.compute_grads([batch])
     engine.close()
     assert loss == pytest.approx(ref_loss, rel=1e-4)
