@@ -3,10 +3,17 @@
 The clip coefficient is folded into the update through the fused kernel's ``grad_scale``
 (grads are divided by it), so clipping costs no extra pass. ``step_unit`` touches only that
 unit's buffers, so different units may be updated on different worker threads.
+
+A split master (``layerwise.split_master``) is updated ``SPLIT_CHUNK`` elements at a time:
+joined into a per-thread fp32 scratch that stays in L2, stepped by the same fused kernel, split
+back. The kernel is element-wise and every chunk starts a multiple of 64 elements into the
+slice (its vector and cache-line splits fall where an fp32-master call's do), so the result is
+bit-identical to stepping the fp32 master in one call; no fp32 copy of the unit exists.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Protocol
 
 import torch
@@ -15,6 +22,19 @@ from ..store import UnitBuffers
 from .config import AdamWConfig
 
 __all__ = ["AdamWConfig", "HostAdamW", "UnitOptimizer", "state_nbytes"]
+
+SPLIT_CHUNK = 1 << 16
+"""Elements of a split master joined per fused call: 256 KiB of fp32 scratch per thread, in L2
+(a multiple of 64, see above)."""
+
+_scratch = threading.local()
+
+
+def _chunk_buffer() -> torch.Tensor:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None:
+        buf = _scratch.buf = torch.empty(SPLIT_CHUNK, dtype=torch.float32)
+    return buf
 
 
 def state_nbytes(numel: int) -> int:
@@ -62,9 +82,22 @@ class HostAdamW:
         for lo, hi, wd in ((0, split, c.weight_decay), (split, buf.layout.numel, 0.0)):
             if hi <= lo:
                 continue
-            torch._fused_adamw_(
-                [buf.master[lo:hi]], [buf.grad[lo:hi]],
-                [s["exp_avg"][lo:hi]], [s["exp_avg_sq"][lo:hi]], [], [s["step"]],
-                lr=lr, beta1=c.betas[0], beta2=c.betas[1], weight_decay=wd, eps=c.eps,
-                amsgrad=False, maximize=False, grad_scale=scale, found_inf=None,
-            )
+            step = _split_step if buf.split else _fused
+            step(buf, lo, hi, s, dict(lr=lr, beta1=c.betas[0], beta2=c.betas[1], weight_decay=wd,
+                                      eps=c.eps, amsgrad=False, maximize=False, grad_scale=scale,
+                                      found_inf=None))
+
+
+def _fused(buf: UnitBuffers, lo: int, hi: int, s: dict[str, torch.Tensor], kw: dict) -> None:
+    torch._fused_adamw_([buf.master[lo:hi]], [buf.grad[lo:hi]], [s["exp_avg"][lo:hi]],
+                        [s["exp_avg_sq"][lo:hi]], [], [s["step"]], **kw)
+
+
+def _split_step(buf: UnitBuffers, lo: int, hi: int, s: dict[str, torch.Tensor], kw: dict) -> None:
+    scratch = _chunk_buffer()
+    for a in range(lo, hi, SPLIT_CHUNK):
+        b = min(a + SPLIT_CHUNK, hi)
+        w = buf.read_master(a, b, out=scratch[:b - a])
+        torch._fused_adamw_([w], [buf.grad[a:b]], [s["exp_avg"][a:b]], [s["exp_avg_sq"][a:b]],
+                            [], [s["step"]], **kw)
+        buf.write_master(w, a)

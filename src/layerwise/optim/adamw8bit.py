@@ -207,9 +207,11 @@ class HostAdamW8bit:
         c, s = self.config, buf.state
         k = StepScalars.of(lr, c.betas[0], c.betas[1], c.eps, c.weight_decay,
                            self.steps.advance(s["step"]), grad_mul=clip_coef)
-        fused_step(buf.master, buf.grad, s["exp_avg_codes"], s["exp_avg_scales"],
+        # a split master is stepped as its two halves (bit-identical to the fp32 master)
+        p = buf.compute if buf.split else buf.master
+        fused_step(p, buf.grad, s["exp_avg_codes"], s["exp_avg_scales"],
                    s["exp_avg_sq_codes"], s["exp_avg_sq_scales"], self.block_size,
-                   buf.layout.decay_numel, k, self.num_threads)
+                   buf.layout.decay_numel, k, self.num_threads, p_lo=buf.remainder)
 
     def to_fp32_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The unit's state as ``HostAdamW`` keeps it (flat fp32 ``exp_avg``, ``exp_avg_sq``)."""
