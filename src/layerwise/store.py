@@ -45,13 +45,13 @@ from .models.adapter import DecoderAdapter, ParamSpec, Unit
 from .models.init import build_hf_model
 from .split_master import join, round_bf16_, split_
 from .store_bytes import (ARENA_ALIGN_BYTES, StoreFootprint, arena_offsets, check_host_memory,
-                          resolve_split_master)
+                          grad_itemsizes_of, resolve_split_master)
 from .util.host_memory import alloc_pinned
 from .util.units import tensor_nbytes
 
 __all__ = ["ARENA_ALIGN_BYTES", "FlatLayout", "HostAllocator", "HostStore", "PRIVATE",
            "PrivateAllocator", "StoreFootprint", "UnitBuffers", "arena_offsets",
-           "check_host_memory", "init_store", "resolve_split_master", "store_footprint"]
+           "check_host_memory", "grad_itemsizes_of", "init_store", "resolve_split_master", "store_footprint"]
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,8 @@ class UnitBuffers:
 
 def store_footprint(model: PretrainedConfig | DecoderAdapter, compute_dtype: torch.dtype, *,
                     pin: bool = True, state_nbytes: int = 0,
-                    split_master: bool | None = None) -> StoreFootprint:
+                    split_master: bool | None = None,
+                    grad_dtype: torch.dtype = torch.float32) -> StoreFootprint:
     """Bytes a ``HostStore(adapter, compute_dtype, pin, split_master=...)`` would take, without
     allocating it.
 
@@ -234,9 +235,12 @@ def store_footprint(model: PretrainedConfig | DecoderAdapter, compute_dtype: tor
     """
     adapter = model if isinstance(model, DecoderAdapter) else DecoderAdapter(model)
     numels = [FlatLayout.of(u).numel for u in adapter.units]
+    grads = grad_itemsizes_of([u.name for u in adapter.units], adapter.tied, grad_dtype,
+                              compute_dtype)
     return StoreFootprint.of_numels(numels, compute_dtype.itemsize, pin=pin,
                                     state_nbytes=state_nbytes,
-                                    split_master=resolve_split_master(compute_dtype, split_master))
+                                    split_master=resolve_split_master(compute_dtype, split_master),
+                                    grad_itemsizes=grads)
 
 
 # ----- the store ----------------------------------------------------------------------------
@@ -255,12 +259,16 @@ class HostStore:
     memory; gradients always do). ``split_master``: keep the fp32 master as the bf16 compute
     copy + a 16-bit remainder (default: exactly when ``compute_dtype`` is bf16; False keeps a
     plain fp32 master beside the copy, 2 bytes per parameter more, the same numbers).
+    ``grad_dtype``: bf16 for a run of one micro-batch per step (nothing is summed on the host):
+    the units whose device gradient is bf16 keep it so, 2 bytes per parameter instead of 4
+    (``grad_itemsizes_of`` says which); such a store refuses a second micro-batch.
     """
 
     def __init__(self, adapter: DecoderAdapter, compute_dtype: torch.dtype = torch.float32,
                  pin: bool | None = None, *, state_nbytes: int | None = None,
                  mem_available: Callable[[], int | None] | None = None,
-                 alloc: HostAllocator = PRIVATE, split_master: bool | None = None):
+                 alloc: HostAllocator = PRIVATE, split_master: bool | None = None,
+                 grad_dtype: torch.dtype = torch.float32):
         self.adapter = adapter
         self.alloc = alloc
         self.compute_dtype = compute_dtype
@@ -269,9 +277,12 @@ class HostStore:
         layouts = [FlatLayout.of(unit) for unit in adapter.units]
         numels = [lay.numel for lay in layouts]
         separate = compute_dtype != torch.float32
+        grad_items = grad_itemsizes_of([u.name for u in adapter.units], adapter.tied, grad_dtype,
+                                       compute_dtype)
         check_host_memory(StoreFootprint.of_numels(numels, compute_dtype.itemsize,
                                                    pin=self.pinned, state_nbytes=state_nbytes or 0,
-                                                   split_master=self.split_master),
+                                                   split_master=self.split_master,
+                                                   grad_itemsizes=grad_items),
                           mem_available)
 
         source_dtype = compute_dtype if separate else torch.float32
@@ -279,14 +290,15 @@ class HostStore:
         self.arena, self._pinned_nbytes = self._alloc_arena(arena_numel, source_dtype)
         """Every unit's copy source, in one allocation (page-locked when ``pinned``)."""
         self.units: list[UnitBuffers] = []
-        for unit, layout, off in zip(adapter.units, layouts, offsets):
+        for unit, layout, off, grad_item in zip(adapter.units, layouts, offsets, grad_items):
             source = self.arena[off:off + layout.numel]
             master, remainder = source, None
             if self.split_master:
                 master, remainder = None, alloc.zeros(layout.numel, torch.int16)
             elif separate:
                 master = alloc.zeros(layout.numel, torch.float32)
-            grad = torch.zeros(layout.numel, dtype=torch.float32)
+            grad = torch.zeros(layout.numel,
+                               dtype=torch.float32 if grad_item == 4 else torch.bfloat16)
             compute = source if separate else None
             self.units.append(UnitBuffers(unit, layout, master, grad, compute=compute, alloc=alloc,
                                           remainder=remainder))
@@ -392,8 +404,8 @@ class HostStore:
 def init_store(config: PretrainedConfig, seed: int = 0, compute_dtype: torch.dtype = torch.float32,
                pin: bool | None = None, *, state_nbytes: int | None = None,
                mem_available: Callable[[], int | None] | None = None,
-               alloc: HostAllocator = PRIVATE,
-               split_master: bool | None = None) -> tuple[DecoderAdapter, HostStore]:
+               alloc: HostAllocator = PRIVATE, split_master: bool | None = None,
+               grad_dtype: torch.dtype = torch.float32) -> tuple[DecoderAdapter, HostStore]:
     """Adapter + HostStore holding exactly the weights ``build_hf_model(config, seed)`` has.
 
     The HF model is built on the host once and dropped; fine for the small models this is used
@@ -401,6 +413,7 @@ def init_store(config: PretrainedConfig, seed: int = 0, compute_dtype: torch.dty
     """
     adapter = DecoderAdapter(config)
     store = HostStore(adapter, compute_dtype=compute_dtype, pin=pin, state_nbytes=state_nbytes,
-                      mem_available=mem_available, alloc=alloc, split_master=split_master)
+                      mem_available=mem_available, alloc=alloc, split_master=split_master,
+                      grad_dtype=grad_dtype)
     store.copy_from_model(build_hf_model(config, seed))
     return adapter, store

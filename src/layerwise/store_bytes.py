@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .models.names import EMBED, HEAD
 from .util.host_memory import available_host_memory, locked_nbytes
 from .util.units import human_bytes
 
@@ -54,8 +55,9 @@ class StoreFootprint:
     """Host bytes of a HostStore, by buffer. All host RAM: the pinned bytes are part of it.
 
     ``total`` = master + grad + compute + state + arena padding. With bf16 compute and the split
-    master: 2 (remainder) + 4 (grad) + 2 (compute copy, the master's high halves) bytes per
-    parameter, plus the moments; the 2 of the compute copy are pinned.
+    master: 2 (remainder) + 4 (grad; 2 where a one-micro-batch gradient lands in bf16) + 2
+    (compute copy, the master's high halves) bytes per parameter, plus the moments; the 2 of the
+    compute copy are pinned.
     """
 
     numel: int
@@ -81,11 +83,14 @@ class StoreFootprint:
 
     @classmethod
     def of_numels(cls, numels: Sequence[int], compute_itemsize: int, *, pin: bool = True,
-                  state_nbytes: int = 0, split_master: bool | None = None) -> StoreFootprint:
+                  state_nbytes: int = 0, split_master: bool | None = None,
+                  grad_itemsizes: Sequence[int] | None = None) -> StoreFootprint:
         """The footprint of a store whose units hold ``numels`` parameters (nothing allocated).
 
         ``split_master``: None means what a store of a 2-byte compute dtype does by default
-        with bf16 (the planner's 2-byte compute is bf16); pass False for fp16."""
+        with bf16 (the planner's 2-byte compute is bf16); pass False for fp16.
+        ``grad_itemsizes``: bytes per gradient element of each unit (default 4: fp32;
+        ``grad_itemsizes_of`` gives a store's)."""
         n = sum(numels)
         separate = compute_itemsize != 4
         split = separate and compute_itemsize == 2 if split_master is None else split_master
@@ -95,8 +100,10 @@ class StoreFootprint:
         copy_item = compute_itemsize if separate else 4
         _, arena_numel = arena_offsets(numels, copy_item)
         arena = arena_numel * copy_item
+        grads = [4] * len(numels) if grad_itemsizes is None else list(grad_itemsizes)
+        assert len(grads) == len(numels), "one gradient item size per unit"
         return cls(numel=n, compute_itemsize=compute_itemsize, master=(2 if split else 4) * n,
-                   grad=4 * n, compute=copy_item * n if separate else 0, state=state_nbytes,
+                   grad=sum(g * k for g, k in zip(grads, numels)), compute=copy_item * n if separate else 0, state=state_nbytes,
                    copy_source=copy_item * n, arena=arena,
                    pinned=locked_nbytes(arena) if pin else 0, split_master=split)
 
@@ -122,7 +129,8 @@ class StoreFootprint:
                      f"16-bit remainder {human_bytes(self.master)}"]
         else:
             parts = [f"fp32 master {human_bytes(self.master)}"]
-        parts.append(f"fp32 grad {human_bytes(self.grad)}")
+        grad_kind = "fp32 grad" if self.grad == 4 * self.numel else "bf16/fp32 grad"
+        parts.append(f"{grad_kind} {human_bytes(self.grad)}")
         if self.compute and not self.split_master:
             parts.append(f"{self.compute_itemsize}-byte compute copy {human_bytes(self.compute)}")
         parts.append(f"optimizer state {human_bytes(self.state)}" if self.state
@@ -141,6 +149,26 @@ def resolve_split_master(compute_dtype: torch.dtype, split_master: bool | None) 
                          f"the bf16 copy the device reads), got {compute_dtype}; use "
                          "compute_dtype=torch.bfloat16 or split_master=False")
     return split_master
+
+
+def grad_itemsizes_of(unit_names: Sequence[str], tied: bool, grad_dtype: torch.dtype,
+                      compute_dtype: torch.dtype) -> list[int]:
+    """Bytes per gradient element of each unit of a store built with ``grad_dtype``.
+
+    bf16 (one micro-batch per step, nothing summed on the host) applies where the device
+    computes the gradient in bf16: every decoder layer and an untied embedding. The head's is
+    summed over the loss chunks in fp32 on the device, and a tied embedding's is the head's
+    fp32 part plus the embedding's, summed on the host: both stay fp32. Raises ``ValueError``
+    for a dtype that is neither, or bf16 gradients without bf16 compute."""
+    if grad_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"grad_dtype must be torch.float32 or torch.bfloat16, got {grad_dtype}")
+    if grad_dtype == torch.bfloat16 and compute_dtype != torch.bfloat16:
+        raise ValueError(f"grad_dtype=torch.bfloat16 needs bf16 compute (the gradient lands as "
+                         f"the device computed it), got {compute_dtype}; use grad_dtype="
+                         "torch.float32")
+    if grad_dtype == torch.float32:
+        return [4] * len(unit_names)
+    return [4 if n == HEAD or (n == EMBED and tied) else 2 for n in unit_names]
 
 
 def check_host_memory(need: StoreFootprint,
