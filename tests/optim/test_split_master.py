@@ -14,6 +14,7 @@ from layerwise.engine import EngineConfig, StreamingEngine
 from layerwise.engine.batch import Batch
 from layerwise.models import DecoderAdapter, get_flavor
 from layerwise.models.init import build_hf_model
+from layerwise.optim import adamw, adamw8bit
 from layerwise.optim.adamw import AdamWConfig
 from layerwise.plan import Plan
 from layerwise.store import HostStore
@@ -98,6 +99,14 @@ def test_wrong_dtypes_are_a_clear_error():
 
 # ----- updates on the split form ------------------------------------------------------------
 
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 512 elements (a multiple of the 64 and the 256-element block the chunking
+    keeps to), so every unit of a debug model is stepped in several."""
+    monkeypatch.setattr(adamw, "SPLIT_CHUNK", 512)
+    monkeypatch.setattr(adamw8bit, "SPLIT_CHUNK", 512)
+
+
 def _run(cfg, split: bool, moments: str, steps: int = 6, micro_batches: int = 1,
          grad_dtype: torch.dtype = torch.float32):
     adapter = DecoderAdapter(cfg)
@@ -126,7 +135,7 @@ def _run(cfg, split: bool, moments: str, steps: int = 6, micro_batches: int = 1,
 
 
 @pytest.mark.parametrize("moments", ["fp32", "8bit"])
-def test_a_run_with_the_split_master_ends_bit_identical_to_the_fp32_master(moments):
+def test_a_run_with_the_split_master_ends_bit_identical_to_the_fp32_master(moments, small_chunks):
     """Six clipped AdamW steps (weight decay on), fp32 or 8-bit moments: the split master's
     final fp32 weights and bf16 copies are the fp32 master's, bit for bit.
 
@@ -146,7 +155,7 @@ def test_a_run_with_the_split_master_ends_bit_identical_to_the_fp32_master(momen
 # ----- one micro-batch: the gradient lands in bf16 ------------------------------------------
 
 @pytest.mark.parametrize("moments", ["fp32", "8bit"])
-def test_bf16_host_gradients_end_bit_identical_to_fp32_ones(moments):
+def test_bf16_host_gradients_end_bit_identical_to_fp32_ones(moments, small_chunks):
     """One micro-batch per step: the layers' (and the untied embedding's) bf16 device gradient
     kept in bf16 on the host gives the very weights of widening it into an fp32 buffer (the
     clip norm and the update read the same values), split master, clipped every step.

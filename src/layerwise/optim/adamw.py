@@ -36,7 +36,7 @@ def chunk_buffer(which: int = 0) -> torch.Tensor:
     """This thread's fp32 scratch number ``which`` (0: weights, 1: gradients) of
     ``SPLIT_CHUNK`` elements."""
     bufs = getattr(_scratch, "bufs", None)
-    if bufs is None:
+    if bufs is None or bufs[0].numel() < SPLIT_CHUNK:
         bufs = _scratch.bufs = (torch.empty(SPLIT_CHUNK, dtype=torch.float32),
                                 torch.empty(SPLIT_CHUNK, dtype=torch.float32))
     return bufs[which]
