@@ -3,9 +3,9 @@
 Weights, gradients and optimizer moments are served as views into the store's flat per-unit
 buffers, so a checkpoint snapshot is one copy from the host store and a load writes straight
 back into it. A split master (bf16 copy + 16-bit remainder, ``layerwise.split_master``) has no
-fp32 tensor to view: its weights are decoded per group, straight into the checkpointer's
-snapshot buffers (``param_specs`` / ``read_params``), or into fresh tensors for ``params``; a
-load splits the stored fp32 weights again. Either way checkpoints hold fp32 weights. A unit with 8-bit moments is served as its codes and scales, sliced per
+fp32 tensor to view: ``params`` decodes its weights into fresh fp32 tensors, one group at a
+time, and a load splits the stored fp32 weights again (exactly). Either way checkpoints hold
+the fp32 master, in the same format. A unit with 8-bit moments is served as its codes and scales, sliced per
 parameter (``ckpt.moments``), and loaded back bit for bit; a stored version in the other format
 (fp32 moments into an 8-bit unit, or the reverse: the plan changed) is converted by the unit's
 optimizer. Call ``engine.synchronize()`` first: a pending update would otherwise race the
@@ -61,17 +61,6 @@ class HostStoreStateProvider:
             buf, spec, offset = self._param(n)
             out[n] = buf.read_master(offset, offset + spec.numel).view(spec.shape)
         return out
-
-    def param_specs(self, group: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        """Shape and dtype of each weight ``params`` serves, without reading any."""
-        return {n: (torch.Size(self._param(n)[1].shape), torch.float32) for n in self._groups[group]}
-
-    def read_params(self, group: str, out: dict[str, torch.Tensor]) -> None:
-        """Write the fp32 weights of ``group`` into ``out`` (buffers shaped as ``param_specs``
-        says): a split master is decoded straight into them, with no copy in between."""
-        for n, t in out.items():
-            buf, spec, offset = self._param(n)
-            buf.read_master(offset, offset + spec.numel, out=t)
 
     def _param(self, name: str):
         buf, local = self._where[name]
