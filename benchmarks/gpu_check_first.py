@@ -91,7 +91,7 @@ def run_layer_check(dev: Dev, sizes: FirstSizes, data: dict[str, Any]) -> None:
 
     t = time.perf_counter()
     with dev.true_fp32():
-        w = buf.master.to(dev.name)
+        w = buf.read_master().to(dev.name)
         xd, gd, posd = x.to(dev.name), grad_out.to(dev.name), pos.to(dev.name)
         with torch.no_grad():
             rope = adapter.new_rotary(dev.name)(xd, posd)

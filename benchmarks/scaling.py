@@ -118,7 +118,7 @@ def _save_worker(rank: int, port: int, model: str, rounds: int, tmp: str, thread
     for step in range(1, rounds + 1):
         for kind, ck in cks.items():  # interleaved
             for buf in store:  # the same new state on both ranks: no blob is a duplicate
-                buf.master.add_(1e-3)
+                buf.write_master(buf.read_master() + 1e-3)
                 buf.state["exp_avg"].add_(1e-3)
                 buf.state["exp_avg_sq"].add_(1e-6)
                 buf.state["step"].fill_(step)

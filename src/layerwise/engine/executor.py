@@ -227,6 +227,10 @@ class StreamingEngine:
         """
         if not micro_batches:
             raise ValueError("a step needs at least one micro-batch")
+        if len(micro_batches) > 1 and any(b.grad.dtype != torch.float32 for b in self.store):
+            raise ValueError(f"{len(micro_batches)} micro-batches in a step, but the store keeps "
+                             "bf16 gradients (one micro-batch per step: nothing to sum); build "
+                             "the HostStore with grad_dtype=torch.float32 to accumulate")
         for mb in micro_batches:
             self.check_batch(mb)
         total = self.reducer.global_tokens(sum(mb.num_target_tokens for mb in micro_batches))

@@ -175,7 +175,12 @@ class Trainer:
         self.alloc = dist_setup.host_allocator(ctx, cfg.dist.shm_dir, lambda: shared_store_nbytes(
             source.config, self.compute_dtype, self.plan.moments))
         try:
-            self.adapter, self.store = source.build(cfg.seed, self.compute_dtype, self.alloc)
+            # one micro-batch on one process: nothing is summed on the host, the bf16 gradient
+            # lands as it is (2 bytes per parameter instead of 4)
+            one = self.plan.num_micro_batches == 1 and not ctx.enabled
+            grad_dtype = torch.bfloat16 if one and self.compute_dtype == torch.bfloat16 else torch.float32
+            self.adapter, self.store = source.build(cfg.seed, self.compute_dtype, self.alloc,
+                                                    grad_dtype)
             flags = self.alloc.zeros(len(self.store.units), torch.int64) if ctx.enabled else None
             self.engine = StreamingEngine(self.adapter, self.store, self.plan, EngineConfig(
                 device=cfg.device, compute_dtype=self.compute_dtype,
