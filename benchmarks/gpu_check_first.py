@@ -91,7 +91,7 @@ def run_layer_check(dev: Dev, sizes: FirstSizes, data: dict[str, Any]) -> None:
 
     t = time.perf_counter()
     with dev.true_fp32():
-        w = buf.master.to(dev.name)
+        w = buf.read_master().to(dev.name)
         xd, gd = x.to(dev.name), grad_out.to(dev.name)
         ctx = adapter.layer_context((b, s), dev.name, xd.dtype, adapter.new_rotary(dev.name))
         with torch.no_grad():
@@ -165,8 +165,8 @@ def run_tiny_steps(dev: Dev, sizes: FirstSizes, data: dict[str, Any]) -> None:
     store = HostStore(adapter, pin=dev.is_cuda)
     store.copy_from_model(model)
     with dev.true_fp32(), tempfile.TemporaryDirectory(prefix="layerwise-gpu-check-nvme-") as spill:
-        engine = StreamingEngine(adapter, store, plan, EngineConfig(device=dev.engine_device, spill_dir=spill,
-                                                                     async_seed=None))
+        engine = StreamingEngine(adapter, store, plan, EngineConfig(
+            device=dev.engine_device, compute_dtype=torch.float32, spill_dir=spill, async_seed=None))
         try:
             loss, _ = engine.compute_grads([batch])
             got = _store_grads(store)

@@ -305,29 +305,25 @@ def run_planner(lg: Large, milp_budget_s: float, data: dict[str, Any]) -> None:
 
 
 def fill_store_random(store, seed: int = 0, std: float = 0.02, device: str | None = None) -> None:
-    """Seeded init written straight into a HostStore's flat fp32 masters, no HF model built:
-    matrices N(0, std²), 1-D parameters named ``*norm*`` 1, other 1-D parameters (biases) 0;
-    then the compute copies are refreshed. Random numbers are drawn on ``device`` (default: the
-    GPU when there is one, where a 4.5B store fills in seconds) from one seeded generator, so a
-    run is reproducible on the same device and torch version."""
+    """Seeded init written straight into a HostStore's fp32 masters (split or plain) and copy
+    sources, no HF model built: matrices N(0, std²), 1-D parameters named ``*norm*`` 1, other
+    1-D parameters (biases) 0. Random numbers are drawn on ``device`` (default: the GPU when
+    there is one, where a 4.5B store fills in seconds) from one seeded generator, so a run is
+    reproducible on the same device and torch version."""
     import torch
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gen = torch.Generator(device=dev)
     gen.manual_seed(seed)
     for buf in store:
-        views = buf.layout.views(buf.master)
-        for spec in buf.layout.specs:
-            view = views[spec.local]
+        for spec, offset in zip(buf.layout.specs, buf.layout.offsets):
             if len(spec.shape) >= 2:
                 noise = torch.randn(spec.shape, generator=gen, device=dev, dtype=torch.float32)
-                view.copy_(noise.mul_(std))
+                buf.write_master(noise.mul_(std), offset)
                 del noise
-            elif "norm" in spec.local:
-                view.fill_(1.0)
             else:
-                view.zero_()
-    store.refresh_compute()
+                fill = 1.0 if "norm" in spec.local else 0.0
+                buf.write_master(torch.full((spec.numel,), fill), offset)
 
 
 def host_allocator_stats(torch) -> dict[str, Any] | None:

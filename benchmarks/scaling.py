@@ -7,7 +7,11 @@ split the same cores: the single process gets ``T`` intra-op threads, each rank 
 step time is each run's own median step time after the first (``run.json``'s
 ``measured_step_s``, the engine's clock around ``train_step``, rank 0's, which includes waiting
 for the other rank in the collectives). The two are interleaved for ``--rounds`` rounds and
-the medians compared: ``speedup_2proc = step_s_1proc / step_s_2proc``.
+the medians compared: ``speedup_2proc = step_s_1proc / step_s_2proc``. The 2 ranks run with the
+gradients reduced on the "device" (the default; here host tensors, the reduction inline on the
+synchronous CPU backend's compute thread) and, interleaved with them, on the host
+(``dist.grad_reduce=host``: the fp32 sum reduced on the landing side):
+``device_over_host_reduce_step``.
 
 On 2 shared cores expect little: the ranks contend for the same cores the single process
 already uses, and add a reduction and a second store of gradients. The figure that matters is
@@ -114,7 +118,7 @@ def _save_worker(rank: int, port: int, model: str, rounds: int, tmp: str, thread
     for step in range(1, rounds + 1):
         for kind, ck in cks.items():  # interleaved
             for buf in store:  # the same new state on both ranks: no blob is a duplicate
-                buf.master.add_(1e-3)
+                buf.write_master(buf.read_master() + 1e-3)
                 buf.state["exp_avg"].add_(1e-3)
                 buf.state["exp_avg_sq"].add_(1e-6)
                 buf.state["step"].fill_(step)
@@ -160,23 +164,26 @@ def main() -> None:
     common = ["model=llama-demo", f"seq_len={seq}", f"steps={steps}", "plan=every-2",
               "eval_every=0", "eval_batches=1", "export=false", "track_every=0",
               "corpus_tokens=100000", "progress=lines", "log_every=1000"]
-    times: dict[int, list[float]] = {1: [], 2: []}
+    kinds = {"1": (1, []), "2": (2, []), "2host": (2, ["dist.grad_reduce=host"])}
+    times: dict[str, list[float]] = {k: [] for k in kinds}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lw-scaling-") as tmp:
         for k in range(args.rounds):
-            for world in (1, 2):  # interleaved: drift in the machine's load hits both
-                out = Path(tmp) / f"w{world}-{k}"
+            for kind, (world, extra) in kinds.items():  # interleaved: load drift hits all
+                out = Path(tmp) / f"w{kind}-{k}"
                 rows = global_rows // world
-                times[world].append(run(world, out, common + [f"micro_batch_size={rows}"],
-                                        max(1, args.threads // world)))
-    s1, s2 = statistics.median(times[1]), statistics.median(times[2])
+                times[kind].append(run(world, out, common + [f"micro_batch_size={rows}", *extra],
+                                       max(1, args.threads // world)))
+    s1, s2, s2h = (statistics.median(times[k]) for k in kinds)
     saves = save_part(args, "llama-demo" if args.quick else "llama-30m")
     print(json.dumps({
         "benchmark": "scaling", "quick": args.quick, "model": "llama-demo", "seq_len": seq,
         "global_rows_per_step": global_rows, "steps": steps, "rounds": args.rounds,
         "threads_total": args.threads,
         "step_s_1proc": s1, "step_s_2proc": s2, "speedup_2proc": s1 / s2,
-        "step_s_1proc_all": times[1], "step_s_2proc_all": times[2], **saves,
+        "step_s_2proc_host_reduce": s2h, "device_over_host_reduce_step": s2 / s2h,
+        "step_s_1proc_all": times["1"], "step_s_2proc_all": times["2"],
+        "step_s_2proc_host_reduce_all": times["2host"], **saves,
         **predicted_part(args),
         "wall_s": time.perf_counter() - t0, "loadavg": os.getloadavg()}, indent=2))
 

@@ -20,6 +20,7 @@ from layerwise.plan import Plan
 from layerwise.plan.cost import STATE_NBYTES, CostModel
 from layerwise.plan.hardware import PRESETS
 from layerwise.plan.shape import ModelShape
+from layerwise.split_master import split_torch
 from layerwise.store import ARENA_ALIGN_BYTES, HostStore, StoreFootprint, check_host_memory, store_footprint
 from layerwise.util.host_memory import available_host_memory, page_size
 
@@ -74,19 +75,25 @@ def test_copy_sources_are_aligned_views_of_one_exact_arena(adapter, locks, dtype
     assert store.copy_source_nbytes() == sum(b.layout.numel for b in store) * dtype.itemsize
 
 
-def test_only_the_copy_sources_are_in_the_arena(adapter, locks):
-    """With bf16 compute, master, grad and optimizer state are separate pageable buffers.
+@pytest.mark.parametrize("split", [True, False])
+def test_only_the_copy_sources_are_in_the_arena(adapter, locks, split):
+    """With bf16 compute, the master's remainder (split) or the fp32 master (not split), grad
+    and optimizer state are separate pageable buffers.
 
-    Mutation that fails it: putting the master in the arena too (``master = source``)."""
-    store = HostStore(adapter, compute_dtype=torch.bfloat16, pin=True, mem_available=PLENTY)
+    Mutation that fails it: putting the master in the arena too (``master = source``), or the
+    remainder in it."""
+    store = HostStore(adapter, compute_dtype=torch.bfloat16, pin=True, mem_available=PLENTY,
+                      split_master=split)
     opt = HostAdamW8bit(AdamWConfig())
     for b in store:
         opt.init_state(b)
     arena = _storage_ptr(store.arena)
     for b in store:
-        for t in (b.master, b.grad, *b.state.values()):
+        assert b.split == split and (b.master is None) == split
+        for t in (b.remainder if split else b.master, b.grad, *b.state.values()):
             assert _storage_ptr(t) != arena
-        assert b.master.dtype == torch.float32 and b.compute.dtype == torch.bfloat16
+        assert b.compute.dtype == torch.bfloat16
+        assert (b.remainder.dtype == torch.int16) if split else (b.master.dtype == torch.float32)
     fp32 = HostStore(adapter, compute_dtype=torch.float32, pin=True, mem_available=PLENTY)
     for b in fp32:
         assert b.compute is None and _storage_ptr(b.master) == _storage_ptr(fp32.arena)
@@ -122,9 +129,12 @@ def test_a_fresh_store_is_zero_and_compute_follows_master(adapter, locks):
     store = HostStore(adapter, compute_dtype=torch.bfloat16, pin=True, mem_available=PLENTY)
     assert not store.arena.any()
     b = store["layers.0"]
-    b.master.copy_(torch.randn(b.master.shape))
-    b.refresh_compute()
-    assert torch.equal(b.compute, b.master.to(torch.bfloat16))
+    x = torch.randn(b.layout.numel)
+    b.write_master(x)
+    assert torch.equal(b.read_master(), x)  # the split master holds the fp32 values exactly
+    assert torch.equal(b.compute, split_torch(x)[0])  # and its high half is the copy source
+    # round to nearest: the copy is within half a bf16 ulp of the master, like torch's cast
+    assert ((b.compute.float() - x).abs() <= (x.to(torch.bfloat16).float() - x).abs()).all()
     assert not store["layers.1"].compute.any()  # neighbours untouched
 
 
@@ -149,8 +159,9 @@ def test_bytes_the_planner_predicts_are_what_the_store_holds(adapter, locks, mom
     if dtype == torch.bfloat16:
         assert live.padding > 0  # the case that needs counting
     n = sum(b.layout.numel for b in store)
-    copy = 0 if dtype == torch.float32 else 2 * n
-    assert live.total == 4 * n + 4 * n + copy + state + live.padding  # pinned is not extra
+    # bf16: the split master's remainder 2 + its high half, the copy, 2; fp32: the master is the copy
+    master_and_copy = 4 * n
+    assert live.total == master_and_copy + 4 * n + state + live.padding  # pinned is not extra
     assert store.pinned_nbytes() == predicted.pinned >= predicted.arena
 
     hw = PRESETS["h200"] if dtype == torch.bfloat16 else PRESETS["cpu"]
@@ -172,7 +183,9 @@ def test_qwen2_5_14b_pins_only_its_copy_sources():
     assert fp.copy_source == 2 * fp.numel  # the bf16 copies
     assert fp.pinned_over_copy_source <= 1.05
     assert fp.pinned - fp.copy_source < page_size() + len(DecoderAdapter(cfg).units) * ARENA_ALIGN_BYTES
-    assert fp.total == 10 * fp.numel + fp.padding  # + moments once known
+    assert fp.total == 8 * fp.numel + fp.padding  # split master 4 + grad 4 (+ moments once known)
+    plain = store_footprint(cfg, torch.bfloat16, split_master=False)
+    assert plain.total == 10 * fp.numel + fp.padding  # fp32 master beside the copy
     unpinned = store_footprint(cfg, torch.bfloat16, pin=False)
     assert unpinned.pinned == 0 and unpinned.total == fp.total
 
@@ -201,11 +214,11 @@ def test_ram_check_refuses_before_allocating_and_says_what_to_do(adapter, locks,
 
 def test_ram_check_without_optimizer_state_says_what_moments_would_add():
     fp = StoreFootprint.of_numels([10**9], 2)
-    with pytest.raises(ValueError, match=r"needs 10\.00 GB.*moments will add about 8\.00 GB"):
+    with pytest.raises(ValueError, match=r"needs 8\.00 GB.*remainder.*moments will add about 8\.00 GB"):
         check_host_memory(fp, lambda: 10**9)
     check_host_memory(fp, lambda: None)  # unknown: not checked
-    with pytest.raises(ValueError, match=r"needs 18\.00 GB"):
-        check_host_memory(fp.with_state(8 * 10**9), lambda: 17 * 10**9)
+    with pytest.raises(ValueError, match=r"needs 16\.00 GB"):
+        check_host_memory(fp.with_state(8 * 10**9), lambda: 15 * 10**9)
 
 
 def test_available_host_memory_reads_meminfo_and_the_cgroup_limit(tmp_path, monkeypatch):
@@ -256,7 +269,7 @@ def test_training_on_an_arena_store_matches_per_unit_buffers(adapter, locks):
         losses = [engine.train_step([batch]).loss for _ in range(3)]
         engine.synchronize()
         engine.close()
-        results.append((losses, torch.cat([b.master for b in store])))
+        results.append((losses, torch.cat([b.read_master() for b in store])))
     assert results[0][0] == results[1][0]
     assert torch.equal(results[0][1], results[1][1])
 
@@ -274,13 +287,70 @@ def test_on_cuda_the_arena_is_page_locked_in_place(adapter):
     assert store.pinned
     assert store.pinned_nbytes() == store_footprint(adapter, torch.bfloat16).pinned
     for b in store:
-        b.master.normal_()
-        b.refresh_compute()
+        b.write_master(torch.randn(b.layout.numel))
         assert b.copy_source.is_pinned()
-        assert not b.master.is_pinned() and not b.grad.is_pinned()
+        assert not b.remainder.is_pinned() and not b.grad.is_pinned()
     src = store["layers.0"].copy_source
     dev = src.to("cuda", non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(dev.cpu(), src)
     del store, src, b
     gc.collect()  # unregisters the arena
+
+
+class _RefusingCudart:
+    """A CUDA runtime that refuses to register (error 1: cudaErrorInvalidValue) and counts the
+    resets of its last-error state."""
+
+    def __init__(self) -> None:
+        self.cleared = 0
+
+    def cudaHostRegister(self, ptr, nbytes, flags):  # noqa: N802 - the runtime's name
+        return 1
+
+    def cudaGetLastError(self):  # noqa: N802
+        self.cleared += 1
+        return 1
+
+
+def test_a_refused_registration_clears_the_cuda_error_state(monkeypatch):
+    """A failed ``cudaHostRegister`` leaves the runtime's last error set; the fallback's next
+    kernel launch would raise it as its own. ``page_lock`` raises (the callers fall back to
+    other memory, with a warning) only after resetting it.
+
+    Mutation seen failing: ``page_lock`` raising without ``clear_cuda_error``."""
+    cudart = _RefusingCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    region = torch.empty(page_size(), dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="cudaHostRegister .* failed with CUDA error 1"):
+        host_memory.page_lock(region)
+    assert cudart.cleared == 1
+
+
+def test_the_cuda_runtime_is_found_among_the_mappings():
+    maps = ("7f00-7f10 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n"
+            "7f20-7f30 r-xp 00000000 08:01 2 /venv/nvidia/cuda_runtime/lib/libcudart.so.12\n"
+            "7f40-7f50 rw-p 00000000 00:00 0\n")
+    assert host_memory.mapped_cudart(maps) == "/venv/nvidia/cuda_runtime/lib/libcudart.so.12"
+    assert host_memory.mapped_cudart("7f00-7f10 r-xp 0 08:01 1 /usr/lib/libc.so.6\n") is None
+
+
+def test_pageable_copy_sources_on_a_gpu_are_warned_about(adapter):
+    """A store without a page-locked arena (``pin=False``, or locking refused) feeding a GPU:
+    every weight copy would be staged by the driver from pageable memory (the engine warns with
+    this text when it is built on CUDA); nothing is said on the CPU backends or for a pinned
+    store.
+
+    Mutation seen failing: ``pageable_copy_warning`` testing ``store.pinned`` (the request)
+    instead of the bytes actually locked (a refused lock goes unreported)."""
+    from layerwise.engine.executor import pageable_copy_warning
+
+    pageable = HostStore(adapter, compute_dtype=torch.bfloat16, pin=False, mem_available=PLENTY)
+    msg = pageable_copy_warning(torch.device("cuda", 0), pageable)
+    assert msg is not None and "pageable" in msg and "pin=True" in msg
+    assert pageable_copy_warning(torch.device("cpu"), pageable) is None
+    refused = HostStore(adapter, compute_dtype=torch.bfloat16, pin=False, mem_available=PLENTY)
+    refused.pinned = True  # asked for, but nothing was locked
+    assert pageable_copy_warning(torch.device("cuda", 0), refused) is not None
+    refused._pinned_nbytes = 4096
+    assert pageable_copy_warning(torch.device("cuda", 0), refused) is None

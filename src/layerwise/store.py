@@ -2,11 +2,16 @@
 
 Per unit (``embed``, ``layers.{i}``, ``head``) the store keeps:
 
-- ``master``: fp32 master weights, flat;
+- the fp32 master weights, flat: with bf16 compute *split* (``layerwise.split_master``) into
+  their bf16 part, which is the ``compute`` copy the device reads, and a 16-bit
+  ``remainder``: 4 bytes per parameter for master and copy source together, every update
+  exact; otherwise a plain fp32 ``master`` (fp32 compute: it is the copy source; fp16 compute,
+  or ``split_master=False``: beside a ``compute`` copy refreshed after every update);
 - ``grad``: fp32 gradient accumulator, flat, same layout;
-- ``state``: the optimizer's buffers for this unit (created by the optimizer);
-- ``compute``: optional copy of the weights in the compute dtype (e.g. bf16), refreshed after
-  every update, so the device receives half the bytes and never sees the fp32 master.
+- ``state``: the optimizer's buffers for this unit (created by the optimizer).
+
+Read and write the master through ``UnitBuffers.read_master`` / ``write_master`` (either form);
+``master`` itself is None when it is split.
 
 A flat layout puts weight-decayed parameters first and the rest (norms, biases) after, so an
 optimizer can treat each class as one contiguous slice.
@@ -22,13 +27,13 @@ left, is ``layerwise.util.host_memory``.
 
 ``StoreFootprint`` is the byte count of a store, computed without allocating (from a config,
 an adapter or a list of unit sizes) or measured from a live one; ``check_host_memory`` refuses a
-store that does not fit in the RAM the machine has available, before anything is allocated.
+store that does not fit in the RAM the machine has available, before anything is allocated
+(both in ``layerwise.store_bytes``, re-exported here).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,8 +43,15 @@ from transformers import PretrainedConfig
 
 from .models.adapter import DecoderAdapter, ParamSpec, Unit
 from .models.init import build_hf_model
-from .util.host_memory import alloc_pinned, available_host_memory, locked_nbytes
-from .util.units import human_bytes, tensor_nbytes
+from .split_master import join, round_bf16_, split_
+from .store_bytes import (ARENA_ALIGN_BYTES, StoreFootprint, arena_offsets, check_host_memory,
+                          grad_itemsizes_of, resolve_split_master)
+from .util.host_memory import alloc_pinned
+from .util.units import tensor_nbytes
+
+__all__ = ["ARENA_ALIGN_BYTES", "FlatLayout", "HostAllocator", "HostStore", "PRIVATE",
+           "PrivateAllocator", "StoreFootprint", "UnitBuffers", "arena_offsets",
+           "check_host_memory", "grad_itemsizes_of", "init_store", "resolve_split_master", "store_footprint"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +74,13 @@ class FlatLayout:
             if len(p.shape) >= 2:
                 decay = pos
         return cls(tuple(ordered), tuple(offsets), pos, decay)
+
+    def find(self, local: str) -> tuple[ParamSpec, int]:
+        """The spec of parameter ``local`` and its offset in the flat buffer."""
+        for p, o in zip(self.specs, self.offsets):
+            if p.local == local:
+                return p, o
+        raise KeyError(local)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Named views (no copies) into ``flat``, keyed by local name."""
@@ -120,16 +139,24 @@ PRIVATE = PrivateAllocator()
 class UnitBuffers:
     unit: Unit
     layout: FlatLayout
-    master: torch.Tensor
+    master: torch.Tensor | None
+    """The plain fp32 master, flat; None when the master is split (``remainder``)."""
     grad: torch.Tensor
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     compute: torch.Tensor | None = None
     alloc: HostAllocator = PRIVATE
     """Where ``state`` is allocated (``UnitOptimizer.init_state`` goes through it)."""
+    remainder: torch.Tensor | None = None
+    """Split master: the int16 low halves; ``compute`` (bf16) holds the high halves."""
 
     @property
     def name(self) -> str:
         return self.unit.name
+
+    @property
+    def split(self) -> bool:
+        """Is the fp32 master kept as ``compute`` + ``remainder`` (``layerwise.split_master``)?"""
+        return self.remainder is not None
 
     @property
     def copy_source(self) -> torch.Tensor:
@@ -138,114 +165,69 @@ class UnitBuffers:
         is (``HostStore.pinned``), so it can be copied with ``non_blocking=True``."""
         return self.compute if self.compute is not None else self.master
 
+    def read_master(self, start: int = 0, stop: int | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """The fp32 master of elements ``[start, stop)``, flat: a view of a plain master (a copy
+        into ``out`` when given), decoded into ``out`` (or a new tensor) when split."""
+        stop = self.layout.numel if stop is None else stop
+        if not self.split:
+            view = self.master[start:stop]
+            if out is None:
+                return view
+            out.view(-1).copy_(view)
+            return out
+        assert self.compute is not None and self.remainder is not None
+        got = join(self.compute[start:stop], self.remainder[start:stop],
+                   None if out is None else out.view(-1))
+        return got if out is None else out
+
+    def write_master(self, values: torch.Tensor, start: int = 0) -> None:
+        """Set the master of elements ``[start, start + values.numel())`` to ``values`` (any
+        float dtype, read flat), and with it the copy source."""
+        stop = start + values.numel()
+        if not 0 <= start <= stop <= self.layout.numel:
+            raise ValueError(f"{self.name}: elements [{start}, {stop}) are outside the unit's "
+                             f"{self.layout.numel}")
+        if self.split:
+            assert self.compute is not None and self.remainder is not None
+            split_(values, self.compute[start:stop], self.remainder[start:stop])
+            return
+        self.master[start:stop].copy_(values.detach().reshape(-1))
+        if self.compute is not None:
+            self._refresh(start, stop)
+
     def weights(self) -> dict[str, torch.Tensor]:
-        return self.layout.views(self.master)
+        """Each parameter's fp32 weights by local name: views of a plain master; decoded copies
+        of a split one (write them back with ``write_master``)."""
+        if not self.split:
+            return self.layout.views(self.master)
+        return {p.local: self.read_master(o, o + p.numel).view(p.shape)
+                for p, o in zip(self.layout.specs, self.layout.offsets)}
 
     def refresh_compute(self) -> None:
-        if self.compute is not None:
-            self.compute.copy_(self.master)
+        """Bring the compute copy up to the plain master (after an update wrote the master);
+        nothing to do for a split master, whose update writes the copy source itself."""
+        if self.compute is not None and not self.split:
+            self._refresh(0, self.layout.numel)
+
+    def _refresh(self, start: int, stop: int) -> None:
+        # bf16: the split master's rounding (ties away from zero), so an fp32-master store
+        # streams the very bits a split one does; other dtypes: torch's rounding
+        assert self.compute is not None and self.master is not None
+        if self.compute.dtype == torch.bfloat16:
+            round_bf16_(self.master[start:stop], self.compute[start:stop])
+        else:
+            self.compute[start:stop].copy_(self.master[start:stop])
 
 
-# ----- the pinned arena ---------------------------------------------------------------------
-
-ARENA_ALIGN_BYTES = 256
-"""Each unit's copy source starts at a multiple of this many bytes inside the arena: the
-alignment ``cudaMalloc`` gives device buffers, so a copy's source and destination line up."""
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def arena_offsets(numels: Sequence[int], element_size: int,
-                  align_bytes: int = ARENA_ALIGN_BYTES) -> tuple[list[int], int]:
-    """Offset (in elements) of each slice of ``numels`` in one arena, and the arena's length.
-
-    Every slice starts at a multiple of ``align_bytes``; the padding between slices is part of
-    the arena (and counted as pinned); there is none after the last slice.
-    """
-    if align_bytes % element_size:
-        raise ValueError(f"align_bytes={align_bytes} is not a multiple of the element size "
-                         f"{element_size}")
-    align = align_bytes // element_size
-    offsets, pos = [], 0
-    for n in numels:
-        pos = _round_up(pos, align)
-        offsets.append(pos)
-        pos += n
-    return offsets, pos
-
-
-# ----- bytes, before and after allocating ---------------------------------------------------
-
-@dataclass(frozen=True)
-class StoreFootprint:
-    """Host bytes of a HostStore, by buffer. All host RAM: the pinned bytes are part of it.
-
-    ``total`` = master + grad + compute + state + arena padding. With bf16 compute:
-    4 + 4 + 2 (+ moments) bytes per parameter, of which the 2 of the compute copy are pinned.
-    """
-
-    numel: int
-    """Parameters."""
-    compute_itemsize: int
-    """Bytes per element of the compute dtype; 4 (fp32) means no compute copy."""
-    master: int
-    grad: int
-    compute: int
-    """Separate compute copies (0 with fp32 compute, where the master is the copy source)."""
-    state: int
-    """Optimizer state (0 when not known)."""
-    copy_source: int
-    """Bytes the device reads: every unit's compute copy, or master with fp32 compute."""
-    arena: int
-    """The arena holding the copy sources: ``copy_source`` plus alignment padding."""
-    pinned: int
-    """Page-locked bytes (0 when the store is not pinned): the arena, in whole pages."""
-
-    @classmethod
-    def of_numels(cls, numels: Sequence[int], compute_itemsize: int, *, pin: bool = True,
-                  state_nbytes: int = 0) -> StoreFootprint:
-        """The footprint of a store whose units hold ``numels`` parameters (nothing allocated)."""
-        n = sum(numels)
-        separate = compute_itemsize != 4
-        copy_item = compute_itemsize if separate else 4
-        _, arena_numel = arena_offsets(numels, copy_item)
-        arena = arena_numel * copy_item
-        return cls(numel=n, compute_itemsize=compute_itemsize, master=4 * n, grad=4 * n,
-                   compute=copy_item * n if separate else 0, state=state_nbytes,
-                   copy_source=copy_item * n, arena=arena,
-                   pinned=locked_nbytes(arena) if pin else 0)
-
-    @property
-    def padding(self) -> int:
-        return self.arena - self.copy_source
-
-    @property
-    def total(self) -> int:
-        return self.master + self.grad + self.compute + self.state + self.padding
-
-    @property
-    def pinned_over_copy_source(self) -> float:
-        return self.pinned / self.copy_source if self.copy_source else 0.0
-
-    def with_state(self, state_nbytes: int) -> StoreFootprint:
-        return dataclasses.replace(self, state=state_nbytes)
-
-    def describe(self) -> str:
-        """``fp32 master 59.08 GB + fp32 grad 59.08 GB + 2-byte compute copy 29.54 GB + ...``"""
-        parts = [f"fp32 master {human_bytes(self.master)}", f"fp32 grad {human_bytes(self.grad)}"]
-        if self.compute:
-            parts.append(f"{self.compute_itemsize}-byte compute copy {human_bytes(self.compute)}")
-        parts.append(f"optimizer state {human_bytes(self.state)}" if self.state
-                     else "optimizer state not counted")
-        pinned = f"; of which {human_bytes(self.pinned)} pinned (the copy sources)" if self.pinned else ""
-        return " + ".join(parts) + pinned
-
+# ----- bytes, before allocating (the arithmetic is ``store_bytes``) -------------------------
 
 def store_footprint(model: PretrainedConfig | DecoderAdapter, compute_dtype: torch.dtype, *,
-                    pin: bool = True, state_nbytes: int = 0) -> StoreFootprint:
-    """Bytes a ``HostStore(adapter, compute_dtype, pin)`` would take, without allocating it.
+                    pin: bool = True, state_nbytes: int = 0,
+                    split_master: bool | None = None,
+                    grad_dtype: torch.dtype = torch.float32) -> StoreFootprint:
+    """Bytes a ``HostStore(adapter, compute_dtype, pin, split_master=...)`` would take, without
+    allocating it.
 
     The unit layouts come from the adapter, which builds the model on the meta device, so this
     is cheap for any size (e.g. ``get_flavor("qwen2.5-14b").build_config()``); the arithmetic is
@@ -253,31 +235,12 @@ def store_footprint(model: PretrainedConfig | DecoderAdapter, compute_dtype: tor
     """
     adapter = model if isinstance(model, DecoderAdapter) else DecoderAdapter(model)
     numels = [FlatLayout.of(u).numel for u in adapter.units]
+    grads = grad_itemsizes_of([u.name for u in adapter.units], adapter.tied, grad_dtype,
+                              compute_dtype)
     return StoreFootprint.of_numels(numels, compute_dtype.itemsize, pin=pin,
-                                    state_nbytes=state_nbytes)
-
-
-def check_host_memory(need: StoreFootprint,
-                      available: Callable[[], int | None] | None = None) -> None:
-    """Refuse (``ValueError``) a store that would not fit in the RAM available now.
-
-    ``available`` reads the bytes available (default ``available_host_memory``; tests inject
-    one); when it returns None nothing is checked. The message spells out what the store needs
-    and what to do about it.
-    """
-    avail = (available or available_host_memory)()
-    if avail is None or need.total <= avail:
-        return
-    hint = ""
-    if not need.state:
-        hint = (f"; AdamW moments will add about {human_bytes(8 * need.numel)} more in fp32, "
-                f"{human_bytes(2.03 * need.numel)} in 8-bit")
-    raise ValueError(
-        f"the host store of {need.numel / 1e9:.2f}B parameters needs {human_bytes(need.total)} of "
-        f"RAM ({need.describe()}){hint}, but only {human_bytes(avail)} is available. Use 8-bit "
-        "optimizer moments (Plan.moments '8bit': about 2 bytes per parameter instead of 8; the "
-        "planner picks them when host memory binds), a smaller model, or a machine with more RAM."
-    )
+                                    state_nbytes=state_nbytes,
+                                    split_master=resolve_split_master(compute_dtype, split_master),
+                                    grad_itemsizes=grads)
 
 
 # ----- the store ----------------------------------------------------------------------------
@@ -293,22 +256,33 @@ class HostStore:
     the optimizer state the store will get, if known, so the RAM check counts it.
     ``mem_available``: reads the bytes of RAM available (default ``available_host_memory``).
     ``alloc``: where masters, copy sources and optimizer state live (default: this process's
-    memory; gradients always do).
+    memory; gradients always do). ``split_master``: keep the fp32 master as the bf16 compute
+    copy + a 16-bit remainder (default: exactly when ``compute_dtype`` is bf16; False keeps a
+    plain fp32 master beside the copy, 2 bytes per parameter more, the same numbers).
+    ``grad_dtype``: bf16 for a run of one micro-batch per step (nothing is summed on the host):
+    the units whose device gradient is bf16 keep it so, 2 bytes per parameter instead of 4
+    (``grad_itemsizes_of`` says which); such a store refuses a second micro-batch.
     """
 
     def __init__(self, adapter: DecoderAdapter, compute_dtype: torch.dtype = torch.float32,
                  pin: bool | None = None, *, state_nbytes: int | None = None,
                  mem_available: Callable[[], int | None] | None = None,
-                 alloc: HostAllocator = PRIVATE):
+                 alloc: HostAllocator = PRIVATE, split_master: bool | None = None,
+                 grad_dtype: torch.dtype = torch.float32):
         self.adapter = adapter
         self.alloc = alloc
         self.compute_dtype = compute_dtype
+        self.split_master = resolve_split_master(compute_dtype, split_master)
         self.pinned = _pin_available() if pin is None else pin
         layouts = [FlatLayout.of(unit) for unit in adapter.units]
         numels = [lay.numel for lay in layouts]
         separate = compute_dtype != torch.float32
+        grad_items = grad_itemsizes_of([u.name for u in adapter.units], adapter.tied, grad_dtype,
+                                       compute_dtype)
         check_host_memory(StoreFootprint.of_numels(numels, compute_dtype.itemsize,
-                                                   pin=self.pinned, state_nbytes=state_nbytes or 0),
+                                                   pin=self.pinned, state_nbytes=state_nbytes or 0,
+                                                   split_master=self.split_master,
+                                                   grad_itemsizes=grad_items),
                           mem_available)
 
         source_dtype = compute_dtype if separate else torch.float32
@@ -316,12 +290,18 @@ class HostStore:
         self.arena, self._pinned_nbytes = self._alloc_arena(arena_numel, source_dtype)
         """Every unit's copy source, in one allocation (page-locked when ``pinned``)."""
         self.units: list[UnitBuffers] = []
-        for unit, layout, off in zip(adapter.units, layouts, offsets):
+        for unit, layout, off, grad_item in zip(adapter.units, layouts, offsets, grad_items):
             source = self.arena[off:off + layout.numel]
-            master = alloc.zeros(layout.numel, torch.float32) if separate else source
-            grad = torch.zeros(layout.numel, dtype=torch.float32)
+            master, remainder = source, None
+            if self.split_master:
+                master, remainder = None, alloc.zeros(layout.numel, torch.int16)
+            elif separate:
+                master = alloc.zeros(layout.numel, torch.float32)
+            grad = torch.zeros(layout.numel,
+                               dtype=torch.float32 if grad_item == 4 else torch.bfloat16)
             compute = source if separate else None
-            self.units.append(UnitBuffers(unit, layout, master, grad, compute=compute, alloc=alloc))
+            self.units.append(UnitBuffers(unit, layout, master, grad, compute=compute, alloc=alloc,
+                                          remainder=remainder))
         self.by_name = {b.name: b for b in self.units}
 
     def _alloc_arena(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
@@ -348,12 +328,12 @@ class HostStore:
         separate = self.units[0].compute is not None if self.units else False
         return StoreFootprint(
             numel=numel, compute_itemsize=self.compute_dtype.itemsize,
-            master=sum(tensor_nbytes(b.master) for b in self.units),
+            master=sum(tensor_nbytes(b.remainder if b.split else b.master) for b in self.units),
             grad=sum(tensor_nbytes(b.grad) for b in self.units),
             compute=sum(tensor_nbytes(b.compute) for b in self.units) if separate else 0,
             state=sum(tensor_nbytes(t) for b in self.units for t in b.state.values()),
             copy_source=self.copy_source_nbytes(), arena=tensor_nbytes(self.arena),
-            pinned=self._pinned_nbytes)
+            pinned=self._pinned_nbytes, split_master=self.split_master)
 
     def nbytes(self) -> int:
         """Host bytes of the whole store: buffers, optimizer state and the arena's padding."""
@@ -370,18 +350,19 @@ class HostStore:
     # ----- moving weights in and out ------------------------------------------------------
 
     def load_hf_tensor(self, hf_name: str, tensor: torch.Tensor) -> None:
-        """Copy one HF state-dict tensor into its place (shape-checked)."""
+        """Copy one HF state-dict tensor into its place (shape-checked), copy source included."""
         mapping = self._hf_map()
         if hf_name not in mapping:
             raise KeyError(hf_name)
         unit_name, local = mapping[hf_name]
-        view = self.by_name[unit_name].weights()[local]
-        if tuple(tensor.shape) != tuple(view.shape):
+        buf = self.by_name[unit_name]
+        spec, offset = buf.layout.find(local)
+        if tuple(tensor.shape) != tuple(spec.shape):
             raise ValueError(
                 f"{hf_name}: shape {tuple(tensor.shape)} does not match the model config's "
-                f"{tuple(view.shape)}; the checkpoint and config.json disagree"
+                f"{tuple(spec.shape)}; the checkpoint and config.json disagree"
             )
-        view.copy_(tensor)
+        buf.write_master(tensor, offset)
 
     def _hf_map(self) -> dict[str, tuple[str, str]]:
         if not hasattr(self, "_hf_map_cache"):
@@ -390,27 +371,28 @@ class HostStore:
         return self._hf_map_cache
 
     def copy_from_model(self, model: torch.nn.Module) -> None:
-        """Fill master weights from an HF model instance's state dict."""
+        """Fill master weights (and copy sources) from an HF model instance's state dict."""
         sd = model.state_dict()
         for name in self._hf_map():
             self.load_hf_tensor(name, sd[name])
-        self.refresh_compute()
 
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF key, fp32 view) for every distinct tensor, unit by unit."""
+        """(HF key, fp32 weights) for every distinct tensor, unit by unit: views of a plain
+        master, one decoded copy at a time of a split one."""
         for b in self.units:
-            views = b.weights()
-            for p in b.unit.params:
-                yield p.hf_name, views[p.local]
+            for p, o in zip(b.layout.specs, b.layout.offsets):
+                yield p.hf_name, b.read_master(o, o + p.numel).view(p.shape)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """HF-keyed views of the master weights (tied head key included when tied)."""
+        """HF-keyed fp32 weights (tied head key included when tied): views of plain masters,
+        decoded copies of split ones (the whole model in fp32: for tests and small models)."""
         sd = dict(self.iter_hf_tensors())
         if self.adapter.tied:
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
         return sd
 
     def refresh_compute(self) -> None:
+        """Every unit's ``UnitBuffers.refresh_compute`` (after writing plain masters directly)."""
         for b in self.units:
             b.refresh_compute()
 
@@ -422,7 +404,8 @@ class HostStore:
 def init_store(config: PretrainedConfig, seed: int = 0, compute_dtype: torch.dtype = torch.float32,
                pin: bool | None = None, *, state_nbytes: int | None = None,
                mem_available: Callable[[], int | None] | None = None,
-               alloc: HostAllocator = PRIVATE) -> tuple[DecoderAdapter, HostStore]:
+               alloc: HostAllocator = PRIVATE, split_master: bool | None = None,
+               grad_dtype: torch.dtype = torch.float32) -> tuple[DecoderAdapter, HostStore]:
     """Adapter + HostStore holding exactly the weights ``build_hf_model(config, seed)`` has.
 
     The HF model is built on the host once and dropped; fine for the small models this is used
@@ -430,6 +413,7 @@ def init_store(config: PretrainedConfig, seed: int = 0, compute_dtype: torch.dty
     """
     adapter = DecoderAdapter(config)
     store = HostStore(adapter, compute_dtype=compute_dtype, pin=pin, state_nbytes=state_nbytes,
-                      mem_available=mem_available, alloc=alloc)
+                      mem_available=mem_available, alloc=alloc, split_master=split_master,
+                      grad_dtype=grad_dtype)
     store.copy_from_model(build_hf_model(config, seed))
     return adapter, store

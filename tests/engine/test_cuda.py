@@ -34,6 +34,7 @@ from layerwise.engine.batch import IGNORE_INDEX, Batch
 from layerwise.models import DecoderAdapter, get_flavor
 from layerwise.models.init import build_hf_model
 from layerwise.plan import Plan
+from layerwise.split_master import split_torch
 from layerwise.store import HostStore
 
 from .test_gradients import assert_grads_close, engine_grads, make_batch, reference
@@ -97,7 +98,8 @@ def test_fp32_gradients_on_gpu_match_autograd(plan_name, tmp_path, no_tf32):
              "internals": Plan(["recompute", "host", "recompute", "device"], prefetch_depth=2,
                                internal_tiers=["host", "device", "recompute", "host"])}
     engine = StreamingEngine(adapter, store, plans[plan_name],
-                             EngineConfig(device="cuda", spill_dir=str(tmp_path)))
+                             EngineConfig(device="cuda", compute_dtype=torch.float32,
+                                          spill_dir=str(tmp_path)))
     loss, _ = engine.compute_grads([batch])
     engine.close()
     assert loss == pytest.approx(ref_loss, rel=1e-4)
@@ -167,7 +169,8 @@ def test_bf16_training_keeps_fp32_master_and_learns():
     adapter = DecoderAdapter(cfg)
     store = HostStore(adapter, compute_dtype=torch.bfloat16)
     store.copy_from_model(build_hf_model(cfg, seed=0))
-    assert store["layers.0"].master.dtype == torch.float32
+    assert store["layers.0"].split  # bf16 compute: the master is the copy plus a remainder
+    assert store["layers.0"].read_master().dtype == torch.float32
     assert store["layers.0"].compute.dtype == torch.bfloat16
     engine = StreamingEngine(adapter, store, Plan.every_k(4, 2),
                              EngineConfig(device="cuda", compute_dtype=torch.bfloat16))
@@ -176,8 +179,9 @@ def test_bf16_training_keeps_fp32_master_and_learns():
     engine.synchronize()
     engine.close()
     assert losses[-1] < losses[0] * 0.8
-    for buf in store:  # the device only ever saw the bf16 copy of the current fp32 master
-        assert torch.equal(buf.compute, buf.master.to(torch.bfloat16)), buf.name
+    for buf in store:  # the device only ever saw the bf16 part of the current fp32 master
+        hi, _ = split_torch(buf.read_master())
+        assert torch.equal(buf.compute, hi), buf.name
 
 
 # ----- device memory: the allocator against the memory model --------------------------------

@@ -192,3 +192,62 @@ def test_bf16_landing_on_the_async_path_equals_the_synchronous_one_bit_for_bit()
         grads[device] = {b.name: b.grad.clone() for b in store}
     for unit, g in grads["cpu"].items():
         assert torch.equal(g.view(torch.int32), grads["cpu-async"][unit].view(torch.int32)), unit
+
+
+def test_every_host_worker_thread_binds_the_engine_device(monkeypatch, tmp_path):
+    """Each thread the engine starts (the gradient landing thread, every optimizer worker, the
+    NVMe tier's I/O thread and its staging-return threads) runs the backend's ``bind_thread``
+    before any work: on CUDA that is ``torch.cuda.set_device`` of the engine's device, so no
+    thread of a rank with LOCAL_RANK > 0 makes a context on GPU 0. Recorded on the asynchronous
+    backend: the landing thread and every thread that ran an update, wrote an NVMe boundary or
+    waited for a staging buffer's copy had bound first.
+
+    Mutations seen failing: the executor handing the workers ``threads.initializer`` (the CPU
+    mask alone) instead of ``_thread_init``; the NVMe pool without its ``initializer``."""
+    from layerwise.engine import AsyncCpuBackend, backend as backend_mod
+    from layerwise.engine import boundary_tiers, updates as updates_mod
+
+    bound: set[str] = set()
+    monkeypatch.setattr(AsyncCpuBackend, "bind_thread",
+                        lambda self: bound.add(threading.current_thread().name))
+    worked_on: dict[str, set[str]] = {"update": set(), "nvme write": set(), "staging": set()}
+
+    def recording(kind, fn):
+        def run(*args, **kwargs):
+            out = fn(*args, **kwargs)  # (bound first, where the method binds itself)
+            worked_on[kind].add(threading.current_thread().name)
+            return out
+        return run
+
+    monkeypatch.setattr(updates_mod.HostUpdates, "_update",
+                        recording("update", updates_mod.HostUpdates._update))
+    monkeypatch.setattr(boundary_tiers.BoundaryTiers, "_write",
+                        recording("nvme write", boundary_tiers.BoundaryTiers._write))
+    monkeypatch.setattr(boundary_tiers.BoundaryTiers, "_return_staging",
+                        recording("staging", boundary_tiers.BoundaryTiers._return_staging))
+    cfg = get_flavor("llama-debug").build_config()
+    adapter = DecoderAdapter(cfg)
+    store = HostStore(adapter)
+    plan = Plan(["nvme", "host", "device", "recompute"][:adapter.num_layers])
+    engine = StreamingEngine(adapter, store, plan,
+                             EngineConfig(device="cpu-async", async_seed=None, optimizer_threads=2,
+                                          spill_dir=str(tmp_path)))
+    try:
+        batch = make_batch(cfg.vocab_size)
+        for _ in range(2):
+            engine.train_step([batch])
+        engine.synchronize()
+    finally:
+        engine.close()
+    assert "grad-sink" in bound
+    for kind, names in worked_on.items():
+        assert names and names <= bound, (kind, names, bound)
+
+    class Cuda(backend_mod.CudaBackend):
+        def __init__(self):  # no GPU here: only the device it binds
+            self.device = torch.device("cuda", 3)
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    Cuda().bind_thread()
+    assert calls == [torch.device("cuda", 3)]

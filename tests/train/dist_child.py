@@ -5,8 +5,9 @@ Argument: a JSON file with a list of runs ``{"overrides": [...], "port": int, "m
 each is ``train()`` of a small TrainConfig with those overrides, run one after the other with a
 fresh process group (joined through the store at ``port``, which the test process holds).
 ``memory``: sample this process's ``/proc/self/smaps_rollup`` during the run and write the level
-sample (``MemorySampler``) to ``<memory>.<rank>``. ``env``: variables set for that run and the
-ones after it. ``stall_in_blob_writes``: ``{"rank", "step", "marker"}``, a fault
+sample (``MemorySampler``) to ``<memory>.<rank>``. ``copied``: write the bytes each copy lane
+of the run's engine moved (``copied_bytes``, at ``close``) to ``<copied>.<rank>``. ``env``:
+variables set for that run and the ones after it. ``stall_in_blob_writes``: ``{"rank", "step", "marker"}``, a fault
 (``stall_in_blob_writes``) for that run and the ones after it.
 """
 
@@ -15,11 +16,14 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from layerwise import config
 from layerwise.ckpt.checkpointer import Checkpointer
 from layerwise.ckpt.run_dir import RunDir
+from layerwise.engine.executor import StreamingEngine
 from layerwise.train.loop import TrainConfig, train
 from layerwise.util.logs import command_output
 
@@ -91,6 +95,24 @@ def stall_in_blob_writes(step: int, marker: str) -> None:
     Checkpointer.save, RunDir.put_blob = save_then_arm, put_blob_then_stall
 
 
+@contextmanager
+def copied_bytes_to(path: str | None) -> Iterator[None]:
+    """Inside: at ``close``, each engine writes its copy lanes' byte counters to ``path``
+    (None: nothing)."""
+    close = StreamingEngine.close
+
+    def close_then_write(self):
+        Path(path).write_text(json.dumps(self.backend.copied_bytes))
+        close(self)
+
+    if path is not None:
+        StreamingEngine.close = close_then_write
+    try:
+        yield
+    finally:
+        StreamingEngine.close = close
+
+
 def main(rank: int, spec: str) -> None:
     runs = json.loads(Path(spec).read_text())
     for run in runs:
@@ -100,7 +122,9 @@ def main(rank: int, spec: str) -> None:
             stall_in_blob_writes(fault["step"], fault["marker"])
         cfg = config.apply_overrides(TrainConfig(**BASE), run["overrides"])
         sampler = MemorySampler() if run.get("memory") else None
-        with command_output():  # rank 0's lines on stdout, as under `layerwise train`
+        copied = f"{run['copied']}.{rank}" if run.get("copied") else None
+        # rank 0's lines on stdout, as under `layerwise train`
+        with command_output(), copied_bytes_to(copied):
             train(cfg)
         if sampler is not None:
             Path(f"{run['memory']}.{rank}").write_text(json.dumps(sampler.stop()))

@@ -30,6 +30,7 @@ from layerwise.ckpt.provider import PARAM
 from layerwise.models import get_flavor
 from layerwise.optim.adamw import state_nbytes as fp32_state_nbytes
 from layerwise.plan.plan import Plan
+from layerwise.plan.topology import assign_owners
 from layerwise.store import init_store, store_footprint
 from layerwise.train.dist.saving import group_writers
 from layerwise.train.loop import TrainConfig, train
@@ -120,8 +121,18 @@ def runs(tmp_path_factory):
         common = ["micro_batch_size=1", f"dist_shm_dir={shm_dir}"]
         two = [
             {"overrides": [f"out_dir={tmp / 'r2_plain'}", steps, *common],
-             "memory": str(tmp / "mem")},
+             "memory": str(tmp / "mem"), "copied": str(tmp / "copied_device")},
             {"overrides": [f"out_dir={tmp / 'r2_accum'}", steps, "grad_accum=2", *common]},
+            # the host path (each rank lands its own gradient, gloo sums the host copies)
+            {"overrides": [f"out_dir={tmp / 'r2_plain_host'}", steps, "dist.grad_reduce=host",
+                           *common]},
+            # (asynchronous: the synchronous backend adds a host gradient without a copy)
+            {"overrides": [f"out_dir={tmp / 'r2_accum_host'}", steps, "grad_accum=2",
+                           "dist.grad_reduce=host", "device=cpu-async", *common],
+             "copied": str(tmp / "copied_host")},
+            # the device path on the asynchronous backend: the reduction lane a thread of its own
+            {"overrides": [f"out_dir={tmp / 'r2_accum_async'}", steps, "grad_accum=2",
+                           "device=cpu-async", *common]},
             {"overrides": [f"out_dir={tmp / 'r2_8bit'}", steps, f"plan={p8_1}", f"model={untied}",
                            *common]},
             {"overrides": [f"out_dir={tmp / 'r2_to_p1'}", "steps=6", "ckpt_every=3",
@@ -155,19 +166,23 @@ def runs(tmp_path_factory):
         shutil.rmtree(shm_dir, ignore_errors=True)
 
 
-@pytest.mark.parametrize("kind", ["plain", "accum", "8bit"])
+@pytest.mark.parametrize("kind", ["plain", "accum", "8bit", "plain_host", "accum_host",
+                                  "accum_async"])
 def test_two_ranks_train_the_same_weights_as_one_process(runs, kind):
     """10 steps of 2 ranks x 1 row equal 1 process x 2 rows (fp32, max abs diff <= 1e-5), plain,
     with gradient accumulation (2 micro-batches) and with 8-bit moments on half the units (whose
     reference takes the 2 rows as 2 micro-batches: see ``runs``); and rank 0 logs the loss and
-    gradient norm of the whole global batch.
+    gradient norm of the whole global batch. Gradients reduced on the device (the default: on the
+    synchronous backend, and ``accum_async`` on the asynchronous one) and on the host (``_host``).
 
     Mutations seen failing: ``DistReducer.global_tokens`` returning the local count (each rank
     normalises by its own tokens: the logged loss and norm double; the weights, AdamW being
     nearly scale-free, move by ~6e-5 through the clip); ``unit_landed`` not reducing (each
     owner steps on its own rank's gradient: diff ~3e-2); ``update_done`` not waiting for the
-    owner's counter (a rank streams weights its owner has not updated yet: diff ~1e-2)."""
-    ref, two = runs["ref"][kind], runs["tmp"] / f"r2_{kind}"
+    owner's counter (a rank streams weights its owner has not updated yet: diff ~1e-2);
+    ``DistReducer.reduce_on_device`` reducing nothing (``plain``, ``accum``, ``8bit``,
+    ``accum_async``: each owner steps on its own rank's gradient)."""
+    ref, two = runs["ref"][kind.split("_")[0]], runs["tmp"] / f"r2_{kind}"
     diff = _max_diff(ref, two)
     assert diff <= 1e-5, diff
     rows = [[json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -177,6 +192,31 @@ def test_two_ranks_train_the_same_weights_as_one_process(runs, kind):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
         assert a["target_tokens"] == b["target_tokens"]
+
+
+@pytest.mark.parametrize("mode", ["device", "host"])
+def test_only_the_owner_copies_a_reduced_gradient_out(runs, mode):
+    """The bytes each rank's D2H lane moved in the 10 steps (its engine's own counter): with the
+    reduction on the device (``r2_plain``), exactly the gradients of the units the rank owns
+    (the tied embedding twice a micro-batch: the head's part, then its own backward's); on the
+    host path (``r2_accum_host``, 2 micro-batches a step), every unit's, on both ranks. (The
+    plan keeps boundaries on the device or recomputes them: the lane carries gradients only.)
+
+    Mutation seen failing: ``GradSink._out`` taking every unit as this rank's (``mine =
+    True``: a non-owner copies its spent part out too, every unit's bytes on both ranks)."""
+    _, store = init_store(get_flavor("llama-demo").build_config())
+    owners = assign_owners([b.layout.numel for b in store], 2)
+
+    micro_batches = STEPS * (1 if mode == "device" else 2)
+
+    def grad_bytes(units) -> int:
+        return micro_batches * sum(b.layout.numel * 4 * (2 if b.name == "embed" else 1)
+                                   for b in units)
+
+    for rank in range(2):
+        got = json.loads((runs["tmp"] / f"copied_{mode}.{rank}").read_text())["d2h"]
+        mine = [b for b, o in zip(store, owners) if o == rank] if mode == "device" else list(store)
+        assert got == grad_bytes(mine), (rank, got, grad_bytes(mine))
 
 
 def test_two_single_rank_nodes_train_the_same_weights(runs):

@@ -2,7 +2,10 @@
 
 Weights, gradients and optimizer moments are served as views into the store's flat per-unit
 buffers, so a checkpoint snapshot is one copy from the host store and a load writes straight
-back into it. A unit with 8-bit moments is served as its codes and scales, sliced per
+back into it. A split master (bf16 copy + 16-bit remainder, ``layerwise.split_master``) has no
+fp32 tensor to view: ``params`` decodes its weights into fresh fp32 tensors, one group at a
+time, and a load splits the stored fp32 weights again (exactly). Either way checkpoints hold
+the fp32 master, in the same format. A unit with 8-bit moments is served as its codes and scales, sliced per
 parameter (``ckpt.moments``), and loaded back bit for bit; a stored version in the other format
 (fp32 moments into an 8-bit unit, or the reverse: the plan changed) is converted by the unit's
 optimizer. Call ``engine.synchronize()`` first: a pending update would otherwise race the
@@ -51,7 +54,18 @@ class HostStoreStateProvider:
         return out
 
     def params(self, group: str) -> dict[str, torch.Tensor]:
-        return self._views(group, lambda b: b.master)
+        """fp32 weights by HF name: views of plain masters, fresh fp32 copies of split ones
+        (one group's worth at a time)."""
+        out = {}
+        for n in self._groups[group]:
+            buf, spec, offset = self._param(n)
+            out[n] = buf.read_master(offset, offset + spec.numel).view(spec.shape)
+        return out
+
+    def _param(self, name: str):
+        buf, local = self._where[name]
+        spec, offset = buf.layout.find(local)
+        return buf, spec, offset
 
     def grads(self, group: str) -> dict[str, torch.Tensor]:
         return self._views(group, lambda b: b.grad)
@@ -102,16 +116,15 @@ class HostStoreStateProvider:
         for unit, buf in self._units(group).items():
             mine = [n for n in names if self._where[n][0] is buf]
             for n in mine:
-                view = buf.layout.views(buf.master)[self._where[n][1]]
+                _, spec, offset = self._param(n)
                 w = tensors[f"param/{n}"]
-                if tuple(w.shape) != tuple(view.shape):
+                if tuple(w.shape) != tuple(spec.shape):
                     raise ValueError(f"{n}: checkpoint shape {tuple(w.shape)} != model shape "
-                                     f"{tuple(view.shape)}; saved from a different configuration")
-                view.copy_(w)
+                                     f"{tuple(spec.shape)}; saved from a different configuration")
+                buf.write_master(w, offset)  # the copy source with it (split, or refreshed)
             if buf.state:
                 if not self._load_8bit_exact(buf, mine, tensors):
                     self._load_converted(buf, mine, fp32_moments(tensors))
-            buf.refresh_compute()
 
     def _load_8bit_exact(self, buf: UnitBuffers, names: list[str],
                          tensors: dict[str, torch.Tensor]) -> bool:

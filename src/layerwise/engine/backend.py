@@ -20,6 +20,13 @@ asynchronous backend the host queues the copy before the compute that produces i
 
 Every backend counts the bytes each copy lane moved (``copied_bytes``), where the copy is issued
 (CUDA) or run (CPU), not from the plan: what a test or benchmark compares with the plan.
+
+Data parallel adds a fourth lane, the reduction lane (``collective``): a collective on a device
+tensor (NCCL on CUDA, gloo on the CPU backends, whose device tensors are host tensors) runs
+behind the compute that wrote the tensor, and its event marks the collective's end. On CUDA the
+lane is a stream of its own: NCCL's internal stream waits for the stream current when the
+collective is issued (this one, which waited for the compute event), and ``work.wait()`` makes
+this stream wait for NCCL's end without blocking the host.
 """
 
 from __future__ import annotations
@@ -99,6 +106,31 @@ def resolve(src: Source) -> torch.Tensor:
     return src.take() if isinstance(src, Ref) else src
 
 
+def peek(src: Source) -> torch.Tensor:
+    """The tensor of ``src``, leaving a Ref its tensor (a later copy takes it)."""
+    return src.get() if isinstance(src, Ref) else src
+
+
+class Work(Protocol):
+    def wait(self) -> object:
+        """CUDA: make the current stream wait for the collective (the host does not block);
+        gloo: block until it is done."""
+
+
+IssueCollective = Callable[[torch.Tensor], "Work | None"]
+"""Issues a collective on the tensor it is given (async) and returns its work."""
+
+
+def run_collective(src: Source, issue: IssueCollective, release: bool) -> None:
+    """A collective on the host's timeline (the CPU backends): issue, wait, and let go of a
+    Ref's tensor when ``release``."""
+    work = issue(peek(src))
+    if work is not None:
+        work.wait()
+    if release and isinstance(src, Ref):
+        src.take()
+
+
 def new_byte_counter() -> dict[str, int]:
     return {"h2d": 0, "d2h": 0}
 
@@ -137,6 +169,18 @@ class DeviceBackend(Protocol):
         """On the D2H lane, after ``after`` (typically a ``record()`` behind the compute that
         produces ``src``): ``dst.copy_(src)``; the event marks its end. ``src`` stays valid until
         then."""
+
+    def collective(self, src: Source, issue: IssueCollective, after: Sequence[Event | None] = (),
+                   release: bool = False) -> Event:
+        """On the reduction lane, after ``after`` (a ``record()`` behind the compute that wrote
+        ``src``): ``issue(tensor)`` and wait for its work; the event marks the collective's end
+        (``src`` is read and written until then). ``release``: let go of a Ref's tensor once
+        the collective is issued (its memory stays reserved for the lane until it is done)."""
+
+    def bind_thread(self) -> None:
+        """Make the calling thread's device calls go to this backend's device (run first by
+        every host worker thread: a CUDA call from a thread that never set its device goes to
+        GPU 0 and creates a context there)."""
 
     def synchronize(self) -> None:
         """Block until every lane is idle; re-raises an error a lane hit."""
@@ -198,6 +242,14 @@ class CpuBackend:
         self.copied_bytes["d2h"] += nbytes_of(dst)
         return DONE
 
+    def collective(self, src: Source, issue: IssueCollective, after: Sequence[Event | None] = (),
+                   release: bool = False) -> Event:
+        run_collective(src, issue, release)
+        return DONE
+
+    def bind_thread(self) -> None:
+        pass
+
     def synchronize(self) -> None:
         pass
 
@@ -224,6 +276,8 @@ class CudaBackend:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.h2d_stream = torch.cuda.Stream(self.device)
         self.d2h_stream = torch.cuda.Stream(self.device)
+        self.reduce_stream: torch.cuda.Stream | None = None
+        """The reduction lane (made at the first collective: data parallel only)."""
         self.copied_bytes = new_byte_counter()
         self._count_lock = threading.Lock()
 
@@ -271,6 +325,30 @@ class CudaBackend:
 
     def copy_d2h(self, dst: torch.Tensor, src: Source, after: Sequence[Event | None] = ()) -> Event:
         return self._copy("d2h", self.d2h_stream, dst, src, after)
+
+    def collective(self, src: Source, issue: IssueCollective, after: Sequence[Event | None] = (),
+                   release: bool = False) -> Event:
+        if self.reduce_stream is None:
+            self.reduce_stream = torch.cuda.Stream(self.device)
+        stream = self.reduce_stream
+        with torch.cuda.stream(stream):
+            for ev in after:
+                if ev is not None and not isinstance(ev, DoneEvent):
+                    stream.wait_event(ev)
+            t = peek(src)
+            work = issue(t)  # NCCL's stream waits for this one's position: behind `after`
+            if work is not None:
+                work.wait()  # this stream waits for NCCL's end; the host does not
+            if t.is_cuda:
+                # allocator memory (the head's fp32 gradient) is reused only after this stream's
+                # work so far, the wait for NCCL's end included
+                t.record_stream(stream)
+            if release and isinstance(src, Ref):
+                src.take()
+            return self._event(stream)
+
+    def bind_thread(self) -> None:
+        torch.cuda.set_device(self.device)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -1,8 +1,8 @@
 """AsyncCpuBackend: the GPU's protocol played on the CPU, to test the engine's ordering.
 
-Each lane (compute, H2D, D2H) is a thread running its queue in order; events are thread events;
-copies a compute item queues as it runs go to copy lanes of their own (``d2h<-compute``), with the
-pace of their lane;
+Each lane (compute, H2D, D2H, and the reduction lane of data parallel) is a thread running its
+queue in order; events are thread events; copies a compute item queues as it runs go to copy
+lanes of their own (``d2h<-compute``), with the pace of their lane;
 before every item a lane sleeps a seeded random delay, so lanes drift against each other and
 against the host the way streams do. A wait the engine forgets (slot free before a copy
 overwrites it, a copy landed before compute or the host reads it, an update done before its
@@ -24,7 +24,8 @@ from typing import NamedTuple
 
 import torch
 
-from .backend import DONE, DoneEvent, Event, Source, nbytes_of, new_byte_counter, resolve
+from .backend import (DONE, DoneEvent, Event, IssueCollective, Source, nbytes_of,
+                      new_byte_counter, resolve, run_collective)
 
 LANE_TIMEOUT_S = 120.0
 """A wait longer than this is a deadlock in the engine's ordering; fail instead of hanging."""
@@ -139,6 +140,9 @@ class AsyncCpuBackend:
             self._lanes[f"{name}<-compute"] = _Lane(
                 f"{name}<-compute", random.Random(rng.random()), parent._max_delay_s, self._errors,
                 parent._delay_probability)
+        self._rng = rng
+        self._lane_delays_s = lane_delays_s
+        self._max_delay_s = max_delay_s if seed is not None else 0.0
         self.allocated_bytes = 0
         """Bytes of device slots allocated so far (the device memory the engine asked for)."""
         self._lane_bytes = {name: 0 for name in self._lanes}
@@ -234,6 +238,28 @@ class AsyncCpuBackend:
 
     def copy_d2h(self, dst: torch.Tensor, src: Source, after: Sequence[Event | None] = ()) -> Event:
         return self._copy("d2h", dst, src, after)
+
+    def collective(self, src: Source, issue: IssueCollective, after: Sequence[Event | None] = (),
+                   release: bool = False) -> Event:
+        after = list(after)
+        if "reduce" not in self._lanes:  # made on first use: the other lanes' paces stay the seed's
+            self._lanes["reduce"] = self._reduce_lane()
+            self._lanes["reduce"].trace = self._lanes["compute"].trace
+
+        def run() -> None:
+            _wait_all(after)
+            run_collective(src, issue, release)
+
+        return self._queue("reduce", run, "collective")
+
+    def _reduce_lane(self) -> _Lane:
+        rng = random.Random(self._rng.random())
+        if self._lane_delays_s is not None:
+            return _Lane("reduce", rng, self._lane_delays_s.get("reduce", 0.0), self._errors, 1.0)
+        return _Lane("reduce", rng, rng.choice((0.0, 0.2, 1.0)) * self._max_delay_s, self._errors)
+
+    def bind_thread(self) -> None:
+        pass
 
     def synchronize(self) -> None:
         for lane in self._lanes.values():  # compute first: its items may queue copies

@@ -55,7 +55,8 @@ class BoundaryTiers:
         self._spill_root = spill_dir
         self._spill_dir: Path | None = None
         self._block = 0  # O_DIRECT lengths are rounded up to this (the spill filesystem's block)
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="nvme-io")
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="nvme-io",
+                                      initializer=backend.bind_thread)  # it syncs device events
         self._host_bufs: dict[int, torch.Tensor] = {}  # boundary -> host buffer (host tier), kept
         self._staging: HostRing | None = None  # NVMe writes and reads pass through these
         self._staging_numel = 0
@@ -186,6 +187,7 @@ class BoundaryTiers:
         e.fetched = (slot, ev)
 
     def _return_staging(self, ev: Event, ring: int) -> None:
+        self.backend.bind_thread()
         ev.synchronize()
         self._staging.give_back(ring)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -51,8 +52,9 @@ class EngineConfig:
     device: str = "cpu"
     """``cpu`` (synchronous backend), ``cpu-async`` (the GPU's protocol on threads, for tests)
     or ``cuda[:N]``."""
-    compute_dtype: torch.dtype = torch.float32
-    """Dtype of weights and activations on the device; use torch.bfloat16 on GPUs."""
+    compute_dtype: torch.dtype | None = None
+    """Dtype of weights and activations on the device (None: bf16 on CUDA, fp32 on the CPU
+    backends); the store must be built with the same."""
     device_mem_cap_bytes: int | None = None
     """Refuse plans whose predicted device peak exceeds this (None: no cap)."""
     spill_dir: str | None = None
@@ -65,6 +67,24 @@ class EngineConfig:
     optimizer: AdamWConfig = field(default_factory=AdamWConfig)
     async_seed: int | None = 0
     """For ``device="cpu-async"``: seed of the lanes' random delays (None: no delays)."""
+
+
+def default_compute_dtype(device: str | torch.device) -> torch.dtype:
+    """bf16 on CUDA (fp32 weights and activations would double every copy and halve the
+    tensor-core rate), fp32 on the CPU backends (exact against autograd)."""
+    return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+
+
+def pageable_copy_warning(device: torch.device, store: HostStore) -> str | None:
+    """What to say when a GPU's weight copies would come from pageable memory (a store built
+    with ``pin=False``, or whose page-locking was refused): the driver then stages every copy
+    through a pinned buffer of its own, synchronously, at a fraction of the bandwidth."""
+    if device.type != "cuda" or store.pinned_nbytes() > 0:
+        return None
+    return (f"the host store's copy sources ({store.copy_source_nbytes() / 2**30:.2f} GiB) are "
+            "not page-locked: every weight copy to the GPU will come from pageable memory "
+            "(staged by the driver, not overlapped with compute); build the store with pin=True "
+            "(the default when CUDA is available)")
 
 
 @dataclass
@@ -93,17 +113,21 @@ class StreamingEngine:
         self.config = config or EngineConfig()
         self.reducer: StepReducer = LocalReducer(store) if reducer is None else reducer
         plan.validate(adapter.num_layers)
-        if store.compute_dtype != self.config.compute_dtype:
+        self.compute_dtype = self.config.compute_dtype or default_compute_dtype(self.config.device)
+        if store.compute_dtype != self.compute_dtype:
             raise ValueError(
                 f"store compute dtype {store.compute_dtype} != engine compute dtype "
-                f"{self.config.compute_dtype}; build the HostStore with compute_dtype="
-                f"{self.config.compute_dtype}"
+                f"{self.compute_dtype}; build the HostStore with compute_dtype="
+                f"{self.compute_dtype}, or set EngineConfig.compute_dtype={store.compute_dtype}"
             )
         self.adapter = adapter
         self.store = store
         self.plan = plan
         self.backend = make_backend(self.config.device, self.config.async_seed)
         self.device = self.backend.device
+        warning = pageable_copy_warning(self.device, store)
+        if warning:
+            warnings.warn(warning, RuntimeWarning, stacklevel=2)
         self.program = micro_batch_program(plan.boundary_tiers, plan.internal_tiers)
         self.shape = ModelShape.from_config(adapter.config)
         self.optimizers = optimizers or self._default_optimizers()
@@ -115,19 +139,27 @@ class StreamingEngine:
             torch.set_num_threads(threads.optimizer_intra)  # the launcher's CPU stays free
         self.host_threads = threads
         self.updates = HostUpdates(store, self.optimizers, self.reducer, self.config.optimizer_threads,
-                                   initializer=threads.initializer)
+                                   initializer=self._thread_init)
         self.streamer = WeightStreamer(self.backend, store, plan.prefetch_depth, self.updates.wait,
                                        self.updates.done)
         landing = self.config.landing_threads or threads.landing
         self.sink = GradSink(self.backend, store, on_final=self.reducer.unit_landed,
-                             landing_threads=landing, thread_init=threads.initializer)
+                             landing_threads=landing, thread_init=self._thread_init,
+                             device_reduce=self.reducer if self.reducer.on_device else None)
         self.acts = BoundaryTiers(self.backend, self.config.spill_dir)
         self.internals = KeptInternals(self.backend)
-        self.handlers = OpHandlers(adapter, store, plan, self.backend, self.config.compute_dtype,
+        self.handlers = OpHandlers(adapter, store, plan, self.backend, self.compute_dtype,
                                    self.streamer, self.sink, self.acts, self.internals)
         self.steps_skipped = 0
         self.step_tokens = 0
         """Target tokens of the last step, over all ranks (the loss's divisor)."""
+
+    def _thread_init(self) -> None:
+        """Run first by every host worker thread the engine starts: the device its CUDA calls
+        go to (else GPU 0, where each would create a context under LOCAL_RANK > 0), then its
+        CPU mask."""
+        self.backend.bind_thread()
+        self.host_threads.pin_current_thread()
 
     def _default_optimizers(self) -> dict[str, UnitOptimizer]:
         kinds = self.plan.moments or ["fp32"] * len(self.store.units)
@@ -146,10 +178,10 @@ class StreamingEngine:
     # ----- checks -------------------------------------------------------------------------
 
     def predict_memory(self, micro_batch_size: int, seq_len: int) -> MemoryEstimate:
-        elem = torch.empty((), dtype=self.config.compute_dtype).element_size()
+        elem = torch.empty((), dtype=self.compute_dtype).element_size()
         workspace = CUDA_WORKSPACE_BYTES if self.device.type == "cuda" else 0
         return predict_peak_device_bytes(self.shape, self.plan, micro_batch_size, seq_len, elem,
-                                         grad_slots=self.backend.asynchronous, workspace_bytes=workspace)
+                                         grad_slots=not self.sink.inline, workspace_bytes=workspace)
 
     def check(self, micro_batch_size: int, seq_len: int) -> MemoryEstimate:
         """Refuse, before any work, a batch shape whose predicted device peak is over the cap."""
@@ -199,6 +231,10 @@ class StreamingEngine:
         """
         if not micro_batches:
             raise ValueError("a step needs at least one micro-batch")
+        if len(micro_batches) > 1 and any(b.grad.dtype != torch.float32 for b in self.store):
+            raise ValueError(f"{len(micro_batches)} micro-batches in a step, but the store keeps "
+                             "bf16 gradients (one micro-batch per step: nothing to sum); build "
+                             "the HostStore with grad_dtype=torch.float32 to accumulate")
         for mb in micro_batches:
             self.check_batch(mb)
         total = self.reducer.global_tokens(sum(mb.num_target_tokens for mb in micro_batches))

@@ -13,6 +13,16 @@ backward ends. One thread lands, in the order the gradients were sent: the reduc
 The first landing of a unit in a step *writes* its host gradient (``accumulate(first=True)``)
 instead of adding, so nothing zeroes gradients between steps: between steps ``store[u].grad``
 is spent (the optimizer may have clobbered it) and no one reads it.
+
+Data parallel with the reduction on the device (``device_reduce``): each gradient, per
+micro-batch, is summed into its unit's owner's device buffer by a collective on the backend's
+reduction lane (behind the backward that wrote it), and only the owner copies it to the host
+(behind the collective) and adds it up there; another rank sends nothing and its grad slot is
+free once the collective is done. Per micro-batch rather than summed over the step's
+micro-batches on the device: a device sum would keep every unit's gradient on the device for
+the whole step (the model's size), where the memory model has two grad slots. Then every
+gradient goes through the grad slots, on the synchronous CPU backend too (its collective and
+copies run inline, its landing on the landing thread): one code path on every backend.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -30,7 +41,7 @@ from ..models.names import EMBED, HEAD
 from ..optim.grad_accum import accumulate
 from ..plan.memory import GRAD_SLOTS
 from ..store import HostStore
-from .backend import DeviceBackend, Event, Ref, Source
+from .backend import DeviceBackend, Event, Ref, Source, Work
 from .slots import HostRing, Slot
 
 HOST_GRAD_RING = 4
@@ -38,6 +49,17 @@ HOST_GRAD_RING = 4
 device work takes one per piece and blocks only when all are still in flight: with four, it
 resumes with about two backward ops still queued ahead of the device (one buffer is being
 added up, one is being copied into), where two buffers left the device one op of work."""
+
+
+class DeviceReduce(Protocol):
+    """The step reducer's part the sink calls when gradients are reduced on the device."""
+
+    def owns(self, unit: str) -> bool:
+        """This rank lands ``unit``'s reduced gradient (and updates it)."""
+
+    def reduce_on_device(self, unit: str, grad: torch.Tensor) -> Work | None:
+        """Issue the sum of every rank's ``grad`` into its owner's (async; on the thread of the
+        backend's reduction lane) and return its work."""
 
 
 @dataclass
@@ -84,19 +106,26 @@ def ring_piece_bytes(store: HostStore) -> int:
 class GradSink:
     def __init__(self, backend: DeviceBackend, store: HostStore,
                  on_final: Callable[[str], None], landing_threads: int = 1,
-                 ring_buffers: int = HOST_GRAD_RING, thread_init: Callable[[], None] | None = None):
+                 ring_buffers: int = HOST_GRAD_RING, thread_init: Callable[[], None] | None = None,
+                 device_reduce: DeviceReduce | None = None):
         """``on_final(unit)``: called where a unit's step gradient is complete on the host (the
         landing thread, or inline): the step reducer's ``unit_landed``, which takes its norm or
         starts reducing it across ranks. ``landing_threads``: threads one landing is split
         over (the landing thread is one of them). ``thread_init``: run first on the landing
-        thread (its CPU mask, inherited by the threads it starts)."""
+        thread (its device, its CPU mask, inherited by the threads it starts).
+        ``device_reduce``: data parallel, gradients reduced on the device before they leave
+        (None: every rank lands its own)."""
         self.backend = backend
         self.on_final = on_final
         self.store = store
         self.landing_threads = max(1, landing_threads)
-        self.inline = not backend.asynchronous
+        self.device_reduce = device_reduce
+        self.inline = not backend.asynchronous and device_reduce is None
+        """Gradients are added straight from the compute into the host gradient (no slots)."""
         self._landed: set[str] = set()
         """Units with a gradient sent (or added inline) this step."""
+        self._reduced: Event | None = None
+        """The step's latest collective (the reduction lane runs them in order)."""
         self.ring_wait_s = 0.0
         """Seconds the thread queuing device work spent waiting for a free ring buffer."""
         self.ring_waits: deque[tuple[float, float]] = deque(maxlen=4096)
@@ -158,8 +187,8 @@ class GradSink:
             if final:
                 self.on_final(ticket.unit)
             return
-        ev = self._send(ticket.device, ticket.numel, ticket.device.dtype, ticket.unit,
-                        ticket.first, final)
+        ev = self._out(ticket.device, ticket.numel, ticket.device.dtype, ticket.unit,
+                       ticket.first, final)
         self.slots[ticket.slot].free_after = ev
 
     def put_fp32(self, unit: str, grad: Ref, numel: int, final: bool) -> None:
@@ -170,7 +199,23 @@ class GradSink:
             if final:
                 self.on_final(unit)
             return
-        self._send(grad, numel, torch.float32, unit, first, final)
+        self._out(grad, numel, torch.float32, unit, first, final)
+
+    def _out(self, src: Source, numel: int, dtype: torch.dtype, unit: str, first: bool,
+             final: bool) -> Event:
+        """Reduce ``src`` to its owner (data parallel on the device), then send it to the host
+        where it lands; returns the event after which ``src`` is no longer read."""
+        after = self.backend.record()  # behind the compute that fills src
+        red = self.device_reduce
+        if red is None:
+            return self._send(src, numel, dtype, unit, first, final, after)
+        mine = red.owns(unit)
+        self._reduced = self.backend.collective(
+            src, lambda t: red.reduce_on_device(unit, t.view(-1)[:numel]), after=[after],
+            release=not mine)
+        if not mine:
+            return self._reduced  # the owner lands it; this rank's part is spent
+        return self._send(src, numel, dtype, unit, first, final, self._reduced)
 
     def _take(self) -> int:
         t0 = time.perf_counter()
@@ -181,11 +226,10 @@ class GradSink:
         return ring
 
     def _send(self, src: Source, numel: int, dtype: torch.dtype, unit: str, first: bool,
-              final: bool) -> Event:
-        """D2H copies of ``src`` in ring-sized pieces; returns the last copy's event (the
-        source is read until then)."""
+              final: bool, produced: Event) -> Event:
+        """D2H copies of ``src`` in ring-sized pieces, after ``produced``; returns the last
+        copy's event (the source is read until then)."""
         per_piece = self._ring.nbytes // torch.empty((), dtype=dtype).element_size()
-        produced = self.backend.record()  # behind the compute that fills src
         ev = None
         for lo in range(0, numel, per_piece):
             hi = min(numel, lo + per_piece)
@@ -229,12 +273,18 @@ class GradSink:
     def _drain(self) -> None:
         if self.inline:
             return
+        reduced, self._reduced = self._reduced, None
+        if reduced is not None:  # a collective whose gradient no copy waits for (not the owner)
+            reduced.synchronize()
         with self._idle:
             self._idle.wait_for(lambda: self._pending == 0)
 
     def abandon(self) -> None:
         """Wait for copies in flight and forget them (a step failed)."""
-        self._drain()
+        try:
+            self._drain()
+        except Exception:  # noqa: BLE001  (the step's own error is being raised)
+            pass
         self._landed = set()
         if not self.inline:
             self._errors.clear()
@@ -242,7 +292,8 @@ class GradSink:
                 s.free_after = None
 
     def finish(self) -> None:
-        """Wait for every gradient to land (and its ``on_final`` to have run)."""
+        """Wait for every gradient to land (and its ``on_final`` to have run) and, data parallel
+        on the device, for every collective of the step."""
         self._drain()
         if not self.inline and self._errors:
             err = self._errors[0]

@@ -8,6 +8,9 @@ instead of re-running the forward. What each saved tensor becomes:
   slot holds other layers' weights by the backward; unpacking views the same place in the
   backward's own re-streamed copy of the layer's weights;
 - a tensor every layer shares (rotary cos/sin, masks): the tensor itself (it lives all step);
+- a tensor not on the device (FlashAttention's 0-d CPU seed and offset): the tensor itself. It
+  is host memory already, and a fetch would hand the backward a device tensor where the
+  forward saved a host one;
 - an activation: on the ``device`` tier, the tensor itself; on the ``host`` tier, its storage is
   copied (once per storage: several saved views share one) to host memory on the D2H lane after
   the compute that produced it, and the device copy is let go; :meth:`KeptInternals.fetch` copies
@@ -119,7 +122,7 @@ class KeptInternals:
         ptr = t.untyped_storage().data_ptr()
         if ptr == g.weight_ptr:
             return ("weight", tuple(t.shape), t.stride(), t.storage_offset())
-        if ptr in g.shared_ptrs or g.tier == "device":
+        if ptr in g.shared_ptrs or g.tier == "device" or t.device.type != self.backend.device.type:
             return ("tensor", t.detach())
         if ptr not in g.stored:
             src = _storage_bytes(t)

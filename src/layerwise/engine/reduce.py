@@ -9,20 +9,33 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from ..optim.clip import sq_norm
 from ..store import HostStore
+from .backend import Work
 
 
 class StepReducer(Protocol):
+    on_device: bool
+    """Each unit's gradient is reduced on the device, per micro-batch, before it leaves
+    (``reduce_on_device``), and only its owner lands it; False: every rank lands its own and
+    ``unit_landed`` combines them on the host."""
+
     def global_tokens(self, local_tokens: int) -> int:
         """The step's target tokens over all ranks (the loss and gradient are divided by it, so
         N ranks x B rows equal 1 rank x N*B rows). Called once per step, before the forward."""
 
     def unit_landed(self, unit: str) -> None:
         """``unit``'s gradient for the step is complete in ``store[unit].grad`` (its last
-        micro-batch landed); called in the order units finish, the same on every rank, on the
-        thread that landed it (the gradient sink's worker, or inline). May start reducing it
-        while the backward goes on."""
+        micro-batch landed); called in the order units finish, the same on every rank that
+        lands it, on the thread that landed it (the gradient sink's worker, or inline). May
+        start reducing it while the backward goes on."""
+
+    def reduce_on_device(self, unit: str, grad: torch.Tensor) -> Work | None:
+        """``on_device``: issue (async) the sum of every rank's ``grad`` of ``unit`` (a device
+        tensor: one micro-batch's gradient) into its owner's; called on the backend's reduction
+        lane, behind the backward that wrote ``grad``, in the same order on every rank."""
 
     def finish(self, loss: float) -> tuple[dict[str, float], float]:
         """After every unit landed: wait for the reductions. Returns every unit's squared norm of
@@ -48,6 +61,8 @@ class LocalReducer:
     the gradient is final (where a data-parallel reducer takes it of the reduced gradient), so
     the clip factor is known when the backward ends."""
 
+    on_device = False
+
     def __init__(self, store: HostStore):
         self.store = store
         self._sq_norms: dict[str, float] = {}
@@ -58,6 +73,9 @@ class LocalReducer:
 
     def unit_landed(self, unit: str) -> None:
         self._sq_norms[unit] = sq_norm(self.store[unit].grad)
+
+    def reduce_on_device(self, unit: str, grad: torch.Tensor) -> Work | None:
+        raise AssertionError("one process has nothing to reduce")
 
     def finish(self, loss: float) -> tuple[dict[str, float], float]:
         out, self._sq_norms = self._sq_norms, {}

@@ -2,19 +2,23 @@
 
 Two implementations of the same arithmetic (maps in ``quant.py``):
 
-- ``numba`` (CPU, fp32, contiguous): per block, one vectorised loop dequantises, updates both
-  moments and the parameter and finds the block maxima; a second requantises. The block's new
-  moments wait in two ``block_size`` scratch arrays (on the stack, L1-resident), so memory is
-  read and written once. The moments are kept in units where the gradient (clip included)
-  enters with factor 1 (``StepScalars.folded``), and of the three roots per element two run
-  on the divider and one as an estimate on the FMA pipes. One call takes a *table* of tensors (``fused_steps``), so a drop-in optimizer
-  over a model's parameter list pays one kernel launch per step, not one per tensor, and its
-  threads split the blocks of all tensors evenly. Compiled with ``nogil=True`` and run on a
-  small thread pool (ours, not numba's ``parallel=True``: numba's only always-present
-  threading layer, ``workqueue``, aborts when entered from several engine worker threads at
-  once; ours is safe). Cold start: ~5 s to compile on first
-  use in a fresh environment (measured on the loaded 2-core box); ``cache=True`` keeps the
-  machine code in ``__pycache__``, and later processes load it in ~0.4 s.
+- ``numba`` (CPU, fp32 or a split master, contiguous): per block, one vectorised loop
+  dequantises, updates both moments, computes the parameter's step and finds the block
+  maxima; a second requantises; a third applies the step to the parameter (fp32, or a split
+  master's halves joined and split again: ``layerwise.split_master``) without fast-math, so a
+  split and a plain fp32 parameter end bit-identical. The block's new moments and steps wait
+  in three ``block_size`` scratch arrays (on the stack, L1-resident), so memory is read and
+  written once. The moments are kept in units where the gradient (clip included) enters with
+  factor 1 (``StepScalars.folded``), and of the three roots per element two run on the divider
+  and one as an estimate on the FMA pipes. One call takes a *table* of tensors
+  (``fused_steps``), so a drop-in optimizer over a model's parameter list pays one kernel
+  launch per step, not one per tensor, and its threads split the blocks of all tensors evenly.
+  Compiled with ``nogil=True`` and run on a small thread pool (ours, not numba's
+  ``parallel=True``: numba's only always-present threading layer, ``workqueue``, aborts when
+  entered from several engine worker threads at once; ours is safe). Cold start: compiling
+  takes seconds on first use in a fresh environment (up to a minute on the loaded 2-core box,
+  with both parameter forms); ``cache=True`` keeps the machine code in ``__pycache__``, and
+  later processes load it in ~1 s.
 - ``torch`` (any device, any float dtype): the same maths as a few dozen elementwise ops over
   chunks of ``_TORCH_CHUNK`` elements, so the temporaries stay in cache. Used on CUDA, when
   numba is missing, or when ``LAYERWISE_OPTIM_KERNEL=torch``.
@@ -33,6 +37,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..split_master import join_torch, split_
 from .quant import SIGNED_LEVELS, UNSIGNED_LEVELS, num_blocks
 
 try:  # numba is optional: the torch path below computes the same update
@@ -42,6 +47,8 @@ try:  # numba is optional: the torch path below computes the same update
     from numba import types as _nbt
     from numba.core import cgutils as _cgutils
     from numba.extending import intrinsic as _intrinsic
+
+    from ..split_master import join_bits, split_bits
 except Exception:  # pragma: no cover - depends on the environment
     _nb = None
 
@@ -123,6 +130,7 @@ class FlatStep(NamedTuple):
     """One flat tensor's update: ``fused_steps`` takes a sequence of these."""
 
     p: torch.Tensor
+    """The fp32 parameter, or the bf16 high halves of a split one (``p_lo``)."""
     g: torch.Tensor
     exp_avg_codes: torch.Tensor
     exp_avg_scales: torch.Tensor
@@ -131,6 +139,9 @@ class FlatStep(NamedTuple):
     block_size: int
     decay_end: int
     k: StepScalars
+    p_lo: torch.Tensor | None = None
+    """A split fp32 parameter's int16 remainder (``layerwise.split_master``): ``p`` is its bf16
+    part, and the update reads and writes the pair, bit-identical to an update of the fp32."""
 
 
 # ----- numba --------------------------------------------------------------------------------
@@ -157,20 +168,45 @@ if _nb is not None:
         return _nbt.CPointer(_nbt.uint8)(_nbt.int64), _ptr_codegen
 
     @_intrinsic
+    def _i16_at(typingctx, addr):  # pragma: no cover - compiled
+        return _nbt.CPointer(_nbt.int16)(_nbt.int64), _ptr_codegen
+
+    @_intrinsic
     def _stack_scratch(typingctx):  # pragma: no cover - compiled
-        # 2 * _MAX_NUMBA_BLOCK fp32 on the stack of the calling function. LLVM knows a local
+        # 3 * _MAX_NUMBA_BLOCK fp32 on the stack of the calling function. LLVM knows a local
         # that never escapes aliases none of the tensors, so the loops need no runtime overlap
         # checks against the scratch (from the heap, ~100 instructions per block: -7%)
         def codegen(context, builder, signature, args):
             arr = _cgutils.alloca_once(builder, _ir.ArrayType(_ir.FloatType(),
-                                                              2 * _MAX_NUMBA_BLOCK))
+                                                              3 * _MAX_NUMBA_BLOCK))
             return builder.bitcast(arr, _ir.FloatType().as_pointer())
         return _nbt.CPointer(_nbt.float32)(), codegen
 
+    @_nb.njit(inline="never", nogil=True, cache=True, error_model="numpy")
+    def _apply(x, d, q):  # pragma: no cover - compiled
+        # No fast-math here: ``x * d - q`` rounds twice whatever surrounds it, so a plain and a
+        # split parameter (whose loads and stores differ) get the very same bits
+        return x * d - q
+
     @_nb.njit(inline="always", **_jit)
-    def _one_block(pb, gb, qmb, qvb, cnt, am, ar, d, den, eps, upd,
-                   buf_m, buf_r):  # pragma: no cover - compiled
+    def _param_plain(pb, qb, d, cnt):  # pragma: no cover - compiled
+        for j in range(cnt):
+            pb[j] = _apply(pb[j], d, qb[j])
+
+    @_nb.njit(inline="always", **_jit)
+    def _param_split(hb, lb, qb, d, cnt):  # pragma: no cover - compiled
+        # a split master (hb, lb: its high and low halves) joined, stepped and split again,
+        # exactly; a loop of its own, with no branch in it, so that it vectorises
+        for j in range(cnt):
+            h, r = split_bits(_apply(join_bits(hb[j], lb[j]), d, qb[j]))
+            hb[j] = _np.int16(h)
+            lb[j] = _np.int16(r)
+
+    @_nb.njit(inline="always", **_jit)
+    def _one_block(gb, qmb, qvb, cnt, am, ar, den, eps, upd,
+                   buf_m, buf_r, buf_q):  # pragma: no cover - compiled
         # In folded units (StepScalars.folded): mu' = beta1 mu + g, sqrt(w') = sqrt(beta2 w + g²).
+        # The parameter's step goes to buf_q; the caller applies it (_param_plain/_split).
         i32 = _np.int32
         f0 = _np.float32(0.0)
         f1 = _np.float32(1.0)
@@ -178,9 +214,10 @@ if _nb is not None:
         tiny = _np.float32(1e-30)
         qs = _np.float32(SIGNED_LEVELS)
         qu = _np.float32(UNSIGNED_LEVELS)
-        # 1. dequantise, update both moments and the parameter, and the block maxima (on the
-        # float bits: for x >= 0 they order like the values, and an int max-reduction
-        # vectorises where a float one does not)
+        # 1. dequantise, update both moments, the parameter's step and the block maxima (on
+        # the float bits: for x >= 0 they order like the values, and an int max-reduction
+        # vectorises where a float one does not). The parameter is not read here: this loop's
+        # code is the same for a plain and a split parameter, so its fast-math choices are too.
         im = i32(0)
         ir = i32(0)
         for j in range(cnt):
@@ -193,9 +230,9 @@ if _nb is not None:
             buf_m[j] = m
             buf_r[j] = r
             if upd:  # a constant after inlining: no branch in the loop
-                pb[j] = pb[j] * d - m / (r * den + eps)
+                buf_q[j] = m / (r * den + eps)
             else:
-                pb[j] = pb[j] * d
+                buf_q[j] = f0
             x = i32(_np.float32(m).view(i32) & i32(0x7FFFFFFF))
             im = x if x > im else im
             x = _np.float32(r).view(i32)
@@ -219,8 +256,8 @@ if _nb is not None:
         return mx_m, mx_r
 
     @_nb.njit(inline="always", **_jit)
-    def _blocks(p, g, qm, sm, qv, sv, b0, b1, block, n, decay_end, sc,
-                buf_m, buf_r):  # pragma: no cover - compiled
+    def _blocks(p, pl, g, qm, sm, qv, sv, b0, b1, block, n, decay_end, sc, split,
+                buf_m, buf_r, buf_q):  # pragma: no cover - compiled
         f1 = _np.float32(1.0)
         den, eps, decay_mul = sc[0], sc[1], sc[2]
         in_m, in_r, out_m, out_r = sc[3], sc[4], sc[5], sc[6]
@@ -229,6 +266,7 @@ if _nb is not None:
             lo = b * block
             cnt = min(block, n - lo)
             pb = p[lo:lo + cnt]
+            lb = pl[lo:lo + cnt]
             gb = g[lo:lo + cnt]
             qmb = qm[lo:lo + cnt]
             qvb = qv[lo:lo + cnt]
@@ -236,29 +274,39 @@ if _nb is not None:
             ar = sv[b] * in_r
             d = decay_mul if lo + cnt <= decay_end else f1
             if lo < decay_end < lo + cnt:  # the block that straddles the decay boundary
-                for j in range(decay_end - lo):
-                    pb[j] *= decay_mul
+                k = decay_end - lo
+                buf_q[:k] = _np.float32(0.0)
+                if split:
+                    _param_split(pb, lb, buf_q, decay_mul, k)
+                else:
+                    _param_plain(pb, buf_q, decay_mul, k)
             # full blocks of the default size take a copy with a constant trip count (faster)
             if not upd:  # lr == 0: the moments move, the parameter does not
-                mx_m, mx_r = _one_block(pb, gb, qmb, qvb, cnt, am, ar, d, den, eps, False,
-                                        buf_m, buf_r)
+                mx_m, mx_r = _one_block(gb, qmb, qvb, cnt, am, ar, den, eps, False,
+                                        buf_m, buf_r, buf_q)
             elif cnt == 256:
-                mx_m, mx_r = _one_block(pb, gb, qmb, qvb, 256, am, ar, d, den, eps, True,
-                                        buf_m, buf_r)
+                mx_m, mx_r = _one_block(gb, qmb, qvb, 256, am, ar, den, eps, True,
+                                        buf_m, buf_r, buf_q)
             else:
-                mx_m, mx_r = _one_block(pb, gb, qmb, qvb, cnt, am, ar, d, den, eps, True,
-                                        buf_m, buf_r)
+                mx_m, mx_r = _one_block(gb, qmb, qvb, cnt, am, ar, den, eps, True,
+                                        buf_m, buf_r, buf_q)
+            if split:  # per block, not per element
+                _param_split(pb, lb, buf_q, d, cnt)
+            else:
+                _param_plain(pb, buf_q, d, cnt)
             sm[b] = mx_m * out_m
             sv[b] = mx_r * out_r
 
     @_nb.njit(**_jit)
     def _run_table(tab, scal, b0, b1):  # pragma: no cover - compiled
         # tab[i] = addresses of p, g, qm, sm, qv, sv; numel, decay_end, block size, first
-        # global block. Runs global blocks [b0, b1) of all rows.
+        # global block; the address of a split p's remainder (0: p is fp32). Runs global
+        # blocks [b0, b1) of all rows.
         rows = tab.shape[0]
-        scratch = _nb.carray(_stack_scratch(), 2 * _MAX_NUMBA_BLOCK)
+        scratch = _nb.carray(_stack_scratch(), 3 * _MAX_NUMBA_BLOCK)
         buf_m = scratch[:_MAX_NUMBA_BLOCK]
-        buf_r = scratch[_MAX_NUMBA_BLOCK:]
+        buf_r = scratch[_MAX_NUMBA_BLOCK:2 * _MAX_NUMBA_BLOCK]
+        buf_q = scratch[2 * _MAX_NUMBA_BLOCK:]
         for i in range(rows):
             n = tab[i, 6]
             block = tab[i, 8]
@@ -268,14 +316,20 @@ if _nb is not None:
             hi = min(b1, first + nbk)
             if lo >= hi:
                 continue
-            p = _nb.carray(_f32_at(tab[i, 0]), n)
             g = _nb.carray(_f32_at(tab[i, 1]), n)
             qm = _nb.carray(_i8_at(tab[i, 2]), n)
             sm = _nb.carray(_f32_at(tab[i, 3]), nbk)
             qv = _nb.carray(_u8_at(tab[i, 4]), n)
             sv = _nb.carray(_f32_at(tab[i, 5]), nbk)
-            _blocks(p, g, qm, sm, qv, sv, lo - first, hi - first, block, n, tab[i, 7],
-                    scal[i], buf_m, buf_r)
+            if tab[i, 10] != 0:
+                ph = _nb.carray(_i16_at(tab[i, 0]), n)
+                pl = _nb.carray(_i16_at(tab[i, 10]), n)
+                _blocks(ph, pl, g, qm, sm, qv, sv, lo - first, hi - first, block, n, tab[i, 7],
+                        scal[i], True, buf_m, buf_r, buf_q)
+            else:
+                p = _nb.carray(_f32_at(tab[i, 0]), n)
+                _blocks(p, p, g, qm, sm, qv, sv, lo - first, hi - first, block, n, tab[i, 7],
+                        scal[i], False, buf_m, buf_r, buf_q)
 
 
 _pool: ThreadPoolExecutor | None = None
@@ -306,15 +360,17 @@ def kernel_name(device: torch.device) -> str:
 
 def fused_step(p: torch.Tensor, g: torch.Tensor, qm: torch.Tensor, sm: torch.Tensor,
                qv: torch.Tensor, sv: torch.Tensor, block_size: int, decay_end: int,
-               k: StepScalars, num_threads: int | None = None) -> None:
+               k: StepScalars, num_threads: int | None = None,
+               p_lo: torch.Tensor | None = None) -> None:
     """One AdamW step of flat ``p`` from flat ``g``, moments as 8-bit codes + block scales.
 
-    Updates ``p``, ``qm``, ``sm``, ``qv``, ``sv`` in place; ``g`` is only read.
+    Updates ``p`` (and ``p_lo``, a split parameter's remainder: see ``FlatStep``), ``qm``,
+    ``sm``, ``qv``, ``sv`` in place; ``g`` is only read.
     """
-    fused_steps([FlatStep(p, g, qm, sm, qv, sv, block_size, decay_end, k)], num_threads)
+    fused_steps([FlatStep(p, g, qm, sm, qv, sv, block_size, decay_end, k, p_lo)], num_threads)
 
 
-_F32, _I8, _U8 = torch.float32, torch.int8, torch.uint8
+_F32, _I8, _U8, _BF16, _I16 = torch.float32, torch.int8, torch.uint8, torch.bfloat16, torch.int16
 
 
 def _numba_ok(s: FlatStep) -> bool:
@@ -322,8 +378,11 @@ def _numba_ok(s: FlatStep) -> bool:
     holds ``_MAX_NUMBA_BLOCK`` elements."""
     p, g, qm, sm, qv, sv = s.p, s.g, s.exp_avg_codes, s.exp_avg_scales, \
         s.exp_avg_sq_codes, s.exp_avg_sq_scales
-    return (0 < s.block_size <= _MAX_NUMBA_BLOCK and p.dtype is _F32 and g.dtype is _F32 and qm.dtype is _I8 and qv.dtype is _U8
-            and sm.dtype is _F32 and sv.dtype is _F32
+    lo = s.p_lo
+    p_ok = (p.dtype is _F32 if lo is None else
+            p.dtype is _BF16 and lo.dtype is _I16 and lo.is_cpu and lo.is_contiguous())
+    return (0 < s.block_size <= _MAX_NUMBA_BLOCK and p_ok and g.dtype is _F32 and qm.dtype is _I8
+            and qv.dtype is _U8 and sm.dtype is _F32 and sv.dtype is _F32
             and p.is_cpu and g.is_cpu and qm.is_cpu and qv.is_cpu and sm.is_cpu and sv.is_cpu
             and p.is_contiguous() and g.is_contiguous() and qm.is_contiguous()
             and qv.is_contiguous() and sm.is_contiguous() and sv.is_contiguous())
@@ -347,6 +406,7 @@ def fused_steps(steps: Sequence[FlatStep], num_threads: int | None = None) -> No
         nb = (n + block - 1) // block
         assert p.is_contiguous(), "p is updated in place as a flat tensor: make it contiguous"
         assert s.g.numel() == s.exp_avg_codes.numel() == s.exp_avg_sq_codes.numel() == n
+        assert s.p_lo is None or (s.p_lo.numel() == n and p.dtype is _BF16), "split p: bf16 + lo"
         assert s.exp_avg_scales.numel() == s.exp_avg_sq_scales.numel() == nb
         f = None
         if use_numba and _numba_ok(s):
@@ -356,14 +416,15 @@ def fused_steps(steps: Sequence[FlatStep], num_threads: int | None = None) -> No
         if f is None:
             _fused_step_torch(p.view(-1), s.g.reshape(-1), s.exp_avg_codes.view(-1),
                               s.exp_avg_scales, s.exp_avg_sq_codes.view(-1),
-                              s.exp_avg_sq_scales, block, s.decay_end, s.k)
+                              s.exp_avg_sq_scales, block, s.decay_end, s.k,
+                              None if s.p_lo is None else s.p_lo.view(-1))
             continue
         if n == 0:
             continue
         rows.append((p.data_ptr(), s.g.data_ptr(), s.exp_avg_codes.data_ptr(),
                      s.exp_avg_scales.data_ptr(), s.exp_avg_sq_codes.data_ptr(),
                      s.exp_avg_sq_scales.data_ptr(), n, min(max(s.decay_end, 0), n),
-                     block, first))
+                     block, first, 0 if s.p_lo is None else s.p_lo.data_ptr()))
         scal.append(f)
         first += nb
     if rows:
@@ -402,7 +463,9 @@ def _run_split(tab, sc, total_blocks: int, num_threads: int | None) -> None:
 
 # ----- torch --------------------------------------------------------------------------------
 
-def _fused_step_torch(p, g, qm, sm, qv, sv, block_size, decay_end, k):
+def _fused_step_torch(p, g, qm, sm, qv, sv, block_size, decay_end, k, p_lo=None):
+    # ``p_lo``: ``p`` is a split master's bf16 part; each chunk is joined to fp32, updated and
+    # split back (exact), so no fp32 copy of the whole tensor exists
     n = p.numel()
     target = _TORCH_CHUNK.get(p.device.type, _TORCH_CHUNK_OTHER)
     chunk = max(block_size, target // block_size * block_size)
@@ -431,11 +494,13 @@ def _fused_step_torch(p, g, qm, sm, qv, sv, block_size, decay_end, k):
         r = v.sqrt_()
         denom = r.mul(k.inv_sqrt_bc2).add_(k.eps)
         upd = torch.div(m, denom).mul_(k.step_size).view(-1)[:cnt]
-        pc = p[lo:hi]
+        pc = p[lo:hi] if p_lo is None else join_torch(p[lo:hi], p_lo[lo:hi])
         split = min(max(decay_end - lo, 0), cnt)
         if split and k.decay_mul != 1.0:
             pc[:split].mul_(k.decay_mul)
-        pc.sub_(upd.to(p.dtype))
+        pc.sub_(upd.to(pc.dtype))
+        if p_lo is not None:
+            split_(pc, p[lo:hi], p_lo[lo:hi])
         # requantise
         mx_m = m.abs().amax(dim=1)
         mx_r = r.amax(dim=1)

@@ -3,10 +3,19 @@
 The clip coefficient is folded into the update through the fused kernel's ``grad_scale``
 (grads are divided by it), so clipping costs no extra pass. ``step_unit`` touches only that
 unit's buffers, so different units may be updated on different worker threads.
+
+A split master (``layerwise.split_master``) is updated ``SPLIT_CHUNK`` elements at a time:
+joined into a per-thread fp32 scratch that stays in L2, stepped by the same fused kernel, split
+back. The kernel is element-wise and every chunk starts a multiple of 64 elements into the
+slice (its vector and cache-line splits fall where an fp32-master call's do), so the result is
+bit-identical to stepping the fp32 master in one call; no fp32 copy of the unit exists. A bf16
+gradient (one micro-batch per step: ``HostStore(grad_dtype=...)``) is widened the same way, a
+chunk at a time into scratch (exact: a bf16 is the top half of an fp32).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Protocol
 
 import torch
@@ -15,6 +24,22 @@ from ..store import UnitBuffers
 from .config import AdamWConfig
 
 __all__ = ["AdamWConfig", "HostAdamW", "UnitOptimizer", "state_nbytes"]
+
+SPLIT_CHUNK = 1 << 16
+"""Elements of a split master joined per fused call: 256 KiB of fp32 scratch per thread, in L2
+(a multiple of 64, see above)."""
+
+_scratch = threading.local()
+
+
+def chunk_buffer(which: int = 0) -> torch.Tensor:
+    """This thread's fp32 scratch number ``which`` (0: weights, 1: gradients) of
+    ``SPLIT_CHUNK`` elements."""
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None or bufs[0].numel() < SPLIT_CHUNK:
+        bufs = _scratch.bufs = (torch.empty(SPLIT_CHUNK, dtype=torch.float32),
+                                torch.empty(SPLIT_CHUNK, dtype=torch.float32))
+    return bufs[which]
 
 
 def state_nbytes(numel: int) -> int:
@@ -62,9 +87,27 @@ class HostAdamW:
         for lo, hi, wd in ((0, split, c.weight_decay), (split, buf.layout.numel, 0.0)):
             if hi <= lo:
                 continue
-            torch._fused_adamw_(
-                [buf.master[lo:hi]], [buf.grad[lo:hi]],
-                [s["exp_avg"][lo:hi]], [s["exp_avg_sq"][lo:hi]], [], [s["step"]],
-                lr=lr, beta1=c.betas[0], beta2=c.betas[1], weight_decay=wd, eps=c.eps,
-                amsgrad=False, maximize=False, grad_scale=scale, found_inf=None,
-            )
+            step = _chunked if buf.split or buf.grad.dtype != torch.float32 else _fused
+            step(buf, lo, hi, s, dict(lr=lr, beta1=c.betas[0], beta2=c.betas[1], weight_decay=wd,
+                                      eps=c.eps, amsgrad=False, maximize=False, grad_scale=scale,
+                                      found_inf=None))
+
+
+def _fused(buf: UnitBuffers, lo: int, hi: int, s: dict[str, torch.Tensor], kw: dict) -> None:
+    torch._fused_adamw_([buf.master[lo:hi]], [buf.grad[lo:hi]], [s["exp_avg"][lo:hi]],
+                        [s["exp_avg_sq"][lo:hi]], [], [s["step"]], **kw)
+
+
+def _chunked(buf: UnitBuffers, lo: int, hi: int, s: dict[str, torch.Tensor], kw: dict) -> None:
+    # a split master joined into scratch (a plain one stepped in place), a bf16 gradient
+    # widened into scratch, SPLIT_CHUNK elements at a time
+    w_scratch, g_scratch = chunk_buffer(0), chunk_buffer(1)
+    wide = buf.grad.dtype == torch.float32
+    for a in range(lo, hi, SPLIT_CHUNK):
+        b = min(a + SPLIT_CHUNK, hi)
+        w = buf.read_master(a, b, out=w_scratch[:b - a] if buf.split else None)
+        g = buf.grad[a:b] if wide else g_scratch[:b - a].copy_(buf.grad[a:b])
+        torch._fused_adamw_([w], [g], [s["exp_avg"][a:b]], [s["exp_avg_sq"][a:b]],
+                            [], [s["step"]], **kw)
+        if buf.split:
+            buf.write_master(w, a)

@@ -109,11 +109,20 @@ def kernel_name(dst: torch.Tensor, src: torch.Tensor) -> str:
 def accumulate(dst: torch.Tensor, src: torch.Tensor, first: bool = False, threads: int = 1) -> None:
     """``dst = src.float()`` (``first``) or ``dst += src.float()``, bit-equal to torch's, with no
     full-size temporary; ``dst`` fp32 and ``src`` of the same number of elements (shapes are
-    ignored: both are read flat). ``threads``: split over that many threads, the caller one."""
+    ignored: both are read flat). ``threads``: split over that many threads, the caller one.
+    A bf16 ``dst`` (a store's one-micro-batch gradient) takes a bf16 ``src`` as it is, first
+    landing only: there is nothing to sum."""
     n = src.numel()
     if dst.numel() != n:
         raise ValueError(f"accumulate: {dst.numel()} destination elements for {n} source elements")
     if n == 0:
+        return
+    if dst.dtype == torch.bfloat16:  # one micro-batch: the device's bf16 gradient as it came
+        if not first or src.dtype != torch.bfloat16:
+            raise ValueError("a bf16 host gradient takes one bf16 gradient per step (it is not "
+                             f"summed into: got first={first}, a {src.dtype} source); build the "
+                             "store with grad_dtype=torch.float32 to accumulate micro-batches")
+        dst.view(-1).copy_(src.detach().reshape(-1))
         return
     if kernel_name(dst, src) == "torch":
         _accumulate_torch(dst.view(-1), src.reshape(-1), first)

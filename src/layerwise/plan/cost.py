@@ -26,8 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..optim import adamw, adamw8bit
-from ..store import StoreFootprint
+from ..store import StoreFootprint, grad_itemsizes_of
 from . import memory
 from .hardware import HardwareProfile
 from .program import EMBED_OPS, OpKind
@@ -177,20 +179,27 @@ class CostModel:
         return memory.op_transient_bytes(self.shape, kind, i, self.tokens, self.elem_bytes,
                                          self.head_chunk_tokens)
 
-    def store_footprint(self, moments: list[str] | None = None) -> StoreFootprint:
+    def store_footprint(self, moments: list[str] | None = None,
+                        bf16_grads: bool = False) -> StoreFootprint:
         """The HostStore's bytes by buffer (``layerwise.store.StoreFootprint``), with the optimizer
         state of ``moments`` (per unit, default fp32). Pinned bytes (the copy-source arena, with
-        its alignment padding) are part of these, not extra."""
+        its alignment padding) are part of these, not extra. ``bf16_grads``: the store of a
+        run of one micro-batch per step with bf16 compute (``HostStore(grad_dtype=bf16)``)."""
         units = self.shape.unit_names()
         moments = moments or ["fp32"] * len(units)
         numels = [self.shape.unit_params(u) for u in units]
         state = sum(STATE_NBYTES[m](n) for n, m in zip(numels, moments))
-        return StoreFootprint.of_numels(numels, self.elem_bytes, state_nbytes=state)
+        grads = None
+        if bf16_grads and self.elem_bytes == 2:
+            grads = grad_itemsizes_of(units, self.shape.tied, torch.bfloat16, torch.bfloat16)
+        return StoreFootprint.of_numels(numels, self.elem_bytes, state_nbytes=state,
+                                        grad_itemsizes=grads)
 
-    def host_store_bytes(self, moments: list[str] | None = None) -> int:
-        """Host bytes of the store: fp32 master + fp32 grad + moments (+ compute copy) per unit,
-        plus the copy-source arena's alignment padding; exactly ``HostStore.nbytes()``."""
-        return self.store_footprint(moments).total
+    def host_store_bytes(self, moments: list[str] | None = None, bf16_grads: bool = False) -> int:
+        """Host bytes of the store: the master (split with bf16 compute: 4 bytes with its copy),
+        the gradient, the moments per unit, plus the copy-source arena's alignment padding;
+        exactly ``HostStore.nbytes()``."""
+        return self.store_footprint(moments, bf16_grads).total
 
     def pinned_store_bytes(self) -> int:
         """Of ``host_store_bytes``, the page-locked part: the copy-source arena."""

@@ -438,7 +438,8 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
         peak_pinned_act_bytes=g * peak_bytes(allocs, "host"),
         # the node's: one store, the other processes' own fp32 gradients (summed on the host: each
         # keeps its own), everyone's activations
-        host_store_bytes=cost.host_store_bytes(plan.moments) + (g - 1) * own_grads * cost.store_footprint().grad,
+        host_store_bytes=cost.host_store_bytes(plan.moments, bf16_grads=plan.num_micro_batches == 1 and g == 1)
+        + (g - 1) * own_grads * cost.store_footprint().grad,
         host_cap_bytes=hw.host_cap_bytes,
         peak_nvme_bytes=g * peak_bytes(allocs, "nvme"),
         nvme_cap_bytes=hw.nvme_capacity_bytes,

@@ -2,10 +2,10 @@
 
 The semantics priced here are the ones ``train/`` runs (issue 11): every GPU runs the same step
 program on its share of the global batch; the GPUs of a node share one host store (master,
-compute copy, optimizer state) but keep their own fp32 gradients; when a unit's last gradient of
-the step has landed on the host it is reduced to the unit's owner (a local rank; units are
-assigned to owners balanced by bytes), then all-reduced among the owners of that unit on the
-other nodes; after one all-reduce of per-unit squared norms (the clip), each owner updates its
+compute copy, optimizer state); a unit's gradient is reduced to the unit's owner (a local rank;
+units are assigned to owners balanced by bytes), on the GPUs per micro-batch or on the host
+after the step's last (``Topology.grad_reduce``), then all-reduced among the owners of that unit
+on the other nodes; after one all-reduce of per-unit squared norms (the clip), each owner updates its
 units with its share of the node's CPU cores. Every node updates its own copy identically.
 
 So what one GPU gets of the node's shared host side shrinks with the GPUs per node
@@ -33,11 +33,11 @@ class Topology:
     nodes: int = 1
     """Nodes; each holds its own host copy and updates it identically."""
     grad_reduce: str = "host"
-    """Where a node's gradients are summed. ``host``: every process copies and accumulates its own
-    gradient on the host, and the step's fp32 sum is reduced to the owner after the last
-    micro-batch (what ``train/`` runs). ``device``: every micro-batch's gradient is reduced on the
-    GPUs (NCCL, compute dtype) right after its backward, and only the owner copies and
-    accumulates it: 1/G of the host traffic, priced for comparison."""
+    """Where a node's gradients are summed (``train/``'s ``dist.grad_reduce``, which defaults to
+    ``device``). ``host``: every process copies and accumulates its own gradient on the host, and
+    the step's fp32 sum is reduced to the owner after the last micro-batch. ``device``: every
+    micro-batch's gradient is reduced on the GPUs (NCCL, compute dtype) right after its backward,
+    and only the owner copies and accumulates it: 1/G of the host traffic."""
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1 or self.nodes < 1:

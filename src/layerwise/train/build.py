@@ -70,13 +70,16 @@ class ModelSource:
         config = get_flavor(name).build_config() if name in FLAVORS else load_config(name)
         return cls(name, _rope_scaled(config, cfg.model.rope_scaling)), line
 
-    def build(self, seed: int, compute_dtype: torch.dtype, alloc: HostAllocator = PRIVATE
-              ) -> tuple[DecoderAdapter, HostStore]:
+    def build(self, seed: int, compute_dtype: torch.dtype, alloc: HostAllocator = PRIVATE,
+              grad_dtype: torch.dtype = torch.float32) -> tuple[DecoderAdapter, HostStore]:
         """Every local rank builds the same weights into the node's shared store (identical
-        writes, before the store-ready barrier), so no rank needs to know which wrote them."""
+        writes, before the store-ready barrier), so no rank needs to know which wrote them.
+        ``grad_dtype``: ``HostStore``'s (bf16 for one micro-batch per step on one process)."""
         if self.name in FLAVORS:
-            return init_store(self.config, seed=seed, compute_dtype=compute_dtype, alloc=alloc)
-        return load_store(self.name, compute_dtype=compute_dtype, alloc=alloc, config=self.config)
+            return init_store(self.config, seed=seed, compute_dtype=compute_dtype, alloc=alloc,
+                              grad_dtype=grad_dtype)
+        return load_store(self.name, compute_dtype=compute_dtype, alloc=alloc, config=self.config,
+                          grad_dtype=grad_dtype)
 
 
 def mem_cap_bytes(cfg: TrainConfig) -> int | None:

@@ -162,7 +162,12 @@ class DistConfig:
     many seconds (a dead peer then ends the run with an error instead of a hang)."""
     shm_dir: str = "/dev/shm"
     """Under torchrun: the tmpfs directory holding each node's shared host store while the
-    local ranks map it (the files are removed once all have)."""
+    local ranks map it (the files are removed once all have); its free space is checked
+    against the store first."""
+    grad_reduce: str = field(default="device", metadata=_choices("device", "host"))
+    """Under torchrun: where the ranks of a node sum each unit's gradient: ``device`` (every
+    micro-batch's, on the device with NCCL before the copy out, which only the unit's owner
+    then makes) or ``host`` (each rank lands its own; gloo sums the fp32 host gradients)."""
 
 
 @dataclass

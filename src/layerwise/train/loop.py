@@ -38,6 +38,7 @@ from .data import DataSpec, prepare_data
 from .dist import saving as dist_saving, setup as dist_setup
 from .dist.context import DistContext, init as dist_init, shutdown as dist_shutdown
 from .dist.reducer import DistReducer
+from .dist.shm import shared_store_nbytes
 from .interrupt import StopFlag
 from .outdir import RUN_FORMAT_VERSION, read_run_json
 from .outdir import open_metrics as _open_metrics  # noqa: F401  (tests read it here)
@@ -169,14 +170,21 @@ class Trainer:
         self.plan, self.hw = dist_setup.decided_by_rank0(
             ctx, lambda: choose_plan(cfg, source.config, self.compute_dtype), "sharing the plan")
         check_fits(cfg, source.config, self.plan, self.compute_dtype)
-        self.alloc = dist_setup.host_allocator(ctx, cfg.dist.shm_dir)
+        self.alloc = dist_setup.host_allocator(ctx, cfg.dist.shm_dir, lambda: shared_store_nbytes(
+            source.config, self.compute_dtype, self.plan.moments))
         try:
-            self.adapter, self.store = source.build(cfg.seed, self.compute_dtype, self.alloc)
+            # one micro-batch on one process: nothing is summed on the host, the bf16 gradient
+            # lands as it is (2 bytes per parameter instead of 4)
+            one = self.plan.num_micro_batches == 1 and not ctx.enabled
+            grad_dtype = torch.bfloat16 if one and self.compute_dtype == torch.bfloat16 else torch.float32
+            self.adapter, self.store = source.build(cfg.seed, self.compute_dtype, self.alloc,
+                                                    grad_dtype)
             flags = self.alloc.zeros(len(self.store.units), torch.int64) if ctx.enabled else None
             self.engine = StreamingEngine(self.adapter, self.store, self.plan, EngineConfig(
                 device=cfg.device, compute_dtype=self.compute_dtype,
                 device_mem_cap_bytes=mem_cap_bytes(cfg), optimizer=cfg.optimizer),
-                reducer=DistReducer(ctx, self.store, flags) if ctx.enabled else None)
+                reducer=DistReducer(ctx, self.store, flags, cfg.dist.grad_reduce, cfg.device)
+                if ctx.enabled else None)
             dist_setup.store_ready(ctx, self.alloc)
         except BaseException:
             if ctx.enabled:

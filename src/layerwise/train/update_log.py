@@ -77,7 +77,7 @@ class RunTracker:
         else:
             provider = HostStoreStateProvider(store, optimizers)
             self.tracker = UpdateTracker(provider)
-            need = sum(b.master.numel() * b.master.element_size() for b in store)
+            need = sum(4 * b.layout.numel for b in store)  # fp32 copies, split or not
             avail = available_host_memory()
             if avail is not None and need > avail // 2:
                 _log.warning(f"tracker: no reference copy of the weights ({need / 2**20:.0f} "

@@ -12,6 +12,7 @@ anything is allocated.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import warnings
 import weakref
@@ -37,15 +38,46 @@ def locked_nbytes(nbytes: int) -> int:
 
 def page_lock(region: torch.Tensor) -> None:
     """Page-lock ``region`` (contiguous, page-aligned, whole pages) in place for CUDA copies,
-    until its storage is freed. Raises when the CUDA runtime refuses."""
+    until its storage is freed. Raises when the CUDA runtime refuses, with the runtime's error
+    state cleared (the caller falls back to other memory and goes on launching kernels)."""
     ptr, nbytes = region.data_ptr(), tensor_nbytes(region)
     cudart = torch.cuda.cudart()
     err = int(cudart.cudaHostRegister(ptr, nbytes, 1))  # 1: cudaHostRegisterPortable
     if err != 0:
+        clear_cuda_error(cudart)
         raise RuntimeError(f"cudaHostRegister of {human_bytes(nbytes)} failed with CUDA error {err}")
     # unregister when the storage (kept alive by every view) is freed; not at interpreter exit,
     # when the CUDA context may already be gone (as torch.distributed.checkpoint does)
     weakref.finalize(region.untyped_storage(), _page_unlock, ptr).atexit = False
+
+
+def clear_cuda_error(cudart=None) -> None:
+    """Reset the CUDA runtime's last error. A failed runtime call leaves it set, and torch's
+    check after the next kernel launch (``cudaGetLastError``) would raise it there, as an
+    unrelated kernel's error. torch's ``cudart()`` module does not bind ``cudaGetLastError``
+    (in the releases seen), so the runtime torch loaded is called through ctypes (the same
+    library, hence the same per-thread error state)."""
+    get = getattr(cudart if cudart is not None else torch.cuda.cudart(), "cudaGetLastError", None)
+    if get is not None:
+        get()
+        return
+    path = mapped_cudart(_read_text("/proc/self/maps") or "")
+    if path is not None:
+        ctypes.CDLL(path).cudaGetLastError()
+        return
+    try:  # a runtime linked into torch: a kernel launch's check reads the error and resets it
+        torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+    except RuntimeError:
+        pass
+
+
+def mapped_cudart(maps: str) -> str | None:
+    """The CUDA runtime library this process has mapped (from ``/proc/self/maps``), if any."""
+    for line in maps.splitlines():
+        path = line.split()[-1] if line.split() else ""
+        if os.path.basename(path).startswith("libcudart.so"):
+            return path
+    return None
 
 
 def _page_unlock(ptr: int) -> None:  # pragma: no cover - CUDA only

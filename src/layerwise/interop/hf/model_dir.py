@@ -161,9 +161,11 @@ def load_config(path: str | Path) -> PretrainedConfig:
 
 def load_store(path: str | Path, compute_dtype: torch.dtype = torch.float32,
                pin: bool | None = None, alloc: HostAllocator = PRIVATE,
-               config: PretrainedConfig | None = None) -> tuple[DecoderAdapter, HostStore]:
+               config: PretrainedConfig | None = None,
+               grad_dtype: torch.dtype = torch.float32) -> tuple[DecoderAdapter, HostStore]:
     """Build the adapter from ``config.json`` (or ``config``, that file's config as the caller
-    adjusted it, e.g. its RoPE scaling) and fill a HostStore, one group at a time."""
+    adjusted it, e.g. its RoPE scaling) and fill a HostStore, one group at a time
+    (``grad_dtype``: the store's, see ``HostStore``)."""
     path = Path(path)
     adapter = DecoderAdapter(config if config is not None else load_config(path))
     source = HFModelDirSource(path)
@@ -172,10 +174,10 @@ def load_store(path: str | Path, compute_dtype: torch.dtype = torch.float32,
     if missing:
         raise ValueError(f"{path}: weights missing for {len(missing)} tensors, e.g. {missing[:3]}; "
                          "the checkpoint does not match its config.json")
-    store = HostStore(adapter, compute_dtype=compute_dtype, pin=pin, alloc=alloc)
+    store = HostStore(adapter, compute_dtype=compute_dtype, pin=pin, alloc=alloc,
+                      grad_dtype=grad_dtype)
     for group in source.groups():
         for key, tensor in source.load_group(group).items():
             if key[len(PARAM):] in needed:  # not e.g. a stored copy of a tied head
-                store.load_hf_tensor(key[len(PARAM):], tensor)
-    store.refresh_compute()
+                store.load_hf_tensor(key[len(PARAM):], tensor)  # the copy source with it
     return adapter, store

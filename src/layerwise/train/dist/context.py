@@ -7,6 +7,7 @@ or timed-out one is re-raised as one error that names the timeout and the way ba
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -89,15 +90,70 @@ def backend_for(device: str) -> str:
     return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
 
 
+def rank_device(ctx: DistContext, device: str, device_count: int) -> str:
+    """The device this rank trains on: under torchrun, ``cuda`` is the GPU of its LOCAL_RANK.
+    Refuses what would put two ranks of a node on one GPU (each would hold its own slots and
+    context there, and the node would train at the speed of one shared device)."""
+    if not ctx.enabled or not device.startswith("cuda"):
+        return device
+    index = torch.device(device).index
+    if index is not None:
+        if ctx.local_world_size > 1:
+            raise ValueError(
+                f"device={device} with {ctx.local_world_size} ranks a node puts every rank on GPU "
+                f"{index}; use device=cuda: each rank takes the GPU of its LOCAL_RANK")
+        return device
+    if ctx.local_rank >= device_count:
+        raise ValueError(
+            f"{ctx.who()}: LOCAL_RANK={ctx.local_rank} but this process sees {device_count} CUDA "
+            f"device(s), so two ranks would share a GPU; launch at most {device_count} ranks a "
+            "node (torchrun --nproc-per-node), each seeing all of the node's GPUs (no "
+            "CUDA_VISIBLE_DEVICES per rank)")
+    return f"cuda:{ctx.local_rank}"
+
+
+def ranks_sharing_a_device(device_ids: list[int]) -> list[list[int]]:
+    """Groups of ranks (by index in ``device_ids``) whose devices are the same one."""
+    by_id: dict[int, list[int]] = {}
+    for rank, dev in enumerate(device_ids):
+        by_id.setdefault(dev, []).append(rank)
+    return [ranks for ranks in by_id.values() if len(ranks) > 1]
+
+
+def _device_id(index: int) -> int:
+    """A 56-bit id of physical GPU ``index`` (from its UUID): the same on every process that
+    sees it, whatever CUDA_VISIBLE_DEVICES renumbers."""
+    uuid = str(torch.cuda.get_device_properties(index).uuid)
+    return int.from_bytes(hashlib.blake2b(uuid.encode(), digest_size=7).digest(), "little")
+
+
+def check_distinct_devices(ctx: DistContext, index: int) -> None:
+    """Refuse, on every rank, a launch where two ranks drive one physical GPU."""
+    ids = torch.zeros(ctx.world_size, dtype=torch.int64)
+    ids[ctx.rank] = _device_id(index)
+    ctx.collective("comparing the ranks' GPUs", lambda: dist.all_reduce(ids))
+    shared = ranks_sharing_a_device(ids.tolist())
+    if shared:
+        raise ValueError(
+            f"ranks {' and '.join(map(str, shared[0]))} drive the same GPU (its UUID); give each "
+            "rank its own GPU: launch at most as many ranks a node as it has GPUs, each seeing "
+            "all of them, with device=cuda")
+
+
 def init(ctx: DistContext, device: str) -> None:
-    """Join the process group (torchrun's ``MASTER_ADDR``/``MASTER_PORT`` rendezvous)."""
+    """Join the process group (torchrun's ``MASTER_ADDR``/``MASTER_PORT`` rendezvous); on
+    CUDA, make this rank's GPU current and refuse ranks that would share one."""
     if not ctx.enabled or dist.is_initialized():
         return
-    if device.startswith("cuda"):
-        torch.cuda.set_device(ctx.local_rank % max(1, torch.cuda.device_count()))
+    cuda = device.startswith("cuda")
+    if cuda:
+        index = torch.device(rank_device(ctx, device, torch.cuda.device_count())).index
+        torch.cuda.set_device(index)
     ctx.collective("joining the process group", lambda: dist.init_process_group(
         backend=backend_for(device), rank=ctx.rank, world_size=ctx.world_size,
         timeout=timedelta(seconds=ctx.timeout_s)))
+    if cuda:
+        check_distinct_devices(ctx, index)
 
 
 def shutdown(ctx: DistContext) -> None:
@@ -110,6 +166,15 @@ def barrier(ctx: DistContext, what: str) -> None:
         # an all-reduce of a host tensor: gloo even when NCCL is joined too (dist.barrier would
         # pick the CUDA backend), under the group's timeout
         ctx.collective(what, lambda: dist.all_reduce(torch.zeros(1)))
+
+
+def any_rank(ctx: DistContext, flag: bool, what: str) -> bool:
+    """Is ``flag`` true on any rank? (One gloo all-reduce; ``flag`` itself alone.)"""
+    if not ctx.enabled:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int64)
+    ctx.collective(what, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX))
+    return bool(t)
 
 
 def broadcast_object(ctx: DistContext, obj: T, what: str) -> T:

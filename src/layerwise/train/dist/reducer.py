@@ -5,16 +5,24 @@ Ownership. The units are dealt to the local ranks of a node, largest first to th
 parameters, ties in model order, the same on every node). A unit's owner runs its
 optimizer update on the node's shared store; the other local ranks only read it.
 
-Reduction, as soon as a unit's last micro-batch has landed on the host (``unit_landed``, from
-the gradient sink: the landing worker on a GPU, inline on the CPU backend), so it overlaps the
-backward of the units still to come:
+Reduction, within the node (``grad_reduce``):
 
-1. within the node, ``dist.reduce`` (async) to the owner over the node's group;
-2. across nodes (``finish``, owners only), ``all_reduce`` among the ranks of the same local
-   rank, one per node: every node's owner then holds the same sum and applies the same update
-   to its node's copy, so the nodes stay identical without broadcasting weights (the update is
-   deterministic given the same gradient; an owner broadcast would move the weights, 2-4x the
-   gradient's bytes with a compute copy, over the slowest link).
+- ``device`` (the default): every micro-batch's gradient of a unit is summed into its owner's
+  device buffer by an async ``dist.reduce`` on the device tensor (NCCL on CUDA; gloo on the CPU
+  backends, whose device tensors are host tensors), issued by the gradient sink on the
+  backend's reduction lane behind the backward that wrote it (``reduce_on_device``), over a
+  process group of its own (the lane's collectives never interleave with the main thread's);
+  only the owner copies the sum to the host and adds it up, the other ranks send nothing;
+- ``host``: every rank lands its own gradient; once a unit's last micro-batch has landed
+  (``unit_landed``, on the landing worker, or inline on the synchronous CPU backend) an async
+  ``dist.reduce`` of the fp32 host gradient to the owner over the node's gloo group, so the
+  reduction overlaps the backward of the units still to come.
+
+Across nodes (``finish``, owners only, either way) ``all_reduce`` on the host among the ranks of
+the same local rank, one per node, once per step: every node's owner then holds the same sum and
+applies the same update to its node's copy, so the nodes stay identical without broadcasting
+weights (the update is deterministic given the same gradient; an owner broadcast would move the
+weights, 2-4x the gradient's bytes with a compute copy, over the slowest link).
 
 The global clip norm is one all-reduce of a vector: every unit's squared norm (contributed by
 its owner on node 0 only, since every node's owner holds the same sum) and the step's loss.
@@ -39,11 +47,28 @@ from ...store import HostStore
 from .context import DistContext
 
 _POLL_S = 0.0002
+GRAD_REDUCE_MODES = ("device", "host")
+
+
+class _CollectiveWork:
+    """A collective's work whose failure reads as the run's other collective failures do."""
+
+    def __init__(self, ctx: DistContext, what: str, work: dist.Work):
+        self.ctx, self.what, self.work = ctx, what, work
+
+    def wait(self) -> None:
+        self.ctx.collective(self.what, self.work.wait)
 
 
 class DistReducer:
-    def __init__(self, ctx: DistContext, store: HostStore, flags: torch.Tensor):
-        """``flags``: one int64 per unit in the node's shared memory (zero at start)."""
+    def __init__(self, ctx: DistContext, store: HostStore, flags: torch.Tensor,
+                 grad_reduce: str = "device", device: str = "cpu"):
+        """``flags``: one int64 per unit in the node's shared memory (zero at start).
+        ``grad_reduce``: ``device`` or ``host`` (the module docstring); ``device``: the
+        engine's device (``cuda...``: the reduction group is NCCL's)."""
+        if grad_reduce not in GRAD_REDUCE_MODES:
+            raise ValueError(f"dist.grad_reduce must be one of {GRAD_REDUCE_MODES}, got "
+                             f"{grad_reduce!r}")
         self.ctx, self.store = ctx, store
         self.units = [b.name for b in store]
         self.index = {u: i for i, u in enumerate(self.units)}
@@ -58,13 +83,24 @@ class DistReducer:
                                         for n in range(ctx.num_nodes)], ctx.node)
         self.cross_group = self._groups([[ctx.global_rank(n, r) for n in range(ctx.num_nodes)]
                                          for r in range(ctx.local_world_size)], ctx.local_rank)
+        self.on_device = grad_reduce == "device" and ctx.local_world_size > 1
+        """Reduced on the device (with one local rank it owns every unit: nothing to reduce
+        within the node)."""
+        self.grad_group = None
+        if self.on_device:  # a group of its own even when the node is the world
+            self.grad_group = self._groups(
+                [[ctx.global_rank(n, r) for r in range(ctx.local_world_size)]
+                 for n in range(ctx.num_nodes)], ctx.node,
+                backend="nccl" if device.startswith("cuda") else "gloo", always=True)
 
-    def _groups(self, members: list[list[int]], mine: int):
-        """This rank's group among ``members`` (None: the default group, when it is the world)."""
-        if len(members) == 1:
+    def _groups(self, members: list[list[int]], mine: int, backend: str = "gloo",
+                always: bool = False):
+        """This rank's group among ``members`` (None: the default group, when it is the world
+        and not ``always``)."""
+        if len(members) == 1 and not always:
             return None
         groups = [self.ctx.collective("creating process groups",
-                                      lambda m=m: dist.new_group(m, backend="gloo"))
+                                      lambda m=m: dist.new_group(m, backend=backend))
                   for m in members]
         return groups[mine]
 
@@ -76,9 +112,16 @@ class DistReducer:
         self.ctx.collective("all-reducing the step's token count", lambda: dist.all_reduce(t))
         return int(t)
 
+    def reduce_on_device(self, unit: str, grad: torch.Tensor) -> _CollectiveWork:
+        dst = self.ctx.global_rank(self.ctx.node, self.owner[unit])
+        what = f"reducing {unit}'s gradient on the device"
+        work = self.ctx.collective(what, lambda: dist.reduce(
+            grad, dst=dst, group=self.grad_group, async_op=True))
+        return _CollectiveWork(self.ctx, what, work)
+
     def unit_landed(self, unit: str) -> None:
-        if self.ctx.local_world_size == 1:
-            return  # the only local rank owns every unit: nothing to reduce within the node
+        if self.on_device or self.ctx.local_world_size == 1:
+            return  # reduced before it landed / the only local rank owns every unit
         dst = self.ctx.global_rank(self.ctx.node, self.owner[unit])
         grad = self.store[unit].grad
         work = self.ctx.collective(f"reducing {unit}'s gradient", lambda: dist.reduce(

@@ -5,20 +5,28 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 from ...ckpt.checkpointer import Checkpointer, LoadResult
 from ...store import PRIVATE, HostAllocator, HostStore
-from .context import DistContext, barrier, broadcast_object
-from .shm import SharedAllocator
+from .context import DistContext, any_rank, barrier, broadcast_object
+from .shm import SharedAllocator, shm_free_bytes, shm_space_problem
 
 T = TypeVar("T")
 
 
-def host_allocator(ctx: DistContext, shm_dir: str) -> HostAllocator:
-    """Single process: private memory. Data parallel: the node's shared store."""
+def host_allocator(ctx: DistContext, shm_dir: str, need_bytes: Callable[[], int],
+                   free_bytes: Callable[[Path], int] = shm_free_bytes) -> HostAllocator:
+    """Single process: private memory. Data parallel: the node's shared store, once every
+    rank has checked that its node's ``shm_dir`` has room for ``need_bytes()`` (refused on
+    every rank when one node lacks it; before any file exists, so each sees the same space)."""
     if not ctx.enabled:
         return PRIVATE
+    problem = shm_space_problem(shm_dir, need_bytes(), free_bytes)
+    if any_rank(ctx, problem is not None, "checking the shared-memory space"):
+        raise ValueError(problem or "another node's dist.shm_dir has no room for its shared host "
+                         "store (that rank's error says how much it needs)")
     run_id = broadcast_object(ctx, uuid.uuid4().hex[:12], "agreeing on the run's id")
     return SharedAllocator(shm_dir, f"layerwise-{run_id}-node{ctx.node}",
                            creator=ctx.local_rank == 0, timeout_s=ctx.timeout_s)

@@ -11,6 +11,11 @@ The files are unlinked by their creator as soon as every local rank has mapped t
 is left in ``/dev/shm`` however the run ends. Before that point ``unlink`` also runs on error.
 Copy sources are page-locked in place (``cudaHostRegister`` of the mapped region), as the
 private store's arena is.
+
+Before any file is made, the directory's free space is checked against what the store will map
+(``shm_space_problem``): a tmpfs fills without an error at ``ftruncate`` (its pages are
+allocated when first touched), and the first write past its size (Docker's default ``/dev/shm``
+is 64 MB) is a SIGBUS that ends the process with no Python error.
 """
 
 from __future__ import annotations
@@ -18,14 +23,58 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from transformers import PretrainedConfig
 
-from ...util.host_memory import locked_nbytes, page_lock
+from ...models.adapter import DecoderAdapter
+from ...plan.cost import STATE_NBYTES
+from ...store import FlatLayout, StoreFootprint
+from ...util.host_memory import locked_nbytes, page_lock, page_size
 from ...util.units import human_bytes, tensor_nbytes
 
 _POLL_S = 0.005
+_FILES_PER_UNIT = 8
+"""Files a unit maps at most (master, optimizer state tensors): each rounds up to a page."""
+
+
+def shared_store_nbytes(model: PretrainedConfig | DecoderAdapter, compute_dtype: torch.dtype,
+                        moments: list[str] | None) -> int:
+    """Bytes a node's shared store maps: masters, the copy-source arena and the optimizer state
+    (gradients are private), every file in whole pages, plus the update counters. Nothing is
+    allocated (a config's adapter is built on the meta device)."""
+    adapter = model if isinstance(model, DecoderAdapter) else DecoderAdapter(model)
+    numels = [FlatLayout.of(u).numel for u in adapter.units]
+    kinds = moments or ["fp32"] * len(numels)
+    state = sum(STATE_NBYTES[k](n) for n, k in zip(numels, kinds))
+    fp = StoreFootprint.of_numels(numels, compute_dtype.itemsize, state_nbytes=state)
+    return fp.total - fp.grad + (_FILES_PER_UNIT * len(numels) + 2) * page_size()
+
+
+def shm_free_bytes(path: str | Path) -> int:
+    """Bytes an unprivileged process may still write in the filesystem holding ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def shm_space_problem(shm_dir: str | Path, need_bytes: int,
+                      free_bytes: Callable[[Path], int] = shm_free_bytes) -> str | None:
+    """What is wrong when ``shm_dir`` cannot hold ``need_bytes`` (None: it can, or it is not a
+    directory, which the allocator reports)."""
+    path = Path(shm_dir)
+    if not path.is_dir():
+        return None
+    free = free_bytes(path)
+    if free >= need_bytes:
+        return None
+    return (f"dist.shm_dir {str(path)!r} has {human_bytes(free)} free, but the node's shared host "
+            f"store needs {human_bytes(need_bytes)} there (masters, copy sources and optimizer "
+            "state); past its size a tmpfs write ends the process with SIGBUS. Enlarge it "
+            "(docker run --shm-size=..., or `mount -o remount,size=... /dev/shm`), point "
+            "dist.shm_dir at a tmpfs with room, or use 8-bit optimizer moments (plan=auto picks "
+            "them when memory binds)")
 
 
 class SharedAllocator:

@@ -1,0 +1,203 @@
+"""An fp32 value as its bf16 part plus a signed 16-bit remainder, exactly.
+
+The store keeps a bf16 compute copy of every weight for the device anyway; keeping the fp32
+master as that copy (``hi``) plus the 16 bits it lacks (``lo``) stores the master and the
+copy source in 4 bytes per parameter instead of 6, and an optimizer update on the pair is
+bit-identical to one on an fp32 master. The encoding, on the fp32 bit pattern ``x``:
+
+- ``hi`` = ``x`` rounded to bf16 to nearest, **ties away from zero** (on the magnitude bits:
+  ``(|x| + 0x8000) >> 16``, the sign copied): a rounding that carries into the exponent (a
+  mantissa of all ones) gives the next power of two, and a finite value within half a bf16
+  ulp of the top rounds to inf, as torch's rounding does;
+- ``lo`` = ``x - (hi << 16)`` on the bit patterns, as a signed int16: with ties away from zero
+  it lies in [-2^15, 2^15), so every bf16 pattern has exactly 2^16 fp32 preimages and the map
+  is invertible: ``x = (hi << 16) + lo``. (With torch's round-half-to-*even* a bf16 of even
+  mantissa would own both ties, 2^16 + 1 preimages, and 16 bits could not tell them apart.)
+
+So ``hi`` differs from torch's ``x.to(torch.bfloat16)`` only where ``x``'s low 16 bits are
+exactly ``0x8000`` and the bf16 mantissa below is even (torch keeps that one, this rounds it
+away from zero), and on NaNs: every non-NaN fp32 value, signed zeros, subnormals and
+infinities included, round-trips bit for bit; a NaN becomes the quiet NaN of its sign and top
+16 bits (``hi = (x >> 16) | 0x0040``, ``lo = 0``), so the device reads a NaN, never an inf or a
+zero, where the master holds one. (No exact scheme can do both: fp32 has more NaN patterns
+than 2^16 times bf16's.) Payloads are all a NaN loses; nothing in training reads them.
+
+Here: the reference in torch ops (``split_torch`` / ``join_torch``: integer arithmetic on the
+bit patterns, the definition the tests check the kernels against), the element-wise numba
+helpers the optimizer kernels inline (``split_bits`` / ``join_bits``), and ``split_`` / ``join``
+over flat tensors (numba, or torch in cache-sized chunks without it). The numba loops are
+integer-only (no fast-math), so they are exact whatever the compiler vectorises.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # numba is optional: the torch path computes the same bits
+    import numba as _nb
+    import numpy as _np
+    from numba import types as _nbt
+    from numba.extending import intrinsic as _intrinsic
+except Exception:  # pragma: no cover - depends on the environment
+    _nb = None
+
+__all__ = ["join", "join_torch", "numba_available", "round_bf16_", "split_", "split_torch"]
+
+_TORCH_CHUNK = 1 << 16
+"""Elements per chunk of the torch path (its int32 temporaries stay in L2)."""
+
+_DEVICE_CHUNK = 1 << 22
+"""Elements per chunk brought over from another device (a GPU's values into a host store)."""
+
+_ABS = 0x7FFFFFFF
+_INF = 0x7F800000
+_HALF = 0x8000
+_QUIET = 0x0040
+
+
+def split_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hi, lo)`` of fp32 ``x``: bf16 rounded to nearest, ties away from zero, and the int16
+    remainder (see the module docstring). The reference the kernels are tested against."""
+    b = x.detach().to(torch.float32).contiguous().view(torch.int32)
+    a = b & _ABS
+    nan = a > _INF
+    a = torch.clamp(a, max=_INF)  # a NaN's magnitude would overflow the rounding add
+    hm = (a + _HALF) >> 16
+    lo = a - (hm << 16)
+    hi = torch.where(b < 0, hm - (1 << 15), hm)  # the signed int16 value of sign | hm
+    hi = torch.where(nan, (b >> 16) | _QUIET, hi)
+    lo = torch.where(nan, torch.zeros_like(lo), lo)
+    return hi.to(torch.int16).view(torch.bfloat16), lo.to(torch.int16)
+
+
+def join_torch(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of ``(hi, lo)``: the bit pattern ``(hi << 16) + lo``."""
+    bits = (hi.view(torch.int16).to(torch.int32) << 16) + lo.to(torch.int32)
+    return bits.view(torch.float32)
+
+
+if _nb is not None:
+    _jit = dict(nogil=True, cache=True, error_model="numpy", boundscheck=False)
+
+    @_intrinsic
+    def f32_as_i32(typingctx, x):  # pragma: no cover - compiled
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], context.get_value_type(_nbt.int32))
+        return _nbt.int32(_nbt.float32), codegen
+
+    @_intrinsic
+    def i32_as_f32(typingctx, x):  # pragma: no cover - compiled
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], context.get_value_type(_nbt.float32))
+        return _nbt.float32(_nbt.int32), codegen
+
+    @_nb.njit(inline="always", **_jit)
+    def split_bits(x):  # pragma: no cover - compiled
+        """fp32 ``x`` → ``(hi, lo)`` as int32 values in int16 range (store them as int16)."""
+        i32 = _np.int32
+        b = f32_as_i32(_np.float32(x))
+        a = b & i32(_ABS)
+        ac = min(a, i32(_INF))
+        hm = (ac + i32(_HALF)) >> i32(16)
+        lo = ac - (hm << i32(16))
+        hi = hm | ((b >> i32(16)) & i32(0x8000))  # 0..0xFFFF: the int16 store truncates
+        nan = a > i32(_INF)
+        hi = ((b >> i32(16)) | i32(_QUIET)) if nan else hi
+        lo = i32(0) if nan else lo
+        return hi, lo
+
+    @_nb.njit(inline="always", **_jit)
+    def join_bits(hi, lo):  # pragma: no cover - compiled
+        """``(hi, lo)`` (int16 values) → the fp32 value."""
+        i32 = _np.int32
+        return i32_as_f32((i32(hi) << i32(16)) + i32(lo))
+
+    @_nb.njit(**_jit)
+    def _split_kernel(x, hi, lo):  # pragma: no cover - compiled
+        for j in range(x.size):
+            h, r = split_bits(x[j])
+            hi[j] = _np.int16(h)
+            lo[j] = _np.int16(r)
+
+    @_nb.njit(**_jit)
+    def _hi_kernel(x, hi):  # pragma: no cover - compiled
+        for j in range(x.size):
+            h, _ = split_bits(x[j])
+            hi[j] = _np.int16(h)
+
+    @_nb.njit(**_jit)
+    def _join_kernel(hi, lo, out):  # pragma: no cover - compiled
+        for j in range(out.size):
+            out[j] = join_bits(hi[j], lo[j])
+
+
+def numba_available() -> bool:
+    return _nb is not None
+
+
+def _check(hi: torch.Tensor, lo: torch.Tensor, n: int) -> None:
+    if hi.dtype != torch.bfloat16 or lo.dtype != torch.int16:
+        raise ValueError(f"split master: hi must be bfloat16 and lo int16, got {hi.dtype}, {lo.dtype}")
+    if hi.numel() != n or lo.numel() != n:
+        raise ValueError(f"split master: {hi.numel()} / {lo.numel()} elements for {n} values")
+
+
+def _numba_ok(*ts: torch.Tensor) -> bool:
+    return _nb is not None and all(t.device.type == "cpu" and t.is_contiguous() for t in ts)
+
+
+def split_(x: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
+    """Write the values of ``x`` (any float dtype, any device, read flat) into ``hi`` (bf16)
+    and ``lo`` (int16), flat, in place; non-fp32 ``x`` (or ``x`` on another device) is widened
+    (brought over) chunk by chunk, exactly."""
+    n = x.numel()
+    _check(hi, lo, n)
+    x, h, l_ = x.detach().reshape(-1), hi.view(-1), lo.view(-1)
+    if x.dtype == torch.float32 and _numba_ok(x, h, l_):
+        _split_kernel(x.numpy(), h.view(torch.int16).numpy(), l_.numpy())
+        return
+    chunk = _TORCH_CHUNK if x.device == h.device else _DEVICE_CHUNK
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        xc = x[s:e].to(h.device, torch.float32)
+        if _numba_ok(xc, h, l_):
+            _split_kernel(xc.numpy(), h[s:e].view(torch.int16).numpy(), l_[s:e].numpy())
+            continue
+        a, b = split_torch(xc)
+        h[s:e].copy_(a)
+        l_[s:e].copy_(b)
+
+
+def round_bf16_(x: torch.Tensor, hi: torch.Tensor) -> None:
+    """Write ``x`` (fp32, read flat) rounded as ``split_`` rounds it (ties away from zero) into
+    ``hi`` (bf16): the compute copy of an fp32 master, the same bits a split master holds."""
+    n = x.numel()
+    if hi.dtype != torch.bfloat16 or hi.numel() != n or x.dtype != torch.float32:
+        raise ValueError(f"round_bf16_: {n} fp32 values into {hi.numel()} bf16, got {x.dtype} "
+                         f"into {hi.dtype}")
+    x, h = x.detach().reshape(-1), hi.view(-1)
+    if _numba_ok(x, h):
+        _hi_kernel(x.numpy(), h.view(torch.int16).numpy())
+        return
+    for s in range(0, n, _TORCH_CHUNK):
+        e = min(s + _TORCH_CHUNK, n)
+        h[s:e].copy_(split_torch(x[s:e])[0])
+
+
+def join(hi: torch.Tensor, lo: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 values of ``(hi, lo)``, flat: into ``out`` (fp32, as many elements, returned)
+    or a new tensor."""
+    n = hi.numel()
+    _check(hi, lo, n)
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32)
+    if out.dtype != torch.float32 or out.numel() != n:
+        raise ValueError(f"join: out must be {n} fp32 elements, got {out.numel()} {out.dtype}")
+    h, l_, o = hi.view(-1), lo.view(-1), out.view(-1)
+    if _numba_ok(h, l_, o):
+        _join_kernel(h.view(torch.int16).numpy(), l_.numpy(), o.numpy())
+        return out
+    for s in range(0, n, _TORCH_CHUNK):
+        e = min(s + _TORCH_CHUNK, n)
+        o[s:e].copy_(join_torch(h[s:e], l_[s:e]))
+    return out
