@@ -419,7 +419,8 @@ def draw_report(data: RunData, out: str | Path) -> Path:
 
 
 def report(run: str | Path, out: str | Path | None = None) -> tuple[Path, list[str]]:
-    """Draw ``run``'s report (default ``RUN/report.png``); return its path and the summary."""
+    """Draw ``run``'s report (default ``report.png`` in the run's out_dir, also when ``run`` is
+    its ``ckpt/``); return its path and the summary."""
     data = load_run(run)
-    path = draw_report(data, Path(out) if out is not None else Path(run) / REPORT_NAME)
+    path = draw_report(data, Path(out) if out is not None else data.run_dir / REPORT_NAME)
     return path, summary_lines(data)
