@@ -69,7 +69,8 @@ def run(tmp_path_factory):
 def _json(capsys, argv: list[str]) -> tuple[int, dict]:
     capsys.readouterr()
     code = main([*argv, "--json"])
-    return code, json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr().out
+    return code, json.loads(printed) if printed.strip() else {}
 
 
 def test_every_ckpt_command_takes_the_out_dir_as_well_as_its_ckpt(run, capsys, tmp_path):
@@ -148,8 +149,8 @@ def test_report_draws_a_resumed_runs_evals_once(run):
     the run resumed from: a fake spike in the eval curve. Now every eval is drawn once, at the
     step it was measured: 0, 2, 4 (first invocation), 6 (the resumed one).
 
-    Mutation seen failing: the start eval placed at ``resumed_from_step`` (as before): step 4
-    drawn with step 0's loss, and the curve no longer falls."""
+    Mutation seen failing: ``_evals`` keying the start eval by ``resumed_from_step`` (where
+    the report drew it before): the curve loses its step-0 point."""
     out = run["out"]
     data = load_run(out)
     assert data.info["resumed_from_step"] == 4 and data.info["eval_loss_start_step"] == 0
