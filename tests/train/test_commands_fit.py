@@ -191,3 +191,46 @@ def test_the_end_of_run_tokens_per_s_is_the_per_step_figure_and_says_so(run, cap
     assert (f"{info['tokens_per_s']:,.0f} tokens/s a step (median of the steps' tokens / engine "
             "step time, as in the progress line)") in done
     assert f"{info['tokens_per_s_wall']:,.0f} tokens/s over the wall time (evals and checkpoints included)" in done
+
+
+def test_the_filter_default_writes_what_moved_and_the_composite_staleness_is_bounded(
+        run, tmp_path, capsys):
+    """Friction: the ``filter`` policy's default threshold (1e-3) wrote 7 of 7 groups on every
+    save of a fine-tune, and a composite "step N" held groups many steps older than N (the norm
+    55 steps) without the README saying so. Now the default (0.01, measured by
+    ``benchmarks/filter_threshold.py``) leaves the groups that moved less than 1% since their
+    saved version for a later save, ``ckpt.max_staleness`` (4 saves by default) bounds how old
+    a composite's groups get, ``ckpt show`` lists each group's age, and the README says both,
+    with the numbers of the defaults.
+
+    The same fine-tune (LR 1e-4, a save every 10 steps) under the old threshold writes all
+    groups or all but the norm at every save; under the default, some save writes at most half.
+    Mutation seen failing: ``FilterPolicy.threshold`` back to 1e-3 (every save writes >= 6)."""
+    from layerwise.ckpt import RunDir
+    from layerwise.ckpt.policies import FilterPolicy
+    from layerwise.train.config import CkptConfig
+
+    model, data = run["model"], run["model"].parent / "chat.jsonl"
+    common = [f"model={model}", f"data={data}", "steps=40", "seq_len=64", "micro_batch_size=2",
+              "ckpt.every=10", "eval.every=0", "eval.batches=1", "log.progress=lines",
+              "log.track_every=0", "optimizer.lr=1e-4", "export=false"]
+    written = {}
+    for name, extra in (("old", ["ckpt.threshold=1e-3", "ckpt.max_staleness=none"]),
+                        ("default", [])):
+        assert main(["train", f"out_dir={tmp_path / name}", *common, *extra]) == 0
+        store = RunDir.open(tmp_path / name)
+        written[name] = [len(store.read_manifest(s)["groups_written"])
+                         for s in store.committed_steps()]
+    groups = 7  # embed, layers.0-3, norm, lm_head
+    assert written["old"][0] == written["default"][0] == groups  # the first save: all are new
+    assert all(w >= groups - 1 for w in written["old"][1:]), written
+    assert min(written["default"][1:]) <= groups // 2, written
+    bound = CkptConfig().max_staleness * 10
+    code, shown = _json(capsys, ["ckpt", "show", str(tmp_path / "default")])
+    assert code == 0 and max(g["staleness_steps"] for g in shown["groups"]) <= bound
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    every = CkptConfig().every
+    staleness = CkptConfig().max_staleness
+    assert f"moved more than {FilterPolicy().threshold:.0%}" in readme
+    assert (f"at most `ckpt.max_staleness={staleness}` saves ({staleness * every} steps at "
+            f"`ckpt.every={every}`) older than N") in readme
