@@ -15,6 +15,13 @@ plain copy, the optimizer's overlap with the next step's compute, and the H2D by
 - ``h2d_bytes``: bytes the H2D lane copied in one step (the backend's own counter) over the
   model's weight bytes, with ``embed_bwd`` reading no weights (after) and with it streaming the
   embedding again as it used to (before, the old behaviour switched back on for this run).
+- ``nvme_page_cache``: host RAM the NVMe tier's boundaries hold in the page cache once written
+  (the kernel's count, ``mmap`` + ``mincore``), as the tier writes them (``O_DIRECT``) and as a
+  buffered write leaves them (``benchmarks/nvme_page_cache.py`` has the full comparison).
+
+The headline figures (``accum_bf16_into_fp32_gelems_s`` and ``copy_fp32_gelems_s`` at the first
+thread count, ``optimizer_overlap_fraction``, ``h2d_bytes_per_step_over_model_bytes``,
+``nvme_tier_page_cache_bytes``) are also copied to the top level of the JSON.
 
 Every figure is the median of 3 rounds. One function per measurement (``MEASUREMENTS``); each
 returns the keys it adds to the one JSON object printed.
@@ -29,6 +36,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -42,6 +50,7 @@ from layerwise.optim import grad_accum
 from layerwise.plan import Plan
 from layerwise.plan.program import FORWARD_OPS, Op, OpKind
 from layerwise.store import HostStore
+from layerwise.util import direct_io
 
 ROUNDS = 3
 
@@ -255,12 +264,42 @@ def measure_h2d_bytes(args) -> dict:
             "h2d_drop_over_embed_bytes": round((b - a) / embed_bytes, 4)}
 
 
+def measure_nvme_page_cache(args) -> dict:
+    import nvme_page_cache  # beside this file; reads and writes through the tier itself
+
+    numel, count = ((2 << 20), 2) if args.quick else ((8 << 20), 4)
+    runs = {mode: [] for mode in ("o_direct", "buffered_before")}
+    with tempfile.TemporaryDirectory(prefix="host-path-nvme-") as spill:
+        for _ in range(ROUNDS):
+            for mode in runs:
+                runs[mode].append(nvme_page_cache.after_writes(mode, spill, count, numel))
+        fs = direct_io.filesystem_type(spill)
+    med = {m: int(statistics.median(r["resident_bytes"] for r in rs)) for m, rs in runs.items()}
+    return {"nvme_written_bytes": runs["o_direct"][0]["on_disk_bytes"], "nvme_filesystem": fs,
+            "nvme_tier_page_cache_bytes": med["o_direct"],
+            "nvme_page_cache_bytes_buffered_before": med["buffered_before"]}
+
+
 MEASUREMENTS = {
     "accumulation": measure_accumulation,
     "optimizer_overlap": measure_optimizer_overlap,
     "h2d_bytes": measure_h2d_bytes,
+    "nvme_page_cache": measure_nvme_page_cache,
 }
 """Name -> function(args) returning the keys it adds; run in this order."""
+
+
+def headline(out: dict, threads: int) -> None:
+    """Copy the figures the issue names to the top level (those of the measurements that ran)."""
+    row = out.get("accumulation", {}).get("by_threads", {}).get(str(threads), {})
+    for key in ("accum_bf16_into_fp32_gelems_s", "copy_fp32_gelems_s"):
+        if key in row:
+            out[key] = row[key]
+    for name, key in (("optimizer_overlap", "optimizer_overlap_fraction"),
+                      ("h2d_bytes", "h2d_bytes_per_step_over_model_bytes"),
+                      ("nvme_page_cache", "nvme_tier_page_cache_bytes")):
+        if key in out.get(name, {}):
+            out[key] = out[name][key]
 
 
 def main() -> None:
@@ -274,6 +313,7 @@ def main() -> None:
     for name, fn in MEASUREMENTS.items():
         if args.only is None or name in args.only:
             out[name] = fn(args)
+    headline(out, args.threads[0])
     out["load_avg_after"] = list(os.getloadavg())
     out["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(),
                       "torch": torch.__version__, "python": sys.version.split()[0],

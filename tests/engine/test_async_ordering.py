@@ -16,7 +16,9 @@ Mutations checked by hand (each makes ``test_seeded_delay_patterns_match_autogra
   ``backend.wait`` (``internals``, with prefetch depth 2: at depth 1 the backward's weight copy
   follows the fetch on the H2D lane and covers it);
 - kept internals' offload landed before their fetch: ``KeptInternals.fetch`` without
-  ``s.stored`` in ``after`` (``internals``).
+  ``s.stored`` in ``after`` together with ``OffloadWindow.next_op`` without its
+  ``backend.wait`` (``internals``; either one alone orders the fetch after the offload: the
+  fetch's ``record()`` follows the window's wait, one op after the forward).
 (update-before-forward is ``test_training.test_update_of_a_layer_finishes_before_its_next_forward``.)
 """
 

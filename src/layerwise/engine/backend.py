@@ -60,6 +60,38 @@ class Ref:
         return t
 
 
+class HeldRef(Ref):
+    """A copy source whose owner keeps the tensor until it has made the compute lane wait for
+    the copy, then lets go (:meth:`release`); ``inner`` is a tensor or a :class:`Ref`.
+
+    A plain source is tied to the copy's stream instead (CUDA ``record_stream``): its memory
+    goes back to the allocator only once the host sees the copy done, so a host running ahead
+    of the device gets fresh blocks for every offload. Released after the compute lane's wait,
+    the block is free at once and reused in the compute stream's order, behind that wait.
+    """
+
+    __slots__ = ("inner", "held", "released")
+
+    def __init__(self, inner: torch.Tensor | Ref):
+        super().__init__(None)
+        self.inner = inner
+        self.held: torch.Tensor | None = None
+        self.released = False
+
+    def get(self) -> torch.Tensor:
+        return self.inner.get() if isinstance(self.inner, Ref) else self.inner
+
+    def take(self) -> torch.Tensor:
+        t, self.inner = resolve(self.inner), None
+        if not self.released:  # taken before its release (CUDA: always): keep it until then
+            self.held = t
+        return t
+
+    def release(self) -> None:
+        """The compute lane has been made to wait for the copy: the tensor may go."""
+        self.released, self.held = True, None
+
+
 Source = torch.Tensor | Ref
 
 
@@ -228,10 +260,10 @@ class CudaBackend:
             for ev in after:
                 if ev is not None and not isinstance(ev, DoneEvent):
                     stream.wait_event(ev)
-            src = resolve(src)
-            dst.copy_(src.reshape(dst.shape), non_blocking=True)
-            if src.is_cuda:
-                src.record_stream(stream)  # allocator memory (an offloaded boundary) lives until copied
+            t = resolve(src)
+            dst.copy_(t.reshape(dst.shape), non_blocking=True)
+            if t.is_cuda and not isinstance(src, HeldRef):
+                t.record_stream(stream)  # allocator memory lives until copied (HeldRef: its owner's)
             return self._event(stream)
 
     def copy_h2d(self, dst: torch.Tensor, src: Source, after: Sequence[Event | None] = ()) -> Event:

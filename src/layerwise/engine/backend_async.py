@@ -1,6 +1,8 @@
 """AsyncCpuBackend: the GPU's protocol played on the CPU, to test the engine's ordering.
 
 Each lane (compute, H2D, D2H) is a thread running its queue in order; events are thread events;
+copies a compute item queues as it runs go to copy lanes of their own (``d2h<-compute``), with the
+pace of their lane;
 before every item a lane sleeps a seeded random delay, so lanes drift against each other and
 against the host the way streams do. A wait the engine forgets (slot free before a copy
 overwrites it, a copy landed before compute or the host reads it, an update done before its
@@ -22,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from .backend import DoneEvent, Event, Source, nbytes_of, new_byte_counter, resolve
+from .backend import DONE, DoneEvent, Event, Source, nbytes_of, new_byte_counter, resolve
 
 LANE_TIMEOUT_S = 120.0
 """A wait longer than this is a deadlock in the engine's ordering; fail instead of hanging."""
@@ -74,8 +76,8 @@ class _Lane:
         self._queue: queue.Queue = queue.Queue()
         self.trace: list[LaneItem] | None = None
         """Where the lane appends the items it runs (None: not tracing)."""
-        self._thread = threading.Thread(target=self._loop, name=f"lane-{name}", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._loop, name=f"lane-{name}", daemon=True)
+        self.thread.start()
 
     def put(self, fn: Callable[[], None], done: ThreadEvent | None = None, kind: str = "compute",
             tag: str = "") -> None:
@@ -107,7 +109,7 @@ class _Lane:
 
     def close(self) -> None:
         self._queue.put((None, None, "", "", 0.0))
-        self._thread.join()
+        self.thread.join()
 
 
 class AsyncCpuBackend:
@@ -132,12 +134,27 @@ class AsyncCpuBackend:
             else:
                 delay, probability = (rng.choice((0.0, 0.2, 1.0)) * max_delay_s if seed is not None else 0.0), 0.5
             self._lanes[name] = _Lane(name, lane_rng, delay, self._errors, probability)
+        for name in ("h2d", "d2h"):  # after the three above: their per-seed paces stay the same
+            parent = self._lanes[name]
+            self._lanes[f"{name}<-compute"] = _Lane(
+                f"{name}<-compute", random.Random(rng.random()), parent._max_delay_s, self._errors,
+                parent._delay_probability)
         self.allocated_bytes = 0
         """Bytes of device slots allocated so far (the device memory the engine asked for)."""
-        self.copied_bytes = new_byte_counter()
-        """Bytes each copy lane has copied, counted by that lane as it runs the copy."""
+        self._lane_bytes = {name: 0 for name in self._lanes}
+        """Bytes each lane has copied, counted by that lane's thread as it runs the copy."""
         self.trace_tag = ""
         """Stamped on each item queued from now on (read back in :class:`LaneItem`)."""
+
+    @property
+    def copied_bytes(self) -> dict[str, int]:
+        """Bytes copied per direction (``h2d``, ``d2h``), over the host's and compute's lanes."""
+        out = new_byte_counter()
+        for lane, n in self._lane_bytes.items():
+            direction = lane.split("<-")[0]
+            if direction in out:
+                out[direction] += n
+        return out
 
     def start_trace(self) -> list[LaneItem]:
         """From now on every lane appends each item it runs to the returned list."""
@@ -151,6 +168,12 @@ class AsyncCpuBackend:
             lane.trace = None
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Device memory in the compute lane's order: the host waits until compute has run what
+        it queued, as on CUDA, where closures run as they are queued and memory they free is
+        free at once for the host's next allocation; here the host would otherwise hold new
+        memory beside what compute, behind it, has not freed yet."""
+        if not self._on_compute_lane():
+            self._lanes["compute"].drain()
         t = torch.empty(numel, dtype=dtype)
         self.allocated_bytes += t.untyped_storage().nbytes()
         return t
@@ -166,20 +189,43 @@ class AsyncCpuBackend:
     def launch(self, fn: Callable[[], None]) -> None:
         self._lanes["compute"].put(fn, tag=self.trace_tag)
 
+    def _on_compute_lane(self) -> bool:
+        return threading.current_thread() is self._lanes["compute"].thread
+
     def record(self) -> Event:
+        if self._on_compute_lane():  # inside a compute item: the lane's work so far has run
+            return DONE
         return self._queue("compute", lambda: None, "record")
 
     def wait(self, events: Sequence[Event | None]) -> None:
         events = list(events)
+        if self._on_compute_lane():  # inside a compute item: the lane waits right here
+            _wait_all(events)
+            return
         self._lanes["compute"].put(lambda: _wait_all(events), kind="wait", tag=self.trace_tag)
+
+    def call_on_lanes(self, fn: Callable[[], object]) -> dict[str, object]:
+        """Run ``fn`` on every lane's thread (behind the work queued so far) and return what it
+        returned, by lane: per-thread state such as a profiler (``engine/memory_probe.py``)."""
+        out: dict[str, object] = {}
+        events = [self._queue(name, lambda name=name: out.__setitem__(name, fn()), "call")
+                  for name in self._lanes]
+        _wait_all(events)
+        return out
 
     def _copy(self, lane: str, dst: torch.Tensor, src: Source, after: Sequence[Event | None]) -> Event:
         after = list(after)
+        if self._on_compute_lane():
+            # queued from a running compute item: on CUDA it would sit among the copies the host
+            # queued up to that item's launch; at the end of this lane's queue it would sit behind
+            # copies waiting for later compute, which may wait for it (the offload window). A lane
+            # of its own keeps every declared ordering and no false one.
+            lane = f"{lane}<-compute"
 
         def run() -> None:
             _wait_all(after)
             dst.copy_(resolve(src).reshape(dst.shape))
-            self.copied_bytes[lane] += nbytes_of(dst)  # only this lane's thread writes its entry
+            self._lane_bytes[lane] += nbytes_of(dst)  # only this lane's thread writes its entry
 
         return self._queue(lane, run, "copy")
 
@@ -190,9 +236,7 @@ class AsyncCpuBackend:
         return self._copy("d2h", dst, src, after)
 
     def synchronize(self) -> None:
-        for lane in self._lanes.values():
-            lane.drain()
-        for lane in self._lanes.values():  # a copy queued by a compute item after its lane drained
+        for lane in self._lanes.values():  # compute first: its items may queue copies
             lane.drain()
         self.raise_errors()
 

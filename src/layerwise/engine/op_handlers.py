@@ -58,6 +58,10 @@ class OpHandlers:
         mb = MicroBatch(shape, loss, total_tokens, final)
         self.backend.launch(lambda: self._start(mb, batch))
         for n, op in enumerate(program):
+            # compute waits for the offloads of k ops back, and their memory goes before any
+            # fetch ahead takes more (plan.memory.OFFLOAD_WINDOW_OPS)
+            self.acts.offloads.next_op()
+            self.internals.offloads.next_op()
             for ahead in program[n + 1:n + 1 + FETCH_AHEAD]:
                 if ahead.kind == OpKind.FETCH:
                     self.acts.prefetch(ahead.index)  # NVMe reads and H2D fetches run ahead
