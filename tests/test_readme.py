@@ -4,8 +4,9 @@ The README's fenced blocks are read in order: ``sh`` lines are commands, ``pytho
 snippets, a ``yaml`` block whose first line is ``# NAME.yaml...`` is a file the commands use.
 They run in one scratch directory, in README order (later commands read what earlier ones
 wrote: ``runs/ft``), with tiny sizes in place of the large ones (``SUBSTITUTIONS``: a tiny Llama
-with its own tokenizer for ``/path/to/hf_model``, a few steps, short sequences, the CPU for CUDA)
-and ``TINY_TRAIN`` appended to every ``layerwise train``. What cannot run here is checked as far
+with its own tokenizer for ``/path/to/hf_model``, a few steps, short sequences, a batch of 4 for
+the planner's, the CPU for CUDA), ``steps=2`` for a ``layerwise train`` that names no length and
+``TINY_TRAIN`` appended to every ``layerwise train``. What cannot run here is checked as far
 as it can be: ``make demo`` / ``make test`` as targets of the Makefile (``make -n``: they would
 set up a venv and run this suite), ``layerwise calibrate`` parsed by the command's own parser
 (it measures the machine for minutes), ``torchrun ... train ...`` as torchrun present and its
@@ -45,6 +46,7 @@ SUBSTITUTIONS = [
     (r"seq_len=\d+", "seq_len=64"), (r"--seq-len \d+", "--seq-len 64"),
     (r"--step 200\b", "--step 2"), (r"@200\b", "@2"),
     (r"--model qwen2\.5-\d+b", "--model {model}"),
+    (r"--out plan\.json", "--batch 4 --out plan.json"),  # not the 1,024 rows an H200 would take
     (r"layer_range: \[0, 16\]", "layer_range: [0, 2]"),
     (r"layer_range: \[16, 32\]", "layer_range: [2, 4]"),
     (r'device="cuda"', 'device="cpu"'), (r"torch\.bfloat16", "torch.float32"),
@@ -97,6 +99,9 @@ def run_command(line: str) -> tuple[str, int]:
         build_parser("calibrate").parse_args(argv)
         return "parsed: " + " ".join(argv), 0
     if argv[0] == "train":
+        if not any(a.startswith(("steps=", "num_train_epochs=")) for a in argv) \
+                and "--print-config" not in argv:
+            argv.append("steps=2")  # the default (60 steps) is a real run's length, not a test's
         argv += TINY_TRAIN
     return " ".join(argv), main(argv)
 
@@ -108,7 +113,7 @@ def scratch(tmp_path, monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     model = make_model_dir(tmp_path / "hf_model")
-    _chat_file(tmp_path / "chat.jsonl", n=200)  # rows for the 64-row micro-batch plan.json plans
+    _chat_file(tmp_path / "chat.jsonl", n=200)
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
     yield tmp_path, model
     torch.set_num_threads(threads)
@@ -118,8 +123,11 @@ def test_every_readme_command_and_snippet_runs(scratch, capsys):
     """README order, tiny sizes (module docstring); each command exits 0, each snippet runs."""
     tmp_path, model = scratch
     ran: list[str] = []
-    for lang, body in readme_blocks(README.read_text()):
-        body = substitute(body, model)
+    blocks = [(lang, substitute(body, model)) for lang, body in readme_blocks(README.read_text())]
+    for lang, body in blocks:  # the files first: a recipe is shown after the command that reads it
+        if lang == "yaml" and re.match(r"# [\w.-]+\.yaml", body):
+            (tmp_path / body.split()[1].rstrip(":")).write_text(body)
+    for lang, body in blocks:
         if lang == "sh":
             for line in commands_of(body):
                 what, code = run_command(line)
@@ -129,8 +137,6 @@ def test_every_readme_command_and_snippet_runs(scratch, capsys):
         elif lang == "python":
             exec(compile(body, "README.md snippet", "exec"), {"__name__": "readme"})
             ran.append(body.splitlines()[0])
-        elif lang == "yaml" and re.match(r"# [\w.-]+\.yaml", body):
-            (tmp_path / body.split()[1].rstrip(":")).write_text(body)
     made = {p.name for p in (tmp_path / "runs").iterdir()}
     assert {"ft", "ft-step200", "engine", "loop", "merged", "imported", "trainer"} <= made, made
     assert len(ran) >= 20
