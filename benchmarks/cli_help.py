@@ -5,7 +5,10 @@ transformers (``tests/train/test_first_hour.py`` checks that), so what is left i
 start-up and layerwise's own config modules. Each command runs ``--repeats`` times, one fresh
 interpreter each (``python -c "from layerwise.cli import main; main()"``, what the console
 script does); a bare ``python -c pass`` is timed the same way beside them, so a loaded machine
-shows as a slow baseline rather than as a slow CLI. Prints one JSON object.
+shows as a slow baseline rather than as a slow CLI. Two settings: with bytecode caches (what a
+``pip install`` gives: ``.pyc`` files written by one uncounted warm-up run, into a scratch
+``PYTHONPYCACHEPREFIX``), and without (``PYTHONDONTWRITEBYTECODE=1``, every module compiled at
+every start, as on a read-only checkout). Prints one JSON object.
 
     PYTHONPATH=src python benchmarks/cli_help.py [--repeats 5]
 """
@@ -18,15 +21,25 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ENTRY = "import sys; from layerwise.cli import main; sys.exit(main())"
 
 
-def wall_s(argv: list[str]) -> float:
+def wall_s(argv: list[str], env: dict[str, str]) -> float:
     start = time.perf_counter()
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     return time.perf_counter() - start
+
+
+def medians(commands: dict[str, list[str]], env: dict[str, str], repeats: int) -> dict:
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(repeats):  # interleaved, so a burst of load hits every command alike
+        for name, argv in commands.items():
+            times[name].append(wall_s(argv, env))
+    return {"median_s": {n: round(statistics.median(t), 3) for n, t in times.items()},
+            "max_s": {n: round(max(t), 3) for n, t in times.items()}}
 
 
 def main() -> None:
@@ -40,14 +53,17 @@ def main() -> None:
         "layerwise train --help-all": [sys.executable, "-c", ENTRY, "train", "--help-all"],
     }
     load_before = os.getloadavg()[0]
-    times: dict[str, list[float]] = {name: [] for name in commands}
-    for _ in range(args.repeats):  # interleaved, so a burst of load hits every command alike
-        for name, argv in commands.items():
-            times[name].append(wall_s(argv))
-    out = {"repeats": args.repeats, "loadavg_1m_before_after": [load_before, os.getloadavg()[0]],
-           "median_s": {n: round(statistics.median(t), 3) for n, t in times.items()},
-           "max_s": {n: round(max(t), 3) for n, t in times.items()}}
-    out["under_1_s"] = all(out["median_s"][n] < 1.0 for n in commands if n != "python -c pass")
+    out: dict = {"repeats": args.repeats}
+    with tempfile.TemporaryDirectory() as cache:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        env["PYTHONPYCACHEPREFIX"] = cache
+        for argv in commands.values():  # the warm-up that writes the .pyc files
+            wall_s(argv, env)
+        out["with_pyc"] = medians(commands, env, args.repeats)
+    out["without_pyc"] = medians(commands, {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+                                 args.repeats)
+    out["loadavg_1m_before_after"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    out["under_1_s_with_pyc"] = all(v < 1.0 for n, v in out["with_pyc"]["median_s"].items())
     print(json.dumps(out))
 
 
