@@ -228,7 +228,7 @@ def test_the_filter_default_writes_what_moved_and_the_composite_staleness_is_bou
     bound = CkptConfig().max_staleness * 10
     code, shown = _json(capsys, ["ckpt", "show", str(tmp_path / "default")])
     assert code == 0 and max(g["staleness_steps"] for g in shown["groups"]) <= bound
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
     every = CkptConfig().every
     staleness = CkptConfig().max_staleness
     assert f"moved more than {FilterPolicy().threshold:.0%}" in readme
