@@ -1,4 +1,5 @@
-"""What one micro-batch is: token ids and already-shifted labels (the engine's input contract)."""
+"""What one micro-batch is: token ids and already-shifted labels (the engine's input contract);
+``Batch.from_hf`` builds one from labels as Hugging Face takes them (unshifted)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,19 @@ class Batch:
     @property
     def num_target_tokens(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
+
+    @classmethod
+    def from_hf(cls, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Batch:
+        """A micro-batch from ``input_ids`` and labels as ``model(input_ids, labels=labels)``
+        takes them: aligned with the ids (default: the ids themselves), ``IGNORE_INDEX`` where
+        no loss; the model shifts them, so this does: position t is trained to predict
+        ``labels[t + 1]``, the last position nothing. The engine's loss is then HF's."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        labels = input_ids if labels is None else labels
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids "
+                             f"{tuple(input_ids.shape)} (unshifted, as Hugging Face takes them)")
+        shifted = torch.full_like(labels, IGNORE_INDEX)
+        shifted[:, :-1] = labels[:, 1:]
+        return cls(input_ids, shifted)
