@@ -7,8 +7,8 @@ gradient and no optimizer state: its only host bytes are the copy source, quanti
 is loaded (``load_hf_tensor``). The adapters have an fp32 master (with fp32 compute, the copy
 source's own first part), an fp32 gradient and the optimizer's state, as any unit's parameters do,
 so the engine, the host optimizer and the checkpoint provider treat them as the unit's
-parameters. ``iter_hf_tensors`` yields the *merged* weights (base + ``B A * alpha / r``), so the
-ordinary HF export of a store writes the merged model.
+parameters (a checkpoint of a LoRA run holds the adapters and their moments alone).
+``merged_tensors`` / ``iter_hf_tensors`` give the base with the adapters merged in.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ..store import (PRIVATE, HostStore, StoreFootprint, UnitBuffers, arena_offs
                      check_host_memory)
 from ..util.host_memory import locked_nbytes
 from ..util.units import tensor_nbytes
-from .layout import FrozenEntry, LoraLayout
+from .layout import LoraLayout
 from .linear import dense_weight
 from .lora_adapter import LoraAdapter
 from .quant import QUANT_FORMATS, quantize_into
@@ -185,23 +185,30 @@ class LoraStore(HostStore):
 
     # ----- out: merged weights ----------------------------------------------------------------------
 
-    def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF key, fp32 tensor) of the base with the adapters merged in, unit by unit."""
+    def merged_tensors(self, unit: str) -> dict[str, torch.Tensor]:
+        """HF key -> fp32 tensor of ``unit``'s base with its adapters merged in (the dequantised
+        weight + ``B A * alpha / r``), as PEFT's ``merge_and_unload`` computes it."""
         scaling = self.adapter.lora.scaling
+        b = self.by_name[unit]
+        adapters = b.layout.trainable.views(b.master)
+        out = {}
+        for entry in b.layout.frozen:
+            w = self.base_weight(entry.hf_name)
+            mod = entry.local.removesuffix(".weight")
+            a = adapters.get(f"{mod}.lora_A.weight")
+            if a is not None:
+                w = w + scaling * (adapters[f"{mod}.lora_B.weight"] @ a)
+            out[entry.hf_name] = w
+        return out
+
+    def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF key, fp32 tensor) of the merged model, unit by unit."""
         for b in self.units:
-            adapters = b.layout.trainable.views(b.master)
-            for entry in b.layout.frozen:
-                w = self.base_weight(entry.hf_name)
-                mod = entry.local[:-len(".weight")] if entry.local.endswith(".weight") else None
-                a = adapters.get(f"{mod}.lora_A.weight")
-                if a is not None:
-                    w = w + scaling * (adapters[f"{mod}.lora_B.weight"] @ a)
-                yield entry.hf_name, w
+            yield from self.merged_tensors(b.name).items()
 
-
-def frozen_entries(store: LoraStore) -> list[tuple[str, FrozenEntry]]:
-    """(unit, entry) of every frozen base tensor."""
-    return [(b.name, e) for b in store for e in b.layout.frozen]
+    def unit_of(self, hf_name: str) -> str:
+        """The unit holding base tensor ``hf_name``."""
+        return self._frozen[hf_name][0].name
 
 
 def init_lora_store(config, lora, seed: int = 0, compute_dtype: torch.dtype = torch.float32,

@@ -26,10 +26,10 @@ import torch
 
 from .. import config as config_lib
 from ..ckpt.store_provider import HostStoreStateProvider
+from .lora_run import build_lora, check_lora, eval_mode, export_lora, resume_dropout
 from ..engine import EngineConfig, StreamingEngine
 from ..engine.batch import Batch
 from ..plan.plan import Plan
-from ..plan.shape import ModelShape
 from ..util.errors import Interrupted
 from ..util.logs import quiet_unless
 from .build import (FlopCounter, ModelSource, check_fits, check_options, choose_plan, mem_cap_bytes,
@@ -173,7 +173,10 @@ class Trainer:
         check_fits(cfg, source.config, self.plan, self.compute_dtype)
         self.alloc = dist_setup.host_allocator(ctx, cfg.dist.shm_dir)
         try:
-            self.adapter, self.store = source.build(cfg.seed, self.compute_dtype, self.alloc)
+            check_lora(cfg, ctx.enabled)
+            self.adapter, self.store = (
+                build_lora(source.name, source.config, cfg, self.compute_dtype) if cfg.lora.enabled
+                else source.build(cfg.seed, self.compute_dtype, self.alloc))
             flags = self.alloc.zeros(len(self.store.units), torch.int64) if ctx.enabled else None
             self.engine = StreamingEngine(self.adapter, self.store, self.plan, EngineConfig(
                 device=cfg.device, compute_dtype=self.compute_dtype,
@@ -246,6 +249,7 @@ class Trainer:
                                        bool(info.get("finished")))
                 if note:
                     raise ValueError(note)  # num_train_epochs: known only once the data was read
+        resume_dropout(self.adapter, self.start_step * self.accum)
         first, warning = data_start(resumed, self.accum, self.global_rows)
         if warning:
             _log.warning(warning)
@@ -306,7 +310,7 @@ class Trainer:
         self.tracker = RunTracker(self.out_dir, self.out.tracker_every(cfg.log.track_every),
                                   self.adapter, self.store, self.engine.optimizers, self.ckpt,
                                   self.start_step)
-        self.flop_count = FlopCounter(ModelShape.from_config(self.adapter.config))
+        self.flop_count = FlopCounter(self.engine.shape)
         self.t_start = time.perf_counter()
 
     def _run_info(self) -> dict[str, Any]:
@@ -347,14 +351,19 @@ class Trainer:
     def evaluate(self, step: int) -> float:
         """The held-out loss (rank 0 alone: every rank would compute the same number from the
         same store), and the sample generations when asked for."""
-        loss = self.out.evaluate(lambda: self.engine.eval_loss(self.eval_set))
+        with eval_mode(self.adapter):
+            loss = self.out.evaluate(lambda: self.engine.eval_loss(self.eval_set))
         if step == 0:
             _log.info(f"step 0: eval loss {loss:.4f}")
         if self.prompts:
-            self.out.sample(step, lambda: [(self.tokenizer.decode(ids), self.tokenizer.decode(
-                greedy_continue(self.engine.forward_logits, ids, self.cfg.eval.sample_tokens,
-                                self.cfg.seq_len))) for ids in self.prompts])
+            with eval_mode(self.adapter):
+                self._sample(step)
         return loss
+
+    def _sample(self, step: int) -> None:
+        self.out.sample(step, lambda: [(self.tokenizer.decode(ids), self.tokenizer.decode(
+            greedy_continue(self.engine.forward_logits, ids, self.cfg.eval.sample_tokens,
+                            self.cfg.seq_len))) for ids in self.prompts])
 
     def save(self, step: int, record: dict[str, Any]) -> None:
         """A layer-wise checkpoint of ``step`` (every rank writes its groups; in the
@@ -425,7 +434,11 @@ class Trainer:
         if mem is not None:
             _log.info(f"device memory: {mem / 2**20:.1f} MiB reserved at peak (allocator), "
                       f"predicted {self.est.peak_bytes / 2**20:.1f} MiB")
-        model_dir = self.out.export(self.store, self.tokenizer) if cfg.export else None
+        if cfg.export and cfg.lora.enabled:
+            model_dir = export_lora(self.store, self.out_dir, self.model_path, cfg.lora.merge,
+                                    self.tokenizer)
+        else:
+            model_dir = self.out.export(self.store, self.tokenizer) if cfg.export else None
         times = self.step_times
         measured = statistics.median(times[1:]) if len(times) > 1 else None
         self.run_info.update(eval_loss_end=self.eval_loss, measured_step_s=measured,
