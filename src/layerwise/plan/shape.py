@@ -12,6 +12,7 @@ from transformers import AutoConfig
 from ..models.families import family_of, has_qkv_bias, layer_windows
 from ..models.names import EMBED, HEAD, unit_names
 from ..models.registry import FLAVORS
+from .finetune import FrozenBase
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class ModelShape:
     """Qwen3 has RMSNorm on q and k (head_dim weights each)."""
     layer_windows: tuple[int | None, ...]
     """Attention window per layer (None = full causal)."""
+    frozen_base: FrozenBase | None = None
+    """A LoRA / QLoRA run: the base frozen, adapters trained (``plan/finetune.py``); None: every
+    parameter is trained."""
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None) -> ModelShape:
@@ -101,6 +105,21 @@ class ModelShape:
         if unit == HEAD:
             return self.head_params
         return self.layer_params
+
+    def trainable_params(self, unit: str) -> int:
+        """Parameters of ``unit`` that get gradients, updates and optimizer state."""
+        if self.frozen_base is None:
+            return self.unit_params(unit)
+        return self.frozen_base.adapter_params_per_layer if unit not in (EMBED, HEAD) else 0
+
+    def unit_weight_bytes(self, unit: str, elem_bytes: int) -> int:
+        """Bytes of ``unit`` on the host's copy source and on the wire (one weight copy)."""
+        fb = self.frozen_base
+        if fb is None or unit in (EMBED, HEAD):
+            return self.unit_params(unit) * elem_bytes
+        per = elem_bytes if fb.base_bytes_per_param is None else fb.base_bytes_per_param
+        rest = self.layer_params - self.layer_matmul_params  # norms, biases
+        return int(self.layer_matmul_params * per) + (rest + fb.adapter_params_per_layer) * elem_bytes
 
     def attention_pairs(self, seq_len: int, window: int | None) -> int:
         """(query, key) pairs a causal (windowed) attention scores per sequence."""

@@ -22,6 +22,7 @@ from ..plan.shape import ModelShape
 from ..store import PRIVATE, HostAllocator, HostStore, init_store
 from . import checks
 from .config import TrainConfig
+from .lora_run import lora_shape
 from .options import check_settings, resolve_plan
 from .planning import HardwareChoice, auto_plan, predict, resolve_hardware
 
@@ -104,7 +105,7 @@ def choose_plan(cfg: TrainConfig, model: PretrainedConfig, compute_dtype: torch.
     plan = None if auto else resolve_plan(cfg.plan, num_layers, cfg)
     hw = resolve_hardware(cfg.profile, cfg.hardware, cfg.device, Path(cfg.out_dir), compute_dtype,
                           mem_cap_bytes(cfg), may_calibrate=auto)
-    shape = ModelShape.from_config(model, name=Path(cfg.model.name).name)
+    shape = lora_shape(cfg, ModelShape.from_config(model, name=Path(cfg.model.name).name))
     if auto:
         assert hw is not None
         plan = auto_plan(shape, hw, cfg.seq_len, cfg.micro_batch_size * cfg.grad_accum,
@@ -127,7 +128,7 @@ def check_fits(cfg: TrainConfig, model: PretrainedConfig, plan: Plan,
     if cap is None:
         return
     workspace = CUDA_WORKSPACE_BYTES if cfg.device.startswith("cuda") else 0
-    est = predict_peak_device_bytes(ModelShape.from_config(model), plan, plan.micro_batch_size,
+    est = predict_peak_device_bytes(lora_shape(cfg, ModelShape.from_config(model)), plan, plan.micro_batch_size,
                                     cfg.seq_len, compute_dtype.itemsize, workspace_bytes=workspace)
     if est.peak_bytes > cap:
         raise ValueError(

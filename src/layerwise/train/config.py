@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from .. import config as config_lib
+from ..adapters.config import LoraConfig
 from ..optim.config import AdamWConfig
 
 _log = logging.getLogger(__name__)
@@ -208,6 +209,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     out_dir: str = "runs/train"
     """Where the run goes: run.json, metrics.jsonl, plan.json, ckpt/, model/ (one run at a time:
     a second run into it is refused while the first holds its lock)."""
@@ -310,6 +312,7 @@ class TrainConfig:
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{key} must be > 0 (or none), got {value}")
         self.optimizer.check()
+        self.lora.check()
         self._check_fractions()
         self._check_ckpt()
         if self.overwrite and self.resume == "true":

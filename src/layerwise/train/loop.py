@@ -26,10 +26,10 @@ import torch
 
 from .. import config as config_lib
 from ..ckpt.store_provider import HostStoreStateProvider
+from .lora_run import build_lora, check_lora, eval_mode, export_lora, resume_dropout
 from ..engine import EngineConfig, StreamingEngine
 from ..engine.batch import Batch
 from ..plan.plan import Plan
-from ..plan.shape import ModelShape
 from ..util.errors import Interrupted
 from ..util.logs import quiet_unless
 from .build import (FlopCounter, ModelSource, check_fits, check_options, choose_plan, mem_cap_bytes,
@@ -196,12 +196,14 @@ class Trainer:
         self.alloc = dist_setup.host_allocator(ctx, cfg.dist.shm_dir, lambda: shared_store_nbytes(
             source.config, self.compute_dtype, self.plan.moments))
         try:
+            check_lora(cfg, ctx.enabled)
             # one micro-batch on one process: nothing is summed on the host, the bf16 gradient
             # lands as it is (2 bytes per parameter instead of 4)
             one = self.plan.num_micro_batches == 1 and not ctx.enabled
             grad_dtype = torch.bfloat16 if one and self.compute_dtype == torch.bfloat16 else torch.float32
-            self.adapter, self.store = source.build(cfg.seed, self.compute_dtype, self.alloc,
-                                                    grad_dtype)
+            self.adapter, self.store = (
+                build_lora(source.name, source.config, cfg, self.compute_dtype) if cfg.lora.enabled
+                else source.build(cfg.seed, self.compute_dtype, self.alloc, grad_dtype))
             flags = self.alloc.zeros(len(self.store.units), torch.int64) if ctx.enabled else None
             self.engine = StreamingEngine(self.adapter, self.store, self.plan, EngineConfig(
                 device=cfg.device, compute_dtype=self.compute_dtype,
@@ -275,6 +277,7 @@ class Trainer:
                                        bool(info.get("finished")))
                 if note:
                     raise ValueError(note)  # num_train_epochs: known only once the data was read
+        resume_dropout(self.adapter, self.start_step * self.accum)
         first, warning = data_start(resumed, self.accum, self.global_rows)
         if warning:
             _log.warning(warning)
@@ -337,7 +340,7 @@ class Trainer:
         self.tracker = RunTracker(self.out_dir, self.out.tracker_every(cfg.log.track_every),
                                   self.adapter, self.store, self.engine.optimizers, self.ckpt,
                                   self.start_step)
-        self.flop_count = FlopCounter(ModelShape.from_config(self.adapter.config))
+        self.flop_count = FlopCounter(self.engine.shape)
         self.t_start = time.perf_counter()
 
     def _run_info(self) -> dict[str, Any]:
@@ -380,14 +383,19 @@ class Trainer:
     def evaluate(self, step: int) -> float:
         """The held-out loss (rank 0 alone: every rank would compute the same number from the
         same store), and the sample generations when asked for."""
-        loss = self.out.evaluate(lambda: self.engine.eval_loss(self.eval_set))
+        with eval_mode(self.adapter):
+            loss = self.out.evaluate(lambda: self.engine.eval_loss(self.eval_set))
         if step == self.start_step:
             _log.info(f"step {step}: eval loss {loss:.4f}")
         if self.prompts:
-            self.out.sample(step, lambda: [(self.tokenizer.decode(ids), self.tokenizer.decode(
-                greedy_continue(self.engine.forward_logits, ids, self.cfg.eval.sample_tokens,
-                                self.cfg.seq_len))) for ids in self.prompts])
+            with eval_mode(self.adapter):
+                self._sample(step)
         return loss
+
+    def _sample(self, step: int) -> None:
+        self.out.sample(step, lambda: [(self.tokenizer.decode(ids), self.tokenizer.decode(
+            greedy_continue(self.engine.forward_logits, ids, self.cfg.eval.sample_tokens,
+                            self.cfg.seq_len))) for ids in self.prompts])
 
     def save(self, step: int, record: dict[str, Any]) -> None:
         """A layer-wise checkpoint of ``step`` (every rank writes its groups; in the
@@ -459,7 +467,11 @@ class Trainer:
         if mem is not None:
             _log.info(f"device memory: {mem / 2**20:.1f} MiB reserved at peak (allocator), "
                       f"predicted {self.est.peak_bytes / 2**20:.1f} MiB")
-        model_dir = self.out.export(self.store, self.tokenizer) if cfg.export else None
+        if cfg.export and cfg.lora.enabled:
+            model_dir = export_lora(self.store, self.out_dir, self.model_path, cfg.lora.merge,
+                                    self.tokenizer)
+        else:
+            model_dir = self.out.export(self.store, self.tokenizer) if cfg.export else None
         times = self.step_times
         measured = statistics.median(times[1:]) if len(times) > 1 else None
         tps = self.step_tokens_per_s
