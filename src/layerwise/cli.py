@@ -76,7 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for a in argv if a != "--debug"]
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # KEY=VALUE after an option (``train --print-config steps=3``) is an override too
+        if isinstance(getattr(args, "overrides", None), list) and all(
+                "=" in e and not e.startswith("-") for e in extra):
+            args.overrides += extra
+        else:
+            parser.parse_args(argv)  # argparse's own error for what it does not know
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -50,18 +50,37 @@ _NONE = ("none", "null", "~")
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
     """Each field's docstring (the string literal right under it), whitespace collapsed."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError, SyntaxError):
+    node = _class_nodes(getattr(inspect.getmodule(cls), "__file__", None)).get(cls.__qualname__)
+    if node is None:
         return {}
-    body = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)).body
     docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+    for stmt, nxt in zip(node.body, node.body[1:]):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
                 and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
                 and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
     return docs
+
+
+@functools.cache
+def _class_nodes(filename: str | None) -> dict[str, ast.ClassDef]:
+    """Qualified name -> class node of a module's source, parsed once per module
+    (``inspect.getsource`` parses the whole module again for every class: nine for ``train
+    --help``, most of its time)."""
+    try:
+        tree = ast.parse(Path(filename).read_text(encoding="utf-8"))  # type: ignore[arg-type]
+    except (OSError, TypeError, SyntaxError, UnicodeDecodeError):
+        return {}
+    out: dict[str, ast.ClassDef] = {}
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for stmt in body:
+            if isinstance(stmt, ast.ClassDef):
+                out[prefix + stmt.name] = stmt
+                visit(stmt.body, prefix + stmt.name + ".")
+
+    visit(tree.body, "")
+    return out
 
 
 @functools.cache

@@ -52,6 +52,7 @@ thread at a time: the helper while it takes a deferred snapshot, the owner other
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -67,6 +68,7 @@ from torch import nn
 from .checkpoint_config import CheckpointConfig, split_options
 from .collective import RankExchange, SingleProcess
 from .commit import CommittedVersions, ManifestHeader, check_groups_match, stale_groups
+from . import exit_flush
 from .errors import StateModifiedError
 from .host_copies import (GroupsOnDemand, HostBufferPool, stored_nbytes,
                           synchronize_if_pinned)
@@ -79,6 +81,8 @@ from .save_writer import DuplicateHint, SaveWriter, WriteJob, WriteResult
 from .snapshot import DeferredSnapshots
 from .step_state import StepState, restore_step_state
 from .tracker import LiveGroup, TrackerReferences, UpdateTracker
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -158,6 +162,8 @@ class Checkpointer:
         self._config_written = (self.run_dir / "config.json").exists()
         self._versions = CommittedVersions.newest(self.store)
         """The committed versions (rebuilt from the newest manifest, or by ``load``)."""
+        self._closed = False
+        exit_flush.track(self)  # a save still pending when the interpreter exits is written
 
     def _own_groups(self, mine: Callable[[str], bool] | Collection[str] | None) -> set[str]:
         if mine is None:
@@ -416,7 +422,18 @@ class Checkpointer:
         self._deferred.wait_reads()
         return self.reports[-1] if self.reports else None
 
+    def unclosed_save(self) -> int | None:
+        """The step of the last save when it is not yet waited for and the checkpointer is
+        open (``exit_flush``); else None."""
+        if self._closed or self._pending is None:
+            return None
+        return self.reports[-1].step if self.reports else None
+
     def close(self) -> None:
+        """Wait for the last save (raising its error) and stop the threads; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.wait()
         finally:
@@ -432,10 +449,16 @@ class Checkpointer:
 
     # ----- loading --------------------------------------------------------------------------
 
-    def load(self, step: int | None = None, *, strict: bool = True) -> LoadResult:
+    def load(self, step: int | None = None, *, strict: bool = True) -> LoadResult | None:
         """Load the state at ``step`` (default: newest committed) into model, optimizer,
-        scheduler and RNG. ``strict``: every model group must be in the checkpoint."""
+        scheduler and RNG. ``strict``: every model group must be in the checkpoint. A run with
+        no committed step yet has nothing to load: None (and a line that says so), unless a
+        ``step`` was asked for."""
         self.wait()
+        if step is None and not self.has_checkpoint():
+            _log.warning(f"nothing to load: {self.run_dir} has no committed checkpoint yet "
+                         "(a fresh start); load() returned None")
+            return None
         rs = open_run_step(self.run_dir, step)
         check_groups_match(rs, self.groups, strict,
                            strict_hint=" (or strict=False to skip missing groups)")

@@ -3,7 +3,8 @@
 ``ls`` (steps, bytes, policy), ``show`` (per group: source step, staleness, bytes), ``verify``
 (checksums and completeness; exit 1 on any fault), ``gc`` (drop old steps and unreferenced
 blobs). ``merge`` (export to HF / Trainer formats) is added by ``layerwise.interop.cli``.
-Every subcommand takes ``--json`` and then prints exactly one JSON object.
+Every subcommand takes ``--json`` and then prints exactly one JSON object, and a
+``layerwise train`` out_dir as well as the checkpoint run in its ``ckpt/``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from .run_dir import RunDir
 from .resolve import open_run_step
 
 
+RUN_HELP = ("a `layerwise train` out_dir, or a checkpoint run directory (the out_dir's ckpt/, or "
+            "the directory given to Checkpointer)")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     sub = command_group(
         subparsers, "ckpt", help="inspect, verify, clean and merge layer-wise checkpoints",
@@ -26,23 +31,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
 
     ls = sub.add_parser("ls", help="committed steps with bytes written and policy")
-    ls.add_argument("run", help="run directory (as given to Checkpointer)")
+    ls.add_argument("run", help=RUN_HELP)
     ls.add_argument("--json", action="store_true", help="print one JSON object")
     ls.set_defaults(func=cmd_ls)
 
     show = sub.add_parser("show", help="per group of one step: source step, staleness, bytes")
-    show.add_argument("run")
+    show.add_argument("run", help=RUN_HELP)
     show.add_argument("--step", type=int, default=None, help="step to resolve (default: newest)")
     show.add_argument("--json", action="store_true")
     show.set_defaults(func=cmd_show)
 
     verify = sub.add_parser("verify", help="check checksums and completeness; exit 1 on any fault")
-    verify.add_argument("run")
+    verify.add_argument("run", help=RUN_HELP)
     verify.add_argument("--json", action="store_true")
     verify.set_defaults(func=cmd_verify)
 
     gc = sub.add_parser("gc", help="keep the newest K steps; delete the rest and unreferenced blobs")
-    gc.add_argument("run")
+    gc.add_argument("run", help=RUN_HELP)
     gc.add_argument("--keep", type=int, required=True, help="number of newest committed steps to keep")
     gc.add_argument("--json", action="store_true")
     gc.set_defaults(func=cmd_gc)

@@ -37,7 +37,7 @@ from ..util.atomic import atomic_write_bytes, atomic_write_text, fsync_dir
 from .blob_store import BlobBatch, BlobPayload, BlobRecord, blob_rel, put_blob
 from .content_hash import HASH_OF_VERSION, digest_bytes, manifest_hash
 from .errors import CheckpointCorruptError, write_error
-from .run_format import FORMAT_VERSION, json_bytes, read_format, write_format
+from .run_format import FORMAT_VERSION, json_bytes, locate_run, read_format, write_format
 from .run_lock import run_lock
 from .run_upkeep import GcReport, StepChecker, VerifyReport, entry_blobs, sweep_blobs
 
@@ -77,8 +77,9 @@ class RunDir:
 
     @classmethod
     def open(cls, root: str | Path) -> RunDir:
-        """Open an existing run for reading."""
-        store = cls(root)
+        """Open an existing run for reading: ``root``, or the run in its ``ckpt/`` (a
+        ``layerwise train`` out_dir; ``run_format.locate_run``)."""
+        store = cls(locate_run(root))
         if not store.root.is_dir():
             raise FileNotFoundError(f"checkpoint run directory {store.root} does not exist")
         store.version, store.hash_name = read_format(store.root)

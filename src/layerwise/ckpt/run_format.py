@@ -24,6 +24,21 @@ FIRST_VERSION_SHARDED = 4
 FIRST_VERSION_8BIT = 3
 """The first run format whose blobs may hold 8-bit moments."""
 
+OUT_DIR_CKPT = "ckpt"
+"""Where a ``layerwise train`` out_dir keeps its checkpoint run: every reader of a run takes the
+out_dir as well as the run itself (``locate_run``)."""
+
+
+def locate_run(path: str | Path) -> Path:
+    """The checkpoint run at ``path``: ``path`` itself when it holds ``format.json``, else its
+    ``ckpt/`` when that is a run (a ``layerwise train`` out_dir), else ``path`` unchanged (its
+    reader then says it is not a run)."""
+    root = Path(path)
+    if not (root / "format.json").exists() and (root / OUT_DIR_CKPT / "format.json").exists():
+        return root / OUT_DIR_CKPT
+    return root
+
+
 def json_bytes(obj: object) -> bytes:
     """A run file's JSON text (format.json, config.json, manifests), newline-terminated."""
     return (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode()
@@ -41,8 +56,8 @@ def read_format(root: Path) -> tuple[int, str]:
     fmt = root / "format.json"
     if not fmt.exists():
         raise FileNotFoundError(
-            f"{root} is not a layerwise checkpoint run (no format.json); "
-            "pass the directory given to Checkpointer(run_dir=...)"
+            f"{root} is not a layerwise checkpoint run (no format.json, nor ckpt/format.json); "
+            "pass a `layerwise train` out_dir or the directory given to Checkpointer(run_dir=...)"
         )
     info = json.loads(fmt.read_text())
     if info.get("format") != FORMAT:

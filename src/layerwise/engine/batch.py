@@ -1,5 +1,6 @@
 """What one micro-batch is: token ids, already-shifted labels and, for packed rows, which
-example each position holds (the engine's input contract)."""
+example each position holds (the engine's input contract); ``Batch.from_hf`` builds one from
+labels as Hugging Face takes them (unshifted)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,19 @@ class Batch:
         """The micro-batch of rows ``sl`` (contiguous copies)."""
         seg = None if self.segment_ids is None else self.segment_ids[sl].contiguous()
         return Batch(self.input_ids[sl].contiguous(), self.labels[sl].contiguous(), seg)
+
+    @classmethod
+    def from_hf(cls, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Batch:
+        """A micro-batch from ``input_ids`` and labels as ``model(input_ids, labels=labels)``
+        takes them: aligned with the ids (default: the ids themselves), ``IGNORE_INDEX`` where
+        no loss; the model shifts them, so this does: position t is trained to predict
+        ``labels[t + 1]``, the last position nothing. The engine's loss is then HF's."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        labels = input_ids if labels is None else labels
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids "
+                             f"{tuple(input_ids.shape)} (unshifted, as Hugging Face takes them)")
+        shifted = torch.full_like(labels, IGNORE_INDEX)
+        shifted[:, :-1] = labels[:, 1:]
+        return cls(input_ids, shifted)

@@ -129,7 +129,8 @@ class StreamingEngine:
         if warning:
             warnings.warn(warning, RuntimeWarning, stacklevel=2)
         self.program = micro_batch_program(plan.boundary_tiers, plan.internal_tiers)
-        self.shape = ModelShape.from_config(adapter.config)
+        plan_shape = getattr(adapter, "plan_shape", None)  # a LoRA run's knows its frozen base
+        self.shape = plan_shape() if plan_shape is not None else ModelShape.from_config(adapter.config)
         self.optimizers = optimizers or self._default_optimizers()
         for buf in store:
             if not buf.state:
@@ -256,7 +257,8 @@ class StreamingEngine:
             self.sink.finish()
             self.backend.raise_errors()
             assert self.streamer.finished()
-            assert self.sink.landed() == set(self.store.by_name), "a unit got no gradient this step"
+            assert self.sink.landed() == {b.name for b in self.store if b.layout.numel}, \
+                "a unit got no gradient this step"
             sq, step_loss = self.reducer.finish(float(loss))
         except BaseException:
             self._abandon_step()

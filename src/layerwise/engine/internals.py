@@ -4,7 +4,7 @@ For a layer whose plan keeps its internals, the forward runs with a graph under
 ``torch.autograd.graph.saved_tensors_hooks``; the backward then backpropagates through that graph
 instead of re-running the forward. What each saved tensor becomes:
 
-- a view of the streamed weight slot: a *marker* (its place in the slot), never the tensor. The
+- a view of the streamed weight slot: a *marker* (its dtype and place in the slot), never the tensor. The
   slot holds other layers' weights by the backward; unpacking views the same place in the
   backward's own re-streamed copy of the layer's weights;
 - a tensor every layer shares (rotary cos/sin, masks): the tensor itself (it lives all step);
@@ -109,7 +109,7 @@ class KeptInternals:
                 lambda t: self._pack(g, t), lambda p: self._unpack(g, p)):
             y = run(x)
         g.output = torch.autograd.graph.get_gradient_edge(y)
-        g.inputs = (x, tuple(leaves.values()))
+        g.inputs = (x, tuple(p for p in leaves.values() if p.requires_grad))
         out = y.detach()
         # the input leaf stays in the graph (its AccumulateGrad node holds it): keep its identity
         # but not its data, which is boundary i (a saved use of it was packed separately)
@@ -121,7 +121,7 @@ class KeptInternals:
     def _pack(self, g: LayerGraph, t: torch.Tensor):
         ptr = t.untyped_storage().data_ptr()
         if ptr == g.weight_ptr:
-            return ("weight", tuple(t.shape), t.stride(), t.storage_offset())
+            return ("weight", t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
         if ptr in g.shared_ptrs or g.tier == "device" or t.device.type != self.backend.device.type:
             return ("tensor", t.detach())
         if ptr not in g.stored:
@@ -143,9 +143,11 @@ class KeptInternals:
         if kind == "tensor":
             return packed[1]
         if kind == "weight":
-            _, size, stride, offset = packed
-            assert g.backward_weights is not None, "a kept graph was unpacked outside its backward"
-            return torch.as_strided(g.backward_weights, size, stride, offset)
+            _, dtype, size, stride, offset = packed
+            w = g.backward_weights
+            assert w is not None, "a kept graph was unpacked outside its backward"
+            # a frozen base may be held in another dtype (or packed bytes) within the slot
+            return torch.as_strided(w if w.dtype == dtype else w.view(dtype), size, stride, offset)
         _, ptr, dtype, size, stride, offset = packed
         dev = g.stored[ptr].device
         assert dev is not None, "host-tier internals were not fetched before the backward"

@@ -26,7 +26,7 @@ from .batch import IGNORE_INDEX, Batch
 from .boundary_tiers import BoundaryTiers
 from .grad_sink import GradSink
 from .internals import KeptInternals
-from .layer_ops import layer_backward
+from .layer_ops import layer_backward, trained
 from .weight_stream import WeightStreamer
 
 
@@ -187,6 +187,9 @@ class OpHandlers:
         """The embedding's gradient from the token ids and boundary 0's gradient: no weights
         (with tied embeddings the head streamed them for its own op). On an asynchronous
         device it is written straight into the grad slot."""
+        if not self.store[EMBED].layout.numel:  # frozen (a LoRA run): no gradient to make
+            self.backend.launch(lambda: setattr(mb, "grad_h", None))
+            return
         (weight,) = self.store[EMBED].layout.specs  # nn.Embedding: one parameter
         ticket = self.sink.begin(EMBED)
 
@@ -213,7 +216,7 @@ class OpHandlers:
             accs = {u: torch.zeros(st[u].layout.numel, dtype=torch.float32, device=self.device)
                     for u in units}
             acc_views = [v for u in units for v in st[u].layout.views(accs[u]).values()]
-            wrt = [t for u in units for t in leaves[u].values()]
+            wrt = [t for u in units for t in trained(leaves[u])]
             embed_weight = leaves[EMBED]["weight"] if ad.tied else None
             h2 = mb.h.reshape(-1, mb.h.shape[-1])
             lab = mb.labels.reshape(-1)
@@ -241,8 +244,9 @@ class OpHandlers:
         self.backend.launch(run)
         for u in units:
             self.streamer.release(u)
-        self.sink.put_fp32(HEAD, grads[HEAD], st[HEAD].layout.numel, mb.final)
-        if ad.tied:  # embed_bwd adds the rest
+        if st[HEAD].layout.numel:  # (none for a frozen head)
+            self.sink.put_fp32(HEAD, grads[HEAD], st[HEAD].layout.numel, mb.final)
+        if ad.tied and st[EMBED].layout.numel:  # embed_bwd adds the rest
             self.sink.put_fp32(EMBED, grads[EMBED], st[EMBED].layout.numel, final=False)
 
     def forward_hidden(self, input_ids: torch.Tensor, chunk_tokens: int | None = None,

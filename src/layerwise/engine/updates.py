@@ -43,6 +43,8 @@ class HostUpdates:
         for buf in self.store:  # embed first: the next forward needs it first
             if not self.reducer.owns(buf.name):
                 continue  # reduced into the owner's; this rank's part is spent
+            if not buf.layout.numel:
+                continue  # frozen (a LoRA run's embedding and head): nothing to update
             self._pending[buf.name] = self._pool.submit(self._update, buf.name, lr, coef)
 
     def _update(self, unit: str, lr: float, coef: float) -> None:

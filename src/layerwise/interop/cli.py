@@ -29,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "appears only when complete."
         ),
     )
-    p.add_argument("run", nargs="?", help="layer-wise run dir, HF Trainer checkpoint-N dir, HF model dir, ZeRO "
+    p.add_argument("run", nargs="?", help="a `layerwise train` out_dir or its ckpt/ (any layer-wise run dir), HF Trainer checkpoint-N dir, HF model dir, ZeRO "
                    "save or DCP dir (torchtitan step-N: see --config)")
     p.add_argument("--step", type=int, default=None, help="step of a layer-wise run (default: latest)")
     p.add_argument("--recipe", default=None, help="YAML recipe (mergekit/LLMTailor slices) instead of RUN")
@@ -45,6 +45,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default=None,
                    help="HF config (config.json or an HF model dir) of a DCP checkpoint that holds none, "
                         "e.g. a torchtitan step-N dir")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="copy the tokenizer files and generation_config.json of DIR (an HF model dir "
+                        "or a saved tokenizer) beside the weights; default: the source's own (a "
+                        "`layerwise train` run keeps them in OUT/tokenizer)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_merge)
     imp = ckpt_subparsers.add_parser(
@@ -59,7 +63,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     imp.add_argument("sources", nargs="+", metavar="SRC",
                      help="checkpoint-N dirs, HF model dirs, ZeRO saves or DCP dirs (torchtitan's step-N)")
-    imp.add_argument("--run", required=True, help="layer-wise run dir (created if needed)")
+    imp.add_argument("--run", required=True, help="layer-wise run dir (created if needed), or a "
+                     "`layerwise train` out_dir (its ckpt/)")
     imp.add_argument("--policy", default="full",
                      help="full, filter, topk or budget, with options: filter:threshold=0.01,max_staleness=4")
     imp.add_argument("--config", default=None,
@@ -107,6 +112,10 @@ def _cmd_merge(args: argparse.Namespace) -> int:
             f"{len(summary['weight_files'])} weight file(s), {summary['bytes'] / 1e6:.1f} MB "
             f"in {summary['seconds']:.1f} s"
         )
+        if summary.get("tokenizer_from"):
+            print(f"  tokenizer and generation config <- {summary['tokenizer_from']}")
+        elif summary["format"] in ("hf", "trainer"):
+            print("  no tokenizer copied: the source has none (--tokenizer DIR adds one)")
         if "sources" in summary:
             for group, model in summary["sources"]["groups"].items():
                 print(f"  {group:<12} <- {model}")
@@ -129,4 +138,5 @@ def _run_merge(args: argparse.Namespace) -> dict[str, Any]:
     return merge(
         source, args.out, args.format, step=step, max_shard_size=args.max_shard_size, dtype=args.dtype,
         template=args.template, overwrite=args.overwrite, config=args.config,
+        tokenizer=args.tokenizer,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..ckpt.resolve import open_run_step
+from ..ckpt.run_format import locate_run
 from .torchdist.dcp_checkpoint import DCPCheckpointSource, is_dcp_checkpoint
 from .hf.model_dir import HFModelDirSource
 from .layout import OPTIMIZER_NAME, TRAINER_STATE_NAME, WEIGHT_FILE_NAMES, CheckpointSource
@@ -14,7 +15,9 @@ from .deepspeed.zero_checkpoint import ZeroCheckpointSource, is_zero_checkpoint
 
 
 def is_layerwise_run(path: Path) -> bool:
-    return (path / "format.json").is_file() or (path / "manifests").is_dir()
+    """A layer-wise run, or a ``layerwise train`` out_dir holding one in ``ckpt/``."""
+    return ((path / "format.json").is_file() or (path / "manifests").is_dir()
+            or (locate_run(path) / "format.json").is_file())
 
 
 def is_trainer_checkpoint(path: Path) -> bool:

@@ -30,6 +30,7 @@ import torch
 
 from ..optim import adamw, adamw8bit
 from ..store import StoreFootprint, grad_itemsizes_of
+from ..util.host_memory import locked_nbytes
 from . import memory
 from .hardware import HardwareProfile
 from .program import EMBED_OPS, OpKind
@@ -69,20 +70,35 @@ class CostModel:
     def layer_fwd_flops(self, i: int) -> float:
         s = self.shape
         pairs = s.attention_pairs(self.seq_len, s.layer_windows[i]) * self.micro_batch_size
+        adapters = 0.0 if s.frozen_base is None else s.frozen_base.adapter_flops_per_token * self.tokens
         c = s.layer(i)
         if c is not None:  # per-layer facts: routed experts at top-k, latent/linear attention
             pairs = pairs if c.pair_flops else 0
             return (2.0 * c.matmul_params * self.tokens + c.pair_flops * pairs
-                    + c.mixer_flops_per_token * self.tokens)
-        return 2.0 * s.layer_matmul_params * self.tokens + 4.0 * s.q_dim * pairs
+                    + c.mixer_flops_per_token * self.tokens + adapters)
+        return 2.0 * s.layer_matmul_params * self.tokens + 4.0 * s.q_dim * pairs + adapters
 
     @property
     def head_fwd_flops(self) -> float:
         return 2.0 * self.shape.hidden_size * self.shape.vocab_size * self.tokens
 
     def model_flops(self) -> float:
-        """Forward + backward FLOPs of one micro-batch, no recompute (the MFU numerator)."""
-        return 3.0 * (sum(self.layer_fwd_flops(i) for i in range(self.shape.num_layers)) + self.head_fwd_flops)
+        """Forward + backward FLOPs of one micro-batch, no recompute (the MFU numerator); with a
+        frozen base the backward is the input gradients' (1x) plus the adapters'."""
+        fwd = sum(self.layer_fwd_flops(i) for i in range(self.shape.num_layers)) + self.head_fwd_flops
+        if self.shape.frozen_base is None:
+            return 3.0 * fwd
+        return 2.0 * fwd + self.shape.num_layers * self._adapter_wgrad_flops
+
+    @property
+    def _frozen(self) -> bool:
+        return self.shape.frozen_base is not None
+
+    @property
+    def _adapter_wgrad_flops(self) -> float:
+        """The adapters' weight-gradient FLOPs of one layer (their forward's again)."""
+        fb = self.shape.frozen_base
+        return 0.0 if fb is None else fb.adapter_flops_per_token * self.tokens
 
     # ----- seconds ------------------------------------------------------------------------
 
@@ -94,7 +110,10 @@ class CostModel:
         return self.layer_fwd_flops(i) / self.hw.fwd_flops_per_s + self.hw.op_overhead_s
 
     def layer_bwd_s(self, i: int) -> float:
-        """Forward with a graph + backward (2x): 3x forward FLOPs."""
+        """Forward with a graph + backward (2x): 3x forward FLOPs; with a frozen base the
+        backward is the input gradients (1x) and the adapters' weight gradients: 2x + those."""
+        if self._frozen:
+            return self._secs(2.0 * self.layer_fwd_flops(i) + self._adapter_wgrad_flops)
         return self._secs(3.0 * self.layer_fwd_flops(i))
 
     def layer_fwd_keep_s(self, i: int) -> float:
@@ -102,14 +121,17 @@ class CostModel:
         return self._secs(self.layer_fwd_flops(i))
 
     def layer_bwd_kept_s(self, i: int) -> float:
-        """The backward through a kept graph: 2x forward FLOPs."""
+        """The backward through a kept graph: 2x forward FLOPs (a frozen base: 1x + adapters)."""
+        if self._frozen:
+            return self._secs(self.layer_fwd_flops(i) + self._adapter_wgrad_flops)
         return self._secs(2.0 * self.layer_fwd_flops(i))
 
     @property
     def head_s(self) -> float:
         """Norm + lm_head + loss forward and backward, all chunks."""
         chunks = -(-self.tokens // self.head_chunk_tokens)
-        return 3.0 * self.head_fwd_flops / self.hw.flops_per_s + chunks * self.hw.op_overhead_s
+        passes = 2.0 if self._frozen else 3.0  # a frozen head: no weight gradient
+        return passes * self.head_fwd_flops / self.hw.flops_per_s + chunks * self.hw.op_overhead_s
 
     @property
     def embed_s(self) -> float:
@@ -145,20 +167,21 @@ class CostModel:
 
     def grad_accumulate_s(self, unit: str) -> float:
         """Host fp32 ``grad += device grad``: reads elem + 4 bytes, writes 4 bytes per parameter."""
-        return self.shape.unit_params(unit) * (self.elem_bytes + 8) / (self.hw.host_accum_gbps * 1e9)
+        return self.shape.trainable_params(unit) * (self.elem_bytes + 8) / (self.hw.host_accum_gbps * 1e9)
 
     def optimizer_s(self, unit: str, moments: str = "fp32") -> float:
         rate = self.hw.optimizer_params_per_s if moments == "fp32" else self.hw.optimizer_8bit_params_per_s
-        return self.shape.unit_params(unit) / rate
+        return self.shape.trainable_params(unit) / rate
 
     # ----- bytes --------------------------------------------------------------------------
 
     def unit_weight_bytes(self, unit: str) -> int:
-        """Bytes streamed H2D for a unit (compute dtype); its gradient D2H has the same size."""
-        return self.shape.unit_params(unit) * self.elem_bytes
+        """Bytes streamed H2D for a unit (compute dtype; a frozen base in its own format)."""
+        return self.shape.unit_weight_bytes(unit, self.elem_bytes)
 
     def grad_bytes(self, unit: str) -> int:
-        return self.unit_weight_bytes(unit)
+        """Bytes of its gradient D2H (the compute dtype; 0 for a frozen unit)."""
+        return self.shape.trainable_params(unit) * self.elem_bytes
 
     @property
     def boundary_bytes(self) -> int:
@@ -187,8 +210,15 @@ class CostModel:
         run of one micro-batch per step with bf16 compute (``HostStore(grad_dtype=bf16)``)."""
         units = self.shape.unit_names()
         moments = moments or ["fp32"] * len(units)
-        numels = [self.shape.unit_params(u) for u in units]
+        numels = [self.shape.trainable_params(u) for u in units]
         state = sum(STATE_NBYTES[m](n) for n, m in zip(numels, moments))
+        if self._frozen:
+            # a frozen base: one copy source per unit (adapters + base), fp32 state for the
+            # adapters alone (``adapters.lora_store.lora_footprint``, less the per-tensor alignment)
+            trained, source = sum(numels), sum(self.unit_weight_bytes(u) for u in units)
+            in_arena = 4 * trained if self.elem_bytes == 4 else 0
+            return StoreFootprint(trained, self.elem_bytes, 4 * trained, 4 * trained,
+                                  source - in_arena, state, source, source, locked_nbytes(source))
         grads = None
         if bf16_grads and self.elem_bytes == 2:
             grads = grad_itemsizes_of(units, self.shape.tied, torch.bfloat16, torch.bfloat16)

@@ -94,20 +94,20 @@ def op_transient_bytes(shape: ModelShape, kind: OpKind, i: int, tokens: int, ele
     if kind == OpKind.LAYER_BWD_KEPT:
         # the output and input gradients, the residual branches' gradients inside, the weight
         # gradients (fitted to allocations); the kept internals are counted as live
-        return 5 * a + shape.unit_params(layer_unit(i)) * elem_bytes
+        return 5 * a + shape.trainable_params(layer_unit(i)) * elem_bytes
     if kind == OpKind.HEAD:
         chunk = min(head_chunk_tokens, tokens)
-        params = shape.unit_params(HEAD) + (shape.unit_params(EMBED) if shape.tied else 0)
+        params = shape.trainable_params(HEAD) + (shape.trainable_params(EMBED) if shape.tied else 0)
         # fp32 accumulators + one chunk's grads; logits in the compute dtype, their fp32 copy
         # (none when that is fp32 already), the log-softmax output and its gradient
         fp32_copy = 0 if elem_bytes == 4 else 4
         # (4 a: the input, its gradient, and the final norm's output and its gradient, measured)
         return 4 * a + params * (4 + elem_bytes) + chunk * shape.vocab_size * (elem_bytes + fp32_copy + 8)
     if kind == OpKind.LAYER_BWD:
-        return (3 * a + shape.unit_params(layer_unit(i)) * elem_bytes
+        return (3 * a + shape.trainable_params(layer_unit(i)) * elem_bytes
                 + layer_workspace_bytes(shape, tokens, elem_bytes, i))
     if kind == OpKind.EMBED_BWD:
-        return a + shape.unit_params(EMBED) * elem_bytes
+        return a + shape.trainable_params(EMBED) * elem_bytes
     return 0  # fetch, fetch_internals
 
 
@@ -144,7 +144,7 @@ def kept_internal_bytes(shape: ModelShape, plan: Plan, i: int, tokens: int, elem
 def slot_bytes(shape: ModelShape, plan: Plan, micro_batch_size: int, seq_len: int, elem_bytes: int,
                grad_slots: bool = True) -> dict[str, int]:
     """Device bytes of the engine's slots by kind (``grad_slots``: an asynchronous device)."""
-    largest_unit = max(shape.unit_params(u) for u in shape.unit_names()) * elem_bytes
+    largest_unit = max(shape.unit_weight_bytes(u, elem_bytes) for u in shape.unit_names())
     boundary = micro_batch_size * seq_len * shape.hidden_size * elem_bytes
     offloaded = sum(t in ("host", "nvme") for t in plan.boundary_tiers)
     return {

@@ -61,6 +61,7 @@ class LayerCost:
                    f.params - f.routed_expert_params
                    + (f.routed_expert_params * f.experts_per_token // f.num_experts
                       if f.num_experts else 0))
+from .finetune import FrozenBase
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,9 @@ class ModelShape:
     """Per-layer facts; empty for a closed-form family (every layer the dense formula's)."""
     eager_attention: bool = False
     """The layers run HF's eager attention (sinks, soft-capped scores): float masks."""
+    frozen_base: FrozenBase | None = None
+    """A LoRA / QLoRA run: the base frozen, adapters trained (``plan/finetune.py``); None: every
+    parameter is trained."""
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None) -> ModelShape:
@@ -176,6 +180,21 @@ class ModelShape:
         i = layer_index(unit)
         assert i is not None, unit
         return self.layer_params_of(i)
+
+    def trainable_params(self, unit: str) -> int:
+        """Parameters of ``unit`` that get gradients, updates and optimizer state."""
+        if self.frozen_base is None:
+            return self.unit_params(unit)
+        return self.frozen_base.adapter_params_per_layer if unit not in (EMBED, HEAD) else 0
+
+    def unit_weight_bytes(self, unit: str, elem_bytes: int) -> int:
+        """Bytes of ``unit`` on the host's copy source and on the wire (one weight copy)."""
+        fb = self.frozen_base
+        if fb is None or unit in (EMBED, HEAD):
+            return self.unit_params(unit) * elem_bytes
+        per = elem_bytes if fb.base_bytes_per_param is None else fb.base_bytes_per_param
+        rest = self.layer_params - self.layer_matmul_params  # norms, biases
+        return int(self.layer_matmul_params * per) + (rest + fb.adapter_params_per_layer) * elem_bytes
 
     def attention_pairs(self, seq_len: int, window: int | None) -> int:
         """(query, key) pairs a causal (windowed) attention scores per sequence."""

@@ -22,6 +22,7 @@ from ..plan.shape import ModelShape
 from ..store import PRIVATE, HostAllocator, HostStore, init_store
 from . import checks
 from .config import TrainConfig
+from .lora_run import lora_shape
 from .options import check_settings, resolve_plan
 from .planning import HardwareChoice, auto_plan, predict, resolve_hardware
 
@@ -104,7 +105,7 @@ def choose_plan(cfg: TrainConfig, model: PretrainedConfig, compute_dtype: torch.
     plan = None if auto else resolve_plan(cfg.plan, num_layers, cfg)
     hw = resolve_hardware(cfg.profile, cfg.hardware, cfg.device, Path(cfg.out_dir), compute_dtype,
                           mem_cap_bytes(cfg), may_calibrate=auto)
-    shape = ModelShape.from_config(model, name=Path(cfg.model.name).name)
+    shape = lora_shape(cfg, ModelShape.from_config(model, name=Path(cfg.model.name).name))
     if auto:
         assert hw is not None
         plan = auto_plan(shape, hw, cfg.seq_len, cfg.micro_batch_size * cfg.grad_accum,
@@ -127,7 +128,7 @@ def check_fits(cfg: TrainConfig, model: PretrainedConfig, plan: Plan,
     if cap is None:
         return
     workspace = CUDA_WORKSPACE_BYTES if cfg.device.startswith("cuda") else 0
-    est = predict_peak_device_bytes(ModelShape.from_config(model), plan, plan.micro_batch_size,
+    est = predict_peak_device_bytes(lora_shape(cfg, ModelShape.from_config(model)), plan, plan.micro_batch_size,
                                     cfg.seq_len, compute_dtype.itemsize, workspace_bytes=workspace)
     if est.peak_bytes > cap:
         raise ValueError(
@@ -140,10 +141,14 @@ def check_fits(cfg: TrainConfig, model: PretrainedConfig, plan: Plan,
 class FlopCounter:
     """Model FLOPs of a step (forward + backward, no recompute), per layer as the layers are
     (``models/structure.py``: routed experts at top-k, latent and linear attention), with each
-    packed example's attention over its own span only (the mask keeps it there)."""
+    packed example's attention over its own span only (the mask keeps it there); a LoRA run
+    adds its adapters' FLOPs (``ModelShape.frozen_base``)."""
 
-    def __init__(self, adapter: DecoderAdapter):
+    def __init__(self, adapter: DecoderAdapter, shape: ModelShape | None = None):
         self.adapter, self.facts, self._per_shape = adapter, layer_facts(adapter), {}
+        fb = shape.frozen_base if shape is not None else None
+        self._adapter_flops_per_token = (0.0 if fb is None else
+                                         3.0 * adapter.num_layers * fb.adapter_flops_per_token)
 
     def __call__(self, micro: list[Batch]) -> float:
         total = 0.0
@@ -154,6 +159,7 @@ class FlopCounter:
                 continue
             flops = model_flops(self.facts, self.adapter.hidden_size, self.adapter.vocab_size,
                                 row_layout(shape, mb.segment_ids))
+            flops += self._adapter_flops_per_token * shape[0] * shape[1]
             if mb.segment_ids is None:
                 self._per_shape[shape] = flops
             total += flops

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from .demo import DemoConfig, run_demo
-from .loop import train
+from .loop import throughput_text, train
 from .report import report
 
 
@@ -21,8 +21,8 @@ def run_train(args: argparse.Namespace) -> int:
     if result.note:
         print(result.note)
         return 0
-    print(f"done: eval loss {result.eval_loss_start:.4f} -> {result.eval_loss_end:.4f}, "
-          f"{result.tokens_per_s:.0f} tok/s; outputs in {result.out_dir}")
+    print(f"done: eval loss {result.eval_loss_start:.4f} -> {result.eval_loss_end:.4f}; "
+          f"{throughput_text(result)}; outputs in {result.out_dir}")
     return 0
 
 

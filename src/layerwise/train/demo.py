@@ -1,4 +1,4 @@
-"""``layerwise demo``: a user's run end to end, small enough for 2 CPU cores in about 2 minutes.
+"""``layerwise demo``: a user's run end to end, small enough for 2 idle CPU cores in about 3 minutes.
 
 It goes through the same path as ``layerwise train model=DIR tokenizer=DIR plan=FILE``, with
 only built-in data and nothing downloaded:
@@ -43,7 +43,7 @@ from ..util.atomic import atomic_write_text
 from .config import CkptConfig, DataConfig, DemoConfig, EvalConfig, LogConfig, ModelConfig
 from .config import ScheduleConfig, TrainConfig
 from .data import iter_stdlib_files
-from .loop import TrainResult, train
+from .loop import TrainResult, throughput_text, train
 from .report import report
 from .tokenizer import train_bpe_tokenizer
 
@@ -179,8 +179,8 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     _log.info(f"reloaded {result.model_dir} with AutoModelForCausalLM + AutoTokenizer; it "
               f"continues the prompt ({how}, repetition penalty {cfg.repetition_penalty:g}):"
               f"\n---\n{text}\n---")
-    _log.info(f"eval loss {result.eval_loss_start:.4f} -> {result.eval_loss_end:.4f} "
-              f"({result.tokens_per_s:.0f} tokens/s)")
+    _log.info(f"eval loss {result.eval_loss_start:.4f} -> {result.eval_loss_end:.4f}; "
+              f"{throughput_text(result)}")
     path, lines = report(out_dir)
     for line in lines[1:]:  # the first names the run directory, said above
         _log.info(line)

@@ -26,6 +26,7 @@ import torch
 
 from .. import config as config_lib
 from ..ckpt.store_provider import HostStoreStateProvider
+from .lora_run import build_lora, check_lora, eval_mode, export_lora, resume_dropout
 from ..engine import EngineConfig, StreamingEngine
 from ..engine.batch import Batch
 from ..plan.plan import Plan
@@ -51,7 +52,8 @@ from .update_log import RunTracker
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["RUN_FORMAT_VERSION", "TrainConfig", "TrainResult", "Trainer", "train"]
+__all__ = ["RUN_FORMAT_VERSION", "TrainConfig", "TrainResult", "Trainer", "throughput_text",
+           "train"]
 
 
 @dataclass
@@ -61,6 +63,8 @@ class TrainResult:
     eval_loss_end: float
     steps: int
     tokens_per_s: float
+    """Median over the steps after the first of each step's tokens / its engine step time: the
+    figure of every ``metrics.jsonl`` row and of the progress line (``tokens_per_s_figure``)."""
     peak_device_bytes_predicted: int
     model_dir: Path | None
     step_s_measured: float | None = None
@@ -71,6 +75,21 @@ class TrainResult:
     """Under torchrun, this process's rank: only rank 0's result has the evals (and the export)."""
     note: str | None = None
     """Set when nothing was trained (the run had already finished): the line that says so."""
+    tokens_per_s_wall: float | None = None
+    """All the tokens this command trained on / its wall time from the first step to the last,
+    evals, checkpoints and the tracker included."""
+
+
+def throughput_text(result: TrainResult) -> str:
+    """The run's tokens/s, saying what each figure counts: every row's tokens (padding and
+    masked prompt tokens too) over the engine's step time, as the progress line and
+    ``metrics.jsonl`` give it; and over the wall time, where evals and checkpoints count too."""
+    text = (f"{result.tokens_per_s:,.0f} tokens/s a step (median of the steps' tokens / engine "
+            "step time, as in the progress line)")
+    if result.tokens_per_s_wall is not None:
+        text += (f", {result.tokens_per_s_wall:,.0f} tokens/s over the wall time (evals and "
+                 "checkpoints included)")
+    return text
 
 
 def _device_mem_reserved(device: str) -> int | None:
@@ -136,6 +155,9 @@ class Trainer:
         self.saved: dict[str, Any] = {}
         self.step_times: list[float] = []
         self.tokens_seen = 0
+        """Tokens of every row trained on (all ranks; padding and masked prompt tokens too, as
+        in each metrics row's ``tokens``)."""
+        self.step_tokens_per_s: list[float] = []
         self._closed = False
 
     # ----- setup ----------------------------------------------------------------------------
@@ -173,12 +195,14 @@ class Trainer:
         self.alloc = dist_setup.host_allocator(ctx, cfg.dist.shm_dir, lambda: shared_store_nbytes(
             source.config, self.compute_dtype, self.plan.moments))
         try:
+            check_lora(cfg, ctx.enabled)
             # one micro-batch on one process: nothing is summed on the host, the bf16 gradient
             # lands as it is (2 bytes per parameter instead of 4)
             one = self.plan.num_micro_batches == 1 and not ctx.enabled
             grad_dtype = torch.bfloat16 if one and self.compute_dtype == torch.bfloat16 else torch.float32
-            self.adapter, self.store = source.build(cfg.seed, self.compute_dtype, self.alloc,
-                                                    grad_dtype)
+            self.adapter, self.store = (
+                build_lora(source.name, source.config, cfg, self.compute_dtype) if cfg.lora.enabled
+                else source.build(cfg.seed, self.compute_dtype, self.alloc, grad_dtype))
             flags = self.alloc.zeros(len(self.store.units), torch.int64) if ctx.enabled else None
             self.engine = StreamingEngine(self.adapter, self.store, self.plan, EngineConfig(
                 device=cfg.device, compute_dtype=self.compute_dtype,
@@ -252,6 +276,7 @@ class Trainer:
                                        bool(info.get("finished")))
                 if note:
                     raise ValueError(note)  # num_train_epochs: known only once the data was read
+        resume_dropout(self.adapter, self.start_step * self.accum)
         first, warning = data_start(resumed, self.accum, self.global_rows)
         if warning:
             _log.warning(warning)
@@ -278,6 +303,7 @@ class Trainer:
         """The lines that describe the run, the start eval, run.json and the outputs."""
         cfg, ctx, plan = self.cfg, self.ctx, self.plan
         self.out.save_plan(plan)
+        self.out.save_model_files(self.tokenizer, self.model_path)
         self.predicted_step_s = plan.predicted.get("step_s")
         _log.info(f"model {cfg.model.name}: {self.adapter.num_params() / 1e6:.1f}M params, "
                   f"{self.adapter.num_layers} layers ({self.adapter.family}); host store "
@@ -301,10 +327,11 @@ class Trainer:
         self.out.start(self.start_step, last_row,
                        Progress(cfg.log.progress, self.steps, self.start_step, cfg.log.every),
                        cfg.log.report_to, config_lib.to_dict(cfg))
-        if "eval_loss_start" in self.saved:
+        if "eval_loss_start" in self.saved:  # the run's first eval, kept by its checkpoints
             self.eval_start = float(self.saved["eval_loss_start"])
+            self.eval_start_step = int(self.saved.get("eval_loss_start_step", 0))
         else:
-            self.eval_start = self.evaluate(0)
+            self.eval_start, self.eval_start_step = self.evaluate(self.start_step), self.start_step
         self.run_info = self._run_info()
         self.out.run_json(self.run_info)
         last = self.saved.get("metrics_row")
@@ -312,7 +339,7 @@ class Trainer:
         self.tracker = RunTracker(self.out_dir, self.out.tracker_every(cfg.log.track_every),
                                   self.adapter, self.store, self.engine.optimizers, self.ckpt,
                                   self.start_step)
-        self.flop_count = FlopCounter(self.adapter)
+        self.flop_count = FlopCounter(self.adapter, self.engine.shape)
         self.t_start = time.perf_counter()
 
     def _run_info(self) -> dict[str, Any]:
@@ -327,7 +354,8 @@ class Trainer:
             "hardware_source": None if hw is None else hw.source,
             "predicted_step_s": self.predicted_step_s,
             "predicted_peak_device_bytes": self.est.peak_bytes,
-            "eval_loss_start": self.eval_start, "resumed_from_step": self.start_step or None,
+            "eval_loss_start": self.eval_start, "eval_loss_start_step": self.eval_start_step,
+            "resumed_from_step": self.start_step or None,
             "resumed_from": None if self.start.source is None else str(self.start.source),
             "world_size": self.ctx.world_size, "schedule": self.schedule.to_json(),
             "config": config_lib.to_dict(cfg), "started_unix_s": round(time.time(), 3),
@@ -342,25 +370,31 @@ class Trainer:
         stats = self.engine.train_step(micro, lr=lr)
         if not math.isfinite(stats.loss):
             raise RuntimeError(f"loss is {stats.loss} at step {step + 1}; lower optimizer.lr")
-        self.tokens_seen += stats.tokens
         self.step_times.append(stats.step_s)
         record = _step_record(step + 1, stats, lr, micro,
                               self.flop_count(micro) * self.ctx.world_size,
                               self.predicted_step_s, self.cfg.device,
                               time.perf_counter() - self.t_start, self.ctx.world_size)
+        self.tokens_seen += record["tokens"]
+        self.step_tokens_per_s.append(record["tokens_per_s"])
         return record, stats
 
     def evaluate(self, step: int) -> float:
         """The held-out loss (rank 0 alone: every rank would compute the same number from the
         same store), and the sample generations when asked for."""
-        loss = self.out.evaluate(lambda: self.engine.eval_loss(self.eval_set))
-        if step == 0:
-            _log.info(f"step 0: eval loss {loss:.4f}")
+        with eval_mode(self.adapter):
+            loss = self.out.evaluate(lambda: self.engine.eval_loss(self.eval_set))
+        if step == self.start_step:
+            _log.info(f"step {step}: eval loss {loss:.4f}")
         if self.prompts:
-            self.out.sample(step, lambda: [(self.tokenizer.decode(ids), self.tokenizer.decode(
-                greedy_continue(self.engine.forward_logits, ids, self.cfg.eval.sample_tokens,
-                                self.cfg.seq_len))) for ids in self.prompts])
+            with eval_mode(self.adapter):
+                self._sample(step)
         return loss
+
+    def _sample(self, step: int) -> None:
+        self.out.sample(step, lambda: [(self.tokenizer.decode(ids), self.tokenizer.decode(
+            greedy_continue(self.engine.forward_logits, ids, self.cfg.eval.sample_tokens,
+                            self.cfg.seq_len))) for ids in self.prompts])
 
     def save(self, step: int, record: dict[str, Any]) -> None:
         """A layer-wise checkpoint of ``step`` (every rank writes its groups; in the
@@ -371,7 +405,8 @@ class Trainer:
             if limit is not None:  # room for this save: the newest limit - 1 stay
                 self.out.prune(self.ckpt, max(1, limit - 1))
             rep = self.ckpt.save(step, data_position=step * self.accum, extra={
-                "eval_loss_start": self.eval_start, "metrics_row": dict(record),
+                "eval_loss_start": self.eval_start, "eval_loss_start_step": self.eval_start_step,
+                "metrics_row": dict(record),
                 "data_key": self.data.key, "data_rows_per_micro_batch": self.global_rows,
                 "schedule": self.schedule.to_json()})
         self.last_saved = step
@@ -431,16 +466,23 @@ class Trainer:
         if mem is not None:
             _log.info(f"device memory: {mem / 2**20:.1f} MiB reserved at peak (allocator), "
                       f"predicted {self.est.peak_bytes / 2**20:.1f} MiB")
-        model_dir = self.out.export(self.store, self.tokenizer) if cfg.export else None
+        if cfg.export and cfg.lora.enabled:
+            model_dir = export_lora(self.store, self.out_dir, self.model_path, cfg.lora.merge,
+                                    self.tokenizer)
+        else:
+            model_dir = self.out.export(self.store, self.tokenizer) if cfg.export else None
         times = self.step_times
         measured = statistics.median(times[1:]) if len(times) > 1 else None
+        tps = self.step_tokens_per_s
+        per_step = statistics.median(tps[1:] or tps) if tps else 0.0
+        wall = self.tokens_seen / elapsed
         self.run_info.update(eval_loss_end=self.eval_loss, measured_step_s=measured,
-                             tokens_per_s=self.tokens_seen / elapsed,
+                             tokens_per_s=per_step, tokens_per_s_wall=wall,
                              device_mem_reserved_bytes=mem, finished=True)
         self.out.run_json(self.run_info)
-        return TrainResult(self.out_dir, self.eval_start, self.eval_loss, self.steps,
-                           self.tokens_seen / elapsed, self.est.peak_bytes, model_dir, measured,
-                           self.predicted_step_s, self.ctx.rank)
+        return TrainResult(self.out_dir, self.eval_start, self.eval_loss, self.steps, per_step,
+                           self.est.peak_bytes, model_dir, measured, self.predicted_step_s,
+                           self.ctx.rank, tokens_per_s_wall=wall)
 
     def _result_of_finished_run(self) -> TrainResult:
         info = read_run_json(self.out_dir) or {}
@@ -450,7 +492,8 @@ class Trainer:
                            info.get("tokens_per_s", 0.0),
                            info.get("predicted_peak_device_bytes", 0),
                            model if model.is_dir() else None, info.get("measured_step_s"),
-                           info.get("predicted_step_s"), self.ctx.rank, note=self.start.note)
+                           info.get("predicted_step_s"), self.ctx.rank, note=self.start.note,
+                           tokens_per_s_wall=info.get("tokens_per_s_wall"))
 
     def close(self) -> None:
         """Close everything the run opened (idempotent): the outputs, the tracker, the engine,

@@ -13,7 +13,6 @@ import os
 import sys
 import time
 
-from tqdm import tqdm
 
 _log = logging.getLogger(__name__)
 
@@ -72,12 +71,14 @@ class Progress:
         self.t0 = time.perf_counter()
         self.bar = None
         if self.mode == "bar" and total_steps > start_step:
+            from tqdm import tqdm  # here: ``layerwise train --help`` imports this module
+
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                             dynamic_ncols=True, smoothing=0.1, file=sys.stderr)
 
     def write(self, msg: str) -> None:
         if self.bar is not None:
-            with tqdm.external_write_mode():
+            with type(self.bar).external_write_mode():
                 _log.info(msg)
         else:
             _log.info(msg)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..ckpt.run_dir import RunDir
+from ..ckpt.run_format import OUT_DIR_CKPT, locate_run
 from ..util.units import human_bytes
 
 REPORT_NAME = "report.png"
@@ -106,12 +107,14 @@ def load_run(run: str | Path) -> RunData:
     root = Path(run)
     if not root.is_dir():
         raise ValueError(f"run directory {root} does not exist")
+    if root.name == OUT_DIR_CKPT and (root.parent / "run.json").is_file():
+        root = root.parent  # a `layerwise train` out_dir's ckpt/: report the whole run
     data = RunData(root, info=_read_json(root / "run.json"), plan=_read_json(root / "plan.json"))
     data.metrics, bad_m = _read_jsonl(root / "metrics.jsonl")
     data.tracker, bad_t = _read_jsonl(root / "tracker.jsonl")
     data.skipped_lines = bad_m + bad_t
-    ckpt = root / "ckpt" if (root / "ckpt" / "format.json").exists() else (
-        root if (root / "format.json").exists() else None)
+    located = locate_run(root)
+    ckpt = located if (located / "format.json").exists() else None
     if ckpt is not None:
         data.saves = _saves(ckpt)
         if not data.tracker and ckpt != root:
@@ -166,11 +169,10 @@ def summary_lines(data: RunData) -> list[str]:
         text = (f"steps: {last}" + (f" of {info['steps']}" if info.get("steps") else "")
                 + f"; loss {rows[0]['loss']:.4f} (step {rows[0]['step']}) -> "
                 f"{sum(tail) / len(tail):.4f} (mean of the last {len(tail)})")
-        evals = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
-        if evals or info.get("eval_loss_start") is not None:
-            start = info.get("eval_loss_start")
-            text += "; eval " + (f"{start:.4f} (start)" if start is not None else "")
-            if evals:
+        evals = _evals(data)
+        if evals:
+            text += f"; eval {evals[0][1]:.4f} (step {evals[0][0]})"
+            if len(evals) > 1:
                 text += f" -> {evals[-1][1]:.4f} (step {evals[-1][0]})"
         out.append(text)
         tps = _median([r.get("tokens_per_s") for r in rows[1:] or rows])
@@ -204,13 +206,25 @@ def summary_lines(data: RunData) -> list[str]:
                    f"{human_bytes(written)} written vs {human_bytes(full)} for full saves "
                    f"({written / max(full, 1):.0%}); {avg:.1f} of {n_groups} groups written per save")
     else:
-        out.append("checkpoints: none (ckpt_every=0)")
+        out.append("checkpoints: none (ckpt.every=0 and ckpt.at_end=false)")
     if data.skipped_lines:
         out.append(f"note: {data.skipped_lines} incomplete line(s) skipped")
     return out
 
 
 # ----- the picture ------------------------------------------------------------------------
+
+
+def _evals(data: RunData) -> list[tuple[int, float]]:
+    """The run's evals, each once, by step: the start eval at the step it was measured (0, or
+    the step a run started from another's checkpoint; a resumed run keeps its first run's),
+    then those of ``metrics.jsonl``."""
+    evals = {int(r["step"]): float(r["eval_loss"]) for r in data.metrics
+             if r.get("eval_loss") is not None}
+    start = data.info.get("eval_loss_start")
+    if start is not None:
+        evals.setdefault(int(data.info.get("eval_loss_start_step") or 0), float(start))
+    return sorted(evals.items())
 
 
 def _smooth(xs: list[float], span: int) -> list[float]:
@@ -244,9 +258,7 @@ def _plot_loss(ax, data: RunData) -> None:
     ax.plot(steps, loss, color="#4C72B0", alpha=0.3, lw=0.8, label="train loss")
     ax.plot(steps, _smooth(loss, max(3, len(loss) // 20)), color="#4C72B0", lw=1.8,
             label="train loss (smoothed)")
-    evals = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
-    if data.info.get("eval_loss_start") is not None:
-        evals.insert(0, (data.info.get("resumed_from_step") or 0, data.info["eval_loss_start"]))
+    evals = _evals(data)
     if evals:
         ax.plot(*zip(*evals), "o-", color="#DD8452", lw=1.5, ms=4, label="eval loss")
     ax.set_title("loss")
@@ -311,7 +323,7 @@ def _plot_heatmap(fig, ax, data: RunData) -> None:
     finite = arr[np.isfinite(arr) & (arr > 0)] if arr.size else arr
     if not finite.size:
         _empty(ax, "no per-layer change measured (tracker off, or no reference yet)"
-               if data.tracker else "no tracker.jsonl (track_every=0)")
+               if data.tracker else "no tracker.jsonl (log.track_every=0)")
         ax.set_title("relative change per layer")
         return
     masked = np.ma.masked_invalid(np.where(arr > 0, arr, np.nan))
@@ -334,7 +346,7 @@ def _plot_saves_matrix(ax, data: RunData) -> None:
     from matplotlib.patches import Patch
 
     if not data.saves:
-        _empty(ax, "no checkpoints (ckpt_every=0)")
+        _empty(ax, "no checkpoints (ckpt.every=0, ckpt.at_end=false)")
         ax.set_title("checkpoint history: groups per save")
         return
     groups = data.saves[-1].groups
@@ -407,7 +419,8 @@ def draw_report(data: RunData, out: str | Path) -> Path:
 
 
 def report(run: str | Path, out: str | Path | None = None) -> tuple[Path, list[str]]:
-    """Draw ``run``'s report (default ``RUN/report.png``); return its path and the summary."""
+    """Draw ``run``'s report (default ``report.png`` in the run's out_dir, also when ``run`` is
+    its ``ckpt/``); return its path and the summary."""
     data = load_run(run)
-    path = draw_report(data, Path(out) if out is not None else Path(run) / REPORT_NAME)
+    path = draw_report(data, Path(out) if out is not None else data.run_dir / REPORT_NAME)
     return path, summary_lines(data)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -20,6 +21,8 @@ import torch
 
 from ..ckpt import RunDir
 from ..engine.batch import Batch
+from ..interop.hf.tokenizer_files import RUN_TOKENIZER_DIR, has_tokenizer_files
+from ..interop.layout import GENERATION_CONFIG_NAME
 from ..interop.recipes.store_export import export_store
 from ..plan.plan import Plan
 from ..store import HostStore
@@ -148,9 +151,35 @@ class RunOutput:
         ckpt.wait()
         RunDir.open(ckpt.run_dir).gc(keep)
 
+    def save_model_files(self, tokenizer, model_path: str) -> None:
+        """The run's tokenizer and the model's ``generation_config.json`` in
+        ``out_dir/tokenizer``, which every merge of the run's checkpoints and the export copy
+        beside the weights; rewritten by every run (none for the byte tokenizer of a flavor),
+        except when it is where the run reads its tokenizer from (``layerwise demo``)."""
+        final = self.out_dir / RUN_TOKENIZER_DIR
+        gen = Path(model_path) / GENERATION_CONFIG_NAME
+        source = getattr(tokenizer, "source", None)
+        if source is not None and Path(source).resolve() == final.resolve():
+            if gen.is_file():
+                shutil.copyfile(gen, final / GENERATION_CONFIG_NAME)
+            return
+        tmp = self.out_dir / f".{RUN_TOKENIZER_DIR}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        tokenizer.save(tmp)
+        if gen.is_file():
+            shutil.copyfile(gen, tmp / GENERATION_CONFIG_NAME)
+        shutil.rmtree(final, ignore_errors=True)
+        if any(tmp.iterdir()):
+            tmp.rename(final)
+        else:
+            tmp.rmdir()
+
     def export(self, store: HostStore, tokenizer) -> Path:
-        model_dir = export_store(store, self.out_dir / "model", overwrite=True)
-        saved_tok = tokenizer.save(model_dir)
+        files = self.out_dir / RUN_TOKENIZER_DIR
+        model_dir = export_store(store, self.out_dir / "model", overwrite=True,
+                                 tokenizer=files if files.is_dir() else None)
+        saved_tok = has_tokenizer_files(model_dir)
         _log.info(f"exported Hugging Face model{' and tokenizer' if saved_tok else ''} to "
                   f"{model_dir}")
         return model_dir
@@ -204,6 +233,9 @@ class NullOutput(RunOutput):
 
     def export(self, store, tokenizer) -> None:
         return None
+
+    def save_model_files(self, tokenizer, model_path: str) -> None:
+        pass
 
     def tracker_every(self, every: int) -> int:
         return 0

@@ -19,11 +19,7 @@ from typing import Any
 import tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-                   "merges.txt", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json")
-"""Files that make up a Hugging Face tokenizer (any one of the first four marks a directory as
-having a tokenizer; all that exist go into the fingerprint)."""
+from ..interop.hf.tokenizer_files import TOKENIZER_FILES, has_tokenizer_files
 
 
 class ByteTokenizer:
@@ -103,11 +99,6 @@ class HFTokenizer:
 
 
 Tokenizer = ByteTokenizer | HFTokenizer
-
-
-def has_tokenizer_files(directory: str | Path) -> bool:
-    d = Path(directory)
-    return d.is_dir() and any((d / n).is_file() for n in TOKENIZER_FILES[:4])
 
 
 def load_hf_tokenizer(directory: str | Path) -> HFTokenizer:

@@ -29,6 +29,7 @@ from ...ckpt.checkpointer import Checkpointer
 from ...ckpt.policies import make_policy
 from ...ckpt.resolve import ResolvedStep, open_run_step
 from ...ckpt.run_dir import RunDir
+from ...ckpt.run_format import locate_run
 from ...ckpt.provider import PARAM, rng_parts
 from ...models.names import config_is_tied, group_of
 from ..layout import CheckpointSource
@@ -172,7 +173,7 @@ def import_checkpoints(paths: list[str | Path], run_dir: str | Path, policy: str
     make_policy(policy)  # a mistyped policy fails before any checkpoint is read
     ordered = _ordered(paths, config)
     provider = ImportProvider(ordered[0][2], ordered[0][3])
-    run = Path(run_dir)
+    run = locate_run(run_dir)  # a `layerwise train` out_dir: its ckpt/
     if (run / "format.json").exists():
         store = RunDir.open(run)
         latest = store.latest_step()

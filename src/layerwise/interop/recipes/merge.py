@@ -21,6 +21,7 @@ from typing import Any
 from ...util.atomic import fsync_dir
 from ..torchdist.dcp_checkpoint import write_dcp
 from ..hf.model_dir_writer import write_hf
+from ..hf.tokenizer_files import copy_model_files, model_files_of
 from ..layout import CheckpointSource
 from ..sources import open_source
 from ..hf.trainer_checkpoint import write_trainer
@@ -41,6 +42,7 @@ def merge(
     template: str | Path | None = None,
     overwrite: bool = False,
     config: dict | str | Path | None = None,
+    tokenizer: str | Path | None = None,
 ) -> dict[str, Any]:
     """Write ``source`` (a CheckpointSource or a path for :func:`open_source`) to ``out_dir``.
 
@@ -49,7 +51,9 @@ def merge(
     transformers' defaults. ``template``: for ``deepspeed``, a ZeRO save of the target run whose
     layout is filled (default: the source's own, or the recipe's ``state_from``, when it is a
     ZeRO save). ``config``: the HF config of a DCP source that has none (:func:`open_source`).
-    Returns a summary (files, bytes, step, seconds).
+    ``tokenizer``: a directory whose tokenizer files and generation config are copied beside the
+    weights (``hf`` and ``trainer``; default: the source's own, ``hf.tokenizer_files``).
+    Returns a summary (files, bytes, step, seconds, ``tokenizer_from``).
     """
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}; choose one of {', '.join(FORMATS)}")
@@ -66,6 +70,7 @@ def merge(
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"--out {out} exists and is not empty; choose a new path or pass --overwrite")
 
+    model_files = model_files_of(source, tokenizer) if format in ("hf", "trainer") else None
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -79,6 +84,8 @@ def merge(
             summary = write_zero(source, tmp, template=_zero_template(source, template))
         else:
             summary = write_trainer(source, tmp, max_shard_size=max_shard_size, dtype=dtype, hparams=hparams)
+        if model_files is not None:
+            copy_model_files(model_files, tmp)
         _fsync_tree(tmp)
         _replace_dir(tmp, out)
     except BaseException:
@@ -86,6 +93,7 @@ def merge(
         raise
     if hasattr(source, "describe"):
         summary["sources"] = source.describe()
+    summary["tokenizer_from"] = None if model_files is None else str(model_files)
     summary["out"] = str(out)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     summary["bytes"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())

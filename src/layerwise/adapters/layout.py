@@ -1,0 +1,132 @@
+"""Where a LoRA unit's tensors live in its flat buffer: trainable adapters first, frozen base after.
+
+A unit's *copy source* (what streams to the device) is ``[adapters in the compute dtype | frozen
+base]``; its master, gradient and optimizer state hold the adapters alone. So
+:class:`LoraLayout` answers the engine's questions the way ``store.FlatLayout`` does, about the
+trainable part (``numel``, ``specs``, ``offsets``, ``slices``, ``decay_numel``: the gradient's
+size and the checkpoint's tensors), and adds the frozen part to what ``views`` / ``leaves``
+return when handed a whole copy source (a weight slot): the frozen tensors are plain views (no
+gradient), each in its own format (a float dtype, or the packed bytes of ``adapters.quant``), at
+byte offsets aligned to ``FROZEN_ALIGN_BYTES``. A unit with no adapters (embedding and head)
+has ``numel == 0``: the engine sends no gradient for it and runs no update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.adapter import ParamSpec
+from ..store import FlatLayout
+
+FROZEN_ALIGN_BYTES = 64
+"""Each frozen tensor starts at a multiple of this many bytes (any dtype's view is aligned)."""
+
+
+@dataclass(frozen=True)
+class FrozenEntry:
+    local: str
+    """Name in the unit's template (the HF name's tail, e.g. ``self_attn.q_proj.weight``)."""
+    hf_name: str
+    shape: tuple[int, ...]
+    fmt: str
+    """``float`` (held in ``dtype``), ``int8`` or ``nf4`` (packed bytes)."""
+    dtype: torch.dtype
+    """The held dtype of a ``float`` entry; ``torch.uint8`` for a packed one."""
+    byte_offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        """Parameters of the base this entry holds."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def view(self, raw: torch.Tensor) -> torch.Tensor:
+        part = raw[self.byte_offset:self.byte_offset + self.nbytes]
+        return part if self.fmt != "float" else part.view(self.dtype).view(self.shape)
+
+
+@dataclass(frozen=True)
+class LoraLayout:
+    trainable: FlatLayout
+    frozen: tuple[FrozenEntry, ...]
+    itemsize: int
+    """Bytes per element of the compute dtype (the flat buffers' dtype)."""
+    source_numel: int
+    """Elements (compute dtype) of the whole copy source: adapters, then the frozen base."""
+
+    @classmethod
+    def build(cls, trainable: tuple[ParamSpec, ...], frozen: list[tuple[ParamSpec, str, torch.dtype, int]],
+              itemsize: int) -> LoraLayout:
+        """``frozen``: (spec, format, held dtype, bytes) per base tensor, in order."""
+        flat = FlatLayout.of(_TrainableUnit(trainable))
+        pos = _round_up(flat.numel * itemsize, FROZEN_ALIGN_BYTES)
+        entries = []
+        for spec, fmt, dtype, nbytes in frozen:
+            entries.append(FrozenEntry(spec.local, spec.hf_name, spec.shape, fmt, dtype, pos, nbytes))
+            pos = _round_up(pos + nbytes, FROZEN_ALIGN_BYTES)
+        return cls(flat, tuple(entries), itemsize, -(-pos // itemsize))
+
+    # ----- the engine's questions, about the trainable part --------------------------------
+
+    @property
+    def specs(self) -> tuple[ParamSpec, ...]:
+        return self.trainable.specs
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return self.trainable.offsets
+
+    @property
+    def numel(self) -> int:
+        return self.trainable.numel
+
+    @property
+    def decay_numel(self) -> int:
+        return self.trainable.decay_numel
+
+    def slices(self) -> list[slice]:
+        return self.trainable.slices()
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Adapter views of ``flat`` (a master, gradient, moment: adapters only), plus the frozen
+        base's when ``flat`` is a whole copy source or weight slot."""
+        out = self.trainable.views(flat[:self.numel])
+        out.update(self.frozen_views(flat))
+        return out
+
+    def leaves(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Adapters as autograd leaves (in layout order, first), frozen base as plain views."""
+        out = self.trainable.leaves(flat[:self.numel])
+        out.update(self.frozen_views(flat))
+        return out
+
+    def frozen_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        if flat.numel() < self.source_numel:
+            return {}
+        raw = flat.view(torch.uint8)
+        return {e.local: e.view(raw) for e in self.frozen}
+
+    @property
+    def frozen_nbytes(self) -> int:
+        """Bytes of the frozen base in the copy source (entries, without alignment padding)."""
+        return sum(e.nbytes for e in self.frozen)
+
+    @property
+    def frozen_numel(self) -> int:
+        return sum(e.numel for e in self.frozen)
+
+
+@dataclass(frozen=True)
+class _TrainableUnit:
+    """What ``FlatLayout.of`` reads of a unit: its parameters."""
+
+    params: tuple[ParamSpec, ...]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

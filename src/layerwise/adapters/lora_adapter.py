@@ -1,0 +1,203 @@
+"""A decoder model with LoRA adapters on a frozen base, as the engine sees it.
+
+:class:`LoraAdapter` wraps a ``DecoderAdapter`` and answers the engine with the same calls
+(``embed``, ``layer``, ``head_logits``, ``attention_masks``, ...). Its units hold the adapters as
+their parameters (what is stored in fp32, gradient-accumulated, updated and checkpointed) and the
+frozen base as the rest of their copy source (``adapters.layout``). Each decoder layer's template
+is the HF layer with every ``nn.Linear`` swapped for a ``StreamedLinear`` (frozen weight, in the
+base format, plus ``lora_A`` / ``lora_B`` where ``target_modules`` matches), so the engine binds
+one flat buffer per layer as before.
+
+Adapter names are PEFT's: ``model.layers.{i}.self_attn.q_proj.lora_A.weight`` (PEFT's saved key
+without the ``base_model.model.`` prefix), so the checkpoint groups are the layers' and a PEFT
+adapter maps one to one.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+from torch import nn
+
+from ..models.adapter import DecoderAdapter, ParamSpec, Unit
+from ..models.names import HF_LAYER_PREFIX
+from ..plan.finetune import FrozenBase
+from ..plan.shape import ModelShape
+from .config import ALL_LINEAR, LoraConfig
+from .layout import LoraLayout
+from .linear import StreamedLinear, dropout_scope
+from .quant import QUANT_FORMATS, packed_nbytes
+
+DROPOUT_SEED_KEY = "lora_dropout_seed"
+"""Key of a training micro-batch's dropout seed in its masks dict (a CPU int64 tensor: the dict
+lives as long as the micro-batch, through its forward, recompute and backward)."""
+
+BASE_HELD = {"bf16": torch.bfloat16}
+
+
+def matches_target(name: str, targets: list[str]) -> bool:
+    """PEFT's rule for a list of names: the module's name is one, or ends with ``.`` + one."""
+    return ALL_LINEAR in targets or any(name == t or name.endswith("." + t) for t in targets)
+
+
+class LoraAdapter:
+    """``DecoderAdapter``'s interface for a LoRA (QLoRA) run; see the module docstring."""
+
+    def __init__(self, base: DecoderAdapter, lora: LoraConfig,
+                 compute_dtype: torch.dtype = torch.float32, seed: int = 0):
+        lora.check()
+        if not lora.enabled:
+            raise ValueError("lora.r is 0: there are no adapters to train; use the plain adapter")
+        bad = [t for t in lora.target_modules if "layers." in t or t == "lm_head"]
+        if bad:
+            raise ValueError(f"lora.target_modules {bad}: name linears inside a decoder layer "
+                             "(the same in every layer: q_proj, v_proj, mlp.down_proj, ...) or "
+                             f"{ALL_LINEAR}; the embedding and lm_head stay frozen")
+        self.base = base
+        self.lora = lora
+        self.compute_dtype = compute_dtype
+        self.seed = seed
+        self.training = True
+        """Dropout is drawn only while training (``eval()`` around evaluation, as in PyTorch)."""
+        self.dropout_draws = 0
+        """Training micro-batches started so far: the dropout seed of the next is derived from it
+        (a resumed run sets it back, so its masks are the uninterrupted run's)."""
+        self.base_format = "float" if lora.base_dtype in ("compute", "bf16") else lora.base_dtype
+        self.base_held_dtype = (torch.uint8 if self.base_format in QUANT_FORMATS
+                                else BASE_HELD.get(lora.base_dtype, compute_dtype))
+        swapped: dict[int, nn.Module] = {}
+        self._templates: list[nn.Module] = []
+        for i in range(base.num_layers):
+            original = base._template_of_layer[i]
+            if id(original) not in swapped:
+                swapped[id(original)] = self._swap_linears(original)
+            self._templates.append(swapped[id(original)])
+        self.target_names = sorted({n for t in swapped.values() for n, m in t.named_modules()
+                                    if isinstance(m, StreamedLinear) and m.r})
+        if not self.target_names:
+            raise ValueError(f"lora.target_modules {lora.target_modules} match no linear of the "
+                             f"decoder layers; they have "
+                             f"{sorted(n for n, m in original.named_modules() if isinstance(m, nn.Linear))}")
+        units, self.layouts = [], {}
+        for unit in base.units:
+            trainable, frozen = self._unit_tensors(unit)
+            units.append(Unit(unit.name, unit.kind, unit.index, trainable))
+            self.layouts[unit.name] = LoraLayout.build(trainable, frozen, compute_dtype.itemsize)
+        self.units: tuple[Unit, ...] = tuple(units)
+        self.unit_by_name = {u.name: u for u in self.units}
+
+    def __getattr__(self, name: str):
+        # everything else (config, sizes, embed, head_logits, rotary, ...) is the base model's
+        return getattr(self.__dict__["base"], name)
+
+    # ----- structure ---------------------------------------------------------------------
+
+    def _swap_linears(self, layer: nn.Module) -> nn.Module:
+        out = copy.deepcopy(layer)
+        linears = [(n, m) for n, m in out.named_modules() if isinstance(m, nn.Linear)]
+        for module_id, (name, lin) in enumerate(linears):
+            shape = (lin.out_features, lin.in_features)
+            meta = (torch.empty(packed_nbytes(self.base_format, shape), dtype=torch.uint8, device="meta")
+                    if self.base_format in QUANT_FORMATS
+                    else torch.empty(shape, dtype=self.base_held_dtype, device="meta"))
+            r = self.lora.r if matches_target(name, self.lora.target_modules) else 0
+            new = StreamedLinear(lin.in_features, lin.out_features, lin.bias is not None,
+                                 self.base_format, meta, r, self.lora.scaling, self.lora.dropout,
+                                 module_id)
+            parent, _, child = name.rpartition(".")
+            setattr(out.get_submodule(parent) if parent else out, child, new)
+        return out
+
+    def _unit_tensors(self, unit: Unit):
+        """(trainable specs, frozen (spec, format, held dtype, bytes)) of one base unit."""
+        if unit.kind != "layer":
+            return (), [(p, "float", self.compute_dtype, p.numel * self.compute_dtype.itemsize)
+                        for p in unit.params]
+        template = self._templates[unit.index]
+        prefix = HF_LAYER_PREFIX.format(unit.index)
+        trainable = tuple(ParamSpec(n, prefix + n, tuple(p.shape))
+                          for n, p in template.named_parameters() if ".lora_" in n)
+        linear_weights = {n + ".weight" for n, m in template.named_modules()
+                          if isinstance(m, StreamedLinear)}
+        frozen = []
+        for p in unit.params:
+            if p.local in linear_weights and self.base_format in QUANT_FORMATS:
+                frozen.append((p, self.base_format, torch.uint8, packed_nbytes(self.base_format, p.shape)))
+            elif p.local in linear_weights:
+                frozen.append((p, "float", self.base_held_dtype, p.numel * self.base_held_dtype.itemsize))
+            else:
+                frozen.append((p, "float", self.compute_dtype, p.numel * self.compute_dtype.itemsize))
+        return trainable, frozen
+
+    @property
+    def layer_units(self) -> tuple[Unit, ...]:
+        return self.units[1:-1]
+
+    def hf_names(self) -> list[str]:
+        """The base's HF keys (what a base checkpoint must provide)."""
+        return self.base.hf_names()
+
+    def adapter_names(self) -> list[str]:
+        """Every adapter tensor's name (PEFT's key without ``base_model.model.``)."""
+        return [p.hf_name for u in self.units for p in u.params]
+
+    def num_params(self) -> int:
+        """Trainable parameters (the adapters)."""
+        return sum(u.numel for u in self.units)
+
+    def num_base_params(self) -> int:
+        return self.base.num_params()
+
+    def plan_shape(self) -> ModelShape:
+        """The planner's shape of this run (``ModelShape.frozen_base`` from the real layouts)."""
+        shape = ModelShape.from_config(self.base.config)
+        layer = self.layouts[self.units[1].name]
+        matmul = [e for e in layer.frozen if len(e.shape) == 2]
+        per = sum(e.nbytes for e in matmul) / sum(e.numel for e in matmul)
+        adapter = layer.numel
+        return dataclasses.replace(shape, frozen_base=FrozenBase(
+            adapter, None if self.lora.base_dtype == "compute" else per, 2.0 * adapter))
+
+    # ----- modes ----------------------------------------------------------------------------
+
+    def train(self, mode: bool = True) -> LoraAdapter:
+        self.training = mode
+        return self
+
+    def eval(self) -> LoraAdapter:
+        return self.train(False)
+
+    # ----- computation ------------------------------------------------------------------------
+
+    def attention_masks(self, seq_len: int, device: torch.device) -> dict[str, torch.Tensor | None]:
+        """The base's masks; while training with dropout, plus this micro-batch's dropout seed
+        (called once per micro-batch, in program order on the compute lane)."""
+        masks = self.base.attention_masks(seq_len, device)
+        if self.training and self.lora.dropout:
+            masks[DROPOUT_SEED_KEY] = torch.tensor(self.seed * 1_000_033 + self.dropout_draws)
+            self.dropout_draws += 1
+        return masks
+
+    def layer(self, index: int, params: dict[str, torch.Tensor], hidden: torch.Tensor,
+              position_embeddings: tuple[torch.Tensor, torch.Tensor], position_ids: torch.Tensor,
+              masks: dict[str, torch.Tensor | None]) -> torch.Tensor:
+        seed = masks.get(DROPOUT_SEED_KEY)
+        with dropout_scope(None if seed is None else int(seed), index):
+            out = torch.func.functional_call(
+                self._templates[index], params, (hidden,),
+                {"attention_mask": masks[self.base.layer_types[index]], "position_ids": position_ids,
+                 "position_embeddings": position_embeddings},
+                strict=True)
+        return out[0] if isinstance(out, tuple) else out
+
+    def template(self, index: int) -> nn.Module:
+        """Layer ``index``'s template (meta device), e.g. to read a ``StreamedLinear``'s format."""
+        return self._templates[index]
+
+
+def linear_modules(adapter: LoraAdapter, index: int) -> dict[str, StreamedLinear]:
+    """Layer ``index``'s base linears by local module name."""
+    return {n: m for n, m in adapter.template(index).named_modules() if isinstance(m, StreamedLinear)}
+

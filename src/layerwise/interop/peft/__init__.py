@@ -1,0 +1,1 @@
+"""PEFT (LoRA) adapters in and out: ``adapter_dir``."""

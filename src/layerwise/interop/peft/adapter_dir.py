@@ -1,0 +1,141 @@
+"""PEFT adapter directories in and out, and the merged model as an HF directory.
+
+An adapter directory is what ``peft.PeftModel.save_pretrained`` writes and ``from_pretrained``
+reads: ``adapter_config.json`` (``peft_type: LORA``, ``r``, ``lora_alpha``, ``target_modules``,
+...) and ``adapter_model.safetensors`` holding ``base_model.model.<layerwise adapter name>``
+(``...layers.{i}.self_attn.q_proj.lora_A.weight``) in fp32. Written atomically (a hidden temp
+dir renamed into place). PEFT itself is not needed for either direction.
+
+The merged model (``lora.merge``) is the base with ``B A * alpha / r`` added to each adapted
+weight (the dequantised weight for a quantised base), written through the one HF writer
+(``interop.recipes.merge``) a group at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ...adapters.config import LoraConfig
+from ...adapters.lora_store import LoraStore
+from ...ckpt.provider import PARAM
+from ...models.names import group_of
+from ...util.atomic import fsync_dir
+from ..recipes.merge import merge
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+def peft_config(lora: LoraConfig, target_names: list[str], base_model: str | None) -> dict[str, Any]:
+    """``adapter_config.json`` of an adapter on ``target_names`` (local module names)."""
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
+        "target_modules": sorted({n.rsplit(".", 1)[-1] for n in target_names}),
+        "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True,
+        "inference_mode": True, "modules_to_save": None, "use_rslora": False, "use_dora": False,
+        "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
+        "alpha_pattern": {}, "revision": None,
+    }
+
+
+def write_adapter(store: LoraStore, out_dir: str | Path, base_model: str | None = None,
+                  overwrite: bool = False) -> Path:
+    """Write the store's adapters as a PEFT adapter directory, atomically. Call
+    ``engine.synchronize()`` first."""
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise ValueError(f"{out} exists; pass overwrite=True to replace it")
+    adapter = store.adapter
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        tensors = {PEFT_PREFIX + n: t.detach().clone().contiguous()
+                   for n, t in store.adapter_tensors().items()}
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(
+            peft_config(adapter.lora, adapter.target_names, base_model), indent=2) + "\n")
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def read_adapter(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(adapter_config.json, adapter tensors by layerwise name) of a PEFT LoRA directory."""
+    path = Path(path)
+    cfg_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
+    if not cfg_file.is_file() or not weights.is_file():
+        raise ValueError(f"{path} is not a PEFT adapter directory: it needs {ADAPTER_CONFIG} and "
+                         f"{ADAPTER_WEIGHTS}")
+    config = json.loads(cfg_file.read_text())
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"{path}: peft_type {config.get('peft_type')!r}, only LORA adapters load")
+    for key in ("use_dora", "use_rslora"):
+        if config.get(key):
+            raise ValueError(f"{path}: {key}=true is not supported")
+    tensors = {}
+    for k, v in load_file(str(weights)).items():
+        name = k.removeprefix(PEFT_PREFIX).replace(".default.", ".")
+        tensors[name] = v.float()
+    return config, tensors
+
+
+def load_init_adapter(store: LoraStore, path: str | Path) -> None:
+    """``lora.init=DIR``: start from an existing adapter; its r and alpha must be the run's."""
+    config, tensors = read_adapter(path)
+    lora = store.adapter.lora
+    if int(config.get("r", -1)) != lora.r or float(config.get("lora_alpha", -1)) != float(lora.alpha):
+        raise ValueError(f"{path}: the adapter has r={config.get('r')} lora_alpha="
+                         f"{config.get('lora_alpha')}, the run lora.r={lora.r} lora.alpha="
+                         f"{lora.alpha:g}; set them to the adapter's")
+    store.load_adapters(tensors)
+
+
+class MergedSource:
+    """The store's base with its adapters merged in, as a ``CheckpointSource`` (HF groups)."""
+
+    def __init__(self, store: LoraStore):
+        self.store = store
+        tied = store.adapter.tied
+        self._groups: dict[str, list[str]] = {}
+        for name in store.adapter.hf_names():
+            self._groups.setdefault(group_of(name, tied), []).append(name)
+
+    def groups(self) -> list[str]:
+        return list(self._groups)
+
+    def load_group(self, group: str) -> dict[str, torch.Tensor]:
+        names = self._groups[group]
+        merged = self.store.merged_tensors(self.store.unit_of(names[0]))
+        return {PARAM + n: merged[n] for n in names}
+
+    def model_config(self) -> dict | None:
+        return self.store.adapter.config.to_dict()
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"step": 0, "scheduler": None, "rng": None, "trainer_state": None}
+
+
+def write_merged(store: LoraStore, out_dir: str | Path, overwrite: bool = False,
+                 dtype: str | None = None) -> Path:
+    """The merged model as a ``from_pretrained``-loadable HF directory, atomically."""
+    merge(MergedSource(store), out_dir, "hf", dtype=dtype, overwrite=overwrite)
+    return Path(out_dir)

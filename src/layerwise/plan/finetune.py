@@ -1,0 +1,51 @@
+"""A frozen base with trained adapters (LoRA / QLoRA), as the planner's models see it: no tensors.
+
+With ``ModelShape.frozen_base`` set, the cost, memory and host models count what such a run does
+(``layerwise.adapters`` is what runs it): the decoder layers' matmul weights stream in the base
+format (``base_bytes_per_param``), the adapters in the compute dtype beside them; only the
+adapters get gradients (copied out, accumulated, updated, with optimizer state); the embedding
+and head are frozen units (streamed, never updated); a backward computes input gradients only
+(plus the adapters' small products), so a layer's backward is 1x its forward, not 2x.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LORA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+BASE_BYTES_PER_PARAM = {"bf16": 2.0, "nf4": 0.5 + 4 / 64}
+"""Host and wire bytes per base matmul weight by format (int8 depends on the row length)."""
+
+
+@dataclass(frozen=True)
+class FrozenBase:
+    adapter_params_per_layer: int
+    """Adapter parameters (``lora_A`` + ``lora_B`` of every targeted linear) of one layer."""
+    base_bytes_per_param: float | None = None
+    """Bytes per decoder-layer matmul weight on the host and on the wire; None: the compute
+    dtype's (norms, embedding and head are always in the compute dtype)."""
+    adapter_flops_per_token: float = 0.0
+    """Forward FLOPs per token of one layer's adapters (``2 (in + out) r`` per targeted linear)."""
+
+
+def linear_dims(hidden: int, intermediate: int, q_dim: int, kv_dim: int) -> dict[str, tuple[int, int]]:
+    """(in, out) of each decoder-layer linear (Llama-style names)."""
+    return {"q_proj": (hidden, q_dim), "k_proj": (hidden, kv_dim), "v_proj": (hidden, kv_dim),
+            "o_proj": (q_dim, hidden), "gate_proj": (hidden, intermediate),
+            "up_proj": (hidden, intermediate), "down_proj": (intermediate, hidden)}
+
+
+def lora_frozen_base(hidden: int, intermediate: int, q_dim: int, kv_dim: int, r: int,
+                     targets: list[str] | tuple[str, ...], base_dtype: str) -> FrozenBase:
+    """The planner's view of ``lora.r=r lora.target_modules=targets lora.base_dtype=base_dtype``."""
+    dims = linear_dims(hidden, intermediate, q_dim, kv_dim)
+    chosen = [n for n in LORA_LINEARS if "all-linear" in targets or n in targets
+              or any(t.endswith("." + n) for t in targets)]
+    adapter = sum(r * (dims[n][0] + dims[n][1]) for n in chosen)
+    if base_dtype == "int8":
+        matmul = sum(i * o for i, o in dims.values())
+        per = 1.0 + sum(4 * o for _, o in dims.values()) / matmul  # codes + fp32 row scales
+    else:
+        per = BASE_BYTES_PER_PARAM.get(base_dtype)
+    return FrozenBase(adapter, per, 2.0 * adapter)

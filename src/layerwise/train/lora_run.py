@@ -1,0 +1,108 @@
+"""What a ``lora.r > 0`` run does differently: a LoRA store over the frozen base, a planner shape
+that knows the base is frozen, dropout off while evaluating, and the PEFT adapter (and, with
+``lora.merge``, the merged model) as the export. The loop calls these where a full run builds,
+plans, evaluates and exports; everything else (engine, checkpoints of the adapters and their
+AdamW state, resume) is the same code."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from ..adapters.lora_adapter import LoraAdapter
+from ..adapters.lora_store import LoraStore
+from ..ckpt.provider import PARAM
+from ..interop.hf.model_dir import HFModelDirSource
+from ..interop.peft.adapter_dir import load_init_adapter, write_adapter, write_merged
+from ..models import FLAVORS, DecoderAdapter
+from ..models.init import build_hf_model
+from ..plan.finetune import lora_frozen_base
+from ..plan.shape import ModelShape
+from .config import TrainConfig
+
+_log = logging.getLogger(__name__)
+
+
+def check_lora(cfg: TrainConfig, distributed: bool) -> None:
+    if cfg.lora.enabled and distributed:
+        raise ValueError("lora.r > 0 runs in one process for now; run without torchrun")
+
+
+def lora_shape(cfg: TrainConfig, shape: ModelShape) -> ModelShape:
+    """``shape`` with the run's frozen base, for planning (nothing built)."""
+    if not cfg.lora.enabled:
+        return shape
+    lora = cfg.lora
+    return dataclasses.replace(shape, frozen_base=lora_frozen_base(
+        shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim, lora.r,
+        lora.target_modules, lora.base_dtype))
+
+
+def build_lora(name: str, config: PretrainedConfig, cfg: TrainConfig, compute_dtype: torch.dtype
+               ) -> tuple[LoraAdapter, LoraStore]:
+    """The base (a flavor's seeded init, or a model directory's weights, quantised as they are
+    read, one group at a time), then the adapters: PEFT's init under ``seed``, or ``lora.init``."""
+    adapter = LoraAdapter(DecoderAdapter(config), cfg.lora, compute_dtype, cfg.seed)
+    store = LoraStore(adapter, compute_dtype)
+    if name in FLAVORS:
+        store.copy_from_model(build_hf_model(config, cfg.seed))
+    else:
+        source = HFModelDirSource(name)
+        needed = set(adapter.hf_names())
+        missing = sorted(needed - set(source.hf_names()))
+        if missing:
+            raise ValueError(f"{name}: weights missing for {len(missing)} tensors, e.g. "
+                             f"{missing[:3]}; the checkpoint does not match its config.json")
+        for group in source.groups():
+            for key, tensor in source.load_group(group).items():
+                if key[len(PARAM):] in needed:
+                    store.load_hf_tensor(key[len(PARAM):], tensor)
+    store.init_adapters(cfg.seed)
+    if cfg.lora.init:
+        load_init_adapter(store, cfg.lora.init)
+        _log.info(f"adapters start from {cfg.lora.init}")
+    base_mib = store.base_nbytes() / 2**20
+    _log.info(f"LoRA r={cfg.lora.r} on {', '.join(adapter.target_names)}: "
+              f"{adapter.num_params() / 1e6:.2f}M adapter params; frozen base "
+              f"{adapter.num_base_params() / 1e6:.1f}M params in {cfg.lora.base_dtype} "
+              f"({base_mib:.1f} MiB on the host)")
+    return adapter, store
+
+
+@contextlib.contextmanager
+def eval_mode(adapter):
+    """No adapter dropout inside (a full run's adapter has no modes)."""
+    train = getattr(adapter, "train", None)
+    if train is None:
+        yield
+        return
+    train(False)
+    try:
+        yield
+    finally:
+        train(True)
+
+
+def resume_dropout(adapter, micro_batches_done: int) -> None:
+    """A resumed run draws the dropout masks the uninterrupted run would (one per training
+    micro-batch)."""
+    if isinstance(adapter, LoraAdapter):
+        adapter.dropout_draws = micro_batches_done
+
+
+def export_lora(store: LoraStore, out_dir: Path, model_path: str, merge: bool, tokenizer) -> Path:
+    """``out_dir/adapter`` (PEFT), and with ``merge`` ``out_dir/model`` (the merged HF model with
+    the tokenizer). Returns the adapter directory."""
+    adapter_dir = write_adapter(store, out_dir / "adapter", base_model=model_path, overwrite=True)
+    _log.info(f"exported the PEFT adapter to {adapter_dir}")
+    if merge:
+        model_dir = write_merged(store, out_dir / "model", overwrite=True)
+        saved = tokenizer.save(model_dir) if tokenizer is not None else False
+        _log.info(f"exported the merged Hugging Face model{' and tokenizer' if saved else ''} to "
+                  f"{model_dir}")
+    return adapter_dir
