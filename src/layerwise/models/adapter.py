@@ -22,6 +22,7 @@ aux loss ``moe.py``'s, the per-layer sizes and FLOPs ``structure.py``'s.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 
@@ -259,9 +260,13 @@ class DecoderAdapter:
         return torch.ops.aten.embedding_dense_backward.out(grad_out, input_ids, rows, pad, False, out=out)
 
     def layer(self, index: int, params: dict[str, torch.Tensor], hidden: torch.Tensor,
-              ctx: LayerContext) -> torch.Tensor:
-        """Decoder layer ``index`` on ``hidden`` ``[b, s, h]``, as HF's model forward runs it."""
+              ctx: LayerContext, module: nn.Module | None = None) -> torch.Tensor:
+        """Decoder layer ``index`` on ``hidden`` ``[b, s, h]``, as HF's model forward runs it.
+        ``module``: another template of the layer's structure (a LoRA run's, its linears
+        swapped), run the same way."""
         t = self._template_of_layer[index]
+        if module is not None:
+            t = dataclasses.replace(t, module=module)
         record = ctx.router is not None and t.has_router
         if record:
             self._recorder.start()
