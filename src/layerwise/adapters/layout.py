@@ -92,6 +92,9 @@ class LoraLayout:
     def slices(self) -> list[slice]:
         return self.trainable.slices()
 
+    def find(self, local: str) -> tuple[ParamSpec, int]:
+        return self.trainable.find(local)
+
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Adapter views of ``flat`` (a master, gradient, moment: adapters only), plus the frozen
         base's when ``flat`` is a whole copy source or weight slot."""
