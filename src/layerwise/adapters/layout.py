@@ -93,7 +93,6 @@ class LoraLayout:
         return self.trainable.slices()
 
     def find(self, local: str) -> tuple[ParamSpec, int]:
-        """An adapter tensor's spec and offset in the trained flat buffers."""
         return self.trainable.find(local)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
