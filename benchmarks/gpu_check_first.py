@@ -92,12 +92,11 @@ def run_layer_check(dev: Dev, sizes: FirstSizes, data: dict[str, Any]) -> None:
     t = time.perf_counter()
     with dev.true_fp32():
         w = buf.read_master().to(dev.name)
-        xd, gd, posd = x.to(dev.name), grad_out.to(dev.name), pos.to(dev.name)
+        xd, gd = x.to(dev.name), grad_out.to(dev.name)
+        ctx = adapter.layer_context((b, s), dev.name, xd.dtype, adapter.new_rotary(dev.name))
         with torch.no_grad():
-            rope = adapter.new_rotary(dev.name)(xd, posd)
-            masks = adapter.attention_masks(s, torch.device(dev.name))
-            y = adapter.layer(0, buf.layout.views(w), xd, rope, posd, masks)
-        gx, gw = layer_backward(adapter, 0, buf.layout, w, xd, gd, rope, posd, masks)
+            y = adapter.layer(0, buf.layout.views(w), xd, ctx)
+        gx, gw = layer_backward(adapter, 0, buf.layout, w, xd, gd, ctx)
         dev.sync()
     data["device_s"] = round(time.perf_counter() - t, 4)
     errs = {spec.local: rel_err(gp.cpu(), ref_w[spec.local].grad) for spec, gp in zip(buf.layout.specs, gw)}

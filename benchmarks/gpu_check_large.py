@@ -152,13 +152,10 @@ def measure_layer_at_shape(lg: Large) -> dict[str, Any]:
             view.fill_(1.0 if "norm" in spec.local else 0.0)
     x = torch.randn(mbs, seq, shape.hidden_size, device=dev.name, generator=gen).to(dtype)
     grad_out = torch.randn_like(x)
-    pos = torch.arange(seq, device=dev.name)[None]
-    with torch.no_grad():
-        rope = adapter.new_rotary(dev.name)(x, pos)
-    masks = adapter.attention_masks(seq, torch.device(dev.name))
+    ctx = adapter.layer_context((mbs, seq), dev.name, dtype, adapter.new_rotary(dev.name))
 
     def run():
-        layer_backward(adapter, 0, layout, w, x, grad_out, rope, pos, masks)
+        layer_backward(adapter, 0, layout, w, x, grad_out, ctx)
 
     run()
     dev.sync()

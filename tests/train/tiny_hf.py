@@ -37,22 +37,25 @@ TRAIN_TEXT = [
 ]
 
 
-def make_tokenizer(chat_template: str = CHAT_TEMPLATE, vocab_size: int = 320
-                   ) -> PreTrainedTokenizerFast:
+def make_tokenizer(chat_template: str = CHAT_TEMPLATE, vocab_size: int = 320,
+                   specials: tuple[str, ...] = (), **special_roles: str) -> PreTrainedTokenizerFast:
+    """``specials``: a family's own special tokens (more than ChatML's); ``special_roles``:
+    e.g. ``bos_token="<bos>"``, which its template reads."""
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS + list(specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tk.train_from_iterator(TRAIN_TEXT * 4, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", chat_template=chat_template)
+    roles = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", **special_roles}
+    return PreTrainedTokenizerFast(tokenizer_object=tk, chat_template=chat_template, **roles)
 
 
 def make_model_dir(path: Path, chat_template: str = CHAT_TEMPLATE, vocab_size: int | None = None,
-                   with_tokenizer: bool = True) -> Path:
+                   with_tokenizer: bool = True, specials: tuple[str, ...] = (),
+                   **special_roles: str) -> Path:
     """``path`` with a tiny Llama (``llama-debug`` shape) and, by default, the tokenizer."""
-    tok = make_tokenizer(chat_template)
+    tok = make_tokenizer(chat_template, specials=specials, **special_roles)
     torch.manual_seed(0)
     config = get_flavor("llama-debug").build_config(
         vocab_size=vocab_size or len(tok), eos_token_id=tok.eos_token_id,

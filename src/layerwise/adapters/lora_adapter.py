@@ -1,7 +1,7 @@
 """A decoder model with LoRA adapters on a frozen base, as the engine sees it.
 
 :class:`LoraAdapter` wraps a ``DecoderAdapter`` and answers the engine with the same calls
-(``embed``, ``layer``, ``head_logits``, ``attention_masks``, ...). Its units hold the adapters as
+(``embed``, ``layer``, ``head_logits``, ``layer_context``, ...). Its units hold the adapters as
 their parameters (what is stored in fp32, gradient-accumulated, updated and checkpointed) and the
 frozen base as the rest of their copy source (``adapters.layout``). Each decoder layer's template
 is the HF layer with every ``nn.Linear`` swapped for a ``StreamedLinear`` (frozen weight, in the
@@ -21,7 +21,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..models.adapter import DecoderAdapter, ParamSpec, Unit
+from ..models.adapter import DecoderAdapter, LayerContext, ParamSpec, Unit
 from ..models.names import HF_LAYER_PREFIX
 from ..plan.finetune import FrozenBase
 from ..plan.shape import ModelShape
@@ -31,8 +31,9 @@ from .linear import StreamedLinear, dropout_scope
 from .quant import QUANT_FORMATS, packed_nbytes
 
 DROPOUT_SEED_KEY = "lora_dropout_seed"
-"""Key of a training micro-batch's dropout seed in its masks dict (a CPU int64 tensor: the dict
-lives as long as the micro-batch, through its forward, recompute and backward)."""
+"""Key of a training micro-batch's dropout seed in its ``LayerContext.masks`` (a CPU int64
+tensor: the context lives as long as the micro-batch, through its forward, recompute and
+backward)."""
 
 BASE_HELD = {"bf16": torch.bfloat16}
 
@@ -70,7 +71,7 @@ class LoraAdapter:
         swapped: dict[int, nn.Module] = {}
         self._templates: list[nn.Module] = []
         for i in range(base.num_layers):
-            original = base._template_of_layer[i]
+            original = base._template_of_layer[i].module
             if id(original) not in swapped:
                 swapped[id(original)] = self._swap_linears(original)
             self._templates.append(swapped[id(original)])
@@ -171,26 +172,21 @@ class LoraAdapter:
 
     # ----- computation ------------------------------------------------------------------------
 
-    def attention_masks(self, seq_len: int, device: torch.device) -> dict[str, torch.Tensor | None]:
-        """The base's masks; while training with dropout, plus this micro-batch's dropout seed
+    def layer_context(self, shape: tuple[int, int], device, dtype: torch.dtype, rotary: nn.Module,
+                      segment_ids: torch.Tensor | None = None, router: bool = False) -> LayerContext:
+        """The base's context; while training with dropout, plus this micro-batch's dropout seed
         (called once per micro-batch, in program order on the compute lane)."""
-        masks = self.base.attention_masks(seq_len, device)
+        ctx = self.base.layer_context(shape, device, dtype, rotary, segment_ids, router)
         if self.training and self.lora.dropout:
-            masks[DROPOUT_SEED_KEY] = torch.tensor(self.seed * 1_000_033 + self.dropout_draws)
+            ctx.masks[DROPOUT_SEED_KEY] = torch.tensor(self.seed * 1_000_033 + self.dropout_draws)
             self.dropout_draws += 1
-        return masks
+        return ctx
 
     def layer(self, index: int, params: dict[str, torch.Tensor], hidden: torch.Tensor,
-              position_embeddings: tuple[torch.Tensor, torch.Tensor], position_ids: torch.Tensor,
-              masks: dict[str, torch.Tensor | None]) -> torch.Tensor:
-        seed = masks.get(DROPOUT_SEED_KEY)
+              ctx: LayerContext) -> torch.Tensor:
+        seed = ctx.masks.get(DROPOUT_SEED_KEY)
         with dropout_scope(None if seed is None else int(seed), index):
-            out = torch.func.functional_call(
-                self._templates[index], params, (hidden,),
-                {"attention_mask": masks[self.base.layer_types[index]], "position_ids": position_ids,
-                 "position_embeddings": position_embeddings},
-                strict=True)
-        return out[0] if isinstance(out, tuple) else out
+            return self.base.layer(index, params, hidden, ctx, module=self._templates[index])
 
     def template(self, index: int) -> nn.Module:
         """Layer ``index``'s template (meta device), e.g. to read a ``StreamedLinear``'s format."""

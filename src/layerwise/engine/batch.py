@@ -1,5 +1,6 @@
-"""What one micro-batch is: token ids and already-shifted labels (the engine's input contract);
-``Batch.from_hf`` builds one from labels as Hugging Face takes them (unshifted)."""
+"""What one micro-batch is: token ids, already-shifted labels and, for packed rows, which
+example each position holds (the engine's input contract); ``Batch.from_hf`` builds one from
+labels as Hugging Face takes them (unshifted)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,19 @@ class Batch:
     """``[batch, seq]`` token ids."""
     labels: torch.Tensor
     """``[batch, seq]``: the target of each position (already shifted), IGNORE_INDEX for none."""
+    segment_ids: torch.Tensor | None = None
+    """``[batch, seq]``: the example each position belongs to (numbered within the row or
+    across rows, any integers), -1 for padding; None: one example a row. The engine restarts
+    positions at each example and keeps attention inside it (``models/attention.py``)."""
 
     @property
     def num_target_tokens(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
+
+    def rows(self, sl: slice) -> Batch:
+        """The micro-batch of rows ``sl`` (contiguous copies)."""
+        seg = None if self.segment_ids is None else self.segment_ids[sl].contiguous()
+        return Batch(self.input_ids[sl].contiguous(), self.labels[sl].contiguous(), seg)
 
     @classmethod
     def from_hf(cls, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Batch:

@@ -92,16 +92,13 @@ def measure_layer(device: str, dtype, tokens: int, repeats: int,
     def run(seq: int) -> tuple[Callable[[], None], Callable[[], None]]:
         x = torch.randn(1, seq, cfg.hidden_size, device=device, dtype=dtype)
         grad_out = torch.randn_like(x)
-        pos = torch.arange(seq, device=device)[None]
-        with torch.no_grad():
-            rope = rotary(x, pos)
-        masks = adapter.attention_masks(seq, torch.device(device))
+        ctx = adapter.layer_context((1, seq), device, dtype, rotary)
 
         def fwd() -> None:
             with torch.no_grad():
-                adapter.layer(0, layout.views(flat_w), x, rope, pos, masks)
+                adapter.layer(0, layout.views(flat_w), x, ctx)
 
-        return (lambda: layer_backward(adapter, 0, layout, flat_w, x, grad_out, rope, pos, masks)), fwd
+        return (lambda: layer_backward(adapter, 0, layout, flat_w, x, grad_out, ctx)), fwd
 
     shape = ModelShape.from_config(cfg)
     big = CostModel(shape, PRESETS["cpu"], 1, tokens).layer_fwd_flops(0)

@@ -90,7 +90,8 @@ def pageable_copy_warning(device: torch.device, store: HostStore) -> str | None:
 @dataclass
 class StepStats:
     loss: float
-    """Mean cross-entropy per target token over the whole step."""
+    """Mean cross-entropy per target token over the whole step (plus, for an MoE trained with
+    its router aux loss, that loss as ``models/moe.py`` weights it)."""
     grad_norm: float
     clip_coef: float
     tokens: int
@@ -211,6 +212,9 @@ class StreamingEngine:
         if ids.shape != labels.shape or ids.dim() != 2:
             raise ValueError(f"input_ids {tuple(ids.shape)} and labels {tuple(labels.shape)} must "
                              "both be [batch, seq]")
+        if mb.segment_ids is not None and mb.segment_ids.shape != ids.shape:
+            raise ValueError(f"segment_ids {tuple(mb.segment_ids.shape)} must have the shape of "
+                             f"input_ids {tuple(ids.shape)}")
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             raise ValueError(f"token ids must be in [0, {vocab}) for this model, got "
                              f"[{int(ids.min())}, {int(ids.max())}]; the tokenizer does not match the model")
@@ -296,10 +300,12 @@ class StreamingEngine:
     # ----- inference (eval, export checks) ------------------------------------------------
 
     @torch.no_grad()
-    def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits of a batch, streamed layer by layer (``[batch, seq, vocab]`` on the host)."""
+    def forward_logits(self, input_ids: torch.Tensor,
+                       segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of a batch, streamed layer by layer (``[batch, seq, vocab]`` on the host);
+        ``segment_ids``: packed rows (``Batch.segment_ids``)."""
         parts = [self.adapter.head_logits(hv, ew, h).float().cpu()
-                 for _, h, hv, ew in self._forward_hidden(input_ids)]
+                 for _, h, hv, ew in self._forward_hidden(input_ids, None, segment_ids)]
         return torch.cat(parts, dim=1)
 
     @torch.no_grad()
@@ -308,7 +314,8 @@ class StreamingEngine:
         total_loss, total_tokens = 0.0, 0
         for mb in batches:
             labels = mb.labels.to(self.device)
-            for sl, h, hv, ew in self._forward_hidden(mb.input_ids, self.plan.head_chunk_tokens):
+            for sl, h, hv, ew in self._forward_hidden(mb.input_ids, self.plan.head_chunk_tokens,
+                                                      mb.segment_ids):
                 logits = self.adapter.head_logits(hv, ew, h)
                 total_loss += float(F.cross_entropy(
                     logits.float().flatten(0, 1), labels[:, sl].flatten(),
@@ -318,11 +325,12 @@ class StreamingEngine:
             raise ValueError("eval batches have no target tokens")
         return total_loss / total_tokens
 
-    def _forward_hidden(self, input_ids: torch.Tensor, chunk_tokens: int | None = None):
+    def _forward_hidden(self, input_ids: torch.Tensor, chunk_tokens: int | None = None,
+                        segment_ids: torch.Tensor | None = None):
         """Yield (sequence slice, final hidden chunk, head views, tied weight) per chunk."""
         self.synchronize()
-        self.check_batch(Batch(input_ids, input_ids))
-        yield from self.handlers.forward_hidden(input_ids, chunk_tokens)
+        self.check_batch(Batch(input_ids, input_ids, segment_ids))
+        yield from self.handlers.forward_hidden(input_ids, chunk_tokens, segment_ids)
 
     def close(self) -> None:
         self.updates.close()

@@ -8,7 +8,7 @@ from contextlib import nullcontext
 
 import torch
 
-from ..models.adapter import DecoderAdapter
+from ..models.adapter import DecoderAdapter, LayerContext
 from ..store import FlatLayout
 
 
@@ -18,15 +18,17 @@ def trained(params: dict[str, torch.Tensor]) -> list[torch.Tensor]:
 
 
 def layer_backward(adapter: DecoderAdapter, index: int, layout: FlatLayout, flat_w: torch.Tensor,
-                   x: torch.Tensor, grad_out: torch.Tensor, rope, pos: torch.Tensor, masks,
+                   x: torch.Tensor, grad_out: torch.Tensor, ctx: LayerContext,
                    saved_tensors_hooks=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(grad w.r.t. ``x``, grads of the layer's trained parameters in layout order; a frozen
-    tensor the layout binds, e.g. a LoRA run's base, is not a leaf and gets none)."""
+    tensor the layout binds, e.g. a LoRA run's base, is not a leaf and gets none). An MoE
+    layer's router logits take the aux loss's gradient from ``ctx`` on the way
+    (``models/moe.py``)."""
     x = x.detach().requires_grad_()
     params = layout.leaves(flat_w)
     hooks = (torch.autograd.graph.saved_tensors_hooks(*saved_tensors_hooks)
              if saved_tensors_hooks is not None else nullcontext())
     with hooks:
-        y = adapter.layer(index, params, x, rope, pos, masks)
+        y = adapter.layer(index, params, x, ctx)
     gx, *gw = torch.autograd.grad(y, (x, *trained(params)), grad_out)
     return gx, gw

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..models.adapter import DecoderAdapter
+from ..models.adapter import DecoderAdapter, LayerContext
 from ..models.names import EMBED, HEAD, layer_unit
 from ..plan.plan import Plan
 from ..plan.program import FETCH_AHEAD, Op, OpKind, forward_program, weight_schedule
@@ -55,7 +55,7 @@ class OpHandlers:
         tiers = self.plan.boundary_tiers
         self.acts.prepare(math.prod(shape), self.compute_dtype,
                           sum(t in ("host", "nvme") for t in tiers), tiers.count("nvme"))
-        mb = MicroBatch(shape, loss, total_tokens, final)
+        mb = MicroBatch(shape, loss, total_tokens, final, batch.num_target_tokens / total_tokens)
         self.backend.launch(lambda: self._start(mb, batch))
         for n, op in enumerate(program):
             # compute waits for the offloads of k ops back, and their memory goes before any
@@ -71,11 +71,14 @@ class OpHandlers:
                 self.ops[op.kind](mb, op.index)
 
     def _start(self, mb: MicroBatch, batch: Batch) -> None:
+        """Compute lane: the micro-batch's ids and labels on the device, and what every layer
+        reads (positions restarting at each example, RoPE, masks keeping examples apart,
+        the router logits' record when training an MoE with its aux loss)."""
         mb.ids = self._to_device(batch.input_ids)
         mb.labels = self._to_device(batch.labels)
-        seq_len = batch.input_ids.shape[1]
-        mb.pos = torch.arange(seq_len, device=self.device)[None]
-        mb.masks = self.adapter.attention_masks(seq_len, self.device)
+        mb.ctx = self.adapter.layer_context(tuple(batch.input_ids.shape), self.device,
+                                            self.compute_dtype, self.rotary, batch.segment_ids,
+                                            router=mb.loss is not None)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -89,8 +92,6 @@ class OpHandlers:
         def run() -> None:
             with torch.no_grad():
                 h0 = self.adapter.embed(self.store[EMBED].layout.views(w), mb.ids)
-                if mb.rope is None:
-                    mb.rope = self.rotary(h0, mb.pos)
             if recompute:
                 out.value = h0
             else:
@@ -123,10 +124,9 @@ class OpHandlers:
 
         def run() -> None:
             leaves = self.store[unit].layout.leaves(w)
-            shared = [t for t in (*mb.rope, mb.pos, *mb.masks.values()) if t is not None]
             mb.h = self.internals.forward(
-                g, lambda x: self.adapter.layer(i, leaves, x, mb.rope, mb.pos, mb.masks),
-                mb.h, w, leaves, shared)
+                g, lambda x: self.adapter.layer(i, leaves, x, mb.ctx), mb.h, w, leaves,
+                mb.ctx.shared_tensors())
 
         self.backend.launch(run)
         self.internals.forward_queued(g)
@@ -144,7 +144,7 @@ class OpHandlers:
         def run() -> None:
             with torch.no_grad():
                 put_output(self.adapter.layer(i, self.store[unit].layout.views(w), get_input(),
-                                              mb.rope, mb.pos, mb.masks))
+                                              mb.ctx))
 
         self.backend.launch(run)
         self.streamer.release(unit)
@@ -172,7 +172,7 @@ class OpHandlers:
     def _layer_bwd(self, mb: MicroBatch, i: int) -> None:
         layout = self.store[layer_unit(i)].layout
         self._backward(mb, layer_unit(i), lambda w, _: layer_backward(
-            self.adapter, i, layout, w, self.acts.on_device[i], mb.grad_h, mb.rope, mb.pos, mb.masks))
+            self.adapter, i, layout, w, self.acts.on_device[i], mb.grad_h, mb.ctx))
         self.acts.drop(i)
 
     def _fetch_internals(self, mb: MicroBatch, i: int) -> None:
@@ -233,6 +233,9 @@ class OpHandlers:
                     acc += gi
                 mb.loss += loss.detach()
                 del g, logits, loss  # free this chunk's grads and logits before the next chunk
+            aux = ad.router_aux_loss(mb.ctx, mb.aux_weight)  # MoE: its gradient waits for the layers
+            if aux is not None:
+                mb.loss += aux
             mb.grad_h = grad_h2.view_as(mb.h)
             mb.h = None
             for u in units:
@@ -246,16 +249,18 @@ class OpHandlers:
         if ad.tied and st[EMBED].layout.numel:  # embed_bwd adds the rest
             self.sink.put_fp32(EMBED, grads[EMBED], st[EMBED].layout.numel, final=False)
 
-    def forward_hidden(self, input_ids: torch.Tensor, chunk_tokens: int | None = None):
+    def forward_hidden(self, input_ids: torch.Tensor, chunk_tokens: int | None = None,
+                       segment_ids: torch.Tensor | None = None):
         """Yield (sequence slice, final hidden chunk, head views, tied weight) per chunk; the
-        caller has checked the ids and waited for the optimizer updates."""
+        caller has checked the ids and waited for the optimizer updates. ``segment_ids``: packed
+        rows (``Batch.segment_ids``)."""
         ad, st = self.adapter, self.store
         batch, seq_len = input_ids.shape
-        mb = MicroBatch(tuple(input_ids.shape) + (ad.hidden_size,), None, 0, False)
+        mb = MicroBatch(tuple(input_ids.shape) + (ad.hidden_size,), None, 0, False, 0.0)
         ops = forward_program(ad.num_layers)[:-1]  # the head runs on the host below
         units = (EMBED, HEAD) if ad.tied else (HEAD,)
         self.streamer.begin(weight_schedule(ops, ad.tied) + list(units))
-        self.backend.launch(lambda: self._start(mb, Batch(input_ids, input_ids)))
+        self.backend.launch(lambda: self._start(mb, Batch(input_ids, input_ids, segment_ids)))
         self._embed_fwd(mb, -1)
         for i in range(ad.num_layers):
             self._layer_no_grad(mb, i, lambda: mb.h, lambda y: setattr(mb, "h", y))
@@ -283,11 +288,12 @@ class MicroBatch:
     loss: torch.Tensor | None
     total_tokens: int
     final: bool
+    aux_weight: float
+    """The micro-batch's share of the step's target tokens: the weight of its MoE aux loss."""
     ids: torch.Tensor | None = None
     labels: torch.Tensor | None = None
-    pos: torch.Tensor | None = None
-    masks: dict | None = None
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    ctx: LayerContext | None = None
+    """Positions, RoPE, masks, router record (``DecoderAdapter.layer_context``)."""
     h: torch.Tensor | None = None
     grad_h: torch.Tensor | None = None
 

@@ -4,16 +4,26 @@ A *unit* is what layerwise stores, streams, updates and checkpoints as one piece
 
 - ``embed``: the token embedding (``model.embed_tokens.weight``); with tied embeddings it also
   serves as the lm_head, so a tied head has no weights of its own;
-- ``layers.{i}``: decoder block ``i`` (``model.layers.{i}.*``);
+- ``layers.{i}``: decoder block ``i`` (``model.layers.{i}.*``: its parameters and the
+  persistent buffers HF saves with them, which are *frozen*: never trained);
 - ``head``: the final norm and, when untied, ``lm_head.weight``.
 
-The adapter owns the computation of each unit as a pure function of its parameters (through
-``torch.func.functional_call`` on meta-device template modules), so the engine can run any
-layer on views of a flat device buffer without materialising a module per layer.
+A layer runs as HF's own decoder-layer module, called as HF's model forward calls it
+(``position_embeddings`` of its layer type, the mask of its attention type, ``position_ids``),
+through ``torch.func.functional_call`` on a meta-device template: a pure function of the
+parameters given, so the engine runs any layer on views of a flat device buffer without a
+module per layer. One template serves every layer of the same structure (layer type,
+parameter shapes, module classes): dense and MoE layers, full, sliding and linear attention
+each get their own. What the model forward does around the layers (embedding scale, final
+norm, logit soft-cap) is the family table's data (``families.py``), applied by :meth:`embed`
+and :meth:`head_logits`; masks and positions of packed rows are ``attention.py``'s, the MoE
+aux loss ``moe.py``'s, the per-layer sizes and FLOPs ``structure.py``'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from .families import SLIDING_ATTENTION, family_of, layer_attention_types
+from .attention import RowLayout, attention_masks, row_layout
+from .families import LINEAR_ATTENTION, attn_implementation, family_of, layer_attention_types, layer_windows
+from .moe import LayerTail, RouterRecorder, RouterSpec, RouterState
 from .names import EMBED, HEAD, HF_EMBED_PREFIX, HF_LAYER_PREFIX, HF_NORM_PREFIX, layer_unit
 
 
@@ -32,6 +44,9 @@ class ParamSpec:
     hf_name: str
     """Full Hugging Face state-dict key, e.g. ``model.layers.3.self_attn.q_proj.weight``."""
     shape: tuple[int, ...]
+    trainable: bool = True
+    """False for a persistent buffer (saved with the weights, never trained): its gradient is
+    exactly zero and, being 1-D, it takes no weight decay, so AdamW leaves it as it is."""
 
     @property
     def numel(self) -> int:
@@ -56,25 +71,58 @@ class Unit:
         return sum(p.numel for p in self.params)
 
 
+@dataclass
+class LayerContext:
+    """What every layer of one micro-batch reads besides its input: positions, RoPE, masks,
+    and (MoE with the aux loss) where router logits go. Built once per micro-batch on the
+    device; every tensor here lives as long as the micro-batch."""
+
+    position_ids: torch.Tensor
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    """``(cos, sin)`` per RoPE key (the layer type when the family's RoPE differs by type)."""
+    masks: dict[str, torch.Tensor | None]
+    layout: RowLayout
+    router: RouterState | None = None
+
+    def shared_tensors(self) -> list[torch.Tensor]:
+        """The tensors every layer shares (kept internals keep them by reference)."""
+        out = [self.position_ids, *(t for cs in self.rope.values() for t in cs)]
+        return out + [m for m in self.masks.values() if m is not None]
+
+
+@dataclass
+class _Template:
+    module: nn.Module
+    frozen: tuple[str, ...] = ()
+    """Local names of the persistent buffers (frozen tensors)."""
+    runs_per_example: bool = False
+    """A recurrent token mixer: a packed row runs example by example."""
+    has_router: bool = False
+
+
 class DecoderAdapter:
-    """The layer view of one HF decoder family (Llama, Mistral, Qwen2, Qwen3)."""
+    """The layer view of one HF decoder family (``families.FAMILIES``)."""
 
     def __init__(self, config: PretrainedConfig):
-        self.family = family_of(config).model_type
+        spec = family_of(config)
+        self.family = spec.model_type
+        self.spec = spec
         self.config = config
-        # The engine relies on SDPA's is_causal path (no dense mask) for full attention.
-        config._attn_implementation = "sdpa"
+        self.attn_implementation = attn_implementation(config)
+        config._attn_implementation = self.attn_implementation
         self.num_layers: int = config.num_hidden_layers
         self.tied: bool = bool(getattr(config, "tie_word_embeddings", False))
         self.hidden_size: int = config.hidden_size
         self.vocab_size: int = config.vocab_size
-        causal_cls = family_of(config).model_class
         with torch.device("meta"):
-            self._meta = causal_cls(config)
-        self._meta.eval()
+            self._meta = spec.model_class(config)
+        self._meta.eval()  # dropout off, as in the engine's every step
         inner = self._meta.model
         self.sliding_window: int | None = getattr(config, "sliding_window", None)
         self.layer_types: list[str] = layer_attention_types(config)
+        self.layer_windows = layer_windows(config)
+        self.router_spec = RouterSpec.of(self._meta, config)
+        self._recorder = RouterRecorder(self.router_spec) if self.router_spec else None
 
         units = [self._unit(EMBED, "pre", -1, inner.embed_tokens, HF_EMBED_PREFIX)]
         for i, layer in enumerate(inner.layers):
@@ -88,28 +136,54 @@ class DecoderAdapter:
         self.units: tuple[Unit, ...] = tuple(units)
         self.unit_by_name = {u.name: u for u in self.units}
 
-        # One template per distinct layer structure (attention type + parameter shapes).
-        self._template_of_layer: list[nn.Module] = []
-        templates: dict[tuple, nn.Module] = {}
+        self._template_of_layer: list[_Template] = []
+        templates: dict[tuple, _Template] = {}
         for i, layer in enumerate(inner.layers):
-            key = (self.layer_types[i], tuple((p.local, p.shape) for p in self.units[1 + i].params))
-            templates.setdefault(key, layer)
+            key = (self.layer_types[i], tuple((p.local, p.shape) for p in self.units[1 + i].params),
+                   tuple((n, type(m).__name__) for n, m in layer.named_modules()))
+            if key not in templates:
+                templates[key] = self._template(layer, self.units[1 + i], self.layer_types[i])
             self._template_of_layer.append(templates[key])
         self.num_templates = len(templates)
+        self.router_layers = tuple(i for i, t in enumerate(self._template_of_layer) if t.has_router)
         self._embed_template = inner.embed_tokens
         self._head_template = nn.ModuleDict({"norm": inner.norm, "lm_head": self._meta.lm_head})
         self._rotary_template = inner.rotary_emb
+        typed = "layer_type" in inspect.signature(type(inner.rotary_emb).forward).parameters
+        self._rope_key = [t if typed else "" for t in self.layer_types]
+        self._embed_scale = spec.embed_scale(config) if spec.embed_scale else None
+        self._logit_softcap = getattr(config, spec.logit_softcap, None) if spec.logit_softcap else None
 
     @staticmethod
     def _unit(name: str, kind: str, index: int, module: nn.Module, prefix: str) -> Unit:
-        params = tuple(ParamSpec(n, prefix + n, tuple(p.shape)) for n, p in module.named_parameters())
-        return Unit(name, kind, index, params)
+        params = [ParamSpec(n, prefix + n, tuple(p.shape)) for n, p in module.named_parameters()]
+        saved = module.state_dict(keep_vars=True)
+        params += [ParamSpec(n, prefix + n, tuple(b.shape), trainable=False)
+                   for n, b in module.named_buffers() if n in saved]
+        return Unit(name, kind, index, tuple(params))
+
+    def _template(self, layer: nn.Module, unit: Unit, layer_type: str) -> _Template:
+        saved = layer.state_dict(keep_vars=True)
+        transient = [n for n, _ in layer.named_buffers() if n not in saved]
+        if transient:
+            raise ValueError(f"{self.family} layers hold buffers that are not saved with the "
+                             f"weights ({transient[:3]}); layerwise cannot run such a layer from "
+                             "its weights alone")
+        frozen = tuple(p.local for p in unit.params if not p.trainable)
+        big = [p.local for p in unit.params if not p.trainable and len(p.shape) > 1]
+        assert not big, f"frozen tensors of more than one dimension would take weight decay: {big}"
+        has_router = self._recorder.attach(layer) if self._recorder else False
+        return _Template(layer, frozen, layer_type == LINEAR_ATTENTION, has_router)
 
     # ----- structure ---------------------------------------------------------------------
 
     @property
     def layer_units(self) -> tuple[Unit, ...]:
         return self.units[1:-1]
+
+    def layer_module(self, index: int) -> nn.Module:
+        """The meta module of layer ``index`` (structure only: sizes, submodules)."""
+        return self._meta.model.layers[index]
 
     def hf_names(self) -> list[str]:
         """Every HF state-dict key that carries a distinct tensor (tied head excluded)."""
@@ -134,16 +208,50 @@ class DecoderAdapter:
         rotary_cls = type(self._rotary_template)
         return rotary_cls(config=self.config).to(device)
 
+    # ----- per micro-batch ----------------------------------------------------------------
+
+    def layer_context(self, shape: tuple[int, int], device: torch.device | str, dtype: torch.dtype,
+                      rotary: nn.Module, segment_ids: torch.Tensor | None = None,
+                      router: bool = False) -> LayerContext:
+        """Positions, RoPE and masks of a ``[b, s]`` micro-batch (``segment_ids``: which example
+        each position holds, -1 padding; None: one example a row). ``router``: record the router
+        logits for the aux loss (training; the family has it)."""
+        device = torch.device(device)
+        layout = row_layout(tuple(shape), segment_ids)
+        pos = layout.positions.to(device, non_blocking=True)
+        probe = torch.empty(0, dtype=dtype, device=device)  # RoPE reads only its dtype and device
+        axes = self.spec.rope_position_axes
+        rope_pos = pos[None].expand(axes, *pos.shape) if axes else pos
+        rope = {}
+        with torch.no_grad():
+            for key in sorted(set(self._rope_key)):
+                rope[key] = rotary(probe, rope_pos, key) if key else rotary(probe, rope_pos)
+        masks = attention_masks(self.layer_types, self.layer_windows, layout,
+                                self.attn_implementation, dtype, device)
+        state = None
+        if router and self.router_spec is not None:
+            mask = None
+            if segment_ids is not None and bool((segment_ids < 0).any()):
+                mask = (segment_ids >= 0).to(device=device, dtype=torch.long)
+            state = RouterState(mask)
+        return LayerContext(pos, rope, masks, layout, state)
+
     # ----- computation (pure functions of the given parameters) ---------------------------
 
     def embed(self, params: dict[str, torch.Tensor], input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, params["weight"], self._embed_template.padding_idx)
+        w = params["weight"]
+        h = F.embedding(input_ids, w, self._embed_template.padding_idx)
+        if self._embed_scale is not None:  # as HF: a float32 scalar cast to the weight dtype
+            h = h * torch.tensor(self._embed_scale, device=w.device).to(w.dtype)
+        return h
 
     def embed_weight_grad(self, input_ids: torch.Tensor, grad_out: torch.Tensor,
                           out: torch.Tensor | None = None) -> torch.Tensor:
         """The gradient of :meth:`embed`'s weight from the token ids and the gradient of its
         output alone (the weights are never read): the dense embedding backward autograd runs,
         so the values are autograd's. ``out``: a ``[vocab, hidden]`` buffer to write it into."""
+        if self._embed_scale is not None:
+            grad_out = grad_out * torch.tensor(self._embed_scale, device=grad_out.device).to(grad_out.dtype)
         pad = self._embed_template.padding_idx
         pad = -1 if pad is None else pad
         rows = self._embed_template.num_embeddings
@@ -151,41 +259,52 @@ class DecoderAdapter:
             return torch.ops.aten.embedding_dense_backward(grad_out, input_ids, rows, pad, False)
         return torch.ops.aten.embedding_dense_backward.out(grad_out, input_ids, rows, pad, False, out=out)
 
-    def attention_masks(self, seq_len: int, device: torch.device) -> dict[str, torch.Tensor | None]:
-        """Masks per attention type; ``None`` means plain causal (SDPA ``is_causal``)."""
-        masks: dict[str, torch.Tensor | None] = {"full_attention": None}
-        if SLIDING_ATTENTION in self.layer_types:
-            w = self.sliding_window
-            if w is None or seq_len <= w:
-                masks[SLIDING_ATTENTION] = None
+    def layer(self, index: int, params: dict[str, torch.Tensor], hidden: torch.Tensor,
+              ctx: LayerContext, module: nn.Module | None = None) -> torch.Tensor:
+        """Decoder layer ``index`` on ``hidden`` ``[b, s, h]``, as HF's model forward runs it.
+        ``module``: another template of the layer's structure (a LoRA run's, its linears
+        swapped), run the same way."""
+        t = self._template_of_layer[index]
+        if module is not None:
+            t = dataclasses.replace(t, module=module)
+        record = ctx.router is not None and t.has_router
+        if record:
+            self._recorder.start()
+        try:
+            if t.runs_per_example and ctx.layout.packed:
+                y = self._layer_per_example(t, index, params, hidden, ctx)
             else:
-                q = torch.arange(seq_len, device=device)[:, None]
-                k = torch.arange(seq_len, device=device)[None, :]
-                masks[SLIDING_ATTENTION] = ((k <= q) & (q - k < w))[None, None]
-        return masks
+                y = self._call(t, index, params, hidden, ctx, ctx.position_ids,
+                               ctx.rope[self._rope_key[index]])
+        finally:
+            logits = self._recorder.stop() if record else None
+        if record:
+            ctx.router.logits[index] = logits.detach()
+        if torch.is_grad_enabled() and (record or t.frozen):
+            y = LayerTail.apply(y, ctx.router if record else None, index, logits,
+                                *(params[n] for n in t.frozen))
+        return y
 
-    def layer(
-        self,
-        index: int,
-        params: dict[str, torch.Tensor],
-        hidden: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        position_ids: torch.Tensor,
-        masks: dict[str, torch.Tensor | None],
-    ) -> torch.Tensor:
-        template = self._template_of_layer[index]
+    def _call(self, t: _Template, index: int, params, hidden, ctx, pos, rope) -> torch.Tensor:
         out = torch.func.functional_call(
-            template,
-            params,
-            (hidden,),
-            {
-                "attention_mask": masks[self.layer_types[index]],
-                "position_ids": position_ids,
-                "position_embeddings": position_embeddings,
-            },
-            strict=True,
-        )
+            t.module, params, (hidden,),
+            {"attention_mask": ctx.masks.get(self.layer_types[index]), "position_ids": pos,
+             "position_embeddings": rope},
+            strict=True)
         return out[0] if isinstance(out, tuple) else out
+
+    def _layer_per_example(self, t: _Template, index: int, params, hidden, ctx) -> torch.Tensor:
+        """A recurrent layer over a packed batch: each example (and padding run) alone, so no
+        state or convolution crosses an example; the rest of a layer is per token."""
+        cos, sin = ctx.rope[self._rope_key[index]]
+        rows = []
+        for r in range(hidden.shape[0]):
+            parts = [self._call(t, index, params, hidden[r:r + 1, a:e], ctx,
+                                ctx.position_ids[r:r + 1, a:e],
+                                (cos[..., r:r + 1, a:e, :], sin[..., r:r + 1, a:e, :]))
+                     for rr, a, e in ctx.layout.runs if rr == r]
+            rows.append(torch.cat(parts, dim=1))
+        return torch.cat(rows, dim=0)
 
     def head_logits(
         self,
@@ -193,8 +312,19 @@ class DecoderAdapter:
         embed_weight: torch.Tensor | None,
         hidden: torch.Tensor,
     ) -> torch.Tensor:
-        """Final norm + lm_head; ``embed_weight`` is the tied head weight (else ignored)."""
+        """Final norm + lm_head (+ the family's logit soft-cap); ``embed_weight`` is the tied
+        head weight (else ignored)."""
         norm_params = {k[len("norm."):]: v for k, v in head_params.items() if k.startswith("norm.")}
         h = torch.func.functional_call(self._head_template["norm"], norm_params, (hidden,), strict=True)
         weight = embed_weight if self.tied else head_params["lm_head.weight"]
-        return F.linear(h, weight)
+        logits = F.linear(h, weight)
+        if self._logit_softcap is not None:
+            logits = torch.tanh(logits / self._logit_softcap) * self._logit_softcap
+        return logits
+
+    def router_aux_loss(self, ctx: LayerContext, weight: float) -> torch.Tensor | None:
+        """The micro-batch's ``weight * coef * aux`` (``moe.py``), its gradient w.r.t. each MoE
+        layer's router logits kept for that layer's backward; None without the aux loss."""
+        if ctx.router is None:
+            return None
+        return ctx.router.aux_loss(self.router_spec, weight)

@@ -9,6 +9,9 @@ FLOP conventions (multiply-add = 2 FLOPs):
 - a linear layer with ``n`` weights costs ``2 n`` FLOPs per token forward, ``4 n`` backward;
 - causal attention costs ``4 * heads * head_dim`` FLOPs per (query, key) pair forward (QK^T and
   AV), over ``sum_q min(q + 1, window)`` pairs per sequence, and twice that backward;
+- a model with per-layer facts (``ModelShape.layers``: MoE, latent or linear attention) costs
+  each layer its own: ``2 x`` the weights a token multiplies through (routed experts at
+  top-k), its pair FLOPs per pair, its recurrent state's FLOPs per token;
 - the engine's ``layer_bwd`` re-runs the layer's forward with a graph, then the backward:
   ``3x`` the forward FLOPs; a layer with kept internals runs its forward with a graph
   (``layer_fwd_keep``, ``1x`` at the graph rate) and a backward only (``layer_bwd_kept``, ``2x``).
@@ -66,10 +69,14 @@ class CostModel:
 
     def layer_fwd_flops(self, i: int) -> float:
         s = self.shape
-        pairs = s.attention_pairs(self.seq_len, s.layer_windows[i])
-        attn = 4.0 * s.q_dim * pairs * self.micro_batch_size
+        pairs = s.attention_pairs(self.seq_len, s.layer_windows[i]) * self.micro_batch_size
         adapters = 0.0 if s.frozen_base is None else s.frozen_base.adapter_flops_per_token * self.tokens
-        return 2.0 * s.layer_matmul_params * self.tokens + attn + adapters
+        c = s.layer(i)
+        if c is not None:  # per-layer facts: routed experts at top-k, latent/linear attention
+            pairs = pairs if c.pair_flops else 0
+            return (2.0 * c.matmul_params * self.tokens + c.pair_flops * pairs
+                    + c.mixer_flops_per_token * self.tokens + adapters)
+        return 2.0 * s.layer_matmul_params * self.tokens + 4.0 * s.q_dim * pairs + adapters
 
     @property
     def head_fwd_flops(self) -> float:
@@ -183,8 +190,12 @@ class CostModel:
 
     @property
     def layer_workspace_bytes(self) -> int:
-        """What autograd keeps for one layer's backward (the engine's formula)."""
-        return memory.layer_workspace_bytes(self.shape, self.tokens, self.elem_bytes)
+        """What autograd keeps for one layer's backward (the engine's formula); layers that
+        differ: the largest layer's (an upper bound where one number stands for all)."""
+        return max(self.layer_workspace_bytes_of(i) for i in range(self.shape.num_layers))
+
+    def layer_workspace_bytes_of(self, i: int) -> int:
+        return memory.layer_workspace_bytes(self.shape, self.tokens, self.elem_bytes, i)
 
     def op_transient_bytes(self, kind: OpKind, i: int = -1) -> int:
         """Device bytes an op holds only while it runs (inputs, outputs, grads, workspace)."""

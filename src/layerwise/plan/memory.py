@@ -54,15 +54,26 @@ class MemoryEstimate:
         return ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in self.breakdown.items())
 
 
-def layer_workspace_bytes(shape: ModelShape, tokens: int, elem_bytes: int) -> int:
-    """What autograd keeps for one decoder layer's backward.
+def layer_workspace_bytes(shape: ModelShape, tokens: int, elem_bytes: int, i: int = 0) -> int:
+    """What autograd keeps for decoder layer ``i``'s backward.
 
     Per token: norm inputs and outputs, q/k/v before and after rotary, attention output, the
     o_proj input, the MLP gate, up, activation and product. Measured with saved_tensors_hooks
-    it is within 2% on the CPU benchmark model.
+    it is within 2% on the CPU benchmark model. Layers with their own facts: their estimate
+    (``LayerCost.workspace_per_token``).
     """
+    c = shape.layer(i)
+    if c is not None:
+        return tokens * c.workspace_per_token * elem_bytes
     per_token = (4 * shape.hidden_size + 3 * shape.q_dim + 4 * shape.kv_dim
                  + 4 * shape.intermediate_size)
+    return tokens * per_token * elem_bytes
+
+
+def _widest_bytes(shape: ModelShape, i: int, tokens: int, elem_bytes: int) -> int:
+    """The MLP's widest intermediates of a forward without a graph (gate and up)."""
+    c = shape.layer(i)
+    per_token = c.widest_per_token if c is not None else 2 * shape.intermediate_size
     return tokens * per_token * elem_bytes
 
 
@@ -74,12 +85,12 @@ def op_transient_bytes(shape: ModelShape, kind: OpKind, i: int, tokens: int, ele
         return a
     if kind in (OpKind.LAYER_FWD, OpKind.RECOMPUTE_LAYER):
         # input + output + the MLP's widest intermediates (no graph kept)
-        return 2 * a + tokens * 2 * shape.intermediate_size * elem_bytes
+        return 2 * a + _widest_bytes(shape, i, tokens, elem_bytes)
     if kind == OpKind.LAYER_FWD_KEEP:
         # the saved tensors as they are made (device tier: they stay, as kept internals, after
         # the op; host tier: they leave) + the output + one MLP intermediate not saved
-        return (a + tokens * shape.intermediate_size * elem_bytes
-                + layer_workspace_bytes(shape, tokens, elem_bytes))
+        return (a + _widest_bytes(shape, i, tokens, elem_bytes) // 2
+                + layer_workspace_bytes(shape, tokens, elem_bytes, i))
     if kind == OpKind.LAYER_BWD_KEPT:
         # the output and input gradients, the residual branches' gradients inside, the weight
         # gradients (fitted to allocations); the kept internals are counted as live
@@ -94,10 +105,29 @@ def op_transient_bytes(shape: ModelShape, kind: OpKind, i: int, tokens: int, ele
         return 4 * a + params * (4 + elem_bytes) + chunk * shape.vocab_size * (elem_bytes + fp32_copy + 8)
     if kind == OpKind.LAYER_BWD:
         return (3 * a + shape.trainable_params(layer_unit(i)) * elem_bytes
-                + layer_workspace_bytes(shape, tokens, elem_bytes))
+                + layer_workspace_bytes(shape, tokens, elem_bytes, i))
     if kind == OpKind.EMBED_BWD:
         return a + shape.trainable_params(EMBED) * elem_bytes
     return 0  # fetch, fetch_internals
+
+
+def mask_bytes(shape: ModelShape, micro_batch_size: int, seq_len: int, elem_bytes: int,
+               packed: bool = True) -> int:
+    """Device bytes of one micro-batch's attention masks, as ``models/attention.py`` builds them:
+    one per masked attention type (full, sliding), shared by its layers; ``[b, 1, s, s]`` for
+    packed rows (block-diagonal; the data's default, so assumed), ``[1, 1, s, s]`` otherwise;
+    boolean for SDPA, the compute dtype for eager. SDPA's plain causal path (a full layer of
+    unpacked rows) and linear attention need none."""
+    kinds: dict[str, bool] = {}  # attention type -> its window is shorter than the row
+    for i, w in enumerate(shape.layer_windows):
+        c = shape.layer(i)
+        if c is not None and not c.pair_flops:
+            continue  # linear attention
+        kind = "full" if w is None else "sliding"
+        kinds[kind] = kinds.get(kind, False) or (w is not None and w < seq_len)
+    masked = [k for k, short in kinds.items() if packed or shape.eager_attention or short]
+    per_row = seq_len * seq_len * (elem_bytes if shape.eager_attention else 1)
+    return len(masked) * per_row * (micro_batch_size if packed else 1)
 
 
 def kept_internal_bytes(shape: ModelShape, plan: Plan, i: int, tokens: int, elem_bytes: int) -> int:
@@ -108,7 +138,7 @@ def kept_internal_bytes(shape: ModelShape, plan: Plan, i: int, tokens: int, elem
         return 0
     shared = tokens * shape.hidden_size * elem_bytes if (
         plan.internal_tiers[i] == "device" and plan.boundary_tiers[i] == "device") else 0
-    return layer_workspace_bytes(shape, tokens, elem_bytes) - shared
+    return layer_workspace_bytes(shape, tokens, elem_bytes, i) - shared
 
 
 def slot_bytes(shape: ModelShape, plan: Plan, micro_batch_size: int, seq_len: int, elem_bytes: int,
@@ -130,7 +160,7 @@ def offload_bytes(shape: ModelShape, plan: Plan, op: Op, tokens: int, elem_bytes
         return 0
     out = tokens * shape.hidden_size * elem_bytes if plan.boundary_tiers[op.index] in ("host", "nvme") else 0
     if op.kind == OpKind.LAYER_FWD_KEEP and plan.internal_tiers[op.index] == "host":
-        out += layer_workspace_bytes(shape, tokens, elem_bytes)
+        out += layer_workspace_bytes(shape, tokens, elem_bytes, op.index)
     return out
 
 
@@ -145,8 +175,7 @@ def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, se
     boundary = tokens * shape.hidden_size * elem_bytes
     slots = sum(slot_bytes(shape, plan, micro_batch_size, seq_len, elem_bytes, grad_slots).values())
     slots += workspace_bytes
-    windows = [w for w in shape.layer_windows if w is not None and w < seq_len]
-    mask = seq_len * seq_len if windows else 0  # a boolean band mask for the windowed layers
+    mask = mask_bytes(shape, micro_batch_size, seq_len, elem_bytes)
     ops = micro_batch_program(plan.boundary_tiers, plan.internal_tiers)
     stored: set[int] = set()
     kept: dict[int, int] = {}  # layer -> bytes of its internals on the device

@@ -1,4 +1,13 @@
-"""The shape facts of a model the planner needs (no tensors): sizes per unit, windows, heads."""
+"""The shape facts of a model the planner needs (no tensors): sizes per unit, windows, heads.
+
+Two kinds of model. The first four families (``FamilySpec.closed_form_shape``: every layer the
+same dense Llama-style block) are described by closed-form sizes and the memory formulas fitted
+to them. Every other family has per-layer facts (:class:`LayerCost`, from the meta modules:
+``models/structure.py``): a layer's bytes are all its tensors (every expert), its FLOPs what a
+token runs through (routed experts at top-k; latent, sliding and linear attention), so dense
+and MoE layers, full and linear-attention layers differ, and the cost and memory models read
+each layer's own.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +18,49 @@ from typing import Any
 
 from transformers import AutoConfig
 
-from ..models.families import family_of, has_qkv_bias, layer_windows
-from ..models.names import EMBED, HEAD, unit_names
+from ..models.adapter import DecoderAdapter
+from ..models.families import attn_implementation, family_of, has_qkv_bias, layer_windows
+from ..models.names import EMBED, HEAD, layer_index, unit_names
 from ..models.registry import FLAVORS
+from ..models.structure import LayerFacts, layer_facts
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One decoder layer as the planner sees it: what it streams, computes and keeps."""
+
+    params: int
+    """Every tensor of the unit (streamed, stored, updated): all experts."""
+    matmul_params: int
+    """Weights one token multiplies through (routed experts: top-k of them)."""
+    pair_flops: float
+    """Forward FLOPs per causal (query, key) pair, all heads (0: linear attention)."""
+    mixer_flops_per_token: float
+    """Forward FLOPs per token of a recurrent token mixer (linear attention)."""
+    window: int | None
+    workspace_per_token: int
+    """Elements per token autograd keeps for the layer's backward. An estimate from the widths
+    (the dense formula's terms: norms, the token mixer's projections twice, the MLP's four
+    intermediates at the active width, each routed token's copy to its experts and back), not
+    fitted to measured allocations as the closed-form families' formula is."""
+    widest_per_token: int
+    """Elements per token of the widest intermediates of a forward without a graph."""
+    num_experts: int = 0
+    experts_per_token: int = 0
+    active_params: int = 0
+    """Of ``params``, what one token runs through (routed experts at top-k)."""
+
+    @classmethod
+    def of(cls, f: LayerFacts, hidden: int) -> LayerCost:
+        mlp_width = f.mlp_active_matmul_params // (3 * hidden)  # gate, up, down at the active width
+        mixer_width = (f.active_matmul_params - f.mlp_active_matmul_params) // hidden
+        dispatch = 2 * f.experts_per_token * hidden
+        return cls(f.params, f.active_matmul_params, f.pair_flops, f.token_mixer_flops_per_token,
+                   f.window, 4 * hidden + 2 * mixer_width + 4 * mlp_width + dispatch,
+                   2 * mlp_width + dispatch, f.num_experts, f.experts_per_token,
+                   f.params - f.routed_expert_params
+                   + (f.routed_expert_params * f.experts_per_token // f.num_experts
+                      if f.num_experts else 0))
 from .finetune import FrozenBase
 
 
@@ -34,6 +83,10 @@ class ModelShape:
     """Qwen3 has RMSNorm on q and k (head_dim weights each)."""
     layer_windows: tuple[int | None, ...]
     """Attention window per layer (None = full causal)."""
+    layers: tuple[LayerCost, ...] = ()
+    """Per-layer facts; empty for a closed-form family (every layer the dense formula's)."""
+    eager_attention: bool = False
+    """The layers run HF's eager attention (sinks, soft-capped scores): float masks."""
     frozen_base: FrozenBase | None = None
     """A LoRA / QLoRA run: the base frozen, adapters trained (``plan/finetune.py``); None: every
     parameter is trained."""
@@ -45,11 +98,14 @@ class ModelShape:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or h // heads
         n = config.num_hidden_layers
+        layers: tuple[LayerCost, ...] = ()
+        if not family.closed_form_shape:
+            layers = tuple(LayerCost.of(f, h) for f in layer_facts(DecoderAdapter(config)))
         return cls(
             name=name or getattr(config, "_name_or_path", "") or family.model_type,
             num_layers=n,
             hidden_size=h,
-            intermediate_size=config.intermediate_size,
+            intermediate_size=getattr(config, "intermediate_size", 0) or 0,
             num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
@@ -58,7 +114,13 @@ class ModelShape:
             qkv_bias=has_qkv_bias(config),
             qk_norm=family.qk_norm,
             layer_windows=layer_windows(config),
+            layers=layers,
+            eager_attention=attn_implementation(config) == "eager",
         )
+
+    def layer(self, i: int) -> LayerCost | None:
+        """Layer ``i``'s own facts; None for a closed-form family."""
+        return self.layers[i] if self.layers else None
 
     @property
     def q_dim(self) -> int:
@@ -92,9 +154,20 @@ class ModelShape:
         """Final norm, plus lm_head when untied."""
         return self.hidden_size + (0 if self.tied else self.vocab_size * self.hidden_size)
 
+    def layer_params_of(self, i: int) -> int:
+        return self.layers[i].params if self.layers else self.layer_params
+
     @property
     def num_params(self) -> int:
-        return self.embed_params + self.num_layers * self.layer_params + self.head_params
+        return (self.embed_params + sum(self.layer_params_of(i) for i in range(self.num_layers))
+                + self.head_params)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through (routed experts: top-k of them)."""
+        if not self.layers:
+            return self.num_params
+        return self.num_params - sum(c.params - c.active_params for c in self.layers)
 
     def unit_names(self) -> list[str]:
         return unit_names(self.num_layers)
@@ -104,7 +177,9 @@ class ModelShape:
             return self.embed_params
         if unit == HEAD:
             return self.head_params
-        return self.layer_params
+        i = layer_index(unit)
+        assert i is not None, unit
+        return self.layer_params_of(i)
 
     def trainable_params(self, unit: str) -> int:
         """Parameters of ``unit`` that get gradients, updates and optimizer state."""

@@ -14,8 +14,8 @@ from transformers import PretrainedConfig
 from ..engine.batch import Batch
 from ..interop.hf.model_dir import load_config, load_store
 from ..models import FLAVORS, DecoderAdapter, get_flavor
-from ..plan.cost import CostModel
-from ..plan.hardware import PRESETS
+from ..models.attention import row_layout
+from ..models.structure import layer_facts, model_flops
 from ..plan.memory import CUDA_WORKSPACE_BYTES, predict_peak_device_bytes
 from ..plan.plan import Plan
 from ..plan.shape import ModelShape
@@ -139,16 +139,28 @@ def check_fits(cfg: TrainConfig, model: PretrainedConfig, plan: Plan,
 
 
 class FlopCounter:
-    """Model FLOPs of a step (forward + backward, no recompute: ``CostModel.model_flops``)."""
+    """Model FLOPs of a step (forward + backward, no recompute), per layer as the layers are
+    (``models/structure.py``: routed experts at top-k, latent and linear attention), with each
+    packed example's attention over its own span only (the mask keeps it there); a LoRA run
+    adds its adapters' FLOPs (``ModelShape.frozen_base``)."""
 
-    def __init__(self, shape: ModelShape):
-        self.shape, self._per_mb = shape, {}
+    def __init__(self, adapter: DecoderAdapter, shape: ModelShape | None = None):
+        self.adapter, self.facts, self._per_shape = adapter, layer_facts(adapter), {}
+        fb = shape.frozen_base if shape is not None else None
+        self._adapter_flops_per_token = (0.0 if fb is None else
+                                         3.0 * adapter.num_layers * fb.adapter_flops_per_token)
 
     def __call__(self, micro: list[Batch]) -> float:
         total = 0.0
         for mb in micro:
-            key = tuple(mb.input_ids.shape)
-            if key not in self._per_mb:
-                self._per_mb[key] = CostModel(self.shape, PRESETS["cpu"], *key).model_flops()
-            total += self._per_mb[key]
+            shape = tuple(mb.input_ids.shape)
+            if mb.segment_ids is None and shape in self._per_shape:
+                total += self._per_shape[shape]
+                continue
+            flops = model_flops(self.facts, self.adapter.hidden_size, self.adapter.vocab_size,
+                                row_layout(shape, mb.segment_ids))
+            flops += self._adapter_flops_per_token * shape[0] * shape[1]
+            if mb.segment_ids is None:
+                self._per_shape[shape] = flops
+            total += flops
         return total

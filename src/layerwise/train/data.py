@@ -33,7 +33,7 @@ from .tokenizer import ByteTokenizer, Tokenizer
 
 _log = logging.getLogger(__name__)
 
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2
 """Version of ``out_dir/data_cache/<key>.pt`` (docs/formats.md)."""
 
 __all__ = ["ByteTokenizer", "DataSpec", "TrainData", "batches", "corpus_tokens", "pack",
@@ -141,10 +141,12 @@ class TrainData:
 
     def batches(self, batch_size: int, seed: int, start: int = 0) -> Iterator[Batch]:
         """The endless, deterministic training stream from micro-batch ``start``."""
-        return row_batches(self.train.input_ids, self.train.labels, batch_size, seed, start)
+        return row_batches(self.train.input_ids, self.train.labels, batch_size, seed, start,
+                           self.train.segment_ids)
 
     def eval_set(self, batch_size: int, num_batches: int, seed: int) -> list[Batch]:
-        return eval_batches(self.eval.input_ids, self.eval.labels, batch_size, num_batches, seed)
+        return eval_batches(self.eval.input_ids, self.eval.labels, batch_size, num_batches, seed,
+                            self.eval.segment_ids)
 
     def summary(self) -> list[str]:
         """Lines for the log at the start of training."""
@@ -305,7 +307,9 @@ def _save_cache(path: Path, data: TrainData) -> None:
            "train_input_ids": data.train.input_ids.to(torch.int32),
            "train_labels": data.train.labels.to(torch.int32),
            "eval_input_ids": data.eval.input_ids.to(torch.int32),
-           "eval_labels": data.eval.labels.to(torch.int32)}
+           "eval_labels": data.eval.labels.to(torch.int32),
+           "train_segment_ids": data.train.segment_ids.to(torch.int32),
+           "eval_segment_ids": data.eval.segment_ids.to(torch.int32)}
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
@@ -313,6 +317,8 @@ def _load_cache(path: Path, key: str) -> TrainData:
     obj = load_data_file(path)
     if obj.get("format_version") != CACHE_FORMAT_VERSION or obj.get("key") != key:
         raise ValueError("written by another version or for other data")
-    return TrainData(Rows(obj["train_input_ids"].long(), obj["train_labels"].long()),
-                     Rows(obj["eval_input_ids"].long(), obj["eval_labels"].long()),
+    return TrainData(Rows(obj["train_input_ids"].long(), obj["train_labels"].long(),
+                          obj["train_segment_ids"]),
+                     Rows(obj["eval_input_ids"].long(), obj["eval_labels"].long(),
+                          obj["eval_segment_ids"]),
                      key, json.loads(obj["report"]))

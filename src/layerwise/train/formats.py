@@ -15,11 +15,22 @@ mask is the template's own (``apply_chat_template(..., return_assistant_tokens_m
 Otherwise the conversation is rendered once as text and once per assistant turn ``i`` as two
 prefixes: ``messages[:i]`` with the generation prompt, and ``messages[:i+1]``; the assistant span
 is the text between the two (the turn's content and everything the template closes it with, e.g.
-``<|im_end|>\\n``). Each prefix must be a text prefix of the whole rendering (else the example is
-refused: such a template rewrites earlier turns, and only ``{% generation %}`` marks can say
-what the model generated). The whole rendering is tokenized once, and a token carries loss when
-its first character lies in an assistant span (character offsets from the fast tokenizer), so a
-token merge at a turn boundary cannot shift the mask.
+``<|im_end|>\\n``). The first prefix must be a text prefix of the whole rendering. The second may
+differ from the whole only in how the turn is closed: a template that ends the *last* message
+another way (gpt-oss: ``<|return|>`` after the conversation's final answer, ``<|end|>`` after an
+earlier one) renders turn ``i`` alone and inside the conversation alike up to its end marker, so
+the span runs to where the two renderings part (the end marker's first token then starts inside
+it and is trained). A template that rewrites the turn itself (Qwen3 adds an empty
+``<think></think>`` block to the final answer only) is refused, naming both renderings: only
+``{% generation %}`` marks can say what the model generated there. The whole rendering is
+tokenized once, and a token carries loss when its first character lies in an assistant span
+(character offsets from the fast tokenizer), so a token merge at a turn boundary cannot shift
+the mask.
+
+A template without a system role (Gemma 1/2, the first Mistral/Mixtral ones raise on it): when
+it rejects a conversation that opens with a system message followed by a user one, the system
+text is folded into the first user turn (``system + "\\n\\n" + user``), as Gemma 3's own
+template does; if the template rejects that too, the example is refused with its message.
 """
 
 from __future__ import annotations
@@ -148,9 +159,47 @@ def _render_empty_prompt(tok: HFTokenizer) -> str:
         return ""
 
 
+def _fit_system_turn(tok: HFTokenizer, messages: list[dict]) -> tuple[list[dict], str]:
+    """(messages, their whole rendering), a leading system message folded into the first user
+    turn when the template rejects it (a template without a system role)."""
+    try:
+        return messages, _render(tok, messages, False)
+    except BadExample as refused:
+        if (len(messages) < 2 or messages[0]["role"] != "system" or messages[1]["role"] != "user"
+                or not all(isinstance(m["content"], str) for m in messages[:2])):
+            raise
+        merged = [{**messages[1], "content": f"{messages[0]['content']}\n\n{messages[1]['content']}"},
+                  *messages[2:]]
+        try:
+            return merged, _render(tok, merged, False)
+        except BadExample:
+            raise refused from None
+
+
+def _turn_end(full: str, upto: str, before: str, message: dict, i: int) -> int:
+    """Where assistant turn ``i`` (rendered alone: ``upto``) ends in the whole rendering: the end
+    of ``upto`` when it is a prefix, else where the two part, provided the turn's content lies
+    before that (only its closing differs)."""
+    if full.startswith(upto):
+        return len(upto)
+    end = len(before)
+    limit = min(len(full), len(upto))
+    while end < limit and full[end] == upto[end]:
+        end += 1
+    content = message["content"].strip() if isinstance(message["content"], str) else None
+    if content and content in full[len(before):end]:
+        return end
+    raise BadExample(MALFORMED, f"the chat template renders assistant turn {i} differently as the "
+                     f"last message ({upto[len(before):][:60]!r}) and inside the conversation "
+                     f"({full[len(before):][:60]!r}), so what the model generated cannot be "
+                     "located; give the template {% generation %} marks or end the examples at "
+                     "this turn")
+
+
 def _encode_chat(messages: Any, tok: Tokenizer) -> Tokenized:
     assert isinstance(tok, HFTokenizer)  # check_tokenizer_for ran first
     messages = _check_messages(messages)
+    messages, full = _fit_system_turn(tok, messages)
     if _GENERATION_TAG.search(tok.chat_template or ""):
         try:
             out = tok.tok.apply_chat_template(messages, tokenize=True, return_dict=True,
@@ -159,19 +208,18 @@ def _encode_chat(messages: Any, tok: Tokenizer) -> Tokenized:
             raise BadExample(MALFORMED, f"the chat template rejected the messages: {e}") from None
         return Tokenized(list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]],
                          splittable=False)
-    full = _render(tok, messages, False)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         before = _render(tok, messages[:i], True) if i else _render_empty_prompt(tok)
         upto = _render(tok, messages[:i + 1], False)
-        if not (upto.startswith(before) and full.startswith(upto)):
-            raise BadExample(MALFORMED, f"the chat template renders the conversation up to turn {i} "
+        if not (upto.startswith(before) and full.startswith(before)):
+            raise BadExample(MALFORMED, f"the chat template renders the conversation before turn {i} "
                              "differently from the start of the whole conversation, so the "
                              "assistant turn cannot be located; give the template {% generation %} "
                              "marks")
-        spans.append((len(before), len(upto)))
+        spans.append((len(before), _turn_end(full, upto, before, m, i)))
     enc = tok.tok(full, add_special_tokens=False, return_offsets_mapping=True)
     mask = [any(a <= start < b for a, b in spans) for start, _end in enc["offset_mapping"]]
     return Tokenized(list(enc["input_ids"]), mask, splittable=False)

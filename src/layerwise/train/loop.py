@@ -134,8 +134,7 @@ def _rows_of(global_mb: Batch, rank: int, rows: int) -> Batch:
     """Rank ``rank``'s share of a global micro-batch (the whole of it in one process)."""
     if global_mb.input_ids.shape[0] == rows and rank == 0:
         return global_mb
-    sl = slice(rank * rows, (rank + 1) * rows)
-    return Batch(global_mb.input_ids[sl].contiguous(), global_mb.labels[sl].contiguous())
+    return global_mb.rows(slice(rank * rows, (rank + 1) * rows))
 
 
 class Trainer:
@@ -340,7 +339,7 @@ class Trainer:
         self.tracker = RunTracker(self.out_dir, self.out.tracker_every(cfg.log.track_every),
                                   self.adapter, self.store, self.engine.optimizers, self.ckpt,
                                   self.start_step)
-        self.flop_count = FlopCounter(self.engine.shape)
+        self.flop_count = FlopCounter(self.adapter, self.engine.shape)
         self.t_start = time.perf_counter()
 
     def _run_info(self) -> dict[str, Any]:

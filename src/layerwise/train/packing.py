@@ -11,9 +11,10 @@ Layout (``pack``):
   (chat, prompt/completion, instruction) is never split: if it does not fit in the row's
   remaining room, the row is padded and it starts the next one. A text example is split at
   the row's end and continues in the next row (so no text is lost), each token still a target
-  exactly once. Attention: the engine runs every layer with SDPA's causal path over the whole
-  row and positions ``0 … seq_len-1``; it takes no per-example mask or position ids today, so a
-  packed example attends (causally) to the examples before it in its row. Loss never crosses.
+  exactly once. The rows carry ``segment_ids``, and the engine keeps the examples of a row
+  apart: positions restart at 0 at each example and attention is block-diagonal (a layer sees
+  its own example only, ``models/attention.py``), so a packed example trains exactly as it
+  would alone in its row. Loss never crosses either.
 - ``pack=False``: one example (or one ``seq_len`` piece of a long text) per row, padded: no
   example sees another, at the cost of the padding's compute.
 
@@ -21,7 +22,7 @@ A supervised example longer than ``seq_len`` positions is truncated at the end (
 whose targets all fall past the cut is refused (no trainable tokens).
 
 ``segment_ids`` gives, per position, the index of the example it belongs to (-1: padding):
-what a future per-example attention mask / position-id reset in the engine would use.
+``Batch.segment_ids``, what the engine's per-example positions and masks are made from.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ class Rows:
     labels: torch.Tensor
     """``[rows, seq_len]`` int64, IGNORE_INDEX where no loss."""
     segment_ids: torch.Tensor | None = None
-    """``[rows, seq_len]`` int32: index of the example each position came from, -1 for padding
-    (not kept in the tokenization cache)."""
+    """``[rows, seq_len]`` int32: index of the example each position came from, -1 for padding;
+    None for a token stream cut into rows (the built-in corpus), which has no examples."""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -137,11 +138,16 @@ def pack_examples(examples: list[Example], seq_len: int, pad_id: int, pack: bool
                 as_tensor(segs, torch.int32)), stats
 
 
+def _batch(x: torch.Tensor, y: torch.Tensor, seg: torch.Tensor | None, sel: torch.Tensor) -> Batch:
+    return Batch(x[sel].clone(), y[sel].clone(), None if seg is None else seg[sel].clone())
+
+
 def row_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int = 0,
-                start: int = 0) -> Iterator[Batch]:
+                start: int = 0, segment_ids: torch.Tensor | None = None) -> Iterator[Batch]:
     """Endless micro-batches of rows: each epoch a fresh seeded permutation (``seed + epoch``),
     the last ``rows % batch_size`` rows of a permutation left to later epochs. ``start`` is the
-    number of micro-batches already consumed (a resumed run continues at exactly the next one)."""
+    number of micro-batches already consumed (a resumed run continues at exactly the next one).
+    ``segment_ids``: the rows' examples (``Rows.segment_ids``), carried into each batch."""
     if x.shape[0] < batch_size:
         raise ValueError(f"the data gives {x.shape[0]} sequences of {x.shape[1]} tokens, fewer than "
                          f"the micro-batch size {batch_size}; add data, lower micro_batch_size or "
@@ -154,16 +160,16 @@ def row_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int = 0
             g = torch.Generator().manual_seed(seed + epoch)
             order, order_epoch = torch.randperm(x.shape[0], generator=g), epoch
         sel = order[pos * batch_size:(pos + 1) * batch_size]
-        yield Batch(x[sel].clone(), y[sel].clone())
+        yield _batch(x, y, segment_ids, sel)
         index += 1
 
 
 def eval_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, num_batches: int,
-                 seed: int) -> list[Batch]:
+                 seed: int, segment_ids: torch.Tensor | None = None) -> list[Batch]:
     """Up to ``num_batches`` micro-batches of held-out rows in a fixed seeded order; a small
     eval set gives fewer (and a last, smaller one) rather than none."""
     if x.shape[0] == 0:
         raise ValueError("the eval set is empty")
     order = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed))
     order = order[:batch_size * num_batches]
-    return [Batch(x[sel].clone(), y[sel].clone()) for sel in order.split(batch_size)]
+    return [_batch(x, y, segment_ids, sel) for sel in order.split(batch_size)]

@@ -57,7 +57,9 @@ class WeightsWriter:
             except (ValueError, KeyError):
                 model = None  # an architecture transformers does not know: no name check possible
             if model is not None:
-                self.expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+                # every tensor HF saves: parameters and persistent buffers (DeepSeek-V3's
+                # expert-selection bias), which from_pretrained reads back alike
+                self.expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
         self.written: set[str] = set()
         self._writer = ShardedSafetensorsWriter(self.out_dir, max_shard_bytes)
 

@@ -1,0 +1,105 @@
+"""Where the examples of a micro-batch sit in its rows, and the attention masks that keep them apart.
+
+A packed row holds several examples end to end (``train/packing.py``'s ``segment_ids``: the
+example of each position, -1 for padding). To run them exactly as if each were alone in its
+row, a layer needs:
+
+- position ids that restart at 0 at each example (RoPE sees each example from its start);
+- attention that is causal *and* block-diagonal: a query sees keys of its own example only
+  (and, on a sliding layer, only the last ``window`` of them);
+- for a recurrent token mixer (linear attention: a state carried along the row, a causal
+  convolution), no mask can cut the state, so such a layer runs example by example
+  (``RowLayout.runs``).
+
+Padding is a run of its own; nothing attends to it that carries loss. A row holding one example
+(and trailing padding) needs no mask at all: the plain causal path is already exact for it.
+
+Masks take the form the attention implementation reads: SDPA a boolean ``[b, 1, q, k]``
+(``True`` = attend; ``None`` = its ``is_causal`` path), eager an additive float mask (0 or the
+dtype's minimum, exactly as HF's mask functions build it). On CUDA the boolean mask takes
+SDPA's memory-efficient kernel (the flash kernel takes no mask): correct by construction, the
+same code path as on the CPU. Device bytes of a packed micro-batch's masks: ``b * s * s`` per
+distinct masked attention type (full, sliding), times the element size for eager.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .families import LINEAR_ATTENTION, SLIDING_ATTENTION
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How the examples of one micro-batch lie in its rows (host side, from segment ids)."""
+
+    positions: torch.Tensor
+    """``[b, s]`` int64 (host): each position's index within its example."""
+    packed: bool
+    """Some row holds a second example after its first (the block-diagonal mask is needed)."""
+    segment_ids: torch.Tensor | None
+    """``[b, s]`` (host) when ``packed``, else None."""
+    runs: tuple[tuple[int, int, int], ...]
+    """``(row, start, end)`` of every example and padding run, row by row, in order."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.positions.shape)  # type: ignore[return-value]
+
+
+def row_layout(shape: tuple[int, int], segment_ids: torch.Tensor | None = None) -> RowLayout:
+    """The layout of a ``[b, s]`` micro-batch; ``segment_ids`` None: one example per row."""
+    b, s = shape
+    if segment_ids is None:
+        positions = torch.arange(s, dtype=torch.long).expand(b, s)
+        return RowLayout(positions, False, None, tuple((r, 0, s) for r in range(b)))
+    seg = segment_ids.to("cpu")
+    if tuple(seg.shape) != (b, s):
+        raise ValueError(f"segment_ids {tuple(seg.shape)} must have the shape of input_ids {(b, s)}")
+    starts = torch.ones(b, s, dtype=torch.bool)
+    starts[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    index = torch.arange(s, dtype=torch.long).expand(b, s)
+    run_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    positions = index - run_start
+    # a second real example in a row: a run that starts past position 0 and is not padding
+    packed = bool((starts[:, 1:] & (seg[:, 1:] >= 0)).any())
+    runs = []
+    for r in range(b):
+        cuts = starts[r].nonzero().flatten().tolist() + [s]
+        runs.extend((r, a, e) for a, e in zip(cuts[:-1], cuts[1:]))
+    return RowLayout(positions, packed, seg if packed else None, tuple(runs))
+
+
+def attention_masks(layer_types: list[str], windows: tuple[int | None, ...], layout: RowLayout,
+                    implementation: str, dtype: torch.dtype, device: torch.device
+                    ) -> dict[str, torch.Tensor | None]:
+    """The mask of every attention type the layers use (shared by all layers of that type)."""
+    b, s = layout.shape
+    seg = None
+    if layout.packed:
+        assert layout.segment_ids is not None
+        seg = layout.segment_ids.to(device, non_blocking=True)
+    out: dict[str, torch.Tensor | None] = {}
+    for kind, window in sorted({(t, w) for t, w in zip(layer_types, windows) if t != LINEAR_ATTENTION},
+                               key=lambda tw: tw[0]):
+        if kind == SLIDING_ATTENTION and (window is None or window >= s):
+            window = None  # the window covers the whole row: plain causal
+        if seg is None and window is None and implementation == "sdpa":
+            out[kind] = None  # SDPA's is_causal path
+            continue
+        q = torch.arange(s, device=device)[:, None]
+        k = torch.arange(s, device=device)[None, :]
+        allowed = k <= q
+        if window is not None:
+            allowed = allowed & (q - k < window)
+        allowed = allowed[None, None]
+        if seg is not None:
+            allowed = allowed & (seg[:, None, :, None] == seg[:, None, None, :])
+        if implementation == "eager":
+            zero = torch.zeros((), dtype=dtype, device=device)
+            out[kind] = torch.where(allowed, zero, torch.finfo(dtype).min)
+        else:
+            out[kind] = allowed
+    return out
