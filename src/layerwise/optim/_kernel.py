@@ -22,6 +22,9 @@ Two implementations of the same arithmetic (maps in ``quant.py``):
 - ``torch`` (any device, any float dtype): the same maths as a few dozen elementwise ops over
   chunks of ``_TORCH_CHUNK`` elements, so the temporaries stay in cache. Used on CUDA, when
   numba is missing, or when ``LAYERWISE_OPTIM_KERNEL=torch``.
+
+Both stay in this one module (past 500 lines) beside the scalar folding they share, so that the
+arithmetic the tests hold bit-identical between them is read in one place.
 """
 
 from __future__ import annotations

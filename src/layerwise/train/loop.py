@@ -18,7 +18,6 @@ import math
 import signal
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +25,8 @@ import torch
 
 from .. import config as config_lib
 from ..ckpt.store_provider import HostStoreStateProvider
-from .lora_run import build_lora, check_lora, eval_mode, export_lora, resume_dropout
 from ..engine import EngineConfig, StreamingEngine
 from ..engine.batch import Batch
-from ..plan.plan import Plan
 from ..util.errors import Interrupted
 from ..util.logs import quiet_unless
 from .build import (FlopCounter, ModelSource, check_fits, check_options, choose_plan, mem_cap_bytes,
@@ -41,10 +38,13 @@ from .dist.context import DistContext, init as dist_init, shutdown as dist_shutd
 from .dist.reducer import DistReducer
 from .dist.shm import shared_store_nbytes
 from .interrupt import StopFlag
+from .lora_run import build_lora, check_lora, eval_mode, export_lora, resume_dropout
 from .outdir import RUN_FORMAT_VERSION, read_run_json
 from .outdir import open_metrics as _open_metrics  # noqa: F401  (tests read it here)
 from .progress import Progress
 from .resume import Start, check_extension, data_start, decide_start, resume_command
+from .run_records import (TrainResult, device_mem_reserved, step_record, throughput_text,
+                          timing_summary)
 from .schedule import Schedule
 from .sinks import NullOutput, RunOutput, greedy_continue, sample_prompts
 from .tokenizer import check_vocab, load_tokenizer
@@ -54,80 +54,6 @@ _log = logging.getLogger(__name__)
 
 __all__ = ["RUN_FORMAT_VERSION", "TrainConfig", "TrainResult", "Trainer", "throughput_text",
            "train"]
-
-
-@dataclass
-class TrainResult:
-    out_dir: Path
-    eval_loss_start: float
-    eval_loss_end: float
-    steps: int
-    tokens_per_s: float
-    """Median over the steps after the first of each step's tokens / its engine step time: the
-    figure of every ``metrics.jsonl`` row and of the progress line (``tokens_per_s_figure``)."""
-    peak_device_bytes_predicted: int
-    model_dir: Path | None
-    step_s_measured: float | None = None
-    """Median engine step time of the run's steps after its first (None: fewer than 2 steps)."""
-    step_s_predicted: float | None = None
-    """The simulator's step time for the plan on the run's hardware profile (None: no profile)."""
-    rank: int = 0
-    """Under torchrun, this process's rank: only rank 0's result has the evals (and the export)."""
-    note: str | None = None
-    """Set when nothing was trained (the run had already finished): the line that says so."""
-    tokens_per_s_wall: float | None = None
-    """All the tokens this command trained on / its wall time from the first step to the last,
-    evals, checkpoints and the tracker included."""
-
-
-def throughput_text(result: TrainResult) -> str:
-    """The run's tokens/s, saying what each figure counts: every row's tokens (padding and
-    masked prompt tokens too) over the engine's step time, as the progress line and
-    ``metrics.jsonl`` give it; and over the wall time, where evals and checkpoints count too."""
-    text = (f"{result.tokens_per_s:,.0f} tokens/s a step (median of the steps' tokens / engine "
-            "step time, as in the progress line)")
-    if result.tokens_per_s_wall is not None:
-        text += (f", {result.tokens_per_s_wall:,.0f} tokens/s over the wall time (evals and "
-                 "checkpoints included)")
-    return text
-
-
-def _device_mem_reserved(device: str) -> int | None:
-    """Peak bytes the CUDA caching allocator reserved (None on CPU)."""
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return int(torch.cuda.max_memory_reserved(torch.device(device)))
-    return None
-
-
-def _step_record(step: int, stats, lr: float, micro: list[Batch], flops: float,
-                 predicted_step_s: float | None, device: str, elapsed_s: float,
-                 world_size: int = 1) -> dict[str, Any]:
-    """The ``metrics.jsonl`` row of a step (before eval and checkpoint add theirs); tokens and
-    FLOPs of all ranks (every rank's micro-batches have the same shape)."""
-    tokens = sum(mb.input_ids.numel() for mb in micro) * world_size
-    secs = max(stats.step_s, 1e-9)
-    rec: dict[str, Any] = {
-        "step": step, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
-        "clip_coef": stats.clip_coef, "skipped": stats.skipped, "tokens": tokens,
-        "target_tokens": stats.tokens, "tokens_per_s": tokens / secs,
-        "tflops": flops / secs / 1e12, "step_s": stats.step_s,
-        "predicted_step_s": predicted_step_s, "elapsed_s": elapsed_s}
-    mem = _device_mem_reserved(device)
-    if mem is not None:
-        rec["device_mem_reserved_bytes"] = mem
-    return rec
-
-
-def _timing_summary(step_times: list[float], predicted: float | None, plan: Plan) -> str:
-    measured = statistics.median(step_times[1:]) if len(step_times) > 1 else None
-    text = "step time: measured " + (f"{measured:.4g} s (median of {len(step_times) - 1} steps "
-                                     "after the first)" if measured else "n/a (under 2 steps)")
-    if predicted:
-        hw = plan.predicted.get("hardware_source") or plan.predicted.get("hardware")
-        text += f", predicted {predicted:.4g} s for plan {plan.source} on {hw}"
-        if measured:
-            text += f": measured / predicted {measured / predicted:.2f}"
-    return text
 
 
 def _rows_of(global_mb: Batch, rank: int, rows: int) -> Batch:
@@ -371,7 +297,7 @@ class Trainer:
         if not math.isfinite(stats.loss):
             raise RuntimeError(f"loss is {stats.loss} at step {step + 1}; lower optimizer.lr")
         self.step_times.append(stats.step_s)
-        record = _step_record(step + 1, stats, lr, micro,
+        record = step_record(step + 1, stats, lr, micro,
                               self.flop_count(micro) * self.ctx.world_size,
                               self.predicted_step_s, self.cfg.device,
                               time.perf_counter() - self.t_start, self.ctx.world_size)
@@ -461,8 +387,8 @@ class Trainer:
         cfg = self.cfg
         elapsed = max(1e-9, time.perf_counter() - self.t_start)
         self.close()
-        _log.info(_timing_summary(self.step_times, self.predicted_step_s, self.plan))
-        mem = _device_mem_reserved(cfg.device)
+        _log.info(timing_summary(self.step_times, self.predicted_step_s, self.plan))
+        mem = device_mem_reserved(cfg.device)
         if mem is not None:
             _log.info(f"device memory: {mem / 2**20:.1f} MiB reserved at peak (allocator), "
                       f"predicted {self.est.peak_bytes / 2**20:.1f} MiB")
