@@ -8,6 +8,7 @@ constraint group that added them, for reading a model back (``Rows.groups``).
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any
 
 INF = float("inf")
@@ -17,11 +18,12 @@ class Block:
     """``count`` consecutive columns, or ``count`` x ``len(labels)`` of them (row-major), by index:
     ``block[i]``, or ``block[i, label]`` when the block has labels."""
 
-    __slots__ = ("name", "start", "count", "labels", "_pos")
+    __slots__ = ("name", "start", "count", "labels", "_pos", "_at")
 
     def __init__(self, name: str, start: int, count: int, labels: tuple[str, ...] | None = None):
         self.name, self.start, self.count, self.labels = name, start, count, labels
         self._pos = {t: k for k, t in enumerate(labels or ())}
+        self._at: dict[str | None, list[int]] = {}
 
     @property
     def size(self) -> int:
@@ -34,6 +36,13 @@ class Block:
         i, label = key
         assert 0 <= i < self.count, f"{self.name}[{i}] out of range"
         return self.start + i * len(self.labels) + self._pos[label]
+
+    def at(self, label: str | None = None) -> list[int]:
+        """Every ``i``'s column (of ``label``, in a labelled block), for rows that sum over ``i``."""
+        cols = self._at.get(label)
+        if cols is None:
+            cols = self._at[label] = [self[i] if label is None else self[i, label] for i in range(self.count)]
+        return cols
 
     def __repr__(self) -> str:
         return f"Block({self.name!r}, {self.start}..{self.start + self.size})"
@@ -98,12 +107,9 @@ def to_lp(highspy: Any, cols: ColumnMap, rows: Rows, offset: float) -> Any:
     lp.num_col_, lp.num_row_ = cols.count, len(rows)
     lp.col_cost_, lp.col_lower_, lp.col_upper_ = cols.cost, cols.lower, cols.upper
     lp.row_lower_, lp.row_upper_ = rows.lower, rows.upper
-    starts, index, value = [0], [], []
-    for coefs in rows.coefs:
-        for c, v in coefs.items():
-            index.append(c)
-            value.append(v)
-        starts.append(len(index))
+    starts = [0, *accumulate(len(coefs) for coefs in rows.coefs)]
+    index = [c for coefs in rows.coefs for c in coefs]
+    value = [v for coefs in rows.coefs for v in coefs.values()]
     lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
     lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = starts, index, value
     kinds = highspy.HighsVarType

@@ -176,8 +176,9 @@ def device_at_backward(m: StepModel, x: Vars, i: int) -> list[Row]:
     """Device memory at layer ``i``'s backward, in boundaries: kept boundaries and device
     internals of the layers at or below, host internals of this layer and the one below
     (fetched ahead), the held recomputed run."""
-    prefix = {x.tier[j, "device"]: 1.0 for j in range(i + 1)}
-    prefix.update({x.internal[j, "device"]: m.ws_ratio for j in range(i + 1)})
+    d, kd = x.tier.at("device"), x.internal.at("device")
+    prefix = {d[j]: 1.0 for j in range(i + 1)}
+    prefix.update({kd[j]: m.ws_ratio for j in range(i + 1)})
     for j in (i, i - 1):
         if j >= 0:
             prefix[x.internal[j, "host"]] = m.ws_ratio
@@ -261,9 +262,10 @@ def optimizer_overlap(m: StepModel, x: Vars) -> list[Row]:
     d_opt = [b - a for a, b in zip(m.opt_fp32, m.opt_8bit)]
     embed_ready, layer_done = m.optimizer_bounds(None)
     rows = [(embed_ready * MS, INF, {x.stall: 1.0, x.q[0]: -d_opt[0] * MS})]
+    f, q = x.f.at(), x.q.at()
     for j in range(m.L):
-        r = {x.stall: 1.0, **{x.f[u]: 1.0 for u in range(j + 1)}}
-        r.update({x.q[u]: -d_opt[u] * MS for u in range(j + 2)})
+        r = {x.stall: 1.0, **{f[u]: 1.0 for u in range(j + 1)}}
+        r.update({q[u]: -d_opt[u] * MS for u in range(j + 2)})
         rows.append(((layer_done[j] - m.e_fwd) * MS, INF, r))
     return rows
 

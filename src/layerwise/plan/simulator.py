@@ -116,6 +116,14 @@ class _Simulation:
         self.moments = plan.moments or ["fp32"] * len(self.units)
         self.a_bytes = cost.boundary_bytes
         self.ops = micro_batch_program(self.tiers, self.internal)
+        # per op, what does not change between micro-batches (each runs the whole program)
+        self.labels = [str(op) for op in self.ops]
+        compute = [op.kind not in (OpKind.FETCH, OpKind.FETCH_INTERNALS) for op in self.ops]
+        self.op_units = [op.units(self.tied) if c else [] for op, c in zip(self.ops, compute)]
+        self.op_grad_units = [op.grad_units(self.tied) if c else [] for op, c in zip(self.ops, compute)]
+        self.op_s = [cost.op_s(op.kind, op.index) if c else 0.0 for op, c in zip(self.ops, compute)]
+        self.op_transient = [cost.op_transient_bytes(op.kind, op.index) if c else 0 for op, c in zip(self.ops, compute)]
+        self.weight_copy_s = {u: cost.h2d_s(cost.unit_weight_bytes(u)) for u in self.units}
         self.ws_bytes = cost.layer_workspace_bytes  # one layer's internals as they travel
         self.kept_bytes = [kept_internal_bytes(shape, plan, i, cost.tokens, cost.elem_bytes)
                            for i in range(shape.num_layers)]
@@ -190,8 +198,7 @@ class _Simulation:
         t = max(t_issue, self.host_clock)
         for u, slot in copies:
             t = max(t, self.opt_ready.get(u, 0.0))  # wait_ready: the host thread blocks
-            _, end = self.lanes.run("h2d", max(t, self.slot_free_at[slot]),
-                                    self.cost.h2d_s(self.cost.unit_weight_bytes(u)), f"w {u} @{slot}")
+            _, end = self.lanes.run("h2d", max(t, self.slot_free_at[slot]), self.weight_copy_s[u], f"w {u} @{slot}")
             self.w_landed[u] = end
         self.host_clock = t
 
@@ -257,9 +264,9 @@ class _Simulation:
     def _compute(self, mbs: _MicroBatch, n: int, op: Op, t_issue: float, mb: int, step: int) -> None:
         """A compute op: waits for its weights and its input, runs, frees its weight slots, and
         leaves behind what :attr:`after` says; its gradients go out when it ends."""
-        kind, i, cost, window = op.kind, op.index, self.cost, self.window
+        kind, i, window = op.kind, op.index, self.window
         need_w = 0.0
-        op_units = op.units(self.tied)
+        op_units = self.op_units[n]
         for u in op_units:
             self.copy_in(window.acquire(u), t_issue)
             need_w = max(need_w, self.w_landed[u])
@@ -268,16 +275,16 @@ class _Simulation:
             need_b = mbs.ready[i]
         elif kind == OpKind.LAYER_BWD_KEPT:
             need_b = mbs.internals_ready.get(i, 0.0)
-        dur = cost.op_s(kind, i)
-        start, end = self.lanes.run("compute", max(t_issue, need_w, need_b), dur, str(op))
+        dur = self.op_s[n]
+        start, end = self.lanes.run("compute", max(t_issue, need_w, need_b), dur, self.labels[n])
         mbs.prev_start = start
         if kind in RECOMPUTE_OPS:
             self.recompute_this_step += dur
         self.op_log.append({"kind": kind, "index": i, "mb": mb, "step": step, "start": start, "end": end,
-                            "units": op_units, "slots": [window.slot(u) for u in op_units]})
-        tb = cost.op_transient_bytes(kind, i)
+                            "units": list(op_units), "slots": [window.slot(u) for u in op_units]})
+        tb = self.op_transient[n]
         if tb:
-            self.alloc("device", start, tb, f"transient {op}", end)
+            self.alloc("device", start, tb, f"transient {self.labels[n]}", end)
         for u in op_units:
             slot = window.release(u)
             if slot is not None:
@@ -286,7 +293,7 @@ class _Simulation:
         effect = self.after.get(kind)
         if effect is not None:
             effect(mbs, i, start, end)
-        for u in op.grad_units(self.tied):
+        for u in self.op_grad_units[n]:
             self._gradient(u, kind, n, end, mb)
 
     def _embedded(self, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
