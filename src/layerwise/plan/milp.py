@@ -159,26 +159,33 @@ def boundaries_first(model: StepModel, cfg: MilpConfig, given: Start | None) -> 
 def _stage(model: StepModel, cfg: MilpConfig, start: Start | None, time_limit_s: float) -> MilpResult:
     """One HiGHS solve of the formulation under ``cfg``, from ``start`` if it is feasible. When
     HiGHS hands back a vector that does not match its objective (seen with a user solution),
-    the stage is solved again without the start."""
+    the same model is solved again without the start."""
     import highspy
 
     form = build(model, cfg)
+    lp = form.lp(highspy)
+    res, run_s = _run(highspy, lp, form, model, cfg, start, time_limit_s)
+    if res is None:
+        res, _ = _run(highspy, lp, form, model, cfg, None, time_limit_s)
+        assert res is not None  # a cold run raises on a mismatch instead
+        res.solve_s += run_s
+    return res
+
+
+def _run(highspy: Any, lp: Any, form: Formulation, model: StepModel, cfg: MilpConfig, start: Start | None,
+         time_limit_s: float) -> tuple[MilpResult | None, float]:
+    """One HiGHS run: (its result, None on a mismatch after a warm start; its seconds)."""
     h = _quiet_highs(highspy)
     h.setOptionValue("time_limit", time_limit_s)
     h.setOptionValue("mip_rel_gap", float(cfg.mip_rel_gap))
     h.setOptionValue("threads", int(cfg.threads))
     h.setOptionValue("random_seed", 0)
-    h.passModel(form.lp(highspy))
+    h.passModel(lp)
     seeded = _seed(h, highspy, form, model, cfg, start)
     t0 = time.perf_counter()
     h.run()
     solve_s = time.perf_counter() - t0
-    res = _answer(h, form, model, cfg, solve_s, seeded.name if seeded else None)
-    if res is None:
-        assert seeded is not None
-        res = _stage(model, cfg, None, time_limit_s)
-        res.solve_s += solve_s
-    return res
+    return _answer(h, form, model, cfg, solve_s, seeded.name if seeded else None), solve_s
 
 
 def _seed(h: Any, highspy: Any, form: Formulation, model: StepModel, cfg: MilpConfig,
