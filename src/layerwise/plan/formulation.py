@@ -39,6 +39,7 @@ class Choices(Protocol):
     choose_moments: bool
     """Whether ``q_u`` is free (else fixed at the step model's ``moments``)."""
 
+
 Row = tuple[float, float, dict[int, float]]
 """(lower, upper, {column: coefficient})."""
 
