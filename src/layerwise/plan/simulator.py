@@ -141,13 +141,6 @@ class _Simulation:
         self.recompute_s = 0.0
         self.t_begin = 0.0
         self._allocate_slots()
-        self.by_kind = {OpKind.FETCH: self._fetch, OpKind.FETCH_INTERNALS: self._fetch_internals}
-        """Ops that move data; every other kind runs on the compute lane (:meth:`_compute`)."""
-        self.after = {OpKind.EMBED_FWD: self._embedded, OpKind.LAYER_FWD: self._store_boundary,
-                      OpKind.LAYER_FWD_KEEP: self._keep_internals, OpKind.RECOMPUTE_EMBED: self._recomputed_embed,
-                      OpKind.RECOMPUTE_LAYER: self._recomputed_layer, OpKind.LAYER_BWD: self._release_boundary,
-                      OpKind.LAYER_BWD_KEPT: self._release_internals}
-        """What a compute op leaves behind (a stored, recomputed or released boundary or internals)."""
 
     def alloc(self, tier: str, start: float, nbytes: int, label: str, end: float | None = None) -> Alloc:
         a = Alloc(tier, start, end if end is not None else float("inf"), int(nbytes), label)
@@ -208,9 +201,9 @@ class _Simulation:
             t_issue = self.lanes.free_at("compute")
             mbs.issued.append(t_issue)
             self._read_ahead(mbs, n, t_issue)
-            handler = self.by_kind.get(op.kind)
+            handler = _BY_KIND.get(op.kind)
             if handler is not None:
-                handler(mbs, n, op, t_issue)
+                handler(self, mbs, n, op, t_issue)
             else:
                 self._compute(mbs, n, op, t_issue, mb, step)
         assert not mbs.held and not mbs.internals_held, \
@@ -263,7 +256,7 @@ class _Simulation:
 
     def _compute(self, mbs: _MicroBatch, n: int, op: Op, t_issue: float, mb: int, step: int) -> None:
         """A compute op: waits for its weights and its input, runs, frees its weight slots, and
-        leaves behind what :attr:`after` says; its gradients go out when it ends."""
+        leaves behind what :data:`_AFTER` says; its gradients go out when it ends."""
         kind, i, window = op.kind, op.index, self.window
         need_w = 0.0
         op_units = self.op_units[n]
@@ -290,9 +283,9 @@ class _Simulation:
             if slot is not None:
                 self.slot_free_at[slot] = end
         self.copy_in(window.fill(), t_issue)
-        effect = self.after.get(kind)
+        effect = _AFTER.get(kind)
         if effect is not None:
-            effect(mbs, i, start, end)
+            effect(self, mbs, i, start, end)
         for u in self.op_grad_units[n]:
             self._gradient(u, kind, n, end, mb)
 
@@ -414,3 +407,15 @@ class _Simulation:
             allocs=self.allocs if keep_trace else [],
             op_log=self.op_log if keep_trace else [],
         )
+
+
+# The dispatch tables hold the plain functions, not bound methods: a simulation that held its own
+# bound methods would be a reference cycle, kept (with its whole trace) until the cyclic
+# collector runs, which then walks every allocation and interval the search has made.
+_BY_KIND = {OpKind.FETCH: _Simulation._fetch, OpKind.FETCH_INTERNALS: _Simulation._fetch_internals}
+"""Ops that move data; every other kind runs on the compute lane (``_Simulation._compute``)."""
+_AFTER = {OpKind.EMBED_FWD: _Simulation._embedded, OpKind.LAYER_FWD: _Simulation._store_boundary,
+          OpKind.LAYER_FWD_KEEP: _Simulation._keep_internals, OpKind.RECOMPUTE_EMBED: _Simulation._recomputed_embed,
+          OpKind.RECOMPUTE_LAYER: _Simulation._recomputed_layer, OpKind.LAYER_BWD: _Simulation._release_boundary,
+          OpKind.LAYER_BWD_KEPT: _Simulation._release_internals}
+"""What a compute op leaves behind (a stored, recomputed or released boundary or internals)."""
