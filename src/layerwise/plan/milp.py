@@ -121,7 +121,8 @@ def solve(model: StepModel, config: MilpConfig | None = None,
     spent_s = 0.0
     if cfg.joint:
         start, spent_s = boundaries_first(model, cfg, start)
-    # the joint stage keeps a tenth of the limit, in which it returns its start or better
+    # what the boundary stage left, and at least a tenth of the limit (in which HiGHS returns
+    # its start or better)
     res = _stage(model, cfg, start, max(cfg.time_limit_s - spent_s, 0.1 * cfg.time_limit_s))
     res.solve_s += spent_s
     return res
@@ -129,6 +130,7 @@ def solve(model: StepModel, config: MilpConfig | None = None,
 
 def given_start(warm_start: tuple[str, list[str]] | None, warm_moments: list[str] | None,
                 warm_internal: list[str] | None) -> Start | None:
+    """The caller's warm start as a :class:`Start` (None: a cold solve)."""
     if warm_start is None:
         return None
     name, tiers = warm_start
