@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from layerwise.ckpt import Checkpointer, run_dir
+from layerwise.ckpt import Checkpointer, content_hash, run_format
 from layerwise.ckpt.provider import DictStateProvider
 
 BLOCK_BYTES = 64 << 20
@@ -129,8 +129,8 @@ def layerwise_save_s(run: Path, state: dict, format_version: int | None = None) 
     if format_version is not None:  # an existing run keeps its format (and content hash)
         run.mkdir(parents=True)
         (run / "format.json").write_text(json.dumps(
-            {"format": run_dir.FORMAT, "format_version": format_version,
-             "hash": run_dir.HASH_OF_VERSION[format_version]}))
+            {"format": run_format.FORMAT, "format_version": format_version,
+             "hash": content_hash.HASH_OF_VERSION[format_version]}))
     ck = Checkpointer(run, provider=DictStateProvider(state), policy="full", async_save=False,
                       sync_copy=False, save_rng=False, tracker_log=False)
     t = time.perf_counter()
@@ -156,13 +156,13 @@ def _no_hash():
         def hexdigest(self) -> str:
             return os.urandom(32).hex()
 
-    name = run_dir.HASH_OF_VERSION[run_dir.FORMAT_VERSION]
-    real = run_dir.HASHES[name]
-    run_dir.HASHES[name] = NoHash
+    name = content_hash.HASH_OF_VERSION[run_format.FORMAT_VERSION]
+    real = content_hash.HASHES[name]
+    content_hash.HASHES[name] = NoHash
     try:
         yield
     finally:
-        run_dir.HASHES[name] = real
+        content_hash.HASHES[name] = real
 
 
 def main(argv=None) -> dict:
@@ -239,9 +239,9 @@ def main(argv=None) -> dict:
         "benchmark": "ckpt_io",
         "inputs": {"quick": a.quick, "num_params": num_params, "state_bytes": nbytes,
                    "groups": len(state), "block_bytes": BLOCK_BYTES, "rounds": a.rounds,
-                   "pool_numel": a.pool_numel, "format_version": run_dir.FORMAT_VERSION,
-                   "hash": run_dir.HASH_OF_VERSION[run_dir.FORMAT_VERSION],
-                   "blake3_max_threads": run_dir.BLAKE3_MAX_THREADS, "chunk_bytes": run_dir.CHUNK_BYTES},
+                   "pool_numel": a.pool_numel, "format_version": run_format.FORMAT_VERSION,
+                   "hash": content_hash.HASH_OF_VERSION[run_format.FORMAT_VERSION],
+                   "blake3_max_threads": content_hash.BLAKE3_MAX_THREADS, "chunk_bytes": content_hash.CHUNK_BYTES},
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "python": platform.python_version(), "torch": torch.__version__,
                     "load_average_start": load_start, "load_average_end": os.getloadavg()},

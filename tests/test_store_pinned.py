@@ -1,14 +1,15 @@
 """HostStore host memory: one pinned arena for the copy sources, byte accounting, the RAM check.
 
 There is no CUDA here, so pinning is faked at the one place that talks to the runtime
-(``store._page_lock``): the arena logic around it (one allocation, page-aligned, exact size,
-per-unit alignment, what is and is not in it) runs for real.
+(``util.host_memory.page_lock``): the arena logic around it (one allocation, page-aligned, exact
+size, per-unit alignment, what is and is not in it) runs for real.
 """
 
 import pytest
 import torch
 
 from layerwise import store as store_mod
+from layerwise.util import host_memory
 from layerwise.engine import EngineConfig, StreamingEngine
 from layerwise.engine.batch import Batch
 from layerwise.models import DecoderAdapter, get_flavor
@@ -19,15 +20,8 @@ from layerwise.plan import Plan
 from layerwise.plan.cost import STATE_NBYTES, CostModel
 from layerwise.plan.hardware import PRESETS
 from layerwise.plan.shape import ModelShape
-from layerwise.store import (
-    ARENA_ALIGN_BYTES,
-    HostStore,
-    StoreFootprint,
-    available_host_memory,
-    check_host_memory,
-    page_size,
-    store_footprint,
-)
+from layerwise.store import ARENA_ALIGN_BYTES, HostStore, StoreFootprint, check_host_memory, store_footprint
+from layerwise.util.host_memory import available_host_memory, page_size
 
 PLENTY = lambda: 1 << 50  # noqa: E731 - an available-RAM reader that never refuses
 
@@ -42,7 +36,7 @@ def adapter():
 def locks(monkeypatch):
     """Fake page-locking: records each region instead of calling cudaHostRegister."""
     calls = []
-    monkeypatch.setattr(store_mod, "_page_lock", lambda region: calls.append(region))
+    monkeypatch.setattr(host_memory, "page_lock", lambda region: calls.append(region))
     return calls
 
 
@@ -219,8 +213,8 @@ def test_available_host_memory_reads_meminfo_and_the_cgroup_limit(tmp_path, monk
     meminfo.write_text("MemTotal:       100000000 kB\nMemAvailable:   50000000 kB\n")
     cg = tmp_path / "cg"
     cg.mkdir()
-    monkeypatch.setattr(store_mod, "_MEMINFO", str(meminfo))
-    monkeypatch.setattr(store_mod, "_CGROUP_ROOT", str(cg))
+    monkeypatch.setattr(host_memory, "_MEMINFO", str(meminfo))
+    monkeypatch.setattr(host_memory, "_CGROUP_ROOT", str(cg))
     assert available_host_memory() == 50000000 * 1024  # no cgroup files: MemAvailable
     (cg / "memory.max").write_text("max\n")
     (cg / "memory.current").write_text("123\n")

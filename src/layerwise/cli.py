@@ -1,43 +1,106 @@
-"""The ``layerwise`` command. Each area registers its own subcommands from its ``cli`` module."""
+"""The ``layerwise`` command. Each area registers its own subcommands from its ``cli`` module.
+
+Commands are named here with the modules that register them, as strings, and only the modules
+of the command being run are imported: ``layerwise --help`` imports none of them, and
+``layerwise train --help`` only ``train/cli.py``, which is torch-free (each ``--help`` in a
+fraction of a second instead of the seconds torch and transformers take). A command's handler
+may itself be named as ``"module:function"`` and is imported when the command runs; a command
+may also set ``prepare``, a torch-free step run before that import (``train``'s config checks
+and its out_dir lock, so a refused run is refused at once).
+
+Errors: a user's mistake (``ValueError``, a missing file or directory, a permission) is one
+line on stderr and exit code 2; the traceback only with ``--debug`` (or ``LAYERWISE_DEBUG=1``).
+An interrupted run (``util.errors.Interrupted``) says how to resume, one line, exit 130/143.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from collections.abc import Callable
 
-# Modules with a ``register(subparsers)`` function; each adds its subcommands.
-COMMAND_MODULES = (
-    "layerwise.train.cli",  # demo, train
-    "layerwise.plan.cli",  # plan
-    "layerwise.engine.cli",  # calibrate
-    "layerwise.ckpt.cli",  # ckpt ls/show/verify/gc
-    "layerwise.interop.cli",  # ckpt merge
-)
+from .util.errors import Interrupted, one_line
+from .util.logs import command_output
+
+COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {
+    "demo": (("layerwise.train.cli",),
+             "train a small Llama on the Python standard library's source, end to end"),
+    "train": (("layerwise.train.cli",), "train a model with the streaming engine"),
+    "report": (("layerwise.train.cli",),
+               "draw a training run: curves, per-layer change, checkpoint history"),
+    "plan": (("layerwise.plan.cli",),
+             "plan where activations live (MILP) and compare with fixed rules"),
+    "calibrate": (("layerwise.engine.cli",), "measure this machine and write a hardware profile"),
+    "ckpt": (("layerwise.ckpt.cli", "layerwise.interop.cli"),
+             "inspect, verify, clean and merge layer-wise checkpoints"),
+}
+"""Command -> (the modules with a ``register(subparsers)`` that adds it, its one-line help);
+a test keeps each help equal to the one its module registers."""
+
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+               PermissionError)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with ``command``'s modules registered (None: every command, as a name and a
+    line of help, no module imported)."""
     parser = argparse.ArgumentParser(
         prog="layerwise",
         description="Train LLMs bigger than the GPU by streaming layers; checkpoint only what changed.",
-    )
+        epilog="`layerwise COMMAND --help` for a command's options.")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error (anywhere on the command line)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    if command in COMMANDS:
+        for name in dict.fromkeys(COMMANDS[command][0]):
+            importlib.import_module(name).register(sub)
+    else:
+        for name, (_, summary) in COMMANDS.items():
+            sub.add_parser(name, help=summary)
     return parser
 
 
+def resolve(func: Callable | str) -> Callable:
+    """A handler, or ``"module:function"`` imported now."""
+    if callable(func):
+        return func
+    module, _, name = func.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("LAYERWISE_DEBUG") == "1"
+    argv = [a for a in argv if a != "--debug"]
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
-        # User mistakes: one clear line, no traceback.
-        print(f"layerwise {args.command}: error: {e}", file=sys.stderr)
+        with command_output():  # the library's log lines, printed as plain lines
+            prepare = getattr(args, "prepare", None)
+            if prepare is not None:
+                code = prepare(args)
+                if code is not None:
+                    return int(code)
+            return int(resolve(args.func)(args) or 0)
+    except Interrupted as e:
+        print(str(e), file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"layerwise {args.command}: interrupted, stopped at once (nothing saved now; a "
+              "checkpoint committed before is intact)", file=sys.stderr)
+        return 130
+    except USER_ERRORS as e:
+        if debug:
+            raise
+        print(f"layerwise {args.command}: error: {one_line(e)}", file=sys.stderr)
         return 2
 
 

@@ -16,8 +16,9 @@ its ``master`` when the compute dtype is fp32) are page-locked, all of them in o
 exact-size allocation, page-locked in place, sliced per unit at ``ARENA_ALIGN_BYTES``
 boundaries. fp32 masters that are not copy sources, gradients and optimizer state stay pageable
 (the device never reads them; gradients come back through the engine's own pinned buffers).
-Pinning tensor by tensor (``torch.zeros(n).pin_memory()``) had cost 2x for a moment per tensor
-and a power-of-two rounding of each block by the CUDA host allocator.
+Pinning tensor by tensor would cost 2x for a moment per tensor and a power-of-two rounding of
+each block by the CUDA host allocator; how a region is locked, and how much RAM the machine has
+left, is ``layerwise.util.host_memory``.
 
 ``StoreFootprint`` is the byte count of a store, computed without allocating (from a config,
 an adapter or a list of unit sizes) or measured from a live one; ``check_host_memory`` refuses a
@@ -27,9 +28,6 @@ store that does not fit in the RAM the machine has available, before anything is
 from __future__ import annotations
 
 import dataclasses
-import os
-import warnings
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -40,6 +38,7 @@ from transformers import PretrainedConfig
 
 from .models.adapter import DecoderAdapter, ParamSpec, Unit
 from .models.init import build_hf_model
+from .util.host_memory import alloc_pinned, available_host_memory, locked_nbytes
 from .util.units import human_bytes, tensor_nbytes
 
 
@@ -158,13 +157,6 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def page_size() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
-        return 4096
-
-
 def arena_offsets(numels: Sequence[int], element_size: int,
                   align_bytes: int = ARENA_ALIGN_BYTES) -> tuple[list[int], int]:
     """Offset (in elements) of each slice of ``numels`` in one arena, and the arena's length.
@@ -182,60 +174,6 @@ def arena_offsets(numels: Sequence[int], element_size: int,
         offsets.append(pos)
         pos += n
     return offsets, pos
-
-
-def locked_nbytes(arena_nbytes: int) -> int:
-    """Bytes page-locked for an arena of ``arena_nbytes``: whole pages (``alloc_pinned``)."""
-    return _round_up(arena_nbytes, page_size())
-
-
-def _page_lock(region: torch.Tensor) -> None:
-    """Page-lock ``region`` (contiguous, page-aligned, whole pages) in place for CUDA copies,
-    until its storage is freed. Raises when the CUDA runtime refuses."""
-    ptr, nbytes = region.data_ptr(), tensor_nbytes(region)
-    cudart = torch.cuda.cudart()
-    err = int(cudart.cudaHostRegister(ptr, nbytes, 1))  # 1: cudaHostRegisterPortable
-    if err != 0:
-        raise RuntimeError(f"cudaHostRegister of {human_bytes(nbytes)} failed with CUDA error {err}")
-    # unregister when the storage (kept alive by every view) is freed; not at interpreter exit,
-    # when the CUDA context may already be gone (as torch.distributed.checkpoint does)
-    weakref.finalize(region.untyped_storage(), _page_unlock, ptr).atexit = False
-
-
-def _page_unlock(ptr: int) -> None:  # pragma: no cover - CUDA only
-    try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    except Exception:
-        pass
-
-
-def _pinned_empty(nbytes: int) -> torch.Tensor:  # pragma: no cover - CUDA only
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-
-def alloc_pinned(nbytes: int) -> tuple[torch.Tensor, int]:
-    """``nbytes`` of page-locked host memory (uint8, uninitialised) and how many bytes are locked.
-
-    A pageable allocation is page-locked in place (``cudaHostRegister`` on a page-aligned
-    region): exact size up to the last page, no pageable-then-pinned copy. torch's own pinned
-    allocator (``torch.empty(..., pin_memory=True)``) rounds every block up to a power of two
-    (a 29.5 GB arena would lock 34.4 GB); it is only the fallback, with a warning, when the
-    runtime refuses to register.
-    """
-    page = page_size()
-    size = locked_nbytes(nbytes)
-    raw = torch.empty(size + page, dtype=torch.uint8)  # untouched slack pages cost no RAM
-    start = (-raw.data_ptr()) % page
-    region = raw[start:start + size]
-    try:
-        _page_lock(region)
-    except Exception as e:  # pragma: no cover - CUDA only
-        warnings.warn(f"page-locking the {human_bytes(nbytes)} copy-source arena in place failed "
-                      f"({e}); using torch's pinned allocator, which rounds it up to a power of "
-                      "two", RuntimeWarning, stacklevel=3)
-        del raw, region
-        return _pinned_empty(nbytes), 1 << max(nbytes - 1, 0).bit_length()
-    return region[:nbytes], size
 
 
 # ----- bytes, before and after allocating ---------------------------------------------------
@@ -317,77 +255,6 @@ def store_footprint(model: PretrainedConfig | DecoderAdapter, compute_dtype: tor
     numels = [FlatLayout.of(u).numel for u in adapter.units]
     return StoreFootprint.of_numels(numels, compute_dtype.itemsize, pin=pin,
                                     state_nbytes=state_nbytes)
-
-
-# ----- available RAM ------------------------------------------------------------------------
-
-_MEMINFO = "/proc/meminfo"
-_CGROUP_ROOT = "/sys/fs/cgroup"
-_CGROUP_FILES = (  # limit, usage, stat, reclaimable page-cache key: cgroup v2, then v1
-    ("memory.max", "memory.current", "memory.stat", "inactive_file"),
-    ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
-     "total_inactive_file"),
-)
-_NO_LIMIT = 1 << 60  # v1 reports "no limit" as a number near 2**63
-
-
-def _read_text(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-def _stat_value(text: str, key: str) -> int | None:
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name == key:
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
-
-
-def _cgroup_headroom() -> int | None:
-    """Bytes the memory cgroup this container sees can still grant (inactive page cache counts
-    as reclaimable); None without a limit or without a cgroup."""
-    for limit_f, usage_f, stat_f, inactive_key in _CGROUP_FILES:
-        limit = _read_text(os.path.join(_CGROUP_ROOT, limit_f))
-        usage = _read_text(os.path.join(_CGROUP_ROOT, usage_f))
-        if limit is None or usage is None:
-            continue
-        try:
-            if limit.strip() == "max" or int(limit) >= _NO_LIMIT:
-                return None
-            used = int(usage)
-        except ValueError:
-            return None
-        inactive = _stat_value(_read_text(os.path.join(_CGROUP_ROOT, stat_f)) or "", inactive_key)
-        return max(int(limit) - used + (inactive or 0), 0)
-    return None
-
-
-def available_host_memory() -> int | None:
-    """Bytes of RAM this process can still take: Linux ``MemAvailable``, lowered to the memory
-    cgroup's headroom in a container; None where neither is known (then nothing is checked)."""
-    avail = None
-    for line in (_read_text(_MEMINFO) or "").splitlines():
-        if line.startswith("MemAvailable:"):  # "MemAvailable:   22873056 kB"
-            try:
-                avail = int(line.split()[1]) * 1024
-            except (IndexError, ValueError):
-                pass
-    if avail is None:
-        try:
-            avail = os.sysconf("SC_AVPHYS_PAGES") * page_size()
-        except (AttributeError, ValueError, OSError):
-            avail = None
-    headroom = _cgroup_headroom()
-    if headroom is not None:
-        avail = headroom if avail is None else min(avail, headroom)
-    return avail
 
 
 def check_host_memory(need: StoreFootprint,

@@ -16,7 +16,8 @@ Two states of the run directory are then checked:
   a file's bytes at each fsync, the listing of a directory at each fsync. Calls are not passed to
   the real ``fsync`` (the model, not the disk, decides what survives).
 
-Run as a script this is the driver (torch imported once, one fork per N)::
+Run as a script this is the driver (torch imported once, one fork per N; the specs shared out
+over up to 4 workers forked from it, one per core)::
 
     python powercut.py WORKDIR SCENARIO[:MUTANT] ...
 
@@ -387,7 +388,8 @@ is committed instead of before."""
 
 
 def _defer_blob_fsync_past_commit() -> None:
-    from layerwise.ckpt.run_dir import BlobBatch, RunDir
+    from layerwise.ckpt.blob_store import BlobBatch
+    from layerwise.ckpt.run_dir import RunDir
 
     finish, commit, pending = BlobBatch.finish, RunDir.commit, []
 
@@ -518,19 +520,30 @@ def run_scenario(sc: Scenario, work: Path, mutant: str | None = None) -> dict:
             "results": results}
 
 
+def _run_spec(work: Path, spec: str) -> dict:
+    name, _, mutant = spec.partition(":")
+    return run_scenario(SCENARIOS[name], work / spec.replace(":", "-"), mutant or None)
+
+
 def main(argv: list[str]) -> int:
-    """``WORKDIR SPEC...``; a spec is a scenario name, or ``scenario:mutant``."""
+    """``WORKDIR SPEC...``; a spec is a scenario name, or ``scenario:mutant``. Each spec is one
+    job of a pool of workers forked from here before any tensor work (every spec has its own
+    directory; a report depends on its spec only, not on which worker ran it or when)."""
+    import multiprocessing
+
     import torch
 
     torch.set_num_threads(1)  # forks stay cheap and safe; the model is tiny
     work = Path(argv[0])
-    reports = {}
-    for spec in argv[1:]:
+    specs = argv[1:]
+    for spec in specs:
         name, _, mutant = spec.partition(":")
         if name not in SCENARIOS or (mutant and mutant not in MUTANTS):
             raise SystemExit(f"unknown {spec!r}: scenarios {sorted(SCENARIOS)}, mutants {MUTANTS}")
-        reports[spec] = run_scenario(SCENARIOS[name], work / spec.replace(":", "-"), mutant or None)
-    print(json.dumps(reports))
+    jobs = max(1, min(len(specs), os.cpu_count() or 1, 4))
+    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        results = pool.starmap(_run_spec, [(work, spec) for spec in specs], chunksize=1)
+    print(json.dumps(dict(zip(specs, results))))
     return 0
 
 

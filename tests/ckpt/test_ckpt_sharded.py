@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import multiproc
 from layerwise.ckpt import RunDir, open_run_step
 from layerwise.ckpt.collective import SingleProcess, TorchExchange
 from layerwise.ckpt.errors import CheckpointWriteError
@@ -77,36 +76,29 @@ class FlatPartitions:
         return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, run: str, out: str) -> None:
-    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+def _worker(rank: int, run: str, out: str) -> None:
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    ex = TorchExchange(timeout_s=30)
+    log = []
+    ck = ShardedCheckpointer(run, FlatPartitions(state(1), rank, 2), ex, "filter", threshold=1e-3)
+    log.append(ck.save(1))
+    ck.provider = FlatPartitions(state(2), rank, 2)
+    log.append(ck.save(2))
+    log.append(ck.save(3))  # nothing moved: no group chosen by the policy
+    ck = ShardedCheckpointer(run, FlatPartitions(state(2), rank, 2), ex, "full")
+    log.append(ck.save(4))  # every group chosen, no byte changed
+    ck.provider = FlatPartitions(state(2), rank, 2, double_scalars=True)
     try:
-        ex = TorchExchange(timeout_s=30)
-        log = []
-        ck = ShardedCheckpointer(run, FlatPartitions(state(1), rank, 2), ex, "filter", threshold=1e-3)
-        log.append(ck.save(1))
-        ck.provider = FlatPartitions(state(2), rank, 2)
-        log.append(ck.save(2))
-        log.append(ck.save(3))  # nothing moved: no group chosen by the policy
-        ck = ShardedCheckpointer(run, FlatPartitions(state(2), rank, 2), ex, "full")
-        log.append(ck.save(4))  # every group chosen, no byte changed
-        ck.provider = FlatPartitions(state(2), rank, 2, double_scalars=True)
-        try:
-            ck.save(5)
-            log.append("saved")
-        except CheckpointWriteError as e:
-            log.append(str(e))
-        torch.save([r if isinstance(r, str) else (r.selected, r.written, r.bytes_written, r.changes)
-                    for r in log], os.path.join(out, f"r{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+        ck.save(5)
+        log.append("saved")
+    except CheckpointWriteError as e:
+        log.append(str(e))
+    torch.save([r if isinstance(r, str) else (r.selected, r.written, r.bytes_written, r.changes)
+                for r in log], os.path.join(out, f"r{rank}.pt"))
 
 
+@pytest.mark.dist
+@pytest.mark.timeout(300)
 def test_zero_style_partitions_two_ranks_to_one_and_three(tmp_path):
     """Saved by 2 ranks whose partitions cut ``exp_avg/a`` mid-row and hold ``exp_avg/b`` whole:
     the policy sees the global change (only ``layers.1`` moved), an unchanged shard is not
@@ -115,7 +107,7 @@ def test_zero_style_partitions_two_ranks_to_one_and_three(tmp_path):
     ``shard_layout`` check (step 5 commits with ``step/a`` held twice); ``_entry`` always
     recording ``written_step`` as the save's step."""
     run = tmp_path / "run"
-    mp.spawn(_worker, args=(_free_port(), str(run), str(tmp_path)), nprocs=2)
+    multiproc.run(_worker, (str(run), str(tmp_path)), log=tmp_path / "rank")
     r0, r1 = (torch.load(tmp_path / f"r{r}.pt", weights_only=False) for r in (0, 1))
     assert [(x[0], x[3]) for x in r0[:4]] == [(x[0], x[3]) for x in r1[:4]]  # one decision
     assert r0[1][0] == ["layers.1"] and r0[1][3]["layers.0"] == 0.0 and r0[1][3]["layers.1"] > 1e-3

@@ -5,32 +5,26 @@ arrives makes the other fail within the timeout instead of hanging."""
 from __future__ import annotations
 
 import os
-import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import multiproc
 from layerwise.ckpt.collective import CollectiveTimeout, SingleProcess, TorchExchange
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, out_dir: str, absent_rank: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, out_dir: str, absent_rank: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     ex = TorchExchange(timeout_s=3)
     chosen = ex.broadcast(["layers.0", "post"] if rank == 0 else None)
     got = ex.gather({"rank": rank, "chosen": chosen})
     ex.barrier()
     result = repr(got)
-    if rank == absent_rank:
-        time.sleep(8)  # never reaches the second gather
+    if rank == absent_rank:  # never reaches the second gather: gone once the other has given up
+        present = 1 - rank
+        multiproc.wait_for(Path(out_dir, f"r{present}.txt").exists, 120, f"rank {present}'s result")
     else:
         t0 = time.monotonic()
         try:
@@ -38,15 +32,18 @@ def _worker(rank: int, port: int, out_dir: str, absent_rank: int) -> None:
             result += " | second gather returned"
         except CollectiveTimeout as e:
             result += f" | timeout after {time.monotonic() - t0:.1f} s: {e}"
-    with open(os.path.join(out_dir, f"r{rank}.txt"), "w") as f:
+    part = os.path.join(out_dir, f"r{rank}.part")
+    with open(part, "w") as f:
         f.write(result)
-    os._exit(0)  # the group is broken for the absent rank's peer: no orderly shutdown
+    os.replace(part, os.path.join(out_dir, f"r{rank}.txt"))
+    multiproc.leave(0, barrier=False)  # the group is broken for the absent rank's peer
 
 
+@pytest.mark.dist
+@pytest.mark.timeout(300)
 def test_exchange_across_two_ranks_and_a_missing_rank(tmp_path):
     """Mutation seen failing: ``gather`` passing ``dst=1`` through: rank 0 gets ``None``."""
-    mp.start_processes(_worker, args=(_free_port(), str(tmp_path), 1), nprocs=2, join=True,
-                       start_method="spawn")
+    multiproc.run(_worker, (str(tmp_path), 1), log=tmp_path / "rank", timeout_s=240)
     r0 = (tmp_path / "r0.txt").read_text()
     assert r0.startswith("[{'rank': 0, 'chosen': ['layers.0', 'post']}, "
                          "{'rank': 1, 'chosen': ['layers.0', 'post']}]"), r0

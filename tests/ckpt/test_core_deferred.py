@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from layerwise.ckpt import Checkpointer, RunDir
-from layerwise.ckpt import checkpointer as checkpointer_mod
+from layerwise.ckpt.snapshot import UpdateGate
 from layerwise.ckpt.errors import StateModifiedError
 from layerwise.ckpt.provider import DictStateProvider
 from layerwise.ckpt.tracker import UpdateTracker
@@ -32,7 +32,7 @@ def held_helper(monkeypatch) -> threading.Event:
     main = threading.current_thread()
     released = threading.Event()
     prepare, observe = Checkpointer._prepare, UpdateTracker.observe
-    gate_wait, ck_wait = checkpointer_mod._UpdateGate.wait, Checkpointer.wait
+    gate_wait, ck_wait = UpdateGate.wait, Checkpointer.wait
 
     def held(fn):
         def run(self, *a, **k):
@@ -49,7 +49,7 @@ def held_helper(monkeypatch) -> threading.Event:
 
     monkeypatch.setattr(Checkpointer, "_prepare", held(prepare))
     monkeypatch.setattr(UpdateTracker, "observe", held(observe))
-    monkeypatch.setattr(checkpointer_mod._UpdateGate, "wait", release(gate_wait))
+    monkeypatch.setattr(UpdateGate, "wait", release(gate_wait))
     monkeypatch.setattr(Checkpointer, "wait", release(ck_wait))
     return released
 
@@ -96,7 +96,7 @@ def test_a_deferred_save_stores_what_a_synchronous_save_stores(tmp_path, held_he
     waited: ``stall_s`` > 0).
 
     Mutations this fails on (each made by hand): the update hook not waiting
-    (``_UpdateGate.wait`` returning at once): the copy races the optimizer step and the save
+    (``UpdateGate.wait`` returning at once): the copy races the optimizer step and the save
     fails with ``StateModifiedError``; that and ``_check_unmodified`` disabled: other blobs or
     other choices than the synchronous run's (2 of 3 tries; the third: ``stall_s`` 0, no step
     waited).

@@ -135,8 +135,8 @@ def test_save_makes_everything_durable_before_what_names_it(powercut, scenario):
     run directory fsync.
 
     Mutations this fails on (each made once, by hand): ``os.fsync`` a no-op in
-    ``util/atomic.py`` and ``ckpt/run_dir.py`` (no fsync recorded at all); ``batch.finish()``
-    moved after ``store.commit`` in ``_WriteJob.run`` (the manifest renamed before the blobs
+    ``util/atomic.py`` and ``ckpt/blob_store.py`` (no fsync recorded at all); ``BlobBatch.finish``
+    moved after ``commit_step`` in ``SaveWriter.run`` (the manifest renamed before the blobs
     and their directories are fsynced); the blob file fsync removed from ``BlobBatch.submit``;
     ``commit``'s ``fsync_dir(steps/)`` removed."""
     rep = powercut[scenario]
@@ -155,8 +155,8 @@ def test_stop_at_every_call_leaves_the_last_commit_loadable(powercut, scenario):
     saved again (uncommitted first).
 
     Mutations this fails on (each made once, by hand): ``os.fsync`` a no-op in
-    ``util/atomic.py`` and ``ckpt/run_dir.py`` (power state after the save returned: the step
-    is gone); ``batch.finish()`` moved after ``store.commit`` in ``_WriteJob.run``, i.e. the
+    ``util/atomic.py`` and ``ckpt/blob_store.py`` (power state after the save returned: the step
+    is gone); ``BlobBatch.finish`` moved after ``commit_step`` in ``SaveWriter.run``, i.e. the
     manifest renamed before the blobs are fsynced (the manifest names missing blobs); the blob
     file fsync removed from ``BlobBatch.submit`` (power state: empty blobs); ``commit``'s
     ``fsync_dir(steps/)`` removed (``first``, ``next``: a power cut after the save returned
@@ -276,7 +276,7 @@ def test_failed_save_rolls_back_and_next_save_is_complete(tmp_path, monkeypatch)
     for g in GROUPS:
         for k, t in content(g, 2).items():
             prov.state[g][k].copy_(t)
-    import layerwise.ckpt.run_dir as ls
+    import layerwise.ckpt.blob_store as ls
 
     real = ls._write_payload
     monkeypatch.setattr(ls, "_write_payload", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space")))

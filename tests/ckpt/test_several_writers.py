@@ -14,7 +14,7 @@ import torch
 
 from layerwise.ckpt import Checkpointer, RunDir
 from layerwise.ckpt.errors import CheckpointError, CheckpointWriteError
-from layerwise.ckpt import checkpointer as checkpointer_mod
+from layerwise.ckpt.save_writer import SaveWriter
 
 from test_core_helpers import make_training, train_step
 
@@ -135,13 +135,13 @@ def test_a_rank_that_cannot_write_fails_the_save_everywhere_and_commits_nothing(
     cks = [Checkpointer(tmp_path / "run", model, opt, sched, "full", exchange=ex, mine=mine[r])
            for r, ex in enumerate(exchanges)]
     assert _on_every_rank(cks, 1) == [None, None]
-    write_blobs = checkpointer_mod._WriteJob._write_blobs
+    write_blobs = SaveWriter._write_blobs
 
-    def full_disk_on_rank_1(job, store):
-        if job.ck is cks[1]:
+    def full_disk_on_rank_1(writer, job):
+        if writer.exchange.rank == 1:
             raise CheckpointWriteError("checkpoint write failed: the disk is full")
-        return write_blobs(job, store)
-    monkeypatch.setattr(checkpointer_mod._WriteJob, "_write_blobs", full_disk_on_rank_1)
+        return write_blobs(writer, job)
+    monkeypatch.setattr(SaveWriter, "_write_blobs", full_disk_on_rank_1)
     train_step(model, opt, sched)
     errors = _on_every_rank(cks, 2)
     assert isinstance(errors[1], CheckpointWriteError), errors

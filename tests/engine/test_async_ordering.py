@@ -16,9 +16,14 @@ Mutations checked by hand (each makes ``test_seeded_delay_patterns_match_autogra
   ``backend.wait`` (``internals``, with prefetch depth 2: at depth 1 the backward's weight copy
   follows the fetch on the H2D lane and covers it);
 - kept internals' offload landed before their fetch: ``KeptInternals.fetch`` without
-  ``s.stored`` in ``after`` (``internals``).
+  ``s.stored`` in ``after`` together with ``OffloadWindow.next_op`` without its
+  ``backend.wait`` (``internals``; either one alone orders the fetch after the offload: the
+  fetch's ``record()`` follows the window's wait, one op after the forward).
 (update-before-forward is ``test_training.test_update_of_a_layer_finishes_before_its_next_forward``.)
 """
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
@@ -33,6 +38,10 @@ from layerwise.store import HostStore
 from .test_gradients import assert_grads_close, engine_grads, make_batch, reference
 
 SEEDS = range(50)
+CONCURRENT_SEEDS = 4
+"""Seeds run at once, each with its own engine (adapter, lanes, store, spill dir): a seed's step
+mostly waits on its lanes' delays, so four share the CPU without queueing, and the others' load
+only adds jitter on top of each seed's delay pattern."""
 
 
 @pytest.fixture(scope="module")
@@ -56,21 +65,27 @@ PLANS = {
 @pytest.mark.parametrize("plan_name", PLANS)
 def test_seeded_delay_patterns_match_autograd(setup, plan_name, tmp_path):
     cfg, model, batches, ref_loss, ref_grads = setup
-    adapter = DecoderAdapter(cfg)
-    failures = []
-    for seed in SEEDS:
+
+    def one(seed: int) -> tuple[int, str] | None:
+        adapter = DecoderAdapter(cfg)  # its layer templates are reparametrized per call
         store = HostStore(adapter)
         store.copy_from_model(model)
+        spill = tmp_path / f"seed{seed}"
+        spill.mkdir()
         engine = StreamingEngine(adapter, store, PLANS[plan_name],
-                                 EngineConfig(device="cpu-async", async_seed=seed, spill_dir=str(tmp_path)))
+                                 EngineConfig(device="cpu-async", async_seed=seed, spill_dir=str(spill)))
         try:
             loss, _ = engine.compute_grads(batches)
             assert loss == pytest.approx(ref_loss, rel=1e-5)
             assert_grads_close(engine_grads(store), ref_grads)
         except AssertionError as e:
-            failures.append((seed, str(e)[:200]))
+            return seed, str(e)[:200]
         finally:
             engine.close()
+        return None
+
+    with ThreadPoolExecutor(CONCURRENT_SEEDS, thread_name_prefix="seed") as pool:
+        failures = [f for f in pool.map(one, SEEDS) if f is not None]
     assert not failures, f"{len(failures)} of {len(SEEDS)} delay patterns went wrong: {failures[:3]}"
 
 
@@ -120,16 +135,18 @@ def test_device_slots_are_allocated_once_and_bounded_by_prefetch_depth(setup):
 def test_a_unit_is_copied_once_per_use_window(setup):
     """A tied head needs the embedding right after the last layer's forward; the embedding copy
     of ``embed_fwd`` is not reused (its slot was freed), but within one window a unit is not
-    copied twice: every-1 with two micro-batches copies each use of the schedule except the
-    embedding shared by ``embed_bwd`` and the next micro-batch's ``embed_fwd``."""
+    copied twice: every-1 at prefetch depth 2 with two micro-batches copies each use of the
+    schedule except ``layers.0``, shared by the first micro-batch's last backward and the
+    second's first layer forward (two uses ahead: the embedding's forward is between them;
+    ``embed_bwd`` reads no weights)."""
     cfg, model, batches, _, _ = setup
     adapter = DecoderAdapter(cfg)
     store = HostStore(adapter)
     store.copy_from_model(model)
-    engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 1),
-                             EngineConfig(device="cpu-async", async_seed=None))
+    plan = replace(Plan.every_k(adapter.num_layers, 1), prefetch_depth=2)
+    engine = StreamingEngine(adapter, store, plan, EngineConfig(device="cpu-async", async_seed=None))
     engine.compute_grads(batches)
-    uses_per_mb = 1 + 6 + 2 + 6 + 1  # embed_fwd, layers, head (embed + head), layers back, embed_bwd
+    uses_per_mb = 1 + 6 + 2 + 6  # embed_fwd, layers, head (embed + head), layers back
     assert engine.streamer.loads == 2 * uses_per_mb - 1
     engine.close()
 

@@ -6,14 +6,12 @@ import json
 import os
 import pickle
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.fsdp import fully_shard
@@ -27,6 +25,7 @@ from layerwise.interop.recipes.merge import merge
 from layerwise.interop.sources import open_source
 from layerwise.interop.hf.trainer_checkpoint import trainer_param_groups
 from layerwise.models.registry import FAMILIES, get_flavor
+import multiproc
 from live_source import LiveModelSource
 
 
@@ -95,44 +94,37 @@ def test_dcp_export_loads_into_plain_model_with_get_state_dict(exported):
     assert fresh_opt.param_groups[0]["betas"] == (0.8, 0.95)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _fsdp2_load(rank: int, ckpt: str, config: dict, result: str) -> None:
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    cfg = dict(config)
+    model = AutoModelForCausalLM.from_config(
+        FAMILIES["llama"].model_class.config_class(**cfg))
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    named = dict(model.named_parameters())
+    decay, no_decay = trainer_param_groups(model)
+    opt = torch.optim.AdamW([{"params": [named[n] for n in decay]},
+                             {"params": [named[n] for n in no_decay]}], lr=1.0)
+    msd, osd = get_state_dict(model, opt)
+    shard_rows = next(iter(msd.values())).to_local().shape[0]
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    full_m, full_o = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
+                                                                          cpu_offload=True))
+    if rank == 0:
+        torch.save({"model": full_m, "optim": full_o, "shard_rows": shard_rows}, result)
 
 
-def _fsdp2_load(rank: int, port: int, ckpt: str, config: dict, result: str) -> None:
-    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        cfg = dict(config)
-        model = AutoModelForCausalLM.from_config(
-            FAMILIES["llama"].model_class.config_class(**cfg))
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        named = dict(model.named_parameters())
-        decay, no_decay = trainer_param_groups(model)
-        opt = torch.optim.AdamW([{"params": [named[n] for n in decay]},
-                                 {"params": [named[n] for n in no_decay]}], lr=1.0)
-        msd, osd = get_state_dict(model, opt)
-        shard_rows = next(iter(msd.values())).to_local().shape[0]
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt)
-        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-        full_m, full_o = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
-                                                                              cpu_offload=True))
-        if rank == 0:
-            torch.save({"model": full_m, "optim": full_o, "shard_rows": shard_rows}, result)
-    finally:
-        dist.destroy_process_group()
-
-
+@pytest.mark.dist
+@pytest.mark.timeout(300)
 def test_dcp_export_loads_into_two_process_fsdp2(exported, tmp_path):
     """Two gloo processes, each holding half of every parameter (FSDP2), load the export with
     dcp.load: gathered back, weights and moments equal the source's. Mutation seen failing:
     ``exp_avg`` and ``exp_avg_sq`` swapped in ``_MOMENTS`` (a DCP round trip alone cannot see it)."""
     model, opt, _, out, _ = exported
     result = tmp_path / "loaded.pt"
-    mp.spawn(_fsdp2_load, args=(_free_port(), str(out), model.config.to_dict(), str(result)), nprocs=2)
+    multiproc.run(_fsdp2_load, (str(out), model.config.to_dict(), str(result)), log=tmp_path / "rank")
     got = torch.load(result, weights_only=True)
     named = dict(model.named_parameters())
     assert got["shard_rows"] < named["model.embed_tokens.weight"].shape[0]  # really sharded

@@ -20,6 +20,7 @@ from layerwise.interop.sources import open_source
 from layerwise.interop.deepspeed.zero_checkpoint import ZeroCheckpointSource
 from zero_helpers import LW_STEP, SAVE_STEPS, TRAINER_STEPS, WORLD_SIZE
 
+pytestmark = [pytest.mark.dist]
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 STAGES = (1, 2, 3)
 END_STEP = max(SAVE_STEPS)

@@ -17,17 +17,16 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+import multiproc
 from layerwise.ckpt import CheckpointCorruptError, RunDir, open_run_step
 from layerwise.interop.torchdist.dcp_checkpoint import DCPCheckpointSource
 from layerwise.interop.hooks.fsdp2_loop import fsdp_checkpointer
@@ -37,12 +36,7 @@ from layerwise.interop.hf.trainer_checkpoint import trainer_param_groups
 from layerwise.models.registry import FAMILIES, get_flavor
 
 VOCAB, STEPS, RESUME_AT, BATCH, SEQ = 97, 4, 3, 4, 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 
 
 def _build():
@@ -84,42 +78,39 @@ def _full_state(model, opt) -> dict[str, torch.Tensor]:
     return out
 
 
-def _worker(rank: int, world: int, port: int, runs: list[str], phase: str, out: str) -> None:
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        model, opt = _build()
-        ck = fsdp_checkpointer(runs[0], model, opt, policy="topk", k=2, full_every=2, timeout_s=60)
-        dumps: dict = {}
-        start = 1
-        if phase == "resume":  # first the mixed run's step 4, then over it this run's step 3
-            mixed = fsdp_checkpointer(runs[1], model, opt, policy="topk", k=2, timeout_s=60)
-            mixed.load(STEPS)
-            dumps["reloaded"] = _full_state(model, opt)
-        if phase != "train":
-            res = ck.load(RESUME_AT)
-            dumps["loaded"] = _full_state(model, opt)
-            dumps["world_size_saved"] = res.world_size_saved
-            start = res.step + 1
-        for step in range(start, STEPS + 1):
-            _train_step(model, opt, step, rank, world)
-            if phase == "train" and step <= RESUME_AT:
-                rep = ck.save(step)
-                dumps[f"report{step}"] = {"selected": rep.selected, "changes": rep.changes}
-                dumps[f"state{step}"] = _full_state(model, opt)
-            if phase == "one_rank" and step == STEPS:
-                rep = ck.save(step)
-                dumps["report4"] = {"selected": rep.selected, "changes": rep.changes}
-        dumps["final"] = _full_state(model, opt)
-        if rank == 0:
-            torch.save(dumps, out)
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, runs: list[str], phase: str, out: str) -> None:
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model, opt = _build()
+    ck = fsdp_checkpointer(runs[0], model, opt, policy="topk", k=2, full_every=2, timeout_s=60)
+    dumps: dict = {}
+    start = 1
+    if phase == "resume":  # first the mixed run's step 4, then over it this run's step 3
+        mixed = fsdp_checkpointer(runs[1], model, opt, policy="topk", k=2, timeout_s=60)
+        mixed.load(STEPS)
+        dumps["reloaded"] = _full_state(model, opt)
+    if phase != "train":
+        res = ck.load(RESUME_AT)
+        dumps["loaded"] = _full_state(model, opt)
+        dumps["world_size_saved"] = res.world_size_saved
+        start = res.step + 1
+    for step in range(start, STEPS + 1):
+        _train_step(model, opt, step, rank, world)
+        if phase == "train" and step <= RESUME_AT:
+            rep = ck.save(step)
+            dumps[f"report{step}"] = {"selected": rep.selected, "changes": rep.changes}
+            dumps[f"state{step}"] = _full_state(model, opt)
+        if phase == "one_rank" and step == STEPS:
+            rep = ck.save(step)
+            dumps["report4"] = {"selected": rep.selected, "changes": rep.changes}
+    dumps["final"] = _full_state(model, opt)
+    if rank == 0:
+        torch.save(dumps, out)
 
 
 def _launch(world: int, runs: list[Path], phase: str, tmp: Path) -> dict:
     out = tmp / f"{phase}.pt"
-    mp.spawn(_worker, args=(world, _free_port(), [str(r) for r in runs], phase, str(out)),
-             nprocs=world)
+    multiproc.run(_worker, (world, [str(r) for r in runs], phase, str(out)), world,
+                  log=tmp / phase)
     return torch.load(out, weights_only=True)
 
 

@@ -12,6 +12,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+import multiproc
+from layerwise.cli import main
 from layerwise.util.units import parse_size_bytes
 from layerwise.util.safetensors_io import ShardedSafetensorsWriter
 from layerwise.interop.recipes.merge import merge
@@ -251,23 +253,28 @@ def test_trainer_export_from_a_plain_loop_state(tmp_path):
     assert len(sched["lr_lambdas"]) == 2
 
 
-def test_cli_export_out_of_space_fails_cleanly(hf_dir, tmp_path):
-    """A write that hits the file-size limit (as a full disk would) exits 1 and leaves no output."""
-    import subprocess
-    import sys
-    import textwrap
+def _merge_under_a_file_size_limit(rank: int, argv: list[str], limit_bytes: int) -> None:
+    """``layerwise <argv>`` in a child whose writes past ``limit_bytes`` fail with EFBIG."""
+    import resource
+    import signal
 
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+    code = main(argv)
+    if code:
+        raise SystemExit(code)
+
+
+def test_cli_export_out_of_space_fails_cleanly(hf_dir, tmp_path):
+    """A write that hits the file-size limit (as a full disk would) exits 1 and leaves no output
+    (the CLI in a child process, forked by ``multiproc``, whose file-size limit is 40 kB)."""
     _, path = hf_dir
-    out = tmp_path / "out"
-    script = textwrap.dedent(f"""
-        import resource, signal, sys
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # get EFBIG instead of being killed
-        from layerwise.cli import main
-        resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, 40_000))
-        sys.exit(main(["ckpt", "merge", {str(path)!r}, "--out", {str(out)!r}, "--format", "trainer", "--json"]))
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    err = json.loads(proc.stdout.strip().splitlines()[-1])
+    out, logs = tmp_path / "out", tmp_path.parent / f"{tmp_path.name}-logs"
+    argv = ["ckpt", "merge", str(path), "--out", str(out), "--format", "trainer", "--json"]
+    logs.mkdir()
+    with multiproc.start(_merge_under_a_file_size_limit, (argv, 40_000), 1, log=logs / "merge",
+                         stores=[], split_stderr=True) as launch:
+        assert launch[0].wait(120) == 1, launch.logs()
+    err = json.loads(launch[0].log_tail(100_000).strip().splitlines()[-1])
     assert err["ok"] is False and "nothing was written" in err["error"] and "File too large" in err["error"]
     assert list(tmp_path.iterdir()) == []

@@ -6,8 +6,8 @@ import dataclasses
 import json
 import math
 import shutil
-import subprocess
-import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,7 @@ import torch
 import yaml
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+import multiproc
 from layerwise.ckpt.resolve import open_run_step
 from layerwise.interop.recipes.import_checkpoints import import_checkpoints
 from layerwise.interop.layout import EXP_AVG
@@ -179,30 +180,29 @@ def test_deepspeed_format_needs_a_template(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-_PEAK_SCRIPT = """
-import json, sys, threading, time
-from layerwise.interop.recipes.merge import merge
-from layerwise.interop.sources import open_source
-
-def rss_anon():
+def _rss_anon_bytes() -> int:
     for line in open("/proc/self/status"):
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
 
-base, peak, done = rss_anon(), [0], threading.Event()
 
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], rss_anon())
-        time.sleep(0.001)
+def _merge_peak(rank: int, src: str, out: str, fmt: str, result: str) -> None:
+    """In a child of its own: the merge, with its RssAnon sampled every millisecond from just
+    before the source is opened; ``{"base", "peak"}`` written to ``result``."""
+    base, peak, done = _rss_anon_bytes(), [0], threading.Event()
 
-t = threading.Thread(target=sample)
-t.start()
-merge(open_source(sys.argv[1]), sys.argv[2], format=sys.argv[3])
-done.set()
-t.join()
-print(json.dumps({"base": base, "peak": peak[0]}))
-"""
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_anon_bytes())
+            time.sleep(0.001)
+
+    t = threading.Thread(target=sample)
+    t.start()
+    merge(open_source(src), out, format=fmt)
+    done.set()
+    t.join()
+    Path(result).write_text(json.dumps({"base": base, "peak": peak[0]}))
 
 
 @pytest.mark.parametrize("fmt", ["hf", "trainer"])
@@ -216,10 +216,10 @@ def test_zero_merge_peak_memory_is_about_one_group(zero_dir, tmp_path, fmt):
     cfg = big_config()
     layer_params = sum(p.numel() for p in FAMILIES["llama"].model_class(cfg).model.layers[0].parameters())
     group_bytes = 3 * 4 * layer_params
-    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(src), str(tmp_path / "out"), fmt],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    mem = json.loads(out.stdout.strip().splitlines()[-1])
+    result = tmp_path / "peak.json"
+    multiproc.run(_merge_peak, (str(src), str(tmp_path / "out"), fmt, str(result)), 1,
+                  log=tmp_path / "merge", stores=[], timeout_s=300)
+    mem = json.loads(result.read_text())
     grew = mem["peak"] - mem["base"]
     assert grew <= 2 * group_bytes + 16 * 2**20, (grew / 2**20, group_bytes / 2**20)
     print(f"peak RssAnon growth {grew / 2**20:.1f} MiB; a group {group_bytes / 2**20:.1f} MiB; "

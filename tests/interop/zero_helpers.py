@@ -25,17 +25,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import yaml
 from accelerate import PartialState
 from transformers import Trainer, TrainingArguments
 
+import multiproc
 from layerwise.interop.hooks.trainer_callback import LayerwiseCheckpointCallback
 from layerwise.interop.hooks.deepspeed_loop import DeepSpeedCheckpointer
 from layerwise.interop.recipes.merge import merge
@@ -68,12 +67,6 @@ def config():
     return get_flavor("llama-debug").build_config(num_hidden_layers=NUM_LAYERS, hidden_size=33, head_dim=8,
                                                   num_attention_heads=3, num_key_value_heads=1,
                                                   intermediate_size=65)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def recipe(run: Path) -> dict:
@@ -127,10 +120,9 @@ def _train_step(engine, gen) -> float:
     return float(loss)
 
 
-def _init(rank: int, world_size: int, port: int) -> None:
-    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
+def _init() -> None:
+    """DeepSpeed's process group, from the launch's torchrun variables (``multiproc``; the fork
+    server imported DeepSpeed with ``DS_ACCELERATOR=cpu``)."""
     import deepspeed
     # DeepSpeed's shared-memory all-reduce kernel only speeds up CPU collectives; without it
     # DeepSpeed uses gloo and skips a C++ build of a minute or more.
@@ -147,8 +139,8 @@ def _batches(rank: int, done: int = 0) -> torch.Generator:
     return gen
 
 
-def _worker(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
-    _init(rank, WORLD_SIZE, port)
+def _worker(rank: int, out: str, stages: tuple[int, ...]) -> None:
+    _init()
     for stage in stages:
         engine = _engine(stage)
         gen = _batches(rank)
@@ -206,7 +198,6 @@ def _worker(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
         (Path(out) / "big" / "config.json").write_text(json.dumps(big_config().to_dict()))
     engine.destroy()
     _trainer_run(rank, Path(out) / "trainer")
-    dist.destroy_process_group()
 
 
 def _keep(engine, stage: int, rank: int, path: Path) -> None:
@@ -282,11 +273,11 @@ def _trainer_run(rank: int, out: Path) -> None:
     trainer.model_wrapped.destroy()
 
 
-def _layerwise_resume(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
+def _layerwise_resume(rank: int, out: str, stages: tuple[int, ...]) -> None:
     """Fresh processes load each stage's layer-wise save into an engine with other initial
     weights and train on to the last step, keeping DeepSpeed's view after the load and at the
     end (``lw_resumed_step{N}.pt``) and the engine's counters (``lw_resumed_counters.json``)."""
-    _init(rank, WORLD_SIZE, port)
+    _init()
     for stage in stages:
         run = Path(out) / f"zero{stage}"
         engine = _engine(stage, seed=123)
@@ -301,7 +292,6 @@ def _layerwise_resume(rank: int, port: int, out: str, stages: tuple[int, ...]) -
             _train_step(engine, gen)
         _keep(engine, stage, rank, run / f"lw_resumed_step{max(SAVE_STEPS)}.pt")
         engine.destroy()
-    dist.destroy_process_group()
 
 
 WS1_STEPS = (1, 3)
@@ -309,9 +299,9 @@ WS1_STEPS = (1, 3)
 the save merged into the 2-rank run's template (1 -> 2)."""
 
 
-def _one_rank_saves(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
+def _one_rank_saves(rank: int, out: str, stages: tuple[int, ...]) -> None:
     """Before the 2-rank session: a 1-rank run of each stage, saved at ``WS1_STEPS``."""
-    _init(rank, 1, port)
+    _init()
     for stage in stages:
         run = Path(out) / "ws1" / f"zero{stage}"
         engine = _engine(stage)
@@ -324,13 +314,12 @@ def _one_rank_saves(rank: int, port: int, out: str, stages: tuple[int, ...]) -> 
                 torch.save(_full_state(engine), run / f"reference_step{step}.pt")
         (run / "config.json").write_text(json.dumps(config().to_dict()))
         engine.destroy()
-    dist.destroy_process_group()
 
 
-def _one_rank_resume(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
+def _one_rank_resume(rank: int, out: str, stages: tuple[int, ...]) -> None:
     """World size 2 -> 1: the 2-rank step-4 save merged into the 1-rank run's step-1 template,
     loaded by DeepSpeed at world size 1 (``ws1/zero{stage}/resumed.pt``)."""
-    _init(rank, 1, port)
+    _init()
     for stage in stages:
         run = Path(out) / "ws1" / f"zero{stage}"
         source = Path(out) / f"zero{stage}" / f"global_step{SAVE_STEPS[1]}"
@@ -345,7 +334,6 @@ def _one_rank_resume(rank: int, port: int, out: str, stages: tuple[int, ...]) ->
         DeepSpeedCheckpointer(Path(out) / f"zero{stage}" / "layerwise", engine).load()
         _keep(engine, stage, rank, run / f"lw_loaded_step{LW_STEP}.pt")
         engine.destroy()
-    dist.destroy_process_group()
 
 
 def make_zero_checkpoints(out: Path, stages: tuple[int, ...] = (1, 2, 3)) -> Path:
@@ -354,8 +342,8 @@ def make_zero_checkpoints(out: Path, stages: tuple[int, ...] = (1, 2, 3)) -> Pat
     layer-wise saves of the same loops, resumed by fresh processes (and, stages 2 and 3, loaded
     at world size 1); the Trainer run (``out/trainer``)."""
     resharded = tuple(s for s in stages if s >= 2)
-    mp.spawn(_one_rank_saves, args=(_free_port(), str(out), resharded), nprocs=1)
-    mp.spawn(_worker, args=(_free_port(), str(out), stages), nprocs=WORLD_SIZE)
-    mp.spawn(_layerwise_resume, args=(_free_port(), str(out), stages), nprocs=WORLD_SIZE)
-    mp.spawn(_one_rank_resume, args=(_free_port(), str(out), resharded), nprocs=1)
+    for fn, args, world in ((_one_rank_saves, resharded, 1), (_worker, stages, WORLD_SIZE),
+                            (_layerwise_resume, stages, WORLD_SIZE),
+                            (_one_rank_resume, resharded, 1)):
+        multiproc.run(fn, (str(out), args), world, log=out / fn.__name__.strip("_"), timeout_s=900)
     return out

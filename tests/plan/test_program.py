@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from layerwise.engine.backend import CpuBackend
-from layerwise.engine.streams import WeightStreamer
+from layerwise.engine.weight_stream import WeightStreamer
 from layerwise.models.names import EMBED, HEAD, layer_unit
 from layerwise.plan.hardware import PRESETS
 from layerwise.plan.memory import device_bytes_per_op
@@ -42,15 +42,16 @@ def test_op_kinds_read_as_the_strings_they_replaced():
 
 # ops of a 2-layer plan keeping both boundaries:
 #   embed_fwd, layer_fwd 0, layer_fwd 1, head, fetch 1, layer_bwd 1, fetch 0, layer_bwd 0, embed_bwd
-# weight schedule (untied): embed, layers.0, layers.1, head, layers.1, layers.0, embed
+# weight schedule (untied): embed, layers.0, layers.1, head, layers.1, layers.0 (embed_bwd reads
+# no weights: its gradient comes from the token ids and boundary 0's gradient)
 HAND_WINDOWS = {
-    (False, 1): [{E, L0}, {L0, L1}, {L1, H}, {H, L1}, {L1}, {L1, L0}, {L0}, {L0, E}, {E}],
+    (False, 1): [{E, L0}, {L0, L1}, {L1, H}, {H, L1}, {L1}, {L1, L0}, {L0}, {L0}, set()],
     # depth 2: layer_fwd 1 holds layers.1 once although it is both running and two uses ahead
-    (False, 2): [{E, L0, L1}, {L0, L1, H}, {L1, H}, {H, L1, L0}, {L1, L0}, {L1, L0, E}, {L0, E},
-                 {L0, E}, {E}],
-    # tied: the head also runs the embedding (schedule: embed, l0, l1, embed, head, l1, l0, embed)
+    (False, 2): [{E, L0, L1}, {L0, L1, H}, {L1, H}, {H, L1, L0}, {L1, L0}, {L1, L0}, {L0},
+                 {L0}, set()],
+    # tied: the head also runs the embedding (schedule: embed, l0, l1, embed, head, l1, l0)
     # tied, two slots: the head holds both, so layers.1's copy waits for the head to finish
-    (True, 1): [{E, L0}, {L0, L1}, {L1, E}, {E, H}, {L1}, {L1, L0}, {L0}, {L0, E}, {E}],
+    (True, 1): [{E, L0}, {L0, L1}, {L1, E}, {E, H}, {L1}, {L1, L0}, {L0}, {L0}, set()],
 }
 
 

@@ -1,26 +1,27 @@
-"""One rank of a test's data-parallel launch (``tests/train/test_distributed.py``).
+"""One rank of a test's data-parallel launch (``tests/train/test_distributed.py``): ``main``,
+run by ``multiproc`` with torchrun's variables.
 
 Argument: a JSON file with a list of runs ``{"overrides": [...], "port": int, "memory": path?}``;
 each is ``train()`` of a small TrainConfig with those overrides, run one after the other with a
-fresh process group. ``memory``: sample this process's ``/proc/self/smaps_rollup`` during the run
-and write the level sample (``MemorySampler``) to ``<memory>.<rank>``. ``env``: variables set
-for that run and the ones after it. ``stall_in_blob_writes``: ``{"rank", "step", "marker"}``,
-a fault (``stall_in_blob_writes``) for that run and the ones after it.
+fresh process group (joined through the store at ``port``, which the test process holds).
+``memory``: sample this process's ``/proc/self/smaps_rollup`` during the run and write the level
+sample (``MemorySampler``) to ``<memory>.<rank>``. ``env``: variables set for that run and the
+ones after it. ``stall_in_blob_writes``: ``{"rank", "step", "marker"}``, a fault
+(``stall_in_blob_writes``) for that run and the ones after it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
-import time
 from pathlib import Path
 
 from layerwise import config
 from layerwise.ckpt.checkpointer import Checkpointer
 from layerwise.ckpt.run_dir import RunDir
 from layerwise.train.loop import TrainConfig, train
+from layerwise.util.logs import command_output
 
 BASE = dict(model="llama-demo", seq_len=32, corpus_tokens=20_000, eval_every=0, eval_batches=1,
             log_every=1, progress="lines", track_every=0, warmup_steps=0, min_lr_ratio=1.0)
@@ -58,40 +59,48 @@ class MemorySampler:
 
 
 def stall_in_blob_writes(step: int, marker: str) -> None:
-    """A fault: from the save of ``step`` on, this process stops for good right after it has
-    handed its first blob of a save to the run directory (the bytes written, their fsync and
-    rename possibly still running), and touches ``marker`` so the test can kill it there."""
+    """A fault: in the save of ``step`` (or the first save after it), this process stops for good
+    right after it has handed its first blob of that save to the run directory (the bytes
+    written, their fsync and rename possibly still running), and writes to ``marker``
+    (atomically) where it stopped, so the test can kill it there and check:
+    ``{"armed_at_save": s, "latest_committed": c}``, ``c`` the run's newest commit as this rank
+    sees it then (the save it stopped in is ``c + 1``).
+
+    It arms only once the previous save has finished (``Checkpointer.wait``): a save writes in
+    the background and the next ``save`` first waits for it, so a fault armed on entry to
+    ``save`` could stop the previous save's blobs instead (step 2 then never commits)."""
     save, put_blob = Checkpointer.save, RunDir.put_blob
     armed: list[int] = []
 
     def save_then_arm(self, at: int, *args, **kwargs):
-        if at >= step:
+        if at >= step and not armed:
+            self.wait()
             armed.append(at)
         return save(self, at, *args, **kwargs)
 
     def put_blob_then_stall(self, *args, **kwargs):
         rec = put_blob(self, *args, **kwargs)
         if armed:
-            Path(marker).touch()
-            time.sleep(3600)
+            part = f"{marker}.part"
+            Path(part).write_text(json.dumps({"armed_at_save": armed[0],
+                                              "latest_committed": self.latest_step()}))
+            os.replace(part, marker)
+            threading.Event().wait()  # for good: the test kills this process or leaves it so
         return rec
 
     Checkpointer.save, RunDir.put_blob = save_then_arm, put_blob_then_stall
 
 
-def main() -> None:
-    runs = json.loads(Path(sys.argv[1]).read_text())
+def main(rank: int, spec: str) -> None:
+    runs = json.loads(Path(spec).read_text())
     for run in runs:
         os.environ.update(MASTER_PORT=str(run["port"]), **run.get("env", {}))
         fault = run.get("stall_in_blob_writes")
-        if fault is not None and int(os.environ["RANK"]) == fault["rank"]:
+        if fault is not None and rank == fault["rank"]:
             stall_in_blob_writes(fault["step"], fault["marker"])
         cfg = config.apply_overrides(TrainConfig(**BASE), run["overrides"])
         sampler = MemorySampler() if run.get("memory") else None
-        train(cfg)
+        with command_output():  # rank 0's lines on stdout, as under `layerwise train`
+            train(cfg)
         if sampler is not None:
-            Path(f"{run['memory']}.{os.environ['RANK']}").write_text(json.dumps(sampler.stop()))
-
-
-if __name__ == "__main__":
-    main()
+            Path(f"{run['memory']}.{rank}").write_text(json.dumps(sampler.stop()))

@@ -1,11 +1,8 @@
 """Config loading/overrides and a short end-to-end training run."""
 
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import layerwise
+import multiproc
 from layerwise import config
 from layerwise.ckpt import RunDir, open_run_step
 from layerwise.cli import main
@@ -54,7 +51,7 @@ def test_short_training_run_learns_and_exports(tmp_path):
     cfg = TrainConfig(steps=12, seq_len=64, micro_batch_size=4, grad_accum=2, plan="every-3",
                       corpus_tokens=200_000, eval_every=0, eval_batches=2, out_dir=str(tmp_path),
                       log_every=100)
-    result = train(cfg, log=lambda *_: None)
+    result = train(cfg)
     assert result.eval_loss_end < result.eval_loss_start - 0.5
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(1, 13))
@@ -85,30 +82,39 @@ def _tiny_llama_dir(path: Path) -> Path:
     return path
 
 
-def _train_cmd(model_dir: Path, out_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "layerwise.cli", "train", f"model={model_dir}",
+def _train_argv(model_dir: Path, out_dir: Path) -> list[str]:
+    return ["train", f"model={model_dir}",
             f"steps={KILL_STEPS}", "seq_len=32", "micro_batch_size=2", "grad_accum=2",
             "corpus_tokens=50000", "eval_every=0", "eval_batches=1", "log_every=1",
             "export=false", "ckpt_every=1", "ckpt_policy=full", f"out_dir={out_dir}"]
 
 
-def _train_env() -> dict[str, str]:
-    env = dict(os.environ)
-    src = str(Path(layerwise.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    env["OMP_NUM_THREADS"] = "1"  # both runs alike, and gentle on a shared machine
-    return env
+def _cli(rank: int, argv: list[str]) -> None:
+    """``layerwise <argv>`` in a child (forked by ``multiproc``: one thread, as both runs are)."""
+    code = main(argv)
+    if code:
+        raise SystemExit(code)
 
 
-def _kill_inside_a_save(cmd: list[str], out_dir: Path) -> int | None:
-    """Start ``cmd``; once a checkpoint is committed, SIGKILL it while the next one is being
+def _train(model_dir: Path, out_dir: Path, log: Path) -> multiproc.Launch:
+    """``layerwise train`` of the test's run in a child process of its own, output in
+    ``<log>.0.log``."""
+    return multiproc.start(_cli, (_train_argv(model_dir, out_dir),), 1, log=log, stores=[])
+
+
+def _output(launch: multiproc.Launch) -> str:
+    launch.wait(timeout_s=300)
+    return launch[0].log_tail(1_000_000)
+
+
+def _kill_inside_a_save(model_dir: Path, out_dir: Path, log: Path) -> int | None:
+    """Start the run; once a checkpoint is committed, SIGKILL it while the next one is being
     written: its step's metrics row is out, ``latest`` still names the step before (or, if that
     is never seen, halfway through the run). Returns the newest committed step it left (None if
     it ended before the kill)."""
-    proc = subprocess.Popen(cmd, env=_train_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    ckpt, metrics = out_dir / "ckpt", out_dir / "metrics.jsonl"
-    try:
+    with _train(model_dir, out_dir, log) as launch:
+        proc = launch[0]
+        ckpt, metrics = out_dir / "ckpt", out_dir / "metrics.jsonl"
         deadline = time.monotonic() + 300
         while proc.poll() is None and time.monotonic() < deadline:
             try:
@@ -119,9 +125,8 @@ def _kill_inside_a_save(cmd: list[str], out_dir: Path) -> int | None:
             if latest is not None and (rows > latest or latest >= KILL_STEPS // 2):
                 break
             time.sleep(0.001)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.wait()
+        proc.kill()
+        proc.wait(60)
     if proc.returncode != -signal.SIGKILL:
         return None
     return RunDir.open(ckpt).latest_step()
@@ -137,9 +142,12 @@ def _metrics(out_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.dist
+@pytest.mark.timeout(600)
 def test_killed_train_resumes_from_its_last_checkpoint_bit_exactly(tmp_path):
-    """``layerwise train`` (a subprocess, a ``full`` checkpoint every step) killed with SIGKILL
-    inside a save after its first commit, then rerun with the same command: it resumes from the
+    """``layerwise train`` (a process of its own, a ``full`` checkpoint every step) killed with
+    SIGKILL inside a save after its first commit, then rerun with the same command (while the
+    uninterrupted run runs beside it, on the other core): it resumes from the
     newest committed step (not 0), ends at ``steps``, logs every step once, and every loss, the
     start and end eval losses and the final weights and AdamW state (compared as the final
     checkpoint's content-addressed blobs) equal an uninterrupted run's bit for bit: on CPU in
@@ -156,18 +164,16 @@ def test_killed_train_resumes_from_its_last_checkpoint_bit_exactly(tmp_path):
     logged before the kill but never committed appears twice)."""
     model_dir = _tiny_llama_dir(tmp_path / "model")
     straight, cut = tmp_path / "straight", tmp_path / "cut"
-    out_straight = subprocess.run(_train_cmd(model_dir, straight), env=_train_env(), check=True,
-                                  capture_output=True, text=True).stdout
-    for _attempt in range(3):  # the kill must land before the run ends; retry if it did not
-        shutil.rmtree(cut, ignore_errors=True)
-        killed_at = _kill_inside_a_save(_train_cmd(model_dir, cut), cut)
-        if killed_at is not None:
-            break
-    assert killed_at is not None, "the run always finished before it could be killed"
-    assert 1 <= killed_at < KILL_STEPS
-
-    out = subprocess.run(_train_cmd(model_dir, cut), env=_train_env(), check=True,
-                         capture_output=True, text=True).stdout
+    with _train(model_dir, straight, tmp_path / "straight") as uninterrupted:
+        for attempt in range(3):  # the kill must land before the run ends; retry if it did not
+            shutil.rmtree(cut, ignore_errors=True)
+            killed_at = _kill_inside_a_save(model_dir, cut, tmp_path / f"killed{attempt}")
+            if killed_at is not None:
+                break
+        assert killed_at is not None, "the run always finished before it could be killed"
+        assert 1 <= killed_at < KILL_STEPS
+        out = _output(_train(model_dir, cut, tmp_path / "resumed"))
+        out_straight = _output(uninterrupted)
     assert f"resumed from layer-wise checkpoint step {killed_at} " in out
     assert _eval_losses(out) == _eval_losses(out_straight)  # start and end of the whole run
 

@@ -26,6 +26,8 @@ from layerwise.optim.adamw8bit import HostAdamW8bit
 from layerwise.train.demo import DemoConfig, fresh_out_dir, run_demo
 from layerwise.train.tokenizer import END_OF_TEXT, train_bpe_tokenizer
 
+from ..log_lines import logged_lines
+
 STEPS = 4
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CODE = "class A:\n    def f(self, x):\n        return {'a': g(x , 1)}  # done\n\n\tpass\n"
@@ -43,7 +45,6 @@ def demo_run(tmp_path_factory):
     """The demo at test scale, with a record of which optimizer stepped which unit."""
     out = tmp_path_factory.mktemp("demo") / "run"
     stepped: dict[str, set[str]] = {"8bit": set(), "fp32": set()}
-    lines: list[str] = []
 
     def spy(kind, original):
         def step_unit(self, buf, lr, clip_coef):
@@ -51,10 +52,10 @@ def demo_run(tmp_path_factory):
             return original(self, buf, lr, clip_coef)
         return step_unit
 
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, logged_lines() as lines:
         mp.setattr(HostAdamW8bit, "step_unit", spy("8bit", HostAdamW8bit.step_unit))
         mp.setattr(HostAdamW, "step_unit", spy("fp32", HostAdamW.step_unit))
-        result = run_demo(small(out), log=lines.append)
+        result = run_demo(small(out))
     return out, result, stepped, lines
 
 
@@ -116,8 +117,8 @@ def test_a_second_demo_starts_fresh(demo_run):
     resume would find the checkpoint at step 4 and train nothing)."""
     out, _, _, _ = demo_run
     (out / "stale.txt").write_text("from the earlier run")
-    lines: list[str] = []
-    run_demo(replace(small(out), steps=2, ckpt_every=1), log=lines.append)
+    with logged_lines() as lines:
+        run_demo(replace(small(out), steps=2, ckpt_every=1))
     assert "earlier demo run there was removed" in lines[0]
     assert not (out / "stale.txt").exists()
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

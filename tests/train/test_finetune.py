@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from layerwise.cli import main
 from layerwise.train.loop import TrainConfig, train
 
+from ..log_lines import logged_lines, on_each_line
 from .tiny_hf import make_model_dir
 
 QA = [("What is the capital of France?", "The capital of France is Paris."),
@@ -108,7 +109,7 @@ def test_resumed_finetune_continues_with_the_exact_next_batches(tmp_path, model_
                            log_every=1, export=False, ckpt_every=3, ckpt_policy="full",
                            out_dir=str(out))
 
-    train(cfg(tmp_path / "straight"), log=lambda *_: None)
+    train(cfg(tmp_path / "straight"))
 
     class Stop(Exception):
         pass
@@ -118,10 +119,10 @@ def test_resumed_finetune_continues_with_the_exact_next_batches(tmp_path, model_
             raise Stop
 
     cut = tmp_path / "cut"
-    with pytest.raises(Stop):
-        train(cfg(cut), log=stop_after_step_3)
-    lines: list[str] = []
-    train(cfg(cut), log=lines.append)
+    with pytest.raises(Stop), on_each_line(stop_after_step_3):
+        train(cfg(cut))
+    with logged_lines() as lines:
+        train(cfg(cut))
     assert any(x.startswith("resumed from layer-wise checkpoint step 3") for x in lines)
     assert any("tokenization loaded from" in x for x in lines)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import os
 import subprocess
@@ -32,11 +33,14 @@ from layerwise.plan.plan import Plan
 from layerwise.plan.shape import load_shape
 from layerwise.plan.simulator import simulate
 from layerwise.train import progress as progress_mod
+from layerwise.train.config import CkptConfig
 from layerwise.train.loop import TrainConfig, train
 from layerwise.train.planning import cuda_preset_for, resolve_hardware
 from layerwise.train.progress import Progress
 from layerwise.train.report import load_run
 from layerwise.train.update_log import open_jsonl_upto
+
+from ..log_lines import logged_lines
 
 STEPS = 6
 
@@ -86,14 +90,16 @@ def auto_run(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rule_run(model_dir, tmp_path_factory):
-    """In process: ``every-2``, 2 micro-batches per step, no checkpoints: (out_dir, log lines)."""
+    """In process: ``every-2``, 2 micro-batches per step, no checkpoints (turned off: they are
+    on by default): (out_dir, log lines)."""
     out = tmp_path_factory.mktemp("rule") / "run"
-    lines: list[str] = []
     cfg = TrainConfig(model=str(model_dir), plan="every-2", steps=STEPS, seq_len=32,
                       micro_batch_size=2, grad_accum=2, corpus_tokens=50_000, eval_every=0,
                       eval_batches=1, log_every=100, export=False, track_every=3,
-                      resume=False, progress="lines", out_dir=str(out))
-    train(cfg, log=lines.append)
+                      ckpt=CkptConfig(every=0, at_end=False), resume=False, progress="lines",
+                      out_dir=str(out))
+    with logged_lines() as lines:
+        train(cfg)
     return out, lines
 
 
@@ -115,7 +121,7 @@ def test_plan_auto_saves_the_planners_plan_and_its_predicted_step_time(auto_run,
     assert plan.micro_batch_size * plan.num_micro_batches == 4  # the run's sequences per step
     pred = plan.predicted["step_s"]
     assert pred > 0 and plan.predicted["hardware_source"].startswith("the cpu preset")
-    hw = resolve_hardware(None, None, "cpu", out, torch.float32, log=lambda _: None)
+    hw = resolve_hardware(None, None, "cpu", out, torch.float32)
     assert simulate(plan, load_shape(str(model_dir)), hw.profile, keep_trace=False).step_s \
         == pytest.approx(pred, rel=1e-9)
     assert {r["predicted_step_s"] for r in _rows(out / "metrics.jsonl")} == {pred}
@@ -152,13 +158,13 @@ class _Tty(io.StringIO):
         return True
 
 
-def test_a_terminal_gets_a_bar_and_messages_do_not_break_it(monkeypatch):
+def test_a_terminal_gets_a_bar_and_messages_do_not_break_it(monkeypatch, caplog):
     out, err = _Tty(), _Tty()
     monkeypatch.setattr(sys, "stdout", out)
     monkeypatch.setattr(sys, "stderr", err)
     assert progress_mod.resolve_progress("auto") == "bar"
-    logged: list[str] = []
-    p = Progress("auto", 3, 0, 1, logged.append)
+    caplog.set_level(logging.INFO, logger="layerwise")
+    p = Progress("auto", 3, 0, 1)
     for step in (1, 2, 3):
         rec = {"step": step, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1e4,
                "tflops": 0.5, "step_s": 0.1, "predicted_step_s": None,
@@ -166,7 +172,7 @@ def test_a_terminal_gets_a_bar_and_messages_do_not_break_it(monkeypatch):
         p.step(rec)
     p.close()
     assert "loss 2.0000, 10k tok/s, 0.5 TFLOPS" in err.getvalue() and "\r" in err.getvalue()
-    assert logged == ["step 3/3: eval loss 1.5000"]  # per-step lines are the bar's job
+    assert caplog.messages == ["step 3/3: eval loss 1.5000"]  # per-step lines are the bar's job
 
 
 # ----- metrics.jsonl ---------------------------------------------------------------------------
@@ -269,28 +275,28 @@ def test_a_resumed_log_keeps_whole_rows_up_to_the_resumed_step(tmp_path):
 # ----- hardware for the planner ----------------------------------------------------------------
 
 
-def test_hardware_profile_resolution_order(tmp_path):
+def test_hardware_profile_resolution_order(tmp_path, caplog):
     """``profile=`` > ``RUN/profile.json`` > ``hardware=`` > this machine; the profile's element
     size follows the compute dtype and the memory cap bounds the device. Mutation seen failing:
     ``hardware=`` checked before the run's calibrated profile."""
+    caplog.set_level(logging.INFO, logger="layerwise")
     run = tmp_path / "run"
     run.mkdir()
-    quiet = dict(log=lambda _: None)
-    mine = resolve_hardware(None, None, "cpu", run, torch.float32, **quiet)
+    mine = resolve_hardware(None, None, "cpu", run, torch.float32)
     assert mine.source.startswith("the cpu preset") and mine.profile.compute_dtype_bytes == 4
-    named = resolve_hardware(None, "h100", "cpu", run, torch.float32, **quiet)
+    named = resolve_hardware(None, "h100", "cpu", run, torch.float32)
     assert named.profile.name == "h100" and named.profile.compute_dtype_bytes == 4
-    assert resolve_hardware(None, "h100", "cpu", run, torch.bfloat16, **quiet) \
+    assert resolve_hardware(None, "h100", "cpu", run, torch.bfloat16) \
         .profile.compute_dtype_bytes == 2
     replace(PRESETS["rtx4090"], name="calibrated-here").save(run / "profile.json")
-    said: list[str] = []
-    cal = resolve_hardware(None, "h100", "cpu", run, torch.bfloat16, log=said.append)
-    assert cal.profile.name == "calibrated-here" and "hardware=h100 ignored" in said[0]
+    assert not caplog.messages  # nothing said while nothing is ignored
+    cal = resolve_hardware(None, "h100", "cpu", run, torch.bfloat16)
+    assert cal.profile.name == "calibrated-here" and "hardware=h100 ignored" in caplog.messages[0]
     replace(PRESETS["a100-80g"], name="given").save(tmp_path / "given.json")
-    given = resolve_hardware(str(tmp_path / "given.json"), None, "cpu", run, torch.bfloat16, **quiet)
+    given = resolve_hardware(str(tmp_path / "given.json"), None, "cpu", run, torch.bfloat16)
     assert given.profile.name == "given"
     capped = resolve_hardware(None, "h100", "cpu", tmp_path, torch.bfloat16,
-                              device_mem_cap_bytes=10**9, **quiet)
+                              device_mem_cap_bytes=10**9)
     assert capped.profile.device_cap_bytes == 10**9
 
 

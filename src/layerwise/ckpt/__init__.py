@@ -1,21 +1,32 @@
 """Layer-wise checkpoints: write only the groups that changed, resume directly, never lose data.
 
-Owns the checkpoint core, free of foreign formats: ``tracker`` (how much each group moved),
-``policies`` (which groups a checkpoint writes), ``run_dir`` (content-addressed blobs + per-step
-manifests, atomic commits), ``resolve`` (the state at step N, group by group), ``checkpointer``
-(the plain-PyTorch API), ``provider`` (the ``StateProvider`` protocol and blob keys) and
-``store_provider`` (the engine's HostStore as a provider); ``collective``, ``shard_ranges`` and
-``sharded_checkpointer`` for saves written by every rank of a sharded loop (run format 4: a
-group as one blob per rank). Group names come from ``layerwise.models.names``; HF / Trainer formats, merge and
-recipes are ``layerwise.interop``.
+Owns the checkpoint core, free of foreign formats (HF / Trainer formats, merge and recipes are
+``layerwise.interop``; group names come from ``layerwise.models.names``):
+
+- saving: ``checkpointer`` (the plain-PyTorch API; ``checkpoint_config``, ``reports``),
+  ``tracker`` (how much each group moved), ``policies`` (which groups a save writes),
+  ``snapshot`` (deferred snapshots: helper thread, update gate), ``host_copies`` (the host
+  buffer pool, the blob form of tensors), ``save_writer`` (the write, on the writer thread, and
+  the several-writer protocol), ``commit`` and ``step_state`` (manifest, step files, committed
+  versions; shared with ``sharded_checkpointer``);
+- the run directory: ``run_dir`` (``RunDir``: steps, manifests, commit), ``blob_store``,
+  ``content_hash``, ``run_format`` (format.json), ``run_lock``, ``run_upkeep`` (verify, gc);
+- reading: ``resolve`` (the state at step N, group by group);
+- the live state: ``provider`` (the ``StateProvider`` protocol and blob keys),
+  ``store_provider`` (the engine's HostStore), ``moments`` (8-bit moments);
+- several ranks: ``collective`` (the ranks' exchange), ``shard_ranges`` and
+  ``sharded_checkpointer`` (run format 4: a group as one blob per rank).
 """
 
-from .checkpointer import CheckpointConfig, Checkpointer, LoadResult, SaveReport
+from .checkpoint_config import CheckpointConfig
+from .checkpointer import Checkpointer
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
 from .policies import POLICIES, BasePolicy, make_policy, register_policy
 from .resolve import GroupEntry, ResolvedStep, open_run_step
 from .provider import DictStateProvider, ModuleStateProvider, StateProvider
-from .run_dir import FORMAT_VERSION, RunDir
+from .reports import LoadResult, SaveReport
+from .run_dir import RunDir
+from .run_format import FORMAT_VERSION
 
 __all__ = [
     "CheckpointConfig", "Checkpointer", "LoadResult", "SaveReport",

@@ -6,7 +6,7 @@ manifest of the newest committed step <= N. A ``ResolvedStep`` is a checkpoint *
 and export read it group by group (peak memory: one group), and ``Checkpointer.load`` puts it
 straight back into a model and optimizer.
 
-A group may be stored sharded (run format 4, ``ckpt.shards``): ``load_group`` reassembles it
+A group may be stored sharded (run format 4, ``ckpt.shard_ranges``): ``load_group`` reassembles it
 from its shards (their ranges checked), and ``group_reader`` reads only the elements a rank
 asks for, from either kind of entry, so a save by N ranks loads at M.
 """
@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as st_load
 
+from .content_hash import digest_bytes, manifest_hash
 from .errors import CheckpointCorruptError
-from .run_dir import RunDir, digest_bytes, manifest_hash
+from .run_dir import RunDir
 from .shard_ranges import ShardedGroupReader, is_sharded
 from .provider import rng_dict
 
@@ -45,7 +46,7 @@ class GroupEntry:
     written_step: int
     """The step at which these bytes were first written."""
     shards: tuple[dict, ...] | None = None
-    """A sharded group's shard records (manifest format 4, ``ckpt.shards``); None: one blob."""
+    """A sharded group's shard records (manifest format 4, ``ckpt.shard_ranges``); None: one blob."""
 
 
 class ResolvedStep:

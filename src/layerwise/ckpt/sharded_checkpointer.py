@@ -20,19 +20,18 @@ in the flattened full tensor, its full shape). One save is the protocol of ``ckp
 3. every rank writes one blob per chosen group with its elements (content-addressed: an
    identical shard is not written again) and makes it durable;
 4. rank 0 gathers the shard records, checks that they cover every tensor exactly, writes the
-   step's state files and commits the manifest (run format 4, ``ckpt.shards``); every rank
+   step's state files and commits the manifest (run format 4, ``ckpt.shard_ranges``); every rank
    learns the outcome, so an error anywhere raises on every rank and nothing is committed.
 
 Loading reads, per group, only the elements the rank holds now (``ShardProvider.load_shards``
 with a ranged reader), from shards written at any world size or from unsharded blobs.
 
-This module knows no FSDP or DeepSpeed: ``interop.fsdp`` (and a DeepSpeed hook) provide the
+This module knows no FSDP or DeepSpeed: ``interop.hooks.fsdp2_loop`` and ``interop.hooks.zero_partitions`` provide the
 shards. Saves are synchronous: ``save`` returns once the step is committed.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from contextlib import ExitStack
@@ -41,17 +40,21 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors.torch import save as st_save
 
 from ..util.safetensors_io import dtype_name
+from .blob_store import BLOB_FORMAT, BLOB_FORMAT_VERSION, BlobBatch, BlobPayload
 from .collective import RankExchange, SingleProcess
+from .commit import (CommittedVersions, ManifestHeader, check_groups_match, commit_step,
+                     stale_groups, written_step)
 from .errors import CheckpointWriteError
-from .policies import GroupStatus, Policy, PolicyContext, make_policy, select_with_reasons
+from .host_copies import HostBufferPool, as_blob_tensor, stored_nbytes
+from .policies import Policy, make_policy
+from .provider import PARAM
 from .resolve import open_run_step
-from .run_dir import (BLOB_FORMAT, BLOB_FORMAT_VERSION, FIRST_VERSION_SHARDED, BlobBatch,
-                      BlobPayload, RunDir, now_unix_s)
+from .run_dir import RunDir
+from .run_format import FIRST_VERSION_SHARDED
 from .shard_ranges import shard_layout
-from .provider import PARAM, capture_rng, jsonable, restore_rng, rng_dict
+from .step_state import StepState, restore_step_state
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,7 @@ class FlatShard:
 
     key: str
     """Blob key, as an unsharded group names it: ``param/<hf_name>``, ``exp_avg/<hf_name>``,
-    ``exp_avg_sq/<hf_name>``, ``step/<hf_name>`` (``ckpt.state``)."""
+    ``exp_avg_sq/<hf_name>``, ``step/<hf_name>`` (``ckpt.provider``)."""
     data: torch.Tensor
     """1-D: elements ``[start, start + numel)`` of the flattened full tensor, a view of the live
     state on any device (the save copies to the host only what it writes, and keeps a host copy
@@ -157,26 +160,6 @@ class ShardedLoadResult:
     stale_groups: dict[str, int] = field(default_factory=dict)
 
 
-def _stored_itemsize(s: FlatShard) -> int:
-    fp32_state = not s.key.startswith(PARAM) and s.data.is_floating_point()
-    return 4 if fp32_state else s.data.element_size()
-
-
-def blob_tensor(s: FlatShard) -> torch.Tensor:
-    """A shard's elements as its blob stores them: optimizer state fp32, weights as they are."""
-    t = s.data.detach().reshape(-1)
-    if not s.key.startswith(PARAM) and t.is_floating_point() and t.dtype != torch.float32:
-        t = t.float()
-    if t.device.type != "cpu" or not t.is_contiguous():
-        t = t.to("cpu").contiguous()
-    return t
-
-
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """The rank's reference copy of saved weights: on the host (device memory is the scarce one)."""
-    return t.detach().to("cpu", copy=True)
-
-
 def _outcome(fn) -> dict:
     """``fn()``'s result or its error, as a picklable record for the other ranks."""
     try:
@@ -213,13 +196,10 @@ class ShardedCheckpointer:
         _raise_if_failed(self.exchange.broadcast(made), self.rank, "setup")
         self.store = RunDir.open(run_dir)
         self.run_dir = self.store.root
+        self._buffers = HostBufferPool()
         self._refs: dict[str, dict[str, torch.Tensor]] = {}
-        """This rank's elements of each group's weights as last saved (or loaded)."""
-        self._entries: dict[str, dict] = {}
-        self._save_index = 0
-        latest = self.store.latest_step()
-        if latest is not None:
-            self._adopt(self.store.read_manifest(latest))
+        """This rank's elements of each group's weights as last saved (or loaded), host copies."""
+        self._versions = CommittedVersions.newest(self.store)
 
     @staticmethod
     def _create(run_dir: str | Path) -> None:
@@ -230,18 +210,23 @@ class ShardedCheckpointer:
                 f"{FIRST_VERSION_SHARDED} (readers of older runs would not understand them). "
                 "Start a new run directory, or import this one into a new run.")
 
-    def _adopt(self, manifest: dict) -> None:
-        self._entries = {g: dict(e) for g, e in manifest["groups"].items()}
-        self._save_index = int(manifest.get("save_index", 0)) + 1
-
     def has_checkpoint(self) -> bool:
         return self.store.latest_step() is not None
+
+    def _keep_references(self, group: str, shards: list[FlatShard]) -> None:
+        """Host copies of the weights in ``shards`` become ``group``'s reference (the old one's
+        buffers are reused)."""
+        old = self._refs.get(group)
+        self._refs[group] = self._buffers.copy_group(
+            {s.key: s.data for s in shards if s.key.startswith(PARAM) and s.data.numel()})
+        if old is not None:
+            self._buffers.recycle(old.values())
 
     # ----- saving ----------------------------------------------------------------------------
 
     def partial_stats(self, group: str, shards: list[FlatShard]) -> PartialStats:
         ref = self._refs.get(group)
-        nbytes = sum(s.data.numel() * _stored_itemsize(s) for s in shards)
+        nbytes = sum(stored_nbytes(s.key, s.data) for s in shards)
         diff_sq = ref_sq = 0.0
         if ref is not None:
             for s in shards:
@@ -279,8 +264,7 @@ class ShardedCheckpointer:
             _raise_if_failed(ex.broadcast(result), self.rank, "commit")
         recs = _raise_if_failed(mine, self.rank, "write")
         for g in chosen["selected"]:
-            self._refs[g] = {s.key: _host_copy(s.data) for s in shards[g]
-                             if s.key.startswith(PARAM)}
+            self._keep_references(g, shards[g])
         return ShardedSaveReport(step, chosen["selected"], chosen["reasons"], chosen["changes"],
                                  [g for g, r in recs.items() if r["written"]],
                                  sum(r["nbytes"] for r in recs.values() if r["written"]),
@@ -293,27 +277,21 @@ class ShardedCheckpointer:
         statuses = []
         for pos, g in enumerate(self.groups):
             nbytes, change = PartialStats.combine([s[g] for s in stats])
-            e = self._entries.get(g)
-            if e is None:
-                change, age = math.inf, None
-            else:
-                age = self._save_index - int(e.get("saved_index", -1))
-            statuses.append(GroupStatus(g, nbytes, change, age, pos))
-        reasons = select_with_reasons(self.policy, PolicyContext(step, self._save_index, statuses),
-                                      self.groups, self._entries)
+            statuses.append(self._versions.status(g, pos, nbytes, lambda c=change: c))
+        reasons = self._versions.select(self.policy, step, statuses, self.groups)
         unchanged = [s.name for s in statuses if s.change == 0.0]
         return {"selected": list(reasons), "reasons": reasons,
                 "changes": {s.name: s.change for s in statuses}, "unchanged": unchanged,
-                "save_index": self._save_index}
+                "save_index": self._versions.next_index}
 
     def _write_shards(self, chosen: dict, shards: dict[str, list[FlatShard]]) -> dict[str, dict]:
         """This rank's blob of every chosen group it holds elements of, durable on return."""
-        batch, out = BlobBatch(), {}
-        try:
+        out: dict[str, dict] = {}
+        with BlobBatch() as batch:
             for g in chosen["selected"]:
                 if not shards[g]:
                     continue
-                tensors = {s.key: blob_tensor(s) for s in shards[g]}
+                tensors = {s.key: as_blob_tensor(s.data, s.key, flat=True) for s in shards[g]}
                 if len(tensors) != len(shards[g]):
                     raise ValueError(f"group {g!r}: rank {self.rank} handed a key twice")
                 meta = {"format": BLOB_FORMAT, "format_version": str(BLOB_FORMAT_VERSION),
@@ -325,10 +303,6 @@ class ShardedCheckpointer:
                               s.key: {"range": [s.start, s.stop], "shape": list(s.full_shape),
                                       "dtype": dtype_name(s.key, tensors[s.key])}
                               for s in shards[g]}}
-        except BaseException:
-            batch.finish_quietly()
-            raise
-        batch.finish()
         return out
 
     def _commit(self, step: int, chosen: dict, records: list[dict], extra: dict | None,
@@ -339,7 +313,7 @@ class ShardedCheckpointer:
         if failed:
             raise RuntimeError("; ".join(failed))
         per_rank = [r["value"] for r in records]
-        groups = {g: dict(e) for g, e in self._entries.items()}
+        groups = self._versions.copy_entries()
         written, nbytes = [], 0
         for g in chosen["selected"]:
             shard_recs = [{k: v for k, v in r[g].items() if k != "written"}
@@ -354,49 +328,21 @@ class ShardedCheckpointer:
             config = self.provider.model_config()
             if config is not None:
                 self.store.write_config(config)  # merge and export need the architecture
-        self.store.uncommit(step)
-        files = self._write_step_files(step, extra, data_position, trainer_state)
-        nbytes += sum(f["nbytes"] for f in files.values())
-        manifest = {
-            "format": "layerwise-ckpt-manifest", "format_version": self.store.version,
-            "hash": self.store.hash_name, "step": step, "save_index": chosen["save_index"],
-            "created_unix_s": now_unix_s(), "policy": self.policy.name,
-            "policy_config": self.policy.config() if hasattr(self.policy, "config") else {},
-            "tied": bool(getattr(self.provider, "tied", False)), "world_size": self.world_size,
-            "bytes_written": nbytes, "groups_written": written, "files": files, "groups": groups,
-        }
-        self.store.commit(step, manifest)
-        self._adopt(manifest)
+        state = StepState.capture(  # rank 0's RNG
+            self.store.version, step, scheduler=self.scheduler, provider=self.provider,
+            save_rng=self.save_rng, extra=extra, data_position=data_position,
+            trainer_state=trainer_state, world_size=self.world_size)
+        header = ManifestHeader.of(chosen["save_index"], self.policy, self.provider, self.world_size)
+        self._versions.adopt(commit_step(self.store, step, header, state, groups, written, nbytes))
 
     def _entry(self, group: str, shard_recs: list[dict], step: int, save_index: int) -> dict:
-        prev = self._entries.get(group)
+        prev = self._versions.entries.get(group)
         same = (prev is not None and "shards" in prev
                 and [(r["blob"], r["tensors"]) for r in prev["shards"]]
                 == [(r["blob"], r["tensors"]) for r in shard_recs])
         return {"shards": shard_recs, "world_size": self.world_size,
                 "nbytes": sum(r["nbytes"] for r in shard_recs), "saved_step": step,
-                "saved_index": save_index,
-                "written_step": prev["written_step"] if same else step}
-
-    def _write_step_files(self, step: int, extra: dict | None, data_position: Any,
-                          trainer_state: dict | None) -> dict[str, dict]:
-        state: dict[str, Any] = {
-            "format_version": self.store.version, "step": step, "world_size": self.world_size,
-            "scheduler": jsonable(self.scheduler.state_dict()) if self.scheduler is not None else None,
-            "optimizer_param_groups": (self.provider.param_groups_state()
-                                       if hasattr(self.provider, "param_groups_state") else None),
-            "data_position": jsonable(data_position), "trainer_state": jsonable(trainer_state),
-            "extra": jsonable(extra),
-        }
-        rng_tensors: dict[str, torch.Tensor] = {}
-        if self.save_rng:
-            state["rng"], rng_tensors = capture_rng()  # rank 0's
-        files = {"state.json": self.store.write_step_file(
-            step, "state.json", (json.dumps(state) + "\n").encode())}
-        if rng_tensors:
-            files["rng.safetensors"] = self.store.write_step_file(
-                step, "rng.safetensors", st_save(rng_tensors))
-        return files
+                "saved_index": save_index, "written_step": written_step(prev, same, step)}
 
     # ----- loading ---------------------------------------------------------------------------
 
@@ -405,28 +351,13 @@ class ShardedCheckpointer:
         only the elements it holds now, from a save at any world size (or an unsharded one).
         Also restores the scheduler, the optimizer's hyper-parameters and (rank 0's) RNG."""
         rs = open_run_step(self.run_dir, step)
-        missing = [g for g in self.groups if g not in rs.entries]
-        unknown = [g for g in rs.entries if g not in self.groups]
-        if missing or unknown:
-            raise ValueError(
-                f"checkpoint step {rs.step} does not match the model: groups missing from the "
-                f"checkpoint {missing}, groups unknown to the model {unknown}; load into the model "
-                "it was saved from")
+        check_groups_match(rs, self.groups)
         for g in self.groups:
             self.provider.load_shards(g, rs.group_reader(g))
-            self._refs[g] = {s.key: _host_copy(s.data) for s in self.provider.shards(g)
-                             if s.key.startswith(PARAM) and s.data.numel()}
-        st = rs.state()
-        if self.scheduler is not None and st.get("scheduler") is not None:
-            self.scheduler.load_state_dict(st["scheduler"])
-        if hasattr(self.provider, "load_param_groups_state"):
-            self.provider.load_param_groups_state(st.get("optimizer_param_groups"))
-        if self.save_rng:
-            rng = rng_dict(st.get("rng"), rs._rng_tensors())
-            if rng:
-                restore_rng(rng)
-        self._adopt(rs.manifest)
+            self._keep_references(g, self.provider.shards(g))
+        st = restore_step_state(rs, scheduler=self.scheduler, provider=self.provider,
+                                save_rng=self.save_rng)
+        self._versions.adopt(rs.manifest)
         self.exchange.barrier()
-        return ShardedLoadResult(
-            rs.step, st.get("extra"), st.get("data_position"), rs.manifest.get("world_size"),
-            {g: e.saved_step for g, e in rs.entries.items() if e.saved_step < rs.step})
+        return ShardedLoadResult(rs.step, st.get("extra"), st.get("data_position"),
+                                 rs.manifest.get("world_size"), stale_groups(rs))

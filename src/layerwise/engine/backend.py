@@ -17,10 +17,14 @@ model says whatever the host's pace.
 
 A copy's source may be a :class:`Ref` whose tensor a compute closure fills in later: on an
 asynchronous backend the host queues the copy before the compute that produces its source has run.
+
+Every backend counts the bytes each copy lane moved (``copied_bytes``), where the copy is issued
+(CUDA) or run (CPU), not from the plan: what a test or benchmark compares with the plan.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -56,6 +60,38 @@ class Ref:
         return t
 
 
+class HeldRef(Ref):
+    """A copy source whose owner keeps the tensor until it has made the compute lane wait for
+    the copy, then lets go (:meth:`release`); ``inner`` is a tensor or a :class:`Ref`.
+
+    A plain source is tied to the copy's stream instead (CUDA ``record_stream``): its memory
+    goes back to the allocator only once the host sees the copy done, so a host running ahead
+    of the device gets fresh blocks for every offload. Released after the compute lane's wait,
+    the block is free at once and reused in the compute stream's order, behind that wait.
+    """
+
+    __slots__ = ("inner", "held", "released")
+
+    def __init__(self, inner: torch.Tensor | Ref):
+        super().__init__(None)
+        self.inner = inner
+        self.held: torch.Tensor | None = None
+        self.released = False
+
+    def get(self) -> torch.Tensor:
+        return self.inner.get() if isinstance(self.inner, Ref) else self.inner
+
+    def take(self) -> torch.Tensor:
+        t, self.inner = resolve(self.inner), None
+        if not self.released:  # taken before its release (CUDA: always): keep it until then
+            self.held = t
+        return t
+
+    def release(self) -> None:
+        """The compute lane has been made to wait for the copy: the tensor may go."""
+        self.released, self.held = True, None
+
+
 Source = torch.Tensor | Ref
 
 
@@ -63,10 +99,21 @@ def resolve(src: Source) -> torch.Tensor:
     return src.take() if isinstance(src, Ref) else src
 
 
+def new_byte_counter() -> dict[str, int]:
+    return {"h2d": 0, "d2h": 0}
+
+
+def nbytes_of(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 class DeviceBackend(Protocol):
     device: torch.device
     asynchronous: bool
     """True when the host may run ahead of the lanes (CUDA, AsyncCpuBackend)."""
+    copied_bytes: dict[str, int]
+    """Bytes each copy lane (``h2d``, ``d2h``) has copied since the backend was made (or the
+    caller reset the entries)."""
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Device memory for a slot, allocated once by the engine."""
@@ -94,6 +141,10 @@ class DeviceBackend(Protocol):
     def synchronize(self) -> None:
         """Block until every lane is idle; re-raises an error a lane hit."""
 
+    def raise_errors(self) -> None:
+        """Re-raise an error a lane has hit so far, without waiting (CUDA: errors surface at
+        the next call that synchronises, as they do in torch)."""
+
     def reserved_peak_bytes(self) -> int | None:
         """The device allocator's reserved peak since the last reset (None: no allocator)."""
 
@@ -120,6 +171,7 @@ class CpuBackend:
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
+        self.copied_bytes = new_byte_counter()
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
@@ -138,13 +190,18 @@ class CpuBackend:
 
     def copy_h2d(self, dst: torch.Tensor, src: Source, after: Sequence[Event | None] = ()) -> Event:
         dst.copy_(resolve(src).reshape(dst.shape))
+        self.copied_bytes["h2d"] += nbytes_of(dst)
         return DONE
 
     def copy_d2h(self, dst: torch.Tensor, src: Source, after: Sequence[Event | None] = ()) -> Event:
         dst.copy_(resolve(src).reshape(dst.shape))
+        self.copied_bytes["d2h"] += nbytes_of(dst)
         return DONE
 
     def synchronize(self) -> None:
+        pass
+
+    def raise_errors(self) -> None:
         pass
 
     def reserved_peak_bytes(self) -> int | None:
@@ -167,6 +224,8 @@ class CudaBackend:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.h2d_stream = torch.cuda.Stream(self.device)
         self.d2h_stream = torch.cuda.Stream(self.device)
+        self.copied_bytes = new_byte_counter()
+        self._count_lock = threading.Lock()
 
     def _event(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
         ev = torch.cuda.Event(blocking=True)  # host waits sleep instead of spinning a core
@@ -194,25 +253,30 @@ class CudaBackend:
             if ev is not None and not isinstance(ev, DoneEvent):
                 self._compute.wait_event(ev)
 
-    def _copy(self, stream, dst, src, after) -> Event:
+    def _copy(self, lane: str, stream, dst, src, after) -> Event:
+        with self._count_lock:  # counted as issued (every issued copy runs), from any thread
+            self.copied_bytes[lane] += nbytes_of(dst)
         with torch.cuda.stream(stream):
             for ev in after:
                 if ev is not None and not isinstance(ev, DoneEvent):
                     stream.wait_event(ev)
-            src = resolve(src)
-            dst.copy_(src.reshape(dst.shape), non_blocking=True)
-            if src.is_cuda:
-                src.record_stream(stream)  # allocator memory (an offloaded boundary) lives until copied
+            t = resolve(src)
+            dst.copy_(t.reshape(dst.shape), non_blocking=True)
+            if t.is_cuda and not isinstance(src, HeldRef):
+                t.record_stream(stream)  # allocator memory lives until copied (HeldRef: its owner's)
             return self._event(stream)
 
     def copy_h2d(self, dst: torch.Tensor, src: Source, after: Sequence[Event | None] = ()) -> Event:
-        return self._copy(self.h2d_stream, dst, src, after)
+        return self._copy("h2d", self.h2d_stream, dst, src, after)
 
     def copy_d2h(self, dst: torch.Tensor, src: Source, after: Sequence[Event | None] = ()) -> Event:
-        return self._copy(self.d2h_stream, dst, src, after)
+        return self._copy("d2h", self.d2h_stream, dst, src, after)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def raise_errors(self) -> None:
+        pass
 
     def reserved_peak_bytes(self) -> int | None:
         # reserved, not allocated: blocks a stream still uses count until they are reusable

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .backend import DeviceBackend, Event
+from .backend import DeviceBackend, Event, HeldRef
+from .slots import EventGroup, OffloadWindow
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -66,6 +67,8 @@ class LayerGraph:
     complete: bool = False
     """Set by the forward's compute closure once every saved tensor is packed."""
     forward_done: Event | None = None
+    offloads: EventGroup = field(default_factory=EventGroup)
+    """Host tier: the D2H copies the forward's closure queues (the offload window waits on it)."""
 
 
 class KeptInternals:
@@ -79,12 +82,17 @@ class KeptInternals:
         """(layer, k) -> host buffer of the layer's k-th offloaded storage, reused every step (the
         shapes repeat); rewritten only after the compute that read its last fetch (the D2H copy
         waits for a later compute position)."""
+        self.offloads = OffloadWindow(backend)
+        """Host tier: each forward's D2H copies, waited for by compute ``OFFLOAD_WINDOW_OPS`` ops
+        later (``next_op``)."""
 
     # ----- forward (inside the compute closure) ---------------------------------------------
 
     def begin(self, i: int, tier: str) -> LayerGraph:
         """Host side, before the forward is queued."""
         g = self.layers[i] = LayerGraph(i, tier)
+        if tier == "host":
+            self.offloads.add(g.offloads, g.offloads)
         return g
 
     def forward(self, g: LayerGraph, run, x: torch.Tensor, weights: torch.Tensor,
@@ -120,7 +128,9 @@ class KeptInternals:
             if host is None or host.numel() < src.numel():
                 host = self._host_bufs[key] = self.backend.host_alloc(src.numel(), torch.uint8)
             host = host[:src.numel()]
-            ev = self.backend.copy_d2h(host, src, after=[self.backend.record()])
+            held = HeldRef(src)  # let go once compute waits for the copy (OffloadWindow)
+            ev = self.backend.copy_d2h(host, held, after=[self.backend.record()])
+            g.offloads.add(ev, held)
             g.stored[ptr] = _Stored(host, ev)
             g.sources.append(src)
         return ("host", ptr, t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
@@ -184,3 +194,4 @@ class KeptInternals:
     def clear(self) -> None:
         """After a step (or a failed one): drop every kept graph; the lanes are idle."""
         self.layers.clear()
+        self.offloads.clear()

@@ -7,6 +7,10 @@ bookkeeping), to hold the memory model to account.
   them (the compute runs on the calling thread), the running sum's peak above the step's start,
   plus the storages of the engine's slots, which were allocated before the step. Each op runs
   inside a ``record_function`` of its name, so the peak is attributed to an op.
+- CPU, asynchronous backend: the same sum over the allocations and frees of the calling thread
+  and of every lane's thread, each recorded by a per-thread (legacy) profiler, on one clock. The
+  kineto profiler records memory on the thread that started it only. No op attribution: the
+  compute lane runs closures, not the host's named ops.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from dataclasses import dataclass
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from torch.autograd import _disable_profiler_legacy, _enable_profiler_legacy
+from torch.autograd.profiler_legacy import profile as legacy_profile
 
 from .batch import Batch
 from .executor import StreamingEngine
@@ -48,8 +55,10 @@ def measure_step_peak(engine: StreamingEngine, batches: list[Batch]) -> Measured
         return MeasuredPeak(int(torch.cuda.max_memory_reserved(engine.device)), "",
                             slot_storage_bytes(engine), "cuda max_memory_reserved")
     if engine.backend.asynchronous:
-        raise ValueError("measure the CPU peak on the synchronous backend (device='cpu'): the "
-                         "profiler records allocations of the calling thread")
+        call_on_lanes = getattr(engine.backend, "call_on_lanes", None)
+        if call_on_lanes is None:
+            raise ValueError(f"no allocation probe for the {type(engine.backend).__name__} backend")
+        return _measure_on_lanes(engine, batches, call_on_lanes)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         engine.compute_grads(batches)
     events = prof.profiler.kineto_results.events()
@@ -65,3 +74,24 @@ def measure_step_peak(engine: StreamingEngine, batches: list[Batch]) -> Measured
     peak_op = next((name for s, e, name in ops if peak_t is not None and s <= peak_t <= e), "")
     slots = slot_storage_bytes(engine)
     return MeasuredPeak(peak + slots, peak_op, slots, "torch profiler allocation events + slot storages")
+
+
+def _measure_on_lanes(engine: StreamingEngine, batches: list[Batch], call_on_lanes) -> MeasuredPeak:
+    config = legacy_profile(profile_memory=True).config()
+    call_on_lanes(lambda: _enable_profiler_legacy(config))
+    _enable_profiler_legacy(config)
+    try:
+        engine.compute_grads(batches)
+    finally:
+        threads = [_disable_profiler_legacy()]
+        threads += call_on_lanes(_disable_profiler_legacy).values()
+    start = threads[0][0][0]  # the calling thread's start mark: the common clock's origin
+    mem = sorted((start.cpu_elapsed_us(e), e.cpu_memory_usage()) for records in threads
+                 for events in records for e in events if e.kind() == "memory_alloc")
+    live = peak = 0
+    for _, nbytes in mem:
+        live += nbytes
+        peak = max(peak, live)
+    slots = slot_storage_bytes(engine)
+    return MeasuredPeak(peak + slots, "", slots,
+                        "per-thread profiler allocation events (host + lanes) + slot storages")

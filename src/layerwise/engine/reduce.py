@@ -1,12 +1,16 @@
 """How the ranks of a data-parallel step combine their work: the engine's only seam for it.
 
 The engine stays free of ``torch.distributed``: ``layerwise.train.dist`` implements
-``StepReducer`` with collectives; without one (``None``) a step is one process's, as before.
+``StepReducer`` with collectives; one process uses :class:`LocalReducer`, which owns every unit
+and combines nothing, so the executor has one code path for both.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
+
+from ..optim.clip import sq_norm
+from ..store import HostStore
 
 
 class StepReducer(Protocol):
@@ -16,8 +20,9 @@ class StepReducer(Protocol):
 
     def unit_landed(self, unit: str) -> None:
         """``unit``'s gradient for the step is complete in ``store[unit].grad`` (its last
-        micro-batch landed); called in the order units finish, the same on every rank. May start
-        reducing it while the backward goes on."""
+        micro-batch landed); called in the order units finish, the same on every rank, on the
+        thread that landed it (the gradient sink's worker, or inline). May start reducing it
+        while the backward goes on."""
 
     def finish(self, loss: float) -> tuple[dict[str, float], float]:
         """After every unit landed: wait for the reductions. Returns every unit's squared norm of
@@ -35,3 +40,37 @@ class StepReducer(Protocol):
     def update_done(self, unit: str, wait: bool) -> bool:
         """Not the owner: has the owner applied its latest update of ``unit``? ``wait``: block
         until it has (raises when the owner does not within the collective timeout)."""
+
+
+class LocalReducer:
+    """``StepReducer`` of one process: it owns every unit, its gradient is the step's gradient,
+    its tokens and loss the step's. The one thing it does is take each unit's squared norm once
+    the gradient is final (where a data-parallel reducer takes it of the reduced gradient), so
+    the clip factor is known when the backward ends."""
+
+    def __init__(self, store: HostStore):
+        self.store = store
+        self._sq_norms: dict[str, float] = {}
+
+    def global_tokens(self, local_tokens: int) -> int:
+        self._sq_norms = {}  # a step starts: forget the norms of one that failed
+        return local_tokens
+
+    def unit_landed(self, unit: str) -> None:
+        self._sq_norms[unit] = sq_norm(self.store[unit].grad)
+
+    def finish(self, loss: float) -> tuple[dict[str, float], float]:
+        out, self._sq_norms = self._sq_norms, {}
+        return out, loss
+
+    def owns(self, unit: str) -> bool:
+        return True
+
+    def begin_updates(self) -> None:
+        pass
+
+    def published(self, unit: str) -> None:
+        pass
+
+    def update_done(self, unit: str, wait: bool) -> bool:
+        raise AssertionError(f"{unit} is this process's own: its update is waited on locally")

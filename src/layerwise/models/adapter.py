@@ -139,6 +139,18 @@ class DecoderAdapter:
     def embed(self, params: dict[str, torch.Tensor], input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, params["weight"], self._embed_template.padding_idx)
 
+    def embed_weight_grad(self, input_ids: torch.Tensor, grad_out: torch.Tensor,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+        """The gradient of :meth:`embed`'s weight from the token ids and the gradient of its
+        output alone (the weights are never read): the dense embedding backward autograd runs,
+        so the values are autograd's. ``out``: a ``[vocab, hidden]`` buffer to write it into."""
+        pad = self._embed_template.padding_idx
+        pad = -1 if pad is None else pad
+        rows = self._embed_template.num_embeddings
+        if out is None:
+            return torch.ops.aten.embedding_dense_backward(grad_out, input_ids, rows, pad, False)
+        return torch.ops.aten.embedding_dense_backward.out(grad_out, input_ids, rows, pad, False, out=out)
+
     def attention_masks(self, seq_len: int, device: torch.device) -> dict[str, torch.Tensor | None]:
         """Masks per attention type; ``None`` means plain causal (SDPA ``is_causal``)."""
         masks: dict[str, torch.Tensor | None] = {"full_attention": None}

@@ -7,24 +7,14 @@ unit's buffers, so different units may be updated on different worker threads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from ..store import UnitBuffers
+from .config import AdamWConfig
 
-
-@dataclass
-class AdamWConfig:
-    lr: float = 3e-4
-    """Peak learning rate (a schedule may scale it per step)."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    """Decoupled weight decay, applied to matrices only (not to norms or biases)."""
-    max_grad_norm: float | None = 1.0
-    """Global L2 clip; None or 0 disables clipping."""
+__all__ = ["AdamWConfig", "HostAdamW", "UnitOptimizer", "state_nbytes"]
 
 
 def state_nbytes(numel: int) -> int:

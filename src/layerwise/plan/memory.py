@@ -5,8 +5,11 @@ their counts from here): ``prefetch_depth + 1`` weight slots sized for the large
 asynchronous device ``GRAD_SLOTS`` gradient slots of the same size; ``FETCH_SLOTS`` slots for
 boundaries fetched back from host memory or NVMe. Live across ops: boundaries kept on the
 device (until their layer's backward) and recomputed ones. Transient within an op: its inputs,
-outputs, gradients, autograd workspace, the head's logits and fp32 gradient accumulators. The
-peak is the largest sum over the ops.
+outputs, gradients, autograd workspace, the head's logits and fp32 gradient accumulators. In
+flight (an asynchronous device): what the offloads (boundaries and host-tier internals moving
+to the host) of the ``OFFLOAD_WINDOW_OPS - 1`` ops before still read; the engine's compute waits
+for older ones before each op, so no backlog beyond that. The peak is the largest sum over the
+ops.
 
 The engine checks plans with this before training; the planner's cost model and simulator use
 the same slots and transients, so all three agree on what fits.
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 
 from ..models.names import EMBED, HEAD, layer_unit
 from .plan import Plan
-from .program import BACKWARD_OPS, FETCH_AHEAD, FORWARD_OPS, OpKind, micro_batch_program
+from .program import BACKWARD_OPS, FETCH_AHEAD, FORWARD_OPS, Op, OpKind, micro_batch_program
 from .shape import ModelShape
 
 
@@ -26,6 +29,14 @@ GRAD_SLOTS = 2
 """Device gradient slots: one being filled by a backward while the other is copied out."""
 FETCH_SLOTS = 2
 """Device slots for fetched boundaries: the one in use and the one being fetched ahead."""
+OFFLOAD_WINDOW_OPS = 1
+"""An op's compute waits for the device-to-host offloads queued this many ops back (and older;
+``engine/slots.py`` ``OffloadWindow``). 1: the next op starts once this op's offloads have left,
+which is the window the planner already gives them (a forward window lasts at least as long as
+its D2H copies), so the bound costs no time in a plan the planner made and no device memory
+beyond the op's own transient. Each op more would let a copy lag one more op behind a jittery
+copy lane, at the price of one more op's offloads (a host-tier layer's internals are ~20
+boundaries) in device memory at every op."""
 CUDA_WORKSPACE_BYTES = 64 << 20
 """What a CUDA device holds besides the engine's tensors that the allocator reports: cuBLAS
 workspaces and the allocator's rounding of blocks (the CUDA context itself is not reported)."""
@@ -113,11 +124,23 @@ def slot_bytes(shape: ModelShape, plan: Plan, micro_batch_size: int, seq_len: in
     }
 
 
+def offload_bytes(shape: ModelShape, plan: Plan, op: Op, tokens: int, elem_bytes: int) -> int:
+    """Device bytes ``op`` copies to the host (its input boundary, its host-tier internals)."""
+    if op.kind not in FORWARD_OPS:
+        return 0
+    out = tokens * shape.hidden_size * elem_bytes if plan.boundary_tiers[op.index] in ("host", "nvme") else 0
+    if op.kind == OpKind.LAYER_FWD_KEEP and plan.internal_tiers[op.index] == "host":
+        out += layer_workspace_bytes(shape, tokens, elem_bytes)
+    return out
+
+
 def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, seq_len: int,
-                        elem_bytes: int, grad_slots: bool = True,
-                        workspace_bytes: int = 0) -> list[MemoryEstimate]:
+                        elem_bytes: int, grad_slots: bool = True, workspace_bytes: int = 0,
+                        offload_window_ops: int = OFFLOAD_WINDOW_OPS) -> list[MemoryEstimate]:
     """What the device holds at each op of the program (its peak within the op), in program
-    order. ``workspace_bytes``: a fixed term for the device's own workspaces (CUDA)."""
+    order. ``workspace_bytes``: a fixed term for the device's own workspaces (CUDA).
+    ``grad_slots``: an asynchronous device (gradient slots; offloads may still be in flight
+    from the ``offload_window_ops - 1`` ops before, a synchronous one has finished them)."""
     tokens = micro_batch_size * seq_len
     boundary = tokens * shape.hidden_size * elem_bytes
     slots = sum(slot_bytes(shape, plan, micro_batch_size, seq_len, elem_bytes, grad_slots).values())
@@ -128,9 +151,13 @@ def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, se
     stored: set[int] = set()
     kept: dict[int, int] = {}  # layer -> bytes of its internals on the device
     forwarded: set[int] = set()  # layers whose forward has run (their internals can be fetched)
+    lag = offload_window_ops - 1 if grad_slots else 0
+    offloads = [offload_bytes(shape, plan, op, tokens, elem_bytes) for op in ops]
     out = []
     for n, op in enumerate(ops):
         k, i = op.kind, op.index
+        # the window runs on across micro-batches: the previous one's last ops offload nothing
+        in_flight = sum(offloads[max(0, n - lag):n])
         for ahead in ops[n:n + 1 + FETCH_AHEAD]:  # host-tier internals arrive when fetched ahead
             if ahead.kind == OpKind.FETCH_INTERNALS and ahead.index in forwarded:
                 kept[ahead.index] = kept_internal_bytes(shape, plan, ahead.index, tokens, elem_bytes)
@@ -143,8 +170,9 @@ def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, se
         transient = op_transient_bytes(shape, k, i, tokens, elem_bytes, plan.head_chunk_tokens) + mask
         acts = len(stored) * boundary
         internals = sum(kept.values())
-        out.append(MemoryEstimate(slots + acts + internals + transient, str(op), {
-            "slots": slots, "activations": acts, "internals": internals, "transient": transient}))
+        out.append(MemoryEstimate(slots + acts + internals + transient + in_flight, str(op), {
+            "slots": slots, "activations": acts, "internals": internals, "transient": transient,
+            "offloads_in_flight": in_flight}))
         if k in BACKWARD_OPS:
             stored.discard(i)
             kept.pop(i, None)
@@ -157,11 +185,12 @@ def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, se
 
 def predict_peak_device_bytes(shape: ModelShape, plan: Plan, micro_batch_size: int,
                               seq_len: int, elem_bytes: int, grad_slots: bool = True,
-                              workspace_bytes: int = 0) -> MemoryEstimate:
+                              workspace_bytes: int = 0,
+                              offload_window_ops: int = OFFLOAD_WINDOW_OPS) -> MemoryEstimate:
     """The largest of :func:`device_bytes_per_op` (the first op to reach it)."""
     best = MemoryEstimate(0, "", {})
     for est in device_bytes_per_op(shape, plan, micro_batch_size, seq_len, elem_bytes, grad_slots,
-                                   workspace_bytes):
+                                   workspace_bytes, offload_window_ops):
         if est.peak_bytes > best.peak_bytes:
             best = est
     return best

@@ -18,7 +18,8 @@ Op kinds (``i`` is a layer index), the members of :class:`OpKind`:
 - ``fetch_internals i``: bring layer i's host-tier internals back to the device;
 - ``layer_bwd_kept i``: layer i backward through the graph its ``layer_fwd_keep`` kept (no
   forward again, no input boundary); grads to the host;
-- ``embed_bwd``: embedding backward; grads to the host.
+- ``embed_bwd``: embedding backward, from the token ids and the gradient of boundary 0 alone
+  (the weights are never read, so none are streamed); grads to the host.
 
 The weight window (:class:`WeightWindow`) is the one rule for which weight buffers the device
 holds at each op: the engine's streamer makes the copies it names, the simulator times them,
@@ -56,7 +57,7 @@ class OpKind(str, Enum):
 
 
 EMBED_OPS = (OpKind.EMBED_FWD, OpKind.RECOMPUTE_EMBED, OpKind.EMBED_BWD)
-"""Ops that run the embedding (its weights on the device)."""
+"""Ops that run the embedding (the forward ones read its weights; ``embed_bwd`` does not)."""
 LAYER_OPS = (OpKind.LAYER_FWD, OpKind.RECOMPUTE_LAYER, OpKind.LAYER_BWD, OpKind.LAYER_FWD_KEEP,
              OpKind.LAYER_BWD_KEPT)
 """Ops that run decoder layer ``index``."""
@@ -79,6 +80,8 @@ class Op:
 
     def units(self, tied: bool) -> tuple[str, ...]:
         """Units whose weights this op needs on the device, in order of first use."""
+        if self.kind == OpKind.EMBED_BWD:
+            return ()  # a dense embedding backward: token ids and the boundary gradient only
         if self.kind in EMBED_OPS:
             return (EMBED,)
         if self.kind in LAYER_OPS:

@@ -1,13 +1,30 @@
-"""``layerwise demo``, ``layerwise train`` and ``layerwise report``."""
+"""``layerwise demo``, ``layerwise train`` and ``layerwise report``: their arguments, and what
+``train`` checks before the heavy imports (torch-free; ``train/commands.py`` runs them).
+
+``layerwise train``'s settings, lowest first: ``TrainConfig``'s defaults; when ``out_dir``
+holds a run that this one continues, the settings that run saved in ``run.json``; the
+``--config`` YAML file; ``key=value`` overrides. So ``layerwise train out_dir=OUT`` resumes a
+run as it was started, and any key given now wins.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from pathlib import Path
 
-from .. import config
-from .demo import DemoConfig, run_demo
-from .loop import TrainConfig, train
-from .report import report
+from .. import config as config_lib
+from ..util import dirlock
+from . import outdir
+from .config import DemoConfig, TrainConfig, help_keys
+from .options import check_settings
+
+TRAIN_DESCRIPTION = (
+    "Train with the streaming engine. Settings: the defaults, then (when out_dir holds a run "
+    "this one continues) the settings saved in its run.json, then --config YAML, then "
+    "KEY=VALUE overrides. Values are parsed as you mean them: 2e-5, 1_000, true, [a, b]. "
+    "Nested keys with dots (optimizer.lr=1e-4, ckpt.policy=filter ckpt.threshold=0.01).")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,15 +44,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help=f"output directory (default {defaults.out_dir}; an earlier demo run "
                            "there is replaced, any other non-empty directory refused)")
     demo.add_argument("--device", default=defaults.device, help="cpu or cuda (default cpu)")
-    demo.set_defaults(func=run_demo_command)
+    demo.set_defaults(func="layerwise.train.commands:run_demo_command")
 
     train = sub.add_parser(
-        "train", help="train a model with the streaming engine",
-        description="Train with the streaming engine. Settings come from TrainConfig defaults, an "
-                    "optional YAML file, then key=value overrides (e.g. steps=200 optimizer.lr=1e-3).")
-    train.add_argument("--config", help="YAML file with TrainConfig fields")
-    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
-    train.set_defaults(func=run_train)
+        "train", help="train a model with the streaming engine", description=TRAIN_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="common settings (KEY=DEFAULT; --help-all lists every key with its full text):\n"
+               + config_lib.help_text(TrainConfig, only=help_keys()))
+    train.add_argument("--config", metavar="YAML", help="a YAML file of settings (nested or "
+                       "dotted keys, as --print-config writes them)")
+    train.add_argument("--print-config", action="store_true",
+                       help="print the resolved settings as YAML and exit (nothing is trained)")
+    train.add_argument("--help-all", action="store_true",
+                       help="list every setting with its default and documentation, and exit")
+    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="settings")
+    train.set_defaults(prepare=prepare_train, func="layerwise.train.commands:run_train")
 
     rep = sub.add_parser(
         "report", help="draw a training run: curves, per-layer change, checkpoint history",
@@ -45,32 +68,51 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "bytes against a full save), and a short text summary.")
     rep.add_argument("run", help="the run's out_dir (or a layer-wise checkpoint run directory)")
     rep.add_argument("--out", default=None, help="PNG to write (default RUN/report.png)")
-    rep.set_defaults(func=run_report)
+    rep.set_defaults(func="layerwise.train.commands:run_report")
 
 
-def run_train(args: argparse.Namespace) -> int:
-    cfg = config.load(TrainConfig, args.config, args.overrides)
-    result = train(cfg)
-    if result.rank:
-        return 0  # rank 0 reports for the run
-    print(f"done: eval loss {result.eval_loss_start:.4f} -> {result.eval_loss_end:.4f}, "
-          f"{result.tokens_per_s:.0f} tok/s; outputs in {result.out_dir}")
-    return 0
+def resolve_config(path: str | None, overrides: list[str]) -> tuple[TrainConfig, list[str]]:
+    """The run's settings (module docstring: which win) and the lines to say about them."""
+    notices: list[str] = []
+    layers = [config_lib.read_yaml(path)] if path else []
+    given_overrides = config_lib.parse_overrides(TrainConfig, overrides, notices)
+    given = config_lib.build(TrainConfig, *layers, given_overrides, notices=notices)
+    lines = [line for line in [config_lib.legacy_notice(notices)] if line]
+    continues = (given.resume != "false" and not given.overwrite
+                 and given.resume_from_checkpoint is None)
+    saved = outdir.saved_config(Path(given.out_dir)) if continues else None
+    if not saved:
+        return given, lines
+    try:
+        cfg = config_lib.build(TrainConfig, saved, *layers, given_overrides)
+    except ValueError as e:
+        raise ValueError(f"the settings saved in {Path(given.out_dir) / outdir.RUN_JSON} no longer "
+                         f"load ({e}); continue it with an older layerwise, or start afresh with "
+                         "overwrite=true") from None
+    lines.append(f"settings: those saved by the run in {given.out_dir} (run.json), then this "
+                 "command's")
+    return cfg, lines
 
 
-def run_report(args: argparse.Namespace) -> int:
-    path, lines = report(args.run, args.out)
-    print("\n".join(lines))
-    print(f"wrote {path}")
-    return 0
+def _lead_process() -> bool:
+    """Rank 0 of a torchrun launch, or a process alone: the one that locks the out_dir."""
+    return os.environ.get("RANK", "0") == "0"
 
 
-def run_demo_command(args: argparse.Namespace) -> int:
-    print("layerwise demo: the path of a user's run, small: BPE tokenizer, streaming-engine "
-          "training of a small Llama on the Python stdlib source, layer-wise checkpoints, export, "
-          "sample, report")
-    result = run_demo(DemoConfig(steps=args.steps, out_dir=args.out, device=args.device))
-    if not result.train.eval_loss_end < result.train.eval_loss_start:
-        print("warning: eval loss did not improve")
-        return 1
-    return 0
+def prepare_train(args: argparse.Namespace) -> int | None:
+    """``--help-all`` and ``--print-config``, the settings and their checks, the out_dir lock;
+    an exit code when the command is done, None to go on and train (``args.cfg``)."""
+    if args.help_all:
+        print("every setting of `layerwise train` (KEY=DEFAULT):\n"
+              + config_lib.help_text(TrainConfig, full=True))
+        return 0
+    cfg, lines = resolve_config(args.config, args.overrides)
+    for line in lines:
+        print(line, file=sys.stderr)
+    check_settings(cfg)
+    if args.print_config:
+        print(config_lib.to_yaml(cfg), end="")
+        return 0
+    args.lock = dirlock.acquire(cfg.out_dir) if _lead_process() else None
+    args.cfg = cfg
+    return None

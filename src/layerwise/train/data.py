@@ -10,11 +10,13 @@ and ``packing`` (rows, batch order).
 
 from __future__ import annotations
 
+import logging
 import hashlib
 import json
 import math
+import os
 import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,23 +31,48 @@ from .formats import check_format_name, check_tokenizer_for, detect_format, enco
 from .packing import Example, Rows, eval_batches, pack_examples, row_batches, shift
 from .tokenizer import ByteTokenizer, Tokenizer
 
+_log = logging.getLogger(__name__)
+
 CACHE_FORMAT_VERSION = 1
 """Version of ``out_dir/data_cache/<key>.pt`` (docs/formats.md)."""
 
 __all__ = ["ByteTokenizer", "DataSpec", "TrainData", "batches", "corpus_tokens", "pack",
-           "prepare_data", "stdlib_files"]
+           "iter_stdlib_files", "prepare_data", "stdlib_files"]
+
+
+_NOT_CORPUS = frozenset({"site-packages", "test", "tests"})
+
+
+def iter_stdlib_files(root: str | Path | None = None) -> Iterator[Path]:
+    """``stdlib_files`` lazily, in the same (sorted) order: the walk prunes the excluded
+    directories and goes only as far as the reader reads, so a small corpus costs a few files,
+    not a walk through all the interpreter's library holds. ``ValueError`` if there is none."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+
+    def walk(d: Path) -> Iterator[Path]:
+        try:
+            entries = sorted(os.scandir(d), key=lambda e: e.name)
+        except OSError:
+            return
+        for e in entries:
+            if e.is_dir():  # follows links to directories, as ``rglob`` does
+                if e.name not in _NOT_CORPUS:
+                    yield from walk(d / e.name)
+            elif e.name.endswith(".py") and e.is_file():
+                yield d / e.name
+
+    found = False
+    if not _NOT_CORPUS.intersection(root.parts):
+        for path in walk(root):
+            found = True
+            yield path
+    if not found:
+        raise ValueError(f"no .py files under {root}; pass a directory of text files instead")
 
 
 def stdlib_files(root: str | Path | None = None) -> list[Path]:
     """Sorted ``.py`` files of the standard library (tests and site-packages excluded)."""
-    root = Path(root or sysconfig.get_paths()["stdlib"])
-    files = [
-        p for p in root.rglob("*.py")
-        if "site-packages" not in p.parts and "test" not in p.parts and "tests" not in p.parts
-    ]
-    if not files:
-        raise ValueError(f"no .py files under {root}; pass a directory of text files instead")
-    return sorted(files)
+    return list(iter_stdlib_files(root))
 
 
 def corpus_tokens(max_tokens: int, root: str | Path | None = None,
@@ -53,7 +80,7 @@ def corpus_tokens(max_tokens: int, root: str | Path | None = None,
     """The first ``max_tokens`` tokens of the corpus, files joined with BOS/EOS."""
     tok = tokenizer or ByteTokenizer()
     out: list[int] = []
-    for path in stdlib_files(root):
+    for path in iter_stdlib_files(root):
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
@@ -146,8 +173,7 @@ class TrainData:
         return lines
 
 
-def prepare_data(spec: DataSpec, tok: Tokenizer, out_dir: Path,
-                 log: Callable[[str], None] = print) -> TrainData:
+def prepare_data(spec: DataSpec, tok: Tokenizer, out_dir: Path) -> TrainData:
     """The run's data: the built-in corpus without ``spec.data``, else the data files tokenized,
     split, packed, and cached under ``out_dir/data_cache`` (loaded from there when the files,
     tokenizer and settings are the same)."""
@@ -168,7 +194,7 @@ def prepare_data(spec: DataSpec, tok: Tokenizer, out_dir: Path,
             data.report["cache"] = f"loaded from {cache}"
             return data
         except (OSError, RuntimeError, KeyError, ValueError) as e:
-            log(f"data: cache {cache} unreadable ({e}); tokenizing again")
+            _log.warning(f"data: cache {cache} unreadable ({e}); tokenizing again")
     data = _tokenize_files(spec, tok, files, eval_files, key)
     if spec.cache:
         _save_cache(cache, data)

@@ -24,10 +24,11 @@ resuming at the last step; any other non-empty directory is refused and left as 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,70 +37,22 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from ..models import get_flavor
-from ..optim.adamw import AdamWConfig
+from ..optim.config import AdamWConfig
 from ..plan.plan import Plan
 from ..util.atomic import atomic_write_text
-from .data import stdlib_files
-from .loop import TrainConfig, TrainResult, train
+from .config import CkptConfig, DataConfig, DemoConfig, EvalConfig, LogConfig, ModelConfig
+from .config import ScheduleConfig, TrainConfig
+from .data import iter_stdlib_files
+from .loop import TrainResult, train
 from .report import report
 from .tokenizer import train_bpe_tokenizer
+
+_log = logging.getLogger(__name__)
 
 DEMO_FORMAT_VERSION = 1
 """``demo.json``'s format (docs/formats.md)."""
 
 DEMO_MODEL = "llama-demo"
-
-
-@dataclass
-class DemoConfig:
-    """The demo's settings; the defaults are what ``layerwise demo`` runs."""
-
-    steps: int = 400
-    """Optimizer steps (16 x 128 tokens each: about 0.8M tokens, 1.4 passes over the corpus)."""
-    out_dir: str = "runs/demo"
-    """Where the run goes (replaced when an earlier demo left it; see the module docstring)."""
-    device: str = "cpu"
-    """``cpu`` or ``cuda[:N]``."""
-    model: str = DEMO_MODEL
-    """A flavor whose vocabulary holds the tokenizer's (``llama-demo``: 1024 rows, 0.9M params)."""
-    vocab_size: int = 1024
-    """The BPE tokenizer's vocabulary (special token + 256 bytes + merges): small, so that
-    every id is seen often in a short run, yet ``self``, ``return``, indentation are one id."""
-    tokenizer_chars: int = 2_000_000
-    """Characters of standard-library source (whole files, in sorted order) the tokenizer learns
-    from: about 2 MB, a second or two."""
-    corpus_tokens: int = 600_000
-    """Tokens read from the same files (about 1.8M characters; the last 5% held out for eval)."""
-    seq_len: int = 128
-    """Tokens per sequence."""
-    micro_batch_size: int = 16
-    """Sequences per step (one micro-batch)."""
-    lr: float = 1e-2
-    """Peak learning rate (linear warmup, cosine decay to a tenth)."""
-    warmup_steps: int = 10
-    """Warmup steps."""
-    eval_every: int = 50
-    """Held-out eval every N steps (and at the start and end)."""
-    track_every: int = 10
-    """Per-layer update statistics every N steps (``tracker.jsonl``, the report's heat map)."""
-    ckpt_every: int = 50
-    """A layer-wise checkpoint every N steps and at the end."""
-    ckpt_options: dict[str, Any] = field(
-        default_factory=lambda: {"threshold": 0.1, "max_staleness": 2})
-    """``filter`` policy options: a group is written when its weights moved more than
-    ``threshold`` (relative) since its saved version, or when its newest version is more than
-    ``max_staleness`` saves old."""
-    prompt: str = "import os\nimport sys\n\n\nclass Config:\n    def __init__(self"
-    """What the trained model continues."""
-    max_new_tokens: int = 100
-    """Tokens generated after the prompt."""
-    temperature: float = 0.0
-    """0: greedy decoding; above 0: sampling at this temperature (top-k 40, seed 0)."""
-    repetition_penalty: float = 1.3
-    """``generate``'s ``repetition_penalty``: makes ids already in the text less likely, which
-    keeps a small model's greedy output from looping on one line."""
-    progress: str = "auto"
-    """``auto`` (a bar on a terminal, plain lines otherwise), ``bar`` or ``lines``."""
 
 
 @dataclass
@@ -117,7 +70,7 @@ def demo_texts(max_chars: int, root: str | Path | None = None) -> Iterator[str]:
     """Whole standard-library source files in the corpus' order, until ``max_chars`` is
     reached (the file that crosses it is the last)."""
     total = 0
-    for path in stdlib_files(root):
+    for path in iter_stdlib_files(root):
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
@@ -167,14 +120,17 @@ def demo_plan(cfg: DemoConfig) -> Plan:
 
 def train_config(cfg: DemoConfig, tokenizer_dir: Path, plan_path: Path) -> TrainConfig:
     """The ``TrainConfig`` the demo runs: what ``layerwise train`` would get from
-    ``model=llama-demo tokenizer=OUT/tokenizer plan=OUT/demo-plan.json ckpt_policy=filter ...``."""
+    ``model=llama-demo model.tokenizer=OUT/tokenizer plan=OUT/demo-plan.json ckpt.policy=filter ...``."""
     return TrainConfig(
-        model=cfg.model, tokenizer=str(tokenizer_dir), plan=str(plan_path), steps=cfg.steps,
-        seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, corpus_tokens=cfg.corpus_tokens,
-        optimizer=AdamWConfig(lr=cfg.lr, weight_decay=0.1), warmup_steps=cfg.warmup_steps,
-        device=cfg.device, eval_every=cfg.eval_every, track_every=cfg.track_every,
-        ckpt_every=cfg.ckpt_every, ckpt_policy="filter", ckpt_options=dict(cfg.ckpt_options),
-        resume=False, out_dir=cfg.out_dir, progress=cfg.progress)
+        model=ModelConfig(name=cfg.model, tokenizer=str(tokenizer_dir)), plan=str(plan_path),
+        steps=cfg.steps, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
+        data=DataConfig(corpus_tokens=cfg.corpus_tokens),
+        optimizer=AdamWConfig(lr=cfg.lr, weight_decay=0.1),
+        schedule=ScheduleConfig(warmup_steps=cfg.warmup_steps), device=cfg.device,
+        eval=EvalConfig(every=cfg.eval_every),
+        log=LogConfig(track_every=cfg.track_every, progress=cfg.progress),
+        ckpt=CkptConfig(every=cfg.ckpt_every, policy="filter", **cfg.ckpt_options),
+        resume="false", out_dir=cfg.out_dir)
 
 
 def sample(model_dir: Path, cfg: DemoConfig) -> str:
@@ -199,10 +155,10 @@ def sample(model_dir: Path, cfg: DemoConfig) -> str:
     return tok.decode(out[0].tolist(), skip_special_tokens=True)
 
 
-def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> DemoResult:
+def run_demo(cfg: DemoConfig) -> DemoResult:
     t0 = time.perf_counter()
     out_dir = Path(cfg.out_dir)
-    log(fresh_out_dir(out_dir))
+    _log.info(fresh_out_dir(out_dir))
     info: dict[str, Any] = {"format": "layerwise-demo", "format_version": DEMO_FORMAT_VERSION,
                             "settings": asdict(cfg), "finished": False}
     atomic_write_text(out_dir / "demo.json", json.dumps(info, indent=2) + "\n")
@@ -210,26 +166,28 @@ def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> DemoResult:
     t = time.perf_counter()
     tokenizer_dir = out_dir / "tokenizer"
     tok = train_bpe_tokenizer(demo_texts(cfg.tokenizer_chars), cfg.vocab_size, tokenizer_dir)
-    log(f"tokenizer: byte-level BPE, {len(tok)} ids, learnt from {cfg.tokenizer_chars / 1e6:g}M "
-        f"characters of the stdlib source in {time.perf_counter() - t:.1f} s -> {tokenizer_dir}")
+    _log.info(f"tokenizer: byte-level BPE, {len(tok)} ids, learnt from "
+              f"{cfg.tokenizer_chars / 1e6:g}M characters of the stdlib source in "
+              f"{time.perf_counter() - t:.1f} s -> {tokenizer_dir}")
     plan_path = out_dir / "demo-plan.json"
     demo_plan(cfg).save(plan_path)
 
-    result = train(train_config(cfg, tokenizer_dir, plan_path), log)
+    result = train(train_config(cfg, tokenizer_dir, plan_path))
     assert result.model_dir is not None  # export is on
     text = sample(result.model_dir, cfg)
     how = "greedy" if cfg.temperature <= 0 else f"temperature {cfg.temperature}, top-k 40"
-    log(f"reloaded {result.model_dir} with AutoModelForCausalLM + AutoTokenizer; it continues "
-        f"the prompt ({how}, repetition penalty {cfg.repetition_penalty:g}):\n---\n{text}\n---")
-    log(f"eval loss {result.eval_loss_start:.4f} -> {result.eval_loss_end:.4f} "
-        f"({result.tokens_per_s:.0f} tokens/s)")
+    _log.info(f"reloaded {result.model_dir} with AutoModelForCausalLM + AutoTokenizer; it "
+              f"continues the prompt ({how}, repetition penalty {cfg.repetition_penalty:g}):"
+              f"\n---\n{text}\n---")
+    _log.info(f"eval loss {result.eval_loss_start:.4f} -> {result.eval_loss_end:.4f} "
+              f"({result.tokens_per_s:.0f} tokens/s)")
     path, lines = report(out_dir)
     for line in lines[1:]:  # the first names the run directory, said above
-        log(line)
-    log(f"report of the run (loss, throughput, per-layer change, checkpoints): {path}")
+        _log.info(line)
+    _log.info(f"report of the run (loss, throughput, per-layer change, checkpoints): {path}")
     wall = time.perf_counter() - t0
     info.update(finished=True, eval_loss_start=result.eval_loss_start,
                 eval_loss_end=result.eval_loss_end, sample=text, wall_s=wall)
     atomic_write_text(out_dir / "demo.json", json.dumps(info, indent=2) + "\n")
-    log(f"demo done in {wall:.0f} s")
+    _log.info(f"demo done in {wall:.0f} s")
     return DemoResult(result, tokenizer_dir, plan_path, path, lines, text, wall)

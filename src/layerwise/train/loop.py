@@ -1,141 +1,57 @@
-"""The training loop around the StreamingEngine: data, schedule, eval, logging, export.
+"""The training loop around the StreamingEngine: ``Trainer``, in named steps (``setup``,
+``train_step``, ``evaluate``, ``save``, ``close``), and ``train(cfg)``, which runs them.
 
 What a run writes in ``out_dir`` (schemas in ``docs/formats.md``): ``plan.json`` (the plan, with
-the step time predicted for it), ``run.json`` (what ran, start/end evals, measured vs predicted
-step time), ``metrics.jsonl`` (one row per step), ``tracker.jsonl`` (per-layer update
-statistics, ``update_log.py``), ``ckpt/`` (layer-wise checkpoints) and ``model/`` (the export).
+the step time predicted for it), ``run.json`` (the resolved settings, what ran, start/end evals,
+measured vs predicted step time), ``metrics.jsonl`` (one row per step), ``tracker.jsonl``
+(per-layer update statistics, ``update_log.py``), ``samples.jsonl`` (generations at evals, when
+asked), ``ckpt/`` (layer-wise checkpoints) and ``model/`` (the export). How a run starts
+(fresh, continued, from another run) is ``resume.py``'s; a run is interrupted cleanly by
+``interrupt.py``. Rank 0 writes the files; every other rank of a data-parallel run gets the
+do-nothing ``NullOutput`` (``sinks.py``) and otherwise runs the same code.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import math
+import signal
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 
-from ..ckpt.checkpointer import LoadResult
+from .. import config as config_lib
 from ..ckpt.store_provider import HostStoreStateProvider
 from ..engine import EngineConfig, StreamingEngine
 from ..engine.batch import Batch
-from ..interop.recipes.store_export import export_store
-from ..interop.hf.model_dir import load_store
-from ..models import FLAVORS, DecoderAdapter, get_flavor
-from ..optim.adamw import AdamWConfig
-from ..plan.cost import CostModel
-from ..plan.hardware import PRESETS
 from ..plan.plan import Plan
 from ..plan.shape import ModelShape
-from ..store import PRIVATE, HostAllocator, HostStore, init_store
-from ..util.atomic import atomic_write_text
+from ..util.errors import Interrupted
+from ..util.logs import quiet_unless
+from .build import (FlopCounter, ModelSource, check_fits, check_options, choose_plan, mem_cap_bytes,
+                    resolve_dtype)
+from .config import TrainConfig
 from .data import DataSpec, prepare_data
 from .dist import saving as dist_saving, setup as dist_setup
 from .dist.context import DistContext, init as dist_init, shutdown as dist_shutdown
 from .dist.reducer import DistReducer
-from .planning import (HardwareChoice, auto_plan, check_hardware, check_profile, predict,
-                       resolve_hardware)
-from .progress import Progress, resolve_progress
-from .schedule import lr_at
+from .interrupt import StopFlag
+from .outdir import RUN_FORMAT_VERSION, read_run_json
+from .outdir import open_metrics as _open_metrics  # noqa: F401  (tests read it here)
+from .progress import Progress
+from .resume import Start, check_extension, data_start, decide_start, resume_command
+from .schedule import Schedule
+from .sinks import NullOutput, RunOutput, greedy_continue, sample_prompts
 from .tokenizer import check_vocab, load_tokenizer
 from .update_log import RunTracker
 
-RUN_FORMAT_VERSION = 1
-"""``run.json``'s format (docs/formats.md)."""
+_log = logging.getLogger(__name__)
 
-
-@dataclass
-class TrainConfig:
-    model: str = "llama-demo"
-    """A flavor name (``layerwise.models.FLAVORS``) or a local Hugging Face model directory."""
-    seed: int = 0
-    """Seed for initialisation (flavors) and data order."""
-    seq_len: int = 128
-    """Tokens per sequence."""
-    micro_batch_size: int = 8
-    """Sequences per micro-batch (a plan file's value wins)."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer step (a plan file's value wins)."""
-    steps: int = 60
-    """Optimizer steps."""
-    optimizer: AdamWConfig = field(default_factory=lambda: AdamWConfig(lr=2e-3, weight_decay=0.1))
-    warmup_steps: int = 5
-    """Linear LR warmup steps before the cosine decay."""
-    min_lr_ratio: float = 0.1
-    """Cosine decay floor, as a fraction of the peak LR."""
-    plan: str = "every-2"
-    """``every-K``, ``recompute-all``, ``keep-all``, ``auto`` (the planner chooses boundary tiers,
-    the micro-batch split of ``micro_batch_size x grad_accum`` sequences and per-unit moments for
-    the hardware below) or a plan JSON file from ``layerwise plan``."""
-    profile: str | None = None
-    """Hardware profile file (``layerwise calibrate --out``) to plan and predict with; default:
-    ``out_dir/profile.json`` when it exists."""
-    hardware: str | None = None
-    """Hardware preset (h200, h100, a100-80g, rtx4090, cpu, ...) when there is no calibrated
-    profile; default: this machine (CPU: ``cpu``; CUDA: the preset matching the GPU's name, else
-    a quick calibration for ``plan=auto``)."""
-    plan_time_limit_s: float = 5.0
-    """``plan=auto``: MILP time limit per micro-batch size tried, seconds."""
-    device: str = "cpu"
-    """``cpu`` or ``cuda[:N]``."""
-    compute_dtype: str = "auto"
-    """``float32``, ``bfloat16`` or ``auto`` (bf16 on CUDA, fp32 on CPU)."""
-    device_mem_cap_gb: float | None = None
-    """Refuse plans predicted to need more device memory than this."""
-    corpus: str | None = None
-    """Directory of ``.py`` text files; default: the Python standard library's source."""
-    corpus_tokens: int = 2_000_000
-    """Tokens read from the corpus (the last 5% are held out for eval)."""
-    tokenizer: str = "auto"
-    """``auto`` (the model directory's own tokenizer, else the byte tokenizer), ``byte``, or a
-    directory with tokenizer files (loaded with local files only)."""
-    data: str | None = None
-    """A data file or directory (.jsonl, .json, .parquet, .txt/.md/.py); default: the corpus."""
-    data_format: str = "auto"
-    """``auto`` (by the fields present), ``text``, ``chat``, ``prompt_completion``, ``instruction``."""
-    eval_data: str | None = None
-    """Held-out data file or directory (same format); default: ``eval_fraction`` of ``data``."""
-    eval_fraction: float = 0.05
-    """Fraction of ``data``'s examples held out for eval when ``eval_data`` is not given."""
-    pack: bool = True
-    """Pack short examples into ``seq_len`` rows (loss never crosses examples; attention does,
-    causally); false: one example a row, padded."""
-    data_skip_bad: bool = False
-    """Skip bad examples (malformed, missing fields, nothing to train on) and report the count,
-    instead of stopping with an error naming the file and line."""
-    data_cache: bool = True
-    """Keep the tokenized data in ``out_dir/data_cache`` so a resumed run does not redo it."""
-    eval_every: int = 20
-    """Evaluate every N steps (0: only at the start and end)."""
-    eval_batches: int = 4
-    """Held-out micro-batches per evaluation."""
-    log_every: int = 5
-    """Print a progress line every N steps (plain-line progress)."""
-    progress: str = "auto"
-    """``auto`` (a progress bar on a terminal, plain lines otherwise), ``bar`` or ``lines``."""
-    track_every: int = 10
-    """Per-layer update statistics into ``tracker.jsonl`` every N steps and at the end (0: off)."""
-    out_dir: str = "runs/demo"
-    """Where metrics.jsonl, the plan and the exported model go."""
-    export: bool = True
-    """Write the trained model to ``out_dir/model`` as a Hugging Face directory."""
-    ckpt_every: int = 0
-    """Write a layer-wise checkpoint to ``out_dir/ckpt`` every N steps (0: never)."""
-    ckpt_policy: str = "filter"
-    """Which groups a checkpoint writes: full, parity, filter, topk, budget."""
-    ckpt_options: dict[str, Any] = field(default_factory=dict)
-    """Policy options, e.g. {threshold: 1e-3, max_staleness: 4, full_every: 10}."""
-    resume: bool = True
-    """Continue from the newest checkpoint in ``out_dir/ckpt`` when there is one."""
-    dist_timeout_s: float = 600.0
-    """Under torchrun: every collective, and every wait for another rank, gives up after this
-    many seconds (a dead peer then ends the run with an error instead of a hang)."""
-    dist_shm_dir: str = "/dev/shm"
-    """Under torchrun: the tmpfs directory holding each node's shared host store while the local
-    ranks map it (the files are removed once all have)."""
+__all__ = ["RUN_FORMAT_VERSION", "TrainConfig", "TrainResult", "Trainer", "train"]
 
 
 @dataclass
@@ -153,142 +69,8 @@ class TrainResult:
     """The simulator's step time for the plan on the run's hardware profile (None: no profile)."""
     rank: int = 0
     """Under torchrun, this process's rank: only rank 0's result has the evals (and the export)."""
-
-
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-    except KeyError:
-        raise ValueError(f"compute_dtype must be auto, float32 or bfloat16, got {name!r}") from None
-
-
-def resolve_plan(spec: str, num_layers: int, cfg: TrainConfig) -> Plan:
-    """A rule or a plan file as a Plan (``plan=auto`` is ``choose_plan``'s)."""
-    kw = dict(micro_batch_size=cfg.micro_batch_size, num_micro_batches=cfg.grad_accum,
-              seq_len=cfg.seq_len)
-    if spec.startswith("every-"):
-        try:
-            k = int(spec.split("-", 1)[1])
-        except ValueError:
-            raise ValueError(f"plan {spec!r}: expected every-K with an integer K") from None
-        return Plan.every_k(num_layers, k, **kw)
-    if spec == "recompute-all":
-        return Plan.recompute_all(num_layers, **kw)
-    if spec == "keep-all":
-        return Plan.keep_all(num_layers, **kw)
-    if Path(spec).suffix == ".json":
-        plan = Plan.load(spec)
-        plan.validate(num_layers)
-        return plan
-    raise ValueError(f"plan {spec!r} is not every-K, recompute-all, keep-all, auto or a .json "
-                     "plan file")
-
-
-def _mem_cap_bytes(cfg: TrainConfig) -> int | None:
-    return None if cfg.device_mem_cap_gb is None else int(cfg.device_mem_cap_gb * 2**30)
-
-
-def choose_plan(cfg: TrainConfig, adapter: DecoderAdapter, compute_dtype: torch.dtype,
-                log=print) -> tuple[Plan, HardwareChoice | None]:
-    """The run's plan and the hardware profile its prediction is for (``train/planning.py``).
-
-    ``plan=auto`` asks the planner; a rule or a plan file is simulated on the resolved profile.
-    Either way ``plan.predicted["step_s"]`` is the predicted step time (absent only for a rule
-    or file when no profile resolves without calibrating: a GPU no preset matches)."""
-    auto = cfg.plan == "auto"
-    plan = None if auto else resolve_plan(cfg.plan, adapter.num_layers, cfg)
-    if auto and cfg.micro_batch_size * cfg.grad_accum < 1:
-        raise ValueError("plan=auto needs micro_batch_size x grad_accum >= 1 sequences per step")
-    hw = resolve_hardware(cfg.profile, cfg.hardware, cfg.device, Path(cfg.out_dir), compute_dtype,
-                          _mem_cap_bytes(cfg), may_calibrate=auto, log=log)
-    shape = ModelShape.from_config(adapter.config, name=Path(cfg.model).name)
-    if auto:
-        assert hw is not None
-        plan = auto_plan(shape, hw, cfg.seq_len, cfg.micro_batch_size * cfg.grad_accum,
-                         cfg.plan_time_limit_s)
-    elif hw is not None:
-        assert plan is not None
-        before = dict(plan.predicted)
-        plan.predicted = predict(plan, shape, hw, cfg.seq_len)
-        if before:  # a plan file's own predictions, for the machine it was planned for
-            plan.predicted["planned_for"] = before
-    assert plan is not None
-    return plan, hw
-
-
-def build_model(cfg: TrainConfig, compute_dtype: torch.dtype, alloc: HostAllocator = PRIVATE
-                ) -> tuple[DecoderAdapter, HostStore]:
-    """Every local rank builds the same weights into the node's shared store (identical writes,
-    before the store-ready barrier), so no rank needs to know which one wrote them."""
-    if cfg.model in FLAVORS:
-        return init_store(get_flavor(cfg.model).build_config(), seed=cfg.seed,
-                          compute_dtype=compute_dtype, alloc=alloc)
-    if Path(cfg.model).is_dir():
-        return load_store(cfg.model, compute_dtype=compute_dtype, alloc=alloc)
-    raise ValueError(f"model {cfg.model!r} is neither a known flavor ({', '.join(sorted(FLAVORS))}) "
-                     "nor a local Hugging Face model directory")
-
-
-def _data_position(resumed: LoadResult | None, accum: int) -> int:
-    """Micro-batches of the training stream already consumed (0 for a fresh run)."""
-    if resumed is None:
-        return 0
-    if resumed.data_position is None:  # a checkpoint written by another loop: one step = accum
-        return resumed.step * accum
-    return int(resumed.data_position)
-
-
-def _open_metrics(path: Path, resumed_step: int, resumed_row: dict | None) -> TextIO:
-    """``metrics.jsonl`` for appending. A fresh run starts it empty. A resumed run keeps the
-    rows up to the step it resumed from and drops the rest: a killed run may have logged steps
-    whose checkpoint never committed, and a line cut by the kill. The resumed step's own row,
-    when the kill came before it was logged, is put back from the checkpoint."""
-    if not resumed_step:
-        return open(path, "w")
-    kept, have_resumed = [], False
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            step = json.loads(line)["step"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue
-        if step <= resumed_step:
-            kept.append(line + "\n")
-            have_resumed |= step == resumed_step
-    if resumed_row is not None and not have_resumed:
-        kept.append(json.dumps(resumed_row) + "\n")
-    atomic_write_text(path, "".join(kept))
-    return open(path, "a")
-
-
-def check_options(cfg: TrainConfig) -> None:
-    """Cheap checks of the run's options, before the model is built (which can take minutes)."""
-    resolve_progress(cfg.progress)
-    if cfg.track_every < 0:
-        raise ValueError(f"track_every must be >= 0 (0: no tracker), got {cfg.track_every}")
-    if Path(cfg.plan).suffix == ".json":
-        Plan.load(cfg.plan)  # a missing or malformed plan file's own error
-    elif cfg.plan != "auto":
-        resolve_plan(cfg.plan, 1, cfg)  # a malformed rule's own error
-    check_profile(cfg.profile)
-    check_hardware(cfg.hardware)
-
-
-class _FlopCounter:
-    """Model FLOPs of a step (forward + backward, no recompute: ``CostModel.model_flops``)."""
-
-    def __init__(self, shape: ModelShape):
-        self.shape, self._per_mb = shape, {}
-
-    def __call__(self, micro: list[Batch]) -> float:
-        total = 0.0
-        for mb in micro:
-            key = tuple(mb.input_ids.shape)
-            if key not in self._per_mb:
-                self._per_mb[key] = CostModel(self.shape, PRESETS["cpu"], *key).model_flops()
-            total += self._per_mb[key]
-        return total
+    note: str | None = None
+    """Set when nothing was trained (the run had already finished): the line that says so."""
 
 
 def _device_mem_reserved(device: str) -> int | None:
@@ -317,10 +99,6 @@ def _step_record(step: int, stats, lr: float, micro: list[Batch], flops: float,
     return rec
 
 
-def _write_run_json(out_dir: Path, info: dict[str, Any]) -> None:
-    atomic_write_text(out_dir / "run.json", json.dumps(info, indent=2) + "\n")
-
-
 def _timing_summary(step_times: list[float], predicted: float | None, plan: Plan) -> str:
     measured = statistics.median(step_times[1:]) if len(step_times) > 1 else None
     text = "step time: measured " + (f"{measured:.4g} s (median of {len(step_times) - 1} steps "
@@ -333,209 +111,378 @@ def _timing_summary(step_times: list[float], predicted: float | None, plan: Plan
     return text
 
 
-def _quiet(*_: Any) -> None:
-    pass
-
-
-def _data_start(resumed: LoadResult | None, accum: int, global_rows: int, log) -> int:
-    """The first global micro-batch (of ``global_rows`` rows) to train on. A checkpoint written
-    with another world size or micro-batch counted micro-batches of its own size: its position
-    is converted through rows (rounded down when the sizes do not divide)."""
-    start = _data_position(resumed, accum)
-    saved_rows = ((resumed.extra or {}).get("data_rows_per_micro_batch")
-                  if resumed is not None else None)
-    if not saved_rows or saved_rows == global_rows:
-        return start
-    rows = start * int(saved_rows)
-    if rows % global_rows:
-        log(f"warning: the checkpoint consumed {rows} rows, not a multiple of this run's "
-            f"{global_rows} rows per micro-batch; {rows % global_rows} rows are skipped")
-    return rows // global_rows
-
-
-def train(cfg: TrainConfig, log=print) -> TrainResult:
-    """One process, or one rank of a ``torchrun`` launch (``train/dist``): N ranks of
-    ``micro_batch_size`` rows train as one process of N x ``micro_batch_size`` rows would."""
-    check_options(cfg)
-    ctx = DistContext.from_env(timeout_s=cfg.dist_timeout_s)
-    dist_init(ctx, cfg.device)
-    try:
-        return _train(cfg, ctx, log if ctx.rank == 0 else _quiet)
-    finally:
-        dist_shutdown(ctx)
-
-
-def _train(cfg: TrainConfig, ctx: DistContext, log) -> TrainResult:
-    lead = ctx.rank == 0  # alone logs, writes run.json, metrics, the plan, the export, and
-    # commits checkpoints (every rank writes its own groups of them)
-    out_dir = Path(cfg.out_dir)
-    compute_dtype = resolve_dtype(cfg.compute_dtype, cfg.device)
-    alloc = dist_setup.host_allocator(ctx, cfg.dist_shm_dir)
-    try:
-        adapter, store = build_model(cfg, compute_dtype, alloc)
-        plan, hw = dist_setup.decided_by_rank0(
-            ctx, lambda: choose_plan(cfg, adapter, compute_dtype, log), "sharing the plan")
-        flags = alloc.zeros(len(store.units), torch.int64) if ctx.enabled else None
-        engine = StreamingEngine(adapter, store, plan, EngineConfig(
-            device=cfg.device, compute_dtype=compute_dtype,
-            device_mem_cap_bytes=_mem_cap_bytes(cfg), optimizer=cfg.optimizer),
-            reducer=DistReducer(ctx, store, flags) if ctx.enabled else None)
-        dist_setup.store_ready(ctx, alloc)
-    except BaseException:
-        if ctx.enabled:
-            alloc.unlink()
-        raise
-    predicted_step_s = plan.predicted.get("step_s")
-    tokenizer, tokenizer_line = load_tokenizer(cfg.tokenizer, cfg.model)
-    check_vocab(adapter.vocab_size, tokenizer)
-    data = dist_setup.first_then_others(ctx, lambda: prepare_data(DataSpec(
-        data=cfg.data, data_format=cfg.data_format, eval_data=cfg.eval_data,
-        eval_fraction=cfg.eval_fraction, seq_len=cfg.seq_len, pack=cfg.pack,
-        skip_bad=cfg.data_skip_bad, seed=cfg.seed, cache=cfg.data_cache, corpus=cfg.corpus,
-        corpus_tokens=cfg.corpus_tokens), tokenizer, out_dir, log), "preparing the data")
-    mbs, accum = plan.micro_batch_size, plan.num_micro_batches
-    global_rows = mbs * ctx.world_size
-    """Rows of a global micro-batch: rank r trains on rows [r*mbs, (r+1)*mbs) of each."""
-    est = engine.check(mbs, cfg.seq_len)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if lead:
-        plan.save(out_dir / "plan.json")
-
-    ckpt = None
-    if cfg.ckpt_every or (cfg.resume and ctx.local_rank == 0):
-        provider = HostStoreStateProvider(store, engine.optimizers)
-        # the run's tracker.jsonl is written by RunTracker (with the engine's gradient norms)
-        ckpt = dist_saving.checkpointer(ctx, out_dir / "ckpt", provider, store,
-                                        bool(cfg.ckpt_every), policy=cfg.ckpt_policy,
-                                        **{"tracker_log": False, **cfg.ckpt_options})
-    # Weights, AdamW moments and step counts, RNG; the data position and the run's
-    # start-of-training eval come back from the checkpoint's state below.
-    resumed = dist_setup.resume(ctx, ckpt, cfg.resume, engine.optimizers, store)
-    if resumed is not None:
-        log(f"resumed from layer-wise checkpoint step {resumed.step} in {out_dir / 'ckpt'}")
-    if ckpt is not None and not cfg.ckpt_every and (not lead or resumed is None):
-        ckpt.close()
-        ckpt = None
-    start_step = resumed.step if resumed is not None else 0
-    saved = (resumed.extra or {}) if resumed is not None else {}
-
-    global_iter = data.batches(global_rows, seed=cfg.seed,
-                               start=_data_start(resumed, accum, global_rows, log))
-    # the global micro-batches' rows, in pieces of this rank's size (its device's plan)
-    eval_set = [_rows_of(b, r, mbs) for b in data.eval_set(global_rows, cfg.eval_batches,
-                                                           seed=cfg.seed + 1)
-                for r in range(-(-b.input_ids.shape[0] // mbs))]
-    if saved.get("data_key", data.key) != data.key:
-        log("warning: the data, tokenizer or data settings differ from the checkpoint's; the "
-            "data position now indexes the new data")
-
-    log(f"model {cfg.model}: {adapter.num_params() / 1e6:.1f}M params, {adapter.num_layers} layers "
-        f"({adapter.family}); host store {store.nbytes() / 2**20:.0f} MiB"
-        + (f"; data parallel over {ctx.world_size} ranks ({ctx.num_nodes} node(s) x "
-           f"{ctx.local_world_size}), one shared store per node" if ctx.enabled else ""))
-    for line in [tokenizer_line, *data.summary()]:
-        log(line)
-    log(f"plan {plan.source}: boundaries {''.join(t[0] for t in plan.boundary_tiers)} "
-        f"(d=device h=host n=nvme r=recompute); micro-batch {mbs} x {cfg.seq_len}, accum {accum}; "
-        f"predicted device peak {est.peak_bytes / 2**20:.1f} MiB on {cfg.device}"
-        + (f"; 8-bit moments on {plan.moments.count('8bit')} of {len(plan.moments)} units"
-           if plan.moments and "8bit" in plan.moments else ""))
-    if predicted_step_s is not None and hw is not None:
-        log(f"predicted step time {predicted_step_s:.4g} s on {hw.source}")
-    # eval runs on rank 0 alone: every rank would compute the same number from the same store
-    if "eval_loss_start" in saved:
-        eval_start = float(saved["eval_loss_start"])
-    else:
-        eval_start = engine.eval_loss(eval_set) if lead else math.nan
-        log(f"step 0: eval loss {eval_start:.4f}")
-    run_info: dict[str, Any] = {
-        "format": "layerwise-train-run", "format_version": RUN_FORMAT_VERSION,
-        "model": cfg.model, "family": adapter.family, "num_params": adapter.num_params(),
-        "num_layers": adapter.num_layers, "device": cfg.device,
-        "compute_dtype": str(compute_dtype).removeprefix("torch."), "steps": cfg.steps,
-        "seq_len": cfg.seq_len, "plan": plan.source,
-        "hardware": None if hw is None else hw.profile.name,
-        "hardware_source": None if hw is None else hw.source,
-        "predicted_step_s": predicted_step_s, "predicted_peak_device_bytes": est.peak_bytes,
-        "eval_loss_start": eval_start, "resumed_from_step": start_step or None,
-        "world_size": ctx.world_size, "finished": False}
-    if lead:
-        _write_run_json(out_dir, run_info)
-
-    last_row = saved.get("metrics_row")
-    metrics = _open_metrics(out_dir / "metrics.jsonl", start_step, last_row) if lead else None
-    tracker = RunTracker(out_dir, cfg.track_every if lead else 0, adapter, store,
-                         engine.optimizers, ckpt, start_step, log)
-    flop_count = _FlopCounter(ModelShape.from_config(adapter.config))
-    progress = Progress(cfg.progress if lead else "lines", cfg.steps, start_step, cfg.log_every, log)
-    t_start, tokens_seen, step_times = time.perf_counter(), 0, []
-    eval_loss = float(last_row.get("eval_loss", eval_start)) if last_row else eval_start
-    try:
-        for step in range(start_step, cfg.steps):
-            lr = lr_at(step, cfg.optimizer.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
-            micro: list[Batch] = [_rows_of(next(global_iter), ctx.rank, mbs) for _ in range(accum)]
-            stats = engine.train_step(micro, lr=lr)
-            if not math.isfinite(stats.loss):
-                raise RuntimeError(f"loss is {stats.loss} at step {step + 1}; lower the learning rate")
-            tokens_seen += stats.tokens
-            step_times.append(stats.step_s)
-            record = _step_record(step + 1, stats, lr, micro, flop_count(micro) * ctx.world_size,
-                                  predicted_step_s, cfg.device, time.perf_counter() - t_start,
-                                  ctx.world_size)
-            last = step + 1 == cfg.steps
-            if lead and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last):
-                eval_loss = engine.eval_loss(eval_set)
-                record["eval_loss"] = eval_loss
-            if tracker.due(step + 1, last):
-                engine.synchronize()  # the step's updates applied: moments and weights current
-                tracker.observe(step + 1, stats.unit_grad_norms)
-            if ckpt is not None and cfg.ckpt_every and ((step + 1) % cfg.ckpt_every == 0 or last):
-                engine.synchronize()  # data parallel: every owner's updates
-                with dist_saving.peer_failures(ctx, f"checkpointing step {step + 1}"):
-                    rep = ckpt.save(step + 1, data_position=(step + 1) * accum, extra={
-                        "eval_loss_start": eval_start, "metrics_row": dict(record),
-                        "data_key": data.key, "data_rows_per_micro_batch": global_rows})
-                record["ckpt_groups"] = len(rep.selected)
-                record["ckpt_snapshot_bytes"] = rep.snapshot_bytes
-                record["ckpt_blocked_s"] = rep.blocked_s
-            if metrics is not None:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-                progress.step(record)
-        engine.synchronize()
-    finally:
-        progress.close()
-        tracker.close()
-        if metrics is not None:
-            metrics.close()
-        engine.close()
-        if ckpt is not None:
-            with dist_saving.peer_failures(ctx, "writing the last checkpoint"):
-                ckpt.close()
-    elapsed = max(1e-9, time.perf_counter() - t_start)
-    log(_timing_summary(step_times, predicted_step_s, plan))
-    mem = _device_mem_reserved(cfg.device)
-    if mem is not None:
-        log(f"device memory: {mem / 2**20:.1f} MiB reserved at peak (allocator), predicted "
-            f"{est.peak_bytes / 2**20:.1f} MiB")
-    model_dir = None
-    if cfg.export and lead:
-        model_dir = export_store(store, out_dir / "model", overwrite=True)
-        saved_tok = tokenizer.save(model_dir)
-        log(f"exported Hugging Face model{' and tokenizer' if saved_tok else ''} to {model_dir}")
-    measured = statistics.median(step_times[1:]) if len(step_times) > 1 else None
-    run_info.update(eval_loss_end=eval_loss, measured_step_s=measured,
-                    tokens_per_s=tokens_seen / elapsed, device_mem_reserved_bytes=mem,
-                    finished=True)
-    if lead:
-        _write_run_json(out_dir, run_info)
-    return TrainResult(out_dir, eval_start, eval_loss, cfg.steps, tokens_seen / elapsed,
-                       est.peak_bytes, model_dir, measured, predicted_step_s, ctx.rank)
-
-
 def _rows_of(global_mb: Batch, rank: int, rows: int) -> Batch:
     """Rank ``rank``'s share of a global micro-batch (the whole of it in one process)."""
     if global_mb.input_ids.shape[0] == rows and rank == 0:
         return global_mb
     sl = slice(rank * rows, (rank + 1) * rows)
     return Batch(global_mb.input_ids[sl].contiguous(), global_mb.labels[sl].contiguous())
+
+
+class Trainer:
+    """One run: ``setup()``, then ``fit()`` (``train_step`` for each step, ``evaluate`` and
+    ``save`` on their cadence, ``close`` at the end); ``train(cfg)`` does exactly that."""
+
+    def __init__(self, cfg: TrainConfig, ctx: DistContext | None = None):
+        self.cfg = cfg
+        self.ctx = ctx or DistContext.from_env(timeout_s=cfg.dist.timeout_s)
+        self.out_dir = Path(cfg.out_dir)
+        self.ckpt_dir = self.out_dir / "ckpt"
+        self.out: RunOutput = RunOutput(self.out_dir) if self.ctx.rank == 0 else NullOutput(self.out_dir)
+        self.lock = None
+        self.engine: StreamingEngine | None = None
+        self.ckpt = self.tracker = None
+        self.start = Start()
+        self.start_step, self.last_saved = 0, None
+        self.saved: dict[str, Any] = {}
+        self.step_times: list[float] = []
+        self.tokens_seen = 0
+        self._closed = False
+
+    # ----- setup ----------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Checks, the out_dir's lock and how the run starts, model, plan, engine, data,
+        checkpoints, the resumed state, the start-of-run eval and the outputs."""
+        cfg = self.cfg
+        check_options(cfg)
+        self.lock = self.out.claim()
+        self.start = dist_setup.decided_by_rank0(
+            self.ctx, lambda: decide_start(cfg, self.out_dir), "deciding how the run starts")
+        if self.start.note:
+            _log.info(self.start.note)
+        if self.start.done:
+            return
+        if self.start.clear:
+            self.out.clear()
+        self._build()
+        self._prepare_data()
+        self._open_checkpoints()
+        self._resume()
+        self._begin()
+
+    def _build(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        source, line = ModelSource.resolve(cfg)
+        if line:
+            _log.info(line)
+        self.model_path = source.name
+        self.compute_dtype = resolve_dtype(cfg.model.compute_dtype, cfg.device)
+        self.plan, self.hw = dist_setup.decided_by_rank0(
+            ctx, lambda: choose_plan(cfg, source.config, self.compute_dtype), "sharing the plan")
+        check_fits(cfg, source.config, self.plan, self.compute_dtype)
+        self.alloc = dist_setup.host_allocator(ctx, cfg.dist.shm_dir)
+        try:
+            self.adapter, self.store = source.build(cfg.seed, self.compute_dtype, self.alloc)
+            flags = self.alloc.zeros(len(self.store.units), torch.int64) if ctx.enabled else None
+            self.engine = StreamingEngine(self.adapter, self.store, self.plan, EngineConfig(
+                device=cfg.device, compute_dtype=self.compute_dtype,
+                device_mem_cap_bytes=mem_cap_bytes(cfg), optimizer=cfg.optimizer),
+                reducer=DistReducer(ctx, self.store, flags) if ctx.enabled else None)
+            dist_setup.store_ready(ctx, self.alloc)
+        except BaseException:
+            if ctx.enabled:
+                self.alloc.unlink()
+            raise
+        self.mbs, self.accum = self.plan.micro_batch_size, self.plan.num_micro_batches
+        self.global_rows = self.mbs * ctx.world_size
+        """Rows of a global micro-batch: rank r trains on rows [r*mbs, (r+1)*mbs) of each."""
+        self.est = self.engine.check(self.mbs, cfg.seq_len)
+
+    def _prepare_data(self) -> None:
+        cfg, d = self.cfg, self.cfg.data
+        self.tokenizer, self.tokenizer_line = load_tokenizer(cfg.model.tokenizer, self.model_path)
+        check_vocab(self.adapter.vocab_size, self.tokenizer)
+        self.data = dist_setup.first_then_others(self.ctx, lambda: prepare_data(DataSpec(
+            data=d.path, data_format=d.format, eval_data=d.eval_path,
+            eval_fraction=d.eval_fraction, seq_len=cfg.seq_len, pack=d.pack, skip_bad=d.skip_bad,
+            seed=cfg.seed, cache=d.cache, corpus=d.corpus, corpus_tokens=d.corpus_tokens),
+            self.tokenizer, self.out_dir), "preparing the data")
+        # the global micro-batches' rows, in pieces of this rank's size (its device's plan)
+        self.eval_set = [_rows_of(b, r, self.mbs) for b in self.data.eval_set(
+            self.global_rows, cfg.eval.batches, seed=cfg.seed + 1)
+            for r in range(-(-b.input_ids.shape[0] // self.mbs))]
+        self.steps = cfg.steps
+        if cfg.num_train_epochs is not None:
+            per_step = self.global_rows * self.accum
+            self.steps = max(1, math.ceil(cfg.num_train_epochs * len(self.data.train) / per_step))
+            _log.info(f"num_train_epochs={cfg.num_train_epochs:g}: {self.steps} steps "
+                      f"({len(self.data.train)} train rows, {per_step} a step)")
+
+    def _open_checkpoints(self) -> None:
+        """The run's checkpointer (every rank writes its groups), and a reader of the
+        checkpoint to resume from when that is another run's or this run does not write."""
+        cfg, ctx = self.cfg, self.ctx
+        self.provider = HostStoreStateProvider(self.store, self.engine.optimizers)
+        if cfg.checkpoints:
+            # the run's tracker.jsonl is written by RunTracker (with the engine's gradient norms)
+            self.ckpt = dist_saving.checkpointer(
+                ctx, self.ckpt_dir, self.provider, self.store, True, policy=cfg.ckpt.policy,
+                tracker_log=False, **cfg.ckpt.policy_options())
+        source = self.start.source
+        self.reader = None
+        if source is not None and (self.ckpt is None or source != self.ckpt_dir) \
+                and ctx.local_rank == 0:
+            self.reader = dist_saving.checkpointer(ctx, source, self.provider, self.store, False,
+                                                   policy="full", tracker_log=False)
+
+    def _resume(self) -> None:
+        """Weights, AdamW moments and step counts, RNG; the data position, the schedule and the
+        run's start-of-training eval come back from the checkpoint's ``extra``."""
+        start = self.start
+        loader = self.reader if self.reader is not None else self.ckpt
+        resumed = dist_setup.resume(self.ctx, loader, start.source is not None,
+                                    self.engine.optimizers, self.store, start.step)
+        if self.reader is not None:
+            self.reader.close()
+        if resumed is not None:
+            where = start.source or self.ckpt_dir
+            _log.info(f"resumed from layer-wise checkpoint step {resumed.step} in {where}")
+            self.start_step, self.saved = resumed.step, dict(resumed.extra or {})
+            if start.source == self.ckpt_dir:
+                self.last_saved = resumed.step
+                info = read_run_json(self.out_dir) or {}
+                note = check_extension(self.out_dir, resumed.step, self.steps,
+                                       bool(info.get("finished")))
+                if note:
+                    raise ValueError(note)  # num_train_epochs: known only once the data was read
+        first, warning = data_start(resumed, self.accum, self.global_rows)
+        if warning:
+            _log.warning(warning)
+        self.batches = self.data.batches(self.global_rows, seed=self.cfg.seed, start=first)
+        if self.saved.get("data_key", self.data.key) != self.data.key:
+            _log.warning("warning: the data, tokenizer or data settings differ from the "
+                         "checkpoint's; the data position now indexes the new data")
+        self.schedule = self._schedule()
+
+    def _schedule(self) -> Schedule:
+        s, saved = self.cfg.schedule, self.saved.get("schedule")
+        total = s.total_steps or (saved or {}).get("total_steps") or self.steps
+        warmup = (saved or {}).get("warmup_steps", s.warmup_steps)
+        sched = Schedule.resolve(s.name, self.cfg.optimizer.lr, total, warmup,
+                                 None if saved and not s.total_steps else s.warmup_ratio,
+                                 s.min_lr_ratio)
+        if saved and not s.total_steps and total != self.steps:
+            _log.info(f"schedule: the run keeps its {s.name} schedule over {total} steps (now "
+                      f"steps={self.steps}; the LR stays at its floor past step {total}); "
+                      f"schedule.total_steps={self.steps} stretches it")
+        return sched
+
+    def _begin(self) -> None:
+        """The lines that describe the run, the start eval, run.json and the outputs."""
+        cfg, ctx, plan = self.cfg, self.ctx, self.plan
+        self.out.save_plan(plan)
+        self.predicted_step_s = plan.predicted.get("step_s")
+        _log.info(f"model {cfg.model.name}: {self.adapter.num_params() / 1e6:.1f}M params, "
+                  f"{self.adapter.num_layers} layers ({self.adapter.family}); host store "
+                  f"{self.store.nbytes() / 2**20:.0f} MiB"
+                  + (f"; data parallel over {ctx.world_size} ranks ({ctx.num_nodes} node(s) x "
+                     f"{ctx.local_world_size}), one shared store per node" if ctx.enabled else ""))
+        for line in [self.tokenizer_line, *self.data.summary()]:
+            _log.info(line)
+        _log.info(f"plan {plan.source}: boundaries {''.join(t[0] for t in plan.boundary_tiers)} "
+                  f"(d=device h=host n=nvme r=recompute); micro-batch {self.mbs} x {cfg.seq_len}, "
+                  f"accum {self.accum}; predicted device peak {self.est.peak_bytes / 2**20:.1f} MiB "
+                  f"on {cfg.device}"
+                  + (f"; 8-bit moments on {plan.moments.count('8bit')} of {len(plan.moments)} units"
+                     if plan.moments and "8bit" in plan.moments else ""))
+        if self.predicted_step_s is not None and self.hw is not None:
+            _log.info(f"predicted step time {self.predicted_step_s:.4g} s on {self.hw.source}")
+        self.prompts = sample_prompts(self.eval_set, cfg.eval.prompts, cfg.eval.samples,
+                                      self.tokenizer)
+        # a run started from another run's checkpoint logs its own steps only
+        last_row = self.saved.get("metrics_row") if self.start.source == self.ckpt_dir else None
+        self.out.start(self.start_step, last_row,
+                       Progress(cfg.log.progress, self.steps, self.start_step, cfg.log.every),
+                       cfg.log.report_to, config_lib.to_dict(cfg))
+        if "eval_loss_start" in self.saved:
+            self.eval_start = float(self.saved["eval_loss_start"])
+        else:
+            self.eval_start = self.evaluate(0)
+        self.run_info = self._run_info()
+        self.out.run_json(self.run_info)
+        last = self.saved.get("metrics_row")
+        self.eval_loss = float(last.get("eval_loss", self.eval_start)) if last else self.eval_start
+        self.tracker = RunTracker(self.out_dir, self.out.tracker_every(cfg.log.track_every),
+                                  self.adapter, self.store, self.engine.optimizers, self.ckpt,
+                                  self.start_step)
+        self.flop_count = FlopCounter(ModelShape.from_config(self.adapter.config))
+        self.t_start = time.perf_counter()
+
+    def _run_info(self) -> dict[str, Any]:
+        cfg, hw = self.cfg, self.hw
+        return {
+            "format": "layerwise-train-run", "format_version": RUN_FORMAT_VERSION,
+            "model": cfg.model.name, "model_path": self.model_path, "family": self.adapter.family,
+            "num_params": self.adapter.num_params(), "num_layers": self.adapter.num_layers,
+            "device": cfg.device, "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
+            "steps": self.steps, "seq_len": cfg.seq_len, "plan": self.plan.source,
+            "hardware": None if hw is None else hw.profile.name,
+            "hardware_source": None if hw is None else hw.source,
+            "predicted_step_s": self.predicted_step_s,
+            "predicted_peak_device_bytes": self.est.peak_bytes,
+            "eval_loss_start": self.eval_start, "resumed_from_step": self.start_step or None,
+            "resumed_from": None if self.start.source is None else str(self.start.source),
+            "world_size": self.ctx.world_size, "schedule": self.schedule.to_json(),
+            "config": config_lib.to_dict(cfg), "started_unix_s": round(time.time(), 3),
+            "finished": False, "interrupted_at_step": None}
+
+    # ----- the steps --------------------------------------------------------------------------
+
+    def train_step(self, step: int) -> tuple[dict[str, Any], Any]:
+        """Optimizer step ``step + 1``: its micro-batches through the engine; its metrics row."""
+        lr = self.schedule.lr(step)
+        micro = [_rows_of(next(self.batches), self.ctx.rank, self.mbs) for _ in range(self.accum)]
+        stats = self.engine.train_step(micro, lr=lr)
+        if not math.isfinite(stats.loss):
+            raise RuntimeError(f"loss is {stats.loss} at step {step + 1}; lower optimizer.lr")
+        self.tokens_seen += stats.tokens
+        self.step_times.append(stats.step_s)
+        record = _step_record(step + 1, stats, lr, micro,
+                              self.flop_count(micro) * self.ctx.world_size,
+                              self.predicted_step_s, self.cfg.device,
+                              time.perf_counter() - self.t_start, self.ctx.world_size)
+        return record, stats
+
+    def evaluate(self, step: int) -> float:
+        """The held-out loss (rank 0 alone: every rank would compute the same number from the
+        same store), and the sample generations when asked for."""
+        loss = self.out.evaluate(lambda: self.engine.eval_loss(self.eval_set))
+        if step == 0:
+            _log.info(f"step 0: eval loss {loss:.4f}")
+        if self.prompts:
+            self.out.sample(step, lambda: [(self.tokenizer.decode(ids), self.tokenizer.decode(
+                greedy_continue(self.engine.forward_logits, ids, self.cfg.eval.sample_tokens,
+                                self.cfg.seq_len))) for ids in self.prompts])
+        return loss
+
+    def save(self, step: int, record: dict[str, Any]) -> None:
+        """A layer-wise checkpoint of ``step`` (every rank writes its groups; in the
+        background), then ``save_total_limit``'s cleanup of older steps."""
+        self.engine.synchronize()  # data parallel: every owner's updates
+        limit = self.cfg.ckpt.save_total_limit
+        with dist_saving.peer_failures(self.ctx, f"checkpointing step {step}"):
+            if limit is not None:  # room for this save: the newest limit - 1 stay
+                self.out.prune(self.ckpt, max(1, limit - 1))
+            rep = self.ckpt.save(step, data_position=step * self.accum, extra={
+                "eval_loss_start": self.eval_start, "metrics_row": dict(record),
+                "data_key": self.data.key, "data_rows_per_micro_batch": self.global_rows,
+                "schedule": self.schedule.to_json()})
+        self.last_saved = step
+        record.update(ckpt_groups=len(rep.selected), ckpt_snapshot_bytes=rep.snapshot_bytes,
+                      ckpt_blocked_s=rep.blocked_s)
+
+    def _due(self, every: int, step: int, last: bool) -> bool:
+        return last or bool(every and step % every == 0)
+
+    def fit(self) -> TrainResult:
+        """Train from the start step to ``steps``; on SIGINT/SIGTERM save and raise
+        ``Interrupted`` with the command that resumes."""
+        if self.start.done:
+            return self._result_of_finished_run()
+        cfg = self.cfg
+        with StopFlag(self.ctx) as stop:
+            for step in range(self.start_step, self.steps):
+                record, stats = self.train_step(step)
+                done = step + 1
+                last = done == self.steps
+                if self._due(cfg.eval.every, done, last):
+                    self.eval_loss = record["eval_loss"] = self.evaluate(done)
+                if self.tracker.due(done, last):
+                    self.engine.synchronize()  # the step's updates applied: moments, weights
+                    self.tracker.observe(done, stats.unit_grad_norms)
+                if self.ckpt is not None and (cfg.ckpt.every and done % cfg.ckpt.every == 0
+                                              or last and cfg.ckpt.at_end):
+                    self.save(done, record)
+                self.out.row(record)
+                if not last and stop.stop_requested():
+                    self._interrupted(done, record, stop.signum)
+        self.engine.synchronize()
+        return self._finish()
+
+    def _interrupted(self, step: int, record: dict[str, Any], signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self.ckpt is not None and self.cfg.ckpt.at_end and self.last_saved != step:
+            self.save(step, record)
+        saved = self.last_saved
+        self.close()  # the checkpoint committed, files closed
+        self.run_info.update(interrupted_at_step=step)
+        self.out.run_json(self.run_info)
+        what = (f"checkpoint step {saved} is in {self.ckpt_dir}; resume with: "
+                f"{resume_command(self.out_dir)}" if saved is not None else
+                "no checkpoint was saved (checkpoints are off), nothing to resume")
+        raise Interrupted(f"layerwise train: {name} at step {step} of {self.steps}: stopped; "
+                          + what, 128 + signum)
+
+    # ----- the end ----------------------------------------------------------------------------
+
+    def _finish(self) -> TrainResult:
+        cfg = self.cfg
+        elapsed = max(1e-9, time.perf_counter() - self.t_start)
+        self.close()
+        _log.info(_timing_summary(self.step_times, self.predicted_step_s, self.plan))
+        mem = _device_mem_reserved(cfg.device)
+        if mem is not None:
+            _log.info(f"device memory: {mem / 2**20:.1f} MiB reserved at peak (allocator), "
+                      f"predicted {self.est.peak_bytes / 2**20:.1f} MiB")
+        model_dir = self.out.export(self.store, self.tokenizer) if cfg.export else None
+        times = self.step_times
+        measured = statistics.median(times[1:]) if len(times) > 1 else None
+        self.run_info.update(eval_loss_end=self.eval_loss, measured_step_s=measured,
+                             tokens_per_s=self.tokens_seen / elapsed,
+                             device_mem_reserved_bytes=mem, finished=True)
+        self.out.run_json(self.run_info)
+        return TrainResult(self.out_dir, self.eval_start, self.eval_loss, self.steps,
+                           self.tokens_seen / elapsed, self.est.peak_bytes, model_dir, measured,
+                           self.predicted_step_s, self.ctx.rank)
+
+    def _result_of_finished_run(self) -> TrainResult:
+        info = read_run_json(self.out_dir) or {}
+        model = self.out_dir / "model"
+        return TrainResult(self.out_dir, info.get("eval_loss_start", math.nan),
+                           info.get("eval_loss_end", math.nan), int(info.get("steps", 0)),
+                           info.get("tokens_per_s", 0.0),
+                           info.get("predicted_peak_device_bytes", 0),
+                           model if model.is_dir() else None, info.get("measured_step_s"),
+                           info.get("predicted_step_s"), self.ctx.rank, note=self.start.note)
+
+    def close(self) -> None:
+        """Close everything the run opened (idempotent): the outputs, the tracker, the engine,
+        and the checkpointer, whose last background write is waited for (its error raised)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.out.close()
+            if self.tracker is not None:
+                self.tracker.close()
+            if self.engine is not None:
+                self.engine.close()
+            if self.ckpt is not None:
+                with dist_saving.peer_failures(self.ctx, "writing the last checkpoint"):
+                    self.ckpt.close()
+                if self.cfg.ckpt.save_total_limit is not None:
+                    self.out.prune(self.ckpt, self.cfg.ckpt.save_total_limit)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+                self.lock = None
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """One process, or one rank of a ``torchrun`` launch (``train/dist``): N ranks of
+    ``micro_batch_size`` rows train as one process of N x ``micro_batch_size`` rows would.
+    What it says goes to this module's logger (rank 0's only: the others are quiet)."""
+    cfg.check()
+    ctx = DistContext.from_env(timeout_s=cfg.dist.timeout_s)
+    dist_init(ctx, cfg.device)
+    trainer = Trainer(cfg, ctx)
+    try:
+        with quiet_unless(ctx.rank == 0):
+            trainer.setup()
+            return trainer.fit()
+    finally:
+        try:
+            trainer.close()
+        finally:
+            dist_shutdown(ctx)

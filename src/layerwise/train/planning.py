@@ -18,8 +18,8 @@ Whatever the source, the profile's element size follows the run's compute dtype 
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -32,6 +32,9 @@ from ..plan.plan import Plan
 from ..plan.search import SearchConfig, search
 from ..plan.shape import ModelShape
 from ..plan.simulator import simulate
+from .options import check_hardware, check_profile
+
+_log = logging.getLogger(__name__)
 
 PROFILE_NAME = "profile.json"
 """A calibrated hardware profile under the run directory, used by ``plan=auto`` when present."""
@@ -64,8 +67,7 @@ def _total_ram_bytes() -> int | None:
         return None
 
 
-def _this_machine(device: str, run_dir: Path, may_calibrate: bool,
-                  log: Callable[[str], None]) -> HardwareChoice | None:
+def _this_machine(device: str, run_dir: Path, may_calibrate: bool) -> HardwareChoice | None:
     ram = _total_ram_bytes()
     if not device.startswith("cuda"):
         hw = PRESETS["cpu"]
@@ -86,33 +88,16 @@ def _this_machine(device: str, run_dir: Path, may_calibrate: bool,
                                   "machine's memory)")
     if not may_calibrate:
         return None
-    log(f"no hardware preset matches {props.name!r}: calibrating this machine (quick) ...")
+    _log.info(f"no hardware preset matches {props.name!r}: calibrating this machine (quick) ...")
     hw = calibrate(quick=True, device=device)
     run_dir.mkdir(parents=True, exist_ok=True)
     hw.save(run_dir / PROFILE_NAME)
     return HardwareChoice(hw, f"this machine, calibrated now (quick; saved to {run_dir / PROFILE_NAME})")
 
 
-def check_profile(profile: str | None) -> None:
-    """Refuse a ``profile=`` that names no file (before any work)."""
-    if profile and not Path(profile).is_file():
-        raise ValueError(f"profile={profile}: no such file; write one with `layerwise calibrate "
-                         f"--out {profile}`, or leave profile unset")
-
-
-def check_hardware(hardware: str | None) -> None:
-    """Refuse an unknown ``hardware=`` preset or a bad profile file (before any work)."""
-    if hardware:
-        try:
-            get_hardware(hardware)
-        except ValueError as e:
-            raise ValueError(f"hardware={hardware}: {e}") from None
-
-
 def resolve_hardware(profile: str | None, hardware: str | None, device: str, run_dir: Path,
                      compute_dtype: torch.dtype, device_mem_cap_bytes: int | None = None,
-                     may_calibrate: bool = True,
-                     log: Callable[[str], None] = print) -> HardwareChoice | None:
+                     may_calibrate: bool = True) -> HardwareChoice | None:
     """The hardware profile the planner uses for this run (module docstring: which one wins).
 
     None only when nothing was asked for and this machine has no preset and ``may_calibrate``
@@ -124,12 +109,12 @@ def resolve_hardware(profile: str | None, hardware: str | None, device: str, run
         label = f"the {'profile' if profile else 'calibrated profile'} {calibrated}"
         choice = HardwareChoice(HardwareProfile.load(calibrated), label)
         if hardware:
-            log(f"hardware: {label} (hardware={hardware} ignored: a calibrated profile wins)")
+            _log.warning(f"hardware: {label} (hardware={hardware} ignored: a calibrated profile wins)")
     elif hardware:
         check_hardware(hardware)
         choice = HardwareChoice(get_hardware(hardware), f"hardware={hardware}")
     else:
-        choice = _this_machine(device, run_dir, may_calibrate, log)
+        choice = _this_machine(device, run_dir, may_calibrate)
     if choice is None:
         return None
     hw = choice.profile

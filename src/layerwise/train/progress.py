@@ -7,13 +7,15 @@ which reads well in a file and never fills it with carriage returns.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
 import time
-from collections.abc import Callable
 
 from tqdm import tqdm
+
+_log = logging.getLogger(__name__)
 
 PROGRESS_MODES = ("auto", "bar", "lines")
 
@@ -64,11 +66,9 @@ def throughput_text(rec: dict) -> str:
 class Progress:
     """The per-step display. ``write`` prints a message without breaking the bar."""
 
-    def __init__(self, mode: str, total_steps: int, start_step: int, log_every: int,
-                 log: Callable[[str], None] = print):
+    def __init__(self, mode: str, total_steps: int, start_step: int, log_every: int):
         self.mode = resolve_progress(mode)
         self.total, self.start, self.log_every = total_steps, start_step, max(1, log_every)
-        self.log = log
         self.t0 = time.perf_counter()
         self.bar = None
         if self.mode == "bar" and total_steps > start_step:
@@ -78,9 +78,9 @@ class Progress:
     def write(self, msg: str) -> None:
         if self.bar is not None:
             with tqdm.external_write_mode():
-                self.log(msg)
+                _log.info(msg)
         else:
-            self.log(msg)
+            _log.info(msg)
 
     def eta_s(self, step: int) -> float:
         done = step - self.start
@@ -107,7 +107,7 @@ class Progress:
                 self.write(f"step {step}/{self.total}: eval loss {rec['eval_loss']:.4f}")
             return
         if step % self.log_every == 0 or step == self.total or "eval_loss" in rec:
-            self.log(self.line(rec))
+            _log.info(self.line(rec))
 
     def close(self) -> None:
         if self.bar is not None:

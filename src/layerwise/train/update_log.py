@@ -18,8 +18,8 @@ the ``head`` unit and its norm).
 from __future__ import annotations
 
 import json
+import logging
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -28,8 +28,11 @@ from ..ckpt.store_provider import HostStoreStateProvider
 from ..ckpt.tracker import UpdateTracker
 from ..models.adapter import DecoderAdapter
 from ..models.names import group_of
-from ..store import HostStore, available_host_memory
+from ..store import HostStore
 from ..util.atomic import atomic_write_text
+from ..util.host_memory import available_host_memory
+
+_log = logging.getLogger(__name__)
 
 TRACKER_LOG = "tracker.jsonl"
 
@@ -57,8 +60,7 @@ class RunTracker:
     """Takes the statistics every ``every`` steps (0: never) and appends them to the log."""
 
     def __init__(self, out_dir: Path, every: int, adapter: DecoderAdapter, store: HostStore,
-                 optimizers: dict, ckpt: Checkpointer | None, start_step: int,
-                 log: Callable[[str], None] = print):
+                 optimizers: dict, ckpt: Checkpointer | None, start_step: int):
         if every < 0:
             raise ValueError(f"track_every must be >= 0 (0: no tracker), got {every}")
         self.every = every
@@ -78,8 +80,9 @@ class RunTracker:
             need = sum(b.master.numel() * b.master.element_size() for b in store)
             avail = available_host_memory()
             if avail is not None and need > avail // 2:
-                log(f"tracker: no reference copy of the weights ({need / 2**20:.0f} MiB, "
-                    f"{avail / 2**20:.0f} MiB of RAM available): tracker.jsonl gets norms only")
+                _log.warning(f"tracker: no reference copy of the weights ({need / 2**20:.0f} "
+                             f"MiB, {avail / 2**20:.0f} MiB of RAM available): tracker.jsonl "
+                             "gets norms only")
             else:
                 for g in provider.group_names():
                     self.tracker.set_reference(

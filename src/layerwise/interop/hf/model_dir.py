@@ -160,11 +160,12 @@ def load_config(path: str | Path) -> PretrainedConfig:
 
 
 def load_store(path: str | Path, compute_dtype: torch.dtype = torch.float32,
-               pin: bool | None = None, alloc: HostAllocator = PRIVATE
-               ) -> tuple[DecoderAdapter, HostStore]:
-    """Build the adapter from ``config.json`` and fill a HostStore, one group at a time."""
+               pin: bool | None = None, alloc: HostAllocator = PRIVATE,
+               config: PretrainedConfig | None = None) -> tuple[DecoderAdapter, HostStore]:
+    """Build the adapter from ``config.json`` (or ``config``, that file's config as the caller
+    adjusted it, e.g. its RoPE scaling) and fill a HostStore, one group at a time."""
     path = Path(path)
-    adapter = DecoderAdapter(load_config(path))
+    adapter = DecoderAdapter(config if config is not None else load_config(path))
     source = HFModelDirSource(path)
     available, needed = set(source.hf_names()), set(adapter.hf_names())
     missing = sorted(needed - available)

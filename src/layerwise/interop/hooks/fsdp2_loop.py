@@ -14,7 +14,7 @@
         if step % 100 == 0:
             ckpt.save(step)                                         # every rank
 
-``FSDPShardProvider`` serves a ``ckpt.sharded.ShardProvider`` from an FSDP2 model and its torch
+``FSDPShardProvider`` serves a ``ckpt.sharded_checkpointer.ShardProvider`` from an FSDP2 model and its torch
 optimizer. FSDP2 shards every parameter along dim 0 (``Shard(0)``, ``torch.chunk`` sizes: the
 first ranks get ``ceil(rows / world)`` rows, the last ones fewer or none), so a rank's local
 tensor is one flat range of the full tensor: ``[row0 * row_numel, (row0 + rows) * row_numel)``.

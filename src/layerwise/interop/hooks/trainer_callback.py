@@ -70,7 +70,7 @@ class LayerwiseCheckpointCallback(TrainerCallback):
             every: save every N optimizer steps; None: follow ``args.save_steps``.
             save_at_end: also save the last step when training ends off the ``every`` grid.
             observe: feed per-step update statistics to the policy (after each optimizer step).
-            config: a :class:`~layerwise.ckpt.checkpointer.CheckpointConfig` (async save, RNG,
+            config: a :class:`~layerwise.ckpt.checkpoint_config.CheckpointConfig` (async save, RNG,
                 tracking; not under DeepSpeed, whose sharded saves are synchronous and never
                 observe: the change is measured at each save).
             policy_options: options of the policy, e.g. ``threshold=1e-3, max_staleness=4``.

@@ -17,7 +17,7 @@ view of the partition at that place), so a DeepSpeed whose layout differs is ref
 differs, never read by blind index. ``check_cover`` checks that the ranks' pieces of every
 parameter cover it exactly.
 
-``LiveZeroState`` is the ``ShardProvider`` of the sharded save (``ckpt.sharded``):
+``LiveZeroState`` is the ``ShardProvider`` of the sharded save (``ckpt.sharded_checkpointer``):
 ``shards(group)`` gives a rank's pieces of a group's fp32 weights, both moments and the step as
 flat ranges of the full tensors (``FlatShard``), under the keys a whole layer-wise group has;
 ``load_shards`` writes the ranges it reads back from a save (of any world size) into the
@@ -167,7 +167,7 @@ class LiveZeroState:
                 raise _layout_error(f"sub-group {i}'s pieces need {offset} elements, its fp32 partition "
                                     f"holds {self.flats[i].numel()}")
 
-    # ----- the ShardProvider protocol (ckpt.sharded) -------------------------------------
+    # ----- the ShardProvider protocol (ckpt.sharded_checkpointer) -----------------------
 
     def group_names(self) -> list[str]:
         return list(self.groups)

@@ -48,16 +48,16 @@ def first_then_others(ctx: DistContext, fn: Callable[[], T], what: str) -> T:
 
 
 def resume(ctx: DistContext, ckpt: Checkpointer | None, want: bool, optimizers: dict,
-           store: HostStore) -> LoadResult | None:
-    """The newest checkpoint loaded into each node's store once (by its local rank 0), its
-    LoadResult on every rank. Ranks that did not load re-read the optimizers' cached step
-    counts (another process wrote the shared ``step`` tensors)."""
+           store: HostStore, step: int | None = None) -> LoadResult | None:
+    """Checkpoint ``step`` (None: the newest) loaded into each node's store once (by its local
+    rank 0), its LoadResult on every rank. Ranks that did not load re-read the optimizers'
+    cached step counts (another process wrote the shared ``step`` tensors)."""
     has = ckpt is not None and want and ckpt.has_checkpoint()
     if not ctx.enabled:
-        return ckpt.load() if has else None
+        return ckpt.load(step) if has else None
     if not decided_by_rank0(ctx, lambda: has, "agreeing whether to resume"):
         return None
-    loaded = ckpt.load() if ctx.local_rank == 0 else None
+    loaded = ckpt.load(step) if ctx.local_rank == 0 else None
     result = broadcast_object(ctx, loaded, "sharing the resumed step")
     barrier(ctx, "loading the checkpoint into the shared store")
     for buf in store:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ...store import _page_lock, locked_nbytes
+from ...util.host_memory import locked_nbytes, page_lock
 from ...util.units import human_bytes, tensor_nbytes
 
 _POLL_S = 0.005
@@ -85,7 +85,7 @@ class SharedAllocator:
         if not pin:
             return raw[:nbytes], 0
         try:
-            _page_lock(raw)  # the mapping is page-aligned and whole pages
+            page_lock(raw)  # the mapping is page-aligned and whole pages
         except Exception as e:  # pragma: no cover - CUDA only
             warnings.warn(f"page-locking the shared {human_bytes(nbytes)} copy-source arena failed "
                           f"({e}); weights will be copied from pageable memory", RuntimeWarning,

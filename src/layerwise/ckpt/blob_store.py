@@ -1,0 +1,242 @@
+"""Content-addressed group blobs: ``RUN/blobs/ab/<digest>.safetensors``, one group version each.
+
+Blob files are plain safetensors, streamed to disk by a small writer here so that a group is
+never duplicated in memory to serialise it; the hash is computed on a second thread while the
+bytes are written, so hashing costs no extra pass. A blob is written to ``RUN/tmp/``, fsynced
+and renamed into place, and its directories fsynced, before any manifest may name it
+(``BlobBatch.finish``); an identical blob already stored is reused, not written again.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..util.atomic import fsync_dir
+from ..util.safetensors_io import dtype_name, encode_header, tensor_bytes
+from .content_hash import CHUNK_BYTES, new_hasher
+from .errors import write_error
+from .moments import fp32_moments, has_8bit
+from .run_format import FIRST_VERSION_8BIT
+
+BLOB_FORMAT = "layerwise-group"
+BLOB_FORMAT_VERSION = 1
+"""The blob's own layout (safetensors, key order, metadata): unchanged by run format 2, so the
+same state gives the same blob bytes in runs of either version (only the name differs)."""
+BLOB_FORMAT_VERSION_8BIT = 2
+"""The layout of a blob that holds 8-bit moments (``ckpt.moments``; runs of format 3 only).
+Blobs without them keep layout 1, so fp32 state still gives the same bytes in every run."""
+
+
+@dataclass
+class BlobPayload:
+    """A group version ready to be written: a safetensors header plus tensors in file order."""
+
+    header: bytes
+    tensors: list[torch.Tensor]
+    nbytes: int
+
+    @classmethod
+    def build(cls, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> BlobPayload:
+        # Widest dtypes first keeps every tensor aligned to its element size (header is 8-aligned).
+        keys = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+        entries: dict[str, dict] = {}
+        ordered, offset = [], 0
+        for k in keys:
+            t = tensors[k]
+            dtype = dtype_name(k, t)
+            t = t.detach()
+            if t.device.type != "cpu" or not t.is_contiguous():
+                t = t.to("cpu").contiguous()
+            n = t.numel() * t.element_size()
+            entries[k] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+            ordered.append(t)
+            offset += n
+        text = encode_header(entries, dict(sorted(metadata.items())))
+        text += b" " * (-len(text) % 8)
+        header = struct.pack("<Q", len(text)) + text
+        return cls(header, ordered, len(header) + offset)
+
+    @classmethod
+    def of_group(cls, tensors: dict[str, torch.Tensor], group: str, run_version: int) -> BlobPayload:
+        """A group's tensors as its blob stores them: 8-bit moments as they are (blob layout 2)
+        in a run that may hold them, else as fp32 moments (layout 1)."""
+        if run_version < FIRST_VERSION_8BIT:
+            tensors = fp32_moments(tensors)
+        layout = BLOB_FORMAT_VERSION_8BIT if has_8bit(tensors) else BLOB_FORMAT_VERSION
+        return cls.build(tensors, {"format": BLOB_FORMAT, "format_version": str(layout), "group": group})
+
+    def chunks(self) -> Iterator[memoryview]:
+        yield memoryview(self.header)
+        for t in self.tensors:
+            raw = tensor_bytes(t)
+            for i in range(0, len(raw), CHUNK_BYTES):
+                yield raw[i:i + CHUNK_BYTES]
+
+    def digest(self, hash_name: str) -> str:
+        h = new_hasher(hash_name)
+        for c in self.chunks():
+            h.update(c)
+        return h.hexdigest()
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def _write_payload(path: Path, payload: BlobPayload, hash_name: str | None,
+                   fsync: bool = True) -> str | None:
+    """Write ``payload`` to ``path`` (fsynced unless ``fsync=False``); return its digest under
+    ``hash_name`` (None: not hashed)."""
+    h = new_hasher(hash_name) if hash_name is not None else None
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        if h is None:
+            for c in payload.chunks():
+                _write_all(fd, c)
+        else:
+            # The hashes and os.write release the GIL: hash chunk i while writing it.
+            with ThreadPoolExecutor(1) as pool:
+                pending = None
+                for c in payload.chunks():
+                    if pending is not None:
+                        pending.result()
+                    pending = pool.submit(h.update, c)
+                    _write_all(fd, c)
+                if pending is not None:
+                    pending.result()
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return h.hexdigest() if h is not None else None
+
+
+@dataclass(frozen=True)
+class BlobRecord:
+    digest: str
+    """Hash (the run's) of the blob file's bytes; also its name (content addressing)."""
+    nbytes: int
+    rel_path: str
+    """Path relative to the run directory."""
+    written: bool
+    """False when an identical blob already existed (deduplicated, nothing written)."""
+
+
+class BlobBatch:
+    """The blobs of one save: each new blob is fsynced and renamed into place on a helper
+    thread while the next one is written (the disk works while the CPU fills the page cache).
+    ``finish`` waits for all of them and fsyncs their directories; only then may a manifest
+    name them. As a context manager: ``finish`` on leaving, ``finish_quietly`` on an error."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-fsync")
+        self._futures: list = []
+        self.dirs: set[Path] = set()
+
+    def submit(self, tmp: Path, final: Path) -> None:
+        def land() -> None:
+            try:
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                final.parent.mkdir(exist_ok=True)
+                os.replace(tmp, final)
+            except OSError as e:
+                _unlink_quiet(tmp)
+                raise write_error(e, tmp) from e
+        self._futures.append(self._pool.submit(land))
+        self.dirs.update((final.parent, final.parent.parent))  # blobs/<aa>/ may be new
+
+    def finish(self) -> None:
+        try:
+            errors = []
+            for f in self._futures:
+                try:
+                    f.result()
+                except BaseException as e:  # keep waiting: no write may outlive the save
+                    errors.append(e)
+            if errors:
+                raise errors[0]
+            for d in sorted(self.dirs):
+                fsync_dir(d)
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def finish_quietly(self) -> None:
+        """On an error path: let the blobs already handed over land (or fail), so none is being
+        written when the error is reported; their own errors give way to that one."""
+        try:
+            self.finish()
+        except BaseException:
+            pass
+
+    def __enter__(self) -> BlobBatch:
+        return self
+
+    def __exit__(self, exc_type: type | None, *_: object) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.finish_quietly()
+
+
+def blob_rel(digest: str) -> str:
+    """A blob's path relative to the run directory."""
+    return f"blobs/{digest[:2]}/{digest}.safetensors"
+
+
+def has_blob(root: Path, digest: str, nbytes: int) -> bool:
+    """The blob ``digest`` is in the run at ``root``, whole (another process may have written it)."""
+    try:
+        return (root / blob_rel(digest)).stat().st_size == nbytes
+    except FileNotFoundError:
+        return False
+
+
+def put_blob(root: Path, hash_name: str, payload: BlobPayload, maybe_duplicate: bool,
+             batch: BlobBatch | None) -> BlobRecord:
+    """Store one group version in the run at ``root`` (``RunDir.put_blob`` says how)."""
+    digest = payload.digest(hash_name) if maybe_duplicate else None
+    if digest is not None and has_blob(root, digest, payload.nbytes):
+        return BlobRecord(digest, payload.nbytes, blob_rel(digest), written=False)
+    tmp = root / "tmp" / f"blob-{uuid.uuid4().hex}.tmp"
+    try:
+        got = _write_payload(tmp, payload, hash_name if digest is None else None,
+                             fsync=batch is None)
+        digest = digest or got
+        assert digest is not None
+        if has_blob(root, digest, payload.nbytes):
+            tmp.unlink()
+            return BlobRecord(digest, payload.nbytes, blob_rel(digest), written=False)
+        final = root / blob_rel(digest)
+        if batch is None:
+            final.parent.mkdir(exist_ok=True)
+            os.replace(tmp, final)
+    except OSError as e:
+        _unlink_quiet(tmp)
+        raise write_error(e, tmp) from e
+    if batch is not None:
+        batch.submit(tmp, final)
+    else:
+        fsync_dir(final.parent)
+        fsync_dir(final.parent.parent)  # blobs/<aa>/ may be new
+    return BlobRecord(digest, payload.nbytes, blob_rel(digest), written=True)
+
+
+def _unlink_quiet(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass

@@ -1,0 +1,102 @@
+"""Host copies of live training state, as the blobs store it: the form (optimizer state in fp32,
+weights in their dtype), the size that form takes, and a pool of reused host buffers.
+
+The pool reuses buffers across saves because fresh pages cost more than the copy itself. It is
+used by one thread at a time: the snapshot helper while a deferred snapshot is taken, the owner
+of the checkpointer otherwise (the owner waits for the helper before it recycles).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+
+from .provider import PARAM, StateProvider, group_tensors
+
+
+def stored_nbytes(key: str, t: torch.Tensor) -> int:
+    """Bytes ``t`` takes in a blob under ``key``: floating optimizer state is stored as fp32."""
+    fp32_state = not key.startswith(PARAM) and t.is_floating_point()
+    return t.numel() * (4 if fp32_state else t.element_size())
+
+
+def as_blob_tensor(t: torch.Tensor, key: str, flat: bool = False) -> torch.Tensor:
+    """``t`` as the blob stores it, without a copy when it already is: a contiguous host tensor,
+    optimizer state fp32; ``step/`` scalars 0-d, or every tensor 1-D when ``flat`` (a shard)."""
+    t = t.detach()
+    if flat:
+        t = t.reshape(-1)
+    elif key.startswith("step/"):
+        t = t.reshape(())
+    if not key.startswith(PARAM) and t.is_floating_point() and t.dtype != torch.float32:
+        t = t.float()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.to("cpu").contiguous()
+    return t
+
+
+class HostBufferPool:
+    """Host buffers by (shape, dtype, pinned), handed out for copies and taken back for reuse."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+
+    def copy(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        """A contiguous host copy of ``t`` in its blob form (optimizer state fp32, weights in
+        their dtype). From a device, the copy goes to pinned memory without waiting: call
+        ``synchronize_if_pinned`` before reading it (``copy_group`` does)."""
+        t = t.detach()
+        dtype = t.dtype
+        if not key.startswith(PARAM) and t.is_floating_point():
+            dtype = torch.float32
+        if key.startswith("step/"):
+            t = t.reshape(())
+        pinned = t.device.type != "cpu"
+        free = self._free.get((tuple(t.shape), dtype, pinned))
+        if free:
+            out = free.pop()
+        else:
+            out = torch.empty(t.shape, dtype=dtype, pin_memory=pinned)
+        out.copy_(t, non_blocking=pinned)
+        return out
+
+    def copy_group(self, tensors: Mapping[str, torch.Tensor],
+                   prefix: str = "") -> dict[str, torch.Tensor]:
+        """Host copies of one group's tensors, complete on return; ``prefix + key`` is each
+        one's blob key (``PARAM`` for weights by name)."""
+        out = {k: self.copy(t, prefix + k) for k, t in tensors.items()}
+        synchronize_if_pinned(out.values())
+        return out
+
+    def recycle(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Take buffers back; the caller no longer reads them."""
+        for t in tensors:
+            self._free.setdefault((tuple(t.shape), t.dtype, t.is_pinned()), []).append(t)
+
+
+def synchronize_if_pinned(tensors: Iterable[torch.Tensor]) -> None:
+    """Wait for the device copies into pinned buffers among ``tensors`` (none on the CPU)."""
+    if any(t.is_pinned() for t in tensors):
+        torch.cuda.synchronize()
+
+
+class GroupsOnDemand(Mapping):
+    """The chosen groups of a save that does not copy (``async_save=False, sync_copy=False``),
+    each read from the provider when it is used. A provider that materialises its groups (a
+    checkpoint being imported, ``interop.recipes.import_checkpoints``) then holds one group at a
+    time, not every chosen one; a module's live tensors cost nothing to read again."""
+
+    def __init__(self, provider: StateProvider, groups: list[str]):
+        self.provider, self.groups = provider, groups
+
+    def __getitem__(self, group: str) -> dict[str, torch.Tensor]:
+        if group not in self.groups:
+            raise KeyError(group)
+        return {k: as_blob_tensor(t, k) for k, t in group_tensors(self.provider, group).items()}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.groups)
+
+    def __len__(self) -> int:
+        return len(self.groups)

@@ -1,0 +1,52 @@
+"""What ``Checkpointer.save`` and ``Checkpointer.load`` return."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class SaveReport:
+    step: int
+    selected: list[str]
+    """Groups the policy chose (in model order; filled when the snapshot is taken)."""
+    blocked_s: float
+    """Time ``save`` held the caller (includes ``wait_s``; not ``stall_s``)."""
+    wait_s: float
+    """Part of ``blocked_s`` spent waiting for the previous save to finish."""
+    snapshot_bytes: int
+    """Bytes copied by the snapshot (filled when it is taken); with several writers, this
+    rank's."""
+    reasons: dict[str, str] = field(default_factory=dict)
+    """Why each selected group was written: ``policies.REASONS`` (never saved, ``full_every``,
+    ``max_staleness``, or the policy's own criterion)."""
+    deferred: bool = False
+    """The statistics and the snapshot were taken on the helper thread, after ``save`` returned."""
+    snapshot_s: float | None = None
+    """Time to measure, choose and copy (inside ``blocked_s`` unless ``deferred``)."""
+    stall_s: float = 0.0
+    """Time the training loop's next optimizer step waited for a deferred snapshot: blocked
+    time outside ``save``."""
+    write_s: float | None = None
+    """Background time to write blobs, state and manifest (None until the checkpointer adopted
+    the write: in ``wait``, the next ``save`` or ``close``; at once without ``async_save``)."""
+    written: list[str] | None = None
+    """Groups whose bytes were new (the rest were deduplicated); on a rank other than 0 of
+    several writers, of the groups it wrote (None until adopted, as ``write_s``)."""
+    bytes_written: int | None = None
+    """New blob bytes plus the step's state files and manifest (rank 0's report only)."""
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class LoadResult:
+    step: int
+    """The committed step that was loaded."""
+    extra: dict | None
+    data_position: Any
+    trainer_state: dict | None
+    stale_groups: dict[str, int]
+    """Groups whose version is older than ``step``: group -> step it was saved at."""

@@ -1,0 +1,62 @@
+"""The run directory's ``format.json``: which format version a run is and which content hash
+it uses. Readers refuse newer versions; a run keeps the version it was created with."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..util.atomic import atomic_write_bytes
+from .content_hash import HASH_OF_VERSION, HASHES
+
+FORMAT = "layerwise-ckpt"
+FORMAT_VERSION = 4
+"""Written for new runs. Bump on any change a reader of an older version would misread; readers
+refuse newer versions. 1: sha256 content addresses; 2: BLAKE3 (``"hash"`` in format.json and in
+each manifest; entries carry their digest under the hash's name); 3: blobs may hold 8-bit
+moments as codes and scales (blob layout 2, ``ckpt.moments``); runs of format 1 and 2 get fp32
+moments, as their readers expect; 4: a group entry may be sharded, one blob per writing rank
+(``ckpt.shard_ranges``, written by ``ckpt.sharded_checkpointer``)."""
+
+FIRST_VERSION_SHARDED = 4
+"""The first run format whose manifests may hold sharded group entries."""
+
+FIRST_VERSION_8BIT = 3
+"""The first run format whose blobs may hold 8-bit moments."""
+
+def json_bytes(obj: object) -> bytes:
+    """A run file's JSON text (format.json, config.json, manifests), newline-terminated."""
+    return (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode()
+
+
+def write_format(root: Path) -> None:
+    """``format.json`` of a new run (atomically: a run without it is not a run)."""
+    atomic_write_bytes(root / "format.json", json_bytes(
+        {"format": FORMAT, "format_version": FORMAT_VERSION, "hash": HASH_OF_VERSION[FORMAT_VERSION]}))
+
+
+def read_format(root: Path) -> tuple[int, str]:
+    """(format version, content hash name) of the run at ``root``; refuses what this layerwise
+    cannot read."""
+    fmt = root / "format.json"
+    if not fmt.exists():
+        raise FileNotFoundError(
+            f"{root} is not a layerwise checkpoint run (no format.json); "
+            "pass the directory given to Checkpointer(run_dir=...)"
+        )
+    info = json.loads(fmt.read_text())
+    if info.get("format") != FORMAT:
+        raise ValueError(f"{fmt}: format {info.get('format')!r} is not {FORMAT!r}")
+    version = int(info.get("format_version", -1))
+    if version > FORMAT_VERSION or version < 1:
+        raise ValueError(
+            f"{root} has checkpoint format_version {version}; this layerwise reads "
+            f"versions 1 to {FORMAT_VERSION}. Upgrade layerwise to read it."
+        )
+    hash_name = info.get("hash", HASH_OF_VERSION[version])
+    if version == 1 and hash_name != "sha256":
+        raise ValueError(f"{fmt}: format_version 1 runs are sha256, not {hash_name!r}")
+    if hash_name not in HASHES:
+        raise ValueError(f"{fmt}: content hash {hash_name!r} is unknown to this layerwise "
+                         f"(known: {sorted(HASHES)}); upgrade layerwise to read it")
+    return version, hash_name

@@ -1,0 +1,173 @@
+"""The write of one ``Checkpointer`` save, run on the writer thread (``ckpt-writer``) from host
+snapshots only.
+
+The order is the commit protocol of ``docs/formats.md``: the new blobs (each fsynced, then their
+directories), the step's state files, then the manifest, which commits the step. With several
+writers (``ckpt.collective``), rank 0 holds the run's lock from before any rank writes until the
+commit (so a ``ckpt gc`` never removes a blob written for a manifest still to come), every rank
+writes the chosen groups it owns, and rank 0 gathers their records and alone commits.
+
+The writer reads only its ``WriteJob`` and returns a ``WriteResult``: the checkpointer adopts it
+on its own thread, so only that thread ever changes the checkpointer's state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from .blob_store import BlobBatch, BlobPayload, BlobRecord, has_blob
+from .collective import RankExchange
+from .commit import ManifestHeader, commit_step, written_step
+from .errors import CheckpointError, write_error
+from .provider import PARAM
+from .run_dir import RunDir
+from .step_state import StepState
+
+DuplicateHint = bool | dict[str, torch.Tensor]
+"""May a snapshot be byte-identical to its committed version? True/False, or the committed
+version's weights, compared on the writer thread (off the critical path)."""
+
+
+@dataclass(frozen=True)
+class WriteJob:
+    """Everything one save writes, fixed before the write starts."""
+
+    step: int
+    header: ManifestHeader
+    """The manifest's save index, policy, tied flag."""
+    groups: list[str]
+    """Every group of the model, in model order."""
+    selected: list[str]
+    """The groups this save writes (on every rank: all ranks' share)."""
+    snaps: Mapping[str, dict[str, torch.Tensor]]
+    """This rank's chosen groups, as the blobs store them."""
+    maybe_dup: dict[str, DuplicateHint]
+    committed: dict[str, dict]
+    """Every group's committed manifest entry before this save (the entry of a group not saved
+    now)."""
+    step_state: StepState | None
+    """The step's files; rank 0's only (None on the other ranks)."""
+    config: dict | None
+    """The model's config, for a run that has no ``config.json`` yet (rank 0)."""
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    """What a finished write tells its checkpointer."""
+
+    write_s: float
+    written: list[str]
+    """Groups whose bytes were new (of this rank's, on a rank that does not commit)."""
+    bytes_written: int | None
+    """New blob bytes plus the step's files and manifest (None: another rank committed)."""
+    entries: dict[str, dict] | None
+    """The committed manifest's group entries (None: another rank committed)."""
+
+
+class SaveWriter:
+    """Writes saves of one checkpointer into its run, joined to the other ranks' writers."""
+
+    def __init__(self, store: RunDir, exchange: RankExchange):
+        self.store, self.exchange = store, exchange
+
+    def run(self, job: WriteJob) -> WriteResult:
+        t0 = time.perf_counter()
+        store, ex = self.store, self.exchange
+        try:
+            with store.lock() if ex.rank == 0 else nullcontext():
+                ex.barrier()
+                if job.config is not None:
+                    store.write_config(job.config)
+                try:
+                    own = self._write_blobs(job)
+                except Exception as e:
+                    if ex.world_size > 1:  # rank 0 gives up now, not at the timeout
+                        ex.gather(f"rank {ex.rank}: {e}")
+                    raise
+                records = self._gather_records(job, own)
+                if records is None:  # another rank's share: rank 0 commits
+                    return WriteResult(time.perf_counter() - t0,
+                                       [g for g, r in own.items() if r.written], None, None)
+                groups, written, blob_bytes = self._entries(job, records)
+                assert job.step_state is not None
+                manifest = commit_step(store, job.step, job.header, job.step_state, groups,
+                                       written, blob_bytes)
+        except CheckpointError:
+            raise
+        except OSError as e:
+            raise write_error(e, store.root) from e
+        return WriteResult(time.perf_counter() - t0, written, manifest["bytes_written"], groups)
+
+    def _write_blobs(self, job: WriteJob) -> dict[str, BlobRecord]:
+        """Store this rank's snapshots as blobs, in model order; return their records when all
+        new blobs and their directories are durable."""
+        records: dict[str, BlobRecord] = {}
+        with BlobBatch() as batch:
+            for g in job.groups:
+                if g in job.snaps:
+                    payload = BlobPayload.of_group(job.snaps[g], g, self.store.version)
+                    records[g] = self.store.put_blob(payload, _maybe_duplicate(job, g), batch)
+        return records
+
+    def _gather_records(self, job: WriteJob,
+                        own: dict[str, BlobRecord]) -> dict[str, BlobRecord] | None:
+        """Every rank's records on rank 0 (None elsewhere), once every rank's blobs are
+        durable. A rank that failed sent its error instead: rank 0 then commits nothing."""
+        everyone = self.exchange.gather(own)
+        if everyone is None:
+            return None
+        failed = [x for x in everyone if isinstance(x, str)]
+        if failed:
+            raise CheckpointError(
+                f"checkpoint of step {job.step}: another rank could not write its groups "
+                f"({'; '.join(failed)}). Nothing of this save was committed; the previous "
+                "committed checkpoint is intact.")
+        records = {g: r for part in everyone for g, r in part.items()}
+        unseen = [r.rel_path for part in everyone[1:] for r in part.values()
+                  if not has_blob(self.store.root, r.digest, r.nbytes)]
+        if unseen:  # written by a rank on another machine into a directory of its own
+            raise CheckpointError(
+                f"checkpoint of step {job.step}: blobs other ranks wrote are not in "
+                f"{self.store.root} ({unseen[:3]}): the run directory must be on a "
+                "filesystem every writing rank sees. Nothing of this save was committed.")
+        missing = [g for g in job.selected if g not in records]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint of step {job.step}: no rank wrote {missing[:5]} (each group needs "
+                "a rank whose mine= includes it). Nothing of this save was committed.")
+        return records
+
+    def _entries(self, job: WriteJob,
+                 records: dict[str, BlobRecord]) -> tuple[dict[str, dict], list[str], int]:
+        """The manifest entry of every group (the committed one for groups not saved now), the
+        groups whose bytes were new, and their bytes."""
+        hash_name = self.store.hash_name
+        groups: dict[str, dict] = {}
+        written, nbytes = [], 0
+        for g in job.groups:
+            rec = records.get(g)
+            if rec is None:
+                groups[g] = job.committed[g]
+                continue
+            prev = job.committed.get(g)
+            same_bytes = prev is not None and prev.get(hash_name) == rec.digest and not rec.written
+            groups[g] = {"blob": rec.rel_path, hash_name: rec.digest, "nbytes": rec.nbytes,
+                         "saved_step": job.step, "saved_index": job.header.save_index,
+                         "written_step": written_step(prev, same_bytes, job.step)}
+            if rec.written:
+                written.append(g)
+                nbytes += rec.nbytes
+        return groups, written, nbytes
+
+
+def _maybe_duplicate(job: WriteJob, group: str) -> bool:
+    hint = job.maybe_dup[group]
+    if isinstance(hint, bool):
+        return hint
+    snap = job.snaps[group]  # hint: the previous version's weights; equal -> maybe identical
+    return all(torch.equal(snap[PARAM + n], ref) for n, ref in hint.items() if PARAM + n in snap)

@@ -1,0 +1,76 @@
+"""Weights in: ``prefetch_depth + 1`` device slots sized for the largest unit.
+
+:class:`WeightStreamer` follows the step's weight schedule (``plan.program.WeightWindow``) up to
+``depth`` uses ahead of the op being run, never copying a unit whose optimizer update has not
+finished (it retries at the next op), and never waiting for a unit other than the one the op
+needs now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..plan.program import WeightWindow
+from ..store import HostStore
+from .backend import DeviceBackend, Event
+from .slots import Slot
+
+
+class WeightStreamer:
+    """Weight copies into ``depth + 1`` slots, following the plan's :class:`WeightWindow`."""
+
+    def __init__(self, backend: DeviceBackend, store: HostStore, depth: int,
+                 wait_update: Callable[[str], None], update_done: Callable[[str], bool]):
+        self.backend = backend
+        self.store = store
+        self.depth = depth
+        self.wait_update = wait_update
+        """Blocks until a unit's host weights are final (its optimizer update is done)."""
+        self.update_done = update_done
+        numel = max(b.copy_source.numel() for b in store)
+        self.slots = [Slot(backend.alloc(numel, store.compute_dtype)) for _ in range(depth + 1)]
+        self._window: WeightWindow | None = None
+        self._ready: dict[str, Event] = {}  # unit -> its copy's event, while it holds a slot
+        self.loads = 0
+        """Weight copies issued so far (a unit needed again inside the window is not recopied)."""
+
+    def begin(self, schedule: list[str]) -> None:
+        assert self.finished(), "previous schedule not finished"
+        self._window = WeightWindow(schedule, self.depth)
+        self._copy(self._window.fill(self.update_done))
+
+    def _copy(self, copies: list[tuple[str, int]]) -> None:
+        for unit, slot in copies:
+            src = self.store[unit].copy_source
+            dst = self.slots[slot].buffer[:src.numel()]
+            self._ready[unit] = self.backend.copy_h2d(dst, src, after=[self.slots[slot].free_after])
+            self.loads += 1
+
+    def acquire(self, unit: str) -> torch.Tensor:
+        """The device copy of ``unit``'s weights for the op about to be queued. Waits (on the
+        host) only for this unit's own update; prefetches skip units whose update is running."""
+        if unit not in self._ready:
+            self.wait_update(unit)
+        self._copy(self._window.acquire(unit, self.update_done))
+        self.backend.wait([self._ready[unit]])  # compute reads the slot after the copy lands
+        return self.slots[self._window.slot(unit)].buffer[:self.store[unit].copy_source.numel()]
+
+    def release(self, unit: str) -> None:
+        """The op using ``unit`` has been queued; its slot is free once compute passes here."""
+        slot = self._window.release(unit)
+        if slot is not None:
+            del self._ready[unit]
+            self.slots[slot].free_after = self.backend.record()
+        self._copy(self._window.fill(self.update_done))
+
+    def reset(self) -> None:
+        """Forget the rest of the schedule (a step failed; the lanes are idle)."""
+        self._window = None
+        self._ready.clear()
+        for s in self.slots:
+            s.free_after = None
+
+    def finished(self) -> bool:
+        return self._window is None or self._window.finished()

@@ -1,0 +1,160 @@
+"""Host gradient accumulation at memory speed: ``dst (fp32) += src`` with no temporaries.
+
+A gradient lands on the host in the compute dtype (bf16 on a GPU) and is added into the unit's
+fp32 host gradient, once per micro-batch. ``torch``'s ``dst.add_(src_bf16)`` first converts the
+whole source into a full-size fp32 temporary (measured on one core: 0.44 G elements/s, against
+3.37 for fp32 += fp32). Here the conversion is fused into the add:
+
+- ``numba`` (CPU, contiguous, bf16 or fp32 source): a bf16 value is the top half of an fp32, so
+  ``float32_bits(int32(bits16) << 16)`` *is* ``src.float()``, exactly (NaN payloads, infinities,
+  subnormals included), and one loop reads 2 bytes, reads and writes 4 per element. The
+  bit-cast is an LLVM ``bitcast`` (an intrinsic), so the loop vectorises (zero-extend, shift,
+  add: three instructions per 8 lanes). Each loop runs over slices from index 0, so numba adds
+  no negative-index fix-up (which alone kept the loop scalar). A scratch-array variant (fill an
+  int32 buffer, view it as fp32, add) ran ~3.5x slower here: numba's view is not contiguous to
+  LLVM and the add stayed scalar.
+  No fast-math: a single add per element has nothing to reassociate, and the result must be
+  bit-equal to ``dst += src.float()``.
+- ``torch`` fallback (no numba, another dtype or device): in chunks of ``_TORCH_CHUNK``
+  elements, so the conversion's temporary is cache-sized, never full-size.
+
+``first=True`` writes instead of adding (the first landing of a unit in a step), so nobody has
+to zero the gradient between steps. ``threads`` splits one call over that many threads (the
+caller is one), through a pool of our own: the kernels release the GIL (``nogil``), and
+numba's ``parallel=True`` layers abort when entered from several Python threads at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+try:  # numba is optional: the torch path computes the same values
+    import numba as _nb
+    import numpy as _np
+    from numba import types as _nbt
+    from numba.extending import intrinsic as _intrinsic
+except Exception:  # pragma: no cover - depends on the environment
+    _nb = None
+
+_TORCH_CHUNK = 1 << 16
+"""Elements per chunk on the torch path (its fp32 temporary stays in L2)."""
+_MIN_PER_TASK = 1 << 17
+"""Fewest elements one thread takes (below that, a thread hand-off costs more than it saves)."""
+_CHUNKS_PER_THREAD = 4
+"""Chunks per thread, taken from a shared counter: a descheduled thread holds up one chunk."""
+
+
+if _nb is not None:
+    _jit = dict(nogil=True, cache=True, error_model="numpy", boundscheck=False)
+
+    @_intrinsic
+    def _i32_as_f32(typingctx, x):  # pragma: no cover - compiled
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], context.get_value_type(_nbt.float32))
+        return _nbt.float32(_nbt.int32), codegen
+
+    @_nb.njit(**_jit)
+    def _add_bf16(dst, src, lo, hi):  # pragma: no cover - compiled
+        d, s = dst[lo:hi], src[lo:hi]  # from 0: no negative-index fix-up to stop vectorising
+        for j in range(s.size):
+            d[j] += _i32_as_f32(_np.int32(s[j]) << 16)
+
+    @_nb.njit(**_jit)
+    def _copy_bf16(dst, src, lo, hi):  # pragma: no cover - compiled
+        d, s = dst[lo:hi], src[lo:hi]  # from 0: no negative-index fix-up to stop vectorising
+        for j in range(s.size):
+            d[j] = _i32_as_f32(_np.int32(s[j]) << 16)
+
+    @_nb.njit(**_jit)
+    def _add_f32(dst, src, lo, hi):  # pragma: no cover - compiled
+        d, s = dst[lo:hi], src[lo:hi]  # from 0: no negative-index fix-up to stop vectorising
+        for j in range(s.size):
+            d[j] += s[j]
+
+    @_nb.njit(**_jit)
+    def _copy_f32(dst, src, lo, hi):  # pragma: no cover - compiled
+        d, s = dst[lo:hi], src[lo:hi]  # from 0: no negative-index fix-up to stop vectorising
+        for j in range(s.size):
+            d[j] = s[j]
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _get_pool(workers: int) -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < workers:
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grad-accum")
+        return _pool
+
+
+def numba_available() -> bool:
+    return _nb is not None
+
+
+def kernel_name(dst: torch.Tensor, src: torch.Tensor) -> str:
+    """Which implementation :func:`accumulate` uses for these tensors (``numba`` or ``torch``)."""
+    ok = (_nb is not None and dst.device.type == "cpu" and src.device.type == "cpu"
+          and dst.dtype == torch.float32 and src.dtype in (torch.bfloat16, torch.float32)
+          and dst.is_contiguous() and src.is_contiguous())
+    return "numba" if ok else "torch"
+
+
+def accumulate(dst: torch.Tensor, src: torch.Tensor, first: bool = False, threads: int = 1) -> None:
+    """``dst = src.float()`` (``first``) or ``dst += src.float()``, bit-equal to torch's, with no
+    full-size temporary; ``dst`` fp32 and ``src`` of the same number of elements (shapes are
+    ignored: both are read flat). ``threads``: split over that many threads, the caller one."""
+    n = src.numel()
+    if dst.numel() != n:
+        raise ValueError(f"accumulate: {dst.numel()} destination elements for {n} source elements")
+    if n == 0:
+        return
+    if kernel_name(dst, src) == "torch":
+        _accumulate_torch(dst.view(-1), src.reshape(-1), first)
+        return
+    d = dst.detach().view(-1).numpy()
+    if src.dtype == torch.bfloat16:
+        s = src.detach().view(-1).view(torch.int16).numpy()
+        fn = _copy_bf16 if first else _add_bf16
+    else:
+        s = src.detach().view(-1).numpy()
+        fn = _copy_f32 if first else _add_f32
+    _run_split(fn, d, s, n, threads)
+
+
+def _run_split(fn, d, s, n: int, threads: int) -> None:
+    tasks = max(1, min(threads, n // _MIN_PER_TASK))
+    if tasks == 1:
+        fn(d, s, 0, n)
+        return
+    chunks = tasks * _CHUNKS_PER_THREAD
+    edges = [n * i // chunks for i in range(chunks + 1)]
+    counter = itertools.count()  # next() is atomic under the GIL
+
+    def work() -> None:
+        while (i := next(counter)) < chunks:
+            fn(d, s, edges[i], edges[i + 1])
+
+    futures = [_get_pool(tasks - 1).submit(work) for _ in range(tasks - 1)]
+    try:
+        work()
+    finally:  # never return (and let the caller reuse a buffer) while a worker still reads it
+        for fut in futures:
+            fut.result()
+
+
+def _accumulate_torch(dst: torch.Tensor, src: torch.Tensor, first: bool) -> None:
+    if first:
+        dst.copy_(src)  # converts element by element: no temporary
+        return
+    if src.dtype == dst.dtype:
+        dst.add_(src)
+        return
+    for lo in range(0, src.numel(), _TORCH_CHUNK):
+        dst[lo:lo + _TORCH_CHUNK].add_(src[lo:lo + _TORCH_CHUNK])

@@ -1,0 +1,150 @@
+"""What a run trains and how: the model's config (RoPE scaling applied), its plan (a rule, a
+file, or the planner's), the device-memory check of that plan, then the host store. Everything
+that can be refused without allocating is refused before the store is built (minutes for a
+large model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from ..engine.batch import Batch
+from ..interop.hf.model_dir import load_config, load_store
+from ..models import FLAVORS, DecoderAdapter, get_flavor
+from ..plan.cost import CostModel
+from ..plan.hardware import PRESETS
+from ..plan.memory import CUDA_WORKSPACE_BYTES, predict_peak_device_bytes
+from ..plan.plan import Plan
+from ..plan.shape import ModelShape
+from ..store import PRIVATE, HostAllocator, HostStore, init_store
+from . import checks
+from .config import TrainConfig
+from .options import check_settings, resolve_plan
+from .planning import HardwareChoice, auto_plan, predict, resolve_hardware
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    except KeyError:
+        raise ValueError(f"model.compute_dtype must be auto, float32 or bfloat16, got {name!r}") from None
+
+
+def check_options(cfg: TrainConfig) -> None:
+    """Cheap checks of the run's options and the machine, before the model is built."""
+    check_settings(cfg)
+    checks.check_device(cfg.device)
+    checks.check_report_to(cfg.log.report_to)
+
+
+def _rope_scaled(config: PretrainedConfig, factor: float | None) -> PretrainedConfig:
+    """``config`` with linear RoPE scaling by ``factor`` (transformers 5 names it
+    ``rope_parameters``, 4.x ``rope_scaling``)."""
+    if factor is None:
+        return config
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict):
+        config.rope_parameters = {**params, "rope_type": "linear", "factor": float(factor)}
+    else:
+        config.rope_scaling = {"rope_type": "linear", "factor": float(factor)}
+    return config
+
+
+@dataclass
+class ModelSource:
+    """What ``model=`` names, resolved: a flavor or a local directory, and its config."""
+
+    name: str
+    """The flavor, or the local directory (a Hub id resolved to its cached snapshot)."""
+    config: PretrainedConfig
+
+    @classmethod
+    def resolve(cls, cfg: TrainConfig) -> tuple[ModelSource, str | None]:
+        name, line = checks.resolve_model(cfg.model.name)
+        checks.check_context(cfg, name)
+        config = get_flavor(name).build_config() if name in FLAVORS else load_config(name)
+        return cls(name, _rope_scaled(config, cfg.model.rope_scaling)), line
+
+    def build(self, seed: int, compute_dtype: torch.dtype, alloc: HostAllocator = PRIVATE
+              ) -> tuple[DecoderAdapter, HostStore]:
+        """Every local rank builds the same weights into the node's shared store (identical
+        writes, before the store-ready barrier), so no rank needs to know which wrote them."""
+        if self.name in FLAVORS:
+            return init_store(self.config, seed=seed, compute_dtype=compute_dtype, alloc=alloc)
+        return load_store(self.name, compute_dtype=compute_dtype, alloc=alloc, config=self.config)
+
+
+def mem_cap_bytes(cfg: TrainConfig) -> int | None:
+    """``device_mem_cap_gb``, else on CUDA the device's memory (a plan predicted to need more
+    cannot run), else none."""
+    if cfg.device_mem_cap_gb is not None:
+        return int(cfg.device_mem_cap_gb * 2**30)
+    if cfg.device.startswith("cuda"):
+        return int(torch.cuda.get_device_properties(torch.device(cfg.device).index or 0).total_memory)
+    return None
+
+
+def choose_plan(cfg: TrainConfig, model: PretrainedConfig, compute_dtype: torch.dtype
+                ) -> tuple[Plan, HardwareChoice | None]:
+    """The run's plan and the hardware profile its prediction is for (``train/planning.py``).
+
+    ``plan=auto`` asks the planner; a rule or a plan file is simulated on the resolved profile.
+    Either way ``plan.predicted["step_s"]`` is the predicted step time (absent only for a rule
+    or file when no profile resolves without calibrating: a GPU no preset matches)."""
+    auto = cfg.plan == "auto"
+    num_layers = model.num_hidden_layers
+    plan = None if auto else resolve_plan(cfg.plan, num_layers, cfg)
+    hw = resolve_hardware(cfg.profile, cfg.hardware, cfg.device, Path(cfg.out_dir), compute_dtype,
+                          mem_cap_bytes(cfg), may_calibrate=auto)
+    shape = ModelShape.from_config(model, name=Path(cfg.model.name).name)
+    if auto:
+        assert hw is not None
+        plan = auto_plan(shape, hw, cfg.seq_len, cfg.micro_batch_size * cfg.grad_accum,
+                         cfg.plan_time_limit_s)
+    elif hw is not None:
+        assert plan is not None
+        before = dict(plan.predicted)
+        plan.predicted = predict(plan, shape, hw, cfg.seq_len)
+        if before:  # a plan file's own predictions, for the machine it was planned for
+            plan.predicted["planned_for"] = before
+    assert plan is not None
+    return plan, hw
+
+
+def check_fits(cfg: TrainConfig, model: PretrainedConfig, plan: Plan,
+               compute_dtype: torch.dtype) -> None:
+    """Refuse a micro-batch whose predicted device peak is over the cap, before the store is
+    built (the engine checks the same again with the store in hand)."""
+    cap = mem_cap_bytes(cfg)
+    if cap is None:
+        return
+    workspace = CUDA_WORKSPACE_BYTES if cfg.device.startswith("cuda") else 0
+    est = predict_peak_device_bytes(ModelShape.from_config(model), plan, plan.micro_batch_size,
+                                    cfg.seq_len, compute_dtype.itemsize, workspace_bytes=workspace)
+    if est.peak_bytes > cap:
+        raise ValueError(
+            f"a micro-batch of {plan.micro_batch_size} x {cfg.seq_len} tokens with plan "
+            f"{plan.source} needs {est.peak_bytes / 2**20:.0f} MiB of device memory (peak at "
+            f"'{est.peak_op}'), over the {cap / 2**20:.0f} MiB there is; lower micro_batch_size "
+            "or seq_len (raise grad_accum to keep the batch), or use plan=auto")
+
+
+class FlopCounter:
+    """Model FLOPs of a step (forward + backward, no recompute: ``CostModel.model_flops``)."""
+
+    def __init__(self, shape: ModelShape):
+        self.shape, self._per_mb = shape, {}
+
+    def __call__(self, micro: list[Batch]) -> float:
+        total = 0.0
+        for mb in micro:
+            key = tuple(mb.input_ids.shape)
+            if key not in self._per_mb:
+                self._per_mb[key] = CostModel(self.shape, PRESETS["cpu"], *key).model_flops()
+            total += self._per_mb[key]
+        return total

@@ -1,0 +1,61 @@
+"""Checks of a run's settings that need the plan and hardware tables but not torch: the command
+runs them before its heavy imports (and before it creates the out_dir), the loop again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..plan.hardware import get_hardware
+from ..plan.plan import Plan
+from .config import TrainConfig
+from .progress import resolve_progress
+
+
+def resolve_plan(spec: str, num_layers: int, cfg: TrainConfig) -> Plan:
+    """A rule or a plan file as a Plan (``plan=auto`` is ``choose_plan``'s)."""
+    kw = dict(micro_batch_size=cfg.micro_batch_size, num_micro_batches=cfg.grad_accum,
+              seq_len=cfg.seq_len)
+    if spec.startswith("every-"):
+        try:
+            k = int(spec.split("-", 1)[1])
+        except ValueError:
+            raise ValueError(f"plan {spec!r}: expected every-K with an integer K") from None
+        return Plan.every_k(num_layers, k, **kw)
+    if spec == "recompute-all":
+        return Plan.recompute_all(num_layers, **kw)
+    if spec == "keep-all":
+        return Plan.keep_all(num_layers, **kw)
+    if Path(spec).suffix == ".json":
+        plan = Plan.load(spec)
+        plan.validate(num_layers)
+        return plan
+    raise ValueError(f"plan {spec!r} is not every-K, recompute-all, keep-all, auto or a .json "
+                     "plan file")
+
+
+def check_profile(profile: str | None) -> None:
+    """Refuse a ``profile=`` that names no file (before any work)."""
+    if profile and not Path(profile).is_file():
+        raise ValueError(f"profile={profile}: no such file; write one with `layerwise calibrate "
+                         f"--out {profile}`, or leave profile unset")
+
+
+def check_hardware(hardware: str | None) -> None:
+    """Refuse an unknown ``hardware=`` preset or a bad profile file (before any work)."""
+    if hardware:
+        try:
+            get_hardware(hardware)
+        except ValueError as e:
+            raise ValueError(f"hardware={hardware}: {e}") from None
+
+
+def check_settings(cfg: TrainConfig) -> None:
+    """Every check that needs neither torch nor the model: one ``ValueError`` naming the key."""
+    cfg.check()
+    resolve_progress(cfg.log.progress)
+    if Path(cfg.plan).suffix == ".json":
+        Plan.load(cfg.plan)  # a missing or malformed plan file's own error
+    elif cfg.plan != "auto":
+        resolve_plan(cfg.plan, 1, cfg)  # a malformed rule's own error
+    check_profile(cfg.profile)
+    check_hardware(cfg.hardware)

@@ -1,0 +1,129 @@
+"""``layerwise.config``: values parsed as a person means them, sections, shorthands, old keys,
+suggestions, docs from the source; and ``TrainConfig``'s checks (issue 20's friction list)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+
+from layerwise import config
+from layerwise.train.config import POLICY_NAMES, CkptConfig, TrainConfig, help_keys
+
+
+def test_numbers_as_a_person_writes_them():
+    """Friction: ``optimizer.lr=1e-3`` failed ("expected float, got '1e-3'"), and so did every
+    HF habit (``2e-5``). Mutation seen failing: ``_parse_number`` without the ``float(text)``
+    fallback (``steps=1e3`` refused) or through ``yaml.safe_load`` (``1e-3`` a string)."""
+    cfg = config.apply_overrides(TrainConfig(), [
+        "optimizer.lr=1e-3", "optimizer.weight_decay=2e-5", "data.corpus_tokens=1_000",
+        "steps=1e3", "data.pack=no", "export=TRUE", "optimizer.betas=0.8,0.9",
+        "log.report_to=tensorboard", "num_train_epochs=none", "optimizer.max_grad_norm=null"])
+    assert cfg.optimizer.lr == 1e-3 and cfg.optimizer.weight_decay == 2e-5
+    assert cfg.data.corpus_tokens == 1000 and cfg.steps == 1000 and isinstance(cfg.steps, int)
+    assert cfg.data.pack is False and cfg.export is True
+    assert cfg.optimizer.betas == (0.8, 0.9) and cfg.log.report_to == ["tensorboard"]
+    assert cfg.num_train_epochs is None and cfg.optimizer.max_grad_norm is None
+    with pytest.raises(ValueError, match=r"steps: expected int, got 1\.5"):
+        config.apply_overrides(TrainConfig(), ["steps=1.5"])
+    with pytest.raises(ValueError, match="expected true or false"):
+        config.apply_overrides(TrainConfig(), ["export=maybe"])
+    with pytest.raises(ValueError, match="expected 2 values"):
+        config.apply_overrides(TrainConfig(), ["optimizer.betas=[0.9]"])
+
+
+def test_yaml_numbers_pyyaml_reads_as_strings(tmp_path):
+    """Friction: YAML's ``lr: 1e-4`` is a string to PyYAML and was refused."""
+    path = tmp_path / "c.yaml"
+    path.write_text("optimizer:\n  lr: 1e-4\nsteps: 2_000\nckpt.every: 1e2\nmodel: llama-debug\n")
+    cfg = config.load(TrainConfig, path)
+    assert cfg.optimizer.lr == 1e-4 and cfg.steps == 2000 and cfg.ckpt.every == 100
+    assert cfg.model.name == "llama-debug"  # a section's shorthand in YAML too
+
+
+def test_misspelled_keys_and_choices_get_a_suggestion():
+    """Friction: a misspelled key listed all keys with no suggestion."""
+    with pytest.raises(ValueError, match=r"unknown key 'optimizer\.lrr'; did you mean 'optimizer\.lr'"):
+        config.apply_overrides(TrainConfig(), ["optimizer.lrr=1"])
+    with pytest.raises(ValueError, match=r"unknown key 'evl\.every'; did you mean 'eval\.every'"):
+        config.apply_overrides(TrainConfig(), ["evl.every=3"])
+    with pytest.raises(ValueError, match=r"ckpt\.policy='filtr': use one of .*did you mean 'filter'"):
+        config.apply_overrides(TrainConfig(), ["ckpt.policy=filtr"])
+    assert config.suggest("zzzz", ["steps"]) == ""
+
+
+def test_policy_options_are_nested_keys_and_old_flat_keys_still_work(caplog):
+    """Friction: ``ckpt_options.threshold=…`` answered "known here: []". Now ``ckpt.threshold``
+    is a key of its own, and the flat config's keys map to today's with one notice."""
+    notices: list[str] = []
+    cfg = config.apply_overrides(TrainConfig(), [
+        "ckpt.policy=filter", "ckpt.threshold=1e-2", "ckpt_options.max_staleness=3",
+        "eval_every=7", "data_format=chat", "dist_timeout_s=30"], notices)
+    assert (cfg.ckpt.threshold, cfg.ckpt.max_staleness, cfg.eval.every) == (0.01, 3, 7)
+    assert cfg.data.format == "chat" and cfg.dist.timeout_s == 30
+    line = config.legacy_notice(notices)
+    assert line.count("\n") == 0 and "eval_every -> eval.every" in line
+    assert "ckpt_options -> ckpt.max_staleness" in line
+    # as keyword arguments too (the test suite and benchmarks build configs so)
+    with caplog.at_level(logging.WARNING, logger="layerwise"):
+        old = TrainConfig(model="llama-debug", ckpt_every=3, ckpt_policy="full", eval_every=0,
+                          ckpt_options={"full_every": 2}, data="x.jsonl", seq_len=32)
+    assert old.model.name == "llama-debug" and old.data.path == "x.jsonl" and old.seq_len == 32
+    assert (old.ckpt.every, old.ckpt.policy, old.ckpt.full_every, old.eval.every) == (3, "full", 2, 0)
+    assert "ckpt_every -> ckpt.every" in caplog.text
+    assert TrainConfig(resume=False, steps="1_000").resume == "false"  # typed as on the command line
+    assert TrainConfig(steps="1_000").steps == 1000
+    # replace() of a config built from old keys copies, never shares, its sections
+    again = dataclasses.replace(old, eval_every=5)
+    assert again.eval.every == 5 and old.eval.every == 0
+    with pytest.raises(ValueError, match=r"ckpt\.k is an option of the topk policy"):
+        config.apply_overrides(TrainConfig(), ["ckpt.k=3"]).check()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("steps=-5", "steps must be > 0"),
+    ("optimizer.lr=-1e-3", "optimizer.lr must be > 0"),
+    ("optimizer.lr=0", "optimizer.lr must be > 0"),
+    ("seq_len=0", "seq_len must be > 0"),
+    ("micro_batch_size=0", "micro_batch_size must be > 0"),
+    ("schedule.warmup_ratio=1.5", "warmup_ratio must be in"),
+    ("ckpt.every=-1", "ckpt.every must be >= 0"),
+    ("ckpt.save_total_limit=0", "save_total_limit must be > 0"),
+    ("num_train_epochs=0", "num_train_epochs must be > 0"),
+])
+def test_settings_no_run_can_use_are_refused(override, message):
+    """Friction: negative ``optimizer.lr`` and ``steps=-5`` ran with rc 0."""
+    cfg = config.apply_overrides(TrainConfig(), [override])
+    with pytest.raises(ValueError, match=message):
+        cfg.check()
+
+
+def test_every_key_has_a_doc_and_help_shows_defaults():
+    """Friction: ``train --help`` listed no keys and no defaults. Every key has its one-line
+    doc (the docstring under the field); the help shows the section's own default (the
+    optimizer's lr is 2e-3 in a TrainConfig, not AdamWConfig's 3e-4)."""
+    keys = config.keys(TrainConfig, instance=TrainConfig())
+    undocumented = [k.name for k in keys if not k.doc]
+    assert undocumented == []
+    text = config.help_text(TrainConfig, only=help_keys())
+    assert "optimizer.lr=0.002" in text and "model=llama-demo" in text and "ckpt.every=50" in text
+    full = config.help_text(TrainConfig, full=True)
+    assert all(f"  {config._label(k.name, TrainConfig)}=" in full for k in keys)
+
+
+def test_policy_names_match_the_checkpoint_core():
+    from layerwise.ckpt import POLICIES
+    assert set(POLICY_NAMES) == set(POLICIES)
+    fields = {f.name for f in dataclasses.fields(CkptConfig)}
+    from layerwise.ckpt.policies import POLICIES as P
+    options = {f.name for cls in P.values() for f in dataclasses.fields(cls)}
+    assert options <= fields  # every policy option is settable as ckpt.<option>
+
+
+def test_print_config_round_trips(tmp_path):
+    cfg = config.apply_overrides(TrainConfig(), ["optimizer.betas=[0.8, 0.99]", "steps=9",
+                                                 "log.report_to=[tensorboard]"])
+    path = tmp_path / "c.yaml"
+    path.write_text(config.to_yaml(cfg))
+    assert config.load(TrainConfig, path) == cfg
