@@ -22,7 +22,7 @@ import numpy as np
 from .shape import ModelShape
 from .hardware import HardwareProfile
 from .program import OpKind
-from .simulator import LANES, SimResult
+from .trace import LANES, SimResult
 
 EPS = 1e-9
 
@@ -53,16 +53,25 @@ def _occupancy_peak(starts: np.ndarray, ends: np.ndarray, nbytes: np.ndarray) ->
 
 
 def check(sim: SimResult, shape: ModelShape, hw: HardwareProfile) -> CheckReport:
+    """Every violation found in ``sim``'s trace (none: ``ok``), and the recomputed peaks."""
     if not sim.allocs or not sim.op_log:
         raise ValueError("check needs a simulation with its trace (simulate(..., keep_trace=True))")
-    plan = sim.plan
     v: list[str] = []
     try:
-        plan.validate(shape.num_layers)
+        sim.plan.validate(shape.num_layers)
     except ValueError as e:
         v.append(f"plan: {e}")
+    peaks = _capacity(sim, hw, v)
+    v += _lanes_overlap(sim, hw)
+    v += _op_inputs(sim)
+    v += _offload_order(sim)
+    v += _update_order(sim)
+    return CheckReport(not v, v, peaks)
 
-    # 1. capacity at every instant
+
+def _capacity(sim: SimResult, hw: HardwareProfile, v: list[str]) -> dict[str, int]:
+    """Each tier's peak at every allocation instant against its capacity (host: with the store);
+    appends to ``v``, returns the peaks."""
     caps = {"device": hw.device_cap_bytes, "host": hw.host_cap_bytes, "nvme": hw.nvme_capacity_bytes}
     base = {"device": 0, "host": sim.host_store_bytes, "nvme": 0}
     peaks = {}
@@ -78,8 +87,13 @@ def check(sim: SimResult, shape: ModelShape, hw: HardwareProfile) -> CheckReport
         peaks[tier] = peak + base[tier]
         if peaks[tier] > caps[tier]:
             v.append(f"{tier}: {peaks[tier]} bytes live at t={at:.6f}s > capacity {caps[tier]}")
+    return peaks
 
-    # 2. lanes never run two things at once
+
+def _lanes_overlap(sim: SimResult, hw: HardwareProfile) -> list[str]:
+    """No lane (a synchronous machine's copies and host work share the compute lane) runs two
+    things at once: the first overlap per lane."""
+    v = []
     phys = {k: ("compute" if hw.synchronous and k in ("h2d", "d2h", "host", "optimizer") else k) for k in LANES}
     by_lane: dict[str, list] = defaultdict(list)
     for iv in sim.intervals:
@@ -90,16 +104,20 @@ def check(sim: SimResult, shape: ModelShape, hw: HardwareProfile) -> CheckReport
             if b.start < a.end - EPS:
                 v.append(f"lane {lane}: '{a.label}' [{a.start:.6f},{a.end:.6f}] overlaps '{b.label}' at {b.start:.6f}")
                 break
+    return v
 
-    # 3. what each op needs is there
+
+def _op_inputs(sim: SimResult) -> list[str]:
+    """What each compute op needs is there: its weights copied into its slot before it starts
+    and not overwritten while it runs, its input boundary or kept internals on the device for
+    its whole run, fetched after they were copied out."""
+    plan, v = sim.plan, []
     allocs_by_label: dict[str, list] = defaultdict(list)
     for a in sim.allocs:
         if a.tier == "device":
             key = a.label.split(" (")[0]
             allocs_by_label[key].append(a)
-    copies: dict[str, list] = defaultdict(list)
-    for iv in sim.intervals:
-        copies[iv.label].append(iv)
+    copies = _copies(sim)
 
     def covered(key: str, s: float, e: float) -> bool:
         return any(a.start <= s + EPS and a.end >= e - EPS for a in allocs_by_label.get(key, ()))
@@ -135,8 +153,21 @@ def check(sim: SimResult, shape: ModelShape, hw: HardwareProfile) -> CheckReport
             i = op["index"]
             if not any(c.end <= s + EPS for c in copies.get(f"{OpKind.FETCH} b{i}", ())):
                 v.append(f"layer_bwd {i}: boundary {i} not fetched before use")
+    return v
 
-    # 4. ordering of the offload chain: offload -> fetch; nvme write -> read (k-th with k-th)
+
+def _copies(sim: SimResult) -> dict[str, list]:
+    """Lane intervals by label."""
+    copies: dict[str, list] = defaultdict(list)
+    for iv in sim.intervals:
+        copies[iv.label].append(iv)
+    return copies
+
+
+def _offload_order(sim: SimResult) -> list[str]:
+    """The offload chain in order, k-th with k-th: offload -> fetch; NVMe: offload -> write ->
+    read -> fetch."""
+    plan, v, copies = sim.plan, [], _copies(sim)
     for i, tier in enumerate(plan.boundary_tiers):
         pairs = [("offload", OpKind.FETCH)] if tier == "host" else (
             [("offload", "nvme write"), ("nvme write", "nvme read"), ("nvme read", OpKind.FETCH)]
@@ -153,14 +184,16 @@ def check(sim: SimResult, shape: ModelShape, hw: HardwareProfile) -> CheckReport
                 if y.start < x.end - EPS:
                     v.append(f"boundary {i}: '{then}' starts at {y.start:.6f} before '{first}' ends at {x.end:.6f}")
                     break
+    return v
 
-    # 5. optimizer update of step s before the unit's weights are copied in step s+1
+
+def _update_order(sim: SimResult) -> list[str]:
+    """A unit's optimizer update of step s ends before its weights are copied in step s+1."""
     updates = {(iv.step, iv.label[len("update "):]): iv.end for iv in sim.intervals if iv.label.startswith("update ")}
     for iv in sim.intervals:
         if iv.label.startswith("w ") and iv.step > 0:
             unit = iv.label[2:].split(" @")[0]
             done = updates.get((iv.step - 1, unit))
             if done is None or iv.start < done - EPS:
-                v.append(f"step {iv.step}: weights of {unit} copied before their update finished")
-                break
-    return CheckReport(not v, v, peaks)
+                return [f"step {iv.step}: weights of {unit} copied before their update finished"]
+    return []

@@ -7,13 +7,13 @@ import json
 import sys
 from typing import Any
 
-from .check import check
-from .hardware import get_hardware
+from .check import CheckReport, check
+from .hardware import HardwareProfile, get_hardware
 from .milp import MilpConfig
 from .scaling import ScalingPoint, ladder, predict_scaling
-from .search import PlanInfeasible, SearchConfig, search
-from .shape import load_shape
-from .simulator import simulate
+from .search import Candidate, PlanInfeasible, SearchConfig, SearchResult, search
+from .shape import ModelShape, load_shape
+from .simulator import SimResult, simulate
 from .timeline import draw_timeline
 from .topology import GRAD_REDUCE, Topology
 
@@ -52,27 +52,11 @@ def _gb(n: float) -> str:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-
-    if args.seq_len < 1:
-        raise ValueError(f"--seq-len must be >= 1, got {args.seq_len}")
-    if args.batch == "auto":
-        batch = None
-    else:
-        try:
-            batch = int(args.batch)
-        except ValueError:
-            raise ValueError(f"--batch must be a number of sequences or 'auto', got {args.batch!r}") from None
-        if batch < 1:
-            raise ValueError(f"--batch must be >= 1, got {batch}")
+    """Search, check and write the plan; print the table (or one JSON object)."""
+    batch = _batch(args)
     shape = load_shape(args.model)
     hw = get_hardware(args.hardware).with_memory(args.gpu_mem, args.host_mem)
-    topo = None
-    if args.gpus is not None or args.nodes != 1:
-        topo = Topology(args.gpus or 1, args.nodes, args.grad_reduce)
-        topo.check(hw)
-        if batch is not None and batch % topo.world_size:
-            raise ValueError(f"--batch {batch} does not split over {topo.world_size} GPUs; use a multiple of "
-                             f"{topo.world_size}")
+    topo = _topology(args, hw, batch)
     world = topo.world_size if topo else 1
     # the plan is what one GPU runs on its share of the batch
     cfg = SearchConfig(global_batch=None if batch is None else batch // world, prefetch_depth=args.prefetch_depth,
@@ -94,28 +78,77 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.timeline:
         draw_timeline(sim, args.timeline)
     scaling: list[ScalingPoint] = []
+    global_batch = res.plan.micro_batch_size * res.plan.num_micro_batches * world
     if topo is not None:
-        global_batch = res.plan.micro_batch_size * res.plan.num_micro_batches * world
         scaling = predict_scaling(shape, hw, res.plan, global_batch,
                                   ladder(topo.gpus_per_node, topo.nodes, args.grad_reduce))
-    rows = [("plan", res.best)] + sorted(((n, c) for n, c in res.by_name.items()),
-                                         key=lambda nc: -nc[1].sim.tokens_per_s)
     if args.json:
-        out: dict[str, Any] = {
-            "fits": True, "model": shape.name, "hardware": hw.name, "seq_len": args.seq_len,
-            "plan": res.plan.to_dict(), "solve_s": res.solve_s, "plan_s": res.plan_s,
-            "milp": None if res.milp is None else {
-                "status": res.milp.status, "objective_s": res.milp.objective_s, "bound_s": res.milp.bound_s,
-                "gap": res.milp.gap, "warm_start": res.milp.warm_start},
-            "rules": {n: c.row() for n, c in rows[1:]},
-            "max_micro_batch_size": res.max_micro_batch_size,
-            "check": {"ok": report.ok, "peaks": report.peaks},
-        }
-        if scaling:
-            out["scaling"] = {"global_batch": global_batch, "grad_reduce": args.grad_reduce,
-                              "points": [pt.row() for pt in scaling]}
-        print(json.dumps(out, indent=2, default=str))
+        print(json.dumps(_json_report(args, shape, hw, res, report, scaling, global_batch), indent=2, default=str))
         return 0
+    _print_report(args, shape, hw, res, sim, report)
+    if scaling:
+        _print_scaling(scaling, global_batch, args.seq_len)
+    if args.out:
+        print(f"wrote {args.out}")
+    if args.timeline:
+        print(f"wrote {args.timeline}")
+    return 0
+
+
+def _batch(args: argparse.Namespace) -> int | None:
+    """``--batch`` in sequences (None: auto), after checking it and ``--seq-len``."""
+    if args.seq_len < 1:
+        raise ValueError(f"--seq-len must be >= 1, got {args.seq_len}")
+    if args.batch == "auto":
+        return None
+    try:
+        batch = int(args.batch)
+    except ValueError:
+        raise ValueError(f"--batch must be a number of sequences or 'auto', got {args.batch!r}") from None
+    if batch < 1:
+        raise ValueError(f"--batch must be >= 1, got {batch}")
+    return batch
+
+
+def _topology(args: argparse.Namespace, hw: HardwareProfile, batch: int | None) -> Topology | None:
+    """The data-parallel topology of ``--gpus`` / ``--nodes`` (None: one GPU)."""
+    if args.gpus is None and args.nodes == 1:
+        return None
+    topo = Topology(args.gpus or 1, args.nodes, args.grad_reduce)
+    topo.check(hw)
+    if batch is not None and batch % topo.world_size:
+        raise ValueError(f"--batch {batch} does not split over {topo.world_size} GPUs; use a multiple of "
+                         f"{topo.world_size}")
+    return topo
+
+
+def _rows(res: SearchResult) -> list[tuple[str, Candidate]]:
+    """The emitted plan first, then every rule (and the MILP's own plan), fastest first."""
+    return [("plan", res.best)] + sorted(((n, c) for n, c in res.by_name.items()),
+                                         key=lambda nc: -nc[1].sim.tokens_per_s)
+
+
+def _json_report(args: argparse.Namespace, shape: ModelShape, hw: HardwareProfile, res: SearchResult,
+                 report: CheckReport, scaling: list[ScalingPoint], global_batch: int) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "fits": True, "model": shape.name, "hardware": hw.name, "seq_len": args.seq_len,
+        "plan": res.plan.to_dict(), "solve_s": res.solve_s, "plan_s": res.plan_s,
+        "milp": None if res.milp is None else {
+            "status": res.milp.status, "objective_s": res.milp.objective_s, "bound_s": res.milp.bound_s,
+            "gap": res.milp.gap, "warm_start": res.milp.warm_start},
+        "rules": {n: c.row() for n, c in _rows(res)[1:]},
+        "max_micro_batch_size": res.max_micro_batch_size,
+        "check": {"ok": report.ok, "peaks": report.peaks},
+    }
+    if scaling:
+        out["scaling"] = {"global_batch": global_batch, "grad_reduce": args.grad_reduce,
+                          "points": [pt.row() for pt in scaling]}
+    return out
+
+
+def _print_report(args: argparse.Namespace, shape: ModelShape, hw: HardwareProfile, res: SearchResult,
+                  sim: SimResult, report: CheckReport) -> None:
+    """The machine, the table of the plan against every rule, the MILP's figures, the plan."""
     p = res.plan
     counts = {t: p.boundary_tiers.count(t) for t in ("device", "host", "nvme", "recompute") if t in p.boundary_tiers}
     internal = {t: p.internal_tiers.count(t) for t in ("device", "host", "recompute") if t in p.internal_tiers}
@@ -129,7 +162,7 @@ def plan_command(args: argparse.Namespace) -> int:
     print(head)
     print("-" * len(head))
     best_tps = res.best.sim.tokens_per_s
-    for name, c in rows:
+    for name, c in _rows(res):
         label = f"plan ({p.source})" if name == "plan" else name
         s = c.sim
         print(f"{label:<30}{c.plan.micro_batch_size:>4} x{c.plan.num_micro_batches:>3}{s.step_s:>10.3f}"
@@ -145,15 +178,7 @@ def plan_command(args: argparse.Namespace) -> int:
           f"optimizer moments: "
           f"{len(p.moments or []) - n8} units fp32, {n8} units 8-bit; check: ok "
           f"(peak device {_gb(report.peaks['device'])} GB, host {_gb(report.peaks['host'])} GB)")
-    busy = sim.busy_s
-    print("busy per step: " + ", ".join(f"{k} {v:.2f}s" for k, v in busy.items() if v > 0))
-    if scaling:
-        _print_scaling(scaling, global_batch, args.seq_len)
-    if args.out:
-        print(f"wrote {args.out}")
-    if args.timeline:
-        print(f"wrote {args.timeline}")
-    return 0
+    print("busy per step: " + ", ".join(f"{k} {v:.2f}s" for k, v in sim.busy_s.items() if v > 0))
 
 
 def _print_scaling(points: list[ScalingPoint], global_batch: int, seq_len: int) -> None:

@@ -25,9 +25,10 @@ from .baselines import baseline_tiers, extra_candidates, internal_rules
 from .cost import STATE_NBYTES, CostModel
 from .shape import ModelShape
 from .hardware import HardwareProfile
-from .milp import NVME_STAGING, MilpConfig, MilpResult, StepModel, solve
+from .milp import MilpConfig, MilpResult, solve
 from .plan import Plan
 from .simulator import SimResult, simulate
+from .step_model import NVME_STAGING, StepModel
 
 
 class PlanInfeasible(ValueError):
@@ -186,127 +187,199 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchConfig | None = None) -> SearchResult:
-    cfg = config or SearchConfig()
-    t_start = time.perf_counter()
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    if cfg.global_batch is not None and cfg.global_batch < 1:
-        raise ValueError(f"global batch must be >= 1 sequence, got {cfg.global_batch}")
-    auto = cfg.global_batch is None
-    depths = (cfg.prefetch_depth,) if cfg.prefetch_depth is not None else tuple(sorted(set(cfg.prefetch_depths)))
-    if not depths or min(depths) < 1:
-        raise ValueError(f"prefetch depths must be >= 1, got {depths}")
-    choose_moments(shape, hw)  # the store must fit with 8-bit moments at most: else say so now
-    if cfg.micro_batch_sizes is not None:
-        mbs_list = sorted(set(cfg.micro_batch_sizes))
-    elif auto:
-        mbs_list = [2**k for k in range(0, 20) if 2**k <= cfg.max_micro_batch_size]
-    else:
-        mbs_list = _divisors(cfg.global_batch)  # type: ignore[arg-type]
-    if not auto:
-        bad = [m for m in mbs_list if cfg.global_batch % m]  # type: ignore[operator]
-        if bad:
-            raise ValueError(f"micro-batch sizes {bad} do not divide the global batch {cfg.global_batch}")
-    auto_m = 4
-    L = shape.num_layers
-    rules = {name: (tiers, None) for name, tiers in {**baseline_tiers(L), **extra_candidates(L)}.items()}
-    rules.update(internal_rules(L))
-    tried: list[dict[str, Any]] = []
-    by_name: dict[str, Candidate] = {}
-    milp_at: dict[tuple[int, int], MilpResult] = {}
-    max_mbs = dict.fromkeys([*rules, "milp"], 0)  # 0: fits at no micro-batch size tried
-    solve_s = 0.0
+AUTO_MICRO_BATCHES = 4
+"""Accumulation the auto mode compares micro-batch sizes at (then it picks its own)."""
+
+Rules = dict[str, tuple[list[str], list[str] | None]]
+
+
+@dataclass
+class _Tally:
+    """What the search has found so far, over micro-batch sizes and depths."""
+
+    max_mbs: dict[str, int]
+    """Per rule and ``milp``: the largest micro-batch size tried that fits (0: none)."""
+    tried: list[dict[str, Any]] = field(default_factory=list)
+    by_name: dict[str, Candidate] = field(default_factory=dict)
+    """Per rule and ``milp``: its fastest fitting candidate."""
+    all_fit: list[Candidate] = field(default_factory=list)
+    milp_at: dict[tuple[int, int], MilpResult] = field(default_factory=dict)
+    """(micro-batch size, prefetch depth) -> the MILP solve there."""
+    solve_s: float = 0.0
+    """HiGHS seconds so far (the budget's spending)."""
     smallest_failure: Candidate | None = None
-    all_fit: list[Candidate] = []
-    for mbs in mbs_list:
-        m_count = auto_m if auto else cfg.global_batch // mbs  # type: ignore[operator]
-        mbs_cost = CostModel(shape, hw, mbs, seq_len)
-        a_bytes = mbs_cost.boundary_bytes
-        cands: list[Candidate] = []
-        for depth in depths:
-            kw = dict(micro_batch_size=mbs, num_micro_batches=m_count, seq_len=seq_len,
-                      prefetch_depth=depth, head_chunk_tokens=cfg.head_chunk_tokens)
-            model = StepModel(shape, hw, mbs, seq_len, m_count, depth, cfg.head_chunk_tokens)
-            here: list[Candidate] = []
-            for name, (tiers, internal) in rules.items():
-                moments = rule_moments(shape, hw, tiers, a_bytes, internal, mbs_cost.layer_workspace_bytes)
-                plan = Plan(list(tiers), internal_tiers=internal, source=name, moments=moments, **kw)
-                here.append(Candidate(name, plan, simulate_fast(plan, shape, hw)))
-            fitting = [c for c in here if c.fits
-                       and model.evaluate(c.plan.boundary_tiers, moments=c.plan.moments,
-                                          internal=c.plan.internal_tiers).feasible]
-            warm = max(fitting, key=lambda c: c.sim.tokens_per_s) if fitting else None
-            milp_cfg = _budgeted(cfg, solve_s)
-            res = solve(model, milp_cfg, (warm.name, warm.plan.boundary_tiers) if warm else None,
-                        warm.plan.moments if warm else None, warm.plan.internal_tiers if warm else None)
-            solve_s += res.solve_s
-            if res.tiers is not None:
-                plan = res.plan(model)
-                cand = Candidate("milp", plan, simulate_fast(plan, shape, hw))
-                over = cand.sim.over_capacity()
-                if set(over) <= {"device", "host"} and over:
-                    # the simulator sees what the linear model does not (a gradient still in
-                    # flight, a fetch slot): solve once more with that overflow held back
-                    model = StepModel(shape, hw, mbs, seq_len, m_count, depth, cfg.head_chunk_tokens,
-                                      device_reserve_bytes=over.get("device", 0),
-                                      host_reserve_bytes=over.get("host", 0))
-                    again = solve(model, _budgeted(cfg, solve_s))
-                    solve_s += again.solve_s
-                    if again.tiers is not None:
-                        res = again
-                        plan = res.plan(model)
-                        cand = Candidate("milp", plan, simulate_fast(plan, shape, hw))
-                here.append(cand)
-            milp_at[(mbs, depth)] = res
-            cands += here
+    """The least device-hungry candidate of the first size at which nothing fits."""
+
+    def add(self, mbs: int, cands: list[Candidate]) -> bool:
+        """Record the candidates of micro-batch size ``mbs``; whether any fits."""
         any_fit = False
         for c in cands:
-            tried.append(c.row())
+            self.tried.append(c.row())
             if c.fits:
                 any_fit = True
-                all_fit.append(c)
-                max_mbs[c.name] = max(max_mbs.get(c.name, 0), mbs)
-                cur = by_name.get(c.name)
+                self.all_fit.append(c)
+                self.max_mbs[c.name] = max(self.max_mbs.get(c.name, 0), mbs)
+                cur = self.by_name.get(c.name)
                 if cur is None or c.sim.tokens_per_s > cur.sim.tokens_per_s:
-                    by_name[c.name] = c
-        if not any_fit and smallest_failure is None:
-            smallest_failure = min(cands, key=lambda x: x.sim.peak_device_bytes)
-        if not any_fit and by_name:
+                    self.by_name[c.name] = c
+        if not any_fit and self.smallest_failure is None:
+            self.smallest_failure = min(cands, key=lambda x: x.sim.peak_device_bytes)
+        return any_fit
+
+
+def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchConfig | None = None) -> SearchResult:
+    """The fastest plan that fits in simulation, over micro-batch sizes, prefetch depths, every
+    rule and the MILP (see the module docstring); PlanInfeasible when nothing fits."""
+    cfg = config or SearchConfig()
+    t_start = time.perf_counter()
+    depths = _depths(cfg, seq_len)
+    choose_moments(shape, hw)  # the store must fit with 8-bit moments at most: else say so now
+    auto = cfg.global_batch is None
+    rules = _rules(shape.num_layers)
+    tally = _Tally(dict.fromkeys([*rules, "milp"], 0))
+    for mbs in _micro_batch_sizes(cfg):
+        m_count = AUTO_MICRO_BATCHES if auto else cfg.global_batch // mbs  # type: ignore[operator]
+        cands = []
+        for depth in depths:
+            cands += _candidates(shape, hw, seq_len, cfg, rules, mbs, m_count, depth, tally)
+        if not tally.add(mbs, cands) and tally.by_name:
             break  # larger micro-batches only need more memory
-    if not by_name:
-        raise _infeasible(shape, hw, seq_len, smallest_failure)
-    # screening may have extrapolated: simulate each rule's winner in full before choosing
-    for name, c in list(by_name.items()):
-        full = simulate(c.plan, shape, hw, keep_trace=False)
-        by_name[name] = Candidate(name, c.plan, full)
-        if not full.fits:
-            del by_name[name]
-    if not by_name:
-        raise _infeasible(shape, hw, seq_len, smallest_failure)
+    by_name = _simulated_in_full(tally, shape, hw, seq_len)
     best = max(by_name.values(), key=lambda c: (c.sim.tokens_per_s, c.name == "milp"))
     if "milp" in by_name and by_name["milp"].sim.tokens_per_s >= best.sim.tokens_per_s * (1 - 1e-9):
         best = by_name["milp"]
     if auto:
-        # the smallest micro-batch within tolerance of the best, then the smallest accumulation;
-        # the rules are then shown at that accumulation too, for a like-for-like table
-        top = best.sim.tokens_per_s
-        pool = [c for c in all_fit if c.sim.tokens_per_s >= top * (1 - cfg.auto_tolerance)]
-        pick = min(pool, key=lambda c: (c.plan.micro_batch_size, c.name != "milp", -c.sim.tokens_per_s))
-        best = _pick_accumulation(pick, shape, hw, cfg)
-        best = Candidate(best.name, best.plan, simulate(best.plan, shape, hw, keep_trace=False))
-        for name, c in list(by_name.items()):
-            d = c.plan.to_dict()
-            d["num_micro_batches"] = best.plan.num_micro_batches
-            again = Plan.from_dict(d)
-            sim = simulate(again, shape, hw, keep_trace=False)
-            if sim.fits:
-                by_name[name] = Candidate(name, again, sim)
+        best = _auto_batch(best, tally.all_fit, by_name, shape, hw, cfg)
     plan = best.plan
     plan.source = "milp" if best.name == "milp" else f"planner:{best.name}"
-    res = milp_at.get((plan.micro_batch_size, plan.prefetch_depth))
-    s = best.sim
-    plan.predicted = {
+    res = tally.milp_at.get((plan.micro_batch_size, plan.prefetch_depth))
+    plan.predicted = _predicted(shape, hw, best, res, tally)
+    return SearchResult(plan, best, res, by_name, tally.tried, plan.moments or ["fp32"] * len(shape.unit_names()),
+                        dict(tally.max_mbs), tally.solve_s, time.perf_counter() - t_start)
+
+
+def _depths(cfg: SearchConfig, seq_len: int) -> tuple[int, ...]:
+    """The prefetch depths to try, after checking the config's sizes."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if cfg.global_batch is not None and cfg.global_batch < 1:
+        raise ValueError(f"global batch must be >= 1 sequence, got {cfg.global_batch}")
+    depths = (cfg.prefetch_depth,) if cfg.prefetch_depth is not None else tuple(sorted(set(cfg.prefetch_depths)))
+    if not depths or min(depths) < 1:
+        raise ValueError(f"prefetch depths must be >= 1, got {depths}")
+    return depths
+
+
+def _micro_batch_sizes(cfg: SearchConfig) -> list[int]:
+    """The given sizes, the divisors of the global batch, or (auto) powers of 2."""
+    if cfg.micro_batch_sizes is not None:
+        sizes = sorted(set(cfg.micro_batch_sizes))
+    elif cfg.global_batch is None:
+        sizes = [2**k for k in range(0, 20) if 2**k <= cfg.max_micro_batch_size]
+    else:
+        sizes = _divisors(cfg.global_batch)
+    if cfg.global_batch is not None:
+        bad = [m for m in sizes if cfg.global_batch % m]
+        if bad:
+            raise ValueError(f"micro-batch sizes {bad} do not divide the global batch {cfg.global_batch}")
+    return sizes
+
+
+def _rules(num_layers: int) -> Rules:
+    """Name -> (boundary tiers, internal tiers or None) of every fixed rule."""
+    rules: Rules = {name: (tiers, None)
+                    for name, tiers in {**baseline_tiers(num_layers), **extra_candidates(num_layers)}.items()}
+    rules.update(internal_rules(num_layers))
+    return rules
+
+
+def _candidates(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: SearchConfig, rules: Rules, mbs: int,
+                m_count: int, depth: int, tally: _Tally) -> list[Candidate]:
+    """Every rule at this (micro-batch size, depth) through the simulator, then the MILP warm-
+    started from the fastest rule that fits both models."""
+    kw = dict(micro_batch_size=mbs, num_micro_batches=m_count, seq_len=seq_len,
+              prefetch_depth=depth, head_chunk_tokens=cfg.head_chunk_tokens)
+    mbs_cost = CostModel(shape, hw, mbs, seq_len)
+    here: list[Candidate] = []
+    for name, (tiers, internal) in rules.items():
+        moments = rule_moments(shape, hw, tiers, mbs_cost.boundary_bytes, internal, mbs_cost.layer_workspace_bytes)
+        plan = Plan(list(tiers), internal_tiers=internal, source=name, moments=moments, **kw)
+        here.append(Candidate(name, plan, simulate_fast(plan, shape, hw)))
+    model = StepModel(shape, hw, mbs, seq_len, m_count, depth, cfg.head_chunk_tokens)
+    fitting = [c for c in here if c.fits
+               and model.evaluate(c.plan.boundary_tiers, moments=c.plan.moments,
+                                  internal=c.plan.internal_tiers).feasible]
+    warm = max(fitting, key=lambda c: c.sim.tokens_per_s) if fitting else None
+    res = solve(model, _budgeted(cfg, tally.solve_s), (warm.name, warm.plan.boundary_tiers) if warm else None,
+                warm.plan.moments if warm else None, warm.plan.internal_tiers if warm else None)
+    tally.solve_s += res.solve_s
+    if res.tiers is not None:
+        res, cand = _milp_candidate(shape, hw, seq_len, cfg, model, res, tally)
+        here.append(cand)
+    tally.milp_at[(mbs, depth)] = res
+    return here
+
+
+def _milp_candidate(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: SearchConfig, model: StepModel,
+                    res: MilpResult, tally: _Tally) -> tuple[MilpResult, Candidate]:
+    """The MILP's plan in the simulator. The simulator sees what the linear model does not (a
+    gradient still in flight, a fetch slot): if the plan overflows device or host memory there,
+    solve once more with that overflow held back from the model's capacity."""
+    plan = res.plan(model)
+    cand = Candidate("milp", plan, simulate_fast(plan, shape, hw))
+    over = cand.sim.over_capacity()
+    if set(over) <= {"device", "host"} and over:
+        model = StepModel(shape, hw, model.micro_batch_size, seq_len, model.num_micro_batches, model.prefetch_depth,
+                          cfg.head_chunk_tokens, device_reserve_bytes=over.get("device", 0),
+                          host_reserve_bytes=over.get("host", 0))
+        again = solve(model, _budgeted(cfg, tally.solve_s))
+        tally.solve_s += again.solve_s
+        if again.tiers is not None:
+            res = again
+            plan = res.plan(model)
+            cand = Candidate("milp", plan, simulate_fast(plan, shape, hw))
+    return res, cand
+
+
+def _simulated_in_full(tally: _Tally, shape: ModelShape, hw: HardwareProfile, seq_len: int) -> dict[str, Candidate]:
+    """Screening may have extrapolated: each rule's winner simulated in full (those that fit)."""
+    if not tally.by_name:
+        raise _infeasible(shape, hw, seq_len, tally.smallest_failure)
+    by_name = {}
+    for name, c in tally.by_name.items():
+        full = simulate(c.plan, shape, hw, keep_trace=False)
+        if full.fits:
+            by_name[name] = Candidate(name, c.plan, full)
+    if not by_name:
+        raise _infeasible(shape, hw, seq_len, tally.smallest_failure)
+    return by_name
+
+
+def _auto_batch(best: Candidate, all_fit: list[Candidate], by_name: dict[str, Candidate], shape: ModelShape,
+                hw: HardwareProfile, cfg: SearchConfig) -> Candidate:
+    """Auto mode: the smallest micro-batch within tolerance of the best, then the smallest
+    accumulation; the rules in ``by_name`` are then shown at that accumulation too, for a
+    like-for-like table."""
+    top = best.sim.tokens_per_s
+    pool = [c for c in all_fit if c.sim.tokens_per_s >= top * (1 - cfg.auto_tolerance)]
+    pick = min(pool, key=lambda c: (c.plan.micro_batch_size, c.name != "milp", -c.sim.tokens_per_s))
+    best = _pick_accumulation(pick, shape, hw, cfg)
+    best = Candidate(best.name, best.plan, simulate(best.plan, shape, hw, keep_trace=False))
+    for name, c in list(by_name.items()):
+        d = c.plan.to_dict()
+        d["num_micro_batches"] = best.plan.num_micro_batches
+        again = Plan.from_dict(d)
+        sim = simulate(again, shape, hw, keep_trace=False)
+        if sim.fits:
+            by_name[name] = Candidate(name, again, sim)
+    return best
+
+
+def _predicted(shape: ModelShape, hw: HardwareProfile, best: Candidate, res: MilpResult | None,
+               tally: _Tally) -> dict[str, Any]:
+    """What the emitted plan says of itself (``plan.predicted``)."""
+    plan, s = best.plan, best.sim
+    return {
         "model": shape.name,
         "hardware": hw.name,
         "step_s": s.step_s,
@@ -318,14 +391,12 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
         "milp_objective_s": res.objective_s if res else None,
         "milp_bound_s": res.bound_s if res else None,
         "milp_gap": res.gap if res else None,
-        "solve_s": solve_s,
+        "solve_s": tally.solve_s,
         "prefetch_depth": plan.prefetch_depth,
         "moments_8bit_units": (plan.moments or []).count("8bit"),
         # per rule, the largest micro-batch size tried (up to the largest that fits any) that fits
-        "max_micro_batch_size": dict(max_mbs),
+        "max_micro_batch_size": dict(tally.max_mbs),
     }
-    return SearchResult(plan, best, res, by_name, tried, plan.moments or ["fp32"] * len(shape.unit_names()),
-                        dict(max_mbs), solve_s, time.perf_counter() - t_start)
 
 
 def _budgeted(cfg: SearchConfig, spent_s: float) -> MilpConfig:

@@ -44,153 +44,20 @@ The simulated step is the steady-state one: the time between the ends of consecu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from .cost import CostModel
-from .shape import ModelShape
 from .hardware import HardwareProfile
-from .plan import Plan
 from .memory import FETCH_SLOTS, GRAD_SLOTS, kept_internal_bytes
-from .program import (FETCH_AHEAD, FORWARD_OPS, RECOMPUTE_OPS, OpKind, WeightWindow, micro_batch_program,
+from .plan import Plan
+from .program import (FETCH_AHEAD, RECOMPUTE_OPS, Op, OpKind, WeightWindow, micro_batch_program,
                       weight_schedule)
+from .shape import ModelShape
 from .topology import (REDUCE_BYTES_PER_PARAM, Topology, assign_owners, inter_allreduce_s, intra_reduce_s,
                        rank_hardware)
+from .trace import LANES, Alloc, Interval, Lanes, SimResult, peak_bytes
 
-LANES = ("compute", "h2d", "d2h", "host", "nvme", "optimizer", "intra", "inter")
-
-
-@dataclass
-class Interval:
-    lane: str
-    start: float
-    end: float
-    label: str
-    step: int
-
-
-@dataclass
-class Alloc:
-    tier: str
-    """``device``, ``host`` (pinned activations; the store is counted separately) or ``nvme``."""
-    start: float
-    end: float
-    nbytes: int
-    label: str
-
-
-@dataclass
-class SimResult:
-    plan: Plan
-    step_s: float
-    tokens_per_step: int
-    model_flops_per_step: float
-    busy_s: dict[str, float]
-    """Busy seconds per lane inside the measured step."""
-    peak_device_bytes: int
-    device_cap_bytes: int
-    peak_pinned_act_bytes: int
-    """Peak pinned host bytes held by offloaded activations (and NVMe staging)."""
-    host_store_bytes: int
-    host_cap_bytes: int
-    peak_nvme_bytes: int
-    nvme_cap_bytes: int
-    recompute_s: float
-    """Compute seconds per step spent recomputing dropped boundaries."""
-    window: tuple[float, float]
-    """(start, end) of the measured step on the simulated clock."""
-    intervals: list[Interval] = field(repr=False, default_factory=list)
-    allocs: list[Alloc] = field(repr=False, default_factory=list)
-    op_log: list[dict[str, Any]] = field(repr=False, default_factory=list)
-    """Every compute op: kind, index, micro-batch, step, start, end, needs (weights, boundary)."""
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens_per_step / self.step_s
-
-    @property
-    def achieved_tflops(self) -> float:
-        return self.model_flops_per_step / self.step_s / 1e12
-
-    @property
-    def idle_s(self) -> dict[str, float]:
-        return {k: max(0.0, self.step_s - v) for k, v in self.busy_s.items()}
-
-    @property
-    def peak_host_bytes(self) -> int:
-        return self.host_store_bytes + self.peak_pinned_act_bytes
-
-    def over_capacity(self) -> dict[str, int]:
-        """Bytes over capacity per tier (empty when the plan fits)."""
-        out = {}
-        for tier, used, cap in (("device", self.peak_device_bytes, self.device_cap_bytes),
-                                ("host", self.peak_host_bytes, self.host_cap_bytes),
-                                ("nvme", self.peak_nvme_bytes, self.nvme_cap_bytes)):
-            if used > cap:
-                out[tier] = used - cap
-        return out
-
-    @property
-    def fits(self) -> bool:
-        return not self.over_capacity()
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "step_s": self.step_s,
-            "tokens_per_s": self.tokens_per_s,
-            "achieved_tflops": self.achieved_tflops,
-            "recompute_s": self.recompute_s,
-            "peak_device_bytes": self.peak_device_bytes,
-            "device_cap_bytes": self.device_cap_bytes,
-            "peak_host_bytes": self.peak_host_bytes,
-            "peak_pinned_act_bytes": self.peak_pinned_act_bytes,
-            "peak_nvme_bytes": self.peak_nvme_bytes,
-            "busy_s": dict(self.busy_s),
-            "idle_s": self.idle_s,
-            "fits": self.fits,
-        }
-
-
-def peak_bytes(allocs: list[Alloc], tier: str) -> int:
-    """Largest sum of live ``tier`` allocations at any instant ([start, end) intervals)."""
-    events = []
-    for a in allocs:
-        if a.tier == tier and a.nbytes and a.end > a.start:
-            events.append((a.start, 1, a.nbytes))
-            events.append((a.end, 0, -a.nbytes))
-    events.sort()  # frees (0) before allocations (1) at the same instant
-    cur = best = 0
-    for _, _, d in events:
-        cur += d
-        best = max(best, cur)
-    return best
-
-
-class _Lanes:
-    def __init__(self, synchronous: bool, me: int = 0):
-        self.free: dict[str, float] = {}
-        self.map = {k: k for k in LANES}
-        if synchronous:
-            for k in ("h2d", "d2h", "host", "optimizer", "intra", "inter"):
-                self.map[k] = "compute"
-        self.me = me
-        """The simulated process (local rank); other ranks' lanes are timed, not traced."""
-        self.intervals: list[Interval] = []
-        self.step = 0
-
-    def run(self, lane: str, earliest: float, dur: float, label: str, rank: int | None = None) -> tuple[float, float]:
-        """Run on the simulated process's ``lane``, or on another local ``rank``'s own one."""
-        mine = rank is None or rank == self.me
-        physical = self.map[lane] if mine else f"{lane}@{rank}"
-        start = max(self.free.get(physical, 0.0), earliest)
-        end = start + dur
-        self.free[physical] = end
-        if dur > 0 and mine:
-            self.intervals.append(Interval(lane, start, end, label, self.step))
-        return start, end
-
-    def free_at(self, lane: str) -> float:
-        return self.free.get(self.map[lane], 0.0)
+__all__ = ["LANES", "Alloc", "Interval", "SimResult", "micro_batch_program", "peak_bytes", "simulate"]
 
 
 def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
@@ -207,245 +74,349 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
     topo = topology or Topology()
     topo.check(hw)
     rank_hw = rank_hardware(hw, topo) if topology else hw  # (no topology: the plain one-GPU path)
-    cost = CostModel(shape, rank_hw, plan.micro_batch_size, plan.seq_len, plan.head_chunk_tokens)
-    tiers = plan.boundary_tiers
-    tied = shape.tied
-    depth = plan.prefetch_depth
-    units = shape.unit_names()
-    moments = plan.moments or ["fp32"] * len(units)
-    a_bytes = cost.boundary_bytes
-    accum_s = cost.grad_accumulate_s
-    internal = plan.internal_tiers
-    ops = micro_batch_program(tiers, internal)
-    ws_bytes = cost.layer_workspace_bytes  # one layer's internals as they travel
-    kept_bytes = [kept_internal_bytes(shape, plan, i, cost.tokens, cost.elem_bytes) for i in range(shape.num_layers)]
-    forward_at = {op.index: n for n, op in enumerate(ops) if op.kind == OpKind.LAYER_FWD_KEEP}
-    owners = assign_owners([shape.unit_params(u) for u in units], topo.gpus_per_node)
-    owner = dict(zip(units, owners))
-    owned = [sum(shape.unit_params(u) for u in units if owner[u] == r) for r in range(topo.gpus_per_node)]
-    lanes = _Lanes(hw.synchronous, me=max(range(topo.gpus_per_node), key=lambda r: (owned[r], -r)))
-    last_grad_op = {u: n for n, op in enumerate(ops) for u in op.grad_units(tied)}  # its final landing
+    sim = _Simulation(plan, shape, hw, rank_hw, topo)
+    for step in range(steps):
+        sim.step(step)
+    return sim.result(steps, keep_trace)
 
-    def reduce_bytes(u: str) -> int:
-        return shape.unit_params(u) * REDUCE_BYTES_PER_PARAM
 
-    allocs: list[Alloc] = []
-    op_log: list[dict[str, Any]] = []
-    opt_ready: dict[str, float] = {}
-    step_done: list[float] = []
-    recompute_s = 0.0
-    t_begin = 0.0
+class _MicroBatch:
+    """Where each boundary and each layer's internals are during one micro-batch."""
 
-    def alloc(tier: str, start: float, nbytes: int, label: str, end: float | None = None) -> Alloc:
+    def __init__(self, prev_start: float):
+        self.ready: dict[int, float] = {}
+        """Boundary -> when it is on the device."""
+        self.held: dict[int, Alloc] = {}
+        """Boundary -> its device allocation."""
+        self.offloaded: dict[int, tuple[float, Alloc]] = {}
+        """Host/NVMe boundary -> (when it is in host memory, its host allocation)."""
+        self.nvme_written: dict[int, tuple[float, Alloc]] = {}
+        self.internals_host: dict[int, tuple[float, Alloc]] = {}
+        """Layer with host-tier internals -> (when they are in host memory, their host allocation)."""
+        self.internals_ready: dict[int, float] = {}
+        self.internals_held: dict[int, Alloc] = {}
+        """Layer -> its internals' device allocation."""
+        self.prev_start = prev_start
+        """When the last compute op started (a boundary's fetch is issued then)."""
+        self.issued: list[float] = []
+        """Per op: when the compute queued before it has run."""
+
+
+class _Simulation:
+    """The engine's dependencies, step by step: one method per kind of op (the engine's own
+    ``{OpKind: method}`` dispatch), and per compute op what it leaves behind."""
+
+    def __init__(self, plan: Plan, shape: ModelShape, hw: HardwareProfile, rank_hw: HardwareProfile,
+                 topo: Topology):
+        self.plan, self.shape, self.hw, self.topo = plan, shape, hw, topo
+        cost = self.cost = CostModel(shape, rank_hw, plan.micro_batch_size, plan.seq_len, plan.head_chunk_tokens)
+        self.tiers, self.internal = plan.boundary_tiers, plan.internal_tiers
+        self.tied = shape.tied
+        self.units = shape.unit_names()
+        self.moments = plan.moments or ["fp32"] * len(self.units)
+        self.a_bytes = cost.boundary_bytes
+        self.ops = micro_batch_program(self.tiers, self.internal)
+        # per op, what does not change between micro-batches (each runs the whole program)
+        self.labels = [str(op) for op in self.ops]
+        compute = [op.kind not in (OpKind.FETCH, OpKind.FETCH_INTERNALS) for op in self.ops]
+        self.op_units = [op.units(self.tied) if c else [] for op, c in zip(self.ops, compute)]
+        self.op_grad_units = [op.grad_units(self.tied) if c else [] for op, c in zip(self.ops, compute)]
+        self.op_s = [cost.op_s(op.kind, op.index) if c else 0.0 for op, c in zip(self.ops, compute)]
+        self.op_transient = [cost.op_transient_bytes(op.kind, op.index) if c else 0 for op, c in zip(self.ops, compute)]
+        self.weight_copy_s = {u: cost.h2d_s(cost.unit_weight_bytes(u)) for u in self.units}
+        self.ws_bytes = cost.layer_workspace_bytes  # one layer's internals as they travel
+        self.kept_bytes = [kept_internal_bytes(shape, plan, i, cost.tokens, cost.elem_bytes)
+                           for i in range(shape.num_layers)]
+        self.forward_at = {op.index: n for n, op in enumerate(self.ops) if op.kind == OpKind.LAYER_FWD_KEEP}
+        owners = assign_owners([shape.unit_params(u) for u in self.units], topo.gpus_per_node)
+        self.owner = dict(zip(self.units, owners))
+        owned = [sum(shape.unit_params(u) for u in self.units if self.owner[u] == r)
+                 for r in range(topo.gpus_per_node)]
+        self.lanes = Lanes(hw.synchronous, me=max(range(topo.gpus_per_node), key=lambda r: (owned[r], -r)))
+        self.last_grad_op = {u: n for n, op in enumerate(self.ops) for u in op.grad_units(self.tied)}  # its final landing
+        self.allocs: list[Alloc] = []
+        self.op_log: list[dict[str, Any]] = []
+        self.opt_ready: dict[str, float] = {}
+        self.step_done: list[float] = []
+        self.recompute_s = 0.0
+        self.t_begin = 0.0
+        self._allocate_slots()
+
+    def alloc(self, tier: str, start: float, nbytes: int, label: str, end: float | None = None) -> Alloc:
         a = Alloc(tier, start, end if end is not None else float("inf"), int(nbytes), label)
-        allocs.append(a)
+        self.allocs.append(a)
         return a
 
-    # Slots the engine allocates once (plan.memory): weights, gradients, fetched boundaries.
-    slot_free_at = [0.0] * (depth + 1)
-    slot_allocs = [alloc("device", 0.0, (depth + 1) * max(cost.unit_weight_bytes(u) for u in units),
-                         "weight slots")]
-    if not hw.synchronous:
-        slot_allocs.append(alloc("device", 0.0, GRAD_SLOTS * max(cost.grad_bytes(u) for u in units),
-                                 "grad slots"))
-    num_offloaded = sum(t in ("host", "nvme") for t in tiers)
-    if num_offloaded:
-        slot_allocs.append(alloc("device", 0.0, min(FETCH_SLOTS, num_offloaded) * a_bytes, "fetch slots"))
-    for step in range(steps):
+    def _allocate_slots(self) -> None:
+        """Slots the engine allocates once (plan.memory): weights, gradients, fetched boundaries."""
+        cost, depth = self.cost, self.plan.prefetch_depth
+        self.slot_free_at = [0.0] * (depth + 1)
+        self.slot_allocs = [self.alloc("device", 0.0, (depth + 1) * max(cost.unit_weight_bytes(u) for u in self.units),
+                                       "weight slots")]
+        if not self.hw.synchronous:
+            self.slot_allocs.append(self.alloc("device", 0.0, GRAD_SLOTS * max(cost.grad_bytes(u) for u in self.units),
+                                               "grad slots"))
+        num_offloaded = sum(t in ("host", "nvme") for t in self.tiers)
+        if num_offloaded:
+            self.slot_allocs.append(self.alloc("device", 0.0, min(FETCH_SLOTS, num_offloaded) * self.a_bytes,
+                                               "fetch slots"))
+
+    # ----- one step ------------------------------------------------------------------------
+
+    def step(self, step: int) -> None:
+        """Every micro-batch of step ``step``, then the optimizer (overlapping the next step)."""
+        lanes = self.lanes
         lanes.step = step
-        window = WeightWindow(weight_schedule(ops, tied) * plan.num_micro_batches, depth)
-        w_landed: dict[str, float] = {}  # unit -> when its copy lands in its slot
-        host_clock = t_begin  # when the engine's host thread may issue the next copy
-
-        def copy_in(copies: list[tuple[str, int]], t_issue: float) -> None:
-            """Time the weight copies the window asks for, issued from the host thread in order;
-            each waits for its slot's previous reader (the slot-free event)."""
-            nonlocal host_clock
-            t = max(t_issue, host_clock)
-            for u, slot in copies:
-                t = max(t, opt_ready.get(u, 0.0))  # wait_ready: the host thread blocks
-                _, end = lanes.run("h2d", max(t, slot_free_at[slot]), cost.h2d_s(cost.unit_weight_bytes(u)),
-                                   f"w {u} @{slot}")
-                w_landed[u] = end
-            host_clock = t
-
-        copy_in(window.fill(), t_begin)
-        recompute_this_step = 0.0
-        last_grad_landed = 0.0
-        for mb in range(plan.num_micro_batches):
-            ready: dict[int, float] = {}  # boundary -> when it is on the device
-            held: dict[int, Alloc] = {}  # boundary -> its device allocation
-            offloaded: dict[int, tuple[float, Alloc]] = {}  # host/nvme boundary -> (host ready, host alloc)
-            nvme_written: dict[int, tuple[float, Alloc]] = {}
-            internals_host: dict[int, tuple[float, Alloc]] = {}  # host-tier internals -> (host ready, host alloc)
-            internals_ready: dict[int, float] = {}
-            internals_held: dict[int, Alloc] = {}  # layer -> its internals' device allocation
-            prev_start = lanes.free_at("compute")
-            issued: list[float] = []  # per op: when the compute queued before it has run
-            for n, op in enumerate(ops):
-                t_issue = lanes.free_at("compute")
-                kind, i = op.kind, op.index
-                issued.append(t_issue)
-                ahead = n + FETCH_AHEAD  # the engine starts an NVMe read this far ahead
-                if (ahead < len(ops) and ops[ahead].kind == OpKind.FETCH and tiers[ops[ahead].index] == "nvme"
-                        and ops[ahead].index in nvme_written):  # not yet written: the engine skips it too
-                    j = ops[ahead].index
-                    w_end, nv = nvme_written[j]
-                    s, e = lanes.run("nvme", max(t_issue, w_end), cost.nvme_read_s(a_bytes), f"nvme read b{j}")
-                    nv.end = e
-                    offloaded[j] = (e, alloc("host", s, a_bytes, f"nvme staging b{j}"))
-                if kind == OpKind.FETCH_INTERNALS:
-                    # issued FETCH_AHEAD ops early (not before the layer's forward), after the
-                    # compute queued by then (its memory is fresh from the allocator)
-                    k = max(n - FETCH_AHEAD, forward_at[i] + 1)
-                    host_ready, host_alloc = internals_host.pop(i)
-                    s, e = lanes.run("h2d", max(issued[k], host_ready), cost.h2d_s(ws_bytes),
-                                     f"{OpKind.FETCH_INTERNALS} L{i}")
-                    host_alloc.end = e
-                    internals_ready[i] = e
-                    internals_held[i] = alloc("device", issued[k], kept_bytes[i], f"internals {i} (fetched)")
-                    continue
-                if kind == OpKind.FETCH:
-                    if tiers[i] == "device":
-                        continue
-                    if tiers[i] == "nvme" and i not in offloaded:  # not prefetched: read now
-                        w_end, nv = nvme_written[i]
-                        s, e = lanes.run("nvme", max(t_issue, w_end), cost.nvme_read_s(a_bytes), f"nvme read b{i}")
-                        nv.end = e
-                        offloaded[i] = (e, alloc("host", s, a_bytes, f"nvme staging b{i}"))
-                    host_ready, host_alloc = offloaded.pop(i)
-                    earliest = max(prev_start, host_ready)
-                    s, e = lanes.run("h2d", earliest, cost.h2d_s(a_bytes), f"{OpKind.FETCH} b{i}")
-                    host_alloc.end = e
-                    ready[i] = e
-                    held[i] = alloc("device", s, 0, f"boundary {i} (in a fetch slot)")
-                    continue
-                need_w = 0.0
-                op_units = op.units(tied)
-                for u in op_units:
-                    copy_in(window.acquire(u), t_issue)
-                    need_w = max(need_w, w_landed[u])
-                need_b = 0.0
-                if kind in (OpKind.LAYER_BWD, OpKind.RECOMPUTE_LAYER):
-                    need_b = ready[i]
-                elif kind == OpKind.LAYER_BWD_KEPT:
-                    need_b = internals_ready.get(i, 0.0)
-                dur = cost.op_s(kind, i)
-                start, end = lanes.run("compute", max(t_issue, need_w, need_b), dur, str(op))
-                prev_start = start
-                if kind in RECOMPUTE_OPS:
-                    recompute_this_step += dur
-                op_log.append({"kind": kind, "index": i, "mb": mb, "step": step, "start": start, "end": end,
-                               "units": op_units, "slots": [window.slot(u) for u in op_units]})
-                tb = cost.op_transient_bytes(kind, i)
-                if tb:
-                    alloc("device", start, tb, f"transient {op}", end)
-                for u in op_units:
-                    slot = window.release(u)
-                    if slot is not None:
-                        slot_free_at[slot] = end
-                copy_in(window.fill(), t_issue)
-                if kind == OpKind.LAYER_FWD_KEEP:
-                    if internal[i] == "device":
-                        internals_held[i] = alloc("device", end, kept_bytes[i], f"internals {i} (kept)")
-                    else:  # copied out as the forward makes them
-                        s, e = lanes.run("d2h", start, cost.d2h_s(ws_bytes), f"offload L{i}")
-                        if e > end:
-                            alloc("device", end, ws_bytes, f"internals {i} (in flight)", e)
-                        internals_host[i] = (e, alloc("host", s, ws_bytes, f"internals {i} (host)"))
-                if kind == OpKind.EMBED_FWD:
-                    ready[0] = end
-                elif kind in FORWARD_OPS:
-                    tier = tiers[i]
-                    if tier == "device":
-                        ready[i] = start
-                        held[i] = alloc("device", start, a_bytes, f"boundary {i} (kept)")
-                    elif tier in ("host", "nvme"):
-                        s, e = lanes.run("d2h", start, cost.d2h_s(a_bytes), f"offload b{i}")
-                        if e > end:  # the copy holds the device buffer until it is done
-                            alloc("device", end, a_bytes, f"boundary {i} (in flight)", e)
-                        host = alloc("host", s, a_bytes, f"boundary {i} ({tier})")
-                        if tier == "host":
-                            offloaded[i] = (e, host)
-                        else:
-                            ws, we = lanes.run("nvme", e, cost.nvme_write_s(a_bytes), f"nvme write b{i}")
-                            host.end = we
-                            nvme_written[i] = (we, alloc("nvme", ws, a_bytes, f"boundary {i} (nvme)"))
-                elif kind == OpKind.RECOMPUTE_EMBED:
-                    ready[0] = end
-                    held[0] = alloc("device", start, a_bytes, "boundary 0 (recomputed)")
-                elif kind == OpKind.RECOMPUTE_LAYER:
-                    ready[i + 1] = end
-                    held[i + 1] = alloc("device", start, a_bytes, f"boundary {i + 1} (recomputed)")
-                elif kind == OpKind.LAYER_BWD:
-                    held.pop(i).end = end
-                elif kind == OpKind.LAYER_BWD_KEPT:
-                    internals_held.pop(i).end = end
-                    # its stored boundary, if no recompute above fetched it, is let go unread
-                    for a in (held.pop(i, None), offloaded.pop(i, (0, None))[1], nvme_written.pop(i, (0, None))[1]):
-                        if a is not None:
-                            a.end = min(a.end, end)
-                for u in op.grad_units(tied):
-                    gb = cost.grad_bytes(u)
-                    t_out, lander = end, None  # who lands it: every process, or (reduced on the GPUs) its owner
-                    if topo.grad_reduce == "device":
-                        _, t_out = lanes.run("intra", end, intra_reduce_s(gb, hw, topo), f"reduce {u}")
-                        lander = owner[u]
-                    # the synchronous (CPU) backend accumulates the device grad in place: no copy
-                    s, e = lanes.run("d2h", t_out, 0.0 if hw.synchronous else cost.d2h_s(gb), f"grad {u}", rank=lander)
-                    if e > end and kind == OpKind.HEAD and lander in (None, lanes.me):  # others leave from a grad slot
-                        alloc("device", end, gb * 4 // cost.elem_bytes, f"grad {u} (fp32, in flight)", e)
-                    _, landed = lanes.run("host", e, accum_s(u), f"accumulate {u}", rank=lander)
-                    if mb == plan.num_micro_batches - 1 and last_grad_op[u] == n:  # the step's sum: reduce it
-                        if topo.grad_reduce == "host":
-                            _, landed = lanes.run("intra", landed, intra_reduce_s(reduce_bytes(u), hw, topo),
-                                                  f"reduce {u}")
-                        _, landed = lanes.run("inter", landed, inter_allreduce_s(reduce_bytes(u), hw, topo),
-                                              f"all-reduce {u}", rank=owner[u])
-                    last_grad_landed = max(last_grad_landed, landed)
-            assert not held and not internals_held, f"left on the device: {sorted(held)}, {sorted(internals_held)}"
-        done = max(lanes.free_at("compute"), last_grad_landed)
-        step_done.append(done)
-        recompute_s = recompute_this_step
+        self.window = WeightWindow(weight_schedule(self.ops, self.tied) * self.plan.num_micro_batches,
+                                   self.plan.prefetch_depth)
+        self.w_landed: dict[str, float] = {}  # unit -> when its copy lands in its slot
+        self.host_clock = self.t_begin  # when the engine's host thread may issue the next copy
+        self.copy_in(self.window.fill(), self.t_begin)
+        self.recompute_this_step = 0.0
+        self.last_grad_landed = 0.0
+        for mb in range(self.plan.num_micro_batches):
+            self.micro_batch(mb, step)
+        done = max(lanes.free_at("compute"), self.last_grad_landed)
+        self.step_done.append(done)
+        self.recompute_s = self.recompute_this_step
         lanes.step = step
-        for u, m in zip(units, moments):  # each owner its own units, in order
-            _, opt_ready[u] = lanes.run("optimizer", done, cost.optimizer_s(u, m), f"update {u}", rank=owner[u])
-        t_begin = done
+        for u, m in zip(self.units, self.moments):  # each owner its own units, in order
+            _, self.opt_ready[u] = lanes.run("optimizer", done, self.cost.optimizer_s(u, m), f"update {u}",
+                                             rank=self.owner[u])
+        self.t_begin = done
 
-    for a in slot_allocs:  # freed when the engine is
-        a.end = max(step_done[-1], *opt_ready.values())
-    t0 = step_done[-2] if steps >= 2 else 0.0
-    t1 = step_done[-1]
-    step_s = t1 - t0
-    busy = {k: 0.0 for k in LANES}
-    for iv in lanes.intervals:
-        lo, hi = max(iv.start, t0), min(iv.end, t1)
-        if hi > lo:
-            busy[iv.lane] += hi - lo
-    if hw.synchronous:
-        busy = {k: v for k, v in busy.items() if k in ("compute", "h2d", "d2h", "host", "nvme", "optimizer")}
-    tokens = plan.num_micro_batches * plan.micro_batch_size * plan.seq_len
-    g = topo.gpus_per_node
-    own_grads = topo.grad_reduce == "host"
-    return SimResult(
-        plan=plan,
-        step_s=step_s,
-        tokens_per_step=tokens,
-        model_flops_per_step=plan.num_micro_batches * cost.model_flops(),
-        busy_s=busy,
-        peak_device_bytes=peak_bytes(allocs, "device"),
-        device_cap_bytes=hw.device_cap_bytes,
-        peak_pinned_act_bytes=g * peak_bytes(allocs, "host"),
-        # the node's: one store, the other processes' own fp32 gradients (summed on the host: each
-        # keeps its own), everyone's activations
-        host_store_bytes=cost.host_store_bytes(plan.moments, bf16_grads=plan.num_micro_batches == 1 and g == 1)
-        + (g - 1) * own_grads * cost.store_footprint().grad,
-        host_cap_bytes=hw.host_cap_bytes,
-        peak_nvme_bytes=g * peak_bytes(allocs, "nvme"),
-        nvme_cap_bytes=hw.nvme_capacity_bytes,
-        recompute_s=recompute_s,
-        window=(t0, t1),
-        intervals=lanes.intervals if keep_trace else [],
-        allocs=allocs if keep_trace else [],
-        op_log=op_log if keep_trace else [],
-    )
+    def copy_in(self, copies: list[tuple[str, int]], t_issue: float) -> None:
+        """Time the weight copies the window asks for, issued from the host thread in order;
+        each waits for its slot's previous reader (the slot-free event)."""
+        t = max(t_issue, self.host_clock)
+        for u, slot in copies:
+            t = max(t, self.opt_ready.get(u, 0.0))  # wait_ready: the host thread blocks
+            _, end = self.lanes.run("h2d", max(t, self.slot_free_at[slot]), self.weight_copy_s[u], f"w {u} @{slot}")
+            self.w_landed[u] = end
+        self.host_clock = t
+
+    def micro_batch(self, mb: int, step: int) -> None:
+        mbs = _MicroBatch(self.lanes.free_at("compute"))
+        for n, op in enumerate(self.ops):
+            t_issue = self.lanes.free_at("compute")
+            mbs.issued.append(t_issue)
+            self._read_ahead(mbs, n, t_issue)
+            handler = _BY_KIND.get(op.kind)
+            if handler is not None:
+                handler(self, mbs, n, op, t_issue)
+            else:
+                self._compute(mbs, n, op, t_issue, mb, step)
+        assert not mbs.held and not mbs.internals_held, \
+            f"left on the device: {sorted(mbs.held)}, {sorted(mbs.internals_held)}"
+
+    # ----- ops that move data ----------------------------------------------------------------
+
+    def _read_ahead(self, mbs: _MicroBatch, n: int, t_issue: float) -> None:
+        """The engine starts an NVMe read FETCH_AHEAD ops before its fetch (a boundary not yet
+        written is skipped, as the engine skips it)."""
+        ahead = n + FETCH_AHEAD
+        if ahead < len(self.ops):
+            op = self.ops[ahead]
+            if op.kind == OpKind.FETCH and self.tiers[op.index] == "nvme" and op.index in mbs.nvme_written:
+                self._nvme_read(mbs, op.index, t_issue)
+
+    def _nvme_read(self, mbs: _MicroBatch, j: int, t_issue: float) -> None:
+        w_end, nv = mbs.nvme_written[j]
+        s, e = self.lanes.run("nvme", max(t_issue, w_end), self.cost.nvme_read_s(self.a_bytes), f"nvme read b{j}")
+        nv.end = e
+        mbs.offloaded[j] = (e, self.alloc("host", s, self.a_bytes, f"nvme staging b{j}"))
+
+    def _fetch(self, mbs: _MicroBatch, n: int, op: Op, t_issue: float) -> None:
+        """A host/NVMe boundary back into a fetch slot, issued when the compute op before starts."""
+        i = op.index
+        if self.tiers[i] == "device":
+            return
+        if self.tiers[i] == "nvme" and i not in mbs.offloaded:  # not prefetched: read now
+            self._nvme_read(mbs, i, t_issue)
+        host_ready, host_alloc = mbs.offloaded.pop(i)
+        earliest = max(mbs.prev_start, host_ready)
+        s, e = self.lanes.run("h2d", earliest, self.cost.h2d_s(self.a_bytes), f"{OpKind.FETCH} b{i}")
+        host_alloc.end = e
+        mbs.ready[i] = e
+        mbs.held[i] = self.alloc("device", s, 0, f"boundary {i} (in a fetch slot)")
+
+    def _fetch_internals(self, mbs: _MicroBatch, n: int, op: Op, t_issue: float) -> None:
+        """Host-tier internals back, issued FETCH_AHEAD ops early (not before the layer's forward),
+        after the compute queued by then (its memory is fresh from the allocator)."""
+        i = op.index
+        k = max(n - FETCH_AHEAD, self.forward_at[i] + 1)
+        host_ready, host_alloc = mbs.internals_host.pop(i)
+        s, e = self.lanes.run("h2d", max(mbs.issued[k], host_ready), self.cost.h2d_s(self.ws_bytes),
+                              f"{OpKind.FETCH_INTERNALS} L{i}")
+        host_alloc.end = e
+        mbs.internals_ready[i] = e
+        mbs.internals_held[i] = self.alloc("device", mbs.issued[k], self.kept_bytes[i], f"internals {i} (fetched)")
+
+    # ----- compute ops -------------------------------------------------------------------------
+
+    def _compute(self, mbs: _MicroBatch, n: int, op: Op, t_issue: float, mb: int, step: int) -> None:
+        """A compute op: waits for its weights and its input, runs, frees its weight slots, and
+        leaves behind what :data:`_AFTER` says; its gradients go out when it ends."""
+        kind, i, window = op.kind, op.index, self.window
+        need_w = 0.0
+        op_units = self.op_units[n]
+        for u in op_units:
+            self.copy_in(window.acquire(u), t_issue)
+            need_w = max(need_w, self.w_landed[u])
+        need_b = 0.0
+        if kind in (OpKind.LAYER_BWD, OpKind.RECOMPUTE_LAYER):
+            need_b = mbs.ready[i]
+        elif kind == OpKind.LAYER_BWD_KEPT:
+            need_b = mbs.internals_ready.get(i, 0.0)
+        dur = self.op_s[n]
+        start, end = self.lanes.run("compute", max(t_issue, need_w, need_b), dur, self.labels[n])
+        mbs.prev_start = start
+        if kind in RECOMPUTE_OPS:
+            self.recompute_this_step += dur
+        self.op_log.append({"kind": kind, "index": i, "mb": mb, "step": step, "start": start, "end": end,
+                            "units": list(op_units), "slots": [window.slot(u) for u in op_units]})
+        tb = self.op_transient[n]
+        if tb:
+            self.alloc("device", start, tb, f"transient {self.labels[n]}", end)
+        for u in op_units:
+            slot = window.release(u)
+            if slot is not None:
+                self.slot_free_at[slot] = end
+        self.copy_in(window.fill(), t_issue)
+        effect = _AFTER.get(kind)
+        if effect is not None:
+            effect(self, mbs, i, start, end)
+        for u in self.op_grad_units[n]:
+            self._gradient(u, kind, n, end, mb)
+
+    def _embedded(self, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
+        mbs.ready[0] = end
+
+    def _store_boundary(self, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
+        """A layer's forward stores its input boundary per the plan: held on the device, or copied
+        out as it runs (NVMe: then written by the I/O thread)."""
+        tier = self.tiers[i]
+        a_bytes = self.a_bytes
+        if tier == "device":
+            mbs.ready[i] = start
+            mbs.held[i] = self.alloc("device", start, a_bytes, f"boundary {i} (kept)")
+        elif tier in ("host", "nvme"):
+            s, e = self.lanes.run("d2h", start, self.cost.d2h_s(a_bytes), f"offload b{i}")
+            if e > end:  # the copy holds the device buffer until it is done
+                self.alloc("device", end, a_bytes, f"boundary {i} (in flight)", e)
+            host = self.alloc("host", s, a_bytes, f"boundary {i} ({tier})")
+            if tier == "host":
+                mbs.offloaded[i] = (e, host)
+            else:
+                ws, we = self.lanes.run("nvme", e, self.cost.nvme_write_s(a_bytes), f"nvme write b{i}")
+                host.end = we
+                mbs.nvme_written[i] = (we, self.alloc("nvme", ws, a_bytes, f"boundary {i} (nvme)"))
+
+    def _keep_internals(self, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
+        """A forward that keeps its layer's internals: held on the device, or copied out as the
+        forward makes them; then its input boundary is stored like any forward's."""
+        if self.internal[i] == "device":
+            mbs.internals_held[i] = self.alloc("device", end, self.kept_bytes[i], f"internals {i} (kept)")
+        else:
+            s, e = self.lanes.run("d2h", start, self.cost.d2h_s(self.ws_bytes), f"offload L{i}")
+            if e > end:
+                self.alloc("device", end, self.ws_bytes, f"internals {i} (in flight)", e)
+            mbs.internals_host[i] = (e, self.alloc("host", s, self.ws_bytes, f"internals {i} (host)"))
+        self._store_boundary(mbs, i, start, end)
+
+    def _recomputed_embed(self, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
+        self._recomputed(mbs, 0, start, end)
+
+    def _recomputed_layer(self, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
+        self._recomputed(mbs, i + 1, start, end)
+
+    def _recomputed(self, mbs: _MicroBatch, j: int, start: float, end: float) -> None:
+        """Boundary ``j`` made again, held from the start of the op that makes it."""
+        mbs.ready[j] = end
+        mbs.held[j] = self.alloc("device", start, self.a_bytes, f"boundary {j} (recomputed)")
+
+    def _release_boundary(self, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
+        mbs.held.pop(i).end = end
+
+    def _release_internals(self, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
+        """Its internals are freed; its stored boundary, if no recompute above fetched it, is let
+        go unread."""
+        mbs.internals_held.pop(i).end = end
+        for a in (mbs.held.pop(i, None), mbs.offloaded.pop(i, (0, None))[1], mbs.nvme_written.pop(i, (0, None))[1]):
+            if a is not None:
+                a.end = min(a.end, end)
+
+    def _gradient(self, u: str, kind: OpKind, n: int, end: float, mb: int) -> None:
+        """Unit ``u``'s gradient: reduced on the GPUs first (``grad_reduce="device"``), copied
+        out, accumulated on the host; after the step's last micro-batch the sum is reduced."""
+        lanes, cost, hw, topo = self.lanes, self.cost, self.hw, self.topo
+        gb = cost.grad_bytes(u)
+        t_out, lander = end, None  # who lands it: every process, or (reduced on the GPUs) its owner
+        if topo.grad_reduce == "device":
+            _, t_out = lanes.run("intra", end, intra_reduce_s(gb, hw, topo), f"reduce {u}")
+            lander = self.owner[u]
+        # the synchronous (CPU) backend accumulates the device grad in place: no copy
+        s, e = lanes.run("d2h", t_out, 0.0 if hw.synchronous else cost.d2h_s(gb), f"grad {u}", rank=lander)
+        if e > end and kind == OpKind.HEAD and lander in (None, lanes.me):  # others leave from a grad slot
+            self.alloc("device", end, gb * 4 // cost.elem_bytes, f"grad {u} (fp32, in flight)", e)
+        _, landed = lanes.run("host", e, cost.grad_accumulate_s(u), f"accumulate {u}", rank=lander)
+        if mb == self.plan.num_micro_batches - 1 and self.last_grad_op[u] == n:  # the step's sum: reduce it
+            reduce_bytes = self.shape.unit_params(u) * REDUCE_BYTES_PER_PARAM
+            if topo.grad_reduce == "host":
+                _, landed = lanes.run("intra", landed, intra_reduce_s(reduce_bytes, hw, topo), f"reduce {u}")
+            _, landed = lanes.run("inter", landed, inter_allreduce_s(reduce_bytes, hw, topo), f"all-reduce {u}",
+                                  rank=self.owner[u])
+        self.last_grad_landed = max(self.last_grad_landed, landed)
+
+    # ----- the result --------------------------------------------------------------------------
+
+    def result(self, steps: int, keep_trace: bool) -> SimResult:
+        """The last step (between the ends of the last two), its lanes' busy seconds and peaks."""
+        plan, hw, cost, topo = self.plan, self.hw, self.cost, self.topo
+        for a in self.slot_allocs:  # freed when the engine is
+            a.end = max(self.step_done[-1], *self.opt_ready.values())
+        t0 = self.step_done[-2] if steps >= 2 else 0.0
+        t1 = self.step_done[-1]
+        busy = {k: 0.0 for k in LANES}
+        for iv in self.lanes.intervals:
+            lo, hi = max(iv.start, t0), min(iv.end, t1)
+            if hi > lo:
+                busy[iv.lane] += hi - lo
+        if hw.synchronous:
+            busy = {k: v for k, v in busy.items() if k in ("compute", "h2d", "d2h", "host", "nvme", "optimizer")}
+        g = topo.gpus_per_node
+        own_grads = topo.grad_reduce == "host"
+        return SimResult(
+            plan=plan,
+            step_s=t1 - t0,
+            tokens_per_step=plan.num_micro_batches * plan.micro_batch_size * plan.seq_len,
+            model_flops_per_step=plan.num_micro_batches * cost.model_flops(),
+            busy_s=busy,
+            peak_device_bytes=peak_bytes(self.allocs, "device"),
+            device_cap_bytes=hw.device_cap_bytes,
+            peak_pinned_act_bytes=g * peak_bytes(self.allocs, "host"),
+            # the node's: one store, the other processes' own fp32 gradients (summed on the host:
+            # each keeps its own), everyone's activations
+            host_store_bytes=cost.host_store_bytes(plan.moments, bf16_grads=plan.num_micro_batches == 1 and g == 1)
+            + (g - 1) * own_grads * cost.store_footprint().grad,
+            host_cap_bytes=hw.host_cap_bytes,
+            peak_nvme_bytes=g * peak_bytes(self.allocs, "nvme"),
+            nvme_cap_bytes=hw.nvme_capacity_bytes,
+            recompute_s=self.recompute_s,
+            window=(t0, t1),
+            intervals=self.lanes.intervals if keep_trace else [],
+            allocs=self.allocs if keep_trace else [],
+            op_log=self.op_log if keep_trace else [],
+        )
+
+
+# The dispatch tables hold the plain functions, not bound methods: a simulation that held its own
+# bound methods would be a reference cycle, kept (with its whole trace) until the cyclic
+# collector runs, which then walks every allocation and interval the search has made.
+_BY_KIND = {OpKind.FETCH: _Simulation._fetch, OpKind.FETCH_INTERNALS: _Simulation._fetch_internals}
+"""Ops that move data; every other kind runs on the compute lane (``_Simulation._compute``)."""
+_AFTER = {OpKind.EMBED_FWD: _Simulation._embedded, OpKind.LAYER_FWD: _Simulation._store_boundary,
+          OpKind.LAYER_FWD_KEEP: _Simulation._keep_internals, OpKind.RECOMPUTE_EMBED: _Simulation._recomputed_embed,
+          OpKind.RECOMPUTE_LAYER: _Simulation._recomputed_layer, OpKind.LAYER_BWD: _Simulation._release_boundary,
+          OpKind.LAYER_BWD_KEPT: _Simulation._release_internals}
+"""What a compute op leaves behind (a stored, recomputed or released boundary or internals)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .program import OpKind
-from .simulator import LANES, SimResult
+from .trace import LANES, SimResult
 
 # one colour per kind of work, so a glance tells compute from copies from recompute
 # (label prefix, legend name, colour); the first matching prefix wins. Compute ops are labelled

@@ -1,0 +1,269 @@
+"""The linear step model: the MILP's constants for one (model, machine, micro-batch shape), and
+the step time and capacity check of a fixed assignment under it, and an exact dynamic program
+for the device/host-only case (:func:`dp_device_host`, the MILP's cross-check).
+
+Every constant comes from :class:`~.cost.CostModel`, the cost model the simulator uses too, so
+the MILP and the simulator price an op alike; the MILP is this model with its choices left open
+(:mod:`.formulation`), and :meth:`StepModel.evaluate` is the same model for a fixed choice (an
+upper bound on the MILP's value for it: warm starts, rules screened before a solve).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..models.names import EMBED, layer_unit
+from .cost import STATE_NBYTES, CostModel
+from .hardware import HardwareProfile
+from .memory import FETCH_SLOTS, GRAD_SLOTS
+from .program import Op, OpKind
+from .shape import ModelShape
+
+NVME_STAGING = 2
+"""Host buffers NVMe traffic holds: one boundary waiting for its write, one read back ahead of
+its fetch. Only a plan with an NVMe boundary needs them (the simulator allocates them then)."""
+
+
+@dataclass
+class ModelEval:
+    step_s: float
+    feasible: bool
+    violations: dict[str, float] = field(default_factory=dict)
+    """Constraint -> amount over (bytes or seconds), for infeasible assignments."""
+    f: list[float] = field(default_factory=list, repr=False)
+    b: list[float] = field(default_factory=list, repr=False)
+    run: list[int] = field(default_factory=list, repr=False)
+    needed: list[float] = field(default_factory=list, repr=False)
+    """Per boundary: 1 when the backward needs it (its layer recomputes its internals, or the
+    boundary above is needed and dropped)."""
+    recomputed: list[float] = field(default_factory=list, repr=False)
+    stall: float = 0.0
+
+
+class StepModel:
+    """Constants of the linear step model for one (model, machine, micro-batch shape)."""
+
+    def __init__(self, shape: ModelShape, hw: HardwareProfile, micro_batch_size: int, seq_len: int,
+                 num_micro_batches: int = 1, prefetch_depth: int = 1, head_chunk_tokens: int = 1024,
+                 moments: list[str] | None = None, device_reserve_bytes: int = 0, host_reserve_bytes: int = 0):
+        """``device_reserve_bytes`` / ``host_reserve_bytes``: capacity held back from the linear
+        model, for what it does not see (the search sets them from the simulator's overflow)."""
+        self.shape, self.hw = shape, hw
+        self.micro_batch_size, self.seq_len = micro_batch_size, seq_len
+        self.num_micro_batches = num_micro_batches
+        self.prefetch_depth = prefetch_depth
+        self.head_chunk_tokens = head_chunk_tokens
+        self.moments = moments
+        cost = self.cost = CostModel(shape, hw, micro_batch_size, seq_len, head_chunk_tokens)
+        L = self.L = shape.num_layers
+        a = self.a_bytes = cost.boundary_bytes
+        lw = [cost.unit_weight_bytes(layer_unit(i)) for i in range(L)]
+        self.c_fwd = [cost.layer_fwd_s(i) for i in range(L)]
+        self.w_in = [cost.h2d_s(b) for b in lw]
+        self.a_out = cost.d2h_s(a)
+        self.a_in = cost.h2d_s(a)
+        # window lower bounds that do not depend on the choice
+        self.f_lb = [max(self.c_fwd[i], self.w_in[i]) for i in range(L)]
+        self.b_lb = [max(cost.layer_bwd_s(i), self.w_in[i], cost.d2h_s(lw[i])) for i in range(L)]
+        # a layer with kept internals: forward with a graph, backward without the forward; its
+        # internals (ws bytes) copied out in its forward window and back in its backward window
+        # on the host tier
+        self.c_fwd_keep = [cost.layer_fwd_keep_s(i) for i in range(L)]
+        self.c_bwd = [cost.layer_bwd_s(i) for i in range(L)]
+        self.c_bwd_kept = [cost.layer_bwd_kept_s(i) for i in range(L)]
+        self.grad_out = [cost.d2h_s(b) for b in lw]
+        ws = cost.layer_workspace_bytes
+        self.ws_ratio = ws / a
+        """One layer's internals in boundaries (the unit of the capacity rows)."""
+        self.ws_out = cost.d2h_s(ws)
+        self.ws_in = cost.h2d_s(ws)
+        # the host accumulation lane queues: it only has to keep up over a whole micro-batch
+        self.accumulate = sum(cost.grad_accumulate_s(u) for u in shape.unit_names()) + (
+            cost.grad_accumulate_s(EMBED) if shape.tied else 0.0)
+        emb_w = cost.unit_weight_bytes(EMBED)
+        head_w = sum(cost.unit_weight_bytes(u) for u in Op(OpKind.HEAD).units(shape.tied))
+        self.e_fwd = max(cost.embed_s, cost.h2d_s(emb_w))
+        self.head = max(cost.head_s, cost.h2d_s(head_w), cost.d2h_s(head_w))
+        self.e_bwd = max(cost.embed_s, cost.h2d_s(emb_w), cost.d2h_s(emb_w))
+        # a dropped boundary k costs the forward of layer k-1 (boundary 0: the embedding) again,
+        # with that layer's weights streamed again
+        self.recompute = [self.e_fwd] + [max(self.c_fwd[k - 1], self.w_in[k - 1]) for k in range(1, L)]
+        # after the last backward: the last gradient lands, then the optimizer starts
+        self.tail = cost.d2h_s(emb_w) + cost.grad_accumulate_s(EMBED)
+        units = self.units = shape.unit_names()
+        self.emb_w_in = cost.h2d_s(emb_w)
+        # per unit: optimizer seconds with fp32 and with 8-bit moments, and the host bytes 8-bit
+        # moments free (the MILP may switch any unit; ``moments`` is the fixed choice evaluated)
+        self.opt_fp32 = [cost.optimizer_s(u, "fp32") for u in units]
+        self.opt_8bit = [cost.optimizer_s(u, "8bit") for u in units]
+        self.saving_8bit = [STATE_NBYTES["fp32"](n) - STATE_NBYTES["8bit"](n)
+                            for n in (shape.unit_params(u) for u in units)]
+        # device memory at the head and at each layer's backward: the engine's slots (fetch
+        # slots counted whatever the tiers, so the constants do not depend on them) plus the op's
+        # transient
+        self.dev_cap = hw.device_cap_bytes - device_reserve_bytes
+        largest_w = max(cost.unit_weight_bytes(u) for u in units)
+        slots = ((self.prefetch_depth + 1) * largest_w + (0 if hw.synchronous else GRAD_SLOTS * largest_w)
+                 + FETCH_SLOTS * a)
+        self.c_bwd_mem = [slots + cost.op_transient_bytes(OpKind.LAYER_BWD, i) for i in range(L)]
+        self.c_head_mem = slots + cost.op_transient_bytes(OpKind.HEAD)
+        # host: what the store leaves (all-fp32 moments; each 8-bit unit frees saving_8bit)
+        self.host_budget_fp32 = hw.host_cap_bytes - host_reserve_bytes - cost.host_store_bytes(["fp32"] * len(units))
+        self.host_budget = self.host_budget_for(moments)
+        self.nvme_cap = hw.nvme_capacity_bytes
+        self.nvme_rw = a / (hw.nvme_write_gbps * 1e9) + a / (hw.nvme_read_gbps * 1e9)
+        self.nvme_read = a / (hw.nvme_read_gbps * 1e9)
+
+    # capacity limits in units of boundaries
+    def max_device_prefix(self, i: int) -> float:
+        """Device-kept boundaries <= i plus held recomputed ones allowed at layer i's backward."""
+        return (self.dev_cap - self.c_bwd_mem[i]) / self.a_bytes - 2
+
+    def max_device_total(self) -> float:
+        return min((self.dev_cap - self.c_head_mem) / self.a_bytes - 1, self.max_device_prefix(self.L - 1))
+
+    def optimizer_bounds(self, moments: list[str] | None) -> tuple[float, list[float]]:
+        """(when the embedding's update is on the device, per layer k the earliest end of its
+        next forward: its update + its copy + its compute), the optimizer running units in order."""
+        mom = moments or ["fp32"] * len(self.units)
+        t, cum = 0.0, []
+        for k, m in enumerate(mom):
+            t += self.opt_8bit[k] if m == "8bit" else self.opt_fp32[k]
+            cum.append(t)
+        return (cum[0] + self.emb_w_in,
+                [cum[1 + k] + self.w_in[k] + self.c_fwd[k] for k in range(self.L)])
+
+    def host_budget_for(self, moments: list[str] | None) -> float:
+        """Host bytes left for offloaded boundaries (and NVMe staging) beside the store."""
+        return self.host_budget_fp32 + sum(s for s, m in zip(self.saving_8bit, moments or []) if m == "8bit")
+
+    def max_host(self) -> float:
+        """Host-offloaded boundaries that fit beside the store (with ``moments``). NVMe staging
+        (NVME_STAGING boundaries) is charged only when some boundary goes to NVMe."""
+        return self.host_budget / self.a_bytes
+
+    def max_nvme(self) -> float:
+        return self.nvme_cap / self.a_bytes
+
+    def const_s(self) -> float:
+        """Step seconds that no boundary choice changes."""
+        return self.num_micro_batches * (self.e_fwd + self.head + self.e_bwd) + self.tail
+
+    # ----- evaluate a fixed assignment ----------------------------------------------------
+
+    def needed(self, tiers: list[str], internal: list[str]) -> tuple[list[float], list[float]]:
+        """Per boundary: (needed by the backward, recomputed). A boundary is needed when its layer
+        recomputes its internals, or when the boundary above is needed and dropped (the recompute
+        of that one starts below it); a needed dropped boundary is recomputed once."""
+        L = self.L
+        needed, rec = [0.0] * L, [0.0] * L
+        for i in reversed(range(L)):
+            above = i + 1 < L and needed[i + 1] and tiers[i + 1] == "recompute"
+            needed[i] = 1.0 if internal[i] == "recompute" or above else 0.0
+            rec[i] = 1.0 if needed[i] and tiers[i] == "recompute" else 0.0
+        return needed, rec
+
+    def evaluate(self, tiers: list[str], include_stall: bool = True,
+                 moments: list[str] | None = None, internal: list[str] | None = None) -> ModelEval:
+        """The model's step time for ``tiers`` and ``internal`` tiers (default: all recompute) with
+        ``moments`` (default: the model's); an upper bound on the MILP's value for that assignment."""
+        L = self.L
+        moments = moments if moments is not None else self.moments
+        internal = internal or ["recompute"] * L
+        embed_ready, layer_done = self.optimizer_bounds(moments)
+        viol: dict[str, float] = {}
+        off = [1.0 if t in ("host", "nvme") else 0.0 for t in tiers]
+        kept = [0.0 if t == "recompute" else 1.0 for t in internal]
+        hostk = [1.0 if t == "host" else 0.0 for t in internal]
+        f = [max(self.w_in[i], self.c_fwd[i] + (self.c_fwd_keep[i] - self.c_fwd[i]) * kept[i],
+                 self.a_out * off[i] + self.ws_out * hostk[i]) for i in range(L)]
+        b = [max(self.w_in[i] + self.a_in * off[i] + self.ws_in * hostk[i], self.grad_out[i],
+                 self.c_bwd[i] - (self.c_bwd[i] - self.c_bwd_kept[i]) * kept[i]) for i in range(L)]
+        needed, recomputed = self.needed(tiers, internal)
+        rec = sum(self.recompute[k] * recomputed[k] for k in range(L))
+        for i in range(L):  # NVMe reads must fit in the two windows before their use
+            if tiers[i] == "nvme":
+                later = [j for j in (i + 1, i + 2) if j < L]
+                have = sum(b[j] for j in later) + (self.head if i + 2 >= L else 0.0)
+                if have < self.nvme_read:
+                    b[later[0] if later else L - 1] += self.nvme_read - have
+        n_nvme = sum(t == "nvme" for t in tiers)
+        total = sum(f) + sum(b) + rec + self.e_fwd + self.head + self.e_bwd
+        need = max(n_nvme * self.nvme_rw, self.accumulate)
+        if need > total:
+            b[0] += need - total
+        stall = 0.0
+        if include_stall:
+            stall = max(0.0, embed_ready)
+            acc = self.e_fwd
+            for k in range(L):
+                acc += f[k]
+                stall = max(stall, layer_done[k] - acc)
+        step = self.num_micro_batches * (sum(f) + sum(b) + rec) + stall + self.const_s()
+        # capacities, in boundaries: kept boundaries, held recomputed ones (the run of recomputed
+        # ones ending here), device internals of the layers at or below, host internals being fetched
+        dev = 0.0
+        run = 0
+        runs = []
+        for i in range(L):
+            dev += (tiers[i] == "device") + self.ws_ratio * (internal[i] == "device")
+            run = run + 1 if recomputed[i] else 0
+            runs.append(run)
+            fetched = self.ws_ratio * (hostk[i] + (hostk[i - 1] if i else 0.0))
+            over = dev + fetched + run - self.max_device_prefix(i)
+            if over > 1e-9:
+                viol["device"] = max(viol.get("device", 0.0), over * self.a_bytes)
+        over = dev + self.ws_ratio * hostk[L - 1] - self.max_device_total()
+        if over > 1e-9:
+            viol["device"] = max(viol.get("device", 0.0), over * self.a_bytes)
+        staging = NVME_STAGING if n_nvme else 0
+        over = (sum(t == "host" for t in tiers) + staging + self.ws_ratio * sum(hostk)
+                - self.host_budget_for(moments) / self.a_bytes)
+        if over > 1e-9:
+            viol["host"] = over * self.a_bytes
+        over = n_nvme - self.max_nvme()
+        if over > 1e-9:
+            viol["nvme"] = over * self.a_bytes
+        return ModelEval(step, not viol, viol, f, b, runs, needed, recomputed, stall)
+
+
+def dp_device_host(model: StepModel) -> tuple[list[str] | None, float]:
+    """Exact optimum over device/host only, without the optimizer stall (a cross-check).
+
+    With no recompute or NVMe the model separates per boundary and the capacities reduce to a
+    count of device boundaries (<= D) and of host boundaries (<= H): a DP over (layer, #device).
+    """
+    L = model.L
+    dmax = min(int(model.max_device_total() + 1e-9),
+               min(int(model.max_device_prefix(i) + 1e-9) for i in range(L)))
+    hmax = int(model.max_host() + 1e-9)
+    M = model.num_micro_batches
+
+    def cost(i: int, tier: str) -> float:
+        off = 1.0 if tier == "host" else 0.0
+        return M * (max(model.f_lb[i], model.a_out * off) + max(model.b_lb[i], model.w_in[i] + model.a_in * off))
+
+    INF = float("inf")
+    # best[c] = (cost, tiers) over the layers seen so far with c device boundaries
+    best: list[tuple[float, list[str]]] = [(0.0, [])] + [(INF, [])] * max(dmax, 0)
+    if dmax < 0:
+        return None, INF
+    for i in range(L):
+        new: list[tuple[float, list[str]]] = [(INF, [])] * (dmax + 1)
+        for c, (v, tiers) in enumerate(best):
+            if v == INF:
+                continue
+            hosts = i - c
+            if hosts + 1 <= hmax:
+                cand = v + cost(i, "host")
+                if cand < new[c][0]:
+                    new[c] = (cand, tiers + ["host"])
+            if c + 1 <= dmax:
+                cand = v + cost(i, "device")
+                if cand < new[c + 1][0]:
+                    new[c + 1] = (cand, tiers + ["device"])
+        best = new
+    v, tiers = min(best, key=lambda e: e[0])
+    if v == INF:
+        return None, INF
+    return tiers, v + model.const_s()

@@ -1,0 +1,147 @@
+"""What a simulated step records: the lanes' clocks, lane intervals, allocations with their
+lifetimes, and the result (step time, busy seconds, peaks) that ``check`` and ``timeline`` read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .plan import Plan
+
+LANES = ("compute", "h2d", "d2h", "host", "nvme", "optimizer", "intra", "inter")
+
+
+@dataclass
+class Interval:
+    lane: str
+    start: float
+    end: float
+    label: str
+    step: int
+
+
+@dataclass
+class Alloc:
+    tier: str
+    """``device``, ``host`` (pinned activations; the store is counted separately) or ``nvme``."""
+    start: float
+    end: float
+    nbytes: int
+    label: str
+
+
+@dataclass
+class SimResult:
+    plan: Plan
+    step_s: float
+    tokens_per_step: int
+    model_flops_per_step: float
+    busy_s: dict[str, float]
+    """Busy seconds per lane inside the measured step."""
+    peak_device_bytes: int
+    device_cap_bytes: int
+    peak_pinned_act_bytes: int
+    """Peak pinned host bytes held by offloaded activations (and NVMe staging)."""
+    host_store_bytes: int
+    host_cap_bytes: int
+    peak_nvme_bytes: int
+    nvme_cap_bytes: int
+    recompute_s: float
+    """Compute seconds per step spent recomputing dropped boundaries."""
+    window: tuple[float, float]
+    """(start, end) of the measured step on the simulated clock."""
+    intervals: list[Interval] = field(repr=False, default_factory=list)
+    allocs: list[Alloc] = field(repr=False, default_factory=list)
+    op_log: list[dict[str, Any]] = field(repr=False, default_factory=list)
+    """Every compute op: kind, index, micro-batch, step, start, end, needs (weights, boundary)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def achieved_tflops(self) -> float:
+        return self.model_flops_per_step / self.step_s / 1e12
+
+    @property
+    def idle_s(self) -> dict[str, float]:
+        return {k: max(0.0, self.step_s - v) for k, v in self.busy_s.items()}
+
+    @property
+    def peak_host_bytes(self) -> int:
+        return self.host_store_bytes + self.peak_pinned_act_bytes
+
+    def over_capacity(self) -> dict[str, int]:
+        """Bytes over capacity per tier (empty when the plan fits)."""
+        out = {}
+        for tier, used, cap in (("device", self.peak_device_bytes, self.device_cap_bytes),
+                                ("host", self.peak_host_bytes, self.host_cap_bytes),
+                                ("nvme", self.peak_nvme_bytes, self.nvme_cap_bytes)):
+            if used > cap:
+                out[tier] = used - cap
+        return out
+
+    @property
+    def fits(self) -> bool:
+        return not self.over_capacity()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "step_s": self.step_s,
+            "tokens_per_s": self.tokens_per_s,
+            "achieved_tflops": self.achieved_tflops,
+            "recompute_s": self.recompute_s,
+            "peak_device_bytes": self.peak_device_bytes,
+            "device_cap_bytes": self.device_cap_bytes,
+            "peak_host_bytes": self.peak_host_bytes,
+            "peak_pinned_act_bytes": self.peak_pinned_act_bytes,
+            "peak_nvme_bytes": self.peak_nvme_bytes,
+            "busy_s": dict(self.busy_s),
+            "idle_s": self.idle_s,
+            "fits": self.fits,
+        }
+
+
+def peak_bytes(allocs: list[Alloc], tier: str) -> int:
+    """Largest sum of live ``tier`` allocations at any instant ([start, end) intervals)."""
+    events = []
+    for a in allocs:
+        if a.tier == tier and a.nbytes and a.end > a.start:
+            events.append((a.start, 1, a.nbytes))
+            events.append((a.end, 0, -a.nbytes))
+    events.sort()  # frees (0) before allocations (1) at the same instant
+    cur = best = 0
+    for _, _, d in events:
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+class Lanes:
+    """Each lane's clock: work runs in issue order, one item at a time; on a synchronous machine
+    the copy, host and optimizer lanes are the compute lane."""
+
+    def __init__(self, synchronous: bool, me: int = 0):
+        self.free: dict[str, float] = {}
+        self.map = {k: k for k in LANES}
+        if synchronous:
+            for k in ("h2d", "d2h", "host", "optimizer", "intra", "inter"):
+                self.map[k] = "compute"
+        self.me = me
+        """The simulated process (local rank); other ranks' lanes are timed, not traced."""
+        self.intervals: list[Interval] = []
+        self.step = 0
+
+    def run(self, lane: str, earliest: float, dur: float, label: str, rank: int | None = None) -> tuple[float, float]:
+        """Run on the simulated process's ``lane``, or on another local ``rank``'s own one."""
+        mine = rank is None or rank == self.me
+        physical = self.map[lane] if mine else f"{lane}@{rank}"
+        start = max(self.free.get(physical, 0.0), earliest)
+        end = start + dur
+        self.free[physical] = end
+        if dur > 0 and mine:
+            self.intervals.append(Interval(lane, start, end, label, self.step))
+        return start, end
+
+    def free_at(self, lane: str) -> float:
+        return self.free.get(self.map[lane], 0.0)
