@@ -6,7 +6,7 @@ their parameters (what is stored in fp32, gradient-accumulated, updated and chec
 frozen base as the rest of their copy source (``adapters.layout``). Each decoder layer's template
 is the HF layer with every ``nn.Linear`` swapped for a ``StreamedLinear`` (frozen weight, in the
 base format, plus ``lora_A`` / ``lora_B`` where ``target_modules`` matches), so the engine binds
-one flat buffer per layer as before.
+one flat buffer per layer, as for a full model.
 
 Adapter names are PEFT's: ``model.layers.{i}.self_attn.q_proj.lora_A.weight`` (PEFT's saved key
 without the ``base_model.model.`` prefix), so the checkpoint groups are the layers' and a PEFT

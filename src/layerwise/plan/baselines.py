@@ -4,9 +4,9 @@
 - ``keep-all-device``: no recompute, no transfers (only where it fits);
 - ``recompute-all``: keep nothing, recompute every boundary from the embedding.
 
-``keep-all-host`` is not a baseline of the issue but a useful warm start for the MILP.
+``keep-all-host`` is not a fixed rule to beat but a useful warm start for the MILP.
 
-With a tier for a layer's internals (issue 13) two more fixed rules, so that the MILP is not
+With a tier for a layer's internals, two more fixed rules, so that the MILP is not
 measured against rules that cannot use the new tier:
 
 - ``internals-device``: every layer's internals kept on the device (no recompute, no copies:

@@ -1,6 +1,6 @@
 """Data-parallel topology: how many GPUs train one model together, and what each one gets.
 
-The semantics priced here are the ones ``train/`` runs (issue 11): every GPU runs the same step
+The semantics priced here are the ones ``train/`` runs: every GPU runs the same step
 program on its share of the global batch; the GPUs of a node share one host store (master,
 compute copy, optimizer state); a unit's gradient is reduced to the unit's owner (a local rank;
 units are assigned to owners balanced by bytes), on the GPUs per micro-batch or on the host
