@@ -26,7 +26,8 @@ def _ideal(**kw) -> HardwareProfile:
     """Interconnects that cost nothing and a host side nobody waits for (not shared: no node link;
     accumulation and optimizer so fast that 1/G of them is still free)."""
     return replace(H200, intra_node_gbps=1e12, inter_node_gbps=1e12, node_host_link_gbps=None,
-                   host_accum_gbps=1e12, optimizer_params_per_s=1e21, optimizer_8bit_params_per_s=1e21, **kw)
+                   host_accum_gbps=1e12, host_accum_bf16_gbps=1e12, pinned_copy_gbps=1e12,
+                   optimizer_params_per_s=1e21, optimizer_8bit_params_per_s=1e21, **kw)
 
 
 @pytest.mark.parametrize("reduce", ["host", "device"])

@@ -50,8 +50,8 @@ def test_synchronous_recompute_adds_segment_forwards():
 
 def _pcie_bound():
     # compute is free, host work is free: only copies take time, so the H2D lane is the step
-    return replace(PRESETS["h200"], peak_tflops=1e9, host_accum_gbps=1e9,
-                   optimizer_params_per_s=1e18, optimizer_8bit_params_per_s=1e18)
+    return replace(PRESETS["h200"], peak_tflops=1e9, host_accum_gbps=1e9, host_accum_bf16_gbps=1e9,
+                   pinned_copy_gbps=1e9, optimizer_params_per_s=1e18, optimizer_8bit_params_per_s=1e18)
 
 
 def test_pcie_bound_step_is_the_h2d_stream():
@@ -74,7 +74,7 @@ def test_pcie_bound_step_is_the_h2d_stream():
 
 def test_compute_bound_step_is_the_compute_stream():
     hw = replace(PRESETS["h200"], peak_tflops=1e-3, h2d_gbps=1e9, d2h_gbps=1e9, host_accum_gbps=1e9,
-                 nvme_read_gbps=1e9, nvme_write_gbps=1e9)
+                 host_accum_bf16_gbps=1e9, pinned_copy_gbps=1e9, nvme_read_gbps=1e9, nvme_write_gbps=1e9)
     c = _cost(hw)
     fwd = sum(c.layer_fwd_s(i) for i in range(L))
     bwd = sum(c.layer_bwd_s(i) for i in range(L))
@@ -91,7 +91,7 @@ def test_optimizer_overlaps_only_the_next_forward():
     base = _pcie_bound()
     c = _cost(base)
     fast = simulate(Plan(["device"] * L, seq_len=64), SHAPE, base)
-    slow_hw = replace(base, optimizer_params_per_s=SHAPE.num_params / 10.0)  # 10 s per step
+    slow_hw = replace(base, optimizer_params_per_s=SHAPE.num_params / 10.0, pinned_copy_gbps=1e18)  # 10 s per step
     slow = simulate(Plan(["device"] * L, seq_len=64), SHAPE, slow_hw)
     # the last layer's update ends at 10 s * (all but the head) / all; its copy follows it,
     # then the rest of the step (head, backward) runs as before
