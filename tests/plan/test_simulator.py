@@ -29,7 +29,8 @@ def test_synchronous_step_is_the_sum_of_all_work():
     # weights: every layer twice and the head once per micro-batch; embed for each forward
     # (embed_bwd reads no weights)
     copies_in = m * (2 * sum(w(f"layers.{i}") for i in range(L)) + w("head") + w("embed"))
-    grads = m * sum(c.grad_accumulate_s(u) for u in SHAPE.unit_names())  # added in place, no copy
+    # added in place, no copy; each unit's first landing of the step writes instead of adding
+    grads = sum(c.grad_accumulate_s(u, first=True) + (m - 1) * c.grad_accumulate_s(u) for u in SHAPE.unit_names())
     optimizer = sum(c.optimizer_s(u) for u in SHAPE.unit_names())
     expect = compute + copies_in + grads + optimizer
     sim = simulate(plan, SHAPE, hw, steps=2)

@@ -19,13 +19,17 @@ Dependencies modelled (as ``layerwise.engine`` runs them):
 - a weight copy of unit ``u`` in step ``s+1`` waits for ``u``'s optimizer update of step ``s``,
   and blocks the copies issued after it (the engine's host thread waits there);
 - an op waits for its weights and its input boundary (fetched, recomputed or kept);
-- a stored boundary's D2H copy is issued at its ``layer_fwd``; an NVMe write follows its D2H; the
+- a stored boundary's D2H copy is issued at its ``layer_fwd`` (host-tier internals' at their
+  ``layer_fwd_keep``), and compute waits for the offloads queued ``OFFLOAD_WINDOW_OPS`` ops back
+  (the engine's ``OffloadWindow``); an NVMe write follows its D2H; the
   NVMe read is issued two ops before its ``fetch``; a host/NVMe boundary's H2D copy is issued when
   the compute op before its ``fetch`` starts;
 - each gradient goes D2H when its op ends, then is accumulated in fp32 on the host (the
-  synchronous CPU backend adds it in place, without the copy);
+  synchronous CPU backend adds it in place, without the copy); a unit's first landing of the
+  step writes instead of adding;
 - the optimizer starts when the last gradient of the step has landed (global clip needs all),
-  updating embed, layers 0.., head in order, overlapping the next step's forward.
+  updating embed, layers 0.., head in order (each update, then its compute copy's refresh into
+  the pinned arena), overlapping the next step's forward.
 
 Data parallel (``topology``; :mod:`.topology` says what is shared): one GPU's process is
 simulated, on the machine as it sees it while its node's other GPUs run too
@@ -51,11 +55,11 @@ from .cost import CostModel
 from .shape import ModelShape
 from .hardware import HardwareProfile
 from .plan import Plan
-from .memory import FETCH_SLOTS, GRAD_SLOTS, kept_internal_bytes
+from .memory import FETCH_SLOTS, GRAD_SLOTS, OFFLOAD_WINDOW_OPS, kept_internal_bytes
 from .program import (FETCH_AHEAD, FORWARD_OPS, RECOMPUTE_OPS, OpKind, WeightWindow, micro_batch_program,
                       weight_schedule)
-from .topology import (REDUCE_BYTES_PER_PARAM, Topology, assign_owners, inter_allreduce_s, intra_reduce_s,
-                       rank_hardware)
+from .topology import (REDUCE_BYTES_PER_PARAM, Topology, assign_owners, host_reduce_s, inter_allreduce_s,
+                       intra_reduce_s, rank_hardware)
 
 LANES = ("compute", "h2d", "d2h", "host", "nvme", "optimizer", "intra", "inter")
 
@@ -225,6 +229,7 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
     owned = [sum(shape.unit_params(u) for u in units if owner[u] == r) for r in range(topo.gpus_per_node)]
     lanes = _Lanes(hw.synchronous, me=max(range(topo.gpus_per_node), key=lambda r: (owned[r], -r)))
     last_grad_op = {u: n for n, op in enumerate(ops) for u in op.grad_units(tied)}  # its final landing
+    first_grad_op = {u: n for n, op in reversed(list(enumerate(ops))) for u in op.grad_units(tied)}
 
     def reduce_bytes(u: str) -> int:
         return shape.unit_params(u) * REDUCE_BYTES_PER_PARAM
@@ -282,7 +287,10 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
             internals_held: dict[int, Alloc] = {}  # layer -> its internals' device allocation
             prev_start = lanes.free_at("compute")
             issued: list[float] = []  # per op: when the compute queued before it has run
+            offload_end: dict[int, float] = {}  # op -> when the offloads it queued have left
+            offload_wait = 0.0  # compute waits for the offloads OFFLOAD_WINDOW_OPS ops back
             for n, op in enumerate(ops):
+                offload_wait = max(offload_wait, offload_end.pop(n - OFFLOAD_WINDOW_OPS, 0.0))
                 t_issue = lanes.free_at("compute")
                 kind, i = op.kind, op.index
                 issued.append(t_issue)
@@ -331,7 +339,7 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
                 elif kind == OpKind.LAYER_BWD_KEPT:
                     need_b = internals_ready.get(i, 0.0)
                 dur = cost.op_s(kind, i)
-                start, end = lanes.run("compute", max(t_issue, need_w, need_b), dur, str(op))
+                start, end = lanes.run("compute", max(t_issue, need_w, need_b, offload_wait), dur, str(op))
                 prev_start = start
                 if kind in RECOMPUTE_OPS:
                     recompute_this_step += dur
@@ -350,6 +358,7 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
                         internals_held[i] = alloc("device", end, kept_bytes[i], f"internals {i} (kept)")
                     else:  # copied out as the forward makes them
                         s, e = lanes.run("d2h", start, cost.d2h_s(ws_bytes), f"offload L{i}")
+                        offload_end[n] = max(offload_end.get(n, 0.0), e)
                         if e > end:
                             alloc("device", end, ws_bytes, f"internals {i} (in flight)", e)
                         internals_host[i] = (e, alloc("host", s, ws_bytes, f"internals {i} (host)"))
@@ -362,6 +371,7 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
                         held[i] = alloc("device", start, a_bytes, f"boundary {i} (kept)")
                     elif tier in ("host", "nvme"):
                         s, e = lanes.run("d2h", start, cost.d2h_s(a_bytes), f"offload b{i}")
+                        offload_end[n] = max(offload_end.get(n, 0.0), e)
                         if e > end:  # the copy holds the device buffer until it is done
                             alloc("device", end, a_bytes, f"boundary {i} (in flight)", e)
                         host = alloc("host", s, a_bytes, f"boundary {i} ({tier})")
@@ -395,10 +405,11 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
                     s, e = lanes.run("d2h", t_out, 0.0 if hw.synchronous else cost.d2h_s(gb), f"grad {u}", rank=lander)
                     if e > end and kind == OpKind.HEAD and lander in (None, lanes.me):  # others leave from a grad slot
                         alloc("device", end, gb * 4 // cost.elem_bytes, f"grad {u} (fp32, in flight)", e)
-                    _, landed = lanes.run("host", e, accum_s(u), f"accumulate {u}", rank=lander)
+                    first = mb == 0 and first_grad_op[u] == n
+                    _, landed = lanes.run("host", e, accum_s(u, first), f"accumulate {u}", rank=lander)
                     if mb == plan.num_micro_batches - 1 and last_grad_op[u] == n:  # the step's sum: reduce it
                         if topo.grad_reduce == "host":
-                            _, landed = lanes.run("intra", landed, intra_reduce_s(reduce_bytes(u), hw, topo),
+                            _, landed = lanes.run("intra", landed, host_reduce_s(reduce_bytes(u), hw, topo),
                                                   f"reduce {u}")
                         _, landed = lanes.run("inter", landed, inter_allreduce_s(reduce_bytes(u), hw, topo),
                                               f"all-reduce {u}", rank=owner[u])
@@ -409,7 +420,8 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
         recompute_s = recompute_this_step
         lanes.step = step
         for u, m in zip(units, moments):  # each owner its own units, in order
-            _, opt_ready[u] = lanes.run("optimizer", done, cost.optimizer_s(u, m), f"update {u}", rank=owner[u])
+            _, upd = lanes.run("optimizer", done, cost.optimizer_step_s(u, m), f"update {u}", rank=owner[u])
+            _, opt_ready[u] = lanes.run("optimizer", upd, cost.compute_refresh_s(u), f"refresh {u}", rank=owner[u])
         t_begin = done
 
     for a in slot_allocs:  # freed when the engine is
