@@ -108,12 +108,14 @@ def run_model(lg: Large, layers_requested: int, data: dict[str, Any]) -> None:
 
 
 DRY_CALIBRATE = {
-    "measure_layer": {"tokens": 16, "repeats": 1},
+    "measure_layer": {"points": ((1, 16), (1, 8)), "repeats": 1},
     "measure_matmul_tflops": {"n": 128, "repeats": 1},
     "measure_copy_gbps": {"nbytes": 1 << 20, "repeats": 1},
     "measure_disk_gbps": {"nbytes": 1 << 20, "repeats": 1},
     "measure_optimizer": {"numel": 1 << 16, "repeats": 1},
     "measure_optimizer_8bit": {"numel": 1 << 16, "repeats": 1},
+    "measure_accumulation": {"numel": 1 << 16, "repeats": 1},
+    "measure_pinned_copy_gbps": {"numel": 1 << 16, "repeats": 1},
 }
 """A dry run's probe sizes: ``calibrate`` has no size knob, so its probes are called with these
 arguments (by name: a probe whose parameter is renamed fails the dry run)."""
@@ -181,7 +183,8 @@ def run_calibration(lg: Large, quick: bool, data: dict[str, Any]) -> None:
         if lg.dev.dry_run:
             for name, over in DRY_CALIBRATE.items():
                 stack.enter_context(mock.patch.object(cal, name, _shrunk(getattr(cal, name), over)))
-        profile = cal.calibrate(quick=quick, device=lg.dev.name)
+        profile = cal.calibrate(quick=quick, device=lg.dev.name, model=lg.adapter.config, seq_len=lg.seq,
+                                micro_batch_size=lg.mbs)
     cal_s = time.perf_counter() - t
     profile = replace(profile, host_mem_bytes=max(lg.host_budget_bytes, profile.host_reserved_bytes + 1))
     lg.profiles["calibrated"] = profile

@@ -25,7 +25,7 @@ def test_layer_fit_recovers_rates_and_overhead(monkeypatch):
              overhead_s + flops[512] / fwd_rate, overhead_s + flops[8] / fwd_rate]
     calls = iter(times)  # measure_layer times: backward 512, backward 8, forward 512, forward 8
     monkeypatch.setattr(calibrate, "_best_time", lambda *a, **kw: next(calls))
-    b, f, o = calibrate.measure_layer("cpu", __import__("torch").float32, 512, 1)
+    b, f, o = calibrate.measure_layer("cpu", __import__("torch").float32, ((1, 512), (1, 8)), 1)
     assert b == pytest.approx(bwd_rate, rel=1e-9)
     assert f == pytest.approx(fwd_rate, rel=1e-9)
     assert o == pytest.approx(overhead_s, rel=1e-9)

@@ -74,10 +74,12 @@ def test_user_errors_are_one_line(capsys):
 
 
 def test_calibrate_pieces_are_quick(tmp_path):
-    from layerwise.engine.calibrate import measure_copy_gbps, measure_disk_gbps, measure_optimizer
+    from layerwise.engine.calibrate import (measure_accumulation, measure_copy_gbps, measure_disk_gbps,
+                                            measure_optimizer)
 
     h2d, d2h = measure_copy_gbps("cpu", 1 << 20, 2)
     r, w = measure_disk_gbps(str(tmp_path), 1 << 20, 1)
-    opt, acc = measure_optimizer(1 << 16, 2)
-    assert min(h2d, d2h, r, w, acc) > 0 and opt > 0
+    opt = measure_optimizer(1 << 16, 2)
+    acc16, acc = measure_accumulation(1 << 16, 2)
+    assert min(h2d, d2h, r, w, acc, acc16) > 0 and opt > 0
     assert not list(tmp_path.iterdir())  # the probe file is gone

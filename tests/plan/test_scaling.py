@@ -25,8 +25,9 @@ H200 = PRESETS["h200"]
 def _ideal(**kw) -> HardwareProfile:
     """Interconnects that cost nothing and a host side nobody waits for (not shared: no node link;
     accumulation and optimizer so fast that 1/G of them is still free)."""
-    return replace(H200, intra_node_gbps=1e12, inter_node_gbps=1e12, node_host_link_gbps=None,
-                   host_accum_gbps=1e12, optimizer_params_per_s=1e21, optimizer_8bit_params_per_s=1e21, **kw)
+    return replace(H200, intra_node_gbps=1e12, inter_node_gbps=1e12, node_host_link_gbps=None, gloo_reduce_gbps=1e12,
+                   host_accum_gbps=1e12, host_accum_bf16_gbps=1e12, pinned_copy_gbps=1e12,
+                   optimizer_params_per_s=1e21, optimizer_8bit_params_per_s=1e21, **kw)
 
 
 @pytest.mark.parametrize("reduce", ["host", "device"])
@@ -101,7 +102,8 @@ def test_host_optimizer_share_shrinks_as_one_over_g(gpus):
     parameters), and owners keeping all cores (the rate not split: 1/G of the seconds)."""
     hw = replace(H200, optimizer_params_per_s=1e9)
     sim = simulate(split_plan(PLAN, 8 * gpus, gpus), SHAPE, hw, topology=Topology(gpus, 1))
-    updates = [iv for iv in sim.intervals if iv.lane == "optimizer" and iv.step == 0]
+    updates = [iv for iv in sim.intervals if iv.lane == "optimizer" and iv.step == 0
+               and iv.label.startswith("update ")]  # not the refreshes that follow them
     params = sum(iv.end - iv.start for iv in updates) * hw.optimizer_params_per_s / gpus
     units = SHAPE.unit_names()
     total = sum(SHAPE.unit_params(u) for u in units)

@@ -29,7 +29,8 @@ def test_synchronous_step_is_the_sum_of_all_work():
     # weights: every layer twice and the head once per micro-batch; embed for each forward
     # (embed_bwd reads no weights)
     copies_in = m * (2 * sum(w(f"layers.{i}") for i in range(L)) + w("head") + w("embed"))
-    grads = m * sum(c.grad_accumulate_s(u) for u in SHAPE.unit_names())  # added in place, no copy
+    # added in place, no copy; each unit's first landing of the step writes instead of adding
+    grads = sum(c.grad_accumulate_s(u, first=True) + (m - 1) * c.grad_accumulate_s(u) for u in SHAPE.unit_names())
     optimizer = sum(c.optimizer_s(u) for u in SHAPE.unit_names())
     expect = compute + copies_in + grads + optimizer
     sim = simulate(plan, SHAPE, hw, steps=2)
@@ -50,8 +51,8 @@ def test_synchronous_recompute_adds_segment_forwards():
 
 def _pcie_bound():
     # compute is free, host work is free: only copies take time, so the H2D lane is the step
-    return replace(PRESETS["h200"], peak_tflops=1e9, host_accum_gbps=1e9,
-                   optimizer_params_per_s=1e18, optimizer_8bit_params_per_s=1e18)
+    return replace(PRESETS["h200"], peak_tflops=1e9, host_accum_gbps=1e9, host_accum_bf16_gbps=1e9,
+                   pinned_copy_gbps=1e9, optimizer_params_per_s=1e18, optimizer_8bit_params_per_s=1e18)
 
 
 def test_pcie_bound_step_is_the_h2d_stream():
@@ -74,7 +75,7 @@ def test_pcie_bound_step_is_the_h2d_stream():
 
 def test_compute_bound_step_is_the_compute_stream():
     hw = replace(PRESETS["h200"], peak_tflops=1e-3, h2d_gbps=1e9, d2h_gbps=1e9, host_accum_gbps=1e9,
-                 nvme_read_gbps=1e9, nvme_write_gbps=1e9)
+                 host_accum_bf16_gbps=1e9, pinned_copy_gbps=1e9, nvme_read_gbps=1e9, nvme_write_gbps=1e9)
     c = _cost(hw)
     fwd = sum(c.layer_fwd_s(i) for i in range(L))
     bwd = sum(c.layer_bwd_s(i) for i in range(L))
@@ -91,7 +92,7 @@ def test_optimizer_overlaps_only_the_next_forward():
     base = _pcie_bound()
     c = _cost(base)
     fast = simulate(Plan(["device"] * L, seq_len=64), SHAPE, base)
-    slow_hw = replace(base, optimizer_params_per_s=SHAPE.num_params / 10.0)  # 10 s per step
+    slow_hw = replace(base, optimizer_params_per_s=SHAPE.num_params / 10.0, pinned_copy_gbps=1e18)  # 10 s per step
     slow = simulate(Plan(["device"] * L, seq_len=64), SHAPE, slow_hw)
     # the last layer's update ends at 10 s * (all but the head) / all; its copy follows it,
     # then the rest of the step (head, backward) runs as before

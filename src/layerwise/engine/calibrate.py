@@ -9,12 +9,18 @@ What is measured (each the fastest of a few repeats, after a warm-up):
   are priced as they are on this machine;
 - ``fwd_efficiency``: the same for the layer's forward without a graph (``layer_fwd``, recompute);
 - ``op_overhead_s``: the fixed cost of a layer op (dispatch + Python), the intercept of a fit
-  through 512 and 8 tokens, so that the rates above exclude it;
+  through two token counts, so that the rates above exclude it. Given the run's model and
+  micro-batch (``model``, ``seq_len``, ``micro_batch_size``), the layer is the model's and the fit
+  runs through the run's micro-batch and twice it (on a large GPU a small layer at a few hundred
+  tokens is launch-bound noise); without them a llama-30m layer, 512 and 8 tokens;
 - copy bandwidth: on CUDA pinned H2D/D2H copies; on CPU the engine's "copies" are ``copy_``
   into slots allocated once;
 - disk: write with fsync, then read back, in the spill directory;
-- host optimizer: fused AdamW over a flat fp32 buffer (as the host store updates a unit), and
-  the gradient accumulation ``grad += copy``.
+- the host side (``calibrate_host``): gradient accumulation, the optimizer step (fp32 and 8-bit
+  moments), the refresh into pinned memory, and (data parallel, asked) gloo's reduce, each at the
+  threads and CPUs the engine will give it and at the run's unit size.
+
+``cuda:N`` is measured on device N (its memory, its syncs).
 """
 
 from __future__ import annotations
@@ -28,69 +34,60 @@ from pathlib import Path
 
 import torch
 
-from ..models.adapter import DecoderAdapter, ParamSpec, Unit
-from ..models.registry import get_flavor
-from ..optim.adamw import AdamWConfig, HostAdamW
-from ..optim.adamw8bit import HostAdamW8bit
+from ..models.adapter import DecoderAdapter
+from ..models.names import EMBED, HEAD
+from ..models.registry import FLAVORS, get_flavor
 from ..plan.cost import CostModel
 from ..plan.hardware import GB, PRESETS, HardwareProfile
 from ..plan.shape import ModelShape
-from ..store import FlatLayout, UnitBuffers
+from ..store import FlatLayout
+from .calibrate_host import (Clock, best_time, measure_accumulation, measure_gloo_reduce_gbps,
+                             measure_optimizer, measure_optimizer_8bit, measure_pinned_copy_gbps,
+                             on_host_worker, total_ram_bytes)
+from .host_threads import plan_host_threads
 from .layer_ops import layer_backward
 
+_best_time = best_time  # the layer fit's clock (a test synthesises its times through it)
 
-Clock = Callable[[], float]
-
-
-def _best_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None,
-               clock: Clock = time.perf_counter) -> float:
-    """Fastest of ``repeats`` runs after a warm-up: what the machine can do when others let it
-    (shared machines are noisy; the minimum is the stable statistic, as in ``timeit``)."""
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t = clock()
-        fn()
-        sync()
-        times.append(clock() - t)
-    return min(times)
+DEFAULT_POINTS = ((1, 512), (1, 8))
+"""(micro-batch size, sequence length) of the layer fit without a run shape."""
 
 
-def _total_ram_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 16 * GB
+def _sync_for(device: str) -> Callable[[], None]:
+    if device.startswith("cuda"):
+        dev = torch.device(device)
+        return lambda: torch.cuda.synchronize(dev)
+    return lambda: None
 
 
 def measure_matmul_tflops(device: str, dtype, n: int, repeats: int, clock: Clock = time.perf_counter) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    t = _best_time(lambda: torch.mm(a, b), repeats, sync, clock)
+    t = _best_time(lambda: torch.mm(a, b), repeats, _sync_for(device), clock)
     return 2 * n**3 / t / 1e12
 
 
-def measure_layer(device: str, dtype, tokens: int, repeats: int,
-                  clock: Clock = time.perf_counter) -> tuple[float, float, float]:
-    """(FLOP/s of a llama-30m layer's backward as the engine runs it, FLOP/s of its forward
-    without a graph, seconds of fixed cost per op), each a fit through ``tokens`` and 8 tokens.
+def measure_layer(device: str, dtype, points: tuple[tuple[int, int], tuple[int, int]], repeats: int,
+                  clock: Clock = time.perf_counter, config=None) -> tuple[float, float, float]:
+    """(FLOP/s of a decoder layer's backward as the engine runs it, FLOP/s of its forward
+    without a graph, seconds of fixed cost per op), each a fit through the two ``points``
+    (micro-batch size, sequence length); the overhead is the intercept at the first point.
+    ``config``: the model whose layer is timed (default llama-30m).
 
     The op's time is ``overhead + FLOPs / rate``: the fit keeps the fixed per-op cost (Python,
     dispatch) out of the rate, so the cost model, which adds ``op_overhead_s`` to every op,
     does not count it twice. The forward is fitted on its own: without autograd's bookkeeping
     it runs at a different rate than forward + backward.
     """
-    cfg = get_flavor("llama-30m").build_config()
+    cfg = config if config is not None else get_flavor("llama-30m").build_config()
     adapter = DecoderAdapter(cfg)
     layout = FlatLayout.of(adapter.units[1])
     flat_w = (torch.randn(layout.numel, device=device) * 0.02).to(dtype)
     rotary = adapter.new_rotary(device)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync = _sync_for(device)
 
-    def run(seq: int) -> tuple[Callable[[], None], Callable[[], None]]:
-        x = torch.randn(1, seq, cfg.hidden_size, device=device, dtype=dtype)
+    def run(mbs: int, seq: int) -> tuple[Callable[[], None], Callable[[], None]]:
+        x = torch.randn(mbs, seq, cfg.hidden_size, device=device, dtype=dtype)
         grad_out = torch.randn_like(x)
         ctx = adapter.layer_context((1, seq), device, dtype, rotary)
 
@@ -101,15 +98,23 @@ def measure_layer(device: str, dtype, tokens: int, repeats: int,
         return (lambda: layer_backward(adapter, 0, layout, flat_w, x, grad_out, ctx)), fwd
 
     shape = ModelShape.from_config(cfg)
-    big = CostModel(shape, PRESETS["cpu"], 1, tokens).layer_fwd_flops(0)
-    small = CostModel(shape, PRESETS["cpu"], 1, 8).layer_fwd_flops(0)
-    (bwd_big, fwd_big), (bwd_small, fwd_small) = run(tokens), run(8)
-    tb, tb8 = _best_time(bwd_big, repeats, sync, clock), _best_time(bwd_small, repeats, sync, clock)
-    tf, tf8 = _best_time(fwd_big, repeats, sync, clock), _best_time(fwd_small, repeats, sync, clock)
-    bwd_rate = 3 * (big - small) / max(tb - tb8, 1e-9)
-    fwd_rate = (big - small) / max(tf - tf8, 1e-9)
-    overhead = max(0.0, tf8 - small / fwd_rate)
+    (m0, s0), (m1, s1) = points
+    f0 = CostModel(shape, PRESETS["cpu"], m0, s0).layer_fwd_flops(0)
+    f1 = CostModel(shape, PRESETS["cpu"], m1, s1).layer_fwd_flops(0)
+    (bwd0, fwd0), (bwd1, fwd1) = run(m0, s0), run(m1, s1)
+    tb0, tb1 = _best_time(bwd0, repeats, sync, clock), _best_time(bwd1, repeats, sync, clock)
+    tf0, tf1 = _best_time(fwd0, repeats, sync, clock), _best_time(fwd1, repeats, sync, clock)
+    bwd_rate = 3 * (f0 - f1) / _nonzero(tb0 - tb1, f0 - f1)
+    fwd_rate = (f0 - f1) / _nonzero(tf0 - tf1, f0 - f1)
+    overhead = max(0.0, tf0 - f0 / fwd_rate)
     return bwd_rate, fwd_rate, overhead
+
+
+def _nonzero(dt: float, dflops: float) -> float:
+    """A time difference with the sign of the FLOP difference, at least 1 ns (a noisy fit must
+    not divide by zero or turn a rate negative)."""
+    sign = 1.0 if dflops >= 0 else -1.0
+    return sign * max(sign * dt, 1e-9)
 
 
 def measure_copy_gbps(device: str, nbytes: int, repeats: int,
@@ -118,7 +123,7 @@ def measure_copy_gbps(device: str, nbytes: int, repeats: int,
     if device.startswith("cuda"):
         host = torch.empty(n, dtype=torch.float32).pin_memory()
         dev = torch.empty(n, dtype=torch.float32, device=device)
-        sync = torch.cuda.synchronize
+        sync = _sync_for(device)
         h2d = _best_time(lambda: dev.copy_(host, non_blocking=True), repeats, sync)
         d2h = _best_time(lambda: host.copy_(dev, non_blocking=True), repeats, sync)
         return nbytes / h2d / 1e9, nbytes / d2h / 1e9
@@ -155,36 +160,42 @@ def measure_disk_gbps(directory: str | None, nbytes: int, repeats: int) -> tuple
     return len(data) / tr / 1e9, len(data) / tw / 1e9
 
 
-def _probe_unit(numel: int):
-    unit = Unit("probe", "layer", 0, (ParamSpec("w", "w", (numel // 1024, 1024)),))
-    n = (numel // 1024) * 1024
-    return UnitBuffers(unit, FlatLayout.of(unit), torch.zeros(n), torch.randn(n))
+def _model_config(model):
+    """A flavor name, a local HF model directory, or a config, as a config."""
+    if model is None or not isinstance(model, (str, Path)):
+        return model
+    if str(model) in FLAVORS:
+        return get_flavor(str(model)).build_config()
+    if Path(model).is_dir():
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(model))
+    raise ValueError(f"calibrate: unknown model {model!r}; use a flavor ({', '.join(sorted(FLAVORS))}) "
+                     "or a local Hugging Face model directory")
 
 
-def measure_optimizer(numel: int, repeats: int, clock: Clock = time.perf_counter) -> tuple[float, float]:
-    """(host AdamW params/s with fp32 moments, grad-accumulate GB/s), as the engine runs them."""
-    buf = _probe_unit(numel)
-    opt = HostAdamW(AdamWConfig())
-    opt.init_state(buf)
-    t = _best_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats, clock=clock)
-    grad = torch.zeros(buf.layout.numel)
-    copy = torch.randn(buf.layout.numel)
-    ta = _best_time(lambda: grad.add_(copy), repeats, clock=clock)
-    return buf.layout.numel / t, buf.layout.numel * 12 / ta / 1e9
-
-
-def measure_optimizer_8bit(numel: int, repeats: int, clock: Clock = time.perf_counter) -> float:
-    """Params/s of the project's block-wise 8-bit AdamW."""
-    buf = _probe_unit(numel)
-    opt = HostAdamW8bit(AdamWConfig())
-    opt.init_state(buf)
-    t = _best_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats, clock=clock)
-    return buf.layout.numel / t
+def _host_probe_numel(config, quick: bool) -> int:
+    """Elements of a host probe: the run's largest decoder layer (a landing is one layer), capped
+    so a probe's buffers stay a few hundred MB (a memory-bound kernel's rate is flat past the caches)."""
+    cap = (4 << 20) if quick else (64 << 20)
+    if config is None:
+        return (4 << 20) if quick else (16 << 20)
+    shape = ModelShape.from_config(config)
+    layers = [shape.unit_params(u) for u in shape.unit_names() if u not in (EMBED, HEAD)]
+    return max(1 << 16, min(cap, max(layers)))
 
 
 def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None = None,
-              name: str | None = None, cpu_time: bool = False) -> HardwareProfile:
-    """``cpu_time``: time the compute, copies and optimizer by this process's CPU clock
+              name: str | None = None, cpu_time: bool = False, model=None, seq_len: int | None = None,
+              micro_batch_size: int = 1, optimizer_threads: int = 1, gloo: bool = False) -> HardwareProfile:
+    """Measure this machine. ``model`` (flavor, HF model dir or config) with ``seq_len`` and
+    ``micro_batch_size``: time the run's own layer at the run's micro-batch (and twice it), and
+    size the host probes to its layer. ``optimizer_threads``: the engine's
+    (``EngineConfig.optimizer_threads``), which sets the optimizer's intra-op threads.
+    ``gloo``: measure gloo's reduce (over the initialised process group, else two ranks in this
+    process); it is measured anyway when torch.distributed is initialised.
+
+    ``cpu_time``: time the compute, copies and optimizer by this process's CPU clock
     (``time.process_time``), not the wall clock: on a machine shared with other jobs that is what
     the work costs rather than how long the others let it run. CPU only (a GPU's work is not
     this process's CPU time); the disk is timed by the wall clock either way."""
@@ -195,21 +206,26 @@ def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None =
     on_gpu = device.startswith("cuda")
     if cpu_time and on_gpu:
         raise ValueError("cpu_time calibration is for the CPU backend; a GPU is timed by the wall clock")
+    config = _model_config(model)
+    if (config is None) != (seq_len is None):
+        raise ValueError("calibrate: give the run's model and seq_len together (or neither)")
+    if micro_batch_size < 1 or (seq_len is not None and seq_len < 1):
+        raise ValueError(f"calibrate: micro_batch_size and seq_len must be >= 1, got {micro_batch_size}, {seq_len}")
     clock = time.process_time if cpu_time else time.perf_counter
     dtype = torch.bfloat16 if on_gpu else torch.float32
     reps = 3 if quick else 7
     n = (4096 if on_gpu else 1024) if quick else (8192 if on_gpu else 2048)
-    layer_rate, fwd_rate, overhead = measure_layer(device, dtype, 512, reps, clock)  # small counts under-rate the rate
+    points = DEFAULT_POINTS if config is None else ((micro_batch_size, seq_len), (2 * micro_batch_size, seq_len))
+    layer_rate, fwd_rate, overhead = measure_layer(device, dtype, points, reps, clock, config)
     # a real layer can beat a lone square matmul of the size tried; peak is the largest of them
     peak = max(measure_matmul_tflops(device, dtype, n, reps, clock), layer_rate / 1e12, fwd_rate / 1e12)
     h2d, d2h = measure_copy_gbps(device, (64 << 20) if quick else (256 << 20), reps, clock)
     nvme_r, nvme_w = measure_disk_gbps(spill_dir, (32 << 20) if quick else (256 << 20), 2 if quick else 3)
-    opt_rate, accum = measure_optimizer((4 << 20) if quick else (16 << 20), reps, clock)
-    opt8 = measure_optimizer_8bit((4 << 20) if quick else (16 << 20), reps, clock)
-    ram = _total_ram_bytes()
+    host = measure_host(device, _host_probe_numel(config, quick), reps, clock, optimizer_threads, gloo)
+    ram = total_ram_bytes()
     free_disk = _free_bytes(spill_dir or tempfile.gettempdir())
     if on_gpu:
-        dev_mem = torch.cuda.get_device_properties(0).total_memory
+        dev_mem = torch.cuda.get_device_properties(torch.device(device)).total_memory
         base = replace(PRESETS["h100"], device_reserved_bytes=int(1.5 * GB), compute_dtype_bytes=2,
                        synchronous=False)
     else:
@@ -228,13 +244,32 @@ def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None =
         nvme_capacity_bytes=int(free_disk * 0.8),
         host_mem_bytes=ram,
         host_reserved_bytes=min(base.host_reserved_bytes, ram // 8),
-        optimizer_params_per_s=opt_rate, optimizer_8bit_params_per_s=opt8,
-        host_accum_gbps=accum,
         op_overhead_s=overhead,
+        **host,
         # not measured: the base preset's interconnects would be a guess about another machine
         gpus_per_node=max(1, torch.cuda.device_count()) if on_gpu else 1,
         intra_node_gbps=None, inter_node_gbps=None, node_host_link_gbps=None,
     )
+
+
+def measure_host(device: str, numel: int, repeats: int, clock: Clock = time.perf_counter,
+                 optimizer_threads: int = 1, gloo: bool = False) -> dict[str, float | None]:
+    """The profile's host fields, each probe on the threads the engine gives that work: the
+    landing's thread count and CPUs for the accumulation, the optimizer's intra-op threads for
+    its step and the refresh (``host_threads.plan_host_threads``)."""
+    import torch.distributed as dist
+
+    threads = plan_host_threads(torch.device(device).type, optimizer_threads)
+    bf16, fp32 = on_host_worker(threads, lambda: measure_accumulation(numel, repeats, threads.landing, clock))
+    intra = threads.optimizer_intra
+    opt = on_host_worker(threads, lambda: measure_optimizer(numel, repeats, clock), intra)
+    opt8 = on_host_worker(threads, lambda: measure_optimizer_8bit(numel, repeats, clock), intra)
+    pinned = on_host_worker(threads, lambda: measure_pinned_copy_gbps(device, numel, repeats, clock), intra)
+    reduce = None
+    if gloo or (dist.is_available() and dist.is_initialized()):
+        reduce = measure_gloo_reduce_gbps(numel, max(1, repeats // 2))
+    return dict(host_accum_gbps=fp32, host_accum_bf16_gbps=bf16, optimizer_params_per_s=opt,
+                optimizer_8bit_params_per_s=opt8, pinned_copy_gbps=pinned, gloo_reduce_gbps=reduce)
 
 
 def _free_bytes(path: str) -> int:

@@ -95,6 +95,12 @@ class CostModel:
         return self.shape.frozen_base is not None
 
     @property
+    def split_master(self) -> bool:
+        """A 2-byte compute dtype is bf16 to the planner, and a bf16 store keeps its master split
+        (``StoreFootprint.of_numels``); a LoRA store keeps its adapters' masters plain."""
+        return self.elem_bytes == 2 and not self._frozen
+
+    @property
     def _adapter_wgrad_flops(self) -> float:
         """The adapters' weight-gradient FLOPs of one layer (their forward's again)."""
         fb = self.shape.frozen_base
@@ -165,13 +171,32 @@ class CostModel:
     def nvme_write_s(self, nbytes: float) -> float:
         return nbytes / (self.hw.nvme_write_gbps * 1e9)
 
-    def grad_accumulate_s(self, unit: str) -> float:
-        """Host fp32 ``grad += device grad``: reads elem + 4 bytes, writes 4 bytes per parameter."""
-        return self.shape.trainable_params(unit) * (self.elem_bytes + 8) / (self.hw.host_accum_gbps * 1e9)
+    def grad_accumulate_s(self, unit: str, first: bool = False) -> float:
+        """Host ``grad (fp32) += landed grad`` (``grad_accum.accumulate``): reads ``e`` + 4
+        bytes and writes 4 per parameter, or (``first``: the unit's first landing of the step,
+        which writes) reads ``e`` and writes 4. A bf16 gradient at ``host_accum_bf16_gbps``, an
+        fp32 one (the CPU backend) at ``host_accum_gbps``."""
+        gbps = self.hw.accum_bf16_gbps if self.elem_bytes == 2 else self.hw.host_accum_gbps
+        per_param = self.elem_bytes + (4 if first else 8)
+        return self.shape.trainable_params(unit) * per_param / (gbps * 1e9)
 
-    def optimizer_s(self, unit: str, moments: str = "fp32") -> float:
+    def optimizer_step_s(self, unit: str, moments: str = "fp32") -> float:
+        """The AdamW step of a unit at the measured per-parameter rate."""
         rate = self.hw.optimizer_params_per_s if moments == "fp32" else self.hw.optimizer_8bit_params_per_s
         return self.shape.trainable_params(unit) / rate
+
+    def compute_refresh_s(self, unit: str) -> float:
+        """After the step, the compute copy's refresh into the pinned arena (fp32 master read, ``e``
+        bytes written per parameter) at ``pinned_copy_gbps``; none when computing in fp32 (the
+        master is the copy source) or with a split master (the step writes the copy's bf16
+        halves itself: ``layerwise.split_master``)."""
+        if self.elem_bytes != 4 and not self.split_master:
+            return self.shape.trainable_params(unit) * (4 + self.elem_bytes) / (self.hw.pinned_gbps * 1e9)
+        return 0.0
+
+    def optimizer_s(self, unit: str, moments: str = "fp32") -> float:
+        """A unit's host update as the optimizer worker runs it: the step, then the refresh."""
+        return self.optimizer_step_s(unit, moments) + self.compute_refresh_s(unit)
 
     # ----- bytes --------------------------------------------------------------------------
 

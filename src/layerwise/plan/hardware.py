@@ -13,6 +13,7 @@ Units: bytes, seconds, GB/s = 1e9 bytes/s, TFLOPS = 1e12 FLOP/s.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,14 @@ from ..util.atomic import atomic_write_text
 
 GB = 10**9
 GIB = 2**30
-PROFILE_FORMAT_VERSION = 3
-"""2: adds the optional scale-out fields (``gpus_per_node`` ... ``node_host_link_gbps``); a version 1
-file is read as a single-GPU profile without them."""
+PROFILE_FORMAT_VERSION = 4
+"""2: the optional scale-out fields (``gpus_per_node`` ... ``node_host_link_gbps``); 3:
+``fwd_efficiency``; 4: the host path as the engine runs it (``host_accum_bf16_gbps``,
+``pinned_copy_gbps``, ``gloo_reduce_gbps``). An older file loads with those fields unset, each
+read as its stated fallback, and a note saying to re-run ``layerwise calibrate``."""
+HOST_FIELDS_V4 = ("host_accum_bf16_gbps", "pinned_copy_gbps", "gloo_reduce_gbps")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,11 +59,25 @@ class HardwareProfile:
     host_reserved_bytes: int
     """Host RAM the planner must leave alone (OS, data loader, page cache)."""
     optimizer_params_per_s: float
-    """Host AdamW throughput with fp32 moments, parameters/s over all optimizer workers."""
+    """Host AdamW step with fp32 moments (``HostAdamW.step_unit``, the compute copy's refresh
+    not included), parameters/s at the optimizer threads the engine runs (``host_threads``)."""
     optimizer_8bit_params_per_s: float
-    """Host AdamW throughput with block-wise 8-bit moments (dequantise + requantise cost)."""
+    """The same for block-wise 8-bit moments (``HostAdamW8bit``: dequantise + requantise)."""
     host_accum_gbps: float = 150.0
-    """Host memory bandwidth of the fp32 gradient accumulation (``grad += copy``), GB/s."""
+    """Host gradient accumulation of an fp32 gradient (``grad_accum.accumulate``, fp32 into
+    fp32: the CPU backend's), GB/s counted as 12 bytes per element (read 4 + 4, write 4)."""
+    host_accum_bf16_gbps: float | None = None
+    """The same for a bf16 gradient landing from the pinned ring (the GPU path), at the landing
+    threads the engine runs, GB/s counted as 10 bytes per element (read 2 + 4, write 4); None
+    (a profile before version 4): ``host_accum_gbps``."""
+    pinned_copy_gbps: float | None = None
+    """Host copy into page-locked memory: the compute copy's refresh after an update
+    (``UnitBuffers.refresh_compute``, fp32 master -> bf16 arena), GB/s counted as bytes read +
+    written; None (a profile before version 4): ``host_accum_gbps``."""
+    gloo_reduce_gbps: float | None = None
+    """Bus bandwidth of gloo's reduce of host fp32 gradients between the processes of a node
+    (``grad_reduce="host"``), GB/s: ``(G-1)/G`` of the bytes per second, as
+    ``intra_node_gbps``; None: not measured, the host reduction is timed at ``intra_node_gbps``."""
     compute_dtype_bytes: int = 2
     """Bytes per element of streamed weights, gradients and activations (2 = bf16, 4 = fp32)."""
     synchronous: bool = False
@@ -95,7 +115,7 @@ class HardwareProfile:
             raise ValueError(f"hardware profile {self.name!r}: device_mem_bytes must exceed device_reserved_bytes")
         if self.host_mem_bytes <= self.host_reserved_bytes:
             raise ValueError(f"hardware profile {self.name!r}: host_mem_bytes must exceed host_reserved_bytes")
-        for f in ("intra_node_gbps", "inter_node_gbps", "node_host_link_gbps"):
+        for f in ("intra_node_gbps", "inter_node_gbps", "node_host_link_gbps") + HOST_FIELDS_V4:
             if getattr(self, f) is not None and not getattr(self, f) > 0:
                 raise ValueError(f"hardware profile {self.name!r}: {f} must be > 0 or null, got {getattr(self, f)}")
         if self.gpus_per_node < 1:
@@ -115,6 +135,16 @@ class HardwareProfile:
         """Sustained FLOP/s of a forward without a graph."""
         eff = self.efficiency if self.fwd_efficiency is None else self.fwd_efficiency
         return self.peak_tflops * 1e12 * eff
+
+    @property
+    def accum_bf16_gbps(self) -> float:
+        """Accumulation bandwidth of a bf16 gradient (``host_accum_gbps`` when not measured)."""
+        return self.host_accum_gbps if self.host_accum_bf16_gbps is None else self.host_accum_bf16_gbps
+
+    @property
+    def pinned_gbps(self) -> float:
+        """Host copy bandwidth into pinned memory (``host_accum_gbps`` when not measured)."""
+        return self.host_accum_gbps if self.pinned_copy_gbps is None else self.pinned_copy_gbps
 
     @property
     def device_cap_bytes(self) -> int:
@@ -146,10 +176,16 @@ class HardwareProfile:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"hardware profile has unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        if d.get("format_version", PROFILE_FORMAT_VERSION) not in (1, 2, PROFILE_FORMAT_VERSION):
+        version = d.get("format_version", PROFILE_FORMAT_VERSION)
+        if version not in (1, 2, 3, PROFILE_FORMAT_VERSION):
             raise ValueError(f"hardware profile format_version {d['format_version']} is not supported "
                              f"(expected {PROFILE_FORMAT_VERSION}); re-run `layerwise calibrate`")
-        d = {**d, "format_version": PROFILE_FORMAT_VERSION}  # versions 1, 2 lack only optional fields
+        if version < 4:
+            log.warning("hardware profile %r is format version %s: it has no %s; the bf16 accumulation "
+                        "and pinned copies are timed at host_accum_gbps and a host reduction at "
+                        "intra_node_gbps. Re-run `layerwise calibrate` to measure them",
+                        d.get("name"), version, ", ".join(HOST_FIELDS_V4))
+        d = {**d, "format_version": PROFILE_FORMAT_VERSION}  # older versions lack only optional fields
         missing = {f.name for f in fields(cls) if f.default is MISSING} - set(d)
         if missing:
             raise ValueError(f"hardware profile is missing {sorted(missing)}")
@@ -188,13 +224,32 @@ class HardwareProfile:
 #        4.1 GB/s write sequential); 3.84 TB drive, 3 TB given to spill.
 # [CNVME] one consumer PCIe 4.0 NVMe drive (Samsung 980 PRO datasheet: 7.0 GB/s read,
 #        5.0 GB/s write sequential); 2 TB drive, 1.5 TB given to spill.
-# [OPT]  fused AdamW on host is memory-bound: ~28 bytes moved per parameter with fp32 moments
-#        (master, grad, m, v read; master, m, v written). A 2-socket server sustains ~150 GB/s
-#        -> ~5e9 params/s; a workstation ~60 GB/s -> ~2e9 params/s. 8-bit moments move less
-#        but pay (de)quantisation: ~0.8x the fp32 rate (assumption; calibrate to measure).
-# [ACC]  multi-threaded ``add_`` of large fp32 buffers: about a third of STREAM bandwidth
-#        (assumption, same fraction as [OPT]): ~150 GB/s on a 2-socket DDR5 server (STREAM
-#        ~450 GB/s), ~50 GB/s on an 8-channel DDR4 workstation (STREAM ~150 GB/s).
+# Host side (the engine's own kernels; ``layerwise calibrate`` measures each on the machine,
+# these are what a preset assumes without it). Per-thread rates measured here
+# (docs/benchmarks.md, "Host cost model"; 2 shared cores, load 7-14): the fused bf16 -> fp32
+# accumulation ~1.2 G elements/s (12 GB/s), fused AdamW fp32 0.22e9 params/s, 8-bit 0.15e9,
+# the compute copy's refresh (torch fp32 -> bf16 ``copy_``) ~2.2 GB/s.
+# [OPT]  fused AdamW on host is memory-bound on a server: ~28 bytes moved per parameter with fp32
+#        moments (master, grad, m, v read; master, m, v written). A 2-socket DDR5 server
+#        (16 channels x DDR5-4800: 614 GB/s theoretical; DGX H200 datasheet: 2 x Xeon Platinum
+#        8480C, 112 cores) sustains ~150 GB/s for this mix (assumption: a third of STREAM) ->
+#        ~5e9 params/s, below its cores' 111 x 0.22e9; a workstation ~60 GB/s -> ~2e9 params/s.
+#        8-bit moments: 0.7x the fp32 rate, the ratio measured here (assumption that it holds).
+# [ACC]  fp32 -> fp32 accumulation (the CPU backend's; a GPU preset never lands fp32 gradients
+#        unless computing in fp32): a third of STREAM (assumption, as [OPT]): ~150 GB/s on a
+#        2-socket DDR5 server, ~50 GB/s on an 8-channel DDR4 workstation.
+# [ACC16] a bf16 gradient's landing is split over at most 8 threads (``host_threads``
+#        MAX_LANDING_THREADS): 8 x the ~12 GB/s one thread reaches here = ~100 GB/s, derated to
+#        80 for a 2-socket server's remote-NUMA pages (assumption); a workstation's bus caps it
+#        at 50 (as [ACC]).
+# [PIN]  the compute copy's refresh after each update (fp32 master -> bf16 pinned arena,
+#        ``torch.copy_`` over the optimizer's intra-op threads): ~2.2 GB/s a thread measured
+#        here x the server's 111 worker CPUs, capped by [OPT]'s 150 GB/s; workstation 60
+#        (assumption: 16-32 cores, its bus).
+# [GLOO] gloo's reduce of host fp32 gradients (``grad_reduce="host"``) goes through the
+#        loopback TCP transport, not NVLink: assumption 3 GB/s bus bandwidth, the middle of the
+#        1-5 GB/s estimated in issue 19 (measured here between 2 in-process ranks on 2 shared
+#        cores: 0.4-0.5 GB/s); ``layerwise calibrate --gloo`` measures it.
 # [RES]  1.5 GB device reserve: CUDA context (~500 MB) + cuBLAS workspace + allocator slack.
 # Scale-out (data parallel, ``plan.scaling``):
 # [NODE8] HGX/DGX boards carry 8 GPUs (DGX H200, DGX H100, DGX A100 datasheets).
@@ -221,8 +276,9 @@ PRESETS: dict[str, HardwareProfile] = {
         nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
         host_mem_bytes=2000 * GB,  # HGX H200 servers ship with 2 TB DDR5 (e.g. DGX H200 datasheet)
         host_reserved_bytes=64 * GB,  # OS, data loader, page cache (assumption)
-        optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=4e9,  # [OPT] server
-        host_accum_gbps=150.0,  # [ACC] server
+        optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=3.5e9,  # [OPT] server
+        host_accum_gbps=150.0, host_accum_bf16_gbps=80.0,  # [ACC] [ACC16] server
+        pinned_copy_gbps=150.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
         gpus_per_node=8,  # [NODE8]
         intra_node_gbps=360.0, inter_node_gbps=45.0, node_host_link_gbps=200.0,  # [NVL] [IB] [HOSTLINK]
     ),
@@ -236,8 +292,9 @@ PRESETS: dict[str, HardwareProfile] = {
         nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
         host_mem_bytes=2000 * GB,  # HGX H800 servers as DGX H100: 2 TB (DGX H100 datasheet)
         host_reserved_bytes=64 * GB,
-        optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=4e9,  # [OPT] server
-        host_accum_gbps=150.0,  # [ACC] server
+        optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=3.5e9,  # [OPT] server
+        host_accum_gbps=150.0, host_accum_bf16_gbps=80.0,  # [ACC] [ACC16] server
+        pinned_copy_gbps=150.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
         gpus_per_node=8,  # [NODE8]
         intra_node_gbps=160.0, inter_node_gbps=45.0, node_host_link_gbps=200.0,  # [NVL] H800 [IB] [HOSTLINK]
     ),
@@ -251,8 +308,9 @@ PRESETS: dict[str, HardwareProfile] = {
         nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
         host_mem_bytes=2000 * GB,  # DGX H100 datasheet: 2 TB system memory
         host_reserved_bytes=64 * GB,
-        optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=4e9,  # [OPT] server
-        host_accum_gbps=150.0,  # [ACC] server
+        optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=3.5e9,  # [OPT] server
+        host_accum_gbps=150.0, host_accum_bf16_gbps=80.0,  # [ACC] [ACC16] server
+        pinned_copy_gbps=150.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
         gpus_per_node=8,  # [NODE8]
         intra_node_gbps=360.0, inter_node_gbps=45.0, node_host_link_gbps=200.0,  # [NVL] [IB] [HOSTLINK]
     ),
@@ -266,8 +324,9 @@ PRESETS: dict[str, HardwareProfile] = {
         nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
         host_mem_bytes=1000 * GB,  # DGX A100 datasheet: 1 TB system memory (2 TB option)
         host_reserved_bytes=64 * GB,
-        optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=4e9,  # [OPT] server
-        host_accum_gbps=150.0,  # [ACC] server
+        optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=3.5e9,  # [OPT] server
+        host_accum_gbps=150.0, host_accum_bf16_gbps=80.0,  # [ACC] [ACC16] server
+        pinned_copy_gbps=150.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
         gpus_per_node=8,  # [NODE8]
         intra_node_gbps=240.0, inter_node_gbps=22.5, node_host_link_gbps=120.0,  # [NVL] A100 [IB] [HOSTLINK]
     ),
@@ -281,8 +340,9 @@ PRESETS: dict[str, HardwareProfile] = {
         nvme_read_gbps=7.0, nvme_write_gbps=5.0, nvme_capacity_bytes=1500 * GB,  # [CNVME]
         host_mem_bytes=512 * GB,  # assumption: 8 x 64 GB workstation (Threadripper/EPYC class)
         host_reserved_bytes=32 * GB,
-        optimizer_params_per_s=2e9, optimizer_8bit_params_per_s=1.6e9,  # [OPT] workstation
-        host_accum_gbps=50.0,  # [ACC] workstation
+        optimizer_params_per_s=2e9, optimizer_8bit_params_per_s=1.4e9,  # [OPT] workstation
+        host_accum_gbps=50.0, host_accum_bf16_gbps=50.0,  # [ACC] [ACC16] workstation
+        pinned_copy_gbps=60.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
         gpus_per_node=4, intra_node_gbps=10.0, inter_node_gbps=2.8, node_host_link_gbps=50.0,  # [WS4] [HOSTLINK]
     ),
     "rtx4090": HardwareProfile(
@@ -295,8 +355,9 @@ PRESETS: dict[str, HardwareProfile] = {
         nvme_read_gbps=7.0, nvme_write_gbps=5.0, nvme_capacity_bytes=1500 * GB,  # [CNVME]
         host_mem_bytes=512 * GB,  # assumption: 8 x 64 GB workstation
         host_reserved_bytes=32 * GB,
-        optimizer_params_per_s=2e9, optimizer_8bit_params_per_s=1.6e9,  # [OPT] workstation
-        host_accum_gbps=50.0,  # [ACC] workstation
+        optimizer_params_per_s=2e9, optimizer_8bit_params_per_s=1.4e9,  # [OPT] workstation
+        host_accum_gbps=50.0, host_accum_bf16_gbps=50.0,  # [ACC] [ACC16] workstation
+        pinned_copy_gbps=60.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
         gpus_per_node=4, intra_node_gbps=10.0, inter_node_gbps=2.8, node_host_link_gbps=50.0,  # [WS4] [HOSTLINK]
     ),
     "cpu": HardwareProfile(
@@ -311,7 +372,8 @@ PRESETS: dict[str, HardwareProfile] = {
         host_mem_bytes=16 * GB,
         host_reserved_bytes=2 * GB,
         optimizer_params_per_s=1e8, optimizer_8bit_params_per_s=5e7,  # assumption; calibrate measures
-        host_accum_gbps=5.0,  # assumption; calibrate measures
+        host_accum_gbps=5.0, host_accum_bf16_gbps=5.0,  # assumption; calibrate measures
+        pinned_copy_gbps=2.0,  # assumption (the per-thread refresh rate measured here); calibrate measures
         compute_dtype_bytes=4,  # CPU runs fp32
         synchronous=True,  # CPU backend copies and computes in one thread
         op_overhead_s=2e-4,  # Python + dispatch per op (assumption)

@@ -19,13 +19,17 @@ Dependencies modelled (as ``layerwise.engine`` runs them):
 - a weight copy of unit ``u`` in step ``s+1`` waits for ``u``'s optimizer update of step ``s``,
   and blocks the copies issued after it (the engine's host thread waits there);
 - an op waits for its weights and its input boundary (fetched, recomputed or kept);
-- a stored boundary's D2H copy is issued at its ``layer_fwd``; an NVMe write follows its D2H; the
+- a stored boundary's D2H copy is issued at its ``layer_fwd`` (host-tier internals' at their
+  ``layer_fwd_keep``), and compute waits for the offloads queued ``OFFLOAD_WINDOW_OPS`` ops back
+  (the engine's ``OffloadWindow``); an NVMe write follows its D2H; the
   NVMe read is issued two ops before its ``fetch``; a host/NVMe boundary's H2D copy is issued when
   the compute op before its ``fetch`` starts;
 - each gradient goes D2H when its op ends, then is accumulated in fp32 on the host (the
-  synchronous CPU backend adds it in place, without the copy);
+  synchronous CPU backend adds it in place, without the copy); a unit's first landing of the
+  step writes instead of adding;
 - the optimizer starts when the last gradient of the step has landed (global clip needs all),
-  updating embed, layers 0.., head in order, overlapping the next step's forward.
+  updating embed, layers 0.., head in order (each update, then its compute copy's refresh into
+  the pinned arena), overlapping the next step's forward.
 
 Data parallel (``topology``; :mod:`.topology` says what is shared): one GPU's process is
 simulated, on the machine as it sees it while its node's other GPUs run too
@@ -48,13 +52,13 @@ from typing import Any
 
 from .cost import CostModel
 from .hardware import HardwareProfile
-from .memory import FETCH_SLOTS, GRAD_SLOTS, kept_internal_bytes
+from .memory import FETCH_SLOTS, GRAD_SLOTS, OFFLOAD_WINDOW_OPS, kept_internal_bytes
 from .plan import Plan
 from .program import (FETCH_AHEAD, RECOMPUTE_OPS, Op, OpKind, WeightWindow, micro_batch_program,
                       weight_schedule)
 from .shape import ModelShape
-from .topology import (REDUCE_BYTES_PER_PARAM, Topology, assign_owners, inter_allreduce_s, intra_reduce_s,
-                       rank_hardware)
+from .topology import (REDUCE_BYTES_PER_PARAM, Topology, assign_owners, host_reduce_s, inter_allreduce_s,
+                       intra_reduce_s, rank_hardware)
 from .trace import LANES, Alloc, Interval, Lanes, SimResult, peak_bytes
 
 __all__ = ["LANES", "Alloc", "Interval", "SimResult", "micro_batch_program", "peak_bytes", "simulate"]
@@ -100,6 +104,12 @@ class _MicroBatch:
         """When the last compute op started (a boundary's fetch is issued then)."""
         self.issued: list[float] = []
         """Per op: when the compute queued before it has run."""
+        self.offload_end: dict[int, float] = {}
+        """Op -> when the offloads it queued have left the device."""
+        self.offload_wait = 0.0
+        """Compute waits for the offloads queued ``OFFLOAD_WINDOW_OPS`` ops back."""
+        self.op = 0
+        """The op being run (what its offloads are recorded under)."""
 
 
 class _Simulation:
@@ -134,6 +144,7 @@ class _Simulation:
                  for r in range(topo.gpus_per_node)]
         self.lanes = Lanes(hw.synchronous, me=max(range(topo.gpus_per_node), key=lambda r: (owned[r], -r)))
         self.last_grad_op = {u: n for n, op in enumerate(self.ops) for u in op.grad_units(self.tied)}  # its final landing
+        self.first_grad_op = {u: n for n, op in reversed(list(enumerate(self.ops))) for u in op.grad_units(self.tied)}
         self.allocs: list[Alloc] = []
         self.op_log: list[dict[str, Any]] = []
         self.opt_ready: dict[str, float] = {}
@@ -181,7 +192,9 @@ class _Simulation:
         self.recompute_s = self.recompute_this_step
         lanes.step = step
         for u, m in zip(self.units, self.moments):  # each owner its own units, in order
-            _, self.opt_ready[u] = lanes.run("optimizer", done, self.cost.optimizer_s(u, m), f"update {u}",
+            _, upd = lanes.run("optimizer", done, self.cost.optimizer_step_s(u, m), f"update {u}",
+                               rank=self.owner[u])
+            _, self.opt_ready[u] = lanes.run("optimizer", upd, self.cost.compute_refresh_s(u), f"refresh {u}",
                                              rank=self.owner[u])
         self.t_begin = done
 
@@ -198,6 +211,8 @@ class _Simulation:
     def micro_batch(self, mb: int, step: int) -> None:
         mbs = _MicroBatch(self.lanes.free_at("compute"))
         for n, op in enumerate(self.ops):
+            mbs.op = n
+            mbs.offload_wait = max(mbs.offload_wait, mbs.offload_end.pop(n - OFFLOAD_WINDOW_OPS, 0.0))
             t_issue = self.lanes.free_at("compute")
             mbs.issued.append(t_issue)
             self._read_ahead(mbs, n, t_issue)
@@ -269,7 +284,8 @@ class _Simulation:
         elif kind == OpKind.LAYER_BWD_KEPT:
             need_b = mbs.internals_ready.get(i, 0.0)
         dur = self.op_s[n]
-        start, end = self.lanes.run("compute", max(t_issue, need_w, need_b), dur, self.labels[n])
+        start, end = self.lanes.run("compute", max(t_issue, need_w, need_b, mbs.offload_wait), dur,
+                                    self.labels[n])
         mbs.prev_start = start
         if kind in RECOMPUTE_OPS:
             self.recompute_this_step += dur
@@ -302,6 +318,7 @@ class _Simulation:
             mbs.held[i] = self.alloc("device", start, a_bytes, f"boundary {i} (kept)")
         elif tier in ("host", "nvme"):
             s, e = self.lanes.run("d2h", start, self.cost.d2h_s(a_bytes), f"offload b{i}")
+            mbs.offload_end[mbs.op] = max(mbs.offload_end.get(mbs.op, 0.0), e)
             if e > end:  # the copy holds the device buffer until it is done
                 self.alloc("device", end, a_bytes, f"boundary {i} (in flight)", e)
             host = self.alloc("host", s, a_bytes, f"boundary {i} ({tier})")
@@ -319,6 +336,7 @@ class _Simulation:
             mbs.internals_held[i] = self.alloc("device", end, self.kept_bytes[i], f"internals {i} (kept)")
         else:
             s, e = self.lanes.run("d2h", start, self.cost.d2h_s(self.ws_bytes), f"offload L{i}")
+            mbs.offload_end[mbs.op] = max(mbs.offload_end.get(mbs.op, 0.0), e)
             if e > end:
                 self.alloc("device", end, self.ws_bytes, f"internals {i} (in flight)", e)
             mbs.internals_host[i] = (e, self.alloc("host", s, self.ws_bytes, f"internals {i} (host)"))
@@ -359,11 +377,12 @@ class _Simulation:
         s, e = lanes.run("d2h", t_out, 0.0 if hw.synchronous else cost.d2h_s(gb), f"grad {u}", rank=lander)
         if e > end and kind == OpKind.HEAD and lander in (None, lanes.me):  # others leave from a grad slot
             self.alloc("device", end, gb * 4 // cost.elem_bytes, f"grad {u} (fp32, in flight)", e)
-        _, landed = lanes.run("host", e, cost.grad_accumulate_s(u), f"accumulate {u}", rank=lander)
+        first = mb == 0 and self.first_grad_op[u] == n
+        _, landed = lanes.run("host", e, cost.grad_accumulate_s(u, first), f"accumulate {u}", rank=lander)
         if mb == self.plan.num_micro_batches - 1 and self.last_grad_op[u] == n:  # the step's sum: reduce it
             reduce_bytes = self.shape.unit_params(u) * REDUCE_BYTES_PER_PARAM
             if topo.grad_reduce == "host":
-                _, landed = lanes.run("intra", landed, intra_reduce_s(reduce_bytes, hw, topo), f"reduce {u}")
+                _, landed = lanes.run("intra", landed, host_reduce_s(reduce_bytes, hw, topo), f"reduce {u}")
             _, landed = lanes.run("inter", landed, inter_allreduce_s(reduce_bytes, hw, topo), f"all-reduce {u}",
                                   rank=self.owner[u])
         self.last_grad_landed = max(self.last_grad_landed, landed)

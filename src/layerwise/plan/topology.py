@@ -68,7 +68,7 @@ def rank_hardware(hw: HardwareProfile, topo: Topology) -> HardwareProfile:
     """The machine as one GPU's process sees it while all ``gpus_per_node`` of its node run.
 
     Shared by the node: host copies (each GPU gets at most the node's host link over G), host
-    memory bandwidth for the gradient accumulation, the optimizer's cores (an owner runs on 1/G
+    memory bandwidth for the gradient accumulation and the pinned refresh, the optimizer's cores (an owner runs on 1/G
     of them) and the spill drive. Device-side figures are the GPU's own. With one GPU per node
     nothing changes: ``h2d_gbps``/``d2h_gbps`` are what one GPU gets alone.
     """
@@ -79,6 +79,8 @@ def rank_hardware(hw: HardwareProfile, topo: Topology) -> HardwareProfile:
         h2d_gbps=min(hw.h2d_gbps, link / g) if link else hw.h2d_gbps,
         d2h_gbps=min(hw.d2h_gbps, link / g) if link else hw.d2h_gbps,
         host_accum_gbps=hw.host_accum_gbps / g,
+        host_accum_bf16_gbps=hw.host_accum_bf16_gbps and hw.host_accum_bf16_gbps / g,
+        pinned_copy_gbps=hw.pinned_copy_gbps and hw.pinned_copy_gbps / g,
         optimizer_params_per_s=hw.optimizer_params_per_s / g,
         optimizer_8bit_params_per_s=hw.optimizer_8bit_params_per_s / g,
         nvme_read_gbps=hw.nvme_read_gbps / g,
@@ -106,6 +108,16 @@ def intra_reduce_s(nbytes: float, hw: HardwareProfile, topo: Topology) -> float:
         return 0.0
     assert hw.intra_node_gbps is not None  # Topology.check refuses it first
     return (g - 1) / g * nbytes / (hw.intra_node_gbps * 1e9)
+
+
+def host_reduce_s(nbytes: float, hw: HardwareProfile, topo: Topology) -> float:
+    """Reduce ``nbytes`` of host fp32 gradient to the owner with gloo (``grad_reduce="host"``),
+    at ``gloo_reduce_gbps`` when the profile has it (gloo moves host tensors over its TCP
+    transport, not the GPUs' links), else as :func:`intra_reduce_s`."""
+    if hw.gloo_reduce_gbps is None or topo.gpus_per_node == 1:
+        return intra_reduce_s(nbytes, hw, topo)
+    g = topo.gpus_per_node
+    return (g - 1) / g * nbytes / (hw.gloo_reduce_gbps * 1e9)
 
 
 def inter_allreduce_s(nbytes: float, hw: HardwareProfile, topo: Topology) -> float:

@@ -1,0 +1,212 @@
+"""The host half of ``layerwise calibrate``: each probe runs the engine's own host kernel, on the
+threads and CPUs the engine gives it (``host_threads``), at the run's unit size.
+
+- gradient accumulation: ``grad_accum.accumulate`` of a bf16 (the GPU path) and an fp32 (the CPU
+  backend) gradient into an fp32 one, split over the landing threads, on a thread pinned as the
+  landing thread is;
+- the optimizer: ``HostAdamW`` / ``HostAdamW8bit.step_unit`` per parameter, at the optimizer's
+  intra-op thread count, on a pinned worker thread;
+- copies into pinned memory: the compute copy's refresh after an update (``copy_`` of the fp32
+  master into a bf16 buffer, page-locked on CUDA), on the optimizer's threads. The D2H landing
+  into the pinned ring is a DMA (``d2h_gbps``), not a host copy;
+- gloo: a reduce of a unit-sized fp32 tensor, over the initialised process group, or (asked)
+  between two ranks in this process; never by default (it would start a process group).
+
+Rates count the bytes the kernel moves (accumulation: ``e + 8`` per element; the refresh: 4 read
++ ``e`` written), the same counts the cost model divides by.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from ..models.adapter import ParamSpec, Unit
+from ..optim.adamw import AdamWConfig, HostAdamW
+from ..optim.adamw8bit import HostAdamW8bit
+from ..optim.grad_accum import accumulate
+from ..plan.hardware import GB
+from ..store import FlatLayout, UnitBuffers
+from .host_threads import HostThreads
+
+Clock = Callable[[], float]
+T = TypeVar("T")
+
+
+def best_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None,
+              clock: Clock = time.perf_counter) -> float:
+    """Fastest of ``repeats`` runs after a warm-up: what the machine can do when others let it
+    (shared machines are noisy; the minimum is the stable statistic, as in ``timeit``)."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t = clock()
+        fn()
+        sync()
+        times.append(clock() - t)
+    return min(times)
+
+
+def _meminfo_total_bytes(path: str = "/proc/meminfo") -> int | None:
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024  # the kernel writes kB (KiB)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _cgroup_limit_bytes(root: str = "/sys/fs/cgroup") -> int | None:
+    """The memory limit of this process's cgroup (v2 ``memory.max``, v1 ``memory.limit_in_bytes``),
+    None when unlimited or unreadable."""
+    for name in ("memory.max", "memory/memory.limit_in_bytes"):
+        try:
+            text = (Path(root) / name).read_text().strip()
+        except OSError:
+            continue
+        if text == "max":
+            return None
+        try:
+            v = int(text)
+        except ValueError:
+            continue
+        return v if v < 1 << 60 else None  # v1 writes a huge number for "no limit"
+    return None
+
+
+def total_ram_bytes(meminfo: str = "/proc/meminfo", cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """Physical RAM this process may use: ``MemTotal``, or the cgroup's limit when lower. (Physical
+    pages times the page size undercounts nothing on Linux but is not what a container may use.)"""
+    total = _meminfo_total_bytes(meminfo)
+    if total is None:
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            total = 16 * GB
+    limit = _cgroup_limit_bytes(cgroup_root)
+    return min(total, limit) if limit else total
+
+
+def on_host_worker(threads: HostThreads, fn: Callable[[], T], intra: int | None = None) -> T:
+    """Run ``fn`` on a thread placed as the engine's host workers are (their CPU mask), with
+    torch's intra-op threads at ``intra`` while it runs (restored after)."""
+    before = torch.get_num_threads()
+    if intra is not None:
+        torch.set_num_threads(intra)
+    try:
+        with ThreadPoolExecutor(1, initializer=threads.initializer) as ex:
+            return ex.submit(fn).result()
+    finally:
+        torch.set_num_threads(before)
+
+
+def measure_accumulation(numel: int, repeats: int, threads: int = 1,
+                         clock: Clock = time.perf_counter) -> tuple[float, float]:
+    """(bf16 -> fp32, fp32 -> fp32) GB/s of ``grad_accum.accumulate`` adding (not the first
+    landing) a ``numel`` gradient split over ``threads``, counted as 10 and 12 bytes an element."""
+    dst = torch.zeros(numel)
+    out = []
+    for dtype, per_elem in ((torch.bfloat16, 10), (torch.float32, 12)):
+        src = torch.randn(numel).to(dtype)
+        t = best_time(lambda: accumulate(dst, src, first=False, threads=threads), repeats, clock=clock)
+        out.append(numel * per_elem / t / 1e9)
+    return out[0], out[1]
+
+
+def _probe_unit(numel: int) -> UnitBuffers:
+    unit = Unit("probe", "layer", 0, (ParamSpec("w", "w", (numel // 1024, 1024)),))
+    n = (numel // 1024) * 1024
+    return UnitBuffers(unit, FlatLayout.of(unit), torch.zeros(n), torch.randn(n))
+
+
+def measure_optimizer(numel: int, repeats: int, clock: Clock = time.perf_counter) -> float:
+    """Params/s of the host AdamW step with fp32 moments (``HostAdamW.step_unit``), as the engine
+    updates a unit (the caller sets the threads)."""
+    buf = _probe_unit(numel)
+    opt = HostAdamW(AdamWConfig())
+    opt.init_state(buf)
+    t = best_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats, clock=clock)
+    return buf.layout.numel / t
+
+
+def measure_optimizer_8bit(numel: int, repeats: int, clock: Clock = time.perf_counter) -> float:
+    """Params/s of the project's block-wise 8-bit AdamW step."""
+    buf = _probe_unit(numel)
+    opt = HostAdamW8bit(AdamWConfig())
+    opt.init_state(buf)
+    t = best_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats, clock=clock)
+    return buf.layout.numel / t
+
+
+def measure_pinned_copy_gbps(device: str, numel: int, repeats: int, clock: Clock = time.perf_counter) -> float:
+    """GB/s (4 read + 2 written an element) of the compute copy's refresh: ``copy_`` of an fp32
+    master into a bf16 buffer, page-locked when ``device`` is CUDA (as the store's arena is)."""
+    src = torch.randn(numel)
+    dst = torch.empty(numel, dtype=torch.bfloat16)
+    if device.startswith("cuda"):
+        dst = dst.pin_memory()
+    t = best_time(lambda: dst.copy_(src), repeats, clock=clock)
+    return numel * 6 / t / 1e9
+
+
+def _reduce_bus_gbps(nbytes: int, seconds: float, world: int) -> float:
+    """A reduce's bus bandwidth: ``(W-1)/W`` of the bytes cross each rank's link."""
+    return (world - 1) / world * nbytes / seconds / 1e9
+
+
+def measure_gloo_reduce_gbps(numel: int, repeats: int) -> float:
+    """Bus GB/s of gloo's reduce of an fp32 tensor of ``numel`` elements: over the initialised
+    default group when there is one (every rank must call this), else between two ranks on
+    threads of this process (gloo's TCP transport over loopback, as two processes on a node)."""
+    import torch.distributed as dist
+
+    nbytes = numel * 4
+    if dist.is_available() and dist.is_initialized():
+        t = torch.ones(numel)
+        world = dist.get_world_size()
+
+        def once() -> None:
+            dist.reduce(t, dst=0)
+
+        dist.barrier()
+        s = best_time(once, repeats, sync=dist.barrier)
+        return _reduce_bus_gbps(nbytes, s, world)
+    store = dist.HashStore()
+    times: dict[int, float] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def rank(r: int) -> None:
+        try:
+            pg = dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=120))
+            opts = dist.ReduceOptions()
+            opts.rootRank, opts.reduceOp = 0, dist.ReduceOp.SUM
+            t = torch.ones(numel)
+
+            def once() -> None:
+                barrier.wait()
+                pg.reduce([t], opts).wait()
+
+            times[r] = best_time(once, repeats)
+        except BaseException as e:  # surfaced below, on the caller's thread
+            errors.append(e)
+            barrier.abort()
+
+    workers = [threading.Thread(target=rank, args=(r,), name=f"calibrate-gloo-{r}") for r in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
+    return _reduce_bus_gbps(nbytes, max(times.values()), 2)

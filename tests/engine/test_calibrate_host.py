@@ -1,0 +1,128 @@
+"""``layerwise calibrate``'s host half: the profile's host fields come from the engine's own
+kernels at the run's shape and the engine's threads, RAM from MemTotal or the cgroup limit."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+import layerwise.engine.calibrate as calibrate
+from layerwise.engine import calibrate_host
+from layerwise.engine.host_threads import plan_host_threads
+from layerwise.plan.hardware import PRESETS, HardwareProfile
+
+HOST_FIELDS = ("host_accum_gbps", "host_accum_bf16_gbps", "optimizer_params_per_s",
+               "optimizer_8bit_params_per_s", "pinned_copy_gbps", "gloo_reduce_gbps")
+
+
+def _shrink(monkeypatch, name, **over):
+    fn = getattr(calibrate, name)
+
+    def call(*args, **kwargs):
+        import inspect
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+        bound.arguments.update(over)
+        return fn(*bound.args, **bound.kwargs)
+    monkeypatch.setattr(calibrate, name, call)
+
+
+def test_calibrate_measures_the_host_fields_at_the_run_shape(monkeypatch, tmp_path):
+    """On CPU, at a tiny run shape: the layer is fitted through the run's micro-batch and twice
+    it, and every host field is a measurement (gloo between two in-process ranks, asked), not
+    the preset's figure; the profile round-trips as the current format.
+
+    Mutation seen caught: ``measure_host`` returning the preset's ``host_accum_bf16_gbps``
+    (the old calibrate timed no bf16 accumulation); the fit's points left at 512/8."""
+    seen = {}
+    layer = calibrate.measure_layer
+
+    def spy(device, dtype, points, repeats, clock=None, config=None):
+        seen["points"], seen["hidden"] = points, config.hidden_size
+        return layer(device, dtype, points, 1, clock, config)
+    monkeypatch.setattr(calibrate, "measure_layer", spy)
+    _shrink(monkeypatch, "measure_matmul_tflops", n=64)
+    _shrink(monkeypatch, "measure_copy_gbps", nbytes=1 << 20)
+    _shrink(monkeypatch, "measure_disk_gbps", nbytes=1 << 20)
+    hw = calibrate.calibrate(quick=True, device="cpu", spill_dir=str(tmp_path), model="llama-debug",
+                             seq_len=16, micro_batch_size=2, gloo=True)
+    assert seen["points"] == ((2, 16), (4, 16))
+    assert seen["hidden"] == calibrate.get_flavor("llama-debug").build_config().hidden_size
+    cpu = PRESETS["cpu"]
+    for f in HOST_FIELDS:
+        assert getattr(hw, f) is not None and getattr(hw, f) > 0, f
+        assert getattr(hw, f) != getattr(cpu, f), f"{f} is the preset's, not measured"
+    hw.save(tmp_path / "p.json")
+    assert HardwareProfile.load(tmp_path / "p.json") == hw and hw.format_version == 4
+
+
+def test_gloo_is_measured_only_when_asked(monkeypatch):
+    """Without ``gloo`` (and no process group) no gloo ranks are started and the field is None."""
+    monkeypatch.setattr(calibrate, "measure_gloo_reduce_gbps", lambda *a: pytest.fail("gloo started"))
+    host = calibrate.measure_host("cpu", 1 << 16, 1)
+    assert host["gloo_reduce_gbps"] is None and host["host_accum_bf16_gbps"] > 0
+
+
+def test_host_probes_run_on_the_engine_threads(monkeypatch):
+    """On CUDA the accumulation is split over the landing threads and the optimizer and the
+    refresh run at the optimizer's intra-op threads, as ``host_threads`` places the engine's
+    (probes stubbed: this records what they are given, no GPU needed).
+
+    Mutation seen caught: the accumulation probe called with ``threads=1``."""
+    cpus = frozenset(range(6))
+    monkeypatch.setattr(calibrate, "plan_host_threads",
+                        lambda kind, opt: plan_host_threads(kind, opt, cpus=cpus))
+    monkeypatch.setattr("layerwise.engine.host_threads.os.sched_setaffinity", lambda *a: None)
+    got = {}
+    monkeypatch.setattr(calibrate, "measure_accumulation",
+                        lambda numel, reps, threads, clock: got.setdefault("landing", threads) and (1.0, 1.0))
+    monkeypatch.setattr(calibrate, "measure_optimizer",
+                        lambda *a: got.setdefault("opt", torch.get_num_threads()) and 1.0)
+    monkeypatch.setattr(calibrate, "measure_optimizer_8bit", lambda *a: 1.0)
+    monkeypatch.setattr(calibrate, "measure_pinned_copy_gbps",
+                        lambda *a: got.setdefault("pinned", torch.get_num_threads()) and 1.0)
+    before = torch.get_num_threads()
+    calibrate.measure_host("cuda:1", 1 << 16, 1, optimizer_threads=1)
+    want = plan_host_threads("cuda", 1, cpus=cpus)
+    assert got == {"landing": want.landing, "opt": want.optimizer_intra, "pinned": want.optimizer_intra}
+    assert want.landing == 5 and torch.get_num_threads() == before
+
+
+def test_total_ram_reads_memtotal_and_the_cgroup_limit(tmp_path):
+    """MemTotal (kB) when no cgroup limit, the limit when lower (v2 ``memory.max``, v1
+    ``limit_in_bytes``), MemTotal again for v2 ``max`` and v1's "unlimited" huge number.
+
+    Mutation seen caught: the old ``SC_PHYS_PAGES`` product (the box's pages, not this file)."""
+    mem = tmp_path / "meminfo"
+    mem.write_text("MemTotal:       8388608 kB\nMemFree:        1024 kB\n")
+    root = tmp_path / "cg"
+    root.mkdir()
+    assert calibrate_host.total_ram_bytes(str(mem), str(root)) == 8 << 30
+    (root / "memory.max").write_text("4294967296\n")
+    assert calibrate_host.total_ram_bytes(str(mem), str(root)) == 4 << 30
+    (root / "memory.max").write_text("max\n")
+    assert calibrate_host.total_ram_bytes(str(mem), str(root)) == 8 << 30
+    (root / "memory.max").unlink()
+    (root / "memory").mkdir()
+    (root / "memory" / "memory.limit_in_bytes").write_text(str(2 << 30))
+    assert calibrate_host.total_ram_bytes(str(mem), str(root)) == 2 << 30
+    (root / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712")
+    assert calibrate_host.total_ram_bytes(str(mem), str(root)) == 8 << 30
+
+
+def test_a_version_3_profile_loads_with_the_host_fallbacks_and_a_note(tmp_path, caplog):
+    """A profile written before the host fields (format 3) loads: they are None, the bf16
+    accumulation and the pinned refresh read ``host_accum_gbps``, and a warning says to
+    re-run calibrate. Mutation seen caught: version 3 dropped from the readable versions."""
+    d = {k: v for k, v in PRESETS["h200"].to_dict().items()
+         if k not in ("host_accum_bf16_gbps", "pinned_copy_gbps", "gloo_reduce_gbps")}
+    d["format_version"] = 3
+    p = tmp_path / "v3.json"
+    p.write_text(json.dumps(d))
+    with caplog.at_level(logging.WARNING, logger="layerwise.plan.hardware"):
+        hw = HardwareProfile.load(p)
+    assert hw.host_accum_bf16_gbps is None and hw.pinned_copy_gbps is None and hw.gloo_reduce_gbps is None
+    assert hw.accum_bf16_gbps == hw.pinned_gbps == d["host_accum_gbps"]
+    assert "layerwise calibrate" in caplog.text and "format version 3" in caplog.text
+    with pytest.raises(ValueError, match="format_version 5"):
+        HardwareProfile.from_dict({**d, "format_version": 5})
