@@ -30,19 +30,20 @@ def test_bf16_accumulation_is_priced_at_its_own_rate():
     assert cpu.grad_accumulate_s(U) == pytest.approx(p * 12 / 3e9)
 
 
-def test_the_update_pays_the_pinned_refresh():
-    """A unit's update is the AdamW step at the measured per-parameter rate plus the refresh of
-    its bf16 compute copy (4 read + 2 written per parameter) at ``pinned_copy_gbps``; computing in
-    fp32 there is no compute copy and no refresh.
+def test_the_update_is_the_step_and_a_split_master_needs_no_refresh():
+    """A unit's update is the AdamW step at the measured per-parameter rate. With bf16 compute
+    the store's master is split (``layerwise.split_master``): the step writes the compute copy's
+    bf16 halves itself, so no refresh into the pinned arena is charged; computing in fp32 the
+    master is the copy source, no refresh either.
 
-    Mutation seen caught: ``optimizer_s`` without ``compute_refresh_s``."""
+    Mutation seen caught: ``compute_refresh_s`` charging the refresh with a split master."""
     p = SHAPE.unit_params(U)
     hw = replace(PRESETS["h200"], optimizer_params_per_s=1e9, optimizer_8bit_params_per_s=5e8,
                  pinned_copy_gbps=6.0)
     c = CostModel(SHAPE, hw, 1, 64)
-    assert c.compute_refresh_s(U) == pytest.approx(p * 6 / 6e9)
-    assert c.optimizer_s(U) == pytest.approx(p / 1e9 + p / 1e9)
-    assert c.optimizer_s(U, "8bit") == pytest.approx(p / 5e8 + p / 1e9)
+    assert c.split_master and c.compute_refresh_s(U) == 0.0
+    assert c.optimizer_s(U) == pytest.approx(p / 1e9)
+    assert c.optimizer_s(U, "8bit") == pytest.approx(p / 5e8)
     fp32 = CostModel(SHAPE, replace(PRESETS["cpu"], optimizer_params_per_s=1e9), 1, 64)
     assert fp32.compute_refresh_s(U) == 0.0 and fp32.optimizer_s(U) == pytest.approx(p / 1e9)
 
