@@ -7,7 +7,8 @@ into ``layers.{i}`` (everything but the routed experts) and ``layers.{i}.experts
 (``models.names``). An expert group's tensors are expert ``e``'s elements of the layer's fused
 ``[num_experts, ...]`` tensors and of their optimizer state: 1-D views of one flat range each
 (dim 0 is the expert, so the range is contiguous), the same description as a shard of a sharded
-group (``ckpt.shard_ranges``). The tracker and the policies then see, and measure, every expert
+group (``ckpt.shard_ranges``); where the experts are stored one tensor each (an HF model dir
+being imported), the expert's own tensors, whole. The tracker and the policies then see, and measure, every expert
 like any group; the manifest stores an expert group's version as a one-shard entry over its
 ranges, marked ``slice_of`` its layer (run format 5), and ``resolve`` joins a layer's versions
 back into whole tensors, so every reader sees ordinary layer groups.
@@ -24,12 +25,14 @@ experts' rows: expert groups need fp32 moments.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..models.names import expert_group, expert_of, expert_range, is_fused_expert, joined_group, layer_index
+from ..models.names import (expert_group, expert_item, expert_of, expert_range, is_fused_expert,
+                            joined_group, layer_index)
 from ..models.families import fused_expert_count
 from ..util.safetensors_io import DTYPE_NAMES
 from .host_copies import stored_dtype
@@ -70,14 +73,25 @@ class ExpertGroupsProvider:
             self._parts[g] = []
             for e in range(num_experts):
                 eg = expert_group(layer_index(g), e)
-                self._groups[eg] = list(fused)
-                self._slices[eg] = {n: (*expert_range(shape, e), shape) for n, shape in fused.items()}
+                mine = {n: (shape, e_of) for n, (shape, e_of) in fused.items() if e_of in (e, None)}
+                self._groups[eg] = list(mine)
+                self._slices[eg] = {n: (*(expert_range(shape, e) if e_of is None
+                                          else (0, math.prod(shape))), shape)
+                                    for n, (shape, e_of) in mine.items()}
                 self._parts[g].append(eg)
 
-    def _fused(self, group: str, names: list[str]) -> dict[str, tuple[int, ...]]:
+    def _fused(self, group: str, names: list[str]) -> dict[str, tuple[tuple[int, ...], int | None]]:
+        """A layer's expert tensors: name -> (shape, its expert, or None for a fused tensor
+        that holds them all)."""
         params = self.inner.params(group)
-        return {n: tuple(params[n].shape) for n in names
-                if is_fused_expert(n) and params[n].dim() >= 1 and params[n].shape[0] == self.num_experts}
+        out: dict[str, tuple[tuple[int, ...], int | None]] = {}
+        for n in names:
+            shape = tuple(params[n].shape)
+            if is_fused_expert(n) and len(shape) >= 1 and shape[0] == self.num_experts:
+                out[n] = (shape, None)
+            elif (e := expert_item(n)) is not None and e < self.num_experts:
+                out[n] = (shape, e)
+        return out
 
     def __getattr__(self, name: str) -> Any:  # tied, register_update_hook, param_groups_state, ...
         if name == "inner":

@@ -15,7 +15,8 @@ Anything that is not a known HF key becomes a group of its own (its name without
 be split into ``layers.{i}`` (attention, norms, router, shared experts) and one
 ``layers.{i}.experts.{e}`` per routed expert, whose tensors are expert ``e``'s rows of the fused
 ``model.layers.{i}.mlp.experts.<proj>`` tensors (dim 0 is the expert, so its elements are one
-contiguous flat range). ``joined_group`` names the layer group an expert group belongs to.
+contiguous flat range), or its own tensors where they are stored one per expert (HF model dirs:
+``...experts.{e}.w1.weight``). ``joined_group`` names the layer group an expert group is part of.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ HF_HEAD_PREFIX = "lm_head."
 _HF_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.[^.]+$")
 """A fused routed-expert tensor ``[num_experts, ...]`` (a direct parameter of the experts
 module; shared experts live elsewhere)."""
+_HF_EXPERT_ITEM_RE = re.compile(r"^model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
+"""A tensor of one routed expert as HF model dirs store them (``...experts.{e}.w1.weight``)."""
 _EXPERT_GROUP_RE = re.compile(r"^layers\.(\d+)\.experts\.(\d+)$")
 
 _HF_LAYER_RE = re.compile("^" + re.escape(HF_LAYER_PREFIX).replace(r"\{\}", r"(\d+)"))
@@ -68,6 +71,13 @@ def joined_group(group: str) -> str:
 def is_fused_expert(hf_name: str) -> bool:
     """Whether ``hf_name`` is a fused routed-expert tensor (dim 0: the expert)."""
     return _HF_EXPERT_RE.match(hf_name) is not None
+
+
+def expert_item(hf_name: str) -> int | None:
+    """The expert ``e`` of a one-expert tensor (``model.layers.{i}.mlp.experts.{e}.…``, the
+    layout HF model dirs keep), else None."""
+    m = _HF_EXPERT_ITEM_RE.match(hf_name)
+    return int(m.group(1)) if m else None
 
 
 def expert_range(shape: tuple[int, ...], e: int) -> tuple[int, int]:
