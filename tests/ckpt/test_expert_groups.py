@@ -79,8 +79,8 @@ def test_groups_split_each_moe_layer_into_its_part_and_experts(filtered_run):
 
 
 def test_a_filter_save_writes_only_the_experts_that_moved(filtered_run):
-    """Mutation seen failing: measuring each expert group's change on the whole fused tensor
-    (``ExpertGroupsProvider._sliced`` returning ``t`` unsliced) selects the frozen experts."""
+    """Mutation seen failing: ``expert_range`` giving every expert the whole fused tensor (each
+    expert group's change is then the layer's, and the frozen experts are written)."""
     root, _, _, reports = filtered_run
     for rep in reports[1:]:
         assert "layers.1.experts.0" in rep.selected
@@ -193,8 +193,8 @@ def _engine(seed=0):
 
 def test_engine_resume_with_expert_groups_is_bit_identical(tmp_path):
     """``full`` + expert groups on the engine's host store: resumed losses and final state equal
-    an uninterrupted run's. Mutation seen failing: ``expert_range`` one expert off (slices of
-    the wrong rows are saved and joined back)."""
+    an uninterrupted run's. Mutation seen failing: ``joined_shards`` dropping the fused
+    tensors' ``step/`` counters (the resumed AdamW restarts its bias correction)."""
     g = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(6):
