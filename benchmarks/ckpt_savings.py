@@ -26,7 +26,8 @@ load that restored nothing would make every policy agree with ``full``. A synchr
 (``torch.save`` of model + optimizer state dicts, as the HF Trainer writes them) is timed in the
 same run at several checkpoint steps.
 
-Prints one JSON object. ``--quick`` runs in under 3 minutes on a 2-core machine.
+Prints one JSON object. ``--quick`` runs in under 3 minutes on a 2-core machine. ``--moe``
+measures expert-level vs layer-level groups on a tiny MoE instead (``ckpt_savings_moe.py``).
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: as set)")
     p.add_argument("--dir", default=None, help="where to write the runs (default: a temp dir, removed)")
+    p.add_argument("--moe", action="store_true",
+                   help="instead: expert-level vs layer-level groups on a tiny MoE (ckpt_savings_moe.py)")
     a = p.parse_args(argv)
     defaults = dict(
         # quick: 12 checkpoints; full: 20 checkpoints over 240 steps (2 shared CPU cores).
@@ -189,6 +192,12 @@ def criterion_share(reports) -> float:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.moe:
+        from ckpt_savings_moe import run_moe  # beside this script
+        out = {"moe": run_moe(args.quick, args.threshold, args.max_staleness,
+                              Path(args.dir) if args.dir else None)}
+        print(json.dumps(out, indent=1))
+        return out
     if args.threads:
         torch.set_num_threads(args.threads)
     load_start = os.getloadavg()

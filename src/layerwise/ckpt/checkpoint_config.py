@@ -25,6 +25,10 @@ class CheckpointConfig:
     """``observe(step)`` takes statistics only every N steps (saves always measure)."""
     tracker_log: bool = True
     """Append the statistics to ``RUN/tracker.jsonl``."""
+    expert_groups: bool = False
+    """Version each routed expert of an MoE layer as its own group (``ckpt.expert_groups``), so a
+    policy writes only the experts that moved; for families with fused experts (a dense model
+    keeps its layer groups). Needs fp32 optimizer moments."""
     snapshot: str = "auto"
     """When the statistics are measured and the chosen groups copied: ``"sync"`` inside ``save``
     (and ``observe``); ``"deferred"`` on a helper thread after they return, before the next

@@ -67,7 +67,9 @@ from torch import nn
 
 from .checkpoint_config import CheckpointConfig, split_options
 from .collective import RankExchange, SingleProcess
-from .commit import CommittedVersions, ManifestHeader, check_groups_match, stale_groups
+from .commit import (CommittedVersions, ManifestHeader, check_groups_match, regrouped,
+                     stale_groups)
+from .expert_groups import slice_records, with_expert_groups
 from . import exit_flush
 from .errors import StateModifiedError
 from .host_copies import (GroupsOnDemand, HostBufferPool, stored_nbytes,
@@ -138,11 +140,13 @@ class Checkpointer:
             provider = ModuleStateProvider(model, optimizer)
         elif model is not None:
             raise ValueError("pass either model/optimizer or provider=, not both")
-        self.provider = provider
-        self.scheduler = scheduler
         self.policy: Policy = make_policy(policy if policy is not None else self.config.policy,
                                           **policy_options)
         self.store = RunDir.create(run_dir)
+        if self.config.expert_groups:
+            provider = with_expert_groups(provider, self.store)
+        self.provider = provider
+        self.scheduler = scheduler
         self.run_dir = self.store.root
         self.groups: list[str] = list(provider.group_names())
         self.exchange: RankExchange = exchange or SingleProcess()
@@ -160,7 +164,7 @@ class Checkpointer:
         self._deferred = DeferredSnapshots(provider, self.groups, self.config.snapshot,
                                            self.config.async_save, self.exchange.world_size)
         self._config_written = (self.run_dir / "config.json").exists()
-        self._versions = CommittedVersions.newest(self.store)
+        self._versions = regrouped(CommittedVersions.newest(self.store), self.groups)
         """The committed versions (rebuilt from the newest manifest, or by ``load``)."""
         self._closed = False
         exit_flush.track(self)  # a save still pending when the interpreter exits is written
@@ -280,8 +284,24 @@ class Checkpointer:
         report.snapshot_s = time.perf_counter() - t0
         header = ManifestHeader.of(self._versions.next_index, self.policy, self.provider)
         job = WriteJob(step, header, self.groups, selected, snaps, maybe_dup,
-                       self._versions.copy_entries(), state, config)
+                       self._versions.copy_entries(), state, config,
+                       self._slice_records(selected, snaps) if decides else {})
         return _Prepared(job, report, references, old_refs, copy)
+
+    def _slice_records(self, selected: list[str], snaps: Mapping[str, dict[str, torch.Tensor]]
+                       ) -> dict[str, dict[str, dict]]:
+        """The shard records of the chosen expert groups (``ckpt.expert_groups``): the ranges
+        their tensors take in the layer's fused tensors."""
+        slices_of = getattr(self.provider, "expert_slices", None)
+        if slices_of is None:
+            return {}
+        out = {}
+        for g in selected:
+            slices = slices_of(g)
+            if slices is not None:
+                tensors = snaps[g] if g in snaps else group_tensors(self.provider, g)
+                out[g] = slice_records(slices, tensors)
+        return out
 
     def _check_unmodified(self, step: int, live: dict[str, LiveGroup], selected: list[str],
                           snaps: Mapping[str, dict[str, torch.Tensor]]) -> None:
@@ -463,16 +483,32 @@ class Checkpointer:
         check_groups_match(rs, self.groups, strict,
                            strict_hint=" (or strict=False to skip missing groups)")
         refs: dict[str, dict[str, torch.Tensor]] = {}
-        for g in rs.groups():
+        for g in rs.groups():  # whole layers: an expert-grouped layer's versions joined
             tensors = rs.load_group(g)
             self.provider.load_group(g, tensors)
-            refs[g] = {k[len(PARAM):]: t for k, t in tensors.items() if k.startswith(PARAM)}
+            refs.update(self._split_references(g, tensors))
         st = restore_step_state(rs, scheduler=self.scheduler, provider=self.provider,
                                 save_rng=self.config.save_rng)
         self._versions.adopt(rs.manifest)
+        self._versions = regrouped(self._versions, self.groups)
         self.tracker.reset(refs)
         return LoadResult(step=rs.step, extra=st.get("extra"), data_position=st.get("data_position"),
                           trainer_state=st.get("trainer_state"), stale_groups=stale_groups(rs))
+
+    def _split_references(self, group: str, tensors: dict[str, torch.Tensor]
+                          ) -> dict[str, dict[str, torch.Tensor]]:
+        """A loaded (joined) group's weights as the tracker's references of each of this
+        checkpointer's groups it holds (an MoE layer's part and experts: views)."""
+        params = {k[len(PARAM):]: t for k, t in tensors.items() if k.startswith(PARAM)}
+        split = getattr(self.provider, "split_params", None)
+        return split(group, params) if split is not None else {group: params}
+
+    def reset_references(self, rs: ResolvedStep) -> None:
+        """The versions of ``rs`` become the tracker's references (without loading them)."""
+        refs: dict[str, dict[str, torch.Tensor]] = {}
+        for g in rs.groups():
+            refs.update(self._split_references(g, rs.load_group(g)))
+        self.tracker.reset(refs)
 
     def resolve(self, step: int | None = None) -> ResolvedStep:
         self.wait()

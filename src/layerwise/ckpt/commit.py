@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..models.names import group_sort_key, joined_group
 from .policies import GroupStatus, Policy, PolicyContext, select_with_reasons
 from .resolve import ResolvedStep
 from .run_dir import RunDir
@@ -131,12 +132,28 @@ def written_step(prev: dict | None, same_bytes: bool, step: int) -> int:
     return prev["written_step"] if prev is not None and same_bytes else step
 
 
+def regrouped(versions: CommittedVersions, groups: list[str]) -> CommittedVersions:
+    """``versions`` for a checkpointer of ``groups``: none (every group written at the next
+    save) when they are the same layers grouped otherwise (``ckpt.expert_groups`` switched), so
+    that a layer's old whole version and new expert slices never mix in one manifest."""
+    stored = set(versions.entries)
+    if stored and stored != set(groups) and _joined(stored) == _joined(groups):
+        return CommittedVersions({}, versions.next_index)
+    return versions
+
+
+def _joined(groups) -> set[str]:
+    return {joined_group(g) for g in groups}
+
+
 def check_groups_match(rs: ResolvedStep, groups: list[str], strict: bool = True,
                        strict_hint: str = "") -> None:
     """Refuse to load ``rs`` into a model whose groups differ (``strict``: every model group
-    must be stored; ``strict_hint`` tells how to relax that)."""
-    missing = [g for g in groups if g not in rs.entries]
-    unknown = [g for g in rs.entries if g not in groups]
+    must be stored; ``strict_hint`` tells how to relax that). Compared as layers: a layer's
+    expert groups joined (a run saved with or without ``ckpt.expert_groups`` loads either way)."""
+    stored, model = rs.groups(), sorted(_joined(groups), key=group_sort_key)
+    missing = [g for g in model if g not in stored]
+    unknown = [g for g in stored if g not in model]
     if unknown or (strict and missing):
         raise ValueError(
             f"checkpoint step {rs.step} does not match the model: groups missing from the "

@@ -21,6 +21,11 @@ def stored_nbytes(key: str, t: torch.Tensor) -> int:
     return t.numel() * (4 if fp32_state else t.element_size())
 
 
+def stored_dtype(key: str, t: torch.Tensor) -> torch.dtype:
+    """The dtype ``t`` has in a blob under ``key`` (``stored_nbytes``'s rule)."""
+    return torch.float32 if not key.startswith(PARAM) and t.is_floating_point() else t.dtype
+
+
 def as_blob_tensor(t: torch.Tensor, key: str, flat: bool = False) -> torch.Tensor:
     """``t`` as the blob stores it, without a copy when it already is: a contiguous host tensor,
     optimizer state fp32; ``step/`` scalars 0-d, or every tensor 1-D when ``flat`` (a shard)."""

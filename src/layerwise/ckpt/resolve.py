@@ -9,6 +9,12 @@ straight back into a model and optimizer.
 A group may be stored sharded (run format 4, ``ckpt.shard_ranges``): ``load_group`` reassembles it
 from its shards (their ranges checked), and ``group_reader`` reads only the elements a rank
 asks for, from either kind of entry, so a save by N ranks loads at M.
+
+A layer saved with expert groups (run format 5, ``ckpt.expert_groups``) has one entry for its
+non-expert part and one per expert, each a slice of the fused tensors (``slice_of`` the layer).
+``groups()`` and ``load_group`` join them: readers see the layer as one group with whole
+tensors, assembled from the newest version of every expert slice. ``entries`` keeps every
+stored entry (listing, staleness, verify).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from safetensors.torch import load as st_load
 from .content_hash import digest_bytes, manifest_hash
 from .errors import CheckpointCorruptError
 from .run_dir import RunDir
-from .shard_ranges import ShardedGroupReader, is_sharded
+from .shard_ranges import (ShardedGroupReader, ShardLayoutError, is_sharded, joined_parts,
+                           joined_shards)
 from .provider import rng_dict
 
 
@@ -47,6 +54,8 @@ class GroupEntry:
     """The step at which these bytes were first written."""
     shards: tuple[dict, ...] | None = None
     """A sharded group's shard records (manifest format 4, ``ckpt.shard_ranges``); None: one blob."""
+    slice_of: str | None = None
+    """The layer group an expert group's slices belong to (format 5); None: a group of its own."""
 
 
 class ResolvedStep:
@@ -61,6 +70,8 @@ class ResolvedStep:
         self.hash_name = manifest_hash(self.manifest)
         self.entries: dict[str, GroupEntry] = {
             g: self._entry(g, e) for g, e in self.manifest["groups"].items()}
+        self.parts: dict[str, list[str]] = joined_parts(self.manifest["groups"])
+        """Layer group -> its expert groups (layers saved with ``ckpt.expert_groups``)."""
         self._state: dict | None = None
 
     def _entry(self, group: str, e: dict) -> GroupEntry:
@@ -70,29 +81,40 @@ class ResolvedStep:
         if is_sharded(e):
             shards = tuple(e["shards"])
             return GroupEntry(blob="", blob_path=self.store.root, digest="", shards=shards,
-                              nbytes=sum(int(s["nbytes"]) for s in shards), **common)
+                              nbytes=sum(int(s["nbytes"]) for s in shards),
+                              slice_of=e.get("slice_of"), **common)
         return GroupEntry(blob=e["blob"], blob_path=self.store.root / e["blob"],
                           digest=e[self.hash_name], nbytes=int(e["nbytes"]), **common)
 
     # ----- CheckpointSource -------------------------------------------------------------
 
     def groups(self) -> list[str]:
-        return list(self.entries)
+        """The groups as a reader sees them: a layer's expert groups joined into the layer."""
+        return [g for g, e in self.entries.items() if e.slice_of is None]
 
     def load_group(self, group: str) -> dict[str, torch.Tensor]:
         """The group's tensors in blob keys, after checking the blob's checksum (of a sharded
-        group: every shard's, and that the shards cover each tensor exactly)."""
+        group: every shard's, and that the shards cover each tensor exactly; of a layer with
+        expert groups: its part's and every expert slice's, joined into whole tensors)."""
         e = self._get(group)
-        if e.shards is not None:
+        if e.shards is not None or group in self.parts:
             return self.group_reader(group).assemble()
         return load_blob(e.blob_path, e.digest, e.nbytes, e.hash_name)
 
-    def group_reader(self, group: str) -> ShardedGroupReader | WholeGroupReader:
+    def group_reader(self, group: str) -> ShardedGroupReader | WholeGroupReader | JoinedGroupReader:
         """Reads parts of ``group``'s tensors (``keys()``, ``read(key, start, stop)``): of a
         sharded group, only the shards that hold the elements asked for."""
         e = self._get(group)
+        if group in self.parts:
+            base = self._plain_reader(group, e)
+            parts = [self.manifest["groups"][g] for g in self.parts[group]]
+            return JoinedGroupReader(group, base, ShardedGroupReader(
+                group, joined_shards(parts), self._load_shard))
+        return self._plain_reader(group, e)
+
+    def _plain_reader(self, group: str, e: GroupEntry) -> ShardedGroupReader | WholeGroupReader:
         if e.shards is None:
-            return WholeGroupReader(self.load_group(group))
+            return WholeGroupReader(load_blob(e.blob_path, e.digest, e.nbytes, e.hash_name))
         return ShardedGroupReader(group, list(e.shards), self._load_shard)
 
     def _load_shard(self, rec: dict) -> dict[str, torch.Tensor]:
@@ -100,10 +122,13 @@ class ResolvedStep:
                          self.hash_name)
 
     def _get(self, group: str) -> GroupEntry:
-        try:
-            return self.entries[group]
-        except KeyError:
-            raise ValueError(f"step {self.step} has no group {group!r}; groups: {self.groups()}") from None
+        e = self.entries.get(group)
+        if e is None:
+            raise ValueError(f"step {self.step} has no group {group!r}; groups: {self.groups()}")
+        if e.slice_of is not None:
+            raise ValueError(f"{group!r} is a slice of {e.slice_of!r}: read {e.slice_of!r}, which "
+                             "joins the newest version of each of its experts")
+        return e
 
     def model_config(self) -> dict | None:
         return self.store.read_config()
@@ -177,6 +202,29 @@ class WholeGroupReader:
         if not 0 <= start <= stop <= flat.numel():
             raise ValueError(f"{key}: range [{start}, {stop}) is outside its {flat.numel()} elements")
         return flat[start:stop].clone()
+
+
+class JoinedGroupReader:
+    """A layer saved with expert groups, read as one group: its non-expert part's tensors and,
+    for the fused tensors, its experts' slices (which must cover each of them exactly)."""
+
+    def __init__(self, group: str, base: ShardedGroupReader | WholeGroupReader,
+                 experts: ShardedGroupReader):
+        self.group, self.base, self.experts = group, base, experts
+        both = sorted(set(base.keys()) & set(experts.keys()))
+        if both:
+            raise ShardLayoutError(f"group {group!r}: {both[:3]} are stored both in the layer's "
+                                   "part and in its expert slices")
+
+    def keys(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {**self.base.keys(), **self.experts.keys()}
+
+    def read(self, key: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        reader = self.experts if key in self.experts.layout else self.base
+        return reader.read(key, start, stop)
+
+    def assemble(self) -> dict[str, torch.Tensor]:
+        return {k: self.read(k).reshape(shape) for k, (shape, _) in self.keys().items()}
 
 
 def load_blob(path: Path, digest: str, nbytes: int | None,

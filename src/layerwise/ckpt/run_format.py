@@ -10,13 +10,18 @@ from ..util.atomic import atomic_write_bytes
 from .content_hash import HASH_OF_VERSION, HASHES
 
 FORMAT = "layerwise-ckpt"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 """Written for new runs. Bump on any change a reader of an older version would misread; readers
 refuse newer versions. 1: sha256 content addresses; 2: BLAKE3 (``"hash"`` in format.json and in
 each manifest; entries carry their digest under the hash's name); 3: blobs may hold 8-bit
 moments as codes and scales (blob layout 2, ``ckpt.moments``); runs of format 1 and 2 get fp32
 moments, as their readers expect; 4: a group entry may be sharded, one blob per writing rank
-(``ckpt.shard_ranges``, written by ``ckpt.sharded_checkpointer``)."""
+(``ckpt.shard_ranges``, written by ``ckpt.sharded_checkpointer``); 5: a layer's routed
+experts may be groups of their own, each entry a one-shard slice of the fused tensors marked
+``slice_of`` its layer (``ckpt.expert_groups``)."""
+
+FIRST_VERSION_EXPERT_GROUPS = 5
+"""The first run format whose manifests may hold expert-group (slice) entries."""
 
 FIRST_VERSION_SHARDED = 4
 """The first run format whose manifests may hold sharded group entries."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .content_hash import file_digest, manifest_hash
-from .shard_ranges import ShardLayoutError, is_sharded, shard_layout
+from .shard_ranges import ShardLayoutError, is_sharded, joined_parts, joined_shards, shard_layout
 
 
 @dataclass
@@ -62,8 +62,14 @@ class StepChecker:
         if manifest.get("step") != step:
             rep.faults.append(f"step {step}: manifest says step {manifest.get('step')}")
         hash_name = manifest_hash(manifest)
-        for g, e in manifest.get("groups", {}).items():
-            if is_sharded(e):
+        entries = manifest.get("groups", {})
+        for layer, parts in joined_parts(entries).items():  # expert slices cover their tensors
+            try:
+                shard_layout(layer, joined_shards([entries[g] for g in parts]))
+            except (ShardLayoutError, KeyError, TypeError) as err:
+                rep.faults.append(f"step {step}: expert groups of {layer}: {err}")
+        for g, e in entries.items():
+            if is_sharded(e) and "slice_of" not in e:
                 try:
                     shard_layout(g, e["shards"])
                 except ShardLayoutError as err:

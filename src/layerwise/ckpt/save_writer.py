@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,7 @@ from .blob_store import BlobBatch, BlobPayload, BlobRecord, has_blob
 from .collective import RankExchange
 from .commit import ManifestHeader, commit_step, written_step
 from .errors import CheckpointError, write_error
+from ..models.names import joined_group
 from .provider import PARAM
 from .run_dir import RunDir
 from .step_state import StepState
@@ -54,6 +55,9 @@ class WriteJob:
     """The step's files; rank 0's only (None on the other ranks)."""
     config: dict | None
     """The model's config, for a run that has no ``config.json`` yet (rank 0)."""
+    slices: Mapping[str, dict[str, dict]] = field(default_factory=dict)
+    """Chosen expert groups (``ckpt.expert_groups``): the ``tensors`` record of their one shard,
+    their ranges in the layer's fused tensors (rank 0)."""
 
 
 @dataclass(frozen=True)
@@ -155,9 +159,14 @@ class SaveWriter:
                 groups[g] = job.committed[g]
                 continue
             prev = job.committed.get(g)
-            same_bytes = prev is not None and prev.get(hash_name) == rec.digest and not rec.written
-            groups[g] = {"blob": rec.rel_path, hash_name: rec.digest, "nbytes": rec.nbytes,
-                         "saved_step": job.step, "saved_index": job.header.save_index,
+            prev_digest = None if prev is None else (
+                prev["shards"][0].get(hash_name) if "slice_of" in prev else prev.get(hash_name))
+            same_bytes = prev_digest == rec.digest and not rec.written
+            where = {"blob": rec.rel_path, hash_name: rec.digest, "nbytes": rec.nbytes}
+            if g in job.slices:  # an expert's slices of its layer's fused tensors (format 5)
+                where = {"shards": [{**where, "tensors": job.slices[g]}],
+                         "slice_of": joined_group(g), "nbytes": rec.nbytes}
+            groups[g] = {**where, "saved_step": job.step, "saved_index": job.header.save_index,
                          "written_step": written_step(prev, same_bytes, job.step)}
             if rec.written:
                 written.append(g)

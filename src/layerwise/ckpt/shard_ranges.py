@@ -12,6 +12,11 @@ This module checks a shard layout (every key of the group covered exactly once, 
 agree on shape and dtype) and reads from it: a whole group (``assemble``) or only some elements
 (``ShardedGroupReader.read``, which opens only the shards that overlap them), so a save by N
 ranks loads at M.
+
+The same records describe an expert group (run format 5, ``ckpt.expert_groups``): one shard
+holding expert ``e``'s flat range of each of its layer's fused tensors, marked ``slice_of`` the
+layer; the slices of all a layer's experts together cover those tensors exactly
+(``joined_shards``).
 """
 
 from __future__ import annotations
@@ -142,3 +147,38 @@ class ShardedGroupReader:
     def assemble(self) -> dict[str, torch.Tensor]:
         """The whole group, each tensor in its full shape (as an unsharded blob holds it)."""
         return {k: self.read(k).reshape(lay.shape) for k, lay in self.layout.items()}
+
+
+# ----- expert slices (run format 5, ``ckpt.expert_groups``) ---------------------------------
+
+
+def joined_parts(entries: dict[str, dict]) -> dict[str, list[str]]:
+    """Layer group -> the expert groups stored as its slices (manifest entries ``slice_of``)."""
+    out: dict[str, list[str]] = {}
+    for g, e in entries.items():
+        if "slice_of" in e:
+            out.setdefault(e["slice_of"], []).append(g)
+    return out
+
+
+def joined_shards(parts: list[dict]) -> list[dict]:
+    """The shard records of a layer's expert entries as one exact cover of its fused tensors:
+    every range once, and each ``step/`` counter from the newest version that holds it."""
+    newest: dict[str, int] = {}
+    for i, e in enumerate(parts):
+        for rec in e["shards"]:
+            for k in rec["tensors"]:
+                if k.startswith("step/"):
+                    j = newest.get(k)
+                    if j is None or _age(parts[j]) < _age(e):
+                        newest[k] = i
+    out = []
+    for i, e in enumerate(parts):
+        for rec in e["shards"]:
+            keep = {k: t for k, t in rec["tensors"].items() if not k.startswith("step/") or newest[k] == i}
+            out.append({**rec, "tensors": keep})
+    return [r for r in out if r["tensors"]]
+
+
+def _age(entry: dict) -> tuple[int, int]:
+    return int(entry.get("written_step", entry["saved_step"])), int(entry.get("saved_index", -1))

@@ -70,6 +70,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     imp.add_argument("--config", default=None,
                      help="HF config (config.json or an HF model dir) of a DCP checkpoint that holds none, "
                           "e.g. a torchtitan step-N dir")
+    imp.add_argument("--expert-groups", action="store_true",
+                     help="MoE models: version each routed expert as its own group, so a step "
+                          "stores only the experts that moved")
     imp.add_argument("--json", action="store_true", help="print one JSON object")
     imp.set_defaults(func=_cmd_import)
 
@@ -80,7 +83,8 @@ def _cmd_import(args: argparse.Namespace) -> int:
             print(f"step {s.step:>8}  {s.source}: {len(s.selected)} group(s) chosen, "
                   f"{len(s.written)} new, {human_bytes(s.bytes_written)} written "
                   f"of {human_bytes(s.input_bytes)}")
-    rep = import_checkpoints(args.sources, args.run, args.policy, on_step=line, config=args.config)
+    rep = import_checkpoints(args.sources, args.run, args.policy, on_step=line, config=args.config,
+                             expert_groups=args.expert_groups)
     if args.json:
         print(json.dumps({"ok": True, **rep.to_json()}, sort_keys=True))
     else:

@@ -65,6 +65,10 @@ class FamilySpec:
     RoPE: text positions repeated on its 3 axes, as its text model does); 0: ``[b, s]``."""
     quirks: str = ""
     """What the row's family brings (for the list of supported families)."""
+    fused_experts: bool = False
+    """Each MoE layer keeps its routed experts as fused ``[num_experts, ...]`` tensors
+    (``mlp.experts.<proj>``), so a checkpoint may version each expert on its own: a slice of
+    those tensors (``ckpt.expert_groups``)."""
     closed_form_shape: bool = False
     """Every layer is the same dense Llama-style block, so the planner's closed-form sizes and
     fitted memory formulas (``plan/shape.py``) are exact; otherwise the planner reads per-layer
@@ -95,25 +99,30 @@ FAMILIES: dict[str, FamilySpec] = {s.model_type: s for s in (
     FamilySpec("gemma3_text", "Gemma3TextConfig", "Gemma3ForCausalLM", qk_norm=True,
                embed_scale=_sqrt_hidden, logit_softcap="final_logit_softcapping",
                quirks="sliding/full layers with their own RoPE bases, qk-norm"),
-    FamilySpec("gpt_oss", "GptOssConfig", "GptOssForCausalLM", attn_implementation="eager",
+    FamilySpec("gpt_oss", "GptOssConfig", "GptOssForCausalLM", fused_experts=True,
+               attn_implementation="eager",
                quirks="attention sinks, sliding/full layers, MoE with biased experts"),
     FamilySpec("phi3", "Phi3Config", "Phi3ForCausalLM", window_on_every_layer=True,
                quirks="fused qkv and gate/up projections (Phi-3, Phi-4)"),
     FamilySpec("glm4", "Glm4Config", "Glm4ForCausalLM", qkv_bias=True,
                quirks="partial rotary, post-norms, fused gate/up"),
     FamilySpec("olmo2", "Olmo2Config", "Olmo2ForCausalLM", quirks="post-norms, full-width qk-norm"),
-    FamilySpec("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
+    FamilySpec("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM", fused_experts=True,
                quirks="multi-head latent attention, dense first layers, grouped routing, "
                       "shared experts"),
-    FamilySpec("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", qk_norm=True,
+    FamilySpec("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", fused_experts=True,
+               qk_norm=True,
                window_on_every_layer=True, quirks="MoE, mlp_only_layers"),
-    FamilySpec("mixtral", "MixtralConfig", "MixtralForCausalLM", window_on_every_layer=True,
+    FamilySpec("mixtral", "MixtralConfig", "MixtralForCausalLM", fused_experts=True,
+               window_on_every_layer=True,
                quirks="MoE"),
-    FamilySpec("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM", qk_norm=True,
+    FamilySpec("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM", fused_experts=True,
+               qk_norm=True,
                quirks="linear-attention layers, gated attention, MoE with a gated shared expert"),
     FamilySpec("qwen3_5_text", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", qk_norm=True,
                rope_position_axes=3, quirks="linear-attention layers, multi-axis RoPE"),
-    FamilySpec("qwen3_5_moe_text", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", qk_norm=True,
+    FamilySpec("qwen3_5_moe_text", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+               fused_experts=True, qk_norm=True,
                rope_position_axes=3, quirks="linear-attention layers, MoE with a gated shared expert"),
 )}
 
@@ -175,3 +184,19 @@ def layer_windows(config: PretrainedConfig | Any) -> tuple[int | None, ...]:
 
 def has_qkv_bias(config: PretrainedConfig | Any) -> bool:
     return family_of(config).qkv_bias or bool(getattr(config, "attention_bias", False))
+
+
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+"""Where the families' configs give their number of routed experts."""
+
+
+def fused_expert_count(config: PretrainedConfig | dict | None) -> int:
+    """Routed experts per MoE layer of a family that keeps them fused (``fused_experts``), from
+    a config object or ``config.json`` dict; 0 for any other model (nothing to split)."""
+    if config is None:
+        return 0
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    spec = FAMILIES.get(get("model_type"))
+    if spec is None or not spec.fused_experts:
+        return 0
+    return next((int(n) for k in EXPERT_COUNT_KEYS if isinstance(n := get(k), int) and n > 1), 0)

@@ -10,6 +10,13 @@ One vocabulary for the whole package:
   rates and have very different sizes.
 
 Anything that is not a known HF key becomes a group of its own (its name without ``.weight``).
+
+*Expert groups* (``ckpt.expert_groups``, families with fused experts): an MoE layer's group may
+be split into ``layers.{i}`` (attention, norms, router, shared experts) and one
+``layers.{i}.experts.{e}`` per routed expert, whose tensors are expert ``e``'s rows of the fused
+``model.layers.{i}.mlp.experts.<proj>`` tensors (dim 0 is the expert, so its elements are one
+contiguous flat range), or its own tensors where they are stored one per expert (HF model dirs:
+``...experts.{e}.w1.weight``). ``joined_group`` names the layer group an expert group is part of.
 """
 
 from __future__ import annotations
@@ -29,12 +36,56 @@ HF_EMBED_PREFIX = "model.embed_tokens."
 HF_NORM_PREFIX = "model.norm."
 HF_HEAD_PREFIX = "lm_head."
 
+_HF_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.[^.]+$")
+"""A fused routed-expert tensor ``[num_experts, ...]`` (a direct parameter of the experts
+module; shared experts live elsewhere)."""
+_HF_EXPERT_ITEM_RE = re.compile(r"^model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
+"""A tensor of one routed expert as HF model dirs store them (``...experts.{e}.w1.weight``)."""
+_EXPERT_GROUP_RE = re.compile(r"^layers\.(\d+)\.experts\.(\d+)$")
+
 _HF_LAYER_RE = re.compile("^" + re.escape(HF_LAYER_PREFIX).replace(r"\{\}", r"(\d+)"))
 
 
 def layer_unit(i: int) -> str:
     """The unit (and group) name of decoder layer ``i``: ``layers.{i}``."""
     return f"{LAYER_GROUP_PREFIX}{i}"
+
+
+def expert_group(i: int, e: int) -> str:
+    """The checkpoint group of routed expert ``e`` of layer ``i``: ``layers.{i}.experts.{e}``."""
+    return f"{LAYER_GROUP_PREFIX}{i}.experts.{e}"
+
+
+def expert_of(group: str) -> tuple[int, int] | None:
+    """``(i, e)`` for ``layers.{i}.experts.{e}``, else None."""
+    m = _EXPERT_GROUP_RE.match(group)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def joined_group(group: str) -> str:
+    """The group ``group`` is part of: its layer's for an expert group, else itself."""
+    ie = expert_of(group)
+    return group if ie is None else layer_unit(ie[0])
+
+
+def is_fused_expert(hf_name: str) -> bool:
+    """Whether ``hf_name`` is a fused routed-expert tensor (dim 0: the expert)."""
+    return _HF_EXPERT_RE.match(hf_name) is not None
+
+
+def expert_item(hf_name: str) -> int | None:
+    """The expert ``e`` of a one-expert tensor (``model.layers.{i}.mlp.experts.{e}.…``, the
+    layout HF model dirs keep), else None."""
+    m = _HF_EXPERT_ITEM_RE.match(hf_name)
+    return int(m.group(1)) if m else None
+
+
+def expert_range(shape: tuple[int, ...], e: int) -> tuple[int, int]:
+    """Elements ``[start, stop)`` of expert ``e`` in a flattened fused tensor of ``shape``."""
+    per = 1
+    for d in shape[1:]:
+        per *= int(d)
+    return e * per, (e + 1) * per
 
 
 def unit_names(num_layers: int) -> list[str]:
@@ -67,18 +118,22 @@ def group_of(hf_name: str, tied: bool = False) -> str:
     return hf_name
 
 
-def group_sort_key(group: str) -> tuple[int, int, str]:
-    """Model order: embedding, layers by index, final norm, lm_head, then others by name."""
+def group_sort_key(group: str) -> tuple[int, int, int, str]:
+    """Model order: embedding, layers by index (each followed by its experts by index), final
+    norm, lm_head, then others by name."""
     i = layer_index(group)
+    ie = expert_of(group)
     if group == EMBED:
-        return (0, 0, group)
+        return (0, 0, 0, group)
     if i is not None:
-        return (1, i, group)
+        return (1, i, 0, group)
+    if ie is not None:
+        return (1, ie[0], 1 + ie[1], group)
     if group == NORM:
-        return (2, 0, group)
+        return (2, 0, 0, group)
     if group == LM_HEAD:
-        return (3, 0, group)
-    return (4, 0, group)
+        return (3, 0, 0, group)
+    return (4, 0, 0, group)
 
 
 def config_is_tied(config: object) -> bool:

@@ -134,6 +134,9 @@ class CkptConfig:
     "step N" holds no group older than N - max_staleness x every steps (none: no bound)."""
     full_every: int | None = None
     """Any policy: every N-th save writes every group."""
+    expert_groups: bool = False
+    """MoE models with fused experts: version each routed expert as its own checkpoint group
+    (``layers.{i}.experts.{e}``), so a save writes only the experts that moved (run format 5)."""
     save_total_limit: int | None = None
     """Keep only the newest N committed checkpoints (older steps and the blobs only they use
     are deleted after each save); none: keep all."""

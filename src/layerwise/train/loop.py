@@ -174,13 +174,15 @@ class Trainer:
             # the run's tracker.jsonl is written by RunTracker (with the engine's gradient norms)
             self.ckpt = dist_saving.checkpointer(
                 ctx, self.ckpt_dir, self.provider, self.store, True, policy=cfg.ckpt.policy,
-                tracker_log=False, **cfg.ckpt.policy_options())
+                tracker_log=False, expert_groups=cfg.ckpt.expert_groups,
+                **cfg.ckpt.policy_options())
         source = self.start.source
         self.reader = None
         if source is not None and (self.ckpt is None or source != self.ckpt_dir) \
                 and ctx.local_rank == 0:
             self.reader = dist_saving.checkpointer(ctx, source, self.provider, self.store, False,
-                                                   policy="full", tracker_log=False)
+                                                   policy="full", tracker_log=False,
+                                                   expert_groups=cfg.ckpt.expert_groups)
 
     def _resume(self) -> None:
         """Weights, AdamW moments and step counts, RNG; the data position, the schedule and the

@@ -163,11 +163,13 @@ def _ordered(paths: list[str | Path], config: dict | str | Path | None
 
 def import_checkpoints(paths: list[str | Path], run_dir: str | Path, policy: str = "full",
                        on_step: Callable[[ImportedStep], None] | None = None,
-                       config: dict | str | Path | None = None) -> ImportReport:
+                       config: dict | str | Path | None = None,
+                       expert_groups: bool = False) -> ImportReport:
     """Import ``paths`` into the layer-wise run ``run_dir`` (created if needed) under ``policy``
     (a registry name, optionally with options: ``filter:threshold=0.01,max_staleness=4``).
     ``on_step`` is called after each step is committed. ``config``: the HF config of DCP dirs that
-    have none (torchtitan saves)."""
+    have none (torchtitan saves). ``expert_groups``: version each routed expert of an MoE model
+    on its own (``ckpt.expert_groups``), so a step stores only the experts that moved."""
     if not paths:
         raise ValueError("give at least one checkpoint to import")
     make_policy(policy)  # a mistyped policy fails before any checkpoint is read
@@ -181,7 +183,7 @@ def import_checkpoints(paths: list[str | Path], run_dir: str | Path, policy: str
             if latest >= ordered[0][0]:
                 raise ValueError(f"{run} already has step {latest}; import only checkpoints after "
                                  f"it (the first one here is step {ordered[0][0]}), or into a new run")
-            stored = list(store.read_manifest(latest)["groups"])
+            stored = open_run_step(run, latest).groups()  # as layers: expert groups joined
             if stored != list(provider.group_names()):
                 raise ValueError(f"{run} holds groups {stored}, the checkpoints "
                                  f"{list(provider.group_names())}: another model; use a new run")
@@ -189,12 +191,10 @@ def import_checkpoints(paths: list[str | Path], run_dir: str | Path, policy: str
     steps: list[ImportedStep] = []
     with Checkpointer(run, provider=provider, scheduler=_SourceScheduler(provider), policy=policy,
                       async_save=False, sync_copy=False, snapshot="sync",
-                      tracker_log=False) as ck:
+                      tracker_log=False, expert_groups=expert_groups) as ck:
         if ck.has_checkpoint() and getattr(ck.policy, "uses_change", True):
             # continuing an import: changes are measured against the versions stored so far
-            rs = open_run_step(run)
-            ck.tracker.reset({g: {k[len(PARAM):]: t for k, t in rs.load_group(g).items()
-                                  if k.startswith(PARAM)} for g in rs.groups()})
+            ck.reset_references(open_run_step(run))
         for step, path, src, extra in ordered:
             provider.use(src, extra)
             rep = ck.save(step, trainer_state=provider.extra.get("trainer_state"),

@@ -1,0 +1,191 @@
+"""Expert-level checkpoint groups (``ckpt.expert_groups``): each routed expert of an MoE layer
+versioned on its own, so a policy writes only the experts that moved.
+
+``ExpertGroupsProvider`` wraps any ``StateProvider`` that serves layer groups (a module and its
+optimizer, the engine's host store, an imported checkpoint) and splits each MoE layer's group
+into ``layers.{i}`` (everything but the routed experts) and ``layers.{i}.experts.{e}``
+(``models.names``). An expert group's tensors are expert ``e``'s elements of the layer's fused
+``[num_experts, ...]`` tensors and of their optimizer state: 1-D views of one flat range each
+(dim 0 is the expert, so the range is contiguous), the same description as a shard of a sharded
+group (``ckpt.shard_ranges``); where the experts are stored one tensor each (an HF model dir
+being imported), the expert's own tensors, whole. The tracker and the policies then see, and measure, every expert
+like any group; the manifest stores an expert group's version as a one-shard entry over its
+ranges, marked ``slice_of`` its layer (run format 5), and ``resolve`` joins a layer's versions
+back into whole tensors, so every reader sees ordinary layer groups.
+
+Loading goes by whole layers (``load_group`` takes the joined layer name): the checkpointer
+reads a layer's joined tensors and hands them to the wrapped provider as they are.
+
+A fused tensor has one optimizer ``step`` counter (torch and the host store keep one per
+tensor): every expert group stores it with its moments, and a composite whose experts come from
+different saves takes the newest one. 8-bit moments quantise in blocks that do not follow the
+experts' rows: expert groups need fp32 moments.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..models.names import (expert_group, expert_item, expert_of, expert_range, is_fused_expert,
+                            joined_group, layer_index)
+from ..models.families import fused_expert_count
+from ..util.safetensors_io import DTYPE_NAMES
+from .host_copies import stored_dtype
+from .moments import Q8_KINDS
+from .provider import STEP, StateProvider
+from .run_dir import RunDir
+from .run_format import FIRST_VERSION_EXPERT_GROUPS
+
+_log = logging.getLogger(__name__)
+
+ExpertSlices = dict[str, tuple[int, int, tuple[int, ...]]]
+"""Per HF name of a fused tensor: the group's ``(start, stop)`` in its flattened elements, and
+its full shape."""
+
+
+class ExpertGroupsProvider:
+    """``inner``'s groups with every MoE layer split into its non-expert part and its experts.
+
+    ``num_experts``: routed experts per MoE layer (``models.families.fused_expert_count``); a
+    layer's fused tensors are the parameters ``models.names.is_fused_expert`` names whose dim 0
+    is ``num_experts``. Other attributes (``tied``, update hooks, param-group state) are the
+    inner provider's."""
+
+    def __init__(self, inner: StateProvider, num_experts: int):
+        if num_experts < 2:
+            raise ValueError(f"expert groups need at least 2 routed experts, got {num_experts}")
+        self.inner, self.num_experts = inner, num_experts
+        self._groups: dict[str, list[str]] = {}
+        self._slices: dict[str, ExpertSlices] = {}
+        self._parts: dict[str, list[str]] = {}
+        """Layer group -> its expert groups (only the layers that were split)."""
+        for g, names in inner.group_names().items():
+            fused = self._fused(g, names) if layer_index(g) is not None else {}
+            if not fused:
+                self._groups[g] = list(names)
+                continue
+            self._groups[g] = [n for n in names if n not in fused]
+            self._parts[g] = []
+            for e in range(num_experts):
+                eg = expert_group(layer_index(g), e)
+                mine = {n: (shape, e_of) for n, (shape, e_of) in fused.items() if e_of in (e, None)}
+                self._groups[eg] = list(mine)
+                self._slices[eg] = {n: (*(expert_range(shape, e) if e_of is None
+                                          else (0, math.prod(shape))), shape)
+                                    for n, (shape, e_of) in mine.items()}
+                self._parts[g].append(eg)
+
+    def _fused(self, group: str, names: list[str]) -> dict[str, tuple[tuple[int, ...], int | None]]:
+        """A layer's expert tensors: name -> (shape, its expert, or None for a fused tensor
+        that holds them all)."""
+        params = self.inner.params(group)
+        out: dict[str, tuple[tuple[int, ...], int | None]] = {}
+        for n in names:
+            shape = tuple(params[n].shape)
+            if is_fused_expert(n) and len(shape) >= 1 and shape[0] == self.num_experts:
+                out[n] = (shape, None)
+            elif (e := expert_item(n)) is not None and e < self.num_experts:
+                out[n] = (shape, e)
+        return out
+
+    def __getattr__(self, name: str) -> Any:  # tied, register_update_hook, param_groups_state, ...
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @property
+    def split_layers(self) -> dict[str, list[str]]:
+        """Layer group -> its expert groups, for the layers that have experts."""
+        return self._parts
+
+    def expert_slices(self, group: str) -> ExpertSlices | None:
+        """Where an expert group's tensors lie in the fused ones; None for any other group."""
+        return self._slices.get(group)
+
+    def group_names(self) -> dict[str, list[str]]:
+        return self._groups
+
+    def _sliced(self, group: str, tensors: dict[str, torch.Tensor],
+                name_of: Callable[[str], str]) -> dict[str, torch.Tensor]:
+        """Of the layer's ``tensors``, the ones of ``group``: whole for a non-expert part,
+        expert ``e``'s flat range (a view) of each fused tensor for an expert group."""
+        slices = self._slices.get(group)
+        mine = set(self._groups[group])
+        if slices is None:
+            return {k: t for k, t in tensors.items() if name_of(k) in mine}
+        out = {}
+        for k, t in tensors.items():
+            n = name_of(k)
+            if n not in mine:
+                continue
+            if any(k.startswith(kind) for kind in Q8_KINDS):
+                raise ValueError(f"{n}: expert groups need fp32 optimizer moments, this state "
+                                 "keeps 8-bit ones (quantised in blocks across experts); set "
+                                 "ckpt.expert_groups=false or use fp32 moments")
+            start, stop, _ = slices[n]
+            out[k] = t if k.startswith(STEP) else t.reshape(-1)[start:stop]
+        return out
+
+    def params(self, group: str) -> dict[str, torch.Tensor]:
+        return self._sliced(group, self.inner.params(joined_group(group)), lambda n: n)
+
+    def grads(self, group: str) -> dict[str, torch.Tensor]:
+        return self._sliced(group, self.inner.grads(joined_group(group)), lambda n: n)
+
+    def optimizer_state(self, group: str) -> dict[str, torch.Tensor]:
+        return self._sliced(group, self.inner.optimizer_state(joined_group(group)),
+                            lambda k: k.partition("/")[2])
+
+    def load_group(self, group: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Load a whole layer (its joined tensors, ``resolve``): an expert group alone has no
+        meaning to the wrapped state (its step counter is the whole tensor's)."""
+        if expert_of(group) is not None:
+            raise ValueError(f"load {joined_group(group)!r} as a whole (the joined versions of "
+                             f"its experts), not {group!r} alone")
+        self.inner.load_group(group, tensors)
+
+    def split_params(self, group: str, params: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """A joined layer's weights (by HF name) as each of its groups has them (views)."""
+        if group not in self._parts:
+            return {group: params}
+        return {g: self._sliced(g, params, lambda n: n) for g in [group, *self._parts[group]]}
+
+    def model_config(self) -> dict | None:
+        return self.inner.model_config()
+
+
+def with_expert_groups(provider: StateProvider, store: RunDir) -> StateProvider:
+    """``provider`` with its MoE layers split into expert groups, for a run of ``store``; as it
+    is for a model without fused experts (nothing to split)."""
+    num_experts = fused_expert_count(provider.model_config())
+    if num_experts == 0:
+        _log.info("ckpt.expert_groups: the model has no fused routed experts; layer groups kept")
+        return provider
+    if store.version < FIRST_VERSION_EXPERT_GROUPS:
+        raise ValueError(
+            f"{store.root} is a format {store.version} run; expert groups need format "
+            f"{FIRST_VERSION_EXPERT_GROUPS} (readers of older runs would not understand them). "
+            "Start a new run directory, or set ckpt.expert_groups=false.")
+    return ExpertGroupsProvider(provider, num_experts)
+
+
+def slice_records(slices: ExpertSlices, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """The ``tensors`` record of an expert group's one shard (``ckpt.shard_ranges``): per blob
+    key its range in the flattened full tensor, the full shape, the dtype. A ``step/`` scalar
+    is the whole (0-d) counter of its tensor."""
+    out = {}
+    for k, t in tensors.items():
+        n = k.partition("/")[2]
+        start, stop, shape = slices[n]
+        if k.startswith(STEP):
+            out[k] = {"range": [0, 1], "shape": []}
+        else:
+            assert t.numel() == stop - start, (k, t.numel(), start, stop)
+            out[k] = {"range": [start, stop], "shape": list(shape)}
+        out[k]["dtype"] = DTYPE_NAMES[stored_dtype(k, t)]
+    return out
