@@ -52,7 +52,7 @@ from typing import Any
 
 from .cost import CostModel
 from .hardware import HardwareProfile
-from .memory import FETCH_SLOTS, GRAD_SLOTS, OFFLOAD_WINDOW_OPS, kept_internal_bytes
+from .memory import FETCH_SLOTS, GRAD_SLOTS, OFFLOAD_WINDOW_OPS, kept_internal_bytes, mask_bytes
 from .plan import Plan
 from .program import (FETCH_AHEAD, RECOMPUTE_OPS, Op, OpKind, WeightWindow, micro_batch_program,
                       weight_schedule)
@@ -132,7 +132,10 @@ class _Simulation:
         self.op_units = [op.units(self.tied) if c else [] for op, c in zip(self.ops, compute)]
         self.op_grad_units = [op.grad_units(self.tied) if c else [] for op, c in zip(self.ops, compute)]
         self.op_s = [cost.op_s(op.kind, op.index) if c else 0.0 for op, c in zip(self.ops, compute)]
-        self.op_transient = [cost.op_transient_bytes(op.kind, op.index) if c else 0 for op, c in zip(self.ops, compute)]
+        # the micro-batch's attention masks live through every op, as the memory model counts them
+        mask = mask_bytes(shape, plan.micro_batch_size, plan.seq_len, cost.elem_bytes)
+        self.op_transient = [cost.op_transient_bytes(op.kind, op.index) + mask if c else 0
+                             for op, c in zip(self.ops, compute)]
         self.weight_copy_s = {u: cost.h2d_s(cost.unit_weight_bytes(u)) for u in self.units}
         self.ws_bytes = cost.layer_workspace_bytes  # one layer's internals as they travel
         self.kept_bytes = [kept_internal_bytes(shape, plan, i, cost.tokens, cost.elem_bytes)
