@@ -31,6 +31,11 @@ def hours_per_billion_tokens(tokens_per_s: float) -> float:
     return 1e9 / tokens_per_s / 3600
 
 
+def _hours(h: float) -> str:
+    """Three significant figures up to 1,000 h (1.33, 18.6, 186), whole hours above."""
+    return f"{h:.2f}" if h < 10 else f"{h:.1f}" if h < 100 else f"{h:,.0f}"
+
+
 def verdict_fits(shape: ModelShape, hw: HardwareProfile, seq_len: int, sim: SimResult, global_batch: int,
                  scaling: Sequence[ScalingPoint] = ()) -> str:
     """``fits: yes — ...``: tokens/s, hours per billion tokens, and each memory's peak of its capacity.
@@ -42,7 +47,7 @@ def verdict_fits(shape: ModelShape, hw: HardwareProfile, seq_len: int, sim: SimR
     if sim.peak_nvme_bytes:
         mem.append(f"NVMe {_gb(sim.peak_nvme_bytes)} of {_gb(sim.nvme_cap_bytes)} GB")
     return (f"fits: yes — {shape.name} on {hw.name}{gpus}, {global_batch} x {seq_len} tokens per step: "
-            f"{tps:,.0f} tokens/s predicted, {hours_per_billion_tokens(tps):,.1f} h per billion tokens "
+            f"{tps:,.0f} tokens/s predicted, {_hours(hours_per_billion_tokens(tps))} h per billion tokens "
             f"(peak {', '.join(mem)})")
 
 
