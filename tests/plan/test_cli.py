@@ -110,7 +110,7 @@ def test_verdict_rows_at_one_global_batch_and_separable_columns_on_a_tiny_model(
     batch and the chosen row is the fastest that fits; figures of 7+ digits stay apart.
 
     Mutations seen caught: auto mode rows left at their own accumulation (``_at_global_batch``
-    skipped: rows at 64 x 4 beside 64 x 16); the chosen plan the first rule instead of the fastest
+    skipped: on 2 GB rows at global batches 4, 8 and 16); the chosen plan the first rule instead of the fastest
     (``best = next(iter(by_name.values()))``); the old fixed-width columns ("0.064254,517")."""
     assert main(["plan", "--model", "llama-30m", "--hardware", "h100", "--seq-len", "16"]) == 0
     text = capsys.readouterr().out
@@ -125,6 +125,10 @@ def test_verdict_rows_at_one_global_batch_and_separable_columns_on_a_tiny_model(
     assert int(m.group(1)) == g and rows[0]["tokens/s"] == m.group(2)
     assert float(m.group(3).replace(",", "")) == pytest.approx(1e9 / tps / 3600, rel=1e-2)
     assert len(rows) >= 10
+    # 2 GB of GPU memory at 4,096 tokens: the rules' fastest micro-batch sizes differ
+    assert main(["plan", "--model", "llama-30m", "--hardware", "rtx3090", "--seq-len", "4096", "--gpu-mem", "2"]) == 0
+    rows = _check_rows(capsys.readouterr().out, 4096)
+    assert len({r["mbs x n"] for r in rows}) > 1
 
 
 def test_table_columns_never_run_together():
