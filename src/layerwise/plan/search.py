@@ -4,6 +4,9 @@ For every micro-batch size that can fit, the MILP places the boundaries; the MIL
 baseline are then run through the simulator, and the fastest plan that fits (by simulation, the
 more faithful of the two models) is emitted. So the emitted plan is never slower in simulation
 than any baseline tried; when a baseline wins, the plan says so in its ``source``.
+Every rule's row (``SearchResult.by_name``) is at the emitted plan's global batch, so the
+rows compare like for like; in auto mode the global batch is chosen first, then the fastest
+plan at it.
 
 Prefetch depth: each depth in ``SearchConfig.prefetch_depths`` is tried at every micro-batch size
 (a deeper prefetch costs one weight slot more per step of depth, and hides a weight copy that is
