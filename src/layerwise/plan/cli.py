@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 from .check import CheckReport, check
 from .hardware import HardwareProfile, get_hardware
 from .milp import MilpConfig
+from .report import hours_per_billion_tokens, print_report, print_scaling, verdict_fits, verdict_unfit
 from .scaling import ScalingPoint, ladder, predict_scaling
-from .search import Candidate, PlanInfeasible, SearchConfig, SearchResult, search
+from .search import PlanInfeasible, SearchConfig, SearchResult, search
 from .shape import ModelShape, load_shape
-from .simulator import SimResult, simulate
+from .simulator import simulate
 from .timeline import draw_timeline
 from .topology import GRAD_REDUCE, Topology
 
@@ -47,12 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=plan_command)
 
 
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.1f}"
-
-
 def plan_command(args: argparse.Namespace) -> int:
-    """Search, check and write the plan; print the table (or one JSON object)."""
+    """Search, check and write the plan; print the verdict and the table (or one JSON object)."""
     batch = _batch(args)
     shape = load_shape(args.model)
     hw = get_hardware(args.hardware).with_memory(args.gpu_mem, args.host_mem)
@@ -64,10 +60,12 @@ def plan_command(args: argparse.Namespace) -> int:
     try:
         res = search(shape, hw, args.seq_len, cfg)
     except PlanInfeasible as e:
+        verdict = verdict_unfit(shape, hw, args.seq_len, e)
         if args.json:
-            print(json.dumps({"fits": False, "binding": e.resource, "over_bytes": e.over_bytes, "message": str(e)}))
+            print(json.dumps({"fits": False, "binding": e.resource, "over_bytes": e.over_bytes, "message": str(e),
+                              "verdict": verdict}))
         else:
-            print(f"layerwise plan: {e}", file=sys.stderr)
+            print(verdict)
         return 1
     sim = simulate(res.plan, shape, hw)
     report = check(sim, shape, hw)
@@ -82,12 +80,15 @@ def plan_command(args: argparse.Namespace) -> int:
     if topo is not None:
         scaling = predict_scaling(shape, hw, res.plan, global_batch,
                                   ladder(topo.gpus_per_node, topo.nodes, args.grad_reduce))
+    verdict = verdict_fits(shape, hw, args.seq_len, sim, global_batch, scaling)
     if args.json:
-        print(json.dumps(_json_report(args, shape, hw, res, report, scaling, global_batch), indent=2, default=str))
+        out = _json_report(args, shape, hw, res, report, scaling, global_batch)
+        print(json.dumps({**out, "verdict": verdict}, indent=2, default=str))
         return 0
-    _print_report(args, shape, hw, res, sim, report)
+    print(verdict)
+    print_report(args.seq_len, shape, hw, res, sim, report)
     if scaling:
-        _print_scaling(scaling, global_batch, args.seq_len)
+        print_scaling(scaling, global_batch, args.seq_len)
     if args.out:
         print(f"wrote {args.out}")
     if args.timeline:
@@ -122,12 +123,6 @@ def _topology(args: argparse.Namespace, hw: HardwareProfile, batch: int | None) 
     return topo
 
 
-def _rows(res: SearchResult) -> list[tuple[str, Candidate]]:
-    """The emitted plan first, then every rule (and the MILP's own plan), fastest first."""
-    return [("plan", res.best)] + sorted(((n, c) for n, c in res.by_name.items()),
-                                         key=lambda nc: -nc[1].sim.tokens_per_s)
-
-
 def _json_report(args: argparse.Namespace, shape: ModelShape, hw: HardwareProfile, res: SearchResult,
                  report: CheckReport, scaling: list[ScalingPoint], global_batch: int) -> dict[str, Any]:
     out: dict[str, Any] = {
@@ -136,7 +131,11 @@ def _json_report(args: argparse.Namespace, shape: ModelShape, hw: HardwareProfil
         "milp": None if res.milp is None else {
             "status": res.milp.status, "objective_s": res.milp.objective_s, "bound_s": res.milp.bound_s,
             "gap": res.milp.gap, "warm_start": res.milp.warm_start},
-        "rules": {n: c.row() for n, c in _rows(res)[1:]},
+        "global_batch": res.global_batch,
+        "tokens_per_s": res.best.sim.tokens_per_s,
+        "hours_per_billion_tokens": hours_per_billion_tokens(res.best.sim.tokens_per_s),
+        "rules": {n: c.row() for n, c in res.by_name.items()},
+        "unfit": {n: {**c.row(), "over_bytes": c.sim.over_capacity()} for n, c in res.unfit.items()},
         "max_micro_batch_size": res.max_micro_batch_size,
         "check": {"ok": report.ok, "peaks": report.peaks},
     }
@@ -144,55 +143,3 @@ def _json_report(args: argparse.Namespace, shape: ModelShape, hw: HardwareProfil
         out["scaling"] = {"global_batch": global_batch, "grad_reduce": args.grad_reduce,
                           "points": [pt.row() for pt in scaling]}
     return out
-
-
-def _print_report(args: argparse.Namespace, shape: ModelShape, hw: HardwareProfile, res: SearchResult,
-                  sim: SimResult, report: CheckReport) -> None:
-    """The machine, the table of the plan against every rule, the MILP's figures, the plan."""
-    p = res.plan
-    counts = {t: p.boundary_tiers.count(t) for t in ("device", "host", "nvme", "recompute") if t in p.boundary_tiers}
-    internal = {t: p.internal_tiers.count(t) for t in ("device", "host", "recompute") if t in p.internal_tiers}
-    n8 = (p.moments or []).count("8bit")
-    print(f"{shape.name} ({shape.num_params / 1e9:.2f}B params, {shape.num_layers} layers) on {hw.name}: "
-          f"device {_gb(hw.device_cap_bytes)} GB usable, host {_gb(hw.host_cap_bytes)} GB usable; "
-          f"seq {args.seq_len}, batch {p.micro_batch_size * p.num_micro_batches} "
-          f"({p.micro_batch_size} x {p.num_micro_batches} micro-batches)")
-    head = (f"{'rule':<30}{'mbs x n':>9}{'step s':>10}{'tokens/s':>11}{'TFLOPS':>8}{'dev GB':>8}{'host GB':>9}"
-            f"{'vs plan':>9}{'max mbs':>9}")
-    print(head)
-    print("-" * len(head))
-    best_tps = res.best.sim.tokens_per_s
-    for name, c in _rows(res):
-        label = f"plan ({p.source})" if name == "plan" else name
-        s = c.sim
-        print(f"{label:<30}{c.plan.micro_batch_size:>4} x{c.plan.num_micro_batches:>3}{s.step_s:>10.3f}"
-              f"{s.tokens_per_s:>11,.0f}{s.achieved_tflops:>8.1f}{_gb(s.peak_device_bytes):>8}"
-              f"{_gb(s.peak_host_bytes):>9}{s.tokens_per_s / best_tps:>9.2f}"
-              f"{res.max_micro_batch_size.get(c.name, 0):>9}")
-    m = res.milp
-    if m is not None:
-        print(f"MILP at micro-batch {p.micro_batch_size}: {m.status}, model step {m.objective_s:.3f} s, bound {m.bound_s:.3f} s, gap {m.gap:.2%}, "
-              f"warm start {m.warm_start or 'none'}; HiGHS {res.solve_s:.2f} s, search {res.plan_s:.2f} s")
-    print(f"boundaries: {', '.join(f'{v} {k}' for k, v in counts.items())}; "
-          f"layer internals: {', '.join(f'{v} {k}' for k, v in internal.items())}; prefetch depth {p.prefetch_depth}; "
-          f"optimizer moments: "
-          f"{len(p.moments or []) - n8} units fp32, {n8} units 8-bit; check: ok "
-          f"(peak device {_gb(report.peaks['device'])} GB, host {_gb(report.peaks['host'])} GB)")
-    print("busy per step: " + ", ".join(f"{k} {v:.2f}s" for k, v in sim.busy_s.items() if v > 0))
-
-
-def _print_scaling(points: list[ScalingPoint], global_batch: int, seq_len: int) -> None:
-    reduce = points[0].topology.grad_reduce
-    print(f"data parallel, predicted: global batch {global_batch} x {seq_len} tokens, the plan's tiers on every "
-          f"GPU, gradients summed on the {reduce}; speedup vs 1 GPU on the same batch")
-    head = f"{'GPUs':>6}{'nodes':>6}{'mbs x n':>9}{'step s':>10}{'tokens/s':>12}{'speedup':>9}{'eff':>6}  bound (busy share of the step)"
-    print(head)
-    print("-" * len(head))
-    for pt in points:
-        t, p = pt.topology, pt.plan
-        busy = pt.busy_fractions()
-        second = sorted(busy, key=lambda k: -busy[k])[1]
-        fits = "" if pt.sim.fits else f"  DOES NOT FIT: {', '.join(pt.sim.over_capacity())}"
-        print(f"{t.world_size:>6}{t.nodes:>6}{p.micro_batch_size:>4} x{p.num_micro_batches:>3}{pt.step_s:>10.3f}"
-              f"{pt.tokens_per_s:>12,.0f}{pt.speedup:>9.2f}{pt.efficiency:>6.2f}  {pt.bound} {busy[pt.bound]:.0%}"
-              f" (then {second} {busy[second]:.0%}){fits}")

@@ -4,6 +4,9 @@ For every micro-batch size that can fit, the MILP places the boundaries; the MIL
 baseline are then run through the simulator, and the fastest plan that fits (by simulation, the
 more faithful of the two models) is emitted. So the emitted plan is never slower in simulation
 than any baseline tried; when a baseline wins, the plan says so in its ``source``.
+Every rule's row (``SearchResult.by_name``) is at the emitted plan's global batch, so the
+rows compare like for like; in auto mode the global batch is chosen first, then the fastest
+plan at it.
 
 Prefetch depth: each depth in ``SearchConfig.prefetch_depths`` is tried at every micro-batch size
 (a deeper prefetch costs one weight slot more per step of depth, and hides a weight copy that is
@@ -92,7 +95,10 @@ class SearchResult:
     milp: MilpResult | None
     """The MILP solve at the emitted micro-batch size."""
     by_name: dict[str, Candidate]
-    """Per rule (``milp`` and each baseline): its fastest fitting candidate over micro-batch sizes."""
+    """Per rule (``milp`` and each baseline): its fastest fitting candidate over micro-batch sizes,
+    all at the emitted plan's global batch (so their tokens/s compare like for like)."""
+    unfit: dict[str, Candidate]
+    """Per rule with no fitting candidate at that global batch: its least over-capacity one."""
     tried: list[dict[str, Any]]
     moments: list[str]
     """The emitted plan's optimizer moments per unit."""
@@ -102,6 +108,11 @@ class SearchResult:
     """Seconds spent inside HiGHS, all micro-batch sizes together."""
     plan_s: float
     """Wall seconds of the whole search."""
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step of the emitted plan (and of every row in ``by_name``)."""
+        return self.plan.micro_batch_size * self.plan.num_micro_batches
 
 
 def choose_moments(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 0) -> list[str]:
@@ -200,6 +211,8 @@ class _Tally:
     max_mbs: dict[str, int]
     """Per rule and ``milp``: the largest micro-batch size tried that fits (0: none)."""
     tried: list[dict[str, Any]] = field(default_factory=list)
+    cands: list[Candidate] = field(default_factory=list)
+    """Every candidate screened, fitting or not."""
     by_name: dict[str, Candidate] = field(default_factory=dict)
     """Per rule and ``milp``: its fastest fitting candidate."""
     all_fit: list[Candidate] = field(default_factory=list)
@@ -215,6 +228,7 @@ class _Tally:
         any_fit = False
         for c in cands:
             self.tried.append(c.row())
+            self.cands.append(c)
             if c.fits:
                 any_fit = True
                 self.all_fit.append(c)
@@ -244,17 +258,17 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
             cands += _candidates(shape, hw, seq_len, cfg, rules, mbs, m_count, depth, tally)
         if not tally.add(mbs, cands) and tally.by_name:
             break  # larger micro-batches only need more memory
-    by_name = _simulated_in_full(tally, shape, hw, seq_len)
-    best = max(by_name.values(), key=lambda c: (c.sim.tokens_per_s, c.name == "milp"))
-    if "milp" in by_name and by_name["milp"].sim.tokens_per_s >= best.sim.tokens_per_s * (1 - 1e-9):
-        best = by_name["milp"]
+    pool = tally.cands
     if auto:
-        best = _auto_batch(best, tally.all_fit, by_name, shape, hw, cfg)
+        g = _auto_global_batch(tally, shape, hw, seq_len, cfg)
+        pool = _at_global_batch(tally.cands, g, shape, hw)
+    by_name, unfit = _fastest_per_rule(pool, tally, shape, hw, seq_len)
+    best = _fastest(by_name)
     plan = best.plan
     plan.source = "milp" if best.name == "milp" else f"planner:{best.name}"
     res = tally.milp_at.get((plan.micro_batch_size, plan.prefetch_depth))
     plan.predicted = _predicted(shape, hw, best, res, tally)
-    return SearchResult(plan, best, res, by_name, tally.tried, plan.moments or ["fp32"] * len(shape.unit_names()),
+    return SearchResult(plan, best, res, by_name, unfit, tally.tried, plan.moments or ["fp32"] * len(shape.unit_names()),
                         dict(tally.max_mbs), tally.solve_s, time.perf_counter() - t_start)
 
 
@@ -341,38 +355,79 @@ def _milp_candidate(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: S
     return res, cand
 
 
-def _simulated_in_full(tally: _Tally, shape: ModelShape, hw: HardwareProfile, seq_len: int) -> dict[str, Candidate]:
-    """Screening may have extrapolated: each rule's winner simulated in full (those that fit)."""
-    if not tally.by_name:
-        raise _infeasible(shape, hw, seq_len, tally.smallest_failure)
-    by_name = {}
-    for name, c in tally.by_name.items():
-        full = simulate(c.plan, shape, hw, keep_trace=False)
-        if full.fits:
-            by_name[name] = Candidate(name, c.plan, full)
+def _fastest(by_name: dict[str, Candidate]) -> Candidate:
+    """The fastest candidate; the MILP's own plan on a tie (within rounding)."""
+    best = max(by_name.values(), key=lambda c: (c.sim.tokens_per_s, c.name == "milp"))
+    if "milp" in by_name and by_name["milp"].sim.tokens_per_s >= best.sim.tokens_per_s * (1 - 1e-9):
+        best = by_name["milp"]
+    return best
+
+
+def _over_bytes(c: Candidate) -> int:
+    return sum(c.sim.over_capacity().values())
+
+
+def _fastest_per_rule(pool: list[Candidate], tally: _Tally, shape: ModelShape, hw: HardwareProfile,
+                      seq_len: int) -> tuple[dict[str, Candidate], dict[str, Candidate]]:
+    """Per rule, its fastest candidate of ``pool`` that fits when simulated in full (screening
+    may have extrapolated); the least over-capacity one of each rule with none that fits.
+    PlanInfeasible when no rule fits."""
+    by_name: dict[str, Candidate] = {}
+    unfit: dict[str, Candidate] = {}
+    for name in dict.fromkeys(c.name for c in pool):
+        mine = [c for c in pool if c.name == name]
+        for c in sorted((c for c in mine if c.fits), key=lambda c: -c.sim.tokens_per_s)[:3]:
+            full = Candidate(name, c.plan, simulate(c.plan, shape, hw, keep_trace=False))
+            if full.fits:
+                by_name[name] = full
+                break
+            mine.append(full)
+        if name not in by_name:
+            unfit[name] = min((c for c in mine if not c.fits), key=_over_bytes)
     if not by_name:
         raise _infeasible(shape, hw, seq_len, tally.smallest_failure)
-    return by_name
+    return by_name, unfit
 
 
-def _auto_batch(best: Candidate, all_fit: list[Candidate], by_name: dict[str, Candidate], shape: ModelShape,
-                hw: HardwareProfile, cfg: SearchConfig) -> Candidate:
-    """Auto mode: the smallest micro-batch within tolerance of the best, then the smallest
-    accumulation; the rules in ``by_name`` are then shown at that accumulation too, for a
-    like-for-like table."""
-    top = best.sim.tokens_per_s
-    pool = [c for c in all_fit if c.sim.tokens_per_s >= top * (1 - cfg.auto_tolerance)]
+AT_BATCH_PER_RULE = 2
+"""Auto mode: per rule, how many of its fastest screened candidates are simulated again at the
+chosen global batch (each costs a simulation; the fastest at 4 micro-batches rarely loses)."""
+
+
+def _at_global_batch(cands: list[Candidate], global_batch: int, shape: ModelShape,
+                     hw: HardwareProfile) -> list[Candidate]:
+    """Auto mode: the screened candidates whose micro-batch size divides ``global_batch``, with
+    their accumulation set so each step holds ``global_batch`` sequences. Per rule the
+    ``AT_BATCH_PER_RULE`` fastest that fit are simulated again, and its least over-capacity one
+    when none fits (to say why in its row)."""
+    out: list[Candidate] = []
+    for name in dict.fromkeys(c.name for c in cands):
+        mine = [c for c in cands if c.name == name and global_batch % c.plan.micro_batch_size == 0]
+        if not mine:
+            continue
+        fit = sorted((c for c in mine if c.fits), key=lambda c: -c.sim.tokens_per_s)[:AT_BATCH_PER_RULE]
+        for c in fit or [min(mine, key=_over_bytes)]:
+            m = global_batch // c.plan.micro_batch_size
+            if m == c.plan.num_micro_batches:
+                out.append(c)
+                continue
+            d = c.plan.to_dict()
+            d["num_micro_batches"] = m
+            plan = Plan.from_dict(d)
+            out.append(Candidate(name, plan, simulate_fast(plan, shape, hw)))
+    return out
+
+
+def _auto_global_batch(tally: _Tally, shape: ModelShape, hw: HardwareProfile, seq_len: int,
+                       cfg: SearchConfig) -> int:
+    """Auto mode: the global batch of the smallest micro-batch within tolerance of the best
+    tokens/s, then the smallest accumulation within tolerance."""
+    by_name, _ = _fastest_per_rule(tally.cands, tally, shape, hw, seq_len)
+    top = _fastest(by_name).sim.tokens_per_s
+    pool = [c for c in tally.all_fit if c.sim.tokens_per_s >= top * (1 - cfg.auto_tolerance)]
     pick = min(pool, key=lambda c: (c.plan.micro_batch_size, c.name != "milp", -c.sim.tokens_per_s))
     best = _pick_accumulation(pick, shape, hw, cfg)
-    best = Candidate(best.name, best.plan, simulate(best.plan, shape, hw, keep_trace=False))
-    for name, c in list(by_name.items()):
-        d = c.plan.to_dict()
-        d["num_micro_batches"] = best.plan.num_micro_batches
-        again = Plan.from_dict(d)
-        sim = simulate(again, shape, hw, keep_trace=False)
-        if sim.fits:
-            by_name[name] = Candidate(name, again, sim)
-    return best
+    return best.plan.micro_batch_size * best.plan.num_micro_batches
 
 
 def _predicted(shape: ModelShape, hw: HardwareProfile, best: Candidate, res: MilpResult | None,

@@ -1,0 +1,134 @@
+"""The text ``layerwise plan`` prints: a one-line verdict, then the plans compared at one global batch.
+
+The verdict comes first because it is what a newcomer asks ("will it fit, how fast, how long"):
+it names the binding memory with its figures, so the answer needs none of the planner's words.
+Every table is laid out from its cells (widths from the longest cell, two spaces between
+columns), so a long figure can never run into its neighbour.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .check import CheckReport
+from .hardware import HardwareProfile
+from .scaling import ScalingPoint
+from .search import Candidate, PlanInfeasible, SearchResult
+from .shape import ModelShape
+from .simulator import SimResult
+
+MEMORY_NAMES = {"device": "GPU memory", "host": "host RAM", "nvme": "NVMe", "unknown": "memory"}
+"""The capacities a plan can overflow, in a newcomer's words."""
+
+COLUMN_GAP = "  "
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f}"
+
+
+def hours_per_billion_tokens(tokens_per_s: float) -> float:
+    return 1e9 / tokens_per_s / 3600
+
+
+def _hours(h: float) -> str:
+    """Three significant figures up to 1,000 h (1.33, 18.6, 186), whole hours above."""
+    return f"{h:.2f}" if h < 10 else f"{h:.1f}" if h < 100 else f"{h:,.0f}"
+
+
+def verdict_fits(shape: ModelShape, hw: HardwareProfile, seq_len: int, sim: SimResult, global_batch: int,
+                 scaling: Sequence[ScalingPoint] = ()) -> str:
+    """``fits: yes — ...``: tokens/s, hours per billion tokens, and each memory's peak of its capacity.
+    With data parallelism the figures are those of every GPU together (the last scaling point)."""
+    tps = scaling[-1].tokens_per_s if scaling else sim.tokens_per_s
+    gpus = f" x {scaling[-1].topology.world_size} GPUs" if scaling else ""
+    mem = [f"GPU memory {_gb(sim.peak_device_bytes)} of {_gb(sim.device_cap_bytes)} GB",
+           f"host RAM {_gb(sim.peak_host_bytes)} of {_gb(sim.host_cap_bytes)} GB"]
+    if sim.peak_nvme_bytes:
+        mem.append(f"NVMe {_gb(sim.peak_nvme_bytes)} of {_gb(sim.nvme_cap_bytes)} GB")
+    return (f"fits: yes — {shape.name} on {hw.name}{gpus}, {global_batch} x {seq_len} tokens per step: "
+            f"{tps:,.0f} tokens/s predicted, {_hours(hours_per_billion_tokens(tps))} h per billion tokens "
+            f"(peak {', '.join(mem)})")
+
+
+def verdict_unfit(shape: ModelShape, hw: HardwareProfile, seq_len: int, err: PlanInfeasible) -> str:
+    """``fits: no — ...``: which memory binds, by how much, and what would make it fit."""
+    return (f"fits: no — {shape.name} on {hw.name} at {seq_len} tokens per sequence: "
+            f"{MEMORY_NAMES.get(err.resource, err.resource)} is short by {_gb(err.over_bytes)} GB. {err}")
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: Sequence[int] = (0, -1)) -> list[str]:
+    """Lines of a table: the columns ``left`` (words) left-aligned, the others (figures) right-aligned, each as
+    wide as its longest cell and ``COLUMN_GAP`` apart (a trailing empty cell adds no spaces)."""
+    widths = [max(len(r[k]) for r in [header, *rows]) for k in range(len(header))]
+    lefts = {k % len(header) for k in left}
+
+    def line(cells: Sequence[str]) -> str:
+        return COLUMN_GAP.join(c.ljust(w) if k in lefts else c.rjust(w)
+                               for k, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    head = line(header)
+    return [head, "-" * len(head), *(line(r) for r in rows)]
+
+
+def table_rows(res: SearchResult) -> list[tuple[str, Candidate, str]]:
+    """(name, candidate, note) of every row: the chosen plan first, the other fitting rules
+    fastest first, then the rules that do not fit at this global batch, each saying why."""
+    chosen = res.best
+    fitting = sorted((c for n, c in res.by_name.items() if n != chosen.name), key=lambda c: -c.sim.tokens_per_s)
+    rows = [(chosen.name, chosen, "chosen")] + [(c.name, c, "") for c in fitting]
+    for name, c in sorted(res.unfit.items()):
+        over = ", ".join(f"{MEMORY_NAMES[t]} {_gb(b)} GB over" for t, b in c.sim.over_capacity().items())
+        rows.append((name, c, f"does not fit: {over}"))
+    return rows
+
+
+def print_report(seq_len: int, shape: ModelShape, hw: HardwareProfile, res: SearchResult, sim: SimResult,
+                 report: CheckReport) -> None:
+    """The machine, the table of the chosen plan against every rule, the MILP's figures, the plan."""
+    p = res.plan
+    counts = {t: p.boundary_tiers.count(t) for t in ("device", "host", "nvme", "recompute") if t in p.boundary_tiers}
+    internal = {t: p.internal_tiers.count(t) for t in ("device", "host", "recompute") if t in p.internal_tiers}
+    n8 = (p.moments or []).count("8bit")
+    print(f"{shape.name} ({shape.num_params / 1e9:.2f}B params, {shape.num_layers} layers) on {hw.name}: "
+          f"GPU memory {_gb(hw.device_cap_bytes)} GB usable, host RAM {_gb(hw.host_cap_bytes)} GB usable")
+    print(f"every row at global batch {res.global_batch} sequences x {seq_len} tokens = "
+          f"{res.global_batch * seq_len:,} tokens per step (each rule at its fastest micro-batch size)")
+    best_tps = res.best.sim.tokens_per_s
+    cells = []
+    for name, c, note in table_rows(res):
+        s = c.sim
+        cells.append([name, f"{c.plan.micro_batch_size} x {c.plan.num_micro_batches}", f"{s.step_s:.3f}",
+                      f"{s.tokens_per_s:,.0f}", f"{s.achieved_tflops:.1f}", _gb(s.peak_device_bytes),
+                      _gb(s.peak_host_bytes), f"{s.tokens_per_s / best_tps:.2f}",
+                      str(res.max_micro_batch_size.get(c.name, 0)), note])
+    header = ["plan", "mbs x n", "step s", "tokens/s", "TFLOPS", "GPU GB", "host GB", "vs chosen", "max mbs", ""]
+    for line in format_table(header, cells):
+        print(line)
+    m = res.milp
+    if m is not None:
+        print(f"MILP at micro-batch {p.micro_batch_size}: {m.status}, model step {m.objective_s:.3f} s, bound {m.bound_s:.3f} s, gap {m.gap:.2%}, "
+              f"warm start {m.warm_start or 'none'}; HiGHS {res.solve_s:.2f} s, search {res.plan_s:.2f} s")
+    print(f"chosen plan ({p.source}): boundaries {', '.join(f'{v} {k}' for k, v in counts.items())}; "
+          f"layer internals {', '.join(f'{v} {k}' for k, v in internal.items())}; prefetch depth {p.prefetch_depth}; "
+          f"optimizer moments {len(p.moments or []) - n8} units fp32, {n8} units 8-bit; check: ok "
+          f"(peak GPU {_gb(report.peaks['device'])} GB, host {_gb(report.peaks['host'])} GB)")
+    print("busy per step: " + ", ".join(f"{k} {v:.2f}s" for k, v in sim.busy_s.items() if v > 0))
+
+
+def print_scaling(points: Sequence[ScalingPoint], global_batch: int, seq_len: int) -> None:
+    reduce = points[0].topology.grad_reduce
+    print(f"data parallel, predicted: global batch {global_batch} x {seq_len} tokens, the plan's tiers on every "
+          f"GPU, gradients summed on the {reduce}; speedup vs 1 GPU on the same batch")
+    cells = []
+    for pt in points:
+        t, p = pt.topology, pt.plan
+        busy = pt.busy_fractions()
+        second = sorted(busy, key=lambda k: -busy[k])[1]
+        fits = "" if pt.sim.fits else f"  DOES NOT FIT: {', '.join(pt.sim.over_capacity())}"
+        cells.append([str(t.world_size), str(t.nodes), f"{p.micro_batch_size} x {p.num_micro_batches}",
+                      f"{pt.step_s:.3f}", f"{pt.tokens_per_s:,.0f}", f"{pt.speedup:.2f}", f"{pt.efficiency:.2f}",
+                      f"{pt.bound} {busy[pt.bound]:.0%} (then {second} {busy[second]:.0%}){fits}"])
+    header = ["GPUs", "nodes", "mbs x n", "step s", "tokens/s", "speedup", "eff", "bound (busy share of the step)"]
+    for line in format_table(header, cells, left=(-1,)):
+        print(line)
