@@ -1,6 +1,7 @@
 """Config loading/overrides and a short end-to-end training run."""
 
 import json
+import re
 import shutil
 import signal
 import time
@@ -135,7 +136,7 @@ def _kill_inside_a_save(model_dir: Path, out_dir: Path, log: Path) -> int | None
 def _eval_losses(stdout: str) -> str:
     """``A -> B`` of the ``done: eval loss A -> B, …`` line."""
     [done] = [line for line in stdout.splitlines() if line.startswith("done: eval loss ")]
-    return done[len("done: eval loss "):].split(",")[0]
+    return re.split(r"[,;]", done[len("done: eval loss "):])[0]
 
 
 def _metrics(out_dir: Path) -> list[dict]:
