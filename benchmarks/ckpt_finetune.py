@@ -102,6 +102,7 @@ def policy_specs(args) -> dict[str, tuple[str, dict]]:
         ("full", {}),
         ("parity", {}),
         default_spec(),
+        ("filter", {"threshold": 0.01, "max_staleness": 2}),
         ("filter", {"threshold": 0.02, **stale}),
         ("filter", {"threshold": 0.05, **stale}),
         ("filter", {"threshold": 0.01, "max_fraction": 0.25, **stale}),
@@ -222,6 +223,8 @@ def run_seed(args, seed: int, base_state: dict, data, root: Path) -> dict:
         r["eval_loss_delta_pct"] = 100.0 * (r["eval_loss"] - ref["eval_loss"]) / ref["eval_loss"]
         r["write_speedup_wall"] = ref["write_s"] / r["write_s"]
         r["save_speedup_wall"] = ref["save_s"] / r["save_s"]
+        r["write_speedup_per_save_median"] = (ref["write_s_per_save_median"]
+                                              / r["write_s_per_save_median"])
         r["write_speedup_vs_torch_save"] = statistics.fmean(torch_s) * n_saves / r["write_s"]
     return {
         "seed": seed, "policies": results,
@@ -246,6 +249,7 @@ def _criterion_share(reports) -> float:
 
 
 MEDIAN_KEYS = ("size_ratio", "eval_loss_delta_pct", "write_speedup_wall", "save_speedup_wall",
+               "write_speedup_per_save_median",
                "write_speedup_vs_torch_save", "bytes_written", "write_s", "groups_written_mean",
                "criterion_share", "max_group_age_steps_at_failure")
 
@@ -265,7 +269,8 @@ def main(argv=None) -> dict:
                 "batch_size": args.batch_size, "seq_len": args.seq_len, "weight_decay": 0.1}
     base_state, pre_meta = pretrained_base(pre_spec)
     n_train = (args.steps + 2) * args.batch_size * args.seq_len + 1
-    train_tok, held_tok, n_records = instruction_corpus(n_train)
+    train_tok, held_tok, n_records = instruction_corpus(
+        n_train, args.eval_batches * args.batch_size * args.seq_len + 1)
     eval_set = eval_batches(held_tok, args.seq_len, args.batch_size, args.eval_batches)
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="ckpt_finetune_"))
     root.mkdir(parents=True, exist_ok=True)

@@ -105,9 +105,10 @@ def _records_of(path: Path, root: Path) -> list[str]:
     return out
 
 
-def instruction_corpus(n_tokens: int, holdout_every: int = 20) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Train and eval token streams (``n_tokens`` of train at least) of instruction records
-    from the standard library read from its end; and how many records there are."""
+def instruction_corpus(n_tokens: int, n_eval_tokens: int,
+                       holdout_every: int = 20) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Train and held-out token streams (at least ``n_tokens`` and ``n_eval_tokens``) of
+    instruction records from the standard library read from its end; and how many records."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = stdlib_files(root)
     tok = ByteTokenizer()
@@ -118,7 +119,7 @@ def instruction_corpus(n_tokens: int, holdout_every: int = 20) -> tuple[torch.Te
         for rec in _records_of(path, root):
             (held if n % holdout_every == holdout_every - 1 else train).extend(tok.encode(rec))
             n += 1
-        if len(train) >= n_tokens:
+        if len(train) >= n_tokens and len(held) >= n_eval_tokens:
             break
     return torch.tensor(train, dtype=torch.long), torch.tensor(held, dtype=torch.long), n
 
