@@ -28,6 +28,10 @@ same run at several checkpoint steps.
 
 Prints one JSON object. ``--quick`` runs in under 3 minutes on a 2-core machine. ``--moe``
 measures expert-level vs layer-level groups on a tiny MoE instead (``ckpt_savings_moe.py``).
+
+``--finetune`` runs the fine-tuning measurement instead (``ckpt_finetune.py``: a pre-trained
+12-layer model fine-tuned on another corpus, the skew statistic, durable write wall time); the
+other arguments are then that mode's (``--finetune --help``).
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ PARETO_BUDGETS = (0.1, 0.2, 0.4)
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small run (< 3 minutes)")
+    p.add_argument("--finetune", action="store_true",
+                   help="the fine-tuning measurement (ckpt_finetune.py; its own options)")
     p.add_argument("--flavor", default="llama-30m", help="model flavor (>= 20M parameters)")
     p.add_argument("--num-layers", type=int, default=None,
                    help="decoder layers (default: the flavor's; llama-30m has 10)")
@@ -191,6 +197,11 @@ def criterion_share(reports) -> float:
 
 
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--finetune" in argv:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import ckpt_finetune
+        return ckpt_finetune.main([a for a in argv if a != "--finetune"])
     args = parse_args(argv)
     if args.moe:
         from ckpt_savings_moe import run_moe  # beside this script

@@ -203,7 +203,8 @@ def test_the_filter_default_writes_what_moved_and_the_composite_staleness_is_bou
     a composite's groups get, ``ckpt show`` lists each group's age, and the README says both,
     with the numbers of the defaults.
 
-    The same fine-tune (LR 1e-4, a save every 10 steps) under the old threshold writes all
+    The same fine-tune (LR 1e-4, a save every 10 steps, ``ckpt.policy=filter``: the default
+    is parity, measured by ``ckpt_savings.py --finetune``) under the old threshold writes all
     groups or all but the norm at every save; under the default, some save writes at most half.
     Mutation seen failing: ``FilterPolicy.threshold`` back to 1e-3 (every save writes >= 6)."""
     from layerwise.ckpt import RunDir
@@ -215,8 +216,9 @@ def test_the_filter_default_writes_what_moved_and_the_composite_staleness_is_bou
               "ckpt.every=10", "eval.every=0", "eval.batches=1", "log.progress=lines",
               "log.track_every=0", "optimizer.lr=1e-4", "export=false"]
     written = {}
-    for name, extra in (("old", ["ckpt.threshold=1e-3", "ckpt.max_staleness=none"]),
-                        ("default", [])):
+    for name, extra in (("old", ["ckpt.policy=filter", "ckpt.threshold=1e-3",
+                                 "ckpt.max_staleness=none"]),
+                        ("default", ["ckpt.policy=filter"])):
         assert main(["train", f"out_dir={tmp_path / name}", *common, *extra]) == 0
         store = RunDir.open(tmp_path / name)
         written[name] = [len(store.read_manifest(s)["groups_written"])
@@ -231,6 +233,7 @@ def test_the_filter_default_writes_what_moved_and_the_composite_staleness_is_bou
     readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
     every = CkptConfig().every
     staleness = CkptConfig().max_staleness
+    assert f"(`ckpt.policy={CkptConfig().policy}`)" in readme  # the README names the default
     assert f"moved more than {FilterPolicy().threshold:.0%}" in readme
     assert (f"at most `ckpt.max_staleness={staleness}` saves ({staleness * every} steps at "
             f"`ckpt.every={every}`) older than N") in readme
