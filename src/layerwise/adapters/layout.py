@@ -13,6 +13,7 @@ has ``numel == 0``: the engine sends no gradient for it and runs no update.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,10 +41,7 @@ class FrozenEntry:
     @property
     def numel(self) -> int:
         """Parameters of the base this entry holds."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def view(self, raw: torch.Tensor) -> torch.Tensor:
         part = raw[self.byte_offset:self.byte_offset + self.nbytes]
