@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "source with the streaming engine (8-bit AdamW moments on the layers, "
                     "layer-wise checkpoints with the filter policy), export it as a Hugging Face "
                     "model with its tokenizer, reload both with transformers, sample Python from "
-                    "it and draw the run. Needs no download and no GPU; about 3 minutes on 2 idle CPU "
+                    "it and draw the run. Needs no download and no GPU; under 3 minutes on 2 idle CPU "
                     "cores, several times that on a busy machine. Starts fresh: an earlier demo run in --out is replaced.")
     defaults = DemoConfig()
     demo.add_argument("--steps", type=int, default=defaults.steps,

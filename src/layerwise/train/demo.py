@@ -1,4 +1,4 @@
-"""``layerwise demo``: a user's run end to end, small enough for 2 idle CPU cores in about 3 minutes.
+"""``layerwise demo``: a user's run end to end, small enough for 2 idle CPU cores in under 3 minutes.
 
 It goes through the same path as ``layerwise train model=DIR tokenizer=DIR plan=FILE``, with
 only built-in data and nothing downloaded:
