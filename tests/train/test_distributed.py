@@ -370,8 +370,12 @@ def test_a_lost_rank_ends_the_other_with_an_error_within_the_timeout(tmp_path, s
     the shm directory is empty (the store's files are unlinked as soon as both ranks mapped
     them), ``ckpt verify`` finds the checkpoints clean, and one process resumes from them.
 
-    Mutation seen failing: no timeout on the process group (``init_process_group`` without
-    ``timeout=``: the stalled case waits the default 30 minutes, past the test's limit)."""
+    Mutations seen failing: no timeout on the process group (``init_process_group`` without
+    ``timeout=``: the stalled case waits the default 30 minutes, past the test's limit); the
+    device-reduction group made without ``timeout=`` (``DistReducer._groups``: torch's
+    ``new_group`` does not inherit it; the stalled case hangs when the stall lands in a
+    gradient reduction: 1 of 2 stress runs, ``tests/stress_dist.py -- -k "ends_the_other and
+    stalled"``)."""
     shm_dir = Path("/dev/shm") / f"layerwise-test-{uuid.uuid4().hex[:8]}"
     shm_dir.mkdir()
     log0 = tmp_path / "kill.0.log"

@@ -37,6 +37,7 @@ the weights written before it; the counter is written after ``refresh_compute``.
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -99,9 +100,11 @@ class DistReducer:
         and not ``always``)."""
         if len(members) == 1 and not always:
             return None
-        groups = [self.ctx.collective("creating process groups",
-                                      lambda m=m: dist.new_group(m, backend=backend))
-                  for m in members]
+        # a new group does not inherit the world group's timeout (it takes torch's 30-minute
+        # default): without it a stalled rank would hold the others in this group's collectives
+        timeout = timedelta(seconds=self.ctx.timeout_s)
+        groups = [self.ctx.collective("creating process groups", lambda m=m: dist.new_group(
+                      m, backend=backend, timeout=timeout)) for m in members]
         return groups[mine]
 
     def owns(self, unit: str) -> bool:
