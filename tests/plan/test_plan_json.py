@@ -36,13 +36,13 @@ def test_a_version_1_plan_file_loads_and_saves_as_the_current_version(tmp_path):
     assert (plan.prefetch_depth, plan.head_chunk_tokens, plan.source) == (2, 256, "milp")
     assert plan.moments == ["fp32", "8bit", "fp32", "fp32", "fp32", "fp32"]
     assert plan.predicted == {"step_s": 1.5}
-    assert plan.format_version == FORMAT_VERSION == 3
+    assert plan.format_version == FORMAT_VERSION == 4
     assert plan.internal_tiers == ["recompute"] * 4
-    new = tmp_path / "plan-v3.json"
+    new = tmp_path / "plan-v4.json"
     plan.save(new)
     written = json.loads(new.read_text())
     assert "boundaries" not in written and written["boundary_tiers"] == plan.boundary_tiers
-    assert written["format_version"] == 3
+    assert written["format_version"] == 4
     assert Plan.load(new) == plan
 
 
@@ -53,7 +53,7 @@ def test_a_version_2_plan_reads_with_every_layers_internals_recomputed(tmp_path)
     d["boundary_tiers"] = d.pop("boundaries")
     d["format_version"] = 2
     plan = Plan.from_dict(d)
-    assert plan.internal_tiers == ["recompute"] * 4 and plan.format_version == 3
+    assert plan.internal_tiers == ["recompute"] * 4 and plan.format_version == FORMAT_VERSION
     kept = Plan(["device"] * 4, internal_tiers=["device", "host", "recompute", "host"])
     path = tmp_path / "plan.json"
     kept.save(path)
@@ -72,8 +72,8 @@ def test_a_version_1_plan_without_format_version_still_loads():
 
 def test_unknown_versions_and_the_old_key_in_a_new_file_are_refused():
     current = Plan.every_k(4, 2).to_dict()
-    with pytest.raises(ValueError, match="format_version 4 is not supported"):
-        Plan.from_dict({**current, "format_version": 4})
+    with pytest.raises(ValueError, match="format_version 5 is not supported"):
+        Plan.from_dict({**current, "format_version": 5})
     # the old key in a current-version file is a mistake, not something to guess about
     with pytest.raises(ValueError, match="unknown keys"):
         Plan.from_dict({**json.loads(V1_PLAN_JSON), "format_version": 2})

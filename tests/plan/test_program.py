@@ -150,3 +150,40 @@ def test_milp_device_memory_is_the_slots_plus_the_op():
     slots = 3 * largest + 2 * largest + 2 * cost.boundary_bytes
     assert model.c_bwd_mem == [slots + cost.op_transient_bytes(OpKind.LAYER_BWD, i) for i in range(3)]
     assert model.c_head_mem == slots + cost.op_transient_bytes(OpKind.HEAD)
+
+
+def test_layer_major_step_runs_each_op_for_its_group_and_shares_the_weight_copy():
+    """Layer-major order: each op of the micro-batch program runs for every micro-batch of its
+    group before the next op, and the weight schedule has one use per group op, so a unit's
+    weights are copied once per group (mutation: groups of 1 -> the schedule doubles)."""
+    from layerwise.plan.program import StepOp, plan_step_program, resident_units
+
+    plan = Plan.every_k(3, 1, num_micro_batches=5, micro_batches_per_load=2)
+    steps = plan_step_program(plan)
+    ops = micro_batch_program(plan.boundary_tiers, plan.internal_tiers)
+    assert steps == ([StepOp(op, (0, 1)) for op in ops] + [StepOp(op, (2, 3)) for op in ops]
+                     + [StepOp(op, (4,)) for op in ops])
+    per_group = weight_schedule(ops, False)
+    assert weight_schedule([s.op for s in steps], False) == per_group * 3
+    mb_major = plan_step_program(Plan.every_k(3, 1, num_micro_batches=5))
+    assert len(weight_schedule([s.op for s in mb_major], False)) == 5 * len(per_group)
+    # a resident layer is never in the schedule
+    res = resident_units([1])
+    assert "layers.1" not in weight_schedule(ops, False, res)
+    assert weight_schedule(ops, False, res) == [u for u in per_group if u != "layers.1"]
+    assert not plan.lands_once() and Plan.every_k(3, 1, num_micro_batches=4,
+                                                  micro_batches_per_load=4).lands_once()
+
+
+def test_plan_refuses_bad_resident_layers_and_reads_version_3():
+    with pytest.raises(ValueError, match="resident_layers"):
+        Plan.every_k(3, 1, resident_layers=[3])
+    with pytest.raises(ValueError, match="resident_layers"):
+        Plan.every_k(3, 1, resident_layers=[1, 1])
+    with pytest.raises(ValueError, match="micro_batches_per_load"):
+        Plan.every_k(3, 1, micro_batches_per_load=0)
+    d = Plan.every_k(3, 1).to_dict()
+    del d["micro_batches_per_load"], d["resident_layers"]
+    d["format_version"] = 3
+    old = Plan.from_dict(d)
+    assert old.micro_batches_per_load == 1 and old.resident_layers == [] and old.format_version == 4

@@ -29,6 +29,22 @@ GRAD_SLOTS = 2
 """Device gradient slots: one being filled by a backward while the other is copied out."""
 FETCH_SLOTS = 2
 """Device slots for fetched boundaries: the one in use and the one being fetched ahead."""
+
+
+def fetch_slot_count(num_offloaded: int, per_load: int = 1) -> int:
+    """Fetch slots the engine allocates: ``FETCH_SLOTS`` for one micro-batch at a time; in
+    layer-major order each micro-batch of a group may hold one fetched boundary across the ops
+    between its fetch and its layer's backward, plus one fetched ahead (none without offloaded
+    boundaries)."""
+    return min(FETCH_SLOTS + per_load - 1, num_offloaded * per_load)
+
+
+def grad_slot_itemsize(compute_itemsize: int, per_load: int = 1) -> int:
+    """Bytes per element of the device gradient slots: the compute dtype's, or fp32 in
+    layer-major order, where a slot sums a unit's gradient over the group's micro-batches."""
+    return compute_itemsize if per_load == 1 else 4
+
+
 OFFLOAD_WINDOW_OPS = 1
 """An op's compute waits for the device-to-host offloads queued this many ops back (and older;
 ``engine/slots.py`` ``OffloadWindow``). 1: the next op starts once this op's offloads have left,

@@ -24,7 +24,17 @@ A layer's *internals* (the tensors its forward saves for its backward) have a ti
 - ``host``: as ``device``, but the saved tensors are copied to host memory during the forward
   and fetched back before the backward.
 
-Weights are never among the kept tensors: the backward streams them in again as today.
+Weights are never among the kept tensors: the backward streams them in again (unless the layer
+is resident).
+
+Two choices are about weights, not activations:
+
+- ``micro_batches_per_load`` (layer-major order when > 1): that many micro-batches run through
+  each op of the program before the next op, so they share one copy of each unit's weights,
+  and a unit's gradient is summed over them on the device (fp32) and sent to the host once;
+  each keeps its own boundaries and internals in the tiers the plan gives;
+- ``resident_layers``: decoder layers whose compute-dtype weights stay on the device for the
+  whole run; after the host update their new weights go up once per step.
 """
 
 from __future__ import annotations
@@ -40,8 +50,9 @@ TIERS = ("device", "host", "nvme", "recompute")
 STORED_TIERS = ("device", "host", "nvme")
 INTERNAL_TIERS = ("device", "host", "recompute")
 MOMENT_KINDS = ("fp32", "8bit")
-FORMAT_VERSION = 3
-"""3: adds ``internal_tiers`` (versions 1 and 2 are read with every layer's internals
+FORMAT_VERSION = 4
+"""4: adds ``micro_batches_per_load`` and ``resident_layers`` (older versions are read with 1
+and none); 3: adds ``internal_tiers`` (versions 1 and 2 are read with every layer's internals
 ``recompute``); 2: the tiers are ``boundary_tiers`` (version 1 called them ``boundaries``)."""
 
 
@@ -60,6 +71,12 @@ class Plan:
     """Sequence length the plan was made for (None: any)."""
     prefetch_depth: int = 1
     """How many layers ahead weights are streamed in (1 = double buffering)."""
+    micro_batches_per_load: int = 1
+    """Micro-batches run through each op before the next one (1: micro-batch-major, each
+    micro-batch runs the whole program; > 1: layer-major, they share each weight load and a
+    unit's gradient is summed over them on the device and sent once)."""
+    resident_layers: list[int] = field(default_factory=list)
+    """Decoder layers whose weights stay on the device for the run (refreshed once per step)."""
     head_chunk_tokens: int = 1024
     """Tokens per lm_head + loss chunk; bounds the logits held at once."""
     moments: list[str] | None = None
@@ -79,6 +96,17 @@ class Plan:
     def num_layers(self) -> int:
         return len(self.boundary_tiers)
 
+    @property
+    def layer_major(self) -> bool:
+        return self.micro_batches_per_load > 1
+
+    def lands_once(self, num_micro_batches: int | None = None) -> bool:
+        """Every unit's gradient reaches the host once per step (a tied embedding's two parts
+        aside): one micro-batch, or all of them sharing each weight load. Then nothing is
+        summed on the host, and a bf16 gradient can land as the device computed it."""
+        n = self.num_micro_batches if num_micro_batches is None else num_micro_batches
+        return n <= self.micro_batches_per_load
+
     def validate(self, num_layers: int | None = None) -> None:
         bad = [t for t in self.boundary_tiers if t not in TIERS]
         if bad:
@@ -95,9 +123,15 @@ class Plan:
                 f"plan is for {len(self.boundary_tiers)} layers but the model has {num_layers}; "
                 "make a plan for this model (layerwise plan --model ...)"
             )
-        for name in ("micro_batch_size", "num_micro_batches", "prefetch_depth", "head_chunk_tokens"):
+        for name in ("micro_batch_size", "num_micro_batches", "prefetch_depth", "head_chunk_tokens",
+                     "micro_batches_per_load"):
             if getattr(self, name) < 1:
                 raise ValueError(f"plan.{name} must be >= 1, got {getattr(self, name)}")
+        n = self.num_layers
+        bad = [i for i in self.resident_layers if not isinstance(i, int) or not 0 <= i < n]
+        if bad or len(set(self.resident_layers)) != len(self.resident_layers):
+            raise ValueError(f"plan.resident_layers must be distinct layer indices in [0, {n}), got "
+                             f"{self.resident_layers}")
         if self.moments is not None:
             if num_layers is not None and len(self.moments) != num_layers + 2:
                 raise ValueError(
@@ -162,11 +196,13 @@ def _upgrade(d: dict[str, Any]) -> dict[str, Any]:
 
     Version 1 named the tiers ``boundaries`` (a file without ``format_version`` that has that key
     is version 1, the only version that wrote it); versions 1 and 2 had no ``internal_tiers``
-    (every layer recomputed its internals, which is what a missing list means). Other versions
+    (every layer recomputed its internals, which is what a missing list means); versions 1-3 had
+    no ``micro_batches_per_load`` and ``resident_layers`` (micro-batch-major, every layer
+    streamed: their defaults). Other versions
     pass through unchanged; :meth:`Plan.validate` refuses those it does not know.
     """
     version = d.get("format_version", 1 if "boundaries" in d else FORMAT_VERSION)
-    if version not in (1, 2):
+    if version not in (1, 2, 3):
         return d
     out = {("boundary_tiers" if k == "boundaries" and version == 1 else k): v for k, v in d.items()}
     out["format_version"] = FORMAT_VERSION

@@ -21,6 +21,12 @@ Op kinds (``i`` is a layer index), the members of :class:`OpKind`:
 - ``embed_bwd``: embedding backward, from the token ids and the gradient of boundary 0 alone
   (the weights are never read, so none are streamed); grads to the host.
 
+A step runs the micro-batch program for every micro-batch (:func:`step_program`): one after
+another (micro-batch-major), or in groups of ``plan.micro_batches_per_load`` that run each op
+together (layer-major: a :class:`StepOp` is one op for every micro-batch of its group, with one
+copy of its weights). Resident layers (``plan.resident_layers``) are never in the weight
+schedule: their weights stay on the device.
+
 The weight window (:class:`WeightWindow`) is the one rule for which weight buffers the device
 holds at each op: the engine's streamer makes the copies it names, the simulator times them,
 and the memory model and the MILP count their bytes (:func:`weight_windows`).
@@ -32,8 +38,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from ..models.names import EMBED, HEAD, layer_unit
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 
 class OpKind(str, Enum):
@@ -156,9 +166,52 @@ def micro_batch_program(tiers: list[str], internal_tiers: list[str] | None = Non
     return ops
 
 
-def weight_schedule(ops: list[Op], tied: bool) -> list[str]:
-    """Units in the order the ops need them (a unit used by consecutive ops appears once each)."""
-    return [u for op in ops for u in op.units(tied)]
+@dataclass(frozen=True)
+class StepOp:
+    """One op of the step, run for each micro-batch of ``micro_batches`` in turn (indices into
+    the step's micro-batches) on one copy of its weights."""
+
+    op: Op
+    micro_batches: tuple[int, ...]
+
+    def __str__(self) -> str:
+        mbs = self.micro_batches
+        return f"{self.op} [mb {mbs[0]}]" if len(mbs) == 1 else f"{self.op} [mb {mbs[0]}-{mbs[-1]}]"
+
+
+def micro_batch_groups(num_micro_batches: int, per_load: int) -> list[tuple[int, ...]]:
+    """The step's micro-batches in groups of ``per_load`` that share each weight load (the last
+    group smaller when it does not divide)."""
+    return [tuple(range(s, min(num_micro_batches, s + per_load)))
+            for s in range(0, num_micro_batches, per_load)]
+
+
+def step_program(tiers: list[str], internal_tiers: list[str] | None, num_micro_batches: int,
+                 per_load: int = 1) -> list[StepOp]:
+    """The ops of a whole step: for each group of ``per_load`` micro-batches, the micro-batch
+    program with every op run for the group's micro-batches in turn (``per_load`` 1: each
+    micro-batch runs the whole program before the next)."""
+    ops = micro_batch_program(tiers, internal_tiers)
+    return [StepOp(op, group) for group in micro_batch_groups(num_micro_batches, per_load)
+            for op in ops]
+
+
+def plan_step_program(plan: Plan, num_micro_batches: int | None = None) -> list[StepOp]:
+    """:func:`step_program` of a :class:`~.plan.Plan` (default: its own ``num_micro_batches``)."""
+    n = plan.num_micro_batches if num_micro_batches is None else num_micro_batches
+    return step_program(plan.boundary_tiers, plan.internal_tiers, n, plan.micro_batches_per_load)
+
+
+def resident_units(resident_layers) -> frozenset[str]:
+    """Unit names of resident layers (``plan.resident_layers``)."""
+    return frozenset(layer_unit(i) for i in resident_layers)
+
+
+def weight_schedule(ops: list[Op], tied: bool, resident: frozenset[str] = frozenset()) -> list[str]:
+    """Units in the order the ops need them (a unit used by consecutive ops appears once each),
+    less the ``resident`` ones, which are never copied in. For a step program pass each
+    :class:`StepOp`'s op once: its micro-batches share the copy."""
+    return [u for op in ops for u in op.units(tied) if u not in resident]
 
 
 class WeightWindow:
@@ -244,15 +297,17 @@ class WeightWindow:
         return not self._ahead and not self._window and not self._refs
 
 
-def weight_windows(ops: list[Op], tied: bool, depth: int, then: list[str] | None = None) -> list[frozenset[str]]:
-    """Per op, the units whose weights are on the device while it runs: its own and the next
-    ``depth`` uses of the schedule, which continues into ``then`` (the uses after these ops,
-    e.g. the next micro-batch's; None: the schedule ends with the ops)."""
-    window = WeightWindow(weight_schedule(ops, tied) + list(then or ()), depth)
+def weight_windows(ops: list[Op], tied: bool, depth: int, then: list[str] | None = None,
+                   resident: frozenset[str] = frozenset()) -> list[frozenset[str]]:
+    """Per op, the streamed units whose weights are on the device while it runs: its own and the
+    next ``depth`` uses of the schedule, which continues into ``then`` (the uses after these ops,
+    e.g. the next micro-batch's; None: the schedule ends with the ops). ``resident`` units are
+    not in it (they are always on the device)."""
+    window = WeightWindow(weight_schedule(ops, tied, resident) + list(then or ()), depth)
     window.fill()
     out = []
     for op in ops:
-        units = op.units(tied)
+        units = [u for u in op.units(tied) if u not in resident]
         for u in units:
             window.acquire(u)
         out.append(window.resident())
