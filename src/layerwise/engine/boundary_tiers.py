@@ -1,8 +1,8 @@
 """Boundary activations by tier: kept on the device, offloaded to pinned host memory or NVMe
 and fetched back into fetch slots ahead of use, or dropped (recomputed).
 
-Boundaries are keyed by (micro-batch, layer): in layer-major order every micro-batch of a group
-holds its own at once. NVMe boundaries pass through two page-aligned pinned staging buffers and are written and read
+Boundaries are keyed by the caller (the executor: (micro-batch, layer), since in layer-major
+order every micro-batch of a group holds its own at once). NVMe boundaries pass through two page-aligned pinned staging buffers and are written and read
 with ``O_DIRECT`` (``util/direct_io.py``), so they hold no host RAM in the page cache while they
 are on disk; a filesystem that refuses ``O_DIRECT`` gets a buffered write, ``fdatasync`` and
 ``POSIX_FADV_DONTNEED``. A spill directory on tmpfs/ramfs is RAM whatever is done: it is logged.
@@ -16,6 +16,7 @@ import os
 import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +29,13 @@ from .slots import HostRing, OffloadWindow, Slot
 
 log = logging.getLogger(__name__)
 
-Key = tuple[int, int]
-"""(micro-batch of the step, boundary index)."""
+Key = Hashable
+"""What the caller keys a boundary by (the executor: (micro-batch of the step, boundary))."""
+
+
+def _file_name(key: Key) -> str:
+    parts = key if isinstance(key, tuple) else (key,)
+    return "boundary-" + "-".join(str(p) for p in parts) + ".bin"
 
 
 @dataclass
@@ -49,7 +55,7 @@ class _Offloaded:
 class BoundaryTiers:
     """Boundary activations by tier: ``device``, ``host``, ``nvme`` or dropped (``recompute``).
 
-    ``on_device`` ((micro-batch, boundary) -> tensor) is touched only by compute closures.
+    ``on_device`` (key -> tensor) is touched only by compute closures.
     """
 
     def __init__(self, backend: DeviceBackend, spill_dir: str | Path | None = None,
@@ -63,10 +69,8 @@ class BoundaryTiers:
         self._block = 0  # O_DIRECT lengths are rounded up to this (the spill filesystem's block)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="nvme-io",
                                       initializer=backend.bind_thread)  # it syncs device events
-        self._host_bufs: dict[Key, torch.Tensor] = {}
-        """(micro-batch's place in its group, boundary) -> host buffer (host tier), kept across
-        steps: a group's boundaries are all fetched before the next group stores its own."""
-        self._per_load = 1
+        self._host_bufs: dict[Hashable, torch.Tensor] = {}
+        """Place (``store``'s) -> host buffer (host tier), kept across steps."""
         self._staging: HostRing | None = None  # NVMe writes and reads pass through these
         self._staging_numel = 0
         self.slots: list[Slot] = []
@@ -94,7 +98,6 @@ class BoundaryTiers:
                 per_load: int = 1) -> None:
         """Allocate fetch slots (``plan.memory.fetch_slot_count``) and NVMe staging for
         boundaries of ``numel`` elements, once; ``per_load``: micro-batches of a group."""
-        self._per_load = per_load
         count = fetch_slot_count(num_offloaded, per_load)
         if count and (len(self.slots) != count or self.slots[0].buffer.numel() < numel):
             self.slots = [Slot(self.backend.alloc(numel, dtype)) for _ in range(count)]
@@ -109,8 +112,12 @@ class BoundaryTiers:
 
     # ----- forward: store -----------------------------------------------------------------
 
-    def store(self, i: Key, h: Ref, shape: tuple[int, ...], tier: str) -> None:
-        """Keep boundary ``i`` (``h`` is filled by the compute queued just before) per its tier."""
+    def store(self, i: Key, h: Ref, shape: tuple[int, ...], tier: str,
+              place: Hashable | None = None) -> None:
+        """Keep boundary ``i`` (``h`` is filled by the compute queued just before) per its tier.
+        ``place``: which host buffer a host-tier boundary reuses (default ``i``): one whose
+        previous boundary has been fetched (the executor: the micro-batch's place in its group,
+        since a group's boundaries are all fetched before the next group stores its own)."""
         if tier == "recompute":
             return
         if tier == "device":
@@ -120,7 +127,7 @@ class BoundaryTiers:
         after = [self.backend.record()]
         src = HeldRef(h)  # let go once compute waits for the copy (OffloadWindow), not before
         if tier == "host":
-            place = (i[0] % self._per_load, i[1])
+            place = i if place is None else place
             buf = self._host_bufs.get(place)
             if buf is None or buf.numel() < numel:
                 buf = self._host_bufs[place] = self.backend.host_alloc(numel, self._dtype)
@@ -130,7 +137,7 @@ class BoundaryTiers:
             ring = self._staging.take()
             dst = self._staging.view(ring, numel, self._dtype)
             ev = self.backend.copy_d2h(dst, src, after=after)
-            path = self._dir() / f"boundary-{i[0]}-{i[1]}.bin"
+            path = self._dir() / _file_name(i)
             nbytes = numel * dst.element_size()
             self._entries[i] = _Offloaded("nvme", shape, self._io.submit(self._write, ev, ring, nbytes, path))
             self.nvme_bytes_written += nbytes

@@ -34,7 +34,7 @@ from ..optim.clip import clip_or_skip, global_norm
 from ..plan.shape import ModelShape
 from ..plan.memory import CUDA_WORKSPACE_BYTES, MemoryEstimate, predict_peak_device_bytes
 from ..plan.plan import Plan
-from ..plan.program import plan_step_program, resident_units, weight_schedule
+from ..plan.program import micro_batch_program, plan_step_program, resident_units, weight_schedule
 from ..store import HostStore
 from .batch import IGNORE_INDEX, Batch
 from .boundary_tiers import BoundaryTiers
@@ -129,6 +129,8 @@ class StreamingEngine:
         warning = pageable_copy_warning(self.device, store)
         if warning:
             warnings.warn(warning, RuntimeWarning, stacklevel=2)
+        self.program = micro_batch_program(plan.boundary_tiers, plan.internal_tiers)
+        """The ops of one micro-batch (a step runs each for every micro-batch of its group)."""
         self.resident = resident_units(plan.resident_layers)
         plan_shape = getattr(adapter, "plan_shape", None)  # a LoRA run's knows its frozen base
         self.shape = plan_shape() if plan_shape is not None else ModelShape.from_config(adapter.config)
@@ -150,7 +152,7 @@ class StreamingEngine:
                              device_reduce=self.reducer if self.reducer.on_device else None,
                              per_load=plan.micro_batches_per_load)
         self.acts = BoundaryTiers(self.backend, self.config.spill_dir)
-        self.internals = KeptInternals(self.backend, plan.micro_batches_per_load)
+        self.internals = KeptInternals(self.backend)
         self.handlers = OpHandlers(adapter, store, plan, self.backend, self.compute_dtype,
                                    self.streamer, self.sink, self.acts, self.internals)
         self.steps_skipped = 0

@@ -151,7 +151,12 @@ class OpHandlers:
         """Boundary i (the layer's input, as compute will have it) kept per its tier."""
         h = Ref()
         self.backend.launch(lambda: setattr(h, "value", mb.h))
-        self.acts.store(mb.key(i), h, mb.shape, self.plan.boundary_tiers[i])
+        self.acts.store(mb.key(i), h, mb.shape, self.plan.boundary_tiers[i], self._place(mb, i))
+
+    def _place(self, mb: MicroBatch, i: int) -> tuple[int, int]:
+        """Which host buffers boundary (or layer) ``i`` of ``mb`` reuses: the micro-batch's
+        place in its group (a group's are all fetched before the next group stores its own)."""
+        return (mb.k % self.plan.micro_batches_per_load, i)
 
     def _layer_fwd(self, group: list[MicroBatch], i: int) -> None:
         def put(mb: MicroBatch, y: torch.Tensor) -> None:
@@ -165,7 +170,7 @@ class OpHandlers:
         w = self.streamer.acquire(unit)
         for mb in self._each(group):
             self._store_input(mb, i)
-            g = self.internals.begin(mb.key(i), self.plan.internal_tiers[i])
+            g = self.internals.begin(mb.key(i), self.plan.internal_tiers[i], self._place(mb, i))
 
             def run(mb: MicroBatch = mb, g=g) -> None:
                 leaves = self.store[unit].layout.leaves(w)

@@ -34,7 +34,8 @@ class WeightStreamer:
         """Blocks until a unit's host weights are final (its optimizer update is done)."""
         self.update_done = update_done
         self.resident = ResidentWeights(backend, store, sorted(resident), wait_update, update_done)
-        numel = max(b.copy_source.numel() for b in store if b.name not in resident)
+        kept = {id(store[u]) for u in resident}
+        numel = max(b.copy_source.numel() for b in store if id(b) not in kept)
         self.slots = [Slot(backend.alloc(numel, store.compute_dtype)) for _ in range(depth + 1)]
         self._window: WeightWindow | None = None
         self._ready: dict[str, Event] = {}  # unit -> its copy's event, while it holds a slot
