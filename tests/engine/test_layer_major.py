@@ -290,3 +290,121 @@ def test_lora_layer_major_and_resident_equal_the_streamed_lora_run(engine_device
     _, weights = run(Plan(MIXED, resident_layers=[1, 3]), 2)
     for u, w in ref_weights.items():
         assert torch.equal(weights[u], w), u
+
+
+ORDERING_PLAN = Plan(["host", "nvme", "recompute", "host"], prefetch_depth=2,
+                     internal_tiers=["recompute", "host", "recompute", "device"],
+                     micro_batches_per_load=2, resident_layers=[1, 2])
+
+
+@pytest.mark.parametrize("slow_lane", [None, "compute", "h2d", "d2h"])
+def test_layer_major_resident_ordering_under_lane_delays(slow_lane, monkeypatch, tmp_path):
+    """Layer-major groups (2 of 3 micro-batches), resident layers, every offload kind, on the
+    asynchronous backend: 12 seeded delay patterns (``None``), and each lane 20 ms behind the
+    others, give autograd's gradients (the refresh's own wait is guarded by
+    ``test_compute_waits_for_a_late_resident_refresh``)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from layerwise.engine import AsyncCpuBackend, executor
+
+    cfg = get_flavor("llama-debug-tied").build_config(num_hidden_layers=L)
+    model = build_hf_model(cfg, seed=0)
+    batches = [make_batch(cfg.vocab_size, seed=s) for s in range(3)]
+    ref_loss, ref_grads = reference(model, batches)
+    if slow_lane is not None:
+        monkeypatch.setattr(executor, "make_backend",
+                            lambda device, seed: AsyncCpuBackend(lane_delays_s={slow_lane: 0.02}))
+
+    def one(seed: int):
+        adapter = DecoderAdapter(cfg)
+        store = HostStore(adapter)
+        store.copy_from_model(model)
+        spill = tmp_path / f"seed{seed}"
+        spill.mkdir()
+        engine = StreamingEngine(adapter, store, ORDERING_PLAN, EngineConfig(
+            device="cpu-async", async_seed=seed, spill_dir=str(spill)))
+        try:
+            loss, _ = engine.compute_grads(batches)
+            assert loss == pytest.approx(ref_loss, rel=1e-5)
+            assert_grads_close(engine_grads(store), ref_grads)
+        except AssertionError as e:
+            return seed, str(e)[:200]
+        finally:
+            engine.close()
+        return None
+
+    seeds = range(12) if slow_lane is None else range(1)
+    with ThreadPoolExecutor(4) as pool:
+        failures = [f for f in pool.map(one, seeds) if f is not None]
+    assert not failures, failures[:3]
+
+
+def test_a_fetch_ahead_never_takes_the_slot_of_an_earlier_fetch(engine_device, monkeypatch,
+                                                                 tmp_path):
+    """Slow NVMe reads, host boundaries below them, a group of 2: while the NVMe boundaries of
+    the op being run are still being read, the host boundaries of the op after it could be
+    fetched at once, and the ``fetch_slot_count`` (3) slots would run out before the op's own
+    fetches. Mutation seen failing: ``_next`` prefetching without ``keep_free`` ("no free fetch
+    slot")."""
+    from layerwise.engine import boundary_tiers
+
+    read = boundary_tiers.BoundaryTiers._read
+
+    def slow_read(self, written, numel):
+        time.sleep(0.05)
+        return read(self, written, numel)
+
+    monkeypatch.setattr(boundary_tiers.BoundaryTiers, "_read", slow_read)
+    cfg = get_flavor("llama-debug").build_config(num_hidden_layers=L)
+    model = build_hf_model(cfg, seed=0)
+    batches = [make_batch(cfg.vocab_size, seed=s) for s in range(2)]
+    ref_loss, ref_grads = reference(model, batches)
+    adapter = DecoderAdapter(cfg)
+    store = HostStore(adapter)
+    store.copy_from_model(model)
+    plan = Plan(["host", "nvme", "host", "nvme"], micro_batches_per_load=2)
+    engine = StreamingEngine(adapter, store, plan,
+                             EngineConfig(device=engine_device, spill_dir=str(tmp_path)))
+    try:
+        loss, _ = engine.compute_grads(batches)
+    finally:
+        engine.close()
+    assert len(engine.acts.slots) == 3
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert_grads_close(engine_grads(store), ref_grads)
+
+
+class SlowResidentAdamW(HostAdamW):
+    """Updates ``layers.1`` (resident below) late: its refresh is issued at its own acquire."""
+
+    def step_unit(self, buf, lr, clip_coef):
+        if buf.name == "layers.1":
+            time.sleep(0.05)
+        super().step_unit(buf, lr, clip_coef)
+
+
+def test_compute_waits_for_a_late_resident_refresh(monkeypatch):
+    """A resident layer whose update finishes late is refreshed where the forward needs it,
+    behind a slow H2D lane: the forward still reads the new weights (the run equals the streamed
+    one, bit for bit). Mutation seen failing: ``ResidentWeights.acquire`` without its
+    ``backend.wait`` (compute reads the previous step's weights)."""
+    from layerwise.engine import AsyncCpuBackend, executor
+
+    monkeypatch.setattr(executor, "make_backend",
+                        lambda device, seed: AsyncCpuBackend(lane_delays_s={"h2d": 0.02}))
+    cfg = get_flavor("llama-debug").build_config(num_hidden_layers=L)
+    model = build_hf_model(cfg, seed=0)
+    data = [[make_batch(cfg.vocab_size, seed=s)] for s in range(3)]
+    out = []
+    for resident in ([], [1]):
+        adapter = DecoderAdapter(cfg)
+        store = HostStore(adapter)
+        store.copy_from_model(model)
+        opt = SlowResidentAdamW(AdamWConfig(lr=1e-2))
+        engine = StreamingEngine(adapter, store, Plan(["device"] * L, resident_layers=resident),
+                                 EngineConfig(device="cpu-async"),
+                                 optimizers={u.name: opt for u in adapter.units})
+        losses = [engine.train_step(b).loss for b in data]
+        engine.close()
+        out.append(losses)
+    assert out[0] == out[1]
