@@ -408,3 +408,23 @@ def test_compute_waits_for_a_late_resident_refresh(monkeypatch):
         engine.close()
         out.append(losses)
     assert out[0] == out[1]
+
+
+@pytest.mark.parametrize("flavor", ["qwen3-moe-debug", "gpt-oss-debug"])
+def test_layer_major_moe_aux_loss_equals_hf(flavor, engine_device):
+    """Micro-batches of different sizes and target counts in layer-major groups: each keeps its
+    own router record (its layer context), so the aux loss is HF's token-weighted mean as in
+    micro-batch-major order (``tests/models/test_families.py``)."""
+    import family_cases as fc
+
+    cfg, model, adapter = fc.hf_case(flavor)
+    micro = [fc.make_batch(cfg.vocab_size, batch=b, seq=10, seed=s)
+             for b, s in ((1, 3), (2, 4), (1, 5))]
+    micro[1].labels[1, :7] = -100
+    ref_loss, ref_grads = fc.hf_reference(model, cfg, micro)
+    n = adapter.num_layers
+    for plan in (Plan.every_k(n, 2, micro_batches_per_load=3),
+                 Plan(["host"] * n, micro_batches_per_load=2, resident_layers=[0])):
+        loss, grads, _ = fc.engine_run(adapter, model, plan, micro, engine_device)
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        fc.assert_grads_close(grads, ref_grads)
