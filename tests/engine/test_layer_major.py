@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from layerwise.engine import EngineConfig, StreamingEngine
-from layerwise.engine.batch import Batch
 from layerwise.models import DecoderAdapter, get_flavor
 from layerwise.models.init import build_hf_model
 from layerwise.optim.adamw import AdamWConfig, HostAdamW

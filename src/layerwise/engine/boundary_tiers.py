@@ -2,9 +2,9 @@
 and fetched back into fetch slots ahead of use, or dropped (recomputed).
 
 Boundaries are keyed by the caller (the executor: (micro-batch, layer), since in layer-major
-order every micro-batch of a group holds its own at once). NVMe boundaries pass through two page-aligned pinned staging buffers and are written and read
-with ``O_DIRECT`` (``util/direct_io.py``), so they hold no host RAM in the page cache while they
-are on disk; a filesystem that refuses ``O_DIRECT`` gets a buffered write, ``fdatasync`` and
+order every micro-batch of a group holds its own at once). NVMe boundaries pass through two
+page-aligned pinned staging buffers and are written and read with ``O_DIRECT``
+(``util/direct_io.py``), so they hold no host RAM in the page cache while they are on disk; a filesystem that refuses ``O_DIRECT`` gets a buffered write, ``fdatasync`` and
 ``POSIX_FADV_DONTNEED``. A spill directory on tmpfs/ramfs is RAM whatever is done: it is logged.
 """
 
