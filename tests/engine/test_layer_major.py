@@ -427,3 +427,37 @@ def test_layer_major_moe_aux_loss_equals_hf(flavor, engine_device):
         loss, grads, _ = fc.engine_run(adapter, model, plan, micro, engine_device)
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         fc.assert_grads_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("per_load, grad_dtype", [(2, torch.bfloat16), (1, torch.float32)])
+def test_trainer_keeps_bf16_gradients_when_they_land_once(per_load, grad_dtype, tmp_path):
+    """``train/loop.py``: bf16 compute, 2 micro-batches a step on one process: the store's layer
+    gradients are bf16 when the plan lands them once (one group of 2), fp32 when they are summed
+    on the host; a step trains either way. Mutation seen failing: the loop keeping bf16
+    gradients for one micro-batch per step only (``num_micro_batches == 1``)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
+    from dist_child import BASE
+
+    from layerwise import config
+    from layerwise.train.loop import Trainer, TrainConfig
+
+    layers = get_flavor(BASE["model"]).build_config().num_hidden_layers
+    plan_path = tmp_path / "plan.json"
+    Plan.every_k(layers, 2, micro_batch_size=1, num_micro_batches=2, seq_len=BASE["seq_len"],
+                 micro_batches_per_load=per_load).save(plan_path)
+    cfg = config.apply_overrides(TrainConfig(**BASE), [
+        f"out_dir={tmp_path / 'out'}", "steps=1", f"plan={plan_path}", "micro_batch_size=1",
+        "model.compute_dtype=bfloat16", "device=cpu-async", "ckpt.every=0", "ckpt.at_end=false",
+        "export=false"])
+    trainer = Trainer(cfg)
+    try:
+        trainer.setup()
+        assert trainer.store["layers.0"].grad.dtype == grad_dtype
+        assert trainer.store["head"].grad.dtype == torch.float32
+        trainer.fit()
+    finally:
+        trainer.close()
+    assert (tmp_path / "out" / "metrics.jsonl").read_text().count('"step": 1') == 1
