@@ -2,7 +2,8 @@
 
 One optimizer step = the step program (``layerwise.plan.plan_step_program``: each op run for the
 micro-batches of its group on one load of its weights; one micro-batch per group is
-micro-batch-major order), then the host optimizer. Weights stream in ahead of use, gradients stream out as each layer's backward
+micro-batch-major order), then the host optimizer. Weights stream in ahead of use (resident
+layers stay on the device, ``resident.py``), gradients stream out as each layer's backward
 finishes, activations live where the plan says. The optimizer updates run on host worker
 threads after the backward and overlap the next step's forward: a step ends when its last
 gradient has landed on the host (no drain of the device), and the next forward of unit ``u``
