@@ -93,6 +93,14 @@ def _moments_plan(path: Path, mbs: int, accum: int) -> Path:
     return path
 
 
+def _layer_major_plan(path: Path, accum: int) -> Path:
+    """Every micro-batch of the step through each op on one weight load, layer 1 resident."""
+    layers = get_flavor(BASE["model"]).build_config().num_hidden_layers
+    Plan.every_k(layers, 2, micro_batch_size=1, num_micro_batches=accum, seq_len=BASE["seq_len"],
+                 micro_batches_per_load=accum, resident_layers=[1]).save(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One 2-rank launch of trainings with 1 row per rank, plus the checkpoint hand-overs
@@ -107,6 +115,7 @@ def runs(tmp_path_factory):
     p8_1 = _moments_plan(tmp / "plan8_1.json", 1, 1)
     p8_ref = _moments_plan(tmp / "plan8_ref.json", 1, 2)
     untied = make_model_dir(tmp / "untied")
+    p_lm = _layer_major_plan(tmp / "plan_lm.json", 2)
     steps = f"steps={STEPS}"
     # 1 process saves at step 6; 2 ranks resume it to the end
     _run(tmp / "p1_to_r2", "steps=6", "micro_batch_size=1", "grad_accum=2", "ckpt_every=3",
@@ -135,6 +144,10 @@ def runs(tmp_path_factory):
                            "device=cpu-async", *common]},
             {"overrides": [f"out_dir={tmp / 'r2_8bit'}", steps, f"plan={p8_1}", f"model={untied}",
                            *common]},
+            # layer-major (gradients summed over the step on the device, reduced once) and a
+            # resident layer (refreshed after its owner publishes its update)
+            {"overrides": [f"out_dir={tmp / 'r2_accum_lm'}", steps, f"plan={p_lm}",
+                           "device=cpu-async", *common]},
             {"overrides": [f"out_dir={tmp / 'r2_to_p1'}", "steps=6", "ckpt_every=3",
                            "ckpt_policy=full", "export=false", *common]},
             {"overrides": [f"out_dir={tmp / 'p1_to_r2'}", steps, *common]},
@@ -167,13 +180,14 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["plain", "accum", "8bit", "plain_host", "accum_host",
-                                  "accum_async"])
+                                  "accum_async", "accum_lm"])
 def test_two_ranks_train_the_same_weights_as_one_process(runs, kind):
     """10 steps of 2 ranks x 1 row equal 1 process x 2 rows (fp32, max abs diff <= 1e-5), plain,
     with gradient accumulation (2 micro-batches) and with 8-bit moments on half the units (whose
     reference takes the 2 rows as 2 micro-batches: see ``runs``); and rank 0 logs the loss and
     gradient norm of the whole global batch. Gradients reduced on the device (the default: on the
-    synchronous backend, and ``accum_async`` on the asynchronous one) and on the host (``_host``).
+    synchronous backend, and ``accum_async`` on the asynchronous one) and on the host (``_host``);
+    ``accum_lm``: layer-major order (one reduction per unit a step) with a resident layer.
 
     Mutations seen failing: ``DistReducer.global_tokens`` returning the local count (each rank
     normalises by its own tokens: the logged loss and norm double; the weights, AdamW being
@@ -181,7 +195,8 @@ def test_two_ranks_train_the_same_weights_as_one_process(runs, kind):
     owner steps on its own rank's gradient: diff ~3e-2); ``update_done`` not waiting for the
     owner's counter (a rank streams weights its owner has not updated yet: diff ~1e-2);
     ``DistReducer.reduce_on_device`` reducing nothing (``plain``, ``accum``, ``8bit``,
-    ``accum_async``: each owner steps on its own rank's gradient)."""
+    ``accum_async``: each owner steps on its own rank's gradient); the engine's resident
+    refresh not marked stale after an update (``accum_lm``)."""
     ref, two = runs["ref"][kind.split("_")[0]], runs["tmp"] / f"r2_{kind}"
     diff = _max_diff(ref, two)
     assert diff <= 1e-5, diff

@@ -1,9 +1,10 @@
 """Boundary activations by tier: kept on the device, offloaded to pinned host memory or NVMe
 and fetched back into fetch slots ahead of use, or dropped (recomputed).
 
-NVMe boundaries pass through two page-aligned pinned staging buffers and are written and read
-with ``O_DIRECT`` (``util/direct_io.py``), so they hold no host RAM in the page cache while they
-are on disk; a filesystem that refuses ``O_DIRECT`` gets a buffered write, ``fdatasync`` and
+Boundaries are keyed by the caller (the executor: (micro-batch, layer), since in layer-major
+order every micro-batch of a group holds its own at once). NVMe boundaries pass through two
+page-aligned pinned staging buffers and are written and read with ``O_DIRECT``
+(``util/direct_io.py``), so they hold no host RAM in the page cache while they are on disk; a filesystem that refuses ``O_DIRECT`` gets a buffered write, ``fdatasync`` and
 ``POSIX_FADV_DONTNEED``. A spill directory on tmpfs/ramfs is RAM whatever is done: it is logged.
 """
 
@@ -15,17 +16,26 @@ import os
 import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..plan.memory import FETCH_SLOTS
+from ..plan.memory import fetch_slot_count
 from ..util import direct_io
 from .backend import DeviceBackend, Event, HeldRef, Ref
 from .slots import HostRing, OffloadWindow, Slot
 
 log = logging.getLogger(__name__)
+
+Key = Hashable
+"""What the caller keys a boundary by (the executor: (micro-batch of the step, boundary))."""
+
+
+def _file_name(key: Key) -> str:
+    parts = key if isinstance(key, tuple) else (key,)
+    return "boundary-" + "-".join(str(p) for p in parts) + ".bin"
 
 
 @dataclass
@@ -38,12 +48,14 @@ class _Offloaded:
     fetched: tuple[int, Event] | None = None
     """(fetch slot, H2D event) once the fetch is issued."""
     reading: Future | None = None
+    host: torch.Tensor | None = None
+    """Host tier: the buffer it was copied to."""
 
 
 class BoundaryTiers:
     """Boundary activations by tier: ``device``, ``host``, ``nvme`` or dropped (``recompute``).
 
-    ``on_device`` (boundary -> tensor) is touched only by compute closures.
+    ``on_device`` (key -> tensor) is touched only by compute closures.
     """
 
     def __init__(self, backend: DeviceBackend, spill_dir: str | Path | None = None,
@@ -57,13 +69,14 @@ class BoundaryTiers:
         self._block = 0  # O_DIRECT lengths are rounded up to this (the spill filesystem's block)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="nvme-io",
                                       initializer=backend.bind_thread)  # it syncs device events
-        self._host_bufs: dict[int, torch.Tensor] = {}  # boundary -> host buffer (host tier), kept
+        self._host_bufs: dict[Hashable, torch.Tensor] = {}
+        """Place (``store``'s) -> host buffer (host tier), kept across steps."""
         self._staging: HostRing | None = None  # NVMe writes and reads pass through these
         self._staging_numel = 0
         self.slots: list[Slot] = []
         self._free_slots: list[int] = []
-        self._entries: dict[int, _Offloaded] = {}
-        self.on_device: dict[int, torch.Tensor] = {}
+        self._entries: dict[Key, _Offloaded] = {}
+        self.on_device: dict[Key, torch.Tensor] = {}
         self.offloads = OffloadWindow(backend)
         """The D2H copies of stored boundaries, waited for by compute ``OFFLOAD_WINDOW_OPS`` ops
         later (``next_op``)."""
@@ -81,10 +94,12 @@ class BoundaryTiers:
                             direct_io.filesystem_type(self._spill_dir))
         return self._spill_dir
 
-    def prepare(self, numel: int, dtype: torch.dtype, num_offloaded: int, num_nvme: int) -> None:
-        """Allocate fetch slots (and NVMe staging) for boundaries of ``numel`` elements, once."""
-        if num_offloaded and (not self.slots or self.slots[0].buffer.numel() < numel):
-            count = min(FETCH_SLOTS, num_offloaded)
+    def prepare(self, numel: int, dtype: torch.dtype, num_offloaded: int, num_nvme: int,
+                per_load: int = 1) -> None:
+        """Allocate fetch slots (``plan.memory.fetch_slot_count``) and NVMe staging for
+        boundaries of ``numel`` elements, once; ``per_load``: micro-batches of a group."""
+        count = fetch_slot_count(num_offloaded, per_load)
+        if count and (len(self.slots) != count or self.slots[0].buffer.numel() < numel):
             self.slots = [Slot(self.backend.alloc(numel, dtype)) for _ in range(count)]
             self._free_slots = list(range(count))
             self._host_bufs.clear()
@@ -97,8 +112,12 @@ class BoundaryTiers:
 
     # ----- forward: store -----------------------------------------------------------------
 
-    def store(self, i: int, h: Ref, shape: tuple[int, ...], tier: str) -> None:
-        """Keep boundary ``i`` (``h`` is filled by the compute queued just before) per its tier."""
+    def store(self, i: Key, h: Ref, shape: tuple[int, ...], tier: str,
+              place: Hashable | None = None) -> None:
+        """Keep boundary ``i`` (``h`` is filled by the compute queued just before) per its tier.
+        ``place``: which host buffer a host-tier boundary reuses (default ``i``): one whose
+        previous boundary has been fetched (the executor: the micro-batch's place in its group,
+        since a group's boundaries are all fetched before the next group stores its own)."""
         if tier == "recompute":
             return
         if tier == "device":
@@ -108,16 +127,17 @@ class BoundaryTiers:
         after = [self.backend.record()]
         src = HeldRef(h)  # let go once compute waits for the copy (OffloadWindow), not before
         if tier == "host":
-            buf = self._host_bufs.get(i)
+            place = i if place is None else place
+            buf = self._host_bufs.get(place)
             if buf is None or buf.numel() < numel:
-                buf = self._host_bufs[i] = self.backend.host_alloc(numel, self._dtype)
+                buf = self._host_bufs[place] = self.backend.host_alloc(numel, self._dtype)
             ev = self.backend.copy_d2h(buf[:numel], src, after=after)
-            self._entries[i] = _Offloaded("host", shape, ev)
+            self._entries[i] = _Offloaded("host", shape, ev, host=buf)
         elif tier == "nvme":
             ring = self._staging.take()
             dst = self._staging.view(ring, numel, self._dtype)
             ev = self.backend.copy_d2h(dst, src, after=after)
-            path = self._dir() / f"boundary-{i}.bin"
+            path = self._dir() / _file_name(i)
             nbytes = numel * dst.element_size()
             self._entries[i] = _Offloaded("nvme", shape, self._io.submit(self._write, ev, ring, nbytes, path))
             self.nvme_bytes_written += nbytes
@@ -162,23 +182,29 @@ class BoundaryTiers:
 
     # ----- backward: fetch ------------------------------------------------------------------
 
-    def prefetch(self, i: int) -> None:
-        """Start bringing boundary ``i`` back early: the NVMe read, then the copy into a slot."""
+    def unfetched(self, i: Key) -> bool:
+        """Boundary ``i`` is offloaded and its fetch not issued yet (it will need a slot)."""
+        e = self._entries.get(i)
+        return e is not None and e.fetched is None
+
+    def prefetch(self, i: Key, keep_free: int = 0) -> None:
+        """Start bringing boundary ``i`` back early: the NVMe read, then the copy into a slot,
+        leaving ``keep_free`` slots for fetches due before it."""
         e = self._entries.get(i)
         if e is None or e.fetched is not None:
             return
         if e.tier == "nvme" and e.reading is None:
             e.reading = self._io.submit(self._read, e.stored, math.prod(e.shape))
-        if self._free_slots and (e.tier == "host" or e.reading.done()):
+        if len(self._free_slots) > keep_free and (e.tier == "host" or e.reading.done()):
             self._issue_fetch(i, e)
 
-    def _issue_fetch(self, i: int, e: _Offloaded) -> None:
+    def _issue_fetch(self, i: Key, e: _Offloaded) -> None:
         slot = self._free_slots.pop(0)
         numel = math.prod(e.shape)
         dst = self.slots[slot].buffer[:numel]
         if e.tier == "host":
             # the copy lane waits for the offload to land; the host does not
-            ev = self.backend.copy_h2d(dst, self._host_bufs[i][:numel],
+            ev = self.backend.copy_h2d(dst, e.host[:numel],
                                        after=[self.slots[slot].free_after, e.stored])
         else:
             ring, src = e.reading.result()  # the file read (host work) must be done first
@@ -191,7 +217,7 @@ class BoundaryTiers:
         ev.synchronize()
         self._staging.give_back(ring)
 
-    def fetch(self, i: int) -> None:
+    def fetch(self, i: Key) -> None:
         """Queue: boundary ``i`` is present on the device for the compute that follows."""
         e = self._entries.get(i)
         if e is None:
@@ -206,10 +232,10 @@ class BoundaryTiers:
         view = self.slots[slot].buffer[:math.prod(e.shape)].view(e.shape)
         self.backend.launch(lambda: self.on_device.__setitem__(i, view))
 
-    def put_recomputed(self, i: int, h: Ref) -> None:
+    def put_recomputed(self, i: Key, h: Ref) -> None:
         self.backend.launch(lambda: self.on_device.__setitem__(i, h.get()))
 
-    def drop(self, i: int) -> None:
+    def drop(self, i: Key) -> None:
         """Queue: boundary ``i``'s last reader has been queued."""
         self.backend.launch(lambda: self.on_device.pop(i, None))
         e = self._entries.pop(i, None)

@@ -1,7 +1,9 @@
 """StreamingEngine: layer-by-layer training with all state in host memory.
 
-One optimizer step = the step program (``layerwise.plan.program``) run for every micro-batch, then the
-host optimizer. Weights stream in ahead of use, gradients stream out as each layer's backward
+One optimizer step = the step program (``layerwise.plan.plan_step_program``: each op run for the
+micro-batches of its group on one load of its weights; one micro-batch per group is
+micro-batch-major order), then the host optimizer. Weights stream in ahead of use (resident
+layers stay on the device, ``resident.py``), gradients stream out as each layer's backward
 finishes, activations live where the plan says. The optimizer updates run on host worker
 threads after the backward and overlap the next step's forward: a step ends when its last
 gradient has landed on the host (no drain of the device), and the next forward of unit ``u``
@@ -33,7 +35,7 @@ from ..optim.clip import clip_or_skip, global_norm
 from ..plan.shape import ModelShape
 from ..plan.memory import CUDA_WORKSPACE_BYTES, MemoryEstimate, predict_peak_device_bytes
 from ..plan.plan import Plan
-from ..plan.program import micro_batch_program, weight_schedule
+from ..plan.program import micro_batch_program, plan_step_program, resident_units, weight_schedule
 from ..store import HostStore
 from .batch import IGNORE_INDEX, Batch
 from .boundary_tiers import BoundaryTiers
@@ -129,6 +131,8 @@ class StreamingEngine:
         if warning:
             warnings.warn(warning, RuntimeWarning, stacklevel=2)
         self.program = micro_batch_program(plan.boundary_tiers, plan.internal_tiers)
+        """The ops of one micro-batch (a step runs each for every micro-batch of its group)."""
+        self.resident = resident_units(plan.resident_layers)
         plan_shape = getattr(adapter, "plan_shape", None)  # a LoRA run's knows its frozen base
         self.shape = plan_shape() if plan_shape is not None else ModelShape.from_config(adapter.config)
         self.optimizers = optimizers or self._default_optimizers()
@@ -142,11 +146,12 @@ class StreamingEngine:
         self.updates = HostUpdates(store, self.optimizers, self.reducer, self.config.optimizer_threads,
                                    initializer=self._thread_init)
         self.streamer = WeightStreamer(self.backend, store, plan.prefetch_depth, self.updates.wait,
-                                       self.updates.done)
+                                       self.updates.done, self.resident)
         landing = self.config.landing_threads or threads.landing
         self.sink = GradSink(self.backend, store, on_final=self.reducer.unit_landed,
                              landing_threads=landing, thread_init=self._thread_init,
-                             device_reduce=self.reducer if self.reducer.on_device else None)
+                             device_reduce=self.reducer if self.reducer.on_device else None,
+                             per_load=plan.micro_batches_per_load)
         self.acts = BoundaryTiers(self.backend, self.config.spill_dir)
         self.internals = KeptInternals(self.backend)
         self.handlers = OpHandlers(adapter, store, plan, self.backend, self.compute_dtype,
@@ -232,10 +237,13 @@ class StreamingEngine:
         """
         if not micro_batches:
             raise ValueError("a step needs at least one micro-batch")
-        if len(micro_batches) > 1 and any(b.grad.dtype != torch.float32 for b in self.store):
-            raise ValueError(f"{len(micro_batches)} micro-batches in a step, but the store keeps "
-                             "bf16 gradients (one micro-batch per step: nothing to sum); build "
-                             "the HostStore with grad_dtype=torch.float32 to accumulate")
+        n = len(micro_batches)
+        if not self.plan.lands_once(n) and any(b.grad.dtype != torch.float32 for b in self.store):
+            raise ValueError(f"{n} micro-batches in a step in groups of "
+                             f"{self.plan.micro_batches_per_load}, but the store keeps bf16 "
+                             "gradients (they land once a step: nothing is summed on the host); "
+                             "build the HostStore with grad_dtype=torch.float32 to accumulate, "
+                             f"or use a plan with micro_batches_per_load >= {n}")
         for mb in micro_batches:
             self.check_batch(mb)
         total = self.reducer.global_tokens(sum(mb.num_target_tokens for mb in micro_batches))
@@ -243,14 +251,12 @@ class StreamingEngine:
         if total == 0:
             raise ValueError("the step's batches have no target tokens (all labels are ignored)")
         self.check(*micro_batches[0].input_ids.shape)
-        schedule = weight_schedule(self.program, self.adapter.tied) * len(micro_batches)
-        self.streamer.begin(schedule)
+        steps = plan_step_program(self.plan, n)
+        self.streamer.begin(weight_schedule([s.op for s in steps], self.adapter.tied, self.resident))
         self.sink.begin_step()
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         try:
-            for k, mb in enumerate(micro_batches):
-                self.handlers.micro_batch(self.program, mb, loss, total,
-                                          final=k == len(micro_batches) - 1)
+            self.handlers.run_step(steps, micro_batches, loss, total)
             # The step ends when its last gradient has landed: that gradient's copy followed the
             # last compute of the step, and the lanes run in order, so nothing of the step is
             # still running that the host or the updates could race. No drain of the device.
@@ -295,6 +301,7 @@ class StreamingEngine:
         # gradient has landed on the host (sink.finish), so every copy has completed. Data
         # parallel: on every rank (the reduction needed every rank's gradient of the unit).
         self.updates.submit(lr, coef)
+        self.streamer.resident.mark_stale()  # each refreshed after its update, before its next use
         return StepStats(loss, norm, coef, tokens, False, time.perf_counter() - t0, unit_norms)
 
     # ----- inference (eval, export checks) ------------------------------------------------

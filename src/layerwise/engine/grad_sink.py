@@ -10,6 +10,12 @@ takes its squared norm, or reduces it across ranks), so the clip factor is known
 backward ends. One thread lands, in the order the gradients were sent: the reducer's
 ``unit_landed`` must come in the same order on every rank.
 
+In layer-major order (``per_load`` > 1) a unit's gradient is summed on the device over the
+micro-batches of its group, in fp32 (the grad slots are fp32: ``plan.memory.grad_slot_itemsize``),
+and sent once after the group's last micro-batch; on the synchronous path it is summed in an
+fp32 scratch and landed once. A bf16 host gradient (the gradient lands once a step) takes that
+fp32 sum rounded to nearest.
+
 The first landing of a unit in a step *writes* its host gradient (``accumulate(first=True)``)
 instead of adding, so nothing zeroes gradients between steps: between steps ``store[u].grad``
 is spent (the optimizer may have clobbered it) and no one reads it.
@@ -39,7 +45,7 @@ import torch
 
 from ..models.names import EMBED, HEAD
 from ..optim.grad_accum import accumulate
-from ..plan.memory import GRAD_SLOTS
+from ..plan.memory import GRAD_SLOTS, grad_slot_itemsize
 from ..store import HostStore
 from .backend import DeviceBackend, Event, Ref, Source, Work
 from .slots import HostRing, Slot
@@ -73,6 +79,8 @@ class GradTicket:
     device: torch.Tensor | None = None
     """The grad slot view compute writes (None on the synchronous path)."""
     slot: int = -1
+    scratch: torch.Tensor | None = None
+    """The synchronous path with a group of several micro-batches: the fp32 sum, landed once."""
 
 
 class _RefPiece(Ref):
@@ -107,14 +115,15 @@ class GradSink:
     def __init__(self, backend: DeviceBackend, store: HostStore,
                  on_final: Callable[[str], None], landing_threads: int = 1,
                  ring_buffers: int = HOST_GRAD_RING, thread_init: Callable[[], None] | None = None,
-                 device_reduce: DeviceReduce | None = None):
+                 device_reduce: DeviceReduce | None = None, per_load: int = 1):
         """``on_final(unit)``: called where a unit's step gradient is complete on the host (the
         landing thread, or inline): the step reducer's ``unit_landed``, which takes its norm or
         starts reducing it across ranks. ``landing_threads``: threads one landing is split
         over (the landing thread is one of them). ``thread_init``: run first on the landing
         thread (its device, its CPU mask, inherited by the threads it starts).
         ``device_reduce``: data parallel, gradients reduced on the device before they leave
-        (None: every rank lands its own)."""
+        (None: every rank lands its own). ``per_load``: micro-batches whose gradients a grad
+        slot sums (the plan's ``micro_batches_per_load``)."""
         self.backend = backend
         self.on_final = on_final
         self.store = store
@@ -131,10 +140,14 @@ class GradSink:
         self.ring_waits: deque[tuple[float, float]] = deque(maxlen=4096)
         """The latest such waits, ``(start, end)`` in ``perf_counter`` seconds (a benchmark
         intersects them with the device's idle time)."""
-        if self.inline:
-            return
-        dtype = store.compute_dtype
         numel = max(b.copy_source.numel() for b in store)
+        self._scratch: torch.Tensor | None = None
+        if self.inline:
+            if per_load > 1:  # the synchronous "device" is host memory: one sum at a time
+                self._scratch = torch.empty(numel, dtype=torch.float32)
+            return
+        elem = torch.empty((), dtype=store.compute_dtype).element_size()
+        dtype = torch.float32 if grad_slot_itemsize(elem, per_load) == 4 else store.compute_dtype
         self.slots = [Slot(backend.alloc(numel, dtype)) for _ in range(GRAD_SLOTS)]
         self._next_slot = 0
         self._ring = HostRing(backend, ring_buffers, ring_piece_bytes(store))
@@ -161,29 +174,39 @@ class GradSink:
         self._landed.add(unit)
         return first
 
-    def begin(self, unit: str) -> GradTicket:
-        """Reserve where the backward of ``unit`` writes its joined gradient."""
+    def begin(self, unit: str, micro_batches: int = 1) -> GradTicket:
+        """Reserve where the backward of ``unit`` writes its joined gradient, summed over
+        ``micro_batches`` deposits (a layer-major group's)."""
         numel = self.store[unit].layout.numel
         first = self._first(unit)
         if self.inline:
-            return GradTicket(unit, numel, first)
+            scratch = self._scratch[:numel] if micro_batches > 1 else None
+            return GradTicket(unit, numel, first, scratch=scratch)
         slot = self._next_slot
         self._next_slot = (slot + 1) % len(self.slots)
         self.backend.wait([self.slots[slot].free_after])  # its previous gradient has left
         return GradTicket(unit, numel, first, self.slots[slot].buffer[:numel], slot)
 
-    def deposit(self, ticket: GradTicket, parts: list[torch.Tensor]) -> None:
-        """Called on the compute lane with the gradient per parameter, in layout order."""
-        if ticket.device is None:  # synchronous: straight into the host gradient's slices
+    def deposit(self, ticket: GradTicket, parts: list[torch.Tensor], add: bool = False) -> None:
+        """Called on the compute lane with the gradient per parameter, in layout order;
+        ``add``: a later micro-batch of the group (summed into the earlier ones')."""
+        dst = ticket.device if ticket.device is not None else ticket.scratch
+        if dst is None:  # synchronous, one micro-batch: straight into the host gradient's slices
             host_grad = self.store[ticket.unit].grad
             for sl, part in zip(self.store[ticket.unit].layout.slices(), parts):
                 accumulate(host_grad[sl], part, ticket.first, self.landing_threads)
+        elif add:
+            for sl, part in zip(self.store[ticket.unit].layout.slices(), parts):
+                dst[sl].add_(part.reshape(-1))
         else:
-            torch.cat([p.reshape(-1) for p in parts], out=ticket.device)
+            torch.cat([p.reshape(-1) for p in parts], out=dst)
 
     def end(self, ticket: GradTicket, final: bool) -> None:
         """The deposit is queued: send the gradient to the host and add it up there."""
         if ticket.device is None:
+            if ticket.scratch is not None:
+                accumulate(self.store[ticket.unit].grad, ticket.scratch, ticket.first,
+                           self.landing_threads)
             if final:
                 self.on_final(ticket.unit)
             return

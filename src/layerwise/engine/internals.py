@@ -4,9 +4,11 @@ For a layer whose plan keeps its internals, the forward runs with a graph under
 ``torch.autograd.graph.saved_tensors_hooks``; the backward then backpropagates through that graph
 instead of re-running the forward. What each saved tensor becomes:
 
-- a view of the streamed weight slot: a *marker* (its dtype and place in the slot), never the tensor. The
-  slot holds other layers' weights by the backward; unpacking views the same place in the
-  backward's own re-streamed copy of the layer's weights;
+- a view of the layer's weights (a streamed weight slot, or a resident layer's own buffer,
+  recognised by its storage's data pointer): a *marker* (its dtype and place in the storage),
+  never the tensor. A slot holds other layers' weights by the backward; unpacking views the
+  same place in the backward's own copy of the layer's weights (for a resident layer, the same
+  buffer);
 - a tensor every layer shares (rotary cos/sin, masks): the tensor itself (it lives all step);
 - a tensor not on the device (FlashAttention's 0-d CPU seed and offset): the tensor itself. It
   is host memory already, and a fetch would hand the backward a device tensor where the
@@ -23,6 +25,7 @@ saved tensors (the bytes ``layerwise.plan.memory.layer_workspace_bytes`` counts)
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -52,11 +55,15 @@ class _Stored:
 class LayerGraph:
     """The kept forward of one layer: its graph's ends and how to unpack its saved tensors."""
 
-    index: int
+    key: Hashable
+    """The caller's (the executor's: (micro-batch of the step, layer))."""
     tier: str
     weight_ptr: int = 0
-    """Data pointer of the forward's weight slot storage (what a weight view is recognised by)."""
+    """Data pointer of the storage of the forward's weights (a slot, or a resident buffer):
+    what a weight view is recognised by."""
     shared_ptrs: frozenset[int] = frozenset()
+    place: Hashable = None
+    """Which host buffers the host tier reuses (default: ``key``)."""
     stored: dict[int, _Stored] = field(default_factory=dict)
     """Host tier: storage data pointer -> its host copy."""
     output: torch.autograd.graph.GradientEdge | None = None
@@ -75,25 +82,28 @@ class LayerGraph:
 
 
 class KeptInternals:
-    """Per-layer kept graphs of one micro-batch; touched by the compute closures and, for the
-    host tier's fetches, by the host thread (after the forward's closure has run)."""
+    """Kept graphs by the caller's key (the executor's: (micro-batch, layer)); touched by the
+    compute closures and, for the host tier's fetches, by the host thread (after the forward's
+    closure has run)."""
 
     def __init__(self, backend: DeviceBackend):
         self.backend = backend
-        self.layers: dict[int, LayerGraph] = {}
-        self._host_bufs: dict[tuple[int, int], torch.Tensor] = {}
-        """(layer, k) -> host buffer of the layer's k-th offloaded storage, reused every step (the
-        shapes repeat); rewritten only after the compute that read its last fetch (the D2H copy
-        waits for a later compute position)."""
+        self.layers: dict[Hashable, LayerGraph] = {}
+        self._host_bufs: dict[tuple[Hashable, int], torch.Tensor] = {}
+        """(place, k) -> host buffer of the k-th offloaded storage of the layer kept at that
+        place, reused every step (the shapes repeat); rewritten only after the compute that read
+        its last fetch (the D2H copy waits for a later compute position)."""
         self.offloads = OffloadWindow(backend)
         """Host tier: each forward's D2H copies, waited for by compute ``OFFLOAD_WINDOW_OPS`` ops
         later (``next_op``)."""
 
     # ----- forward (inside the compute closure) ---------------------------------------------
 
-    def begin(self, i: int, tier: str) -> LayerGraph:
-        """Host side, before the forward is queued."""
-        g = self.layers[i] = LayerGraph(i, tier)
+    def begin(self, i: Hashable, tier: str, place: Hashable = None) -> LayerGraph:
+        """Host side, before the forward is queued. ``place``: which host buffers the host tier
+        reuses (default ``i``; the executor: the micro-batch's place in its group and the
+        layer, since a group's internals are all fetched before the next group keeps its own)."""
+        g = self.layers[i] = LayerGraph(i, tier, place=i if place is None else place)
         if tier == "host":
             self.offloads.add(g.offloads, g.offloads)
         return g
@@ -126,7 +136,7 @@ class KeptInternals:
             return ("tensor", t.detach())
         if ptr not in g.stored:
             src = _storage_bytes(t)
-            key = (g.index, len(g.stored))
+            key = (g.place, len(g.stored))
             host = self._host_bufs.get(key)
             if host is None or host.numel() < src.numel():
                 host = self._host_bufs[key] = self.backend.host_alloc(src.numel(), torch.uint8)
@@ -160,7 +170,7 @@ class KeptInternals:
         reading the list of stored tensors (which that closure fills)."""
         g.forward_done = self.backend.record()
 
-    def fetch(self, i: int) -> None:
+    def fetch(self, i: Hashable) -> None:
         """Host side: queue the H2D copies of layer ``i``'s host-tier internals (once; not before
         its forward is queued)."""
         g = self.layers.get(i)
@@ -176,7 +186,7 @@ class KeptInternals:
             s.device = self.backend.alloc(s.host.numel(), torch.uint8)
             s.fetched = self.backend.copy_h2d(s.device, s.host, after=[now, s.stored])
 
-    def ready(self, i: int) -> LayerGraph:
+    def ready(self, i: Hashable) -> LayerGraph:
         """Host side, queueing layer ``i``'s backward: compute waits until its internals are on
         the device; hands over (and forgets) its graph, since the next micro-batch's forward of
         the same layer may be queued before this backward runs."""

@@ -38,9 +38,12 @@ class MeasuredPeak:
 
 
 def slot_storage_bytes(engine: StreamingEngine) -> int:
-    """Bytes of the device storages behind the engine's slots, read off the tensors themselves."""
+    """Bytes of the device storages behind the engine's slots and resident weight buffers, read
+    off the tensors themselves."""
     slots = list(engine.streamer.slots) + list(getattr(engine.sink, "slots", [])) + list(engine.acts.slots)
-    return sum(s.buffer.untyped_storage().nbytes() for s in slots)
+    resident = engine.streamer.resident.buffers.values()
+    return (sum(s.buffer.untyped_storage().nbytes() for s in slots)
+            + sum(b.untyped_storage().nbytes() for b in resident))
 
 
 def measure_step_peak(engine: StreamingEngine, batches: list[Batch]) -> MeasuredPeak:

@@ -1,16 +1,17 @@
 """The handlers of the step program's ops: what the host queues on the device for each op.
 
-:class:`OpHandlers` holds the ``{OpKind: method}`` dispatch table and runs one micro-batch's
-program through it (``micro_batch``), with the fetches a few ops ahead; each handler takes its
-unit's weights from the streamer, queues a compute closure on the backend's compute lane,
-releases the weights, and hands activations to their tier and gradients to the sink. The
-closures share one :class:`MicroBatch`; the host never reads it. ``forward_hidden`` is the
-forward alone (eval, export checks), through the same handlers.
+:class:`OpHandlers` holds the ``{OpKind: method}`` dispatch table and runs a step's program
+(``run_step``: :class:`~layerwise.plan.program.StepOp` by step op) through it, with the fetches a
+few step ops ahead. Each handler takes its op's weights from the streamer once, queues a compute
+closure for each micro-batch of the step op's group in turn, releases the weights, and hands
+activations to their tier and gradients to the sink (one send per step op: summed over the group
+on the device). Each micro-batch has its own :class:`MicroBatch`, which the closures share and
+the host never reads; its boundaries and internals are keyed by (micro-batch, layer).
+``forward_hidden`` is the forward alone (eval, export checks), through the same handlers.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 from ..models.adapter import DecoderAdapter, LayerContext
 from ..models.names import EMBED, HEAD, layer_unit
 from ..plan.plan import Plan
-from ..plan.program import FETCH_AHEAD, Op, OpKind, forward_program, weight_schedule
+from ..plan.program import (FETCH_AHEAD, OpKind, StepOp, forward_program, resident_units,
+                            weight_schedule)
 from ..store import HostStore
 from .backend import DeviceBackend, Ref
 from .batch import IGNORE_INDEX, Batch
@@ -45,30 +47,69 @@ class OpHandlers:
             OpKind.EMBED_BWD: self._embed_bwd, OpKind.LAYER_FWD_KEEP: self._layer_fwd_keep,
             OpKind.FETCH_INTERNALS: self._fetch_internals, OpKind.LAYER_BWD_KEPT: self._layer_bwd_kept,
         }
-        """The executor's dispatch table: op kind -> method queuing that op."""
+        """The executor's dispatch table: op kind -> method queuing that op for a group."""
+        self._step: StepOp | None = None
+        self._ahead: list[StepOp] = []
 
-    def micro_batch(self, program: list[Op], batch: Batch, loss: torch.Tensor, total_tokens: int,
-                    final: bool) -> None:
-        """Queue ``program`` (the step program of one micro-batch) for ``batch``; ``loss``
-        accumulates its share of the step's loss (divided by ``total_tokens``)."""
-        shape = tuple(batch.input_ids.shape) + (self.adapter.hidden_size,)
+    def run_step(self, steps: list[StepOp], batches: list[Batch], loss: torch.Tensor,
+                 total_tokens: int) -> None:
+        """Queue the step program ``steps`` for ``batches``; ``loss`` accumulates the step's
+        loss (each micro-batch's share divided by ``total_tokens``). A group's micro-batch
+        states are made at its first step op and let go after its last."""
         tiers = self.plan.boundary_tiers
-        self.acts.prepare(math.prod(shape), self.compute_dtype,
-                          sum(t in ("host", "nvme") for t in tiers), tiers.count("nvme"))
-        mb = MicroBatch(shape, loss, total_tokens, final, batch.num_target_tokens / total_tokens)
+        numel = max(b.input_ids.numel() for b in batches) * self.adapter.hidden_size
+        self.acts.prepare(numel, self.compute_dtype, sum(t in ("host", "nvme") for t in tiers),
+                          tiers.count("nvme"), self.plan.micro_batches_per_load)
+        states: dict[int, MicroBatch] = {}
+        last = len(batches) - 1
+        try:
+            for n, step in enumerate(steps):
+                if step.micro_batches[0] not in states:  # a group starts
+                    states = {k: self._begin(k, batches[k], loss, total_tokens,
+                                             last in step.micro_batches)
+                              for k in step.micro_batches}
+                self._step, self._ahead = step, steps[n + 1:n + 1 + FETCH_AHEAD]
+                self._next(0)
+                with torch.profiler.record_function(str(step.op)):  # a memory probe's attribution
+                    self.ops[step.op.kind]([states[k] for k in step.micro_batches], step.op.index)
+        finally:
+            self._step, self._ahead = None, []
+
+    def _begin(self, k: int, batch: Batch, loss: torch.Tensor, total_tokens: int,
+               final: bool) -> MicroBatch:
+        shape = tuple(batch.input_ids.shape) + (self.adapter.hidden_size,)
+        mb = MicroBatch(k, shape, loss, total_tokens, final, batch.num_target_tokens / total_tokens)
         self.backend.launch(lambda: self._start(mb, batch))
-        for n, op in enumerate(program):
-            # compute waits for the offloads of k ops back, and their memory goes before any
-            # fetch ahead takes more (plan.memory.OFFLOAD_WINDOW_OPS)
-            self.acts.offloads.next_op()
-            self.internals.offloads.next_op()
-            for ahead in program[n + 1:n + 1 + FETCH_AHEAD]:
-                if ahead.kind == OpKind.FETCH:
-                    self.acts.prefetch(ahead.index)  # NVMe reads and H2D fetches run ahead
-                elif ahead.kind == OpKind.FETCH_INTERNALS:
-                    self.internals.fetch(ahead.index)
-            with torch.profiler.record_function(str(op)):  # lets a memory probe attribute its peak
-                self.ops[op.kind](mb, op.index)
+        return mb
+
+    def _next(self, pos: int) -> None:
+        """Before the compute of the step op's micro-batch at ``pos`` of its group: compute waits
+        for the offloads of k computes back, and their memory goes before any fetch ahead takes
+        more (plan.memory.OFFLOAD_WINDOW_OPS); then the fetches of the next ``FETCH_AHEAD`` step
+        ops, for each micro-batch of their groups, in program order: a fetch takes a free slot
+        only beside one for every earlier fetch not issued yet, so none waits on a later one."""
+        self.acts.offloads.next_op()
+        self.internals.offloads.next_op()
+        step = self._step
+        reserve = 0
+        if step.op.kind == OpKind.FETCH:
+            reserve = sum(self.acts.unfetched((k, step.op.index)) for k in step.micro_batches[pos:])
+        for ahead in self._ahead:
+            for k in ahead.micro_batches:
+                key = (k, ahead.op.index)
+                if ahead.op.kind == OpKind.FETCH:
+                    self.acts.prefetch(key, keep_free=reserve)  # NVMe reads and H2D fetches run ahead
+                    reserve += self.acts.unfetched(key)
+                elif ahead.op.kind == OpKind.FETCH_INTERNALS:
+                    self.internals.fetch(key)
+
+    def _each(self, group: list[MicroBatch]):
+        """The group's micro-batches in turn, with the per-compute bookkeeping (``_next``) before
+        each but the first (the step loop did the first's)."""
+        for pos, mb in enumerate(group):
+            if pos:
+                self._next(pos)
+            yield mb
 
     def _start(self, mb: MicroBatch, batch: Batch) -> None:
         """Compute lane: the micro-batch's ids and labels on the device, and what every layer
@@ -85,169 +126,227 @@ class OpHandlers:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def _embed_fwd(self, mb: MicroBatch, _i: int, recompute: bool = False) -> None:
+    def _embed_fwd(self, group: list[MicroBatch], _i: int, recompute: bool = False) -> None:
         w = self.streamer.acquire(EMBED)
-        out = Ref()
+        for mb in self._each(group):
+            out = Ref()
 
-        def run() -> None:
-            with torch.no_grad():
-                h0 = self.adapter.embed(self.store[EMBED].layout.views(w), mb.ids)
+            def run(mb: MicroBatch = mb, out: Ref = out) -> None:
+                with torch.no_grad():
+                    h0 = self.adapter.embed(self.store[EMBED].layout.views(w), mb.ids)
+                if recompute:
+                    out.value = h0
+                else:
+                    mb.h = h0
+
+            self.backend.launch(run)
             if recompute:
-                out.value = h0
-            else:
-                mb.h = h0
-
-        self.backend.launch(run)
+                self.acts.put_recomputed(mb.key(0), out)
         self.streamer.release(EMBED)
-        if recompute:
-            self.acts.put_recomputed(0, out)
 
-    def _recompute_embed(self, mb: MicroBatch, i: int) -> None:
-        self._embed_fwd(mb, i, recompute=True)
+    def _recompute_embed(self, group: list[MicroBatch], i: int) -> None:
+        self._embed_fwd(group, i, recompute=True)
 
     def _store_input(self, mb: MicroBatch, i: int) -> None:
         """Boundary i (the layer's input, as compute will have it) kept per its tier."""
         h = Ref()
         self.backend.launch(lambda: setattr(h, "value", mb.h))
-        self.acts.store(i, h, mb.shape, self.plan.boundary_tiers[i])
+        self.acts.store(mb.key(i), h, mb.shape, self.plan.boundary_tiers[i], self._place(mb, i))
 
-    def _layer_fwd(self, mb: MicroBatch, i: int) -> None:
-        self._store_input(mb, i)
-        self._layer_no_grad(mb, i, lambda: mb.h, lambda y: setattr(mb, "h", y))
+    def _place(self, mb: MicroBatch, i: int) -> tuple[int, int]:
+        """Which host buffers boundary (or layer) ``i`` of ``mb`` reuses: the micro-batch's
+        place in its group (a group's are all fetched before the next group stores its own)."""
+        return (mb.k % self.plan.micro_batches_per_load, i)
 
-    def _layer_fwd_keep(self, mb: MicroBatch, i: int) -> None:
+    def _layer_fwd(self, group: list[MicroBatch], i: int) -> None:
+        def put(mb: MicroBatch, y: torch.Tensor) -> None:
+            mb.h = y
+
+        self._layer_no_grad(group, i, lambda mb: mb.h, put, store_input=True)
+
+    def _layer_fwd_keep(self, group: list[MicroBatch], i: int) -> None:
         """The forward with a graph whose saved tensors are kept (``engine/internals.py``)."""
-        self._store_input(mb, i)
         unit = layer_unit(i)
         w = self.streamer.acquire(unit)
-        g = self.internals.begin(i, self.plan.internal_tiers[i])
+        for mb in self._each(group):
+            self._store_input(mb, i)
+            g = self.internals.begin(mb.key(i), self.plan.internal_tiers[i], self._place(mb, i))
 
-        def run() -> None:
-            leaves = self.store[unit].layout.leaves(w)
-            mb.h = self.internals.forward(
-                g, lambda x: self.adapter.layer(i, leaves, x, mb.ctx), mb.h, w, leaves,
-                mb.ctx.shared_tensors())
+            def run(mb: MicroBatch = mb, g=g) -> None:
+                leaves = self.store[unit].layout.leaves(w)
+                mb.h = self.internals.forward(
+                    g, lambda x: self.adapter.layer(i, leaves, x, mb.ctx), mb.h, w, leaves,
+                    mb.ctx.shared_tensors())
 
-        self.backend.launch(run)
-        self.internals.forward_queued(g)
+            self.backend.launch(run)
+            self.internals.forward_queued(g)
         self.streamer.release(unit)
 
-    def _recompute_layer(self, mb: MicroBatch, i: int) -> None:
-        out = Ref()
-        self._layer_no_grad(mb, i, lambda: self.acts.on_device[i], lambda y: setattr(out, "value", y))
-        self.acts.put_recomputed(i + 1, out)
+    def _recompute_layer(self, group: list[MicroBatch], i: int) -> None:
+        outs: dict[int, Ref] = {}
 
-    def _layer_no_grad(self, mb: MicroBatch, i: int, get_input, put_output) -> None:
+        def put(mb: MicroBatch, y: torch.Tensor) -> None:
+            outs[mb.k].value = y
+
+        def each(mb: MicroBatch) -> None:
+            outs[mb.k] = Ref()
+
+        def after(mb: MicroBatch) -> None:
+            self.acts.put_recomputed(mb.key(i + 1), outs[mb.k])
+
+        self._layer_no_grad(group, i, lambda mb: self.acts.on_device[mb.key(i)], put,
+                            before=each, after=after)
+
+    def _layer_no_grad(self, group: list[MicroBatch], i: int, get_input, put_output,
+                       store_input: bool = False, before=None, after=None) -> None:
         unit = layer_unit(i)
         w = self.streamer.acquire(unit)
+        for mb in self._each(group):
+            if store_input:
+                self._store_input(mb, i)
+            if before is not None:
+                before(mb)
 
-        def run() -> None:
-            with torch.no_grad():
-                put_output(self.adapter.layer(i, self.store[unit].layout.views(w), get_input(),
-                                              mb.ctx))
+            def run(mb: MicroBatch = mb) -> None:
+                with torch.no_grad():
+                    put_output(mb, self.adapter.layer(i, self.store[unit].layout.views(w),
+                                                      get_input(mb), mb.ctx))
 
-        self.backend.launch(run)
+            self.backend.launch(run)
+            if after is not None:
+                after(mb)
         self.streamer.release(unit)
 
-    def _fetch(self, mb: MicroBatch, i: int) -> None:
-        self.acts.fetch(i)
+    def _fetch(self, group: list[MicroBatch], i: int) -> None:
+        for mb in self._each(group):
+            self.acts.fetch(mb.key(i))
 
-    def _backward(self, mb: MicroBatch, unit: str, grads_of, prepare=None) -> None:
-        """Queue ``unit``'s backward: its weights in; on the compute lane ``grads_of(w, prepared)``
-        -> (gradient w.r.t. its input, which the next backward reads; its parameters' gradients
-        in layout order, which leave through the sink). ``prepare``: host-side work queued once
-        the weights and the grad slot are, its result handed to ``grads_of``."""
+    def _backward(self, group: list[MicroBatch], unit: str, grads_of, prepare=None,
+                  after=None) -> None:
+        """Queue ``unit``'s backward for each micro-batch of the group on one copy of its
+        weights: on the compute lane ``grads_of(mb, w, prepared)`` -> (gradient w.r.t. its
+        input, which the next backward reads; its parameters' gradients in layout order, summed
+        into one grad slot over the group, which then leaves through the sink). ``prepare(mb)``:
+        host-side work queued once the weights and the grad slot are, its result handed to
+        ``grads_of``; ``after(mb)``: host-side, once the micro-batch's compute is queued."""
         w = self.streamer.acquire(unit)
-        ticket = self.sink.begin(unit)
-        prepared = prepare() if prepare is not None else None
+        ticket = self.sink.begin(unit, len(group))
+        for pos, mb in enumerate(self._each(group)):
+            prepared = prepare(mb) if prepare is not None else None
 
-        def run() -> None:
-            mb.grad_h, gw = grads_of(w, prepared)
-            self.sink.deposit(ticket, gw)
+            def run(mb: MicroBatch = mb, prepared=prepared, add: bool = pos > 0) -> None:
+                mb.grad_h, gw = grads_of(mb, w, prepared)
+                self.sink.deposit(ticket, gw, add)
 
-        self.backend.launch(run)
+            self.backend.launch(run)
+            if after is not None:
+                after(mb)
         self.streamer.release(unit)
-        self.sink.end(ticket, mb.final)
+        self.sink.end(ticket, group[-1].final)
 
-    def _layer_bwd(self, mb: MicroBatch, i: int) -> None:
+    def _layer_bwd(self, group: list[MicroBatch], i: int) -> None:
         layout = self.store[layer_unit(i)].layout
-        self._backward(mb, layer_unit(i), lambda w, _: layer_backward(
-            self.adapter, i, layout, w, self.acts.on_device[i], mb.grad_h, mb.ctx))
-        self.acts.drop(i)
+        self._backward(group, layer_unit(i), lambda mb, w, _: layer_backward(
+            self.adapter, i, layout, w, self.acts.on_device[mb.key(i)], mb.grad_h, mb.ctx),
+            after=lambda mb: self.acts.drop(mb.key(i)))
 
-    def _fetch_internals(self, mb: MicroBatch, i: int) -> None:
-        self.internals.fetch(i)
+    def _fetch_internals(self, group: list[MicroBatch], i: int) -> None:
+        for mb in self._each(group):
+            self.internals.fetch(mb.key(i))
 
-    def _layer_bwd_kept(self, mb: MicroBatch, i: int) -> None:
-        self._backward(mb, layer_unit(i), lambda w, g: self.internals.backward(g, w, mb.grad_h),
-                       prepare=lambda: self.internals.ready(i))
-        self.acts.drop(i)
+    def _layer_bwd_kept(self, group: list[MicroBatch], i: int) -> None:
+        self._backward(group, layer_unit(i),
+                       lambda mb, w, g: self.internals.backward(g, w, mb.grad_h),
+                       prepare=lambda mb: self.internals.ready(mb.key(i)),
+                       after=lambda mb: self.acts.drop(mb.key(i)))
 
-    def _embed_bwd(self, mb: MicroBatch, _i: int) -> None:
+    def _embed_bwd(self, group: list[MicroBatch], _i: int) -> None:
         """The embedding's gradient from the token ids and boundary 0's gradient: no weights
         (with tied embeddings the head streamed them for its own op). On an asynchronous
-        device it is written straight into the grad slot."""
+        device it is written straight into the grad slot; in layer-major order one dense
+        backward over the group's tokens, with the gradients of boundary 0 in fp32 (the slot's
+        dtype), sums the group's share."""
         if not self.store[EMBED].layout.numel:  # frozen (a LoRA run): no gradient to make
-            self.backend.launch(lambda: setattr(mb, "grad_h", None))
+            for mb in self._each(group):
+                self.backend.launch(lambda mb=mb: setattr(mb, "grad_h", None))
             return
         (weight,) = self.store[EMBED].layout.specs  # nn.Embedding: one parameter
         ticket = self.sink.begin(EMBED)
+        layer_major = self.plan.layer_major
 
         def run() -> None:
             out = None if ticket.device is None else ticket.device.view(weight.shape)
-            g = self.adapter.embed_weight_grad(mb.ids, mb.grad_h, out=out)
-            mb.grad_h = None
+            if layer_major:
+                ids = torch.cat([mb.ids.reshape(-1) for mb in group])
+                grad_h = torch.cat([mb.grad_h.reshape(-1, mb.grad_h.shape[-1]).float()
+                                    for mb in group])
+            else:
+                ids, grad_h = group[0].ids, group[0].grad_h
+            for mb in group:
+                mb.grad_h = None
+            g = self.adapter.embed_weight_grad(ids, grad_h, out=out)
             if out is None:
                 self.sink.deposit(ticket, [g])
 
         self.backend.launch(run)
-        self.sink.end(ticket, mb.final)
+        self.sink.end(ticket, group[-1].final)
 
-    def _head(self, mb: MicroBatch, _i: int) -> None:
+    def _head(self, group: list[MicroBatch], _i: int) -> None:
         """Final norm + lm_head + loss in chunks of ``head_chunk_tokens``; the weight gradients
-        are summed over chunks in fp32 (in the compute dtype they would lose bits every chunk)."""
+        are summed over chunks, and over the group's micro-batches, into one fp32 accumulator
+        (in the compute dtype they would lose bits every chunk)."""
         ad, st = self.adapter, self.store
         units = (EMBED, HEAD) if ad.tied else (HEAD,)
         ws = {u: self.streamer.acquire(u) for u in units}
         grads = {u: Ref() for u in units}
-
-        def run() -> None:
-            leaves = {u: st[u].layout.leaves(ws[u]) for u in units}
-            accs = {u: torch.zeros(st[u].layout.numel, dtype=torch.float32, device=self.device)
-                    for u in units}
-            acc_views = [v for u in units for v in st[u].layout.views(accs[u]).values()]
-            wrt = [t for u in units for t in trained(leaves[u])]
-            embed_weight = leaves[EMBED]["weight"] if ad.tied else None
-            h2 = mb.h.reshape(-1, mb.h.shape[-1])
-            lab = mb.labels.reshape(-1)
-            grad_h2 = torch.empty_like(h2)
-            chunk = self.plan.head_chunk_tokens
-            for start in range(0, h2.shape[0], chunk):
-                hc = h2[start:start + chunk].detach().requires_grad_()
-                logits = ad.head_logits(leaves[HEAD], embed_weight, hc)
-                loss = F.cross_entropy(logits.float(), lab[start:start + chunk],
-                                       ignore_index=IGNORE_INDEX, reduction="sum") / mb.total_tokens
-                g = torch.autograd.grad(loss, [hc, *wrt])
-                grad_h2[start:start + chunk] = g[0]
-                for acc, gi in zip(acc_views, g[1:]):
-                    acc += gi
-                mb.loss += loss.detach()
-                del g, logits, loss  # free this chunk's grads and logits before the next chunk
-            aux = ad.router_aux_loss(mb.ctx, mb.aux_weight)  # MoE: its gradient waits for the layers
-            if aux is not None:
-                mb.loss += aux
-            mb.grad_h = grad_h2.view_as(mb.h)
-            mb.h = None
-            for u in units:
-                grads[u].value = accs[u]
-
-        self.backend.launch(run)
+        accs: dict[str, torch.Tensor] = {}
+        for pos, mb in enumerate(self._each(group)):
+            last = pos == len(group) - 1
+            self.backend.launch(lambda mb=mb, last=last: self._head_run(mb, units, ws, accs,
+                                                                        grads if last else None))
         for u in units:
             self.streamer.release(u)
+        final = group[-1].final
         if st[HEAD].layout.numel:  # (none for a frozen head)
-            self.sink.put_fp32(HEAD, grads[HEAD], st[HEAD].layout.numel, mb.final)
+            self.sink.put_fp32(HEAD, grads[HEAD], st[HEAD].layout.numel, final)
         if ad.tied and st[EMBED].layout.numel:  # embed_bwd adds the rest
             self.sink.put_fp32(EMBED, grads[EMBED], st[EMBED].layout.numel, final=False)
+
+    def _head_run(self, mb: MicroBatch, units, ws, accs: dict[str, torch.Tensor],
+                  grads: dict[str, Ref] | None) -> None:
+        """Compute lane: one micro-batch's head, its weight gradients added into ``accs`` (made
+        by the group's first); ``grads``: the group's last hands the sums over."""
+        ad, st = self.adapter, self.store
+        leaves = {u: st[u].layout.leaves(ws[u]) for u in units}
+        if not accs:
+            accs.update({u: torch.zeros(st[u].layout.numel, dtype=torch.float32, device=self.device)
+                         for u in units})
+        acc_views = [v for u in units for v in st[u].layout.views(accs[u]).values()]
+        wrt = [t for u in units for t in trained(leaves[u])]
+        embed_weight = leaves[EMBED]["weight"] if ad.tied else None
+        h2 = mb.h.reshape(-1, mb.h.shape[-1])
+        lab = mb.labels.reshape(-1)
+        grad_h2 = torch.empty_like(h2)
+        chunk = self.plan.head_chunk_tokens
+        for start in range(0, h2.shape[0], chunk):
+            hc = h2[start:start + chunk].detach().requires_grad_()
+            logits = ad.head_logits(leaves[HEAD], embed_weight, hc)
+            loss = F.cross_entropy(logits.float(), lab[start:start + chunk],
+                                   ignore_index=IGNORE_INDEX, reduction="sum") / mb.total_tokens
+            g = torch.autograd.grad(loss, [hc, *wrt])
+            grad_h2[start:start + chunk] = g[0]
+            for acc, gi in zip(acc_views, g[1:]):
+                acc += gi
+            mb.loss += loss.detach()
+            del g, logits, loss  # free this chunk's grads and logits before the next chunk
+        aux = ad.router_aux_loss(mb.ctx, mb.aux_weight)  # MoE: its gradient waits for the layers
+        if aux is not None:
+            mb.loss += aux
+        mb.grad_h = grad_h2.view_as(mb.h)
+        mb.h = None
+        if grads is not None:
+            for u in units:
+                grads[u].value = accs.pop(u)
 
     def forward_hidden(self, input_ids: torch.Tensor, chunk_tokens: int | None = None,
                        segment_ids: torch.Tensor | None = None):
@@ -256,14 +355,19 @@ class OpHandlers:
         rows (``Batch.segment_ids``)."""
         ad, st = self.adapter, self.store
         batch, seq_len = input_ids.shape
-        mb = MicroBatch(tuple(input_ids.shape) + (ad.hidden_size,), None, 0, False, 0.0)
+        mb = MicroBatch(0, tuple(input_ids.shape) + (ad.hidden_size,), None, 0, False, 0.0)
         ops = forward_program(ad.num_layers)[:-1]  # the head runs on the host below
         units = (EMBED, HEAD) if ad.tied else (HEAD,)
-        self.streamer.begin(weight_schedule(ops, ad.tied) + list(units))
+        resident = resident_units(self.plan.resident_layers)
+        self.streamer.begin(weight_schedule(ops, ad.tied, resident) + list(units))
         self.backend.launch(lambda: self._start(mb, Batch(input_ids, input_ids, segment_ids)))
-        self._embed_fwd(mb, -1)
+        self._embed_fwd([mb], -1)
+
+        def put(mb: MicroBatch, y: torch.Tensor) -> None:
+            mb.h = y
+
         for i in range(ad.num_layers):
-            self._layer_no_grad(mb, i, lambda: mb.h, lambda y: setattr(mb, "h", y))
+            self._layer_no_grad([mb], i, lambda mb: mb.h, put)
         ws = [self.streamer.acquire(u) for u in units]
         self.backend.synchronize()  # the host reads the hidden states below
         head_views = st[HEAD].layout.views(ws[-1])
@@ -283,6 +387,8 @@ class OpHandlers:
 class MicroBatch:
     """What the compute closures of one micro-batch share; the host never reads it."""
 
+    k: int
+    """Its index among the step's micro-batches (its boundaries' and internals' key)."""
     shape: tuple[int, ...]
     """[batch, seq, hidden] of a boundary activation."""
     loss: torch.Tensor | None
@@ -296,4 +402,8 @@ class MicroBatch:
     """Positions, RoPE, masks, router record (``DecoderAdapter.layer_context``)."""
     h: torch.Tensor | None = None
     grad_h: torch.Tensor | None = None
+
+    def key(self, i: int) -> tuple[int, int]:
+        """Its boundary (or layer) ``i``'s key in the tiers."""
+        return (self.k, i)
 

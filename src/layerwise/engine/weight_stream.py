@@ -1,9 +1,10 @@
-"""Weights in: ``prefetch_depth + 1`` device slots sized for the largest unit.
+"""Weights in: ``prefetch_depth + 1`` device slots sized for the largest streamed unit.
 
 :class:`WeightStreamer` follows the step's weight schedule (``plan.program.WeightWindow``) up to
 ``depth`` uses ahead of the op being run, never copying a unit whose optimizer update has not
 finished (it retries at the next op), and never waiting for a unit other than the one the op
-needs now.
+needs now. Resident units (``resident.py``) are not streamed: acquiring one returns its own
+buffer, refreshed once per update.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from ..plan.program import WeightWindow
 from ..store import HostStore
 from .backend import DeviceBackend, Event
+from .resident import ResidentWeights
 from .slots import Slot
 
 
@@ -22,14 +24,18 @@ class WeightStreamer:
     """Weight copies into ``depth + 1`` slots, following the plan's :class:`WeightWindow`."""
 
     def __init__(self, backend: DeviceBackend, store: HostStore, depth: int,
-                 wait_update: Callable[[str], None], update_done: Callable[[str], bool]):
+                 wait_update: Callable[[str], None], update_done: Callable[[str], bool],
+                 resident: frozenset[str] = frozenset()):
+        """``resident``: units whose weights stay on the device (never in the schedule)."""
         self.backend = backend
         self.store = store
         self.depth = depth
         self.wait_update = wait_update
         """Blocks until a unit's host weights are final (its optimizer update is done)."""
         self.update_done = update_done
-        numel = max(b.copy_source.numel() for b in store)
+        self.resident = ResidentWeights(backend, store, sorted(resident), wait_update, update_done)
+        kept = {id(store[u]) for u in resident}
+        numel = max(b.copy_source.numel() for b in store if id(b) not in kept)
         self.slots = [Slot(backend.alloc(numel, store.compute_dtype)) for _ in range(depth + 1)]
         self._window: WeightWindow | None = None
         self._ready: dict[str, Event] = {}  # unit -> its copy's event, while it holds a slot
@@ -40,6 +46,7 @@ class WeightStreamer:
         assert self.finished(), "previous schedule not finished"
         self._window = WeightWindow(schedule, self.depth)
         self._copy(self._window.fill(self.update_done))
+        self.resident.refresh_ready()
 
     def _copy(self, copies: list[tuple[str, int]]) -> None:
         for unit, slot in copies:
@@ -51,6 +58,8 @@ class WeightStreamer:
     def acquire(self, unit: str) -> torch.Tensor:
         """The device copy of ``unit``'s weights for the op about to be queued. Waits (on the
         host) only for this unit's own update; prefetches skip units whose update is running."""
+        if unit in self.resident:
+            return self.resident.acquire(unit)
         if unit not in self._ready:
             self.wait_update(unit)
         self._copy(self._window.acquire(unit, self.update_done))
@@ -59,11 +68,16 @@ class WeightStreamer:
 
     def release(self, unit: str) -> None:
         """The op using ``unit`` has been queued; its slot is free once compute passes here."""
+        if unit in self.resident:
+            self.resident.release(unit)
+            self.resident.refresh_ready()
+            return
         slot = self._window.release(unit)
         if slot is not None:
             del self._ready[unit]
             self.slots[slot].free_after = self.backend.record()
         self._copy(self._window.fill(self.update_done))
+        self.resident.refresh_ready()
 
     def reset(self) -> None:
         """Forget the rest of the schedule (a step failed; the lanes are idle)."""
@@ -71,6 +85,7 @@ class WeightStreamer:
         self._ready.clear()
         for s in self.slots:
             s.free_after = None
+        self.resident.reset()
 
     def finished(self) -> bool:
         return self._window is None or self._window.finished()

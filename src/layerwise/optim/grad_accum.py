@@ -110,16 +110,17 @@ def accumulate(dst: torch.Tensor, src: torch.Tensor, first: bool = False, thread
     """``dst = src.float()`` (``first``) or ``dst += src.float()``, bit-equal to torch's, with no
     full-size temporary; ``dst`` fp32 and ``src`` of the same number of elements (shapes are
     ignored: both are read flat). ``threads``: split over that many threads, the caller one.
-    A bf16 ``dst`` (a store's one-micro-batch gradient) takes a bf16 ``src`` as it is, first
-    landing only: there is nothing to sum."""
+    A bf16 ``dst`` (a store whose gradients land once per step) takes its first landing only:
+    a bf16 ``src`` as it is, an fp32 one (summed over a layer-major group on the device)
+    rounded to nearest, as ``.to(torch.bfloat16)`` rounds; there is nothing to sum."""
     n = src.numel()
     if dst.numel() != n:
         raise ValueError(f"accumulate: {dst.numel()} destination elements for {n} source elements")
     if n == 0:
         return
-    if dst.dtype == torch.bfloat16:  # one micro-batch: the device's bf16 gradient as it came
-        if not first or src.dtype != torch.bfloat16:
-            raise ValueError("a bf16 host gradient takes one bf16 gradient per step (it is not "
+    if dst.dtype == torch.bfloat16:  # lands once a step: the device's gradient as it came
+        if not first or src.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError("a bf16 host gradient takes one gradient per step (it is not "
                              f"summed into: got first={first}, a {src.dtype} source); build the "
                              "store with grad_dtype=torch.float32 to accumulate micro-batches")
         dst.view(-1).copy_(src.detach().reshape(-1))

@@ -75,7 +75,7 @@ class ModelSource:
               grad_dtype: torch.dtype = torch.float32) -> tuple[DecoderAdapter, HostStore]:
         """Every local rank builds the same weights into the node's shared store (identical
         writes, before the store-ready barrier), so no rank needs to know which wrote them.
-        ``grad_dtype``: ``HostStore``'s (bf16 for one micro-batch per step on one process)."""
+        ``grad_dtype``: ``HostStore``'s (bf16 when every gradient lands once a step on one process)."""
         if self.name in FLAVORS:
             return init_store(self.config, seed=seed, compute_dtype=compute_dtype, alloc=alloc,
                               grad_dtype=grad_dtype)

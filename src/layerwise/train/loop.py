@@ -122,9 +122,10 @@ class Trainer:
             source.config, self.compute_dtype, self.plan.moments))
         try:
             check_lora(cfg, ctx.enabled)
-            # one micro-batch on one process: nothing is summed on the host, the bf16 gradient
-            # lands as it is (2 bytes per parameter instead of 4)
-            one = self.plan.num_micro_batches == 1 and not ctx.enabled
+            # every gradient lands once a step on one process (one micro-batch, or all of them
+            # sharing each weight load): nothing is summed on the host, the bf16 gradient lands
+            # as the device made it (2 bytes per parameter instead of 4)
+            one = self.plan.lands_once() and not ctx.enabled
             grad_dtype = torch.bfloat16 if one and self.compute_dtype == torch.bfloat16 else torch.float32
             self.adapter, self.store = (
                 build_lora(source.name, source.config, cfg, self.compute_dtype) if cfg.lora.enabled
