@@ -37,6 +37,8 @@ from typing import Protocol
 
 import torch
 
+from ..util.host_memory import alloc_pinned
+
 
 class Event(Protocol):
     def synchronize(self) -> None:
@@ -294,7 +296,11 @@ class CudaBackend:
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, pin_memory=True)
+        # locked in place at its own size: torch's pinned allocator rounds every block up to a
+        # power of two (the gradient ring of a 14B model would lock 4.3 GB for 2.2 GB of buffers)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        region, _ = alloc_pinned(nbytes)
+        return region.view(dtype)
 
     def launch(self, fn: Callable[[], None]) -> None:
         fn()  # kernels are queued on the current stream

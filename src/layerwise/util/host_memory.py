@@ -108,7 +108,7 @@ def alloc_pinned(nbytes: int) -> tuple[torch.Tensor, int]:
     try:
         page_lock(region)
     except Exception as e:  # pragma: no cover - CUDA only
-        warnings.warn(f"page-locking the {human_bytes(nbytes)} copy-source arena in place failed "
+        warnings.warn(f"page-locking {human_bytes(nbytes)} of host memory in place failed "
                       f"({e}); using torch's pinned allocator, which rounds it up to a power of "
                       "two", RuntimeWarning, stacklevel=3)
         del raw, region
