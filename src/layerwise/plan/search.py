@@ -168,29 +168,31 @@ def rule_moments(shape: ModelShape, hw: HardwareProfile, tiers: list[str], bound
 
 
 def simulate_fast(plan: Plan, shape: ModelShape, hw: HardwareProfile) -> SimResult:
-    """The simulator, with long accumulations extrapolated from 3 and 4 micro-batches.
+    """The simulator, with long accumulations extrapolated from 3 and 4 groups of micro-batches.
 
-    Micro-batches repeat identically, so after the first one the step grows linearly in their
-    number; memory peaks do not depend on it. Used to screen candidates; the emitted plan is
-    simulated in full.
+    Groups (``micro_batches_per_load`` micro-batches each) repeat identically, so after the
+    first one the step grows linearly in their number; memory peaks do not depend on it (host
+    bytes do when every gradient lands once, so a plan of one group is simulated in full). Used
+    to screen candidates; the emitted plan is simulated in full.
     """
+    per = plan.micro_batches_per_load
     m = plan.num_micro_batches
-    if m <= 4:
+    if m <= 4 * per or m % per:
         return simulate(plan, shape, hw, keep_trace=False)
     short = []
     for k in (3, 4):
         d = plan.to_dict()
-        d["num_micro_batches"] = k
+        d["num_micro_batches"] = k * per
         short.append(simulate(Plan.from_dict(d), shape, hw, keep_trace=False))
     a, b = short
-    per = b.step_s - a.step_s
+    groups = m // per
     res = b
     res.plan = plan
-    res.step_s = b.step_s + (m - 4) * per
-    res.busy_s = {k: v + (m - 4) * (v - a.busy_s[k]) for k, v in b.busy_s.items()}
-    res.tokens_per_step = b.tokens_per_step // 4 * m
-    res.model_flops_per_step = b.model_flops_per_step / 4 * m
-    res.recompute_s = b.recompute_s / 4 * m
+    res.step_s = b.step_s + (groups - 4) * (b.step_s - a.step_s)
+    res.busy_s = {k: v + (groups - 4) * (v - a.busy_s[k]) for k, v in b.busy_s.items()}
+    res.tokens_per_step = b.tokens_per_step // (4 * per) * m
+    res.model_flops_per_step = b.model_flops_per_step / (4 * per) * m
+    res.recompute_s = b.recompute_s / (4 * per) * m
     return res
 
 
