@@ -61,14 +61,16 @@ def test_nvme_staging_is_charged_only_with_an_nvme_boundary(tight):
 
     Mutation seen caught: staging dropped from ``evaluate`` (the NVMe assignment then passes)."""
     shape, hw, moments = tight
-    model = StepModel(shape, hw, 16, 1024, 1, moments=moments)
+    # two micro-batches: the gradients are summed on the host, so the store keeps them in fp32
+    model = StepModel(shape, hw, 16, 1024, 2, moments=moments)
     assert 1 <= model.max_host() < NVME_STAGING
     one = ["device"] * shape.num_layers
     for tier, fits in (("host", True), ("nvme", False)):
         tiers = list(one)
         tiers[5] = tier
         assert model.evaluate(tiers).feasible is fits, tier
-    plan = Plan(one[:5] + ["host"] + one[6:], micro_batch_size=16, seq_len=1024, moments=moments)
+    plan = Plan(one[:5] + ["host"] + one[6:], micro_batch_size=16, num_micro_batches=2, seq_len=1024,
+                moments=moments)
     assert simulate(plan, shape, hw, keep_trace=False).fits
 
 
