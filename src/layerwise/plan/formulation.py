@@ -162,13 +162,14 @@ def copy_windows(m: StepModel, x: Vars, i: int) -> list[Row]:
 
 
 def streamed_weights(m: StepModel, x: Vars, i: int) -> list[Row]:
-    """``f_i ≥ w_i (1 − r_i)``: a streamed layer's forward window holds its weight copy (a
-    micro-batch's share of it: ``w_i`` is the copy over the micro-batches sharing it); a
-    resident layer's has none (its one refresh per step is in :func:`optimizer_overlap`).
-    Without resident columns the column bound ``f_i ≥ w_i`` says it."""
+    """``f_i ≥ w_i (1 − r_i) + u_i r_i``: a streamed layer's forward window holds its weight copy
+    (a micro-batch's share of it: ``w_i`` is the copy over the micro-batches sharing it); a
+    resident layer's holds a micro-batch's share of its one refresh per step, ``u_i =
+    (W_i/h2d) / M`` (the refresh lands in the first group's forward; the windows are counted per
+    micro-batch). Without resident columns the column bound ``f_i ≥ w_i`` says it."""
     if x.resident is None:
         return []
-    return [(m.w_in[i] * MS, INF, {x.f[i]: 1.0, x.resident[i]: m.w_in[i] * MS})]
+    return [(m.w_in[i] * MS, INF, {x.f[i]: 1.0, x.resident[i]: (m.w_in[i] - m.w_refresh[i]) * MS})]
 
 
 def compute_windows(m: StepModel, x: Vars, i: int) -> list[Row]:

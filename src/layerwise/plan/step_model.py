@@ -71,6 +71,8 @@ class StepModel:
         """A layer's whole weight copy (its refresh, when resident)."""
         self.w_in = [w / P for w in self.w_copy]
         """A micro-batch's share of one weight copy."""
+        self.w_refresh = [w / num_micro_batches for w in self.w_copy]
+        """A micro-batch's share of a resident layer's one refresh per step."""
         self.resident_ratio = [b / a for b in lw]
         """A layer's weights in boundaries (what keeping them resident holds at every op)."""
         g_item = grad_slot_itemsize(cost.elem_bytes, P)
@@ -199,7 +201,7 @@ class StepModel:
         kept = [0.0 if t == "recompute" else 1.0 for t in internal]
         hostk = [1.0 if t == "host" else 0.0 for t in internal]
         w = [self.w_in[i] * (1.0 - res[i]) for i in range(L)]
-        f = [max(w[i], self.c_fwd[i] + (self.c_fwd_keep[i] - self.c_fwd[i]) * kept[i],
+        f = [max(w[i] + self.w_refresh[i] * res[i], self.c_fwd[i] + (self.c_fwd_keep[i] - self.c_fwd[i]) * kept[i],
                  self.a_out * off[i] + self.ws_out * hostk[i]) for i in range(L)]
         b = [max(w[i] + self.a_in * off[i] + self.ws_in * hostk[i], self.grad_out[i],
                  self.c_bwd[i] - (self.c_bwd[i] - self.c_bwd_kept[i]) * kept[i]) for i in range(L)]
