@@ -91,8 +91,9 @@ def test_layer_major_streams_each_layer_twice_per_step_and_resident_layers_once(
     only once per step, its refresh; each layer's gradient once per step, in fp32; the checker
     passes on all three traces.
 
-    Mutation seen failing: the weights acquired and released for every micro-batch of a group
-    (the copies then 16 per layer, as micro-batch-major)."""
+    Mutations seen failing: the simulator's groups of one micro-batch whatever
+    ``micro_batches_per_load`` says (16 copies per layer); the weights acquired and released
+    for every micro-batch of a group (the weight window then out of step)."""
     shape, hw, sims = traces
     L = shape.num_layers
     mb, _ = _copies(sims["mb-major"])
