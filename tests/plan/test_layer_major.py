@@ -169,3 +169,57 @@ def test_milp_makes_layers_resident_where_the_weights_fit_and_it_pays():
     r = solve(model, MilpConfig(internal_tiers=("recompute",), resident=True))
     assert 0 < len(r.resident_layers) < big.num_layers
     assert simulate(r.plan(model), big, hw, keep_trace=False).fits
+
+
+def test_search_emits_layer_major_plans_with_their_fields_and_the_simulators_predictions():
+    """qwen2.5-14b on an h200, 8 sequences of 4096 tokens as micro-batches of 1 or 2: the search
+    with the new options emits a layer-major plan (every micro-batch sharing each weight load)
+    at least as fast as the best plan without them; the plan carries ``micro_batches_per_load``
+    and ``resident_layers`` through its JSON, and ``plan.predicted`` is what the simulator says of
+    it. The MILP's own plan is never slower than a fixed rule.
+
+    Mutation seen failing: the search's per-load options left at 1 (the plan then
+    micro-batch-major)."""
+    from layerwise.plan.search import SearchConfig, search
+
+    shape, hw = load_shape("qwen2.5-14b"), PRESETS["h200"]
+    cfg = dict(global_batch=8, micro_batch_sizes=(1, 2), prefetch_depth=1)
+    new = search(shape, hw, 4096, SearchConfig(**cfg))
+    old = search(shape, hw, 4096, SearchConfig(per_loads=(1,), resident=False, **cfg))
+    p = new.plan
+    assert p.layer_major and p.lands_once() and old.plan.micro_batches_per_load == 1
+    assert new.best.sim.tokens_per_s > 1.05 * old.best.sim.tokens_per_s
+    again = Plan.from_dict(p.to_dict())
+    assert (again.micro_batches_per_load, again.resident_layers) == (p.micro_batches_per_load, p.resident_layers)
+    sim = simulate(p, shape, hw)
+    assert p.predicted["step_s"] == pytest.approx(sim.step_s, rel=1e-12)
+    assert p.predicted["peak_host_bytes"] == sim.peak_host_bytes
+    assert p.predicted["micro_batches_per_load"] == p.micro_batches_per_load
+    assert p.predicted["resident_layers"] == p.resident_layers
+    assert check(sim, shape, hw).ok
+    milp = new.by_name["milp"].sim.tokens_per_s
+    assert all(milp >= c.sim.tokens_per_s * (1 - 1e-3) for n, c in new.by_name.items() if n != "milp")
+
+
+def test_a_store_that_fits_only_with_bf16_gradients_is_planned_layer_major():
+    """qwen2.5-14b's store with 8-bit moments needs ~118 GB with bf16 gradients, ~148 GB with
+    fp32 ones; with 124 GB usable on the host only a plan whose gradients land once fits, and
+    the search finds one (layer-major over all micro-batches) where micro-batch-major alone
+    finds none.
+
+    Mutation seen failing: the host check of the search with fp32 gradients whatever the
+    order (``choose_moments`` without ``bf16_grads``: the search refuses at once)."""
+    from layerwise.plan.host_fit import PlanInfeasible
+    from layerwise.plan.search import SearchConfig, search
+
+    shape = load_shape("qwen2.5-14b")
+    hw = replace(PRESETS["h200"], host_mem_bytes=128 * 10**9, host_reserved_bytes=4 * 10**9)
+    cost = CostModel(shape, hw, 1, 4096)
+    eight = ["8bit"] * len(shape.unit_names())
+    assert cost.host_store_bytes(eight, bf16_grads=True) < hw.host_cap_bytes < cost.host_store_bytes(eight)
+    cfg = dict(global_batch=4, micro_batch_sizes=(1,), prefetch_depth=1)
+    res = search(shape, hw, 4096, SearchConfig(**cfg))
+    assert res.plan.lands_once() and res.best.sim.fits
+    assert res.best.sim.host_store_bytes == cost.host_store_bytes(res.plan.moments, bf16_grads=True)
+    with pytest.raises(PlanInfeasible):
+        search(shape, hw, 4096, SearchConfig(per_loads=(1,), **cfg))

@@ -100,8 +100,9 @@ def test_milp_switches_units_to_8bit_to_offload_boundaries(tight):
     assert cm.host_store_bytes(r.moments) + r.tiers.count("host") * cm.boundary_bytes <= hw.host_cap_bytes
     # through the search (which re-solves once with the simulator's overflow held back): the
     # MILP's plan fits, is emitted, and beats every rule at this micro-batch size
+    # (micro-batch-major, every layer streamed: the trade under test is moments against boundaries)
     res = search(shape, hw, 1024, SearchConfig(global_batch=256, micro_batch_sizes=(64,), prefetch_depth=1,
-                                               milp=BOUNDARIES_ONLY))
+                                               milp=BOUNDARIES_ONLY, per_loads=(1,), resident=False))
     milp = res.by_name["milp"]
     assert milp.sim.fits and milp.plan.moments.count("8bit") > moments.count("8bit")
     assert milp.plan.boundary_tiers.count("host") > 1
