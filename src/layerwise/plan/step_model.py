@@ -116,14 +116,20 @@ class StepModel:
         self.opt_8bit = [cost.optimizer_s(u, "8bit") for u in units]
         self.saving_8bit = [STATE_NBYTES["fp32"](n) - STATE_NBYTES["8bit"](n)
                             for n in (shape.unit_params(u) for u in units)]
-        # device memory at the head and at each layer's backward: the engine's slots (fetch
-        # slots counted whatever the tiers, so the constants do not depend on them) plus the op's
-        # transient
+        self._capacities(g_item, moments, device_reserve_bytes, host_reserve_bytes)
+
+    def _capacities(self, g_item: int, moments: list[str] | None, device_reserve_bytes: int,
+                    host_reserve_bytes: int) -> None:
+        """Device memory at the head and at each layer's backward: the engine's slots (fetch
+        slots counted whatever the tiers, so the constants do not depend on them) plus the op's
+        transient; what the store leaves of host memory; NVMe."""
+        cost, hw, shape, units = self.cost, self.hw, self.shape, self.units
+        L, P, a = self.L, self.per_load, self.a_bytes
         self.dev_cap = hw.device_cap_bytes - device_reserve_bytes
         largest_w = max(cost.unit_weight_bytes(u) for u in units)
         grad_slots = GRAD_SLOTS * largest_w * g_item // cost.elem_bytes
         # the other micro-batches' masks of a group (the op's own are in neither count)
-        masks = (P - 1) * mask_bytes(shape, micro_batch_size, seq_len, cost.elem_bytes)
+        masks = (P - 1) * mask_bytes(shape, self.micro_batch_size, self.seq_len, cost.elem_bytes)
         slots = ((self.prefetch_depth + 1) * largest_w + (0 if hw.synchronous else grad_slots)
                  + fetch_slot_count(L, P) * a + masks)
         self.c_bwd_mem = [slots + cost.op_transient_bytes(OpKind.LAYER_BWD, i) for i in range(L)]
