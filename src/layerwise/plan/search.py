@@ -127,10 +127,10 @@ def simulate_fast(plan: Plan, shape: ModelShape, hw: HardwareProfile) -> SimResu
     bytes do when every gradient lands once, so a plan of one group is simulated in full). Used
     to screen candidates; the emitted plan is simulated in full.
     """
+    if not extrapolated(plan):
+        return simulate(plan, shape, hw, keep_trace=False)
     per = plan.micro_batches_per_load
     m = plan.num_micro_batches
-    if m <= 4 * per or m % per:
-        return simulate(plan, shape, hw, keep_trace=False)
     short = []
     for k in (3, 4):
         d = plan.to_dict()
@@ -146,6 +146,12 @@ def simulate_fast(plan: Plan, shape: ModelShape, hw: HardwareProfile) -> SimResu
     res.model_flops_per_step = b.model_flops_per_step / (4 * per) * m
     res.recompute_s = b.recompute_s / (4 * per) * m
     return res
+
+
+def extrapolated(plan: Plan) -> bool:
+    """Whether :func:`simulate_fast` extrapolates ``plan`` (more than 4 groups of micro-batches)."""
+    per = plan.micro_batches_per_load
+    return plan.num_micro_batches > 4 * per and plan.num_micro_batches % per == 0
 
 
 def _divisors(n: int) -> list[int]:
@@ -213,7 +219,8 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
         cands = []
         for depth in depths:
             for per_load in _per_loads(cfg, m_count):
-                cands += _candidates(shape, hw, seq_len, cfg, rules, mbs, m_count, depth, per_load, tally)
+                if per_load == 1 or depth == depths[0]:  # layer-major: P computes hide each copy
+                    cands += _candidates(shape, hw, seq_len, cfg, rules, mbs, m_count, depth, per_load, tally)
         if not tally.add(mbs, cands) and tally.by_name:
             break  # larger micro-batches only need more memory
     pool = tally.cands
@@ -285,8 +292,8 @@ def _candidates(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: Searc
                 m_count: int, depth: int, per_load: int, tally: _Tally) -> list[Candidate]:
     """Every rule at this (micro-batch size, depth, micro-batches per load) through the
     simulator, then the MILP warm-started from the fastest rule that fits both models. In
-    layer-major order (a step is one long group, simulated in full) only the rule the step model
-    finds fastest is simulated: it is the MILP's warm start."""
+    layer-major order (a step is one long group, simulated in full) no rule is simulated: the
+    MILP starts from the rule the step model finds fastest, and its plan is simulated."""
     kw = dict(micro_batch_size=mbs, num_micro_batches=m_count, seq_len=seq_len, prefetch_depth=depth,
               head_chunk_tokens=cfg.head_chunk_tokens, micro_batches_per_load=per_load)
     once = m_count <= per_load
@@ -300,13 +307,15 @@ def _candidates(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: Searc
         ev = model.evaluate(plan.boundary_tiers, moments=moments, internal=plan.internal_tiers)
         plans.append((name, plan, ev))
     if per_load > 1:
-        feasible = [p for p in plans if p[2].feasible]
-        plans = [min(feasible, key=lambda p: p[2].step_s)] if feasible else []
-    here = [Candidate(name, plan, simulate_fast(plan, shape, hw)) for name, plan, _ in plans]
-    fitting = [c for c, (_, _, ev) in zip(here, plans) if c.fits and ev.feasible]
-    warm = max(fitting, key=lambda c: c.sim.tokens_per_s) if fitting else None
-    res = solve(model, _budgeted(cfg, tally.solve_s), (warm.name, warm.plan.boundary_tiers) if warm else None,
-                warm.plan.moments if warm else None, warm.plan.internal_tiers if warm else None)
+        here: list[Candidate] = []
+        feasible = [(ev.step_s, plan) for _, plan, ev in plans if ev.feasible]
+        warm = min(feasible, key=lambda p: p[0])[1] if feasible else None
+    else:
+        here = [Candidate(name, plan, simulate_fast(plan, shape, hw)) for name, plan, _ in plans]
+        fitting = [c for c, (_, _, ev) in zip(here, plans) if c.fits and ev.feasible]
+        warm = max(fitting, key=lambda c: c.sim.tokens_per_s).plan if fitting else None
+    res = solve(model, _budgeted(cfg, tally.solve_s), (warm.source, warm.boundary_tiers) if warm else None,
+                warm.moments if warm else None, warm.internal_tiers if warm else None)
     tally.solve_s += res.solve_s
     if res.tiers is not None:
         res, cand = _milp_candidate(shape, hw, seq_len, cfg, model, res, tally)
@@ -358,7 +367,7 @@ def _fastest_per_rule(pool: list[Candidate], tally: _Tally, shape: ModelShape, h
     for name in dict.fromkeys(c.name for c in pool):
         mine = [c for c in pool if c.name == name]
         for c in sorted((c for c in mine if c.fits), key=lambda c: -c.sim.tokens_per_s)[:3]:
-            full = Candidate(name, c.plan, simulate(c.plan, shape, hw, keep_trace=False))
+            full = Candidate(name, c.plan, simulate(c.plan, shape, hw, keep_trace=False)) if extrapolated(c.plan) else c
             if full.fits:
                 by_name[name] = full
                 break

@@ -129,6 +129,10 @@ class _Simulation:
         self.first_use = {u: n for n, us in reversed(list(enumerate(units))) for u in us}
         self.refresh_order = sorted(self.resident, key=lambda u: self.first_use[u])
         self.grad_itemsize = grad_slot_itemsize(cost.elem_bytes, self.group)
+        # per unit: its gradient's bytes on the wire, and its host accumulation (first landing, later)
+        self.grad_out_bytes = {u: cost.grad_bytes(u) * self.grad_itemsize // cost.elem_bytes for u in self.units}
+        self.accumulate_s = {u: (cost.grad_accumulate_s(u, False, self.grad_itemsize),
+                                 cost.grad_accumulate_s(u, True, self.grad_itemsize)) for u in self.units}
         self.ws_bytes = cost.layer_workspace_bytes  # one layer's internals as they travel
         self.kept_bytes = [kept_internal_bytes(shape, plan, i, cost.tokens, cost.elem_bytes)
                            for i in range(shape.num_layers)]
@@ -406,7 +410,7 @@ class _Simulation:
         (``grad_reduce="device"``), copied out, accumulated on the host; after the step's last
         group the sum is reduced."""
         lanes, cost, hw, topo = self.lanes, self.cost, self.hw, self.topo
-        gb = cost.grad_bytes(u) * self.grad_itemsize // cost.elem_bytes
+        gb = self.grad_out_bytes[u]
         t_out, lander = end, None  # who lands it: every process, or (reduced on the GPUs) its owner
         if topo.grad_reduce == "device":
             _, t_out = lanes.run("intra", end, intra_reduce_s(gb, hw, topo), f"reduce {u}")
@@ -416,8 +420,7 @@ class _Simulation:
         if e > end and kind == OpKind.HEAD and lander in (None, lanes.me):  # others leave from a grad slot
             self.alloc("device", end, cost.grad_bytes(u) * 4 // cost.elem_bytes, f"grad {u} (fp32, in flight)", e)
         first = group == 0 and self.first_grad_op[u] == n
-        _, landed = lanes.run("host", e, cost.grad_accumulate_s(u, first, self.grad_itemsize), f"accumulate {u}",
-                              rank=lander)
+        _, landed = lanes.run("host", e, self.accumulate_s[u][first], f"accumulate {u}", rank=lander)
         if group == len(self.groups) - 1 and self.last_grad_op[u] == n:  # the step's sum: reduce it
             reduce_bytes = self.shape.unit_params(u) * REDUCE_BYTES_PER_PARAM
             if topo.grad_reduce == "host":
