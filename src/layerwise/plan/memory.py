@@ -1,9 +1,11 @@
 """Device memory of a plan: the slots the engine allocates once, plus what each op holds.
 
 Slots (allocated when the engine is built or at its first step, never again; the engine reads
-their counts from here): ``prefetch_depth + 1`` weight slots sized for the largest unit; on an
-asynchronous device ``GRAD_SLOTS`` gradient slots of the same size; ``FETCH_SLOTS`` slots for
-boundaries fetched back from host memory or NVMe. Live across ops: boundaries kept on the
+their counts from here): ``prefetch_depth + 1`` weight slots sized for the largest streamed unit;
+one buffer per resident layer; on an asynchronous device ``GRAD_SLOTS`` gradient slots for the
+largest unit (fp32 in layer-major order); :func:`fetch_slot_count` slots for boundaries fetched
+back from host memory or NVMe. In layer-major order the ops are walked for one group of
+micro-batches, each holding its own boundaries, internals and masks. Live across ops: boundaries kept on the
 device (until their layer's backward) and recomputed ones. Transient within an op: its inputs,
 outputs, gradients, autograd workspace, the head's logits and fp32 gradient accumulators. In
 flight (an asynchronous device): what the offloads (boundaries and host-tier internals moving

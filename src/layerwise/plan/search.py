@@ -12,6 +12,10 @@ Prefetch depth: each depth in ``SearchConfig.prefetch_depths`` is tried at every
 (a deeper prefetch costs one weight slot more per step of depth, and hides a weight copy that is
 longer than one compute window).
 
+Order and resident layers: each micro-batch size is also tried in layer-major order (all the
+step's micro-batches share each weight load, ``SearchConfig.per_loads``), and the MILP may keep
+layers' weights on the device (``SearchConfig.resident``).
+
 Optimizer moments: the MILP chooses them per unit (8-bit frees ~6 bytes/param of host memory
 for offloaded boundaries; fp32 keeps the host optimizer faster). A fixed rule gets fp32
 everywhere if the store plus the host memory its own offloaded boundaries need fits, else the
@@ -27,15 +31,15 @@ from typing import Any
 from .baselines import baseline_tiers, extra_candidates, internal_rules
 from .cost import CostModel
 from .host_fit import PlanInfeasible, choose_moments, human_bytes, infeasible, rule_moments
-
-__all__ = ["Candidate", "PlanInfeasible", "SearchConfig", "SearchResult", "choose_moments", "human_bytes", "search",
-           "simulate_fast", "with_micro_batches"]
 from .shape import ModelShape
 from .hardware import HardwareProfile
 from .milp import MilpConfig, MilpResult, solve
 from .plan import Plan
 from .simulator import SimResult, simulate
 from .step_model import StepModel
+
+__all__ = ["Candidate", "PlanInfeasible", "SearchConfig", "SearchResult", "choose_moments", "human_bytes", "search",
+           "simulate_fast", "with_micro_batches"]
 
 
 @dataclass
