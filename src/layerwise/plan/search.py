@@ -235,10 +235,21 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
     best = _fastest(by_name)
     plan = best.plan
     plan.source = "milp" if best.name == "milp" else f"planner:{best.name}"
-    res = tally.milp_at.get((plan.micro_batch_size, plan.prefetch_depth, plan.micro_batches_per_load))
+    res = _milp_solve_of(tally, plan)
     plan.predicted = _predicted(shape, hw, best, res, tally)
     return SearchResult(plan, best, res, by_name, unfit, tally.tried, plan.moments or ["fp32"] * len(shape.unit_names()),
                         dict(tally.max_mbs), tally.solve_s, time.perf_counter() - t_start)
+
+
+def _milp_solve_of(tally: _Tally, plan: Plan) -> MilpResult | None:
+    """The MILP solve at the plan's micro-batch size, depth and order (auto mode may have moved
+    a layer-major plan to another group size than it was solved at)."""
+    mbs, depth = plan.micro_batch_size, plan.prefetch_depth
+    res = tally.milp_at.get((mbs, depth, plan.micro_batches_per_load))
+    if res is None:
+        res = next((r for (m, d, p), r in tally.milp_at.items()
+                    if (m, d) == (mbs, depth) and (p > 1) == plan.layer_major), None)
+    return res
 
 
 def _depths(cfg: SearchConfig, seq_len: int) -> tuple[int, ...]:
