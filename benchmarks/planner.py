@@ -17,7 +17,13 @@ layer's internals on the device / on the host), so that the MILP's use of the in
 not measured against rules that cannot use it; ``milp_speedup_vs_best_boundary_rule`` is the
 same ratio against the boundary-only rules (every-K, keep-all-device/host, recompute-all).
 
-    python benchmarks/planner.py [--quick]
+The new options of issue 21 (layer-major accumulation: micro-batches sharing each weight load;
+resident layers) are on in every case; ``NEW_OPTIONS`` cases (gradient accumulation of >= 4
+micro-batches, models whose weights fit the device) are also planned without them, and
+``geomean_speedup_new_options`` is the predicted speedup of the best plan with them over the best
+without.
+
+    python benchmarks/planner.py [--quick] [--new-options-only]
 """
 
 from __future__ import annotations
@@ -42,11 +48,20 @@ SEQS = [1024, 4096]
 TIGHT_HOST = [("qwen-27b", "h800", 1024, 70, 512, None), ("qwen-27b", "h800", 1024, 70, 512, 65536),
               ("qwen-27b", "h800", 4096, 70, 512, None), ("qwen2.5-32b", "h200", 4096, None, 560, None),
               ("qwen2.5-14b", "rtx3090", 4096, None, 260, None)]
+# the new options (layer-major accumulation, resident layers) where they matter: gradient
+# accumulation of >= 4 micro-batches (micro-batch sizes given so the step has them), and models
+# whose weights fit the device: (model, hardware, seq, global batch, micro-batch sizes)
+NEW_OPTIONS = [("qwen2.5-7b", "h200", 4096, 8, (1, 2)), ("qwen2.5-14b", "h200", 4096, 8, (1, 2)),
+               ("llama3-8b", "h800", 4096, 8, (1, 2)), ("qwen2.5-14b", "h200", 1024, 16, (1, 4)),
+               ("qwen2.5-32b", "h200", 4096, 8, (1, 2))]
+OLD_OPTIONS = {"per_loads": (1,), "resident": False}
+"""The search without the new options: micro-batch-major, every layer streamed."""
 STRICT = 1e-3  # the MILP plan "beats" / "trails" the best rule when tokens/s differ by more than 0.1%
 
 
 def run_case(model: str, hw_name: str, seq: int, time_limit_s: float, tokens_per_step: int,
-             gpu_gb: float | None = None, host_gb: float | None = None) -> dict:
+             gpu_gb: float | None = None, host_gb: float | None = None, sizes: tuple[int, ...] | None = None,
+             options: dict | None = None) -> dict:
     from layerwise.plan.check import check
     from layerwise.plan.shape import load_shape
     from layerwise.plan.hardware import PRESETS
@@ -60,7 +75,8 @@ def run_case(model: str, hw_name: str, seq: int, time_limit_s: float, tokens_per
     mem = {"gpu_mem_gb": gpu_gb, "host_mem_gb": host_gb}
     t0, c0 = time.perf_counter(), time.process_time()
     try:
-        res = search(shape, hw, seq, SearchConfig(global_batch=batch, milp=MilpConfig(time_limit_s=time_limit_s)))
+        res = search(shape, hw, seq, SearchConfig(global_batch=batch, micro_batch_sizes=sizes,
+                                                  milp=MilpConfig(time_limit_s=time_limit_s), **(options or {})))
     except PlanInfeasible as e:
         return {"model": model, "hardware": hw_name, "seq": seq, "batch": batch, **mem, "fits": False,
                 "binding": e.resource, "over_bytes": e.over_bytes}
@@ -81,6 +97,7 @@ def run_case(model: str, hw_name: str, seq: int, time_limit_s: float, tokens_per
         "model": model, "hardware": hw_name, "seq": seq, "batch": batch, **mem, "fits": True,
         "micro_batch_size": p.micro_batch_size, "num_micro_batches": p.num_micro_batches,
         "prefetch_depth": p.prefetch_depth,
+        "micro_batches_per_load": p.micro_batches_per_load, "resident_layers": len(p.resident_layers),
         "max_micro_batch_size": res.max_micro_batch_size,
         "plan_source": p.source,
         "tiers": {t: p.boundary_tiers.count(t) for t in ("device", "host", "nvme", "recompute")},
@@ -114,6 +131,18 @@ def run_case(model: str, hw_name: str, seq: int, time_limit_s: float, tokens_per
     }
 
 
+def new_options_case(model: str, hw_name: str, seq: int, batch: int, sizes: tuple[int, ...],
+                     time_limit_s: float) -> dict:
+    """The best plan with the new options (layer-major order, resident layers) against the best
+    without them, at the same global batch and micro-batch sizes."""
+    new = run_case(model, hw_name, seq, time_limit_s, batch * seq, sizes=sizes)
+    old = run_case(model, hw_name, seq, time_limit_s, batch * seq, sizes=sizes, options=OLD_OPTIONS)
+    both = new["fits"] and old["fits"]
+    return {"model": model, "hardware": hw_name, "seq": seq, "batch": batch, "micro_batch_sizes": list(sizes),
+            "new": new, "old": old,
+            "speedup_new_options": new["tokens_per_s_emitted"] / old["tokens_per_s_emitted"] if both else None}
+
+
 def _geomean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
@@ -121,6 +150,8 @@ def _geomean(xs: list[float]) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer models, shorter MILP time limit")
+    ap.add_argument("--new-options-only", action="store_true",
+                    help="only the cases comparing the search with and without the new options")
     ap.add_argument("--tokens-per-step", type=int, default=TOKENS_PER_STEP,
                     help="global batch in tokens (sequences = tokens // seq)")
     args = ap.parse_args()
@@ -130,8 +161,13 @@ def main() -> int:
     models = QUICK_MODELS if args.quick else MODELS
     time_limit = 2.0 if args.quick else 10.0
     t0 = time.perf_counter()
-    cases = [run_case(m, h, s, time_limit, args.tokens_per_step) for m in models for h in HARDWARE for s in SEQS]
-    cases += [run_case(m, h, s, time_limit, tps or args.tokens_per_step, g, hm) for m, h, s, g, hm, tps in TIGHT_HOST]
+    new_cases = [new_options_case(m, h, s, b, sz, time_limit) for m, h, s, b, sz in NEW_OPTIONS]
+    cases = [] if args.new_options_only else [
+        run_case(m, h, s, time_limit, args.tokens_per_step) for m in models for h in HARDWARE for s in SEQS]
+    cases += [] if args.new_options_only else [
+        run_case(m, h, s, time_limit, tps or args.tokens_per_step, g, hm) for m, h, s, g, hm, tps in TIGHT_HOST]
+    cases += [c["new"] for c in new_cases]
+    speedups = [c["speedup_new_options"] for c in new_cases if c["speedup_new_options"]]
     for c in cases:
         c["tight_host"] = c.get("host_mem_gb") is not None
     fit = [c for c in cases if c["fits"]]
@@ -148,6 +184,15 @@ def main() -> int:
         "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
                     "cpus": os.cpu_count(), "highspy": version("highspy")},
         "cases": cases,
+        "new_options_cases": [{k: v for k, v in c.items() if k not in ("new", "old")}
+                              | {"new_plan": {k: c["new"].get(k) for k in ("micro_batch_size", "num_micro_batches",
+                                                                         "micro_batches_per_load", "resident_layers",
+                                                                         "plan_source", "tokens_per_s_emitted")},
+                                 "old_plan": {k: c["old"].get(k) for k in ("micro_batch_size", "num_micro_batches",
+                                                                         "plan_source", "tokens_per_s_emitted")}}
+                              for c in new_cases],
+        # the best plan with layer-major order and resident layers vs the best without (h200 and h800)
+        "geomean_speedup_new_options": _geomean(speedups) if speedups else None,
         "cases_milp_beats_best_rule": len(wins),
         "cases_milp_ties_best_rule": sum(abs(x - 1) <= STRICT for x in milp),
         "cases_milp_trails_best_rule": sum(x < 1 - STRICT for x in milp),
@@ -164,8 +209,9 @@ def main() -> int:
         "geomean_milp_speedup_vs_best_boundary_rule": _geomean(milp_b) if milp_b else None,
         "share_milp_beats_best_boundary_rule_by_5pct": sum(x > 1.05 for x in milp_b) / len(milp_b) if milp_b else None,
         "tight_host_milp_speedup_vs_best_rule": [c["milp_speedup_vs_best_rule"] for c in fit if c["tight_host"]],
-        "geomean_speedup_vs_k4": _geomean(vs_k4),
-        "max_speedup_vs_k4": max(vs_k4),
+        "frac_cases_milp_beats_best_rule_5pct": sum(x > 1.05 for x in milp) / len(milp) if milp else None,
+        "geomean_speedup_vs_k4": _geomean(vs_k4) if vs_k4 else None,
+        "max_speedup_vs_k4": max(vs_k4, default=None),
         "max_solve_s": max(c["solve_s"] for c in fit),
         # the same in this process's CPU time: on a shared machine the wall clock also counts
         # the time other jobs hold the cores

@@ -11,8 +11,8 @@ from layerwise.plan.milp import MilpConfig, StepModel
 from layerwise.plan.shape import load_shape
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "planner.md"
-LAYER_GROUP_NAMES = ["one_tier_each", "copy_windows", "compute_windows", "recompute_need", "recompute_run",
-                     "device_at_backward", "nvme_read_ahead", "nvme_flag"]
+LAYER_GROUP_NAMES = ["one_tier_each", "copy_windows", "streamed_weights", "compute_windows", "recompute_need",
+                     "recompute_run", "device_at_backward", "nvme_read_ahead", "nvme_flag"]
 STEP_GROUP_NAMES = ["device_at_head", "host_capacity", "nvme_capacity", "nvme_lane", "accumulation_lane",
                     "optimizer_overlap"]
 
@@ -50,7 +50,7 @@ def test_every_constraint_group_is_named_in_docs_planner_md_and_adds_rows(model)
     assert "optimizer_overlap" not in [g.__name__ for g in step_groups(MilpConfig(include_optimizer_stall=False))]
     for name in LAYER_GROUP_NAMES + STEP_GROUP_NAMES:
         assert f"    {name}" in doc, f"{name} is not written out in docs/planner.md"
-    rows = build(model, MilpConfig()).rows
+    rows = build(model, MilpConfig(resident=True)).rows
     assert sorted(set(rows.groups)) == sorted(LAYER_GROUP_NAMES + STEP_GROUP_NAMES)
     # layer by layer, each layer's rows in the groups' order, then the step's
     assert list(dict.fromkeys(rows.groups)) == LAYER_GROUP_NAMES + STEP_GROUP_NAMES
@@ -68,21 +68,34 @@ ASSIGNMENTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def layer_major():
+    """The same model with 4 micro-batches sharing each weight load."""
+    return StepModel(load_shape("qwen2.5-3b"), PRESETS["h200"], 1, 2048, 4, per_load=4)
+
+
+@pytest.mark.parametrize("resident", [None, [0, 3, 5]])
+@pytest.mark.parametrize("order", ["micro-batch-major", "layer-major"])
 @pytest.mark.parametrize("name", list(ASSIGNMENTS))
-def test_a_fixed_assignment_meets_every_row_and_costs_what_the_step_model_says(model, name):
+def test_a_fixed_assignment_meets_every_row_and_costs_what_the_step_model_says(model, layer_major, name, order,
+                                                                              resident):
     """The MILP and ``StepModel.evaluate`` are one model: the evaluation of a feasible assignment,
     written as a solution vector, meets every row and every column bound, and the objective of
-    that vector, less the tie-breaks, is the evaluated step time.
+    that vector, less the tie-breaks, is the evaluated step time; in both orders, with and
+    without resident layers.
 
-    Mutation seen failing: ``recompute_need`` with ``ρ_i ≥ ν_i + x_i`` (its lower bound 0
-    instead of -1: a needed stored boundary would count as recomputed)."""
+    Mutations seen failing: ``recompute_need`` with ``ρ_i ≥ ν_i + x_i`` (its lower bound 0
+    instead of -1: a needed stored boundary would count as recomputed); ``streamed_weights``
+    without its ``r_i`` term (a resident layer's forward window then still holds its copy,
+    against what ``evaluate`` says)."""
+    model = layer_major if order == "layer-major" else model
     L = model.L
     tiers_p, internal_p = ASSIGNMENTS[name]
     tiers, internal = (tiers_p * L)[:L], (internal_p * L)[:L]
     moments = ["fp32"] * len(model.units)
-    ev = model.evaluate(tiers, True, moments, internal)
+    ev = model.evaluate(tiers, True, moments, internal, resident)
     assert ev.feasible, ev.violations
-    form = build(model, MilpConfig())
+    form = build(model, MilpConfig(resident=resident is not None))
     vals = form.start_vector(ev, tiers, internal, moments)
     cols, rows = form.cols, form.rows
     for c, v in enumerate(vals):
@@ -95,3 +108,4 @@ def test_a_fixed_assignment_meets_every_row_and_costs_what_the_step_model_says(m
     ties_s = sum(cols.cost[c] * vals[c] for c in form.ties) / MS
     assert objective_s - ties_s == pytest.approx(ev.step_s, rel=1e-9)
     assert form.decode(vals, MilpConfig()) == (tiers, internal, moments)
+    assert form.decode_resident(vals) == (resident or [])

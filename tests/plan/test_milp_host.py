@@ -61,14 +61,16 @@ def test_nvme_staging_is_charged_only_with_an_nvme_boundary(tight):
 
     Mutation seen caught: staging dropped from ``evaluate`` (the NVMe assignment then passes)."""
     shape, hw, moments = tight
-    model = StepModel(shape, hw, 16, 1024, 1, moments=moments)
+    # two micro-batches: the gradients are summed on the host, so the store keeps them in fp32
+    model = StepModel(shape, hw, 16, 1024, 2, moments=moments)
     assert 1 <= model.max_host() < NVME_STAGING
     one = ["device"] * shape.num_layers
     for tier, fits in (("host", True), ("nvme", False)):
         tiers = list(one)
         tiers[5] = tier
         assert model.evaluate(tiers).feasible is fits, tier
-    plan = Plan(one[:5] + ["host"] + one[6:], micro_batch_size=16, seq_len=1024, moments=moments)
+    plan = Plan(one[:5] + ["host"] + one[6:], micro_batch_size=16, num_micro_batches=2, seq_len=1024,
+                moments=moments)
     assert simulate(plan, shape, hw, keep_trace=False).fits
 
 
@@ -98,8 +100,9 @@ def test_milp_switches_units_to_8bit_to_offload_boundaries(tight):
     assert cm.host_store_bytes(r.moments) + r.tiers.count("host") * cm.boundary_bytes <= hw.host_cap_bytes
     # through the search (which re-solves once with the simulator's overflow held back): the
     # MILP's plan fits, is emitted, and beats every rule at this micro-batch size
+    # (micro-batch-major, every layer streamed: the trade under test is moments against boundaries)
     res = search(shape, hw, 1024, SearchConfig(global_batch=256, micro_batch_sizes=(64,), prefetch_depth=1,
-                                               milp=BOUNDARIES_ONLY))
+                                               milp=BOUNDARIES_ONLY, per_loads=(1,), resident=False))
     milp = res.by_name["milp"]
     assert milp.sim.fits and milp.plan.moments.count("8bit") > moments.count("8bit")
     assert milp.plan.boundary_tiers.count("host") > 1

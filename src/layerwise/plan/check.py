@@ -6,7 +6,8 @@ every tier's occupancy at every instant something is allocated, and checks that
 
 - no tier (device, pinned host + the host store, NVMe) is over capacity at any instant;
 - no lane runs two things at once;
-- every compute op had its weights on the device, copied in before it started, and its input
+- every compute op had its weights on the device, copied in before it started (a resident
+  layer's: refreshed once in this step before it), and its input
   boundary present (kept, fetched after its offload finished, or recomputed) for its whole run;
 - NVMe reads start after the matching write ended;
 - a weight copy in step s+1 starts after that unit's optimizer update in step s.
@@ -22,7 +23,7 @@ import numpy as np
 from .shape import ModelShape
 from .hardware import HardwareProfile
 from .program import OpKind
-from .trace import LANES, SimResult
+from .trace import LANES, RESIDENT_SLOT, SimResult
 
 EPS = 1e-9
 
@@ -123,9 +124,14 @@ def _op_inputs(sim: SimResult) -> list[str]:
         return any(a.start <= s + EPS and a.end >= e - EPS for a in allocs_by_label.get(key, ()))
 
     slot_copies: dict[int, list] = defaultdict(list)  # weight slot -> copies into it, by start
+    refreshes: dict[tuple[int, str], float] = {}  # (step, resident unit) -> when its refresh ended
     for iv in sim.intervals:
         if iv.label.startswith("w "):
-            slot_copies[int(iv.label.rsplit("@", 1)[1])].append(iv)
+            unit, slot = iv.label[2:].rsplit(" @", 1)
+            if slot == RESIDENT_SLOT:
+                refreshes[(iv.step, unit)] = iv.end
+            else:
+                slot_copies[int(slot)].append(iv)
     for ivs in slot_copies.values():
         ivs.sort(key=lambda c: c.start)
     for op in sim.op_log:
@@ -138,6 +144,10 @@ def _op_inputs(sim: SimResult) -> list[str]:
                          f"not in slot {slot} when it starts")
             elif any(s + EPS < c.start < e - EPS for c in into):
                 v.append(f"{op['kind']} {op['index']}: slot {slot} overwritten while it runs")
+        for u in op.get("resident", ()):
+            if refreshes.get((op["step"], u), float("inf")) > s + EPS:
+                v.append(f"{op['kind']} {op['index']} (step {op['step']}, mb {op['mb']}): resident weights of {u} "
+                         "not refreshed this step before it starts")
         if op["kind"] in (OpKind.LAYER_BWD, OpKind.RECOMPUTE_LAYER):
             i = op["index"]
             if not covered(f"boundary {i}", s, e):

@@ -171,13 +171,15 @@ class CostModel:
     def nvme_write_s(self, nbytes: float) -> float:
         return nbytes / (self.hw.nvme_write_gbps * 1e9)
 
-    def grad_accumulate_s(self, unit: str, first: bool = False) -> float:
-        """Host ``grad (fp32) += landed grad`` (``grad_accum.accumulate``): reads ``e`` + 4
-        bytes and writes 4 per parameter, or (``first``: the unit's first landing of the step,
-        which writes) reads ``e`` and writes 4. A bf16 gradient at ``host_accum_bf16_gbps``, an
-        fp32 one (the CPU backend) at ``host_accum_gbps``."""
-        gbps = self.hw.accum_bf16_gbps if self.elem_bytes == 2 else self.hw.host_accum_gbps
-        per_param = self.elem_bytes + (4 if first else 8)
+    def grad_accumulate_s(self, unit: str, first: bool = False, landed_itemsize: int | None = None) -> float:
+        """Host ``grad (fp32) += landed grad`` (``grad_accum.accumulate``): reads the landed
+        gradient (``landed_itemsize``, default the compute dtype's ``e``; fp32 where the device
+        summed a group of micro-batches) + 4 bytes and writes 4 per parameter, or (``first``: the
+        unit's first landing of the step, which writes) reads the landed one and writes 4. A bf16
+        gradient at ``host_accum_bf16_gbps``, an fp32 one at ``host_accum_gbps``."""
+        itemsize = self.elem_bytes if landed_itemsize is None else landed_itemsize
+        gbps = self.hw.accum_bf16_gbps if itemsize == 2 else self.hw.host_accum_gbps
+        per_param = itemsize + (4 if first else 8)
         return self.shape.trainable_params(unit) * per_param / (gbps * 1e9)
 
     def optimizer_step_s(self, unit: str, moments: str = "fp32") -> float:

@@ -38,6 +38,8 @@ class Choices(Protocol):
     """Whether the next forward's wait for the optimizer is modelled (:func:`optimizer_overlap`)."""
     choose_moments: bool
     """Whether ``q_u`` is free (else fixed at the step model's ``moments``)."""
+    resident: bool
+    """Whether a layer's weights may stay on the device (``r_i`` free, else no such columns)."""
 
 
 Row = tuple[float, float, dict[int, float]]
@@ -70,11 +72,19 @@ class Vars:
     """``ν_i``: the backward needs boundary ``i``."""
     recomputed: Block
     """``ρ_i``: boundary ``i`` is recomputed."""
+    resident: Block | None
+    """``r_i``: layer ``i``'s weights stay on the device (binary; None where the config rules
+    resident layers out, so that model is the one without them, column for column)."""
+
+    def resident_coefs(self, coef: Callable[[int], float], layers: range) -> dict[int, float]:
+        """``{r_j: coef(j)}`` over ``layers`` (none without resident columns)."""
+        return {} if self.resident is None else {self.resident[j]: coef(j) for j in layers}
 
 
 def variables(cols: ColumnMap, m: StepModel, cfg: Choices) -> Vars:
     """Allocate the columns with their bounds: tiers a config rules out are fixed at 0, window
-    lengths start at what no choice changes (``f_i ≥ w_i``, ``b_i ≥ max(B'_i, w_i, g_i)``)."""
+    lengths start at what no choice changes (``f_i ≥ w_i``, ``b_i ≥ max(B'_i, w_i, g_i)``; without
+    ``w_i`` where a layer may be resident)."""
     L, U = m.L, len(m.units)
     tier = cols.add("tier", L, ALL_TIERS, integer=True)
     f = cols.add("f", L, upper=INF)
@@ -86,18 +96,20 @@ def variables(cols: ColumnMap, m: StepModel, cfg: Choices) -> Vars:
     internal = cols.add("internal", L, ALL_INTERNAL_TIERS, integer=True)
     needed = cols.add("needed", L)
     recomputed = cols.add("recomputed", L)
+    resident = cols.add("resident", L, integer=True) if cfg.resident else None
     for i in range(L):
         for t in ALL_TIERS:
             cols.bound(tier[i, t], upper=1.0 if t in cfg.tiers else 0.0)
         for t in ALL_INTERNAL_TIERS:
             cols.bound(internal[i, t], upper=1.0 if t in cfg.internal_tiers else 0.0)
-        cols.bound(f[i], lower=m.w_in[i] * MS)
-        cols.bound(b[i], lower=max(m.w_in[i], m.grad_out[i], m.c_bwd_kept[i]) * MS)
+        w = 0.0 if cfg.resident else m.w_in[i]
+        cols.bound(f[i], lower=w * MS)
+        cols.bound(b[i], lower=max(w, m.grad_out[i], m.c_bwd_kept[i]) * MS)
     if not cfg.choose_moments:
         for u, mom in enumerate(m.moments or ["fp32"] * U):
             fixed = 1.0 if mom == "8bit" else 0.0
             cols.bound(q[u], lower=fixed, upper=fixed)
-    return Vars(tier, f, b, run, stall, q, z, internal, needed, recomputed)
+    return Vars(tier, f, b, run, stall, q, z, internal, needed, recomputed, resident)
 
 
 # ----- objective ---------------------------------------------------------------------------
@@ -116,16 +128,18 @@ def objective(cols: ColumnMap, x: Vars, m: StepModel, cfg: Choices) -> float:
 
 def tie_breaks(cols: ColumnMap, x: Vars, m: StepModel) -> list[int]:
     """Among choices the model prices equally: keep rather than move, host over NVMe, fp32
-    moments where 8-bit buys nothing. Returns the columns charged (their cost is not step time)."""
+    moments where 8-bit buys nothing, a resident layer where device memory is left. Returns the columns charged (their cost is not step time)."""
     M = m.num_micro_batches
     for i in range(m.L):
         cols.cost[x.tier[i, "host"]] = TIE * M * m.a_in * MS
         cols.cost[x.tier[i, "nvme"]] = 2 * TIE * M * m.a_in * MS
         cols.cost[x.internal[i, "host"]] = TIE * M * m.ws_in * MS
+        if x.resident is not None:  # resident where it is free: less PCIe traffic
+            cols.cost[x.resident[i]] = -TIE * M * m.w_in[i] * MS
     for u in range(len(m.units)):
         cols.cost[x.q[u]] = TIE * m.opt_fp32[u] * MS
     return ([x.tier[i, t] for i in range(m.L) for t in ("host", "nvme")] + [x.q[u] for u in range(len(m.units))]
-            + [x.internal[i, "host"] for i in range(m.L)])
+            + [x.internal[i, "host"] for i in range(m.L)] + (x.resident.at() if x.resident else []))
 
 
 # ----- per-layer constraint groups -----------------------------------------------------------
@@ -138,11 +152,24 @@ def one_tier_each(m: StepModel, x: Vars, i: int) -> list[Row]:
 
 def copy_windows(m: StepModel, x: Vars, i: int) -> list[Row]:
     """The D2H lane in the forward window (offloaded boundary and host internals share it), the
-    H2D lane in the backward window (their fetches share it with the weights)."""
+    H2D lane in the backward window (their fetches share it with the weights, unless resident):
+    ``b_i ≥ w_i (1 − r_i) + a_in (h_i + n_i) + v_in kh_i``."""
     off = (x.tier[i, "host"], x.tier[i, "nvme"])
     kh = x.internal[i, "host"]
     return [(0.0, INF, {x.f[i]: 1.0, **{c: -m.a_out * MS for c in off}, kh: -m.ws_out * MS}),
-            (m.w_in[i] * MS, INF, {x.b[i]: 1.0, **{c: -m.a_in * MS for c in off}, kh: -m.ws_in * MS})]
+            (m.w_in[i] * MS, INF, {x.b[i]: 1.0, **{c: -m.a_in * MS for c in off}, kh: -m.ws_in * MS,
+                                   **x.resident_coefs(lambda j: m.w_in[j] * MS, range(i, i + 1))})]
+
+
+def streamed_weights(m: StepModel, x: Vars, i: int) -> list[Row]:
+    """``f_i ≥ w_i (1 − r_i) + u_i r_i``: a streamed layer's forward window holds its weight copy
+    (a micro-batch's share of it: ``w_i`` is the copy over the micro-batches sharing it); a
+    resident layer's holds a micro-batch's share of its one refresh per step, ``u_i =
+    (W_i/h2d) / M`` (the refresh lands in the first group's forward; the windows are counted per
+    micro-batch). Without resident columns the column bound ``f_i ≥ w_i`` says it."""
+    if x.resident is None:
+        return []
+    return [(m.w_in[i] * MS, INF, {x.f[i]: 1.0, x.resident[i]: (m.w_in[i] - m.w_refresh[i]) * MS})]
 
 
 def compute_windows(m: StepModel, x: Vars, i: int) -> list[Row]:
@@ -174,16 +201,19 @@ def recompute_run(m: StepModel, x: Vars, i: int) -> list[Row]:
 
 
 def device_at_backward(m: StepModel, x: Vars, i: int) -> list[Row]:
-    """Device memory at layer ``i``'s backward, in boundaries: kept boundaries and device
-    internals of the layers at or below, host internals of this layer and the one below
-    (fetched ahead), the held recomputed run."""
+    """Device memory at layer ``i``'s backward, in boundaries: for each of the ``P`` micro-batches
+    of a group, kept boundaries and device internals of the layers at or below, host internals
+    of this layer and the one below (fetched ahead), the held recomputed run; and every
+    resident layer's weights (``r_j W_j / A``)."""
+    P = m.per_load
     d, kd = x.tier.at("device"), x.internal.at("device")
-    prefix = {d[j]: 1.0 for j in range(i + 1)}
-    prefix.update({kd[j]: m.ws_ratio for j in range(i + 1)})
+    prefix = {d[j]: float(P) for j in range(i + 1)}
+    prefix.update({kd[j]: P * m.ws_ratio for j in range(i + 1)})
     for j in (i, i - 1):
         if j >= 0:
-            prefix[x.internal[j, "host"]] = m.ws_ratio
-    prefix[x.run[i]] = 1.0
+            prefix[x.internal[j, "host"]] = P * m.ws_ratio
+    prefix[x.run[i]] = float(P)
+    prefix.update(x.resident_coefs(lambda j: m.resident_ratio[j], range(m.L)))
     return [(-INF, m.max_device_prefix(i), prefix)]
 
 
@@ -201,34 +231,41 @@ def nvme_flag(m: StepModel, x: Vars, i: int) -> list[Row]:
 
 
 LayerGroup = Callable[[StepModel, Vars, int], list[Row]]
-LAYER_GROUPS: tuple[LayerGroup, ...] = (one_tier_each, copy_windows, compute_windows, recompute_need,
-                                        recompute_run, device_at_backward, nvme_read_ahead, nvme_flag)
+LAYER_GROUPS: tuple[LayerGroup, ...] = (one_tier_each, copy_windows, streamed_weights, compute_windows,
+                                        recompute_need, recompute_run, device_at_backward, nvme_read_ahead,
+                                        nvme_flag)
 
 
 # ----- per-step constraint groups --------------------------------------------------------------
 
 def device_at_head(m: StepModel, x: Vars) -> list[Row]:
-    """Device memory at the head: every kept boundary and device internals, and the top layer's
-    host internals (fetched ahead during the head)."""
-    total = {x.tier[j, "device"]: 1.0 for j in range(m.L)}
-    total.update({x.internal[j, "device"]: m.ws_ratio for j in range(m.L)})
-    total[x.internal[m.L - 1, "host"]] = m.ws_ratio
+    """Device memory at the head: per micro-batch of a group every kept boundary and device
+    internals, and the top layer's host internals (fetched ahead during the head); the resident
+    weights."""
+    P = m.per_load
+    total = {x.tier[j, "device"]: float(P) for j in range(m.L)}
+    total.update({x.internal[j, "device"]: P * m.ws_ratio for j in range(m.L)})
+    total[x.internal[m.L - 1, "host"]] = P * m.ws_ratio
+    total.update(x.resident_coefs(lambda j: m.resident_ratio[j], range(m.L)))
     return [(-INF, m.max_device_total(), total)]
 
 
 def host_capacity(m: StepModel, x: Vars) -> list[Row]:
-    """Host memory, in boundaries: offloaded boundaries + host internals + NVMe staging (with any
-    NVMe) ≤ what the all-fp32 store leaves, which each 8-bit unit enlarges by ``s_u``."""
-    host = {x.tier[j, "host"]: 1.0 for j in range(m.L)}
-    host.update({x.internal[j, "host"]: m.ws_ratio for j in range(m.L)})
+    """Host memory, in boundaries: offloaded boundaries + host internals (of each of the ``P``
+    micro-batches of a group) + NVMe staging (with any NVMe) ≤ what the all-fp32 store leaves
+    (with bf16 gradients when every unit lands once per step), which each 8-bit unit enlarges by
+    ``s_u``."""
+    P = m.per_load
+    host = {x.tier[j, "host"]: float(P) for j in range(m.L)}
+    host.update({x.internal[j, "host"]: P * m.ws_ratio for j in range(m.L)})
     host[x.z] = float(NVME_STAGING)
     host.update({x.q[u]: -m.saving_8bit[u] / m.a_bytes for u in range(len(m.units))})
     return [(-INF, m.host_budget_fp32 / m.a_bytes, host)]
 
 
 def nvme_capacity(m: StepModel, x: Vars) -> list[Row]:
-    """``Σ n_k ≤ cap_nvme / A``."""
-    return [(-INF, m.max_nvme(), {x.tier[j, "nvme"]: 1.0 for j in range(m.L)})]
+    """``P Σ n_k ≤ cap_nvme / A``."""
+    return [(-INF, m.max_nvme(), {x.tier[j, "nvme"]: float(m.per_load) for j in range(m.L)})]
 
 
 def nvme_lane(m: StepModel, x: Vars) -> list[Row]:
@@ -257,17 +294,20 @@ def accumulation_lane(m: StepModel, x: Vars) -> list[Row]:
 
 def optimizer_overlap(m: StepModel, x: Vars) -> list[Row]:
     """The next step's layer ``k`` forward ends after its update, copy and compute, the
-    optimizer updating units in order (8-bit moments make unit ``u``'s update ``δ_u`` longer):
+    optimizer updating units in order (8-bit moments make unit ``u``'s update ``δ_u`` longer), the
+    first group's ``P`` micro-batches running each forward:
     ``S − δ_embed q_embed ≥ O_embed + w_embed`` and, per layer ``k``,
-    ``S + E_f + Σ_{u≤k} f_u − Σ_{u≤k+1} δ_u q_u ≥ O_k + w_k + c_k``."""
+    ``S + P (E_f + Σ_{u≤k} f_u) − Σ_{u≤k+1} δ_u q_u ≥ O_k + W_k/h2d + P c_k`` (a resident
+    layer's ``W_k/h2d`` is its refresh)."""
+    P = m.per_load
     d_opt = [b - a for a, b in zip(m.opt_fp32, m.opt_8bit)]
     embed_ready, layer_done = m.optimizer_bounds(None)
     rows = [(embed_ready * MS, INF, {x.stall: 1.0, x.q[0]: -d_opt[0] * MS})]
     f, q = x.f.at(), x.q.at()
     for j in range(m.L):
-        r = {x.stall: 1.0, **{f[u]: 1.0 for u in range(j + 1)}}
+        r = {x.stall: 1.0, **{f[u]: float(P) for u in range(j + 1)}}
         r.update({q[u]: -d_opt[u] * MS for u in range(j + 2)})
-        rows.append(((layer_done[j] - m.e_fwd) * MS, INF, r))
+        rows.append(((layer_done[j] - P * m.e_fwd) * MS, INF, r))
     return rows
 
 
@@ -308,6 +348,8 @@ class Formulation:
         for u, mom in enumerate(moments):
             vals[x.q[u]] = 1.0 if mom == "8bit" else 0.0
         vals[x.z] = 1.0 if "nvme" in tiers else 0.0
+        for i, r in enumerate(ev.resident if x.resident is not None else ()):
+            vals[x.resident[i]] = r
         return vals
 
     def decode(self, vals: list[float], cfg: Choices) -> tuple[list[str], list[str], list[str]]:
@@ -317,6 +359,11 @@ class Formulation:
         internal = [max(cfg.internal_tiers, key=lambda t: vals[x.internal[i, t]]) for i in range(L)]
         moments = ["8bit" if vals[x.q[u]] > 0.5 else "fp32" for u in range(x.q.count)]
         return tiers, internal, moments
+
+    def decode_resident(self, vals: list[float]) -> list[int]:
+        """The resident layers of a solution vector."""
+        r = self.x.resident
+        return [] if r is None else [i for i in range(r.count) if vals[r[i]] > 0.5]
 
 
 def build(m: StepModel, cfg: Choices) -> Formulation:

@@ -1,9 +1,11 @@
 """Device memory of a plan: the slots the engine allocates once, plus what each op holds.
 
 Slots (allocated when the engine is built or at its first step, never again; the engine reads
-their counts from here): ``prefetch_depth + 1`` weight slots sized for the largest unit; on an
-asynchronous device ``GRAD_SLOTS`` gradient slots of the same size; ``FETCH_SLOTS`` slots for
-boundaries fetched back from host memory or NVMe. Live across ops: boundaries kept on the
+their counts from here): ``prefetch_depth + 1`` weight slots sized for the largest streamed unit;
+one buffer per resident layer; on an asynchronous device ``GRAD_SLOTS`` gradient slots for the
+largest unit (fp32 in layer-major order); :func:`fetch_slot_count` slots for boundaries fetched
+back from host memory or NVMe. In layer-major order the ops are walked for one group of
+micro-batches, each holding its own boundaries, internals and masks. Live across ops: boundaries kept on the
 device (until their layer's backward) and recomputed ones. Transient within an op: its inputs,
 outputs, gradients, autograd workspace, the head's logits and fp32 gradient accumulators. In
 flight (an asynchronous device): what the offloads (boundaries and host-tier internals moving
@@ -21,7 +23,8 @@ from dataclasses import dataclass, field
 
 from ..models.names import EMBED, HEAD, layer_unit
 from .plan import Plan
-from .program import BACKWARD_OPS, FETCH_AHEAD, FORWARD_OPS, Op, OpKind, micro_batch_program
+from .program import (BACKWARD_OPS, FETCH_AHEAD, FORWARD_OPS, Op, OpKind, micro_batch_program,
+                      resident_units)
 from .shape import ModelShape
 
 
@@ -157,16 +160,35 @@ def kept_internal_bytes(shape: ModelShape, plan: Plan, i: int, tokens: int, elem
     return layer_workspace_bytes(shape, tokens, elem_bytes, i) - shared
 
 
+def group_size(plan: Plan, num_micro_batches: int | None = None) -> int:
+    """Micro-batches that run each op together (one group of the step program)."""
+    n = plan.num_micro_batches if num_micro_batches is None else num_micro_batches
+    return max(1, min(plan.micro_batches_per_load, n))
+
+
+def resident_weight_bytes(shape: ModelShape, plan: Plan, elem_bytes: int) -> int:
+    """Device bytes of the resident layers' weights (one buffer each, held for the run)."""
+    return sum(shape.unit_weight_bytes(layer_unit(i), elem_bytes) for i in plan.resident_layers)
+
+
 def slot_bytes(shape: ModelShape, plan: Plan, micro_batch_size: int, seq_len: int, elem_bytes: int,
                grad_slots: bool = True) -> dict[str, int]:
-    """Device bytes of the engine's slots by kind (``grad_slots``: an asynchronous device)."""
+    """Device bytes of the engine's allocations made once, by kind (``grad_slots``: an
+    asynchronous device): weight slots for the largest streamed unit, the resident layers'
+    weights, gradient slots (fp32 in layer-major order) and fetch slots for a group."""
+    resident = resident_units(plan.resident_layers)
+    streamed = [u for u in shape.unit_names() if u not in resident]
+    largest_streamed = max((shape.unit_weight_bytes(u, elem_bytes) for u in streamed), default=0)
     largest_unit = max(shape.unit_weight_bytes(u, elem_bytes) for u in shape.unit_names())
+    per_load = group_size(plan)
     boundary = micro_batch_size * seq_len * shape.hidden_size * elem_bytes
     offloaded = sum(t in ("host", "nvme") for t in plan.boundary_tiers)
+    grad = GRAD_SLOTS * largest_unit * grad_slot_itemsize(elem_bytes, per_load) // elem_bytes
     return {
-        "weight_slots": (plan.prefetch_depth + 1) * largest_unit,
-        "grad_slots": GRAD_SLOTS * largest_unit if grad_slots else 0,
-        "fetch_slots": min(FETCH_SLOTS, offloaded) * boundary,
+        "weight_slots": (plan.prefetch_depth + 1) * largest_streamed,
+        "resident_weights": resident_weight_bytes(shape, plan, elem_bytes),
+        "grad_slots": grad if grad_slots else 0,
+        "fetch_slots": fetch_slot_count(offloaded, per_load) * boundary,
     }
 
 
@@ -180,52 +202,86 @@ def offload_bytes(shape: ModelShape, plan: Plan, op: Op, tokens: int, elem_bytes
     return out
 
 
+class _Live:
+    """What one micro-batch of the group holds on the device across ops."""
+
+    def __init__(self) -> None:
+        self.stored: set[int] = set()
+        """Boundaries on the device (kept or recomputed; fetched ones are in the fetch slots)."""
+        self.kept: dict[int, int] = {}
+        """Layer -> bytes of its internals on the device."""
+        self.forwarded: set[int] = set()
+        """Layers whose forward has run (their host-tier internals can be fetched)."""
+
+
 def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, seq_len: int,
                         elem_bytes: int, grad_slots: bool = True, workspace_bytes: int = 0,
                         offload_window_ops: int = OFFLOAD_WINDOW_OPS) -> list[MemoryEstimate]:
-    """What the device holds at each op of the program (its peak within the op), in program
-    order. ``workspace_bytes``: a fixed term for the device's own workspaces (CUDA).
-    ``grad_slots``: an asynchronous device (gradient slots; offloads may still be in flight
-    from the ``offload_window_ops - 1`` ops before, a synchronous one has finished them)."""
+    """What the device holds at each op of the step program of one group of
+    ``min(micro_batches_per_load, num_micro_batches)`` micro-batches (its peak while the op runs
+    for each of them in turn), in program order. Each micro-batch holds its own masks,
+    boundaries and internals; the slots and resident weights are held at every op.
+    ``workspace_bytes``: a fixed term for the device's own workspaces (CUDA). ``grad_slots``: an
+    asynchronous device (gradient slots; offloads may still be in flight from the
+    ``offload_window_ops - 1`` op runs before, a synchronous one has finished them)."""
     tokens = micro_batch_size * seq_len
     boundary = tokens * shape.hidden_size * elem_bytes
     slots = sum(slot_bytes(shape, plan, micro_batch_size, seq_len, elem_bytes, grad_slots).values())
     slots += workspace_bytes
+    group = group_size(plan)
     mask = mask_bytes(shape, micro_batch_size, seq_len, elem_bytes)
     ops = micro_batch_program(plan.boundary_tiers, plan.internal_tiers)
-    stored: set[int] = set()
-    kept: dict[int, int] = {}  # layer -> bytes of its internals on the device
-    forwarded: set[int] = set()  # layers whose forward has run (their internals can be fetched)
+    live = [_Live() for _ in range(group)]
     lag = offload_window_ops - 1 if grad_slots else 0
     offloads = [offload_bytes(shape, plan, op, tokens, elem_bytes) for op in ops]
+    runs: list[int] = []  # offload bytes of each op run so far, in the order they ran
     out = []
     for n, op in enumerate(ops):
         k, i = op.kind, op.index
-        # the window runs on across micro-batches: the previous one's last ops offload nothing
-        in_flight = sum(offloads[max(0, n - lag):n])
-        for ahead in ops[n:n + 1 + FETCH_AHEAD]:  # host-tier internals arrive when fetched ahead
-            if ahead.kind == OpKind.FETCH_INTERNALS and ahead.index in forwarded:
-                kept[ahead.index] = kept_internal_bytes(shape, plan, ahead.index, tokens, elem_bytes)
-        if k in FORWARD_OPS and plan.boundary_tiers[i] == "device":
-            stored.add(i)
-        elif k == OpKind.RECOMPUTE_EMBED:
-            stored.add(0)
-        elif k == OpKind.RECOMPUTE_LAYER:
-            stored.add(i + 1)
-        transient = op_transient_bytes(shape, k, i, tokens, elem_bytes, plan.head_chunk_tokens) + mask
-        acts = len(stored) * boundary
-        internals = sum(kept.values())
-        out.append(MemoryEstimate(slots + acts + internals + transient + in_flight, str(op), {
-            "slots": slots, "activations": acts, "internals": internals, "transient": transient,
-            "offloads_in_flight": in_flight}))
-        if k in BACKWARD_OPS:
-            stored.discard(i)
-            kept.pop(i, None)
-        elif k == OpKind.LAYER_FWD_KEEP:
-            forwarded.add(i)
-            if plan.internal_tiers[i] == "device":
-                kept[i] = kept_internal_bytes(shape, plan, i, tokens, elem_bytes)
+        for mb in live:  # host-tier internals arrive when fetched ahead, for every micro-batch
+            for ahead in ops[n:n + 1 + FETCH_AHEAD]:
+                if ahead.kind == OpKind.FETCH_INTERNALS and ahead.index in mb.forwarded:
+                    mb.kept[ahead.index] = kept_internal_bytes(shape, plan, ahead.index, tokens, elem_bytes)
+        transient = op_transient_bytes(shape, k, i, tokens, elem_bytes, plan.head_chunk_tokens)
+        best: MemoryEstimate | None = None
+        for mb in live:
+            # the window runs on across micro-batches: the previous one's last ops offload nothing
+            in_flight = sum(runs[max(0, len(runs) - lag):]) if lag else 0
+            _store(plan, mb, k, i)
+            acts = sum(len(m.stored) for m in live) * boundary
+            internals = sum(sum(m.kept.values()) for m in live)
+            est = MemoryEstimate(slots + acts + internals + transient + group * mask + in_flight, str(op), {
+                "slots": slots, "activations": acts, "internals": internals,
+                "transient": transient + group * mask, "offloads_in_flight": in_flight})
+            if best is None or est.peak_bytes > best.peak_bytes:
+                best = est
+            _release(shape, plan, mb, k, i, tokens, elem_bytes)
+            runs.append(offloads[n])
+        assert best is not None
+        out.append(best)
     return out
+
+
+def _store(plan: Plan, mb: _Live, kind: OpKind, i: int) -> None:
+    """What an op holds from its start: its stored input boundary, a recomputed one."""
+    if kind in FORWARD_OPS and plan.boundary_tiers[i] == "device":
+        mb.stored.add(i)
+    elif kind == OpKind.RECOMPUTE_EMBED:
+        mb.stored.add(0)
+    elif kind == OpKind.RECOMPUTE_LAYER:
+        mb.stored.add(i + 1)
+
+
+def _release(shape: ModelShape, plan: Plan, mb: _Live, kind: OpKind, i: int, tokens: int,
+             elem_bytes: int) -> None:
+    """What an op lets go of (a backward: its boundary, its internals) or keeps after it ends."""
+    if kind in BACKWARD_OPS:
+        mb.stored.discard(i)
+        mb.kept.pop(i, None)
+    elif kind == OpKind.LAYER_FWD_KEEP:
+        mb.forwarded.add(i)
+        if plan.internal_tiers[i] == "device":
+            mb.kept[i] = kept_internal_bytes(shape, plan, i, tokens, elem_bytes)
 
 
 def predict_peak_device_bytes(shape: ModelShape, plan: Plan, micro_batch_size: int,

@@ -48,6 +48,9 @@ class MilpConfig:
     choose_moments: bool = True
     """Let the MILP pick each unit's optimizer moments (8-bit frees host memory for offloaded
     boundaries, fp32 keeps the optimizer faster); False keeps the model's ``moments``."""
+    resident: bool = False
+    """Let the MILP keep layers' weights on the device (no weight copies in their windows, one
+    refresh per step) where device memory allows, jointly with the activation tiers."""
 
     def validated(self) -> MilpConfig:
         """This config, or a ValueError naming the tier set that is wrong."""
@@ -81,12 +84,15 @@ class MilpResult:
     """Per unit optimizer moments of that assignment (chosen by the MILP, or the model's)."""
     internal_tiers: list[str] | None = None
     """Per layer tier of its internals."""
+    resident_layers: list[int] | None = None
+    """Layers whose weights stay on the device."""
 
     def plan(self, model: StepModel, **kw: Any) -> Plan:
         assert self.tiers is not None
         return Plan(list(self.tiers), internal_tiers=self.internal_tiers, micro_batch_size=model.micro_batch_size,
                     num_micro_batches=model.num_micro_batches, seq_len=model.seq_len,
                     prefetch_depth=model.prefetch_depth, head_chunk_tokens=model.head_chunk_tokens,
+                    micro_batches_per_load=model.per_load, resident_layers=list(self.resident_layers or []),
                     moments=self.moments, source="milp", **kw)
 
 
@@ -99,6 +105,7 @@ class Start:
     tiers: list[str]
     moments: list[str] | None = None
     internal: list[str] | None = None
+    resident: list[int] | None = None
 
     def moments_for(self, model: StepModel, cfg: MilpConfig) -> list[str]:
         """The moments the start runs with: its own when the MILP chooses them, else the model's."""
@@ -149,12 +156,12 @@ def boundaries_first(model: StepModel, cfg: MilpConfig, given: Start | None) -> 
     given_s = None
     if given is not None and len(given.tiers) == model.L:
         ev = model.evaluate(given.tiers, cfg.include_optimizer_stall, given.moments_for(model, cfg),
-                            given.internal)
+                            given.internal, given.resident)
         given_s = ev.step_s if ev.feasible else None
     if first.tiers is not None and (given_s is None or first.objective_s < given_s):
         # named after the start it came from, if any: the boundary solve began there
         name = given.name if given is not None else "boundaries"
-        return Start(name, first.tiers, first.moments), first.solve_s
+        return Start(name, first.tiers, first.moments, resident=first.resident_layers), first.solve_s
     return given, first.solve_s
 
 
@@ -197,9 +204,9 @@ def _seed(h: Any, highspy: Any, form: Formulation, model: StepModel, cfg: MilpCo
     if start is None or len(start.tiers) != model.L:
         return None
     moments, internal = start.moments_for(model, cfg), start.internal_for(model)
-    ev = model.evaluate(start.tiers, cfg.include_optimizer_stall, moments, internal)
+    ev = model.evaluate(start.tiers, cfg.include_optimizer_stall, moments, internal, start.resident)
     if not (ev.feasible and all(t in cfg.tiers for t in start.tiers)
-            and all(t in cfg.internal_tiers for t in internal)):
+            and all(t in cfg.internal_tiers for t in internal) and (cfg.resident or not start.resident)):
         return None
     sol = highspy.HighsSolution()
     sol.col_value = form.start_vector(ev, start.tiers, internal, moments)
@@ -221,6 +228,7 @@ def _answer(h: Any, form: Formulation, model: StepModel, cfg: MilpConfig, solve_
         return MilpResult(None, float("inf"), float("inf"), float("inf"), status, solve_s, seeded)
     x = list(h.getSolution().col_value)
     tiers, internal, moments = form.decode(x, cfg)
+    resident = form.decode_resident(x)
     obj = info.objective_function_value / MS
     x_obj = sum(c * v for c, v in zip(form.cols.cost, x)) / MS + model.const_s()
     ties = sum(form.cols.cost[c] * x[c] for c in form.ties) / MS
@@ -237,9 +245,9 @@ def _answer(h: Any, form: Formulation, model: StepModel, cfg: MilpConfig, solve_
         # from it) costs copies and memory for nothing, and the model may leave one where its
         # copies hide in a window: drop it
         tiers = [t if needed[i] else "recompute" for i, t in enumerate(tiers)]
-        step_s = min(step_s, model.evaluate(tiers, cfg.include_optimizer_stall, moments, internal).step_s)
+        step_s = min(step_s, model.evaluate(tiers, cfg.include_optimizer_stall, moments, internal, resident).step_s)
     return MilpResult(tiers, step_s, min(bound - ties, step_s), gap, status, solve_s, seeded,
-                      moments if cfg.choose_moments or model.moments is not None else None, internal)
+                      moments if cfg.choose_moments or model.moments is not None else None, internal, resident)
 
 
 def _quiet_highs(highspy: Any) -> Any:

@@ -12,6 +12,10 @@ Prefetch depth: each depth in ``SearchConfig.prefetch_depths`` is tried at every
 (a deeper prefetch costs one weight slot more per step of depth, and hides a weight copy that is
 longer than one compute window).
 
+Order and resident layers: each micro-batch size is also tried in layer-major order (all the
+step's micro-batches share each weight load, ``SearchConfig.per_loads``), and the MILP may keep
+layers' weights on the device (``SearchConfig.resident``).
+
 Optimizer moments: the MILP chooses them per unit (8-bit frees ~6 bytes/param of host memory
 for offloaded boundaries; fp32 keeps the host optimizer faster). A fixed rule gets fp32
 everywhere if the store plus the host memory its own offloaded boundaries need fits, else the
@@ -25,21 +29,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .baselines import baseline_tiers, extra_candidates, internal_rules
-from .cost import STATE_NBYTES, CostModel
+from .cost import CostModel
+from .host_fit import PlanInfeasible, choose_moments, human_bytes, infeasible, rule_moments
 from .shape import ModelShape
 from .hardware import HardwareProfile
 from .milp import MilpConfig, MilpResult, solve
 from .plan import Plan
 from .simulator import SimResult, simulate
-from .step_model import NVME_STAGING, StepModel
+from .step_model import StepModel
 
-
-class PlanInfeasible(ValueError):
-    """No plan fits: ``resource`` is the binding one, ``over_bytes`` by how much."""
-
-    def __init__(self, resource: str, over_bytes: int, detail: str):
-        self.resource, self.over_bytes = resource, over_bytes
-        super().__init__(detail)
+__all__ = ["Candidate", "PlanInfeasible", "SearchConfig", "SearchResult", "choose_moments", "human_bytes", "search",
+           "simulate_fast", "with_micro_batches"]
 
 
 @dataclass
@@ -61,6 +61,12 @@ class SearchConfig:
     """Depths tried when ``prefetch_depth`` is None."""
     head_chunk_tokens: int = 1024
     milp: MilpConfig = field(default_factory=MilpConfig)
+    per_loads: tuple[int, ...] | None = None
+    """Micro-batches sharing each weight load to try (those that divide the step's count); None:
+    1 (micro-batch-major) and all of them (layer-major: each unit's weights cross PCIe twice per
+    step, its gradient once)."""
+    resident: bool = True
+    """Let the MILP keep layers' weights on the device where device memory allows."""
     milp_budget_s: float | None = 6.0
     """HiGHS time for the whole search (every micro-batch size and depth solves the MILP, twice
     with the internals tier); a solve gets at most what is left, but at least ``MIN_SOLVE_S``, in
@@ -84,6 +90,8 @@ class Candidate:
     def row(self) -> dict[str, Any]:
         return {"name": self.name, "micro_batch_size": self.plan.micro_batch_size,
                 "num_micro_batches": self.plan.num_micro_batches, "prefetch_depth": self.plan.prefetch_depth,
+                "micro_batches_per_load": self.plan.micro_batches_per_load,
+                "resident_layers": len(self.plan.resident_layers),
                 **self.sim.summary()}
 
 
@@ -115,83 +123,39 @@ class SearchResult:
         return self.plan.micro_batch_size * self.plan.num_micro_batches
 
 
-def choose_moments(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 0) -> list[str]:
-    """fp32 moments unless the host store would not fit; then the fewest 8-bit parameters."""
-    cost = CostModel(shape, hw, 1, 1)
-    units = shape.unit_names()
-    budget = hw.host_cap_bytes - reserve_bytes
-    moments = ["fp32"] * len(units)
-    over = cost.host_store_bytes(moments) - budget
-    if over <= 0:
-        return moments
-
-    def saving(k: int) -> int:  # exact bytes 8-bit moments free on unit k
-        n = shape.unit_params(units[k])
-        return STATE_NBYTES["fp32"](n) - STATE_NBYTES["8bit"](n)
-
-    all8 = cost.host_store_bytes(["8bit"] * len(units))
-    if all8 > budget:
-        raise PlanInfeasible(
-            "host", all8 - budget,
-            f"host memory binds: the host store of {shape.name} needs {human_bytes(all8)} even with "
-            f"8-bit optimizer moments everywhere, but {human_bytes(budget)} is usable "
-            f"({human_bytes(all8 - budget)} over); use a machine with more RAM or --host-mem")
-    # largest units first, then drop any that is not needed (fewest 8-bit parameters, greedily)
-    order = sorted(range(len(units)), key=lambda k: -shape.unit_params(units[k]))
-    chosen: list[int] = []
-    freed = 0
-    for k in order:
-        if freed >= over:
-            break
-        chosen.append(k)
-        freed += saving(k)
-    for k in sorted(chosen, key=lambda k: shape.unit_params(units[k])):
-        if freed - saving(k) >= over:
-            chosen.remove(k)
-            freed -= saving(k)
-    for k in chosen:
-        moments[k] = "8bit"
-    return moments
-
-
-def rule_moments(shape: ModelShape, hw: HardwareProfile, tiers: list[str], boundary_bytes: int,
-                 internal: list[str] | None = None, internal_bytes: int = 0) -> list[str]:
-    """Moments for a fixed rule: the fewest 8-bit parameters with which the store and the host
-    memory the rule's own offloaded boundaries and internals need (NVMe staging included) fit;
-    all 8-bit when nothing does (the simulator then reports the plan over host capacity)."""
-    staging = NVME_STAGING if "nvme" in tiers else 0
-    offloaded = (tiers.count("host") + staging) * boundary_bytes + (internal or []).count("host") * internal_bytes
-    try:
-        return choose_moments(shape, hw, offloaded)
-    except PlanInfeasible:
-        return ["8bit"] * len(shape.unit_names())
-
-
 def simulate_fast(plan: Plan, shape: ModelShape, hw: HardwareProfile) -> SimResult:
-    """The simulator, with long accumulations extrapolated from 3 and 4 micro-batches.
+    """The simulator, with long accumulations extrapolated from 3 and 4 groups of micro-batches.
 
-    Micro-batches repeat identically, so after the first one the step grows linearly in their
-    number; memory peaks do not depend on it. Used to screen candidates; the emitted plan is
-    simulated in full.
+    Groups (``micro_batches_per_load`` micro-batches each) repeat identically, so after the
+    first one the step grows linearly in their number; memory peaks do not depend on it (host
+    bytes do when every gradient lands once, so a plan of one group is simulated in full). Used
+    to screen candidates; the emitted plan is simulated in full.
     """
-    m = plan.num_micro_batches
-    if m <= 4:
+    if not extrapolated(plan):
         return simulate(plan, shape, hw, keep_trace=False)
+    per = plan.micro_batches_per_load
+    m = plan.num_micro_batches
     short = []
     for k in (3, 4):
         d = plan.to_dict()
-        d["num_micro_batches"] = k
+        d["num_micro_batches"] = k * per
         short.append(simulate(Plan.from_dict(d), shape, hw, keep_trace=False))
     a, b = short
-    per = b.step_s - a.step_s
+    groups = m // per
     res = b
     res.plan = plan
-    res.step_s = b.step_s + (m - 4) * per
-    res.busy_s = {k: v + (m - 4) * (v - a.busy_s[k]) for k, v in b.busy_s.items()}
-    res.tokens_per_step = b.tokens_per_step // 4 * m
-    res.model_flops_per_step = b.model_flops_per_step / 4 * m
-    res.recompute_s = b.recompute_s / 4 * m
+    res.step_s = b.step_s + (groups - 4) * (b.step_s - a.step_s)
+    res.busy_s = {k: v + (groups - 4) * (v - a.busy_s[k]) for k, v in b.busy_s.items()}
+    res.tokens_per_step = b.tokens_per_step // (4 * per) * m
+    res.model_flops_per_step = b.model_flops_per_step / (4 * per) * m
+    res.recompute_s = b.recompute_s / (4 * per) * m
     return res
+
+
+def extrapolated(plan: Plan) -> bool:
+    """Whether :func:`simulate_fast` extrapolates ``plan`` (more than 4 groups of micro-batches)."""
+    per = plan.micro_batches_per_load
+    return plan.num_micro_batches > 4 * per and plan.num_micro_batches % per == 0
 
 
 def _divisors(n: int) -> list[int]:
@@ -216,8 +180,8 @@ class _Tally:
     by_name: dict[str, Candidate] = field(default_factory=dict)
     """Per rule and ``milp``: its fastest fitting candidate."""
     all_fit: list[Candidate] = field(default_factory=list)
-    milp_at: dict[tuple[int, int], MilpResult] = field(default_factory=dict)
-    """(micro-batch size, prefetch depth) -> the MILP solve there."""
+    milp_at: dict[tuple[int, int, int], MilpResult] = field(default_factory=dict)
+    """(micro-batch size, prefetch depth, micro-batches per load) -> the MILP solve there."""
     solve_s: float = 0.0
     """HiGHS seconds so far (the budget's spending)."""
     smallest_failure: Candidate | None = None
@@ -247,7 +211,10 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
     cfg = config or SearchConfig()
     t_start = time.perf_counter()
     depths = _depths(cfg, seq_len)
-    choose_moments(shape, hw)  # the store must fit with 8-bit moments at most: else say so now
+    # the store must fit with 8-bit moments at most (bf16 gradients where a plan may land them
+    # once): else say so now
+    lands_once = cfg.per_loads is None or max(cfg.per_loads) > 1 or cfg.global_batch in _micro_batch_sizes(cfg)
+    choose_moments(shape, hw, bf16_grads=lands_once)
     auto = cfg.global_batch is None
     rules = _rules(shape.num_layers)
     tally = _Tally(dict.fromkeys([*rules, "milp"], 0))
@@ -255,7 +222,9 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
         m_count = AUTO_MICRO_BATCHES if auto else cfg.global_batch // mbs  # type: ignore[operator]
         cands = []
         for depth in depths:
-            cands += _candidates(shape, hw, seq_len, cfg, rules, mbs, m_count, depth, tally)
+            for per_load in _per_loads(cfg, m_count):
+                if per_load == 1 or depth == depths[0]:  # layer-major: P computes hide each copy
+                    cands += _candidates(shape, hw, seq_len, cfg, rules, mbs, m_count, depth, per_load, tally)
         if not tally.add(mbs, cands) and tally.by_name:
             break  # larger micro-batches only need more memory
     pool = tally.cands
@@ -266,10 +235,21 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
     best = _fastest(by_name)
     plan = best.plan
     plan.source = "milp" if best.name == "milp" else f"planner:{best.name}"
-    res = tally.milp_at.get((plan.micro_batch_size, plan.prefetch_depth))
+    res = _milp_solve_of(tally, plan)
     plan.predicted = _predicted(shape, hw, best, res, tally)
     return SearchResult(plan, best, res, by_name, unfit, tally.tried, plan.moments or ["fp32"] * len(shape.unit_names()),
                         dict(tally.max_mbs), tally.solve_s, time.perf_counter() - t_start)
+
+
+def _milp_solve_of(tally: _Tally, plan: Plan) -> MilpResult | None:
+    """The MILP solve at the plan's micro-batch size, depth and order (auto mode may have moved
+    a layer-major plan to another group size than it was solved at)."""
+    mbs, depth = plan.micro_batch_size, plan.prefetch_depth
+    res = tally.milp_at.get((mbs, depth, plan.micro_batches_per_load))
+    if res is None:
+        res = next((r for (m, d, p), r in tally.milp_at.items()
+                    if (m, d) == (mbs, depth) and (p > 1) == plan.layer_major), None)
+    return res
 
 
 def _depths(cfg: SearchConfig, seq_len: int) -> tuple[int, ...]:
@@ -307,30 +287,55 @@ def _rules(num_layers: int) -> Rules:
     return rules
 
 
+def _per_loads(cfg: SearchConfig, m_count: int) -> list[int]:
+    """The micro-batches per weight load to try at ``m_count`` micro-batches per step."""
+    options = cfg.per_loads if cfg.per_loads is not None else (1, m_count)
+    return sorted({p for p in options if 1 <= p <= m_count and m_count % p == 0} or {1})
+
+
+def with_micro_batches(plan: Plan, m: int) -> Plan:
+    """``plan`` at ``m`` micro-batches per step: layer-major over all of them stays so, another
+    group size is kept where it divides ``m`` (else micro-batch-major)."""
+    d = plan.to_dict()
+    per = plan.micro_batches_per_load
+    d["micro_batches_per_load"] = m if per == plan.num_micro_batches and per > 1 else (per if m % per == 0 else 1)
+    d["num_micro_batches"] = m
+    return Plan.from_dict(d)
+
+
 def _candidates(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: SearchConfig, rules: Rules, mbs: int,
-                m_count: int, depth: int, tally: _Tally) -> list[Candidate]:
-    """Every rule at this (micro-batch size, depth) through the simulator, then the MILP warm-
-    started from the fastest rule that fits both models."""
-    kw = dict(micro_batch_size=mbs, num_micro_batches=m_count, seq_len=seq_len,
-              prefetch_depth=depth, head_chunk_tokens=cfg.head_chunk_tokens)
+                m_count: int, depth: int, per_load: int, tally: _Tally) -> list[Candidate]:
+    """Every rule at this (micro-batch size, depth, micro-batches per load) through the
+    simulator, then the MILP warm-started from the fastest rule that fits both models. In
+    layer-major order (a step is one long group, simulated in full) no rule is simulated: the
+    MILP starts from the rule the step model finds fastest, and its plan is simulated."""
+    kw = dict(micro_batch_size=mbs, num_micro_batches=m_count, seq_len=seq_len, prefetch_depth=depth,
+              head_chunk_tokens=cfg.head_chunk_tokens, micro_batches_per_load=per_load)
+    once = m_count <= per_load
     mbs_cost = CostModel(shape, hw, mbs, seq_len)
-    here: list[Candidate] = []
+    model = StepModel(shape, hw, mbs, seq_len, m_count, depth, cfg.head_chunk_tokens, per_load=per_load)
+    plans = []
     for name, (tiers, internal) in rules.items():
-        moments = rule_moments(shape, hw, tiers, mbs_cost.boundary_bytes, internal, mbs_cost.layer_workspace_bytes)
+        moments = rule_moments(shape, hw, tiers, mbs_cost.boundary_bytes, internal, mbs_cost.layer_workspace_bytes,
+                               per_load, once)
         plan = Plan(list(tiers), internal_tiers=internal, source=name, moments=moments, **kw)
-        here.append(Candidate(name, plan, simulate_fast(plan, shape, hw)))
-    model = StepModel(shape, hw, mbs, seq_len, m_count, depth, cfg.head_chunk_tokens)
-    fitting = [c for c in here if c.fits
-               and model.evaluate(c.plan.boundary_tiers, moments=c.plan.moments,
-                                  internal=c.plan.internal_tiers).feasible]
-    warm = max(fitting, key=lambda c: c.sim.tokens_per_s) if fitting else None
-    res = solve(model, _budgeted(cfg, tally.solve_s), (warm.name, warm.plan.boundary_tiers) if warm else None,
-                warm.plan.moments if warm else None, warm.plan.internal_tiers if warm else None)
+        ev = model.evaluate(plan.boundary_tiers, moments=moments, internal=plan.internal_tiers)
+        plans.append((name, plan, ev))
+    if per_load > 1:
+        here: list[Candidate] = []
+        feasible = [(ev.step_s, plan) for _, plan, ev in plans if ev.feasible]
+        warm = min(feasible, key=lambda p: p[0])[1] if feasible else None
+    else:
+        here = [Candidate(name, plan, simulate_fast(plan, shape, hw)) for name, plan, _ in plans]
+        fitting = [c for c, (_, _, ev) in zip(here, plans) if c.fits and ev.feasible]
+        warm = max(fitting, key=lambda c: c.sim.tokens_per_s).plan if fitting else None
+    res = solve(model, _budgeted(cfg, tally.solve_s), (warm.source, warm.boundary_tiers) if warm else None,
+                warm.moments if warm else None, warm.internal_tiers if warm else None)
     tally.solve_s += res.solve_s
     if res.tiers is not None:
         res, cand = _milp_candidate(shape, hw, seq_len, cfg, model, res, tally)
         here.append(cand)
-    tally.milp_at[(mbs, depth)] = res
+    tally.milp_at[(mbs, depth, per_load)] = res
     return here
 
 
@@ -345,7 +350,7 @@ def _milp_candidate(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: S
     if set(over) <= {"device", "host"} and over:
         model = StepModel(shape, hw, model.micro_batch_size, seq_len, model.num_micro_batches, model.prefetch_depth,
                           cfg.head_chunk_tokens, device_reserve_bytes=over.get("device", 0),
-                          host_reserve_bytes=over.get("host", 0))
+                          host_reserve_bytes=over.get("host", 0), per_load=model.per_load)
         again = solve(model, _budgeted(cfg, tally.solve_s))
         tally.solve_s += again.solve_s
         if again.tiers is not None:
@@ -377,7 +382,7 @@ def _fastest_per_rule(pool: list[Candidate], tally: _Tally, shape: ModelShape, h
     for name in dict.fromkeys(c.name for c in pool):
         mine = [c for c in pool if c.name == name]
         for c in sorted((c for c in mine if c.fits), key=lambda c: -c.sim.tokens_per_s)[:3]:
-            full = Candidate(name, c.plan, simulate(c.plan, shape, hw, keep_trace=False))
+            full = Candidate(name, c.plan, simulate(c.plan, shape, hw, keep_trace=False)) if extrapolated(c.plan) else c
             if full.fits:
                 by_name[name] = full
                 break
@@ -385,7 +390,7 @@ def _fastest_per_rule(pool: list[Candidate], tally: _Tally, shape: ModelShape, h
         if name not in by_name:
             unfit[name] = min((c for c in mine if not c.fits), key=_over_bytes)
     if not by_name:
-        raise _infeasible(shape, hw, seq_len, tally.smallest_failure)
+        raise infeasible(shape, hw, seq_len, tally.smallest_failure)
     return by_name, unfit
 
 
@@ -411,9 +416,7 @@ def _at_global_batch(cands: list[Candidate], global_batch: int, shape: ModelShap
             if m == c.plan.num_micro_batches:
                 out.append(c)
                 continue
-            d = c.plan.to_dict()
-            d["num_micro_batches"] = m
-            plan = Plan.from_dict(d)
+            plan = with_micro_batches(c.plan, m)
             out.append(Candidate(name, plan, simulate_fast(plan, shape, hw)))
     return out
 
@@ -448,6 +451,8 @@ def _predicted(shape: ModelShape, hw: HardwareProfile, best: Candidate, res: Mil
         "milp_gap": res.gap if res else None,
         "solve_s": tally.solve_s,
         "prefetch_depth": plan.prefetch_depth,
+        "micro_batches_per_load": plan.micro_batches_per_load,
+        "resident_layers": list(plan.resident_layers),
         "moments_8bit_units": (plan.moments or []).count("8bit"),
         # per rule, the largest micro-batch size tried (up to the largest that fits any) that fits
         "max_micro_batch_size": dict(tally.max_mbs),
@@ -456,19 +461,18 @@ def _predicted(shape: ModelShape, hw: HardwareProfile, best: Candidate, res: Mil
 
 def _budgeted(cfg: SearchConfig, spent_s: float) -> MilpConfig:
     """``cfg.milp`` with its time limit cut to what is left of the search's budget."""
+    milp = replace(cfg.milp, resident=cfg.milp.resident or cfg.resident)
     if cfg.milp_budget_s is None:
-        return cfg.milp
+        return milp
     left_s = max(MIN_SOLVE_S, cfg.milp_budget_s - spent_s)
-    return cfg.milp if left_s >= cfg.milp.time_limit_s else replace(cfg.milp, time_limit_s=left_s)
+    return milp if left_s >= milp.time_limit_s else replace(milp, time_limit_s=left_s)
 
 
 def _pick_accumulation(best: Candidate, shape: ModelShape, hw: HardwareProfile, cfg: SearchConfig) -> Candidate:
     """Auto mode: the smallest accumulation count within tolerance of the best tokens/s."""
     options = []
     for m in cfg.auto_num_micro_batches:
-        d = best.plan.to_dict()
-        d["num_micro_batches"] = m
-        plan = Plan.from_dict(d)
+        plan = with_micro_batches(best.plan, m)
         options.append(Candidate(best.name, plan, simulate_fast(plan, shape, hw)))
     options = [o for o in options if o.fits] or [best]
     top = max(o.sim.tokens_per_s for o in options)
@@ -476,29 +480,3 @@ def _pick_accumulation(best: Candidate, shape: ModelShape, hw: HardwareProfile, 
                key=lambda o: o.plan.num_micro_batches)
 
 
-def human_bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= 0.1 * scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _infeasible(shape: ModelShape, hw: HardwareProfile, seq_len: int, failure: Candidate | None) -> PlanInfeasible:
-    # the least device-hungry plan: every boundary offloaded, one sequence per micro-batch
-    plan = Plan(["host"] * shape.num_layers, micro_batch_size=1, seq_len=seq_len)
-    sims = [simulate(plan, shape, hw, keep_trace=False)] + ([failure.sim] if failure else [])
-    sim = next((x for x in sims if x.over_capacity()), None)
-    if sim is None:
-        return PlanInfeasible("unknown", 0, "no candidate plan fits; try a smaller sequence length")
-    tier, nbytes = max(sim.over_capacity().items(), key=lambda kv: kv[1])
-    used = {"device": sim.peak_device_bytes, "host": sim.peak_host_bytes, "nvme": sim.peak_nvme_bytes}[tier]
-    cap = {"device": sim.device_cap_bytes, "host": sim.host_cap_bytes, "nvme": sim.nvme_cap_bytes}[tier]
-    p = sim.plan
-    what = (f"one sequence of {seq_len} tokens per micro-batch with every boundary offloaded" if p is plan
-            else f"the leanest candidate ({p.source}, micro-batch {p.micro_batch_size} x {seq_len} tokens)")
-    hint = {"device": "a shorter sequence, a smaller model or a GPU with more memory (--gpu-mem)",
-            "host": "more host RAM (--host-mem)", "nvme": "more NVMe space"}[tier]
-    return PlanInfeasible(
-        tier, nbytes,
-        f"nothing fits: {tier} memory binds. Even {what} needs {human_bytes(used)} of {tier} memory, {human_bytes(cap)} usable "
-        f"({human_bytes(nbytes)} over); needs {hint}")

@@ -12,10 +12,15 @@ Dependencies modelled (as ``layerwise.engine`` runs them):
 
 - the op program per micro-batch is the engine's (:func:`micro_batch_program`): forward, head,
   backward in reverse with fetches and segment recomputes from the nearest stored boundary below;
+  a step runs it for each group of ``micro_batches_per_load`` micro-batches, each op for every
+  micro-batch of the group in turn (:func:`~.program.step_program`), each micro-batch with its
+  own boundaries and internals;
 - weights follow the step's weight schedule ``prefetch_depth`` uses ahead, by the engine's own
-  rule (:class:`~.program.WeightWindow`): the copy for use ``k + depth`` is issued when use ``k``
-  is acquired, which is when the compute lane reaches it (a unit still held by a nearby use is
-  not copied again);
+  rule (:class:`~.program.WeightWindow`), one use per op of a group (its micro-batches share the
+  copy): the copy for use ``k + depth`` is issued when use ``k`` is acquired, which is when the
+  compute lane reaches it (a unit still held by a nearby use is not copied again); resident
+  layers are not in it: their buffer is refreshed once per step after their update, issued by
+  the host thread in order of first use;
 - a weight copy of unit ``u`` in step ``s+1`` waits for ``u``'s optimizer update of step ``s``,
   and blocks the copies issued after it (the engine's host thread waits there);
 - an op waits for its weights and its input boundary (fetched, recomputed or kept);
@@ -24,9 +29,11 @@ Dependencies modelled (as ``layerwise.engine`` runs them):
   (the engine's ``OffloadWindow``); an NVMe write follows its D2H; the
   NVMe read is issued two ops before its ``fetch``; a host/NVMe boundary's H2D copy is issued when
   the compute op before its ``fetch`` starts;
-- each gradient goes D2H when its op ends, then is accumulated in fp32 on the host (the
+- each gradient goes D2H when its op has run for the group's last micro-batch (summed on the
+  device, fp32 when the group has more than one), then is accumulated in fp32 on the host (the
   synchronous CPU backend adds it in place, without the copy); a unit's first landing of the
-  step writes instead of adding;
+  step writes instead of adding; the host store keeps bf16 gradients when every unit lands
+  once per step (``plan.lands_once``) with bf16 compute;
 - the optimizer starts when the last gradient of the step has landed (global clip needs all),
   updating embed, layers 0.., head in order (each update, then its compute copy's refresh into
   the pinned arena), overlapping the next step's forward.
@@ -48,18 +55,21 @@ The simulated step is the steady-state one: the time between the ends of consecu
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from .cost import CostModel
 from .hardware import HardwareProfile
-from .memory import FETCH_SLOTS, GRAD_SLOTS, OFFLOAD_WINDOW_OPS, kept_internal_bytes, mask_bytes
+from .memory import (GRAD_SLOTS, OFFLOAD_WINDOW_OPS, fetch_slot_count, grad_slot_itemsize, group_size,
+                     kept_internal_bytes, mask_bytes, resident_weight_bytes)
 from .plan import Plan
-from .program import (FETCH_AHEAD, RECOMPUTE_OPS, Op, OpKind, WeightWindow, micro_batch_program,
-                      weight_schedule)
+from .program import (FETCH_AHEAD, RECOMPUTE_OPS, Op, OpKind, WeightWindow, micro_batch_groups,
+                      micro_batch_program, resident_units, weight_schedule)
 from .shape import ModelShape
 from .topology import (REDUCE_BYTES_PER_PARAM, Topology, assign_owners, host_reduce_s, inter_allreduce_s,
                        intra_reduce_s, rank_hardware)
-from .trace import LANES, Alloc, Interval, Lanes, SimResult, peak_bytes
+from .sim_state import Group as _Group, MicroBatch as _MicroBatch
+from .trace import LANES, RESIDENT_SLOT, Alloc, Interval, Lanes, SimResult, peak_bytes
 
 __all__ = ["LANES", "Alloc", "Interval", "SimResult", "micro_batch_program", "peak_bytes", "simulate"]
 
@@ -84,34 +94,6 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
     return sim.result(steps, keep_trace)
 
 
-class _MicroBatch:
-    """Where each boundary and each layer's internals are during one micro-batch."""
-
-    def __init__(self, prev_start: float):
-        self.ready: dict[int, float] = {}
-        """Boundary -> when it is on the device."""
-        self.held: dict[int, Alloc] = {}
-        """Boundary -> its device allocation."""
-        self.offloaded: dict[int, tuple[float, Alloc]] = {}
-        """Host/NVMe boundary -> (when it is in host memory, its host allocation)."""
-        self.nvme_written: dict[int, tuple[float, Alloc]] = {}
-        self.internals_host: dict[int, tuple[float, Alloc]] = {}
-        """Layer with host-tier internals -> (when they are in host memory, their host allocation)."""
-        self.internals_ready: dict[int, float] = {}
-        self.internals_held: dict[int, Alloc] = {}
-        """Layer -> its internals' device allocation."""
-        self.prev_start = prev_start
-        """When the last compute op started (a boundary's fetch is issued then)."""
-        self.issued: list[float] = []
-        """Per op: when the compute queued before it has run."""
-        self.offload_end: dict[int, float] = {}
-        """Op -> when the offloads it queued have left the device."""
-        self.offload_wait = 0.0
-        """Compute waits for the offloads queued ``OFFLOAD_WINDOW_OPS`` ops back."""
-        self.op = 0
-        """The op being run (what its offloads are recorded under)."""
-
-
 class _Simulation:
     """The engine's dependencies, step by step: one method per kind of op (the engine's own
     ``{OpKind: method}`` dispatch), and per compute op what it leaves behind."""
@@ -123,13 +105,18 @@ class _Simulation:
         self.tiers, self.internal = plan.boundary_tiers, plan.internal_tiers
         self.tied = shape.tied
         self.units = shape.unit_names()
+        self.resident = resident_units(plan.resident_layers)
         self.moments = plan.moments or ["fp32"] * len(self.units)
         self.a_bytes = cost.boundary_bytes
         self.ops = micro_batch_program(self.tiers, self.internal)
+        self.groups = micro_batch_groups(plan.num_micro_batches, plan.micro_batches_per_load)
+        self.group = group_size(plan)
         # per op, what does not change between micro-batches (each runs the whole program)
         self.labels = [str(op) for op in self.ops]
         compute = [op.kind not in (OpKind.FETCH, OpKind.FETCH_INTERNALS) for op in self.ops]
-        self.op_units = [op.units(self.tied) if c else [] for op, c in zip(self.ops, compute)]
+        units = [op.units(self.tied) if c else () for op, c in zip(self.ops, compute)]
+        self.op_units = [[u for u in us if u not in self.resident] for us in units]
+        self.op_resident = [[u for u in us if u in self.resident] for us in units]
         self.op_grad_units = [op.grad_units(self.tied) if c else [] for op, c in zip(self.ops, compute)]
         self.op_s = [cost.op_s(op.kind, op.index) if c else 0.0 for op, c in zip(self.ops, compute)]
         # the micro-batch's attention masks live through every op, as the memory model counts them
@@ -137,6 +124,15 @@ class _Simulation:
         self.op_transient = [cost.op_transient_bytes(op.kind, op.index) + mask if c else 0
                              for op, c in zip(self.ops, compute)]
         self.weight_copy_s = {u: cost.h2d_s(cost.unit_weight_bytes(u)) for u in self.units}
+        # the host thread issues a resident unit's refresh in the order of first use, before the
+        # copy of the first streamed unit used after it
+        self.first_use = {u: n for n, us in reversed(list(enumerate(units))) for u in us}
+        self.refresh_order = sorted(self.resident, key=lambda u: self.first_use[u])
+        self.grad_itemsize = grad_slot_itemsize(cost.elem_bytes, self.group)
+        # per unit: its gradient's bytes on the wire, and its host accumulation (first landing, later)
+        self.grad_out_bytes = {u: cost.grad_bytes(u) * self.grad_itemsize // cost.elem_bytes for u in self.units}
+        self.accumulate_s = {u: (cost.grad_accumulate_s(u, False, self.grad_itemsize),
+                                 cost.grad_accumulate_s(u, True, self.grad_itemsize)) for u in self.units}
         self.ws_bytes = cost.layer_workspace_bytes  # one layer's internals as they travel
         self.kept_bytes = [kept_internal_bytes(shape, plan, i, cost.tokens, cost.elem_bytes)
                            for i in range(shape.num_layers)]
@@ -162,34 +158,42 @@ class _Simulation:
         return a
 
     def _allocate_slots(self) -> None:
-        """Slots the engine allocates once (plan.memory): weights, gradients, fetched boundaries."""
+        """What the engine allocates once (plan.memory): weight slots for the largest streamed
+        unit, the resident layers' weights, gradient slots, fetch slots for a group."""
         cost, depth = self.cost, self.plan.prefetch_depth
         self.slot_free_at = [0.0] * (depth + 1)
-        self.slot_allocs = [self.alloc("device", 0.0, (depth + 1) * max(cost.unit_weight_bytes(u) for u in self.units),
-                                       "weight slots")]
+        largest = max(cost.unit_weight_bytes(u) for u in self.units if u not in self.resident)
+        self.slot_allocs = [self.alloc("device", 0.0, (depth + 1) * largest, "weight slots")]
+        if self.resident:
+            self.slot_allocs.append(self.alloc("device", 0.0, resident_weight_bytes(
+                self.shape, self.plan, cost.elem_bytes), "resident weights"))
         if not self.hw.synchronous:
-            self.slot_allocs.append(self.alloc("device", 0.0, GRAD_SLOTS * max(cost.grad_bytes(u) for u in self.units),
-                                               "grad slots"))
+            grad = max(cost.grad_bytes(u) for u in self.units) * self.grad_itemsize // cost.elem_bytes
+            self.slot_allocs.append(self.alloc("device", 0.0, GRAD_SLOTS * grad, "grad slots"))
         num_offloaded = sum(t in ("host", "nvme") for t in self.tiers)
         if num_offloaded:
-            self.slot_allocs.append(self.alloc("device", 0.0, min(FETCH_SLOTS, num_offloaded) * self.a_bytes,
-                                               "fetch slots"))
+            self.slot_allocs.append(self.alloc("device", 0.0, fetch_slot_count(num_offloaded, self.group)
+                                               * self.a_bytes, "fetch slots"))
 
     # ----- one step ------------------------------------------------------------------------
 
     def step(self, step: int) -> None:
-        """Every micro-batch of step ``step``, then the optimizer (overlapping the next step)."""
+        """Every group of micro-batches of step ``step``, then the optimizer (overlapping the
+        next step)."""
         lanes = self.lanes
         lanes.step = step
-        self.window = WeightWindow(weight_schedule(self.ops, self.tied) * self.plan.num_micro_batches,
+        # one use of each streamed unit per op of each group: its micro-batches share the copy
+        self.window = WeightWindow(weight_schedule(self.ops, self.tied, self.resident) * len(self.groups),
                                    self.plan.prefetch_depth)
         self.w_landed: dict[str, float] = {}  # unit -> when its copy lands in its slot
+        self.resident_ready: dict[str, float] = {}  # resident unit -> when this step's refresh lands
+        self.pending = deque(self.refresh_order)  # resident units not yet refreshed this step
         self.host_clock = self.t_begin  # when the engine's host thread may issue the next copy
         self.copy_in(self.window.fill(), self.t_begin)
         self.recompute_this_step = 0.0
         self.last_grad_landed = 0.0
-        for mb in range(self.plan.num_micro_batches):
-            self.micro_batch(mb, step)
+        for index, mbs in enumerate(self.groups):
+            self.run_group(_Group(index, mbs, lanes.free_at("compute")), step)
         done = max(lanes.free_at("compute"), self.last_grad_landed)
         self.step_done.append(done)
         self.recompute_s = self.recompute_this_step
@@ -203,29 +207,53 @@ class _Simulation:
 
     def copy_in(self, copies: list[tuple[str, int]], t_issue: float) -> None:
         """Time the weight copies the window asks for, issued from the host thread in order;
-        each waits for its slot's previous reader (the slot-free event)."""
+        each waits for its slot's previous reader (the slot-free event). Resident units' refreshes
+        used before a copy's unit go first."""
         t = max(t_issue, self.host_clock)
         for u, slot in copies:
+            while self.pending and self.first_use[self.pending[0]] < self.first_use[u]:
+                t = self._refresh(self.pending.popleft(), t)
             t = max(t, self.opt_ready.get(u, 0.0))  # wait_ready: the host thread blocks
             _, end = self.lanes.run("h2d", max(t, self.slot_free_at[slot]), self.weight_copy_s[u], f"w {u} @{slot}")
             self.w_landed[u] = end
         self.host_clock = t
 
-    def micro_batch(self, mb: int, step: int) -> None:
-        mbs = _MicroBatch(self.lanes.free_at("compute"))
+    def refresh_resident(self, unit: str, t_issue: float) -> None:
+        """Refresh the resident units up to ``unit`` (in order of first use) if not yet done."""
+        t = max(t_issue, self.host_clock)
+        while unit not in self.resident_ready:
+            t = self._refresh(self.pending.popleft(), t)
+        self.host_clock = t
+
+    def _refresh(self, u: str, t: float) -> float:
+        """Once per step, a resident unit's buffer gets its updated weights (after its update of
+        the last step, which follows that step's last read); returns the host thread's clock."""
+        t = max(t, self.opt_ready.get(u, 0.0))
+        _, self.resident_ready[u] = self.lanes.run("h2d", t, self.weight_copy_s[u], f"w {u} @{RESIDENT_SLOT}")
+        return t
+
+    def run_group(self, grp: _Group, step: int) -> None:
+        """Each op of the program for every micro-batch of the group in turn."""
         for n, op in enumerate(self.ops):
-            mbs.op = n
-            mbs.offload_wait = max(mbs.offload_wait, mbs.offload_end.pop(n - OFFLOAD_WINDOW_OPS, 0.0))
             t_issue = self.lanes.free_at("compute")
-            mbs.issued.append(t_issue)
-            self._read_ahead(mbs, n, t_issue)
+            grp.issued.append(t_issue)
             handler = _BY_KIND.get(op.kind)
-            if handler is not None:
-                handler(self, mbs, n, op, t_issue)
-            else:
-                self._compute(mbs, n, op, t_issue, mb, step)
-        assert not mbs.held and not mbs.internals_held, \
-            f"left on the device: {sorted(mbs.held)}, {sorted(mbs.internals_held)}"
+            if handler is None:
+                self._compute(grp, n, op, step)
+                continue
+            for mbs in grp.mbs.values():
+                handler(self, grp, mbs, n, op, self._begin_run(grp, mbs, n))
+        for mbs in grp.mbs.values():
+            assert not mbs.held and not mbs.internals_held, \
+                f"left on the device: {sorted(mbs.held)}, {sorted(mbs.internals_held)}"
+
+    def _begin_run(self, grp: _Group, mbs: _MicroBatch, n: int) -> float:
+        """Start op ``n`` for one micro-batch: the offload window, the NVMe read ahead; returns
+        when it is issued."""
+        grp.begin_run()
+        t_issue = self.lanes.free_at("compute")
+        self._read_ahead(mbs, n, t_issue)
+        return t_issue
 
     # ----- ops that move data ----------------------------------------------------------------
 
@@ -244,7 +272,7 @@ class _Simulation:
         nv.end = e
         mbs.offloaded[j] = (e, self.alloc("host", s, self.a_bytes, f"nvme staging b{j}"))
 
-    def _fetch(self, mbs: _MicroBatch, n: int, op: Op, t_issue: float) -> None:
+    def _fetch(self, grp: _Group, mbs: _MicroBatch, n: int, op: Op, t_issue: float) -> None:
         """A host/NVMe boundary back into a fetch slot, issued when the compute op before starts."""
         i = op.index
         if self.tiers[i] == "device":
@@ -252,66 +280,75 @@ class _Simulation:
         if self.tiers[i] == "nvme" and i not in mbs.offloaded:  # not prefetched: read now
             self._nvme_read(mbs, i, t_issue)
         host_ready, host_alloc = mbs.offloaded.pop(i)
-        earliest = max(mbs.prev_start, host_ready)
+        earliest = max(grp.prev_start, host_ready)
         s, e = self.lanes.run("h2d", earliest, self.cost.h2d_s(self.a_bytes), f"{OpKind.FETCH} b{i}")
         host_alloc.end = e
         mbs.ready[i] = e
         mbs.held[i] = self.alloc("device", s, 0, f"boundary {i} (in a fetch slot)")
 
-    def _fetch_internals(self, mbs: _MicroBatch, n: int, op: Op, t_issue: float) -> None:
+    def _fetch_internals(self, grp: _Group, mbs: _MicroBatch, n: int, op: Op, t_issue: float) -> None:
         """Host-tier internals back, issued FETCH_AHEAD ops early (not before the layer's forward),
         after the compute queued by then (its memory is fresh from the allocator)."""
         i = op.index
         k = max(n - FETCH_AHEAD, self.forward_at[i] + 1)
         host_ready, host_alloc = mbs.internals_host.pop(i)
-        s, e = self.lanes.run("h2d", max(mbs.issued[k], host_ready), self.cost.h2d_s(self.ws_bytes),
+        s, e = self.lanes.run("h2d", max(grp.issued[k], host_ready), self.cost.h2d_s(self.ws_bytes),
                               f"{OpKind.FETCH_INTERNALS} L{i}")
         host_alloc.end = e
         mbs.internals_ready[i] = e
-        mbs.internals_held[i] = self.alloc("device", mbs.issued[k], self.kept_bytes[i], f"internals {i} (fetched)")
+        mbs.internals_held[i] = self.alloc("device", grp.issued[k], self.kept_bytes[i], f"internals {i} (fetched)")
 
     # ----- compute ops -------------------------------------------------------------------------
 
-    def _compute(self, mbs: _MicroBatch, n: int, op: Op, t_issue: float, mb: int, step: int) -> None:
-        """A compute op: waits for its weights and its input, runs, frees its weight slots, and
-        leaves behind what :data:`_AFTER` says; its gradients go out when it ends."""
+    def _compute(self, grp: _Group, n: int, op: Op, step: int) -> None:
+        """A compute op for every micro-batch of the group: its streamed weights acquired once,
+        each run waits for them and its input, the slots freed after the last run; each run
+        leaves behind what :data:`_AFTER` says; the group's gradients go out after the last."""
         kind, i, window = op.kind, op.index, self.window
-        need_w = 0.0
+        t_op = grp.issued[n]
+        for u in self.op_resident[n]:
+            self.refresh_resident(u, t_op)
+        need_w = max((self.resident_ready[u] for u in self.op_resident[n]), default=0.0)
         op_units = self.op_units[n]
         for u in op_units:
-            self.copy_in(window.acquire(u), t_issue)
+            self.copy_in(window.acquire(u), t_op)
             need_w = max(need_w, self.w_landed[u])
-        need_b = 0.0
-        if kind in (OpKind.LAYER_BWD, OpKind.RECOMPUTE_LAYER):
-            need_b = mbs.ready[i]
-        elif kind == OpKind.LAYER_BWD_KEPT:
-            need_b = mbs.internals_ready.get(i, 0.0)
-        dur = self.op_s[n]
-        start, end = self.lanes.run("compute", max(t_issue, need_w, need_b, mbs.offload_wait), dur,
-                                    self.labels[n])
-        mbs.prev_start = start
-        if kind in RECOMPUTE_OPS:
-            self.recompute_this_step += dur
-        self.op_log.append({"kind": kind, "index": i, "mb": mb, "step": step, "start": start, "end": end,
-                            "units": list(op_units), "slots": [window.slot(u) for u in op_units]})
-        tb = self.op_transient[n]
-        if tb:
-            self.alloc("device", start, tb, f"transient {self.labels[n]}", end)
-        for u in op_units:
-            slot = window.release(u)
-            if slot is not None:
-                self.slot_free_at[slot] = end
-        self.copy_in(window.fill(), t_issue)
-        effect = _AFTER.get(kind)
-        if effect is not None:
-            effect(self, mbs, i, start, end)
+        slots = [window.slot(u) for u in op_units]
+        last = len(grp.mbs) - 1
+        for k, (mb, mbs) in enumerate(grp.mbs.items()):
+            t_issue = self._begin_run(grp, mbs, n)
+            need_b = 0.0
+            if kind in (OpKind.LAYER_BWD, OpKind.RECOMPUTE_LAYER):
+                need_b = mbs.ready[i]
+            elif kind == OpKind.LAYER_BWD_KEPT:
+                need_b = mbs.internals_ready.get(i, 0.0)
+            dur = self.op_s[n]
+            start, end = self.lanes.run("compute", max(t_issue, need_w, need_b, grp.offload_wait), dur,
+                                        self.labels[n])
+            grp.prev_start = start
+            if kind in RECOMPUTE_OPS:
+                self.recompute_this_step += dur
+            self.op_log.append({"kind": kind, "index": i, "mb": mb, "step": step, "start": start, "end": end,
+                                "units": list(op_units), "slots": slots, "resident": list(self.op_resident[n])})
+            tb = self.op_transient[n]
+            if tb:
+                self.alloc("device", start, tb, f"transient {self.labels[n]}", end)
+            if k == last:
+                for u in op_units:
+                    slot = window.release(u)
+                    if slot is not None:
+                        self.slot_free_at[slot] = end
+                self.copy_in(window.fill(), t_op)
+            effect = _AFTER.get(kind)
+            if effect is not None:
+                effect(self, grp, mbs, i, start, end)
         for u in self.op_grad_units[n]:
-            self._gradient(u, kind, n, end, mb)
+            self._gradient(u, kind, n, end, grp.index)
 
-    def _embedded(self, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
+    def _embedded(self, grp: _Group, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
         mbs.ready[0] = end
 
-    def _store_boundary(self, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
+    def _store_boundary(self, grp: _Group, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
         """A layer's forward stores its input boundary per the plan: held on the device, or copied
         out as it runs (NVMe: then written by the I/O thread)."""
         tier = self.tiers[i]
@@ -321,7 +358,7 @@ class _Simulation:
             mbs.held[i] = self.alloc("device", start, a_bytes, f"boundary {i} (kept)")
         elif tier in ("host", "nvme"):
             s, e = self.lanes.run("d2h", start, self.cost.d2h_s(a_bytes), f"offload b{i}")
-            mbs.offload_end[mbs.op] = max(mbs.offload_end.get(mbs.op, 0.0), e)
+            grp.offload_end[grp.run] = max(grp.offload_end.get(grp.run, 0.0), e)
             if e > end:  # the copy holds the device buffer until it is done
                 self.alloc("device", end, a_bytes, f"boundary {i} (in flight)", e)
             host = self.alloc("host", s, a_bytes, f"boundary {i} ({tier})")
@@ -332,23 +369,23 @@ class _Simulation:
                 host.end = we
                 mbs.nvme_written[i] = (we, self.alloc("nvme", ws, a_bytes, f"boundary {i} (nvme)"))
 
-    def _keep_internals(self, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
+    def _keep_internals(self, grp: _Group, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
         """A forward that keeps its layer's internals: held on the device, or copied out as the
         forward makes them; then its input boundary is stored like any forward's."""
         if self.internal[i] == "device":
             mbs.internals_held[i] = self.alloc("device", end, self.kept_bytes[i], f"internals {i} (kept)")
         else:
             s, e = self.lanes.run("d2h", start, self.cost.d2h_s(self.ws_bytes), f"offload L{i}")
-            mbs.offload_end[mbs.op] = max(mbs.offload_end.get(mbs.op, 0.0), e)
+            grp.offload_end[grp.run] = max(grp.offload_end.get(grp.run, 0.0), e)
             if e > end:
                 self.alloc("device", end, self.ws_bytes, f"internals {i} (in flight)", e)
             mbs.internals_host[i] = (e, self.alloc("host", s, self.ws_bytes, f"internals {i} (host)"))
-        self._store_boundary(mbs, i, start, end)
+        self._store_boundary(grp, mbs, i, start, end)
 
-    def _recomputed_embed(self, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
+    def _recomputed_embed(self, grp: _Group, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
         self._recomputed(mbs, 0, start, end)
 
-    def _recomputed_layer(self, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
+    def _recomputed_layer(self, grp: _Group, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
         self._recomputed(mbs, i + 1, start, end)
 
     def _recomputed(self, mbs: _MicroBatch, j: int, start: float, end: float) -> None:
@@ -356,10 +393,10 @@ class _Simulation:
         mbs.ready[j] = end
         mbs.held[j] = self.alloc("device", start, self.a_bytes, f"boundary {j} (recomputed)")
 
-    def _release_boundary(self, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
+    def _release_boundary(self, grp: _Group, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
         mbs.held.pop(i).end = end
 
-    def _release_internals(self, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
+    def _release_internals(self, grp: _Group, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
         """Its internals are freed; its stored boundary, if no recompute above fetched it, is let
         go unread."""
         mbs.internals_held.pop(i).end = end
@@ -367,11 +404,13 @@ class _Simulation:
             if a is not None:
                 a.end = min(a.end, end)
 
-    def _gradient(self, u: str, kind: OpKind, n: int, end: float, mb: int) -> None:
-        """Unit ``u``'s gradient: reduced on the GPUs first (``grad_reduce="device"``), copied
-        out, accumulated on the host; after the step's last micro-batch the sum is reduced."""
+    def _gradient(self, u: str, kind: OpKind, n: int, end: float, group: int) -> None:
+        """Unit ``u``'s gradient of op ``n`` for one group (summed over its micro-batches on the
+        device, fp32 when they are more than one): reduced on the GPUs first
+        (``grad_reduce="device"``), copied out, accumulated on the host; after the step's last
+        group the sum is reduced."""
         lanes, cost, hw, topo = self.lanes, self.cost, self.hw, self.topo
-        gb = cost.grad_bytes(u)
+        gb = self.grad_out_bytes[u]
         t_out, lander = end, None  # who lands it: every process, or (reduced on the GPUs) its owner
         if topo.grad_reduce == "device":
             _, t_out = lanes.run("intra", end, intra_reduce_s(gb, hw, topo), f"reduce {u}")
@@ -379,10 +418,10 @@ class _Simulation:
         # the synchronous (CPU) backend accumulates the device grad in place: no copy
         s, e = lanes.run("d2h", t_out, 0.0 if hw.synchronous else cost.d2h_s(gb), f"grad {u}", rank=lander)
         if e > end and kind == OpKind.HEAD and lander in (None, lanes.me):  # others leave from a grad slot
-            self.alloc("device", end, gb * 4 // cost.elem_bytes, f"grad {u} (fp32, in flight)", e)
-        first = mb == 0 and self.first_grad_op[u] == n
-        _, landed = lanes.run("host", e, cost.grad_accumulate_s(u, first), f"accumulate {u}", rank=lander)
-        if mb == self.plan.num_micro_batches - 1 and self.last_grad_op[u] == n:  # the step's sum: reduce it
+            self.alloc("device", end, cost.grad_bytes(u) * 4 // cost.elem_bytes, f"grad {u} (fp32, in flight)", e)
+        first = group == 0 and self.first_grad_op[u] == n
+        _, landed = lanes.run("host", e, self.accumulate_s[u][first], f"accumulate {u}", rank=lander)
+        if group == len(self.groups) - 1 and self.last_grad_op[u] == n:  # the step's sum: reduce it
             reduce_bytes = self.shape.unit_params(u) * REDUCE_BYTES_PER_PARAM
             if topo.grad_reduce == "host":
                 _, landed = lanes.run("intra", landed, host_reduce_s(reduce_bytes, hw, topo), f"reduce {u}")
@@ -419,7 +458,7 @@ class _Simulation:
             peak_pinned_act_bytes=g * peak_bytes(self.allocs, "host"),
             # the node's: one store, the other processes' own fp32 gradients (summed on the host:
             # each keeps its own), everyone's activations
-            host_store_bytes=cost.host_store_bytes(plan.moments, bf16_grads=plan.num_micro_batches == 1 and g == 1)
+            host_store_bytes=cost.host_store_bytes(plan.moments, bf16_grads=plan.lands_once() and g == 1)
             + (g - 1) * own_grads * cost.store_footprint().grad,
             host_cap_bytes=hw.host_cap_bytes,
             peak_nvme_bytes=g * peak_bytes(self.allocs, "nvme"),

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ..models.names import EMBED, layer_unit
 from .cost import STATE_NBYTES, CostModel
 from .hardware import HardwareProfile
-from .memory import FETCH_SLOTS, GRAD_SLOTS
+from .memory import GRAD_SLOTS, fetch_slot_count, grad_slot_itemsize, mask_bytes
 from .program import Op, OpKind
 from .shape import ModelShape
 
@@ -38,6 +38,8 @@ class ModelEval:
     boundary above is needed and dropped)."""
     recomputed: list[float] = field(default_factory=list, repr=False)
     stall: float = 0.0
+    resident: list[float] = field(default_factory=list, repr=False)
+    """Per layer: 1 when its weights stay on the device."""
 
 
 class StepModel:
@@ -45,13 +47,19 @@ class StepModel:
 
     def __init__(self, shape: ModelShape, hw: HardwareProfile, micro_batch_size: int, seq_len: int,
                  num_micro_batches: int = 1, prefetch_depth: int = 1, head_chunk_tokens: int = 1024,
-                 moments: list[str] | None = None, device_reserve_bytes: int = 0, host_reserve_bytes: int = 0):
+                 moments: list[str] | None = None, device_reserve_bytes: int = 0, host_reserve_bytes: int = 0,
+                 per_load: int = 1):
         """``device_reserve_bytes`` / ``host_reserve_bytes``: capacity held back from the linear
-        model, for what it does not see (the search sets them from the simulator's overflow)."""
+        model, for what it does not see (the search sets them from the simulator's overflow).
+        ``per_load``: micro-batches sharing each weight load (layer-major order when > 1). The
+        windows stay per micro-batch: a copy shared by ``P`` micro-batches costs each ``1/P`` of
+        it, and each micro-batch of a group holds its own boundaries and internals at once."""
         self.shape, self.hw = shape, hw
         self.micro_batch_size, self.seq_len = micro_batch_size, seq_len
         self.num_micro_batches = num_micro_batches
         self.prefetch_depth = prefetch_depth
+        P = self.per_load = max(1, min(per_load, num_micro_batches))
+        self.lands_once = num_micro_batches <= P
         self.head_chunk_tokens = head_chunk_tokens
         self.moments = moments
         cost = self.cost = CostModel(shape, hw, micro_batch_size, seq_len, head_chunk_tokens)
@@ -59,32 +67,42 @@ class StepModel:
         a = self.a_bytes = cost.boundary_bytes
         lw = [cost.unit_weight_bytes(layer_unit(i)) for i in range(L)]
         self.c_fwd = [cost.layer_fwd_s(i) for i in range(L)]
-        self.w_in = [cost.h2d_s(b) for b in lw]
+        self.w_copy = [cost.h2d_s(b) for b in lw]
+        """A layer's whole weight copy (its refresh, when resident)."""
+        self.w_in = [w / P for w in self.w_copy]
+        """A micro-batch's share of one weight copy."""
+        self.w_refresh = [w / num_micro_batches for w in self.w_copy]
+        """A micro-batch's share of a resident layer's one refresh per step."""
+        self.resident_ratio = [b / a for b in lw]
+        """A layer's weights in boundaries (what keeping them resident holds at every op)."""
+        g_item = grad_slot_itemsize(cost.elem_bytes, P)
+        g_bytes = [cost.grad_bytes(layer_unit(i)) * g_item // cost.elem_bytes for i in range(L)]
         self.a_out = cost.d2h_s(a)
         self.a_in = cost.h2d_s(a)
         # window lower bounds that do not depend on the choice
         self.f_lb = [max(self.c_fwd[i], self.w_in[i]) for i in range(L)]
-        self.b_lb = [max(cost.layer_bwd_s(i), self.w_in[i], cost.d2h_s(lw[i])) for i in range(L)]
+        self.b_lb = [max(cost.layer_bwd_s(i), self.w_in[i], cost.d2h_s(g_bytes[i]) / P) for i in range(L)]
         # a layer with kept internals: forward with a graph, backward without the forward; its
         # internals (ws bytes) copied out in its forward window and back in its backward window
         # on the host tier
         self.c_fwd_keep = [cost.layer_fwd_keep_s(i) for i in range(L)]
         self.c_bwd = [cost.layer_bwd_s(i) for i in range(L)]
         self.c_bwd_kept = [cost.layer_bwd_kept_s(i) for i in range(L)]
-        self.grad_out = [cost.d2h_s(b) for b in lw]
+        self.grad_out = [cost.d2h_s(b) / P for b in g_bytes]
         ws = cost.layer_workspace_bytes
         self.ws_ratio = ws / a
         """One layer's internals in boundaries (the unit of the capacity rows)."""
         self.ws_out = cost.d2h_s(ws)
         self.ws_in = cost.h2d_s(ws)
         # the host accumulation lane queues: it only has to keep up over a whole micro-batch
-        self.accumulate = sum(cost.grad_accumulate_s(u) for u in shape.unit_names()) + (
-            cost.grad_accumulate_s(EMBED) if shape.tied else 0.0)
+        landed = sum(cost.grad_accumulate_s(u, landed_itemsize=g_item) for u in shape.unit_names()) + (
+            cost.grad_accumulate_s(EMBED, landed_itemsize=g_item) if shape.tied else 0.0)
+        self.accumulate = landed / P
         emb_w = cost.unit_weight_bytes(EMBED)
         head_w = sum(cost.unit_weight_bytes(u) for u in Op(OpKind.HEAD).units(shape.tied))
-        self.e_fwd = max(cost.embed_s, cost.h2d_s(emb_w))
-        self.head = max(cost.head_s, cost.h2d_s(head_w), cost.d2h_s(head_w))
-        self.e_bwd = max(cost.embed_s, cost.h2d_s(emb_w), cost.d2h_s(emb_w))
+        self.e_fwd = max(cost.embed_s, cost.h2d_s(emb_w) / P)
+        self.head = max(cost.head_s, cost.h2d_s(head_w) / P, cost.d2h_s(head_w * g_item // cost.elem_bytes) / P)
+        self.e_bwd = max(cost.embed_s, cost.h2d_s(emb_w) / P, cost.d2h_s(emb_w * g_item // cost.elem_bytes) / P)
         # a dropped boundary k costs the forward of layer k-1 (boundary 0: the embedding) again,
         # with that layer's weights streamed again
         self.recompute = [self.e_fwd] + [max(self.c_fwd[k - 1], self.w_in[k - 1]) for k in range(1, L)]
@@ -98,17 +116,27 @@ class StepModel:
         self.opt_8bit = [cost.optimizer_s(u, "8bit") for u in units]
         self.saving_8bit = [STATE_NBYTES["fp32"](n) - STATE_NBYTES["8bit"](n)
                             for n in (shape.unit_params(u) for u in units)]
-        # device memory at the head and at each layer's backward: the engine's slots (fetch
-        # slots counted whatever the tiers, so the constants do not depend on them) plus the op's
-        # transient
+        self._capacities(g_item, moments, device_reserve_bytes, host_reserve_bytes)
+
+    def _capacities(self, g_item: int, moments: list[str] | None, device_reserve_bytes: int,
+                    host_reserve_bytes: int) -> None:
+        """Device memory at the head and at each layer's backward: the engine's slots (fetch
+        slots counted whatever the tiers, so the constants do not depend on them) plus the op's
+        transient; what the store leaves of host memory; NVMe."""
+        cost, hw, shape, units = self.cost, self.hw, self.shape, self.units
+        L, P, a = self.L, self.per_load, self.a_bytes
         self.dev_cap = hw.device_cap_bytes - device_reserve_bytes
         largest_w = max(cost.unit_weight_bytes(u) for u in units)
-        slots = ((self.prefetch_depth + 1) * largest_w + (0 if hw.synchronous else GRAD_SLOTS * largest_w)
-                 + FETCH_SLOTS * a)
+        grad_slots = GRAD_SLOTS * largest_w * g_item // cost.elem_bytes
+        # the other micro-batches' masks of a group (the op's own are in neither count)
+        masks = (P - 1) * mask_bytes(shape, self.micro_batch_size, self.seq_len, cost.elem_bytes)
+        slots = ((self.prefetch_depth + 1) * largest_w + (0 if hw.synchronous else grad_slots)
+                 + fetch_slot_count(L, P) * a + masks)
         self.c_bwd_mem = [slots + cost.op_transient_bytes(OpKind.LAYER_BWD, i) for i in range(L)]
         self.c_head_mem = slots + cost.op_transient_bytes(OpKind.HEAD)
         # host: what the store leaves (all-fp32 moments; each 8-bit unit frees saving_8bit)
-        self.host_budget_fp32 = hw.host_cap_bytes - host_reserve_bytes - cost.host_store_bytes(["fp32"] * len(units))
+        self.host_budget_fp32 = hw.host_cap_bytes - host_reserve_bytes - cost.host_store_bytes(
+            ["fp32"] * len(units), bf16_grads=self.lands_once)
         self.host_budget = self.host_budget_for(moments)
         self.nvme_cap = hw.nvme_capacity_bytes
         self.nvme_rw = a / (hw.nvme_write_gbps * 1e9) + a / (hw.nvme_read_gbps * 1e9)
@@ -124,14 +152,15 @@ class StepModel:
 
     def optimizer_bounds(self, moments: list[str] | None) -> tuple[float, list[float]]:
         """(when the embedding's update is on the device, per layer k the earliest end of its
-        next forward: its update + its copy + its compute), the optimizer running units in order."""
+        next forward: its update + its copy (a resident layer's refresh) + its compute for the first
+        group), the optimizer running units in order."""
         mom = moments or ["fp32"] * len(self.units)
         t, cum = 0.0, []
         for k, m in enumerate(mom):
             t += self.opt_8bit[k] if m == "8bit" else self.opt_fp32[k]
             cum.append(t)
         return (cum[0] + self.emb_w_in,
-                [cum[1 + k] + self.w_in[k] + self.c_fwd[k] for k in range(self.L)])
+                [cum[1 + k] + self.w_copy[k] + self.per_load * self.c_fwd[k] for k in range(self.L)])
 
     def host_budget_for(self, moments: list[str] | None) -> float:
         """Host bytes left for offloaded boundaries (and NVMe staging) beside the store."""
@@ -164,20 +193,23 @@ class StepModel:
         return needed, rec
 
     def evaluate(self, tiers: list[str], include_stall: bool = True,
-                 moments: list[str] | None = None, internal: list[str] | None = None) -> ModelEval:
+                 moments: list[str] | None = None, internal: list[str] | None = None,
+                 resident: list[int] | None = None) -> ModelEval:
         """The model's step time for ``tiers`` and ``internal`` tiers (default: all recompute) with
-        ``moments`` (default: the model's); an upper bound on the MILP's value for that assignment."""
-        L = self.L
+        ``moments`` (default: the model's) and ``resident`` layers (default none); an upper bound
+        on the MILP's value for that assignment."""
+        L, P = self.L, self.per_load
         moments = moments if moments is not None else self.moments
         internal = internal or ["recompute"] * L
+        res = [1.0 if i in set(resident or ()) else 0.0 for i in range(L)]
         embed_ready, layer_done = self.optimizer_bounds(moments)
-        viol: dict[str, float] = {}
         off = [1.0 if t in ("host", "nvme") else 0.0 for t in tiers]
         kept = [0.0 if t == "recompute" else 1.0 for t in internal]
         hostk = [1.0 if t == "host" else 0.0 for t in internal]
-        f = [max(self.w_in[i], self.c_fwd[i] + (self.c_fwd_keep[i] - self.c_fwd[i]) * kept[i],
+        w = [self.w_in[i] * (1.0 - res[i]) for i in range(L)]
+        f = [max(w[i] + self.w_refresh[i] * res[i], self.c_fwd[i] + (self.c_fwd_keep[i] - self.c_fwd[i]) * kept[i],
                  self.a_out * off[i] + self.ws_out * hostk[i]) for i in range(L)]
-        b = [max(self.w_in[i] + self.a_in * off[i] + self.ws_in * hostk[i], self.grad_out[i],
+        b = [max(w[i] + self.a_in * off[i] + self.ws_in * hostk[i], self.grad_out[i],
                  self.c_bwd[i] - (self.c_bwd[i] - self.c_bwd_kept[i]) * kept[i]) for i in range(L)]
         needed, recomputed = self.needed(tiers, internal)
         rec = sum(self.recompute[k] * recomputed[k] for k in range(L))
@@ -193,15 +225,25 @@ class StepModel:
         if need > total:
             b[0] += need - total
         stall = 0.0
-        if include_stall:
+        if include_stall:  # the first group's forward: P micro-batches through each layer
             stall = max(0.0, embed_ready)
-            acc = self.e_fwd
+            acc = P * self.e_fwd
             for k in range(L):
-                acc += f[k]
+                acc += P * f[k]
                 stall = max(stall, layer_done[k] - acc)
         step = self.num_micro_batches * (sum(f) + sum(b) + rec) + stall + self.const_s()
-        # capacities, in boundaries: kept boundaries, held recomputed ones (the run of recomputed
-        # ones ending here), device internals of the layers at or below, host internals being fetched
+        viol, runs = self._violations(tiers, internal, recomputed, res, moments)
+        return ModelEval(step, not viol, viol, f, b, runs, needed, recomputed, stall, res)
+
+    def _violations(self, tiers: list[str], internal: list[str], recomputed: list[float], res: list[float],
+                    moments: list[str] | None) -> tuple[dict[str, float], list[int]]:
+        """Bytes over each capacity, in boundaries: per micro-batch of a group (``P`` of them)
+        its kept boundaries, held recomputed ones (the run ending here), device internals of the
+        layers at or below, host internals being fetched; the resident weights at every op."""
+        L, P = self.L, self.per_load
+        viol: dict[str, float] = {}
+        hostk = [1.0 if t == "host" else 0.0 for t in internal]
+        resident = sum(r * x for r, x in zip(self.resident_ratio, res))
         dev = 0.0
         run = 0
         runs = []
@@ -210,21 +252,22 @@ class StepModel:
             run = run + 1 if recomputed[i] else 0
             runs.append(run)
             fetched = self.ws_ratio * (hostk[i] + (hostk[i - 1] if i else 0.0))
-            over = dev + fetched + run - self.max_device_prefix(i)
+            over = P * (dev + fetched + run) + resident - self.max_device_prefix(i)
             if over > 1e-9:
                 viol["device"] = max(viol.get("device", 0.0), over * self.a_bytes)
-        over = dev + self.ws_ratio * hostk[L - 1] - self.max_device_total()
+        over = P * (dev + self.ws_ratio * hostk[L - 1]) + resident - self.max_device_total()
         if over > 1e-9:
             viol["device"] = max(viol.get("device", 0.0), over * self.a_bytes)
+        n_nvme = sum(t == "nvme" for t in tiers)
         staging = NVME_STAGING if n_nvme else 0
-        over = (sum(t == "host" for t in tiers) + staging + self.ws_ratio * sum(hostk)
+        over = (P * (sum(t == "host" for t in tiers) + self.ws_ratio * sum(hostk)) + staging
                 - self.host_budget_for(moments) / self.a_bytes)
         if over > 1e-9:
             viol["host"] = over * self.a_bytes
-        over = n_nvme - self.max_nvme()
+        over = P * n_nvme - self.max_nvme()
         if over > 1e-9:
             viol["nvme"] = over * self.a_bytes
-        return ModelEval(step, not viol, viol, f, b, runs, needed, recomputed, stall)
+        return viol, runs
 
 
 def dp_device_host(model: StepModel) -> tuple[list[str] | None, float]:

@@ -9,6 +9,9 @@ from typing import Any
 from .plan import Plan
 
 LANES = ("compute", "h2d", "d2h", "host", "nvme", "optimizer", "intra", "inter")
+RESIDENT_SLOT = "resident"
+"""The slot name of a resident layer's weight refresh in its copy's label (``w layers.3 @resident``):
+its own buffer, not one of the weight slots."""
 
 
 @dataclass
