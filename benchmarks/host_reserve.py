@@ -130,6 +130,10 @@ def measure_round(steps: int) -> dict:
         ring_bytes = _storage_bytes(engine.sink._ring.buffers)
         batch = [next(trainer.batches) for _ in range(trainer.accum)]
         device_peak = measure_step_peak(engine, batch).peak_bytes
+        rows = [t for part in (trainer.data.train, trainer.data.eval)
+                for t in (part.input_ids, part.labels, getattr(part, "segment_ids", None))]
+        data_bytes = _storage_bytes(rows)
+        data_tokens = sum(int(part.input_ids.numel()) for part in (trainer.data.train, trainer.data.eval))
         engine.synchronize()
         # a checkpoint save, apart: its snapshot copies the groups it writes
         from layerwise.ckpt.store_provider import HostStoreStateProvider  # noqa: F401 (loaded before the baseline)
@@ -152,6 +156,7 @@ def measure_round(steps: int) -> dict:
         "device_step_peak_bytes": device_peak, "grad_ring_bytes": ring_bytes,
         "runtime_bytes": hwm_steps - store_bytes - device_peak - ring_bytes,
         "runtime_rest_bytes": rss_setup - store_bytes - slot_bytes - ring_bytes,
+        "data_bytes": data_bytes, "data_tokens": data_tokens,
         "ckpt_snapshot_bytes": record.get("ckpt_snapshot_bytes"),
         "ckpt_save_peak_over_rest_bytes": hwm_save - rss_before_save,
         "step_s": trainer.step_times[-1] if trainer.step_times else None,
@@ -186,7 +191,10 @@ def main() -> None:
         "model": f"{FLAVOR} (llama, bf16 compute, 8-bit moments, cpu-async, 1 x {SEQ_LEN} tokens)",
         "rounds": args.rounds, "steps_per_round": args.steps,
         **{k: int(v) if float(v).is_integer() else v for k, v in med.items()},
+        "runtime_bytes_max": max(r["runtime_bytes"] for r in rounds),
         "runtime_over_rss_start": round(med["runtime_bytes"] / med["rss_start_bytes"], 3),
+        "data_bytes_per_token": round(med["data_bytes"] / med["data_tokens"], 3),
+        "ckpt_snapshot_bytes_per_param": round(med["ckpt_snapshot_bytes"] / med["num_params"], 3),
         "ckpt_save_peak_over_snapshot": (round(med["ckpt_save_peak_over_rest_bytes"]
                                                / med["ckpt_snapshot_bytes"], 3)
                                          if med.get("ckpt_snapshot_bytes") else None),

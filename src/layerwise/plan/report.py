@@ -12,6 +12,7 @@ from typing import Sequence
 
 from .check import CheckReport
 from .hardware import HardwareProfile
+from .host_fit import HostNeed, family_of_model
 from .scaling import ScalingPoint
 from .search import Candidate, PlanInfeasible, SearchResult
 from .shape import ModelShape
@@ -49,6 +50,30 @@ def verdict_fits(shape: ModelShape, hw: HardwareProfile, seq_len: int, sim: SimR
     return (f"fits: yes — {shape.name} on {hw.name}{gpus}, {global_batch} x {seq_len} tokens per step: "
             f"{tps:,.0f} tokens/s predicted, {_hours(hours_per_billion_tokens(tps))} h per billion tokens "
             f"(peak {', '.join(mem)})")
+
+
+def host_line(shape: ModelShape, machine: HardwareProfile, need: HostNeed) -> str:
+    """``host RAM: ... B/param ...``: the chosen plan's host bytes per parameter (the store, then
+    everything with activations and the reserve) against the machine's RAM."""
+    grads = "bf16 gradients (one landing per step)" if need.bf16_grads else "fp32 gradients"
+    verdict = "fits" if need.fits else f"short by {_gb(need.total_bytes - need.ram_bytes)} GB"
+    return (f"host RAM: {need.store_bytes_per_param:.2f} B/param for the store ({_gb(need.store_bytes)} GB, {grads}), "
+            f"{need.bytes_per_param:.2f} B/param in all with {_gb(need.activation_bytes)} GB of host-tier activations "
+            f"and the {_gb(need.reserve_bytes)} GB reserve (runtime, CUDA context, OS, pinned gradient ring): "
+            f"{_gb(need.total_bytes)} of {_gb(need.ram_bytes)} GB RAM on {machine.name} — {verdict}")
+
+
+def largest_line(shape: ModelShape, machine: HardwareProfile, largest: tuple[str, HostNeed] | None) -> str:
+    """``largest ... that fits ...``: by the host floor (``host_fit.host_floor``)."""
+    family = family_of_model(shape.name) or "this"
+    how = "8-bit moments, bf16 gradients, no host-tier activations" if machine.compute_dtype_bytes == 2 \
+        else "8-bit moments, no host-tier activations"
+    where = f"{_gb(machine.host_mem_bytes)} GB of host RAM on {machine.name} ({how})"
+    if largest is None:
+        return f"largest {family} model that fits {where}: none"
+    name, need = largest
+    return (f"largest {family} model that fits {where}: {name}, {need.num_params / 1e9:.2f}B params, "
+            f"{_gb(need.total_bytes)} GB ({need.bytes_per_param:.2f} B/param)")
 
 
 def verdict_unfit(shape: ModelShape, hw: HardwareProfile, seq_len: int, err: PlanInfeasible) -> str:

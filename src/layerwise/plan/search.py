@@ -115,13 +115,15 @@ class SearchResult:
         return self.plan.micro_batch_size * self.plan.num_micro_batches
 
 
-def choose_moments(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 0) -> list[str]:
-    """fp32 moments unless the host store would not fit; then the fewest 8-bit parameters."""
+def choose_moments(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 0,
+                   bf16_grads: bool = False) -> list[str]:
+    """fp32 moments unless the host store would not fit; then the fewest 8-bit parameters.
+    ``bf16_grads``: the store of a plan that lands each gradient once (bf16 host gradients)."""
     cost = CostModel(shape, hw, 1, 1)
     units = shape.unit_names()
     budget = hw.host_cap_bytes - reserve_bytes
     moments = ["fp32"] * len(units)
-    over = cost.host_store_bytes(moments) - budget
+    over = cost.host_store_bytes(moments, bf16_grads=bf16_grads) - budget
     if over <= 0:
         return moments
 
@@ -129,7 +131,7 @@ def choose_moments(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 
         n = shape.unit_params(units[k])
         return STATE_NBYTES["fp32"](n) - STATE_NBYTES["8bit"](n)
 
-    all8 = cost.host_store_bytes(["8bit"] * len(units))
+    all8 = cost.host_store_bytes(["8bit"] * len(units), bf16_grads=bf16_grads)
     if all8 > budget:
         raise PlanInfeasible(
             "host", all8 - budget,
@@ -247,7 +249,8 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
     cfg = config or SearchConfig()
     t_start = time.perf_counter()
     depths = _depths(cfg, seq_len)
-    choose_moments(shape, hw)  # the store must fit with 8-bit moments at most: else say so now
+    # the leanest store must fit (8-bit moments, bf16 gradients of a plan landing once): else say so now
+    choose_moments(shape, hw, bf16_grads=True)
     auto = cfg.global_batch is None
     rules = _rules(shape.num_layers)
     tally = _Tally(dict.fromkeys([*rules, "milp"], 0))
