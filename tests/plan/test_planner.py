@@ -162,7 +162,7 @@ def test_nothing_fits_names_the_binding_resource():
     assert e.value.resource == "device" and e.value.over_bytes > 0
     assert "device memory binds" in str(e.value) and "GB over" in str(e.value)
     with pytest.raises(PlanInfeasible) as e:
-        search(shape, PRESETS["rtx3090"].with_memory(host_mem_gb=100), 1024, SearchConfig(global_batch=1))
+        search(shape, PRESETS["rtx3090"].with_memory(host_mem_gb=60), 1024, SearchConfig(global_batch=1))
     assert e.value.resource == "host" and "8-bit" in str(e.value)
 
 

@@ -10,8 +10,8 @@ from .check import CheckReport, check
 from .hardware import HardwareProfile, get_hardware
 from .host_fit import HostNeed, largest_fitting, layer_grad_bytes, plan_host_need
 from .milp import MilpConfig
-from .report import (host_line, hours_per_billion_tokens, largest_line, print_report, print_scaling, verdict_fits,
-                     verdict_unfit)
+from .report import (host_line, hours_per_billion_tokens, largest_line, print_report, print_scaling, reserve_line,
+                     verdict_fits, verdict_unfit)
 from .scaling import ScalingPoint, ladder, predict_scaling
 from .search import PlanInfeasible, SearchConfig, SearchResult, search
 from .shape import ModelShape, load_shape
@@ -65,7 +65,8 @@ def plan_command(args: argparse.Namespace) -> int:
         res = search(shape, hw, args.seq_len, cfg)
     except PlanInfeasible as e:
         verdict = verdict_unfit(shape, hw, args.seq_len, e)
-        lines = [verdict] + ([largest_line(shape, machine, largest)] if args.host_mem is not None else [])
+        lines = [verdict] + ([reserve_line(machine, hw)] if e.resource == "host" else []) \
+            + ([largest_line(shape, machine, largest)] if args.host_mem is not None else [])
         if args.json:
             print(json.dumps({"fits": False, "binding": e.resource, "over_bytes": e.over_bytes, "message": str(e),
                               "verdict": verdict, **_largest_json(args, largest, lines)}))

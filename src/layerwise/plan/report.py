@@ -63,6 +63,14 @@ def host_line(shape: ModelShape, machine: HardwareProfile, need: HostNeed) -> st
             f"{_gb(need.total_bytes)} of {_gb(need.ram_bytes)} GB RAM on {machine.name} — {verdict}")
 
 
+def reserve_line(machine: HardwareProfile, hw: HardwareProfile) -> str:
+    """What the host reserve of ``hw`` (``machine.for_model(...)``) is made of ([HOSTRES])."""
+    ring = hw.host_reserved_bytes - machine.host_reserved_bytes
+    return (f"host reserve: {_gb(hw.host_reserved_bytes)} of {_gb(machine.host_mem_bytes)} GB RAM = "
+            f"{_gb(machine.host_reserved_bytes)} GB (runtime, CUDA context, OS, margin) + {_gb(ring)} GB "
+            f"pinned gradient ring")
+
+
 def largest_line(shape: ModelShape, machine: HardwareProfile, largest: tuple[str, HostNeed] | None) -> str:
     """``largest ... that fits ...``: by the host floor (``host_fit.host_floor``)."""
     family = family_of_model(shape.name) or "this"
