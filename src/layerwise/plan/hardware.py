@@ -275,17 +275,18 @@ class HardwareProfile:
 #          ``layerwise train`` run of a 134M-parameter llama, bf16 compute, 8-bit moments, on
 #          the cpu-async backend: its step peak RSS minus the store's storages, minus the
 #          device-side allocations the CPU backend keeps in RAM (slots and the step's measured
-#          device peak) and minus the gradient ring: 0.68-0.99 GB over rounds (Python, torch,
-#          transformers, the data, the lanes' and landing threads, the optimizer's scratch).
-#          It does not grow with the model: the optimizer and the landing work in fixed chunks.
+#          device peak) and minus the gradient ring: median 0.77 GB (0.68-0.99 GB over 7
+#          rounds; Python, torch, transformers, the data, the lanes' and landing threads, the
+#          optimizer's scratch), taken as 1 GB. It does not grow with the model: the optimizer
+#          and the landing work in fixed chunks.
 #        - CUDA (cited, ``CUDA_HOST_BYTES``): the CUDA context and driver's host memory, absent on
 #          a CPU: pytorch/pytorch#113326 (torch 2.2, CUDA 11.8, lazy module loading) measures
 #          322 MB max RSS for ``import torch`` and 2,057 MB once a CUDA tensor exists after a
 #          device query, +1.73 GB; taken as 2 GB.
 #        - OS (assumption, ``OS_HOST_BYTES``): kernel, page tables of a store-sized process (8 B
 #          per 4 KiB page: 0.25 GB per 128 GB), system daemons: 1 GB.
-#        - margin (assumption, ``HOST_RESERVE_MARGIN``): 20% of the three above (the runtime's
-#          spread over rounds is 30% of its median).
+#        - margin (assumption, ``HOST_RESERVE_MARGIN``): 20% of the three above, 0.8 GB (the
+#          runtime's spread over rounds is 0.3 GB).
 #        - the pinned gradient ring (scales with the model, ``grad_ring_bytes``, added per model
 #          by ``HardwareProfile.for_model``): ``HOST_GRAD_RING`` buffers of the largest decoder
 #          layer's gradient in the compute dtype, each allocated by ``CudaBackend.host_alloc``
@@ -293,9 +294,9 @@ class HardwareProfile:
 #          a power of two (ATen ``CachingHostAllocator``: ``PowerOf2Ceil``; docs/design-notes.md):
 #          4 x 1 GiB for qwen2.5-14b's 0.55 GB layers. A synchronous profile has no ring.
 #        Not in the reserve (the run adds them; docs/benchmarks.md says how much): the tokenized
-#        data set beyond the built-in corpus (held whole: 16-20 B per token) and a checkpoint
-#        save's snapshot (a copy of the groups it writes: 6 B per saved parameter with 8-bit
-#        moments).
+#        data set beyond the built-in corpus (held whole: 8 B per token measured for a token
+#        stream, up to 20 with labels and segment ids) and a checkpoint save's snapshot (a copy
+#        of the groups it writes: 6.0 B per saved parameter with 8-bit moments, its peak 1.17x).
 # Scale-out (data parallel, ``plan.scaling``):
 # [NODE8] HGX/DGX boards carry 8 GPUs (DGX H200, DGX H100, DGX A100 datasheets).
 # [NVL]  NVLink per GPU, bidirectional: 900 GB/s on H100/H200 SXM (NVLink 4, datasheets), 400 GB/s
