@@ -87,6 +87,12 @@ def test_plan_json_and_auto_batch(tmp_path, capsys):
     assert set(d["rules"]) >= {"every-1", "every-2", "every-4", "every-8", "recompute-all"}
     best = d["plan"]["predicted"]["tokens_per_s"]
     assert all(best >= r["tokens_per_s"] * (1 - 1e-9) for r in d["rules"].values())
+    # the host line's figures, and no largest-model search without --host-mem
+    h = d["host"]
+    assert h["total_bytes"] == h["store_bytes"] + h["activation_bytes"] + h["reserve_bytes"] <= h["ram_bytes"]
+    assert h["fits_ram"] and h["bytes_per_param"] == round(h["total_bytes"] / h["num_params"], 3)
+    assert h["reserve_bytes"] > PRESETS["h800"].host_reserved_bytes  # the model's ring on top
+    assert d["lines"][1].startswith("host RAM: ") and "largest_fitting_model" not in d
 
 
 def test_plan_when_nothing_fits(capsys):
