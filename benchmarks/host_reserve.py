@@ -127,7 +127,7 @@ def measure_round(steps: int) -> dict:
         hwm_steps, rss_steps = _status_bytes("VmHWM"), _status_bytes("VmRSS")
         store_bytes = _storage_bytes(_store_tensors(store))
         slot_bytes = engine.backend.allocated_bytes
-        ring_bytes = _storage_bytes(engine.sink._ring.buffers)
+        ring_bytes = _storage_bytes(engine.sink._ring.buffers)  # the sink does not expose its ring
         batch = [next(trainer.batches) for _ in range(trainer.accum)]
         device_peak = measure_step_peak(engine, batch).peak_bytes
         rows = [t for part in (trainer.data.train, trainer.data.eval)
@@ -136,8 +136,6 @@ def measure_round(steps: int) -> dict:
         data_tokens = sum(int(part.input_ids.numel()) for part in (trainer.data.train, trainer.data.eval))
         engine.synchronize()
         # a checkpoint save, apart: its snapshot copies the groups it writes
-        from layerwise.ckpt.store_provider import HostStoreStateProvider  # noqa: F401 (loaded before the baseline)
-
         trainer.cfg.ckpt.every = 1
         trainer._open_checkpoints()
         rss_before_save = _status_bytes("VmRSS")

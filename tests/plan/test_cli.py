@@ -5,7 +5,7 @@ import pytest
 
 from layerwise.cli import main
 from layerwise.plan.plan import Plan
-from layerwise.plan.report import format_table
+from layerwise.plan.report import format_table, order_text
 
 
 def _table(text: str) -> tuple[int, list[dict[str, str]]]:
@@ -49,7 +49,8 @@ def test_plan_prints_a_table_and_writes_the_plan(tmp_path, capsys):
                "--batch", "8", "--gpu-mem", "12", "--out", str(out), "--timeline", str(png)])
     assert rc == 0
     text = capsys.readouterr().out
-    for word in ("chosen plan (milp)", "every-4", "recompute-all", "tokens/s", "check: ok"):
+    for word in ("chosen plan (milp): order micro-batch-major; no resident layers;", "every-4", "recompute-all",
+                 "tokens/s", "check: ok"):
         assert word in text
     rows = _check_rows(text, 4096)
     assert _table(text)[0] == 8 and rows[0]["plan"] == "milp"
@@ -280,3 +281,11 @@ def test_qwen2_5_14b_at_one_micro_batch_fits_128_gb_once_the_ring_is_exact(capsy
     assert re.match(r"host RAM: 8\.14 B/param for the store \(120\.2 GB, bf16 gradients .* and the 7\.0 GB reserve "
                     r".*of 128\.0 GB RAM on h200 — fits$", lines[1]), lines[1]
     assert re.search(r": qwen2\.5-14b, 14\.77B params, 127\.2 GB \(8\.61 B/param\)$", lines[2]), lines[2]
+
+
+def test_the_chosen_plan_says_its_order_and_resident_layers():
+    """A layer-major plan names how many micro-batches share a weight load; resident layers are
+    listed as runs, with their count of the model's layers."""
+    lm = Plan(["device"] * 8, num_micro_batches=8, micro_batches_per_load=4, resident_layers=[5, 0, 1, 2])
+    assert order_text(lm) == "order layer-major (4 micro-batches per weight load); resident layers 0-2, 5 (4 of 8)"
+    assert order_text(Plan(["device"] * 8)) == "order micro-batch-major; no resident layers"

@@ -13,6 +13,7 @@ from typing import Sequence
 from .check import CheckReport
 from .hardware import HardwareProfile
 from .host_fit import HostNeed, family_of_model
+from .plan import Plan
 from .scaling import ScalingPoint
 from .search import Candidate, PlanInfeasible, SearchResult
 from .shape import ModelShape
@@ -116,6 +117,27 @@ def table_rows(res: SearchResult) -> list[tuple[str, Candidate, str]]:
     return rows
 
 
+def _ranges(indices: Sequence[int]) -> str:
+    """``0-2, 5``: sorted indices with runs joined."""
+    out: list[str] = []
+    for i in sorted(indices):
+        if out and int(out[-1].split("-")[-1]) == i - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
+
+
+def order_text(plan: Plan) -> str:
+    """The step's order and the layers kept on the device, in words."""
+    k = plan.micro_batches_per_load
+    order = "micro-batch-major" if k == 1 else f"layer-major ({k} micro-batches per weight load)"
+    res = plan.resident_layers
+    resident = (f"resident layers {_ranges(res)} ({len(res)} of {plan.num_layers})" if res
+                else "no resident layers")
+    return f"order {order}; {resident}"
+
+
 def print_report(seq_len: int, shape: ModelShape, hw: HardwareProfile, res: SearchResult, sim: SimResult,
                  report: CheckReport) -> None:
     """The machine, the table of the chosen plan against every rule, the MILP's figures, the plan."""
@@ -142,7 +164,7 @@ def print_report(seq_len: int, shape: ModelShape, hw: HardwareProfile, res: Sear
     if m is not None:
         print(f"MILP at micro-batch {p.micro_batch_size}: {m.status}, model step {m.objective_s:.3f} s, bound {m.bound_s:.3f} s, gap {m.gap:.2%}, "
               f"warm start {m.warm_start or 'none'}; HiGHS {res.solve_s:.2f} s, search {res.plan_s:.2f} s")
-    print(f"chosen plan ({p.source}): boundaries {', '.join(f'{v} {k}' for k, v in counts.items())}; "
+    print(f"chosen plan ({p.source}): {order_text(p)}; boundaries {', '.join(f'{v} {k}' for k, v in counts.items())}; "
           f"layer internals {', '.join(f'{v} {k}' for k, v in internal.items())}; prefetch depth {p.prefetch_depth}; "
           f"optimizer moments {len(p.moments or []) - n8} units fp32, {n8} units 8-bit; check: ok "
           f"(peak GPU {_gb(report.peaks['device'])} GB, host {_gb(report.peaks['host'])} GB)")
