@@ -5,7 +5,7 @@ import pytest
 
 from layerwise.cli import main
 from layerwise.plan.plan import Plan
-from layerwise.plan.report import format_table
+from layerwise.plan.report import format_table, order_text
 
 
 def _table(text: str) -> tuple[int, list[dict[str, str]]]:
@@ -49,7 +49,8 @@ def test_plan_prints_a_table_and_writes_the_plan(tmp_path, capsys):
                "--batch", "8", "--gpu-mem", "12", "--out", str(out), "--timeline", str(png)])
     assert rc == 0
     text = capsys.readouterr().out
-    for word in ("chosen plan (milp)", "every-4", "recompute-all", "tokens/s", "check: ok"):
+    for word in ("chosen plan (milp): order micro-batch-major; resident layers", "every-4", "recompute-all",
+                 "tokens/s", "check: ok"):
         assert word in text
     rows = _check_rows(text, 4096)
     assert _table(text)[0] == 8 and rows[0]["plan"] == "milp"
@@ -87,6 +88,12 @@ def test_plan_json_and_auto_batch(tmp_path, capsys):
     assert set(d["rules"]) >= {"every-1", "every-2", "every-4", "every-8", "recompute-all"}
     best = d["plan"]["predicted"]["tokens_per_s"]
     assert all(best >= r["tokens_per_s"] * (1 - 1e-9) for r in d["rules"].values())
+    # the host line's figures, and no largest-model search without --host-mem
+    h = d["host"]
+    assert h["total_bytes"] == h["store_bytes"] + h["activation_bytes"] + h["reserve_bytes"] <= h["ram_bytes"]
+    assert h["fits_ram"] and h["bytes_per_param"] == round(h["total_bytes"] / h["num_params"], 3)
+    assert h["reserve_bytes"] > PRESETS["h800"].host_reserved_bytes  # the model's ring on top
+    assert d["lines"][1].startswith("host RAM: ") and "largest_fitting_model" not in d
 
 
 def test_plan_when_nothing_fits(capsys):
@@ -160,3 +167,113 @@ def test_calibrate_pieces_are_quick(tmp_path):
     acc16, acc = measure_accumulation(1 << 16, 2)
     assert min(h2d, d2h, r, w, acc, acc16) > 0 and opt > 0
     assert not list(tmp_path.iterdir())  # the probe file is gone
+
+
+def _floor_bytes(model: str, preset: str, ram_gb: float) -> int:
+    """A model's least host need, from the parts (not ``host_need``): the store with 8-bit moments
+    and bf16 gradients, the preset's reserve, 4 pinned ring buffers of the largest layer's bf16
+    gradient."""
+    from layerwise.plan.cost import CostModel
+    from layerwise.plan.hardware import PRESETS
+    from layerwise.plan.shape import load_shape
+
+    shape, hw = load_shape(model), PRESETS[preset].with_memory(host_mem_gb=ram_gb)
+    units = shape.unit_names()
+    store = CostModel(shape, hw, 1, 1).host_store_bytes(["8bit"] * len(units), bf16_grads=True)
+    layer = max(shape.unit_params(u) for u in units[1:-1]) * 2
+    return store + hw.host_reserved_bytes + 4 * layer
+
+
+def test_plan_prints_host_bytes_per_param_fits_ram_and_the_largest_model(tmp_path, capsys):
+    """The host line is the chosen plan's store (bf16 gradients: one micro-batch per step, bf16
+    compute), its host-tier activations and the reserve with the model's pinned ring, per
+    parameter, against the RAM; the largest-model line names the largest qwen2 flavor whose
+    floor fits 40 GB, and the next larger one does not fit.
+
+    Mutations seen caught: ``bf16_grads_of`` always False (the store printed at fp32 gradients,
+    2 B/param more); the ring in torch's power-of-two pinned blocks (reserve 5.9 GB, not
+    5.4); ``largest_fitting`` keeping the first flavor that fits (qwen2-debug)."""
+    from layerwise.plan.cost import CostModel
+    from layerwise.plan.hardware import PRESETS
+    from layerwise.plan.shape import load_shape
+    from layerwise.plan.simulator import simulate
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "qwen2.5-3b", "--hardware", "rtx4090", "--host-mem", "40", "--seq-len", "1024",
+                 "--batch", "1", "--time-limit", "1", "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    plan, shape = Plan.load(out), load_shape("qwen2.5-3b")
+    hw = PRESETS["rtx4090"].with_memory(host_mem_gb=40)
+    assert plan.lands_once()
+    store = CostModel(shape, hw, 1, 1).host_store_bytes(plan.moments, bf16_grads=True)
+    layer = max(shape.unit_params(u) for u in shape.unit_names()[1:-1]) * 2
+    reserve = hw.host_reserved_bytes + 4 * layer
+    acts = simulate(plan, shape, hw.for_model(layer), keep_trace=False).peak_pinned_act_bytes
+    total = store + acts + reserve
+    m = re.match(r"host RAM: ([\d.]+) B/param for the store \(([\d.]+) GB, bf16 gradients .*\), ([\d.]+) B/param in "
+                 r"all with ([\d.]+) GB of host-tier activations and the ([\d.]+) GB reserve .*: ([\d.]+) of 40\.0 GB "
+                 r"RAM on rtx4090 — fits$", lines[1])
+    assert m, lines[1]
+    assert float(m.group(1)) == round(store / shape.num_params, 2) and float(m.group(2)) == round(store / 1e9, 1)
+    assert float(m.group(3)) == round(total / shape.num_params, 2) and float(m.group(5)) == round(reserve / 1e9, 1)
+    assert float(m.group(6)) == round(total / 1e9, 1) and total <= 40e9
+    m = re.match(r"largest qwen2 model that fits 40\.0 GB of host RAM on rtx4090 \(8-bit moments, bf16 gradients, no "
+                 r"host-tier activations\): (\S+), [\d.]+B params, ([\d.]+) GB", lines[2])
+    assert m and m.group(1) == "qwen2.5-3b", lines[2]
+    assert float(m.group(2)) == round(_floor_bytes("qwen2.5-3b", "rtx4090", 40) / 1e9, 1)
+    assert _floor_bytes("qwen2.5-7b", "rtx4090", 40) > 40e9
+
+
+def test_plan_json_says_host_ram_and_the_largest_model_when_nothing_fits(capsys):
+    """qwen2.5-7b's floor (69.2 GB) is over 60 GB of RAM on an h200: refused on host RAM, with the
+    reserve's parts and the largest qwen2 that fits (qwen2.5-3b, 31.3 GB) in the lines and the JSON.
+
+    Mutation seen caught: the pre-check without bf16 gradients (the refusal then names 76.39 GB,
+    the store with fp32 gradients, not the 62.25 GB of the leanest store)."""
+    assert main(["plan", "--model", "qwen2.5-7b", "--hardware", "h200", "--host-mem", "60", "--seq-len", "4096",
+                 "--json"]) == 1
+    d = json.loads(capsys.readouterr().out)
+    assert d["fits"] is False and d["binding"] == "host"
+    assert "needs 62.25 GB even with 8-bit optimizer moments everywhere and bf16 gradients" in d["message"]
+    assert re.match(r"host reserve: [\d.]+ of 60\.0 GB RAM = 4\.8 GB \(runtime, CUDA context, OS, margin\) \+ "
+                    r"1\.9 GB pinned gradient ring$", d["lines"][1]), d["lines"]
+    big = d["largest_fitting_model"]
+    assert big["model"] == "qwen2.5-3b" and big["fits_ram"] and big["total_bytes"] == _floor_bytes(
+        "qwen2.5-3b", "h200", 60)
+    assert _floor_bytes("qwen2.5-7b", "h200", 60) > 60e9
+
+
+def test_qwen2_5_14b_fits_an_h200_with_128_gb_of_host_ram(capsys):
+    """The issue's figure (21, item 5): split master + 8-bit moments + bf16 gradients ~8.1 B/param
+    (120.2 GB) plus the reserve fit 128 GB: a plan that lands each gradient once at the auto
+    batch (the search's layer-major order) and the pinned gradient ring at its own size (2.2 GB,
+    not torch's 4 x 1 GiB blocks)."""
+    rc = main(["plan", "--model", "qwen2.5-14b", "--hardware", "h200", "--host-mem", "128", "--seq-len", "4096"])
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0 and lines[0].startswith("fits: yes — qwen2.5-14b on h200"), lines[:3]
+    assert lines[1].startswith("host RAM: ") and lines[1].endswith("of 128.0 GB RAM on h200 — fits"), lines[1]
+    assert re.search(r"largest qwen2 model that fits 128\.0 GB .*: qwen2\.5-14b,", lines[2]), lines[2]
+
+
+def test_qwen2_5_14b_at_one_micro_batch_fits_128_gb(capsys):
+    """At one micro-batch per step (bf16 host gradients) the store is 120.18 GB; with the ring
+    page-locked at its own size the reserve is 7.0 GB, and the plan fits 128 GB of RAM.
+
+    Mutations seen caught: the search's pre-check with fp32 gradients (refused: 148.16 GB); the
+    ring in torch's power-of-two pinned blocks (refused: 1.3 GB short)."""
+    argv = ["plan", "--model", "qwen2.5-14b", "--hardware", "h200", "--host-mem", "128", "--seq-len", "4096",
+            "--batch", "1", "--time-limit", "1"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("fits: yes — qwen2.5-14b on h200, 1 x 4096 tokens per step"), lines[0]
+    assert re.match(r"host RAM: 8\.14 B/param for the store \(120\.2 GB, bf16 gradients .* and the 7\.0 GB reserve "
+                    r".*of 128\.0 GB RAM on h200 — fits$", lines[1]), lines[1]
+    assert re.search(r": qwen2\.5-14b, 14\.77B params, 127\.2 GB \(8\.61 B/param\)$", lines[2]), lines[2]
+
+
+def test_the_chosen_plan_says_its_order_and_resident_layers():
+    """A layer-major plan names how many micro-batches share a weight load; resident layers are
+    listed as runs, with their count of the model's layers."""
+    lm = Plan(["device"] * 8, num_micro_batches=8, micro_batches_per_load=4, resident_layers=[5, 0, 1, 2])
+    assert order_text(lm) == "order layer-major (4 micro-batches per weight load); resident layers 0-2, 5 (4 of 8)"
+    assert order_text(Plan(["device"] * 8)) == "order micro-batch-major; no resident layers"

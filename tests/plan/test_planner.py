@@ -164,8 +164,9 @@ def test_nothing_fits_names_the_binding_resource():
     assert e.value.resource == "device" and e.value.over_bytes > 0
     assert "device memory binds" in str(e.value) and "GB over" in str(e.value)
     with pytest.raises(PlanInfeasible) as e:
-        # 58 GB usable: under the 62 GB store with 8-bit moments and bf16 gradients (one micro-batch)
-        search(shape, PRESETS["rtx3090"].with_memory(host_mem_gb=90), 1024, SearchConfig(global_batch=1))
+        # ~55 GB usable beside the measured reserve: under the 62 GB store with 8-bit moments
+        # and bf16 gradients (one micro-batch)
+        search(shape, PRESETS["rtx3090"].with_memory(host_mem_gb=60), 1024, SearchConfig(global_batch=1))
     assert e.value.resource == "host" and "8-bit" in str(e.value)
 
 

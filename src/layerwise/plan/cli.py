@@ -8,8 +8,10 @@ from typing import Any
 
 from .check import CheckReport, check
 from .hardware import HardwareProfile, get_hardware
+from .host_need import HostNeed, largest_fitting, layer_grad_bytes, plan_host_need
 from .milp import MilpConfig
-from .report import hours_per_billion_tokens, print_report, print_scaling, verdict_fits, verdict_unfit
+from .report import (host_line, hours_per_billion_tokens, largest_line, print_report, print_scaling, reserve_line,
+                     verdict_fits, verdict_unfit)
 from .scaling import ScalingPoint, ladder, predict_scaling
 from .search import PlanInfeasible, SearchConfig, SearchResult, search
 from .shape import ModelShape, load_shape
@@ -51,7 +53,9 @@ def plan_command(args: argparse.Namespace) -> int:
     """Search, check and write the plan; print the verdict and the table (or one JSON object)."""
     batch = _batch(args)
     shape = load_shape(args.model)
-    hw = get_hardware(args.hardware).with_memory(args.gpu_mem, args.host_mem)
+    machine = get_hardware(args.hardware).with_memory(args.gpu_mem, args.host_mem)
+    hw = machine.for_model(layer_grad_bytes(shape, machine))  # the reserve with this model's ring
+    largest = largest_fitting(args.model, machine) if args.host_mem is not None else None
     topo = _topology(args, hw, batch)
     world = topo.world_size if topo else 1
     # the plan is what one GPU runs on its share of the batch
@@ -61,11 +65,13 @@ def plan_command(args: argparse.Namespace) -> int:
         res = search(shape, hw, args.seq_len, cfg)
     except PlanInfeasible as e:
         verdict = verdict_unfit(shape, hw, args.seq_len, e)
+        lines = [verdict] + ([reserve_line(machine, hw)] if e.resource == "host" else []) \
+            + ([largest_line(shape, machine, largest)] if args.host_mem is not None else [])
         if args.json:
             print(json.dumps({"fits": False, "binding": e.resource, "over_bytes": e.over_bytes, "message": str(e),
-                              "verdict": verdict}))
+                              "verdict": verdict, **_largest_json(args, largest, lines)}))
         else:
-            print(verdict)
+            print("\n".join(lines))
         return 1
     sim = simulate(res.plan, shape, hw)
     report = check(sim, shape, hw)
@@ -81,11 +87,16 @@ def plan_command(args: argparse.Namespace) -> int:
         scaling = predict_scaling(shape, hw, res.plan, global_batch,
                                   ladder(topo.gpus_per_node, topo.nodes, args.grad_reduce))
     verdict = verdict_fits(shape, hw, args.seq_len, sim, global_batch, scaling)
+    need = plan_host_need(shape, machine, res.plan, sim)
+    lines = [verdict, host_line(shape, machine, need)]
+    if args.host_mem is not None:
+        lines.append(largest_line(shape, machine, largest))
     if args.json:
         out = _json_report(args, shape, hw, res, report, scaling, global_batch)
-        print(json.dumps({**out, "verdict": verdict}, indent=2, default=str))
+        print(json.dumps({**out, "verdict": verdict, "host": need.row(), **_largest_json(args, largest, lines)},
+                         indent=2, default=str))
         return 0
-    print(verdict)
+    print("\n".join(lines))
     print_report(args.seq_len, shape, hw, res, sim, report)
     if scaling:
         print_scaling(scaling, global_batch, args.seq_len)
@@ -94,6 +105,14 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.timeline:
         print(f"wrote {args.timeline}")
     return 0
+
+
+def _largest_json(args: argparse.Namespace, largest: tuple[str, HostNeed] | None, lines: list[str]) -> dict[str, Any]:
+    """With ``--host-mem``: the largest model of the family that fits, and the lines printed."""
+    if args.host_mem is None:
+        return {"lines": lines}
+    fit = None if largest is None else {"model": largest[0], **largest[1].row()}
+    return {"largest_fitting_model": fit, "lines": lines}
 
 
 def _batch(args: argparse.Namespace) -> int | None:

@@ -57,7 +57,10 @@ class HardwareProfile:
     host_mem_bytes: int
     """Host RAM."""
     host_reserved_bytes: int
-    """Host RAM the planner must leave alone (OS, data loader, page cache)."""
+    """Host RAM the planner must leave alone, beside the store and the host-tier activations it
+    counts: the OS, the run's runtime (Python, torch, data, threads), the CUDA context. A preset
+    derives it from measured, cited and assumed parts ([HOSTRES], ``preset_host_reserve_bytes``);
+    the part that scales with the model (the pinned gradient ring) is added by ``for_model``."""
     optimizer_params_per_s: float
     """Host AdamW step with fp32 moments (``HostAdamW.step_unit``, the compute copy's refresh
     not included), parameters/s at the optimizer threads the engine runs (``host_threads``)."""
@@ -114,7 +117,9 @@ class HardwareProfile:
         if self.device_mem_bytes <= self.device_reserved_bytes:
             raise ValueError(f"hardware profile {self.name!r}: device_mem_bytes must exceed device_reserved_bytes")
         if self.host_mem_bytes <= self.host_reserved_bytes:
-            raise ValueError(f"hardware profile {self.name!r}: host_mem_bytes must exceed host_reserved_bytes")
+            raise ValueError(f"hardware profile {self.name!r}: host RAM ({self.host_mem_bytes / GB:.2f} GB) must "
+                             f"exceed the host reserve ({self.host_reserved_bytes / GB:.2f} GB); give more "
+                             "with --host-mem")
         for f in ("intra_node_gbps", "inter_node_gbps", "node_host_link_gbps") + HOST_FIELDS_V4:
             if getattr(self, f) is not None and not getattr(self, f) > 0:
                 raise ValueError(f"hardware profile {self.name!r}: {f} must be > 0 or null, got {getattr(self, f)}")
@@ -155,6 +160,18 @@ class HardwareProfile:
     def host_cap_bytes(self) -> int:
         """Host bytes the store plus offloaded activations may use."""
         return self.host_mem_bytes - self.host_reserved_bytes
+
+    def grad_ring_bytes(self, layer_grad_bytes: int) -> int:
+        """Host bytes of the engine's pinned gradient ring for a model whose largest decoder
+        layer's gradient is ``layer_grad_bytes`` in the compute dtype ([HOSTRES]): none on a
+        synchronous profile (the CPU backend adds gradients inline)."""
+        return 0 if self.synchronous else grad_ring_bytes(layer_grad_bytes)
+
+    def for_model(self, layer_grad_bytes: int) -> HardwareProfile:
+        """A copy whose host reserve also holds what scales with the model: the pinned gradient
+        ring of ``grad_ring_bytes``. The planner plans on this copy (``layerwise plan``), so its
+        usable host RAM (``host_cap_bytes``) is what the store and activations really have."""
+        return replace(self, host_reserved_bytes=self.host_reserved_bytes + self.grad_ring_bytes(layer_grad_bytes))
 
     def with_memory(self, gpu_mem_gb: float | None = None, host_mem_gb: float | None = None) -> HardwareProfile:
         """A copy with device and/or host memory overridden (GB = 1e9 bytes)."""
@@ -251,6 +268,34 @@ class HardwareProfile:
 #        1-5 GB/s estimated in issue 19 (measured here between 2 in-process ranks on 2 shared
 #        cores: 0.4-0.5 GB/s); ``layerwise calibrate --gloo`` measures it.
 # [RES]  1.5 GB device reserve: CUDA context (~500 MB) + cuBLAS workspace + allocator slack.
+# [HOSTRES] host reserve: what a run holds in host RAM beside its store and the host-tier
+#        activations the planner counts (``preset_host_reserve_bytes``; docs/benchmarks.md,
+#        "Host reserve"):
+#        - runtime (measured, ``RUNTIME_HOST_BYTES``): ``benchmarks/host_reserve.py``, a
+#          ``layerwise train`` run of a 134M-parameter llama, bf16 compute, 8-bit moments, on
+#          the cpu-async backend: its step peak RSS minus the store's storages, minus the
+#          device-side allocations the CPU backend keeps in RAM (slots and the step's measured
+#          device peak) and minus the gradient ring: median 0.77 GB (0.68-0.99 GB over 7
+#          rounds; Python, torch, transformers, the data, the lanes' and landing threads, the
+#          optimizer's scratch), taken as 1 GB. It does not grow with the model: the optimizer
+#          and the landing work in fixed chunks.
+#        - CUDA (cited, ``CUDA_HOST_BYTES``): the CUDA context and driver's host memory, absent on
+#          a CPU: pytorch/pytorch#113326 (torch 2.2, CUDA 11.8, lazy module loading) measures
+#          322 MB max RSS for ``import torch`` and 2,057 MB once a CUDA tensor exists after a
+#          device query, +1.73 GB; taken as 2 GB.
+#        - OS (assumption, ``OS_HOST_BYTES``): kernel, page tables of a store-sized process (8 B
+#          per 4 KiB page: 0.25 GB per 128 GB), system daemons: 1 GB.
+#        - margin (assumption, ``HOST_RESERVE_MARGIN``): 20% of the three above, 0.8 GB (the
+#          runtime's spread over rounds is 0.3 GB).
+#        - the pinned gradient ring (scales with the model, ``grad_ring_bytes``, added per model
+#          by ``HardwareProfile.for_model``): ``HOST_GRAD_RING`` buffers of the largest decoder
+#          layer's gradient in the compute dtype, each page-locked in place at its own size by
+#          ``CudaBackend.host_alloc`` (torch's pinned allocator would round each up to a power
+#          of two: 4 x 1 GiB for qwen2.5-14b's 0.55 GB layers). A synchronous profile has no ring.
+#        Not in the reserve (the run adds them; docs/benchmarks.md says how much): the tokenized
+#        data set beyond the built-in corpus (held whole: 8 B per token measured for a token
+#        stream, up to 20 with labels and segment ids) and a checkpoint save's snapshot (a copy
+#        of the groups it writes: 6.0 B per saved parameter with 8-bit moments, its peak 1.17x).
 # Scale-out (data parallel, ``plan.scaling``):
 # [NODE8] HGX/DGX boards carry 8 GPUs (DGX H200, DGX H100, DGX A100 datasheets).
 # [NVL]  NVLink per GPU, bidirectional: 900 GB/s on H100/H200 SXM (NVLink 4, datasheets), 400 GB/s
@@ -265,6 +310,35 @@ class HardwareProfile:
 # [WS4]  assumption: a workstation with 4 cards and no NVLink or peer access (the RTX 4090 has no
 #        P2P; RTX 3090 bridges pair two cards only): reduction through PCIe and host memory, ~10
 #        GB/s per GPU; one 100 GbE NIC per node shared by 4 GPUs (12.5 GB/s x 0.9 / 4 = 2.8 GB/s).
+RUNTIME_HOST_BYTES = 1 * GB
+"""[HOSTRES] measured: a training run's RSS beside its store, device-side memory and ring."""
+CUDA_HOST_BYTES = 2 * GB
+"""[HOSTRES] cited: the CUDA context and driver's host memory."""
+OS_HOST_BYTES = 1 * GB
+"""[HOSTRES] assumption: the OS beside the training process."""
+HOST_RESERVE_MARGIN = 0.20
+"""[HOSTRES] assumption: the margin, a fraction of the parts above."""
+HOST_GRAD_RING = 4
+"""Pinned host buffers the engine's gradients land in (``engine.grad_sink.HOST_GRAD_RING``; a
+test keeps the two equal: the planner does not import the engine)."""
+
+
+def grad_ring_bytes(layer_grad_bytes: int) -> int:
+    """[HOSTRES] The pinned gradient ring of a model whose largest decoder layer's gradient is
+    ``layer_grad_bytes`` in the compute dtype (``engine.grad_sink.ring_piece_bytes``)."""
+    return HOST_GRAD_RING * layer_grad_bytes
+
+
+def preset_host_reserve_bytes(gpu: bool) -> int:
+    """[HOSTRES] A preset's host reserve: runtime + the CUDA context (a GPU's) + OS, plus the
+    margin; the model's gradient ring is added by ``HardwareProfile.for_model``."""
+    parts = RUNTIME_HOST_BYTES + (CUDA_HOST_BYTES if gpu else 0) + OS_HOST_BYTES
+    return int(round(parts * (1 + HOST_RESERVE_MARGIN)))
+
+
+GPU_HOST_RESERVE_BYTES = preset_host_reserve_bytes(gpu=True)
+"""4.8 GB: every GPU preset's host reserve before the model's ring."""
+
 PRESETS: dict[str, HardwareProfile] = {
     "h200": HardwareProfile(
         name="h200",
@@ -275,7 +349,7 @@ PRESETS: dict[str, HardwareProfile] = {
         h2d_gbps=50.0, d2h_gbps=50.0,  # [PCIE5]
         nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
         host_mem_bytes=2000 * GB,  # HGX H200 servers ship with 2 TB DDR5 (e.g. DGX H200 datasheet)
-        host_reserved_bytes=64 * GB,  # OS, data loader, page cache (assumption)
+        host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
         optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=3.5e9,  # [OPT] server
         host_accum_gbps=150.0, host_accum_bf16_gbps=80.0,  # [ACC] [ACC16] server
         pinned_copy_gbps=150.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
@@ -291,7 +365,7 @@ PRESETS: dict[str, HardwareProfile] = {
         h2d_gbps=50.0, d2h_gbps=50.0,  # [PCIE5]
         nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
         host_mem_bytes=2000 * GB,  # HGX H800 servers as DGX H100: 2 TB (DGX H100 datasheet)
-        host_reserved_bytes=64 * GB,
+        host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
         optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=3.5e9,  # [OPT] server
         host_accum_gbps=150.0, host_accum_bf16_gbps=80.0,  # [ACC] [ACC16] server
         pinned_copy_gbps=150.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
@@ -307,7 +381,7 @@ PRESETS: dict[str, HardwareProfile] = {
         h2d_gbps=50.0, d2h_gbps=50.0,  # [PCIE5]
         nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
         host_mem_bytes=2000 * GB,  # DGX H100 datasheet: 2 TB system memory
-        host_reserved_bytes=64 * GB,
+        host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
         optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=3.5e9,  # [OPT] server
         host_accum_gbps=150.0, host_accum_bf16_gbps=80.0,  # [ACC] [ACC16] server
         pinned_copy_gbps=150.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
@@ -323,7 +397,7 @@ PRESETS: dict[str, HardwareProfile] = {
         h2d_gbps=25.0, d2h_gbps=25.0,  # [PCIE4]
         nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
         host_mem_bytes=1000 * GB,  # DGX A100 datasheet: 1 TB system memory (2 TB option)
-        host_reserved_bytes=64 * GB,
+        host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
         optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=3.5e9,  # [OPT] server
         host_accum_gbps=150.0, host_accum_bf16_gbps=80.0,  # [ACC] [ACC16] server
         pinned_copy_gbps=150.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
@@ -339,7 +413,7 @@ PRESETS: dict[str, HardwareProfile] = {
         h2d_gbps=25.0, d2h_gbps=25.0,  # [PCIE4]
         nvme_read_gbps=7.0, nvme_write_gbps=5.0, nvme_capacity_bytes=1500 * GB,  # [CNVME]
         host_mem_bytes=512 * GB,  # assumption: 8 x 64 GB workstation (Threadripper/EPYC class)
-        host_reserved_bytes=32 * GB,
+        host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
         optimizer_params_per_s=2e9, optimizer_8bit_params_per_s=1.4e9,  # [OPT] workstation
         host_accum_gbps=50.0, host_accum_bf16_gbps=50.0,  # [ACC] [ACC16] workstation
         pinned_copy_gbps=60.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
@@ -354,7 +428,7 @@ PRESETS: dict[str, HardwareProfile] = {
         h2d_gbps=25.0, d2h_gbps=25.0,  # [PCIE4]
         nvme_read_gbps=7.0, nvme_write_gbps=5.0, nvme_capacity_bytes=1500 * GB,  # [CNVME]
         host_mem_bytes=512 * GB,  # assumption: 8 x 64 GB workstation
-        host_reserved_bytes=32 * GB,
+        host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
         optimizer_params_per_s=2e9, optimizer_8bit_params_per_s=1.4e9,  # [OPT] workstation
         host_accum_gbps=50.0, host_accum_bf16_gbps=50.0,  # [ACC] [ACC16] workstation
         pinned_copy_gbps=60.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
@@ -370,7 +444,7 @@ PRESETS: dict[str, HardwareProfile] = {
         h2d_gbps=5.0, d2h_gbps=5.0,  # assumption: memcpy of large buffers; calibrate measures
         nvme_read_gbps=1.0, nvme_write_gbps=0.5, nvme_capacity_bytes=50 * GB,  # assumption (VM disk)
         host_mem_bytes=16 * GB,
-        host_reserved_bytes=2 * GB,
+        host_reserved_bytes=preset_host_reserve_bytes(gpu=False),  # [HOSTRES]: no CUDA, no ring
         optimizer_params_per_s=1e8, optimizer_8bit_params_per_s=5e7,  # assumption; calibrate measures
         host_accum_gbps=5.0, host_accum_bf16_gbps=5.0,  # assumption; calibrate measures
         pinned_copy_gbps=2.0,  # assumption (the per-thread refresh rate measured here); calibrate measures

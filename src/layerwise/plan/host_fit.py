@@ -40,10 +40,11 @@ def choose_moments(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 
 
     all8 = cost.host_store_bytes(["8bit"] * len(units), bf16_grads)
     if all8 > budget:
+        lean = " and bf16 gradients (one landing per step)" if bf16_grads and hw.compute_dtype_bytes == 2 else ""
         raise PlanInfeasible(
             "host", all8 - budget,
             f"host memory binds: the host store of {shape.name} needs {human_bytes(all8)} even with "
-            f"8-bit optimizer moments everywhere, but {human_bytes(budget)} is usable "
+            f"8-bit optimizer moments everywhere{lean}, but {human_bytes(budget)} is usable "
             f"({human_bytes(all8 - budget)} over); use a machine with more RAM or --host-mem")
     # largest units first, then drop any that is not needed (fewest 8-bit parameters, greedily)
     order = sorted(range(len(units)), key=lambda k: -shape.unit_params(units[k]))

@@ -12,6 +12,8 @@ from typing import Sequence
 
 from .check import CheckReport
 from .hardware import HardwareProfile
+from .host_need import HostNeed, family_of_model
+from .plan import Plan
 from .scaling import ScalingPoint
 from .search import Candidate, PlanInfeasible, SearchResult
 from .shape import ModelShape
@@ -32,8 +34,8 @@ def hours_per_billion_tokens(tokens_per_s: float) -> float:
 
 
 def _hours(h: float) -> str:
-    """Three significant figures up to 1,000 h (1.33, 18.6, 186), whole hours above."""
-    return f"{h:.2f}" if h < 10 else f"{h:.1f}" if h < 100 else f"{h:,.0f}"
+    """Three significant figures up to 1,000 h (0.197, 1.33, 18.6, 186), whole hours above."""
+    return f"{h:,.0f}" if h >= 100 else f"{h:.3g}"
 
 
 def verdict_fits(shape: ModelShape, hw: HardwareProfile, seq_len: int, sim: SimResult, global_batch: int,
@@ -49,6 +51,38 @@ def verdict_fits(shape: ModelShape, hw: HardwareProfile, seq_len: int, sim: SimR
     return (f"fits: yes — {shape.name} on {hw.name}{gpus}, {global_batch} x {seq_len} tokens per step: "
             f"{tps:,.0f} tokens/s predicted, {_hours(hours_per_billion_tokens(tps))} h per billion tokens "
             f"(peak {', '.join(mem)})")
+
+
+def host_line(shape: ModelShape, machine: HardwareProfile, need: HostNeed) -> str:
+    """``host RAM: ... B/param ...``: the chosen plan's host bytes per parameter (the store, then
+    everything with activations and the reserve) against the machine's RAM."""
+    grads = "bf16 gradients (one landing per step)" if need.bf16_grads else "fp32 gradients"
+    verdict = "fits" if need.fits else f"short by {_gb(need.total_bytes - need.ram_bytes)} GB"
+    return (f"host RAM: {need.store_bytes_per_param:.2f} B/param for the store ({_gb(need.store_bytes)} GB, {grads}), "
+            f"{need.bytes_per_param:.2f} B/param in all with {_gb(need.activation_bytes)} GB of host-tier activations "
+            f"and the {_gb(need.reserve_bytes)} GB reserve (runtime, CUDA context, OS, pinned gradient ring): "
+            f"{_gb(need.total_bytes)} of {_gb(need.ram_bytes)} GB RAM on {machine.name} — {verdict}")
+
+
+def reserve_line(machine: HardwareProfile, hw: HardwareProfile) -> str:
+    """What the host reserve of ``hw`` (``machine.for_model(...)``) is made of ([HOSTRES])."""
+    ring = hw.host_reserved_bytes - machine.host_reserved_bytes
+    return (f"host reserve: {_gb(hw.host_reserved_bytes)} of {_gb(machine.host_mem_bytes)} GB RAM = "
+            f"{_gb(machine.host_reserved_bytes)} GB (runtime, CUDA context, OS, margin) + {_gb(ring)} GB "
+            f"pinned gradient ring")
+
+
+def largest_line(shape: ModelShape, machine: HardwareProfile, largest: tuple[str, HostNeed] | None) -> str:
+    """``largest ... that fits ...``: by the host floor (``host_need.host_floor``)."""
+    family = family_of_model(shape.name) or "this"
+    how = "8-bit moments, bf16 gradients, no host-tier activations" if machine.compute_dtype_bytes == 2 \
+        else "8-bit moments, no host-tier activations"
+    where = f"{_gb(machine.host_mem_bytes)} GB of host RAM on {machine.name} ({how})"
+    if largest is None:
+        return f"largest {family} model that fits {where}: none"
+    name, need = largest
+    return (f"largest {family} model that fits {where}: {name}, {need.num_params / 1e9:.2f}B params, "
+            f"{_gb(need.total_bytes)} GB ({need.bytes_per_param:.2f} B/param)")
 
 
 def verdict_unfit(shape: ModelShape, hw: HardwareProfile, seq_len: int, err: PlanInfeasible) -> str:
@@ -83,6 +117,27 @@ def table_rows(res: SearchResult) -> list[tuple[str, Candidate, str]]:
     return rows
 
 
+def _ranges(indices: Sequence[int]) -> str:
+    """``0-2, 5``: sorted indices with runs joined."""
+    out: list[str] = []
+    for i in sorted(indices):
+        if out and int(out[-1].split("-")[-1]) == i - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
+
+
+def order_text(plan: Plan) -> str:
+    """The step's order and the layers kept on the device, in words."""
+    k = plan.micro_batches_per_load
+    order = "micro-batch-major" if k == 1 else f"layer-major ({k} micro-batches per weight load)"
+    res = plan.resident_layers
+    resident = (f"resident layers {_ranges(res)} ({len(res)} of {plan.num_layers})" if res
+                else "no resident layers")
+    return f"order {order}; {resident}"
+
+
 def print_report(seq_len: int, shape: ModelShape, hw: HardwareProfile, res: SearchResult, sim: SimResult,
                  report: CheckReport) -> None:
     """The machine, the table of the chosen plan against every rule, the MILP's figures, the plan."""
@@ -109,7 +164,7 @@ def print_report(seq_len: int, shape: ModelShape, hw: HardwareProfile, res: Sear
     if m is not None:
         print(f"MILP at micro-batch {p.micro_batch_size}: {m.status}, model step {m.objective_s:.3f} s, bound {m.bound_s:.3f} s, gap {m.gap:.2%}, "
               f"warm start {m.warm_start or 'none'}; HiGHS {res.solve_s:.2f} s, search {res.plan_s:.2f} s")
-    print(f"chosen plan ({p.source}): boundaries {', '.join(f'{v} {k}' for k, v in counts.items())}; "
+    print(f"chosen plan ({p.source}): {order_text(p)}; boundaries {', '.join(f'{v} {k}' for k, v in counts.items())}; "
           f"layer internals {', '.join(f'{v} {k}' for k, v in internal.items())}; prefetch depth {p.prefetch_depth}; "
           f"optimizer moments {len(p.moments or []) - n8} units fp32, {n8} units 8-bit; check: ok "
           f"(peak GPU {_gb(report.peaks['device'])} GB, host {_gb(report.peaks['host'])} GB)")

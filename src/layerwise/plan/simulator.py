@@ -60,7 +60,7 @@ from typing import Any
 
 from .cost import CostModel
 from .hardware import HardwareProfile
-from .memory import (GRAD_SLOTS, OFFLOAD_WINDOW_OPS, fetch_slot_count, grad_slot_itemsize, group_size,
+from .memory import (GRAD_SLOTS, fetch_slot_count, grad_slot_itemsize, group_size,
                      kept_internal_bytes, mask_bytes, resident_weight_bytes)
 from .plan import Plan
 from .program import (FETCH_AHEAD, RECOMPUTE_OPS, Op, OpKind, WeightWindow, micro_batch_groups,

@@ -1,0 +1,121 @@
+"""Host RAM of a plan, per parameter, and the largest model of a family that fits a machine's RAM.
+
+One accounting for the verdict of ``layerwise plan`` and for the family search: the host store
+(``CostModel.host_store_bytes``: the split master, the gradient in bf16 when the plan lands each
+gradient once with bf16 compute, the moments per unit), the host-tier activations the simulator
+holds at its peak, and the machine's host reserve with the model's pinned gradient ring
+(``HardwareProfile.for_model``, [HOSTRES] in ``plan/hardware.py``). Against the machine's RAM,
+not the usable figure: the reserve is counted as a need.
+
+The largest model of a family is judged by its host floor: 8-bit moments everywhere, bf16
+gradients (a plan that lands once: one micro-batch, or layer-major), no host-tier activations;
+the device side is not searched (a model may still need a larger GPU).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..models.names import EMBED, HEAD
+from .cost import CostModel
+from .hardware import HardwareProfile
+from .plan import Plan
+from .shape import ModelShape, load_shape
+from .simulator import SimResult
+
+
+@dataclass(frozen=True)
+class HostNeed:
+    """Host bytes a run of one model needs on one machine."""
+
+    num_params: int
+    store_bytes: int
+    activation_bytes: int
+    """Host-tier boundaries and internals (pinned) at the simulator's peak."""
+    reserve_bytes: int
+    """The machine's host reserve with the model's gradient ring."""
+    ram_bytes: int
+    """The machine's host RAM."""
+    bf16_grads: bool
+
+    @property
+    def total_bytes(self) -> int:
+        return self.store_bytes + self.activation_bytes + self.reserve_bytes
+
+    @property
+    def store_bytes_per_param(self) -> float:
+        return self.store_bytes / self.num_params
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Everything the run holds on the host, per parameter."""
+        return self.total_bytes / self.num_params
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.ram_bytes
+
+    def row(self) -> dict:
+        return {"num_params": self.num_params, "store_bytes": self.store_bytes,
+                "store_bytes_per_param": round(self.store_bytes_per_param, 3),
+                "activation_bytes": self.activation_bytes, "reserve_bytes": self.reserve_bytes,
+                "total_bytes": self.total_bytes, "bytes_per_param": round(self.bytes_per_param, 3),
+                "ram_bytes": self.ram_bytes, "bf16_grads": self.bf16_grads, "fits_ram": self.fits}
+
+
+def layer_grad_bytes(shape: ModelShape, hw: HardwareProfile) -> int:
+    """The largest decoder layer's gradient in the compute dtype (one gradient ring buffer)."""
+    layers = [u for u in shape.unit_names() if u not in (EMBED, HEAD)]
+    return max(shape.trainable_params(u) for u in layers) * hw.compute_dtype_bytes
+
+
+def bf16_grads_of(plan: Plan, hw: HardwareProfile) -> bool:
+    """The host gradient is bf16: bf16 compute and every gradient landing once per step."""
+    return hw.compute_dtype_bytes == 2 and plan.lands_once()
+
+
+def plan_host_need(shape: ModelShape, hw: HardwareProfile, plan: Plan, sim: SimResult) -> HostNeed:
+    """The host bytes of ``plan`` on ``hw`` (the profile as given, before ``for_model``)."""
+    bf16 = bf16_grads_of(plan, hw)
+    store = CostModel(shape, hw, 1, 1).host_store_bytes(plan.moments, bf16_grads=bf16)
+    reserve = hw.for_model(layer_grad_bytes(shape, hw)).host_reserved_bytes
+    return HostNeed(shape.num_params, store, sim.peak_pinned_act_bytes, reserve, hw.host_mem_bytes, bf16)
+
+
+def host_floor(shape: ModelShape, hw: HardwareProfile) -> HostNeed:
+    """The least host RAM any plan of ``shape`` needs on ``hw`` (see the module docstring)."""
+    units = shape.unit_names()
+    bf16 = hw.compute_dtype_bytes == 2
+    store = CostModel(shape, hw, 1, 1).host_store_bytes(["8bit"] * len(units), bf16_grads=bf16)
+    reserve = hw.for_model(layer_grad_bytes(shape, hw)).host_reserved_bytes
+    return HostNeed(shape.num_params, store, 0, reserve, hw.host_mem_bytes, bf16)
+
+
+def family_of_model(model: str) -> str | None:
+    """The family (``models.FAMILIES`` key) of a flavor name or a local model directory."""
+    from ..models.registry import FLAVORS
+
+    if model in FLAVORS:
+        return FLAVORS[model].family
+    cfg = Path(model) / "config.json"
+    if cfg.is_file():
+        return json.loads(cfg.read_text()).get("model_type")
+    return None
+
+
+def largest_fitting(model: str, hw: HardwareProfile) -> tuple[str, HostNeed] | None:
+    """The flavor of ``model``'s family with the most parameters whose host floor fits ``hw``'s
+    RAM (None: none fits, or the family has no flavor)."""
+    from ..models.registry import FLAVORS
+
+    family = family_of_model(model)
+    best: tuple[str, HostNeed] | None = None
+    for name, flavor in FLAVORS.items():
+        if flavor.family != family:
+            continue
+        need = host_floor(load_shape(name), hw)
+        if need.fits and (best is None or need.num_params > best[1].num_params):
+            best = (name, need)
+    return best
