@@ -108,3 +108,36 @@ def test_kept_internals_skip_the_recompute_and_the_input_boundary():
         "layer_bwd_kept 3",
         "fetch 0", "recompute_layer 0", "recompute_layer 1", "layer_bwd 2",
         "fetch_internals 1", "layer_bwd_kept 1", "layer_bwd 0", "embed_bwd"]
+
+
+LAYER_MAJOR_PLANS = {
+    "every-1 x4": Plan.every_k(10, 1, num_micro_batches=4, micro_batches_per_load=4),
+    "every-3 x4, 5 resident": Plan.every_k(10, 3, num_micro_batches=4, micro_batches_per_load=4,
+                                           resident_layers=[0, 1, 2, 3, 4]),
+    "host x4": Plan.keep_all(10, "host", num_micro_batches=4, micro_batches_per_load=4),
+    "recompute-all x2": Plan.recompute_all(10, num_micro_batches=4, micro_batches_per_load=2),
+    "internals-host x4": Plan(["recompute"] * 10, internal_tiers=["host"] * 10, num_micro_batches=4,
+                              micro_batches_per_load=4),
+    "all resident": Plan.every_k(10, 1, num_micro_batches=4, resident_layers=list(range(10))),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYER_MAJOR_PLANS))
+def test_layer_major_and_resident_peaks_match_the_allocations(name):
+    """Layer-major groups and resident layers against the step's real allocations: within 2%, at
+    the same op. Mutation seen failing: ``memory.carried`` returning 0 (the group's other
+    micro-batches' hidden states and their gradients uncounted: every-1 x4 3.9% short, host x4
+    6.7%)."""
+    plan = LAYER_MAJOR_PLANS[name]
+    cfg = get_flavor("llama-30m").build_config(num_hidden_layers=10, hidden_size=128,
+                                               intermediate_size=352, num_attention_heads=4,
+                                               num_key_value_heads=2)
+    adapter, store = init_store(cfg)
+    engine = StreamingEngine(adapter, store, plan, EngineConfig())
+    mbs = [Batch(ids, ids) for ids in torch.randint(0, cfg.vocab_size, (4, 2, 128))]
+    engine.compute_grads(mbs)  # warm-up: fetch slots are allocated by a first step
+    measured = measure_step_peak(engine, mbs)
+    predicted = engine.predict_memory(2, 128)
+    engine.close()
+    assert abs(predicted.peak_bytes - measured.peak_bytes) / measured.peak_bytes < 0.02, (predicted, measured)
+    assert predicted.peak_op == measured.peak_op

@@ -244,11 +244,11 @@ def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, se
                     mb.kept[ahead.index] = kept_internal_bytes(shape, plan, ahead.index, tokens, elem_bytes)
         transient = op_transient_bytes(shape, k, i, tokens, elem_bytes, plan.head_chunk_tokens)
         best: MemoryEstimate | None = None
-        for mb in live:
+        for j, mb in enumerate(live):
             # the window runs on across micro-batches: the previous one's last ops offload nothing
             in_flight = sum(runs[max(0, len(runs) - lag):]) if lag else 0
             _store(plan, mb, k, i)
-            acts = sum(len(m.stored) for m in live) * boundary
+            acts = (sum(len(m.stored) for m in live) + carried(k, j, group)) * boundary
             internals = sum(sum(m.kept.values()) for m in live)
             est = MemoryEstimate(slots + acts + internals + transient + group * mask + in_flight, str(op), {
                 "slots": slots, "activations": acts, "internals": internals,
@@ -260,6 +260,17 @@ def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, se
         assert best is not None
         out.append(best)
     return out
+
+
+def carried(kind: OpKind, j: int, group: int) -> int:
+    """Boundary-sized tensors the group's other micro-batches carry between ops while the op
+    runs for its ``j``-th: each one's hidden state in the forward, or its gradient in the
+    backward (none before its embedding ran, none after its embedding's backward)."""
+    if kind == OpKind.EMBED_FWD:
+        return j
+    if kind == OpKind.EMBED_BWD:
+        return group - 1 - j
+    return group - 1
 
 
 def _store(plan: Plan, mb: _Live, kind: OpKind, i: int) -> None:

@@ -60,7 +60,7 @@ from typing import Any
 
 from .cost import CostModel
 from .hardware import HardwareProfile
-from .memory import (GRAD_SLOTS, fetch_slot_count, grad_slot_itemsize, group_size,
+from .memory import (GRAD_SLOTS, carried, fetch_slot_count, grad_slot_itemsize, group_size,
                      kept_internal_bytes, mask_bytes, resident_weight_bytes)
 from .plan import Plan
 from .program import (FETCH_AHEAD, RECOMPUTE_OPS, Op, OpKind, WeightWindow, micro_batch_groups,
@@ -120,7 +120,7 @@ class _Simulation:
         self.op_grad_units = [op.grad_units(self.tied) if c else [] for op, c in zip(self.ops, compute)]
         self.op_s = [cost.op_s(op.kind, op.index) if c else 0.0 for op, c in zip(self.ops, compute)]
         # the micro-batch's attention masks live through every op, as the memory model counts them
-        mask = mask_bytes(shape, plan.micro_batch_size, plan.seq_len, cost.elem_bytes)
+        mask = self.mask = mask_bytes(shape, plan.micro_batch_size, plan.seq_len, cost.elem_bytes)
         self.op_transient = [cost.op_transient_bytes(op.kind, op.index) + mask if c else 0
                              for op, c in zip(self.ops, compute)]
         self.weight_copy_s = {u: cost.h2d_s(cost.unit_weight_bytes(u)) for u in self.units}
@@ -331,6 +331,8 @@ class _Simulation:
             self.op_log.append({"kind": kind, "index": i, "mb": mb, "step": step, "start": start, "end": end,
                                 "units": list(op_units), "slots": slots, "resident": list(self.op_resident[n])})
             tb = self.op_transient[n]
+            if tb and last:  # the group's other micro-batches: their masks, their carried state
+                tb += carried(kind, k, last + 1) * self.a_bytes + last * self.mask
             if tb:
                 self.alloc("device", start, tb, f"transient {self.labels[n]}", end)
             if k == last:

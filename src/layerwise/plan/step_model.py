@@ -128,8 +128,9 @@ class StepModel:
         self.dev_cap = hw.device_cap_bytes - device_reserve_bytes
         largest_w = max(cost.unit_weight_bytes(u) for u in units)
         grad_slots = GRAD_SLOTS * largest_w * g_item // cost.elem_bytes
-        # the other micro-batches' masks of a group (the op's own are in neither count)
-        masks = (P - 1) * mask_bytes(shape, self.micro_batch_size, self.seq_len, cost.elem_bytes)
+        # the other micro-batches of a group: their masks (the op's own are in neither count) and
+        # the hidden state or its gradient each carries between ops (``memory.carried``)
+        masks = (P - 1) * (mask_bytes(shape, self.micro_batch_size, self.seq_len, cost.elem_bytes) + a)
         slots = ((self.prefetch_depth + 1) * largest_w + (0 if hw.synchronous else grad_slots)
                  + fetch_slot_count(L, P) * a + masks)
         self.c_bwd_mem = [slots + cost.op_transient_bytes(OpKind.LAYER_BWD, i) for i in range(L)]
