@@ -27,6 +27,7 @@ import torch
 
 from ..engine.calibrate import calibrate
 from ..plan.hardware import PRESETS, HardwareProfile, get_hardware
+from ..plan.host_need import layer_grad_bytes
 from ..plan.milp import MilpConfig
 from ..plan.plan import Plan
 from ..plan.search import SearchConfig, search
@@ -131,7 +132,8 @@ def auto_plan(shape: ModelShape, hw: HardwareChoice, seq_len: int, global_batch:
               time_limit_s: float) -> Plan:
     """The planner's schedule for ``global_batch`` sequences of ``seq_len`` per optimizer step:
     boundary tiers, micro-batch split, per-unit moments; ``predicted`` holds its step time."""
-    res = search(shape, hw.profile, seq_len,
+    machine = hw.profile.for_model(layer_grad_bytes(shape, hw.profile))  # the reserve with its ring
+    res = search(shape, machine, seq_len,
                  SearchConfig(global_batch=global_batch, milp=MilpConfig(time_limit_s=time_limit_s)))
     res.plan.predicted["hardware_source"] = hw.source
     return res.plan
