@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..models.names import EMBED, HEAD
+from ..models.registry import FLAVORS
 from .cost import CostModel
 from .hardware import HardwareProfile
 from .plan import Plan
@@ -95,8 +96,6 @@ def host_floor(shape: ModelShape, hw: HardwareProfile) -> HostNeed:
 
 def family_of_model(model: str) -> str | None:
     """The family (``models.FAMILIES`` key) of a flavor name or a local model directory."""
-    from ..models.registry import FLAVORS
-
     if model in FLAVORS:
         return FLAVORS[model].family
     cfg = Path(model) / "config.json"
@@ -108,8 +107,6 @@ def family_of_model(model: str) -> str | None:
 def largest_fitting(model: str, hw: HardwareProfile) -> tuple[str, HostNeed] | None:
     """The flavor of ``model``'s family with the most parameters whose host floor fits ``hw``'s
     RAM (None: none fits, or the family has no flavor)."""
-    from ..models.registry import FLAVORS
-
     family = family_of_model(model)
     best: tuple[str, HostNeed] | None = None
     for name, flavor in FLAVORS.items():
