@@ -135,7 +135,8 @@ def test_a_deferred_save_that_does_not_fit_holds_the_step_until_written(tmp_path
     at ``save`` although training went on at once; nothing was copied.
 
     Mutation this fails on (made once, by hand): the live write submitted to the writer thread
-    in ``snapshot_then_write`` (the step runs under the write: the blob holds later weights)."""
+    in ``snapshot_then_write``: the optimizer step no longer waits for the write (the step is
+    not committed when it returns) and runs under it."""
     torch.manual_seed(0)
     model, opt, sched = make_training(seed=3)
     train_step(model, opt, sched)
@@ -256,3 +257,18 @@ def test_ranks_of_one_host_sum_their_needs(monkeypatch):
     assert host_need_bytes(_Rank0Of3("node-a"), 5) == 25
     assert host_need_bytes(_Rank0Of3("node-b"), 5) == 5
     assert host_need_bytes(SingleProcess(), 7) == 7
+
+
+def test_pinned_buffers_count_as_the_caching_host_allocator_takes_them():
+    """Copies of device tensors go to pinned buffers, which torch's caching host allocator
+    rounds up to a power of two; host tensors' copies are their blob bytes. (A meta tensor
+    stands for a device one: the pool pins the copy of anything not on the CPU.)
+
+    Mutation this fails on (made once, by hand): the rounding left out (1200, not 2048)."""
+    pool = HostBufferPool()
+    dev = torch.empty(3, 100, device="meta")  # 1200 B in fp32
+    assert pool.fresh_nbytes([("param/w", dev)]) == 2048
+    assert pool.fresh_nbytes([("exp_avg/w", dev.half())]) == 2048  # stored as fp32
+    assert pool.fresh_nbytes([("param/w", torch.empty(3, 100))]) == 1200
+    assert pool.fresh_nbytes([("param/w", torch.empty(3, 100, dtype=torch.bfloat16)),
+                              ("step/w", torch.tensor(1.0))]) == 604

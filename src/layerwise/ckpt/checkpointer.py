@@ -339,8 +339,8 @@ class Checkpointer:
     def _snapshot_groups(self, selected: list[str], copy: bool, live: dict[str, LiveGroup] | None
                          ) -> Mapping[str, dict[str, torch.Tensor]]:
         """The chosen groups' tensors as the blob stores them: host copies when ``copy``
-        (reused buffers), else read from the provider when used (a synchronous save without a
-        copy). From the tensors ``live`` captured at ``save`` when deferred (always copied)."""
+        (reused buffers; from the tensors ``live`` captured at ``save`` when deferred), else
+        read from the provider when used (no copy asked for, or it would not fit)."""
         if not copy:
             return GroupsOnDemand(self.provider, selected)
         snaps = {g: {k: self._buffers.copy(t, k) for k, t in self._tensors(g, live).items()}

@@ -65,7 +65,8 @@ class HostBufferPool:
 
     def fresh_nbytes(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Bytes ``copy`` would allocate for these (key, tensor) pairs: those no free buffer
-        of the pool takes (a buffer serves one tensor)."""
+        of the pool takes (a buffer serves one tensor). A pinned buffer counts as torch's
+        caching host allocator takes it: rounded up to a power of two."""
         taken: dict[tuple, int] = {}
         fresh = 0
         for key, t in tensors:
@@ -74,7 +75,8 @@ class HostBufferPool:
             if n < len(self._free.get(slot, ())):
                 taken[slot] = n + 1
             else:
-                fresh += stored_nbytes(key, t)
+                n = stored_nbytes(key, t)
+                fresh += 1 << max(n - 1, 0).bit_length() if slot[2] else n
         return fresh
 
     def copy_group(self, tensors: Mapping[str, torch.Tensor],

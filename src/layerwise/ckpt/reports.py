@@ -26,7 +26,8 @@ class SaveReport:
     background with ``async_save``); ``"live"``: written from the live tensors before the next
     update, training waiting for the write: the configuration asks for no copy
     (``async_save=False, sync_copy=False``) or the copy would not fit in the RAM available
-    (``ckpt.snapshot_fit``; logged once at WARNING)."""
+    (``ckpt.snapshot_fit``; logged once at WARNING). Filled when the snapshot is taken (after
+    ``save`` returned, when ``deferred``)."""
     deferred: bool = False
     """The statistics and the snapshot were taken on the helper thread, after ``save`` returned."""
     snapshot_s: float | None = None
