@@ -26,6 +26,7 @@ from test_ckpt_8bit import all_8bit, assert_same_state, fresh, unit_states
 from test_core_deferred import held_helper  # noqa: F401  (fixture)
 from test_core_helpers import make_training, snapshot, train_step
 from test_engine_store_ckpt import data
+from test_several_writers import _manifest, _on_every_rank, _ranks, _split
 
 LIVE_LINE = "writes straight from the live tensors"
 
@@ -272,3 +273,38 @@ def test_pinned_buffers_count_as_the_caching_host_allocator_takes_them():
     assert pool.fresh_nbytes([("param/w", torch.empty(3, 100))]) == 1200
     assert pool.fresh_nbytes([("param/w", torch.empty(3, 100, dtype=torch.bfloat16)),
                               ("step/w", torch.tensor(1.0))]) == 604
+
+
+def test_a_rank_of_a_host_without_room_writes_its_share_live(tmp_path):
+    """Two writers (threads: one host): rank 1 has room for its own share but not for what
+    both ranks would copy, so it writes its groups live inside ``save`` while rank 0, with room
+    to spare, copies; the committed groups are those one copying process commits.
+
+    Mutation this fails on (made once, by hand): ``host_need_bytes`` returning the rank's own
+    need (rank 1 copies too)."""
+    def run(path, n: int, avail: list[int]) -> list[Checkpointer]:
+        torch.manual_seed(0)
+        model, opt, sched = make_training(seed=1)
+        train_step(model, opt, sched)
+        whole = full_bytes(model, opt)
+        probe = Checkpointer(tmp_path / f"probe{n}", model, opt, async_save=False)
+        mine = _split(probe.groups)
+        probe.close()
+        exchanges = _ranks(n) if n > 1 else [None]
+        cks = [Checkpointer(path, model, opt, sched, "full", exchange=ex,
+                            mine=mine[r] if n > 1 else None,
+                            available_memory=lambda a=avail[r]: MARGIN_BYTES + a * whole)
+               for r, ex in enumerate(exchanges)]
+        for step in (1, 2):
+            train_step(model, opt, sched)
+            assert _on_every_rank(cks, step) == [None] * n
+        return cks
+
+    two, one = run(tmp_path / "two", 2, [10, 1]), run(tmp_path / "one", 1, [10])
+    assert [ck.reports[0].snapshot for ck in two] == ["copy", "live"]
+    assert one[0].reports[0].snapshot == "copy"
+    for step in (1, 2):
+        a, b = _manifest(tmp_path / "two", step), _manifest(tmp_path / "one", step)
+        assert a["groups"] == b["groups"], step
+    for ck in [*two, *one]:
+        ck.close()
