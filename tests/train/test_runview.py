@@ -48,7 +48,7 @@ METRICS_FIELDS = {"step", "loss", "lr", "grad_norm", "clip_coef", "skipped", "to
                   "target_tokens", "tokens_per_s", "tflops", "step_s", "predicted_step_s",
                   "elapsed_s"}
 """Every ``metrics.jsonl`` row (docs/formats.md); ``eval_loss`` and ``ckpt_*`` when they happen."""
-CKPT_FIELDS = {"ckpt_groups", "ckpt_snapshot_bytes", "ckpt_blocked_s"}
+CKPT_FIELDS = {"ckpt_groups", "ckpt_snapshot_bytes", "ckpt_snapshot", "ckpt_blocked_s"}
 TRACKER_FIELDS = {"change", "grad_norm", "exp_avg_norm", "exp_avg_sq_norm"}
 RUN_FIELDS = {"format", "format_version", "model", "family", "num_params", "num_layers", "device",
               "compute_dtype", "steps", "seq_len", "plan", "hardware", "hardware_source",
@@ -203,6 +203,7 @@ def test_metrics_rows_record_evals_and_checkpoints(auto_run):
     saved = [r for r in rows if CKPT_FIELDS <= set(r)]
     assert [r["step"] for r in saved] == [3, 6] == RunDir.open(out / "ckpt").committed_steps()
     assert all(r["ckpt_groups"] >= 1 and r["ckpt_snapshot_bytes"] > 0 for r in saved)
+    assert [r["ckpt_snapshot"] for r in saved] == ["copy", "copy"]  # a tiny model's fits
 
 
 # ----- tracker.jsonl ---------------------------------------------------------------------------

@@ -14,7 +14,9 @@ class CheckpointConfig:
     policy_options: dict[str, Any] = field(default_factory=dict)
     """Options of the policy, e.g. {"threshold": 1e-3, "max_staleness": 4, "full_every": 10}."""
     async_save: bool = True
-    """Write in a background thread; ``save`` blocks only for the host snapshot."""
+    """Write in a background thread; ``save`` blocks only for the host snapshot (a snapshot
+    that would not fit in the RAM available is not taken: that save writes from the live
+    tensors, inside ``save``; ``ckpt.snapshot_fit``)."""
     sync_copy: bool = True
     """With ``async_save=False``: still copy the chosen groups first (False: write straight from
     the live tensors, no extra memory; the update tracker then keeps its own weight copy only if

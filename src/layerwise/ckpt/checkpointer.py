@@ -15,7 +15,9 @@
 A save asks the policy which groups to write, copies those groups (weights + optimizer state)
 to host memory, and a background thread writes the blobs, the step's non-layer state and
 finally the manifest. One save writes at a time: the next ``save`` first waits for the previous
-one (that wait is part of its blocked time, reported separately as ``wait_s``).
+one (that wait is part of its blocked time, reported separately as ``wait_s``). A copy that
+would not fit in the RAM available now (``snapshot_fit``) is not made: that save writes from the
+live tensors before the next update (``SaveReport.snapshot == "live"``).
 
 **Deferred snapshot** (``CheckpointConfig.snapshot``): where the provider can hold the next
 update back (a torch optimizer: a step pre-hook) and the state is on the CPU, ``save`` only
@@ -69,7 +71,7 @@ from .checkpoint_config import CheckpointConfig, split_options
 from .collective import RankExchange, SingleProcess
 from .commit import (CommittedVersions, ManifestHeader, check_groups_match, regrouped,
                      stale_groups)
-from .expert_groups import slice_records, with_expert_groups
+from .expert_groups import chosen_slice_records, with_expert_groups
 from . import exit_flush
 from .errors import StateModifiedError
 from .host_copies import (GroupsOnDemand, HostBufferPool, stored_nbytes,
@@ -79,8 +81,9 @@ from .provider import PARAM, ModuleStateProvider, StateProvider, group_tensors
 from .reports import LoadResult, SaveReport
 from .resolve import ResolvedStep, open_run_step
 from .run_dir import RunDir
-from .save_writer import DuplicateHint, SaveWriter, WriteJob, WriteResult
+from .save_writer import SaveWriter, WriteJob, WriteResult, duplicate_hints
 from .snapshot import DeferredSnapshots
+from .snapshot_fit import SnapshotFit, host_need_bytes
 from .step_state import StepState, restore_step_state
 from .tracker import LiveGroup, TrackerReferences, UpdateTracker
 
@@ -111,6 +114,16 @@ class _Pending:
     deferred: bool = False
 
 
+def _run_now(fn: Callable[[WriteJob], WriteResult], job: WriteJob) -> Future:
+    """``fn(job)`` run on this thread, as a done future (its result or its error)."""
+    fut: Future = Future()
+    try:
+        fut.set_result(fn(job))
+    except BaseException as e:
+        fut.set_exception(e)
+    return fut
+
+
 class Checkpointer:
     def __init__(
         self,
@@ -124,6 +137,7 @@ class Checkpointer:
         config: CheckpointConfig | None = None,
         exchange: RankExchange | None = None,
         mine: Callable[[str], bool] | Collection[str] | None = None,
+        available_memory: Callable[[], int | None] | None = None,
         **options: Any,
     ):
         """``options``: fields of ``CheckpointConfig`` (e.g. ``async_save=False``) and the
@@ -132,7 +146,8 @@ class Checkpointer:
         Saves written by several ranks (see *Several writers* in the module docstring):
         ``exchange`` joins this rank's checkpointer to the others' (``ckpt.collective``;
         default: one process) and ``mine`` names the groups this rank writes (a set, or a
-        predicate on group names; default: all)."""
+        predicate on group names; default: all). ``available_memory``: reads the host bytes
+        available, against which each snapshot is sized (default: ``available_host_memory``)."""
         self.config, policy_options = split_options(config, options)
         if provider is None:
             if model is None:
@@ -161,6 +176,7 @@ class Checkpointer:
                               if self.config.async_save else None)
         self._pending: _Pending | None = None
         self._buffers = HostBufferPool()
+        self._fit = SnapshotFit(available_memory)
         self._deferred = DeferredSnapshots(provider, self.groups, self.config.snapshot,
                                            self.config.async_save, self.exchange.world_size)
         self._config_written = (self.run_dir / "config.json").exists()
@@ -249,6 +265,8 @@ class Checkpointer:
             def snapshot_then_write() -> tuple[_Prepared, Future]:
                 prepared = self._prepare(step, report, state, config, live)
                 assert self._write_thread is not None
+                if not prepared.copied:  # written here: the next update waits for it
+                    return prepared, _run_now(self._writer.run, prepared.job)
                 return prepared, self._write_thread.submit(self._writer.run, prepared.job)
             future = self._deferred.submit(
                 snapshot_then_write, lambda s: setattr(report, "stall_s", report.stall_s + s))
@@ -271,10 +289,13 @@ class Checkpointer:
         selected = list(reasons)
         own = [g for g in selected if g in self.mine]
         copy = self.config.async_save or self.config.sync_copy
+        copy = copy and self._copy_fits(step, own, [g for g in selected if g not in own], live)
+        report.snapshot = "copy" if copy else "live"
         snaps = self._snapshot_groups(own, copy, live)
         if live is not None:
             self._check_unmodified(step, live, selected, snaps)
-        maybe_dup = (self._duplicate_hints(snaps, statuses) if decides
+        maybe_dup = (duplicate_hints(snaps, {s.name: s.change for s in statuses},
+                                     self.tracker.reference) if decides
                      else {g: g in unchanged for g in snaps})
         references, old_refs = self._book_references(snaps, copy,
                                                      [g for g in selected if g not in own])
@@ -285,23 +306,8 @@ class Checkpointer:
         header = ManifestHeader.of(self._versions.next_index, self.policy, self.provider)
         job = WriteJob(step, header, self.groups, selected, snaps, maybe_dup,
                        self._versions.copy_entries(), state, config,
-                       self._slice_records(selected, snaps) if decides else {})
+                       chosen_slice_records(self.provider, selected, snaps) if decides else {})
         return _Prepared(job, report, references, old_refs, copy)
-
-    def _slice_records(self, selected: list[str], snaps: Mapping[str, dict[str, torch.Tensor]]
-                       ) -> dict[str, dict[str, dict]]:
-        """The shard records of the chosen expert groups (``ckpt.expert_groups``): the ranges
-        their tensors take in the layer's fused tensors."""
-        slices_of = getattr(self.provider, "expert_slices", None)
-        if slices_of is None:
-            return {}
-        out = {}
-        for g in selected:
-            slices = slices_of(g)
-            if slices is not None:
-                tensors = snaps[g] if g in snaps else group_tensors(self.provider, g)
-                out[g] = slice_records(slices, tensors)
-        return out
 
     def _check_unmodified(self, step: int, live: dict[str, LiveGroup], selected: list[str],
                           snaps: Mapping[str, dict[str, torch.Tensor]]) -> None:
@@ -310,7 +316,8 @@ class Checkpointer:
         bad = [g for g, lv in live.items()
                if lv.modified("params") or (g in selected and lv.modified("optim"))]
         if bad:
-            self._buffers.recycle(t for s in snaps.values() for t in s.values())
+            if not isinstance(snaps, GroupsOnDemand):  # never the live tensors
+                self._buffers.recycle(t for s in snaps.values() for t in s.values())
             self.tracker.forget_changes()
             raise StateModifiedError(
                 f"checkpoint of step {step}: the live state of {bad[:3]} was written in place "
@@ -332,33 +339,30 @@ class Checkpointer:
     def _snapshot_groups(self, selected: list[str], copy: bool, live: dict[str, LiveGroup] | None
                          ) -> Mapping[str, dict[str, torch.Tensor]]:
         """The chosen groups' tensors as the blob stores them: host copies when ``copy``
-        (reused buffers), else read from the provider when used (a synchronous save without a
-        copy). From the tensors ``live`` captured at ``save`` when deferred (always copied)."""
+        (reused buffers; from the tensors ``live`` captured at ``save`` when deferred), else
+        read from the provider when used (no copy asked for, or it would not fit)."""
         if not copy:
             return GroupsOnDemand(self.provider, selected)
-
-        def tensors(g: str) -> dict[str, torch.Tensor]:
-            if live is None:
-                return group_tensors(self.provider, g)
-            return {**{PARAM + n: t for n, t in live[g].params.items()}, **live[g].optim}
-        snaps = {g: {k: self._buffers.copy(t, k) for k, t in tensors(g).items()} for g in selected}
+        snaps = {g: {k: self._buffers.copy(t, k) for k, t in self._tensors(g, live).items()}
+                 for g in selected}
         synchronize_if_pinned(t for s in snaps.values() for t in s.values())
         return snaps
 
-    def _duplicate_hints(self, snaps: Mapping[str, dict[str, torch.Tensor]],
-                         statuses: list[GroupStatus]) -> dict[str, DuplicateHint]:
-        """Per snapshot: may it be byte-identical to its last version? Such groups are hashed
-        before writing (nothing written on a hit). True when measured unchanged; when not
-        measured, the reference weights, compared on the writer thread (off the critical path)."""
-        change_of = {s.name: s.change for s in statuses}
-        hints: dict[str, DuplicateHint] = {}
-        for g in snaps:
-            if math.isnan(change_of[g]):
-                ref = self.tracker.reference(g)
-                hints[g] = ref if ref is not None else False
-            else:
-                hints[g] = change_of[g] == 0.0
-        return hints
+    def _tensors(self, g: str, live: dict[str, LiveGroup] | None) -> dict[str, torch.Tensor]:
+        if live is None:
+            return group_tensors(self.provider, g)
+        return {**{PARAM + n: t for n, t in live[g].params.items()}, **live[g].optim}
+
+    def _copy_fits(self, step: int, own: list[str], others: list[str],
+                   live: dict[str, LiveGroup] | None) -> bool:
+        """Whether the host buffers this save's copy would allocate (its groups, and on rank 0
+        the weights of the groups other ranks write) fit in the RAM available now; a
+        collective with several writers."""
+        pairs = [(k, t) for g in own for k, t in self._tensors(g, live).items()]
+        if self.exchange.rank == 0:
+            pairs += [(PARAM + n, t) for g in others for n, t in self.provider.params(g).items()]
+        need = host_need_bytes(self.exchange, self._buffers.fresh_nbytes(pairs))
+        return self._fit.decide(step, need).copy
 
     def _book_references(self, snaps: Mapping[str, dict[str, torch.Tensor]], copy: bool,
                          others: list[str]) -> tuple[TrackerReferences, list[dict[str, torch.Tensor]]]:
@@ -386,17 +390,13 @@ class Checkpointer:
     # ----- the write in flight --------------------------------------------------------------
 
     def _start_write(self, prepared: _Prepared) -> None:
-        """Run the write on the writer thread (or here, and adopt it, when not ``async_save``)."""
-        if self._write_thread is not None:
+        """Run the write on the writer thread (or here, and adopt it, when not ``async_save`` or
+        from the live tensors)."""
+        if self._write_thread is not None and prepared.copied:
             self._pending = _Pending(self._write_thread.submit(self._writer.run, prepared.job),
                                      prepared)
             return
-        fut: Future = Future()
-        try:
-            fut.set_result(self._writer.run(prepared.job))
-        except BaseException as e:
-            fut.set_exception(e)
-        self._pending = _Pending(fut, prepared)
+        self._pending = _Pending(_run_now(self._writer.run, prepared.job), prepared)
         self._finish_pending()
 
     def _finish_pending(self) -> None:

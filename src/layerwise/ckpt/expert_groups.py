@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from ..models.families import fused_expert_count
 from ..util.safetensors_io import DTYPE_NAMES
 from .host_copies import stored_dtype
 from .moments import Q8_KINDS
-from .provider import STEP, StateProvider
+from .provider import STEP, StateProvider, group_tensors
 from .run_dir import RunDir
 from .run_format import FIRST_VERSION_EXPERT_GROUPS
 
@@ -188,4 +188,20 @@ def slice_records(slices: ExpertSlices, tensors: dict[str, torch.Tensor]) -> dic
             assert t.numel() == stop - start, (k, t.numel(), start, stop)
             out[k] = {"range": [start, stop], "shape": list(shape)}
         out[k]["dtype"] = DTYPE_NAMES[stored_dtype(k, t)]
+    return out
+
+
+def chosen_slice_records(provider: StateProvider, selected: list[str],
+                         snaps: Mapping[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, dict]]:
+    """The shard records of the chosen expert groups (``ckpt.expert_groups``): the ranges
+    their tensors take in the layer's fused tensors (none for a provider without experts)."""
+    slices_of = getattr(provider, "expert_slices", None)
+    if slices_of is None:
+        return {}
+    out = {}
+    for g in selected:
+        slices = slices_of(g)
+        if slices is not None:
+            tensors = snaps[g] if g in snaps else group_tensors(provider, g)
+            out[g] = slice_records(slices, tensors)
     return out

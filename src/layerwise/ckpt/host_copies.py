@@ -52,19 +52,32 @@ class HostBufferPool:
         their dtype). From a device, the copy goes to pinned memory without waiting: call
         ``synchronize_if_pinned`` before reading it (``copy_group`` does)."""
         t = t.detach()
-        dtype = t.dtype
-        if not key.startswith(PARAM) and t.is_floating_point():
-            dtype = torch.float32
         if key.startswith("step/"):
             t = t.reshape(())
-        pinned = t.device.type != "cpu"
-        free = self._free.get((tuple(t.shape), dtype, pinned))
+        shape, dtype, pinned = slot = _slot(t, key)
+        free = self._free.get(slot)
         if free:
             out = free.pop()
         else:
-            out = torch.empty(t.shape, dtype=dtype, pin_memory=pinned)
+            out = torch.empty(shape, dtype=dtype, pin_memory=pinned)
         out.copy_(t, non_blocking=pinned)
         return out
+
+    def fresh_nbytes(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Bytes ``copy`` would allocate for these (key, tensor) pairs: those no free buffer
+        of the pool takes (a buffer serves one tensor). A pinned buffer counts as torch's
+        caching host allocator takes it: rounded up to a power of two."""
+        taken: dict[tuple, int] = {}
+        fresh = 0
+        for key, t in tensors:
+            slot = _slot(t.reshape(()) if key.startswith("step/") else t, key)
+            n = taken.get(slot, 0)
+            if n < len(self._free.get(slot, ())):
+                taken[slot] = n + 1
+            else:
+                n = stored_nbytes(key, t)
+                fresh += 1 << max(n - 1, 0).bit_length() if slot[2] else n
+        return fresh
 
     def copy_group(self, tensors: Mapping[str, torch.Tensor],
                    prefix: str = "") -> dict[str, torch.Tensor]:
@@ -78,6 +91,11 @@ class HostBufferPool:
         """Take buffers back; the caller no longer reads them."""
         for t in tensors:
             self._free.setdefault((tuple(t.shape), t.dtype, t.is_pinned()), []).append(t)
+
+
+def _slot(t: torch.Tensor, key: str) -> tuple[tuple[int, ...], torch.dtype, bool]:
+    """The pool's key of ``t``'s copy: its shape, its blob dtype, pinned when from a device."""
+    return tuple(t.shape), stored_dtype(key, t), t.device.type != "cpu"
 
 
 def synchronize_if_pinned(tensors: Iterable[torch.Tensor]) -> None:

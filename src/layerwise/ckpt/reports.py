@@ -16,11 +16,18 @@ class SaveReport:
     wait_s: float
     """Part of ``blocked_s`` spent waiting for the previous save to finish."""
     snapshot_bytes: int
-    """Bytes copied by the snapshot (filled when it is taken); with several writers, this
-    rank's."""
+    """Bytes of the chosen groups as the blobs store them, copied by the snapshot unless
+    ``snapshot == "live"`` (filled when it is taken); with several writers, this rank's."""
     reasons: dict[str, str] = field(default_factory=dict)
     """Why each selected group was written: ``policies.REASONS`` (never saved, ``full_every``,
     ``max_staleness``, or the policy's own criterion)."""
+    snapshot: str = "copy"
+    """``"copy"``: the chosen groups were copied to host buffers and written from them (in the
+    background with ``async_save``); ``"live"``: written from the live tensors before the next
+    update, training waiting for the write: the configuration asks for no copy
+    (``async_save=False, sync_copy=False``) or the copy would not fit in the RAM available
+    (``ckpt.snapshot_fit``; logged once at WARNING). Filled when the snapshot is taken (after
+    ``save`` returned, when ``deferred``)."""
     deferred: bool = False
     """The statistics and the snapshot were taken on the helper thread, after ``save`` returned."""
     snapshot_s: float | None = None

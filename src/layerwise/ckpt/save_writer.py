@@ -13,8 +13,9 @@ on its own thread, so only that thread ever changes the checkpointer's state.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -180,3 +181,20 @@ def _maybe_duplicate(job: WriteJob, group: str) -> bool:
         return hint
     snap = job.snaps[group]  # hint: the previous version's weights; equal -> maybe identical
     return all(torch.equal(snap[PARAM + n], ref) for n, ref in hint.items() if PARAM + n in snap)
+
+
+def duplicate_hints(snaps: Mapping[str, dict[str, torch.Tensor]], change_of: dict[str, float],
+                    reference: Callable[[str], dict[str, torch.Tensor] | None]
+                    ) -> dict[str, DuplicateHint]:
+    """Per snapshot: may it be byte-identical to its last version? Such groups are hashed
+    before writing (nothing written on a hit). True when measured unchanged (``change_of``);
+    when not measured (NaN), the ``reference`` weights, compared on the writer thread (off the
+    critical path)."""
+    hints: dict[str, DuplicateHint] = {}
+    for g in snaps:
+        if math.isnan(change_of[g]):
+            ref = reference(g)
+            hints[g] = ref if ref is not None else False
+        else:
+            hints[g] = change_of[g] == 0.0
+    return hints

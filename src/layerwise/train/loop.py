@@ -340,7 +340,7 @@ class Trainer:
                 "schedule": self.schedule.to_json()})
         self.last_saved = step
         record.update(ckpt_groups=len(rep.selected), ckpt_snapshot_bytes=rep.snapshot_bytes,
-                      ckpt_blocked_s=rep.blocked_s)
+                      ckpt_snapshot=rep.snapshot, ckpt_blocked_s=rep.blocked_s)
 
     def _due(self, every: int, step: int, last: bool) -> bool:
         return last or bool(every and step % every == 0)

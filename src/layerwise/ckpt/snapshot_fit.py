@@ -1,0 +1,80 @@
+"""Whether a save's host snapshot fits in the RAM available now, or the save writes live.
+
+An asynchronous save copies its chosen groups into host buffers and writes them in the
+background: that copy is about the saved groups' blob bytes (6 B per parameter with 8-bit
+moments) on top of a host store that may fill the machine. Where the buffers it would allocate
+do not fit in the memory available now (less a margin), the save writes from the live tensors
+instead (``SaveReport.snapshot == "live"``): the bytes on disk are the same, nothing is copied,
+and training waits for the write. With several writers the ranks of one host share its RAM:
+the bytes every rank of the host would allocate are summed before each compares them.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..util.host_memory import available_host_memory
+from ..util.units import human_bytes
+from .collective import RankExchange
+
+_log = logging.getLogger(__name__)
+
+MARGIN_BYTES = 1 << 30
+"""Left free beside a snapshot at the least: the runtime's own allocations go on meanwhile."""
+MARGIN_FRACTION = 0.05
+"""... or this share of the available memory, whichever is larger."""
+
+
+def margin_bytes(available_bytes: int) -> int:
+    return max(MARGIN_BYTES, int(MARGIN_FRACTION * available_bytes))
+
+
+@dataclass(frozen=True)
+class FitVerdict:
+    copy: bool
+    """Copy the snapshot (else write from the live tensors)."""
+    need_bytes: int
+    """Bytes of fresh host buffers the copy would allocate (this host's ranks together)."""
+    available_bytes: int | None
+    """Host memory available when it was decided (None: unknown, then it copies)."""
+
+
+def host_need_bytes(exchange: RankExchange, need_bytes: int) -> int:
+    """The bytes every rank on this host would allocate for its share of the snapshot (a
+    collective with several writers: every rank calls it)."""
+    if exchange.world_size == 1:
+        return need_bytes
+    host = socket.gethostname()
+    everyone = exchange.gather((host, need_bytes))
+    per_host: dict[str, int] = {}
+    for h, n in everyone or []:
+        per_host[h] = per_host.get(h, 0) + n
+    return exchange.broadcast(per_host)[host]
+
+
+class SnapshotFit:
+    """Decides per save whether its snapshot is copied; warns once per checkpointer when not."""
+
+    def __init__(self, available: Callable[[], int | None] | None = None):
+        self.available = available or available_host_memory
+        self._warned = False
+
+    def decide(self, step: int, need_bytes: int) -> FitVerdict:
+        """``need_bytes``: what the copy would allocate (``host_need_bytes``)."""
+        avail = self.available() if need_bytes > 0 else None
+        if avail is None or need_bytes + margin_bytes(avail) <= avail:
+            return FitVerdict(True, need_bytes, avail)
+        if not self._warned:
+            self._warned = True
+            _log.warning(
+                f"checkpoint of step {step}: its host snapshot would take "
+                f"{human_bytes(need_bytes)} but {human_bytes(avail)} of RAM is available (keeping "
+                f"{human_bytes(margin_bytes(avail))} free), so this save writes straight from the "
+                "live tensors and training waits for the write (the same bytes on disk; so will "
+                "any later save that does not fit). To save in the background, write fewer groups "
+                "per save (ckpt.policy=parity or filter; the first save writes every group) or "
+                "use a machine with more RAM.")
+        return FitVerdict(False, need_bytes, avail)
