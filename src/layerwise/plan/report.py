@@ -35,7 +35,7 @@ def hours_per_billion_tokens(tokens_per_s: float) -> float:
 
 def _hours(h: float) -> str:
     """Three significant figures up to 1,000 h (0.197, 1.33, 18.6, 186), whole hours above."""
-    return f"{h:,.0f}" if h >= 100 else f"{h:.3g}"
+    return f"{h:,.0f}" if h >= 100 else f"{h:.1f}" if h >= 10 else f"{h:.2f}" if h >= 1 else f"{h:.3g}"
 
 
 def verdict_fits(shape: ModelShape, hw: HardwareProfile, seq_len: int, sim: SimResult, global_batch: int,
