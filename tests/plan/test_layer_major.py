@@ -64,6 +64,19 @@ def test_a_group_holds_every_micro_batchs_boundaries_and_masks_and_resident_weig
         assert resident[op].peak_bytes - est.peak_bytes == w4 - 2 * (largest - streamed)
 
 
+def test_a_groups_embedding_backward_holds_its_joined_fp32_boundary_gradients():
+    """In layer-major order ``embed_bwd`` runs once over the group's tokens, joining their
+    boundary gradients in fp32 (``engine/op_handlers.py``): its transient grows by that, one
+    micro-batch per load does not. Mutation seen failing: ``group_embed_bwd_bytes`` returning 0."""
+    L = SMALL.num_layers
+    t = op_transient_bytes(SMALL, OpKind.EMBED_BWD, -1, MBS * SEQ, E, 1024)
+    mask = mask_bytes(SMALL, MBS, SEQ, E)
+    one = _per_op(Plan.every_k(L, 1, num_micro_batches=4))
+    four = _per_op(Plan.every_k(L, 1, num_micro_batches=4, micro_batches_per_load=4))
+    assert one["embed_bwd"].breakdown["transient"] == t + mask
+    assert four["embed_bwd"].breakdown["transient"] == t + 4 * mask + 4 * MBS * SEQ * SMALL.hidden_size * 4
+
+
 @pytest.fixture(scope="module")
 def traces():
     """qwen2.5-7b on an h200, every boundary kept, 8 micro-batches: micro-batch-major, layer-major,

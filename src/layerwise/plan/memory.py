@@ -130,6 +130,12 @@ def op_transient_bytes(shape: ModelShape, kind: OpKind, i: int, tokens: int, ele
     return 0  # fetch, fetch_internals
 
 
+def group_embed_bwd_bytes(shape: ModelShape, kind: OpKind, tokens: int, group: int) -> int:
+    """In layer-major order ``embed_bwd`` is one backward over the group's tokens, whose boundary
+    gradients it joins in fp32 first (the grad slot's dtype): bytes beyond the op's own."""
+    return group * tokens * shape.hidden_size * 4 if kind == OpKind.EMBED_BWD and group > 1 else 0
+
+
 def mask_bytes(shape: ModelShape, micro_batch_size: int, seq_len: int, elem_bytes: int,
                packed: bool = True) -> int:
     """Device bytes of one micro-batch's attention masks, as ``models/attention.py`` builds them:
@@ -243,6 +249,7 @@ def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, se
                 if ahead.kind == OpKind.FETCH_INTERNALS and ahead.index in mb.forwarded:
                     mb.kept[ahead.index] = kept_internal_bytes(shape, plan, ahead.index, tokens, elem_bytes)
         transient = op_transient_bytes(shape, k, i, tokens, elem_bytes, plan.head_chunk_tokens)
+        transient += group_embed_bwd_bytes(shape, k, tokens, group)
         best: MemoryEstimate | None = None
         for j, mb in enumerate(live):
             # the window runs on across micro-batches: the previous one's last ops offload nothing

@@ -29,7 +29,7 @@ schedule: their weights stay on the device.
 
 The weight window (:class:`WeightWindow`) is the one rule for which weight buffers the device
 holds at each op: the engine's streamer makes the copies it names, the simulator times them,
-and the memory model and the MILP count their bytes (:func:`weight_windows`).
+and the memory model and the MILP count its slots (:func:`weight_windows` lists them op by op).
 """
 
 from __future__ import annotations
@@ -297,17 +297,15 @@ class WeightWindow:
         return not self._ahead and not self._window and not self._refs
 
 
-def weight_windows(ops: list[Op], tied: bool, depth: int, then: list[str] | None = None,
-                   resident: frozenset[str] = frozenset()) -> list[frozenset[str]]:
-    """Per op, the streamed units whose weights are on the device while it runs: its own and the
-    next ``depth`` uses of the schedule, which continues into ``then`` (the uses after these ops,
-    e.g. the next micro-batch's; None: the schedule ends with the ops). ``resident`` units are
-    not in it (they are always on the device)."""
-    window = WeightWindow(weight_schedule(ops, tied, resident) + list(then or ()), depth)
+def weight_windows(ops: list[Op], tied: bool, depth: int, then: list[str] | None = None) -> list[frozenset[str]]:
+    """Per op, the units whose weights are on the device while it runs: its own and the next
+    ``depth`` uses of the schedule, which continues into ``then`` (the uses after these ops,
+    e.g. the next micro-batch's; None: the schedule ends with the ops)."""
+    window = WeightWindow(weight_schedule(ops, tied) + list(then or ()), depth)
     window.fill()
     out = []
     for op in ops:
-        units = [u for u in op.units(tied) if u not in resident]
+        units = op.units(tied)
         for u in units:
             window.acquire(u)
         out.append(window.resident())

@@ -60,8 +60,8 @@ from typing import Any
 
 from .cost import CostModel
 from .hardware import HardwareProfile
-from .memory import (GRAD_SLOTS, carried, fetch_slot_count, grad_slot_itemsize, group_size,
-                     kept_internal_bytes, mask_bytes, resident_weight_bytes)
+from .memory import (GRAD_SLOTS, carried, fetch_slot_count, grad_slot_itemsize, group_embed_bwd_bytes,
+                     group_size, kept_internal_bytes, mask_bytes, resident_weight_bytes)
 from .plan import Plan
 from .program import (FETCH_AHEAD, RECOMPUTE_OPS, Op, OpKind, WeightWindow, micro_batch_groups,
                       micro_batch_program, resident_units, weight_schedule)
@@ -332,7 +332,8 @@ class _Simulation:
                                 "units": list(op_units), "slots": slots, "resident": list(self.op_resident[n])})
             tb = self.op_transient[n]
             if tb and last:  # the group's other micro-batches: their masks, their carried state
-                tb += carried(kind, k, last + 1) * self.a_bytes + last * self.mask
+                tb += (carried(kind, k, last + 1) * self.a_bytes + last * self.mask
+                       + group_embed_bwd_bytes(self.shape, kind, self.cost.tokens, last + 1))
             if tb:
                 self.alloc("device", start, tb, f"transient {self.labels[n]}", end)
             if k == last:
