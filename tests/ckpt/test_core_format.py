@@ -13,6 +13,7 @@ import blake3
 import hashlib
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from layerwise.ckpt import FORMAT_VERSION, Checkpointer, CheckpointCorruptError, RunDir, open_run_step
 from layerwise.ckpt.provider import DictStateProvider
@@ -21,14 +22,17 @@ V1_RUN = Path(__file__).with_name("data") / "run_v1_sha256"
 GROUPS = ["embed", "layers.0", "layers.1", "norm"]
 
 
+V1_STATE = load_file(V1_RUN.with_name("run_v1_sha256_state.safetensors"))
+"""The state ``data/make_run_v1_sha256.py`` saved, as it saved it: stored beside the run, not
+regenerated, because ``torch.randn``'s values depend on the CPU kernel path
+(``ATEN_CPU_CAPABILITY``) and the fixture's blobs do not."""
+
+
 def content(g: str, v: int) -> dict[str, torch.Tensor]:
-    """The state ``data/make_run_v1_sha256.py`` saved (version 1 at step 10, 2 at step 20)."""
-    gen = torch.Generator().manual_seed(7 + 31 * v + len(g))
-    return {f"param/{g}.weight": torch.randn(16, 8, generator=gen),
-            f"param/{g}.bias": torch.randn(8, generator=gen).to(torch.bfloat16),
-            f"exp_avg/{g}.weight": torch.randn(16, 8, generator=gen),
-            f"exp_avg_sq/{g}.weight": torch.rand(16, 8, generator=gen),
-            f"step/{g}.weight": torch.tensor(float(v))}
+    """The state of group ``g`` at version ``v`` (1 at step 10, 2 at step 20; 3: embed only)."""
+    prefix = f"v{v}/"
+    return {k[len(prefix):]: t.clone() for k, t in V1_STATE.items()
+            if k.startswith(prefix) and k.endswith((f"/{g}.weight", f"/{g}.bias"))}
 
 
 def version_at(g: str, saved_step: int) -> int:

@@ -1,6 +1,8 @@
 """How ``run_v1_sha256/`` was made: once, with layerwise at commit 5bb8d3a (checkpoint
 ``format_version`` 1, blobs named by sha256), before format 2. Newer layerwise writes format 2
 for a new run, so this script documents the fixture; it cannot remake it.
+``run_v1_sha256_state.safetensors`` holds ``content(g, v)`` as this script made it (keys
+``v{v}/<key>``; v3: the embed of a resumed save), so the tests never regenerate it (``torch.randn`` differs by CPU kernel path).
 
     PYTHONPATH=src python tests/ckpt/data/make_run_v1_sha256.py tests/ckpt/data/run_v1_sha256
 """
