@@ -11,12 +11,19 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: install test demo gpu-check gpu-wheels
+.PHONY: install test test-all demo gpu-check gpu-wheels
 install: $(VENV)/.installed
 
+# `make test`: everything but the full matrix of the causal-LM sweep (marker `sweep`), on two
+# pytest-xdist workers; `make test-all` runs that too.
+PYTEST_ARGS ?= -n 2 --durations=15
 test: $(VENV)/.installed
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -m "not sweep" $(PYTEST_ARGS)
+
+test-all: $(VENV)/.installed
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/layerwise demo

@@ -62,16 +62,20 @@ class FlatLayout:
     offsets: tuple[int, ...]
     numel: int
     decay_numel: int
-    """Elements ``[0, decay_numel)`` get weight decay; the rest (1-D params) do not."""
+    """Elements ``[0, decay_numel)`` get weight decay: the trained matrices; the rest (1-D
+    params, frozen tensors of any shape) do not."""
 
     @classmethod
     def of(cls, unit: Unit) -> FlatLayout:
-        ordered = sorted(unit.params, key=lambda p: len(p.shape) < 2)  # stable: matrices first
+        def decays(p: ParamSpec) -> bool:
+            return p.trainable and len(p.shape) >= 2
+
+        ordered = sorted(unit.params, key=lambda p: not decays(p))  # stable: matrices first
         offsets, pos, decay = [], 0, 0
         for p in ordered:
             offsets.append(pos)
             pos += p.numel
-            if len(p.shape) >= 2:
+            if decays(p):
                 decay = pos
         return cls(tuple(ordered), tuple(offsets), pos, decay)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -116,6 +117,35 @@ def test_user_errors_are_one_line_and_exit_2_the_traceback_only_with_debug(tmp_p
     assert not out.exists()  # nothing left behind (the lock's directory is removed again)
     with pytest.raises(ValueError, match="CPU-only build"):
         main(["train", "device=cuda", f"out_dir={out}", "--debug"])
+
+
+@pytest.mark.parametrize("kind", ["multimodal", "encoder-layout"])
+def test_a_model_dir_layerwise_cannot_train_is_refused_in_one_line(kind, tmp_path, capsys):
+    """Friction: a multimodal directory (Gemma 3 as the Hub serves it) ended in a traceback
+    (``'Gemma3Config' object has no attribute 'num_hidden_layers'``, exit 1). Now one line,
+    exit 2, before any work: what it is and what to use instead. A GPT-2 directory likewise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Gemma3Config, GPT2Config
+
+    model_dir = tmp_path / kind
+    if kind == "multimodal":
+        cfg = Gemma3Config(
+            text_config=dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=16),
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=2, image_size=28, patch_size=14),
+            mm_tokens_per_image=4)
+        AutoModelForImageTextToText.from_config(cfg).save_pretrained(model_dir)
+        want = "multimodal model.*'gemma3_text'"
+    else:
+        AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=96)
+                                         ).save_pretrained(model_dir)
+        want = "does not have the decoder layout"
+    capsys.readouterr()  # save_pretrained's progress bar
+    out = tmp_path / "run"
+    assert main(["train", f"model={model_dir}", f"out_dir={out}", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert re.search(want, err), err
 
 
 def test_an_unwritable_out_dir_is_refused_before_any_work(tmp_path):

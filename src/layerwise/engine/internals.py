@@ -203,7 +203,8 @@ class KeptInternals:
         through the kept graph with ``weights`` (the backward's copy) in place of the forward's."""
         g.backward_weights = weights
         x, leaves = g.inputs
-        gx, *gw = torch.autograd.grad([g.output], (x, *leaves), [grad_out])
+        gx, *gw = torch.autograd.grad([g.output], (x, *leaves), [grad_out], allow_unused=True,
+                                      materialize_grads=True)  # as layer_ops.layer_backward
         return gx, gw
 
     def clear(self) -> None:

@@ -30,5 +30,8 @@ def layer_backward(adapter: DecoderAdapter, index: int, layout: FlatLayout, flat
              if saved_tensors_hooks is not None else nullcontext())
     with hooks:
         y = adapter.layer(index, params, x, ctx)
-    gx, *gw = torch.autograd.grad(y, (x, *trained(params)), grad_out)
+    # a parameter the layer reads only without grad (a routing bias) gets zeros, as it would
+    # accumulate none in autograd
+    gx, *gw = torch.autograd.grad(y, (x, *trained(params)), grad_out, allow_unused=True,
+                                  materialize_grads=True)
     return gx, gw

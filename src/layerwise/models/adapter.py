@@ -22,6 +22,7 @@ aux loss ``moe.py``'s, the per-layer sizes and FLOPs ``structure.py``'s.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import math
@@ -47,7 +48,7 @@ class ParamSpec:
     shape: tuple[int, ...]
     trainable: bool = True
     """False for a persistent buffer (saved with the weights, never trained): its gradient is
-    exactly zero and, being 1-D, it takes no weight decay, so AdamW leaves it as it is."""
+    exactly zero and it takes no weight decay (``FlatLayout``), so AdamW leaves it as it is."""
 
     @property
     def numel(self) -> int:
@@ -115,7 +116,7 @@ class DecoderAdapter:
         with torch.device("meta"):
             self._meta = spec.model_class(config)
         self._meta.eval()  # dropout off, as in the engine's every step
-        inner = self._meta.model
+        inner = _decoder_base(self._meta, self.family)
         self.sliding_window: int | None = getattr(config, "sliding_window", None)
         self.layer_types: list[str] = layer_attention_types(config)
         self.layer_windows = layer_windows(config)
@@ -138,19 +139,19 @@ class DecoderAdapter:
         templates: dict[tuple, _Template] = {}
         for i, layer in enumerate(inner.layers):
             key = (self.layer_types[i], tuple((p.local, p.shape) for p in self.units[1 + i].params),
-                   tuple((n, type(m).__name__) for n, m in layer.named_modules()))
+                   _module_settings(layer))
             if key not in templates:
                 templates[key] = self._template(layer, self.units[1 + i], self.layer_types[i])
             self._template_of_layer.append(templates[key])
         self.num_templates = len(templates)
         self.router_layers = tuple(i for i, t in enumerate(self._template_of_layer) if t.has_router)
         self._embed_template = inner.embed_tokens
-        self._head_template = nn.ModuleDict({"norm": inner.norm, "lm_head": self._meta.lm_head})
-        self._rotary_template = inner.rotary_emb
-        typed = "layer_type" in inspect.signature(type(inner.rotary_emb).forward).parameters
+        self._head_template = _causal_lm_head(self._meta)
+        self._rotary_template = getattr(inner, "rotary_emb", None)
+        typed = self._rotary_template is not None and \
+            "layer_type" in inspect.signature(type(self._rotary_template).forward).parameters
         self._rope_key = [t if typed else "" for t in self.layer_types]
-        self._embed_scale = spec.embed_scale(config) if spec.embed_scale else None
-        self._logit_softcap = getattr(config, spec.logit_softcap, None) if spec.logit_softcap else None
+        self._embed_scale = embedding_scale(inner, config)
 
     @staticmethod
     def _unit(name: str, kind: str, index: int, module: nn.Module, prefix: str) -> Unit:
@@ -168,8 +169,6 @@ class DecoderAdapter:
                              f"weights ({transient[:3]}); layerwise cannot run such a layer from "
                              "its weights alone")
         frozen = tuple(p.local for p in unit.params if not p.trainable)
-        big = [p.local for p in unit.params if not p.trainable and len(p.shape) > 1]
-        assert not big, f"frozen tensors of more than one dimension would take weight decay: {big}"
         has_router = self._recorder.attach(layer) if self._recorder else False
         return _Template(layer, frozen, layer_type == LINEAR_ATTENTION, has_router)
 
@@ -201,8 +200,11 @@ class DecoderAdapter:
         """Elements of one activation at a layer boundary (``[batch, seq, hidden]``)."""
         return micro_batch_size * seq_len * self.hidden_size
 
-    def new_rotary(self, device: torch.device | str) -> nn.Module:
-        """A real (non-meta) rotary-embedding module; it has buffers but no parameters."""
+    def new_rotary(self, device: torch.device | str) -> nn.Module | None:
+        """A real (non-meta) rotary-embedding module; it has buffers but no parameters (None:
+        the family's layers make their own positions)."""
+        if self._rotary_template is None:
+            return None
         rotary_cls = type(self._rotary_template)
         return rotary_cls(config=self.config).to(device)
 
@@ -223,7 +225,10 @@ class DecoderAdapter:
         rope = {}
         with torch.no_grad():
             for key in sorted(set(self._rope_key)):
-                rope[key] = rotary(probe, rope_pos, key) if key else rotary(probe, rope_pos)
+                if rotary is None:
+                    rope[key] = None
+                else:
+                    rope[key] = rotary(probe, rope_pos, key) if key else rotary(probe, rope_pos)
         masks = attention_masks(self.layer_types, self.layer_windows, layout,
                                 self.attn_implementation, dtype, device)
         state = None
@@ -238,18 +243,21 @@ class DecoderAdapter:
 
     def embed(self, params: dict[str, torch.Tensor], input_ids: torch.Tensor) -> torch.Tensor:
         w = params["weight"]
-        h = F.embedding(input_ids, w, self._embed_template.padding_idx)
-        if self._embed_scale is not None:  # as HF: a float32 scalar cast to the weight dtype
-            h = h * torch.tensor(self._embed_scale, device=w.device).to(w.dtype)
-        return h
+        return self._scaled(F.embedding(input_ids, w, self._embed_template.padding_idx))
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        """``h`` times the embedding scale, rounded as the family's code rounds it."""
+        if self._embed_scale is None:
+            return h
+        scale, cast = self._embed_scale
+        return h * torch.tensor(scale, device=h.device).to(h.dtype) if cast else h * scale
 
     def embed_weight_grad(self, input_ids: torch.Tensor, grad_out: torch.Tensor,
                           out: torch.Tensor | None = None) -> torch.Tensor:
         """The gradient of :meth:`embed`'s weight from the token ids and the gradient of its
         output alone (the weights are never read): the dense embedding backward autograd runs,
         so the values are autograd's. ``out``: a ``[vocab, hidden]`` buffer to write it into."""
-        if self._embed_scale is not None:
-            grad_out = grad_out * torch.tensor(self._embed_scale, device=grad_out.device).to(grad_out.dtype)
+        grad_out = self._scaled(grad_out)
         pad = self._embed_template.padding_idx
         pad = -1 if pad is None else pad
         rows = self._embed_template.num_embeddings
@@ -310,15 +318,18 @@ class DecoderAdapter:
         embed_weight: torch.Tensor | None,
         hidden: torch.Tensor,
     ) -> torch.Tensor:
-        """Final norm + lm_head (+ the family's logit soft-cap); ``embed_weight`` is the tied
-        head weight (else ignored)."""
-        norm_params = {k[len("norm."):]: v for k, v in head_params.items() if k.startswith("norm.")}
-        h = torch.func.functional_call(self._head_template["norm"], norm_params, (hidden,), strict=True)
-        weight = embed_weight if self.tied else head_params["lm_head.weight"]
-        logits = F.linear(h, weight)
-        if self._logit_softcap is not None:
-            logits = torch.tanh(logits / self._logit_softcap) * self._logit_softcap
-        return logits
+        """The logits of ``hidden`` (``[tokens, h]`` or ``[b, s, h]``, before the final norm)
+        by the causal LM's own forward: final norm, lm_head and whatever the family does to the
+        logits (soft cap, scaling); ``embed_weight`` is the tied head weight (else ignored)."""
+        params = {("model." + k if k.startswith("norm.") else k): v for k, v in head_params.items()}
+        if self.tied:
+            params["lm_head.weight"] = embed_weight
+        flat = hidden.dim() == 2
+        out = torch.func.functional_call(
+            self._head_template, params, (),
+            {"inputs_embeds": hidden[None] if flat else hidden, "output_router_logits": False,
+             "use_cache": False}, strict=True)
+        return out.logits[0] if flat else out.logits
 
     def router_aux_loss(self, ctx: LayerContext, weight: float) -> torch.Tensor | None:
         """The micro-batch's ``weight * coef * aux`` (``moe.py``), its gradient w.r.t. each MoE
@@ -326,3 +337,81 @@ class DecoderAdapter:
         if ctx.router is None:
             return None
         return ctx.router.aux_loss(self.router_spec, weight)
+
+
+def _module_settings(layer: nn.Module) -> tuple:
+    """What a layer's modules compute with besides their tensors: each submodule's class and
+    plain attributes (SmolLM3's per-layer ``use_rope``, DiffLlama's ``lambda_init`` of the
+    layer index). Layers that differ here need their own template; ``layer_idx`` itself only
+    addresses a KV cache, which the engine never passes."""
+    plain = (bool, int, float, str, type(None))
+    return tuple((n, type(m).__name__, tuple(sorted(
+        (k, v) for k, v in vars(m).items()
+        if not k.startswith("_") and k not in ("layer_idx", "training") and isinstance(v, plain))))
+        for n, m in layer.named_modules())
+
+
+def _decoder_base(meta: nn.Module, family: str) -> nn.Module:
+    """The base model of causal LM ``meta``, checked to have the parts layerwise streams."""
+    inner = getattr(meta, "model", None)
+    parts = {"model.embed_tokens": nn.Embedding, "model.layers": nn.ModuleList, "model.norm": nn.Module}
+    missing = [n for n, kind in parts.items()
+               if not isinstance(getattr(inner, n.split(".")[1], None) if inner is not None else None, kind)]
+    if not isinstance(getattr(meta, "lm_head", None), nn.Linear):
+        missing.append("lm_head")
+    if missing:
+        raise ValueError(
+            f"unsupported architecture model_type={family!r}: transformers' {type(meta).__name__} "
+            f"does not have the decoder layout layerwise streams (model.embed_tokens, model.layers, "
+            f"model.norm, lm_head; it lacks {', '.join(missing)}); convert the checkpoint to a "
+            "family that has it (e.g. Llama) or open an issue")
+    return inner
+
+
+class _FinalNorm(nn.Module):
+    """Stands in for the base model inside the causal LM's forward: the final norm of the hidden
+    states it is given as ``inputs_embeds`` (the layers have already run)."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, inputs_embeds: torch.Tensor, **_: object) -> _BaseOutput:
+        return _BaseOutput(self.norm(inputs_embeds))
+
+
+class _BaseOutput:
+    """The base model's output as the head code reads it: the last hidden state (by name or
+    as item 0), and None for whatever else it asks (cache, router logits, attentions)."""
+
+    def __init__(self, last_hidden_state: torch.Tensor):
+        self.last_hidden_state = last_hidden_state
+
+    def __getattr__(self, name: str) -> None:  # only for attributes not set above
+        return None
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index != 0:
+            raise IndexError(index)
+        return self.last_hidden_state
+
+
+def _causal_lm_head(meta: nn.Module) -> nn.Module:
+    """``meta`` (a causal LM on the meta device) with its base model replaced by its final
+    norm: calling it runs the family's own head code on given hidden states. A shallow copy
+    that shares the lm_head and norm modules with ``meta``."""
+    head = copy.copy(meta)
+    head._modules = {**meta._modules, "model": _FinalNorm(meta.model.norm)}
+    return head
+
+
+def embedding_scale(inner: nn.Module, config: PretrainedConfig) -> tuple[float, bool] | None:
+    """The factor the base model multiplies its token embeddings by, and whether it is cast to
+    the weights' dtype first: a scaled embedding module's own (Gemma's ``sqrt(hidden)``, cast;
+    its buffer is empty on the meta device, its scalar copy is not) or the config's
+    ``embedding_multiplier`` (Granite, a Python float). None: no scale."""
+    scale = getattr(inner.embed_tokens, "scalar_embed_scale", None)
+    if scale is not None:
+        return float(scale), True
+    scale = getattr(config, "embedding_multiplier", None)
+    return None if scale is None or float(scale) == 1.0 else (float(scale), False)

@@ -1,31 +1,34 @@
-"""The one table of family facts: what differs between the decoder families layerwise trains.
+"""Family facts: what differs between the decoder families layerwise trains, and what it
+cannot read off transformers' modules.
 
 A unit of the engine runs Hugging Face's own decoder-layer module (``models/adapter.py``), so
 everything *inside* a layer (fused projections, partial rotary, qk-norm, post-norms, multi-head
 latent attention, attention sinks, linear attention, routed and shared experts) needs no code
-here. What the table holds is what HF's *model* forward does around the layers, and the few
-facts the engine cannot read off the modules:
+here; the head runs the causal LM's own forward (final norm, lm_head, logit soft cap or scale),
+and the embedding scale is read off the embedding module. Any ``model_type`` of transformers'
+causal-LM auto mapping gets a spec (:func:`derived_family`); the table's rows hold only what
+that derivation gets wrong or what the planner and checkpoints use:
 
 - the attention implementation the layers must run with (``eager`` where SDPA lacks a feature
   the family uses: soft-capped scores, sinks);
-- the embedding scale (Gemma multiplies the embeddings by ``sqrt(hidden)``);
-- the final-logit soft cap (Gemma 2/3);
 - where a ``sliding_window`` without ``layer_types`` applies (every layer: Mistral, Mixtral,
-  Phi-3, Qwen3-MoE; otherwise ``layer_types`` says per layer).
+  Phi-3, Qwen3-MoE; otherwise ``layer_types`` says per layer);
+- the shape facts of the closed-form planner sizes (qkv bias, qk-norm), fused experts
+  (expert-level checkpoint groups) and multi-axis RoPE positions.
 
 Per-layer attention types, windows and RoPE bases come from the config (``layer_types``, the
-rotary module's ``layer_type`` argument); MoE facts from the modules (``models/moe.py``). A new
-family that follows HF's decoder-layer conventions is one row. Classes are named, not imported,
-so that reading the table costs no import of a modeling file.
+rotary module's ``layer_type`` argument); MoE facts from the modules (``models/moe.py``).
+Classes are named, not imported, so that reading the table costs no import of a modeling file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import transformers
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers import PretrainedConfig
 
 FULL_ATTENTION = "full_attention"
@@ -33,10 +36,6 @@ SLIDING_ATTENTION = "sliding_attention"
 LINEAR_ATTENTION = "linear_attention"
 """A recurrent token mixer (gated delta net): no mask; a packed row runs example by example."""
 ATTENTION_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION)
-
-
-def _sqrt_hidden(config: Any) -> float:
-    return float(config.hidden_size) ** 0.5
 
 
 @dataclass(frozen=True)
@@ -56,10 +55,6 @@ class FamilySpec:
     attn_implementation: str = "sdpa"
     """``eager`` where HF's SDPA path lacks a feature of the family (gpt-oss's sinks, Gemma 2's
     soft-capped scores). Any config with ``attn_logit_softcapping`` set runs eager too."""
-    embed_scale: Callable[[Any], float] | None = None
-    """The factor HF's embedding multiplies its output by (cast to the weight dtype first)."""
-    logit_softcap: str | None = None
-    """The config attribute of the final-logit soft cap: ``cap * tanh(logits / cap)``."""
     rope_position_axes: int = 0
     """The rotary module takes position ids per axis, ``[axes, b, s]`` (Qwen3.5's multimodal
     RoPE: text positions repeated on its 3 axes, as its text model does); 0: ``[b, s]``."""
@@ -91,13 +86,10 @@ FAMILIES: dict[str, FamilySpec] = {s.model_type: s for s in (
                closed_form_shape=True),
     FamilySpec("qwen3", "Qwen3Config", "Qwen3ForCausalLM", qk_norm=True, quirks="qk-norm",
                closed_form_shape=True),
-    FamilySpec("gemma", "GemmaConfig", "GemmaForCausalLM", embed_scale=_sqrt_hidden,
-               quirks="embedding scale"),
+    FamilySpec("gemma", "GemmaConfig", "GemmaForCausalLM", quirks="embedding scale"),
     FamilySpec("gemma2", "Gemma2Config", "Gemma2ForCausalLM", attn_implementation="eager",
-               embed_scale=_sqrt_hidden, logit_softcap="final_logit_softcapping",
                quirks="attention and logit soft-capping, sliding layers, post-norms"),
     FamilySpec("gemma3_text", "Gemma3TextConfig", "Gemma3ForCausalLM", qk_norm=True,
-               embed_scale=_sqrt_hidden, logit_softcap="final_logit_softcapping",
                quirks="sliding/full layers with their own RoPE bases, qk-norm"),
     FamilySpec("gpt_oss", "GptOssConfig", "GptOssForCausalLM", fused_experts=True,
                attn_implementation="eager",
@@ -137,22 +129,57 @@ def supported_families() -> str:
 
 
 def family_of(config: PretrainedConfig | Any) -> FamilySpec:
-    """The family of ``config``, or a clear error for an unsupported one."""
+    """The family of ``config``: its row of the table, else one derived from transformers'
+    causal-LM class of its ``model_type`` (:func:`derived_family`), or a clear error."""
     model_type = getattr(config, "model_type", None)
-    if model_type in TEXT_MODEL_OF:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if model_type in TEXT_MODEL_OF or text is not config:
+        text_type = TEXT_MODEL_OF.get(model_type) or getattr(text, "model_type", None)
         raise ValueError(
-            f"model_type={model_type!r} is a multimodal wrapper; layerwise trains decoder-only "
-            f"causal LMs: use its language model's config (text_config, model_type="
-            f"{TEXT_MODEL_OF[model_type]!r}) and a checkpoint with that model's keys")
-    if model_type not in FAMILIES or not hasattr(transformers, FAMILIES[model_type].model_class_name):
-        raise ValueError(
-            f"unsupported architecture model_type={model_type!r}; layerwise supports "
-            f"(decoder-only causal LMs): {supported_families()}. A family that follows Hugging "
-            "Face's decoder-layer conventions is one row of layerwise/models/families.py; "
-            "convert the model or open an issue.")
-    return FAMILIES[model_type]
+            f"model_type={model_type!r} is a multimodal model; layerwise trains decoder-only "
+            f"causal LMs, not yet the language model inside a multimodal checkpoint: use a "
+            f"text-only checkpoint of its language model (model_type={text_type!r}, the "
+            "config's text_config, with that model's keys)")
+    spec = FAMILIES.get(model_type)
+    if spec is not None and hasattr(transformers, spec.model_class_name):
+        return spec
+    return derived_family(model_type, type(config).__name__)
 
 
+REFUSED: dict[str, str] = {
+    "doge": "its dynamic-mask attention needs the dense causal mask on every layer, where "
+            "layerwise passes none",
+    "nanochat": "its base model normalises the embeddings before the first layer, which the "
+                "embedding unit does not",
+    "beam": "its full-attention layers take a position-dependent attention scaling that the "
+            "base model computes",
+}
+"""Causal LMs of the right layout whose model forward does something around the layers that
+layerwise does not replicate (found by the sweep: the engine's loss differs from HF's), each
+with why; refused rather than trained with wrong numbers."""
+
+
+@functools.lru_cache(maxsize=None)
+def derived_family(model_type: str | None, config_class_name: str) -> FamilySpec:
+    """The spec of a family outside the table, from transformers alone: its causal-LM class
+    (the auto mapping's), SDPA where that class supports it (else eager), and a
+    ``sliding_window`` without ``layer_types`` on every layer unless ``use_sliding_window``
+    says otherwise. Whether the family's layers run this way is what the sweep
+    (``tests/models/test_sweep.py``) checks against HF autograd."""
+    class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if class_name is None or not hasattr(transformers, class_name):
+        raise ValueError(
+            f"unsupported architecture model_type={model_type!r}: transformers "
+            f"{transformers.__version__} has no causal LM of that type (layerwise trains "
+            "decoder-only causal LMs); upgrade transformers if the model is newer, or use a "
+            "decoder-only checkpoint")
+    if model_type in REFUSED:
+        raise ValueError(f"unsupported architecture model_type={model_type!r}: "
+                         f"{REFUSED[model_type]}; open an issue if you need it")
+    cls = getattr(transformers, class_name)
+    return FamilySpec(model_type, config_class_name, class_name, window_on_every_layer=True,
+                      attn_implementation="sdpa" if getattr(cls, "_supports_sdpa", False) else "eager",
+                      quirks="derived from transformers' modules")
 def attn_implementation(config: PretrainedConfig | Any) -> str:
     """The attention implementation the family's layers run with (the engine and the HF
     reference alike)."""
@@ -172,7 +199,8 @@ def layer_attention_types(config: PretrainedConfig | Any) -> list[str]:
             raise ValueError(f"layer_types {unknown} of {spec.model_type} are not supported; "
                              f"layerwise runs {list(ATTENTION_TYPES)}")
         return types
-    windowed = spec.window_on_every_layer and getattr(config, "sliding_window", None)
+    windowed = (spec.window_on_every_layer and getattr(config, "sliding_window", None)
+                and getattr(config, "use_sliding_window", True))
     return [SLIDING_ATTENTION if windowed else FULL_ATTENTION] * config.num_hidden_layers
 
 

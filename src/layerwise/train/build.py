@@ -13,7 +13,7 @@ from transformers import PretrainedConfig
 
 from ..engine.batch import Batch
 from ..interop.hf.model_dir import load_config, load_store
-from ..models import FLAVORS, DecoderAdapter, get_flavor
+from ..models import FLAVORS, DecoderAdapter, family_of, get_flavor
 from ..models.attention import row_layout
 from ..models.structure import layer_facts, model_flops
 from ..plan.memory import CUDA_WORKSPACE_BYTES, predict_peak_device_bytes
@@ -69,6 +69,7 @@ class ModelSource:
         name, line = checks.resolve_model(cfg.model.name)
         checks.check_context(cfg, name)
         config = get_flavor(name).build_config() if name in FLAVORS else load_config(name)
+        family_of(config)  # an architecture layerwise cannot train is refused before planning
         return cls(name, _rope_scaled(config, cfg.model.rope_scaling)), line
 
     def build(self, seed: int, compute_dtype: torch.dtype, alloc: HostAllocator = PRIVATE,

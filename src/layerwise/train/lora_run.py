@@ -16,8 +16,7 @@ from transformers import PretrainedConfig
 
 from ..adapters.lora_adapter import LoraAdapter
 from ..adapters.lora_store import LoraStore
-from ..ckpt.provider import PARAM
-from ..interop.hf.model_dir import HFModelDirSource
+from ..interop.hf.model_dir import HFModelDirSource, check_weights, fill_store
 from ..interop.peft.adapter_dir import load_init_adapter, write_adapter, write_merged
 from ..models import FLAVORS, DecoderAdapter
 from ..models.init import build_hf_model
@@ -53,15 +52,8 @@ def build_lora(name: str, config: PretrainedConfig, cfg: TrainConfig, compute_dt
         store.copy_from_model(build_hf_model(config, cfg.seed))
     else:
         source = HFModelDirSource(name)
-        needed = set(adapter.hf_names())
-        missing = sorted(needed - set(source.hf_names()))
-        if missing:
-            raise ValueError(f"{name}: weights missing for {len(missing)} tensors, e.g. "
-                             f"{missing[:3]}; the checkpoint does not match its config.json")
-        for group in source.groups():
-            for key, tensor in source.load_group(group).items():
-                if key[len(PARAM):] in needed:
-                    store.load_hf_tensor(key[len(PARAM):], tensor)
+        check_weights(source, adapter.hf_names())
+        fill_store(source, store)
     store.init_adapters(cfg.seed)
     if cfg.lora.init:
         load_init_adapter(store, cfg.lora.init)

@@ -29,7 +29,9 @@ from ..layout import (
     SAFE_WEIGHTS_NAME,
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
+    meta_model,
 )
+from .hub_layout import HubLayout
 
 
 def read_json(path: Path) -> dict:
@@ -95,13 +97,29 @@ class HFModelDirSource:
         return read_json(f) if f.is_file() else None
 
     @cached_property
+    def _layout(self) -> HubLayout | None:
+        """transformers' conversion between the files' names and the model's (None: a config
+        transformers cannot build, whose names are taken as they are)."""
+        try:
+            return HubLayout(meta_model(self._config)) if self._config is not None else None
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+    @cached_property
+    def _model_names(self) -> dict[str, list[str]]:
+        """File key → the model's (in-memory) names it contributes to."""
+        layout = self._layout
+        return {k: layout.model_names(k) if layout else [k] for k in self._weight_files}
+
+    @cached_property
     def _groups(self) -> dict[str, list[str]]:
+        """Group → the file keys it is read from (groups by the model's names)."""
         tied = config_is_tied(self._config)
         out: dict[str, list[str]] = {}
-        for name in self._weight_files:
-            if tied and name.startswith("lm_head."):
+        for key, names in self._model_names.items():
+            if tied and names[0].startswith("lm_head."):
                 continue  # a tied head is the embedding; some writers still store a copy
-            out.setdefault(group_of(name, tied), []).append(name)
+            out.setdefault(group_of(names[0], tied), []).append(key)
         return dict(sorted(out.items(), key=lambda kv: group_sort_key(kv[0])))
 
     def groups(self) -> list[str]:
@@ -114,8 +132,12 @@ class HFModelDirSource:
             raise ValueError(f"{self.path} has no group {group!r}; it has {self.groups()}") from None
 
     def load_group(self, group: str) -> dict[str, torch.Tensor]:
-        names = self._check_group(group)
-        return {PARAM + n: t for n, t in self._read_weights(names).items()}
+        """The group's tensors under the model's names (per-expert files fused, renamed keys
+        mapped, as ``from_pretrained`` of the installed transformers does)."""
+        keys = self._check_group(group)
+        raw = self._read_weights(keys)
+        tensors = self._layout.to_model(keys, raw.pop) if self._layout else raw
+        return {PARAM + n: t for n, t in tensors.items()}
 
     def _read_weights(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         by_file: dict[Path, list[str]] = {}
@@ -137,7 +159,8 @@ class HFModelDirSource:
         return out
 
     def hf_names(self) -> list[str]:
-        return list(self._weight_files)
+        """The model's names of every tensor the files hold (not the files' own keys)."""
+        return [n for names in self._model_names.values() for n in names]
 
     def model_config(self) -> dict | None:
         return self._config
@@ -169,15 +192,26 @@ def load_store(path: str | Path, compute_dtype: torch.dtype = torch.float32,
     path = Path(path)
     adapter = DecoderAdapter(config if config is not None else load_config(path))
     source = HFModelDirSource(path)
-    available, needed = set(source.hf_names()), set(adapter.hf_names())
-    missing = sorted(needed - available)
-    if missing:
-        raise ValueError(f"{path}: weights missing for {len(missing)} tensors, e.g. {missing[:3]}; "
-                         "the checkpoint does not match its config.json")
+    check_weights(source, adapter.hf_names())
     store = HostStore(adapter, compute_dtype=compute_dtype, pin=pin, alloc=alloc,
                       grad_dtype=grad_dtype)
+    fill_store(source, store)
+    return adapter, store
+
+
+def check_weights(source: HFModelDirSource, needed: Iterable[str]) -> None:
+    """Refuse a directory that lacks any of the model's tensors ``needed``, before allocating."""
+    missing = sorted(set(needed) - set(source.hf_names()))
+    if missing:
+        raise ValueError(f"{source.path}: weights missing for {len(missing)} tensors, e.g. "
+                         f"{missing[:3]}; the checkpoint does not match its config.json")
+
+
+def fill_store(source: HFModelDirSource, store: Any) -> None:
+    """Load every tensor ``store`` holds (``store.adapter.hf_names()``) from ``source``, one
+    group at a time (a HostStore, or a LoRA run's store, which quantises its base on the way)."""
+    needed = set(store.adapter.hf_names())
     for group in source.groups():
         for key, tensor in source.load_group(group).items():
             if key[len(PARAM):] in needed:  # not e.g. a stored copy of a tied head
                 store.load_hf_tensor(key[len(PARAM):], tensor)  # the copy source with it
-    return adapter, store

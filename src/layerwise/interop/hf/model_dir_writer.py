@@ -1,6 +1,7 @@
 """Export to a Hugging Face model dir: sharded safetensors + index + ``config.json``.
 
-The output loads with ``AutoModelForCausalLM.from_pretrained(dir)``. Weights stream group by group
+The output loads with ``AutoModelForCausalLM.from_pretrained(dir)`` and has the names, shapes and
+layout ``save_pretrained`` writes (``hub_layout.py``: per-expert tensors where the Hub has them). Weights stream group by group
 into shards (see :mod:`layerwise.util.safetensors_io`); a tied head is stored once, as the embedding, the way
 ``save_pretrained`` does it.
 """
@@ -29,6 +30,7 @@ from ..layout import (
     CheckpointSource,
     meta_model,
 )
+from .hub_layout import HubLayout
 
 SHARD_PATTERN = "model-{:05d}-of-{:05d}.safetensors"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -51,6 +53,7 @@ class WeightsWriter:
         self.tied = config_is_tied(config)
         self.dtype = dtype
         self.expected: dict[str, tuple[int, ...]] | None = None
+        self.layout: HubLayout | None = None
         if config is not None:
             try:
                 model = meta_model(config)
@@ -60,10 +63,14 @@ class WeightsWriter:
                 # every tensor HF saves: parameters and persistent buffers (DeepSeek-V3's
                 # expert-selection bias), which from_pretrained reads back alike
                 self.expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+                self.layout = HubLayout(model)
         self.written: set[str] = set()
         self._writer = ShardedSafetensorsWriter(self.out_dir, max_shard_bytes)
 
     def add_group(self, group: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Check the group's ``param/…`` tensors (the model's names) and write them in the
+        layout ``save_pretrained`` writes (``HubLayout.to_hub``: per-expert tensors and all)."""
+        named: dict[str, torch.Tensor] = {}
         for key, t in tensors.items():
             if not key.startswith(PARAM):
                 continue
@@ -85,8 +92,10 @@ class WeightsWriter:
                     )
             if self.dtype is not None and t.is_floating_point():
                 t = t.to(self.dtype)
-            self._writer.add(name, t)
+            named[name] = t
             self.written.add(name)
+        for name, t in (self.layout.to_hub(named) if self.layout else named).items():
+            self._writer.add(name, t.contiguous())
 
     def finish(self) -> dict[str, Any]:
         """Close the shards, write the index when there is more than one; return a summary."""

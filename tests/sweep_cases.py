@@ -1,0 +1,130 @@
+"""Every causal-LM ``model_type`` transformers has, shrunk to a tiny config by one generic rule.
+
+Used by ``tests/models/test_sweep.py`` (and runnable alone: ``python tests/sweep_cases.py``
+prints the outcome of every type). A type is *buildable* when its tiny config builds with
+``AutoModelForCausalLM.from_config`` here and runs a forward; the rest are excluded with the
+reason its build gave.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+VOCAB = 96
+HIDDEN = 32
+MAX_PARAMS = 2_000_000
+
+_SIZES = {
+    # the common names of the size fields, each with its tiny value
+    "vocab_size": VOCAB, "hidden_size": HIDDEN, "d_model": HIDDEN, "n_embd": HIDDEN,
+    "intermediate_size": 64, "ffn_hidden_size": 64, "n_inner": 64,
+    "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2,
+    "num_attention_heads": 4, "n_head": 4, "num_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 8,
+    "max_position_embeddings": 128, "n_positions": 128,
+    "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+    "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+    "v_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8, "linear_value_head_dim": 8, "sliding_window": 6,
+}
+
+
+def causal_lm_types() -> list[str]:
+    """Every ``model_type`` in transformers' causal-LM auto mapping, sorted."""
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def tiny_config(model_type: str):
+    """The type's default config with every known size field made tiny, token ids inside the
+    tiny vocabulary, every per-layer list (``layer_types``, ``mlp_layer_types``) cut to its
+    first two distinct items (so a hybrid keeps both kinds), dropout off; built through the config class so that its own checks run."""
+    base = AutoConfig.for_model(model_type).to_dict()
+    values = {k: v for k, v in _SIZES.items()
+              if isinstance(base.get(k), int) and not isinstance(base.get(k), bool)}
+    if isinstance(base.get("qk_rope_head_dim"), int):
+        values["head_dim"] = values["qk_rope_head_dim"]  # MLA: RoPE spans the rope part only
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(base.get(key), int) and base[key] >= VOCAB:
+            values[key] = min(base[key], 2)
+    layers = next((base[k] for k in ("num_hidden_layers", "n_layer", "num_layers")
+                   if isinstance(base.get(k), int)), None)
+    for key, per_layer in base.items():  # layer_types, mlp_layer_types, …: one item a layer
+        if isinstance(per_layer, list) and per_layer and len(per_layer) == layers \
+                and all(isinstance(v, (str, int)) for v in per_layer):
+            distinct = list(dict.fromkeys(per_layer))
+            values[key] = (distinct * 2)[:2]
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if isinstance(base.get(key), float):
+            values[key] = 0.0
+    base.pop("model_type", None)
+    return AutoConfig.for_model(model_type, **{**base, **values})
+
+
+def build(model_type: str):
+    """(config, model in eval mode) or (None, the reason it does not build here)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cfg = tiny_config(model_type)
+            with torch.device("meta"):
+                numel = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+            if numel > MAX_PARAMS:
+                return None, f"the generic rule leaves {numel / 1e6:.1f}M parameters (a size field it does not know)"
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(cfg).eval()
+            with torch.no_grad():
+                model(torch.randint(3, VOCAB, (1, 8)))
+    except Exception as e:  # noqa: BLE001 — any failure of the build itself excludes the type
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    return cfg, model
+
+
+def saved_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name → (shape, dtype) of every tensor in a model dir's safetensors files."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+        else ["model.safetensors"]
+    out = {}
+    for file in files:
+        with safe_open(str(path / file), "pt") as f:
+            for k in f.keys():
+                t = f.get_slice(k)
+                out[k] = (tuple(t.get_shape()), t.get_dtype())
+    return out
+
+
+def main() -> None:
+    """Print every type's outcome (excluded: its build fails here; refused: layerwise's one-line
+    reason; streamed: layerwise builds its units, and ``test_sweep.py`` holds it to HF autograd)
+    and the counts."""
+    from layerwise.models import DecoderAdapter
+
+    counts: dict[str, int] = {}
+    for t in causal_lm_types():
+        cfg, model = build(t)
+        if cfg is None:
+            outcome, why = "excluded", model
+        else:
+            try:
+                DecoderAdapter(cfg)
+                outcome, why = "streamed", ""
+            except ValueError as e:
+                outcome, why = "refused", str(e)
+        counts[outcome] = counts.get(outcome, 0) + 1
+        print(f"{t:28s} {outcome:9s} {why}")
+    built = counts.get("streamed", 0) + counts.get("refused", 0)
+    print(json.dumps({"causal_lm_types": len(causal_lm_types()), "buildable": built, **counts}))
+
+
+if __name__ == "__main__":
+    main()
