@@ -38,6 +38,7 @@ try:  # numba is optional: the torch path computes the same bits
     import numpy as _np
     from numba import types as _nbt
     from numba.extending import intrinsic as _intrinsic
+    from numba.extending import overload as _overload
 except Exception:  # pragma: no cover - depends on the environment
     _nb = None
 
@@ -105,6 +106,18 @@ if _nb is not None:
         hi = ((b >> i32(16)) | i32(_QUIET)) if nan else hi
         lo = i32(0) if nan else lo
         return hi, lo
+
+    def as_f32(x):  # pragma: no cover - replaced by the overload below in compiled code
+        raise NotImplementedError
+
+    @_overload(as_f32, inline="always")
+    def _as_f32_impl(x):  # pragma: no cover - compiled
+        """A gradient element as fp32: an fp32 as it is, a bf16 (its bits as int16 or uint16)
+        widened exactly (a bf16 is the top half of an fp32), so a bf16 gradient needs no fp32
+        copy anywhere."""
+        if isinstance(x, _nbt.Float):
+            return lambda x: x
+        return lambda x: i32_as_f32(_np.int32(_np.int32(x) << 16))
 
     @_nb.njit(inline="always", **_jit)
     def join_bits(hi, lo):  # pragma: no cover - compiled

@@ -242,3 +242,23 @@ def test_positive_second_moment_keeps_a_nonzero_code(kernel, monkeypatch):
                        s["exp_avg_sq_codes"], s["exp_avg_sq_scales"], n, n, k)
     codes = s["exp_avg_sq_codes"]
     assert codes[0] == 1 and codes[1] == 255 and codes[2:].eq(0).all()
+
+
+@needs_numba
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_bf16_gradient_steps_as_its_fp32_widening_does(threads):
+    """The kernel widens a bf16 gradient itself (no fp32 copy anywhere): every row stepped
+    with a bf16 gradient ends bit for bit as with that gradient widened to fp32 first — the
+    same kernel on the same values (a bf16 is the top half of an fp32), so order-identical.
+
+    Mutation seen failing: the widening shifted by 15 bits instead of 16 (every update off)."""
+    bf16, wide = [], []
+    for step, *_ in _steps(seed=5):
+        g16 = step.g.to(torch.bfloat16)
+        bf16.append(_clone(step)._replace(g=g16))
+        wide.append(_clone(step)._replace(g=g16.float()))
+    _kernel.fused_steps(bf16, threads)
+    _kernel.fused_steps(wide, threads)
+    for a, b in zip(bf16, wide):
+        for f in a._fields[2:6] + ("p",):
+            assert torch.equal(getattr(a, f), getattr(b, f)), f

@@ -146,3 +146,41 @@ def test_torch_face_steps_without_reading_the_step_tensors(monkeypatch, fp32_gro
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
         assert float(opt2.state[b]["step"]) == 5.0
+
+
+@pytest.mark.parametrize("moments", ["fp32", "8bit"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_a_unit_split_over_threads_steps_as_on_one(moments, grad_dtype):
+    """The update is element-wise (8-bit: block-wise), so splitting a unit's range over two
+    threads changes nothing, bit for bit, for a split master and either gradient dtype.
+
+    Mutation seen failing: ``util.threads.run_split`` leaving out the last chunk (the tail of
+    every unit keeps its old weights and moments)."""
+    from layerwise.optim.adamw import HostAdamW
+
+    cfg = get_flavor("llama-debug").build_config(hidden_size=256, intermediate_size=768,
+                                                  num_attention_heads=4, num_key_value_heads=2)
+    adapter = DecoderAdapter(cfg)
+    stores = []
+    for threads in (1, 2):
+        make = (lambda: HostAdamW(AdamWConfig(weight_decay=0.1), num_threads=threads)) \
+            if moments == "fp32" else \
+            (lambda: HostAdamW8bit(AdamWConfig(weight_decay=0.1), num_threads=threads))
+        opt = make()
+        store = HostStore(adapter, compute_dtype=torch.bfloat16, pin=False, split_master=True,
+                          grad_dtype=grad_dtype)
+        gen = torch.Generator().manual_seed(0)
+        for b in store:
+            b.write_master(torch.randn(b.layout.numel, generator=gen) * 0.02)
+            opt.init_state(b)
+        for step in range(3):
+            gen = torch.Generator().manual_seed(10 + step)
+            for b in store:
+                b.grad.copy_(torch.randn(b.layout.numel, generator=gen) * 1e-2)
+                opt.step_unit(b, lr=1e-3, clip_coef=0.7)
+        stores.append(store)
+    assert stores[0]["layers.0"].layout.numel > 1 << 17  # big enough for two threads
+    for x, y in zip(*stores):
+        assert torch.equal(x.compute, y.compute) and torch.equal(x.remainder, y.remainder)
+        for k in x.state:
+            assert torch.equal(x.state[k], y.state[k]), k

@@ -104,7 +104,6 @@ def small_chunks(monkeypatch):
     """Chunks of 512 elements (a multiple of the 64 and the 256-element block the chunking
     keeps to), so every unit of a debug model is stepped in several."""
     monkeypatch.setattr(adamw, "SPLIT_CHUNK", 512)
-    monkeypatch.setattr(adamw8bit, "SPLIT_CHUNK", 512)
 
 
 def _run(cfg, split: bool, moments: str, steps: int = 6, micro_batches: int = 1,

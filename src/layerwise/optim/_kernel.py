@@ -29,18 +29,16 @@ arithmetic the tests hold bit-identical between them is read in one place.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
-import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from ..split_master import join_torch, split_
+from ..util.threads import run_split
 from .quant import SIGNED_LEVELS, UNSIGNED_LEVELS, num_blocks
 
 try:  # numba is optional: the torch path below computes the same update
@@ -51,7 +49,7 @@ try:  # numba is optional: the torch path below computes the same update
     from numba.core import cgutils as _cgutils
     from numba.extending import intrinsic as _intrinsic
 
-    from ..split_master import join_bits, split_bits
+    from ..split_master import as_f32, join_bits, split_bits
 except Exception:  # pragma: no cover - depends on the environment
     _nb = None
 
@@ -175,6 +173,10 @@ if _nb is not None:
         return _nbt.CPointer(_nbt.int16)(_nbt.int64), _ptr_codegen
 
     @_intrinsic
+    def _u16_at(typingctx, addr):  # pragma: no cover - compiled
+        return _nbt.CPointer(_nbt.uint16)(_nbt.int64), _ptr_codegen
+
+    @_intrinsic
     def _stack_scratch(typingctx):  # pragma: no cover - compiled
         # 3 * _MAX_NUMBA_BLOCK fp32 on the stack of the calling function. LLVM knows a local
         # that never escapes aliases none of the tensors, so the loops need no runtime overlap
@@ -224,7 +226,7 @@ if _nb is not None:
         im = i32(0)
         ir = i32(0)
         for j in range(cnt):
-            gi = gb[j]
+            gi = as_f32(gb[j])
             c = _np.float32(qmb[j])
             m = am * (c * _np.abs(c)) + gi
             c = _np.float32(qvb[j])
@@ -303,8 +305,8 @@ if _nb is not None:
     @_nb.njit(**_jit)
     def _run_table(tab, scal, b0, b1):  # pragma: no cover - compiled
         # tab[i] = addresses of p, g, qm, sm, qv, sv; numel, decay_end, block size, first
-        # global block; the address of a split p's remainder (0: p is fp32). Runs global
-        # blocks [b0, b1) of all rows.
+        # global block; the address of a split p's remainder (0: p is fp32); 1 if g is bf16.
+        # Runs global blocks [b0, b1) of all rows.
         rows = tab.shape[0]
         scratch = _nb.carray(_stack_scratch(), 3 * _MAX_NUMBA_BLOCK)
         buf_m = scratch[:_MAX_NUMBA_BLOCK]
@@ -319,34 +321,37 @@ if _nb is not None:
             hi = min(b1, first + nbk)
             if lo >= hi:
                 continue
-            g = _nb.carray(_f32_at(tab[i, 1]), n)
             qm = _nb.carray(_i8_at(tab[i, 2]), n)
             sm = _nb.carray(_f32_at(tab[i, 3]), nbk)
             qv = _nb.carray(_u8_at(tab[i, 4]), n)
             sv = _nb.carray(_f32_at(tab[i, 5]), nbk)
+            b_lo, b_hi, dec = lo - first, hi - first, tab[i, 7]
+            if tab[i, 11] != 0:
+                gh = _nb.carray(_u16_at(tab[i, 1]), n)
+                if tab[i, 10] != 0:
+                    ph = _nb.carray(_i16_at(tab[i, 0]), n)
+                    pl = _nb.carray(_i16_at(tab[i, 10]), n)
+                    _blocks(ph, pl, gh, qm, sm, qv, sv, b_lo, b_hi, block, n, dec, scal[i], True,
+                            buf_m, buf_r, buf_q)
+                else:
+                    p = _nb.carray(_f32_at(tab[i, 0]), n)
+                    _blocks(p, p, gh, qm, sm, qv, sv, b_lo, b_hi, block, n, dec, scal[i], False,
+                            buf_m, buf_r, buf_q)
+                continue
+            g = _nb.carray(_f32_at(tab[i, 1]), n)
             if tab[i, 10] != 0:
                 ph = _nb.carray(_i16_at(tab[i, 0]), n)
                 pl = _nb.carray(_i16_at(tab[i, 10]), n)
-                _blocks(ph, pl, g, qm, sm, qv, sv, lo - first, hi - first, block, n, tab[i, 7],
-                        scal[i], True, buf_m, buf_r, buf_q)
+                _blocks(ph, pl, g, qm, sm, qv, sv, b_lo, b_hi, block, n, dec, scal[i], True,
+                        buf_m, buf_r, buf_q)
             else:
                 p = _nb.carray(_f32_at(tab[i, 0]), n)
-                _blocks(p, p, g, qm, sm, qv, sv, lo - first, hi - first, block, n, tab[i, 7],
-                        scal[i], False, buf_m, buf_r, buf_q)
+                _blocks(p, p, g, qm, sm, qv, sv, b_lo, b_hi, block, n, dec, scal[i], False,
+                        buf_m, buf_r, buf_q)
 
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-_MIN_BLOCKS_PER_TASK = 256
-_CHUNKS_PER_THREAD = 8
-
-
-def _get_pool(workers: int) -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool._max_workers < workers:
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adamw8bit")
-        return _pool
+_MIN_BLOCKS_PER_TASK = 64
+"""Blocks a thread takes at least (64 blocks of 256: 16k elements, some 25 µs of work)."""
 
 
 def numba_available() -> bool:
@@ -384,7 +389,8 @@ def _numba_ok(s: FlatStep) -> bool:
     lo = s.p_lo
     p_ok = (p.dtype is _F32 if lo is None else
             p.dtype is _BF16 and lo.dtype is _I16 and lo.is_cpu and lo.is_contiguous())
-    return (0 < s.block_size <= _MAX_NUMBA_BLOCK and p_ok and g.dtype is _F32 and qm.dtype is _I8
+    return (0 < s.block_size <= _MAX_NUMBA_BLOCK and p_ok and g.dtype in (_F32, _BF16)
+            and qm.dtype is _I8
             and qv.dtype is _U8 and sm.dtype is _F32 and sv.dtype is _F32
             and p.is_cpu and g.is_cpu and qm.is_cpu and qv.is_cpu and sm.is_cpu and sv.is_cpu
             and p.is_contiguous() and g.is_contiguous() and qm.is_contiguous()
@@ -427,7 +433,8 @@ def fused_steps(steps: Sequence[FlatStep], num_threads: int | None = None) -> No
         rows.append((p.data_ptr(), s.g.data_ptr(), s.exp_avg_codes.data_ptr(),
                      s.exp_avg_scales.data_ptr(), s.exp_avg_sq_codes.data_ptr(),
                      s.exp_avg_sq_scales.data_ptr(), n, min(max(s.decay_end, 0), n),
-                     block, first, 0 if s.p_lo is None else s.p_lo.data_ptr()))
+                     block, first, 0 if s.p_lo is None else s.p_lo.data_ptr(),
+                     int(s.g.dtype is _BF16)))
         scal.append(f)
         first += nb
     if rows:
@@ -438,30 +445,10 @@ def fused_steps(steps: Sequence[FlatStep], num_threads: int | None = None) -> No
 
 
 def _run_split(tab, sc, total_blocks: int, num_threads: int | None) -> None:
-    """Run blocks ``[0, total_blocks)`` of the table on up to ``num_threads`` threads (the
-    caller is one of them). The blocks are cut into ``_CHUNKS_PER_THREAD`` chunks per thread,
-    taken from a shared counter: a thread the OS deschedules (a shared or busy machine) holds
-    up at most one chunk, where an even static split waits for its whole half."""
-    workers = num_threads or torch.get_num_threads()
-    tasks = max(1, min(workers, total_blocks // _MIN_BLOCKS_PER_TASK))
-    if tasks == 1:
-        _run_table(tab, sc, 0, total_blocks)
-        return
-    chunks = max(tasks, min(total_blocks // _MIN_BLOCKS_PER_TASK, tasks * _CHUNKS_PER_THREAD))
-    edges = [total_blocks * i // chunks for i in range(chunks + 1)]
-    counter = itertools.count()  # next() is atomic under the GIL
-
-    def work() -> None:
-        while (i := next(counter)) < chunks:
-            _run_table(tab, sc, edges[i], edges[i + 1])
-
-    pool = _get_pool(tasks - 1)
-    futures = [pool.submit(work) for _ in range(tasks - 1)]
-    try:
-        work()
-    finally:  # never return (and free tensors) while a worker still writes them
-        for fut in futures:
-            fut.result()
+    """Run blocks ``[0, total_blocks)`` of the table on up to ``num_threads`` threads
+    (``util.threads.run_split``: chunks from a shared counter, the caller one of the threads)."""
+    run_split(lambda lo, hi: _run_table(tab, sc, lo, hi), total_blocks,
+              num_threads or torch.get_num_threads(), _MIN_BLOCKS_PER_TASK)
 
 
 # ----- torch --------------------------------------------------------------------------------

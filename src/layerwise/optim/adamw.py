@@ -1,14 +1,18 @@
 """fp32 AdamW over the HostStore, one unit (flat buffer) at a time.
 
-The clip coefficient is folded into the update through the fused kernel's ``grad_scale``
-(grads are divided by it), so clipping costs no extra pass. ``step_unit`` touches only that
-unit's buffers, so different units may be updated on different worker threads.
+On the CPU with numba, every form (plain or split master, fp32 or bf16 gradient) is one pass
+of ``_kernel_fp32`` over the unit, split over the optimizer's threads, the clip coefficient
+folded into the gradient's read. ``step_unit`` touches only that unit's buffers, so different
+units may be updated on different worker threads.
 
-A split master (``layerwise.split_master``) is updated ``SPLIT_CHUNK`` elements at a time:
+Without numba (or on another device) torch's fused AdamW runs, the clip coefficient through its
+``grad_scale`` (grads are divided by it). A split master (``layerwise.split_master``) is updated ``SPLIT_CHUNK`` elements at a time:
 joined into a per-thread fp32 scratch that stays in L2, stepped by the same fused kernel, split
 back. The kernel is element-wise and every chunk starts a multiple of 64 elements into the
 slice (its vector and cache-line splits fall where an fp32-master call's do), so the result is
-bit-identical to stepping the fp32 master in one call; no fp32 copy of the unit exists. A bf16
+bit-identical to stepping the fp32 master in one call; no fp32 copy of the unit exists. The
+chunks are spread over the optimizer's threads (``util.threads.run_split``), each with its own
+scratch. A bf16
 gradient (one micro-batch per step: ``HostStore(grad_dtype=...)``) is widened the same way, a
 chunk at a time into scratch (exact: a bf16 is the top half of an fp32).
 """
@@ -21,6 +25,8 @@ from typing import Protocol
 import torch
 
 from ..store import UnitBuffers
+from ..util.threads import run_split
+from . import _kernel_fp32
 from .config import AdamWConfig
 
 __all__ = ["AdamWConfig", "HostAdamW", "UnitOptimizer", "state_nbytes"]
@@ -60,8 +66,12 @@ class UnitOptimizer(Protocol):
 class HostAdamW:
     """fp32 moments; matches ``torch.optim.AdamW`` (+ ``clip_grad_norm_``) to round-off."""
 
-    def __init__(self, config: AdamWConfig):
+    def __init__(self, config: AdamWConfig, num_threads: int | None = None):
         self.config = config
+        self.num_threads = num_threads
+        """Threads one ``step_unit`` call of a split master or bf16 gradient splits its chunks
+        over; None: torch's thread count (a plain fp32 step is one torch call, which splits
+        itself)."""
 
     def init_state(self, buf: UnitBuffers) -> None:
         # pageable: only the copy sources are pinned (see layerwise.store)
@@ -82,15 +92,28 @@ class HostAdamW:
         c = self.config
         s = buf.state
         s["step"] += 1
+        p = buf.compute if buf.split else buf.master
+        if _kernel_fp32.takes(p, buf.grad, buf.remainder):  # one pass, every form, all threads
+            _kernel_fp32.step(p, buf.grad, s["exp_avg"], s["exp_avg_sq"], lr=lr, beta1=c.betas[0],
+                              beta2=c.betas[1], eps=c.eps, weight_decay=c.weight_decay,
+                              step=int(s["step"].item()), decay_end=buf.layout.decay_numel,
+                              grad_mul=clip_coef, remainder=buf.remainder,
+                              threads=self.num_threads or torch.get_num_threads())
+            return
         split = buf.layout.decay_numel
         scale = torch.tensor(1.0 / clip_coef) if clip_coef != 1.0 else None
         for lo, hi, wd in ((0, split, c.weight_decay), (split, buf.layout.numel, 0.0)):
             if hi <= lo:
                 continue
-            step = _chunked if buf.split or buf.grad.dtype != torch.float32 else _fused
-            step(buf, lo, hi, s, dict(lr=lr, beta1=c.betas[0], beta2=c.betas[1], weight_decay=wd,
-                                      eps=c.eps, amsgrad=False, maximize=False, grad_scale=scale,
-                                      found_inf=None))
+            kw = dict(lr=lr, beta1=c.betas[0], beta2=c.betas[1], weight_decay=wd, eps=c.eps,
+                      amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
+            if not buf.split and buf.grad.dtype == torch.float32:
+                _fused(buf, lo, hi, s, kw)
+                continue
+            # chunk edges stay SPLIT_CHUNK multiples from ``lo``: the same chunks as one thread
+            run_split(lambda a, b, lo=lo, kw=kw: _chunked(buf, lo + a, lo + b, s, kw), hi - lo,
+                      self.num_threads or torch.get_num_threads(), 4 * SPLIT_CHUNK,
+                      align=SPLIT_CHUNK)
 
 
 def _fused(buf: UnitBuffers, lo: int, hi: int, s: dict[str, torch.Tensor], kw: dict) -> None:

@@ -33,7 +33,7 @@ from torch.optim.adamw import adamw as _torch_adamw
 from ..store import UnitBuffers
 from . import quant
 from ._kernel import FlatStep, StepScalars, fused_step, fused_steps
-from .adamw import SPLIT_CHUNK, AdamWConfig, chunk_buffer
+from .adamw import AdamWConfig
 from .clip import clip_or_skip
 
 Q8_KEYS = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales")
@@ -207,26 +207,12 @@ class HostAdamW8bit:
         c, s = self.config, buf.state
         k = StepScalars.of(lr, c.betas[0], c.betas[1], c.eps, c.weight_decay,
                            self.steps.advance(s["step"]), grad_mul=clip_coef)
-        # a split master is stepped as its two halves (bit-identical to the fp32 master)
+        # a split master is stepped as its two halves (bit-identical to the fp32 master); a
+        # bf16 gradient (one micro-batch per step) is widened inside the kernel, exactly
         p = buf.compute if buf.split else buf.master
-        if buf.grad.dtype == torch.float32:
-            fused_step(p, buf.grad, s["exp_avg_codes"], s["exp_avg_scales"],
-                       s["exp_avg_sq_codes"], s["exp_avg_sq_scales"], self.block_size,
-                       buf.layout.decay_numel, k, self.num_threads, p_lo=buf.remainder)
-            return
-        # a bf16 gradient (one micro-batch per step), widened a chunk of whole blocks at a time
-        # into scratch (exactly); the update is element- and block-wise, so chunks change nothing
-        n, bs = buf.layout.numel, self.block_size
-        chunk = max(bs, SPLIT_CHUNK // bs * bs)
-        scratch = chunk_buffer(1)
-        for a in range(0, n, chunk):
-            b = min(a + chunk, n)
-            g = scratch[:b - a].copy_(buf.grad[a:b])
-            sa, sb = a // bs, -(-b // bs)
-            fused_step(p[a:b], g, s["exp_avg_codes"][a:b], s["exp_avg_scales"][sa:sb],
-                       s["exp_avg_sq_codes"][a:b], s["exp_avg_sq_scales"][sa:sb], bs,
-                       buf.layout.decay_numel - a, k, self.num_threads,
-                       p_lo=None if buf.remainder is None else buf.remainder[a:b])
+        fused_step(p, buf.grad, s["exp_avg_codes"], s["exp_avg_scales"], s["exp_avg_sq_codes"],
+                   s["exp_avg_sq_scales"], self.block_size, buf.layout.decay_numel, k,
+                   self.num_threads, p_lo=buf.remainder)
 
     def to_fp32_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The unit's state as ``HostAdamW`` keeps it (flat fp32 ``exp_avg``, ``exp_avg_sq``)."""

@@ -26,11 +26,9 @@ numba's ``parallel=True`` layers abort when entered from several Python threads 
 
 from __future__ import annotations
 
-import itertools
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
+
+from ..util.threads import run_split
 
 try:  # numba is optional: the torch path computes the same values
     import numba as _nb
@@ -82,18 +80,6 @@ if _nb is not None:
             d[j] = s[j]
 
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _get_pool(workers: int) -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool._max_workers < workers:
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grad-accum")
-        return _pool
-
-
 def numba_available() -> bool:
     return _nb is not None
 
@@ -135,28 +121,7 @@ def accumulate(dst: torch.Tensor, src: torch.Tensor, first: bool = False, thread
     else:
         s = src.detach().view(-1).numpy()
         fn = _copy_f32 if first else _add_f32
-    _run_split(fn, d, s, n, threads)
-
-
-def _run_split(fn, d, s, n: int, threads: int) -> None:
-    tasks = max(1, min(threads, n // _MIN_PER_TASK))
-    if tasks == 1:
-        fn(d, s, 0, n)
-        return
-    chunks = tasks * _CHUNKS_PER_THREAD
-    edges = [n * i // chunks for i in range(chunks + 1)]
-    counter = itertools.count()  # next() is atomic under the GIL
-
-    def work() -> None:
-        while (i := next(counter)) < chunks:
-            fn(d, s, edges[i], edges[i + 1])
-
-    futures = [_get_pool(tasks - 1).submit(work) for _ in range(tasks - 1)]
-    try:
-        work()
-    finally:  # never return (and let the caller reuse a buffer) while a worker still reads it
-        for fut in futures:
-            fut.result()
+    run_split(lambda lo, hi: fn(d, s, lo, hi), n, threads, _MIN_PER_TASK, _CHUNKS_PER_THREAD)
 
 
 def _accumulate_torch(dst: torch.Tensor, src: torch.Tensor, first: bool) -> None:
