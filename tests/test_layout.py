@@ -48,3 +48,32 @@ def test_import_contracts_hold():
     exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
     out = subprocess.run([exe], cwd=SRC.parents[1], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:]
+
+
+TORCH_DISTRIBUTED_IMPORTERS = {
+    "ckpt/collective.py", "engine/calibrate.py", "engine/calibrate_host.py",
+    "interop/hooks/fsdp2_loop.py", "interop/hooks/zero_partitions.py",
+    "interop/torchdist/dcp_checkpoint.py", "train/dist/context.py", "train/dist/reducer.py",
+    "train/interrupt.py",
+}
+"""The modules docs/architecture.md names as the only ones importing ``torch.distributed``."""
+
+
+def _imports_torch_distributed(source: str) -> bool:
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import) and any(a.name.startswith("torch.distributed") for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module and (
+                node.module.startswith("torch.distributed")
+                or (node.module == "torch" and any(a.name == "distributed" for a in node.names))):
+            return True
+    return False
+
+
+def test_torch_distributed_is_imported_only_where_the_architecture_doc_says():
+    """docs/architecture.md's list is this set; a new importer must be added to both. Mutation
+    seen failing: ``import torch.distributed`` added to ``engine/executor.py``."""
+    found = {str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if _imports_torch_distributed(p.read_text())}
+    assert found == TORCH_DISTRIBUTED_IMPORTERS
+    doc = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    assert all(f"`{m}`" in doc for m in TORCH_DISTRIBUTED_IMPORTERS)

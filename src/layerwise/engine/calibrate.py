@@ -262,8 +262,9 @@ def measure_host(device: str, numel: int, repeats: int, clock: Clock = time.perf
     threads = plan_host_threads(torch.device(device).type, optimizer_threads)
     bf16, fp32 = on_host_worker(threads, lambda: measure_accumulation(numel, repeats, threads.landing, clock))
     intra = threads.optimizer_intra
-    opt = on_host_worker(threads, lambda: measure_optimizer(numel, repeats, clock), intra)
-    opt8 = on_host_worker(threads, lambda: measure_optimizer_8bit(numel, repeats, clock), intra)
+    split = torch.device(device).type == "cuda"  # bf16 compute: the split master, bf16 grads
+    opt = on_host_worker(threads, lambda: measure_optimizer(numel, repeats, clock, split), intra)
+    opt8 = on_host_worker(threads, lambda: measure_optimizer_8bit(numel, repeats, clock, split), intra)
     pinned = on_host_worker(threads, lambda: measure_pinned_copy_gbps(device, numel, repeats, clock), intra)
     reduce = None
     if gloo or (dist.is_available() and dist.is_initialized()):

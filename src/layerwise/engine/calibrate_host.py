@@ -5,7 +5,8 @@ threads and CPUs the engine gives it (``host_threads``), at the run's unit size.
   backend) gradient into an fp32 one, split over the landing threads, on a thread pinned as the
   landing thread is;
 - the optimizer: ``HostAdamW`` / ``HostAdamW8bit.step_unit`` per parameter, at the optimizer's
-  intra-op thread count, on a pinned worker thread;
+  intra-op thread count, on a pinned worker thread, in the form the run keeps a unit (on a GPU:
+  the split master and a bf16 gradient; on the CPU: fp32 master and gradient);
 - copies into pinned memory: the compute copy's refresh after an update (``copy_`` of the fp32
   master into a bf16 buffer, page-locked on CUDA), on the optimizer's threads. The D2H landing
   into the pinned ring is a DMA (``d2h_gbps``), not a host copy;
@@ -34,6 +35,7 @@ from ..optim.adamw import AdamWConfig, HostAdamW
 from ..optim.adamw8bit import HostAdamW8bit
 from ..optim.grad_accum import accumulate
 from ..plan.hardware import GB
+from ..split_master import split_
 from ..store import FlatLayout, UnitBuffers
 from .host_threads import HostThreads
 
@@ -123,25 +125,35 @@ def measure_accumulation(numel: int, repeats: int, threads: int = 1,
     return out[0], out[1]
 
 
-def _probe_unit(numel: int) -> UnitBuffers:
+def _probe_unit(numel: int, split: bool = False) -> UnitBuffers:
+    """A unit of about ``numel`` parameters in the form the engine keeps them: on a bf16 device
+    (``split``) the master split into its bf16 copy source and remainder with a bf16 gradient
+    (one landing per step, the default); else a plain fp32 master with an fp32 gradient."""
     unit = Unit("probe", "layer", 0, (ParamSpec("w", "w", (numel // 1024, 1024)),))
     n = (numel // 1024) * 1024
-    return UnitBuffers(unit, FlatLayout.of(unit), torch.zeros(n), torch.randn(n))
+    w, g = torch.randn(n) * 0.02, torch.randn(n) * 1e-3
+    if not split:
+        return UnitBuffers(unit, FlatLayout.of(unit), w, g)
+    hi, lo = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.int16)
+    split_(w, hi, lo)
+    return UnitBuffers(unit, FlatLayout.of(unit), None, g.to(torch.bfloat16), compute=hi, remainder=lo)
 
 
-def measure_optimizer(numel: int, repeats: int, clock: Clock = time.perf_counter) -> float:
+def measure_optimizer(numel: int, repeats: int, clock: Clock = time.perf_counter,
+                      split: bool = False) -> float:
     """Params/s of the host AdamW step with fp32 moments (``HostAdamW.step_unit``), as the engine
-    updates a unit (the caller sets the threads)."""
-    buf = _probe_unit(numel)
+    updates a unit, in the unit's form (``_probe_unit``; the caller sets the threads)."""
+    buf = _probe_unit(numel, split)
     opt = HostAdamW(AdamWConfig())
     opt.init_state(buf)
     t = best_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats, clock=clock)
     return buf.layout.numel / t
 
 
-def measure_optimizer_8bit(numel: int, repeats: int, clock: Clock = time.perf_counter) -> float:
-    """Params/s of the project's block-wise 8-bit AdamW step."""
-    buf = _probe_unit(numel)
+def measure_optimizer_8bit(numel: int, repeats: int, clock: Clock = time.perf_counter,
+                           split: bool = False) -> float:
+    """Params/s of the project's block-wise 8-bit AdamW step, in the unit's form."""
+    buf = _probe_unit(numel, split)
     opt = HostAdamW8bit(AdamWConfig())
     opt.init_state(buf)
     t = best_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats, clock=clock)
