@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -460,3 +461,23 @@ def test_sigint_saves_says_how_to_resume_and_the_resume_is_exact(tmp_path):
     assert [r["step"] for r in _rows(cut)] == list(range(1, 41))
     a, b = _weights(tmp_path / "straight"), _weights(cut)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_same_command_after_a_kill_before_the_first_checkpoint_starts_the_run_again(tmp_path, capsys):
+    """Friction: a run SIGKILLed before its first checkpoint commit made the same command refuse
+    ("holds a run … that left no checkpoint to continue from") — 2 of 9 restarts in a soak.
+    With nothing to lose and the same settings in ``run.json``, the same command starts it
+    again and says so; a command with other settings into that out_dir is still refused.
+
+    Mutation seen failing: ``_same_settings`` always False (the same command refused again)."""
+    out = tmp_path / "run"
+    argv = ["train", f"out_dir={out}", "steps=2", *TINY]
+    assert main(argv) == 0
+    shutil.rmtree(out / "ckpt")  # as a kill before the first commit leaves it: run.json, no steps
+    (out / "ckpt").mkdir()
+    capsys.readouterr()
+    assert main(["train", f"out_dir={out}", "steps=2", "optimizer.lr=1e-4", *TINY]) == 2
+    assert "left no checkpoint to continue from, with other settings" in capsys.readouterr().err
+    assert main(argv) == 0
+    assert "stopped before its first checkpoint: nothing to lose, starting it again" in capsys.readouterr().out
+    assert RunDir.open(out / "ckpt").committed_steps() == [2]

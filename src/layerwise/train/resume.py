@@ -5,7 +5,8 @@ checkpoint; decided before the model is built, each choice said in one line.
 |---|---|---|---|
 | nothing | fresh | error | fresh |
 | a run of this model with a checkpoint | continue it | continue it | error |
-| a run without a checkpoint, or of another model | error | error | error |
+| a run without a checkpoint, same settings (killed before its first save) | start it again | error | error |
+| a run without a checkpoint and other settings, or of another model | error | error | error |
 
 Every error says the way out: ``overwrite=true`` (the run's files are removed first), another
 ``out_dir``, or the right ``resume``. ``resume_from_checkpoint=PATH`` starts a new run from a
@@ -16,14 +17,16 @@ finished has nothing to do and says so.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import config as config_lib
 from ..ckpt import CheckpointError, LoadResult, RunDir
 from .config import TrainConfig
-from .outdir import holds_run, read_run_json
+from .outdir import PER_INVOCATION_KEYS, holds_run, read_run_json, saved_config
 
 
 @dataclass
@@ -85,6 +88,14 @@ def _saved_model(info: dict | None) -> str | None:
     return model.get("name") if isinstance(model, dict) else info.get("model")
 
 
+def _same_settings(cfg: TrainConfig, out_dir: Path) -> bool:
+    """Whether the run in ``out_dir`` was started with ``cfg``'s settings (``run.json``'s,
+    per-invocation keys aside, compared as JSON)."""
+    saved = saved_config(out_dir)
+    mine = {k: v for k, v in config_lib.to_dict(cfg).items() if k not in PER_INVOCATION_KEYS}
+    return saved is not None and saved == json.loads(json.dumps(mine))
+
+
 def resume_command(out_dir: Path) -> str:
     return f"layerwise train out_dir={shlex.quote(str(out_dir))}"
 
@@ -132,9 +143,13 @@ def decide_start(cfg: TrainConfig, out_dir: Path) -> Start:
         if cfg.resume == "true":
             raise ValueError(f"resume=true, but {out_dir / 'ckpt'} holds no checkpoint; "
                              "resume=auto (the default) starts afresh when there is none")
+        if files and _same_settings(cfg, out_dir):
+            return Start(note=f"{out_dir} holds a run with these settings that stopped before its "
+                              "first checkpoint: nothing to lose, starting it again", clear=files)
         if files:
-            raise ValueError(f"{what} that left no checkpoint to continue from; overwrite=true "
-                             "starts it again, or pick another out_dir")
+            raise ValueError(f"{what} that left no checkpoint to continue from, with other "
+                             "settings than this command's; overwrite=true starts it again with "
+                             "this command's, or pick another out_dir")
         return Start()
     theirs = _saved_model(info)
     if not _same_model(theirs, cfg.model.name):
