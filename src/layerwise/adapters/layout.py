@@ -112,15 +112,6 @@ class LoraLayout:
         raw = flat.view(torch.uint8)
         return {e.local: e.view(raw) for e in self.frozen}
 
-    @property
-    def frozen_nbytes(self) -> int:
-        """Bytes of the frozen base in the copy source (entries, without alignment padding)."""
-        return sum(e.nbytes for e in self.frozen)
-
-    @property
-    def frozen_numel(self) -> int:
-        return sum(e.numel for e in self.frozen)
-
 
 @dataclass(frozen=True)
 class _TrainableUnit:

@@ -191,9 +191,3 @@ class LoraAdapter:
     def template(self, index: int) -> nn.Module:
         """Layer ``index``'s template (meta device), e.g. to read a ``StreamedLinear``'s format."""
         return self._templates[index]
-
-
-def linear_modules(adapter: LoraAdapter, index: int) -> dict[str, StreamedLinear]:
-    """Layer ``index``'s base linears by local module name."""
-    return {n: m for n, m in adapter.template(index).named_modules() if isinstance(m, StreamedLinear)}
-

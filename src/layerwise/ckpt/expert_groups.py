@@ -98,11 +98,6 @@ class ExpertGroupsProvider:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    @property
-    def split_layers(self) -> dict[str, list[str]]:
-        """Layer group -> its expert groups, for the layers that have experts."""
-        return self._parts
-
     def expert_slices(self, group: str) -> ExpertSlices | None:
         """Where an expert group's tensors lie in the fused ones; None for any other group."""
         return self._slices.get(group)

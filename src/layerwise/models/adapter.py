@@ -186,19 +186,8 @@ class DecoderAdapter:
         """Every HF state-dict key that carries a distinct tensor (tied head excluded)."""
         return [p.hf_name for u in self.units for p in u.params]
 
-    def hf_to_unit(self) -> dict[str, tuple[str, str]]:
-        """HF key -> (unit name, local name)."""
-        out = {p.hf_name: (u.name, p.local) for u in self.units for p in u.params}
-        if self.tied:
-            out["lm_head.weight"] = (EMBED, "weight")
-        return out
-
     def num_params(self) -> int:
         return sum(u.numel for u in self.units)
-
-    def boundary_numel(self, micro_batch_size: int, seq_len: int) -> int:
-        """Elements of one activation at a layer boundary (``[batch, seq, hidden]``)."""
-        return micro_batch_size * seq_len * self.hidden_size
 
     def new_rotary(self, device: torch.device | str) -> nn.Module | None:
         """A real (non-meta) rotary-embedding module; it has buffers but no parameters (None:

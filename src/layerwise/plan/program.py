@@ -241,9 +241,6 @@ class WeightWindow:
         self._slot_of: dict[str, int] = {}
         self._free = list(range(self.num_slots))
 
-    def next_use(self) -> str | None:
-        return self._ahead[0] if self._ahead else None
-
     def fill(self, ready: Callable[[str], bool] | None = None) -> list[tuple[str, int]]:
         """Pull uses into the window until ``depth`` are prefetched, a use needs a slot and none
         is free, or (``ready``) a unit to copy is not ready; returns the copies to start now
