@@ -325,30 +325,26 @@ if _nb is not None:
             sm = _nb.carray(_f32_at(tab[i, 3]), nbk)
             qv = _nb.carray(_u8_at(tab[i, 4]), n)
             sv = _nb.carray(_f32_at(tab[i, 5]), nbk)
-            b_lo, b_hi, dec = lo - first, hi - first, tab[i, 7]
+            b_lo, b_hi, dec, sc = lo - first, hi - first, tab[i, 7], scal[i]
             if tab[i, 11] != 0:
-                gh = _nb.carray(_u16_at(tab[i, 1]), n)
-                if tab[i, 10] != 0:
-                    ph = _nb.carray(_i16_at(tab[i, 0]), n)
-                    pl = _nb.carray(_i16_at(tab[i, 10]), n)
-                    _blocks(ph, pl, gh, qm, sm, qv, sv, b_lo, b_hi, block, n, dec, scal[i], True,
-                            buf_m, buf_r, buf_q)
-                else:
-                    p = _nb.carray(_f32_at(tab[i, 0]), n)
-                    _blocks(p, p, gh, qm, sm, qv, sv, b_lo, b_hi, block, n, dec, scal[i], False,
-                            buf_m, buf_r, buf_q)
-                continue
-            g = _nb.carray(_f32_at(tab[i, 1]), n)
-            if tab[i, 10] != 0:
-                ph = _nb.carray(_i16_at(tab[i, 0]), n)
-                pl = _nb.carray(_i16_at(tab[i, 10]), n)
-                _blocks(ph, pl, g, qm, sm, qv, sv, b_lo, b_hi, block, n, dec, scal[i], True,
-                        buf_m, buf_r, buf_q)
+                _run_row(tab[i, 0], tab[i, 10], _nb.carray(_u16_at(tab[i, 1]), n), qm, sm, qv, sv,
+                         b_lo, b_hi, block, n, dec, sc, buf_m, buf_r, buf_q)
             else:
-                p = _nb.carray(_f32_at(tab[i, 0]), n)
-                _blocks(p, p, g, qm, sm, qv, sv, b_lo, b_hi, block, n, dec, scal[i], False,
-                        buf_m, buf_r, buf_q)
+                _run_row(tab[i, 0], tab[i, 10], _nb.carray(_f32_at(tab[i, 1]), n), qm, sm, qv, sv,
+                         b_lo, b_hi, block, n, dec, sc, buf_m, buf_r, buf_q)
 
+    @_nb.njit(inline="always", **_jit)
+    def _run_row(p_addr, lo_addr, g, qm, sm, qv, sv, b_lo, b_hi, block, n, dec, sc,
+                 buf_m, buf_r, buf_q):  # pragma: no cover - compiled
+        # one row's blocks, its parameter plain fp32 or split (a remainder address), for a
+        # gradient of either dtype (compiled once per dtype)
+        if lo_addr != 0:
+            _blocks(_nb.carray(_i16_at(p_addr), n), _nb.carray(_i16_at(lo_addr), n), g, qm, sm,
+                    qv, sv, b_lo, b_hi, block, n, dec, sc, True, buf_m, buf_r, buf_q)
+        else:
+            p = _nb.carray(_f32_at(p_addr), n)
+            _blocks(p, p, g, qm, sm, qv, sv, b_lo, b_hi, block, n, dec, sc, False,
+                    buf_m, buf_r, buf_q)
 
 _MIN_BLOCKS_PER_TASK = 64
 """Blocks a thread takes at least (64 blocks of 256: 16k elements, some 25 µs of work)."""

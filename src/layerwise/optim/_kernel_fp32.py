@@ -34,36 +34,37 @@ _MIN_PER_TASK = 1 << 16
 if _nb is not None:
     _jit = dict(nogil=True, cache=True, error_model="numpy", boundscheck=False)
 
+    @_nb.njit(inline="always", **_jit)
+    def _moments(g, m, v, j, b1, c1, b2, c2, gm):  # pragma: no cover - compiled
+        gi = as_f32(g[j]) * gm
+        mj = b1 * m[j] + c1 * gi
+        vj = b2 * v[j] + c2 * (gi * gi)
+        m[j] = mj
+        v[j] = vj
+        return mj, vj
+
     # Each loop runs over slices from 0: with ``range(lo, hi)`` numba keeps its negative-index
     # wrap-around check, and LLVM then leaves the loop scalar (3x slower).
     @_nb.njit(**_jit)
     def _step_plain(p, g, m, v, lo, hi, decay_end, sc):  # pragma: no cover - compiled
         b1, c1, b2, c2, gm, dm, ss, ib, eps = sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], \
             sc[7], sc[8]
-        one = _np.float32(1.0)
-        for a, b, d in ((lo, min(hi, max(lo, decay_end)), dm), (max(lo, decay_end), hi, one)):
+        for a, b, d in ((lo, min(hi, max(lo, decay_end)), dm),
+                        (max(lo, decay_end), hi, _np.float32(1.0))):
             pp, gg, mm, vv = p[a:b], g[a:b], m[a:b], v[a:b]
             for j in range(b - a):
-                gi = as_f32(gg[j]) * gm
-                mj = b1 * mm[j] + c1 * gi
-                vj = b2 * vv[j] + c2 * (gi * gi)
-                mm[j] = mj
-                vv[j] = vj
+                mj, vj = _moments(gg, mm, vv, j, b1, c1, b2, c2, gm)
                 pp[j] = pp[j] * d - ss * (mj / (_np.sqrt(vj) * ib + eps))
 
     @_nb.njit(**_jit)
     def _step_split(hi_, lo_, g, m, v, lo, hi, decay_end, sc):  # pragma: no cover - compiled
         b1, c1, b2, c2, gm, dm, ss, ib, eps = sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], \
             sc[7], sc[8]
-        one = _np.float32(1.0)
-        for a, b, d in ((lo, min(hi, max(lo, decay_end)), dm), (max(lo, decay_end), hi, one)):
+        for a, b, d in ((lo, min(hi, max(lo, decay_end)), dm),
+                        (max(lo, decay_end), hi, _np.float32(1.0))):
             hh, ll, gg, mm, vv = hi_[a:b], lo_[a:b], g[a:b], m[a:b], v[a:b]
             for j in range(b - a):
-                gi = as_f32(gg[j]) * gm
-                mj = b1 * mm[j] + c1 * gi
-                vj = b2 * vv[j] + c2 * (gi * gi)
-                mm[j] = mj
-                vv[j] = vj
+                mj, vj = _moments(gg, mm, vv, j, b1, c1, b2, c2, gm)
                 x = join_bits(hh[j], ll[j])
                 h, r = split_bits(x * d - ss * (mj / (_np.sqrt(vj) * ib + eps)))
                 hh[j] = _np.int16(h)
