@@ -13,10 +13,11 @@ A layer runs as HF's own decoder-layer module, called as HF's model forward call
 through ``torch.func.functional_call`` on a meta-device template: a pure function of the
 parameters given, so the engine runs any layer on views of a flat device buffer without a
 module per layer. One template serves every layer of the same structure (layer type,
-parameter shapes, module classes): dense and MoE layers, full, sliding and linear attention
-each get their own. What the model forward does around the layers (embedding scale, final
-norm, logit soft-cap) is the family table's data (``families.py``), applied by :meth:`embed`
-and :meth:`head_logits`; masks and positions of packed rows are ``attention.py``'s, the MoE
+parameter shapes, module classes and their plain attributes): dense and MoE layers, full,
+sliding and linear attention each get their own. The head is the causal LM's own forward with
+its base model replaced by the final norm (soft caps and logit scales are the family's code);
+the embedding scale is read off the embedding module (or the config's
+``embedding_multiplier``); masks and positions of packed rows are ``attention.py``'s, the MoE
 aux loss ``moe.py``'s, the per-layer sizes and FLOPs ``structure.py``'s.
 """
 
