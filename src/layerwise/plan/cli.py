@@ -34,9 +34,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", type=int, default=None, help="data parallel: GPUs per node; also print the predicted "
                                                           "step, tokens/s and speedup vs 1 GPU at 1, 2, 4, ... GPUs")
     p.add_argument("--nodes", type=int, default=1, help="data parallel: nodes (with --gpus)")
-    p.add_argument("--grad-reduce", choices=GRAD_REDUCE, default="host",
-                   help="where gradients are summed in the prediction: 'host' (what `layerwise train` runs) or "
-                        "'device' (reduced on the GPUs before the copy), see docs/design-notes.md")
+    p.add_argument("--grad-reduce", choices=GRAD_REDUCE, default="device",
+                   help="where gradients are summed in the prediction: 'device' (reduced on the GPUs "
+                        "before the copy: what `layerwise train` runs by default, dist.grad_reduce) "
+                        "or 'host', see docs/design-notes.md")
     p.add_argument("--gpu-mem", type=float, default=None, help="override device memory, GB")
     p.add_argument("--host-mem", type=float, default=None, help="override host memory, GB")
     p.add_argument("--prefetch-depth", type=int, default=None,
