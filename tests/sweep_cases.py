@@ -35,6 +35,7 @@ _SIZES = {
     "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
     "v_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
     "linear_key_head_dim": 8, "linear_value_head_dim": 8, "sliding_window": 6,
+    "attention_chunk_size": 4,
 }
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .families import LINEAR_ATTENTION, SLIDING_ATTENTION
+from .families import CHUNKED_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION
 
 
 @dataclass(frozen=True)
@@ -84,17 +84,20 @@ def attention_masks(layer_types: list[str], windows: tuple[int | None, ...], lay
     out: dict[str, torch.Tensor | None] = {}
     for kind, window in sorted({(t, w) for t, w in zip(layer_types, windows) if t != LINEAR_ATTENTION},
                                key=lambda tw: tw[0]):
-        if kind == SLIDING_ATTENTION and (window is None or window >= s):
-            window = None  # the window covers the whole row: plain causal
+        if kind in (SLIDING_ATTENTION, CHUNKED_ATTENTION) and (window is None or window >= s):
+            window = None  # the window (or chunk) covers the whole row: plain causal
         if seg is None and window is None and implementation == "sdpa":
             out[kind] = None  # SDPA's is_causal path
             continue
         q = torch.arange(s, device=device)[:, None]
         k = torch.arange(s, device=device)[None, :]
         allowed = k <= q
-        if window is not None:
+        if window is not None and kind == SLIDING_ATTENTION:
             allowed = allowed & (q - k < window)
         allowed = allowed[None, None]
+        if window is not None and kind == CHUNKED_ATTENTION:  # chunks of each example's positions
+            chunk = layout.positions.to(device, non_blocking=True) // window
+            allowed = allowed & (chunk[:, None, :, None] == chunk[:, None, None, :])
         if seg is not None:
             allowed = allowed & (seg[:, None, :, None] == seg[:, None, None, :])
         if implementation == "eager":

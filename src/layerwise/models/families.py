@@ -35,7 +35,9 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LINEAR_ATTENTION = "linear_attention"
 """A recurrent token mixer (gated delta net): no mask; a packed row runs example by example."""
-ATTENTION_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION)
+CHUNKED_ATTENTION = "chunked_attention"
+"""Causal attention within chunks of ``attention_chunk_size`` positions (Llama 4)."""
+ATTENTION_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION, CHUNKED_ATTENTION)
 
 
 @dataclass(frozen=True)
@@ -205,9 +207,11 @@ def layer_attention_types(config: PretrainedConfig | Any) -> list[str]:
 
 
 def layer_windows(config: PretrainedConfig | Any) -> tuple[int | None, ...]:
-    """The attention window of every layer (None = full causal, or no attention scores)."""
-    window = getattr(config, "sliding_window", None)
-    return tuple(window if t == SLIDING_ATTENTION else None for t in layer_attention_types(config))
+    """The attention window of every layer: a sliding layer's ``sliding_window``, a chunked
+    layer's ``attention_chunk_size`` (None = full causal, or no attention scores)."""
+    size = {SLIDING_ATTENTION: getattr(config, "sliding_window", None),
+            CHUNKED_ATTENTION: getattr(config, "attention_chunk_size", None)}
+    return tuple(size.get(t) for t in layer_attention_types(config))
 
 
 def has_qkv_bias(config: PretrainedConfig | Any) -> bool:
