@@ -34,7 +34,7 @@ def test_a_hub_layout_dir_trains_and_exports_back_name_for_name(flavor, tmp_path
         assert any(".experts.0." in k for k in want), sorted(want)[:8]
 
     adapter, store = load_store(hub)
-    assert {n: t for n, t in store.state_dict().items()}.keys() == model.state_dict().keys()
+    assert store.state_dict().keys() == model.state_dict().keys()
     for name, t in model.state_dict().items():
         assert torch.equal(store.state_dict()[name], t), name  # a copy: bit for bit
     batch = make_batch(cfg.vocab_size)

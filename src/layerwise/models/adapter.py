@@ -401,7 +401,7 @@ def embedding_scale(inner: nn.Module, config: PretrainedConfig) -> tuple[float, 
     its buffer is empty on the meta device, its scalar copy is not) or the config's
     ``embedding_multiplier`` (Granite, a Python float). None: no scale."""
     scale = getattr(inner.embed_tokens, "scalar_embed_scale", None)
-    if scale is not None:
-        return float(scale), True
-    scale = getattr(config, "embedding_multiplier", None)
-    return None if scale is None or float(scale) == 1.0 else (float(scale), False)
+    cast = scale is not None
+    if not cast:
+        scale = getattr(config, "embedding_multiplier", None)
+    return None if scale is None or float(scale) == 1.0 else (float(scale), cast)

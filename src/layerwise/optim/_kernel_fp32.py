@@ -71,10 +71,6 @@ if _nb is not None:
                 ll[j] = _np.int16(r)
 
 
-def available() -> bool:
-    return _nb is not None
-
-
 def takes(master: torch.Tensor, grad: torch.Tensor, remainder: torch.Tensor | None) -> bool:
     """Whether the kernel can step these CPU tensors (else the caller's torch path does)."""
     ok_p = (master.dtype == torch.float32 if remainder is None else

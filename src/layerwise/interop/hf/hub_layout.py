@@ -79,7 +79,3 @@ class HubLayout:
     def to_hub(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``tensors`` (in-memory names) in the layout ``save_pretrained`` writes."""
         return revert_weight_conversion(self.model, dict(tensors))
-
-    def hub_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Name → shape of every tensor ``save_pretrained`` writes for this model (meta, no memory)."""
-        return {n: tuple(t.shape) for n, t in self.to_hub(self._model_keys).items()}
