@@ -88,7 +88,7 @@ def engine_grads(store) -> dict[str, torch.Tensor]:
         for p in buf.unit.params:
             out[p.hf_name] = views[p.local]
     if store.adapter.tied:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+        out[store.adapter.head_weight_name] = out[store.adapter.units[0].params[0].hf_name]
     return out
 
 

@@ -35,7 +35,7 @@ _SIZES = {
     "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
     "v_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
     "linear_key_head_dim": 8, "linear_value_head_dim": 8, "sliding_window": 6,
-    "attention_chunk_size": 4,
+    "attention_chunk_size": 4, "word_embed_proj_dim": HIDDEN,
 }
 
 
@@ -76,6 +76,7 @@ def build(model_type: str):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             cfg = tiny_config(model_type)
+            type(cfg).from_dict(json.loads(cfg.to_json_string()))  # what from_pretrained reads
             with torch.device("meta"):
                 numel = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
             if numel > MAX_PARAMS:

@@ -392,7 +392,7 @@ class HostStore:
         decoded copies of split ones (the whole model in fp32: for tests and small models)."""
         sd = dict(self.iter_hf_tensors())
         if self.adapter.tied:
-            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+            sd[self.adapter.head_weight_name] = sd[self.adapter.units[0].params[0].hf_name]
         return sd
 
     def refresh_compute(self) -> None:

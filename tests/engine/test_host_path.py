@@ -119,9 +119,9 @@ def test_updates_overlap_the_next_forward_and_each_unit_waits_for_its_own():
     first_run: dict[str, float] = {}  # unit -> when its op first ran on the compute lane
     embed, layer = adapter.embed, adapter.layer
 
-    def timed_embed(params, ids):
+    def timed_embed(params, ids, *args):
         first_run.setdefault(EMBED, time.perf_counter())
-        return embed(params, ids)
+        return embed(params, ids, *args)
 
     def timed_layer(i, *args):
         first_run.setdefault(f"layers.{i}", time.perf_counter())

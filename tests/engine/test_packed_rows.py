@@ -4,11 +4,14 @@ state that starts afresh), and no example's output depends on another example of
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from family_cases import assert_grads_close, engine_run, hf_case, hf_reference
 from layerwise.engine import StreamingEngine
 from layerwise.engine.batch import IGNORE_INDEX, Batch
+from layerwise.models import DecoderAdapter
 from layerwise.models.attention import row_layout
+from sweep_cases import build, tiny_config
 from layerwise.plan import Plan
 from layerwise.store import HostStore
 
@@ -75,7 +78,27 @@ PACKED_CASES = {
     "gemma2-debug": (Plan.recompute_all, "cpu"),  # eager, soft-capped, sliding window
     "gpt-oss-debug": (_every_2, "cpu-async"),  # sinks, sliding layers, MoE with aux loss
     "qwen3-next-debug": (Plan.recompute_all, "cpu"),  # linear attention run example by example
+    # families outside the table, as the sweep builds them (``tests/sweep_cases.py``)
+    "gpt2": (_every_2, "cpu"),  # learned positions: the traced embedding, per-example positions
+    "mamba": (Plan.recompute_all, "cpu"),  # a causal convolution and a scan, no attention mask
+    "lfm2": (_every_2, "cpu"),  # conv layers (a layer type of its own) beside attention layers
 }
+
+
+def _case(flavor: str):
+    """(config, HF model, adapter): a named flavor, or a sweep type's tiny model (LFM2's with a
+    conv layer first: the generic rule leaves it attention only)."""
+    if flavor == "lfm2":
+        cfg = tiny_config("lfm2")
+        cfg.layer_types = ["conv", "full_attention"]
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+        return cfg, model, DecoderAdapter(cfg)
+    if flavor in ("gpt2", "mamba"):
+        cfg, model = build(flavor)
+        assert cfg is not None, model
+        return cfg, model, DecoderAdapter(cfg)
+    return hf_case(flavor)
 
 
 @pytest.mark.parametrize("flavor", list(PACKED_CASES))
@@ -84,8 +107,10 @@ def test_packed_batch_equals_its_examples_one_per_row(flavor, tmp_path):
     examples one per row (right-padded, masked), the MoE aux loss over the same real tokens.
     Mutations seen failing: positions not reset (``row_layout``: phi3's LongRoPE switches to its
     long factors); the segment term dropped from the mask (``attention_masks``: every attention
-    family); the linear-attention layer run over the whole row (qwen3-next)."""
-    cfg, model, adapter = hf_case(flavor)
+    family); the linear-attention layer run over the whole row (qwen3-next); the traced embedding
+    given no positions (gpt2: every example after a row's first embedded at its row position); a
+    layer with a causal convolution not run example by example (lfm2's conv layer)."""
+    cfg, model, adapter = _case(flavor)
     examples = _examples(cfg.vocab_size)
     ref_loss, ref_grads = hf_reference(model, cfg, [one_per_row(examples)])
     make_plan, device = PACKED_CASES[flavor]
@@ -95,7 +120,7 @@ def test_packed_batch_equals_its_examples_one_per_row(flavor, tmp_path):
     assert_grads_close(grads, ref_grads)
 
 
-@pytest.mark.parametrize("flavor", ["llama-debug", "gemma2-debug", "qwen3-next-debug"])
+@pytest.mark.parametrize("flavor", ["llama-debug", "gemma2-debug", "qwen3-next-debug", "gpt2", "lfm2"])
 def test_no_example_sees_another_in_its_row(flavor):
     """Changing the first example of a row changes its own logits and nothing of the examples
     after it (and padding changes nothing). Mutations seen failing: the segment term dropped from
@@ -104,7 +129,7 @@ def test_no_example_sees_another_in_its_row(flavor):
     Not bit for bit: changing the first example changes how many tokens each MoE expert gets,
     and a GEMM over another row count rounds differently on some CPUs (1.5e-8 at logit scale
     0.4 seen on an AMD EPYC). A leak moves those logits by ~1e-1, so 1e-5 tells the two apart."""
-    cfg, model, adapter = hf_case(flavor)
+    cfg, model, adapter = _case(flavor)
     batch = packed_batch(_examples(cfg.vocab_size))
     other = batch.input_ids.clone()
     other[0, :5] = (other[0, :5] + 7) % (cfg.vocab_size - 3) + 3

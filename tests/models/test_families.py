@@ -5,7 +5,7 @@ every-2, recompute-all and kept internals, and the export loads with ``from_pret
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, Gemma3Config
+from transformers import AutoModelForCausalLM, RobertaConfig, Gemma3Config
 
 from family_cases import (QUIRKY, assert_grads_close, engine_run, hf_case, hf_reference, make_batch,
                           uses_aux)
@@ -97,10 +97,10 @@ def test_export_loads_with_from_pretrained_and_gives_equal_logits(flavor, tmp_pa
 
 
 def test_refusal_lists_the_supported_families_and_names_the_text_model_of_a_wrapper():
-    with pytest.raises(ValueError, match="unsupported architecture model_type='gpt2'.*"
-                                         "GPT2LMHeadModel does not have the decoder layout.*"
-                                         "lacks model.embed_tokens"):
-        DecoderAdapter(GPT2Config(n_layer=2))
+    with pytest.raises(ValueError, match="unsupported architecture model_type='roberta'.*"
+                                         "RobertaForCausalLM does not have the decoder layout.*"
+                                         "lacks a ModuleList of num_hidden_layers layers"):
+        DecoderAdapter(RobertaConfig(num_hidden_layers=2))
     with pytest.raises(ValueError, match="multimodal model.*'gemma3_text'"):
         DecoderAdapter(Gemma3Config())
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config
+from transformers import AutoModelForCausalLM, BloomConfig
 
 from layerwise.engine import EngineConfig, StreamingEngine
 from layerwise.models import DecoderAdapter, get_flavor
@@ -75,12 +75,12 @@ def test_truncated_shard_is_reported(hf_dir):
 
 
 def test_unsupported_architecture_is_reported(tmp_path):
-    with pytest.raises(ValueError, match="unsupported architecture model_type='gpt2'"):
-        DecoderAdapter(GPT2Config(n_layer=2))
-    (tmp_path / "gpt2").mkdir()
-    GPT2Config(n_layer=2).save_pretrained(tmp_path / "gpt2")
-    with pytest.raises(ValueError, match="does not have the decoder layout"):
-        load_store(tmp_path / "gpt2")
+    with pytest.raises(ValueError, match="unsupported architecture model_type='bloom'"):
+        DecoderAdapter(BloomConfig(n_layer=2))
+    (tmp_path / "bloom").mkdir()
+    BloomConfig(n_layer=2).save_pretrained(tmp_path / "bloom")
+    with pytest.raises(ValueError, match="runs word_embeddings_layernorm"):
+        load_store(tmp_path / "bloom")
 
 
 def test_config_mismatch_is_reported(hf_dir):

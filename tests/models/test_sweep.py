@@ -74,7 +74,9 @@ def test_every_causal_lm_type_trains_as_hf_or_is_refused(model_type, tmp_path):
     """Mutations seen failing: one template shared by layers whose modules differ in a plain
     attribute (SmolLM3's ``use_rope``, DiffLlama's ``lambda_init``: layer 1's gradients off by
     60-75%); the head's logit scaling left out (Cohere, Granite); ``HubLayout.to_model`` not
-    converting (33 MoE types fail with "weights missing", which is not a refusal)."""
+    converting (33 MoE types fail with "weights missing", which is not a refusal); the weight-free
+    backward of a plain token embedding used where the base model adds more (CTRL: its embedding's
+    gradient off by 14%, the scale and position table missed)."""
     _check(model_type, ["every-1"], tmp_path)
 
 

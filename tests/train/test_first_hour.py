@@ -120,12 +120,13 @@ def test_user_errors_are_one_line_and_exit_2_the_traceback_only_with_debug(tmp_p
         main(["train", "device=cuda", f"out_dir={out}", "--debug"])
 
 
-@pytest.mark.parametrize("kind", ["multimodal", "encoder-layout"])
+@pytest.mark.parametrize("kind", ["multimodal", "embedding-norm"])
 def test_a_model_dir_layerwise_cannot_train_is_refused_in_one_line(kind, tmp_path, capsys):
     """Friction: a multimodal directory (Gemma 3 as the Hub serves it) ended in a traceback
     (``'Gemma3Config' object has no attribute 'num_hidden_layers'``, exit 1). Now one line,
-    exit 2, before any work: what it is and what to use instead. A GPT-2 directory likewise."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Gemma3Config, GPT2Config
+    exit 2, before any work: what it is and what to use instead. A BLOOM directory (its base model
+    normalises the embeddings, which the engine's weight-free embedding backward cannot) likewise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, BloomConfig, Gemma3Config
 
     model_dir = tmp_path / kind
     if kind == "multimodal":
@@ -138,9 +139,9 @@ def test_a_model_dir_layerwise_cannot_train_is_refused_in_one_line(kind, tmp_pat
         AutoModelForImageTextToText.from_config(cfg).save_pretrained(model_dir)
         want = "multimodal model.*'gemma3_text'"
     else:
-        AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=96)
-                                         ).save_pretrained(model_dir)
-        want = "does not have the decoder layout"
+        AutoModelForCausalLM.from_config(BloomConfig(n_layer=1, hidden_size=32, n_head=2,
+                                                     vocab_size=300)).save_pretrained(model_dir)
+        want = "runs word_embeddings_layernorm"
     capsys.readouterr()  # save_pretrained's progress bar
     out = tmp_path / "run"
     assert main(["train", f"model={model_dir}", f"out_dir={out}", *TINY]) == 2

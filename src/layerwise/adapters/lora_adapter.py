@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from ..models.adapter import DecoderAdapter, LayerContext, ParamSpec, Unit
-from ..models.names import HF_LAYER_PREFIX
 from ..plan.finetune import FrozenBase
 from ..plan.shape import ModelShape
 from .config import ALL_LINEAR, LoraConfig
@@ -117,7 +116,7 @@ class LoraAdapter:
             return (), [(p, "float", self.compute_dtype, p.numel * self.compute_dtype.itemsize)
                         for p in unit.params]
         template = self._templates[unit.index]
-        prefix = HF_LAYER_PREFIX.format(unit.index)
+        prefix = self.base.layout.layer_prefix(unit.index)
         trainable = tuple(ParamSpec(n, prefix + n, tuple(p.shape))
                           for n, p in template.named_parameters() if ".lora_" in n)
         linear_weights = {n + ".weight" for n, m in template.named_modules()

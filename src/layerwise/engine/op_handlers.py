@@ -133,7 +133,8 @@ class OpHandlers:
 
             def run(mb: MicroBatch = mb, out: Ref = out) -> None:
                 with torch.no_grad():
-                    h0 = self.adapter.embed(self.store[EMBED].layout.views(w), mb.ids)
+                    h0 = self.adapter.embed(self.store[EMBED].layout.views(w), mb.ids,
+                                            mb.ctx.position_ids)
                 if recompute:
                     out.value = h0
                 else:
@@ -270,11 +271,20 @@ class OpHandlers:
             for mb in self._each(group):
                 self.backend.launch(lambda mb=mb: setattr(mb, "grad_h", None))
             return
-        (weight,) = self.store[EMBED].layout.specs  # nn.Embedding: one parameter
+        specs = self.store[EMBED].layout.specs
         ticket = self.sink.begin(EMBED)
         layer_major = self.plan.layer_major
 
         def run() -> None:
+            if self.adapter.traced_embedding:  # positions too: per micro-batch, summed
+                parts = None
+                for mb in group:
+                    g = self.adapter.embed_grads(mb.ids, mb.ctx.position_ids, mb.grad_h.float())
+                    parts = g if parts is None else [a.add_(b) for a, b in zip(parts, g)]
+                    mb.grad_h = None
+                self.sink.deposit(ticket, parts)
+                return
+            (weight,) = specs  # nn.Embedding: one parameter
             out = None if ticket.device is None else ticket.device.view(weight.shape)
             if layer_major:
                 ids = torch.cat([mb.ids.reshape(-1) for mb in group])
@@ -333,7 +343,8 @@ class OpHandlers:
             logits = ad.head_logits(leaves[HEAD], embed_weight, hc)
             loss = F.cross_entropy(logits.float(), lab[start:start + chunk],
                                    ignore_index=IGNORE_INDEX, reduction="sum") / mb.total_tokens
-            g = torch.autograd.grad(loss, [hc, *wrt])
+            # a tied head reads the token embedding, not the rest of its unit (learned positions)
+            g = torch.autograd.grad(loss, [hc, *wrt], allow_unused=True, materialize_grads=True)
             grad_h2[start:start + chunk] = g[0]
             for acc, gi in zip(acc_views, g[1:]):
                 acc += gi

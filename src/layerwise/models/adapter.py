@@ -2,27 +2,30 @@
 
 A *unit* is what layerwise stores, streams, updates and checkpoints as one piece:
 
-- ``embed``: the token embedding (``model.embed_tokens.weight``); with tied embeddings it also
-  serves as the lm_head, so a tied head has no weights of its own;
-- ``layers.{i}``: decoder block ``i`` (``model.layers.{i}.*``: its parameters and the
-  persistent buffers HF saves with them, which are *frozen*: never trained);
-- ``head``: the final norm and, when untied, ``lm_head.weight``.
+- ``embed``: the token embedding (``model.embed_tokens.weight``, GPT-2's ``transformer.wte``)
+  and whatever else with tensors the base model runs before its layers (learned positions);
+  with tied embeddings the token embedding also serves as the lm_head;
+- ``layers.{i}``: decoder block ``i`` (its parameters and the persistent buffers HF saves with
+  them, which are *frozen*: never trained);
+- ``head``: what runs after the layers (the final norm) and, when untied, the lm_head.
 
-A layer runs as HF's own decoder-layer module, called as HF's model forward calls it
-(``position_embeddings`` of its layer type, the mask of its attention type, ``position_ids``),
-through ``torch.func.functional_call`` on a meta-device template: a pure function of the
-parameters given, so the engine runs any layer on views of a flat device buffer without a
-module per layer. One template serves every layer of the same structure (layer type,
-parameter shapes, module classes and their plain attributes): dense and MoE layers, full,
-sliding and linear attention each get their own. The head is the causal LM's own forward with
-its base model replaced by the final norm (soft caps and logit scales are the family's code);
-the embedding scale is read off the embedding module (or the config's
-``embedding_multiplier``); masks and positions of packed rows are ``attention.py``'s, the MoE
-aux loss ``moe.py``'s, the per-layer sizes and FLOPs ``structure.py``'s.
+Where those parts sit and what the base model gives its layers is read off the model
+(``layout.py``). A layer runs as HF's own decoder-layer module, called with what its base model
+gives it (``position_embeddings`` of its layer type, the mask of its attention type,
+``position_ids``), through ``torch.func.functional_call`` on a meta-device template: a pure
+function of the parameters given, so the engine runs any layer on views of a flat device buffer
+without a module per layer. One template serves every layer of the same structure (layer type,
+parameter shapes, module classes and their plain attributes). The head is the causal LM's own
+forward with its base model replaced by the modules that run after the layers (soft caps and
+logit scales are the family's code); the embedding is a scaled token embedding, or — when the
+base model adds more — the base model's own forward with no layers. Masks and positions of
+packed rows are ``attention.py``'s, the MoE aux loss ``moe.py``'s, the per-layer sizes and FLOPs
+``structure.py``'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -37,7 +40,8 @@ from transformers import PretrainedConfig
 from .attention import RowLayout, attention_masks, row_layout
 from .families import LINEAR_ATTENTION, attn_implementation, family_of, layer_attention_types, layer_windows
 from .moe import LayerTail, RouterRecorder, RouterSpec, RouterState
-from .names import EMBED, HEAD, HF_EMBED_PREFIX, HF_LAYER_PREFIX, HF_NORM_PREFIX, layer_unit
+from .layout import DecoderLayout, decoder_layout
+from .names import EMBED, HEAD, layer_unit
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,13 @@ class _Template:
     runs_per_example: bool = False
     """A recurrent token mixer: a packed row runs example by example."""
     has_router: bool = False
+    masked: bool = True
+    """The layer takes the attention mask of its type (else none: a recurrent mixer)."""
+    inputs: frozenset[str] = frozenset({"attention_mask", "position_ids", "position_embeddings"})
+    """The context arguments the layer is called with (what its base model gives it)."""
+    transient: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Buffers the layer computes at construction and does not save (GPT-Neo's causal mask),
+    on the host; given to each call on its device."""
 
 
 class DecoderAdapter:
@@ -117,61 +128,90 @@ class DecoderAdapter:
         with torch.device("meta"):
             self._meta = spec.model_class(config)
         self._meta.eval()  # dropout off, as in the engine's every step
-        inner = _decoder_base(self._meta, self.family)
+        self.layout = layout = decoder_layout(self._meta, self.family)
+        inner = self._meta.get_submodule(layout.base)
+        self._transient = _transient_buffers(spec.model_class, config, self._meta, layout)
+        self._device_buffers: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        layers = getattr(inner, layout.layers)
+        self._layers = layers
         self.sliding_window: int | None = getattr(config, "sliding_window", None)
-        self.layer_types: list[str] = layer_attention_types(config)
-        self.layer_windows = layer_windows(config)
+        self._recurrent = tuple(any(isinstance(m, nn.Conv1d) for m in layer.modules())
+                                for layer in layers)
+        self.layer_types: list[str] = layer_attention_types(config, self._recurrent)
+        self.layer_windows = layer_windows(config, self.layer_types)
         self.router_spec = RouterSpec.of(self._meta, config)
         self._recorder = RouterRecorder(self.router_spec) if self.router_spec else None
 
-        units = [self._unit(EMBED, "pre", -1, inner.embed_tokens, HF_EMBED_PREFIX)]
-        for i, layer in enumerate(inner.layers):
-            units.append(self._unit(layer_unit(i), "layer", i, layer, HF_LAYER_PREFIX.format(i)))
-        head_params = [ParamSpec("norm." + n, HF_NORM_PREFIX + n, tuple(p.shape))
-                       for n, p in inner.norm.named_parameters()]
-        if not self.tied:
-            head_params.append(ParamSpec("lm_head.weight", "lm_head.weight",
-                                         tuple(self._meta.lm_head.weight.shape)))
+        embed_module = getattr(inner, layout.embed)
+        embed_params = list(self._params(embed_module, layout.prefix(layout.embed)))
+        for name in layout.pre:
+            embed_params += self._params(getattr(inner, name), layout.prefix(name), name + ".")
+        units = [Unit(EMBED, "pre", -1, tuple(embed_params))]
+        for i, layer in enumerate(layers):
+            units.append(Unit(layer_unit(i), "layer", i,
+                              tuple(self._params(layer, layout.layer_prefix(i)))))
+        head_params = []
+        for name in layout.post:
+            head_params += self._params(getattr(inner, name), layout.prefix(name), name + ".")
+        head_module = getattr(self._meta, layout.head)
+        head_params += [p for p in self._params(head_module, layout.head + ".", layout.head + ".")
+                        if not (self.tied and p.local == layout.head + ".weight")]
         units.append(Unit(HEAD, "post", -1, tuple(head_params)))
         self.units: tuple[Unit, ...] = tuple(units)
         self.unit_by_name = {u.name: u for u in self.units}
+        self.head_weight_name = layout.head + ".weight"
+        """The lm_head weight's HF key (the embedding's under tied embeddings)."""
 
         self._template_of_layer: list[_Template] = []
         templates: dict[tuple, _Template] = {}
-        for i, layer in enumerate(inner.layers):
-            key = (self.layer_types[i], tuple((p.local, p.shape) for p in self.units[1 + i].params),
+        for i, layer in enumerate(layers):
+            key = (self.layer_types[i], i in layout.masked_layers,
+                   tuple((p.local, p.shape) for p in self.units[1 + i].params),
                    _module_settings(layer))
             if key not in templates:
-                templates[key] = self._template(layer, self.units[1 + i], self.layer_types[i])
+                templates[key] = self._template(layer, self.units[1 + i], i)
             self._template_of_layer.append(templates[key])
         self.num_templates = len(templates)
         self.router_layers = tuple(i for i, t in enumerate(self._template_of_layer) if t.has_router)
-        self._embed_template = inner.embed_tokens
-        self._head_template = _causal_lm_head(self._meta)
-        self._rotary_template = getattr(inner, "rotary_emb", None)
+        self._embed_template = embed_module
+        base_buffers = {n[len(layout.base) + 1:]: b for n, b in self._transient.items()
+                        if not n.startswith(layout.prefix(layout.layers))}
+        own = [n for n in base_buffers  # the base model's own, which its forward may add in
+               if not n.startswith(tuple(p + "." for p in (layout.embed, *layout.post)))]
+        self._pre_template = _pre_model(inner, layout) if layout.pre or own else None
+        self._pre_buffers = base_buffers
+        self._head_template, self._head_names = _causal_lm_head(self._meta, layout, head_params)
+        self._rotary_template = getattr(inner, layout.rotary) if layout.rotary else None
         typed = self._rotary_template is not None and \
             "layer_type" in inspect.signature(type(self._rotary_template).forward).parameters
-        self._rope_key = [t if typed else "" for t in self.layer_types]
-        self._embed_scale = embedding_scale(inner, config)
+        if typed:  # by the config's layer type; a type with no RoPE of its own (LFM's conv) gets none
+            kinds = getattr(self._rotary_template, "rope_type", None)
+            given = list(getattr(config, "layer_types", None) or self.layer_types)
+            self._rope_key = [t if not isinstance(kinds, dict) or t in kinds else "-"
+                              for t in given[:self.num_layers]]
+        else:
+            self._rope_key = [""] * self.num_layers
+        self._embed_scale = embedding_scale(embed_module, config)
 
     @staticmethod
-    def _unit(name: str, kind: str, index: int, module: nn.Module, prefix: str) -> Unit:
-        params = [ParamSpec(n, prefix + n, tuple(p.shape)) for n, p in module.named_parameters()]
+    def _params(module: nn.Module, prefix: str, local: str = "") -> list[ParamSpec]:
+        """The specs of ``module``'s tensors: its parameters, then the persistent buffers HF
+        saves with them (frozen); ``local``: the prefix of their names inside the unit."""
+        params = [ParamSpec(local + n, prefix + n, tuple(p.shape)) for n, p in module.named_parameters()]
         saved = module.state_dict(keep_vars=True)
-        params += [ParamSpec(n, prefix + n, tuple(b.shape), trainable=False)
+        params += [ParamSpec(local + n, prefix + n, tuple(b.shape), trainable=False)
                    for n, b in module.named_buffers() if n in saved]
-        return Unit(name, kind, index, tuple(params))
+        return params
 
-    def _template(self, layer: nn.Module, unit: Unit, layer_type: str) -> _Template:
-        saved = layer.state_dict(keep_vars=True)
-        transient = [n for n, _ in layer.named_buffers() if n not in saved]
-        if transient:
-            raise ValueError(f"{self.family} layers hold buffers that are not saved with the "
-                             f"weights ({transient[:3]}); layerwise cannot run such a layer from "
-                             "its weights alone")
+    def _template(self, layer: nn.Module, unit: Unit, index: int) -> _Template:
+        prefix = self.layout.layer_prefix(index)
+        transient = {n[len(prefix):]: b for n, b in self._transient.items() if n.startswith(prefix)}
         frozen = tuple(p.local for p in unit.params if not p.trainable)
         has_router = self._recorder.attach(layer) if self._recorder else False
-        return _Template(layer, frozen, layer_type == LINEAR_ATTENTION, has_router)
+        return _Template(layer, frozen, self._recurrent[index] or
+                         self.layer_types[index] == LINEAR_ATTENTION,
+                         has_router, index in self.layout.masked_layers,
+                         _accepted(layer, self.layout.layer_inputs), transient)
 
     # ----- structure ---------------------------------------------------------------------
 
@@ -181,7 +221,7 @@ class DecoderAdapter:
 
     def layer_module(self, index: int) -> nn.Module:
         """The meta module of layer ``index`` (structure only: sizes, submodules)."""
-        return self._meta.model.layers[index]
+        return self._layers[index]
 
     def hf_names(self) -> list[str]:
         """Every HF state-dict key that carries a distinct tensor (tied head excluded)."""
@@ -215,7 +255,7 @@ class DecoderAdapter:
         rope = {}
         with torch.no_grad():
             for key in sorted(set(self._rope_key)):
-                if rotary is None:
+                if rotary is None or key == "-":
                     rope[key] = None
                 else:
                     rope[key] = rotary(probe, rope_pos, key) if key else rotary(probe, rope_pos)
@@ -231,9 +271,49 @@ class DecoderAdapter:
 
     # ----- computation (pure functions of the given parameters) ---------------------------
 
-    def embed(self, params: dict[str, torch.Tensor], input_ids: torch.Tensor) -> torch.Tensor:
-        w = params["weight"]
-        return self._scaled(F.embedding(input_ids, w, self._embed_template.padding_idx))
+    def embed(self, params: dict[str, torch.Tensor], input_ids: torch.Tensor,
+              position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The first layer's input: the (scaled) token embedding, plus what else the base
+        model adds before its layers (learned positions, by its own forward; ``position_ids``
+        then says where each token sits in its example)."""
+        if self._pre_template is None:
+            w = params["weight"]
+            return self._scaled(F.embedding(input_ids, w, self._embed_template.padding_idx))
+        return self._pre(params, input_ids, position_ids)
+
+    @property
+    def traced_embedding(self) -> bool:
+        """The first layer's input is the base model's own forward up to its layers (it adds
+        more than a scaled token embedding), so its backward is :meth:`embed_grads`'."""
+        return self._pre_template is not None
+
+    def _pre(self, params: dict[str, torch.Tensor], input_ids: torch.Tensor,
+             position_ids: torch.Tensor | None) -> torch.Tensor:
+        named = {(self.layout.embed + "." + k if k == "weight" else k): v for k, v in params.items()}
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        named.update(self._on(input_ids.device, "pre", self._pre_buffers))
+        out = torch.func.functional_call(self._pre_template, named, (),
+                                         {"input_ids": input_ids, "position_ids": position_ids},
+                                         strict=False)
+        return out[0] if isinstance(out, tuple) else out.last_hidden_state
+
+    def embed_grads(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                    grad_out: torch.Tensor) -> list[torch.Tensor]:
+        """The gradient of every tensor of the embedding unit (layout order), from the token ids,
+        positions and boundary 0's gradient alone: what runs before the layers is affine in
+        its tensors (embeddings, checked by ``layout.decoder_layout``), so its vector-Jacobian
+        product is the same at any point; taken at zeros, autograd's own backward, in fp32."""
+        specs = self.units[0].params
+        zeros = {p.local: torch.zeros((), dtype=torch.float32, device=grad_out.device)
+                 .expand(p.shape).requires_grad_(p.trainable) for p in specs}
+        with torch.enable_grad():
+            h = self._pre(zeros, input_ids, position_ids)
+            wrt = [zeros[p.local] for p in specs if p.trainable]
+            grads = iter(torch.autograd.grad(h, wrt, grad_out.to(h.dtype), allow_unused=True,
+                                             materialize_grads=True))
+        return [next(grads) if p.trainable else torch.zeros(p.shape, device=grad_out.device)
+                for p in specs]
 
     def _scaled(self, h: torch.Tensor) -> torch.Tensor:
         """``h`` times the embedding scale, rounded as the family's code rounds it."""
@@ -281,24 +361,54 @@ class DecoderAdapter:
                                 *(params[n] for n in t.frozen))
         return y
 
-    def _call(self, t: _Template, index: int, params, hidden, ctx, pos, rope) -> torch.Tensor:
-        out = torch.func.functional_call(
-            t.module, params, (hidden,),
-            {"attention_mask": ctx.masks.get(self.layer_types[index]), "position_ids": pos,
-             "position_embeddings": rope},
-            strict=True)
-        return out[0] if isinstance(out, tuple) else out
+    def _call(self, t: _Template, index: int, params, hidden, ctx, pos, rope,
+              mask: object = "ctx") -> torch.Tensor:
+        """``mask``: the attention mask to give (default: the context's of the layer's type;
+        none for a layer its base model gives none)."""
+        if not t.masked:
+            mask = None
+        elif isinstance(mask, str):
+            mask = ctx.masks.get(self.layer_types[index])
+        if mask is not None and mask.shape[0] != hidden.shape[0]:
+            mask = mask.expand(hidden.shape[0], *mask.shape[1:])  # a view; XGLM checks the batch
+        given = {"attention_mask": mask, "position_ids": pos, "position_embeddings": rope}
+        kwargs = {k: v for k, v in given.items() if k in t.inputs}
+        kwargs.update({k: None for k in self.layout.none_inputs if k not in kwargs})
+        if t.transient:
+            params = {**params, **self._on(hidden.device, f"layer{index}", t.transient)}
+        out = torch.func.functional_call(t.module, params, (hidden,), kwargs, strict=True)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    def _on(self, device: torch.device, key: str, buffers: dict[str, torch.Tensor]
+            ) -> dict[str, torch.Tensor]:
+        """``buffers`` on ``device`` (copied once per device)."""
+        cached = self._device_buffers.get((key, str(device)))
+        if cached is None:
+            cached = self._device_buffers[(key, str(device))] = {
+                n: b.to(device) for n, b in buffers.items()}
+        return cached
 
     def _layer_per_example(self, t: _Template, index: int, params, hidden, ctx) -> torch.Tensor:
         """A recurrent layer over a packed batch: each example (and padding run) alone, so no
-        state or convolution crosses an example; the rest of a layer is per token."""
-        cos, sin = ctx.rope[self._rope_key[index]]
+        state or convolution crosses an example; the rest of a layer is per token (and its
+        attention, if it has one, takes the mask of one example of the run's length)."""
+        rope = ctx.rope[self._rope_key[index]]
+        kind, window = self.layer_types[index], self.layer_windows[index]
         rows = []
         for r in range(hidden.shape[0]):
-            parts = [self._call(t, index, params, hidden[r:r + 1, a:e], ctx,
-                                ctx.position_ids[r:r + 1, a:e],
-                                (cos[..., r:r + 1, a:e, :], sin[..., r:r + 1, a:e, :]))
-                     for rr, a, e in ctx.layout.runs if rr == r]
+            parts = []
+            for rr, a, e in ctx.layout.runs:
+                if rr != r:
+                    continue
+                mask = None
+                if t.masked and kind != LINEAR_ATTENTION:
+                    mask = attention_masks([kind], (window,), row_layout((1, e - a)),
+                                           self.attn_implementation, hidden.dtype,
+                                           hidden.device)[kind]
+                part_rope = None if rope is None else \
+                    tuple(x[..., r:r + 1, a:e, :] for x in rope)
+                parts.append(self._call(t, index, params, hidden[r:r + 1, a:e], ctx,
+                                        ctx.position_ids[r:r + 1, a:e], part_rope, mask))
             rows.append(torch.cat(parts, dim=1))
         return torch.cat(rows, dim=0)
 
@@ -311,9 +421,9 @@ class DecoderAdapter:
         """The logits of ``hidden`` (``[tokens, h]`` or ``[b, s, h]``, before the final norm)
         by the causal LM's own forward: final norm, lm_head and whatever the family does to the
         logits (soft cap, scaling); ``embed_weight`` is the tied head weight (else ignored)."""
-        params = {("model." + k if k.startswith("norm.") else k): v for k, v in head_params.items()}
+        params = {self._head_names[k]: v for k, v in head_params.items()}
         if self.tied:
-            params["lm_head.weight"] = embed_weight
+            params[self.head_weight_name] = embed_weight
         flat = hidden.dim() == 2
         out = torch.func.functional_call(
             self._head_template, params, (),
@@ -341,33 +451,91 @@ def _module_settings(layer: nn.Module) -> tuple:
         for n, m in layer.named_modules())
 
 
-def _decoder_base(meta: nn.Module, family: str) -> nn.Module:
-    """The base model of causal LM ``meta``, checked to have the parts layerwise streams."""
-    inner = getattr(meta, "model", None)
-    parts = {"model.embed_tokens": nn.Embedding, "model.layers": nn.ModuleList, "model.norm": nn.Module}
-    missing = [n for n, kind in parts.items()
-               if not isinstance(getattr(inner, n.split(".")[1], None) if inner is not None else None, kind)]
-    if not isinstance(getattr(meta, "lm_head", None), nn.Linear):
-        missing.append("lm_head")
-    if missing:
-        raise ValueError(
-            f"unsupported architecture model_type={family!r}: transformers' {type(meta).__name__} "
-            f"does not have the decoder layout layerwise streams (model.embed_tokens, model.layers, "
-            f"model.norm, lm_head; it lacks {', '.join(missing)}); convert the checkpoint to a "
-            "family that has it (e.g. Llama) or open an issue")
-    return inner
+def _transient_buffers(model_class: type, config: PretrainedConfig, meta: nn.Module,
+                       layout: DecoderLayout) -> dict[str, torch.Tensor]:
+    """The buffers of the base model and its layers that are computed at construction and not
+    saved (causal-mask tables, position tables; the rotary module's are built by
+    ``new_rotary``), by name, on the host: the model is built a second time with only its
+    parameters on the meta device, if it has any."""
+    saved = meta.state_dict(keep_vars=True)
+    skip = layout.prefix(layout.rotary) if layout.rotary else None
+    names = [n for n, _ in meta.get_submodule(layout.base).named_buffers(prefix=layout.base)
+             if n not in saved and not (skip and n.startswith(skip))]
+    if not names:
+        return {}
+    with _parameters_on_meta():
+        real = model_class(config)
+    buffers = dict(real.named_buffers())
+    return {n: buffers[n] for n in names}
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (no memory, no init cost)
+    and their buffers where they are made."""
+    register = nn.Module.register_parameter
+
+    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"), param.requires_grad)
+
+    nn.Module.register_parameter = to_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _accepted(layer: nn.Module, inputs: frozenset[str]) -> frozenset[str]:
+    """Of the context arguments the base model gives its layers, those ``layer``'s forward
+    takes (by name, or through ``**kwargs``)."""
+    params = inspect.signature(type(layer).forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return inputs
+    return frozenset(n for n in inputs if n in params)
+
+
+def _with_parts(module: nn.Module, parts: dict[str, nn.Module | None]) -> nn.Module:
+    """A shallow copy of ``module`` with some children replaced (None: removed)."""
+    out = copy.copy(module)
+    out._modules = {**module._modules, **parts}
+    return out
+
+
+def _pre_model(inner: nn.Module, layout: DecoderLayout) -> nn.Module:
+    """The base model with no layers and nothing after them: its forward is what runs before
+    the first layer (token and position embeddings, scale)."""
+    parts: dict[str, nn.Module | None] = {layout.layers: nn.ModuleList()}
+    parts.update({n: nn.Identity() for n in layout.post})
+    if layout.rotary:
+        parts[layout.rotary] = _NoRotary()
+    return _with_parts(inner, parts)
+
+
+class _NoRotary(nn.Module):
+    """The rotary module inside the embedding's forward, whose output no layer reads there."""
+
+    def forward(self, x: torch.Tensor, *_: object, **__: object) -> tuple[None, None]:
+        return None, None
 
 
 class _FinalNorm(nn.Module):
-    """Stands in for the base model inside the causal LM's forward: the final norm of the hidden
-    states it is given as ``inputs_embeds`` (the layers have already run)."""
+    """Stands in for the base model inside the causal LM's forward: what runs after the layers
+    (the final norm, …), in order, on the hidden states given as ``inputs_embeds``; its
+    modules keep their names, so the head's tensors keep their HF names."""
 
-    def __init__(self, norm: nn.Module):
+    def __init__(self, post: list[tuple[str, nn.Module]]):
         super().__init__()
-        self.norm = norm
+        self._order = [n for n, _ in post]
+        for n, module in post:
+            self.add_module(n, module)
 
-    def forward(self, inputs_embeds: torch.Tensor, **_: object) -> _BaseOutput:
-        return _BaseOutput(self.norm(inputs_embeds))
+    def forward(self, *_: object, inputs_embeds: torch.Tensor, **__: object) -> _BaseOutput:
+        h = inputs_embeds
+        for n in self._order:
+            h = self._modules[n](h)
+        return _BaseOutput(h)
 
 
 class _BaseOutput:
@@ -386,21 +554,31 @@ class _BaseOutput:
         return self.last_hidden_state
 
 
-def _causal_lm_head(meta: nn.Module) -> nn.Module:
-    """``meta`` (a causal LM on the meta device) with its base model replaced by its final
-    norm: calling it runs the family's own head code on given hidden states. A shallow copy
-    that shares the lm_head and norm modules with ``meta``."""
-    head = copy.copy(meta)
-    head._modules = {**meta._modules, "model": _FinalNorm(meta.model.norm)}
-    return head
+def _causal_lm_head(meta: nn.Module, layout: DecoderLayout, head_params: list[ParamSpec]
+                    ) -> tuple[nn.Module, dict[str, str]]:
+    """``meta`` (a causal LM on the meta device) with its base model replaced by what runs
+    after the layers: calling it runs the family's own head code (lm_head, soft cap, logit
+    scale) on given hidden states. Shallow copies down to the base (OPT's ``model.decoder``),
+    sharing their modules with ``meta``; also the head unit's local names -> the copy's
+    parameter names."""
+    inner = meta.get_submodule(layout.base)
+    new: nn.Module = _FinalNorm([(n, getattr(inner, n)) for n in layout.post])
+    path = layout.base.split(".")
+    for depth in range(len(path), 0, -1):
+        parent = meta.get_submodule(".".join(path[:depth - 1]))
+        new = _with_parts(parent, {path[depth - 1]: new})
+    posts = tuple(n + "." for n in layout.post)
+    names = {p.local: (layout.base + "." + p.local if p.local.startswith(posts) else p.local)
+             for p in head_params}
+    return new, names
 
 
-def embedding_scale(inner: nn.Module, config: PretrainedConfig) -> tuple[float, bool] | None:
+def embedding_scale(embed: nn.Module, config: PretrainedConfig) -> tuple[float, bool] | None:
     """The factor the base model multiplies its token embeddings by, and whether it is cast to
     the weights' dtype first: a scaled embedding module's own (Gemma's ``sqrt(hidden)``, cast;
     its buffer is empty on the meta device, its scalar copy is not) or the config's
     ``embedding_multiplier`` (Granite, a Python float). None: no scale."""
-    scale = getattr(inner.embed_tokens, "scalar_embed_scale", None)
+    scale = getattr(embed, "scalar_embed_scale", None)
     cast = scale is not None
     if not cast:
         scale = getattr(config, "embedding_multiplier", None)

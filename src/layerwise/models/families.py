@@ -190,12 +190,18 @@ def attn_implementation(config: PretrainedConfig | Any) -> str:
     return family_of(config).attn_implementation
 
 
-def layer_attention_types(config: PretrainedConfig | Any) -> list[str]:
-    """The token mixer of every decoder layer: one of ``ATTENTION_TYPES``."""
+def layer_attention_types(config: PretrainedConfig | Any,
+                          recurrent: tuple[bool, ...] | None = None) -> list[str]:
+    """The token mixer of every decoder layer: one of ``ATTENTION_TYPES``. ``recurrent``: which
+    layers hold a causal convolution (read off the modules); a layer type the list does not
+    know is a recurrent token mixer on those (LFM2's ``conv``, Falcon-H1's ``mamba``)."""
     spec = family_of(config)
     types = getattr(config, "layer_types", None)
     if types:
         types = list(types)[:config.num_hidden_layers]
+        if recurrent is not None:
+            types = [LINEAR_ATTENTION if t not in ATTENTION_TYPES and r else t
+                     for t, r in zip(types, recurrent)]
         unknown = sorted(set(types) - set(ATTENTION_TYPES))
         if unknown:
             raise ValueError(f"layer_types {unknown} of {spec.model_type} are not supported; "
@@ -206,12 +212,13 @@ def layer_attention_types(config: PretrainedConfig | Any) -> list[str]:
     return [SLIDING_ATTENTION if windowed else FULL_ATTENTION] * config.num_hidden_layers
 
 
-def layer_windows(config: PretrainedConfig | Any) -> tuple[int | None, ...]:
+def layer_windows(config: PretrainedConfig | Any,
+                  types: list[str] | None = None) -> tuple[int | None, ...]:
     """The attention window of every layer: a sliding layer's ``sliding_window``, a chunked
     layer's ``attention_chunk_size`` (None = full causal, or no attention scores)."""
     size = {SLIDING_ATTENTION: getattr(config, "sliding_window", None),
             CHUNKED_ATTENTION: getattr(config, "attention_chunk_size", None)}
-    return tuple(size.get(t) for t in layer_attention_types(config))
+    return tuple(size.get(t) for t in (types or layer_attention_types(config)))
 
 
 def has_qkv_bias(config: PretrainedConfig | Any) -> bool:

@@ -31,10 +31,6 @@ NORM = "norm"
 LM_HEAD = "lm_head"
 LAYER_GROUP_PREFIX = "layers."
 
-HF_LAYER_PREFIX = "model.layers.{}."
-HF_EMBED_PREFIX = "model.embed_tokens."
-HF_NORM_PREFIX = "model.norm."
-HF_HEAD_PREFIX = "lm_head."
 
 _HF_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.[^.]+$")
 """A fused routed-expert tensor ``[num_experts, ...]`` (a direct parameter of the experts
@@ -43,7 +39,17 @@ _HF_EXPERT_ITEM_RE = re.compile(r"^model\.layers\.\d+\.(?:mlp|block_sparse_moe)\
 """A tensor of one routed expert as HF model dirs store them (``...experts.{e}.w1.weight``)."""
 _EXPERT_GROUP_RE = re.compile(r"^layers\.(\d+)\.experts\.(\d+)$")
 
-_HF_LAYER_RE = re.compile("^" + re.escape(HF_LAYER_PREFIX).replace(r"\{\}", r"(\d+)"))
+_TEXT_BASE = r"(?:model\.decoder\.|model\.|transformer\.|gpt_neox\.|gpt_neox_japanese\.|backbone\.)"
+"""The attributes transformers' causal LMs keep their decoder under (``models/layout.py``
+finds them on the model; checkpoints, which have only names, read them here)."""
+_HF_LAYER_RE = re.compile(rf"^{_TEXT_BASE}(?:layers|h|blocks)\.(\d+)\.")
+_HF_EMBED_RE = re.compile(
+    rf"^{_TEXT_BASE}(?:embed_tokens|wte|wpe|word_embeddings|embed_in|embeddings|tokens_embed|"
+    r"positions_embed|embed_positions)\.")
+_HF_NORM_RE = re.compile(
+    rf"^{_TEXT_BASE}(?:norm|ln_f|final_layer_norm|final_layernorm|norm_f|final_norm|"
+    r"embedding_norm|layer_norm|layernorm|project_out)\.")
+_HF_HEAD_RE = re.compile(r"^(?:lm_head|embed_out|output_projection)\.")
 
 
 def layer_unit(i: int) -> str:
@@ -103,19 +109,24 @@ def layer_index(name: str) -> int | None:
 
 def group_of(hf_name: str, tied: bool = False) -> str:
     """The checkpoint group of one HF state-dict key (``tied``: lm_head is the embedding)."""
-    if hf_name.startswith(HF_EMBED_PREFIX):
+    if _HF_EMBED_RE.match(hf_name):
         return EMBED
     m = _HF_LAYER_RE.match(hf_name)
     if m:
         return layer_unit(int(m.group(1)))
-    if hf_name.startswith(HF_NORM_PREFIX):
+    if _HF_NORM_RE.match(hf_name):
         return NORM
-    if hf_name.startswith(HF_HEAD_PREFIX):
-        return EMBED if tied else LM_HEAD
+    if _HF_HEAD_RE.match(hf_name):  # a tied head's weight is the embedding (a bias is its own)
+        return EMBED if tied and hf_name.endswith(".weight") else LM_HEAD
     for suffix in (".weight", ".bias"):
         if hf_name.endswith(suffix):
             return hf_name[: -len(suffix)]
     return hf_name
+
+
+def is_head_name(hf_name: str) -> bool:
+    """Whether ``hf_name`` is a tensor of the lm_head (``lm_head``, ``embed_out``, …)."""
+    return _HF_HEAD_RE.match(hf_name) is not None
 
 
 def group_sort_key(group: str) -> tuple[int, int, int, str]:

@@ -72,10 +72,12 @@ def _experts(layer: nn.Module) -> tuple[dict[int, int], int]:
 
 
 def _pair_flops(layer: nn.Module, config) -> float:
-    attn = getattr(layer, "self_attn", None)
-    if attn is None:
+    attn = getattr(layer, "self_attn", None) or next(  # GPT-2's attn, GPT-NeoX's attention
+        (m for n, m in layer.named_children() if "attn" in n or "attention" in n), None)
+    heads = getattr(config, "num_attention_heads", None)
+    if attn is None or not heads:
         return 0.0
-    heads = int(getattr(config, "num_attention_heads"))
+    heads = int(heads)
     head_dim = getattr(attn, "head_dim", None) or config.hidden_size // heads
     qk = getattr(attn, "qk_head_dim", None) or head_dim
     v = getattr(attn, "v_head_dim", None) or head_dim

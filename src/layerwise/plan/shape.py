@@ -95,12 +95,15 @@ class ModelShape:
     def from_config(cls, config: Any, name: str | None = None) -> ModelShape:
         family = family_of(config)
         h = config.hidden_size
-        heads = config.num_attention_heads
+        heads = getattr(config, "num_attention_heads", None) or 1  # none: a state-space model
         head_dim = getattr(config, "head_dim", None) or h // heads
         n = config.num_hidden_layers
         layers: tuple[LayerCost, ...] = ()
+        windows = None
         if not family.closed_form_shape:
-            layers = tuple(LayerCost.of(f, h) for f in layer_facts(DecoderAdapter(config)))
+            adapter = DecoderAdapter(config)
+            layers = tuple(LayerCost.of(f, h) for f in layer_facts(adapter))
+            windows = adapter.layer_windows
         return cls(
             name=name or getattr(config, "_name_or_path", "") or family.model_type,
             num_layers=n,
@@ -113,7 +116,7 @@ class ModelShape:
             tied=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=has_qkv_bias(config),
             qk_norm=family.qk_norm,
-            layer_windows=layer_windows(config),
+            layer_windows=windows or layer_windows(config),
             layers=layers,
             eager_attention=attn_implementation(config) == "eager",
         )

@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from ...models.adapter import DecoderAdapter
-from ...models.names import config_is_tied, group_of, group_sort_key
+from ...models.names import config_is_tied, group_of, group_sort_key, is_head_name
 from ...store import PRIVATE, HostAllocator, HostStore
 from ...util.safe_load import load_data_file
 from ..layout import (
@@ -117,7 +117,7 @@ class HFModelDirSource:
         tied = config_is_tied(self._config)
         out: dict[str, list[str]] = {}
         for key, names in self._model_names.items():
-            if tied and names[0].startswith("lm_head."):
+            if tied and is_head_name(names[0]) and names[0].endswith(".weight"):
                 continue  # a tied head is the embedding; some writers still store a copy
             out.setdefault(group_of(names[0], tied), []).append(key)
         return dict(sorted(out.items(), key=lambda kv: group_sort_key(kv[0])))

@@ -16,7 +16,7 @@ import torch
 
 from transformers import AutoConfig, GenerationConfig
 
-from ...models.names import config_is_tied
+from ...models.names import config_is_tied, is_head_name
 from ...util.atomic import atomic_write_text
 from ...util.dtypes import parse_dtype
 from ...util.safetensors_io import ShardedSafetensorsWriter
@@ -75,7 +75,7 @@ class WeightsWriter:
             if not key.startswith(PARAM):
                 continue
             name = key[len(PARAM):]
-            if self.tied and name.startswith("lm_head."):
+            if self.tied and is_head_name(name) and name.endswith(".weight"):
                 continue  # tied: the embedding is the head
             if name in self.written:
                 raise ValueError(f"parameter {name} appears in more than one group (again in {group!r})")
@@ -100,7 +100,8 @@ class WeightsWriter:
     def finish(self) -> dict[str, Any]:
         """Close the shards, write the index when there is more than one; return a summary."""
         if self.expected is not None:
-            missing = sorted(set(self.expected) - self.written - ({"lm_head.weight"} if self.tied else set()))
+            missing = sorted(n for n in set(self.expected) - self.written
+                             if not (self.tied and is_head_name(n) and n.endswith(".weight")))
             if missing:
                 raise ValueError(
                     f"the source lacks {len(missing)} parameter(s) of the model, e.g. {missing[:3]}; "

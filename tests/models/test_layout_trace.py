@@ -1,0 +1,59 @@
+"""Where a causal LM keeps its parts is read off the model (``models/layout.py``), not a table:
+the meta-device trace of its base model's forward finds what runs before and after the layers
+and what the layers are given."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from layerwise.models.layout import decoder_layout
+from sweep_cases import tiny_config
+
+
+def _layout(model_type: str):
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+    return decoder_layout(model, model_type)
+
+
+def test_the_trace_finds_each_layout_and_what_its_layers_take():
+    """Phi registers its final norm after a dropout and LFM2 calls its final norm
+    ``embedding_norm``: the order is the forward's, the names the model's. Mutations seen failing:
+    the probe not recording the required arguments given as None (Falcon's ``alibi``; in the
+    engine: ``missing 1 required positional argument``); the trace run with SDPA (no layer gets
+    a 4-D mask, so a recurrent layer cannot be told from an attention one)."""
+    llama = _layout("llama")
+    assert (llama.base, llama.embed, llama.pre, llama.layers, llama.post, llama.head) == \
+        ("model", "embed_tokens", (), "layers", ("norm",), "lm_head")
+    assert llama.layer_inputs == {"attention_mask", "position_ids", "position_embeddings"}
+    assert llama.masked_layers == {0, 1}
+    gpt2 = _layout("gpt2")
+    assert (gpt2.base, gpt2.embed, gpt2.pre, gpt2.layers, gpt2.post, gpt2.rotary) == \
+        ("transformer", "wte", ("wpe",), "h", ("ln_f",), None)
+    assert gpt2.layer_prefix(3) == "transformer.h.3."
+    opt = _layout("opt")
+    assert (opt.base, opt.pre, opt.post) == ("model.decoder", ("embed_positions",), ("final_layer_norm",))
+    neox = _layout("gpt_neox_japanese")
+    assert (neox.base, neox.post, neox.head) == ("gpt_neox_japanese", ("final_layer_norm",), "embed_out")
+    assert _layout("phi").post == ("final_layernorm",)
+    assert _layout("lfm2").post == ("embedding_norm",)
+    assert _layout("falcon").none_inputs == {"alibi"}
+    mamba = _layout("mamba")
+    assert (mamba.base, mamba.embed, mamba.rotary, mamba.masked_layers) == \
+        ("backbone", "embeddings", None, frozenset())
+
+
+@pytest.mark.parametrize("model_type, why", [
+    ("bloom", "runs word_embeddings_layernorm (LayerNorm) on the embeddings"),
+    ("mpt", "gives every layer position_bias"),
+    ("roberta", "does not have the decoder layout"),
+])
+def test_what_the_trace_cannot_run_is_refused_in_one_line(model_type, why):
+    """An embedding norm would need the embedding's weights in its backward (the engine's has
+    none); ALiBi biases are computed by the base model; an encoder has no decoder layout."""
+    with pytest.raises(ValueError) as e:
+        _layout(model_type)
+    assert why in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith(f"unsupported architecture model_type={model_type!r}")
