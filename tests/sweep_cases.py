@@ -44,12 +44,11 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def tiny_config(model_type: str):
-    """The type's default config with every known size field made tiny, token ids inside the
-    tiny vocabulary, every per-layer list (``layer_types``, ``mlp_layer_types``) cut to its
-    first two distinct items (so a hybrid keeps both kinds), dropout off; built through the config class so that its own checks run."""
-    base = AutoConfig.for_model(model_type).to_dict()
-    values = {k: v for k, v in _SIZES.items()
+def _shrunk(base: dict, sizes: dict) -> dict:
+    """``base`` (a config dict) with every known size field of ``sizes`` made tiny, token ids
+    inside the tiny vocabulary, every per-layer list (``layer_types``, ``mlp_layer_types``) cut
+    to its first two distinct items (so a hybrid keeps both kinds), dropout off."""
+    values = {k: v for k, v in sizes.items()
               if isinstance(base.get(k), int) and not isinstance(base.get(k), bool)}
     if isinstance(base.get("qk_rope_head_dim"), int):
         values["head_dim"] = values["qk_rope_head_dim"]  # MLA: RoPE spans the rope part only
@@ -63,11 +62,74 @@ def tiny_config(model_type: str):
                 and all(isinstance(v, (str, int)) for v in per_layer):
             distinct = list(dict.fromkeys(per_layer))
             values[key] = (distinct * 2)[:2]
+    rope = base.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
+        # multi-axis RoPE: the sections cover half the (tiny) head, in proportion
+        half, sections = values.get("head_dim", HIDDEN // 4) // 2, rope["mrope_section"]
+        cut = [max(1, half * s // sum(sections)) for s in sections]
+        cut[-1] = half - sum(cut[:-1])
+        values["rope_parameters"] = {**rope, "mrope_section": cut}
     for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
         if isinstance(base.get(key), float):
             values[key] = 0.0
+    return {**base, **values}
+
+
+def tiny_config(model_type: str):
+    """The type's default config shrunk by :func:`_shrunk`, built through the config class so
+    that its own checks run."""
+    base = _shrunk(AutoConfig.for_model(model_type).to_dict(), _SIZES)
     base.pop("model_type", None)
-    return AutoConfig.for_model(model_type, **{**base, **values})
+    return AutoConfig.for_model(model_type, **base)
+
+
+_VISION_SIZES = {**_SIZES, "num_hidden_layers": 1, "depth": 1, "embed_dim": HIDDEN,
+                 "out_hidden_size": HIDDEN, "projection_dim": HIDDEN, "num_heads": 4,
+                 "vision_output_dim": HIDDEN, "projector_input_dim": HIDDEN,
+                 "projector_output_dim": HIDDEN}
+"""A vision tower's size fields (Qwen-VL's ``depth`` / ``embed_dim``; its output projected to
+the text model's hidden size)."""
+
+
+def image_text_types() -> list[str]:
+    """Every ``model_type`` of transformers' image-text-to-text auto mapping, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def tiny_multimodal_config(model_type: str):
+    """An image-text model's default config with its text and vision configs shrunk (the text
+    one as :func:`tiny_config`'s, the vision one to one layer) and its projector's sizes with
+    them."""
+    base = _shrunk(AutoConfig.for_model(model_type).to_dict(), {"projector_hidden_size": HIDDEN})
+    for key, sizes in (("text_config", _SIZES), ("vision_config", _VISION_SIZES)):
+        if isinstance(base.get(key), dict):
+            base[key] = _shrunk(base[key], sizes)
+    base.pop("model_type", None)
+    return AutoConfig.for_model(model_type, **base)
+
+
+def build_multimodal(model_type: str):
+    """(config, model in eval mode) of an image-text type, or (None, why it does not build)."""
+    from transformers import AutoModelForImageTextToText
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cfg = tiny_multimodal_config(model_type)
+            type(cfg).from_dict(json.loads(cfg.to_json_string()))
+            with torch.device("meta"):
+                numel = sum(p.numel() for p in AutoModelForImageTextToText.from_config(cfg).parameters())
+            if numel > 4 * MAX_PARAMS:
+                return None, f"the generic rule leaves {numel / 1e6:.1f}M parameters (a size field it does not know)"
+            torch.manual_seed(0)
+            model = AutoModelForImageTextToText.from_config(cfg).eval()
+            with torch.no_grad():
+                model(input_ids=torch.randint(3, VOCAB, (1, 8)))
+    except Exception as e:  # noqa: BLE001 — any failure of the build itself excludes the type
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    return cfg, model
 
 
 def build(model_type: str):
@@ -107,13 +169,17 @@ def saved_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
 
 def main() -> None:
     """Print every type's outcome (excluded: its build fails here; refused: layerwise's one-line
-    reason; streamed: layerwise builds its units, and ``test_sweep.py`` holds it to HF autograd)
-    and the counts."""
+    reason; streamed: layerwise builds its units, and the sweep tests hold it to HF autograd)
+    and the counts; ``--multimodal``: the image-text-to-text types."""
+    import sys
+
     from layerwise.models import DecoderAdapter
 
+    multimodal = "--multimodal" in sys.argv
+    types, make = (image_text_types(), build_multimodal) if multimodal else (causal_lm_types(), build)
     counts: dict[str, int] = {}
-    for t in causal_lm_types():
-        cfg, model = build(t)
+    for t in types:
+        cfg, model = make(t)
         if cfg is None:
             outcome, why = "excluded", model
         else:
@@ -125,7 +191,8 @@ def main() -> None:
         counts[outcome] = counts.get(outcome, 0) + 1
         print(f"{t:28s} {outcome:9s} {why}")
     built = counts.get("streamed", 0) + counts.get("refused", 0)
-    print(json.dumps({"causal_lm_types": len(causal_lm_types()), "buildable": built, **counts}))
+    print(json.dumps({"image_text_types" if multimodal else "causal_lm_types": len(types),
+                      "buildable": built, **counts}))
 
 
 if __name__ == "__main__":

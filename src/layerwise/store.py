@@ -274,6 +274,8 @@ class HostStore:
                  alloc: HostAllocator = PRIVATE, split_master: bool | None = None,
                  grad_dtype: torch.dtype = torch.float32):
         self.adapter = adapter
+        self.passthrough: dict[str, torch.Tensor] = {}
+        """``adapter.passthrough_names``' tensors as the checkpoint holds them (vision tower)."""
         self.alloc = alloc
         self.compute_dtype = compute_dtype
         self.split_master = resolve_split_master(compute_dtype, split_master)
@@ -356,6 +358,9 @@ class HostStore:
     def load_hf_tensor(self, hf_name: str, tensor: torch.Tensor) -> None:
         """Copy one HF state-dict tensor into its place (shape-checked), copy source included."""
         mapping = self._hf_map()
+        if hf_name not in mapping and hf_name in self.adapter.passthrough_names:
+            self.passthrough[hf_name] = tensor.detach().clone()  # as read: exported bit for bit
+            return
         if hf_name not in mapping:
             raise KeyError(hf_name)
         unit_name, local = mapping[hf_name]
@@ -377,7 +382,7 @@ class HostStore:
     def copy_from_model(self, model: torch.nn.Module) -> None:
         """Fill master weights (and copy sources) from an HF model instance's state dict."""
         sd = model.state_dict()
-        for name in self._hf_map():
+        for name in (*self._hf_map(), *self.adapter.passthrough_names):
             self.load_hf_tensor(name, sd[name])
 
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -13,7 +13,7 @@ from layerwise.engine import StreamingEngine
 from layerwise.engine.batch import Batch
 from layerwise.interop.recipes.store_export import export_store
 from layerwise.models import DecoderAdapter
-from layerwise.models.families import attn_implementation
+from layerwise.models.families import attn_implementation, family_of
 from layerwise.plan import Plan
 from layerwise.store import HostStore
 
@@ -96,13 +96,14 @@ def test_export_loads_with_from_pretrained_and_gives_equal_logits(flavor, tmp_pa
     assert not torch.allclose(ref, before, atol=1e-4), "training changed nothing"
 
 
-def test_refusal_lists_the_supported_families_and_names_the_text_model_of_a_wrapper():
+def test_refusal_names_the_layout_and_a_wrapper_gets_its_language_models_family():
     with pytest.raises(ValueError, match="unsupported architecture model_type='roberta'.*"
                                          "RobertaForCausalLM does not have the decoder layout.*"
                                          "lacks a ModuleList of num_hidden_layers layers"):
         DecoderAdapter(RobertaConfig(num_hidden_layers=2))
-    with pytest.raises(ValueError, match="multimodal model.*'gemma3_text'"):
-        DecoderAdapter(Gemma3Config())
+    multimodal = family_of(Gemma3Config())  # its language model trains, its vision is carried
+    assert (multimodal.text_model_type, multimodal.model_class_name) == \
+        ("gemma3_text", "Gemma3ForConditionalGeneration")
 
 
 def test_layers_of_different_structure_get_their_own_template():

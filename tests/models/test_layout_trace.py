@@ -15,7 +15,7 @@ from sweep_cases import tiny_config
 def _layout(model_type: str):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
-    return decoder_layout(model, model_type)
+    return decoder_layout(model, model_type, model.config.num_hidden_layers)
 
 
 def test_the_trace_finds_each_layout_and_what_its_layers_take():

@@ -152,7 +152,7 @@ class LoraAdapter:
 
     def plan_shape(self) -> ModelShape:
         """The planner's shape of this run (``ModelShape.frozen_base`` from the real layouts)."""
-        shape = ModelShape.from_config(self.base.config)
+        shape = ModelShape.from_config(self.base.config, adapter=self.base)
         layer = self.layouts[self.units[1].name]
         matmul = [e for e in layer.frozen if len(e.shape) == 2]
         per = sum(e.nbytes for e in matmul) / sum(e.numel for e in matmul)

@@ -164,4 +164,4 @@ class HostStoreStateProvider:
             buf.state[k].copy_(v)
 
     def model_config(self) -> dict | None:
-        return self.store.adapter.config.to_dict()
+        return self.store.adapter.model_config.to_dict()

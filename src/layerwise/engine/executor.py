@@ -134,7 +134,8 @@ class StreamingEngine:
         """The ops of one micro-batch (a step runs each for every micro-batch of its group)."""
         self.resident = resident_units(plan.resident_layers)
         plan_shape = getattr(adapter, "plan_shape", None)  # a LoRA run's knows its frozen base
-        self.shape = plan_shape() if plan_shape is not None else ModelShape.from_config(adapter.config)
+        self.shape = plan_shape() if plan_shape is not None else \
+            ModelShape.from_config(adapter.config, adapter=adapter)
         self.optimizers = optimizers or self._default_optimizers()
         for buf in store:
             if not buf.state:

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..ckpt.provider import EXP_AVG, EXP_AVG_SQ, OPTIM_KINDS, PARAM, STEP
+from ..models.families import family_of
 
 __all__ = ["EXP_AVG", "EXP_AVG_SQ", "OPTIM_KINDS", "PARAM", "STEP", "CheckpointSource", "meta_model"]
 
@@ -64,5 +65,11 @@ def meta_model(config: dict) -> torch.nn.Module:
     if not model_type:
         raise ValueError("config.json has no 'model_type'; cannot tell which architecture it describes")
     hf_config = AutoConfig.for_model(model_type, **cfg)
+    try:
+        model_class = family_of(hf_config).model_class  # a multimodal model's own class
+    except ValueError:
+        model_class = None
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config)
+        if model_class is None:
+            return AutoModelForCausalLM.from_config(hf_config)
+        return model_class(hf_config)

@@ -38,10 +38,11 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from .attention import RowLayout, attention_masks, row_layout
-from .families import LINEAR_ATTENTION, attn_implementation, family_of, layer_attention_types, layer_windows
+from .families import (LINEAR_ATTENTION, attn_implementation, family_of, layer_attention_types,
+                       layer_windows, text_config)
 from .moe import LayerTail, RouterRecorder, RouterSpec, RouterState
 from .layout import DecoderLayout, decoder_layout
-from .names import EMBED, HEAD, layer_unit
+from .names import EMBED, HEAD, layer_unit, model_is_tied
 
 
 @dataclass(frozen=True)
@@ -118,26 +119,31 @@ class DecoderAdapter:
         spec = family_of(config)
         self.family = spec.model_type
         self.spec = spec
+        self.model_config = config
+        """The checkpoint's whole config (a multimodal one's, vision included)."""
+        config = text_config(config)
         self.config = config
-        self.attn_implementation = attn_implementation(config)
+        """The language model's config (the model's own for a text-only model)."""
+        self.attn_implementation = attn_implementation(config, spec)
+        self.model_config._attn_implementation = self.attn_implementation
         config._attn_implementation = self.attn_implementation
         self.num_layers: int = config.num_hidden_layers
-        self.tied: bool = bool(getattr(config, "tie_word_embeddings", False))
         self.hidden_size: int = config.hidden_size
         self.vocab_size: int = config.vocab_size
         with torch.device("meta"):
-            self._meta = spec.model_class(config)
+            self._meta = spec.model_class(self.model_config)
         self._meta.eval()  # dropout off, as in the engine's every step
-        self.layout = layout = decoder_layout(self._meta, self.family)
+        self.tied: bool = model_is_tied(self._meta)
+        self.layout = layout = decoder_layout(self._meta, self.family, self.num_layers)
         inner = self._meta.get_submodule(layout.base)
-        self._transient = _transient_buffers(spec.model_class, config, self._meta, layout)
+        self._transient = _transient_buffers(spec.model_class, self.model_config, self._meta, layout)
         self._device_buffers: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
         layers = getattr(inner, layout.layers)
         self._layers = layers
         self.sliding_window: int | None = getattr(config, "sliding_window", None)
         self._recurrent = tuple(any(isinstance(m, nn.Conv1d) for m in layer.modules())
                                 for layer in layers)
-        self.layer_types: list[str] = layer_attention_types(config, self._recurrent)
+        self.layer_types: list[str] = layer_attention_types(config, self._recurrent, spec)
         self.layer_windows = layer_windows(config, self.layer_types)
         self.router_spec = RouterSpec.of(self._meta, config)
         self._recorder = RouterRecorder(self.router_spec) if self.router_spec else None
@@ -161,6 +167,11 @@ class DecoderAdapter:
         self.unit_by_name = {u.name: u for u in self.units}
         self.head_weight_name = layout.head + ".weight"
         """The lm_head weight's HF key (the embedding's under tied embeddings)."""
+        streamed = {p.hf_name for u in self.units for p in u.params} | {self.head_weight_name}
+        self.passthrough_names: tuple[str, ...] = tuple(
+            n for n in self._meta.state_dict(keep_vars=True) if n not in streamed)
+        """What the checkpoint holds besides the language model (a multimodal model's vision
+        tower and projector): never trained, kept on the host as read, exported unchanged."""
 
         self._template_of_layer: list[_Template] = []
         templates: dict[tuple, _Template] = {}
@@ -539,8 +550,8 @@ class _FinalNorm(nn.Module):
 
 
 class _BaseOutput:
-    """The base model's output as the head code reads it: the last hidden state (by name or
-    as item 0), and None for whatever else it asks (cache, router logits, attentions)."""
+    """The base model's output as the head code reads it: the last hidden state (by name, as
+    item 0 or as a mapping), and None for whatever else it asks (cache, router logits)."""
 
     def __init__(self, last_hidden_state: torch.Tensor):
         self.last_hidden_state = last_hidden_state
@@ -548,8 +559,11 @@ class _BaseOutput:
     def __getattr__(self, name: str) -> None:  # only for attributes not set above
         return None
 
-    def __getitem__(self, index: int) -> torch.Tensor:
-        if index != 0:
+    def keys(self) -> list[str]:  # as a mapping: ``Gemma3ModelOutputWithPast(**outputs)``
+        return ["last_hidden_state"]
+
+    def __getitem__(self, index: int | str) -> torch.Tensor:
+        if index not in (0, "last_hidden_state"):
             raise IndexError(index)
         return self.last_hidden_state
 
@@ -558,15 +572,20 @@ def _causal_lm_head(meta: nn.Module, layout: DecoderLayout, head_params: list[Pa
                     ) -> tuple[nn.Module, dict[str, str]]:
     """``meta`` (a causal LM on the meta device) with its base model replaced by what runs
     after the layers: calling it runs the family's own head code (lm_head, soft cap, logit
-    scale) on given hidden states. Shallow copies down to the base (OPT's ``model.decoder``),
-    sharing their modules with ``meta``; also the head unit's local names -> the copy's
+    scale) on given hidden states. Shallow copies down to the base (OPT's ``model.decoder``, a
+    multimodal model's ``model.language_model``), sharing their modules with ``meta``; also the head unit's local names -> the copy's
     parameter names."""
     inner = meta.get_submodule(layout.base)
     new: nn.Module = _FinalNorm([(n, getattr(inner, n)) for n in layout.post])
     path = layout.base.split(".")
     for depth in range(len(path), 0, -1):
         parent = meta.get_submodule(".".join(path[:depth - 1]))
-        new = _with_parts(parent, {path[depth - 1]: new})
+        parts: dict[str, nn.Module | None] = {path[depth - 1]: new}
+        if depth > 1:  # inside the causal LM: what text never runs (a vision tower) is left out
+            parts.update({n: None for n in parent._modules if n != path[depth - 1]})
+        new = _with_parts(parent, parts)
+        if depth > 1:
+            new._parameters, new._buffers = {}, {}  # LLaVA-NeXT's image_newline
     posts = tuple(n + "." for n in layout.post)
     names = {p.local: (layout.base + "." + p.local if p.local.startswith(posts) else p.local)
              for p in head_params}

@@ -23,6 +23,7 @@ Classes are named, not imported, so that reading the table costs no import of a 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,8 @@ class FamilySpec:
     """Each MoE layer keeps its routed experts as fused ``[num_experts, ...]`` tensors
     (``mlp.experts.<proj>``), so a checkpoint may version each expert on its own: a slice of
     those tensors (``ckpt.expert_groups``)."""
+    text_model_type: str | None = None
+    """The language model's family of a multimodal checkpoint (None: a text-only model)."""
     closed_form_shape: bool = False
     """Every layer is the same dense Llama-style block, so the planner's closed-form sizes and
     fitted memory formulas (``plan/shape.py``) are exact; otherwise the planner reads per-layer
@@ -120,32 +123,62 @@ FAMILIES: dict[str, FamilySpec] = {s.model_type: s for s in (
                rope_position_axes=3, quirks="linear-attention layers, MoE with a gated shared expert"),
 )}
 
-TEXT_MODEL_OF = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
-"""Multimodal wrappers whose language model is a supported family."""
-
-
 def supported_families() -> str:
     """One line per family: its ``model_type`` and what it brings."""
     return "; ".join(f"{s.model_type}" + (f" ({s.quirks})" if s.quirks else "")
                      for s in FAMILIES.values())
 
 
+def text_config(config: PretrainedConfig | Any) -> PretrainedConfig | Any:
+    """The language model's config: a multimodal config's ``text_config``, else ``config``."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def family_of(config: PretrainedConfig | Any) -> FamilySpec:
     """The family of ``config``: its row of the table, else one derived from transformers'
-    causal-LM class of its ``model_type`` (:func:`derived_family`), or a clear error."""
+    causal-LM class of its ``model_type`` (:func:`derived_family`), or a clear error. A
+    multimodal config (a ``text_config`` inside) gets its language model's family with the
+    image-text-to-text class (:func:`multimodal_family`)."""
     model_type = getattr(config, "model_type", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if model_type in TEXT_MODEL_OF or text is not config:
-        text_type = TEXT_MODEL_OF.get(model_type) or getattr(text, "model_type", None)
-        raise ValueError(
-            f"model_type={model_type!r} is a multimodal model; layerwise trains decoder-only "
-            f"causal LMs, not yet the language model inside a multimodal checkpoint: use a "
-            f"text-only checkpoint of its language model (model_type={text_type!r}, the "
-            "config's text_config, with that model's keys)")
+    text = text_config(config)
+    if text is not config:
+        try:
+            text_spec = family_of(text)
+        except ValueError:
+            if getattr(text, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+                raise  # a causal LM layerwise refuses, inside a multimodal model too
+            text_spec = None  # a language model that exists only inside (Qwen3-VL's)
+        return multimodal_family(model_type, type(config).__name__, text_spec,
+                                 getattr(text, "model_type", None))
     spec = FAMILIES.get(model_type)
     if spec is not None and hasattr(transformers, spec.model_class_name):
         return spec
     return derived_family(model_type, type(config).__name__)
+
+
+def multimodal_family(model_type: str | None, config_class_name: str, text: FamilySpec | None,
+                      text_type: str | None) -> FamilySpec:
+    """A multimodal checkpoint whose language model is of family ``text`` (None: a language
+    model with no causal LM of its own, derived like :func:`derived_family`'s): that family's
+    facts, transformers' image-text-to-text class of ``model_type`` (its vision tower and
+    projector are carried unchanged: frozen, on the host, exported as they were)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    class_name = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type)
+    if class_name is None or not hasattr(transformers, class_name):
+        raise ValueError(
+            f"unsupported architecture model_type={model_type!r}: a model with a "
+            f"{text_type!r} language model inside, but transformers "
+            f"{transformers.__version__} has no image-text-to-text class for it; use a "
+            f"text-only checkpoint of its language model (model_type={text_type!r})")
+    if text is None:
+        text = FamilySpec(text_type or "", "", "", window_on_every_layer=True)
+    sdpa = getattr(getattr(transformers, class_name), "_supports_sdpa", False)
+    return dataclasses.replace(text, model_type=model_type, config_class_name=config_class_name,
+                               model_class_name=class_name, text_model_type=text.model_type,
+                               closed_form_shape=False,
+                               attn_implementation=text.attn_implementation if sdpa else "eager",
+                               quirks=f"multimodal: the {text.model_type} language model trained")
 
 
 REFUSED: dict[str, str] = {
@@ -182,20 +215,22 @@ def derived_family(model_type: str | None, config_class_name: str) -> FamilySpec
     return FamilySpec(model_type, config_class_name, class_name, window_on_every_layer=True,
                       attn_implementation="sdpa" if getattr(cls, "_supports_sdpa", False) else "eager",
                       quirks="derived from transformers' modules")
-def attn_implementation(config: PretrainedConfig | Any) -> str:
+def attn_implementation(config: PretrainedConfig | Any, spec: FamilySpec | None = None) -> str:
     """The attention implementation the family's layers run with (the engine and the HF
     reference alike)."""
-    if getattr(config, "attn_logit_softcapping", None) is not None:
+    if getattr(text_config(config), "attn_logit_softcapping", None) is not None:
         return "eager"  # SDPA has no soft-capped scores
-    return family_of(config).attn_implementation
+    return (spec or family_of(config)).attn_implementation
 
 
 def layer_attention_types(config: PretrainedConfig | Any,
-                          recurrent: tuple[bool, ...] | None = None) -> list[str]:
+                          recurrent: tuple[bool, ...] | None = None,
+                          spec: FamilySpec | None = None) -> list[str]:
     """The token mixer of every decoder layer: one of ``ATTENTION_TYPES``. ``recurrent``: which
     layers hold a causal convolution (read off the modules); a layer type the list does not
-    know is a recurrent token mixer on those (LFM2's ``conv``, Falcon-H1's ``mamba``)."""
-    spec = family_of(config)
+    know is a recurrent token mixer on those (LFM2's ``conv``, Falcon-H1's ``mamba``). ``spec``:
+    the family (default: ``config``'s; a multimodal model's language model has its model's)."""
+    spec = spec or family_of(config)
     types = getattr(config, "layer_types", None)
     if types:
         types = list(types)[:config.num_hidden_layers]
@@ -219,10 +254,6 @@ def layer_windows(config: PretrainedConfig | Any,
     size = {SLIDING_ATTENTION: getattr(config, "sliding_window", None),
             CHUNKED_ATTENTION: getattr(config, "attention_chunk_size", None)}
     return tuple(size.get(t) for t in (types or layer_attention_types(config)))
-
-
-def has_qkv_bias(config: PretrainedConfig | Any) -> bool:
-    return family_of(config).qkv_bias or bool(getattr(config, "attention_bias", False))
 
 
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")

@@ -59,8 +59,9 @@ class DecoderLayout:
         return f"{self.base}.{self.layers}.{i}."
 
 
-def decoder_layout(meta: nn.Module, family: str) -> DecoderLayout:
-    """The layout of causal LM ``meta`` (on the meta device), or a one-line error."""
+def decoder_layout(meta: nn.Module, family: str, num_layers: int) -> DecoderLayout:
+    """The layout of causal LM ``meta`` (on the meta device; a multimodal model's language
+    model, of ``num_layers`` layers), or a one-line error."""
     head_module = meta.get_output_embeddings()
     embed_module = meta.get_input_embeddings()
     names = {id(m): n for n, m in meta.named_modules()}
@@ -70,7 +71,7 @@ def decoder_layout(meta: nn.Module, family: str) -> DecoderLayout:
     base = meta.get_submodule(base_path) if base_path else None
     layers = None if base is None else next(
         (n for n, c in base.named_children()
-         if isinstance(c, nn.ModuleList) and len(c) == meta.config.num_hidden_layers), None)
+         if isinstance(c, nn.ModuleList) and len(c) == num_layers), None)
     missing = [what for what, ok in (
         ("a token embedding", isinstance(embed_module, nn.Embedding) and bool(base_path)),
         ("a ModuleList of num_hidden_layers layers beside it", layers is not None),

@@ -19,7 +19,7 @@ from typing import Any
 from transformers import AutoConfig
 
 from ..models.adapter import DecoderAdapter
-from ..models.families import attn_implementation, family_of, has_qkv_bias, layer_windows
+from ..models.families import attn_implementation, family_of, layer_windows, text_config
 from ..models.names import EMBED, HEAD, layer_index, unit_names
 from ..models.registry import FLAVORS
 from ..models.structure import LayerFacts, layer_facts
@@ -92,8 +92,14 @@ class ModelShape:
     parameter is trained."""
 
     @classmethod
-    def from_config(cls, config: Any, name: str | None = None) -> ModelShape:
-        family = family_of(config)
+    def from_config(cls, config: Any, name: str | None = None, adapter: Any = None) -> ModelShape:
+        """``adapter``: the run's ``DecoderAdapter`` (its family and per-layer facts; a
+        multimodal model's language model has no family of its own)."""
+        if adapter is None and text_config(config) is not config:  # a multimodal model
+            adapter = DecoderAdapter(config)
+        if adapter is not None:
+            config = adapter.config
+        family = adapter.spec if adapter is not None else family_of(config)
         h = config.hidden_size
         heads = getattr(config, "num_attention_heads", None) or 1  # none: a state-space model
         head_dim = getattr(config, "head_dim", None) or h // heads
@@ -101,7 +107,7 @@ class ModelShape:
         layers: tuple[LayerCost, ...] = ()
         windows = None
         if not family.closed_form_shape:
-            adapter = DecoderAdapter(config)
+            adapter = adapter or DecoderAdapter(config)
             layers = tuple(LayerCost.of(f, h) for f in layer_facts(adapter))
             windows = adapter.layer_windows
         return cls(
@@ -114,11 +120,11 @@ class ModelShape:
             head_dim=head_dim,
             vocab_size=config.vocab_size,
             tied=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=has_qkv_bias(config),
+            qkv_bias=family.qkv_bias or bool(getattr(config, "attention_bias", False)),
             qk_norm=family.qk_norm,
             layer_windows=windows or layer_windows(config),
             layers=layers,
-            eager_attention=attn_implementation(config) == "eager",
+            eager_attention=attn_implementation(config, family) == "eager",
         )
 
     def layer(self, i: int) -> LayerCost | None:

@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 from ..engine.batch import Batch
 from ..interop.hf.model_dir import load_config, load_store
 from ..models import FLAVORS, DecoderAdapter, family_of, get_flavor
+from ..models.families import text_config
 from ..models.attention import row_layout
 from ..models.structure import layer_facts, model_flops
 from ..plan.memory import CUDA_WORKSPACE_BYTES, predict_peak_device_bytes
@@ -102,7 +103,7 @@ def choose_plan(cfg: TrainConfig, model: PretrainedConfig, compute_dtype: torch.
     Either way ``plan.predicted["step_s"]`` is the predicted step time (absent only for a rule
     or file when no profile resolves without calibrating: a GPU no preset matches)."""
     auto = cfg.plan == "auto"
-    num_layers = model.num_hidden_layers
+    num_layers = text_config(model).num_hidden_layers
     plan = None if auto else resolve_plan(cfg.plan, num_layers, cfg)
     hw = resolve_hardware(cfg.profile, cfg.hardware, cfg.device, Path(cfg.out_dir), compute_dtype,
                           mem_cap_bytes(cfg), may_calibrate=auto)

@@ -192,7 +192,7 @@ def load_store(path: str | Path, compute_dtype: torch.dtype = torch.float32,
     path = Path(path)
     adapter = DecoderAdapter(config if config is not None else load_config(path))
     source = HFModelDirSource(path)
-    check_weights(source, adapter.hf_names())
+    check_weights(source, [*adapter.hf_names(), *adapter.passthrough_names])
     store = HostStore(adapter, compute_dtype=compute_dtype, pin=pin, alloc=alloc,
                       grad_dtype=grad_dtype)
     fill_store(source, store)
@@ -211,6 +211,8 @@ def fill_store(source: HFModelDirSource, store: Any) -> None:
     """Load every tensor ``store`` holds (``store.adapter.hf_names()``) from ``source``, one
     group at a time (a HostStore, or a LoRA run's store, which quantises its base on the way)."""
     needed = set(store.adapter.hf_names())
+    if hasattr(store, "passthrough"):  # a HostStore keeps what it does not train (vision)
+        needed |= set(store.adapter.passthrough_names)
     for group in source.groups():
         for key, tensor in source.load_group(group).items():
             if key[len(PARAM):] in needed:  # not e.g. a stored copy of a tied head
