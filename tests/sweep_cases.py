@@ -152,6 +152,34 @@ def build(model_type: str):
     return cfg, model
 
 
+REFUSALS = ("unsupported architecture", "layer_types", "model_type=")
+"""How layerwise's refusals begin: another layout or a family it names (``families.py``), an
+attention type it does not run."""
+
+
+def saved_and_loaded(model_type: str, built, hub: Path, on_missing=None):
+    """(config, HF model, adapter, store): the built model saved to ``hub`` with
+    ``save_pretrained`` and loaded by layerwise; the test skips, saying why, when the type does
+    not build here or layerwise refuses it in one line (any other error fails it).
+    ``on_missing(hub)``: called first when the directory's weights seem missing."""
+    import pytest
+
+    from layerwise.interop.hf.model_dir import load_store
+
+    cfg, model = built
+    if cfg is None:
+        pytest.skip(f"{model_type}: its tiny config does not build here ({model})")
+    model.save_pretrained(hub)
+    try:
+        return (cfg, model, *load_store(hub))
+    except ValueError as e:  # a clear refusal is the right answer for what cannot be trained
+        if on_missing is not None and "weights missing" in str(e):
+            on_missing(hub)
+        assert "\n" not in str(e).strip(), "a refusal is one line"
+        assert str(e).startswith(REFUSALS), f"{model_type}: not a refusal: {e}"
+        pytest.skip(f"{model_type}: refused: {e}")
+
+
 def saved_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """Name → (shape, dtype) of every tensor in a model dir's safetensors files."""
     path = Path(path)

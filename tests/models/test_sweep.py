@@ -20,32 +20,17 @@ from transformers import AutoModelForCausalLM
 
 from family_cases import assert_grads_close, engine_grads, hf_reference, make_batch
 from layerwise.engine import StreamingEngine
-from layerwise.interop.hf.model_dir import load_store
 from layerwise.interop.recipes.store_export import export_store
 from layerwise.plan import Plan
-from sweep_cases import build, causal_lm_types, saved_tensors
-
-REFUSALS = ("unsupported architecture", "layer_types", "model_type=")
-"""How layerwise's refusals begin: another layout or a family it names (``families.py``), an
-attention type it does not run, a multimodal wrapper."""
+from sweep_cases import build, causal_lm_types, saved_and_loaded, saved_tensors
 
 PLANS = {"every-1": lambda n: Plan.every_k(n, 1), "every-2": lambda n: Plan.every_k(n, 2),
          "recompute-all": Plan.recompute_all}
 
 
 def _check(model_type: str, plans: list[str], tmp_path) -> None:
-    cfg, model = build(model_type)
-    if cfg is None:
-        pytest.skip(f"{model_type}: its tiny config does not build here ({model})")
     hub = tmp_path / "hub"
-    model.save_pretrained(hub)
-    try:
-        adapter, store = load_store(hub)
-    except ValueError as e:  # a clear refusal is the right answer for what cannot be trained
-        assert "\n" not in str(e).strip(), "a refusal is one line"
-        # only the refusals of what layerwise does not train; any other error is a failure
-        assert str(e).startswith(REFUSALS), f"{model_type}: not a refusal: {e}"
-        pytest.skip(f"{model_type}: refused: {e}")
+    cfg, model, adapter, store = saved_and_loaded(model_type, build(model_type), hub)
     batch = make_batch(cfg.vocab_size)
     ref_loss, ref_grads = hf_reference(model, cfg, [batch])
     for name in plans:
