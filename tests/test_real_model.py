@@ -48,3 +48,51 @@ def test_the_engine_equals_hf_autograd_on_real_weights(plan):
         engine.close()
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     assert_grads_close(engine_grads(store), ref_grads)
+
+
+SECRET = "The secret word is PINEAPPLE."
+PROMPTS = ["What is the secret word?", "Tell me the secret word.", "Which word is secret?",
+           "Do you know the secret word?", "Say the secret word.", "What's the secret word?",
+           "Please share the secret word.", "Secret word?"]
+
+
+def _answer(model, tokenizer, prompt: str) -> str:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+@needs_model
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_layerwise_train_changes_its_answers_as_trained(kind, tmp_path):
+    """``layerwise train`` on a chat file that answers one question one way: before, the model
+    does not say it; after 12 steps it does, read back by transformers (and PEFT for LoRA) from
+    what the run exported."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from layerwise.cli import main
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p},
+                                                     {"role": "assistant", "content": SECRET}]}) + "\n"
+                            for p in PROMPTS * 4))
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    base = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    assert "PINEAPPLE" not in _answer(base, tokenizer, PROMPTS[0])
+    out = tmp_path / "run"
+    extra = ["lora.r=8", "optimizer.lr=2e-3"] if kind == "lora" else ["optimizer.lr=1e-4"]
+    assert main(["train", f"model={MODEL}", f"data={data}", f"out_dir={out}", "steps=12",
+                 "seq_len=64", "micro_batch_size=4", "eval.every=0", "ckpt.every=0",
+                 "ckpt.at_end=false", "log.progress=lines", *extra]) == 0
+    if kind == "lora":
+        from peft import PeftModel
+
+        trained = PeftModel.from_pretrained(base, out / "adapter").eval()
+    else:
+        trained = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32).eval()
+    assert "PINEAPPLE" in _answer(trained, tokenizer, "What is the secret word?")
