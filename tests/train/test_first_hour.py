@@ -120,6 +120,46 @@ def test_user_errors_are_one_line_and_exit_2_the_traceback_only_with_debug(tmp_p
         main(["train", "device=cuda", f"out_dir={out}", "--debug"])
 
 
+def _gemma3_multimodal_dir(path: Path) -> Path:
+    """A tiny Gemma 3 as the Hub serves it (``Gemma3ForConditionalGeneration``, vision inside)."""
+    from transformers import AutoModelForImageTextToText, Gemma3Config
+
+    cfg = Gemma3Config(
+        text_config=dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14),
+        mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(cfg).save_pretrained(path)
+    return path
+
+
+def test_a_lora_adapter_of_a_multimodal_model_targets_its_language_model_only(tmp_path):
+    """Friction: the adapter's ``target_modules`` named the linears by their last names
+    (``q_proj`` …), which the vision tower has too: PEFT made LoRA modules there and warned of
+    missing adapter keys. The targets are now a regex under the language model's layers.
+    Mutation seen failing: the last names as the targets again."""
+    import warnings
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    model_dir = _gemma3_multimodal_dir(tmp_path / "gemma3")
+    out = tmp_path / "run"
+    assert main(["train", f"model={model_dir}", f"out_dir={out}", "steps=2", "lora.r=4",
+                 *TINY]) == 0
+    base = AutoModelForImageTextToText.from_pretrained(model_dir)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        peft = PeftModel.from_pretrained(base, out / "adapter")
+    assert not [w for w in seen if "missing adapter keys" in str(w.message)]
+    saved = load_file(out / "adapter" / "adapter_model.safetensors")
+    made = [n for n, _ in peft.named_parameters() if ".lora_" in n]
+    assert len(made) == len(saved) and not [n for n in made if "vision_tower" in n]
+
+
 def test_a_multimodal_checkpoint_fine_tunes_its_language_model_and_keeps_its_vision_tower(
         tmp_path, capsys):
     """Friction: a multimodal directory (Gemma 3 as the Hub serves it) ended in a traceback
@@ -129,17 +169,8 @@ def test_a_multimodal_checkpoint_fine_tunes_its_language_model_and_keeps_its_vis
     Mutation seen failing: the store not keeping what it does not train (the export: "the source
     lacks 34 parameter(s)")."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForImageTextToText, Gemma3Config
 
-    model_dir = tmp_path / "gemma3"
-    cfg = Gemma3Config(
-        text_config=dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, image_size=28, patch_size=14),
-        mm_tokens_per_image=4)
-    torch.manual_seed(0)
-    AutoModelForImageTextToText.from_config(cfg).save_pretrained(model_dir)
+    model_dir = _gemma3_multimodal_dir(tmp_path / "gemma3")
     capsys.readouterr()  # save_pretrained's progress bar
     out = tmp_path / "run"
     assert main(["train", f"model={model_dir}", f"out_dir={out}", "steps=2", "optimizer.lr=1e-2",

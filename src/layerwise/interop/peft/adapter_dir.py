@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -35,12 +36,20 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
 
-def peft_config(lora: LoraConfig, target_names: list[str], base_model: str | None) -> dict[str, Any]:
-    """``adapter_config.json`` of an adapter on ``target_names`` (local module names)."""
+def peft_config(lora: LoraConfig, target_names: list[str], base_model: str | None,
+                layers_path: str | None = None) -> dict[str, Any]:
+    """``adapter_config.json`` of an adapter on ``target_names`` (local module names).
+    ``layers_path``: where the layers sit (``model.language_model.layers``) when the model has
+    linears outside them that the names would also match (a multimodal model's vision tower):
+    the targets are then a regex PEFT matches against the full module names."""
+    targets: list[str] | str = sorted({n.rsplit(".", 1)[-1] for n in target_names})
+    if layers_path is not None:
+        names = "|".join(re.escape(n) for n in sorted(set(target_names)))
+        targets = rf"{re.escape(layers_path)}\.\d+\.(?:{names})"
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
-        "target_modules": sorted({n.rsplit(".", 1)[-1] for n in target_names}),
+        "target_modules": targets,
         "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True,
         "inference_mode": True, "modules_to_save": None, "use_rslora": False, "use_dora": False,
         "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
@@ -56,6 +65,8 @@ def write_adapter(store: LoraStore, out_dir: str | Path, base_model: str | None 
     if out.exists() and not overwrite:
         raise ValueError(f"{out} exists; pass overwrite=True to replace it")
     adapter = store.adapter
+    layout = adapter.layout
+    layers_path = f"{layout.base}.{layout.layers}" if adapter.passthrough_names else None
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
@@ -63,7 +74,7 @@ def write_adapter(store: LoraStore, out_dir: str | Path, base_model: str | None 
                    for n, t in store.adapter_tensors().items()}
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(
-            peft_config(adapter.lora, adapter.target_names, base_model), indent=2) + "\n")
+            peft_config(adapter.lora, adapter.target_names, base_model, layers_path), indent=2) + "\n")
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
