@@ -19,7 +19,7 @@ from layerwise.interop.recipes.import_checkpoints import import_checkpoints
 from layerwise.interop.recipes.merge import merge
 from layerwise.interop.hf.trainer_checkpoint import TrainerCheckpointSource
 
-from test_core_helpers import tiny_llama
+from ckpt.test_core_helpers import tiny_llama  # tests/ckpt, whichever folder runs first
 from trainer_helpers import make_trainer
 
 NUM_CHECKPOINTS = 10
