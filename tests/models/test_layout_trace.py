@@ -57,3 +57,28 @@ def test_what_the_trace_cannot_run_is_refused_in_one_line(model_type, why):
         _layout(model_type)
     assert why in str(e.value) and "\n" not in str(e.value)
     assert str(e.value).startswith(f"unsupported architecture model_type={model_type!r}")
+
+
+def test_buffers_are_rebuilt_for_the_building_thread_alone():
+    """GPT-Neo's causal-mask tables are rebuilt by building the model with its parameters on the
+    meta device; a module another thread builds meanwhile keeps real parameters (an engine may
+    be running there). Mutation seen failing: the patch of ``register_parameter`` applied to
+    every thread (the other thread's ``nn.Linear`` on meta)."""
+    import threading
+
+    from torch import nn
+
+    from layerwise.models import DecoderAdapter
+    from layerwise.models import adapter as adapter_module
+
+    adapter = DecoderAdapter(tiny_config("gpt_neo"))
+    masks = [b for n, b in adapter._transient.items() if n.endswith("attn.attention.bias")]
+    assert masks and all(b.device.type == "cpu" and b.dtype == torch.bool for b in masks)
+    seen = {}
+    with adapter_module._parameters_on_meta():
+        other = threading.Thread(target=lambda: seen.setdefault("other", nn.Linear(2, 2).weight.device.type))
+        other.start()
+        other.join()
+        seen["own"] = nn.Linear(2, 2).weight.device.type
+    assert seen == {"other": "cpu", "own": "meta"}
+    assert nn.Linear(2, 2).weight.device.type == "cpu"  # the patch is gone afterwards

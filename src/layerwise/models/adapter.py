@@ -30,6 +30,7 @@ import copy
 import dataclasses
 import inspect
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -480,22 +481,34 @@ def _transient_buffers(model_class: type, config: PretrainedConfig, meta: nn.Mod
     return {n: buffers[n] for n in names}
 
 
+_META_THREADS: set[int] = set()
+"""Threads inside :func:`_parameters_on_meta` (the patch applies to them alone)."""
+_META_LOCK = threading.Lock()
+_REGISTER_PARAMETER = nn.Module.register_parameter
+
+
+def _register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    _REGISTER_PARAMETER(module, name, param)
+    if param is not None and threading.get_ident() in _META_THREADS:
+        module._parameters[name] = nn.Parameter(param.to("meta"), param.requires_grad)
+
+
 @contextlib.contextmanager
 def _parameters_on_meta():
-    """Modules built inside get their parameters on the meta device (no memory, no init cost)
-    and their buffers where they are made."""
-    register = nn.Module.register_parameter
-
-    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
-        if param is not None:
-            module._parameters[name] = nn.Parameter(param.to("meta"), param.requires_grad)
-
-    nn.Module.register_parameter = to_meta
+    """Modules this thread builds inside get their parameters on the meta device (no memory,
+    no init cost) and their buffers where they are made; other threads build as usual."""
+    me = threading.get_ident()
+    with _META_LOCK:
+        if not _META_THREADS:
+            nn.Module.register_parameter = _register_parameter
+        _META_THREADS.add(me)
     try:
         yield
     finally:
-        nn.Module.register_parameter = register
+        with _META_LOCK:
+            _META_THREADS.discard(me)
+            if not _META_THREADS:
+                nn.Module.register_parameter = _REGISTER_PARAMETER
 
 
 def _accepted(layer: nn.Module, inputs: frozenset[str]) -> frozenset[str]:
