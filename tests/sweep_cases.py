@@ -62,13 +62,6 @@ def _shrunk(base: dict, sizes: dict) -> dict:
                 and all(isinstance(v, (str, int)) for v in per_layer):
             distinct = list(dict.fromkeys(per_layer))
             values[key] = (distinct * 2)[:2]
-    rope = base.get("rope_parameters")
-    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
-        # multi-axis RoPE: the sections cover half the (tiny) head, in proportion
-        half, sections = values.get("head_dim", HIDDEN // 4) // 2, rope["mrope_section"]
-        cut = [max(1, half * s // sum(sections)) for s in sections]
-        cut[-1] = half - sum(cut[:-1])
-        values["rope_parameters"] = {**rope, "mrope_section": cut}
     for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
         if isinstance(base.get(key), float):
             values[key] = 0.0
