@@ -1,9 +1,11 @@
 """The host accumulation kernel is bit-equal to ``dst += src.float()`` (and ``first`` to
 ``dst = src.float()``) for every bf16 bit pattern, odd sizes and split over threads.
 
-Mutations seen failing (each by hand, once):
-- the bf16 kernels shifting by 15 instead of 16 (``test_bf16_add_is_bit_equal_to_torch``);
-- ``_copy_bf16`` adding instead of writing (``test_first_writes_instead_of_adding``);
+Mutations seen failing (each by hand, once; numba caches a compiled kernel by its own file, so
+after editing ``split_master`` remove ``src/layerwise/optim/__pycache__/*.nb*`` first):
+- the bf16 widening (``split_master.as_f32``) shifting by 15 instead of 16
+  (``test_bf16_add_is_bit_equal_to_torch``);
+- ``_copy`` adding instead of writing (``test_first_writes_instead_of_adding``);
 - ``_run_split``'s workers stopping one element short of each chunk's end
   (``edges[i + 1] - 1``): only the split sizes fail (``...[(1 << 17) * 3 + 5-2]``).
 """

@@ -8,7 +8,8 @@ whole source into a full-size fp32 temporary (measured on one core: 0.44 G eleme
 - ``numba`` (CPU, contiguous, bf16 or fp32 source): a bf16 value is the top half of an fp32, so
   ``float32_bits(int32(bits16) << 16)`` *is* ``src.float()``, exactly (NaN payloads, infinities,
   subnormals included), and one loop reads 2 bytes, reads and writes 4 per element. The
-  bit-cast is an LLVM ``bitcast`` (an intrinsic), so the loop vectorises (zero-extend, shift,
+  bit-cast is an LLVM ``bitcast`` (``split_master.as_f32``, the optimizer kernels' widening
+  too), so the loop vectorises (zero-extend, shift,
   add: three instructions per 8 lanes). Each loop runs over slices from index 0, so numba adds
   no negative-index fix-up (which alone kept the loop scalar). A scratch-array variant (fill an
   int32 buffer, view it as fp32, add) ran ~3.5x slower here: numba's view is not contiguous to
@@ -33,8 +34,6 @@ from ..util.threads import run_split
 try:  # numba is optional: the torch path computes the same values
     import numba as _nb
     import numpy as _np
-    from numba import types as _nbt
-    from numba.extending import intrinsic as _intrinsic
 except Exception:  # pragma: no cover - depends on the environment
     _nb = None
 
@@ -47,37 +46,21 @@ _CHUNKS_PER_THREAD = 4
 
 
 if _nb is not None:
+    from ..split_master import as_f32  # a bf16 (its bits as int16) widened exactly, an fp32 as is
+
     _jit = dict(nogil=True, cache=True, error_model="numpy", boundscheck=False)
 
-    @_intrinsic
-    def _i32_as_f32(typingctx, x):  # pragma: no cover - compiled
-        def codegen(context, builder, signature, args):
-            return builder.bitcast(args[0], context.get_value_type(_nbt.float32))
-        return _nbt.float32(_nbt.int32), codegen
-
     @_nb.njit(**_jit)
-    def _add_bf16(dst, src, lo, hi):  # pragma: no cover - compiled
+    def _add(dst, src, lo, hi):  # pragma: no cover - compiled
         d, s = dst[lo:hi], src[lo:hi]  # from 0: no negative-index fix-up to stop vectorising
         for j in range(s.size):
-            d[j] += _i32_as_f32(_np.int32(s[j]) << 16)
+            d[j] += as_f32(s[j])
 
     @_nb.njit(**_jit)
-    def _copy_bf16(dst, src, lo, hi):  # pragma: no cover - compiled
+    def _copy(dst, src, lo, hi):  # pragma: no cover - compiled
         d, s = dst[lo:hi], src[lo:hi]  # from 0: no negative-index fix-up to stop vectorising
         for j in range(s.size):
-            d[j] = _i32_as_f32(_np.int32(s[j]) << 16)
-
-    @_nb.njit(**_jit)
-    def _add_f32(dst, src, lo, hi):  # pragma: no cover - compiled
-        d, s = dst[lo:hi], src[lo:hi]  # from 0: no negative-index fix-up to stop vectorising
-        for j in range(s.size):
-            d[j] += s[j]
-
-    @_nb.njit(**_jit)
-    def _copy_f32(dst, src, lo, hi):  # pragma: no cover - compiled
-        d, s = dst[lo:hi], src[lo:hi]  # from 0: no negative-index fix-up to stop vectorising
-        for j in range(s.size):
-            d[j] = s[j]
+            d[j] = as_f32(s[j])
 
 
 def numba_available() -> bool:
@@ -115,12 +98,9 @@ def accumulate(dst: torch.Tensor, src: torch.Tensor, first: bool = False, thread
         _accumulate_torch(dst.view(-1), src.reshape(-1), first)
         return
     d = dst.detach().view(-1).numpy()
-    if src.dtype == torch.bfloat16:
-        s = src.detach().view(-1).view(torch.int16).numpy()
-        fn = _copy_bf16 if first else _add_bf16
-    else:
-        s = src.detach().view(-1).numpy()
-        fn = _copy_f32 if first else _add_f32
+    s = src.detach().view(-1)
+    s = (s.view(torch.int16) if src.dtype == torch.bfloat16 else s).numpy()
+    fn = _copy if first else _add
     run_split(lambda lo, hi: fn(d, s, lo, hi), n, threads, _MIN_PER_TASK, _CHUNKS_PER_THREAD)
 
 
