@@ -113,6 +113,10 @@ class _Template:
     on the host; given to each call on its device."""
 
 
+_CONTEXT_MASK = object()
+"""``DecoderAdapter._call``'s default: the micro-batch context's mask of the layer's type."""
+
+
 class DecoderAdapter:
     """The layer view of one HF decoder family (``families.FAMILIES``)."""
 
@@ -374,12 +378,12 @@ class DecoderAdapter:
         return y
 
     def _call(self, t: _Template, index: int, params, hidden, ctx, pos, rope,
-              mask: object = "ctx") -> torch.Tensor:
+              mask: object = _CONTEXT_MASK) -> torch.Tensor:
         """``mask``: the attention mask to give (default: the context's of the layer's type;
         none for a layer its base model gives none)."""
         if not t.masked:
             mask = None
-        elif isinstance(mask, str):
+        elif mask is _CONTEXT_MASK:
             mask = ctx.masks.get(self.layer_types[index])
         if mask is not None and mask.shape[0] != hidden.shape[0]:
             mask = mask.expand(hidden.shape[0], *mask.shape[1:])  # a view; XGLM checks the batch
