@@ -70,7 +70,7 @@ class LoraAdapter:
         swapped: dict[int, nn.Module] = {}
         self._templates: list[nn.Module] = []
         for i in range(base.num_layers):
-            original = base._template_of_layer[i].module
+            original = base.layer_template(i)
             if id(original) not in swapped:
                 swapped[id(original)] = self._swap_linears(original)
             self._templates.append(swapped[id(original)])

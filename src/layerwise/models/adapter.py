@@ -92,7 +92,7 @@ class LayerContext:
 
     def shared_tensors(self) -> list[torch.Tensor]:
         """The tensors every layer shares (kept internals keep them by reference)."""
-        out = [self.position_ids, *(t for cs in self.rope.values() for t in cs)]
+        out = [self.position_ids, *(t for cs in self.rope.values() if cs is not None for t in cs)]
         return out + [m for m in self.masks.values() if m is not None]
 
 
@@ -238,6 +238,10 @@ class DecoderAdapter:
     def layer_module(self, index: int) -> nn.Module:
         """The meta module of layer ``index`` (structure only: sizes, submodules)."""
         return self._layers[index]
+
+    def layer_template(self, index: int) -> nn.Module:
+        """The module layer ``index`` runs as: one per structure, shared by its layers."""
+        return self._template_of_layer[index].module
 
     def hf_names(self) -> list[str]:
         """Every HF state-dict key that carries a distinct tensor (tied head excluded)."""

@@ -222,12 +222,13 @@ class CostModel:
         return max(self.layer_workspace_bytes_of(i) for i in range(self.shape.num_layers))
 
     def layer_workspace_bytes_of(self, i: int) -> int:
-        return memory.layer_workspace_bytes(self.shape, self.tokens, self.elem_bytes, i)
+        return memory.layer_workspace_bytes(self.shape, self.tokens, self.elem_bytes, i,
+                                            self.seq_len)
 
     def op_transient_bytes(self, kind: OpKind, i: int = -1) -> int:
         """Device bytes an op holds only while it runs (inputs, outputs, grads, workspace)."""
         return memory.op_transient_bytes(self.shape, kind, i, self.tokens, self.elem_bytes,
-                                         self.head_chunk_tokens)
+                                         self.head_chunk_tokens, self.seq_len)
 
     def store_footprint(self, moments: list[str] | None = None,
                         bf16_grads: bool = False) -> StoreFootprint:

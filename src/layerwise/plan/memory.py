@@ -73,19 +73,26 @@ class MemoryEstimate:
         return ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in self.breakdown.items())
 
 
-def layer_workspace_bytes(shape: ModelShape, tokens: int, elem_bytes: int, i: int = 0) -> int:
-    """What autograd keeps for decoder layer ``i``'s backward.
-
-    Per token: norm inputs and outputs, q/k/v before and after rotary, attention output, the
-    o_proj input, the MLP gate, up, activation and product. Measured with saved_tensors_hooks
-    it is within 2% on the CPU benchmark model. Layers with their own facts: their estimate
-    (``LayerCost.workspace_per_token``).
+def layer_workspace_bytes(shape: ModelShape, tokens: int, elem_bytes: int, i: int = 0,
+                          seq_len: int = 0) -> int:
+    """What autograd keeps for decoder layer ``i``'s backward, over ``tokens`` tokens in rows of
+    ``seq_len``. Layers with their own facts: what the layer saved when it ran
+    (``LayerCost.workspace_per_token``, ``models/saved_bytes.py``; an eager kernel's attention
+    probabilities grow with ``seq_len`` too). The closed-form families: the same tensors
+    counted by hand (``tests/plan/test_module_facts.py`` holds the two equal), per token: each
+    norm's input, output and normalised input and its 1/rms; the roped q and k, v, SDPA's
+    output and its log-sum-exp per head (q and k once more before and after their own norm and
+    their 1/rms per head, where the family has a q/k norm); the MLP's gate, up, activation and
+    product.
     """
     c = shape.layer(i)
     if c is not None:
-        return tokens * c.workspace_per_token * elem_bytes
-    per_token = (4 * shape.hidden_size + 3 * shape.q_dim + 4 * shape.kv_dim
-                 + 4 * shape.intermediate_size)
+        return int(tokens * (c.workspace_per_token + c.workspace_per_token_pos * seq_len)
+                   * elem_bytes)
+    per_token = (6 * shape.hidden_size + 2 + 2 * shape.q_dim + 2 * shape.kv_dim
+                 + shape.num_heads + 4 * shape.intermediate_size)
+    if shape.qk_norm:
+        per_token += 2 * shape.q_dim + 2 * shape.kv_dim + shape.num_heads + shape.num_kv_heads
     return tokens * per_token * elem_bytes
 
 
@@ -97,7 +104,7 @@ def _widest_bytes(shape: ModelShape, i: int, tokens: int, elem_bytes: int) -> in
 
 
 def op_transient_bytes(shape: ModelShape, kind: OpKind, i: int, tokens: int, elem_bytes: int,
-                       head_chunk_tokens: int) -> int:
+                       head_chunk_tokens: int, seq_len: int = 0) -> int:
     """Device bytes an op holds only while it runs (inputs, outputs, grads, workspace)."""
     a = tokens * shape.hidden_size * elem_bytes  # one boundary activation
     if kind in (OpKind.EMBED_FWD, OpKind.RECOMPUTE_EMBED):
@@ -109,7 +116,7 @@ def op_transient_bytes(shape: ModelShape, kind: OpKind, i: int, tokens: int, ele
         # the saved tensors as they are made (device tier: they stay, as kept internals, after
         # the op; host tier: they leave) + the output + one MLP intermediate not saved
         return (a + _widest_bytes(shape, i, tokens, elem_bytes) // 2
-                + layer_workspace_bytes(shape, tokens, elem_bytes, i))
+                + layer_workspace_bytes(shape, tokens, elem_bytes, i, seq_len))
     if kind == OpKind.LAYER_BWD_KEPT:
         # the output and input gradients, the residual branches' gradients inside, the weight
         # gradients (fitted to allocations); the kept internals are counted as live
@@ -124,7 +131,7 @@ def op_transient_bytes(shape: ModelShape, kind: OpKind, i: int, tokens: int, ele
         return 4 * a + params * (4 + elem_bytes) + chunk * shape.vocab_size * (elem_bytes + fp32_copy + 8)
     if kind == OpKind.LAYER_BWD:
         return (3 * a + shape.trainable_params(layer_unit(i)) * elem_bytes
-                + layer_workspace_bytes(shape, tokens, elem_bytes, i))
+                + layer_workspace_bytes(shape, tokens, elem_bytes, i, seq_len))
     if kind == OpKind.EMBED_BWD:
         return a + shape.trainable_params(EMBED) * elem_bytes
     return 0  # fetch, fetch_internals
@@ -155,7 +162,8 @@ def mask_bytes(shape: ModelShape, micro_batch_size: int, seq_len: int, elem_byte
     return len(masked) * per_row * (micro_batch_size if packed else 1)
 
 
-def kept_internal_bytes(shape: ModelShape, plan: Plan, i: int, tokens: int, elem_bytes: int) -> int:
+def kept_internal_bytes(shape: ModelShape, plan: Plan, i: int, tokens: int, elem_bytes: int,
+                        seq_len: int = 0) -> int:
     """Device bytes of layer ``i``'s kept internals once its forward is done (0: recomputed).
     The input boundary is among them, so when the plan also keeps that boundary on the device
     the two share it."""
@@ -163,7 +171,7 @@ def kept_internal_bytes(shape: ModelShape, plan: Plan, i: int, tokens: int, elem
         return 0
     shared = tokens * shape.hidden_size * elem_bytes if (
         plan.internal_tiers[i] == "device" and plan.boundary_tiers[i] == "device") else 0
-    return layer_workspace_bytes(shape, tokens, elem_bytes, i) - shared
+    return layer_workspace_bytes(shape, tokens, elem_bytes, i, seq_len) - shared
 
 
 def group_size(plan: Plan, num_micro_batches: int | None = None) -> int:
@@ -198,13 +206,14 @@ def slot_bytes(shape: ModelShape, plan: Plan, micro_batch_size: int, seq_len: in
     }
 
 
-def offload_bytes(shape: ModelShape, plan: Plan, op: Op, tokens: int, elem_bytes: int) -> int:
+def offload_bytes(shape: ModelShape, plan: Plan, op: Op, tokens: int, elem_bytes: int,
+                  seq_len: int = 0) -> int:
     """Device bytes ``op`` copies to the host (its input boundary, its host-tier internals)."""
     if op.kind not in FORWARD_OPS:
         return 0
     out = tokens * shape.hidden_size * elem_bytes if plan.boundary_tiers[op.index] in ("host", "nvme") else 0
     if op.kind == OpKind.LAYER_FWD_KEEP and plan.internal_tiers[op.index] == "host":
-        out += layer_workspace_bytes(shape, tokens, elem_bytes, op.index)
+        out += layer_workspace_bytes(shape, tokens, elem_bytes, op.index, seq_len)
     return out
 
 
@@ -239,7 +248,7 @@ def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, se
     ops = micro_batch_program(plan.boundary_tiers, plan.internal_tiers)
     live = [_Live() for _ in range(group)]
     lag = offload_window_ops - 1 if grad_slots else 0
-    offloads = [offload_bytes(shape, plan, op, tokens, elem_bytes) for op in ops]
+    offloads = [offload_bytes(shape, plan, op, tokens, elem_bytes, seq_len) for op in ops]
     runs: list[int] = []  # offload bytes of each op run so far, in the order they ran
     out = []
     for n, op in enumerate(ops):
@@ -247,8 +256,10 @@ def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, se
         for mb in live:  # host-tier internals arrive when fetched ahead, for every micro-batch
             for ahead in ops[n:n + 1 + FETCH_AHEAD]:
                 if ahead.kind == OpKind.FETCH_INTERNALS and ahead.index in mb.forwarded:
-                    mb.kept[ahead.index] = kept_internal_bytes(shape, plan, ahead.index, tokens, elem_bytes)
-        transient = op_transient_bytes(shape, k, i, tokens, elem_bytes, plan.head_chunk_tokens)
+                    mb.kept[ahead.index] = kept_internal_bytes(shape, plan, ahead.index, tokens,
+                                                               elem_bytes, seq_len)
+        transient = op_transient_bytes(shape, k, i, tokens, elem_bytes, plan.head_chunk_tokens,
+                                       seq_len)
         transient += group_embed_bwd_bytes(shape, k, tokens, group)
         best: MemoryEstimate | None = None
         for j, mb in enumerate(live):
@@ -262,7 +273,7 @@ def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, se
                 "transient": transient + group * mask, "offloads_in_flight": in_flight})
             if best is None or est.peak_bytes > best.peak_bytes:
                 best = est
-            _release(shape, plan, mb, k, i, tokens, elem_bytes)
+            _release(shape, plan, mb, k, i, tokens, elem_bytes, seq_len)
             runs.append(offloads[n])
         assert best is not None
         out.append(best)
@@ -291,7 +302,7 @@ def _store(plan: Plan, mb: _Live, kind: OpKind, i: int) -> None:
 
 
 def _release(shape: ModelShape, plan: Plan, mb: _Live, kind: OpKind, i: int, tokens: int,
-             elem_bytes: int) -> None:
+             elem_bytes: int, seq_len: int) -> None:
     """What an op lets go of (a backward: its boundary, its internals) or keeps after it ends."""
     if kind in BACKWARD_OPS:
         mb.stored.discard(i)
@@ -299,7 +310,7 @@ def _release(shape: ModelShape, plan: Plan, mb: _Live, kind: OpKind, i: int, tok
     elif kind == OpKind.LAYER_FWD_KEEP:
         mb.forwarded.add(i)
         if plan.internal_tiers[i] == "device":
-            mb.kept[i] = kept_internal_bytes(shape, plan, i, tokens, elem_bytes)
+            mb.kept[i] = kept_internal_bytes(shape, plan, i, tokens, elem_bytes, seq_len)
 
 
 def predict_peak_device_bytes(shape: ModelShape, plan: Plan, micro_batch_size: int,

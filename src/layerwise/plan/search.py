@@ -334,7 +334,7 @@ def _candidates(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: Searc
     tally.solve_s += res.solve_s
     if res.tiers is not None:
         res, cand = _milp_candidate(shape, hw, seq_len, cfg, model, res, tally)
-        here.append(cand)
+        here.append(polish(cand, here, shape, hw))
     tally.milp_at[(mbs, depth, per_load)] = res
     return here
 
@@ -358,6 +358,39 @@ def _milp_candidate(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: S
             plan = res.plan(model)
             cand = Candidate("milp", plan, simulate_fast(plan, shape, hw))
     return res, cand
+
+
+def polish(milp: Candidate, rules: list[Candidate], shape: ModelShape, hw: HardwareProfile) -> Candidate:
+    """The MILP's plan, checked and polished in the simulator, which sees what its linear model
+    does not (a gradient in flight, the offload window): never slower than a rule simulated
+    beside it. From the faster of the MILP's plan and the fastest fitting rule, each layer in
+    turn takes the other plan's choice for it (boundary tier, internal tier, its unit's moments)
+    where the simulator finds that faster; a rule's own plan is kept when nothing improves it.
+    At most one simulation per layer where the two differ."""
+    fitting = [c for c in rules if c.fits and c.plan.micro_batches_per_load == milp.plan.micro_batches_per_load]
+    if not fitting:
+        return milp
+    rule = max(fitting, key=lambda c: c.sim.tokens_per_s)
+    if rule.sim.tokens_per_s > milp.sim.tokens_per_s or not milp.fits:
+        best, other = rule, milp.plan
+    else:
+        best, other = milp, rule.plan
+    for i in range(shape.num_layers):
+        d = best.plan.to_dict()
+        moved = False
+        for key, j in (("boundary_tiers", i), ("internal_tiers", i), ("moments", i + 1)):
+            theirs = getattr(other, key)
+            if d.get(key) is not None and theirs is not None and d[key][j] != theirs[j]:
+                d[key][j] = theirs[j]
+                moved = True
+        if not moved:
+            continue
+        trial = Plan.from_dict(d)
+        sim = simulate_fast(trial, shape, hw)
+        if sim.fits and sim.tokens_per_s > best.sim.tokens_per_s:
+            best = Candidate(best.name, trial, sim)
+    plan = Plan.from_dict({**best.plan.to_dict(), "source": "milp"})
+    return Candidate("milp", plan, best.sim)
 
 
 def _fastest(by_name: dict[str, Candidate]) -> Candidate:

@@ -1,9 +1,10 @@
 """The shape facts of a model the planner needs (no tensors): sizes per unit, windows, heads.
 
 Two kinds of model. The first four families (``FamilySpec.closed_form_shape``: every layer the
-same dense Llama-style block) are described by closed-form sizes and the memory formulas fitted
-to them. Every other family has per-layer facts (:class:`LayerCost`, from the meta modules:
-``models/structure.py``): a layer's bytes are all its tensors (every expert), its FLOPs what a
+same dense Llama-style block) are described by closed-form sizes and memory formulas (held equal
+to the modules' own figures by ``tests/plan/test_module_facts.py``). Every other family has
+per-layer facts (:class:`LayerCost`, from the meta modules: ``models/structure.py``; its saved
+tensors from running it: ``models/saved_bytes.py``): a layer's bytes are all its tensors (every expert), its FLOPs what a
 token runs through (routed experts at top-k; latent, sliding and linear attention), so dense
 and MoE layers, full and linear-attention layers differ, and the cost and memory models read
 each layer's own.
@@ -22,6 +23,7 @@ from ..models.adapter import DecoderAdapter
 from ..models.families import attn_implementation, family_of, layer_windows, text_config
 from ..models.names import EMBED, HEAD, layer_index, unit_names
 from ..models.registry import FLAVORS
+from ..models.saved_bytes import SavedBytes, saved_bytes_by_layer
 from ..models.structure import LayerFacts, layer_facts
 
 
@@ -38,29 +40,33 @@ class LayerCost:
     mixer_flops_per_token: float
     """Forward FLOPs per token of a recurrent token mixer (linear attention)."""
     window: int | None
-    workspace_per_token: int
-    """Elements per token autograd keeps for the layer's backward. An estimate from the widths
-    (the dense formula's terms: norms, the token mixer's projections twice, the MLP's four
-    intermediates at the active width, each routed token's copy to its experts and back), not
-    fitted to measured allocations as the closed-form families' formula is."""
+    workspace_per_token: float
+    """Elements per token autograd keeps for the layer's backward: what it saved when it ran
+    (``models/saved_bytes.py``, fp32, in elements)."""
     widest_per_token: int
-    """Elements per token of the widest intermediates of a forward without a graph."""
+    """Elements per token of the widest intermediates of a forward without a graph (an
+    estimate from the widths: the MLP's gate and up at the active width, each routed token's
+    copy to its experts and back)."""
     num_experts: int = 0
     experts_per_token: int = 0
     active_params: int = 0
     """Of ``params``, what one token runs through (routed experts at top-k)."""
+    workspace_per_token_pos: float = 0.0
+    """Elements per token per position of its row (an eager kernel's attention probabilities)."""
 
     @classmethod
-    def of(cls, f: LayerFacts, hidden: int) -> LayerCost:
+    def of(cls, f: LayerFacts, hidden: int, saved: SavedBytes) -> LayerCost:
         mlp_width = f.mlp_active_matmul_params // (3 * hidden)  # gate, up, down at the active width
-        mixer_width = (f.active_matmul_params - f.mlp_active_matmul_params) // hidden
         dispatch = 2 * f.experts_per_token * hidden
         return cls(f.params, f.active_matmul_params, f.pair_flops, f.token_mixer_flops_per_token,
-                   f.window, 4 * hidden + 2 * mixer_width + 4 * mlp_width + dispatch,
-                   2 * mlp_width + dispatch, f.num_experts, f.experts_per_token,
+                   f.window, saved.per_token / 4, 2 * mlp_width + dispatch, f.num_experts,
+                   f.experts_per_token,
                    f.params - f.routed_expert_params
                    + (f.routed_expert_params * f.experts_per_token // f.num_experts
-                      if f.num_experts else 0))
+                      if f.num_experts else 0),
+                   saved.per_token_pos / 4)
+
+
 from .finetune import FrozenBase
 
 
@@ -108,7 +114,8 @@ class ModelShape:
         windows = None
         if not family.closed_form_shape:
             adapter = adapter or DecoderAdapter(config)
-            layers = tuple(LayerCost.of(f, h) for f in layer_facts(adapter))
+            layers = tuple(LayerCost.of(f, h, b) for f, b in
+                           zip(layer_facts(adapter), saved_bytes_by_layer(adapter)))
             windows = adapter.layer_windows
         return cls(
             name=name or getattr(config, "_name_or_path", "") or family.model_type,

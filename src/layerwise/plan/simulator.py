@@ -134,7 +134,8 @@ class _Simulation:
         self.accumulate_s = {u: (cost.grad_accumulate_s(u, False, self.grad_itemsize),
                                  cost.grad_accumulate_s(u, True, self.grad_itemsize)) for u in self.units}
         self.ws_bytes = cost.layer_workspace_bytes  # one layer's internals as they travel
-        self.kept_bytes = [kept_internal_bytes(shape, plan, i, cost.tokens, cost.elem_bytes)
+        self.kept_bytes = [kept_internal_bytes(shape, plan, i, cost.tokens, cost.elem_bytes,
+                                               cost.seq_len)
                            for i in range(shape.num_layers)]
         self.forward_at = {op.index: n for n, op in enumerate(self.ops) if op.kind == OpKind.LAYER_FWD_KEEP}
         owners = assign_owners([shape.unit_params(u) for u in self.units], topo.gpus_per_node)
