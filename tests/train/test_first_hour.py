@@ -186,6 +186,31 @@ def test_a_multimodal_checkpoint_fine_tunes_its_language_model_and_keeps_its_vis
     assert config["model_type"] == "gemma3" and "vision_config" in config
 
 
+def test_a_multimodal_run_s_checkpoint_merges_into_the_whole_model_and_resumes(tmp_path, capsys):
+    """Friction: ``layerwise ckpt merge`` of a multimodal run was refused ("the source lacks 34
+    parameter(s) of the model"): the checkpoint held the language model only. The vision tower
+    and projector are now a checkpoint group of their own (``store_provider.PASSTHROUGH``,
+    written by the first save), so the merge has the names, shapes and dtypes of the model
+    directory, the vision tensors bit for bit, and the same command with more steps resumes.
+    Mutation seen failing: the provider without the passthrough group (the refusal again)."""
+    from safetensors.torch import load_file
+
+    model_dir = _gemma3_multimodal_dir(tmp_path / "gemma3")
+    out = tmp_path / "run"
+    args = ["train", f"model={model_dir}", f"out_dir={out}", "ckpt.every=2", *TINY]
+    assert main([*args, "steps=4"]) == 0
+    capsys.readouterr()
+    assert main(["ckpt", "merge", str(out / "ckpt"), "--out", str(tmp_path / "merged")]) == 0
+    before = load_file(model_dir / "model.safetensors")
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    assert {k: (v.shape, v.dtype) for k, v in before.items()} == \
+        {k: (v.shape, v.dtype) for k, v in merged.items()}
+    vision = [k for k in before if "vision_tower" in k or "multi_modal_projector" in k]
+    assert vision and all(torch.equal(before[k], merged[k]) for k in vision)
+    assert main([*args, "steps=6"]) == 0
+    assert "step 6/6" in capsys.readouterr().out
+
+
 def test_a_model_dir_layerwise_cannot_train_is_refused_in_one_line(tmp_path, capsys):
     """A BLOOM directory (its base model normalises the embeddings, which the engine's
     weight-free embedding backward cannot): one line, exit 2, before any work."""

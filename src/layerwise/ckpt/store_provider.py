@@ -21,6 +21,10 @@ from ..models.names import group_of
 from .moments import Q8_KINDS, UNIT_KEYS, fits_unit, fp32_moments, unit_part, write_unit_part
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+PASSTHROUGH = "passthrough"
+"""The group of what the store carries untrained (``HostStore.passthrough``: a multimodal
+model's vision tower and projector): no gradient, no optimizer state, saved as read, so a
+checkpoint holds the whole model (its first save writes it; later ones find it unchanged)."""
 
 
 class HostStoreStateProvider:
@@ -37,6 +41,8 @@ class HostStoreStateProvider:
                 self._groups.setdefault(group_of(p.hf_name, tied), []).append(p.hf_name)
             for spec, offset in zip(buf.layout.specs, buf.layout.offsets):
                 self._span[spec.hf_name] = (offset, spec.numel)
+        if getattr(store, "passthrough", None):  # (a LoRA store checkpoints its adapters only)
+            self._groups[PASSTHROUGH] = list(store.passthrough)
 
     def _units(self, group: str) -> dict[str, UnitBuffers]:
         return {self._where[n][0].name: self._where[n][0] for n in self._groups[group]}
@@ -55,7 +61,9 @@ class HostStoreStateProvider:
 
     def params(self, group: str) -> dict[str, torch.Tensor]:
         """fp32 weights by HF name: views of plain masters, fresh fp32 copies of split ones
-        (one group's worth at a time)."""
+        (one group's worth at a time); the passthrough tensors as they are."""
+        if group == PASSTHROUGH:
+            return dict(self.store.passthrough)
         out = {}
         for n in self._groups[group]:
             buf, spec, offset = self._param(n)
@@ -68,7 +76,7 @@ class HostStoreStateProvider:
         return buf, spec, offset
 
     def grads(self, group: str) -> dict[str, torch.Tensor]:
-        return self._views(group, lambda b: b.grad)
+        return {} if group == PASSTHROUGH else self._views(group, lambda b: b.grad)
 
     def _fp32_state(self, buf: UnitBuffers) -> dict[str, torch.Tensor]:
         opt = self.optimizers.get(buf.name)
@@ -87,6 +95,8 @@ class HostStoreStateProvider:
 
     def optimizer_state(self, group: str) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
+        if group == PASSTHROUGH:
+            return out
         for n in self._groups[group]:
             buf, local = self._where[n]
             st = buf.state
@@ -113,6 +123,10 @@ class HostStoreStateProvider:
         for n in names:
             if f"param/{n}" not in tensors:
                 raise ValueError(f"checkpoint group {group!r} has no weights for {n!r}")
+        if group == PASSTHROUGH:
+            for n in names:
+                self.store.passthrough[n].copy_(tensors[f"param/{n}"])
+            return
         for unit, buf in self._units(group).items():
             mine = [n for n in names if self._where[n][0] is buf]
             for n in mine:

@@ -12,24 +12,18 @@ from ...ckpt.store_provider import HostStoreStateProvider
 from ...store import HostStore
 from .merge import merge
 
-PASSTHROUGH = "passthrough"
-"""The group of what the store carries unchanged (``HostStore.passthrough``: vision towers)."""
-
 
 class StoreSource:
     """The store's current weights as a ``CheckpointSource`` (for export through ``merge``)."""
 
     def __init__(self, store: HostStore, step: int = 0):
         self.provider = HostStoreStateProvider(store)
-        self.passthrough = store.passthrough
         self.step = step
 
     def groups(self) -> list[str]:
-        return list(self.provider.group_names()) + ([PASSTHROUGH] if self.passthrough else [])
+        return list(self.provider.group_names())
 
     def load_group(self, group: str) -> dict[str, torch.Tensor]:
-        if group == PASSTHROUGH:
-            return {PARAM + n: t for n, t in self.passthrough.items()}
         return {PARAM + n: t for n, t in self.provider.params(group).items()}
 
     def model_config(self) -> dict | None:
