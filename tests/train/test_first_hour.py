@@ -160,6 +160,30 @@ def test_a_lora_adapter_of_a_multimodal_model_targets_its_language_model_only(tm
     assert len(made) == len(saved) and not [n for n in made if "vision_tower" in n]
 
 
+def test_a_merged_lora_of_a_multimodal_model_is_the_whole_model(tmp_path):
+    """Friction: ``lora.merge=true`` on a multimodal directory ended the run with "group
+    'model.language_model.embed_tokens' has parameter …, which the model in config.json does not
+    have" (the merged export wrote the text config and no vision tower). Now the merged model has
+    the names, shapes and dtypes of the source directory, its vision tensors bit for bit, and
+    loads as the image-text class. Mutation seen failing: the merged source without the base
+    directory's passthrough group ("the source lacks 34 parameter(s)")."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    model_dir = _gemma3_multimodal_dir(tmp_path / "gemma3")
+    out = tmp_path / "run"
+    assert main(["train", f"model={model_dir}", f"out_dir={out}", "steps=2", "lora.r=4",
+                 "lora.merge=true", *TINY]) == 0
+    before = load_file(model_dir / "model.safetensors")
+    merged = load_file(out / "model" / "model.safetensors")
+    assert {k: (v.shape, v.dtype) for k, v in before.items()} == \
+        {k: (v.shape, v.dtype) for k, v in merged.items()}
+    vision = [k for k in before if "vision_tower" in k or "multi_modal_projector" in k]
+    assert vision and all(torch.equal(before[k], merged[k]) for k in vision)
+    assert type(AutoModelForImageTextToText.from_pretrained(out / "model")).__name__ == \
+        "Gemma3ForConditionalGeneration"
+
+
 def test_a_multimodal_checkpoint_fine_tunes_its_language_model_and_keeps_its_vision_tower(
         tmp_path, capsys):
     """Friction: a multimodal directory (Gemma 3 as the Hub serves it) ended in a traceback

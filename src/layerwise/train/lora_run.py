@@ -93,7 +93,7 @@ def export_lora(store: LoraStore, out_dir: Path, model_path: str, merge: bool, t
     adapter_dir = write_adapter(store, out_dir / "adapter", base_model=model_path, overwrite=True)
     _log.info(f"exported the PEFT adapter to {adapter_dir}")
     if merge:
-        model_dir = write_merged(store, out_dir / "model", overwrite=True)
+        model_dir = write_merged(store, out_dir / "model", overwrite=True, base_dir=model_path)
         saved = tokenizer.save(model_dir) if tokenizer is not None else False
         _log.info(f"exported the merged Hugging Face model{' and tokenizer' if saved else ''} to "
                   f"{model_dir}")

@@ -27,8 +27,10 @@ from safetensors.torch import load_file, save_file
 from ...adapters.config import LoraConfig
 from ...adapters.lora_store import LoraStore
 from ...ckpt.provider import PARAM
+from ...ckpt.store_provider import PASSTHROUGH
 from ...models.names import group_of
 from ...util.atomic import fsync_dir
+from ..hf.model_dir import HFModelDirSource
 from ..recipes.merge import merge
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -121,32 +123,46 @@ def load_init_adapter(store: LoraStore, path: str | Path) -> None:
 
 
 class MergedSource:
-    """The store's base with its adapters merged in, as a ``CheckpointSource`` (HF groups)."""
+    """The store's base with its adapters merged in, as a ``CheckpointSource`` (HF groups).
+    ``base_dir``: the base model's directory, which a multimodal model's vision tower and
+    projector are read from as they are (the LoRA store does not hold them)."""
 
-    def __init__(self, store: LoraStore):
+    def __init__(self, store: LoraStore, base_dir: str | Path | None = None):
         self.store = store
         tied = store.adapter.tied
         self._groups: dict[str, list[str]] = {}
         for name in store.adapter.hf_names():
             self._groups.setdefault(group_of(name, tied), []).append(name)
+        self._base = None
+        if store.adapter.passthrough_names:
+            if base_dir is None:
+                raise ValueError("a multimodal model's merged export needs its base directory "
+                                 "(its vision tower is not in the LoRA store)")
+            self._base = HFModelDirSource(base_dir)
+            self._groups[PASSTHROUGH] = list(store.adapter.passthrough_names)
 
     def groups(self) -> list[str]:
         return list(self._groups)
 
     def load_group(self, group: str) -> dict[str, torch.Tensor]:
         names = self._groups[group]
+        if group == PASSTHROUGH:
+            wanted = {PARAM + n for n in names}
+            return {k: t for g in self._base.groups() for k, t in self._base.load_group(g).items()
+                    if k in wanted}
         merged = self.store.merged_tensors(self.store.unit_of(names[0]))
         return {PARAM + n: merged[n] for n in names}
 
     def model_config(self) -> dict | None:
-        return self.store.adapter.config.to_dict()
+        return self.store.adapter.model_config.to_dict()
 
     def extra_state(self) -> dict[str, Any]:
         return {"step": 0, "scheduler": None, "rng": None, "trainer_state": None}
 
 
 def write_merged(store: LoraStore, out_dir: str | Path, overwrite: bool = False,
-                 dtype: str | None = None) -> Path:
-    """The merged model as a ``from_pretrained``-loadable HF directory, atomically."""
-    merge(MergedSource(store), out_dir, "hf", dtype=dtype, overwrite=overwrite)
+                 dtype: str | None = None, base_dir: str | Path | None = None) -> Path:
+    """The merged model as a ``from_pretrained``-loadable HF directory, atomically (``base_dir``:
+    see :class:`MergedSource`)."""
+    merge(MergedSource(store, base_dir), out_dir, "hf", dtype=dtype, overwrite=overwrite)
     return Path(out_dir)
