@@ -232,6 +232,9 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
         g = _auto_global_batch(tally, shape, hw, seq_len, cfg)
         pool = _at_global_batch(tally.cands, g, shape, hw)
     by_name, unfit = _fastest_per_rule(pool, tally, shape, hw, seq_len)
+    if "milp" in by_name:
+        by_name["milp"] = polish(by_name["milp"], [c for n, c in by_name.items() if n != "milp"],
+                                 shape, hw, POLISH_MOVES)
     best = _fastest(by_name)
     plan = best.plan
     plan.source = "milp" if best.name == "milp" else f"planner:{best.name}"
@@ -360,14 +363,22 @@ def _milp_candidate(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: S
     return res, cand
 
 
-def polish(milp: Candidate, rules: list[Candidate], shape: ModelShape, hw: HardwareProfile) -> Candidate:
+POLISH_MOVES = 8
+"""Simulations the end-of-search polish spends at most (each tries a run of layers at once)."""
+
+
+def polish(milp: Candidate, rules: list[Candidate], shape: ModelShape, hw: HardwareProfile,
+           moves: int = 0) -> Candidate:
     """The MILP's plan, checked and polished in the simulator, which sees what its linear model
-    does not (a gradient in flight, the offload window): never slower than a rule simulated
-    beside it. From the faster of the MILP's plan and the fastest fitting rule, each layer in
-    turn takes the other plan's choice for it (boundary tier, internal tier, its unit's moments)
-    where the simulator finds that faster; a rule's own plan is kept when nothing improves it.
-    At most one simulation per layer where the two differ."""
-    fitting = [c for c in rules if c.fits and c.plan.micro_batches_per_load == milp.plan.micro_batches_per_load]
+    does not (a gradient in flight, the offload window): never slower than a fitting rule of
+    the same micro-batch order simulated beside it. Starts from the faster of the two; with
+    ``moves``, the layers where they differ (boundary tier, internal tier, the unit's moments),
+    cut into at most ``moves`` runs, each take the other plan's choices where the screening
+    simulation (``simulate_fast``) finds that faster, and the result is kept if its full
+    simulation is faster too. Named ``milp`` either way (the MILP was warm-started from that
+    rule)."""
+    per = milp.plan.micro_batches_per_load
+    fitting = [c for c in rules if c.fits and c.plan.micro_batches_per_load == per]
     if not fitting:
         return milp
     rule = max(fitting, key=lambda c: c.sim.tokens_per_s)
@@ -375,20 +386,29 @@ def polish(milp: Candidate, rules: list[Candidate], shape: ModelShape, hw: Hardw
         best, other = rule, milp.plan
     else:
         best, other = milp, rule.plan
-    for i in range(shape.num_layers):
+    keys = (("boundary_tiers", 0), ("internal_tiers", 0), ("moments", 1))  # (field, unit offset)
+
+    def differs(d: dict, i: int) -> bool:
+        return any(d.get(k) is not None and getattr(other, k) is not None
+                   and d[k][i + o] != getattr(other, k)[i + o] for k, o in keys)
+
+    diff = [i for i in range(shape.num_layers) if differs(best.plan.to_dict(), i)]
+    size = -(-len(diff) // moves) if moves and diff else 0
+    start, screened = best, best.sim if not extrapolated(best.plan) else simulate_fast(best.plan, shape, hw)
+    for run in (diff[a:a + size] for a in range(0, len(diff), size or 1)) if size else ():
         d = best.plan.to_dict()
-        moved = False
-        for key, j in (("boundary_tiers", i), ("internal_tiers", i), ("moments", i + 1)):
-            theirs = getattr(other, key)
-            if d.get(key) is not None and theirs is not None and d[key][j] != theirs[j]:
-                d[key][j] = theirs[j]
-                moved = True
-        if not moved:
-            continue
+        for i in run:
+            for k, o in keys:
+                if d.get(k) is not None and getattr(other, k) is not None:
+                    d[k][i + o] = getattr(other, k)[i + o]
         trial = Plan.from_dict(d)
-        sim = simulate_fast(trial, shape, hw)
-        if sim.fits and sim.tokens_per_s > best.sim.tokens_per_s:
-            best = Candidate(best.name, trial, sim)
+        result = simulate_fast(trial, shape, hw)
+        if result.fits and result.tokens_per_s > screened.tokens_per_s:
+            best, screened = Candidate(best.name, trial, result), result
+    if best is not start and extrapolated(best.plan):
+        full = simulate(best.plan, shape, hw, keep_trace=False)
+        best = Candidate(best.name, best.plan, full) if (
+            full.fits and full.tokens_per_s > start.sim.tokens_per_s) else start
     plan = Plan.from_dict({**best.plan.to_dict(), "source": "milp"})
     return Candidate("milp", plan, best.sim)
 
