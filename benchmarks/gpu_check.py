@@ -42,7 +42,7 @@ from gpu_check_device import REPO, host_ram  # noqa: E402
 from gpu_check_report import SCHEMA_ID, Report, hidden_modules  # noqa: E402
 
 FIRST_CONTACT = ("device", "layer_check", "tiny_steps", "pinned_arena", "copy_bandwidth")
-PLAN_NAMES = ("every-1", "every-4", "keep-all-host", "planner")
+PLAN_NAMES = ("planner", "every-1", "every-4", "keep-all-host", "layer-major")
 NEEDS = {"calibration": ("model",), "optimizer": ("model",), "planner": ("model",), "store": ("model",),
          "plan": ("model", "store", "planner"), "simulator": ("model",)}
 """What a selected stage brings along (``--stages``)."""
@@ -123,7 +123,7 @@ def run_stages(report: Report, args: argparse.Namespace) -> None:
                                  run_tiny_steps)
     from gpu_check_large import (Large, run_calibration, run_model, run_optimizer, run_planner,
                                  run_store)
-    from gpu_check_plans import candidate_plans, make_batches, run_plan, run_simulator
+    from gpu_check_plans import LAYER_MAJOR, candidate_plans, make_batches, run_plan, run_simulator
     from gpu_check_tests import run_cuda_tests
 
     res = report.result
@@ -158,6 +158,10 @@ def run_stages(report: Report, args: argparse.Namespace) -> None:
     estimate = 60.0
     for name, plan, _ in plans:
         needs = ("store", "planner") if name == "planner" else ("store",)
+        if name == LAYER_MAJOR:  # a store of its own (bf16 gradients), built where the last one was
+            report.stage(f"plan:{name}", estimate + 60, lambda d, p=plan: run_layer_major(
+                lg, p, args, d), data_path=("plans", name), needs=needs)
+            continue
         report.stage(f"plan:{name}", estimate, lambda d, n=name, p=plan: run_plan(
             lg, n, p, batches, args.steps, args.lr, args.profile, args.trace_dir, d),
             data_path=("plans", name), needs=needs)
@@ -166,6 +170,21 @@ def run_stages(report: Report, args: argparse.Namespace) -> None:
     lg.store = batches = None
     dev.clean()
     report.stage("simulator", 5, lambda d: run_simulator(lg, d), needs=("model",))
+
+
+def run_layer_major(lg, plan, args: argparse.Namespace, data: dict) -> None:
+    """The production path: the store rebuilt with bf16 gradients (the previous one let go
+    first), then the layer-major plan on batches of its own count."""
+    from gpu_check_large import run_store
+    from gpu_check_plans import LAYER_MAJOR, make_batches, run_plan
+
+    lg.store = None
+    lg.dev.clean()
+    built: dict = {}
+    run_store(lg, args.seed, built, grad_dtype="bfloat16")
+    batches = make_batches(lg, args.seed + 1, plan.num_micro_batches)
+    run_plan(lg, LAYER_MAJOR, plan, batches, args.steps, args.lr, args.profile, args.trace_dir, data)
+    data["store_nbytes"] = built["store_nbytes"]
 
 
 def no_gpu(reason: str) -> int:

@@ -12,6 +12,7 @@ memory is used, so the check never sizes anything from them: it is given the RAM
 from __future__ import annotations
 
 import gc
+import importlib
 import importlib.metadata
 import importlib.util
 import os
@@ -116,6 +117,34 @@ def host_ram(budget_bytes: int) -> dict[str, Any]:
                     "for the store); MemTotal/MemAvailable are only reported"}
 
 
+WHEEL_PACKAGES = ("highspy", "blake3", "numba")
+"""What the check imports that the GPU image may lack (``make gpu-wheels`` brings them): where
+each was imported from says whether the ``.whl`` install took."""
+
+
+def host_kernels() -> dict[str, Any]:
+    """Which host kernels run: numba's (compiled) or the torch fallback, per kernel family."""
+    from layerwise import split_master
+    from layerwise.optim import _kernel, grad_accum
+
+    forced = os.environ.get("LAYERWISE_OPTIM_KERNEL", "") == "torch"
+    return {"numba": package_versions().get("numba"),
+            "optimizer_8bit": "numba" if _kernel.numba_available() and not forced else "torch",
+            "grad_accumulation": "numba" if grad_accum.numba_available() else "torch",
+            "split_master": "numba" if split_master.numba_available() else "torch"}
+
+
+def imported_from(names: tuple[str, ...]) -> dict[str, str | None]:
+    """Each module's file once imported (None: it does not import)."""
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            out[name] = getattr(importlib.import_module(name), "__file__", None)
+        except Exception:  # noqa: BLE001 - a missing or broken wheel is what is reported
+            out[name] = None
+    return out
+
+
 def package_versions() -> dict[str, str]:
     out = {}
     for name in PACKAGES:
@@ -148,6 +177,8 @@ def device_facts(dev: Dev, data: dict[str, Any]) -> None:
         "packages": package_versions(),
         "device": dev.engine_device,
         "layerwise_commit": _run(["git", "rev-parse", "HEAD"], cwd=REPO),
+        "kernels": host_kernels(),
+        "imported_from": imported_from(WHEEL_PACKAGES),
     })
     gpu: dict[str, Any] = dict.fromkeys(("device_name", "device_capability", "device_total_mem_bytes",
                                          "device_multiprocessors", "nvidia_smi", "cuda_init_s"))

@@ -341,10 +341,11 @@ def host_allocator_stats(torch) -> dict[str, Any] | None:
     return {k: v for k, v in stats.items() if "bytes" in k and (k.endswith(".current") or k.endswith(".peak"))}
 
 
-def run_store(lg: Large, seed: int, data: dict[str, Any]) -> None:
+def run_store(lg: Large, seed: int, data: dict[str, Any], grad_dtype: str = "float32") -> None:
     """The HostStore every plan trains (bf16 copy sources pinned as the store pins), its RAM
     check made against the host budget minus this process's RSS (not ``MemAvailable``), filled
-    with seeded weights and given its optimizer state here, so its size is known before any plan."""
+    with seeded weights and given its optimizer state here, so its size is known before any plan.
+    ``grad_dtype``: ``bfloat16`` for the layer-major production path (each gradient lands once)."""
     import torch
     from layerwise.optim.adamw import AdamWConfig, HostAdamW
     from layerwise.optim.adamw8bit import HostAdamW8bit
@@ -354,12 +355,15 @@ def run_store(lg: Large, seed: int, data: dict[str, Any]) -> None:
     state = _state_nbytes(numels, lg.moments_kind)
     rss = process_rss_bytes() or 0
     available = lg.host_budget_bytes - rss
-    need = store_footprint(lg.adapter, torch.bfloat16, pin=lg.dev.is_cuda, state_nbytes=state)
+    grads = getattr(torch, grad_dtype)
+    need = store_footprint(lg.adapter, torch.bfloat16, pin=lg.dev.is_cuda, state_nbytes=state,
+                           grad_dtype=grads)
     data["ram_check"] = {"figure_used": "--host-budget-gb minus this process's RSS",
                          "host_budget_bytes": lg.host_budget_bytes, "process_rss_bytes": rss,
                          "available_bytes": available, "need_bytes": need.total, "fits": need.total <= available}
     t = time.perf_counter()
-    store = HostStore(lg.adapter, compute_dtype=torch.bfloat16, state_nbytes=state, mem_available=lambda: available)
+    store = HostStore(lg.adapter, compute_dtype=torch.bfloat16, state_nbytes=state,
+                      mem_available=lambda: available, grad_dtype=grads)
     data["alloc_s"] = round(time.perf_counter() - t, 3)
     t = time.perf_counter()
     fill_store_random(store, seed=seed, device=lg.dev.name)

@@ -2,15 +2,17 @@
 
 Every plan trains the one store (each continues from the last one's weights): a fresh engine,
 a warm-up step, timed steps back to back, then one step under ``torch.profiler`` whose trace
-gives the copies' bandwidth and overlap with compute. Plans run in the order of their
-predicted device peak, largest last: a plan that runs out of memory or time then costs none
-of the others.
+gives the copies' bandwidth and overlap with compute. The planner's plan runs first (what a
+user gets); the rules then run in the order of their predicted device peak, largest last, so
+that a plan that runs out of memory or time costs none of the others; the layer-major
+production path runs last, on a store rebuilt with bf16 gradients.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+from collections import Counter
 import time
 from pathlib import Path
 from typing import Any
@@ -20,32 +22,54 @@ from gpu_check_report import StageSkipped
 from gpu_check_trace import copy_overlap, load_trace_events
 
 
+LAYER_MAJOR = "layer-major"
+"""The production path of a step that lands each gradient once: layer-major order over
+``LAYER_MAJOR_MICRO_BATCHES`` micro-batches (at least), bf16 host gradients, the split master
+and the run's moments (8-bit by default), on a store rebuilt for it (``rebuild_store``)."""
+LAYER_MAJOR_MICRO_BATCHES = 2
+
+
+def layer_major_plan(lg: Large):
+    from layerwise.plan import Plan
+
+    m = max(LAYER_MAJOR_MICRO_BATCHES, lg.nmb)
+    plan = Plan.keep_all(lg.shape.num_layers, "host", micro_batch_size=lg.mbs, num_micro_batches=m,
+                         micro_batches_per_load=m, seq_len=lg.seq, moments=list(lg.moments))
+    plan.source = LAYER_MAJOR
+    return plan
+
+
 def candidate_plans(lg: Large) -> list[tuple[str, Any, int]]:
-    """(name, plan, predicted device peak bytes) of every-1, every-4, keep-all-host and the
-    planner's plan (when the planner ran), smallest predicted peak first."""
+    """(name, plan, predicted device peak bytes): the planner's plan first (when the planner
+    ran: the plan a user gets, so the budget never cuts it), then every-1, every-4 and
+    keep-all-host, smallest predicted peak first, then the layer-major production path (it
+    rebuilds the store)."""
     from layerwise.plan import Plan
     from layerwise.plan.memory import predict_peak_device_bytes
 
     L = lg.shape.num_layers
     kw = dict(micro_batch_size=lg.mbs, num_micro_batches=lg.nmb, seq_len=lg.seq, moments=list(lg.moments))
-    plans = {"every-1": Plan.every_k(L, 1, **kw), "every-4": Plan.every_k(L, 4, **kw),
-             "keep-all-host": Plan.keep_all(L, "host", **kw), "planner": lg.planner_plan}
-    out = []
-    for name, plan in plans.items():
-        peak = (predict_peak_device_bytes(lg.shape, plan, lg.mbs, lg.seq, 2).peak_bytes
-                if plan is not None else 0)
-        out.append((name, plan, peak))
-    return sorted(out, key=lambda x: (x[1] is None, x[2]))
+    rules = {"every-1": Plan.every_k(L, 1, **kw), "every-4": Plan.every_k(L, 4, **kw),
+             "keep-all-host": Plan.keep_all(L, "host", **kw)}
+
+    def peak(plan) -> int:
+        return predict_peak_device_bytes(lg.shape, plan, lg.mbs, lg.seq, 2).peak_bytes if plan is not None else 0
+
+    planner = [("planner", lg.planner_plan, peak(lg.planner_plan))]
+    ordered = sorted(((n, p, peak(p)) for n, p in rules.items()), key=lambda x: x[2])
+    last = layer_major_plan(lg)
+    return planner + ordered + [(LAYER_MAJOR, last, peak(last))]
 
 
-def make_batches(lg: Large, seed: int):
+def make_batches(lg: Large, seed: int, count: int | None = None):
     import torch
     from layerwise.engine.batch import Batch
 
     g = torch.Generator().manual_seed(seed)
     vocab = lg.shape.vocab_size
     return [Batch(torch.randint(0, vocab, (lg.mbs, lg.seq), generator=g),
-                  torch.randint(0, vocab, (lg.mbs, lg.seq), generator=g)) for _ in range(lg.nmb)]
+                  torch.randint(0, vocab, (lg.mbs, lg.seq), generator=g))
+            for _ in range(lg.nmb if count is None else count)]
 
 
 def _profiled_step(lg: Large, engine, batches, lr: float, name: str, trace_dir: str | None) -> dict[str, Any]:
@@ -78,9 +102,14 @@ def run_plan(lg: Large, name: str, plan, batches, steps: int, lr: float, profile
     from layerwise.plan.cost import CostModel
     from layerwise.plan.hardware import PRESETS
 
-    dev, mbs, nmb, seq = lg.dev, lg.mbs, lg.nmb, lg.seq
+    dev, mbs, nmb, seq = lg.dev, lg.mbs, plan.num_micro_batches, lg.seq
+    store = lg.store
     data.update(source=plan.source, tiers=tier_counts(plan.boundary_tiers), boundaries=plan.boundary_tiers,
-                prefetch_depth=plan.prefetch_depth, micro_batch_size=mbs, num_micro_batches=nmb, seq_len=seq)
+                prefetch_depth=plan.prefetch_depth, micro_batch_size=mbs, num_micro_batches=nmb, seq_len=seq,
+                micro_batches_per_load=plan.micro_batches_per_load,
+                store={"grad_dtype": str(store.layers[0].grad.dtype).removeprefix("torch."),
+                       "split_master": bool(store.split_master),
+                       "moments": dict(Counter(plan.moments or ["fp32"]))})
     dev.clean()
     dev.reset_peak()
     base_reserved, base_alloc = dev.reserved(), dev.allocated()

@@ -70,6 +70,11 @@ DEVICE = R("device",
                                    "pytest-timeout from their metadata (not imported), or `missing`"),
            K("device", "str", "`cuda`, or `cpu-async` in a dry run"),
            K("layerwise_commit", "str", "`git rev-parse HEAD`", null=True),
+           K("kernels", "object", "which host kernels run, `numba` or `torch` (the fallback): "
+                                  "`optimizer_8bit`, `grad_accumulation`, `split_master`; and "
+                                  "`numba`'s version"),
+           K("imported_from", "object", "the file highspy, blake3 and numba import from (null: they "
+                                        "do not): whether `make gpu-wheels`' install took"),
            K("device_name", "str", "GPU 0", null=True), K("device_capability", "str", "e.g. `9.0`", null=True),
            K("device_total_mem_bytes", "int", "GPU 0's memory", null=True),
            K("device_multiprocessors", "int", "SMs", null=True),
@@ -238,6 +243,11 @@ PLAN = R("plans.<name>",
          K("source", "str", "the plan's"), K("tiers", "object", "count per boundary tier"),
          K("boundaries", "list", ""), K("prefetch_depth", "int", ""), K("micro_batch_size", "int", ""),
          K("num_micro_batches", "int", ""), K("seq_len", "int", ""),
+         K("micro_batches_per_load", "int", "micro-batches per weight load (the step's count: "
+                                            "layer-major)"),
+         K("store", "object", "the store it trained: `grad_dtype` (`bfloat16` where each gradient "
+                              "lands once), `split_master`, `moments` (units per format)"),
+         K("store_nbytes", "int", "`layer-major` only: its rebuilt store's `nbytes()`", optional=True),
          K("engine_init_s", "number", "`StreamingEngine(...)`"),
          K("predicted_peak_bytes", "int", "`engine.predict_memory`"), K("predicted_peak_op", "str", ""),
          K("predicted_breakdown", "object", "bytes by category"),
@@ -294,9 +304,13 @@ TOP = R("(top level)",
         K("cuda_tests", "record", "stage `cuda_tests`'s result", optional=True, of=CUDA_TESTS),
         *(K(r.title, "record", f"stage `{r.title}`'s result", optional=True, of=r)
           for r in (MODEL, CALIBRATION, OPTIMIZER, PLANNER, STORE)),
-        K("plan_order", "list", f"`{PLAN_ORDER.title}` records: the plans, smallest predicted device peak "
-                                "first (the order they run in)", optional=True),
-        K("plans", "map", "per plan run (`every-1`, `every-4`, `keep-all-host`, `planner`)", optional=True, of=PLAN),
+        K("plan_order", "list", f"`{PLAN_ORDER.title}` records: the plans in the order they run (the "
+                                "planner's first, then the rules smallest predicted device peak first, "
+                                "then `layer-major`)", optional=True),
+        K("plans", "map", "per plan run (`planner`, `every-1`, `every-4`, `keep-all-host`, and "
+                          "`layer-major`: keep-all-host boundaries in layer-major order over 2 "
+                          "micro-batches at least, bf16 host gradients, the split master, the run's "
+                          "moments, on a store rebuilt for it)", optional=True, of=PLAN),
         K("simulator", "record", "stage `simulator`'s result", optional=True, of=SIMULATOR),
         K("failed_stages", "list", "names, at the end", optional=True),
         K("skipped_stages", "list", "names, at the end (not counting stages not selected)", optional=True))

@@ -348,9 +348,15 @@ def test_gpu_check_dry_run_on_cpu(tmp_path, capsys):
     assert schema.validate(res) == []
     order = [p["plan"] for p in res["plan_order"]]
     assert list(res["stages"]) == STAGES + [f"plan:{p}" for p in order] + ["simulator"]
-    assert sorted(order) == ["every-1", "every-4", "keep-all-host", "planner"]
-    peaks = [p["predicted_peak_bytes"] for p in res["plan_order"]]
-    assert peaks == sorted(peaks), "largest predicted device peak last"
+    assert order[0] == "planner" and order[-1] == "layer-major", "the user's plan first"
+    assert sorted(order[1:-1]) == ["every-1", "every-4", "keep-all-host"]
+    peaks = [p["predicted_peak_bytes"] for p in res["plan_order"][1:-1]]
+    assert peaks == sorted(peaks), "of the rules, the largest predicted device peak last"
+    lm = res["plans"]["layer-major"]  # the production path of one landing per step
+    assert lm["store"]["grad_dtype"] == "bfloat16" and lm["store"]["split_master"]
+    assert lm["micro_batches_per_load"] == lm["num_micro_batches"] >= 2
+    assert res["plans"]["every-1"]["store"]["grad_dtype"] == "float32"
+    assert set(res["device"]["kernels"]) >= {"optimizer_8bit", "grad_accumulation", "split_master"}
     ops = res["tiny_steps"]["op_counts"]
     assert all(ops.get(k) for k in ("fetch", "recompute_layer", "layer_fwd_keep", "fetch_internals")), ops
     assert res["cuda_tests"]["passed"] == 1 and "tests/engine/test_cuda.py" in res["cuda_tests"]["files"]
@@ -360,7 +366,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path, capsys):
     for name, rec in res["plans"].items():
         assert len(rec["losses"]) == 2 and rec["skipped_steps"] == 0 and rec["tokens_per_s"] > 0, name
         assert rec["reserved_over_predicted"] is None and rec["profile"]["kernels"] == 0, name
-    assert len(res["simulator"]["runs"]) == 4 * 3  # every plan under h200, calibrated, calibrated-shape
+    assert len(res["simulator"]["runs"]) == 5 * 3  # every plan under h200, calibrated, calibrated-shape
     assert "gpu-check: status ok" in capsys.readouterr().out
 
 
