@@ -118,7 +118,7 @@ def selected_stages(names: list[str]) -> set[str] | None:
 
 
 def run_stages(report: Report, args: argparse.Namespace) -> None:
-    from gpu_check_device import Dev, device_facts
+    from gpu_check_device import Dev, device_facts, process_rss_bytes
     from gpu_check_first import (FirstSizes, run_copy_bandwidth, run_layer_check, run_pinned_arena,
                                  run_tiny_steps)
     from gpu_check_large import (Large, run_calibration, run_model, run_optimizer, run_planner,
@@ -137,8 +137,9 @@ def run_stages(report: Report, args: argparse.Namespace) -> None:
     res["first_contact_s"] = round(report.elapsed_s(), 3)
 
     timeout = max(30.0, min(args.cuda_tests_timeout_s, report.left_s() - args.reserve_after_tests_s))
+    tests_ram = int(args.host_budget_gb * 1e9) - (process_rss_bytes() or 0)
     report.stage("cuda_tests", 30, lambda d: run_cuda_tests(d, args.dry_run, args.hide_modules, timeout,
-                                                            args.cuda_test_timeout_s))
+                                                            args.cuda_test_timeout_s, tests_ram))
 
     lg = Large(dev, args.model, int(args.host_budget_gb * 1e9), args.micro_batch_size, args.seq_len,
                args.micro_batches, args.moments)

@@ -144,6 +144,10 @@ CUDA_TESTS = R("cuda_tests",
                K("ran_files", "list", "what pytest was given (a dry run: one generated file)"),
                K("command", "str", "the pytest command (plugins not auto-loaded; pytest-timeout by name)"),
                K("timeout_s", "number", "for the whole run"),
+               K("host_mem_available_bytes", "int", "the RAM the tests' stores are checked against "
+                                                    "(`LAYERWISE_HOST_MEM_AVAILABLE_BYTES`): the host "
+                                                    "budget less the check's RSS, not `MemAvailable`",
+                 null=True),
                K("exit_code", "int", "pytest's, null on timeout", null=True), K("timed_out", "bool", ""),
                K("wall_s", "number", ""),
                *(K(n, "int", d, null=True) for n, d in (

@@ -71,7 +71,12 @@ def _text(b) -> str:
 
 
 def run_cuda_tests(data: dict[str, Any], dry_run: bool, hidden: list[str], timeout_s: float,
-                   per_test_timeout_s: float) -> None:
+                   per_test_timeout_s: float, host_mem_available_bytes: int | None = None) -> None:
+    """pytest over the files with CUDA tests; ``host_mem_available_bytes`` (the host budget less
+    this process's RSS) is the RAM their stores are checked against (``HOST_MEM_ENV``), not
+    ``MemAvailable``, which starts far lower on the GPU machine."""
+    from layerwise.util.host_memory import HOST_MEM_ENV
+
     files = cuda_test_files()
     data["files"] = files
     with tempfile.TemporaryDirectory(prefix="layerwise-gpu-check-pytest-") as d:
@@ -91,6 +96,9 @@ def run_cuda_tests(data: dict[str, Any], dry_run: bool, hidden: list[str], timeo
         junit = tmp / "junit.xml"
         cmd = pytest_command(run_files, junit, per_test_timeout_s, plugin_dir, ini)
         env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+        if host_mem_available_bytes is not None:
+            env[HOST_MEM_ENV] = str(host_mem_available_bytes)
+        data["host_mem_available_bytes"] = host_mem_available_bytes
         paths = [str(REPO / "src"), *([str(plugin_dir)] if plugin_dir else []), env.get("PYTHONPATH", "")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         data.update(ran_files=run_files, command=" ".join(cmd), timeout_s=round(timeout_s, 1))

@@ -247,6 +247,17 @@ def test_available_host_memory_reads_meminfo_and_the_cgroup_limit(tmp_path, monk
     assert available_host_memory() == 2 * 2**30
 
 
+def test_the_host_memory_figure_can_be_given(monkeypatch):
+    """``$LAYERWISE_HOST_MEM_AVAILABLE_BYTES`` replaces the kernel's figure (the GPU check gives
+    its CUDA tests the host budget this way); a value that is not a number is a one-line error.
+    Mutation seen failing: the variable read but ``MemAvailable`` returned."""
+    monkeypatch.setenv(host_memory.HOST_MEM_ENV, "137400000000")
+    assert available_host_memory() == 137_400_000_000
+    monkeypatch.setenv(host_memory.HOST_MEM_ENV, "lots")
+    with pytest.raises(ValueError, match="not a number of bytes"):
+        available_host_memory()
+
+
 def test_available_host_memory_on_this_machine():
     avail = available_host_memory()
     assert avail is None or avail > 0

@@ -362,6 +362,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path, capsys):
     assert res["cuda_tests"]["passed"] == 1 and "tests/engine/test_cuda.py" in res["cuda_tests"]["files"]
     budget = res["host_ram"]["host_budget_bytes"]
     assert res["store"]["ram_check"]["available_bytes"] < budget and res["store"]["estimate_matches_store"]
+    assert 0 < res["cuda_tests"]["host_mem_available_bytes"] < budget  # the budget, not MemAvailable
     assert res["calibration"]["host_mem_bytes"] == res["planner"]["host_mem_bytes"] == budget
     for name, rec in res["plans"].items():
         assert len(rec["losses"]) == 2 and rec["skipped_steps"] == 0 and rec["tokens_per_s"] > 0, name

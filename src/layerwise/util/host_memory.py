@@ -166,9 +166,23 @@ def _cgroup_headroom() -> int | None:
     return None
 
 
+HOST_MEM_ENV = "LAYERWISE_HOST_MEM_AVAILABLE_BYTES"
+"""Where set, the bytes of RAM available, in place of what the kernel says: for a machine whose
+``MemAvailable`` is not the truth (the GPU check's lease starts far below its documented RAM
+and grows as memory is used; the check sets it for the CUDA tests from its host budget)."""
+
+
 def available_host_memory() -> int | None:
-    """Bytes of RAM this process can still take: Linux ``MemAvailable``, lowered to the memory
-    cgroup's headroom in a container; None where neither is known (then nothing is checked)."""
+    """Bytes of RAM this process can still take: ``$LAYERWISE_HOST_MEM_AVAILABLE_BYTES`` where
+    set, else Linux ``MemAvailable``, lowered to the memory cgroup's headroom in a container;
+    None where neither is known (then nothing is checked)."""
+    given = os.environ.get(HOST_MEM_ENV, "").strip()
+    if given:
+        try:
+            return max(int(float(given)), 0)
+        except ValueError:
+            raise ValueError(f"{HOST_MEM_ENV}={given!r} is not a number of bytes; set it to one "
+                             "(e.g. 137400000000) or unset it") from None
     avail = None
     for line in (_read_text(_MEMINFO) or "").splitlines():
         if line.startswith("MemAvailable:"):  # "MemAvailable:   22873056 kB"
