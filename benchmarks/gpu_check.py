@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from gpu_check_device import REPO, host_ram  # noqa: E402
 from gpu_check_report import SCHEMA_ID, Report, hidden_modules  # noqa: E402
 
 FIRST_CONTACT = ("device", "layer_check", "tiny_steps", "pinned_arena", "copy_bandwidth")
-PLAN_NAMES = ("planner", "every-1", "every-4", "keep-all-host", "layer-major")
+PLAN_NAMES = ("planner", "every-1", "every-4", "keep-all-host", "packed", "layer-major")
 NEEDS = {"calibration": ("model",), "optimizer": ("model",), "planner": ("model",), "store": ("model",),
          "plan": ("model", "store", "planner"), "simulator": ("model",)}
 """What a selected stage brings along (``--stages``)."""
@@ -123,7 +124,8 @@ def run_stages(report: Report, args: argparse.Namespace) -> None:
                                  run_tiny_steps)
     from gpu_check_large import (Large, run_calibration, run_model, run_optimizer, run_planner,
                                  run_store)
-    from gpu_check_plans import LAYER_MAJOR, candidate_plans, make_batches, run_plan, run_simulator
+    from gpu_check_plans import (LAYER_MAJOR, PACKED, candidate_plans, make_batches, run_plan,
+                                 run_simulator)
     from gpu_check_tests import run_cuda_tests
 
     res = report.result
@@ -163,8 +165,11 @@ def run_stages(report: Report, args: argparse.Namespace) -> None:
             report.stage(f"plan:{name}", estimate + 60, lambda d, p=plan: run_layer_major(
                 lg, p, args, d), data_path=("plans", name), needs=needs)
             continue
-        report.stage(f"plan:{name}", estimate, lambda d, n=name, p=plan: run_plan(
-            lg, n, p, batches, args.steps, args.lr, args.profile, args.trace_dir, d),
+        mine = batches
+        if name == PACKED and lg.store is not None:
+            mine = make_batches(lg, args.seed + 2, packed=True)
+        report.stage(f"plan:{name}", estimate, lambda d, n=name, p=plan, b=mine: run_plan(
+            lg, n, p, b, args.steps, args.lr, args.profile, args.trace_dir, d),
             data_path=("plans", name), needs=needs)
         if report.status_of(f"plan:{name}") == "ok":  # the next plan needs about as long, a bit more
             estimate = 1.2 * res["stages"][f"plan:{name}"]["wall_s"]
@@ -201,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(render_markdown(), end="")
         return 0
+    # the caching allocator grows segments in place rather than leaving the gaps between fixed
+    # blocks unusable: the plans of a large model run within a few GB of the device's memory
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         import torch
     except Exception as e:  # noqa: BLE001

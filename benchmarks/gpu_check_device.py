@@ -178,6 +178,7 @@ def device_facts(dev: Dev, data: dict[str, Any]) -> None:
         "device": dev.engine_device,
         "layerwise_commit": _run(["git", "rev-parse", "HEAD"], cwd=REPO),
         "kernels": host_kernels(),
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "imported_from": imported_from(WHEEL_PACKAGES),
     })
     gpu: dict[str, Any] = dict.fromkeys(("device_name", "device_capability", "device_total_mem_bytes",

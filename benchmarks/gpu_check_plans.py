@@ -27,6 +27,9 @@ LAYER_MAJOR = "layer-major"
 ``LAYER_MAJOR_MICRO_BATCHES`` micro-batches (at least), bf16 host gradients, the split master
 and the run's moments (8-bit by default), on a store rebuilt for it (``rebuild_store``)."""
 LAYER_MAJOR_MICRO_BATCHES = 2
+PACKED = "packed"
+"""every-4 over rows packed with examples of uneven lengths (``make_batches(packed=True)``):
+the block-diagonal masks and restarted positions of packed rows on the device."""
 
 
 def layer_major_plan(lg: Large):
@@ -57,19 +60,34 @@ def candidate_plans(lg: Large) -> list[tuple[str, Any, int]]:
 
     planner = [("planner", lg.planner_plan, peak(lg.planner_plan))]
     ordered = sorted(((n, p, peak(p)) for n, p in rules.items()), key=lambda x: x[2])
+    packed = Plan.every_k(L, 4, **kw)
+    packed.source = PACKED
     last = layer_major_plan(lg)
-    return planner + ordered + [(LAYER_MAJOR, last, peak(last))]
+    return planner + ordered + [(PACKED, packed, peak(packed)), (LAYER_MAJOR, last, peak(last))]
 
 
-def make_batches(lg: Large, seed: int, count: int | None = None):
+def make_batches(lg: Large, seed: int, count: int | None = None, packed: bool = False):
+    """Random micro-batches; ``packed``: each row holds examples of uneven lengths (about an
+    eighth, a quarter and the rest of the row, then padding), as ``data.packing`` makes them."""
     import torch
-    from layerwise.engine.batch import Batch
+    from layerwise.engine.batch import IGNORE_INDEX, Batch
 
     g = torch.Generator().manual_seed(seed)
     vocab = lg.shape.vocab_size
-    return [Batch(torch.randint(0, vocab, (lg.mbs, lg.seq), generator=g),
-                  torch.randint(0, vocab, (lg.mbs, lg.seq), generator=g))
-            for _ in range(lg.nmb if count is None else count)]
+    out = []
+    for _ in range(lg.nmb if count is None else count):
+        ids = torch.randint(0, vocab, (lg.mbs, lg.seq), generator=g)
+        labels = torch.randint(0, vocab, (lg.mbs, lg.seq), generator=g)
+        seg = None
+        if packed:
+            s = lg.seq
+            cuts = [0, max(1, s // 8), max(2, s // 8 + s // 4), max(3, s - s // 16), s]
+            seg = torch.empty(lg.mbs, s, dtype=torch.long)
+            for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
+                seg[:, a:b] = k if k < 3 else -1  # the last run is padding
+            labels[seg < 0] = IGNORE_INDEX
+        out.append(Batch(ids, labels, seg))
+    return out
 
 
 def _profiled_step(lg: Large, engine, batches, lr: float, name: str, trace_dir: str | None) -> dict[str, Any]:
@@ -95,6 +113,12 @@ def _profiled_step(lg: Large, engine, batches, lr: float, name: str, trace_dir: 
     return ov
 
 
+def _examples_per_row(batch) -> int:
+    """Examples in the first row (1: unpacked; padding not counted)."""
+    seg = batch.segment_ids
+    return 1 if seg is None else int(seg[0][seg[0] >= 0].unique().numel())
+
+
 def run_plan(lg: Large, name: str, plan, batches, steps: int, lr: float, profile: bool,
              trace_dir: str | None, data: dict[str, Any]) -> None:
     import torch
@@ -107,6 +131,7 @@ def run_plan(lg: Large, name: str, plan, batches, steps: int, lr: float, profile
     data.update(source=plan.source, tiers=tier_counts(plan.boundary_tiers), boundaries=plan.boundary_tiers,
                 prefetch_depth=plan.prefetch_depth, micro_batch_size=mbs, num_micro_batches=nmb, seq_len=seq,
                 micro_batches_per_load=plan.micro_batches_per_load,
+                examples_per_row=_examples_per_row(batches[0]),
                 store={"grad_dtype": str(store.layers[0].grad.dtype).removeprefix("torch."),
                        "split_master": bool(store.split_master),
                        "moments": dict(Counter(plan.moments or ["fp32"]))})

@@ -73,6 +73,8 @@ DEVICE = R("device",
            K("kernels", "object", "which host kernels run, `numba` or `torch` (the fallback): "
                                   "`optimizer_8bit`, `grad_accumulation`, `split_master`; and "
                                   "`numba`'s version"),
+           K("cuda_alloc_conf", "str", "`PYTORCH_CUDA_ALLOC_CONF` (the check sets `expandable_segments:True` "
+                                       "unless given)", null=True),
            K("imported_from", "object", "the file highspy, blake3 and numba import from (null: they "
                                         "do not): whether `make gpu-wheels`' install took"),
            K("device_name", "str", "GPU 0", null=True), K("device_capability", "str", "e.g. `9.0`", null=True),
@@ -249,6 +251,7 @@ PLAN = R("plans.<name>",
          K("num_micro_batches", "int", ""), K("seq_len", "int", ""),
          K("micro_batches_per_load", "int", "micro-batches per weight load (the step's count: "
                                             "layer-major)"),
+         K("examples_per_row", "int", "examples packed in a row (1: unpacked; `packed`: 3)"),
          K("store", "object", "the store it trained: `grad_dtype` (`bfloat16` where each gradient "
                               "lands once), `split_master`, `moments` (units per format)"),
          K("store_nbytes", "int", "`layer-major` only: its rebuilt store's `nbytes()`", optional=True),
@@ -310,8 +313,9 @@ TOP = R("(top level)",
           for r in (MODEL, CALIBRATION, OPTIMIZER, PLANNER, STORE)),
         K("plan_order", "list", f"`{PLAN_ORDER.title}` records: the plans in the order they run (the "
                                 "planner's first, then the rules smallest predicted device peak first, "
-                                "then `layer-major`)", optional=True),
-        K("plans", "map", "per plan run (`planner`, `every-1`, `every-4`, `keep-all-host`, and "
+                                "then `packed` and `layer-major`)", optional=True),
+        K("plans", "map", "per plan run (`planner`, `every-1`, `every-4`, `keep-all-host`, `packed`: "
+                          "every-4 over rows packed with 3 examples of uneven lengths and padding, and "
                           "`layer-major`: keep-all-host boundaries in layer-major order over 2 "
                           "micro-batches at least, bf16 host gradients, the split master, the run's "
                           "moments, on a store rebuilt for it)", optional=True, of=PLAN),

@@ -349,8 +349,9 @@ def test_gpu_check_dry_run_on_cpu(tmp_path, capsys):
     order = [p["plan"] for p in res["plan_order"]]
     assert list(res["stages"]) == STAGES + [f"plan:{p}" for p in order] + ["simulator"]
     assert order[0] == "planner" and order[-1] == "layer-major", "the user's plan first"
-    assert sorted(order[1:-1]) == ["every-1", "every-4", "keep-all-host"]
-    peaks = [p["predicted_peak_bytes"] for p in res["plan_order"][1:-1]]
+    assert sorted(order[1:-2]) == ["every-1", "every-4", "keep-all-host"] and order[-2] == "packed"
+    assert res["plans"]["packed"]["examples_per_row"] == 3 and res["plans"]["every-1"]["examples_per_row"] == 1
+    peaks = [p["predicted_peak_bytes"] for p in res["plan_order"][1:-2]]
     assert peaks == sorted(peaks), "of the rules, the largest predicted device peak last"
     lm = res["plans"]["layer-major"]  # the production path of one landing per step
     assert lm["store"]["grad_dtype"] == "bfloat16" and lm["store"]["split_master"]
@@ -367,7 +368,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path, capsys):
     for name, rec in res["plans"].items():
         assert len(rec["losses"]) == 2 and rec["skipped_steps"] == 0 and rec["tokens_per_s"] > 0, name
         assert rec["reserved_over_predicted"] is None and rec["profile"]["kernels"] == 0, name
-    assert len(res["simulator"]["runs"]) == 5 * 3  # every plan under h200, calibrated, calibrated-shape
+    assert len(res["simulator"]["runs"]) == 6 * 3  # every plan under h200, calibrated, calibrated-shape
     assert "gpu-check: status ok" in capsys.readouterr().out
 
 
