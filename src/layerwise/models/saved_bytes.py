@@ -2,18 +2,17 @@
 
 The planner's memory model needs, per layer, the bytes a kept forward holds (the *workspace*:
 what ``engine/internals.py`` keeps or offloads). Rather than a formula per family, the layer
-runs once, as the engine runs it (``DecoderAdapter.layer``, transformers' own module and
-attention kernel), on a short sequence under ``saved_tensors_hooks``, and the distinct storages
-it saves are counted — leaving out, as the engine does, its weights and the tensors every layer
-shares (positions, RoPE, masks).
+runs as the engine runs it (``DecoderAdapter.layer``: transformers' own module and attention
+kernel) over one row of 256 tokens and one of 512 under ``saved_tensors_hooks``, and the
+distinct storages it saves are counted, leaving out, as the engine does, its weights and the
+tensors every layer shares (positions, RoPE, masks).
 
 It runs on the CPU, not the meta device: a routed MoE picks its experts by data
-(``nonzero``), which the meta device cannot run. The weights cost no memory all the same: each is a
-zero-stride view of one constant element, and matrix products are not computed (their outputs
-are zeros of the right shape, so every token routes alike and the count does not depend on a
-draw). Two lengths separate what grows with the tokens from what
-grows with their square (an eager kernel's attention probabilities); the planner's per-token
-figure is the first.
+(``nonzero``), which the meta device cannot run. The weights cost no memory all the same: each
+is a zero-stride view of one constant element, and matrix products are not computed (their
+outputs are zeros of the right shape, so every token routes alike and the count does not depend
+on a draw). The two lengths separate what grows with the tokens from what grows with their
+square (an eager kernel's attention probabilities).
 """
 
 from __future__ import annotations
@@ -36,9 +35,6 @@ class SavedBytes:
     per_token_pos: float
     """Bytes per token per position of its row (attention probabilities; 0 for kernels that
     save none, as SDPA's flash kernels)."""
-
-    def at(self, seq_len: int, tokens: int) -> float:
-        return tokens * (self.per_token + self.per_token_pos * seq_len)
 
 
 _GEMMS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default,

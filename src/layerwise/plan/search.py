@@ -386,21 +386,21 @@ def polish(milp: Candidate, rules: list[Candidate], shape: ModelShape, hw: Hardw
         best, other = rule, milp.plan
     else:
         best, other = milp, rule.plan
-    keys = (("boundary_tiers", 0), ("internal_tiers", 0), ("moments", 1))  # (field, unit offset)
-
-    def differs(d: dict, i: int) -> bool:
-        return any(d.get(k) is not None and getattr(other, k) is not None
-                   and d[k][i + o] != getattr(other, k)[i + o] for k, o in keys)
-
-    diff = [i for i in range(shape.num_layers) if differs(best.plan.to_dict(), i)]
-    size = -(-len(diff) // moves) if moves and diff else 0
-    start, screened = best, best.sim if not extrapolated(best.plan) else simulate_fast(best.plan, shape, hw)
-    for run in (diff[a:a + size] for a in range(0, len(diff), size or 1)) if size else ():
+    fields = (("boundary_tiers", 0), ("internal_tiers", 0), ("moments", 1))  # (field, unit offset)
+    theirs = {k: (o, getattr(other, k)) for k, o in fields if getattr(other, k) is not None}
+    mine = best.plan.to_dict()
+    diff = [i for i in range(shape.num_layers)
+            if any(mine.get(k) is not None and mine[k][i + o] != t[i + o] for k, (o, t) in theirs.items())]
+    size = -(-len(diff) // moves) if moves else 0
+    runs = [diff[a:a + size] for a in range(0, len(diff), size)] if size else []
+    start = best
+    screened = simulate_fast(best.plan, shape, hw) if extrapolated(best.plan) else best.sim
+    for run in runs:
         d = best.plan.to_dict()
         for i in run:
-            for k, o in keys:
-                if d.get(k) is not None and getattr(other, k) is not None:
-                    d[k][i + o] = getattr(other, k)[i + o]
+            for k, (o, t) in theirs.items():
+                if d.get(k) is not None:
+                    d[k][i + o] = t[i + o]
         trial = Plan.from_dict(d)
         result = simulate_fast(trial, shape, hw)
         if result.fits and result.tokens_per_s > screened.tokens_per_s:

@@ -146,10 +146,11 @@ class MergedSource:
 
     def load_group(self, group: str) -> dict[str, torch.Tensor]:
         names = self._groups[group]
-        if group == PASSTHROUGH:
+        if group == PASSTHROUGH:  # only the base directory's groups that hold them
             wanted = {PARAM + n for n in names}
-            return {k: t for g in self._base.groups() for k, t in self._base.load_group(g).items()
-                    if k in wanted}
+            groups = {group_of(n, self.store.adapter.tied) for n in names}
+            return {k: t for g in self._base.groups() if g in groups
+                    for k, t in self._base.load_group(g).items() if k in wanted}
         merged = self.store.merged_tensors(self.store.unit_of(names[0]))
         return {PARAM + n: merged[n] for n in names}
 
