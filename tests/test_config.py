@@ -112,6 +112,23 @@ def test_every_key_has_a_doc_and_help_shows_defaults():
     assert all(f"  {config._label(k.name, TrainConfig)}=" in full for k in keys)
 
 
+def test_every_checkpointer_has_one_default_policy():
+    """``layerwise train``'s ``ckpt.policy`` (a literal: its config module must not import torch
+    for ``--help``), ``CheckpointConfig`` and the Trainer / DeepSpeed / FSDP2 checkpointers all
+    default to ``ckpt.checkpoint_config.DEFAULT_POLICY``. Mutation seen failing: CheckpointConfig
+    back at ``full`` (the two had drifted: parity for train, full for the library)."""
+    import inspect
+
+    from layerwise.ckpt.checkpoint_config import DEFAULT_POLICY, CheckpointConfig
+    from layerwise.interop.hooks.deepspeed_loop import DeepSpeedCheckpointer
+    from layerwise.interop.hooks.fsdp2_loop import fsdp_checkpointer
+    from layerwise.interop.hooks.trainer_callback import LayerwiseCheckpointCallback
+
+    assert CkptConfig().policy == CheckpointConfig().policy == DEFAULT_POLICY
+    for fn in (DeepSpeedCheckpointer, fsdp_checkpointer, LayerwiseCheckpointCallback):
+        assert inspect.signature(fn).parameters["policy"].default == DEFAULT_POLICY, fn
+
+
 def test_policy_names_match_the_checkpoint_core():
     from layerwise.ckpt import POLICIES
     assert set(POLICY_NAMES) == set(POLICIES)

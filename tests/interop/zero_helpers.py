@@ -261,7 +261,7 @@ def _trainer_run(rank: int, out: Path) -> None:
                              seed=0, disable_tqdm=True, deepspeed=ds,
                              accelerator_config={"use_configured_state": True})
     torch.manual_seed(0)
-    callback = LayerwiseCheckpointCallback(out / "layerwise", every=2)
+    callback = LayerwiseCheckpointCallback(out / "layerwise", policy="full", every=2)
     trainer = Trainer(model=FAMILIES["llama"].model_class(config()), args=args, train_dataset=TokenDataset(),
                       callbacks=[callback])
     trainer.train()

@@ -7,9 +7,16 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 
+DEFAULT_POLICY = "parity"
+"""The selection policy of every checkpointer by default (``Checkpointer``, the Trainer callback,
+the DeepSpeed and FSDP2 loops, ``layerwise train``'s ``ckpt.policy``): measured on fine-tunes
+(``benchmarks/ckpt_savings.py --finetune``, docs/benchmarks.md), parity's composite resumed with
+the least loss per byte saved, its staleness bounded by one save."""
+
+
 @dataclass
 class CheckpointConfig:
-    policy: str = "full"
+    policy: str = DEFAULT_POLICY
     """Registry name of the selection policy: full, parity, filter, topk, budget."""
     policy_options: dict[str, Any] = field(default_factory=dict)
     """Options of the policy, e.g. {"threshold": 1e-3, "max_staleness": 4, "full_every": 10}."""

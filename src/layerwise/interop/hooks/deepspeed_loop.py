@@ -27,6 +27,7 @@ from typing import Any
 
 from torch import nn
 
+from ...ckpt.checkpoint_config import DEFAULT_POLICY
 from ...ckpt.collective import RankExchange, default_exchange
 from ...ckpt.sharded_checkpointer import ShardedCheckpointer, ShardedLoadResult, ShardedSaveReport
 from .zero_partitions import LiveZeroState
@@ -39,7 +40,7 @@ class DeepSpeedCheckpointer:
     """Create on every rank after ``deepspeed.initialize``; ``save``/``load`` are collectives."""
 
     def __init__(self, run_dir: str | Path, engine: Any = None, *, module: nn.Module | None = None,
-                 optimizer: Any = None, scheduler: Any = None, policy: str = "full",
+                 optimizer: Any = None, scheduler: Any = None, policy: str = DEFAULT_POLICY,
                  exchange: RankExchange | None = None, timeout_s: float = 600.0, **policy_options: Any):
         """``engine``: the DeepSpeed engine; or, where only its parts are at hand (the HF
         Trainer's callbacks), ``module`` (the model it wraps) and ``optimizer`` (its ZeRO

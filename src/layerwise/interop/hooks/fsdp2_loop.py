@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from ...ckpt.checkpoint_config import DEFAULT_POLICY
 from ...ckpt.collective import RankExchange, default_exchange
 from ...ckpt.sharded_checkpointer import FlatShard, GroupReader, ShardedCheckpointer
 from ...ckpt.provider import PARAM, ModuleStateProvider
@@ -151,7 +152,7 @@ class FSDPShardProvider:
 
 
 def fsdp_checkpointer(run_dir: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                     policy: str = "full", *, exchange: RankExchange | None = None,
+                     policy: str = DEFAULT_POLICY, *, exchange: RankExchange | None = None,
                      timeout_s: float = 600.0, **options: Any) -> ShardedCheckpointer:
     """A ``ShardedCheckpointer`` for an FSDP2 model on every rank of the default process group
     (its exchange: a gloo group of its own with ``timeout_s``; one process: no exchange).

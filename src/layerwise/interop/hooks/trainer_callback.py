@@ -31,6 +31,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from ...ckpt.checkpoint_config import DEFAULT_POLICY
 from ...ckpt.checkpointer import Checkpointer
 from .deepspeed_loop import DeepSpeedCheckpointer
 from ..recipes.merge import merge
@@ -55,7 +56,7 @@ class LayerwiseCheckpointCallback(TrainerCallback):
     def __init__(
         self,
         run_dir: str | Path,
-        policy: str = "full",
+        policy: str = DEFAULT_POLICY,
         every: int | None = None,
         *,
         save_at_end: bool = True,
