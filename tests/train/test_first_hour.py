@@ -160,6 +160,17 @@ def test_a_lora_adapter_of_a_multimodal_model_targets_its_language_model_only(tm
     assert len(made) == len(saved) and not [n for n in made if "vision_tower" in n]
 
 
+def _assert_the_whole_multimodal_model(model_dir: Path, written: Path) -> None:
+    """``written`` has the names, shapes and dtypes of ``model_dir``'s weights, and its vision
+    tower and projector bit for bit."""
+    before = load_file(model_dir / "model.safetensors")
+    after = load_file(written / "model.safetensors")
+    assert {k: (v.shape, v.dtype) for k, v in before.items()} == \
+        {k: (v.shape, v.dtype) for k, v in after.items()}
+    vision = [k for k in before if "vision_tower" in k or "multi_modal_projector" in k]
+    assert vision and all(torch.equal(before[k], after[k]) for k in vision)
+
+
 def test_a_merged_lora_of_a_multimodal_model_is_the_whole_model(tmp_path):
     """Friction: ``lora.merge=true`` on a multimodal directory ended the run with "group
     'model.language_model.embed_tokens' has parameter …, which the model in config.json does not
@@ -167,19 +178,13 @@ def test_a_merged_lora_of_a_multimodal_model_is_the_whole_model(tmp_path):
     the names, shapes and dtypes of the source directory, its vision tensors bit for bit, and
     loads as the image-text class. Mutation seen failing: the merged source without the base
     directory's passthrough group ("the source lacks 34 parameter(s)")."""
-    from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
     model_dir = _gemma3_multimodal_dir(tmp_path / "gemma3")
     out = tmp_path / "run"
     assert main(["train", f"model={model_dir}", f"out_dir={out}", "steps=2", "lora.r=4",
                  "lora.merge=true", *TINY]) == 0
-    before = load_file(model_dir / "model.safetensors")
-    merged = load_file(out / "model" / "model.safetensors")
-    assert {k: (v.shape, v.dtype) for k, v in before.items()} == \
-        {k: (v.shape, v.dtype) for k, v in merged.items()}
-    vision = [k for k in before if "vision_tower" in k or "multi_modal_projector" in k]
-    assert vision and all(torch.equal(before[k], merged[k]) for k in vision)
+    _assert_the_whole_multimodal_model(model_dir, out / "model")
     assert type(AutoModelForImageTextToText.from_pretrained(out / "model")).__name__ == \
         "Gemma3ForConditionalGeneration"
 
@@ -217,22 +222,16 @@ def test_a_multimodal_run_s_checkpoint_merges_into_the_whole_model_and_resumes(t
     written by the first save), so the merge has the names, shapes and dtypes of the model
     directory, the vision tensors bit for bit, and the same command with more steps resumes.
     Mutation seen failing: the provider without the passthrough group (the refusal again)."""
-    from safetensors.torch import load_file
-
     model_dir = _gemma3_multimodal_dir(tmp_path / "gemma3")
     out = tmp_path / "run"
     args = ["train", f"model={model_dir}", f"out_dir={out}", "ckpt.every=2", *TINY]
     assert main([*args, "steps=4"]) == 0
     capsys.readouterr()
     assert main(["ckpt", "merge", str(out / "ckpt"), "--out", str(tmp_path / "merged")]) == 0
-    before = load_file(model_dir / "model.safetensors")
-    merged = load_file(tmp_path / "merged" / "model.safetensors")
-    assert {k: (v.shape, v.dtype) for k, v in before.items()} == \
-        {k: (v.shape, v.dtype) for k, v in merged.items()}
-    vision = [k for k in before if "vision_tower" in k or "multi_modal_projector" in k]
-    assert vision and all(torch.equal(before[k], merged[k]) for k in vision)
+    _assert_the_whole_multimodal_model(model_dir, tmp_path / "merged")
     assert main([*args, "steps=6"]) == 0
-    assert "step 6/6" in capsys.readouterr().out
+    resumed = capsys.readouterr().out
+    assert "step 6/6" in resumed and "step 1/6" not in resumed  # continued, not started again
 
 
 def test_a_model_dir_layerwise_cannot_train_is_refused_in_one_line(tmp_path, capsys):
