@@ -16,7 +16,6 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -35,7 +34,7 @@ from layerwise.plan.simulator import simulate
 from layerwise.train import progress as progress_mod
 from layerwise.train.config import CkptConfig
 from layerwise.train.loop import TrainConfig, train
-from layerwise.train.planning import cuda_preset_for, resolve_hardware
+from layerwise.train.planning import run_hardware
 from layerwise.train.progress import Progress
 from layerwise.train.report import load_run
 from layerwise.train.update_log import open_jsonl_upto
@@ -121,7 +120,7 @@ def test_plan_auto_saves_the_planners_plan_and_its_predicted_step_time(auto_run,
     assert plan.micro_batch_size * plan.num_micro_batches == 4  # the run's sequences per step
     pred = plan.predicted["step_s"]
     assert pred > 0 and plan.predicted["hardware_source"].startswith("the cpu preset")
-    hw = resolve_hardware(None, None, "cpu", out, torch.float32)
+    hw = run_hardware(TrainConfig(out_dir=str(out)), torch.float32)
     assert simulate(plan, load_shape(str(model_dir)), hw.profile, keep_trace=False).step_s \
         == pytest.approx(pred, rel=1e-9)
     assert {r["predicted_step_s"] for r in _rows(out / "metrics.jsonl")} == {pred}
@@ -271,44 +270,6 @@ def test_a_resumed_log_keeps_whole_rows_up_to_the_resumed_step(tmp_path):
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [2, 4]
     open_jsonl_upto(path, 0).close()
     assert path.read_text() == ""
-
-
-# ----- hardware for the planner ----------------------------------------------------------------
-
-
-def test_hardware_profile_resolution_order(tmp_path, caplog):
-    """``profile=`` > ``RUN/profile.json`` > ``hardware=`` > this machine; the profile's element
-    size follows the compute dtype and the memory cap bounds the device. Mutation seen failing:
-    ``hardware=`` checked before the run's calibrated profile."""
-    caplog.set_level(logging.INFO, logger="layerwise")
-    run = tmp_path / "run"
-    run.mkdir()
-    mine = resolve_hardware(None, None, "cpu", run, torch.float32)
-    assert mine.source.startswith("the cpu preset") and mine.profile.compute_dtype_bytes == 4
-    named = resolve_hardware(None, "h100", "cpu", run, torch.float32)
-    assert named.profile.name == "h100" and named.profile.compute_dtype_bytes == 4
-    assert resolve_hardware(None, "h100", "cpu", run, torch.bfloat16) \
-        .profile.compute_dtype_bytes == 2
-    replace(PRESETS["rtx4090"], name="calibrated-here").save(run / "profile.json")
-    assert not caplog.messages  # nothing said while nothing is ignored
-    cal = resolve_hardware(None, "h100", "cpu", run, torch.bfloat16)
-    assert cal.profile.name == "calibrated-here" and "hardware=h100 ignored" in caplog.messages[0]
-    replace(PRESETS["a100-80g"], name="given").save(tmp_path / "given.json")
-    given = resolve_hardware(str(tmp_path / "given.json"), None, "cpu", run, torch.bfloat16)
-    assert given.profile.name == "given"
-    capped = resolve_hardware(None, "h100", "cpu", tmp_path, torch.bfloat16,
-                              device_mem_cap_bytes=10**9)
-    assert capped.profile.device_cap_bytes == 10**9
-
-
-def test_cuda_devices_match_presets_by_name():
-    gb = 10**9
-    assert cuda_preset_for("NVIDIA H200", 143 * gb) == "h200"
-    assert cuda_preset_for("NVIDIA H100 80GB HBM3", 85 * gb) == "h100"
-    assert cuda_preset_for("NVIDIA A100-SXM4-80GB", 85 * gb) == "a100-80g"
-    assert cuda_preset_for("NVIDIA A100-SXM4-40GB", 42 * gb) is None  # calibrate instead
-    assert cuda_preset_for("NVIDIA GeForce RTX 4090", 25 * gb) == "rtx4090"
-    assert cuda_preset_for("Tesla T4", 16 * gb) is None
 
 
 # ----- bad input -------------------------------------------------------------------------------

@@ -38,12 +38,14 @@ from ..models.adapter import DecoderAdapter
 from ..models.names import EMBED, HEAD
 from ..models.registry import FLAVORS, get_flavor
 from ..plan.cost import CostModel
-from ..plan.hardware import GB, PRESETS, HardwareProfile
+from ..plan.hardware import PRESETS, HardwareProfile
+from ..plan.hardware_choice import resolve_hardware
 from ..plan.shape import ModelShape
 from ..store import FlatLayout
 from .calibrate_host import (Clock, best_time, measure_accumulation, measure_gloo_reduce_gbps,
                              measure_optimizer, measure_optimizer_8bit, measure_pinned_copy_gbps,
-                             on_host_worker, total_ram_bytes)
+                             on_host_worker)
+from .devices import this_machine
 from .host_threads import plan_host_threads
 from .layer_ops import layer_backward
 
@@ -222,15 +224,14 @@ def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None =
     h2d, d2h = measure_copy_gbps(device, (64 << 20) if quick else (256 << 20), reps, clock)
     nvme_r, nvme_w = measure_disk_gbps(spill_dir, (32 << 20) if quick else (256 << 20), 2 if quick else 3)
     host = measure_host(device, _host_probe_numel(config, quick), reps, clock, optimizer_threads, gloo)
-    ram = total_ram_bytes()
     free_disk = _free_bytes(spill_dir or tempfile.gettempdir())
-    if on_gpu:
-        dev_mem = torch.cuda.get_device_properties(torch.device(device)).total_memory
-        base = replace(PRESETS["h100"], device_reserved_bytes=int(1.5 * GB), compute_dtype_bytes=2,
-                       synchronous=False)
-    else:
-        dev_mem = ram
-        base = PRESETS["cpu"]
+    machine = this_machine(device)
+    # what is not measured (reserves, compute dtype, lanes) is this machine's preset's; a GPU no
+    # preset matches takes a GPU preset's (every GPU preset has the same)
+    choice = resolve_hardware(machine=machine)
+    base = choice.profile if choice is not None else PRESETS["h100"]
+    ram = machine.ram_bytes
+    dev_mem = machine.gpu_mem_bytes if on_gpu else ram
     return replace(
         base,
         name=name or f"calibrated-{device}",

@@ -7,7 +7,8 @@ import json
 from typing import Any
 
 from .check import CheckReport, check
-from .hardware import HardwareProfile, get_hardware
+from .hardware import HardwareProfile
+from .hardware_choice import resolve_hardware
 from .host_need import HostNeed, largest_fitting, layer_grad_bytes, plan_host_need
 from .milp import MilpConfig
 from .report import (host_line, hours_per_billion_tokens, largest_line, print_report, print_scaling, reserve_line,
@@ -54,7 +55,7 @@ def plan_command(args: argparse.Namespace) -> int:
     """Search, check and write the plan; print the verdict and the table (or one JSON object)."""
     batch = _batch(args)
     shape = load_shape(args.model)
-    machine = get_hardware(args.hardware).with_memory(args.gpu_mem, args.host_mem)
+    machine = plan_hardware(args)
     hw = machine.for_model(layer_grad_bytes(shape, machine))  # the reserve with this model's ring
     largest = largest_fitting(args.model, machine) if args.host_mem is not None else None
     topo = _topology(args, hw, batch)
@@ -106,6 +107,14 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.timeline:
         print(f"wrote {args.timeline}")
     return 0
+
+
+def plan_hardware(args: argparse.Namespace) -> HardwareProfile:
+    """``--hardware`` with ``--gpu-mem`` / ``--host-mem``, by the rules ``layerwise train`` uses
+    (``plan.hardware_choice``)."""
+    choice = resolve_hardware(args.hardware, gpu_mem_gb=args.gpu_mem, host_mem_gb=args.host_mem)
+    assert choice is not None  # a name resolves or raises
+    return choice.profile
 
 
 def _largest_json(args: argparse.Namespace, largest: tuple[str, HostNeed] | None, lines: list[str]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from ..models import FLAVORS, DecoderAdapter, family_of, get_flavor
 from ..models.families import text_config
 from ..models.attention import row_layout
 from ..models.structure import layer_facts, model_flops
+from ..plan.hardware_choice import HardwareChoice
 from ..plan.memory import CUDA_WORKSPACE_BYTES, predict_peak_device_bytes
 from ..plan.plan import Plan
 from ..plan.shape import ModelShape
@@ -25,7 +26,7 @@ from . import checks
 from .config import TrainConfig
 from .lora_run import lora_shape
 from .options import check_settings, resolve_plan
-from .planning import HardwareChoice, auto_plan, predict, resolve_hardware
+from .planning import auto_plan, predict, run_hardware
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -105,8 +106,7 @@ def choose_plan(cfg: TrainConfig, model: PretrainedConfig, compute_dtype: torch.
     auto = cfg.plan == "auto"
     num_layers = text_config(model).num_hidden_layers
     plan = None if auto else resolve_plan(cfg.plan, num_layers, cfg)
-    hw = resolve_hardware(cfg.profile, cfg.hardware, cfg.device, Path(cfg.out_dir), compute_dtype,
-                          mem_cap_bytes(cfg), may_calibrate=auto)
+    hw = run_hardware(cfg, compute_dtype, mem_cap_bytes(cfg), may_calibrate=auto)
     shape = lora_shape(cfg, ModelShape.from_config(model, name=Path(cfg.model.name).name))
     if auto:
         assert hw is not None

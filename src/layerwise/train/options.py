@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..plan.hardware import get_hardware
+from ..plan.hardware_choice import check_spec
 from ..plan.plan import Plan
 from .config import TrainConfig
 from .progress import resolve_progress
@@ -33,22 +33,6 @@ def resolve_plan(spec: str, num_layers: int, cfg: TrainConfig) -> Plan:
                      "plan file")
 
 
-def check_profile(profile: str | None) -> None:
-    """Refuse a ``profile=`` that names no file (before any work)."""
-    if profile and not Path(profile).is_file():
-        raise ValueError(f"profile={profile}: no such file; write one with `layerwise calibrate "
-                         f"--out {profile}`, or leave profile unset")
-
-
-def check_hardware(hardware: str | None) -> None:
-    """Refuse an unknown ``hardware=`` preset or a bad profile file (before any work)."""
-    if hardware:
-        try:
-            get_hardware(hardware)
-        except ValueError as e:
-            raise ValueError(f"hardware={hardware}: {e}") from None
-
-
 def check_settings(cfg: TrainConfig) -> None:
     """Every check that needs neither torch nor the model: one ``ValueError`` naming the key."""
     cfg.check()
@@ -57,5 +41,4 @@ def check_settings(cfg: TrainConfig) -> None:
         Plan.load(cfg.plan)  # a missing or malformed plan file's own error
     elif cfg.plan != "auto":
         resolve_plan(cfg.plan, 1, cfg)  # a malformed rule's own error
-    check_profile(cfg.profile)
-    check_hardware(cfg.hardware)
+    check_spec(cfg.hardware, cfg.profile)
