@@ -6,9 +6,11 @@ the step time predicted for it), ``run.json`` (the resolved settings, what ran, 
 measured vs predicted step time), ``metrics.jsonl`` (one row per step), ``tracker.jsonl``
 (per-layer update statistics, ``update_log.py``), ``samples.jsonl`` (generations at evals, when
 asked), ``ckpt/`` (layer-wise checkpoints) and ``model/`` (the export). How a run starts
-(fresh, continued, from another run) is ``resume.py``'s; a run is interrupted cleanly by
-``interrupt.py``. Rank 0 writes the files; every other rank of a data-parallel run gets the
-do-nothing ``NullOutput`` (``sinks.py``) and otherwise runs the same code.
+(fresh, continued, from another run) is ``resume.py``'s, what it continues with is a
+``TrainState`` (``state.py``), when it saves and what it keeps is the ``CheckpointManager``'s
+(``checkpoints.py``); a run is interrupted cleanly by ``interrupt.py``. Rank 0 writes the files
+(``RunFiles``, ``MetricsLog``: ``lead``); every other rank of a data-parallel run runs the same
+code and writes nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 import signal
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +41,19 @@ from .dist.context import DistContext, init as dist_init, shutdown as dist_shutd
 from .dist.reducer import DistReducer
 from .dist.shm import shared_store_nbytes
 from .interrupt import StopFlag
+from .checkpoints import CheckpointManager, due
 from .lora_run import build_lora, check_lora, eval_mode, export_lora, resume_dropout
 from .outdir import RUN_FORMAT_VERSION, read_run_json
 from .outdir import open_metrics as _open_metrics  # noqa: F401  (tests read it here)
 from .progress import Progress
 from .resume import Start, check_extension, data_start, decide_start, resume_command
+from .run_files import RunFiles
 from .run_records import (TrainResult, device_mem_reserved, step_record, throughput_text,
                           timing_summary)
+from .sampling import greedy_continue, sample_prompts
 from .schedule import Schedule
-from .sinks import NullOutput, RunOutput, greedy_continue, sample_prompts
+from .sinks import MetricsLog
+from .state import TrainState
 from .tokenizer import check_vocab, load_tokenizer
 from .update_log import RunTracker
 
@@ -72,13 +79,17 @@ class Trainer:
         self.ctx = ctx or DistContext.from_env(timeout_s=cfg.dist.timeout_s)
         self.out_dir = Path(cfg.out_dir)
         self.ckpt_dir = self.out_dir / "ckpt"
-        self.out: RunOutput = RunOutput(self.out_dir) if self.ctx.rank == 0 else NullOutput(self.out_dir)
+        self.lead = self.ctx.rank == 0
+        """Rank 0: it writes the run's files and computes the evaluations for every rank."""
+        self.files, self.log = RunFiles(self.out_dir, self.lead), MetricsLog(self.out_dir, self.lead)
         self.lock = None
         self.engine: StreamingEngine | None = None
-        self.ckpt = self.tracker = None
+        self.checkpoints: CheckpointManager | None = None
+        self.tracker: RunTracker | None = None
         self.start = Start()
-        self.start_step, self.last_saved = 0, None
-        self.saved: dict[str, Any] = {}
+        self.start_step = 0
+        self.state = TrainState()
+        """What the run continues with: the resumed checkpoint's, else a fresh run's."""
         self.step_times: list[float] = []
         self.tokens_seen = 0
         """Tokens of every row trained on (all ranks; padding and masked prompt tokens too, as
@@ -93,7 +104,7 @@ class Trainer:
         checkpoints, the resumed state, the start-of-run eval and the outputs."""
         cfg = self.cfg
         check_options(cfg)
-        self.lock = self.out.claim()
+        self.lock = self.files.claim()
         self.start = dist_setup.decided_by_rank0(
             self.ctx, lambda: decide_start(cfg, self.out_dir), "deciding how the run starts")
         if self.start.note:
@@ -101,7 +112,7 @@ class Trainer:
         if self.start.done:
             return
         if self.start.clear:
-            self.out.clear()
+            self.files.clear()
         self._build()
         self._prepare_data()
         self._open_checkpoints()
@@ -171,25 +182,25 @@ class Trainer:
         checkpoint to resume from when that is another run's or this run does not write."""
         cfg, ctx = self.cfg, self.ctx
         self.provider = HostStoreStateProvider(self.store, self.engine.optimizers)
-        if cfg.checkpoints:
-            # the run's tracker.jsonl is written by RunTracker (with the engine's gradient norms)
-            self.ckpt = dist_saving.checkpointer(
-                ctx, self.ckpt_dir, self.provider, self.store, True, policy=cfg.ckpt.policy,
-                tracker_log=False, expert_groups=cfg.ckpt.expert_groups,
-                **cfg.ckpt.policy_options())
+        # the run's tracker.jsonl is written by RunTracker (with the engine's gradient norms)
+        ckpt = dist_saving.checkpointer(
+            ctx, self.ckpt_dir, self.provider, self.store, True, policy=cfg.ckpt.policy,
+            tracker_log=False, expert_groups=cfg.ckpt.expert_groups,
+            **cfg.ckpt.policy_options()) if cfg.checkpoints else None
+        self.checkpoints = CheckpointManager(ctx, cfg.ckpt, ckpt)
         source = self.start.source
         self.reader = None
-        if source is not None and (self.ckpt is None or source != self.ckpt_dir) \
+        if source is not None and (ckpt is None or source != self.ckpt_dir) \
                 and ctx.local_rank == 0:
             self.reader = dist_saving.checkpointer(ctx, source, self.provider, self.store, False,
                                                    policy="full", tracker_log=False,
                                                    expert_groups=cfg.ckpt.expert_groups)
 
     def _resume(self) -> None:
-        """Weights, AdamW moments and step counts, RNG; the data position, the schedule and the
-        run's start-of-training eval come back from the checkpoint's ``extra``."""
+        """Weights, AdamW moments and step counts, RNG from the checkpoint; the data position,
+        the schedule and the run's start-of-training eval from its ``TrainState``."""
         start = self.start
-        loader = self.reader if self.reader is not None else self.ckpt
+        loader = self.reader if self.reader is not None else self.checkpoints.ckpt
         resumed = dist_setup.resume(self.ctx, loader, start.source is not None,
                                     self.engine.optimizers, self.store, start.step)
         if self.reader is not None:
@@ -197,26 +208,27 @@ class Trainer:
         if resumed is not None:
             where = start.source or self.ckpt_dir
             _log.info(f"resumed from layer-wise checkpoint step {resumed.step} in {where}")
-            self.start_step, self.saved = resumed.step, dict(resumed.extra or {})
+            self.state = TrainState.from_checkpoint(resumed)
             if start.source == self.ckpt_dir:
-                self.last_saved = resumed.step
+                self.checkpoints.last_saved = resumed.step
                 info = read_run_json(self.out_dir) or {}
                 note = check_extension(self.out_dir, resumed.step, self.steps,
                                        bool(info.get("finished")))
                 if note:
                     raise ValueError(note)  # num_train_epochs: known only once the data was read
+        self.start_step = self.state.step
         resume_dropout(self.adapter, self.start_step * self.accum)
-        first, warning = data_start(resumed, self.accum, self.global_rows)
+        first, warning = data_start(self.state, self.accum, self.global_rows)
         if warning:
             _log.warning(warning)
         self.batches = self.data.batches(self.global_rows, seed=self.cfg.seed, start=first)
-        if self.saved.get("data_key", self.data.key) != self.data.key:
+        if self.state.data_key not in (None, self.data.key):
             _log.warning("warning: the data, tokenizer or data settings differ from the "
                          "checkpoint's; the data position now indexes the new data")
         self.schedule = self._schedule()
 
     def _schedule(self) -> Schedule:
-        s, saved = self.cfg.schedule, self.saved.get("schedule")
+        s, saved = self.cfg.schedule, self.state.schedule
         total = s.total_steps or (saved or {}).get("total_steps") or self.steps
         warmup = (saved or {}).get("warmup_steps", s.warmup_steps)
         sched = Schedule.resolve(s.name, self.cfg.optimizer.lr, total, warmup,
@@ -231,8 +243,8 @@ class Trainer:
     def _begin(self) -> None:
         """The lines that describe the run, the start eval, run.json and the outputs."""
         cfg, ctx, plan = self.cfg, self.ctx, self.plan
-        self.out.save_plan(plan)
-        self.out.save_model_files(self.tokenizer, self.model_path)
+        self.files.save_plan(plan)
+        self.files.save_model_files(self.tokenizer, self.model_path)
         self.predicted_step_s = plan.predicted.get("step_s")
         _log.info(f"model {cfg.model.name}: {self.adapter.num_params() / 1e6:.1f}M params, "
                   f"{self.adapter.num_layers} layers ({self.adapter.family}); host store "
@@ -252,22 +264,22 @@ class Trainer:
         self.prompts = sample_prompts(self.eval_set, cfg.eval.prompts, cfg.eval.samples,
                                       self.tokenizer)
         # a run started from another run's checkpoint logs its own steps only
-        last_row = self.saved.get("metrics_row") if self.start.source == self.ckpt_dir else None
-        self.out.start(self.start_step, last_row,
+        last = self.state.metrics_row
+        self.log.start(self.start_step, last if self.start.source == self.ckpt_dir else None,
                        Progress(cfg.log.progress, self.steps, self.start_step, cfg.log.every),
                        cfg.log.report_to, config_lib.to_dict(cfg))
-        if "eval_loss_start" in self.saved:  # the run's first eval, kept by its checkpoints
-            self.eval_start = float(self.saved["eval_loss_start"])
-            self.eval_start_step = int(self.saved.get("eval_loss_start_step", 0))
-        else:
-            self.eval_start, self.eval_start_step = self.evaluate(self.start_step), self.start_step
+        if self.state.eval_loss_start is None:  # else the run's first eval, kept by its checkpoints
+            self.state = replace(self.state, eval_loss_start=self.evaluate(self.start_step),
+                                 eval_loss_start_step=self.start_step)
+        self.state = replace(self.state, data_key=self.data.key, schedule=self.schedule.to_json(),
+                             rows_per_micro_batch=self.global_rows)
         self.run_info = self._run_info()
-        self.out.run_json(self.run_info)
-        last = self.saved.get("metrics_row")
-        self.eval_loss = float(last.get("eval_loss", self.eval_start)) if last else self.eval_start
-        self.tracker = RunTracker(self.out_dir, self.out.tracker_every(cfg.log.track_every),
-                                  self.adapter, self.store, self.engine.optimizers, self.ckpt,
-                                  self.start_step)
+        self.files.run_json(self.run_info)
+        start_eval = self.state.eval_loss_start
+        self.eval_loss = float(last.get("eval_loss", start_eval)) if last else start_eval
+        self.tracker = RunTracker(self.out_dir, cfg.log.track_every if self.lead else 0,
+                                  self.adapter, self.store, self.engine.optimizers,
+                                  self.checkpoints.ckpt, self.start_step)
         self.flop_count = FlopCounter(self.adapter, self.engine.shape)
         self.t_start = time.perf_counter()
 
@@ -283,7 +295,8 @@ class Trainer:
             "hardware_source": None if hw is None else hw.source,
             "predicted_step_s": self.predicted_step_s,
             "predicted_peak_device_bytes": self.est.peak_bytes,
-            "eval_loss_start": self.eval_start, "eval_loss_start_step": self.eval_start_step,
+            "eval_loss_start": self.state.eval_loss_start,
+            "eval_loss_start_step": self.state.eval_loss_start_step,
             "resumed_from_step": self.start_step or None,
             "resumed_from": None if self.start.source is None else str(self.start.source),
             "world_size": self.ctx.world_size, "schedule": self.schedule.to_json(),
@@ -312,7 +325,7 @@ class Trainer:
         """The held-out loss (rank 0 alone: every rank would compute the same number from the
         same store), and the sample generations when asked for."""
         with eval_mode(self.adapter):
-            loss = self.out.evaluate(lambda: self.engine.eval_loss(self.eval_set))
+            loss = self.engine.eval_loss(self.eval_set) if self.lead else math.nan
         if step == self.start_step:
             _log.info(f"step {step}: eval loss {loss:.4f}")
         if self.prompts:
@@ -321,50 +334,39 @@ class Trainer:
         return loss
 
     def _sample(self, step: int) -> None:
-        self.out.sample(step, lambda: [(self.tokenizer.decode(ids), self.tokenizer.decode(
+        self.log.sample(step, lambda: [(self.tokenizer.decode(ids), self.tokenizer.decode(
             greedy_continue(self.engine.forward_logits, ids, self.cfg.eval.sample_tokens,
                             self.cfg.seq_len))) for ids in self.prompts])
 
     def save(self, step: int, record: dict[str, Any]) -> None:
-        """A layer-wise checkpoint of ``step`` (every rank writes its groups; in the
-        background), then ``save_total_limit``'s cleanup of older steps."""
+        """A layer-wise checkpoint of ``step`` with the run's state (every rank writes its
+        groups; in the background); what it wrote goes into the step's metrics row."""
         self.engine.synchronize()  # data parallel: every owner's updates
-        limit = self.cfg.ckpt.save_total_limit
-        with dist_saving.peer_failures(self.ctx, f"checkpointing step {step}"):
-            if limit is not None:  # room for this save: the newest limit - 1 stay
-                self.out.prune(self.ckpt, max(1, limit - 1))
-            rep = self.ckpt.save(step, data_position=step * self.accum, extra={
-                "eval_loss_start": self.eval_start, "eval_loss_start_step": self.eval_start_step,
-                "metrics_row": dict(record),
-                "data_key": self.data.key, "data_rows_per_micro_batch": self.global_rows,
-                "schedule": self.schedule.to_json()})
-        self.last_saved = step
+        rep = self.checkpoints.save(self._state_at(step, record))
         record.update(ckpt_groups=len(rep.selected), ckpt_snapshot_bytes=rep.snapshot_bytes,
                       ckpt_snapshot=rep.snapshot, ckpt_blocked_s=rep.blocked_s)
 
-    def _due(self, every: int, step: int, last: bool) -> bool:
-        return last or bool(every and step % every == 0)
+    def _state_at(self, step: int, record: dict[str, Any]) -> TrainState:
+        return self.state.at(step, step * self.accum, record)
 
     def fit(self) -> TrainResult:
         """Train from the start step to ``steps``; on SIGINT/SIGTERM save and raise
         ``Interrupted`` with the command that resumes."""
         if self.start.done:
             return self._result_of_finished_run()
-        cfg = self.cfg
         with StopFlag(self.ctx) as stop:
             for step in range(self.start_step, self.steps):
                 record, stats = self.train_step(step)
                 done = step + 1
                 last = done == self.steps
-                if self._due(cfg.eval.every, done, last):
+                if due(self.cfg.eval.every, done, last):
                     self.eval_loss = record["eval_loss"] = self.evaluate(done)
                 if self.tracker.due(done, last):
                     self.engine.synchronize()  # the step's updates applied: moments, weights
                     self.tracker.observe(done, stats.unit_grad_norms)
-                if self.ckpt is not None and (cfg.ckpt.every and done % cfg.ckpt.every == 0
-                                              or last and cfg.ckpt.at_end):
+                if self.checkpoints.due(done, last):
                     self.save(done, record)
-                self.out.row(record)
+                self.log.row(record)
                 if not last and stop.stop_requested():
                     self._interrupted(done, record, stop.signum)
         self.engine.synchronize()
@@ -372,12 +374,12 @@ class Trainer:
 
     def _interrupted(self, step: int, record: dict[str, Any], signum: int) -> None:
         name = signal.Signals(signum).name
-        if self.ckpt is not None and self.cfg.ckpt.at_end and self.last_saved != step:
+        if self.checkpoints.due_at_interrupt(step):
             self.save(step, record)
-        saved = self.last_saved
+        saved = self.checkpoints.last_saved
         self.close()  # the checkpoint committed, files closed
         self.run_info.update(interrupted_at_step=step)
-        self.out.run_json(self.run_info)
+        self.files.run_json(self.run_info)
         what = (f"checkpoint step {saved} is in {self.ckpt_dir}; resume with: "
                 f"{resume_command(self.out_dir)}" if saved is not None else
                 "no checkpoint was saved (checkpoints are off), nothing to resume")
@@ -399,7 +401,7 @@ class Trainer:
             model_dir = export_lora(self.store, self.out_dir, self.model_path, cfg.lora.merge,
                                     self.tokenizer)
         else:
-            model_dir = self.out.export(self.store, self.tokenizer) if cfg.export else None
+            model_dir = self.files.export(self.store) if cfg.export else None
         times = self.step_times
         measured = statistics.median(times[1:]) if len(times) > 1 else None
         tps = self.step_tokens_per_s
@@ -408,8 +410,8 @@ class Trainer:
         self.run_info.update(eval_loss_end=self.eval_loss, measured_step_s=measured,
                              tokens_per_s=per_step, tokens_per_s_wall=wall,
                              device_mem_reserved_bytes=mem, finished=True)
-        self.out.run_json(self.run_info)
-        return TrainResult(self.out_dir, self.eval_start, self.eval_loss, self.steps, per_step,
+        self.files.run_json(self.run_info)
+        return TrainResult(self.out_dir, self.state.eval_loss_start, self.eval_loss, self.steps, per_step,
                            self.est.peak_bytes, model_dir, measured, self.predicted_step_s,
                            self.ctx.rank, tokens_per_s_wall=wall)
 
@@ -431,16 +433,13 @@ class Trainer:
             return
         self._closed = True
         try:
-            self.out.close()
+            self.log.close()
             if self.tracker is not None:
                 self.tracker.close()
             if self.engine is not None:
                 self.engine.close()
-            if self.ckpt is not None:
-                with dist_saving.peer_failures(self.ctx, "writing the last checkpoint"):
-                    self.ckpt.close()
-                if self.cfg.ckpt.save_total_limit is not None:
-                    self.out.prune(self.ckpt, self.cfg.ckpt.save_total_limit)
+            if self.checkpoints is not None:
+                self.checkpoints.close()
         finally:
             if self.lock is not None:
                 self.lock.release()

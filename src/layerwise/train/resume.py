@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import config as config_lib
-from ..ckpt import CheckpointError, LoadResult, RunDir
+from ..ckpt import CheckpointError, RunDir
 from .config import TrainConfig
 from .outdir import PER_INVOCATION_KEYS, holds_run, read_run_json, saved_config
+from .state import TrainState
 
 
 @dataclass
@@ -163,15 +164,12 @@ def decide_start(cfg: TrainConfig, out_dir: Path) -> Start:
                  "(resume=false overwrite=true starts afresh)")
 
 
-def data_start(resumed: LoadResult | None, accum: int, global_rows: int) -> tuple[int, str | None]:
+def data_start(state: TrainState, accum: int, global_rows: int) -> tuple[int, str | None]:
     """The first global micro-batch (of ``global_rows`` rows) to train on, and a warning when
     rows are skipped. A checkpoint written with another world size or micro-batch counted
     micro-batches of its own size: its position is converted through rows (rounded down)."""
-    if resumed is None:
-        return 0, None
-    start = (resumed.step * accum if resumed.data_position is None  # another loop's checkpoint
-             else int(resumed.data_position))
-    saved_rows = (resumed.extra or {}).get("data_rows_per_micro_batch")
+    start = state.step * accum if state.data_position is None else state.data_position
+    saved_rows = state.rows_per_micro_batch
     if not saved_rows or saved_rows == global_rows:
         return start, None
     rows = start * int(saved_rows)

@@ -1,10 +1,7 @@
-"""Where a run's numbers go besides ``metrics.jsonl``: TensorBoard and Weights & Biases
-(``log.report_to``), each an optional import used only when asked for; and the sample
-generations at each evaluation (``eval.samples`` / ``eval.prompts``).
-
-``RunOutput`` (rank 0) writes everything a run leaves in its ``out_dir``; every other rank of a
-data-parallel run gets ``NullOutput``, which has the same methods and does nothing, so the
-loop never asks which rank it is.
+"""Where a run's numbers go: ``metrics.jsonl``, the progress display, ``samples.jsonl``, and
+TensorBoard and Weights & Biases (``log.report_to``), each an optional import used only when
+asked for. ``MetricsLog`` holds them for rank 0; the other ranks' (``lead=False``) write
+nothing, so the loop never asks which rank it is.
 """
 
 from __future__ import annotations
@@ -12,29 +9,17 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
-import torch
-
-from ..ckpt import RunDir
-from ..engine.batch import Batch
-from ..interop.hf.tokenizer_files import RUN_TOKENIZER_DIR, has_tokenizer_files
-from ..interop.layout import GENERATION_CONFIG_NAME
-from ..interop.recipes.store_export import export_store
-from ..plan.plan import Plan
-from ..store import HostStore
-from ..util import dirlock
-from .outdir import clear_run, open_metrics, write_run_json
+from .outdir import open_metrics
 from .progress import Progress
 from .update_log import open_jsonl_upto
 
 _log = logging.getLogger(__name__)
 
 SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "tflops", "step_s", "eval_loss")
-SAMPLE_PROMPT_TOKENS = 16
 
 
 class TensorBoardSink:
@@ -76,68 +61,29 @@ def open_sinks(names: list[str], out_dir: Path, config: dict) -> list:
             for n in names]
 
 
-def sample_prompts(eval_set: list[Batch], prompts: list[str], count: int, tokenizer
-                   ) -> list[list[int]]:
-    """Token ids of the prompts to continue at each eval: ``prompts`` encoded, else the first
-    ``SAMPLE_PROMPT_TOKENS`` tokens of ``count`` held-out rows."""
-    if prompts:
-        return [tokenizer.encode(p, eos=False) for p in prompts]
-    rows = [row for b in eval_set for row in b.input_ids][:count]
-    return [row[:SAMPLE_PROMPT_TOKENS].tolist() for row in rows]
+class MetricsLog:
+    """``metrics.jsonl`` (one row a step), the progress display, the sinks and
+    ``samples.jsonl``: rank 0's (``lead``); the other ranks' write nothing."""
 
-
-@torch.no_grad()
-def greedy_continue(forward_logits, ids: list[int], new_tokens: int, max_len: int) -> list[int]:
-    """``new_tokens`` greedy tokens after ``ids`` (each a full forward pass: no KV cache)."""
-    out = list(ids)
-    for _ in range(new_tokens):
-        window = torch.tensor([out[-max_len:]])
-        out.append(int(forward_logits(window)[0, -1].argmax()))
-    return out[len(ids):]
-
-
-class RunOutput:
-    """What rank 0 writes in ``out_dir``: plan, run.json, metrics rows, progress, sinks,
-    samples; and the evaluations (one rank computes them for all)."""
-
-    lead = True
-
-    def __init__(self, out_dir: Path):
-        self.out_dir = out_dir
+    def __init__(self, out_dir: Path, lead: bool):
+        self.out_dir, self.lead = out_dir, lead
         self.metrics: TextIO | None = None
         self.progress: Progress | None = None
         self.sinks: list = []
         self.samples: TextIO | None = None
         self.start_step = 0
 
-    def save_plan(self, plan: Plan) -> None:
-        plan.save(self.out_dir / "plan.json")
-
-    def run_json(self, info: dict[str, Any]) -> None:
-        write_run_json(self.out_dir, info)
-
-    def claim(self) -> dirlock.DirLock:
-        """The out_dir's lock: one run at a time."""
-        return dirlock.acquire(self.out_dir)
-
-    def clear(self) -> None:
-        """Remove the run files of an earlier run (``overwrite=true``)."""
-        clear_run(self.out_dir)
-
     def start(self, start_step: int, resumed_row: dict | None, progress: Progress,
               report_to: list[str], config: dict) -> None:
         """Open ``metrics.jsonl`` (kept up to ``start_step``), the display and the sinks."""
-        self.metrics = open_metrics(self.out_dir / "metrics.jsonl", start_step, resumed_row)
         self.start_step = start_step
-        self.progress, self.sinks = progress, open_sinks(report_to, self.out_dir, config)
-
-    def tracker_every(self, every: int) -> int:
-        return every
-
-    def evaluate(self, fn) -> float:
-        return fn()
+        if self.lead:
+            self.metrics = open_metrics(self.out_dir / "metrics.jsonl", start_step, resumed_row)
+            self.progress, self.sinks = progress, open_sinks(report_to, self.out_dir, config)
 
     def row(self, rec: dict) -> None:
+        if not self.lead:
+            return
         assert self.metrics is not None and self.progress is not None
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
@@ -145,47 +91,10 @@ class RunOutput:
         for sink in self.sinks:
             sink.log(rec["step"], rec)
 
-    def prune(self, ckpt, keep: int) -> None:
-        """Keep the newest ``keep`` committed checkpoints (``save_total_limit``), once the
-        save in flight has committed (no blob is being written that gc could take)."""
-        ckpt.wait()
-        RunDir.open(ckpt.run_dir).gc(keep)
-
-    def save_model_files(self, tokenizer, model_path: str) -> None:
-        """The run's tokenizer and the model's ``generation_config.json`` in
-        ``out_dir/tokenizer``, which every merge of the run's checkpoints and the export copy
-        beside the weights; rewritten by every run (none for the byte tokenizer of a flavor),
-        except when it is where the run reads its tokenizer from (``layerwise demo``)."""
-        final = self.out_dir / RUN_TOKENIZER_DIR
-        gen = Path(model_path) / GENERATION_CONFIG_NAME
-        source = getattr(tokenizer, "source", None)
-        if source is not None and Path(source).resolve() == final.resolve():
-            if gen.is_file():
-                shutil.copyfile(gen, final / GENERATION_CONFIG_NAME)
-            return
-        tmp = self.out_dir / f".{RUN_TOKENIZER_DIR}.partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        tokenizer.save(tmp)
-        if gen.is_file():
-            shutil.copyfile(gen, tmp / GENERATION_CONFIG_NAME)
-        shutil.rmtree(final, ignore_errors=True)
-        if any(tmp.iterdir()):
-            tmp.rename(final)
-        else:
-            tmp.rmdir()
-
-    def export(self, store: HostStore, tokenizer) -> Path:
-        files = self.out_dir / RUN_TOKENIZER_DIR
-        model_dir = export_store(store, self.out_dir / "model", overwrite=True,
-                                 tokenizer=files if files.is_dir() else None)
-        saved_tok = has_tokenizer_files(model_dir)
-        _log.info(f"exported Hugging Face model{' and tokenizer' if saved_tok else ''} to "
-                  f"{model_dir}")
-        return model_dir
-
     def sample(self, step: int, make: Callable[[], list[tuple[str, str]]]) -> None:
         """The generations ``make()`` returns: logged, in ``samples.jsonl`` and the sinks."""
+        if not self.lead:
+            return
         texts = make()
         if self.samples is None:  # rows up to the resumed step kept, as in metrics.jsonl
             self.samples = open_jsonl_upto(self.out_dir / "samples.jsonl", self.start_step)
@@ -206,45 +115,3 @@ class RunOutput:
             sink.close()
         self.metrics = self.samples = self.progress = None
         self.sinks = []
-
-
-class NullOutput(RunOutput):
-    """Every other rank's: nothing written, no evaluation (``nan``)."""
-
-    lead = False
-
-    def save_plan(self, plan: Plan) -> None:
-        pass
-
-    def run_json(self, info: dict[str, Any]) -> None:
-        pass
-
-    def claim(self) -> None:
-        return None
-
-    def clear(self) -> None:
-        pass
-
-    def start(self, start_step, resumed_row, progress, report_to, config) -> None:
-        pass
-
-    def prune(self, ckpt, keep: int) -> None:
-        pass
-
-    def export(self, store, tokenizer) -> None:
-        return None
-
-    def save_model_files(self, tokenizer, model_path: str) -> None:
-        pass
-
-    def tracker_every(self, every: int) -> int:
-        return 0
-
-    def evaluate(self, fn) -> float:
-        return float("nan")
-
-    def row(self, rec: dict) -> None:
-        pass
-
-    def sample(self, step: int, make) -> None:
-        pass
