@@ -77,3 +77,36 @@ def test_torch_distributed_is_imported_only_where_the_architecture_doc_says():
     assert found == TORCH_DISTRIBUTED_IMPORTERS
     doc = (SRC.parents[1] / "docs" / "architecture.md").read_text()
     assert all(f"`{m}`" in doc for m in TORCH_DISTRIBUTED_IMPORTERS)
+
+
+MODULE_LINES, FUNCTION_LINES = 500, 80
+
+
+def _oversized(source: str) -> list[str]:
+    """What in ``source`` is over the size rule without a docstring that says why (a module:
+    "past 500 lines" in its docstring; a function: "past 80 lines" in its own)."""
+    tree = ast.parse(source)
+    out = []
+    if source.count("\n") > MODULE_LINES and f"past {MODULE_LINES} lines" not in " ".join(
+            (ast.get_docstring(tree) or "").split()):
+        out.append("module")
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                and fn.end_lineno - fn.lineno + 1 > FUNCTION_LINES \
+                and f"past {FUNCTION_LINES} lines" not in " ".join((ast.get_docstring(fn) or "").split()):
+            out.append(f"{fn.name} (line {fn.lineno})")
+    return out
+
+
+def test_no_module_over_500_lines_or_function_over_80_without_saying_why():
+    """Mutation checked: deleting the "past 500 lines" paragraph of ``plan/search.py``'s
+    docstring makes this fail."""
+    found = {str(p.relative_to(SRC)): bad for p in sorted(SRC.rglob("*.py"))
+             if (bad := _oversized(p.read_text()))}
+    assert found == {}
+
+
+def test_size_detector_sees_a_long_function():
+    body = "def f():\n" + "    x = 1\n" * FUNCTION_LINES
+    assert _oversized(body) == ["f (line 1)"]
+    assert _oversized(body.replace("def f():\n", 'def f():\n    """past 80 lines: why."""\n')) == []

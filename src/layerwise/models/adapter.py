@@ -21,6 +21,11 @@ logit scales are the family's code); the embedding is a scaled token embedding, 
 base model adds more — the base model's own forward with no layers. Masks and positions of
 packed rows are ``attention.py``'s, the MoE aux loss ``moe.py``'s, the per-layer sizes and FLOPs
 ``structure.py``'s.
+
+One module past 500 lines: ``DecoderAdapter`` and the meta-device templates it calls through
+(the layer's, the embedding's, the head's) are one mechanism: a template is only right with the
+parameter names, buffers and call arguments the adapter gives it, and reading both in one place
+is how a family's quirk is found.
 """
 
 from __future__ import annotations
@@ -154,21 +159,7 @@ class DecoderAdapter:
         self._recorder = RouterRecorder(self.router_spec) if self.router_spec else None
 
         embed_module = getattr(inner, layout.embed)
-        embed_params = list(self._params(embed_module, layout.prefix(layout.embed)))
-        for name in layout.pre:
-            embed_params += self._params(getattr(inner, name), layout.prefix(name), name + ".")
-        units = [Unit(EMBED, "pre", -1, tuple(embed_params))]
-        for i, layer in enumerate(layers):
-            units.append(Unit(layer_unit(i), "layer", i,
-                              tuple(self._params(layer, layout.layer_prefix(i)))))
-        head_params = []
-        for name in layout.post:
-            head_params += self._params(getattr(inner, name), layout.prefix(name), name + ".")
-        head_module = getattr(self._meta, layout.head)
-        head_params += [p for p in self._params(head_module, layout.head + ".", layout.head + ".")
-                        if not (self.tied and p.local == layout.head + ".weight")]
-        units.append(Unit(HEAD, "post", -1, tuple(head_params)))
-        self.units: tuple[Unit, ...] = tuple(units)
+        self.units, head_params = self._split_units(inner, embed_module, layers)
         self.unit_by_name = {u.name: u for u in self.units}
         self.head_weight_name = layout.head + ".weight"
         """The lm_head weight's HF key (the embedding's under tied embeddings)."""
@@ -178,16 +169,8 @@ class DecoderAdapter:
         """What the checkpoint holds besides the language model (a multimodal model's vision
         tower and projector): never trained, kept on the host as read, exported unchanged."""
 
-        self._template_of_layer: list[_Template] = []
-        templates: dict[tuple, _Template] = {}
-        for i, layer in enumerate(layers):
-            key = (self.layer_types[i], i in layout.masked_layers,
-                   tuple((p.local, p.shape) for p in self.units[1 + i].params),
-                   _module_settings(layer))
-            if key not in templates:
-                templates[key] = self._template(layer, self.units[1 + i], i)
-            self._template_of_layer.append(templates[key])
-        self.num_templates = len(templates)
+        self._template_of_layer = self._layer_templates(layers)
+        self.num_templates = len(set(map(id, self._template_of_layer)))
         self.router_layers = tuple(i for i, t in enumerate(self._template_of_layer) if t.has_router)
         self._embed_template = embed_module
         base_buffers = {n[len(layout.base) + 1:]: b for n, b in self._transient.items()
@@ -208,6 +191,42 @@ class DecoderAdapter:
         else:
             self._rope_key = [""] * self.num_layers
         self._embed_scale = embedding_scale(embed_module, config)
+
+    def _split_units(self, inner: nn.Module, embed_module: nn.Module, layers: nn.ModuleList
+                     ) -> tuple[tuple[Unit, ...], list[ParamSpec]]:
+        """The units (embedding and what runs before the layers; each layer; what runs after
+        and the head), and the head unit's parameters."""
+        layout = self.layout
+        embed_params = list(self._params(embed_module, layout.prefix(layout.embed)))
+        for name in layout.pre:
+            embed_params += self._params(getattr(inner, name), layout.prefix(name), name + ".")
+        units = [Unit(EMBED, "pre", -1, tuple(embed_params))]
+        for i, layer in enumerate(layers):
+            units.append(Unit(layer_unit(i), "layer", i,
+                              tuple(self._params(layer, layout.layer_prefix(i)))))
+        head_params = []
+        for name in layout.post:
+            head_params += self._params(getattr(inner, name), layout.prefix(name), name + ".")
+        head_module = getattr(self._meta, layout.head)
+        head_params += [p for p in self._params(head_module, layout.head + ".", layout.head + ".")
+                        if not (self.tied and p.local == layout.head + ".weight")]
+        units.append(Unit(HEAD, "post", -1, tuple(head_params)))
+        return tuple(units), head_params
+
+    def _layer_templates(self, layers: nn.ModuleList) -> list[_Template]:
+        """Each layer's template: one per structure (layer type, mask, parameter shapes,
+        module settings), shared by every layer that has it."""
+        layout = self.layout
+        out: list[_Template] = []
+        templates: dict[tuple, _Template] = {}
+        for i, layer in enumerate(layers):
+            key = (self.layer_types[i], i in layout.masked_layers,
+                   tuple((p.local, p.shape) for p in self.units[1 + i].params),
+                   _module_settings(layer))
+            if key not in templates:
+                templates[key] = self._template(layer, self.units[1 + i], i)
+            out.append(templates[key])
+        return out
 
     @staticmethod
     def _params(module: nn.Module, prefix: str, local: str = "") -> list[ParamSpec]:

@@ -20,6 +20,10 @@ Optimizer moments: the MILP chooses them per unit (8-bit frees ~6 bytes/param of
 for offloaded boundaries; fp32 keeps the host optimizer faster). A fixed rule gets fp32
 everywhere if the store plus the host memory its own offloaded boundaries need fits, else the
 fewest parameters switched to block-wise 8-bit moments until it does.
+
+One module past 500 lines: every step above (sizes, orders, depths, the MILP, the rules, the
+polish, the global batch) reads and extends one tally of simulated candidates, whose rules for
+what "fits" and "fastest" must be the same for all of them.
 """
 
 from __future__ import annotations
