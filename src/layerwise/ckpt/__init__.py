@@ -3,7 +3,9 @@
 Owns the checkpoint core, free of foreign formats (HF / Trainer formats, merge and recipes are
 ``layerwise.interop``; group names come from ``layerwise.models.names``):
 
-- saving: ``checkpointer`` (the plain-PyTorch API; ``checkpoint_config``, ``reports``),
+- the API: ``protocol`` (``CheckpointerProtocol``: save, load, latest, close, which every
+  checkpointer implements), ``reports`` (what a save and a load return, for all of them);
+- saving: ``checkpointer`` (the plain-PyTorch API; ``checkpoint_config``),
   ``tracker`` (how much each group moved), ``policies`` (which groups a save writes),
   ``snapshot`` (deferred snapshots: helper thread, update gate), ``host_copies`` (the host
   buffer pool, the blob form of tensors), ``save_writer`` (the write, on the writer thread, and
@@ -23,13 +25,14 @@ from .checkpointer import Checkpointer
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
 from .policies import POLICIES, BasePolicy, make_policy, register_policy
 from .resolve import GroupEntry, ResolvedStep, open_run_step
+from .protocol import CheckpointerProtocol
 from .provider import DictStateProvider, ModuleStateProvider, StateProvider
 from .reports import LoadResult, SaveReport
 from .run_dir import RunDir
 from .run_format import FORMAT_VERSION
 
 __all__ = [
-    "CheckpointConfig", "Checkpointer", "LoadResult", "SaveReport",
+    "CheckpointConfig", "Checkpointer", "CheckpointerProtocol", "LoadResult", "SaveReport",
     "CheckpointCorruptError", "CheckpointError", "CheckpointWriteError",
     "FORMAT_VERSION", "RunDir",
     "POLICIES", "BasePolicy", "make_policy", "register_policy",

@@ -69,8 +69,8 @@ from torch import nn
 
 from .checkpoint_config import CheckpointConfig, split_options
 from .collective import RankExchange, SingleProcess
-from .commit import (CommittedVersions, ManifestHeader, check_groups_match, regrouped,
-                     stale_groups)
+from .commit import (CommittedVersions, ManifestHeader, check_groups_match, load_result,
+                     regrouped)
 from .expert_groups import chosen_slice_records, with_expert_groups
 from . import exit_flush
 from .errors import StateModifiedError
@@ -195,8 +195,12 @@ class Checkpointer:
                              f"its groups are {self.groups[:5]}...")
         return own
 
+    def latest(self) -> int | None:
+        """The newest committed step (None: none yet); a save still being written is not."""
+        return self.store.latest_step()
+
     def has_checkpoint(self) -> bool:
-        return self.store.latest_step() is not None
+        return self.latest() is not None
 
     # ----- statistics -----------------------------------------------------------------------
 
@@ -294,8 +298,8 @@ class Checkpointer:
         snaps = self._snapshot_groups(own, copy, live)
         if live is not None:
             self._check_unmodified(step, live, selected, snaps)
-        maybe_dup = (duplicate_hints(snaps, {s.name: s.change for s in statuses},
-                                     self.tracker.reference) if decides
+        report.changes = {s.name: s.change for s in statuses}
+        maybe_dup = (duplicate_hints(snaps, report.changes, self.tracker.reference) if decides
                      else {g: g in unchanged for g in snaps})
         references, old_refs = self._book_references(snaps, copy,
                                                      [g for g in selected if g not in own])
@@ -475,7 +479,7 @@ class Checkpointer:
         no committed step yet has nothing to load: None (and a line that says so), unless a
         ``step`` was asked for."""
         self.wait()
-        if step is None and not self.has_checkpoint():
+        if step is None and self.latest() is None:
             _log.warning(f"nothing to load: {self.run_dir} has no committed checkpoint yet "
                          "(a fresh start); load() returned None")
             return None
@@ -492,8 +496,7 @@ class Checkpointer:
         self._versions.adopt(rs.manifest)
         self._versions = regrouped(self._versions, self.groups)
         self.tracker.reset(refs)
-        return LoadResult(step=rs.step, extra=st.get("extra"), data_position=st.get("data_position"),
-                          trainer_state=st.get("trainer_state"), stale_groups=stale_groups(rs))
+        return load_result(rs, st)
 
     def _split_references(self, group: str, tensors: dict[str, torch.Tensor]
                           ) -> dict[str, dict[str, torch.Tensor]]:

@@ -5,7 +5,7 @@ and ``ShardedCheckpointer``.
 index, from which the policy sees every group's age. ``commit_step``: the end of the commit
 protocol (``docs/formats.md``), once every blob the manifest names is durable: uncommit a step
 saved again, write the step's files, write the manifest. ``check_groups_match`` and
-``stale_groups``: what a load checks and reports.
+``load_result``: what a load checks and reports.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from ..models.names import group_sort_key, joined_group
 from .policies import GroupStatus, Policy, PolicyContext, select_with_reasons
+from .reports import LoadResult
 from .resolve import ResolvedStep
 from .run_dir import RunDir
 from .step_state import StepState
@@ -162,6 +163,10 @@ def check_groups_match(rs: ResolvedStep, groups: list[str], strict: bool = True,
         )
 
 
-def stale_groups(rs: ResolvedStep) -> dict[str, int]:
-    """Groups whose version in ``rs`` is older than its step: group -> step it was saved at."""
-    return {g: e.saved_step for g, e in rs.entries.items() if e.saved_step < rs.step}
+def load_result(rs: ResolvedStep, state: dict) -> LoadResult:
+    """What loading ``rs`` returns, from its ``state.json`` (``restore_step_state``)."""
+    return LoadResult(
+        step=rs.step, extra=state.get("extra"), data_position=state.get("data_position"),
+        trainer_state=state.get("trainer_state"),
+        stale_groups={g: e.saved_step for g, e in rs.entries.items() if e.saved_step < rs.step},
+        world_size_saved=rs.manifest.get("world_size"))

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -45,11 +45,12 @@ from ..util.safetensors_io import dtype_name
 from .blob_store import BLOB_FORMAT, BLOB_FORMAT_VERSION, BlobBatch, BlobPayload
 from .collective import RankExchange, SingleProcess
 from .commit import (CommittedVersions, ManifestHeader, check_groups_match, commit_step,
-                     stale_groups, written_step)
+                     load_result, written_step)
 from .errors import CheckpointWriteError
 from .host_copies import HostBufferPool, as_blob_tensor, stored_nbytes
 from .policies import Policy, make_policy
 from .provider import PARAM
+from .reports import LoadResult, SaveReport
 from .resolve import open_run_step
 from .run_dir import RunDir
 from .run_format import FIRST_VERSION_SHARDED
@@ -135,31 +136,6 @@ class PartialStats:
         return nbytes, num / den if den > 0 else (0.0 if num == 0 else math.inf)
 
 
-@dataclass
-class ShardedSaveReport:
-    step: int
-    selected: list[str]
-    reasons: dict[str, str]
-    changes: dict[str, float]
-    """Every group's relative L2 change since its last saved version, over all ranks (what the
-    policy saw; ``inf`` for a group never saved)."""
-    written: list[str]
-    """Groups of which this rank wrote new shard bytes."""
-    bytes_written: int
-    """New shard bytes this rank wrote."""
-    save_s: float
-
-
-@dataclass
-class ShardedLoadResult:
-    step: int
-    extra: dict | None
-    data_position: Any
-    world_size_saved: int | None
-    """The world size of the newest sharded save in the loaded step (None: unsharded)."""
-    stale_groups: dict[str, int] = field(default_factory=dict)
-
-
 def _outcome(fn) -> dict:
     """``fn()``'s result or its error, as a picklable record for the other ranks."""
     try:
@@ -210,8 +186,18 @@ class ShardedCheckpointer:
                 f"{FIRST_VERSION_SHARDED} (readers of older runs would not understand them). "
                 "Start a new run directory, or import this one into a new run.")
 
+    def latest(self) -> int | None:
+        """The newest committed step (None: none yet)."""
+        return self.store.latest_step()
+
     def has_checkpoint(self) -> bool:
-        return self.store.latest_step() is not None
+        return self.latest() is not None
+
+    def close(self) -> None:
+        """Free the host copies of the weights last saved (saves are synchronous: none is in
+        flight to wait for); a later save would measure every group as never saved."""
+        self._refs.clear()
+        self._buffers = HostBufferPool()
 
     def _keep_references(self, group: str, shards: list[FlatShard]) -> None:
         """Host copies of the weights in ``shards`` become ``group``'s reference (the old one's
@@ -240,7 +226,7 @@ class ShardedCheckpointer:
         return PartialStats(nbytes, diff_sq, ref_sq, ref is not None)
 
     def save(self, step: int, extra: dict | None = None, *, data_position: Any = None,
-             trainer_state: dict | None = None) -> ShardedSaveReport:
+             trainer_state: dict | None = None) -> SaveReport:
         """Checkpoint ``step`` on every rank (a collective: call it on all of them).
         ``trainer_state``: rank 0's HF ``TrainerState`` dict (``merge --format trainer`` writes
         it as ``trainer_state.json``)."""
@@ -249,13 +235,15 @@ class ShardedCheckpointer:
         t0 = time.perf_counter()
         ex = self.exchange
         shards = {g: [s for s in self.provider.shards(g) if s.data.numel()] for g in self.groups}
-        stats = ex.gather({g: self.partial_stats(g, shards[g]) for g in self.groups})
+        own = {g: self.partial_stats(g, shards[g]) for g in self.groups}
+        stats = ex.gather(own)
         decision = result = None
         with ExitStack() as held:
             if self.rank == 0:
                 held.enter_context(self.store.lock())  # no gc while shards are being written
                 decision = _outcome(lambda: self._decide(step, stats))
             chosen = _raise_if_failed(ex.broadcast(decision), self.rank, "selection")
+            t_chosen = time.perf_counter()
             mine = _outcome(lambda: self._write_shards(chosen, shards))
             records = ex.gather(mine)
             if self.rank == 0:
@@ -265,10 +253,14 @@ class ShardedCheckpointer:
         recs = _raise_if_failed(mine, self.rank, "write")
         for g in chosen["selected"]:
             self._keep_references(g, shards[g])
-        return ShardedSaveReport(step, chosen["selected"], chosen["reasons"], chosen["changes"],
-                                 [g for g, r in recs.items() if r["written"]],
-                                 sum(r["nbytes"] for r in recs.values() if r["written"]),
-                                 time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        return SaveReport(
+            step, chosen["selected"], blocked_s=t1 - t0, wait_s=0.0,
+            snapshot_bytes=sum(own[g].nbytes for g in chosen["selected"]),
+            reasons=chosen["reasons"], snapshot="live", changes=chosen["changes"],
+            snapshot_s=t_chosen - t0, write_s=t1 - t_chosen,
+            written=[g for g, r in recs.items() if r["written"]],
+            bytes_written=sum(r["nbytes"] for r in recs.values() if r["written"]))
 
     def _decide(self, step: int, stats: list[dict[str, PartialStats]] | None) -> dict:
         """Rank 0: the policy's choice from the global statistics (plus every group never
@@ -346,10 +338,13 @@ class ShardedCheckpointer:
 
     # ----- loading ---------------------------------------------------------------------------
 
-    def load(self, step: int | None = None) -> ShardedLoadResult:
+    def load(self, step: int | None = None) -> LoadResult | None:
         """Load the state at ``step`` (default: newest committed) on every rank: each reads
         only the elements it holds now, from a save at any world size (or an unsharded one).
-        Also restores the scheduler, the optimizer's hyper-parameters and (rank 0's) RNG."""
+        Also restores the scheduler, the optimizer's hyper-parameters and (rank 0's) RNG. A run
+        with no committed step yet has nothing to load: None, unless a ``step`` was asked for."""
+        if step is None and self.latest() is None:
+            return None
         rs = open_run_step(self.run_dir, step)
         check_groups_match(rs, self.groups)
         for g in self.groups:
@@ -359,5 +354,4 @@ class ShardedCheckpointer:
                                 save_rng=self.save_rng)
         self._versions.adopt(rs.manifest)
         self.exchange.barrier()
-        return ShardedLoadResult(rs.step, st.get("extra"), st.get("data_position"),
-                                 rs.manifest.get("world_size"), stale_groups(rs))
+        return load_result(rs, st)

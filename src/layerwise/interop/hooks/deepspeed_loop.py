@@ -29,7 +29,8 @@ from torch import nn
 
 from ...ckpt.checkpoint_config import DEFAULT_POLICY
 from ...ckpt.collective import RankExchange, default_exchange
-from ...ckpt.sharded_checkpointer import ShardedCheckpointer, ShardedLoadResult, ShardedSaveReport
+from ...ckpt.reports import LoadResult, SaveReport
+from ...ckpt.sharded_checkpointer import ShardedCheckpointer
 from .zero_partitions import LiveZeroState
 
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
@@ -37,7 +38,8 @@ ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_ste
 
 
 class DeepSpeedCheckpointer:
-    """Create on every rank after ``deepspeed.initialize``; ``save``/``load`` are collectives."""
+    """Create on every rank after ``deepspeed.initialize``; ``save``/``load`` are collectives
+    (``ckpt.protocol.CheckpointerProtocol``)."""
 
     def __init__(self, run_dir: str | Path, engine: Any = None, *, module: nn.Module | None = None,
                  optimizer: Any = None, scheduler: Any = None, policy: str = DEFAULT_POLICY,
@@ -73,19 +75,28 @@ class DeepSpeedCheckpointer:
         if error:
             raise ValueError(error)
 
+    def latest(self) -> int | None:
+        return self.ckpt.latest()
+
     def has_checkpoint(self) -> bool:
         return self.ckpt.has_checkpoint()
 
+    def close(self) -> None:
+        self.ckpt.close()
+
     def save(self, step: int, extra: dict | None = None, *, data_position: Any = None,
-             trainer_state: dict | None = None) -> ShardedSaveReport:
+             trainer_state: dict | None = None) -> SaveReport:
         """Write this rank's pieces of the groups the policy picks at ``step`` (every rank)."""
         counters = {k: getattr(self.engine, k) for k in ENGINE_COUNTERS if hasattr(self.engine, k)}
         extra = {**(extra or {}), "deepspeed": counters} if counters else extra
         return self.ckpt.save(step, extra, data_position=data_position,
                               trainer_state=trainer_state)
 
-    def load(self, step: int | None = None) -> ShardedLoadResult:
-        """Put the state at ``step`` (default: newest) into the engine, on every rank."""
+    def load(self, step: int | None = None) -> LoadResult | None:
+        """Put the state at ``step`` (default: newest) into the engine, on every rank; None
+        (the engine untouched) when the run has no committed step yet."""
+        if step is None and self.latest() is None:
+            return None
         self.state.begin_restore()
         result = self.ckpt.load(step)
         self.state.finish_restore()

@@ -33,6 +33,7 @@ from transformers import TrainerCallback
 
 from ...ckpt.checkpoint_config import DEFAULT_POLICY
 from ...ckpt.checkpointer import Checkpointer
+from ...ckpt.protocol import CheckpointerProtocol
 from .deepspeed_loop import DeepSpeedCheckpointer
 from ..recipes.merge import merge
 from ..sources import open_source
@@ -85,7 +86,7 @@ class LayerwiseCheckpointCallback(TrainerCallback):
         self.observe = observe
         self.policy_options = policy_options
         self.config = config
-        self.checkpointer = None
+        self.checkpointer: CheckpointerProtocol | None = None
         self.saved_steps: list[int] = []
 
     def _every(self, args: Any) -> int:
@@ -145,8 +146,7 @@ class LayerwiseCheckpointCallback(TrainerCallback):
             if self.save_at_end and state.global_step not in self.saved_steps:
                 self._save(state)
         finally:
-            if isinstance(self.checkpointer, Checkpointer):
-                self.checkpointer.close()
+            self.checkpointer.close()
             self.checkpointer = None
 
     def _save(self, state: Any) -> None:

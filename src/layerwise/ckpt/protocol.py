@@ -1,0 +1,32 @@
+"""The verbs every layer-wise checkpointer answers to, so that a loop or a callback that only
+saves, resumes and closes takes any of them: ``Checkpointer`` (one process, or several writers
+of a replicated state), ``ShardedCheckpointer`` (each rank its shard of the state) and the
+loops' wrappers (``interop.hooks.deepspeed_loop.DeepSpeedCheckpointer``). They implement it by
+shape, not by inheritance; ``tests/ckpt/test_protocol.py`` holds them to it."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from .reports import LoadResult, SaveReport
+
+
+@runtime_checkable
+class CheckpointerProtocol(Protocol):
+    def save(self, step: int, extra: dict | None = None, *, data_position: Any = None,
+             trainer_state: dict | None = None) -> SaveReport:
+        """Checkpoint ``step`` (on every rank, where the checkpointer spans several)."""
+        ...
+
+    def load(self, step: int | None = None) -> LoadResult | None:
+        """Load ``step`` (default: the newest committed); None when the run has none yet."""
+        ...
+
+    def latest(self) -> int | None:
+        """The newest committed step; None when there is none."""
+        ...
+
+    def close(self) -> None:
+        """Finish what is in flight (raising its error) and release the checkpointer's
+        threads and buffers."""
+        ...
