@@ -6,12 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from layerwise.ckpt import RunDir
-from layerwise.models import get_flavor
 from layerwise.train.config import CkptConfig
 from layerwise.train.loop import TrainConfig, train
 
@@ -20,21 +16,12 @@ from ..log_lines import logged_lines
 LIVE_LINE = "writes straight from the live tensors"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("model")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(get_flavor("llama-debug").build_config(vocab_size=258)) \
-        .save_pretrained(path)
-    return path
-
-
 def _train(model_dir: Path, out: Path) -> tuple[list[dict], list[str]]:
     cfg = TrainConfig(model=str(model_dir), plan="every-2", steps=4, seq_len=32,
-                      micro_batch_size=2, grad_accum=1, corpus_tokens=50_000, eval_every=0,
-                      eval_batches=1, log_every=100, export=False, track_every=100,
-                      ckpt=CkptConfig(every=2, policy="full"), resume=False, progress="lines",
-                      out_dir=str(out))
+                      micro_batch_size=2, grad_accum=1, data={"corpus_tokens": 50_000},
+                      eval={"every": 0, "batches": 1}, export=False,
+                      log={"every": 100, "track_every": 100, "progress": "lines"},
+                      ckpt=CkptConfig(every=2, policy="full"), resume=False, out_dir=str(out))
     with logged_lines() as lines:
         train(cfg)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

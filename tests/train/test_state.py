@@ -5,24 +5,12 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from layerwise import config
 from layerwise.ckpt import open_run_step
-from layerwise.models import get_flavor
 from layerwise.train import checkpoints as checkpoints_module
 from layerwise.train.loop import TrainConfig, train
 from layerwise.train.state import TRAIN_STATE_FORMAT, TRAIN_STATE_VERSION, TrainState
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("model")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(get_flavor("llama-debug").build_config(vocab_size=258)) \
-        .save_pretrained(path)
-    return path
 
 
 def _cfg(model_dir: Path, out: Path, steps: int) -> TrainConfig:
