@@ -50,6 +50,10 @@ reads a ``WriteJob`` and returns a ``WriteResult`` that the checkpointer adopts 
 thread (``wait``, the next ``save``, ``close``): only that thread changes the checkpointer's
 state (committed versions, the save in flight). The tracker and the buffer pool are used by one
 thread at a time: the helper while it takes a deferred snapshot, the owner otherwise.
+
+One module past 500 lines: what is left here is that ownership — the state only the owner's
+thread changes (committed versions, the save in flight, the tracker's references), which save,
+wait, close and load all touch; split, each part would reach into the others'.
 """
 
 from __future__ import annotations
