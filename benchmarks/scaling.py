@@ -162,8 +162,8 @@ def main() -> None:
     args = ap.parse_args()
     global_rows, steps, seq = (4, 4, 64) if args.quick else (8, 8, 128)
     common = ["model=llama-demo", f"seq_len={seq}", f"steps={steps}", "plan=every-2",
-              "eval_every=0", "eval_batches=1", "export=false", "track_every=0",
-              "corpus_tokens=100000", "progress=lines", "log_every=1000"]
+              "eval.every=0", "eval.batches=1", "export=false", "log.track_every=0",
+              "data.corpus_tokens=100000", "log.progress=lines", "log.every=1000"]
     kinds = {"1": (1, []), "2": (2, []), "2host": (2, ["dist.grad_reduce=host"])}
     times: dict[str, list[float]] = {k: [] for k in kinds}
     t0 = time.perf_counter()

@@ -14,9 +14,9 @@ Hooks a config class may declare (``ClassVar``s, not fields):
 
 - ``shorthand`` on a section: ``section=VALUE`` sets that field (``model=DIR`` is
   ``model.name=DIR``);
-- ``legacy_keys`` on the root: an old key -> its new dotted key (``"ckpt_every": "ckpt.every"``),
-  or -> ``"section.*"`` for an old mapping whose keys are the section's fields. Old keys keep
-  working and are reported in ``notices``, one line for all of them.
+- ``removed_keys`` on the root: an old key -> its new dotted key (``"ckpt_every": "ckpt.every"``),
+  or -> ``"section.*"`` for an old mapping whose keys are the section's fields. An old key is
+  refused in one line that names its new one (``ckpt_every is gone: use ckpt.every=3``).
 
 A misspelled key or choice is refused with the closest known ones ("did you mean").
 """
@@ -271,7 +271,7 @@ def _check_choice(value: Any, choices: tuple | None, where: str) -> None:
                              + suggest(str(v), [str(c) for c in choices]))
 
 
-# ----- dicts, legacy keys, shorthand ----------------------------------------------------------
+# ----- dicts, removed keys, shorthand ---------------------------------------------------------
 
 
 def _known_keys(cls: type) -> list[str]:
@@ -279,27 +279,28 @@ def _known_keys(cls: type) -> list[str]:
 
 
 def _unknown(key: str, cls: type) -> ValueError:
-    legacy = list(getattr(cls, "legacy_keys", {}))
-    return ValueError(f"unknown key {key!r}" + suggest(key, _known_keys(cls) + legacy))
+    return ValueError(f"unknown key {key!r}" + suggest(key, _known_keys(cls)))
 
 
-def _rename(key: str, cls: type, notices: list[str] | None) -> str:
-    """``key`` in today's names: an old flat key mapped to its new one (noted), a section's
-    name alone to its shorthand field."""
-    legacy = getattr(cls, "legacy_keys", {})
-    head, dot, rest = key.partition(".")
-    new = legacy.get(head)
-    if new is not None:
-        if new.endswith(".*"):  # an old mapping: its keys are the section's fields
-            if not rest:
-                raise ValueError(f"{head} is now the section {new[:-2]}: pass its keys as "
-                                 f"{new[:-2]}.KEY=VALUE")
-            new = new[:-1] + rest
-        elif rest:
-            raise _unknown(key, cls)
-        if notices is not None:
-            notices.append(f"{head} -> {new.split('.*')[0] if new.endswith('.*') else new}")
-        key = new
+def removed_key(key: str, value: Any, cls: type) -> str | None:
+    """The line that refuses ``key=value`` (a dotted key, as ``_flatten`` gives) when ``key`` is
+    an old one of ``cls.removed_keys``, naming today's; None for any other key."""
+    head, _, rest = key.partition(".")
+    new = getattr(cls, "removed_keys", {}).get(head)
+    if new is None:
+        return None
+    if new.endswith(".*"):  # an old mapping: its keys are the section's fields
+        new = new[:-1] + rest if rest else new[:-1] + "KEY"
+        return f"{head} is gone: use {new}={show_value(value) if rest else 'VALUE'}"
+    return f"{head} is gone: use {new}={show_value(value)}"
+
+
+def _rename(key: str, value: Any, cls: type) -> str:
+    """``key`` in today's names: a section's name alone to its shorthand field; an old key
+    refused, naming its new one."""
+    gone = removed_key(key, value, cls)
+    if gone is not None:
+        raise ValueError(gone)
     sec = sections(cls)
     head, _, rest = key.partition(".")
     if head in sec and not rest:
@@ -335,12 +336,12 @@ def _set(data: dict, key: str, value: Any, cls: type) -> None:
     node[parts[-1]] = value
 
 
-def normalize(cls: type, data: dict, notices: list[str] | None = None) -> dict:
-    """A nested dict of today's keys from ``data`` (nested or dotted keys, old flat keys,
-    section shorthands); unknown keys refused with suggestions."""
+def normalize(cls: type, data: dict) -> dict:
+    """A nested dict of today's keys from ``data`` (nested or dotted keys, section shorthands);
+    unknown and old keys refused, the one with suggestions, the other naming its new key."""
     out: dict = {}
     for key, value in _flatten(data):
-        new = _rename(key, cls, notices)
+        new = _rename(key, value, cls)
         if isinstance(value, dict) and not value:
             continue
         _set(out, new, value, cls)
@@ -376,14 +377,14 @@ def merge(base: dict, top: dict) -> dict:
     return out
 
 
-def parse_overrides(cls: type, overrides: list[str], notices: list[str] | None = None) -> dict:
+def parse_overrides(cls: type, overrides: list[str]) -> dict:
     """``["a.b=1", ...]`` as a nested dict of raw strings (typed by ``from_dict``)."""
     out: dict = {}
     for item in overrides:
         key, eq, raw = item.partition("=")
         if not eq or not key:
             raise ValueError(f"{item!r} is not of the form key=value")
-        _set(out, _rename(key.strip(), cls, notices), raw, cls)
+        _set(out, _rename(key.strip(), raw, cls), raw, cls)
     return out
 
 
@@ -399,35 +400,25 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
-def build(cls: type[T], *layers: dict, notices: list[str] | None = None) -> T:
+def build(cls: type[T], *layers: dict) -> T:
     """``cls`` from its defaults under ``layers`` (each a nested or dotted dict), later ones
     winning key by key."""
     data: dict = {}
     for layer in layers:
-        data = merge(data, normalize(cls, layer, notices))
+        data = merge(data, normalize(cls, layer))
     return from_dict(cls, data)
 
 
-def apply_overrides(cfg: T, overrides: list[str], notices: list[str] | None = None) -> T:
+def apply_overrides(cfg: T, overrides: list[str]) -> T:
     """A copy of ``cfg`` with ``a.b=value`` overrides applied."""
     cls = type(cfg)
-    return build(cls, to_dict(cfg), parse_overrides(cls, overrides, notices))
+    return build(cls, to_dict(cfg), parse_overrides(cls, overrides))
 
 
-def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None,
-         notices: list[str] | None = None) -> T:
+def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
     """Defaults, then the YAML file at ``path``, then ``overrides``."""
     layers = [read_yaml(path)] if path is not None else []
-    return build(cls, *layers, parse_overrides(cls, overrides or [], notices), notices=notices)
-
-
-def legacy_notice(notices: list[str]) -> str | None:
-    """The one line that says which old keys were used, or None."""
-    if not notices:
-        return None
-    seen = list(dict.fromkeys(notices))
-    return ("note: old config key(s) still accepted for this release, renamed: "
-            + ", ".join(seen) + " (see --help-all)")
+    return build(cls, *layers, parse_overrides(cls, overrides or []))
 
 
 # ----- help and printing -------------------------------------------------------------------

@@ -27,8 +27,9 @@ from layerwise.engine.executor import StreamingEngine
 from layerwise.train.loop import TrainConfig, train
 from layerwise.util.logs import command_output
 
-BASE = dict(model="llama-demo", seq_len=32, corpus_tokens=20_000, eval_every=0, eval_batches=1,
-            log_every=1, progress="lines", track_every=0, warmup_steps=0, min_lr_ratio=1.0)
+BASE = dict(model="llama-demo", seq_len=32, data={"corpus_tokens": 20_000},
+            eval={"every": 0, "batches": 1}, log={"every": 1, "progress": "lines", "track_every": 0},
+            schedule={"warmup_steps": 0, "min_lr_ratio": 1.0})
 
 
 def smaps_rollup_kib() -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""The chat templates of the newer families through ``data_format=chat``: Gemma's (no system
+"""The chat templates of the newer families through ``data.format=chat``: Gemma's (no system
 role), gpt-oss's harmony format (the last answer closed by ``<|return|>``, earlier ones by
 ``<|end|>``), and Qwen3's final-answer rewrite, which is refused naming both renderings. The
 templates are the families' own rules, written out here (nothing is downloaded): Gemma's is

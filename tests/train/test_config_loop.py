@@ -50,8 +50,8 @@ def test_schedule_warms_up_then_decays_to_floor():
 
 def test_short_training_run_learns_and_exports(tmp_path):
     cfg = TrainConfig(steps=12, seq_len=64, micro_batch_size=4, grad_accum=2, plan="every-3",
-                      corpus_tokens=200_000, eval_every=0, eval_batches=2, out_dir=str(tmp_path),
-                      log_every=100)
+                      data={"corpus_tokens": 200_000}, eval={"every": 0, "batches": 2},
+                      out_dir=str(tmp_path), log={"every": 100})
     result = train(cfg)
     assert result.eval_loss_end < result.eval_loss_start - 0.5
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -86,8 +86,8 @@ def _tiny_llama_dir(path: Path) -> Path:
 def _train_argv(model_dir: Path, out_dir: Path) -> list[str]:
     return ["train", f"model={model_dir}",
             f"steps={KILL_STEPS}", "seq_len=32", "micro_batch_size=2", "grad_accum=2",
-            "corpus_tokens=50000", "eval_every=0", "eval_batches=1", "log_every=1",
-            "export=false", "ckpt_every=1", "ckpt_policy=full", f"out_dir={out_dir}"]
+            "data.corpus_tokens=50000", "eval.every=0", "eval.batches=1", "log.every=1",
+            "export=false", "ckpt.every=1", "ckpt.policy=full", f"out_dir={out_dir}"]
 
 
 def _cli(rank: int, argv: list[str]) -> None:

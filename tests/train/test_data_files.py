@@ -25,7 +25,7 @@ BAD_CASES = [
      r"d\.jsonl:2: malformed JSON", "malformed"),
     ("not an object", [GOOD_PC, "[1, 2]", GOOD_PC], r"d\.jsonl:2: expected a JSON object", "malformed"),
     ("missing field", [GOOD_PC, GOOD_PC, '{"prompt": "q"}', GOOD_PC],
-     r"d\.jsonl:3: missing field 'completion' for data_format=prompt_completion", "missing field"),
+     r"d\.jsonl:3: missing field 'completion' for data.format=prompt_completion", "missing field"),
     ("wrong type", [GOOD_PC, '{"prompt": "q", "completion": 3}'],
      r"d\.jsonl:2: field 'completion' must be a string", "missing field"),
     ("empty text", ['{"text": "abc"}', '{"text": "  "}', '{"text": "de"}'],
@@ -54,13 +54,13 @@ def test_bad_input_is_an_error_naming_file_and_line_or_a_counted_skip(tmp_path, 
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(lines) + "\n")
     tok = chat_tok if "messages" in lines[0] else ByteTokenizer()
-    with pytest.raises(ValueError, match=error + r".*data_skip_bad=true"):
+    with pytest.raises(ValueError, match=error + r".*data.skip_bad=true"):
         prepare_data(_spec(path), tok, tmp_path)
     data = prepare_data(_spec(path, skip_bad=True), tok, tmp_path)
     assert data.report["bad"]["counts"] == {kind: 2}  # the bad line, read as train and as eval
     assert data.report["train_examples"] == len(lines) - 1
     summary = "\n".join(data.summary())
-    assert f"skipped 2 bad example(s) (data_skip_bad=true): {kind} 2" in summary
+    assert f"skipped 2 bad example(s) (data.skip_bad=true): {kind} 2" in summary
     assert re.search(error.split(": ")[0], summary)  # names the first skipped one
 
 
@@ -86,10 +86,10 @@ def test_empty_and_all_bad_datasets_are_errors_even_when_skipping(tmp_path):
 def test_unknown_fields_and_too_small_datasets_are_refused(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"question": "q", "answer": "a"}\n')
-    with pytest.raises(ValueError, match=r"d\.jsonl:1: data_format=auto found none of the known"):
+    with pytest.raises(ValueError, match=r"d\.jsonl:1: data.format=auto found none of the known"):
         prepare_data(_spec(path), ByteTokenizer(), tmp_path)
     path.write_text('{"text": "one example"}\n')
-    with pytest.raises(ValueError, match="too few to hold out eval_fraction"):
+    with pytest.raises(ValueError, match="too few to hold out data.eval_fraction"):
         prepare_data(DataSpec(data=str(path), cache=False), ByteTokenizer(), tmp_path)
     with pytest.raises(ValueError, match="data_format 'alpaca'"):
         prepare_data(_spec(path, data_format="alpaca"), ByteTokenizer(), tmp_path)

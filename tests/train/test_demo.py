@@ -4,7 +4,7 @@ with the tokenizer, reload, sample, report) with the demo's own ``llama-demo`` m
 parameters) for a few steps on a small slice of the corpus.
 
 Mutations seen failing: the demo plan without ``moments`` (no unit steps with the 8-bit
-optimizer); ``tokenizer=`` not passed to ``train`` (the byte tokenizer trains, the export has
+optimizer); ``model.tokenizer=`` not passed to ``train`` (the byte tokenizer trains, the export has
 no tokenizer files); the earlier run's directory kept instead of replaced (the second run
 resumes at step 4 and trains nothing).
 """
@@ -23,6 +23,7 @@ from layerwise.ckpt import RunDir
 from layerwise.cli import main
 from layerwise.optim.adamw import HostAdamW
 from layerwise.optim.adamw8bit import HostAdamW8bit
+from layerwise.train.config import DataConfig, EvalConfig, LogConfig, ScheduleConfig
 from layerwise.train.demo import DemoConfig, fresh_out_dir, run_demo
 from layerwise.train.tokenizer import END_OF_TEXT, train_bpe_tokenizer
 
@@ -35,9 +36,10 @@ CODE = "class A:\n    def f(self, x):\n        return {'a': g(x , 1)}  # done\n\
 
 def small(out_dir: Path) -> DemoConfig:
     return DemoConfig(steps=STEPS, out_dir=str(out_dir), tokenizer_chars=100_000,
-                      corpus_tokens=12_000, seq_len=32, micro_batch_size=4, warmup_steps=1,
-                      eval_every=0, track_every=1, ckpt_every=2, max_new_tokens=8,
-                      progress="lines")
+                      data=DataConfig(corpus_tokens=12_000), seq_len=32, micro_batch_size=4,
+                      schedule=ScheduleConfig(warmup_steps=1), eval=EvalConfig(every=0),
+                      log=LogConfig(track_every=1, progress="lines"),
+                      ckpt=replace(DemoConfig().ckpt, every=2), max_new_tokens=8)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +120,7 @@ def test_a_second_demo_starts_fresh(demo_run):
     out, _, _, _ = demo_run
     (out / "stale.txt").write_text("from the earlier run")
     with logged_lines() as lines:
-        run_demo(replace(small(out), steps=2, ckpt_every=1))
+        run_demo(replace(small(out), steps=2, ckpt=replace(DemoConfig().ckpt, every=1)))
     assert "earlier demo run there was removed" in lines[0]
     assert not (out / "stale.txt").exists()
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

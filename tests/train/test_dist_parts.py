@@ -33,7 +33,7 @@ def test_peer_errors_name_the_timeout_and_the_way_back():
         raise RuntimeError("Connection closed by peer")
 
     with pytest.raises(RuntimeError, match=r"rank 1 of 2.*reducing x.*Connection closed.*"
-                                           r"dist_timeout_s=7 s.*resume=true"):
+                                           r"dist.timeout_s=7 s.*resume=true"):
         ctx.collective("reducing x", boom)
 
 
@@ -64,7 +64,7 @@ def test_shared_allocator_refuses_a_mismatch_and_times_out(tmp_path):
     b = SharedAllocator(tmp_path, "m", creator=False, timeout_s=0.2)
     with pytest.raises(RuntimeError, match="built different models"):
         b.zeros(100_000, torch.float32)
-    with pytest.raises(RuntimeError, match="did not appear within dist_timeout_s=0.2"):
+    with pytest.raises(RuntimeError, match="did not appear within dist.timeout_s=0.2"):
         b.zeros(10, torch.float32)  # file m-1 never comes
     with pytest.raises(ValueError, match="not a directory"):
         SharedAllocator(tmp_path / "nope", "x", creator=True, timeout_s=1)

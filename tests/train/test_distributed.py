@@ -118,16 +118,16 @@ def runs(tmp_path_factory):
     p_lm = _layer_major_plan(tmp / "plan_lm.json", 2)
     steps = f"steps={STEPS}"
     # 1 process saves at step 6; 2 ranks resume it to the end
-    _run(tmp / "p1_to_r2", "steps=6", "micro_batch_size=1", "grad_accum=2", "ckpt_every=3",
-         "ckpt_policy=full", "export=false")
+    _run(tmp / "p1_to_r2", "steps=6", "micro_batch_size=1", "grad_accum=2", "ckpt.every=3",
+         "ckpt.policy=full", "export=false")
     # the same with 8-bit moments, resumed by 1 process and by 2 ranks
-    _run(tmp / "p1_to_p1_8bit", "steps=6", f"plan={p8_ref}", f"model={untied}", "ckpt_every=3",
-         "ckpt_policy=full", "export=false")
+    _run(tmp / "p1_to_p1_8bit", "steps=6", f"plan={p8_ref}", f"model={untied}", "ckpt.every=3",
+         "ckpt.policy=full", "export=false")
     shutil.copytree(tmp / "p1_to_p1_8bit", tmp / "p1_to_r2_8bit")
     shm_dir = Path("/dev/shm") / f"layerwise-test-{uuid.uuid4().hex[:8]}"
     shm_dir.mkdir()
     try:
-        common = ["micro_batch_size=1", f"dist_shm_dir={shm_dir}"]
+        common = ["micro_batch_size=1", f"dist.shm_dir={shm_dir}"]
         two = [
             {"overrides": [f"out_dir={tmp / 'r2_plain'}", steps, *common],
              "memory": str(tmp / "mem"), "copied": str(tmp / "copied_device")},
@@ -148,15 +148,15 @@ def runs(tmp_path_factory):
             # resident layer (refreshed after its owner publishes its update)
             {"overrides": [f"out_dir={tmp / 'r2_accum_lm'}", steps, f"plan={p_lm}",
                            "device=cpu-async", *common]},
-            {"overrides": [f"out_dir={tmp / 'r2_to_p1'}", "steps=6", "ckpt_every=3",
-                           "ckpt_policy=full", "export=false", *common]},
+            {"overrides": [f"out_dir={tmp / 'r2_to_p1'}", "steps=6", "ckpt.every=3",
+                           "ckpt.policy=full", "export=false", *common]},
             {"overrides": [f"out_dir={tmp / 'p1_to_r2'}", steps, *common]},
             {"overrides": [f"out_dir={tmp / 'p1_to_r2_8bit'}", steps, f"plan={p8_1}",
                            f"model={untied}", *common]},
             # two "nodes" of one rank each: a store per node, the all-reduce across nodes,
             # each node's rank writing its groups of the checkpoints
-            {"overrides": [f"out_dir={tmp / 'r2_nodes'}", steps, "ckpt_every=5",
-                           "ckpt_policy=full", *common],
+            {"overrides": [f"out_dir={tmp / 'r2_nodes'}", steps, "ckpt.every=5",
+                           "ckpt.policy=full", *common],
              "env": {"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}},
         ]
         with _launch(tmp, two) as ranks:
@@ -353,8 +353,8 @@ def _lose_a_rank(tmp: Path, shm_dir: Path, lose, ready, fault: dict | None = Non
     naming the timeout and the way back (and, ``shm_empty``, leave ``shm_dir`` empty while
     rank 1 is still there, stalled or a corpse)."""
     run = {"overrides": [f"out_dir={tmp / 'run'}", "steps=100000", "micro_batch_size=1",
-                         "ckpt_every=1", "ckpt_policy=full", "export=false",
-                         f"dist_timeout_s={TIMEOUT_S}", f"dist_shm_dir={shm_dir}"]}
+                         "ckpt.every=1", "ckpt.policy=full", "export=false",
+                         f"dist.timeout_s={TIMEOUT_S}", f"dist.shm_dir={shm_dir}"]}
     if fault is not None:
         run["stall_in_blob_writes"] = fault
     with _launch(tmp, [run], name="kill") as ranks:
@@ -372,7 +372,7 @@ def _lose_a_rank(tmp: Path, shm_dir: Path, lose, ready, fault: dict | None = Non
         waited = time.monotonic() - lost
         text = ranks[0].log_tail(100_000)
         assert ranks[0].returncode not in (0, None) and waited <= TIMEOUT_S + 5, (waited, text[-3000:])
-        assert f"dist_timeout_s={TIMEOUT_S}" in text and "resume=true" in text, text[-3000:]
+        assert f"dist.timeout_s={TIMEOUT_S}" in text and "resume=true" in text, text[-3000:]
         if shm_empty:
             assert list(shm_dir.iterdir()) == []
 

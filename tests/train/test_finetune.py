@@ -61,7 +61,7 @@ def test_train_on_chat_jsonl_learns_and_exports_a_loadable_model_and_tokenizer(
     data = _chat_file(tmp_path / "chat.jsonl", bad_line=True)
     out = tmp_path / "run"
     code = main(["train", f"model={model_dir}", f"data={data}", "steps=30", "plan=auto", "seq_len=64",
-                 "data_skip_bad=true", "eval_every=0", "log_every=10", "track_every=5", f"out_dir={out}"])
+                 "data.skip_bad=true", "eval.every=0", "log.every=10", "log.track_every=5", f"out_dir={out}"])
     assert code == 0
     log = capsys.readouterr().out
     assert json.loads((out / "plan.json").read_text())["predicted"]["step_s"] > 0
@@ -72,7 +72,7 @@ def test_train_on_chat_jsonl_learns_and_exports_a_loadable_model_and_tokenizer(
     capsys.readouterr()
     assert "tokenizer: the model directory's own" in log
     assert "format chat (assistant spans: prefix)" in log
-    assert f"skipped 1 bad example(s) (data_skip_bad=true): malformed 1; first: {data}:6" in log
+    assert f"skipped 1 bad example(s) (data.skip_bad=true): malformed 1; first: {data}:6" in log
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows]
     assert len(losses) == 30
@@ -105,8 +105,8 @@ def test_resumed_finetune_continues_with_the_exact_next_batches(tmp_path, model_
 
     def cfg(out: Path) -> TrainConfig:
         return TrainConfig(model=str(model_dir), data=str(data), steps=6, seq_len=64,
-                           micro_batch_size=2, grad_accum=2, eval_every=0, eval_batches=1,
-                           log_every=1, export=False, ckpt_every=3, ckpt_policy="full",
+                           micro_batch_size=2, grad_accum=2, eval={"every": 0, "batches": 1},
+                           log={"every": 1}, export=False, ckpt={"every": 3, "policy": "full"},
                            out_dir=str(out))
 
     train(cfg(tmp_path / "straight"))

@@ -38,8 +38,8 @@ LORA = dict(r=4, alpha=8, target_modules=["q_proj", "v_proj", "o_proj"])
 
 def _cfg(model_dir: Path, data: Path, out: Path, **lora) -> TrainConfig:
     return TrainConfig(model=str(model_dir), data=str(data), steps=6, seq_len=48,
-                       micro_batch_size=2, grad_accum=2, eval_every=3, eval_batches=1,
-                       log_every=1, ckpt_every=3, ckpt_policy="full", out_dir=str(out),
+                       micro_batch_size=2, grad_accum=2, eval={"every": 3, "batches": 1},
+                       log={"every": 1}, ckpt={"every": 3, "policy": "full"}, out_dir=str(out),
                        lora=LoraConfig(**{**LORA, **lora}), plan="every-2")
 
 

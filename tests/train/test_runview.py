@@ -79,8 +79,8 @@ def auto_run(model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("auto") / "run"
     cmd = [sys.executable, "-m", "layerwise.cli", "train", f"model={model_dir}", "plan=auto",
            f"steps={STEPS}", "seq_len=32", "micro_batch_size=2", "grad_accum=2",
-           "corpus_tokens=50000", "eval_every=3", "eval_batches=1", "log_every=2",
-           "export=false", "track_every=2", "ckpt_every=3", "ckpt_policy=filter",
+           "data.corpus_tokens=50000", "eval.every=3", "eval.batches=1", "log.every=2",
+           "export=false", "log.track_every=2", "ckpt.every=3", "ckpt.policy=filter",
            f"out_dir={out}"]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -93,10 +93,10 @@ def rule_run(model_dir, tmp_path_factory):
     on by default): (out_dir, log lines)."""
     out = tmp_path_factory.mktemp("rule") / "run"
     cfg = TrainConfig(model=str(model_dir), plan="every-2", steps=STEPS, seq_len=32,
-                      micro_batch_size=2, grad_accum=2, corpus_tokens=50_000, eval_every=0,
-                      eval_batches=1, log_every=100, export=False, track_every=3,
-                      ckpt=CkptConfig(every=0, at_end=False), resume=False, progress="lines",
-                      out_dir=str(out))
+                      micro_batch_size=2, grad_accum=2, data={"corpus_tokens": 50_000},
+                      eval={"every": 0, "batches": 1}, export=False,
+                      log={"every": 100, "track_every": 3, "progress": "lines"},
+                      ckpt=CkptConfig(every=0, at_end=False), resume=False, out_dir=str(out))
     with logged_lines() as lines:
         train(cfg)
     return out, lines
@@ -280,8 +280,8 @@ def test_a_resumed_log_keeps_whole_rows_up_to_the_resumed_step(tmp_path):
     (["plan=auto", "profile=/nonexistent/profile.json"], "profile=/nonexistent/profile.json: no such file"),
     (["plan=auto", "hardware=tpu-v9"], "unknown hardware 'tpu-v9'"),
     (["plan=/nonexistent/plan.json"], "plan file /nonexistent/plan.json does not exist"),
-    (["progress=fancy"], "progress='fancy'"),
-    (["track_every=-1"], "track_every must be >= 0"),
+    (["log.progress=fancy"], "log.progress='fancy'"),
+    (["log.track_every=-1"], "track_every must be >= 0"),
 ])
 def test_bad_options_fail_before_any_work(tmp_path, capsys, overrides, message):
     """One clear line, exit 2, nothing written. Mutation seen failing: a missing ``profile=``

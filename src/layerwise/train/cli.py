@@ -73,11 +73,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def resolve_config(path: str | None, overrides: list[str]) -> tuple[TrainConfig, list[str]]:
     """The run's settings (module docstring: which win) and the lines to say about them."""
-    notices: list[str] = []
     layers = [config_lib.read_yaml(path)] if path else []
-    given_overrides = config_lib.parse_overrides(TrainConfig, overrides, notices)
-    given = config_lib.build(TrainConfig, *layers, given_overrides, notices=notices)
-    lines = [line for line in [config_lib.legacy_notice(notices)] if line]
+    given_overrides = config_lib.parse_overrides(TrainConfig, overrides)
+    given = config_lib.build(TrainConfig, *layers, given_overrides)
+    lines: list[str] = []
     continues = (given.resume != "false" and not given.overwrite
                  and given.resume_from_checkpoint is None)
     saved = outdir.saved_config(Path(given.out_dir)) if continues else None

@@ -5,15 +5,14 @@ Torch-free on purpose: ``--help``, ``--print-config`` and the checks below run b
 command imports torch, so a mistake is reported in well under a second. The checks that need
 the model or the machine are in ``train/checks.py``.
 
-The keys of the flat config this replaces (``ckpt_every``, ``data_format``, ``eval_every``,
-...) still work for one release (``TrainConfig.legacy_keys``): in ``key=value`` overrides, YAML
-files and as keyword arguments of ``TrainConfig(...)``, each use noted in one line.
+The keys of the flat config this replaced (``ckpt_every``, ``data_format``, ``eval_every``,
+...) are gone (``TrainConfig.removed_keys``): in ``key=value`` overrides, YAML files and as
+keyword arguments of ``TrainConfig(...)`` each is refused in one line naming its new key.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -21,8 +20,6 @@ from typing import ClassVar
 from .. import config as config_lib
 from ..adapters.config import LoraConfig
 from ..optim.config import AdamWConfig
-
-_log = logging.getLogger(__name__)
 
 POLICY_NAMES = ("full", "parity", "filter", "topk", "budget")
 """The checkpoint core's policies (``layerwise.ckpt.POLICIES``; a test keeps the two equal)."""
@@ -196,7 +193,7 @@ class LogConfig:
 
 @dataclass(init=False)
 class TrainConfig:
-    legacy_keys: ClassVar[dict[str, str]] = {
+    removed_keys: ClassVar[dict[str, str]] = {
         "warmup_steps": "schedule.warmup_steps", "min_lr_ratio": "schedule.min_lr_ratio",
         "compute_dtype": "model.compute_dtype", "tokenizer": "model.tokenizer",
         "corpus": "data.corpus", "corpus_tokens": "data.corpus_tokens",
@@ -207,7 +204,7 @@ class TrainConfig:
         "progress": "log.progress", "track_every": "log.track_every",
         "ckpt_every": "ckpt.every", "ckpt_policy": "ckpt.policy", "ckpt_options": "ckpt.*",
         "dist_timeout_s": "dist.timeout_s", "dist_shm_dir": "dist.shm_dir"}
-    """The flat config's keys -> today's (kept for one release)."""
+    """The flat config's keys -> today's, for the line that refuses an old one."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -265,11 +262,13 @@ class TrainConfig:
     device's memory)."""
 
     def __init__(self, **kwargs):
-        """Fields by name; ``model="DIR"`` and ``data="PATH"`` set the section's main field, and
-        the flat config's keys (``ckpt_every=3``) still work, noted once."""
-        notices: list[str] = []
-        flat = {k: v for k, v in kwargs.items() if k in self.legacy_keys or (
-            k in ("model", "data", "schedule") and not dataclasses.is_dataclass(v))}
+        """Fields by name; ``model="DIR"`` and ``data="PATH"`` set the section's main field. A
+        flat config's key (``ckpt_every=3``) is a ``TypeError`` naming its new one, as an
+        unknown key is."""
+        for key, value in config_lib._flatten({k: v for k, v in kwargs.items() if k in self.removed_keys}):
+            raise TypeError(config_lib.removed_key(key, value, TrainConfig))
+        flat = {k: v for k, v in kwargs.items()
+                if k in ("model", "data", "schedule") and not dataclasses.is_dataclass(v)}
         hints = config_lib._types(TrainConfig)
         for f in dataclasses.fields(self):
             given = f.name in kwargs and f.name not in flat
@@ -283,14 +282,11 @@ class TrainConfig:
             raise TypeError(f"TrainConfig got unknown keys {sorted(unknown)}"
                             + config_lib.suggest(sorted(unknown)[0], config_lib._known_keys(TrainConfig)))
         if flat:
-            data = config_lib.normalize(TrainConfig, flat, notices)
+            data = config_lib.normalize(TrainConfig, flat)
             for name, part in data.items():
                 section = getattr(self, name)
                 merged = config_lib.merge(config_lib.to_dict(section), part)
                 setattr(self, name, config_lib.from_dict(type(section), merged, name + "."))
-        notice = config_lib.legacy_notice(notices)
-        if notice:
-            _log.warning(notice)
 
     def check(self) -> None:
         """Refuse, before any work, settings no run can use (one ``ValueError`` naming the key
@@ -392,26 +388,27 @@ class DemoConfig:
     tokenizer_chars: int = 2_000_000
     """Characters of standard-library source (whole files, in sorted order) the tokenizer learns
     from: about 2 MB, a second or two."""
-    corpus_tokens: int = 600_000
-    """Tokens read from the same files (about 1.8M characters; the last 5% held out for eval)."""
     seq_len: int = 128
     """Tokens per sequence."""
     micro_batch_size: int = 16
     """Sequences per step (one micro-batch)."""
     lr: float = 1e-2
     """Peak learning rate (linear warmup, cosine decay to a tenth)."""
-    warmup_steps: int = 10
-    """Warmup steps."""
-    eval_every: int = 50
-    """Held-out eval every N steps (and at the start and end)."""
-    track_every: int = 10
-    """Per-layer update statistics every N steps (``tracker.jsonl``, the report's heat map)."""
-    ckpt_every: int = 50
-    """A layer-wise checkpoint every N steps and at the end."""
-    ckpt_options: dict = field(default_factory=lambda: {"threshold": 0.1, "max_staleness": 2})
-    """``filter`` policy options: a group is written when its weights moved more than
-    ``threshold`` (relative) since its saved version, or when its newest version is more than
-    ``max_staleness`` saves old."""
+    data: DataConfig = field(default_factory=lambda: DataConfig(corpus_tokens=600_000))
+    """``data.corpus_tokens``: tokens read from the same files (about 1.8M characters; the last
+    5% held out for eval)."""
+    schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(warmup_steps=10))
+    """``schedule.warmup_steps``: linear warmup to ``lr``, then the run's decay."""
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(every=50))
+    """Held-out eval every ``eval.every`` steps (and at the start and end)."""
+    log: LogConfig = field(default_factory=lambda: LogConfig(track_every=10))
+    """``log.track_every``: per-layer update statistics (``tracker.jsonl``, the report's heat
+    map); ``log.progress``: a bar on a terminal, plain lines otherwise."""
+    ckpt: CkptConfig = field(default_factory=lambda: CkptConfig(
+        every=50, policy="filter", threshold=0.1, max_staleness=2))
+    """A layer-wise checkpoint every 50 steps and at the end, ``filter`` policy: a group is
+    written when its weights moved more than ``threshold`` (relative) since its saved version,
+    or when its newest version is more than ``max_staleness`` saves old."""
     prompt: str = "import os\nimport sys\n\n\nclass Config:\n    def __init__(self"
     """What the trained model continues."""
     max_new_tokens: int = 100
@@ -421,5 +418,3 @@ class DemoConfig:
     repetition_penalty: float = 1.3
     """``generate``'s ``repetition_penalty``: makes ids already in the text less likely, which
     keeps a small model's greedy output from looping on one line."""
-    progress: str = "auto"
-    """``auto`` (a bar on a terminal, plain lines otherwise), ``bar`` or ``lines``."""

@@ -170,7 +170,7 @@ class TrainData:
         if bad["counts"]:
             kinds = ", ".join(f"{k} {n}" for k, n in sorted(bad["counts"].items()))
             lines.append(f"data: skipped {sum(bad['counts'].values())} bad example(s) "
-                         f"(data_skip_bad=true): {kinds}; first: {' | '.join(bad['first'])}")
+                         f"(data.skip_bad=true): {kinds}; first: {' | '.join(bad['first'])}")
         lines.append(f"data: tokenization {r['cache']}")
         return lines
 
@@ -202,7 +202,7 @@ def prepare_data(spec: DataSpec, tok: Tokenizer, out_dir: Path) -> TrainData:
         _save_cache(cache, data)
         data.report["cache"] = f"cached in {cache}"
     else:
-        data.report["cache"] = "not cached (data_cache=false)"
+        data.report["cache"] = "not cached (data.cache=false)"
     return data
 
 
@@ -259,7 +259,7 @@ def _first_format(files: list[Path]) -> str:
         if rec.value is not None:
             fmt = detect_format(rec.value)
             if fmt is None:
-                raise ValueError(f"{rec.where}: data_format=auto found none of the known fields "
+                raise ValueError(f"{rec.where}: data.format=auto found none of the known fields "
                                  "('messages'; 'prompt'+'completion'; 'instruction'+'output'; "
                                  f"'text') in {sorted(rec.value)}; set data_format or fix the data")
             return fmt
@@ -274,7 +274,7 @@ def _tokenize_files(spec: DataSpec, tok: Tokenizer, files: list[Path], eval_file
     counts = {"truncated": 0, "truncated_positions": 0}
     examples = _read_examples(files, fmt, tok, spec.seq_len, ledger, counts)
     if not examples:
-        raise ValueError(f"no usable examples in {spec.data} (data_format={fmt}"
+        raise ValueError(f"no usable examples in {spec.data} (data.format={fmt}"
                          f"{', %d skipped as bad' % ledger.skipped if ledger.skipped else ''})")
     g = torch.Generator().manual_seed(spec.seed)
     order = torch.randperm(len(examples), generator=g).tolist()
@@ -287,7 +287,7 @@ def _tokenize_files(spec: DataSpec, tok: Tokenizer, files: list[Path], eval_file
         n_eval = math.ceil(spec.eval_fraction * len(examples))
         if len(examples) - n_eval < 1:
             raise ValueError(f"{spec.data} has {len(examples)} usable example(s), too few to hold "
-                             f"out eval_fraction={spec.eval_fraction}; add data or pass eval_data")
+                             f"out data.eval_fraction={spec.eval_fraction}; add data or pass data.eval_path")
         held = [examples[i] for i in sorted(order[:n_eval])]
         train = [examples[i] for i in order[n_eval:]]
     pad_id = getattr(tok, "pad_id", 0)

@@ -62,7 +62,7 @@ class BadInputLedger:
 
     def add(self, where: str, kind: str, reason: str) -> None:
         if not self.skip:
-            raise ValueError(f"{where}: {reason}. Fix the example, or set data_skip_bad=true to "
+            raise ValueError(f"{where}: {reason}. Fix the example, or set data.skip_bad=true to "
                              "skip bad examples (they are counted and reported)")
         self.counts[kind] += 1
         if len(self.first) < 3:

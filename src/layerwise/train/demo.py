@@ -1,6 +1,6 @@
 """``layerwise demo``: a user's run end to end, small enough for 2 idle CPU cores in under 3 minutes.
 
-It goes through the same path as ``layerwise train model=DIR tokenizer=DIR plan=FILE``, with
+It goes through the same path as ``layerwise train model=DIR model.tokenizer=DIR plan=FILE``, with
 only built-in data and nothing downloaded:
 
 1. a byte-level BPE tokenizer is learnt with the ``tokenizers`` library from the first
@@ -28,7 +28,7 @@ import logging
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +40,7 @@ from ..models import get_flavor
 from ..optim.config import AdamWConfig
 from ..plan.plan import Plan
 from ..util.atomic import atomic_write_text
-from .config import CkptConfig, DataConfig, DemoConfig, EvalConfig, LogConfig, ModelConfig
-from .config import ScheduleConfig, TrainConfig
+from .config import DemoConfig, ModelConfig, TrainConfig
 from .data import iter_stdlib_files
 from .loop import TrainResult, throughput_text, train
 from .report import report
@@ -49,8 +48,9 @@ from .tokenizer import train_bpe_tokenizer
 
 _log = logging.getLogger(__name__)
 
-DEMO_FORMAT_VERSION = 1
-"""``demo.json``'s format (docs/formats.md)."""
+DEMO_FORMAT_VERSION = 2
+"""``demo.json``'s format (docs/formats.md); 2: ``settings`` in sections (``data.corpus_tokens``,
+``ckpt.every``, ...), as ``TrainConfig``'s."""
 
 DEMO_MODEL = "llama-demo"
 
@@ -124,13 +124,9 @@ def train_config(cfg: DemoConfig, tokenizer_dir: Path, plan_path: Path) -> Train
     return TrainConfig(
         model=ModelConfig(name=cfg.model, tokenizer=str(tokenizer_dir)), plan=str(plan_path),
         steps=cfg.steps, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
-        data=DataConfig(corpus_tokens=cfg.corpus_tokens),
-        optimizer=AdamWConfig(lr=cfg.lr, weight_decay=0.1),
-        schedule=ScheduleConfig(warmup_steps=cfg.warmup_steps), device=cfg.device,
-        eval=EvalConfig(every=cfg.eval_every),
-        log=LogConfig(track_every=cfg.track_every, progress=cfg.progress),
-        ckpt=CkptConfig(every=cfg.ckpt_every, policy="filter", **cfg.ckpt_options),
-        resume="false", out_dir=cfg.out_dir)
+        data=replace(cfg.data), optimizer=AdamWConfig(lr=cfg.lr, weight_decay=0.1),
+        schedule=replace(cfg.schedule), device=cfg.device, eval=replace(cfg.eval),
+        log=replace(cfg.log), ckpt=replace(cfg.ckpt), resume="false", out_dir=cfg.out_dir)
 
 
 def sample(model_dir: Path, cfg: DemoConfig) -> str:

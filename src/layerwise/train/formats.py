@@ -85,11 +85,11 @@ def check_tokenizer_for(fmt: str, tok: Tokenizer) -> str | None:
             tok.require_eos()  # every example ends with it
         return None
     if not isinstance(tok, HFTokenizer) or not tok.chat_template:
-        raise ValueError(f"data_format=chat needs a tokenizer with a chat template; {tok.name} has "
-                         "none (use the model directory's own tokenizer, or tokenizer=PATH to one "
+        raise ValueError(f"data.format=chat needs a tokenizer with a chat template; {tok.name} has "
+                         "none (use the model directory's own tokenizer, or model.tokenizer=PATH to one "
                          "with a chat template)")
     if not getattr(tok.tok, "is_fast", False):
-        raise ValueError(f"data_format=chat needs a fast tokenizer (tokenizer.json) to map the "
+        raise ValueError(f"data.format=chat needs a fast tokenizer (tokenizer.json) to map the "
                          f"assistant turns to tokens; {tok.name} is a slow one")
     return "generation" if _GENERATION_TAG.search(tok.chat_template) else "prefix"
 
@@ -99,7 +99,7 @@ def encode_example(value: dict[str, Any], fmt: str, tok: Tokenizer) -> Tokenized
     missing = [k for k in FIELDS[fmt] if k not in value]
     if missing:
         raise BadExample(MISSING_FIELD, f"missing field {', '.join(map(repr, missing))} for "
-                         f"data_format={fmt} (has {', '.join(map(repr, value)) or 'no fields'})")
+                         f"data.format={fmt} (has {', '.join(map(repr, value)) or 'no fields'})")
     if fmt == "text":
         text = _string(value, "text")
         if not text.strip():

@@ -1,6 +1,6 @@
 """What a run shows while it trains: a tqdm bar on a terminal, plain lines anywhere else.
 
-``progress=auto`` draws the bar only when both stdout and stderr are terminals; CI logs and
+``log.progress=auto`` draws the bar only when both stdout and stderr are terminals; CI logs and
 pipes get one plain line every ``log_every`` steps (and at every evaluation and the last step),
 which reads well in a file and never fills it with carriage returns.
 """
@@ -20,9 +20,9 @@ PROGRESS_MODES = ("auto", "bar", "lines")
 
 
 def resolve_progress(mode: str) -> str:
-    """``bar`` or ``lines`` for a ``progress=`` setting."""
+    """``bar`` or ``lines`` for a ``log.progress=`` setting."""
     if mode not in PROGRESS_MODES:
-        raise ValueError(f"progress={mode!r}: use auto (a bar on a terminal, lines otherwise), "
+        raise ValueError(f"log.progress={mode!r}: use auto (a bar on a terminal, lines otherwise), "
                          "bar or lines")
     if mode == "auto":
         tty = all(getattr(s, "isatty", lambda: False)() for s in (sys.stdout, sys.stderr))

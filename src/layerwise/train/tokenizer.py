@@ -1,7 +1,7 @@
 """Tokenizers for training: the model directory's own (Hugging Face, local files only) or the
 byte tokenizer of the built-in flavors, behind one small interface.
 
-``tokenizer=auto`` takes the model directory's tokenizer when the directory has tokenizer files,
+``model.tokenizer=auto`` takes the model directory's tokenizer when the directory has tokenizer files,
 else the byte tokenizer; ``byte`` always the byte tokenizer; any other value is a directory with
 tokenizer files. Nothing is ever fetched from the hub (``local_files_only=True``).
 
@@ -106,8 +106,8 @@ def load_hf_tokenizer(directory: str | Path) -> HFTokenizer:
     d = Path(directory)
     if not has_tokenizer_files(d):
         raise ValueError(f"tokenizer {str(directory)!r}: no tokenizer files "
-                         f"({', '.join(TOKENIZER_FILES[:4])}) in that directory; use tokenizer=auto "
-                         "with a model directory that has them, tokenizer=byte, or a directory "
+                         f"({', '.join(TOKENIZER_FILES[:4])}) in that directory; use model.tokenizer=auto "
+                         "with a model directory that has them, model.tokenizer=byte, or a directory "
                          "written by tokenizer.save_pretrained")
     try:
         tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
@@ -126,7 +126,7 @@ def load_tokenizer(spec: str, model: str) -> tuple[Tokenizer, str]:
             return tok, f"tokenizer: the model directory's own ({type(tok.tok).__name__}, {len(tok)} ids)"
         if Path(model).is_dir():
             return ByteTokenizer(), (f"tokenizer: byte (258 ids); the model directory {model} has no "
-                                     "tokenizer files (tokenizer=PATH to use one)")
+                                     "tokenizer files (model.tokenizer=PATH to use one)")
         return ByteTokenizer(), "tokenizer: byte (258 ids), the built-in flavors' tokenizer"
     tok = load_hf_tokenizer(spec)
     return tok, f"tokenizer: {spec} ({type(tok.tok).__name__}, {len(tok)} ids)"
@@ -139,7 +139,7 @@ END_OF_TEXT = "<|endoftext|>"
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, directory: str | Path) -> HFTokenizer:
     """A byte-level BPE tokenizer learnt from ``texts`` with the ``tokenizers`` library, wrapped
     as a ``transformers.PreTrainedTokenizerFast``, written to ``directory`` with
-    ``save_pretrained`` and loaded back from there (so it is exactly what ``tokenizer=DIRECTORY``
+    ``save_pretrained`` and loaded back from there (so it is exactly what ``model.tokenizer=DIRECTORY``
     and ``AutoTokenizer.from_pretrained`` see).
 
     Id 0 is ``<|endoftext|>`` (EOS and padding; no BOS), then the 256 byte symbols, then merges
@@ -170,5 +170,5 @@ def check_vocab(model_vocab_size: int, tokenizer: Tokenizer) -> None:
     if model_vocab_size < len(tokenizer):
         raise ValueError(f"model vocab_size {model_vocab_size} is smaller than the tokenizer's "
                          f"{len(tokenizer)} tokens ({tokenizer.name}); use the model's own "
-                         "tokenizer (tokenizer=auto or tokenizer=PATH) or a model with a larger "
+                         "tokenizer (model.tokenizer=auto or model.tokenizer=PATH) or a model with a larger "
                          "vocabulary")

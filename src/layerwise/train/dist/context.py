@@ -80,7 +80,7 @@ class DistContext:
     def peer_error(self, what: str, cause: BaseException | str) -> RuntimeError:
         return RuntimeError(
             f"{self.who()}: {what} failed: {cause}. Another rank probably died or stalled "
-            f"(collectives give up after dist_timeout_s={self.timeout_s:g} s). The last committed "
+            f"(collectives give up after dist.timeout_s={self.timeout_s:g} s). The last committed "
             "checkpoint is intact: rerun (or let torchrun --max-restarts rerun) with resume=true, "
             "with any number of processes.")
 

@@ -116,7 +116,7 @@ class SharedAllocator:
             except FileNotFoundError:
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"{path} did not appear within dist_timeout_s={self.timeout_s:g} s: local "
+                        f"{path} did not appear within dist.timeout_s={self.timeout_s:g} s: local "
                         "rank 0, which creates the node's shared host store, died or stalled") from None
                 time.sleep(_POLL_S)
                 continue
