@@ -7,7 +7,10 @@ gradient and no optimizer state: its only host bytes are the copy source, quanti
 is loaded (``load_hf_tensor``). The adapters have an fp32 master (with fp32 compute, the copy
 source's own first part), an fp32 gradient and the optimizer's state, as any unit's parameters do,
 so the engine, the host optimizer and the checkpoint provider treat them as the unit's
-parameters (a checkpoint of a LoRA run holds the adapters and their moments alone).
+parameters (a checkpoint of a LoRA run holds the adapters and their moments alone). Under
+torchrun ``alloc`` is the node's shared allocator, as for a full store: the arena (base and
+adapters' copy sources), the adapters' masters and their optimizer state are one copy per node;
+gradients stay each rank's own.
 ``merged_tensors`` / ``iter_hf_tensors`` give the base with the adapters merged in.
 """
 
@@ -21,8 +24,8 @@ import torch
 
 from ..models.adapter import DecoderAdapter
 from ..models.init import build_hf_model
-from ..store import (PRIVATE, HostStore, StoreFootprint, UnitBuffers, arena_offsets,
-                     check_host_memory)
+from ..store import (PRIVATE, HostAllocator, HostStore, StoreFootprint, UnitBuffers,
+                     arena_offsets, check_host_memory)
 from ..util.host_memory import locked_nbytes
 from ..util.units import tensor_nbytes
 from .layout import LoraLayout
@@ -68,10 +71,11 @@ class LoraStore(HostStore):
 
     def __init__(self, adapter: LoraAdapter, compute_dtype: torch.dtype = torch.float32,
                  pin: bool | None = None, *, state_nbytes: int | None = None,
-                 mem_available: Callable[[], int | None] | None = None):
+                 mem_available: Callable[[], int | None] | None = None,
+                 alloc: HostAllocator = PRIVATE):
         # not HostStore.__init__: the buffers differ (no base master or gradient)
         self.adapter = adapter
-        self.alloc = PRIVATE
+        self.alloc = alloc
         self.compute_dtype = compute_dtype
         self.pinned = torch.cuda.is_available() if pin is None else pin
         check_host_memory(lora_footprint(adapter, compute_dtype, pin=self.pinned,
@@ -84,9 +88,11 @@ class LoraStore(HostStore):
         self.units: list[UnitBuffers] = []
         for unit, layout, off in zip(adapter.units, layouts, offsets):
             source = self.arena[off:off + layout.source_numel]
-            master = torch.zeros(layout.numel) if separate else source[:layout.numel]
+            master = (alloc.zeros(layout.numel, torch.float32) if separate
+                      else source[:layout.numel])
             grad = torch.zeros(layout.numel)
-            self.units.append(LoraUnitBuffers(unit, layout, master, grad, source=source))
+            self.units.append(LoraUnitBuffers(unit, layout, master, grad, alloc=alloc,
+                                              source=source))
         self.by_name = {b.name: b for b in self.units}
         self._frozen = {e.hf_name: (b, e) for b in self.units for e in b.layout.frozen}
 

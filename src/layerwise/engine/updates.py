@@ -55,9 +55,14 @@ class HostUpdates:
         self.times[unit] = (t0, time.perf_counter())
         self.reducer.published(unit)
 
+    def _elsewhere(self, unit: str) -> bool:
+        """Is ``unit`` updated by another rank? (A frozen unit is updated by none: its owner
+        never publishes.)"""
+        return not self.reducer.owns(unit) and bool(self.store[unit].layout.numel)
+
     def wait(self, unit: str) -> None:
         """Block until ``unit``'s host weights are final (raises what its update raised)."""
-        if not self.reducer.owns(unit):
+        if self._elsewhere(unit):
             self.reducer.update_done(unit, wait=True)
             return
         fut = self._pending.pop(unit, None)
@@ -66,7 +71,7 @@ class HostUpdates:
 
     def done(self, unit: str) -> bool:
         """Are ``unit``'s host weights final? (Never blocks, but raises a finished update's error.)"""
-        if not self.reducer.owns(unit):
+        if self._elsewhere(unit):
             return self.reducer.update_done(unit, wait=False)
         fut = self._pending.get(unit)
         if fut is None:

@@ -42,7 +42,7 @@ from .dist.reducer import DistReducer
 from .dist.shm import shared_store_nbytes
 from .interrupt import StopFlag
 from .checkpoints import CheckpointManager, due
-from .lora_run import build_lora, check_lora, eval_mode, export_lora, resume_dropout
+from .lora_run import build_lora, eval_mode, export_lora, lora_adapter, resume_dropout
 from .outdir import RUN_FORMAT_VERSION, read_run_json
 from .outdir import open_metrics as _open_metrics  # noqa: F401  (tests read it here)
 from .progress import Progress
@@ -130,16 +130,17 @@ class Trainer:
             ctx, lambda: choose_plan(cfg, source.config, self.compute_dtype), "sharing the plan")
         check_fits(cfg, source.config, self.plan, self.compute_dtype)
         self.alloc = dist_setup.host_allocator(ctx, cfg.dist.shm_dir, lambda: shared_store_nbytes(
-            source.config, self.compute_dtype, self.plan.moments))
+            lora_adapter(source.config, cfg, self.compute_dtype) if cfg.lora.enabled
+            else source.config, self.compute_dtype, self.plan.moments))
         try:
-            check_lora(cfg, ctx.enabled)
             # every gradient lands once a step on one process (one micro-batch, or all of them
             # sharing each weight load): nothing is summed on the host, the bf16 gradient lands
             # as the device made it (2 bytes per parameter instead of 4)
             one = self.plan.lands_once() and not ctx.enabled
             grad_dtype = torch.bfloat16 if one and self.compute_dtype == torch.bfloat16 else torch.float32
             self.adapter, self.store = (
-                build_lora(source.name, source.config, cfg, self.compute_dtype) if cfg.lora.enabled
+                build_lora(source.name, source.config, cfg, self.compute_dtype, self.alloc)
+                if cfg.lora.enabled
                 else source.build(cfg.seed, self.compute_dtype, self.alloc, grad_dtype))
             flags = self.alloc.zeros(len(self.store.units), torch.int64) if ctx.enabled else None
             self.engine = StreamingEngine(self.adapter, self.store, self.plan, EngineConfig(
@@ -399,7 +400,7 @@ class Trainer:
                       f"predicted {self.est.peak_bytes / 2**20:.1f} MiB")
         if cfg.export and cfg.lora.enabled:
             model_dir = export_lora(self.store, self.out_dir, self.model_path, cfg.lora.merge,
-                                    self.tokenizer)
+                                    self.tokenizer) if self.lead else None
         else:
             model_dir = self.files.export(self.store) if cfg.export else None
         times = self.step_times

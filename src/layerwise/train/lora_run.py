@@ -2,7 +2,8 @@
 that knows the base is frozen, dropout off while evaluating, and the PEFT adapter (and, with
 ``lora.merge``, the merged model) as the export. The loop calls these where a full run builds,
 plans, evaluates and exports; everything else (engine, checkpoints of the adapters and their
-AdamW state, resume) is the same code."""
+AdamW state, resume, and under torchrun the shared store, the owners' reduction and updates,
+each rank writing its groups) is the same code."""
 
 from __future__ import annotations
 
@@ -22,14 +23,10 @@ from ..models import FLAVORS, DecoderAdapter
 from ..models.init import build_hf_model
 from ..plan.finetune import lora_frozen_base
 from ..plan.shape import ModelShape
+from ..store import PRIVATE, HostAllocator
 from .config import TrainConfig
 
 _log = logging.getLogger(__name__)
-
-
-def check_lora(cfg: TrainConfig, distributed: bool) -> None:
-    if cfg.lora.enabled and distributed:
-        raise ValueError("lora.r > 0 runs in one process for now; run without torchrun")
 
 
 def lora_shape(cfg: TrainConfig, shape: ModelShape) -> ModelShape:
@@ -42,12 +39,20 @@ def lora_shape(cfg: TrainConfig, shape: ModelShape) -> ModelShape:
         lora.target_modules, lora.base_dtype))
 
 
-def build_lora(name: str, config: PretrainedConfig, cfg: TrainConfig, compute_dtype: torch.dtype
-               ) -> tuple[LoraAdapter, LoraStore]:
+def lora_adapter(config: PretrainedConfig, cfg: TrainConfig, compute_dtype: torch.dtype
+                 ) -> LoraAdapter:
+    """The run's adapter (templates on the meta device: nothing allocated)."""
+    return LoraAdapter(DecoderAdapter(config), cfg.lora, compute_dtype, cfg.seed)
+
+
+def build_lora(name: str, config: PretrainedConfig, cfg: TrainConfig, compute_dtype: torch.dtype,
+               alloc: HostAllocator = PRIVATE) -> tuple[LoraAdapter, LoraStore]:
     """The base (a flavor's seeded init, or a model directory's weights, quantised as they are
-    read, one group at a time), then the adapters: PEFT's init under ``seed``, or ``lora.init``."""
-    adapter = LoraAdapter(DecoderAdapter(config), cfg.lora, compute_dtype, cfg.seed)
-    store = LoraStore(adapter, compute_dtype)
+    read, one group at a time), then the adapters: PEFT's init under ``seed``, or ``lora.init``.
+    Under torchrun ``alloc`` is the node's shared store and every local rank writes the same
+    bytes into it, as a full run's ranks do (the quantisation is deterministic)."""
+    adapter = lora_adapter(config, cfg, compute_dtype)
+    store = LoraStore(adapter, compute_dtype, alloc=alloc)
     if name in FLAVORS:
         store.copy_from_model(build_hf_model(config, cfg.seed))
     else:

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
+from ...adapters.lora_adapter import LoraAdapter
+from ...adapters.lora_store import lora_footprint
 from ...models.adapter import DecoderAdapter
 from ...plan.cost import STATE_NBYTES
 from ...store import FlatLayout, StoreFootprint
@@ -40,16 +42,19 @@ _FILES_PER_UNIT = 8
 """Files a unit maps at most (master, optimizer state tensors): each rounds up to a page."""
 
 
-def shared_store_nbytes(model: PretrainedConfig | DecoderAdapter, compute_dtype: torch.dtype,
-                        moments: list[str] | None) -> int:
+def shared_store_nbytes(model: PretrainedConfig | DecoderAdapter | LoraAdapter,
+                        compute_dtype: torch.dtype, moments: list[str] | None) -> int:
     """Bytes a node's shared store maps: masters, the copy-source arena and the optimizer state
     (gradients are private), every file in whole pages, plus the update counters. Nothing is
-    allocated (a config's adapter is built on the meta device)."""
-    adapter = model if isinstance(model, DecoderAdapter) else DecoderAdapter(model)
+    allocated (a config's adapter is built on the meta device). A ``LoraAdapter``: its
+    ``LoraStore``'s (the adapters' state, the frozen base in its arena)."""
+    adapter = model if isinstance(model, (DecoderAdapter, LoraAdapter)) else DecoderAdapter(model)
     numels = [FlatLayout.of(u).numel for u in adapter.units]
     kinds = moments or ["fp32"] * len(numels)
     state = sum(STATE_NBYTES[k](n) for n, k in zip(numels, kinds))
-    fp = StoreFootprint.of_numels(numels, compute_dtype.itemsize, state_nbytes=state)
+    fp = (lora_footprint(adapter, compute_dtype, pin=False, state_nbytes=state)
+          if isinstance(adapter, LoraAdapter)
+          else StoreFootprint.of_numels(numels, compute_dtype.itemsize, state_nbytes=state))
     return fp.total - fp.grad + (_FILES_PER_UNIT * len(numels) + 2) * page_size()
 
 
