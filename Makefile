@@ -9,6 +9,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) tests/numba_warm.py
 	touch $@
 
 .PHONY: install test test-all demo gpu-check gpu-wheels

@@ -1,4 +1,8 @@
+import fcntl
+import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,10 +17,48 @@ PROCESS_FIXTURES = {"zero_dir"}
 """Fixtures that run multi-process sessions: a test that uses one is a ``dist`` test."""
 
 
+NUMBA_LOCK = "LAYERWISE_TEST_NUMBA_LOCK"
+"""The file the controller's kernel warm-up holds locked while it compiles (``numba_warm.py``)."""
+
+
+def pytest_configure(config):
+    """On the pytest-xdist controller: compile the numba kernels once, into their cache, in a
+    child that runs while the workers start and collect; the workers wait for it before their
+    first test (``_numba_warm``) and load the machine code instead of each compiling it (and
+    each multi-process test's child after them). With the cache built (``make install`` builds
+    it) the child takes a few seconds."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None) \
+            or NUMBA_LOCK in os.environ:
+        return
+    lock = Path(tempfile.gettempdir()) / f"layerwise-numba-warm-{os.getpid()}.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    subprocess.Popen([sys.executable, str(Path(__file__).parent / "numba_warm.py")], pass_fds=(fd,),
+                     stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    os.close(fd)  # the child holds the lock until it exits
+    os.environ[NUMBA_LOCK] = str(lock)  # the workers inherit it
+    config.add_cleanup(lambda: lock.unlink(missing_ok=True))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _numba_warm():
+    """Wait for the controller's kernel warm-up to end (no-op without one)."""
+    path = os.environ.get(NUMBA_LOCK)
+    if path and Path(path).exists():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        finally:
+            os.close(fd)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.dist)
+    # the multi-process tests (the longest) first, so that pytest-xdist's workers do not end
+    # on them one at a time; the order within each part stays (pytest-randomly's, when on)
+    items.sort(key=lambda item: "dist" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
