@@ -15,8 +15,9 @@ $(VENV)/.installed: pyproject.toml
 .PHONY: install test test-all demo gpu-check gpu-wheels
 install: $(VENV)/.installed
 
-# `make test`: everything but the full matrix of the causal-LM sweep (marker `sweep`), on two
-# pytest-xdist workers; `make test-all` runs that too.
+# `make test`: a stated sample of each test matrix (model types, plans, presets, delay seeds:
+# tests/matrix.py), on two pytest-xdist workers; `make test-all` runs the full matrices too
+# (marker `sweep`).
 PYTEST_ARGS ?= -n 2 --durations=15
 test: $(VENV)/.installed
 	$(VENV)/bin/lint-imports

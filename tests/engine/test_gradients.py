@@ -10,6 +10,7 @@ from layerwise.models.init import build_hf_model
 from layerwise.plan import Plan
 from layerwise.store import HostStore
 from layerwise.engine.batch import IGNORE_INDEX, Batch
+from matrix import sampled
 
 FLAVORS = ["llama-debug", "llama-debug-tied", "qwen2-debug", "qwen2-debug-untied",
            "qwen3-debug", "qwen3-debug-untied", "mistral-debug"]
@@ -105,13 +106,14 @@ def check_plans_match_autograd(cfg, make_plans, tmp_path, engine_device, assert_
     assert not list(tmp_path.glob("layerwise-spill-*")), "spill files left behind"
 
 
-@pytest.mark.parametrize("flavor", FLAVORS)
+@pytest.mark.parametrize("flavor", sampled(FLAVORS, {"llama-debug-tied", "qwen2-debug", "qwen3-debug-untied",
+                                                     "mistral-debug"}))
 def test_gradients_match_autograd_for_every_plan(flavor, tmp_path, engine_device, assert_engine_idle):
     check_plans_match_autograd(get_flavor(flavor).build_config(), plans, tmp_path, engine_device,
                                assert_engine_idle)
 
 
-@pytest.mark.parametrize("flavor", ["llama-debug", "qwen3-debug-untied", "mistral-debug"])
+@pytest.mark.parametrize("flavor", sampled(["llama-debug", "qwen3-debug-untied", "mistral-debug"], {"llama-debug"}))
 def test_gradients_match_autograd_with_kept_internals(flavor, tmp_path, engine_device, assert_engine_idle):
     """Every boundary tier x internal tier (device, host), and mixes, equal plain autograd.
     Mutations seen failing: unpacking a weight as the forward's slot (which holds another

@@ -18,6 +18,7 @@ from layerwise.plan.program import WeightWindow, plan_step_program, resident_uni
 from layerwise.store import HostStore
 
 from .test_gradients import assert_grads_close, engine_grads, make_batch, reference
+from matrix import sampled
 
 L = 4
 MIXED = ["host", "nvme", "recompute", "device"]
@@ -42,7 +43,7 @@ def layer_major_plans(n):
     return out
 
 
-@pytest.mark.parametrize("flavor", ["llama-debug-tied", "qwen3-debug-untied"])
+@pytest.mark.parametrize("flavor", sampled(["llama-debug-tied", "qwen3-debug-untied"], {"llama-debug-tied"}))
 def test_layer_major_and_resident_plans_match_autograd(flavor, tmp_path, engine_device,
                                                        assert_engine_idle):
     """Mutations seen failing: a later micro-batch's gradient written over the group's sum
@@ -296,7 +297,7 @@ ORDERING_PLAN = Plan(["host", "nvme", "recompute", "host"], prefetch_depth=2,
                      micro_batches_per_load=2, resident_layers=[1, 2])
 
 
-@pytest.mark.parametrize("slow_lane", [None, "compute", "h2d", "d2h"])
+@pytest.mark.parametrize("slow_lane", sampled([None, "compute", "h2d", "d2h"], {"None", "d2h"}))
 def test_layer_major_resident_ordering_under_lane_delays(slow_lane, monkeypatch, tmp_path):
     """Layer-major groups (2 of 3 micro-batches), resident layers, every offload kind, on the
     asynchronous backend: 12 seeded delay patterns (``None``), and each lane 20 ms behind the

@@ -16,6 +16,7 @@ from layerwise.optim.clip import clip_coefficient
 from layerwise.plan import Plan
 from layerwise.store import HostStore, UnitBuffers
 from layerwise.engine.batch import IGNORE_INDEX, Batch
+from matrix import sampled
 
 
 def batches(vocab, n, seed=0):
@@ -27,7 +28,7 @@ def batches(vocab, n, seed=0):
     return out
 
 
-@pytest.mark.parametrize("flavor", ["llama-debug", "qwen2-debug"])
+@pytest.mark.parametrize("flavor", sampled(["llama-debug", "qwen2-debug"], {"llama-debug"}))
 def test_twenty_steps_equal_torch_adamw_with_clipping(flavor, engine_device):
     cfg = get_flavor(flavor).build_config()
     model = build_hf_model(cfg, seed=0)

@@ -16,11 +16,12 @@ from layerwise.interop.hf.model_dir import HFModelDirSource, load_store
 from layerwise.interop.recipes.store_export import export_store
 from layerwise.models.families import attn_implementation
 from layerwise.plan import Plan
+from matrix import sampled
 
 HUB_MOE = ["mixtral-debug", "qwen3-moe-debug", "deepseek-v3-debug", "qwen3-next-debug", "gpt-oss-debug"]
 
 
-@pytest.mark.parametrize("flavor", HUB_MOE)
+@pytest.mark.parametrize("flavor", sampled(HUB_MOE, {"mixtral-debug", "deepseek-v3-debug", "gpt-oss-debug"}))
 def test_a_hub_layout_dir_trains_and_exports_back_name_for_name(flavor, tmp_path):
     """Mutations seen failing: ``HubLayout.to_model`` returning the file keys unconverted (the
     load refuses: "weights missing … model.layers.1.mlp.experts.gate_up_proj"); ``to_hub``

@@ -16,6 +16,7 @@ from layerwise.models import DecoderAdapter
 from layerwise.models.families import attn_implementation, family_of
 from layerwise.plan import Plan
 from layerwise.store import HostStore
+from matrix import sampled
 
 
 def _plans(n: int) -> dict[str, tuple[Plan, str]]:
@@ -40,7 +41,8 @@ def test_units_cover_every_saved_hf_tensor_once(flavor):
     assert frozen == set(saved) - {n for n, _ in model.named_parameters()}
 
 
-@pytest.mark.parametrize("flavor", QUIRKY)
+@pytest.mark.parametrize("flavor", sampled(QUIRKY, {"gemma2-debug", "gpt-oss-debug", "phi3-debug",
+                                                    "deepseek-v3-debug", "qwen3-next-debug"}))
 def test_engine_equals_hf_autograd_for_every_plan(flavor, tmp_path):
     """Mutations seen failing: the router logits' aux gradient dropped in ``LayerTail`` (the
     MoE flavors' router weights off by 100%); the embedding scale left out of
@@ -71,7 +73,8 @@ def test_aux_loss_of_several_micro_batches_is_their_token_weighted_mean(flavor):
     assert_grads_close(grads, ref_grads)
 
 
-@pytest.mark.parametrize("flavor", QUIRKY)
+@pytest.mark.parametrize("flavor", sampled(QUIRKY, {"gemma3-debug", "gpt-oss-debug", "glm4-debug",
+                                                    "deepseek-v3-debug", "qwen3.5-moe-debug"}))
 def test_export_loads_with_from_pretrained_and_gives_equal_logits(flavor, tmp_path):
     cfg, model, adapter = hf_case(flavor)
     store = HostStore(adapter)

@@ -14,6 +14,7 @@ from layerwise.plan.plan import Plan
 from layerwise.plan import milp as milp_mod, search as search_mod
 from layerwise.plan.search import PlanInfeasible, SearchConfig, choose_moments, search
 from layerwise.plan.simulator import simulate
+from matrix import sampled
 
 CASES = [
     # (model, hardware, seq, global batch, gpu GB, host GB)
@@ -25,7 +26,8 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}")
+@pytest.fixture(scope="module", params=sampled(CASES, {"qwen2.5-7b-rtx3090-4096", "qwen2.5-3b-rtx3090-4096"},
+                                                ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}"))
 def planned(request):
     model, hw_name, seq, batch, gpu, host = request.param
     shape = load_shape(model)
