@@ -407,7 +407,8 @@ def test_a_lost_rank_ends_the_other_with_an_error_within_the_timeout(tmp_path, s
     assert [r["step"] for r in rows] == list(range(1, resume_to + 1))
 
 
-@pytest.mark.parametrize("killed", [True, False], ids=["killed", "stalled"])
+@pytest.mark.parametrize("killed", [True, pytest.param(False, marks=pytest.mark.sweep)],
+                         ids=["killed", "stalled"])  # a stall's timeout: the lost-rank test has it
 def test_a_rank_lost_in_its_blob_writes_leaves_the_last_commit(tmp_path, killed):
     """Rank 1 stops right after handing its first blob of the step-3 save to the run directory
     (``dist_child.stall_in_blob_writes``, armed once the step-2 save has finished; its marker
