@@ -34,7 +34,7 @@ class LoraConfig:
     """A PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) to start
     from; its r, alpha and target modules must match these."""
     merge: bool = False
-    """On export also write the base with the adapters merged in (``out_dir/merged``) as a full
+    """On export also write the base with the adapters merged in (``out_dir/model``) as a full
     Hugging Face model directory."""
 
     @property

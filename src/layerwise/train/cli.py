@@ -38,12 +38,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "it and draw the run. Needs no download and no GPU; under 3 minutes on 2 idle CPU "
                     "cores, several times that on a busy machine. Starts fresh: an earlier demo run in --out is replaced.")
     defaults = DemoConfig()
-    demo.add_argument("--steps", type=int, default=defaults.steps,
+    demo.add_argument("--steps", type=int, default=None,
                       help=f"optimizer steps (default {defaults.steps})")
-    demo.add_argument("--out", default=defaults.out_dir,
+    demo.add_argument("--out", default=None,
                       help=f"output directory (default {defaults.out_dir}; an earlier demo run "
                            "there is replaced, any other non-empty directory refused)")
     demo.add_argument("--device", default=defaults.device, help="cpu or cuda (default cpu)")
+    demo.add_argument("--pretrained", metavar="DIR", default=None,
+                      help="instead: LoRA-tune the chat model in DIR (a local Hugging Face "
+                           "directory; `make demo-pretrained` makes SmolLM2-135M-Instruct's) to "
+                           "answer capital-city questions in a pirate's voice, and print its "
+                           "answers to held-out questions before and after (--out default "
+                           "runs/demo-pretrained, --steps default 30)")
     demo.set_defaults(func="layerwise.train.commands:run_demo_command")
 
     train = sub.add_parser(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from .demo import DemoConfig, run_demo
+from .demo_pretrained import PretrainedDemoConfig, check_model_dir, run_pretrained_demo
 from .loop import throughput_text, train
 from .report import report
 
@@ -34,11 +35,30 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
+    if args.pretrained is not None:
+        return _run_pretrained_demo(args)
     print("layerwise demo: the path of a user's run, small: BPE tokenizer, streaming-engine "
           "training of a small Llama on the Python stdlib source, layer-wise checkpoints, export, "
           "sample, report")
-    result = run_demo(DemoConfig(steps=args.steps, out_dir=args.out, device=args.device))
+    defaults = DemoConfig()
+    result = run_demo(DemoConfig(steps=defaults.steps if args.steps is None else args.steps,
+                                 out_dir=args.out or defaults.out_dir, device=args.device))
     if not result.train.eval_loss_end < result.train.eval_loss_start:
         print("warning: eval loss did not improve")
+        return 1
+    return 0
+
+
+def _run_pretrained_demo(args: argparse.Namespace) -> int:
+    check_model_dir(args.pretrained)
+    defaults = PretrainedDemoConfig(model=args.pretrained)
+    cfg = PretrainedDemoConfig(model=args.pretrained, device=args.device,
+                               steps=defaults.steps if args.steps is None else args.steps,
+                               out_dir=args.out or defaults.out_dir)
+    print(f"layerwise demo --pretrained: LoRA on {args.pretrained}, chat data as JSONL, layer-wise "
+          "checkpoints, a PEFT adapter; held-out answers before and after")
+    result = run_pretrained_demo(cfg)
+    if not result.train.eval_loss_end < result.train.eval_loss_start:
+        print("warning: held-out eval loss did not improve")
         return 1
     return 0
