@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                            "directory; `make demo-pretrained` makes SmolLM2-135M-Instruct's) to "
                            "answer capital-city questions in a pirate's voice, and print its "
                            "answers to held-out questions before and after (--out default "
-                           "runs/demo-pretrained, --steps default 30)")
+                           "runs/demo-pretrained, --steps default 12)")
     demo.set_defaults(func="layerwise.train.commands:run_demo_command")
 
     train = sub.add_parser(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -156,7 +156,7 @@ def run_pretrained_demo(cfg: PretrainedDemoConfig) -> PretrainedDemoResult:
     out_dir = Path(cfg.out_dir)
     _log.info(fresh_out_dir(out_dir))
     info = {"format": "layerwise-demo", "format_version": DEMO_FORMAT_VERSION,
-            "pretrained": str(model_dir), "finished": False}
+            "settings": asdict(cfg), "pretrained": True, "finished": False}
     atomic_write_text(out_dir / "demo.json", json.dumps(info, indent=2) + "\n")
     train_path, eval_path = write_data(out_dir)
     questions = [QUESTIONS[0].format(c=c) for c, _ in CAPITALS[:HELD_OUT]]
