@@ -28,6 +28,7 @@ what "fits" and "fastest" must be the same for all of them.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -42,8 +43,8 @@ from .plan import Plan
 from .simulator import SimResult, simulate
 from .step_model import StepModel
 
-__all__ = ["Candidate", "PlanInfeasible", "SearchConfig", "SearchResult", "choose_moments", "human_bytes", "search",
-           "simulate_fast", "with_micro_batches"]
+__all__ = ["Candidate", "PlanInfeasible", "SearchConfig", "SearchResult", "Sims", "choose_moments", "human_bytes",
+           "search", "simulate_fast", "with_micro_batches"]
 
 
 @dataclass
@@ -71,10 +72,13 @@ class SearchConfig:
     step, its gradient once)."""
     resident: bool = True
     """Let the MILP keep layers' weights on the device where device memory allows."""
-    milp_budget_s: float | None = 6.0
+    milp_budget_s: float | None = 3.0
     """HiGHS time for the whole search (every micro-batch size and depth solves the MILP, twice
     with the internals tier); a solve gets at most what is left, but at least ``MIN_SOLVE_S``, in
-    which it returns its warm start (the best fitting rule) or better. None: no budget."""
+    which it returns its warm start (the best fitting rule) or better. None: no budget. Sizes are
+    solved smallest first, so a larger budget only reaches the largest sizes: in the planner
+    benchmark (``--quick``, 2026-12-02) 6 s gave the same plans, bar one within 0.1% either way
+    (HiGHS under a time limit varies with the load), at ~2 s more per search."""
 
 
 MIN_SOLVE_S = 0.1
@@ -162,6 +166,35 @@ def extrapolated(plan: Plan) -> bool:
     return plan.num_micro_batches > 4 * per and plan.num_micro_batches % per == 0
 
 
+class Sims:
+    """The simulations of one search, each plan run once per kind (screening, full): the search
+    meets the same plan again (every-1 is keep-all-device, the MILP may return its warm start,
+    the polish and the per-rule pick re-screen what was screened), ~15% of its simulations."""
+
+    def __init__(self, shape: ModelShape, hw: HardwareProfile):
+        self.shape, self.hw = shape, hw
+        self._done: dict[tuple[Any, ...], SimResult] = {}
+
+    def fast(self, plan: Plan) -> SimResult:
+        """:func:`simulate_fast` of ``plan`` (the full simulation where that does not extrapolate)."""
+        return self._run(plan, extrapolated(plan))
+
+    def full(self, plan: Plan) -> SimResult:
+        """``plan`` simulated in full, without the trace."""
+        return self._run(plan, False)
+
+    def _run(self, plan: Plan, fast: bool) -> SimResult:
+        key = (fast, *(tuple(v) if isinstance(v, list) else v for k, v in vars(plan).items()
+                       if k not in ("source", "predicted")))
+        res = self._done.get(key)
+        if res is None:
+            res = self._done[key] = (simulate_fast(plan, self.shape, self.hw) if fast
+                                     else simulate(plan, self.shape, self.hw, keep_trace=False))
+        res = copy.copy(res)  # the same numbers, about this plan (its name)
+        res.plan = plan
+        return res
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -178,6 +211,7 @@ class _Tally:
 
     max_mbs: dict[str, int]
     """Per rule and ``milp``: the largest micro-batch size tried that fits (0: none)."""
+    sims: Sims
     tried: list[dict[str, Any]] = field(default_factory=list)
     cands: list[Candidate] = field(default_factory=list)
     """Every candidate screened, fitting or not."""
@@ -221,7 +255,7 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
     choose_moments(shape, hw, bf16_grads=lands_once)
     auto = cfg.global_batch is None
     rules = _rules(shape.num_layers)
-    tally = _Tally(dict.fromkeys([*rules, "milp"], 0))
+    tally = _Tally(dict.fromkeys([*rules, "milp"], 0), Sims(shape, hw))
     for mbs in _micro_batch_sizes(cfg):
         m_count = AUTO_MICRO_BATCHES if auto else cfg.global_batch // mbs  # type: ignore[operator]
         cands = []
@@ -234,11 +268,11 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
     pool = tally.cands
     if auto:
         g = _auto_global_batch(tally, shape, hw, seq_len, cfg)
-        pool = _at_global_batch(tally.cands, g, shape, hw)
+        pool = _at_global_batch(tally.cands, g, tally.sims)
     by_name, unfit = _fastest_per_rule(pool, tally, shape, hw, seq_len)
     if "milp" in by_name:
         by_name["milp"] = polish(by_name["milp"], [c for n, c in by_name.items() if n != "milp"],
-                                 shape, hw, POLISH_MOVES)
+                                 shape, hw, POLISH_MOVES, tally.sims)
     best = _fastest(by_name)
     plan = best.plan
     plan.source = "milp" if best.name == "milp" else f"planner:{best.name}"
@@ -333,7 +367,7 @@ def _candidates(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: Searc
         feasible = [(ev.step_s, plan) for _, plan, ev in plans if ev.feasible]
         warm = min(feasible, key=lambda p: p[0])[1] if feasible else None
     else:
-        here = [Candidate(name, plan, simulate_fast(plan, shape, hw)) for name, plan, _ in plans]
+        here = [Candidate(name, plan, tally.sims.fast(plan)) for name, plan, _ in plans]
         fitting = [c for c, (_, _, ev) in zip(here, plans) if c.fits and ev.feasible]
         warm = max(fitting, key=lambda c: c.sim.tokens_per_s).plan if fitting else None
     res = solve(model, _budgeted(cfg, tally.solve_s), (warm.source, warm.boundary_tiers) if warm else None,
@@ -341,7 +375,7 @@ def _candidates(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: Searc
     tally.solve_s += res.solve_s
     if res.tiers is not None:
         res, cand = _milp_candidate(shape, hw, seq_len, cfg, model, res, tally)
-        here.append(polish(cand, here, shape, hw))
+        here.append(polish(cand, here, shape, hw, sims=tally.sims))
     tally.milp_at[(mbs, depth, per_load)] = res
     return here
 
@@ -352,7 +386,7 @@ def _milp_candidate(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: S
     gradient still in flight, a fetch slot): if the plan overflows device or host memory there,
     solve once more with that overflow held back from the model's capacity."""
     plan = res.plan(model)
-    cand = Candidate("milp", plan, simulate_fast(plan, shape, hw))
+    cand = Candidate("milp", plan, tally.sims.fast(plan))
     over = cand.sim.over_capacity()
     if set(over) <= {"device", "host"} and over:
         model = StepModel(shape, hw, model.micro_batch_size, seq_len, model.num_micro_batches, model.prefetch_depth,
@@ -363,7 +397,7 @@ def _milp_candidate(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: S
         if again.tiers is not None:
             res = again
             plan = res.plan(model)
-            cand = Candidate("milp", plan, simulate_fast(plan, shape, hw))
+            cand = Candidate("milp", plan, tally.sims.fast(plan))
     return res, cand
 
 
@@ -372,7 +406,7 @@ POLISH_MOVES = 8
 
 
 def polish(milp: Candidate, rules: list[Candidate], shape: ModelShape, hw: HardwareProfile,
-           moves: int = 0) -> Candidate:
+           moves: int = 0, sims: Sims | None = None) -> Candidate:
     """The MILP's plan, checked and polished in the simulator, which sees what its linear model
     does not (a gradient in flight, the offload window): never slower than a fitting rule of
     the same micro-batch order simulated beside it. Starts from the faster of the two; with
@@ -380,7 +414,8 @@ def polish(milp: Candidate, rules: list[Candidate], shape: ModelShape, hw: Hardw
     cut into at most ``moves`` runs, each take the other plan's choices where the screening
     simulation (``simulate_fast``) finds that faster, and the result is kept if its full
     simulation is faster too. Named ``milp`` either way (the MILP was warm-started from that
-    rule)."""
+    rule). ``sims``: the search's simulations (else its own)."""
+    sims = sims or Sims(shape, hw)
     per = milp.plan.micro_batches_per_load
     fitting = [c for c in rules if c.fits and c.plan.micro_batches_per_load == per]
     if not fitting:
@@ -398,7 +433,7 @@ def polish(milp: Candidate, rules: list[Candidate], shape: ModelShape, hw: Hardw
     size = -(-len(diff) // moves) if moves else 0
     runs = [diff[a:a + size] for a in range(0, len(diff), size)] if size else []
     start = best
-    screened = simulate_fast(best.plan, shape, hw) if extrapolated(best.plan) else best.sim
+    screened = sims.fast(best.plan) if extrapolated(best.plan) else best.sim
     for run in runs:
         d = best.plan.to_dict()
         for i in run:
@@ -406,11 +441,11 @@ def polish(milp: Candidate, rules: list[Candidate], shape: ModelShape, hw: Hardw
                 if d.get(k) is not None:
                     d[k][i + o] = t[i + o]
         trial = Plan.from_dict(d)
-        result = simulate_fast(trial, shape, hw)
+        result = sims.fast(trial)
         if result.fits and result.tokens_per_s > screened.tokens_per_s:
             best, screened = Candidate(best.name, trial, result), result
     if best is not start and extrapolated(best.plan):
-        full = simulate(best.plan, shape, hw, keep_trace=False)
+        full = sims.full(best.plan)
         best = Candidate(best.name, best.plan, full) if (
             full.fits and full.tokens_per_s > start.sim.tokens_per_s) else start
     plan = Plan.from_dict({**best.plan.to_dict(), "source": "milp"})
@@ -439,7 +474,7 @@ def _fastest_per_rule(pool: list[Candidate], tally: _Tally, shape: ModelShape, h
     for name in dict.fromkeys(c.name for c in pool):
         mine = [c for c in pool if c.name == name]
         for c in sorted((c for c in mine if c.fits), key=lambda c: -c.sim.tokens_per_s)[:3]:
-            full = Candidate(name, c.plan, simulate(c.plan, shape, hw, keep_trace=False)) if extrapolated(c.plan) else c
+            full = Candidate(name, c.plan, tally.sims.full(c.plan)) if extrapolated(c.plan) else c
             if full.fits:
                 by_name[name] = full
                 break
@@ -456,8 +491,7 @@ AT_BATCH_PER_RULE = 2
 chosen global batch (each costs a simulation; the fastest at 4 micro-batches rarely loses)."""
 
 
-def _at_global_batch(cands: list[Candidate], global_batch: int, shape: ModelShape,
-                     hw: HardwareProfile) -> list[Candidate]:
+def _at_global_batch(cands: list[Candidate], global_batch: int, sims: Sims) -> list[Candidate]:
     """Auto mode: the screened candidates whose micro-batch size divides ``global_batch``, with
     their accumulation set so each step holds ``global_batch`` sequences. Per rule the
     ``AT_BATCH_PER_RULE`` fastest that fit are simulated again, and its least over-capacity one
@@ -474,7 +508,7 @@ def _at_global_batch(cands: list[Candidate], global_batch: int, shape: ModelShap
                 out.append(c)
                 continue
             plan = with_micro_batches(c.plan, m)
-            out.append(Candidate(name, plan, simulate_fast(plan, shape, hw)))
+            out.append(Candidate(name, plan, sims.fast(plan)))
     return out
 
 
@@ -486,7 +520,7 @@ def _auto_global_batch(tally: _Tally, shape: ModelShape, hw: HardwareProfile, se
     top = _fastest(by_name).sim.tokens_per_s
     pool = [c for c in tally.all_fit if c.sim.tokens_per_s >= top * (1 - cfg.auto_tolerance)]
     pick = min(pool, key=lambda c: (c.plan.micro_batch_size, c.name != "milp", -c.sim.tokens_per_s))
-    best = _pick_accumulation(pick, shape, hw, cfg)
+    best = _pick_accumulation(pick, tally.sims, cfg)
     return best.plan.micro_batch_size * best.plan.num_micro_batches
 
 
@@ -525,12 +559,12 @@ def _budgeted(cfg: SearchConfig, spent_s: float) -> MilpConfig:
     return milp if left_s >= milp.time_limit_s else replace(milp, time_limit_s=left_s)
 
 
-def _pick_accumulation(best: Candidate, shape: ModelShape, hw: HardwareProfile, cfg: SearchConfig) -> Candidate:
+def _pick_accumulation(best: Candidate, sims: Sims, cfg: SearchConfig) -> Candidate:
     """Auto mode: the smallest accumulation count within tolerance of the best tokens/s."""
     options = []
     for m in cfg.auto_num_micro_batches:
         plan = with_micro_batches(best.plan, m)
-        options.append(Candidate(best.name, plan, simulate_fast(plan, shape, hw)))
+        options.append(Candidate(best.name, plan, sims.fast(plan)))
     options = [o for o in options if o.fits] or [best]
     top = max(o.sim.tokens_per_s for o in options)
     return min((o for o in options if o.sim.tokens_per_s >= top * (1 - cfg.auto_tolerance)),

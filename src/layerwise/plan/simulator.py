@@ -88,7 +88,7 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
     topo = topology or Topology()
     topo.check(hw)
     rank_hw = rank_hardware(hw, topo) if topology else hw  # (no topology: the plain one-GPU path)
-    sim = _Simulation(plan, shape, hw, rank_hw, topo)
+    sim = _Simulation(plan, shape, hw, rank_hw, topo, keep_trace)
     for step in range(steps):
         sim.step(step)
     return sim.result(steps, keep_trace)
@@ -99,8 +99,10 @@ class _Simulation:
     ``{OpKind: method}`` dispatch), and per compute op what it leaves behind."""
 
     def __init__(self, plan: Plan, shape: ModelShape, hw: HardwareProfile, rank_hw: HardwareProfile,
-                 topo: Topology):
+                 topo: Topology, keep_trace: bool):
         self.plan, self.shape, self.hw, self.topo = plan, shape, hw, topo
+        self.keep_trace = keep_trace
+        """Log every compute op (``op_log``); off, a screening simulation skips a dict per op."""
         cost = self.cost = CostModel(shape, rank_hw, plan.micro_batch_size, plan.seq_len, plan.head_chunk_tokens)
         self.tiers, self.internal = plan.boundary_tiers, plan.internal_tiers
         self.tied = shape.tied
@@ -314,7 +316,7 @@ class _Simulation:
         for u in op_units:
             self.copy_in(window.acquire(u), t_op)
             need_w = max(need_w, self.w_landed[u])
-        slots = [window.slot(u) for u in op_units]
+        slots = [window.slot(u) for u in op_units] if self.keep_trace else []
         last = len(grp.mbs) - 1
         for k, (mb, mbs) in enumerate(grp.mbs.items()):
             t_issue = self._begin_run(grp, mbs, n)
@@ -329,8 +331,9 @@ class _Simulation:
             grp.prev_start = start
             if kind in RECOMPUTE_OPS:
                 self.recompute_this_step += dur
-            self.op_log.append({"kind": kind, "index": i, "mb": mb, "step": step, "start": start, "end": end,
-                                "units": list(op_units), "slots": slots, "resident": list(self.op_resident[n])})
+            if self.keep_trace:
+                self.op_log.append({"kind": kind, "index": i, "mb": mb, "step": step, "start": start, "end": end,
+                                    "units": list(op_units), "slots": slots, "resident": list(self.op_resident[n])})
             tb = self.op_transient[n]
             if tb and last:  # the group's other micro-batches: their masks, their carried state
                 tb += (carried(kind, k, last + 1) * self.a_bytes + last * self.mask
