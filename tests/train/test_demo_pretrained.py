@@ -53,8 +53,7 @@ def test_a_directory_that_is_not_a_model_is_refused_in_one_line(tmp_path, capsys
                     reason="no SmolLM2 directory: run `python benchmarks/real_model.py` once")
 def test_smollm2_answers_held_out_questions_in_the_trained_voice(tmp_path):
     """Before: plain answers; after 12 LoRA steps: the pirate's sentence, on countries it never
-    saw. Mutation seen failing: the adapter not loaded for the after answers (they equal the
-    before ones)."""
+    saw (the before answers lack the voice, so an adapter left out fails it)."""
     out = tmp_path / "demo"
     assert main(["demo", "--pretrained", str(smollm2_dir(fetch=False)), "--out", str(out)]) == 0
     info = json.loads((out / "demo.json").read_text())
