@@ -29,8 +29,9 @@ from sweep_cases import build, causal_lm_types, saved_and_loaded, saved_tensors
 SAMPLE = (
     # the types that guarded a named mutation (below)
     "smollm3", "diffllama", "cohere", "granite", "ctrl",
-    # one of each layout: dense decoders, MoE as the Hub stores them, hybrids (linear attention,
-    # state-space), sliding windows and soft-capping, learned positions, refused layouts
+    # one of each layout: dense decoders, MoE as the Hub stores them, a conv hybrid (LFM2) and
+    # a state-space one (Jamba, where its tiny config builds), sliding windows and soft-capping,
+    # learned positions, refused layouts
     # (the table's families have tests of their own: tests/models/test_families.py)
     "llama", "qwen3", "phi3", "gemma2", "gemma3_text", "gpt2", "bloom", "mixtral", "qwen3_moe",
     "deepseek_v3", "gpt_oss", "granitemoe", "jamba", "lfm2", "bart", "bert",

@@ -129,16 +129,24 @@ def train_config(cfg: DemoConfig, tokenizer_dir: Path, plan_path: Path) -> Train
         log=replace(cfg.log), ckpt=replace(cfg.ckpt), resume="false", out_dir=cfg.out_dir)
 
 
-def sample(model_dir: Path, cfg: DemoConfig) -> str:
-    """The prompt and its continuation, from the exported directory loaded the ordinary way."""
+def load_quietly(model_dir: Path) -> tuple[Any, torch.nn.Module]:
+    """Tokenizer and model of ``model_dir`` loaded the ordinary way (local files, fp32, eval
+    mode), without transformers' "Loading weights" bar in the demo's output."""
     tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # no "Loading weights" bar in the demo's output
+    hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True,
+                                                     dtype=torch.float32)
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+    return tok, model.eval()
+
+
+def sample(model_dir: Path, cfg: DemoConfig) -> str:
+    """The prompt and its continuation, from the exported directory loaded the ordinary way."""
+    tok, model = load_quietly(model_dir)
     ids = torch.tensor([tok(cfg.prompt, add_special_tokens=False)["input_ids"]])
     greedy = cfg.temperature <= 0
     torch.manual_seed(0)

@@ -22,14 +22,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.utils import logging as hf_logging
 
 from ..adapters.config import LoraConfig
 from ..optim.config import AdamWConfig
 from ..util.atomic import atomic_write_text
 from .config import CkptConfig, DataConfig, EvalConfig, LogConfig, ModelConfig, ScheduleConfig, TrainConfig
-from .demo import DEMO_FORMAT_VERSION, fresh_out_dir
+from .demo import DEMO_FORMAT_VERSION, fresh_out_dir, load_quietly
 from .loop import train
 from .run_records import TrainResult
 
@@ -115,19 +113,6 @@ def answers(model: torch.nn.Module, tok, questions: list[str], max_new_tokens: i
     return out
 
 
-def _load(model_dir: Path):
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # no "Loading weights" bar in the demo's output
-    try:
-        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True,
-                                                     dtype=torch.float32)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
-    return tok, model.eval()
-
-
 def check_model_dir(model: str) -> Path:
     """The model directory, or a ``ValueError`` that says how to get one (nothing is fetched)."""
     path = Path(model)
@@ -161,7 +146,7 @@ def run_pretrained_demo(cfg: PretrainedDemoConfig) -> PretrainedDemoResult:
     train_path, eval_path = write_data(out_dir)
     questions = [QUESTIONS[0].format(c=c) for c, _ in CAPITALS[:HELD_OUT]]
 
-    tok, base = _load(model_dir)
+    tok, base = load_quietly(model_dir)
     before = answers(base, tok, questions, cfg.max_new_tokens)
     result = train(train_config(cfg, train_path, eval_path))
     adapter_dir = out_dir / "adapter"
@@ -169,7 +154,7 @@ def run_pretrained_demo(cfg: PretrainedDemoConfig) -> PretrainedDemoResult:
         from peft import PeftModel
         tuned, how = PeftModel.from_pretrained(base, str(adapter_dir)).eval(), "PeftModel"
     except ImportError:  # PEFT is not a dependency: the merged model needs transformers only
-        tuned, how = _load(out_dir / "model")[1], "AutoModelForCausalLM, the merged export"
+        tuned, how = load_quietly(out_dir / "model")[1], "AutoModelForCausalLM, the merged export"
     after = answers(tuned, tok, questions, cfg.max_new_tokens)
 
     width = max(len(q) for q in questions)
