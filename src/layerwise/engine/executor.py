@@ -186,9 +186,11 @@ class StreamingEngine:
 
     def predict_memory(self, micro_batch_size: int, seq_len: int) -> MemoryEstimate:
         elem = torch.empty((), dtype=self.compute_dtype).element_size()
-        workspace = CUDA_WORKSPACE_BYTES if self.device.type == "cuda" else 0
+        cuda = self.device.type == "cuda"  # the CUDA workspaces: cuBLAS's flat, attention's by shape
         return predict_peak_device_bytes(self.shape, self.plan, micro_batch_size, seq_len, elem,
-                                         grad_slots=not self.sink.inline, workspace_bytes=workspace)
+                                         grad_slots=not self.sink.inline,
+                                         workspace_bytes=CUDA_WORKSPACE_BYTES if cuda else 0,
+                                         attention_workspace=cuda)
 
     def check(self, micro_batch_size: int, seq_len: int) -> MemoryEstimate:
         """Refuse, before any work, a batch shape whose predicted device peak is over the cap."""

@@ -7,7 +7,8 @@ largest unit (fp32 in layer-major order); :func:`fetch_slot_count` slots for bou
 back from host memory or NVMe. In layer-major order the ops are walked for one group of
 micro-batches, each holding its own boundaries, internals and masks. Live across ops: boundaries kept on the
 device (until their layer's backward) and recomputed ones. Transient within an op: its inputs,
-outputs, gradients, autograd workspace, the head's logits and fp32 gradient accumulators. In
+outputs, gradients, autograd workspace, the head's logits and fp32 gradient accumulators (on
+CUDA also the attention kernel's backward workspace, priced from the shape). In
 flight (an asynchronous device): what the offloads (boundaries and host-tier internals moving
 to the host) of the ``OFFLOAD_WINDOW_OPS - 1`` ops before still read; the engine's compute waits
 for older ones before each op, so no backlog beyond that. The peak is the largest sum over the
@@ -58,7 +59,43 @@ copy lane, at the price of one more op's offloads (a host-tier layer's internals
 boundaries) in device memory at every op."""
 CUDA_WORKSPACE_BYTES = 64 << 20
 """What a CUDA device holds besides the engine's tensors that the allocator reports: cuBLAS
-workspaces and the allocator's rounding of blocks (the CUDA context itself is not reported)."""
+workspaces and the allocator's rounding of blocks (the CUDA context itself is not reported).
+The attention kernel's workspace grows with the shape and is priced apart
+(:func:`attention_workspace_bytes`)."""
+FLASH_SEQ_ROUND = 128
+"""The fused kernels round the sequence of their fp32 buffers up to this (flash-attn's
+``seqlen_q_rounded``)."""
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def attention_workspace_bytes(shape: ModelShape, micro_batch_size: int, seq_len: int,
+                              elem_bytes: int, i: int = 0) -> int:
+    """Device bytes the attention kernel allocates inside decoder layer ``i``'s backward on CUDA,
+    beyond the tensors the layer saved (counted by :func:`layer_workspace_bytes`), for one
+    micro-batch. The engine runs HF's SDPA attention: unpacked rows take the flash kernel
+    (``is_causal``, grouped heads by ``enable_gqa``), packed rows the memory-efficient one (a
+    boolean mask, the key/value heads repeated). Both price as flash-attn's backward, per row:
+    ``softmax_d`` (fp32, heads x seq) and the fp32 ``dq`` accumulator (seq x heads x head_dim,
+    seq rounded to 128, head_dim to 32 or 256), plus, with grouped heads, ``dk``/``dv`` at the
+    full head count before their sum (compute dtype; the memory-efficient kernel's gradients of
+    the repeated keys and values are the same size). An eager family (the math path) instead
+    builds the score matrix's gradient, heads x seq x seq, in the compute dtype and twice in
+    fp32 (HF's eager softmax runs in fp32). Linear attention layers hold none."""
+    c = shape.layer(i)
+    if c is not None and not c.pair_flops:
+        return 0
+    h, d, s, b = shape.num_heads, shape.head_dim, seq_len, micro_batch_size
+    if shape.eager_attention:
+        return b * h * s * s * (elem_bytes + 8)
+    s_r = _round_up(s, FLASH_SEQ_ROUND)
+    d_r = _round_up(d, 32) if d <= 192 else 256
+    per_row = h * s_r * 4 + s_r * h * d_r * 4
+    if shape.num_kv_heads != h:
+        per_row += 2 * s * h * d * elem_bytes
+    return b * per_row
 
 
 @dataclass
@@ -231,12 +268,15 @@ class _Live:
 
 def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, seq_len: int,
                         elem_bytes: int, grad_slots: bool = True, workspace_bytes: int = 0,
-                        offload_window_ops: int = OFFLOAD_WINDOW_OPS) -> list[MemoryEstimate]:
+                        offload_window_ops: int = OFFLOAD_WINDOW_OPS,
+                        attention_workspace: bool = False) -> list[MemoryEstimate]:
     """What the device holds at each op of the step program of one group of
     ``min(micro_batches_per_load, num_micro_batches)`` micro-batches (its peak while the op runs
     for each of them in turn), in program order. Each micro-batch holds its own masks,
     boundaries and internals; the slots and resident weights are held at every op.
-    ``workspace_bytes``: a fixed term for the device's own workspaces (CUDA). ``grad_slots``: an
+    ``workspace_bytes``: a fixed term for the device's own workspaces (CUDA);
+    ``attention_workspace``: each layer backward also holds the CUDA attention kernel's
+    workspace (:func:`attention_workspace_bytes`). ``grad_slots``: an
     asynchronous device (gradient slots; offloads may still be in flight from the
     ``offload_window_ops - 1`` op runs before, a synchronous one has finished them)."""
     tokens = micro_batch_size * seq_len
@@ -261,6 +301,8 @@ def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, se
         transient = op_transient_bytes(shape, k, i, tokens, elem_bytes, plan.head_chunk_tokens,
                                        seq_len)
         transient += group_embed_bwd_bytes(shape, k, tokens, group)
+        if attention_workspace and k in (OpKind.LAYER_BWD, OpKind.LAYER_BWD_KEPT):
+            transient += attention_workspace_bytes(shape, micro_batch_size, seq_len, elem_bytes, i)
         best: MemoryEstimate | None = None
         for j, mb in enumerate(live):
             # the window runs on across micro-batches: the previous one's last ops offload nothing
@@ -316,11 +358,12 @@ def _release(shape: ModelShape, plan: Plan, mb: _Live, kind: OpKind, i: int, tok
 def predict_peak_device_bytes(shape: ModelShape, plan: Plan, micro_batch_size: int,
                               seq_len: int, elem_bytes: int, grad_slots: bool = True,
                               workspace_bytes: int = 0,
-                              offload_window_ops: int = OFFLOAD_WINDOW_OPS) -> MemoryEstimate:
+                              offload_window_ops: int = OFFLOAD_WINDOW_OPS,
+                              attention_workspace: bool = False) -> MemoryEstimate:
     """The largest of :func:`device_bytes_per_op` (the first op to reach it)."""
     best = MemoryEstimate(0, "", {})
     for est in device_bytes_per_op(shape, plan, micro_batch_size, seq_len, elem_bytes, grad_slots,
-                                   workspace_bytes, offload_window_ops):
+                                   workspace_bytes, offload_window_ops, attention_workspace):
         if est.peak_bytes > best.peak_bytes:
             best = est
     return best
