@@ -40,10 +40,11 @@ demo-pretrained: $(VENV)/.installed
 	$(VENV)/bin/layerwise demo --pretrained $(SMOLLM2_DIR)
 
 # `make gpu-check`: the GPU check (docs/benchmarks.md, "GPU check") on a machine with one CUDA GPU,
-# torch and transformers, and no network. With CUDA it first installs the wheels in $(WHEEL_DIR)
-# (`make gpu-wheels`, here) into $(GPU_SITE), then runs benchmarks/gpu_check.py from src/ under
-# `timeout`; the script writes $(GPU_CHECK_OUT) after every stage and prints it. Without CUDA it
-# says there is no GPU and exits 0. Python: .venv's when present, else python3 (the GPU machine's).
+# torch and transformers, and no network: benchmarks/gpu_check.py from src/ under `timeout`. With
+# CUDA its first stage (`wheels`) installs the wheels in $(WHEEL_DIR) (`make gpu-wheels`, here)
+# into $(GPU_SITE) and reports each of GPU_WHEELS installed, missing or failed; the script writes
+# $(GPU_CHECK_OUT) after every stage and prints it. Without CUDA it says there is no GPU and exits
+# 0. Python: .venv's when present, else python3 (the GPU machine's).
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 GPU_CHECK_OUT ?= gpu-check.json
 GPU_CHECK_ARGS ?=
@@ -65,14 +66,10 @@ GPU_IMAGE_LACKS ?= blake3 highspy deepspeed
 GPU_WHEELS ?= highspy==1.16.0 blake3==1.0.11
 
 gpu-check:
-	@if $(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
-	    && ls $(WHEEL_DIR)/*.whl >/dev/null 2>&1; then \
-	  $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-	    --target $(GPU_SITE) $(WHEEL_DIR)/*.whl || echo "gpu-check: installing $(WHEEL_DIR)/*.whl failed"; \
-	fi; \
-	PYTHONPATH=$(CURDIR)/src:$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
+	@PYTHONPATH=$(CURDIR)/src:$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
 	  timeout -k 15 $(GPU_CHECK_TIMEOUT_S) $(GPU_PY) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT) \
-	  --host-budget-gb $(GPU_HOST_BUDGET_GB) --budget-s $(GPU_CHECK_BUDGET_S) $(GPU_CHECK_ARGS)
+	  --host-budget-gb $(GPU_HOST_BUDGET_GB) --budget-s $(GPU_CHECK_BUDGET_S) \
+	  --wheel-dir $(WHEEL_DIR) --wheel-site $(GPU_SITE) --wheels "$(GPU_WHEELS)" $(GPU_CHECK_ARGS)
 
 # The wheels of GPU_WHEELS for the GPU machine's Python 3.12 on x86-64 (it has no network), then
 # what each requires (numpy, which the image has); they travel only when the device call names

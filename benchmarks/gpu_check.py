@@ -4,14 +4,21 @@ Stages, smallest first; each writes its result into the JSON file before the nex
 under its own try/except (a failure is recorded, the rest still runs), after the stages it
 needs, and only when the time budget left covers its estimate (else it is skipped, saying so):
 
+0. ``wheels``: the wheels of ``--wheel-dir`` installed into ``--wheel-site``, each expected one
+   reported ``installed``, ``missing`` or ``failed`` (the stage fails unless all installed);
 1. first contact (well under 90 s): ``device`` (the machine and its GPU), ``layer_check`` (one
    decoder layer forward/backward on the GPU against autograd), ``tiny_steps`` (two training
    steps of a small model through every tier: device, host, NVMe, recompute, kept internals),
    ``pinned_arena`` (the store's arena registered in place), ``copy_bandwidth`` (H2D/D2H);
 2. ``cuda_tests``: pytest over only the test files that hold ``cuda``-marked tests;
 3. the large model: ``model`` (sized to ``--host-budget-gb``), ``calibration``, ``optimizer``,
-   ``planner``, ``store`` (4.5B parameters by default), ``plan:<name>`` (largest predicted
-   device peak last), ``simulator``.
+   ``planner``, ``plan:lora`` (one layer of the model's widths, NF4 frozen base, LoRA
+   adapters), ``store`` (4.5B parameters by default), ``plan:<name>`` (the planner's first,
+   then the rules, largest predicted device peak last), ``simulator``.
+
+Device memory: the check's process runs with ``PYTORCH_CUDA_ALLOC_CONF`` holding
+``expandable_segments:True`` (added before torch starts CUDA), the model is sized so every
+plan's predicted peak fits the GPU less ``DEVICE_MARGIN_BYTES``, and each engine is capped there.
 
 The host RAM is given (``--host-budget-gb``), never read from MemTotal/MemAvailable, which on
 the GPU machine start far below its RAM and grow as memory is used. ``--dry-run`` runs every
@@ -22,6 +29,7 @@ CUDA calls; the test suite runs it so the check cannot rot. The JSON schema is d
     python benchmarks/gpu_check.py --host-budget-gb 137.4 [--out gpu-check.json] [--budget-s 360]
     python benchmarks/gpu_check.py --dry-run
     make gpu-check                  # on the GPU machine: wheels from .whl/, the Makefile's budget
+    python benchmarks/gpu_check.py --host-budget-gb 137.4 --wheel-dir .whl --wheels highspy,blake3
 
 Exit status: 0 when every stage is ok (and without a GPU, where it only says so), else 1.
 This file and its siblings import only the standard library at load time; each stage imports
@@ -32,14 +40,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling gpu_check_* modules
 
-from gpu_check_device import REPO, host_ram  # noqa: E402
+from gpu_check_device import REPO, host_ram, set_alloc_conf  # noqa: E402
 from gpu_check_report import SCHEMA_ID, Report, hidden_modules  # noqa: E402
 
 FIRST_CONTACT = ("device", "layer_check", "tiny_steps", "pinned_arena", "copy_bandwidth")
@@ -47,8 +54,8 @@ PLAN_NAMES = ("planner", "every-1", "every-4", "keep-all-host", "packed", "layer
 NEEDS = {"calibration": ("model",), "optimizer": ("model",), "planner": ("model",), "store": ("model",),
          "plan": ("model", "store", "planner"), "simulator": ("model",)}
 """What a selected stage brings along (``--stages``)."""
-STAGES = FIRST_CONTACT + ("cuda_tests", "model", "calibration", "optimizer", "planner", "store", "plan",
-                          "simulator")
+STAGES = ("wheels",) + FIRST_CONTACT + ("cuda_tests", "model", "calibration", "optimizer", "planner", "store",
+                                        "plan", "simulator")
 
 DEFAULTS = dict(model="llama3-8b", layers=16, seq_len=4096, micro_batch_size=8, steps=2, optim_layers=4,
                 optim_rounds=7, milp_budget_s=6.0)
@@ -56,6 +63,8 @@ DRY_DEFAULTS = dict(model="llama-debug", layers=4, seq_len=32, micro_batch_size=
                     optim_rounds=1, milp_budget_s=0.5)
 DRY_HOST_BUDGET_GB = 137.4
 """A dry run's host budget when none is given: the GPU machine's documented 128 GiB."""
+DEFAULT_WHEELS = "highspy,blake3"
+"""What ``make gpu-wheels`` brings (the Makefile's ``GPU_WHEELS`` passes its own list)."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -74,6 +83,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="comma-separated packages to make unimportable, here and in the tests' pytest "
                          "(as on a machine without them)")
     ap.add_argument("--print-schema", action="store_true", help="print the JSON schema as markdown and exit")
+    w = ap.add_argument_group("wheels (stage `wheels`)")
+    w.add_argument("--wheel-dir", default=None,
+                   help="the .whl files to install (default .whl/ of the checkout; a dry run: none, unless given)")
+    w.add_argument("--wheel-site", default="/tmp/layerwise-gpu-site", help="pip --target (default %(default)s)")
+    w.add_argument("--wheels", default=DEFAULT_WHEELS,
+                   help="expected wheels, comma- or space-separated, `name` or `name==version` (%(default)s)")
     g = ap.add_argument_group("large model (defaults: a dry run's in brackets)")
     g.add_argument("--model", help="flavor whose widths are used (llama3-8b [llama-debug])")
     g.add_argument("--layers", type=int, help="decoder layers, lowered to fit the host budget (16 [4])")
@@ -106,6 +121,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         ap.error(f"unknown stages {unknown}; choose from {','.join(STAGES)}")
     args.hide_modules = [s.strip() for s in args.hide_modules.split(",") if s.strip()]
+    args.wheels = [s for s in args.wheels.replace(",", " ").split() if s]
+    if args.wheel_dir is None and not args.dry_run:
+        args.wheel_dir = str(REPO / ".whl")
     return args
 
 
@@ -126,11 +144,13 @@ def run_stages(report: Report, args: argparse.Namespace) -> None:
                                  run_store)
     from gpu_check_plans import (LAYER_MAJOR, PACKED, candidate_plans, make_batches, run_plan,
                                  run_simulator)
+    from gpu_check_lora import LORA, run_lora
     from gpu_check_tests import run_cuda_tests
 
     res = report.result
     dev = Dev(args.dry_run)
     sizes = FirstSizes.dry() if args.dry_run else FirstSizes()
+    report.stage("wheels", 5, lambda d: wheels_stage(args, d))
     report.stage("device", 10, lambda d: device_facts(dev, d))
     report.stage("layer_check", 15, lambda d: run_layer_check(dev, sizes, d))
     report.stage("tiny_steps", 15, lambda d: run_tiny_steps(dev, sizes, d))
@@ -151,6 +171,8 @@ def run_stages(report: Report, args: argparse.Namespace) -> None:
                  needs=("model",))
     report.stage("planner", 10 + args.milp_budget_s, lambda d: run_planner(lg, args.milp_budget_s, d),
                  needs=("model",))
+    # small (one layer) and before the large store takes the host: the budget never cuts it
+    report.stage(f"plan:{LORA}", 45, lambda d: run_lora(lg, args, d), data_path=("plans", LORA), needs=("model",))
     report.stage("store", 60, lambda d: run_store(lg, args.seed, d), needs=("model",))
     if lg.shape is not None:
         plans = candidate_plans(lg)
@@ -176,6 +198,16 @@ def run_stages(report: Report, args: argparse.Namespace) -> None:
     lg.store = batches = None
     dev.clean()
     report.stage("simulator", 5, lambda d: run_simulator(lg, d), needs=("model",))
+
+
+def wheels_stage(args: argparse.Namespace, data: dict) -> None:
+    """Install and report the wheels (a dry run without ``--wheel-dir``: none looked for)."""
+    from gpu_check_wheels import WHEEL_STATUSES, run_wheels
+
+    if args.wheel_dir is None:
+        data.update(wheel_dir=None, site=None, expected=[], wheels={}, counts=dict.fromkeys(WHEEL_STATUSES, 0))
+        return
+    run_wheels(Path(args.wheel_dir), Path(args.wheel_site), args.wheels, data)
 
 
 def run_layer_major(lg, plan, args: argparse.Namespace, data: dict) -> None:
@@ -206,9 +238,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(render_markdown(), end="")
         return 0
-    # the caching allocator grows segments in place rather than leaving the gaps between fixed
-    # blocks unusable: the plans of a large model run within a few GB of the device's memory
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    set_alloc_conf()
     try:
         import torch
     except Exception as e:  # noqa: BLE001

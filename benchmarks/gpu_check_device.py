@@ -18,6 +18,7 @@ import importlib.util
 import os
 import platform
 import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -117,6 +118,29 @@ def host_ram(budget_bytes: int) -> dict[str, Any]:
                     "for the store); MemTotal/MemAvailable are only reported"}
 
 
+EXPANDABLE = "expandable_segments:True"
+ALLOC_CONF: dict[str, Any] = {"source": "not set by the check", "before_cuda_init": None}
+"""What ``set_alloc_conf`` did, for ``device_facts``."""
+
+
+def set_alloc_conf() -> None:
+    """``PYTORCH_CUDA_ALLOC_CONF`` with ``expandable_segments:True``: the caching allocator grows
+    segments in place rather than leaving the gaps between fixed blocks unusable (the plans of a
+    large model run within a few GB of the device's memory). Called before the check imports
+    torch; the allocator reads it when CUDA starts, so whether CUDA had started is recorded."""
+    torch = sys.modules.get("torch")
+    ALLOC_CONF["before_cuda_init"] = torch is None or not torch.cuda.is_initialized()
+    given = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    if not given:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE
+        ALLOC_CONF["source"] = "set by the check"
+    elif "expandable_segments" in given:
+        ALLOC_CONF["source"] = "given"
+    else:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = f"{given},{EXPANDABLE}"
+        ALLOC_CONF["source"] = "given; expandable_segments added by the check"
+
+
 WHEEL_PACKAGES = ("highspy", "blake3", "numba")
 """What the check imports that the GPU image may lack (``make gpu-wheels`` brings them): where
 each was imported from says whether the ``.whl`` install took."""
@@ -179,6 +203,9 @@ def device_facts(dev: Dev, data: dict[str, Any]) -> None:
         "layerwise_commit": _run(["git", "rev-parse", "HEAD"], cwd=REPO),
         "kernels": host_kernels(),
         "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        "expandable_segments": EXPANDABLE in (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "").replace(" ", ""),
+        "cuda_alloc_conf_source": ALLOC_CONF["source"],
+        "cuda_alloc_conf_before_cuda_init": ALLOC_CONF["before_cuda_init"],
         "imported_from": imported_from(WHEEL_PACKAGES),
     })
     gpu: dict[str, Any] = dict.fromkeys(("device_name", "device_capability", "device_total_mem_bytes",

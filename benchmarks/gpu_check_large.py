@@ -25,6 +25,11 @@ HOST_MARGIN_BYTES = 16 * GIB
 CUDA context, the profiler's trace, the page cache of the NVMe tier."""
 HOST_FRACTION = 0.85
 """At most this share of the host budget goes to the store, activations and margin."""
+DEVICE_MARGIN_BYTES = 3 * GIB
+"""GPU memory no plan's predicted peak may take: what the memory model does not see (the CUDA
+context's share of the card, allocator fragmentation even with expandable segments, the
+profiler's buffers, kernels' workspaces it does not price). The model is sized, and every engine
+capped (``EngineConfig.device_mem_cap_bytes``), at the GPU's memory less this."""
 
 
 @dataclass
@@ -43,6 +48,8 @@ class Large:
     planner_plan: Any = None
     store: Any = None
     measured: dict[str, tuple[Any, dict[str, Any]]] = field(default_factory=dict)
+    device_budget_bytes: int | None = None
+    """The GPU's memory less ``DEVICE_MARGIN_BYTES`` (a dry run: the h200 preset's)."""
 
     def peak_tflops(self) -> float:
         for name in ("calibrated-shape", "calibrated", "h200"):
@@ -64,10 +71,38 @@ def _state_nbytes(numels: list[int], kind: str) -> int:
     return sum(fn(n) for n in numels)
 
 
+def cuda_peak_bytes(shape, plan, mbs: int, seq: int) -> int:
+    """A plan's predicted device peak on CUDA in bf16, as the engine predicts it there (cuBLAS's
+    flat workspace, the attention kernel's by shape)."""
+    from layerwise.plan.memory import CUDA_WORKSPACE_BYTES, predict_peak_device_bytes
+
+    return predict_peak_device_bytes(shape, plan, mbs, seq, 2, workspace_bytes=CUDA_WORKSPACE_BYTES,
+                                     attention_workspace=True).peak_bytes
+
+
+def device_fit(lg: Large) -> tuple[str, int]:
+    """The plan of the check with the largest predicted CUDA peak on ``lg.shape``, and that peak."""
+    from gpu_check_plans import candidate_plans
+
+    peaks = [(name, cuda_peak_bytes(lg.shape, p, lg.mbs, lg.seq)) for name, p, _ in candidate_plans(lg)
+             if p is not None]
+    return max(peaks, key=lambda x: x[1])
+
+
+def device_memory(lg: Large) -> tuple[int, str]:
+    """The GPU's memory and where the figure comes from."""
+    from layerwise.plan.hardware import PRESETS
+
+    if lg.dev.is_cuda:
+        return int(lg.dev.torch.cuda.get_device_properties(0).total_memory), "cuda total_memory"
+    return PRESETS["h200"].device_mem_bytes, "h200 preset (dry run)"
+
+
 def run_model(lg: Large, layers_requested: int, data: dict[str, Any]) -> None:
     """The model every later stage uses: the flavor's widths with ``layers_requested`` layers,
     fewer (by two) until the store with its optimizer state, keep-all-host's pinned boundaries
-    and ``HOST_MARGIN_BYTES`` fit in ``HOST_FRACTION`` of the host budget."""
+    and ``HOST_MARGIN_BYTES`` fit in ``HOST_FRACTION`` of the host budget and every plan's
+    predicted CUDA peak fits the GPU less ``DEVICE_MARGIN_BYTES``."""
     import torch
     from layerwise.models import DecoderAdapter, get_flavor
     from layerwise.plan.cost import CostModel
@@ -77,6 +112,8 @@ def run_model(lg: Large, layers_requested: int, data: dict[str, Any]) -> None:
 
     flavor = get_flavor(lg.flavor)
     layers = layers_requested
+    device_mem, device_figure = device_memory(lg)
+    lg.device_budget_bytes = device_mem - DEVICE_MARGIN_BYTES
     while True:
         cfg = flavor.build_config(num_hidden_layers=layers)
         adapter = DecoderAdapter(cfg)
@@ -84,11 +121,13 @@ def run_model(lg: Large, layers_requested: int, data: dict[str, Any]) -> None:
         numels = [shape.unit_params(u) for u in shape.unit_names()]
         foot = store_footprint(adapter, torch.bfloat16, pin=True, state_nbytes=_state_nbytes(numels, lg.moments_kind))
         acts = layers * lg.mbs * lg.seq * shape.hidden_size * 2 * lg.nmb
-        if foot.total + acts + HOST_MARGIN_BYTES <= HOST_FRACTION * lg.host_budget_bytes or layers <= 2:
+        lg.shape, lg.moments = shape, [lg.moments_kind] * len(numels)
+        peak_plan, peak = device_fit(lg)
+        fits_host = foot.total + acts + HOST_MARGIN_BYTES <= HOST_FRACTION * lg.host_budget_bytes
+        if (fits_host and peak <= lg.device_budget_bytes) or layers <= 2:
             break
         layers -= 2
-    lg.shape, lg.adapter = shape, adapter
-    lg.moments = [lg.moments_kind] * len(numels)
+    lg.adapter = adapter
     lg.profiles["h200"] = PRESETS["h200"].with_memory(host_mem_gb=lg.host_budget_bytes / GB)
     data.update({
         "flavor": lg.flavor, "source": flavor.note, "family": flavor.family,
@@ -103,6 +142,10 @@ def run_model(lg: Large, layers_requested: int, data: dict[str, Any]) -> None:
         "compute_dtype": "bfloat16", "moments": lg.moments_kind,
         "store_bytes_estimate": foot.total, "store_pinned_bytes_estimate": foot.pinned,
         "host_activation_bytes_estimate": acts, "host_budget_bytes": lg.host_budget_bytes,
+        "device_mem_bytes": device_mem, "device_mem_figure": device_figure,
+        "device_margin_bytes": DEVICE_MARGIN_BYTES, "device_budget_bytes": lg.device_budget_bytes,
+        "device_peak_predicted_bytes": peak, "device_peak_plan": peak_plan,
+        "fits_device": peak <= lg.device_budget_bytes,
         "data": "random token ids and labels (seeded), every position a target",
     })
 

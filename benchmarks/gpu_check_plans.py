@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpu_check_large import Large, host_allocator_stats, tier_counts
+from gpu_check_large import Large, cuda_peak_bytes, host_allocator_stats, tier_counts
 from gpu_check_report import StageSkipped
 from gpu_check_trace import copy_overlap, load_trace_events
 
@@ -48,7 +48,6 @@ def candidate_plans(lg: Large) -> list[tuple[str, Any, int]]:
     keep-all-host, smallest predicted peak first, then the layer-major production path (it
     rebuilds the store)."""
     from layerwise.plan import Plan
-    from layerwise.plan.memory import predict_peak_device_bytes
 
     L = lg.shape.num_layers
     kw = dict(micro_batch_size=lg.mbs, num_micro_batches=lg.nmb, seq_len=lg.seq, moments=list(lg.moments))
@@ -56,7 +55,7 @@ def candidate_plans(lg: Large) -> list[tuple[str, Any, int]]:
              "keep-all-host": Plan.keep_all(L, "host", **kw)}
 
     def peak(plan) -> int:
-        return predict_peak_device_bytes(lg.shape, plan, lg.mbs, lg.seq, 2).peak_bytes if plan is not None else 0
+        return cuda_peak_bytes(lg.shape, plan, lg.mbs, lg.seq) if plan is not None else 0
 
     planner = [("planner", lg.planner_plan, peak(lg.planner_plan))]
     ordered = sorted(((n, p, peak(p)) for n, p in rules.items()), key=lambda x: x[2])
@@ -132,8 +131,9 @@ def run_plan(lg: Large, name: str, plan, batches, steps: int, lr: float, profile
                 prefetch_depth=plan.prefetch_depth, micro_batch_size=mbs, num_micro_batches=nmb, seq_len=seq,
                 micro_batches_per_load=plan.micro_batches_per_load,
                 examples_per_row=_examples_per_row(batches[0]),
+                device_cap_bytes=lg.device_budget_bytes,
                 store={"grad_dtype": str(store.layers[0].grad.dtype).removeprefix("torch."),
-                       "split_master": bool(store.split_master),
+                       "split_master": bool(getattr(store, "split_master", False)),
                        "moments": dict(Counter(plan.moments or ["fp32"]))})
     dev.clean()
     dev.reset_peak()
@@ -141,7 +141,8 @@ def run_plan(lg: Large, name: str, plan, batches, steps: int, lr: float, profile
     spill = tempfile.mkdtemp(prefix="layerwise-gpu-check-spill-")
     t = time.perf_counter()
     engine = StreamingEngine(lg.adapter, lg.store, plan, EngineConfig(
-        device=dev.engine_device, compute_dtype=torch.bfloat16, spill_dir=spill, async_seed=None))
+        device=dev.engine_device, compute_dtype=torch.bfloat16, spill_dir=spill, async_seed=None,
+        device_mem_cap_bytes=lg.device_budget_bytes))
     data["engine_init_s"] = round(time.perf_counter() - t, 3)
     try:
         pred = engine.predict_memory(mbs, seq)

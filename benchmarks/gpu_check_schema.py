@@ -73,8 +73,13 @@ DEVICE = R("device",
            K("kernels", "object", "which host kernels run, `numba` or `torch` (the fallback): "
                                   "`optimizer_8bit`, `grad_accumulation`, `split_master`; and "
                                   "`numba`'s version"),
-           K("cuda_alloc_conf", "str", "`PYTORCH_CUDA_ALLOC_CONF` (the check sets `expandable_segments:True` "
+           K("cuda_alloc_conf", "str", "`PYTORCH_CUDA_ALLOC_CONF` (the check adds `expandable_segments:True` "
                                        "unless given)", null=True),
+           K("expandable_segments", "bool", "`cuda_alloc_conf` holds `expandable_segments:True`"),
+           K("cuda_alloc_conf_source", "str", "`set by the check`, `given`, or `given; expandable_segments "
+                                              "added by the check`"),
+           K("cuda_alloc_conf_before_cuda_init", "bool", "it was set before CUDA started (the allocator "
+                                                         "reads it then)", null=True),
            K("imported_from", "object", "the file highspy, blake3 and numba import from (null: they "
                                         "do not): whether `make gpu-wheels`' install took"),
            K("device_name", "str", "GPU 0", null=True), K("device_capability", "str", "e.g. `9.0`", null=True),
@@ -83,6 +88,20 @@ DEVICE = R("device",
            K("device_count", "int", "visible GPUs (0 in a dry run)"),
            K("nvidia_smi", "str", "name, driver, memory, SM clock", null=True),
            K("cuda_init_s", "number", "creating the CUDA context (first allocation)", null=True))
+
+WHEEL = R("wheels.wheels.<name>",
+          K("file", "str", "the `.whl` found for it", null=True),
+          K("status", "str", "`installed`, `missing` (no `.whl` for an expected name) or `failed` "
+                             "(pip's error below)"),
+          K("error", "str", "pip's last 1000 characters", null=True),
+          K("expected", "bool", "named by `--wheels` (else: another `.whl` of the folder)"))
+
+WHEELS = R("wheels",
+           K("wheel_dir", "str", "`--wheel-dir` (null: a dry run without it, nothing looked for)", null=True),
+           K("site", "str", "`--wheel-site`: pip's `--target`, put on `sys.path` and `PYTHONPATH`", null=True),
+           K("expected", "list", "`--wheels`' names (`make gpu-check`: the Makefile's `GPU_WHEELS`)"),
+           K("wheels", "map", "each expected name and every other `.whl` there", of=WHEEL),
+           K("counts", "object", "wheels per status"))
 
 LAYER_CHECK = R("layer_check",
                 K("flavor", "str", "`llama-debug`, widened on a GPU"), K("hidden_size", "int", ""),
@@ -177,6 +196,14 @@ MODEL = R("model",
           K("store_pinned_bytes_estimate", "int", "its page-locked arena"),
           K("host_activation_bytes_estimate", "int", "keep-all-host's pinned boundaries"),
           K("host_budget_bytes", "int", "what the sizing fits into (`HOST_FRACTION` of it, with a margin)"),
+          K("device_mem_bytes", "int", "the GPU's memory"),
+          K("device_mem_figure", "str", "`cuda total_memory`, or `h200 preset (dry run)`"),
+          K("device_margin_bytes", "int", "`DEVICE_MARGIN_BYTES`: kept free of every plan's predicted peak"),
+          K("device_budget_bytes", "int", "memory less margin: what the sizing fits and each engine's cap"),
+          K("device_peak_predicted_bytes", "int", "the largest predicted CUDA peak (cuBLAS and attention "
+                                                  "workspaces included) of the plans"),
+          K("device_peak_plan", "str", "its plan"),
+          K("fits_device", "bool", "that peak within `device_budget_bytes`"),
           K("data", "str", "what is trained on"))
 
 CALIBRATION = R("calibration",
@@ -239,7 +266,23 @@ STORE = R("store",
           K("host_allocator", "object", "`torch.cuda.host_memory_stats()` byte counters", null=True))
 
 PLAN_ORDER = R("plan_order[]", K("plan", "str", "name"),
-               K("predicted_peak_bytes", "int", "`predict_peak_device_bytes` (bf16): the order"))
+               K("predicted_peak_bytes", "int", "`predict_peak_device_bytes` on CUDA (bf16, with the "
+                                                "cuBLAS and attention workspaces): the order"))
+
+LORA_REC = R("plans.lora.lora",
+             K("r", "int", "LoRA rank"), K("alpha", "number", ""),
+             K("target_modules", "list", "`all-linear`: every linear of the decoder layers"),
+             K("base_dtype", "str", "`nf4`: the frozen base quantised (QLoRA), dequantised on the device"),
+             K("num_layers", "int", "decoder layers of the check's widths (`LORA_LAYERS`)"),
+             K("lr", "number", "the adapters' learning rate"),
+             K("adapter_params", "int", "trainable"), K("base_params", "int", "frozen"),
+             K("base_host_bytes", "int", "`store.base_nbytes()`"),
+             K("base_host_bytes_per_layer_param", "number", "decoder layers' base bytes per parameter "
+                                                            "(~0.56 for NF4)"),
+             K("build_s", "number", "adapter, store, seeded HF model copied in and quantised, adapters' init"),
+             K("loss_finite", "bool", "every loss finite (else the stage fails)", optional=True),
+             K("loss_decreased", "bool", "the last step's loss below the warm-up's (one batch throughout)",
+               optional=True))
 
 COPY_GROUP = ("`count`, `bytes`, `busy_s` (sum of durations), `union_s`, `gbps_active` (bytes / busy "
               "seconds), `overlap_s` (copies ∩ kernels), `overlap_fraction` (1: hidden behind compute), "
@@ -255,6 +298,9 @@ PLAN = R("plans.<name>",
          K("store", "object", "the store it trained: `grad_dtype` (`bfloat16` where each gradient "
                               "lands once), `split_master`, `moments` (units per format)"),
          K("store_nbytes", "int", "`layer-major` only: its rebuilt store's `nbytes()`", optional=True),
+         K("lora", "record", "`lora` only: the adapters and the frozen base", optional=True, of=LORA_REC),
+         K("device_cap_bytes", "int", "`EngineConfig.device_mem_cap_bytes`: `model.device_budget_bytes` "
+                                      "(a plan predicted over it is refused before it runs)"),
          K("engine_init_s", "number", "`StreamingEngine(...)`"),
          K("predicted_peak_bytes", "int", "`engine.predict_memory`"), K("predicted_peak_op", "str", ""),
          K("predicted_breakdown", "object", "bytes by category"),
@@ -301,12 +347,12 @@ TOP = R("(top level)",
         K("dry_run", "bool", "`--dry-run`"), K("started_at", "str", "UTC, ISO 8601"),
         K("wall_s", "number", "seconds since the start when last written"), K("budget_s", "number", ""),
         K("args", "object", "every option as parsed"),
-        K("stages", "map", "per stage, in run order: `device`, `layer_check`, `tiny_steps`, `pinned_arena`, "
-                           "`copy_bandwidth`, `cuda_tests`, `model`, `calibration`, `optimizer`, `planner`, "
-                           "`store`, `plan:<name>`, `simulator`", of=STAGE),
+        K("stages", "map", "per stage, in run order: `wheels`, `device`, `layer_check`, `tiny_steps`, "
+                           "`pinned_arena`, `copy_bandwidth`, `cuda_tests`, `model`, `calibration`, `optimizer`, "
+                           "`planner`, `plan:lora`, `store`, `plan:<name>`, `simulator`", of=STAGE),
         K("host_ram", "record", "the RAM figure the checks use, beside the kernel's", of=HOST_RAM),
         *(K(r.title, "record", f"stage `{r.title}`'s result", optional=True, of=r)
-          for r in (DEVICE, LAYER_CHECK, TINY_STEPS, PINNED_ARENA, COPY_BANDWIDTH)),
+          for r in (WHEELS, DEVICE, LAYER_CHECK, TINY_STEPS, PINNED_ARENA, COPY_BANDWIDTH)),
         K("first_contact_s", "number", "seconds from the start to the end of `copy_bandwidth`", optional=True),
         K("cuda_tests", "record", "stage `cuda_tests`'s result", optional=True, of=CUDA_TESTS),
         *(K(r.title, "record", f"stage `{r.title}`'s result", optional=True, of=r)
@@ -314,7 +360,9 @@ TOP = R("(top level)",
         K("plan_order", "list", f"`{PLAN_ORDER.title}` records: the plans in the order they run (the "
                                 "planner's first, then the rules smallest predicted device peak first, "
                                 "then `packed` and `layer-major`)", optional=True),
-        K("plans", "map", "per plan run (`planner`, `every-1`, `every-4`, `keep-all-host`, `packed`: "
+        K("plans", "map", "per plan run (`lora`: every-1 over one layer of the model's widths, NF4 "
+                          "frozen base, LoRA r=16 on every linear; `planner`, `every-1`, `every-4`, "
+                          "`keep-all-host`, `packed`: "
                           "every-4 over rows packed with 3 examples of uneven lengths and padding, and "
                           "`layer-major`: keep-all-host boundaries in layer-major order over 2 "
                           "micro-batches at least, bf16 host gradients, the split master, the run's "

@@ -8,8 +8,10 @@ from __future__ import annotations
 import ast
 import importlib
 import json
+import os
 import re
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,7 @@ import gpu_check_report as report  # noqa: E402
 import gpu_check_schema as schema  # noqa: E402
 import gpu_check_tests as cuda_tests  # noqa: E402
 import gpu_check_trace as trace  # noqa: E402
+import gpu_check_wheels as wheels  # noqa: E402
 
 
 def _make_var(name: str) -> list[str]:
@@ -329,8 +332,77 @@ def test_gpu_check_without_cuda_says_so_and_exits_0(tmp_path, capsys):
     assert not out.exists()
 
 
-STAGES = ["device", "layer_check", "tiny_steps", "pinned_arena", "copy_bandwidth", "cuda_tests", "model",
-          "calibration", "optimizer", "planner", "store"]
+STAGES = ["wheels", "device", "layer_check", "tiny_steps", "pinned_arena", "copy_bandwidth", "cuda_tests", "model",
+          "calibration", "optimizer", "planner", "plan:lora", "store"]
+
+
+def _wheel(folder: Path, dist: str, broken: bool = False) -> Path:
+    """A minimal pure-Python wheel of one empty package (``broken``: not a zip)."""
+    path = folder / f"{dist}-0.1-py3-none-any.whl"
+    if broken:
+        path.write_bytes(b"not a wheel")
+        return path
+    info = f"{dist}-0.1.dist-info"
+    files = {f"{dist}/__init__.py": "",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{n},,\n" for n in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return path
+
+
+def test_each_wheel_is_reported_installed_missing_or_failed(tmp_path, monkeypatch):
+    """One wheel installs, one expected is absent, one is not a wheel: each says so, the
+    installed one imports from the site, and the stage fails naming the other two. Mutation
+    seen failing: looking only at the folder's ``.whl`` files (an expected wheel that is absent
+    goes unsaid, as ``make gpu-check``'s ``ls .whl/*.whl`` skipped it)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "")
+    d = tmp_path / "whl"
+    d.mkdir()
+    _wheel(d, "gc_probe_ok")
+    _wheel(d, "gc_probe_bad", broken=True)
+    data: dict = {}
+    with pytest.raises(report.CheckFailed, match="gc-probe-missing"):
+        wheels.run_wheels(d, tmp_path / "site", ["gc-probe-ok==0.1", "gc-probe-missing", "gc_probe_bad"], data)
+    got = {n: r["status"] for n, r in data["wheels"].items()}
+    assert got == {"gc-probe-ok": "installed", "gc-probe-missing": "missing", "gc_probe_bad": "failed"}
+    assert data["wheels"]["gc_probe_bad"]["error"] and data["wheels"]["gc-probe-missing"]["file"] is None
+    assert data["counts"] == {"installed": 1, "missing": 1, "failed": 1}
+    assert importlib.import_module("gc_probe_ok").__file__.startswith(str(tmp_path / "site"))
+    assert str(tmp_path / "site") in os.environ["PYTHONPATH"]  # the CUDA tests' pytest sees it too
+
+
+@pytest.mark.parametrize("given,want,source", [
+    (None, "expandable_segments:True", "set by the check"),
+    ("max_split_size_mb:512", "max_split_size_mb:512,expandable_segments:True",
+     "given; expandable_segments added by the check"),
+    ("expandable_segments:False", "expandable_segments:False", "given")])
+def test_the_alloc_conf_gets_expandable_segments_unless_the_user_chose(monkeypatch, given, want, source):
+    if given is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", given)
+    monkeypatch.setattr(device, "ALLOC_CONF", dict(device.ALLOC_CONF))
+    device.set_alloc_conf()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == want and device.ALLOC_CONF["source"] == source
+
+
+def test_the_model_is_sized_to_the_gpu_less_the_margin(monkeypatch):
+    """With every plan's predicted peak 1 GB a layer and the GPU's memory the margin plus 4.5 GB,
+    the model comes out with 4 of the 8 layers asked for, its peak within the budget. Mutation
+    seen failing: the device condition dropped from ``run_model``'s loop (it keeps 8 layers)."""
+    monkeypatch.setattr(large, "cuda_peak_bytes", lambda shape, plan, mbs, seq: shape.num_layers * 10**9)
+    mem = large.DEVICE_MARGIN_BYTES + 45 * 10**8
+    monkeypatch.setattr(large, "device_memory", lambda lg: (mem, "test"))
+    lg = large.Large(device.Dev(dry_run=True), "qwen2-debug-untied", 10**15, 2, 64, 1, "8bit")
+    data: dict = {}
+    large.run_model(lg, 8, data)
+    assert data["num_layers"] == 4 and data["fits_device"]
+    assert data["device_budget_bytes"] == mem - large.DEVICE_MARGIN_BYTES == lg.device_budget_bytes
+    assert data["device_peak_predicted_bytes"] <= data["device_budget_bytes"]
 
 
 def test_gpu_check_dry_run_on_cpu(tmp_path, capsys):
@@ -338,9 +410,14 @@ def test_gpu_check_dry_run_on_cpu(tmp_path, capsys):
     the GPU image lacks and the wheels do not bring hidden (as there): every stage ``ok``, the
     JSON exactly what the schema (docs/benchmarks.md) says, the RAM checks on the given budget.
     Mutations seen failing it: a stage writing a key the schema lacks; ``highspy`` dropped from
-    GPU_WHEELS (the planner stage fails on the hidden import)."""
+    GPU_WHEELS (the planner stage fails on the hidden import); the LoRA stage's base in
+    ``compute`` instead of ``nf4`` (~2 bytes per layer parameter)."""
     out = tmp_path / "gpu-check.json"
-    rc = gpu_check.main(["--dry-run", "--out", str(out), "--hide-modules", ",".join(NOT_CARRIED)])
+    (tmp_path / "whl").mkdir()
+    _wheel(tmp_path / "whl", "gc_probe_dry")
+    rc = gpu_check.main(["--dry-run", "--out", str(out), "--hide-modules", ",".join(NOT_CARRIED),
+                         "--wheel-dir", str(tmp_path / "whl"), "--wheel-site", str(tmp_path / "site"),
+                         "--wheels", "gc-probe-dry"])
     res = json.loads(out.read_text())
     bad = {n: s for n, s in res["stages"].items() if s["status"] != "ok"}
     assert rc == 0 and not bad, json.dumps(bad, indent=1)
@@ -358,6 +435,14 @@ def test_gpu_check_dry_run_on_cpu(tmp_path, capsys):
     assert lm["micro_batches_per_load"] == lm["num_micro_batches"] >= 2
     assert res["plans"]["every-1"]["store"]["grad_dtype"] == "float32"
     assert set(res["device"]["kernels"]) >= {"optimizer_8bit", "grad_accumulation", "split_master"}
+    assert res["device"]["expandable_segments"] and res["device"]["cuda_alloc_conf_before_cuda_init"]
+    assert res["wheels"]["wheels"]["gc-probe-dry"]["status"] == "installed"
+    lora = res["plans"]["lora"]
+    assert lora["lora"]["base_dtype"] == "nf4" and lora["lora"]["base_host_bytes_per_layer_param"] < 0.6
+    assert lora["lora"]["loss_finite"] and lora["predicted_peak_bytes"] > 0 and lora["source"] == "lora"
+    model = res["model"]
+    assert model["fits_device"] and model["device_margin_bytes"] == large.DEVICE_MARGIN_BYTES
+    assert {r["device_cap_bytes"] for r in res["plans"].values()} == {model["device_budget_bytes"]}
     ops = res["tiny_steps"]["op_counts"]
     assert all(ops.get(k) for k in ("fetch", "recompute_layer", "layer_fwd_keep", "fetch_internals")), ops
     assert res["cuda_tests"]["passed"] == 1 and "tests/engine/test_cuda.py" in res["cuda_tests"]["files"]
