@@ -35,13 +35,16 @@ from layerwise.optim import _kernel
 from layerwise.optim.adamw import HostAdamW
 from layerwise.optim.adamw8bit import HostAdamW8bit
 from layerwise.optim.config import AdamWConfig
+from layerwise.plan.host_rates import CONFIGS, bytes_per_param, config_name
 from layerwise.store import HostStore
 
 CONFIG = AdamWConfig(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
-def bytes_per_param(moments: str, grad: str) -> int:
-    return 8 + (4 if grad == "fp32" else 2) + (16 if moments == "fp32" else 4)
+def configs() -> list[tuple[str, str, str, float]]:
+    """(moments, gradient, master, clip coefficient) of every run: the planner's configurations
+    (``plan.host_rates.CONFIGS``, whose per-core rates come from this benchmark) x clip off / on."""
+    return [(m, g, master, clip) for m, g, master in CONFIGS for clip in (1.0, 0.5)]
 
 
 def stream_gbps(threads: int, numel: int) -> float:
@@ -80,10 +83,8 @@ def main() -> None:
     adapter = DecoderAdapter(get_flavor(args.flavor).build_config())
     rounds = 1 if args.quick else 3
     threads = (1, 2)
-    configs = list(itertools.product(("fp32", "8bit"), ("fp32", "bf16"), ("plain", "split"),
-                                     (1.0, 0.5)))
     runs = {}
-    for moments, grad, master, clip in configs:
+    for moments, grad, master, clip in configs():
         store = make_store(adapter, grad, master)
         for t in threads:
             opt = HostAdamW(CONFIG) if moments == "fp32" else HostAdamW8bit(CONFIG, num_threads=t)
@@ -105,7 +106,7 @@ def main() -> None:
             times[key].append(time.perf_counter() - t0)
     out = {}
     for (moments, grad, master, clip, t), ts in times.items():
-        name = f"{moments}-{grad}grad-{master}" + ("-clip" if clip != 1.0 else "")
+        name = config_name(moments, grad, master, clip != 1.0)
         s = statistics.median(ts)
         gps = params / s / 1e9
         roof = rates[t] / bytes_per_param(moments, grad)

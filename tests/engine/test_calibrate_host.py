@@ -3,6 +3,7 @@ kernels at the run's shape and the engine's threads, RAM from MemTotal or the cg
 
 import json
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -126,3 +127,23 @@ def test_a_version_3_profile_loads_with_the_host_fallbacks_and_a_note(tmp_path, 
     assert "layerwise calibrate" in caplog.text and "format version 3" in caplog.text
     with pytest.raises(ValueError, match="format_version 5"):
         HardwareProfile.from_dict({**d, "format_version": 5})
+
+
+def test_calibrate_names_the_optimizer_form_its_threads_and_the_rate_per_thread(monkeypatch):
+    """The optimizer lines ``layerwise calibrate`` prints: the planner's configuration name of
+    the form the probe times (on a GPU a bf16 gradient and the split master, as ``_probe_unit``
+    builds it), the intra-op threads the engine gives the optimizer, and the rate per thread.
+
+    Mutation seen caught: the per-thread rate printed as the whole rate (``/ intra`` dropped)."""
+    cpus = frozenset(range(6))
+    monkeypatch.setattr(calibrate_host, "plan_host_threads", lambda kind, opt: plan_host_threads(kind, opt, cpus=cpus))
+    hw = replace(PRESETS["h200"], optimizer_params_per_s=1.5e9, optimizer_8bit_params_per_s=2e9)
+    lines = calibrate_host.optimizer_lines(hw, "cuda", 1)
+    assert lines[1] == ("optimizer 8bit-bf16grad-split: 2.000 Gparam/s on 5 intra-op thread(s) "
+                        "(0.400 Gparam/s per thread), one unit at a time")
+    assert lines[0].startswith("optimizer fp32-bf16grad-split: 1.500 Gparam/s on 5 ")
+    probe = calibrate_host._probe_unit(1 << 12, split=True)
+    assert calibrate_host.optimizer_form("cuda") == ("bf16", "split")
+    assert probe.grad.dtype == torch.bfloat16 and probe.remainder is not None
+    assert calibrate_host.optimizer_form("cpu") == ("fp32", "plain")
+    assert "on 2 intra-op" in calibrate_host.optimizer_lines(hw, "cuda", 2)[0]

@@ -34,10 +34,11 @@ from ..models.adapter import ParamSpec, Unit
 from ..optim.adamw import AdamWConfig, HostAdamW
 from ..optim.adamw8bit import HostAdamW8bit
 from ..optim.grad_accum import accumulate
-from ..plan.hardware import GB
+from ..plan.hardware import GB, HardwareProfile
+from ..plan.host_rates import config_name
 from ..split_master import split_
 from ..store import FlatLayout, UnitBuffers
-from .host_threads import HostThreads
+from .host_threads import HostThreads, plan_host_threads
 
 Clock = Callable[[], float]
 T = TypeVar("T")
@@ -222,3 +223,23 @@ def measure_gloo_reduce_gbps(numel: int, repeats: int) -> float:
     if errors:
         raise errors[0]
     return _reduce_bus_gbps(nbytes, max(times.values()), 2)
+
+
+def optimizer_form(device_type: str) -> tuple[str, str]:
+    """(gradient, master) the optimizer probes time (``_probe_unit``): on a GPU a bf16 gradient
+    and the split master (a run whose step lands once: ``train/loop.py``), on the CPU fp32 both."""
+    return ("bf16", "split") if device_type == "cuda" else ("fp32", "plain")
+
+
+def optimizer_lines(profile: HardwareProfile, device_type: str, optimizer_threads: int) -> list[str]:
+    """What ``layerwise calibrate`` measured of the optimizer, in the planner's configuration
+    names (``plan.host_rates``): the rate, the threads it ran on and the rate per thread, so a
+    measurement can be set beside a preset's per-core figures and its scaling assumption."""
+    intra = plan_host_threads(device_type, optimizer_threads).optimizer_intra or torch.get_num_threads()
+    grad, master = optimizer_form(device_type)
+    lines = []
+    for moments, rate in (("fp32", profile.optimizer_params_per_s), ("8bit", profile.optimizer_8bit_params_per_s)):
+        lines.append(f"optimizer {config_name(moments, grad, master)}: {rate / 1e9:.3f} Gparam/s on {intra} "
+                     f"intra-op thread(s) ({rate / 1e9 / intra:.3f} Gparam/s per thread), one unit at a time"
+                     + (f"; the engine updates {optimizer_threads} units at once" if optimizer_threads > 1 else ""))
+    return lines

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from .calibrate import calibrate
+from .calibrate_host import optimizer_lines
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,5 +38,8 @@ def calibrate_command(args: argparse.Namespace) -> int:
     d = profile.to_dict()
     for k, v in d.items():
         print(f"{k:<28}{v}")
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    for line in optimizer_lines(profile, torch.device(device).type, args.optimizer_threads):
+        print(line)
     print(f"wrote {args.out}")
     return 0

@@ -25,6 +25,17 @@ MS = 1e3
 """The solver works in milliseconds (better-scaled coefficients)."""
 TIE = 1e-3
 """Fraction of a boundary's copy time charged to offloading, to break ties."""
+QUALITY_8BIT = 0.2
+"""Tolerance: where the store fits host memory with fp32 moments on every unit, 8-bit moments
+are chosen only where, on every unit, they would shorten the step by more than this fraction of
+its compute-and-copy lower bound (charged per unit by its share of the parameters). 8-bit
+moments are the design's answer to short host memory and their quality cost is not measured
+here; on a bandwidth-bound host they price faster than fp32 (14 bytes a parameter against 26:
+``plan.host_rates``), so without this term the MILP would trade fp32 state for a shorter
+optimizer stall (qwen2.5-7b on an h800 at 4 x 4096 tokens: 12% of the step, 18% of its lower
+bound). Where the fp32 store does not fit, 8-bit is a memory measure and only the tie-break
+below applies: a quality charge there would outweigh the host-over-NVMe tie-break and move
+boundaries to NVMe to save 8-bit units the store needs anyway."""
 
 
 class Choices(Protocol):
@@ -126,9 +137,16 @@ def objective(cols: ColumnMap, x: Vars, m: StepModel, cfg: Choices) -> float:
     return m.const_s() * MS
 
 
+def step_lower_bound_s(m: StepModel) -> float:
+    """The step's compute-and-copy lower bound (every window at its bound, nothing stalls): the
+    scale of ``QUALITY_8BIT``."""
+    return m.num_micro_batches * (sum(m.f_lb) + sum(m.b_lb)) + m.const_s()
+
+
 def tie_breaks(cols: ColumnMap, x: Vars, m: StepModel) -> list[int]:
     """Among choices the model prices equally: keep rather than move, host over NVMe, fp32
-    moments where 8-bit buys nothing, a resident layer where device memory is left. Returns the columns charged (their cost is not step time)."""
+    moments where 8-bit buys less than ``QUALITY_8BIT`` of the step, a resident layer where
+    device memory is left. Returns the columns charged (their cost is not step time)."""
     M = m.num_micro_batches
     for i in range(m.L):
         cols.cost[x.tier[i, "host"]] = TIE * M * m.a_in * MS
@@ -136,8 +154,11 @@ def tie_breaks(cols: ColumnMap, x: Vars, m: StepModel) -> list[int]:
         cols.cost[x.internal[i, "host"]] = TIE * M * m.ws_in * MS
         if x.resident is not None:  # resident where it is free: less PCIe traffic
             cols.cost[x.resident[i]] = -TIE * M * m.w_in[i] * MS
+    quality = 0.0
+    if m.host_budget_fp32 >= 0:  # host memory allows fp32 moments everywhere
+        quality = QUALITY_8BIT * step_lower_bound_s(m) / max(1, sum(m.cost.shape.trainable_params(u) for u in m.units))
     for u in range(len(m.units)):
-        cols.cost[x.q[u]] = TIE * m.opt_fp32[u] * MS
+        cols.cost[x.q[u]] = (TIE * m.opt_fp32[u] + quality * m.cost.shape.trainable_params(m.units[u])) * MS
     return ([x.tier[i, t] for i in range(m.L) for t in ("host", "nvme")] + [x.q[u] for u in range(len(m.units))]
             + [x.internal[i, "host"] for i in range(m.L)] + (x.resident.at() if x.resident else []))
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..util.atomic import atomic_write_text
+from .host_rates import PRESET_HOSTS, preset_optimizer_fields
 
 GB = 10**9
 GIB = 2**30
@@ -244,14 +245,14 @@ class HardwareProfile:
 # Host side (the engine's own kernels; ``layerwise calibrate`` measures each on the machine,
 # these are what a preset assumes without it). Per-thread rates measured here
 # (docs/benchmarks.md, "Host cost model"; 2 shared cores, load 7-14): the fused bf16 -> fp32
-# accumulation ~1.2 G elements/s (12 GB/s), fused AdamW fp32 0.22e9 params/s, 8-bit 0.15e9,
-# the compute copy's refresh (torch fp32 -> bf16 ``copy_``) ~2.2 GB/s.
-# [OPT]  fused AdamW on host is memory-bound on a server: ~28 bytes moved per parameter with fp32
-#        moments (master, grad, m, v read; master, m, v written). A 2-socket DDR5 server
-#        (16 channels x DDR5-4800: 614 GB/s theoretical; DGX H200 datasheet: 2 x Xeon Platinum
-#        8480C, 112 cores) sustains ~150 GB/s for this mix (assumption: a third of STREAM) ->
-#        ~5e9 params/s, below its cores' 111 x 0.22e9; a workstation ~60 GB/s -> ~2e9 params/s.
-#        8-bit moments: 0.7x the fp32 rate, the ratio measured here (assumption that it holds).
+# accumulation ~1.2 G elements/s (12 GB/s), the compute copy's refresh (torch fp32 -> bf16
+# ``copy_``) ~2.2 GB/s; the optimizer's per-core rates: [OPT].
+# [OPT]  host optimizer (``plan.host_rates``): per configuration, the per-core rate measured by
+#        ``benchmarks/host_optimizer.py`` x the cores the preset's host gives the optimizer, capped
+#        by its bus (the configuration's bytes per parameter / the host's stream rate); scaling and
+#        bus are assumptions, tagged there and in ``layerwise plan``. In the form a GPU run keeps
+#        when a step lands once (split master, bf16 gradient): server fp32 moments 5.8e9, 8-bit
+#        10.7e9 params/s (both bus-bound: 26 / 14 B a parameter); workstation 2.3e9 / 4.3e9.
 # [ACC]  fp32 -> fp32 accumulation (the CPU backend's; a GPU preset never lands fp32 gradients
 #        unless computing in fp32): a third of STREAM (assumption, as [OPT]): ~150 GB/s on a
 #        2-socket DDR5 server, ~50 GB/s on an 8-channel DDR4 workstation.
@@ -350,7 +351,7 @@ PRESETS: dict[str, HardwareProfile] = {
         nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
         host_mem_bytes=2000 * GB,  # HGX H200 servers ship with 2 TB DDR5 (e.g. DGX H200 datasheet)
         host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
-        optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=3.5e9,  # [OPT] server
+        **preset_optimizer_fields(PRESET_HOSTS["h200"]),  # [OPT] server
         host_accum_gbps=150.0, host_accum_bf16_gbps=80.0,  # [ACC] [ACC16] server
         pinned_copy_gbps=150.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
         gpus_per_node=8,  # [NODE8]
@@ -366,7 +367,7 @@ PRESETS: dict[str, HardwareProfile] = {
         nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
         host_mem_bytes=2000 * GB,  # HGX H800 servers as DGX H100: 2 TB (DGX H100 datasheet)
         host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
-        optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=3.5e9,  # [OPT] server
+        **preset_optimizer_fields(PRESET_HOSTS["h800"]),  # [OPT] server
         host_accum_gbps=150.0, host_accum_bf16_gbps=80.0,  # [ACC] [ACC16] server
         pinned_copy_gbps=150.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
         gpus_per_node=8,  # [NODE8]
@@ -382,7 +383,7 @@ PRESETS: dict[str, HardwareProfile] = {
         nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
         host_mem_bytes=2000 * GB,  # DGX H100 datasheet: 2 TB system memory
         host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
-        optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=3.5e9,  # [OPT] server
+        **preset_optimizer_fields(PRESET_HOSTS["h100"]),  # [OPT] server
         host_accum_gbps=150.0, host_accum_bf16_gbps=80.0,  # [ACC] [ACC16] server
         pinned_copy_gbps=150.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
         gpus_per_node=8,  # [NODE8]
@@ -398,7 +399,7 @@ PRESETS: dict[str, HardwareProfile] = {
         nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
         host_mem_bytes=1000 * GB,  # DGX A100 datasheet: 1 TB system memory (2 TB option)
         host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
-        optimizer_params_per_s=5e9, optimizer_8bit_params_per_s=3.5e9,  # [OPT] server
+        **preset_optimizer_fields(PRESET_HOSTS["a100-80g"]),  # [OPT] server
         host_accum_gbps=150.0, host_accum_bf16_gbps=80.0,  # [ACC] [ACC16] server
         pinned_copy_gbps=150.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
         gpus_per_node=8,  # [NODE8]
@@ -414,7 +415,7 @@ PRESETS: dict[str, HardwareProfile] = {
         nvme_read_gbps=7.0, nvme_write_gbps=5.0, nvme_capacity_bytes=1500 * GB,  # [CNVME]
         host_mem_bytes=512 * GB,  # assumption: 8 x 64 GB workstation (Threadripper/EPYC class)
         host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
-        optimizer_params_per_s=2e9, optimizer_8bit_params_per_s=1.4e9,  # [OPT] workstation
+        **preset_optimizer_fields(PRESET_HOSTS["rtx3090"]),  # [OPT] workstation
         host_accum_gbps=50.0, host_accum_bf16_gbps=50.0,  # [ACC] [ACC16] workstation
         pinned_copy_gbps=60.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
         gpus_per_node=4, intra_node_gbps=10.0, inter_node_gbps=2.8, node_host_link_gbps=50.0,  # [WS4] [HOSTLINK]
@@ -429,7 +430,7 @@ PRESETS: dict[str, HardwareProfile] = {
         nvme_read_gbps=7.0, nvme_write_gbps=5.0, nvme_capacity_bytes=1500 * GB,  # [CNVME]
         host_mem_bytes=512 * GB,  # assumption: 8 x 64 GB workstation
         host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
-        optimizer_params_per_s=2e9, optimizer_8bit_params_per_s=1.4e9,  # [OPT] workstation
+        **preset_optimizer_fields(PRESET_HOSTS["rtx4090"]),  # [OPT] workstation
         host_accum_gbps=50.0, host_accum_bf16_gbps=50.0,  # [ACC] [ACC16] workstation
         pinned_copy_gbps=60.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
         gpus_per_node=4, intra_node_gbps=10.0, inter_node_gbps=2.8, node_host_link_gbps=50.0,  # [WS4] [HOSTLINK]

@@ -13,6 +13,7 @@ from typing import Sequence
 from .check import CheckReport
 from .hardware import HardwareProfile
 from .host_need import HostNeed, family_of_model
+from .host_rates import GPU_RUN, PRESET_HOSTS, config_name
 from .plan import Plan
 from .scaling import ScalingPoint
 from .search import Candidate, PlanInfeasible, SearchResult
@@ -169,6 +170,45 @@ def print_report(seq_len: int, shape: ModelShape, hw: HardwareProfile, res: Sear
           f"optimizer moments {len(p.moments or []) - n8} units fp32, {n8} units 8-bit; check: ok "
           f"(peak GPU {_gb(report.peaks['device'])} GB, host {_gb(report.peaks['host'])} GB)")
     print("busy per step: " + ", ".join(f"{k} {v:.2f}s" for k, v in sim.busy_s.items() if v > 0))
+    for line in optimizer_lines(shape, hw, p):
+        print(line)
+
+
+def run_form(shape: ModelShape, hw: HardwareProfile, plan: Plan) -> tuple[str, str]:
+    """(gradient, master) of the host store a run of ``plan`` keeps (``train/loop.py``): bf16
+    gradients where bf16 compute lands each once per step, a split master with bf16 compute
+    (a LoRA store keeps its adapters' masters plain)."""
+    bf16 = hw.compute_dtype_bytes == 2
+    return ("bf16" if bf16 and plan.lands_once() else "fp32",
+            "split" if bf16 and shape.frozen_base is None else "plain")
+
+
+def optimizer_lines(shape: ModelShape, hw: HardwareProfile, plan: Plan) -> list[str]:
+    """Per moments format of ``plan``: the host optimizer's configuration, the rate it is priced
+    at and where that rate comes from (a preset's tagged assumption, or the profile), and its
+    seconds per step: so the optimizer's share of a prediction can be traced to a measurement."""
+    units = shape.unit_names()
+    moments = plan.moments or ["fp32"] * len(units)
+    grad, master = run_form(shape, hw, plan)
+    host = PRESET_HOSTS.get(hw.name)
+    lines = []
+    for m in ("fp32", "8bit"):
+        params = sum(shape.trainable_params(u) for u, mu in zip(units, moments) if mu == m)
+        if not params:
+            continue
+        rate_gparam_s = (hw.optimizer_params_per_s if m == "fp32" else hw.optimizer_8bit_params_per_s) / 1e9
+        name = config_name(m, grad, master)
+        if host is not None and abs(host.rate_gparam_s(m, *GPU_RUN) - rate_gparam_s) <= 1e-9 * rate_gparam_s:
+            priced, why = config_name(m, *GPU_RUN), host.describe(m, *GPU_RUN)
+            if priced != name:
+                why += (f"; this plan's form is {name}: {host.rate_gparam_s(m, grad, master):.2f} Gparam/s "
+                        f"under the same assumption")
+            name = priced
+        else:
+            name, why = f"{m} moments", f"from the profile {hw.name!r}: `layerwise calibrate` measures the run's form"
+        lines.append(f"optimizer {name}: {rate_gparam_s:.2f} Gparam/s ({why}); {moments.count(m)} units, "
+                     f"{params / 1e9:.2f}B params: {params / (rate_gparam_s * 1e9):.2f} s per step")
+    return lines
 
 
 def print_scaling(points: Sequence[ScalingPoint], global_batch: int, seq_len: int) -> None:
