@@ -12,6 +12,7 @@ Owns the checkpoint core, free of foreign formats (HF / Trainer formats, merge a
   the several-writer protocol), ``commit`` and ``step_state`` (manifest, step files, committed
   versions; shared with ``sharded_checkpointer``);
 - the run directory: ``run_dir`` (``RunDir``: steps, manifests, commit), ``blob_store``,
+  ``blob_codec`` (fp32 weights delta-coded against a key frame, run format 6),
   ``content_hash``, ``run_format`` (format.json), ``run_lock``, ``run_upkeep`` (verify, gc);
 - reading: ``resolve`` (the state at step N, group by group);
 - the live state: ``provider`` (the ``StateProvider`` protocol and blob keys),

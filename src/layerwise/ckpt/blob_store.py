@@ -33,6 +33,9 @@ same state gives the same blob bytes in runs of either version (only the name di
 BLOB_FORMAT_VERSION_8BIT = 2
 """The layout of a blob that holds 8-bit moments (``ckpt.moments``; runs of format 3 only).
 Blobs without them keep layout 1, so fp32 state still gives the same bytes in every run."""
+BLOB_FORMAT_VERSION_DELTA = 3
+"""The layout of a blob whose fp32 weights are delta-coded against a key frame
+(``ckpt.blob_codec``; runs of format 6 only)."""
 
 
 @dataclass
@@ -65,13 +68,17 @@ class BlobPayload:
         return cls(header, ordered, len(header) + offset)
 
     @classmethod
-    def of_group(cls, tensors: dict[str, torch.Tensor], group: str, run_version: int) -> BlobPayload:
+    def of_group(cls, tensors: dict[str, torch.Tensor], group: str, run_version: int,
+                 coded: dict[str, str] | None = None) -> BlobPayload:
         """A group's tensors as its blob stores them: 8-bit moments as they are (blob layout 2)
-        in a run that may hold them, else as fp32 moments (layout 1)."""
+        in a run that may hold them, else as fp32 moments (layout 1). ``coded``: the metadata
+        of tensors ``blob_codec.encode_delta`` coded (layout 3)."""
         if run_version < FIRST_VERSION_8BIT:
             tensors = fp32_moments(tensors)
-        layout = BLOB_FORMAT_VERSION_8BIT if has_8bit(tensors) else BLOB_FORMAT_VERSION
-        return cls.build(tensors, {"format": BLOB_FORMAT, "format_version": str(layout), "group": group})
+        layout = (BLOB_FORMAT_VERSION_DELTA if coded else
+                  BLOB_FORMAT_VERSION_8BIT if has_8bit(tensors) else BLOB_FORMAT_VERSION)
+        return cls.build(tensors, {"format": BLOB_FORMAT, "format_version": str(layout), "group": group,
+                                   **(coded or {})})
 
     def chunks(self) -> Iterator[memoryview]:
         yield memoryview(self.header)
@@ -130,6 +137,8 @@ class BlobRecord:
     """Path relative to the run directory."""
     written: bool
     """False when an identical blob already existed (deduplicated, nothing written)."""
+    base: dict | None = None
+    """A delta blob's key frame record (``blob_codec``); None: a whole blob."""
 
 
 class BlobBatch:

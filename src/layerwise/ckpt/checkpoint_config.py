@@ -38,6 +38,10 @@ class CheckpointConfig:
     """Version each routed expert of an MoE layer as its own group (``ckpt.expert_groups``), so a
     policy writes only the experts that moved; for families with fused experts (a dense model
     keeps its layer groups). Needs fp32 optimizer moments."""
+    encoding: str = "plain"
+    """How a blob stores fp32 weights: ``"plain"`` whole; ``"delta"`` (run format 6) as their
+    low halves plus the high halves that changed since the group's key frame blob, lossless
+    (``ckpt.blob_codec``; a new key frame when over half of them changed)."""
     snapshot: str = "auto"
     """When the statistics are measured and the chosen groups copied: ``"sync"`` inside ``save``
     (and ``observe``); ``"deferred"`` on a helper thread after they return, before the next

@@ -71,6 +71,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .blob_codec import ENCODINGS
 from .checkpoint_config import CheckpointConfig, split_options
 from .collective import RankExchange, SingleProcess
 from .commit import (CommittedVersions, ManifestHeader, check_groups_match, load_result,
@@ -153,6 +154,9 @@ class Checkpointer:
         predicate on group names; default: all). ``available_memory``: reads the host bytes
         available, against which each snapshot is sized (default: ``available_host_memory``)."""
         self.config, policy_options = split_options(config, options)
+        if self.config.encoding not in ENCODINGS:
+            raise ValueError(f"encoding={self.config.encoding!r} is not one of {list(ENCODINGS)}; "
+                             "'delta' codes fp32 weights against a key frame, 'plain' stores them whole")
         if provider is None:
             if model is None:
                 raise ValueError("Checkpointer needs a model (and optimizer) or a StateProvider")
@@ -314,7 +318,8 @@ class Checkpointer:
         header = ManifestHeader.of(self._versions.next_index, self.policy, self.provider)
         job = WriteJob(step, header, self.groups, selected, snaps, maybe_dup,
                        self._versions.copy_entries(), state, config,
-                       chosen_slice_records(self.provider, selected, snaps) if decides else {})
+                       chosen_slice_records(self.provider, selected, snaps) if decides else {},
+                       self.config.encoding)
         return _Prepared(job, report, references, old_refs, copy)
 
     def _check_unmodified(self, step: int, live: dict[str, LiveGroup], selected: list[str],

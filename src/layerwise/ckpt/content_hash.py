@@ -14,7 +14,7 @@ from typing import Protocol
 
 import blake3
 
-HASH_OF_VERSION = {1: "sha256", 2: "blake3", 3: "blake3", 4: "blake3", 5: "blake3"}
+HASH_OF_VERSION = {1: "sha256", 2: "blake3", 3: "blake3", 4: "blake3", 5: "blake3", 6: "blake3"}
 """The content hash a run of each format version uses."""
 
 BLAKE3_MAX_THREADS = 1

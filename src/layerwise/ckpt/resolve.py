@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as st_load
 
+from .blob_codec import blob_metadata, decode
+from .blob_store import blob_rel
 from .content_hash import digest_bytes, manifest_hash
 from .errors import CheckpointCorruptError
 from .run_dir import RunDir
@@ -230,9 +232,18 @@ class JoinedGroupReader:
 def load_blob(path: Path, digest: str, nbytes: int | None,
               hash_name: str) -> dict[str, torch.Tensor]:
     """Read a blob, verify its size and checksum (``digest`` under ``hash_name``), and
-    deserialise it (safetensors; no pickle)."""
+    deserialise it (safetensors; no pickle); a delta blob's weights are rebuilt from its key
+    frame, verified the same way (``blob_codec``)."""
+    tensors, meta = _read_blob(Path(path), digest, nbytes, hash_name)
+    root = Path(path).parents[2]  # RUN/blobs/<aa>/<digest>.safetensors
+    return decode(tensors, meta, hash_name,
+                  lambda d: _read_blob(root / blob_rel(d), d, None, hash_name))
+
+
+def _read_blob(path: Path, digest: str, nbytes: int | None,
+               hash_name: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     try:
-        data = Path(path).read_bytes()
+        data = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointCorruptError(f"blob {path} is missing; run `layerwise ckpt verify`") from None
     if (nbytes is not None and len(data) != nbytes) or digest_bytes(data, hash_name) != digest:
@@ -241,7 +252,7 @@ def load_blob(path: Path, digest: str, nbytes: int | None,
             "be loaded at this step. `layerwise ckpt verify RUN` lists every affected step; load "
             "an unaffected one with --step."
         )
-    return st_load(data)
+    return st_load(data), blob_metadata(data)
 
 
 def open_run_step(run_dir: str | Path, step: int | None = None) -> ResolvedStep:

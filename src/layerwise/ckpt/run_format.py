@@ -10,7 +10,7 @@ from ..util.atomic import atomic_write_bytes
 from .content_hash import HASH_OF_VERSION, HASHES
 
 FORMAT = "layerwise-ckpt"
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 """Written for new runs. Bump on any change a reader of an older version would misread; readers
 refuse newer versions. 1: sha256 content addresses; 2: BLAKE3 (``"hash"`` in format.json and in
 each manifest; entries carry their digest under the hash's name); 3: blobs may hold 8-bit
@@ -18,7 +18,12 @@ moments as codes and scales (blob layout 2, ``ckpt.moments``); runs of format 1 
 moments, as their readers expect; 4: a group entry may be sharded, one blob per writing rank
 (``ckpt.shard_ranges``, written by ``ckpt.sharded_checkpointer``); 5: a layer's routed
 experts may be groups of their own, each entry a one-shard slice of the fused tensors marked
-``slice_of`` its layer (``ckpt.expert_groups``)."""
+``slice_of`` its layer (``ckpt.expert_groups``); 6: a blob's fp32 weights may be delta-coded
+against a key frame blob of the same group (blob layout 3, ``ckpt.blob_codec``), its entry naming
+that key frame under ``base``."""
+
+FIRST_VERSION_DELTA = 6
+"""The first run format whose blobs may be delta-coded."""
 
 FIRST_VERSION_EXPERT_GROUPS = 5
 """The first run format whose manifests may hold expert-group (slice) entries."""

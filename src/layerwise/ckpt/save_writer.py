@@ -17,17 +17,20 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from .blob_store import BlobBatch, BlobPayload, BlobRecord, has_blob
+from .blob_codec import KeyFrame, encode_delta, read_key_frame
+from .blob_store import BlobBatch, BlobPayload, BlobRecord, blob_rel, has_blob
 from .collective import RankExchange
 from .commit import ManifestHeader, commit_step, written_step
 from .errors import CheckpointError, write_error
 from ..models.names import joined_group
 from .provider import PARAM
 from .run_dir import RunDir
+from .run_format import FIRST_VERSION_DELTA
+from .shard_ranges import is_sharded
 from .step_state import StepState
 
 DuplicateHint = bool | dict[str, torch.Tensor]
@@ -59,6 +62,8 @@ class WriteJob:
     slices: Mapping[str, dict[str, dict]] = field(default_factory=dict)
     """Chosen expert groups (``ckpt.expert_groups``): the ``tensors`` record of their one shard,
     their ranges in the layer's fused tensors (rank 0)."""
+    encoding: str = "plain"
+    """``CheckpointConfig.encoding``: ``delta`` codes fp32 weights against a key frame."""
 
 
 @dataclass(frozen=True)
@@ -115,9 +120,42 @@ class SaveWriter:
         with BlobBatch() as batch:
             for g in job.groups:
                 if g in job.snaps:
-                    payload = BlobPayload.of_group(job.snaps[g], g, self.store.version)
-                    records[g] = self.store.put_blob(payload, _maybe_duplicate(job, g), batch)
+                    records[g] = self._put_group(job, g, batch)
         return records
+
+    def _put_group(self, job: WriteJob, g: str, batch: BlobBatch) -> BlobRecord:
+        """One group's blob: delta-coded against its key frame when the job asks for it and
+        the delta pays (``blob_codec``), else whole. A group that may be unchanged is looked
+        up whole first, so an unchanged key frame is reused, not coded against itself."""
+        store, maybe_dup = self.store, _maybe_duplicate(job, g)
+        plain = BlobPayload.of_group(job.snaps[g], g, store.version)
+        base = self._key_frame(job, g)
+        if base is None:
+            return store.put_blob(plain, maybe_dup, batch)
+        if maybe_dup:
+            digest = plain.digest(store.hash_name)
+            if has_blob(store.root, digest, plain.nbytes):
+                return BlobRecord(digest, plain.nbytes, blob_rel(digest), written=False)
+        try:
+            key = read_key_frame(store.root / base.rel)
+        except OSError:  # gone (never, while the manifest naming it is kept): a new key frame
+            return store.put_blob(plain, False, batch)
+        coded = encode_delta(job.snaps[g], key, base, store.hash_name)
+        if coded is None:
+            return store.put_blob(plain, False, batch)
+        payload = BlobPayload.of_group(coded[0], g, store.version, coded=coded[1])
+        rec = store.put_blob(payload, maybe_dup, batch)
+        return replace(rec, base=base.record(store.hash_name))
+
+    def _key_frame(self, job: WriteJob, g: str) -> KeyFrame | None:
+        """The whole blob a new version of ``g`` may be coded against: its committed entry's key
+        frame, or that entry's blob when it is whole; None when not coding or none is."""
+        prev = job.committed.get(g)
+        if (job.encoding != "delta" or self.store.version < FIRST_VERSION_DELTA or prev is None
+                or g in job.slices or is_sharded(prev)):
+            return None
+        rec = prev.get("base") or prev
+        return KeyFrame(rec["blob"], rec[self.store.hash_name], int(rec["nbytes"]))
 
     def _gather_records(self, job: WriteJob,
                         own: dict[str, BlobRecord]) -> dict[str, BlobRecord] | None:
@@ -163,7 +201,8 @@ class SaveWriter:
             prev_digest = None if prev is None else (
                 prev["shards"][0].get(hash_name) if "slice_of" in prev else prev.get(hash_name))
             same_bytes = prev_digest == rec.digest and not rec.written
-            where = {"blob": rec.rel_path, hash_name: rec.digest, "nbytes": rec.nbytes}
+            where = {"blob": rec.rel_path, hash_name: rec.digest, "nbytes": rec.nbytes,
+                     **({"base": rec.base} if rec.base is not None else {})}
             if g in job.slices:  # an expert's slices of its layer's fused tensors (format 5)
                 where = {"shards": [{**where, "tensors": job.slices[g]}],
                          "slice_of": joined_group(g), "nbytes": rec.nbytes}

@@ -44,6 +44,8 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         t = t.to("cpu").contiguous()
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
+    if t.numel() == 0:  # an empty tensor's view as bytes is refused (stride 0)
+        return memoryview(b"")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
