@@ -129,9 +129,11 @@ def check_fits(cfg: TrainConfig, model: PretrainedConfig, plan: Plan,
     cap = mem_cap_bytes(cfg)
     if cap is None:
         return
-    workspace = CUDA_WORKSPACE_BYTES if cfg.device.startswith("cuda") else 0
+    cuda = cfg.device.startswith("cuda")
     est = predict_peak_device_bytes(lora_shape(cfg, ModelShape.from_config(model)), plan, plan.micro_batch_size,
-                                    cfg.seq_len, compute_dtype.itemsize, workspace_bytes=workspace)
+                                    cfg.seq_len, compute_dtype.itemsize,
+                                    workspace_bytes=CUDA_WORKSPACE_BYTES if cuda else 0,
+                                    attention_workspace=cuda)
     if est.peak_bytes > cap:
         raise ValueError(
             f"a micro-batch of {plan.micro_batch_size} x {cfg.seq_len} tokens with plan "
