@@ -31,18 +31,24 @@ from safetensors import safe_open
 
 from .content_hash import new_hasher
 from .errors import CheckpointCorruptError
+from ..optim import quant
+from .moments import CODES_M, CODES_V, Q8_BLOCKS, SCALES_M, SCALES_V
 from .provider import PARAM
+
+M, V = "exp_avg/", "exp_avg_sq/"
 
 ENCODING_DELTA = "hi-delta"
 """The ``encoding`` metadata of a delta blob (blob layout 3)."""
-ENCODINGS = ("plain", "delta")
-"""``CheckpointConfig.encoding`` values: every blob whole, or fp32 weights delta-coded."""
+ENCODINGS = ("plain", "delta", "moments8", "delta+moments8")
+"""``CheckpointConfig.encoding`` values: every blob whole; fp32 weights delta-coded (lossless);
+fp32 Adam moments stored block-wise 8-bit (``moments8``: lossy, never the default); both."""
 KEYFRAME_CHANGED_FRACTION = 0.5
 """A save whose high halves changed in more than this fraction of a group's fp32 weights
 (against its key frame) writes a new key frame instead: the delta would save under 44% of the
 weights' bytes while every later load of it still reads the old key frame too."""
 
 LO, HI_CHANGED, HI_NEW = "param_lo/", "param_hi_changed/", "param_hi_new/"
+
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,25 @@ class KeyFrame:
 
     def record(self, hash_name: str) -> dict:
         return {"blob": self.rel, hash_name: self.digest, "nbytes": self.nbytes}
+
+
+def moments_8bit(tensors: dict[str, torch.Tensor],
+                 block_size: int = quant.DEFAULT_BLOCK_SIZE) -> dict[str, torch.Tensor]:
+    """``tensors`` with each fp32 ``exp_avg`` / ``exp_avg_sq`` pair stored as the 8-bit
+    optimizer keeps its moments (blob layout 2: codes, per-block scales, ``q8_blocks``), which
+    every reader already turns back into fp32 moments. Lossy: the quantiser's error bound
+    (``optim.quant``), ~2 bytes per parameter instead of 8."""
+    pairs = [k[len(M):] for k in tensors if k.startswith(M) and V + k[len(M):] in tensors
+             and tensors[k].dtype == torch.float32]
+    if not pairs:
+        return tensors
+    coded = {kind + n for n in pairs for kind in (M, V)}
+    out = {k: t for k, t in tensors.items() if k not in coded}
+    for n in pairs:
+        out[CODES_M + n], out[SCALES_M + n] = quant.quantize_signed(tensors[M + n], block_size)
+        out[CODES_V + n], out[SCALES_V + n] = quant.quantize_sq(tensors[V + n], block_size)
+        out[Q8_BLOCKS + n] = torch.tensor([block_size, 0], dtype=torch.int64)
+    return out
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .blob_codec import KeyFrame, encode_delta, read_key_frame
+from .blob_codec import KeyFrame, encode_delta, moments_8bit, read_key_frame
 from .blob_store import BlobBatch, BlobPayload, BlobRecord, blob_rel, has_blob
 from .collective import RankExchange
 from .commit import ManifestHeader, commit_step, written_step
@@ -29,7 +29,7 @@ from .errors import CheckpointError, write_error
 from ..models.names import joined_group
 from .provider import PARAM
 from .run_dir import RunDir
-from .run_format import FIRST_VERSION_DELTA
+from .run_format import FIRST_VERSION_8BIT, FIRST_VERSION_DELTA
 from .shard_ranges import is_sharded
 from .step_state import StepState
 
@@ -63,7 +63,8 @@ class WriteJob:
     """Chosen expert groups (``ckpt.expert_groups``): the ``tensors`` record of their one shard,
     their ranges in the layer's fused tensors (rank 0)."""
     encoding: str = "plain"
-    """``CheckpointConfig.encoding``: ``delta`` codes fp32 weights against a key frame."""
+    """``CheckpointConfig.encoding``: ``delta`` codes fp32 weights against a key frame,
+    ``moments8`` stores fp32 moments 8-bit (``ckpt.blob_codec``)."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,10 @@ class SaveWriter:
         the delta pays (``blob_codec``), else whole. A group that may be unchanged is looked
         up whole first, so an unchanged key frame is reused, not coded against itself."""
         store, maybe_dup = self.store, _maybe_duplicate(job, g)
-        plain = BlobPayload.of_group(job.snaps[g], g, store.version)
+        tensors = job.snaps[g]
+        if "moments8" in job.encoding and store.version >= FIRST_VERSION_8BIT:
+            tensors = moments_8bit(tensors)
+        plain = BlobPayload.of_group(tensors, g, store.version)
         base = self._key_frame(job, g)
         if base is None:
             return store.put_blob(plain, maybe_dup, batch)
@@ -140,7 +144,7 @@ class SaveWriter:
             key = read_key_frame(store.root / base.rel)
         except OSError:  # gone (never, while the manifest naming it is kept): a new key frame
             return store.put_blob(plain, False, batch)
-        coded = encode_delta(job.snaps[g], key, base, store.hash_name)
+        coded = encode_delta(tensors, key, base, store.hash_name)
         if coded is None:
             return store.put_blob(plain, False, batch)
         payload = BlobPayload.of_group(coded[0], g, store.version, coded=coded[1])
@@ -151,7 +155,7 @@ class SaveWriter:
         """The whole blob a new version of ``g`` may be coded against: its committed entry's key
         frame, or that entry's blob when it is whole; None when not coding or none is."""
         prev = job.committed.get(g)
-        if (job.encoding != "delta" or self.store.version < FIRST_VERSION_DELTA or prev is None
+        if ("delta" not in job.encoding or self.store.version < FIRST_VERSION_DELTA or prev is None
                 or g in job.slices or is_sharded(prev)):
             return None
         rec = prev.get("base") or prev

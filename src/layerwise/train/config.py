@@ -139,9 +139,11 @@ class CkptConfig:
     expert_groups: bool = False
     """MoE models with fused experts: version each routed expert as its own checkpoint group
     (``layers.{i}.experts.{e}``), so a save writes only the experts that moved (run format 5)."""
-    encoding: str = field(default="plain", metadata=_choices("plain", "delta"))
-    """How a checkpoint stores fp32 weights: plain (whole), or delta (lossless: the low halves
-    and only the high halves that changed since the group's key frame; run format 6)."""
+    encoding: str = field(default="plain", metadata=_choices("plain", "delta", "moments8",
+                                                             "delta+moments8"))
+    """How a checkpoint stores its tensors: plain (whole); delta (fp32 weights, lossless: the
+    low halves and only the high halves that changed since the group's key frame; run format
+    6); moments8 (fp32 Adam moments block-wise 8-bit, lossy); delta+moments8 (both)."""
     save_total_limit: int | None = None
     """Keep only the newest N committed checkpoints (older steps and the blobs only they use
     are deleted after each save); none: keep all."""
