@@ -58,3 +58,29 @@ def test_a_version_2_profile_without_fwd_efficiency_loads(tmp_path):
     p.write_text(__import__("json").dumps(d))
     hw = HardwareProfile.load(p)
     assert hw.fwd_efficiency is None and hw.fwd_flops_per_s == hw.flops_per_s
+
+
+def test_launches_are_fitted_per_kernel_from_the_layer(monkeypatch):
+    """Times synthesised from the shape model (rooflines + ``n_fwd x L_f`` for the forward,
+    + ``n_bwd x L_b`` more for the backward op) give back both launches exactly, and the per-op
+    overhead is 0 (the layer's Python is its kernels'), so one layer's measurement carries to
+    layers of other widths through their kernel counts.
+
+    Mutation seen caught: the backward's launch divided over all its op's kernels (forward's
+    included) instead of the backward's alone."""
+    from layerwise.plan.device_cost import DeviceCost
+
+    shape = ModelShape.from_config(get_flavor("llama-30m").build_config())
+    hw = replace(PRESETS["cpu"], device_mem_gbps=20.0, kernel_launch_s=2e-6,
+                 gemm_tflops_points=((1e4, 0.05), (1e7, 0.04)))
+    free = DeviceCost(shape, replace(hw, kernel_launch_s=0.0, backward_launch_s=0.0), 1, 8)
+    n_f, n_b = free.kernel_count(0), free.kernel_count(0, backward=True)
+    l_f, l_b = 60e-6, 25e-6
+    times = iter([free.layer_bwd_s(0) + n_f * l_f + n_b * l_b, free.layer_fwd_s(0) + n_f * l_f])
+    monkeypatch.setattr(calibrate, "_best_time", lambda *a, **kw: next(times))
+    got = calibrate.measure_launches(hw, "cpu", __import__("torch").float32, (1, 8), 1)
+    assert got.kernel_launch_s == pytest.approx(l_f, rel=1e-9)
+    assert got.backward_launch_s == pytest.approx(l_b, rel=1e-9)
+    assert got.op_overhead_s == 0.0
+    full = DeviceCost(shape, got, 1, 8)
+    assert full.layer_bwd_s(0) == pytest.approx(free.layer_bwd_s(0) + n_f * l_f + n_b * l_b)

@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -60,7 +61,8 @@ def test_flops_by_hand():
     # tiny llama: h=32, f=64, 4 heads x 8, 2 kv heads; matmul weights = 32*32 + 2*32*16 + 32*32 + 3*32*64
     shape = load_shape("llama-debug")
     assert shape.layer_matmul_params == 1024 + 1024 + 1024 + 6144
-    cm = CostModel(shape, PRESETS["h200"], micro_batch_size=2, seq_len=4)
+    flops_only = replace(PRESETS["h200"], device_mem_gbps=None)  # a profile before format 5
+    cm = CostModel(shape, flops_only, micro_batch_size=2, seq_len=4)
     pairs = 4 * 5 // 2  # causal (q, k) pairs of a 4-token sequence
     expect = 2 * 9216 * 8 + 4 * 32 * pairs * 2
     assert cm.layer_fwd_flops(0) == expect

@@ -103,7 +103,9 @@ def test_milp_beats_every_rule_when_the_device_holds_only_some_boundaries():
     offloads to NVMe), or from both offload tiers (it then recomputes).
     """
     shape = load_shape("qwen2.5-3b")
-    hw = replace(PRESETS["h200"].with_memory(gpu_mem_gb=10), h2d_gbps=12.0, peak_tflops=4000.0)
+    fast = 4000.0 / PRESETS["h200"].peak_tflops  # the device's compute and memory alike
+    hw = replace(PRESETS["h200"].with_memory(gpu_mem_gb=10), h2d_gbps=12.0, peak_tflops=4000.0,
+                 device_mem_gbps=fast * PRESETS["h200"].device_mem_gbps)
     # micro-batch-major, every layer streamed: the trade under test is the boundaries' tiers (with
     # resident layers the device's spare memory holds weights instead: test_layer_major.py)
     res = search(shape, hw, 4096, SearchConfig(global_batch=8, per_loads=(1,), resident=False))
@@ -131,7 +133,9 @@ def test_warm_start_and_time_limit():
 def test_dp_cross_checks_the_milp_on_device_and_host():
     shape = load_shape("qwen2.5-3b")
     # fast compute, slow PCIe: a host boundary's fetch shows; the device holds only some of them
-    hw = replace(PRESETS["h200"].with_memory(gpu_mem_gb=10), h2d_gbps=12.0, peak_tflops=4000.0)
+    fast = 4000.0 / PRESETS["h200"].peak_tflops  # the device's compute and memory alike
+    hw = replace(PRESETS["h200"].with_memory(gpu_mem_gb=10), h2d_gbps=12.0, peak_tflops=4000.0,
+                 device_mem_gbps=fast * PRESETS["h200"].device_mem_gbps)
     for mbs in (2, 8):
         model = StepModel(shape, hw, mbs, 4096)
         tiers_dp, best_dp = dp_device_host(model)

@@ -51,7 +51,8 @@ def test_synchronous_recompute_adds_segment_forwards():
 
 def _pcie_bound():
     # compute is free, host work is free: only copies take time, so the H2D lane is the step
-    return replace(PRESETS["h200"], peak_tflops=1e9, host_accum_gbps=1e9, host_accum_bf16_gbps=1e9,
+    return replace(PRESETS["h200"], peak_tflops=1e9, device_mem_gbps=1e12, kernel_launch_s=0.0,
+                   host_accum_gbps=1e9, host_accum_bf16_gbps=1e9,
                    pinned_copy_gbps=1e9, optimizer_params_per_s=1e18, optimizer_8bit_params_per_s=1e18)
 
 

@@ -13,6 +13,12 @@ What is measured (each the fastest of a few repeats, after a warm-up):
   micro-batch (``model``, ``seq_len``, ``micro_batch_size``), the layer is the model's and the fit
   runs through the run's micro-batch and twice it (on a large GPU a small layer at a few hundred
   tokens is launch-bound noise); without them a llama-30m layer, 512 and 8 tokens;
+- the device by shape (``plan/device_cost.py``): ``gemm_tflops_points``, a GEMM's rate at a few
+  weight sizes and the rate it reads that weight at (8 rows); ``device_mem_gbps``, an elementwise add's bytes per second; and the launches,
+  from the layer at the fit's small point (``measure_launches``): ``kernel_launch_s`` per
+  forward kernel and ``backward_launch_s`` per backward kernel, what the layer takes beyond its
+  kernels' rooflines (its modules' Python and dispatch grow with its kernels, so the profile's
+  ``op_overhead_s`` is then 0), so one layer's measurement prices every width;
 - copy bandwidth: on CUDA pinned H2D/D2H copies; on CPU the engine's "copies" are ``copy_``
   into slots allocated once;
 - disk: write with fsync, then read back, in the spill directory;
@@ -38,6 +44,7 @@ from ..models.adapter import DecoderAdapter
 from ..models.names import EMBED, HEAD
 from ..models.registry import FLAVORS, get_flavor
 from ..plan.cost import CostModel
+from ..plan.device_cost import DeviceCost
 from ..plan.hardware import PRESETS, HardwareProfile
 from ..plan.hardware_choice import resolve_hardware
 from ..plan.shape import ModelShape
@@ -53,6 +60,10 @@ _best_time = best_time  # the layer fit's clock (a test synthesises its times th
 
 DEFAULT_POINTS = ((1, 512), (1, 8))
 """(micro-batch size, sequence length) of the layer fit without a run shape."""
+GEMM_PROBES = {"cpu": ((512, 64, 64), (512, 256, 256), (512, 1024, 1024), (512, 1024, 4096)),
+               "cuda": ((8192, 1024, 1024), (8192, 4096, 4096), (8192, 8192, 8192))}
+"""(M, K, N) of the GEMMs timed for ``gemm_tflops_points``: weights from cache-sized to far past
+the caches (a CPU's rate falls once a weight leaves its L2), at a layer's rows."""
 
 
 def _sync_for(device: str) -> Callable[[], None]:
@@ -69,24 +80,36 @@ def measure_matmul_tflops(device: str, dtype, n: int, repeats: int, clock: Clock
     return 2 * n**3 / t / 1e12
 
 
-def measure_layer(device: str, dtype, points: tuple[tuple[int, int], tuple[int, int]], repeats: int,
-                  clock: Clock = time.perf_counter, config=None) -> tuple[float, float, float]:
-    """(FLOP/s of a decoder layer's backward as the engine runs it, FLOP/s of its forward
-    without a graph, seconds of fixed cost per op), each a fit through the two ``points``
-    (micro-batch size, sequence length); the overhead is the intercept at the first point.
-    ``config``: the model whose layer is timed (default llama-30m).
+def measure_device_shape(device: str, dtype, repeats: int, clock: Clock = time.perf_counter) -> dict:
+    """The profile's device-by-shape fields: the launch (a one-element add, per op over 100),
+    the memory bandwidth (an add over 3 x 1 MiB on a CPU, 3 x 128 MiB on a GPU) and each
+    probe GEMM's rate with the launch taken out where it is serial (a synchronous CPU)."""
+    sync, on_gpu = _sync_for(device), device.startswith("cuda")
+    one = torch.zeros(1, device=device, dtype=dtype)
+    launch = _best_time(lambda: [torch.add(one, one) for _ in range(100)], repeats, sync, clock) / 100
+    n = (64 << 20) if on_gpu else (1 << 18)
+    a, b, c = (torch.ones(n, device=device, dtype=dtype) for _ in range(3))
+    t = _best_time(lambda: torch.add(a, b, out=c), repeats, sync, clock)
+    mem_gbps = 3 * n * a.element_size() / t / 1e9
+    points, serial = [], 0.0 if on_gpu else launch
+    for m, k, nn in GEMM_PROBES["cuda" if on_gpu else "cpu"]:
+        x, w = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, nn, device=device, dtype=dtype)
+        x8 = x[:8].contiguous()  # at 8 rows the time is the weight's pass (its FLOPs ~1% of it)
+        t = max(_best_time(lambda: torch.mm(x, w), repeats, sync, clock) - serial, 1e-9)
+        t8 = max(_best_time(lambda: torch.mm(x8, w), repeats, sync, clock) - serial, 1e-9)
+        wbytes = float(w.numel() * w.element_size())
+        points.append((wbytes, 2 * m * k * nn / t / 1e12, wbytes / t8 / 1e9))
+    return dict(kernel_launch_s=launch, device_mem_gbps=mem_gbps, gemm_tflops_points=tuple(points))
 
-    The op's time is ``overhead + FLOPs / rate``: the fit keeps the fixed per-op cost (Python,
-    dispatch) out of the rate, so the cost model, which adds ``op_overhead_s`` to every op,
-    does not count it twice. The forward is fitted on its own: without autograd's bookkeeping
-    it runs at a different rate than forward + backward.
-    """
+
+def _layer_runs(device: str, dtype, config) -> tuple[Callable, ModelShape]:
+    """(``run(mbs, seq)`` -> (the layer's backward as the engine runs it, its forward without a
+    graph), the layer's shape), for ``config``'s first decoder layer (default llama-30m)."""
     cfg = config if config is not None else get_flavor("llama-30m").build_config()
     adapter = DecoderAdapter(cfg)
     layout = FlatLayout.of(adapter.units[1])
     flat_w = (torch.randn(layout.numel, device=device) * 0.02).to(dtype)
     rotary = adapter.new_rotary(device)
-    sync = _sync_for(device)
 
     def run(mbs: int, seq: int) -> tuple[Callable[[], None], Callable[[], None]]:
         x = torch.randn(mbs, seq, cfg.hidden_size, device=device, dtype=dtype)
@@ -99,7 +122,43 @@ def measure_layer(device: str, dtype, points: tuple[tuple[int, int], tuple[int, 
 
         return (lambda: layer_backward(adapter, 0, layout, flat_w, x, grad_out, ctx)), fwd
 
-    shape = ModelShape.from_config(cfg)
+    return run, ModelShape.from_config(cfg)
+
+
+def measure_launches(hw: HardwareProfile, device: str, dtype, point: tuple[int, int], repeats: int,
+                     clock: Clock = time.perf_counter, config=None) -> HardwareProfile:
+    """``hw`` with its launches fitted to the layer (``plan/device_cost.py``'s form): at the small
+    ``point`` a layer is mostly its kernels' launches. A forward's time less its kernels'
+    rooflines, per kernel, is ``kernel_launch_s`` (the modules' Python and dispatch: it grows with
+    the kernel count, not per op, so ``op_overhead_s`` is 0); the backward op's time less its
+    forward and every roofline, per backward kernel, is ``backward_launch_s`` (autograd's
+    engine, no Python). The bare dispatch measured alone is the floor of both."""
+    run, shape = _layer_runs(device, dtype, config)
+    bwd, fwd = run(*point)
+    sync = _sync_for(device)
+    t_bwd, t_fwd = _best_time(bwd, repeats, sync, clock), _best_time(fwd, repeats, sync, clock)
+    free = DeviceCost(shape, replace(hw, kernel_launch_s=0.0, backward_launch_s=0.0), *point)
+    floor = hw.kernel_launch_s or 0.0
+    launch = max(floor, (t_fwd - free.layer_fwd_s(0)) / free.kernel_count(0))
+    left = t_bwd - free.layer_bwd_s(0) - launch * free.kernel_count(0)
+    back = max(floor, left / free.kernel_count(0, backward=True))
+    return replace(hw, kernel_launch_s=launch, backward_launch_s=back, op_overhead_s=0.0)
+
+
+def measure_layer(device: str, dtype, points: tuple[tuple[int, int], tuple[int, int]], repeats: int,
+                  clock: Clock = time.perf_counter, config=None) -> tuple[float, float, float]:
+    """(FLOP/s of a decoder layer's backward as the engine runs it, FLOP/s of its forward
+    without a graph, seconds of fixed cost per op), each a fit through the two ``points``
+    (micro-batch size, sequence length); the overhead is the intercept at the first point.
+    ``config``: the model whose layer is timed (default llama-30m).
+
+    The op's time is ``overhead + FLOPs / rate``: the fit keeps the fixed per-op cost (Python,
+    dispatch) out of the rate, so the cost model, which adds ``op_overhead_s`` to every op,
+    does not count it twice. The forward is fitted on its own: without autograd's bookkeeping
+    it runs at a different rate than forward + backward.
+    """
+    run, shape = _layer_runs(device, dtype, config)
+    sync = _sync_for(device)
     (m0, s0), (m1, s1) = points
     f0 = CostModel(shape, PRESETS["cpu"], m0, s0).layer_fwd_flops(0)
     f1 = CostModel(shape, PRESETS["cpu"], m1, s1).layer_fwd_flops(0)
@@ -224,6 +283,7 @@ def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None =
     h2d, d2h = measure_copy_gbps(device, (64 << 20) if quick else (256 << 20), reps, clock)
     nvme_r, nvme_w = measure_disk_gbps(spill_dir, (32 << 20) if quick else (256 << 20), 2 if quick else 3)
     host = measure_host(device, _host_probe_numel(config, quick), reps, clock, optimizer_threads, gloo)
+    by_shape = measure_device_shape(device, dtype, reps, clock)
     free_disk = _free_bytes(spill_dir or tempfile.gettempdir())
     machine = this_machine(device)
     # what is not measured (reserves, compute dtype, lanes) is this machine's preset's; a GPU no
@@ -232,7 +292,7 @@ def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None =
     base = choice.profile if choice is not None else PRESETS["h100"]
     ram = machine.ram_bytes
     dev_mem = machine.gpu_mem_bytes if on_gpu else ram
-    return replace(
+    profile = replace(
         base,
         name=name or f"calibrated-{device}",
         device_mem_bytes=dev_mem,
@@ -250,7 +310,9 @@ def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None =
         # not measured: the base preset's interconnects would be a guess about another machine
         gpus_per_node=max(1, torch.cuda.device_count()) if on_gpu else 1,
         intra_node_gbps=None, inter_node_gbps=None, node_host_link_gbps=None,
+        **by_shape,
     )
+    return measure_launches(profile, device, dtype, points[1], reps, clock, config)
 
 
 def measure_host(device: str, numel: int, repeats: int, clock: Clock = time.perf_counter,

@@ -25,6 +25,7 @@ transient inputs, outputs, gradients and autograd workspace.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -32,6 +33,7 @@ from ..optim import adamw, adamw8bit
 from ..store import StoreFootprint, grad_itemsizes_of
 from ..util.host_memory import locked_nbytes
 from . import memory
+from .device_cost import DeviceCost
 from .hardware import HardwareProfile
 from .program import EMBED_OPS, OpKind
 from .shape import ModelShape
@@ -51,6 +53,9 @@ class CostModel:
     micro_batch_size: int
     seq_len: int
     head_chunk_tokens: int = 1024
+    per_load: int = 1
+    """Micro-batches that share a weight load (layer-major order when > 1): their weight
+    gradients are summed on the device in an fp32 slot, a deposit each backward pays."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.seq_len < 1:
@@ -107,27 +112,47 @@ class CostModel:
         return 0.0 if fb is None else fb.adapter_flops_per_token * self.tokens
 
     # ----- seconds ------------------------------------------------------------------------
+    # A profile with a device memory bandwidth prices each op by its kernels' shapes
+    # (``plan/device_cost.py``: a roofline per GEMM, attention and grouped expert GEMM, bytes for
+    # the elementwise work, a launch per kernel); one without (before format 5) by its FLOPs at
+    # ``efficiency``. Either way ``op_overhead_s`` is added once per op.
+
+    @cached_property
+    def device(self) -> DeviceCost | None:
+        """The shape-aware pricing of this profile's device; None: FLOPs alone."""
+        if self.hw.device_mem_gbps is None:
+            return None
+        return DeviceCost(self.shape, self.hw, self.micro_batch_size, self.seq_len, self.head_chunk_tokens,
+                          self.per_load)
 
     def _secs(self, flops: float) -> float:
         return flops / self.hw.flops_per_s + self.hw.op_overhead_s
 
     def layer_fwd_s(self, i: int) -> float:
         """A forward without a graph (``layer_fwd``, recompute), at the forward's own rate."""
+        if self.device is not None:
+            return self.device.layer_fwd_s(i) + self.hw.op_overhead_s
         return self.layer_fwd_flops(i) / self.hw.fwd_flops_per_s + self.hw.op_overhead_s
 
     def layer_bwd_s(self, i: int) -> float:
         """Forward with a graph + backward (2x): 3x forward FLOPs; with a frozen base the
         backward is the input gradients (1x) and the adapters' weight gradients: 2x + those."""
+        if self.device is not None:
+            return self.device.layer_bwd_s(i) + self.hw.op_overhead_s
         if self._frozen:
             return self._secs(2.0 * self.layer_fwd_flops(i) + self._adapter_wgrad_flops)
         return self._secs(3.0 * self.layer_fwd_flops(i))
 
     def layer_fwd_keep_s(self, i: int) -> float:
         """A forward with a graph whose saved tensors are kept: 1x forward FLOPs at the graph rate."""
+        if self.device is not None:
+            return self.device.layer_fwd_keep_s(i) + self.hw.op_overhead_s
         return self._secs(self.layer_fwd_flops(i))
 
     def layer_bwd_kept_s(self, i: int) -> float:
         """The backward through a kept graph: 2x forward FLOPs (a frozen base: 1x + adapters)."""
+        if self.device is not None:
+            return self.device.layer_bwd_kept_s(i) + self.hw.op_overhead_s
         if self._frozen:
             return self._secs(self.layer_fwd_flops(i) + self._adapter_wgrad_flops)
         return self._secs(2.0 * self.layer_fwd_flops(i))
@@ -136,13 +161,16 @@ class CostModel:
     def head_s(self) -> float:
         """Norm + lm_head + loss forward and backward, all chunks."""
         chunks = -(-self.tokens // self.head_chunk_tokens)
+        if self.device is not None:
+            return self.device.head_s + chunks * self.hw.op_overhead_s
         passes = 2.0 if self._frozen else 3.0  # a frozen head: no weight gradient
         return passes * self.head_fwd_flops / self.hw.flops_per_s + chunks * self.hw.op_overhead_s
 
     @property
     def embed_s(self) -> float:
-        """Embedding gather or scatter-add: memory-bound and tiny; only the op overhead counts."""
-        return self.hw.op_overhead_s
+        """Embedding gather or scatter-add: memory-bound and tiny (one kernel by shape; by FLOPs
+        only the op overhead counts)."""
+        return self.hw.op_overhead_s + (self.device.embed_s if self.device is not None else 0.0)
 
     def op_s(self, kind: OpKind, i: int = -1) -> float:
         if kind in (OpKind.LAYER_FWD, OpKind.RECOMPUTE_LAYER):

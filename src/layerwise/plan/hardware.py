@@ -23,11 +23,12 @@ from .host_rates import PRESET_HOSTS, preset_optimizer_fields
 
 GB = 10**9
 GIB = 2**30
-PROFILE_FORMAT_VERSION = 4
+PROFILE_FORMAT_VERSION = 5
 """2: the optional scale-out fields (``gpus_per_node`` ... ``node_host_link_gbps``); 3:
 ``fwd_efficiency``; 4: the host path as the engine runs it (``host_accum_bf16_gbps``,
-``pinned_copy_gbps``, ``gloo_reduce_gbps``). An older file loads with those fields unset, each
-read as its stated fallback, and a note saying to re-run ``layerwise calibrate``."""
+``pinned_copy_gbps``, ``gloo_reduce_gbps``); 5: the device by shape (``device_mem_gbps`` ...
+``gemm_tflops_points``). An older file loads with those fields unset, each read as its stated
+fallback, and a note saying to re-run ``layerwise calibrate``."""
 HOST_FIELDS_V4 = ("host_accum_bf16_gbps", "pinned_copy_gbps", "gloo_reduce_gbps")
 
 log = logging.getLogger(__name__)
@@ -104,9 +105,23 @@ class HardwareProfile:
     """Host<->device copy bandwidth the host side of a node sustains for all its GPUs together,
     per direction (host memory, PCIe root complexes), GB/s; None: not shared (each GPU keeps
     ``h2d_gbps``/``d2h_gbps`` however many copy at once)."""
+    device_mem_gbps: float | None = None
+    """Sustained device memory bandwidth, GB/s, the roof of memory-bound kernels
+    (``plan/device_cost.py``); None (before version 5): ops priced by FLOPs alone."""
+    kernel_launch_s: float | None = None
+    """One kernel's launch and dispatch, s (hidden behind the last kernel unless ``synchronous``)."""
+    backward_launch_s: float | None = None
+    """The same for a backward's kernels (autograd's, no Python modules); None: ``kernel_launch_s``."""
+    gemm_tile_rows: int = 1
+    """Rows of a GEMM's output tile: a GEMM's rows (an expert's tokens) round up to it."""
+    gemm_tflops_points: tuple[tuple[float, ...], ...] | None = None
+    """Measured GEMMs ((weight bytes, TFLOPS, GB/s the weight is read at), ...), interpolated by a
+    GEMM's weight size (``layerwise calibrate``); None: ``peak_tflops x efficiency``."""
     format_version: int = PROFILE_FORMAT_VERSION
 
     def __post_init__(self) -> None:
+        if self.gemm_tflops_points is not None:  # JSON gives lists
+            object.__setattr__(self, "gemm_tflops_points", tuple(map(tuple, self.gemm_tflops_points)))
         for f in ("peak_tflops", "h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps",
                   "optimizer_params_per_s", "optimizer_8bit_params_per_s", "host_accum_gbps"):
             if not getattr(self, f) > 0:
@@ -195,7 +210,7 @@ class HardwareProfile:
         if unknown:
             raise ValueError(f"hardware profile has unknown keys {sorted(unknown)}; known: {sorted(known)}")
         version = d.get("format_version", PROFILE_FORMAT_VERSION)
-        if version not in (1, 2, 3, PROFILE_FORMAT_VERSION):
+        if version not in (1, 2, 3, 4, PROFILE_FORMAT_VERSION):
             raise ValueError(f"hardware profile format_version {d['format_version']} is not supported "
                              f"(expected {PROFILE_FORMAT_VERSION}); re-run `layerwise calibrate`")
         if version < 4:
@@ -229,8 +244,9 @@ class HardwareProfile:
 # [EFF-H] 0.40 of dense peak on Hopper: the best published whole-step BF16 training rates on
 #        H100 are ~390-400 model TFLOPS/GPU (GPT-3 175B, 47% MFU counted with attention;
 #        Llama 3 405B on 16k H100, 38-43% MFU: Megatron-Core benchmark notes), and 328-334 on
-#        DGX-H100 for NeMo AutoModel's Nemotron 3 BF16 runs. Sources and the gap to
-#        MegaTrain's published figures: docs/benchmarks.md, "Preset efficiencies".
+#        DGX-H100 for NeMo AutoModel's Nemotron 3 BF16 runs (fused kernels: their non-GEMM work is
+#        small), so it is each GEMM's compute roof; an eager layer's elementwise work is priced
+#        apart ([MEM]). Sources: docs/benchmarks.md, "Preset efficiencies".
 # [EFF-A] 0.52 on the A100: Megatron-LM (Narayanan et al. 2021) sustains 163 TFLOPS/GPU (52% of
 #        312) on 3072 A100s for a 1T-parameter GPT, data loading and optimizer included.
 # [EFF-C] 0.52 on GeForce cards: no published training rate found; assumption, the A100's
@@ -268,6 +284,13 @@ class HardwareProfile:
 #        loopback TCP transport, not NVLink: assumption 3 GB/s bus bandwidth, the middle of the
 #        1-5 GB/s estimated in issue 19 (measured here between 2 in-process ranks on 2 shared
 #        cores: 0.4-0.5 GB/s); ``layerwise calibrate --gloo`` measures it.
+# [LAUNCH] estimate: ~5 us for eager PyTorch to dispatch and launch one CUDA kernel (the launch is
+#        a few us, the dispatcher and Python the rest); not measured here: calibrate on the GPU.
+# [TILE] estimate: cuBLAS / CUTLASS bf16 GEMMs on Ampere / Hopper compute 128-row output tiles.
+# [MEM]  device memory bandwidth (``device_mem_gbps``), the roof of memory-bound kernels: 0.85 of
+#        the datasheet's HBM / GDDR figure (H100 / H800 / H200 / A100 datasheets; estimate, a sustained fraction as [EFF-*] is for
+#        compute: ECC and DRAM row effects keep streaming kernels below the peak; one published
+#        Nsight Compute measurement on H100 SXM: coalesced loads 2.8 of 3.35 TB/s, 84%).
 # [RES]  1.5 GB device reserve: CUDA context (~500 MB) + cuBLAS workspace + allocator slack.
 # [HOSTRES] host reserve: what a run holds in host RAM beside its store and the host-tier
 #        activations the planner counts (``preset_host_reserve_bytes``; docs/benchmarks.md,
@@ -343,6 +366,7 @@ GPU_HOST_RESERVE_BYTES = preset_host_reserve_bytes(gpu=True)
 PRESETS: dict[str, HardwareProfile] = {
     "h200": HardwareProfile(
         name="h200",
+        device_mem_gbps=0.85 * 4800.0, kernel_launch_s=5e-6, gemm_tile_rows=128,  # H200: 4.8 TB/s [MEM] [LAUNCH] [TILE]
         device_mem_bytes=141 * GB,  # NVIDIA H200 datasheet: 141 GB HBM3e
         device_reserved_bytes=int(1.5 * GB),  # [RES]
         peak_tflops=989.0,  # H200 SXM datasheet: 1,979 TFLOPS bf16 with sparsity -> 989 dense
@@ -359,6 +383,7 @@ PRESETS: dict[str, HardwareProfile] = {
     ),
     "h800": HardwareProfile(
         name="h800",
+        device_mem_gbps=0.85 * 3350.0, kernel_launch_s=5e-6, gemm_tile_rows=128,  # as H100 SXM: 3.35 TB/s [MEM] [LAUNCH] [TILE]
         device_mem_bytes=80 * GB,  # NVIDIA H800 SXM: 80 GB HBM3 (same die as H100 SXM)
         device_reserved_bytes=int(1.5 * GB),  # [RES]
         peak_tflops=989.0,  # H800 SXM: H100 SXM compute (989 dense bf16); only NVLink is cut
@@ -375,6 +400,7 @@ PRESETS: dict[str, HardwareProfile] = {
     ),
     "h100": HardwareProfile(
         name="h100",
+        device_mem_gbps=0.85 * 3350.0, kernel_launch_s=5e-6, gemm_tile_rows=128,  # H100 SXM: 3.35 TB/s [MEM] [LAUNCH] [TILE]
         device_mem_bytes=80 * GB,  # NVIDIA H100 SXM datasheet: 80 GB HBM3
         device_reserved_bytes=int(1.5 * GB),  # [RES]
         peak_tflops=989.0,  # H100 SXM datasheet: 1,979 bf16 with sparsity -> 989 dense
@@ -391,6 +417,7 @@ PRESETS: dict[str, HardwareProfile] = {
     ),
     "a100-80g": HardwareProfile(
         name="a100-80g",
+        device_mem_gbps=0.85 * 2039.0, kernel_launch_s=5e-6, gemm_tile_rows=128,  # A100 80GB: 2,039 GB/s [MEM] [LAUNCH] [TILE]
         device_mem_bytes=80 * GB,  # NVIDIA A100 80GB datasheet
         device_reserved_bytes=int(1.5 * GB),  # [RES]
         peak_tflops=312.0,  # A100 datasheet: 312 TFLOPS bf16 dense (624 with sparsity)
@@ -407,6 +434,7 @@ PRESETS: dict[str, HardwareProfile] = {
     ),
     "rtx3090": HardwareProfile(
         name="rtx3090",
+        device_mem_gbps=0.85 * 936.0, kernel_launch_s=5e-6, gemm_tile_rows=128,  # GA102 whitepaper: 936 GB/s [MEM] [LAUNCH] [TILE]
         device_mem_bytes=24 * GIB,  # GeForce RTX 3090: 24 GB GDDR6X (24 GiB)
         device_reserved_bytes=int(1.5 * GB),  # [RES]
         peak_tflops=71.0,  # GA102 whitepaper: 71 TFLOPS fp16/bf16 tensor with fp32 accumulate
@@ -422,6 +450,7 @@ PRESETS: dict[str, HardwareProfile] = {
     ),
     "rtx4090": HardwareProfile(
         name="rtx4090",
+        device_mem_gbps=0.85 * 1008.0, kernel_launch_s=5e-6, gemm_tile_rows=128,  # Ada whitepaper: 1,008 GB/s [MEM] [LAUNCH] [TILE]
         device_mem_bytes=24 * GIB,  # GeForce RTX 4090: 24 GB GDDR6X (24 GiB)
         device_reserved_bytes=int(1.5 * GB),  # [RES]
         peak_tflops=165.2,  # Ada whitepaper: 165.2 TFLOPS fp16/bf16 tensor with fp32 accumulate

@@ -53,6 +53,11 @@ class LayerCost:
     """Of ``params``, what one token runs through (routed experts at top-k)."""
     workspace_per_token_pos: float = 0.0
     """Elements per token per position of its row (an eager kernel's attention probabilities)."""
+    routed_params: int = 0
+    """Of ``params``, all routed experts' (the grouped expert GEMMs read every one of them)."""
+    mlp_matmul_params: int = 0
+    """Of ``matmul_params``, the MLP's (routed experts at top-k, shared ones, the router); the
+    rest is the token mixer's projections (``plan/device_cost.py`` prices each by its shape)."""
 
     @classmethod
     def of(cls, f: LayerFacts, hidden: int, saved: SavedBytes) -> LayerCost:
@@ -64,7 +69,7 @@ class LayerCost:
                    f.params - f.routed_expert_params
                    + (f.routed_expert_params * f.experts_per_token // f.num_experts
                       if f.num_experts else 0),
-                   saved.per_token_pos / 4)
+                   saved.per_token_pos / 4, f.routed_expert_params, f.mlp_active_matmul_params)
 
 
 from .finetune import FrozenBase

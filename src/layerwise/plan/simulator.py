@@ -103,7 +103,8 @@ class _Simulation:
         self.plan, self.shape, self.hw, self.topo = plan, shape, hw, topo
         self.keep_trace = keep_trace
         """Log every compute op (``op_log``); off, a screening simulation skips a dict per op."""
-        cost = self.cost = CostModel(shape, rank_hw, plan.micro_batch_size, plan.seq_len, plan.head_chunk_tokens)
+        cost = self.cost = CostModel(shape, rank_hw, plan.micro_batch_size, plan.seq_len, plan.head_chunk_tokens,
+                                     group_size(plan))
         self.tiers, self.internal = plan.boundary_tiers, plan.internal_tiers
         self.tied = shape.tied
         self.units = shape.unit_names()

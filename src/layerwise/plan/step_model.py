@@ -62,7 +62,7 @@ class StepModel:
         self.lands_once = num_micro_batches <= P
         self.head_chunk_tokens = head_chunk_tokens
         self.moments = moments
-        cost = self.cost = CostModel(shape, hw, micro_batch_size, seq_len, head_chunk_tokens)
+        cost = self.cost = CostModel(shape, hw, micro_batch_size, seq_len, head_chunk_tokens, P)
         L = self.L = shape.num_layers
         a = self.a_bytes = cost.boundary_bytes
         lw = [cost.unit_weight_bytes(layer_unit(i)) for i in range(L)]

@@ -1,0 +1,321 @@
+"""Device seconds of a compute op from its shape: a roofline per kernel plus a launch per kernel.
+
+A decoder layer runs as the Hugging Face module runs it (eager PyTorch, SDPA attention), so an
+op is a sequence of kernels, each priced by what it computes and what it moves (``e``: bytes
+per element of the compute dtype):
+
+- a GEMM ``[M, K] @ [K, N]``: ``2 M K N`` FLOPs against ``e (M K + K N + M N)`` bytes (operands
+  read once, output written once; the weight's ``e K N`` at its measured pass rate where
+  calibrated: on a CPU the library packs it every call), ``M`` rounded up to the device's GEMM tile
+  (``gemm_tile_rows``: a tile of output rows is computed whole however many of its rows are real);
+- attention (flash-style, one kernel): its pair FLOPs against the bytes of Q, K, V and O (an
+  eager kernel also writes and re-reads its fp32 probabilities); the backward recomputes the
+  scores: 5 products of the pair size against the forward's 2, 2.5x its FLOPs;
+- routed experts: two grouped GEMMs (gate+up, down) over every expert, ``tokens * top_k /
+  num_experts`` rows each (each expert's rows tile-rounded), reading every expert's weights:
+  with few tokens per expert the weights' bytes bind and the GEMM runs bandwidth-bound;
+- the elementwise kernels between them (norms, rotary, activation, residual adds, the
+  router's bookkeeping): bytes only, counted below.
+
+A kernel's time is its roofline ``max(FLOPs / compute roof, bytes / device_mem_gbps)`` and a
+launch: a device that runs asynchronously (a GPU) has the host issue kernels ahead, so a kernel
+costs ``max(roofline, kernel_launch_s)``; a synchronous one (the CPU backend) dispatches and
+computes in one thread, ``kernel_launch_s + roofline``. A GEMM's compute roof is the profile's
+measured rate at its weight's size where calibration measured one (``gemm_tflops_points``),
+else ``peak_tflops x efficiency`` (the presets' [EFF-*]: the sustained rate of training GEMMs).
+
+The elementwise byte counts are estimates from reading transformers' modules, stated once: an
+RMSNorm upcasts to fp32 (~9 passes of 4 bytes per element over 6 kernels), the rotary embedding
+~10 passes over 5 kernels per tensor, SwiGLU's activation and product 5 passes over 2 kernels, a
+residual add 3 passes; an elementwise op's backward reads its output's gradient and its saved
+inputs and writes its inputs' gradients: twice the forward's bytes over twice its kernels. FLOP
+totals follow ``plan/cost.py``'s conventions; what changes is their price.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import cached_property
+
+from ..models.names import layer_unit
+from .hardware import HardwareProfile
+from .memory import grad_slot_itemsize
+from .shape import ModelShape
+
+NORM_KERNELS, NORM_BYTES_PER_ELEM = 6, 36
+"""An RMSNorm as transformers runs it: upcast, square, mean, scale, downcast, weight: ~9 fp32 passes."""
+ROPE_KERNELS, ROPE_PASSES = 5, 10
+"""Rotary embedding of one tensor: ``x * cos + rotate_half(x) * sin`` (mul, neg, cat, mul, add)."""
+ACT_KERNELS, ACT_PASSES = 2, 5
+"""SwiGLU's ``act(gate) * up``: read, write; read two, write one."""
+ROUTER_KERNELS = 8
+"""An MoE layer's routing bookkeeping (softmax, top-k, renormalise, sort, offsets), over fp32 logits."""
+BACKWARD_ELEMWISE = 2
+"""A backward's elementwise bytes and kernels per forward one."""
+ATTENTION_BWD_FLOPS = 2.5
+"""Flash attention's backward: 5 pair-sized products (the scores recomputed) against the forward's 2."""
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One launch (``count`` alike): what each computes and moves. ``kind``: ``gemm`` (a weight's
+    product: input and weight gradients backward), ``attention`` (a pair or recurrent mixer),
+    ``adapter`` (LoRA's products, FLOPs only) or ``elementwise``; all but the last are priced at
+    the GEMM roof's rate for ``weight_bytes``."""
+
+    flops: float
+    nbytes: float
+    count: int = 1
+    weight_bytes: float = 0.0
+    kind: str = "elementwise"
+    backward: bool = False
+    """Launched by autograd's engine (``backward_launch_s``), not by a module's Python."""
+    weights_read: int = 0
+    """Weights of ``weight_bytes`` it reads (a GEMM: 1, grouped: one per expert), at
+    ``gemm_weight_bytes_per_s``; ``nbytes`` is then the rest (its activations)."""
+
+
+def gemm(m: int | float, k: int, n: int, e: int, tile: int = 1, groups: int = 1) -> Kernel:
+    """``groups`` GEMMs of ``m`` rows each (a grouped expert GEMM: every expert's weights read)."""
+    rows = math.ceil(m / tile) * tile if m > 0 else 0
+    return Kernel(2.0 * groups * rows * k * n, e * groups * m * (k + n), weight_bytes=e * k * n,
+                  kind="gemm", weights_read=groups)
+
+
+def elementwise(nbytes: float, count: int) -> Kernel:
+    return Kernel(0.0, nbytes / count, count)
+
+
+def backward_of(k: Kernel, weight_grads: bool = True) -> list[Kernel]:
+    """A kernel's backward: a GEMM's input gradient and (``weight_grads``) weight gradient, each
+    its forward's FLOPs and bytes; attention's at 2.5x FLOPs and twice the bytes; elementwise at
+    twice the bytes and kernels."""
+    b = replace(k, backward=True)
+    if k.kind == "gemm":
+        return [b, b] if weight_grads else [b]
+    if k.kind == "adapter":  # a frozen base's adapters: input and weight gradients
+        return [b, b]
+    if k.kind == "attention":
+        return [replace(b, flops=ATTENTION_BWD_FLOPS * k.flops, nbytes=2 * k.nbytes)]
+    return [replace(b, count=BACKWARD_ELEMWISE * k.count)]
+
+
+def _interpolated(pts: tuple[tuple[float, ...], ...], weight_bytes: float, col: int) -> float:
+    """Column ``col`` of the calibrated points at ``weight_bytes``: log-linear in the weight's
+    size between the points, flat past the ends."""
+    pts = tuple(sorted(pts))
+    x = math.log(max(weight_bytes, 1.0))
+    xs = [math.log(p[0]) for p in pts]
+    if x <= xs[0]:
+        return pts[0][col]
+    for (x0, x1), (p0, p1) in zip(zip(xs, xs[1:]), zip(pts, pts[1:])):
+        if x <= x1:
+            return p0[col] + (p1[col] - p0[col]) * (x - x0) / (x1 - x0)
+    return pts[-1][col]
+
+
+def gemm_roof_flops_per_s(hw: HardwareProfile, weight_bytes: float, graph: bool = True) -> float:
+    """A GEMM's compute roof: the measured rate at this weight size, else the preset's sustained
+    fraction of peak."""
+    if hw.gemm_tflops_points:
+        return _interpolated(hw.gemm_tflops_points, weight_bytes, 1) * 1e12
+    return hw.flops_per_s if graph else hw.fwd_flops_per_s
+
+
+def gemm_weight_bytes_per_s(hw: HardwareProfile, weight_bytes: float) -> float:
+    """The rate a GEMM reads its weight at: measured per weight size where calibration timed it
+    (a CPU's GEMM library packs the weight every call, far below the memory's rate), else the
+    device memory bandwidth."""
+    pts = hw.gemm_tflops_points
+    if pts and all(len(p) > 2 for p in pts):
+        return _interpolated(pts, weight_bytes, 2) * 1e9
+    return hw.device_mem_gbps * 1e9
+
+
+def kernels_s(kernels: list[Kernel], hw: HardwareProfile, graph: bool = True) -> float:
+    """Seconds of a kernel sequence on ``hw`` (see the module docstring)."""
+    fwd_launch = hw.kernel_launch_s or 0.0
+    bwd_launch = fwd_launch if hw.backward_launch_s is None else hw.backward_launch_s
+    bw = hw.device_mem_gbps * 1e9
+    t = 0.0
+    for k in kernels:
+        launch = bwd_launch if k.backward else fwd_launch
+        compute = k.flops / gemm_roof_flops_per_s(hw, k.weight_bytes, graph) if k.flops else 0.0
+        weights = (k.weights_read * k.weight_bytes / gemm_weight_bytes_per_s(hw, k.weight_bytes)
+                   if k.weights_read else 0.0)
+        roof = max(compute, k.nbytes / bw + weights)
+        t += k.count * (launch + roof if hw.synchronous else max(launch, roof))
+    return t
+
+
+@dataclass(frozen=True)
+class LayerDims:
+    """A decoder layer's GEMM shapes and widths, as its kernels need them."""
+
+    hidden: int
+    q_dim: int
+    kv_dim: int
+    head_dim: int
+    heads: int
+    projections: tuple[tuple[int, int], ...]
+    """(K, N) of the token mixer's projections."""
+    mlp_width: int
+    """The dense (or shared-expert) MLP's intermediate width; 0: none."""
+    experts: int = 0
+    top_k: int = 0
+    expert_width: int = 0
+    pair_flops: float = 0.0
+    mixer_flops_per_token: float = 0.0
+    qk_norm: bool = False
+    window: int | None = None
+
+    @classmethod
+    def of(cls, s: ModelShape, i: int) -> LayerDims:
+        h, q, kv = s.hidden_size, s.q_dim, s.kv_dim
+        standard = ((h, q), (h, kv), (h, kv), (q, h))
+        c = s.layer(i)
+        base = dict(hidden=h, q_dim=q, kv_dim=kv, head_dim=s.head_dim, heads=s.num_heads,
+                    qk_norm=s.qk_norm, window=s.layer_windows[i])
+        if c is None:
+            return cls(projections=standard, mlp_width=s.intermediate_size, pair_flops=4.0 * q, **base)
+        mlp = c.mlp_matmul_params or max(0, c.matmul_params - sum(k * n for k, n in standard))
+        mixer = c.matmul_params - mlp
+        std = sum(k * n for k, n in standard)
+        proj = standard if abs(mixer - std) <= 0.02 * std else ((h, max(1, mixer // (4 * h))),) * 4
+        e, k = c.num_experts, c.experts_per_token
+        ew = c.routed_params // (3 * h * e) if e else 0
+        dense = mlp - (c.routed_params * k // e if e else 0) - e * h  # less the routed and the router
+        return cls(projections=proj, mlp_width=max(0, dense // (3 * h)), experts=e, top_k=k,
+                   expert_width=ew, pair_flops=c.pair_flops,
+                   mixer_flops_per_token=c.mixer_flops_per_token, **base)
+
+
+@dataclass(frozen=True)
+class DeviceCost:
+    """Kernel sequences of one micro-batch's ops, and their seconds on ``hw``."""
+
+    shape: ModelShape
+    hw: HardwareProfile
+    micro_batch_size: int
+    seq_len: int
+    head_chunk_tokens: int = 1024
+    per_load: int = 1
+
+    @property
+    def e(self) -> int:
+        return self.hw.compute_dtype_bytes
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch_size * self.seq_len
+
+    def layer_forward(self, i: int) -> list[Kernel]:
+        d, s, e, T = LayerDims.of(self.shape, i), self.shape, self.e, self.tokens
+        tile = self.hw.gemm_tile_rows
+        h, q, kv = d.hidden, d.q_dim, d.kv_dim
+        norm = elementwise(NORM_BYTES_PER_ELEM * h * T, NORM_KERNELS)
+        residual = elementwise(3 * e * h * T, 1)
+        ks = [norm] + [gemm(T, k, n, e, tile) for k, n in d.projections]
+        if d.qk_norm:
+            ks.append(elementwise(NORM_BYTES_PER_ELEM * (q + kv) * T, 2 * NORM_KERNELS))
+        if d.pair_flops:
+            pairs = s.attention_pairs(self.seq_len, d.window) * self.micro_batch_size
+            probs = 4 * 4 * 2 * pairs * d.heads if s.eager_attention else 0  # fp32, the full square
+            ks += [elementwise(ROPE_PASSES * e * (q + kv) * T, 2 * ROPE_KERNELS),
+                   Kernel(d.pair_flops * pairs, e * T * 2 * (q + kv) + probs,
+                          weight_bytes=e * self.seq_len * d.head_dim, kind="attention")]
+        if d.mixer_flops_per_token:
+            ks.append(Kernel(d.mixer_flops_per_token * T, e * T * 2 * (q + kv),
+                             weight_bytes=e * d.head_dim * d.head_dim, kind="attention"))
+        ks += [elementwise(2 * e * q * T, 1), residual, norm]  # heads back to rows; add; norm
+        if d.mlp_width:
+            w = d.mlp_width
+            ks += [gemm(T, h, w, e, tile), gemm(T, h, w, e, tile),
+                   elementwise(ACT_PASSES * e * w * T, ACT_KERNELS), gemm(T, w, h, e, tile)]
+        if d.experts:
+            E, k, w = d.experts, d.top_k, d.expert_width
+            m = T * k / E  # rows per expert, even routing
+            ks += [gemm(T, h, E, e, tile), elementwise(3 * 4 * E * T, ROUTER_KERNELS),
+                   elementwise(2 * e * k * h * T, 2),  # tokens copied to their experts
+                   gemm(m, h, 2 * w, e, tile, groups=E),
+                   elementwise(ACT_PASSES * e * k * w * T, ACT_KERNELS),
+                   gemm(m, w, h, e, tile, groups=E),
+                   elementwise(3 * e * k * h * T, 2)]  # weighted, summed back
+        ks.append(residual)
+        fb = s.frozen_base
+        if fb is not None and fb.adapter_flops_per_token:
+            ks.append(Kernel(fb.adapter_flops_per_token * T, 0.0, weight_bytes=e * h * h, kind="adapter"))
+        return ks
+
+    def layer_backward(self, i: int) -> list[Kernel]:
+        """The backward through a layer's graph (no forward): every kernel's backward; a frozen
+        base has no weight gradients but its adapters' (their forward's FLOPs once more)."""
+        frozen = self.shape.frozen_base is not None
+        out = [b for k in self.layer_forward(i) for b in backward_of(k, weight_grads=not frozen)]
+        return out + self.grad_deposit(i)
+
+    def grad_deposit(self, i: int) -> list[Kernel]:
+        """On an asynchronous device each backward deposits its weight gradients into the unit's
+        grad slot (``grad_sink.deposit``): a copy (``e`` read, the slot's itemsize written), in
+        layer-major order an add into an fp32 slot for all but the group's first micro-batch.
+        (A synchronous backend adds them on the host: the host lane's accumulation.)"""
+        if self.hw.synchronous:
+            return []
+        n = self.shape.trainable_params(layer_unit(i))
+        slot = grad_slot_itemsize(self.e, self.per_load)
+        per_param = self.e + slot + slot * (1 - 1 / self.per_load)  # the adds read the slot too
+        return [replace(elementwise(n * per_param, 1), backward=True)] if n else []
+
+    @cached_property
+    def _layer_s(self) -> dict[tuple[LayerDims, str], float]:
+        return {}
+
+    def _priced(self, i: int, what: str) -> float:
+        key = (LayerDims.of(self.shape, i), what)
+        if key not in self._layer_s:
+            fwd = self.layer_forward(i)
+            bwd = self.layer_backward(i) if what != "fwd" else []
+            ks = {"fwd": fwd, "keep": fwd, "bwd": fwd + bwd, "kept": bwd}[what]
+            self._layer_s[key] = kernels_s(ks, self.hw, graph=what != "fwd")
+        return self._layer_s[key]
+
+    def layer_fwd_s(self, i: int) -> float:
+        return self._priced(i, "fwd")
+
+    def layer_fwd_keep_s(self, i: int) -> float:
+        return self._priced(i, "keep")
+
+    def layer_bwd_s(self, i: int) -> float:
+        return self._priced(i, "bwd")
+
+    def layer_bwd_kept_s(self, i: int) -> float:
+        return self._priced(i, "kept")
+
+    def head_chunk(self, rows: int) -> list[Kernel]:
+        """Norm, lm_head and the fp32 loss over ``rows`` tokens, forward and backward (a frozen
+        head: no weight gradient): the logits upcast, log-softmax, gather (~4 passes of 4
+        bytes and one of ``e`` per logit), their backward twice that."""
+        s, e = self.shape, self.e
+        h, V = s.hidden_size, s.vocab_size
+        fwd = [elementwise(NORM_BYTES_PER_ELEM * h * rows, NORM_KERNELS),
+               gemm(rows, h, V, e, self.hw.gemm_tile_rows),
+               elementwise((e + 16) * V * rows, 4)]
+        bwd = [b for k in fwd for b in backward_of(k, weight_grads=s.frozen_base is None)]
+        return fwd + bwd
+
+    @property
+    def head_s(self) -> float:
+        """Every chunk of the micro-batch's tokens (``head_chunk_tokens`` each, the last the rest)."""
+        full, rest = divmod(self.tokens, self.head_chunk_tokens)
+        t = full * kernels_s(self.head_chunk(self.head_chunk_tokens), self.hw) if full else 0.0
+        return t + (kernels_s(self.head_chunk(rest), self.hw) if rest else 0.0)
+
+    @property
+    def embed_s(self) -> float:
+        """The embedding's gather (or its gradient's scatter): one kernel over the rows."""
+        return kernels_s([elementwise(2 * self.e * self.shape.hidden_size * self.tokens, 1)], self.hw)
+
+    def kernel_count(self, i: int, backward: bool = False) -> int:
+        """Launches of layer ``i``'s forward, or (``backward``) of its backward alone."""
+        return sum(k.count for k in (self.layer_backward(i) if backward else self.layer_forward(i)))
