@@ -15,12 +15,15 @@ per element of the compute dtype):
   num_experts`` rows each (each expert's rows tile-rounded), reading every expert's weights:
   with few tokens per expert the weights' bytes bind and the GEMM runs bandwidth-bound;
 - the elementwise kernels between them (norms, rotary, activation, residual adds, the
-  router's bookkeeping): bytes only, counted below.
+  router's bookkeeping): bytes only, counted below;
+- on an asynchronous device, each backward's deposit of its weight gradients into the unit's
+  grad slot (an fp32 add per micro-batch in layer-major order).
 
 A kernel's time is its roofline ``max(FLOPs / compute roof, bytes / device_mem_gbps)`` and a
 launch: a device that runs asynchronously (a GPU) has the host issue kernels ahead, so a kernel
 costs ``max(roofline, kernel_launch_s)``; a synchronous one (the CPU backend) dispatches and
-computes in one thread, ``kernel_launch_s + roofline``. A GEMM's compute roof is the profile's
+computes in one thread, ``kernel_launch_s + roofline`` (a backward's kernels, launched by
+autograd's engine, at ``backward_launch_s`` where calibration fitted one). A GEMM's compute roof is the profile's
 measured rate at its weight's size where calibration measured one (``gemm_tflops_points``),
 else ``peak_tflops x efficiency`` (the presets' [EFF-*]: the sustained rate of training GEMMs).
 
