@@ -29,6 +29,13 @@ The skew statistic is computed from the live weights: per decoder layer, the L2 
 change over each optimizer step (and each checkpoint interval); a step is skewed when fewer than
 30% of the layers (3 of 12) carry more than 70% of the summed change (``skew_share_of_steps``).
 
+``--model smollm2``: the same experiment on SmolLM2-135M-Instruct (``real_model.py`` makes its
+directory; nothing is pre-trained here), its own tokenizer, 2 x 64 tokens a step, LR 3e-5, a save
+every 10 steps, the failure at step 40 and 5 steps after it; ``full`` and the default policy
+only. ``--encodings`` (default ``plain,delta``): each is measured for ``full`` and the default
+policy side by side (``ckpt.blob_codec``; labels ``<policy>+delta``), reported under
+``finetune.encoded``. Its saves write from the live tensors (no snapshot buffers, each waited for).
+
 Prints one JSON object: per seed, and medians over seeds (``--seeds``, default 3) per policy;
 ``finetune.*`` are the medians of the default policy (what ``layerwise train`` uses:
 ``ckpt.policy`` and its options in ``train.config.CkptConfig``). ``--quick``: one seed, a shorter
@@ -53,8 +60,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling ckpt_finetune_setup
 
 from ckpt_finetune_setup import (LayerDeltas, build_model, eval_batches, eval_loss,  # noqa: E402
-                                 instruction_corpus, lr_lambda, pretrained_base, skew_stats,
+                                 instruction_corpus, lr_lambda, pretrained_base, real_base, skew_stats,
                                  train_step)
+from real_model import smollm2_dir  # noqa: E402
 from layerwise.ckpt import Checkpointer  # noqa: E402
 from layerwise.ckpt.policies import make_policy  # noqa: E402
 from layerwise.train.config import CkptConfig  # noqa: E402
@@ -68,22 +76,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="fine-tune steps (the schedule's length)")
     p.add_argument("--fail-at", type=int, default=None, help="the simulated failure's step (a checkpoint step)")
     p.add_argument("--every", type=int, default=None, help="checkpoint every K steps")
-    p.add_argument("--lr", type=float, default=1e-4, help="fine-tune peak LR (pre-training: 2e-3)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="fine-tune peak LR (default 1e-4; smollm2 3e-5; pre-training: 2e-3)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="fine-tune AdamW weight decay")
     p.add_argument("--pretrain-steps", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=None, help="default 8 (smollm2: 2)")
+    p.add_argument("--seq-len", type=int, default=None, help="default 128 (smollm2: 64)")
     p.add_argument("--eval-batches", type=int, default=None)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: fastest on 2 shared cores)")
     p.add_argument("--extra", action="append", default=[], metavar="POLICY:K=V,...",
                    help="another policy, e.g. filter:threshold=0.03,max_staleness=4")
     p.add_argument("--dir", default=None, help="where to write the runs (default: a temp dir, removed)")
+    p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
+                   help="tiny: the 12-layer Llama pre-trained here; smollm2: SmolLM2-135M-Instruct "
+                        "(benchmarks/real_model.py makes its directory), its tokenizer, no pre-training")
+    p.add_argument("--encodings", default="plain,delta",
+                   help="blob encodings measured for full and the default policy (ckpt.blob_codec)")
     a = p.parse_args(argv)
-    defaults = dict(seeds=(1, 3), steps=(60, 180), fail_at=(45, 150), every=(5, 10),
-                    pretrain_steps=(300, 800), eval_batches=(4, 12))
+    real = a.model == "smollm2"
+    defaults = dict(seeds=(1, 3), steps=(60, 45 if real else 180), fail_at=(45, 40 if real else 150),
+                    every=(5, 10), pretrain_steps=(300, 800), eval_batches=(4, 8 if real else 12))
     for k, (q, f) in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, q if a.quick else f)
+    if real:  # the real model's run: 135M parameters on 2 cores
+        a.batch_size = a.batch_size or 2
+        a.seq_len = a.seq_len or 64
+        a.lr = a.lr or 3e-5
+    a.batch_size, a.seq_len, a.lr = a.batch_size or 8, a.seq_len or 128, a.lr or 1e-4
+    a.encodings = [e.strip() for e in a.encodings.split(",") if e.strip()]
     if a.fail_at % a.every or not 0 < a.fail_at < a.steps:
         p.error("--fail-at must be a checkpoint step (a multiple of --every) before --steps")
     return a
@@ -112,6 +133,10 @@ def policy_specs(args) -> dict[str, tuple[str, dict]]:
     for spec in args.extra:
         pol = make_policy(spec)
         candidates.append((pol.name, {k: v for k, v in pol.config().items() if k != "name"}))
+    if args.model != "tiny":  # 135M parameters: the default and its neighbours only
+        candidates = [("full", {}), default_spec()]
+    for enc in (e for e in args.encodings if e != "plain"):  # the same saves, coded
+        candidates += [("full", {"encoding": enc}), (*default_spec()[:1], {**default_spec()[1], "encoding": enc})]
     out: dict[str, tuple[str, dict]] = {}
     for name, opts in candidates:
         out.setdefault(policy_label(*_full_options(name, opts)), (name, opts))
@@ -119,14 +144,19 @@ def policy_specs(args) -> dict[str, tuple[str, dict]]:
 
 
 def _full_options(name: str, options: dict) -> tuple[str, dict]:
-    """The policy with every option it has that is set (its defaults included)."""
-    return name, {k: v for k, v in make_policy(name, **options).config().items()
-                  if k != "name" and v is not None}
+    """The policy with every option it has that is set (its defaults included), and the
+    encoding when it is not plain."""
+    pol = {k: v for k, v in options.items() if k != "encoding"}
+    full = {k: v for k, v in make_policy(name, **pol).config().items() if k != "name" and v is not None}
+    return name, {**full, **({"encoding": options["encoding"]} if "encoding" in options else {})}
 
 
 def policy_label(name: str, options: dict) -> str:
+    enc = options.get("encoding")
+    options = {k: v for k, v in options.items() if k != "encoding"}
     return name + (":" + ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
-                                  for k, v in sorted(options.items())) if options else "")
+                                  for k, v in sorted(options.items())) if options else "") + \
+        (f"+{enc}" if enc else "")
 
 
 def durable_torch_save(model, opt, d: Path) -> float:
@@ -159,12 +189,15 @@ def run_seed(args, seed: int, base_state: dict, data, root: Path) -> dict:
     for name in specs:
         shutil.rmtree(root / name, ignore_errors=True)
     torch.manual_seed(seed)
-    model = build_model(0)
+    model = build_model(0, args.model_config)
     model.load_state_dict(base_state)
     opt, sched = make_optimizer(model, args, args.steps)
     eval_base = eval_loss(model, eval_set)
+    # A real model's snapshots would be GBs per checkpointer: its saves write from the live
+    # tensors (each save is waited for anyway, one policy at a time).
+    live = {"async_save": False, "sync_copy": False} if args.model != "tiny" else {}
     cks = {name: Checkpointer(root / name, model, opt, sched, policy=policy, tracker_log=False,
-                              **options) for name, (policy, options) in specs.items()}
+                              **live, **options) for name, (policy, options) in specs.items()}
     deltas = LayerDeltas(model)
     batches_it = _batches(train_tok, args, seed, 0)
     save_s = {n: [] for n in cks}
@@ -192,7 +225,7 @@ def run_seed(args, seed: int, base_state: dict, data, root: Path) -> dict:
     for name, ck in cks.items():
         ck.close()
         policy, _ = specs[name]
-        m2 = build_model(10_000 + seed)  # random weights: a load that restores nothing shows
+        m2 = build_model(10_000 + seed, args.model_config)  # random weights: a load that restores nothing shows
         o2, s2 = make_optimizer(m2, args, args.steps)
         loader = Checkpointer(root / name, m2, o2, s2, policy=policy, tracker_log=False)
         res = loader.load()
@@ -267,10 +300,18 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     pre_spec = {"steps": args.pretrain_steps, "lr": 2e-3, "warmup": max(1, args.pretrain_steps // 20),
                 "batch_size": args.batch_size, "seq_len": args.seq_len, "weight_decay": 0.1}
-    base_state, pre_meta = pretrained_base(pre_spec)
+    tok, args.model_config = None, None
+    if args.model == "smollm2":
+        model_dir = smollm2_dir(fetch=False)
+        if model_dir is None:
+            sys.exit("no SmolLM2 directory: run `python benchmarks/real_model.py` first (pip install gguf)")
+        base_state, args.model_config, tok = real_base(model_dir)
+        pre_meta = {"model": str(model_dir), "pretrained": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised)"}
+    else:
+        base_state, pre_meta = pretrained_base(pre_spec)
     n_train = (args.steps + 2) * args.batch_size * args.seq_len + 1
     train_tok, held_tok, n_records = instruction_corpus(
-        n_train, args.eval_batches * args.batch_size * args.seq_len + 1)
+        n_train, args.eval_batches * args.batch_size * args.seq_len + 1, tok=tok)
     eval_set = eval_batches(held_tok, args.seq_len, args.batch_size, args.eval_batches)
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="ckpt_finetune_"))
     root.mkdir(parents=True, exist_ok=True)
@@ -295,6 +336,9 @@ def main(argv=None) -> dict:
             "top_layers_share_of_change_median": statistics.median(
                 r["skew_per_step"]["top_layers_share_median"] for r in runs),
             "policies": table,
+            "encoded": {label: {k: table[label][k] for k in ("size_ratio", "eval_loss_delta_pct",
+                                                           "write_speedup_wall")}
+                        for label in table if "+" in label},
         },
         "targets": {
             "size_ratio>=4": d["size_ratio"] >= 4,
@@ -304,11 +348,11 @@ def main(argv=None) -> dict:
             "full_restores_exactly": all(r["full_restores_exactly"] for r in runs),
         },
         "inputs": {**{k: getattr(args, k) for k in (
-            "quick", "seeds", "steps", "fail_at", "every", "lr", "weight_decay", "batch_size",
+            "model", "encodings", "quick", "seeds", "steps", "fail_at", "every", "lr", "weight_decay", "batch_size",
             "seq_len", "eval_batches", "threads")}, "finetune_records": n_records,
             "finetune_train_tokens": int(train_tok.numel())},
         "pretrain": pre_meta,
-        "num_params": sum(t.numel() for t in base_state.values()),
+        "num_params": sum({t.data_ptr(): t.numel() for t in base_state.values()}.values()),
         "runs": runs,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "python": platform.python_version(), "torch": torch.__version__,

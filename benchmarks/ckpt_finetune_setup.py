@@ -43,10 +43,19 @@ TOP_LAYER_SHARE, MASS = 0.3, 0.7
 """The paper's statistic: fewer than 30% of the layers carry more than 70% of the change."""
 
 
-def build_model(seed: int) -> torch.nn.Module:
+def build_model(seed: int, config=None) -> torch.nn.Module:
+    """The benchmark's 12-layer Llama, or a model of ``config`` (a real model's), seeded."""
     torch.manual_seed(seed)
-    cfg = FAMILIES["llama"].config_class(**MODEL)
+    cfg = config if config is not None else FAMILIES["llama"].config_class(**MODEL)
     return FAMILIES["llama"].model_class(cfg)
+
+
+def real_base(model_dir: Path) -> tuple[dict, object, object]:
+    """A real pretrained model's fp32 state dict, config and tokenizer (``real_model.py``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return model.state_dict(), AutoConfig.from_pretrained(str(model_dir)), \
+        AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def lr_lambda(warmup: int, total: int):
@@ -59,20 +68,27 @@ def lr_lambda(warmup: int, total: int):
     return f
 
 
+def next_token_loss(model, batch) -> torch.Tensor:
+    """Cross-entropy against ``batch.labels``, which ``train.data`` already shifted to the next
+    token (HF's own ``labels=`` would shift them once more: a two-ahead objective)."""
+    logits = model(input_ids=batch.input_ids).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten())
+
+
 def train_step(model, opt, sched, batch) -> float:
-    out = model(input_ids=batch.input_ids, labels=batch.labels)
-    out.loss.backward()
+    loss = next_token_loss(model, batch)
+    loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     sched.step()
     opt.zero_grad(set_to_none=True)
-    return float(out.loss.detach())
+    return float(loss.detach())
 
 
 @torch.no_grad()
 def eval_loss(model, eval_set) -> float:
     model.eval()
-    losses = [float(model(input_ids=b.input_ids, labels=b.labels).loss) for b in eval_set]
+    losses = [float(next_token_loss(model, b)) for b in eval_set]
     model.train()
     return sum(losses) / len(losses)
 
@@ -105,13 +121,14 @@ def _records_of(path: Path, root: Path) -> list[str]:
     return out
 
 
-def instruction_corpus(n_tokens: int, n_eval_tokens: int,
-                       holdout_every: int = 20) -> tuple[torch.Tensor, torch.Tensor, int]:
+def instruction_corpus(n_tokens: int, n_eval_tokens: int, holdout_every: int = 20,
+                       tok=None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Train and held-out token streams (at least ``n_tokens`` and ``n_eval_tokens``) of
-    instruction records from the standard library read from its end; and how many records."""
+    instruction records from the standard library read from its end; and how many records.
+    ``tok``: anything with ``encode(text) -> ids`` (default: bytes)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = stdlib_files(root)
-    tok = ByteTokenizer()
+    tok = tok or ByteTokenizer()
     train: list[int] = []
     held: list[int] = []
     n = 0
@@ -196,7 +213,8 @@ def skew_stats(rows: list[list[float]]) -> dict:
 
 
 def pretrain_key(spec: dict) -> str:
-    ident = {**spec, "model": MODEL, "python": platform.python_version(), "torch": torch.__version__}
+    ident = {**spec, "model": MODEL, "objective": "next-token", "python": platform.python_version(),
+             "torch": torch.__version__}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 

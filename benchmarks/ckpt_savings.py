@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from ckpt_finetune_setup import next_token_loss
 from layerwise.ckpt import Checkpointer
 from layerwise.ckpt.policies import parse_policy_value
 from layerwise.models.registry import FAMILIES, get_flavor
@@ -135,18 +136,18 @@ def build(args, total_steps: int, seed: int = 0):
 
 
 def train_step(model, opt, sched, batch) -> float:
-    out = model(input_ids=batch.input_ids, labels=batch.labels)
-    out.loss.backward()
+    loss = next_token_loss(model, batch)
+    loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     sched.step()
-    return float(out.loss.detach())
+    return float(loss.detach())
 
 
 @torch.no_grad()
 def eval_loss(model, eval_batches) -> float:
     model.eval()
-    losses = [float(model(input_ids=b.input_ids, labels=b.labels).loss) for b in eval_batches]
+    losses = [float(next_token_loss(model, b)) for b in eval_batches]
     model.train()
     return sum(losses) / len(losses)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ckpt_finetune_setup import next_token_loss
 from layerwise.ckpt import Checkpointer
 from layerwise.models.registry import FAMILIES, get_flavor
 from layerwise.train.data import batches, corpus_tokens
@@ -44,7 +45,7 @@ def build(seed: int, lr: float, warmup: int, total: int):
 
 
 def train_step(model, opt, sched, batch) -> None:
-    model(input_ids=batch.input_ids, labels=batch.labels).loss.backward()
+    next_token_loss(model, batch).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     sched.step()
@@ -54,7 +55,7 @@ def train_step(model, opt, sched, batch) -> None:
 @torch.no_grad()
 def eval_loss(model, eval_set) -> float:
     model.eval()
-    out = sum(float(model(input_ids=b.input_ids, labels=b.labels).loss) for b in eval_set)
+    out = sum(float(next_token_loss(model, b)) for b in eval_set)
     model.train()
     return out / len(eval_set)
 
