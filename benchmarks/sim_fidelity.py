@@ -65,7 +65,6 @@ def main() -> int:
     from layerwise.models.init import build_hf_model
     from layerwise.engine.calibrate import calibrate
     from layerwise.plan.shape import ModelShape
-    from layerwise.plan.plan import Plan
     from layerwise.plan.simulator import simulate
     from layerwise.store import HostStore
     from layerwise.engine.batch import Batch
@@ -77,20 +76,7 @@ def main() -> int:
     L = shape.num_layers
     seq, mbs, m = args.seq_len, args.micro_batch_size, args.micro_batches
     kw = dict(micro_batch_size=mbs, num_micro_batches=m, seq_len=seq)
-    plans = {
-        "keep-all-device": Plan.keep_all(L, **kw),
-        "every-4": Plan.every_k(L, 4, **kw),
-        "recompute-all": Plan.recompute_all(L, **kw),
-        "keep-all-host": Plan.keep_all(L, "host", **kw),
-        "mixed-nvme": Plan(["device", "host", "nvme", "recompute", "recompute"] * (L // 5), source="mixed", **kw),
-        # kept layer internals (issue 13): on the device, on the host, and mixed with the rest
-        "every-4+internals-device": Plan(Plan.every_k(L, 4).boundary_tiers, internal_tiers=["device"] * L,
-                                         source="every-4+internals-device", **kw),
-        "internals-host": Plan(["recompute"] * L, internal_tiers=["host"] * L, source="internals-host", **kw),
-        "mixed-internals": Plan(["device", "recompute", "host", "recompute", "recompute"] * (L // 5),
-                                internal_tiers=["device", "host", "recompute", "recompute", "device"] * (L // 5),
-                                source="mixed-internals", **kw),
-    }
+    plans = _plans(L, kw)
     t0 = time.perf_counter()
 
     model = build_hf_model(cfg, seed=0)
@@ -176,6 +162,7 @@ def _plans(L: int, kw: dict) -> dict:
         "recompute-all": Plan.recompute_all(L, **kw),
         "keep-all-host": Plan.keep_all(L, "host", **kw),
         "mixed-nvme": Plan(["device", "host", "nvme", "recompute", "recompute"] * (L // 5), source="mixed", **kw),
+        # kept layer internals (issue 13): on the device, on the host, and mixed with the rest
         "every-4+internals-device": Plan(Plan.every_k(L, 4).boundary_tiers, internal_tiers=["device"] * L,
                                          source="every-4+internals-device", **kw),
         "internals-host": Plan(["recompute"] * L, internal_tiers=["host"] * L, source="internals-host", **kw),

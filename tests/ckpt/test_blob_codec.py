@@ -11,12 +11,9 @@ from safetensors.torch import load_file
 from layerwise.ckpt import Checkpointer, CheckpointCorruptError, RunDir, open_run_step
 from layerwise.ckpt.blob_codec import (HI_CHANGED, HI_NEW, LO, KeyFrame, blob_metadata, decode,
                                        encode_delta, high_halves)
-from layerwise.ckpt.store_provider import HostStoreStateProvider
-from layerwise.engine import EngineConfig, StreamingEngine
 from layerwise.engine.batch import Batch
-from layerwise.models import get_flavor
-from layerwise.plan import Plan
-from layerwise.store import init_store
+
+from test_split_master_ckpt import _engine, _masters
 
 SPECIAL_BITS = [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00001, 0xFFBFFFFF,
                 0x00000001, 0x807FFFFF, 0x3F800000, 0x3F80FFFF]
@@ -98,19 +95,6 @@ def test_a_group_whose_high_halves_mostly_changed_is_written_whole():
     assert encode_delta(most, key, KeyFrame("r", "ef" * 32, 1), "blake3") is None
 
 
-def _engine(seed: int):
-    cfg = get_flavor("llama-debug").build_config()
-    adapter, store = init_store(cfg, seed=seed, compute_dtype=torch.bfloat16, pin=False,
-                                split_master=True)
-    plan = Plan.every_k(adapter.num_layers, 2, moments=["8bit"] * len(adapter.units))
-    engine = StreamingEngine(adapter, store, plan, EngineConfig(compute_dtype=torch.bfloat16))
-    return engine, HostStoreStateProvider(store, engine.optimizers)
-
-
-def _masters(store) -> torch.Tensor:
-    return torch.cat([b.read_master() for b in store]).view(torch.int32)
-
-
 def _batches(n: int) -> list[Batch]:
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(0, 96, (2, 11), generator=g) for _ in range(n)]
@@ -124,7 +108,7 @@ LR = 2e-5
 def _train_and_save(root, encoding: str, batches: list[Batch]) -> tuple[dict, dict]:
     """Six steps of the production store (split master, bf16 copies, 8-bit moments), a parity
     save after each: the masters at each step, and the manifests."""
-    engine, provider = _engine(0)
+    engine, provider = _engine(True, 0)
     masters, manifests = {}, {}
     with Checkpointer(root, provider=provider, policy="parity", encoding=encoding) as ck:
         for step, b in enumerate(batches, 1):
@@ -159,7 +143,7 @@ def test_resume_from_a_delta_coded_composite_equals_resume_from_the_plain_one(tm
 
     resumed = []
     for run in ("plain", "delta"):
-        engine, provider = _engine(123)
+        engine, provider = _engine(True, 123)
         assert Checkpointer(tmp_path / run, provider=provider).load(5).step == 5
         start = _masters(engine.store)
         loss = engine.train_step([batches[6]], lr=LR).loss
