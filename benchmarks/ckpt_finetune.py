@@ -99,11 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for k, (q, f) in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, q if a.quick else f)
-    if real:  # the real model's run: 135M parameters on 2 cores
-        a.batch_size = a.batch_size or 2
-        a.seq_len = a.seq_len or 64
-        a.lr = a.lr or 3e-5
-    a.batch_size, a.seq_len, a.lr = a.batch_size or 8, a.seq_len or 128, a.lr or 1e-4
+    small = (2, 64, 3e-5) if real else (8, 128, 1e-4)  # the real model: 135M parameters on 2 cores
+    a.batch_size, a.seq_len, a.lr = (x if x is not None else d for x, d in
+                                     zip((a.batch_size, a.seq_len, a.lr), small))
     a.encodings = [e.strip() for e in a.encodings.split(",") if e.strip()]
     if a.fail_at % a.every or not 0 < a.fail_at < a.steps:
         p.error("--fail-at must be a checkpoint step (a multiple of --every) before --steps")
@@ -119,10 +117,11 @@ def default_spec() -> tuple[str, dict]:
 def policy_specs(args) -> dict[str, tuple[str, dict]]:
     """Run-directory name (the policy as ``make_policy`` reads it) -> (policy, options)."""
     stale = {"max_staleness": CkptConfig().max_staleness}
-    candidates = [
+    policy, options = default_spec()
+    candidates = [("full", {}), (policy, options)] if args.model != "tiny" else [  # 135M: two
         ("full", {}),
         ("parity", {}),
-        default_spec(),
+        (policy, options),
         ("filter", {"threshold": 0.01, "max_staleness": 2}),
         ("filter", {"threshold": 0.02, **stale}),
         ("filter", {"threshold": 0.05, **stale}),
@@ -133,10 +132,8 @@ def policy_specs(args) -> dict[str, tuple[str, dict]]:
     for spec in args.extra:
         pol = make_policy(spec)
         candidates.append((pol.name, {k: v for k, v in pol.config().items() if k != "name"}))
-    if args.model != "tiny":  # 135M parameters: the default and its neighbours only
-        candidates = [("full", {}), default_spec()]
     for enc in (e for e in args.encodings if e != "plain"):  # the same saves, coded
-        candidates += [("full", {"encoding": enc}), (*default_spec()[:1], {**default_spec()[1], "encoding": enc})]
+        candidates += [("full", {"encoding": enc}), (policy, {**options, "encoding": enc})]
     out: dict[str, tuple[str, dict]] = {}
     for name, opts in candidates:
         out.setdefault(policy_label(*_full_options(name, opts)), (name, opts))
