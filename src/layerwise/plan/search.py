@@ -162,7 +162,7 @@ def simulate_fast(plan: Plan, shape: ModelShape, hw: HardwareProfile) -> SimResu
     res.recompute_s = b.recompute_s / (4 * per) * m
     for f in ("peak_device_bytes", "peak_pinned_act_bytes", "peak_nvme_bytes"):
         grow = getattr(b, f) - getattr(a, f)
-        if grow > 0:  # a backlog (never a fixed cost): it keeps growing
+        if grow > 0:  # a fixed allocation is there from the first group: this is a backlog
             setattr(res, f, getattr(b, f) + (groups - 4) * grow)
     return res
 
