@@ -447,10 +447,10 @@ class _Simulation:
         t0 = self.step_done[-2] if steps >= 2 else 0.0
         t1 = self.step_done[-1]
         busy = {k: 0.0 for k in LANES}
-        for iv in self.lanes.intervals:
-            lo, hi = max(iv.start, t0), min(iv.end, t1)
+        for lane, start, end, _, _ in self.lanes.spans:
+            lo, hi = max(start, t0), min(end, t1)
             if hi > lo:
-                busy[iv.lane] += hi - lo
+                busy[lane] += hi - lo
         if hw.synchronous:
             busy = {k: v for k, v in busy.items() if k in ("compute", "h2d", "d2h", "host", "nvme", "optimizer")}
         g = topo.gpus_per_node
@@ -473,7 +473,7 @@ class _Simulation:
             nvme_cap_bytes=hw.nvme_capacity_bytes,
             recompute_s=self.recompute_s,
             window=(t0, t1),
-            intervals=self.lanes.intervals if keep_trace else [],
+            intervals=self.lanes.intervals() if keep_trace else [],
             allocs=self.allocs if keep_trace else [],
             op_log=self.op_log if keep_trace else [],
         )

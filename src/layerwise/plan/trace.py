@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .plan import Plan
 
 LANES = ("compute", "h2d", "d2h", "host", "nvme", "optimizer", "intra", "inter")
@@ -14,7 +16,7 @@ RESIDENT_SLOT = "resident"
 its own buffer, not one of the weight slots."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Interval:
     lane: str
     start: float
@@ -23,7 +25,7 @@ class Interval:
     step: int
 
 
-@dataclass
+@dataclass(slots=True)
 class Alloc:
     tier: str
     """``device``, ``host`` (pinned activations; the store is counted separately) or ``nvme``."""
@@ -107,17 +109,16 @@ class SimResult:
 
 def peak_bytes(allocs: list[Alloc], tier: str) -> int:
     """Largest sum of live ``tier`` allocations at any instant ([start, end) intervals)."""
-    events = []
-    for a in allocs:
-        if a.tier == tier and a.nbytes and a.end > a.start:
-            events.append((a.start, 1, a.nbytes))
-            events.append((a.end, 0, -a.nbytes))
-    events.sort()  # frees (0) before allocations (1) at the same instant
-    cur = best = 0
-    for _, _, d in events:
-        cur += d
-        best = max(best, cur)
-    return best
+    live = [a for a in allocs if a.tier == tier and a.nbytes and a.end > a.start]
+    if not live:
+        return 0
+    n = len(live)
+    times = np.fromiter((t for a in live for t in (a.start, a.end)), dtype=np.float64, count=2 * n)
+    nbytes = np.fromiter((a.nbytes for a in live), dtype=np.int64, count=n)
+    deltas = np.stack([nbytes, -nbytes], axis=1).ravel()  # exact: integer sums
+    frees_first = np.tile(np.array([1, 0], dtype=np.int8), n)  # frees before allocations at one instant
+    held = np.cumsum(deltas[np.lexsort((frees_first, times))])
+    return max(0, int(held.max()))
 
 
 class Lanes:
@@ -132,19 +133,25 @@ class Lanes:
                 self.map[k] = "compute"
         self.me = me
         """The simulated process (local rank); other ranks' lanes are timed, not traced."""
-        self.intervals: list[Interval] = []
+        self.spans: list[tuple[str, float, float, str, int]] = []
+        """The simulated process's work: (lane, start, end, label, step), as :class:`Interval`'s
+        fields (tuples: the search's simulations make ~10^6 of them)."""
         self.step = 0
 
     def run(self, lane: str, earliest: float, dur: float, label: str, rank: int | None = None) -> tuple[float, float]:
         """Run on the simulated process's ``lane``, or on another local ``rank``'s own one."""
         mine = rank is None or rank == self.me
         physical = self.map[lane] if mine else f"{lane}@{rank}"
-        start = max(self.free.get(physical, 0.0), earliest)
+        free = self.free.get(physical, 0.0)
+        start = earliest if earliest > free else free
         end = start + dur
         self.free[physical] = end
         if dur > 0 and mine:
-            self.intervals.append(Interval(lane, start, end, label, self.step))
+            self.spans.append((lane, start, end, label, self.step))
         return start, end
+
+    def intervals(self) -> list[Interval]:
+        return [Interval(*s) for s in self.spans]
 
     def free_at(self, lane: str) -> float:
         return self.free.get(self.map[lane], 0.0)
