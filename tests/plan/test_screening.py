@@ -1,11 +1,11 @@
-"""The search's screening simulation (``plan/search.py``: ``simulate_fast``), which extrapolates
+"""The search's screening simulation (``plan/screen.py``: ``simulate_fast``), which extrapolates
 a long accumulation from 3 and 4 groups of micro-batches, against the full simulation."""
 
 from __future__ import annotations
 
 from layerwise.plan import Plan
 from layerwise.plan.hardware import PRESETS
-from layerwise.plan.search import extrapolated, simulate_fast
+from layerwise.plan.screen import extrapolated, simulate_fast
 from layerwise.plan.shape import load_shape
 from layerwise.plan.simulator import simulate
 

@@ -28,8 +28,8 @@ what "fits" and "fastest" must be the same for all of them.
 
 from __future__ import annotations
 
-import copy
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -40,11 +40,12 @@ from .shape import ModelShape
 from .hardware import HardwareProfile
 from .milp import MilpConfig, MilpResult, solve
 from .plan import Plan
-from .simulator import SimResult, simulate
+from .screen import Sims, extrapolated
+from .simulator import SimResult
 from .step_model import StepModel
 
-__all__ = ["Candidate", "PlanInfeasible", "SearchConfig", "SearchResult", "Sims", "choose_moments", "human_bytes",
-           "search", "simulate_fast", "with_micro_batches"]
+__all__ = ["Candidate", "PlanInfeasible", "SearchConfig", "SearchResult", "choose_moments", "human_bytes",
+           "search", "with_micro_batches"]
 
 
 @dataclass
@@ -131,77 +132,6 @@ class SearchResult:
         return self.plan.micro_batch_size * self.plan.num_micro_batches
 
 
-def simulate_fast(plan: Plan, shape: ModelShape, hw: HardwareProfile) -> SimResult:
-    """The simulator, with long accumulations extrapolated from 3 and 4 groups of micro-batches.
-
-    Groups (``micro_batches_per_load`` micro-batches each) repeat identically, so after the
-    first one the step grows linearly in their number; memory peaks do not depend on it (host
-    bytes do when every gradient lands once, so a plan of one group is simulated in full) unless
-    a copy lane falls behind the compute: then what waits on the device for it grows with every
-    group (qwen-27b on a 70 GB h800, one sequence per micro-batch: 65 GB at 3 groups, 137 GB at
-    64), and a peak that grows from 3 to 4 groups is extrapolated like the step. Used to screen
-    candidates; the emitted plan is simulated in full.
-    """
-    if not extrapolated(plan):
-        return simulate(plan, shape, hw, keep_trace=False)
-    per = plan.micro_batches_per_load
-    m = plan.num_micro_batches
-    short = []
-    for k in (3, 4):
-        d = plan.to_dict()
-        d["num_micro_batches"] = k * per
-        short.append(simulate(Plan.from_dict(d), shape, hw, keep_trace=False))
-    a, b = short
-    groups = m // per
-    res = b
-    res.plan = plan
-    res.step_s = b.step_s + (groups - 4) * (b.step_s - a.step_s)
-    res.busy_s = {k: v + (groups - 4) * (v - a.busy_s[k]) for k, v in b.busy_s.items()}
-    res.tokens_per_step = b.tokens_per_step // (4 * per) * m
-    res.model_flops_per_step = b.model_flops_per_step / (4 * per) * m
-    res.recompute_s = b.recompute_s / (4 * per) * m
-    for f in ("peak_device_bytes", "peak_pinned_act_bytes", "peak_nvme_bytes"):
-        grow = getattr(b, f) - getattr(a, f)
-        if grow > 0:  # a fixed allocation is there from the first group: this is a backlog
-            setattr(res, f, getattr(b, f) + (groups - 4) * grow)
-    return res
-
-
-def extrapolated(plan: Plan) -> bool:
-    """Whether :func:`simulate_fast` extrapolates ``plan`` (more than 4 groups of micro-batches)."""
-    per = plan.micro_batches_per_load
-    return plan.num_micro_batches > 4 * per and plan.num_micro_batches % per == 0
-
-
-class Sims:
-    """The simulations of one search, each plan run once per kind (screening, full): the search
-    meets the same plan again (every-1 is keep-all-device, the MILP may return its warm start,
-    the polish and the per-rule pick re-screen what was screened), ~15% of its simulations."""
-
-    def __init__(self, shape: ModelShape, hw: HardwareProfile):
-        self.shape, self.hw = shape, hw
-        self._done: dict[tuple[Any, ...], SimResult] = {}
-
-    def fast(self, plan: Plan) -> SimResult:
-        """:func:`simulate_fast` of ``plan`` (the full simulation where that does not extrapolate)."""
-        return self._run(plan, extrapolated(plan))
-
-    def full(self, plan: Plan) -> SimResult:
-        """``plan`` simulated in full, without the trace."""
-        return self._run(plan, False)
-
-    def _run(self, plan: Plan, fast: bool) -> SimResult:
-        key = (fast, *(tuple(v) if isinstance(v, list) else v for k, v in vars(plan).items()
-                       if k not in ("source", "predicted")))
-        res = self._done.get(key)
-        if res is None:
-            res = self._done[key] = (simulate_fast(plan, self.shape, self.hw) if fast
-                                     else simulate(plan, self.shape, self.hw, keep_trace=False))
-        res = copy.copy(res)  # the same numbers, about this plan (its name)
-        res.plan = plan
-        return res
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -263,15 +193,13 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
     auto = cfg.global_batch is None
     rules = _rules(shape.num_layers)
     tally = _Tally(dict.fromkeys([*rules, "milp"], 0), Sims(shape, hw))
+    order = []
     for mbs in _micro_batch_sizes(cfg):
         m_count = AUTO_MICRO_BATCHES if auto else cfg.global_batch // mbs  # type: ignore[operator]
-        cands = []
-        for depth in depths:
-            for per_load in _per_loads(cfg, m_count):
-                if per_load == 1 or depth == depths[0]:  # layer-major: P computes hide each copy
-                    cands += _candidates(shape, hw, seq_len, cfg, rules, mbs, m_count, depth, per_load, tally)
-        if not tally.add(mbs, cands) and tally.by_name:
-            break  # larger micro-batches only need more memory
+        order += [(mbs, m_count, depth, per_load) for depth in depths for per_load in _per_loads(cfg, m_count)
+                  if per_load == 1 or depth == depths[0]]  # layer-major: P computes hide each copy
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="highs") as highs:
+        _explore(shape, hw, seq_len, cfg, rules, order, tally, highs)
     pool = tally.cands
     if auto:
         g = _auto_global_batch(tally, shape, hw, seq_len, cfg)
@@ -351,10 +279,57 @@ def with_micro_batches(plan: Plan, m: int) -> Plan:
     return Plan.from_dict(d)
 
 
-def _candidates(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: SearchConfig, rules: Rules, mbs: int,
-                m_count: int, depth: int, per_load: int, tally: _Tally) -> list[Candidate]:
+def _explore(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: SearchConfig, rules: Rules,
+             order: list[tuple[int, int, int, int]], tally: _Tally, highs: ThreadPoolExecutor) -> None:
+    """Each (micro-batch size, accumulation, depth, micro-batches per load) of ``order`` in turn,
+    into ``tally``, until a micro-batch size at which nothing fits. HiGHS releases the GIL, so
+    each MILP solves on ``highs`` while this thread simulates the next configuration's rules and
+    polishes the last one's plan; the solves still run one at a time, in order, each with what the
+    ones before it left of the budget, so the search finds what it would one step at a time."""
+    cur = _prepare(shape, hw, seq_len, cfg, rules, *order[0], tally)
+    solving = highs.submit(_solve, cfg, cur, tally.solve_s)
+    cands: list[Candidate] = []  # of the current micro-batch size
+    for k, (mbs, *_) in enumerate(order):
+        last_of_size = k + 1 == len(order) or order[k + 1][0] != mbs
+        nxt = _prepare(shape, hw, seq_len, cfg, rules, *order[k + 1], tally) if k + 1 < len(order) else None
+        res = solving.result()
+        tally.solve_s += res.solve_s
+        milp = None
+        if res.tiers is not None:
+            res, milp = _milp_candidate(shape, hw, seq_len, cfg, cur.model, res, tally)
+        tally.milp_at[cur.key] = res
+        # nothing fits at this size (the polish fits where the MILP's plan or a rule does): stop
+        stop = last_of_size and bool(tally.by_name) and not any(
+            c.fits for c in [*cands, *cur.rules, *([milp] if milp else [])])
+        if nxt is not None and not stop:
+            solving = highs.submit(_solve, cfg, nxt, tally.solve_s)
+        cands += cur.rules
+        if milp is not None:
+            cands.append(polish(milp, cur.rules, shape, hw, sims=tally.sims))
+        if last_of_size:
+            tally.add(mbs, cands)
+            cands = []
+            if stop:
+                return  # larger micro-batches only need more memory
+        cur = nxt  # type: ignore[assignment]
+
+
+@dataclass
+class _Config:
+    """One (micro-batch size, depth, micro-batches per load) of the search, ready for its MILP."""
+
+    key: tuple[int, int, int]
+    model: StepModel
+    rules: list[Candidate]
+    """The rules simulated here (none in layer-major order)."""
+    warm: Plan | None
+    """The MILP's warm start."""
+
+
+def _prepare(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: SearchConfig, rules: Rules, mbs: int,
+             m_count: int, depth: int, per_load: int, tally: _Tally) -> _Config:
     """Every rule at this (micro-batch size, depth, micro-batches per load) through the
-    simulator, then the MILP warm-started from the fastest rule that fits both models. In
+    simulator, and the MILP's warm start: the fastest rule that fits both models. In
     layer-major order (a step is one long group, simulated in full) no rule is simulated: the
     MILP starts from the rule the step model finds fastest, and its plan is simulated."""
     kw = dict(micro_batch_size=mbs, num_micro_batches=m_count, seq_len=seq_len, prefetch_depth=depth,
@@ -377,14 +352,14 @@ def _candidates(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: Searc
         here = [Candidate(name, plan, tally.sims.fast(plan)) for name, plan, _ in plans]
         fitting = [c for c, (_, _, ev) in zip(here, plans) if c.fits and ev.feasible]
         warm = max(fitting, key=lambda c: c.sim.tokens_per_s).plan if fitting else None
-    res = solve(model, _budgeted(cfg, tally.solve_s), (warm.source, warm.boundary_tiers) if warm else None,
-                warm.moments if warm else None, warm.internal_tiers if warm else None)
-    tally.solve_s += res.solve_s
-    if res.tiers is not None:
-        res, cand = _milp_candidate(shape, hw, seq_len, cfg, model, res, tally)
-        here.append(polish(cand, here, shape, hw, sims=tally.sims))
-    tally.milp_at[(mbs, depth, per_load)] = res
-    return here
+    return _Config((mbs, depth, per_load), model, here, warm)
+
+
+def _solve(cfg: SearchConfig, c: _Config, spent_s: float) -> MilpResult:
+    """The MILP of ``c`` from its warm start, with what ``spent_s`` left of the budget."""
+    w = c.warm
+    return solve(c.model, _budgeted(cfg, spent_s), (w.source, w.boundary_tiers) if w else None,
+                 w.moments if w else None, w.internal_tiers if w else None)
 
 
 def _milp_candidate(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: SearchConfig, model: StepModel,
