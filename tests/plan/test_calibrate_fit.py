@@ -84,3 +84,31 @@ def test_launches_are_fitted_per_kernel_from_the_layer(monkeypatch):
     assert got.op_overhead_s == 0.0
     full = DeviceCost(shape, got, 1, 8)
     assert full.layer_bwd_s(0) == pytest.approx(free.layer_bwd_s(0) + n_f * l_f + n_b * l_b)
+
+
+def test_the_probes_rates_are_scaled_to_the_layers_before_the_launches(monkeypatch):
+    """Times synthesised with every kernel ``f`` times slower than the probes say (and the
+    launches above) give back ``f`` from the backward op's two points, the probes' rates over
+    ``f``, and both launches exactly.
+
+    Mutation seen caught: the launches fitted against the unscaled rates (they absorb the
+    small point's share of the slowdown: ``kernel_launch_s`` 41% high here)."""
+    from layerwise.plan.device_cost import DeviceCost
+
+    shape = ModelShape.from_config(get_flavor("llama-30m").build_config())
+    hw = replace(PRESETS["cpu"], device_mem_gbps=20.0, kernel_launch_s=2e-6,
+                 gemm_tflops_points=((1e4, 0.05, 5.0), (1e7, 0.04, 3.0)))
+    f, l_f, l_b = 1.25, 60e-6, 25e-6
+    slow = calibrate._in_layer(hw, f)
+    zero = replace(slow, kernel_launch_s=0.0, backward_launch_s=0.0)
+    small, big = DeviceCost(shape, zero, 1, 8), DeviceCost(shape, zero, 1, 512)
+    n_f, n_b = small.kernel_count(0), small.kernel_count(0, backward=True)
+    launches = n_f * l_f + n_b * l_b
+    times = iter([small.layer_bwd_s(0) + launches, small.layer_fwd_s(0) + n_f * l_f,
+                  big.layer_bwd_s(0) + launches, big.layer_fwd_s(0) + n_f * l_f])
+    monkeypatch.setattr(calibrate, "_best_time", lambda *a, **kw: next(times))
+    got = calibrate.measure_launches(hw, "cpu", __import__("torch").float32, (1, 8), 1, other=(1, 512))
+    assert got.device_mem_gbps == pytest.approx(20.0 / f, rel=1e-9)
+    assert [r for p in got.gemm_tflops_points for r in p] == pytest.approx([1e4, 0.04, 4.0, 1e7, 0.032, 2.4], rel=1e-9)
+    assert got.kernel_launch_s == pytest.approx(l_f, rel=1e-9)
+    assert got.backward_launch_s == pytest.approx(l_b, rel=1e-9)

@@ -18,7 +18,8 @@ What is measured (each the fastest of a few repeats, after a warm-up):
   from the layer at the fit's small point (``measure_launches``): ``kernel_launch_s`` per
   forward kernel and ``backward_launch_s`` per backward kernel, what the layer takes beyond its
   kernels' rooflines (its modules' Python and dispatch grow with its kernels, so the profile's
-  ``op_overhead_s`` is then 0), so one layer's measurement prices every width;
+  ``op_overhead_s`` is then 0), so one layer's measurement prices every width; on a CPU the
+  probes' rates are first scaled to the layer's (``in_layer_factor``, from its two points);
 - copy bandwidth: on CUDA pinned H2D/D2H copies; on CPU the engine's "copies" are ``copy_``
   into slots allocated once;
 - disk: write with fsync, then read back, in the spill directory;
@@ -126,23 +127,59 @@ def _layer_runs(device: str, dtype, config) -> tuple[Callable, ModelShape]:
 
 
 def measure_launches(hw: HardwareProfile, device: str, dtype, point: tuple[int, int], repeats: int,
-                     clock: Clock = time.perf_counter, config=None) -> HardwareProfile:
+                     clock: Clock = time.perf_counter, config=None,
+                     other: tuple[int, int] | None = None) -> HardwareProfile:
     """``hw`` with its launches fitted to the layer (``plan/device_cost.py``'s form): at the small
     ``point`` a layer is mostly its kernels' launches. A forward's time less its kernels'
     rooflines, per kernel, is ``kernel_launch_s`` (the modules' Python and dispatch: it grows with
     the kernel count, not per op, so ``op_overhead_s`` is 0); the backward op's time less its
     forward and every roofline, per backward kernel, is ``backward_launch_s`` (autograd's
-    engine, no Python). The bare dispatch measured alone is the floor of both."""
+    engine, no Python). The bare dispatch measured alone is the floor of both.
+
+    ``other`` (a second point, on a synchronous device, where a kernel costs its launch plus its
+    roofline): the backward op's time between the two points, where the launches cancel, over
+    its rooflines' difference is what the layer's kernels take against the probes' (timed hot
+    and alone, they beat the same kernels inside a layer: ~1.2x on a CPU); the probes' rates
+    are divided by that factor (``in_layer_factor``) before the launches are fitted."""
     run, shape = _layer_runs(device, dtype, config)
-    bwd, fwd = run(*point)
     sync = _sync_for(device)
-    t_bwd, t_fwd = _best_time(bwd, repeats, sync, clock), _best_time(fwd, repeats, sync, clock)
+
+    def times(pt: tuple[int, int]) -> tuple[float, float]:
+        bwd, fwd = run(*pt)
+        return _best_time(bwd, repeats, sync, clock), _best_time(fwd, repeats, sync, clock)
+
+    t_bwd, t_fwd = times(point)
+    if other is not None and hw.synchronous:
+        hw = _in_layer(hw, in_layer_factor(shape, hw, point, other, t_bwd, times(other)[0]))
     free = DeviceCost(shape, replace(hw, kernel_launch_s=0.0, backward_launch_s=0.0), *point)
     floor = hw.kernel_launch_s or 0.0
     launch = max(floor, (t_fwd - free.layer_fwd_s(0)) / free.kernel_count(0))
     left = t_bwd - free.layer_bwd_s(0) - launch * free.kernel_count(0)
     back = max(floor, left / free.kernel_count(0, backward=True))
     return replace(hw, kernel_launch_s=launch, backward_launch_s=back, op_overhead_s=0.0)
+
+
+IN_LAYER_RANGE = (1 / 3, 3.0)
+"""Where ``in_layer_factor`` is believed; outside it (a noisy fit) it is clamped."""
+
+
+def in_layer_factor(shape: ModelShape, hw: HardwareProfile, a: tuple[int, int], b: tuple[int, int],
+                    t_a: float, t_b: float) -> float:
+    """The layer's backward op's measured time between points ``a`` and ``b`` over its kernels'
+    rooflines' difference there (1 where the rooflines barely differ: launches dominate both)."""
+    free = replace(hw, kernel_launch_s=0.0, backward_launch_s=0.0)
+    r_a, r_b = DeviceCost(shape, free, *a).layer_bwd_s(0), DeviceCost(shape, free, *b).layer_bwd_s(0)
+    if abs(r_a - r_b) < 0.2 * max(r_a, r_b):
+        return 1.0
+    lo, hi = IN_LAYER_RANGE
+    return min(hi, max(lo, (t_a - t_b) / (r_a - r_b)))
+
+
+def _in_layer(hw: HardwareProfile, factor: float) -> HardwareProfile:
+    """``hw`` with its measured kernel rates divided by ``factor``."""
+    pts = tuple((p[0], *(r / factor for r in p[1:])) for p in hw.gemm_tflops_points or ())
+    return replace(hw, gemm_tflops_points=pts or hw.gemm_tflops_points,
+                   device_mem_gbps=hw.device_mem_gbps / factor if hw.device_mem_gbps else hw.device_mem_gbps)
 
 
 def measure_layer(device: str, dtype, points: tuple[tuple[int, int], tuple[int, int]], repeats: int,
@@ -312,7 +349,7 @@ def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None =
         intra_node_gbps=None, inter_node_gbps=None, node_host_link_gbps=None,
         **by_shape,
     )
-    return measure_launches(profile, device, dtype, points[1], reps, clock, config)
+    return measure_launches(profile, device, dtype, points[1], reps, clock, config, other=points[0])
 
 
 def measure_host(device: str, numel: int, repeats: int, clock: Clock = time.perf_counter,
