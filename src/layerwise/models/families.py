@@ -134,6 +134,13 @@ def text_config(config: PretrainedConfig | Any) -> PretrainedConfig | Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+@functools.cache
+def _exported() -> frozenset[str]:
+    """The names transformers exports, read without importing them (``hasattr`` on its lazy
+    module imports the modeling module: ~2 s of ``layerwise plan`` for a name check)."""
+    return frozenset(dir(transformers))
+
+
 def family_of(config: PretrainedConfig | Any) -> FamilySpec:
     """The family of ``config``: its row of the table, else one derived from transformers'
     causal-LM class of its ``model_type`` (:func:`derived_family`), or a clear error. A
@@ -151,7 +158,7 @@ def family_of(config: PretrainedConfig | Any) -> FamilySpec:
         return multimodal_family(model_type, type(config).__name__, text_spec,
                                  getattr(text, "model_type", None))
     spec = FAMILIES.get(model_type)
-    if spec is not None and hasattr(transformers, spec.model_class_name):
+    if spec is not None and spec.model_class_name in _exported():
         return spec
     return derived_family(model_type, type(config).__name__)
 
