@@ -129,8 +129,8 @@ _TIED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 def _functional_call(module: nn.Module, params: dict[str, torch.Tensor], args: tuple, kwargs: dict,
                      strict: bool) -> object:
     """``torch.func.functional_call``, told whether ``module`` ties tensors: finding out walks
-    every submodule on each call (~2/3 of a 64-wide layer's forward on a CPU), and a template
-    without ties runs the same either way."""
+    every submodule on each call (a 64-wide model's engine step on a CPU: 45.0 → 42.6 ms), and a
+    template without ties runs the same either way."""
     tied = _TIED.get(module)
     if tied is None:
         tied = _TIED[module] = any(
