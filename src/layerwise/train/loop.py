@@ -393,7 +393,7 @@ class Trainer:
         cfg = self.cfg
         elapsed = max(1e-9, time.perf_counter() - self.t_start)
         self.close()
-        _log.info(timing_summary(self.step_times, self.predicted_step_s, self.plan))
+        _log.info(timing_summary(self.step_times, self.predicted_step_s, self.plan, self.out_dir))
         mem = device_mem_reserved(cfg.device)
         if mem is not None:
             _log.info(f"device memory: {mem / 2**20:.1f} MiB reserved at peak (allocator), "

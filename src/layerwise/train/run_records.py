@@ -76,7 +76,14 @@ def step_record(step: int, stats, lr: float, micro: list[Batch], flops: float,
     return rec
 
 
-def timing_summary(step_times: list[float], predicted: float | None, plan: Plan) -> str:
+PRESET_OFF_BY = 1.5
+"""A preset's prediction this far from the measured step (either way) earns the calibrate hint."""
+
+
+def timing_summary(step_times: list[float], predicted: float | None, plan: Plan,
+                   out_dir: str | Path | None = None) -> str:
+    """The closing line on step time; where a preset's prediction is far off, how to plan a run
+    on this machine's own figures (a profile written under ``out_dir``)."""
     measured = statistics.median(step_times[1:]) if len(step_times) > 1 else None
     text = "step time: measured " + (f"{measured:.4g} s (median of {len(step_times) - 1} steps "
                                      "after the first)" if measured else "n/a (under 2 steps)")
@@ -84,5 +91,10 @@ def timing_summary(step_times: list[float], predicted: float | None, plan: Plan)
         hw = plan.predicted.get("hardware_source") or plan.predicted.get("hardware")
         text += f", predicted {predicted:.4g} s for plan {plan.source} on {hw}"
         if measured:
-            text += f": measured / predicted {measured / predicted:.2f}"
+            ratio = measured / predicted
+            text += f": measured / predicted {ratio:.2f}"
+            if out_dir is not None and "preset" in str(hw) and not 1 / PRESET_OFF_BY <= ratio <= PRESET_OFF_BY:
+                profile = Path(out_dir) / "profile.json"
+                text += (f"; a preset is not this machine: `layerwise calibrate --out {profile}` measures it, "
+                         f"and `profile={profile}` plans a run on that")
     return text
