@@ -351,7 +351,12 @@ def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None =
         intra_node_gbps=None, inter_node_gbps=None, node_host_link_gbps=None,
         **by_shape,
     )
-    return measure_launches(profile, device, dtype, points[1], reps, clock, config, other=points[0])
+    # without a run shape the fit's points are 8 and 512 tokens, launch- and compute-bound, which
+    # tell the launches from the layer's rates; the run's own two points are both compute-bound
+    # (the slope between them says little about the intercept), and priced at the run's shape the
+    # launches fitted there reproduce its layer whatever the split
+    return measure_launches(profile, device, dtype, points[1], reps, clock, config,
+                            other=points[0] if config is None else None)
 
 
 def measure_host(device: str, numel: int, repeats: int, clock: Clock = time.perf_counter,

@@ -393,7 +393,8 @@ class Trainer:
         cfg = self.cfg
         elapsed = max(1e-9, time.perf_counter() - self.t_start)
         self.close()
-        _log.info(timing_summary(self.step_times, self.predicted_step_s, self.plan, self.out_dir))
+        _log.info(timing_summary(self.step_times, self.predicted_step_s, self.plan, self.out_dir,
+                                 self.model_path))
         mem = device_mem_reserved(cfg.device)
         if mem is not None:
             _log.info(f"device memory: {mem / 2**20:.1f} MiB reserved at peak (allocator), "
