@@ -18,8 +18,9 @@ What is measured (each the fastest of a few repeats, after a warm-up):
   from the layer at the fit's small point (``measure_launches``): ``kernel_launch_s`` per
   forward kernel and ``backward_launch_s`` per backward kernel, what the layer takes beyond its
   kernels' rooflines (its modules' Python and dispatch grow with its kernels, so the profile's
-  ``op_overhead_s`` is then 0), so one layer's measurement prices every width; on a CPU the
-  probes' rates are first scaled to the layer's (``in_layer_factor``, from its two points);
+  ``op_overhead_s`` is then 0), so one layer's measurement prices every width; on a CPU
+  without a run shape the probes' rates are first scaled to the layer's (``in_layer_factor``,
+  from its two points);
 - copy bandwidth: on CUDA pinned H2D/D2H copies; on CPU the engine's "copies" are ``copy_``
   into slots allocated once;
 - disk: write with fsync, then read back, in the spill directory;
