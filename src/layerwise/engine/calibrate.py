@@ -14,7 +14,7 @@ What is measured (each the fastest of a few repeats, after a warm-up):
   runs through the run's micro-batch and twice it (on a large GPU a small layer at a few hundred
   tokens is launch-bound noise); without them a llama-30m layer, 512 and 8 tokens;
 - the device by shape (``plan/device_cost.py``): ``gemm_tflops_points``, a GEMM's rate at a few
-  weight sizes and the rate it reads that weight at (8 rows), the weight laid out as a layer holds it; ``device_mem_gbps``, an elementwise add's bytes per second; and the launches,
+  weight sizes and the rate it reads that weight at (8 rows); ``device_mem_gbps``, an elementwise add's bytes per second; and the launches,
   from the layer at the fit's small point (``measure_launches``): ``kernel_launch_s`` per
   forward kernel and ``backward_launch_s`` per backward kernel, what the layer takes beyond its
   kernels' rooflines (its modules' Python and dispatch grow with its kernels, so the profile's
@@ -95,9 +95,7 @@ def measure_device_shape(device: str, dtype, repeats: int, clock: Clock = time.p
     mem_gbps = 3 * n * a.element_size() / t / 1e9
     points, serial = [], 0.0 if on_gpu else launch
     for m, k, nn in GEMM_PROBES["cuda" if on_gpu else "cpu"]:
-        # the weight as a layer multiplies by it (``F.linear``: ``x @ W.T``, W stored [N, K]); at
-        # 8 rows a CPU's GEMM reads that layout 1.5-2.4x slower than a [K, N] weight
-        x, w = torch.randn(m, k, device=device, dtype=dtype), torch.randn(nn, k, device=device, dtype=dtype).t()
+        x, w = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, nn, device=device, dtype=dtype)
         x8 = x[:8].contiguous()  # at 8 rows the time is the weight's pass (its FLOPs ~1% of it)
         t = max(_best_time(lambda: torch.mm(x, w), repeats, sync, clock) - serial, 1e-9)
         t8 = max(_best_time(lambda: torch.mm(x8, w), repeats, sync, clock) - serial, 1e-9)
