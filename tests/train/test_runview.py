@@ -144,8 +144,9 @@ def test_a_preset_far_off_the_measured_step_says_how_to_calibrate(tmp_path):
     from layerwise.train.run_records import PRESET_OFF_BY, timing_summary
 
     def closing(source: str, measured: float) -> str:
-        plan = Plan(["device"] * 2, source="every-1", predicted={"hardware_source": source}, seq_len=128,
-                    micro_batch_size=16)
+        name = "cpu" if "preset" in source else "calibrated-cpu"
+        plan = Plan(["device"] * 2, source="every-1", predicted={"hardware": name, "hardware_source": source},
+                    seq_len=128, micro_batch_size=16)
         return timing_summary([9.0, measured, measured], 1.0, plan, tmp_path, "llama-demo")
 
     preset = "the cpu preset (this machine's RAM)"

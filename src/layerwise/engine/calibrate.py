@@ -178,9 +178,9 @@ def in_layer_factor(shape: ModelShape, hw: HardwareProfile, a: tuple[int, int], 
 
 def _in_layer(hw: HardwareProfile, factor: float) -> HardwareProfile:
     """``hw`` with its measured kernel rates divided by ``factor``."""
-    pts = tuple((p[0], *(r / factor for r in p[1:])) for p in hw.gemm_tflops_points or ())
-    return replace(hw, gemm_tflops_points=pts or hw.gemm_tflops_points,
-                   device_mem_gbps=hw.device_mem_gbps / factor if hw.device_mem_gbps else hw.device_mem_gbps)
+    pts = hw.gemm_tflops_points and tuple((p[0], *(r / factor for r in p[1:])) for p in hw.gemm_tflops_points)
+    mem = hw.device_mem_gbps and hw.device_mem_gbps / factor
+    return replace(hw, gemm_tflops_points=pts, device_mem_gbps=mem)
 
 
 def measure_layer(device: str, dtype, points: tuple[tuple[int, int], tuple[int, int]], repeats: int,
