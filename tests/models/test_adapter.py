@@ -67,3 +67,44 @@ def test_unknown_flavor_lists_the_known_ones():
     with pytest.raises(ValueError, match="known flavors: .*llama-debug"):
         get_flavor("llama-9000")
     assert "qwen-27b" in FLAVORS
+
+
+def _layer_call(adapter: DecoderAdapter, flat: torch.Tensor):
+    from layerwise.models import adapter as A
+
+    t = adapter._template_of_layer[0]
+    layout = FlatLayout.of(adapter.units[1])
+    ctx = adapter.layer_context((2, 8), "cpu", torch.float32, adapter.new_rotary("cpu"))
+    kw = {"attention_mask": ctx.masks.get(adapter.layer_types[0]), "position_ids": ctx.position_ids,
+          "position_embeddings": ctx.rope[adapter._rope_key[0]]}
+    return A, t.module, layout.views(flat), {k: v for k, v in kw.items() if k in t.inputs}
+
+
+def test_a_layer_binds_its_tensors_as_functional_call_does_and_gives_the_template_back():
+    """The adapter's own binding (``adapter._functional_call``) computes what
+    ``torch.func.functional_call`` computes, bit for bit (the module's forward is the same code
+    on the same tensors), gradients included; the template holds its own tensors again after a
+    call, and after one that raises; a missing or unknown name gets functional_call's error.
+
+    Mutation seen caught: the template's tensors not put back (no ``finally``): the raising
+    call leaves a layer's real weight in the meta template."""
+    adapter = DecoderAdapter(get_flavor("qwen3-debug").build_config())
+    flat = (torch.randn(FlatLayout.of(adapter.units[1]).numel) * 0.02).requires_grad_()
+    A, module, params, kw = _layer_call(adapter, flat)
+    own = {n: t for n, t in list(module.named_parameters()) + list(module.named_buffers())}
+    x = torch.randn(2, 8, adapter.config.hidden_size)
+    mine = A._functional_call(module, params, (x,), kw, strict=True)[0]
+    ref = torch.func.functional_call(module, params, (x,), kw, strict=True)[0]
+    assert torch.equal(mine, ref)
+    g_mine, = torch.autograd.grad(mine.square().sum(), flat)
+    g_ref, = torch.autograd.grad(ref.square().sum(), flat)
+    assert torch.equal(g_mine, g_ref)
+    with pytest.raises(RuntimeError):
+        A._functional_call(module, params, (torch.randn(2, 8, 3),), kw, strict=True)
+    after = dict(list(module.named_parameters()) + list(module.named_buffers()))
+    assert after.keys() == own.keys() and all(after[n] is own[n] for n in own)
+    missing = dict(list(params.items())[1:])
+    with pytest.raises((RuntimeError, KeyError, ValueError)):
+        A._functional_call(module, missing, (x,), kw, strict=True)
+    with pytest.raises((RuntimeError, KeyError, ValueError)):
+        A._functional_call(module, {**params, "no.such": flat[:1]}, (x,), kw, strict=True)
