@@ -137,3 +137,22 @@ def test_an_older_profile_prices_by_flops_alone():
     c = CostModel(shape, old, 2, 64)
     assert c.device is None
     assert c.layer_fwd_keep_s(0) == pytest.approx(c.layer_fwd_flops(0) / old.flops_per_s)
+
+
+def test_a_cpus_grouped_expert_gemm_launches_once_per_expert():
+    """On a synchronous device (torch's CPU ``_grouped_mm`` runs one GEMM per group) each of the
+    two grouped expert GEMMs pays a launch per expert, forward and backward; on a GPU it is one
+    kernel. Qwen3-30B-A3B's 128 experts: 2 x 128 launches a forward where the dense layer's
+    kernels count once.
+
+    Mutation seen failing: a grouped GEMM counted as one launch on the CPU."""
+    shape = load_shape("qwen3-30b-a3b")
+    cpu = replace(PRESETS["cpu"], device_mem_gbps=10.0, kernel_launch_s=1e-5)
+    c, free = DeviceCost(shape, cpu, 1, 64), DeviceCost(shape, replace(cpu, kernel_launch_s=0.0), 1, 64)
+    grouped = [k for k in c.layer_forward(0) if k.weights_read > 1]
+    assert len(grouped) == 2 and all(k.weights_read == 128 for k in grouped)
+    plain = sum(k.count for k in c.layer_forward(0))
+    assert c.kernel_count(0) == plain - 2 + 2 * 128
+    assert c.layer_fwd_s(0) - free.layer_fwd_s(0) == pytest.approx(c.kernel_count(0) * 1e-5, rel=1e-9)
+    gpu = DeviceCost(shape, PRESETS["h200"], 1, 64)
+    assert gpu.kernel_count(0) == plain

@@ -13,7 +13,8 @@ per element of the compute dtype):
   scores: 5 products of the pair size against the forward's 2, 2.5x its FLOPs;
 - routed experts: two grouped GEMMs (gate+up, down) over every expert, ``tokens * top_k /
   num_experts`` rows each (each expert's rows tile-rounded), reading every expert's weights:
-  with few tokens per expert the weights' bytes bind and the GEMM runs bandwidth-bound;
+  with few tokens per expert the weights' bytes bind and the GEMM runs bandwidth-bound; on a
+  synchronous device (a CPU) each expert's GEMM is its own launch (``launches``);
 - the elementwise kernels between them (norms, rotary, activation, residual adds, the
   router's bookkeeping): bytes only, counted below;
 - on an asynchronous device, each backward's deposit of its weight gradients into the unit's
@@ -148,8 +149,17 @@ def kernels_s(kernels: list[Kernel], hw: HardwareProfile, graph: bool = True) ->
         weights = (k.weights_read * k.weight_bytes / gemm_weight_bytes_per_s(hw, k.weight_bytes)
                    if k.weights_read else 0.0)
         roof = max(compute, k.nbytes / bw + weights)
-        t += k.count * (launch + roof if hw.synchronous else max(launch, roof))
+        if hw.synchronous:
+            t += launches(k, hw) * launch + k.count * roof
+        else:
+            t += k.count * max(launch, roof)
     return t
+
+
+def launches(k: Kernel, hw: HardwareProfile) -> int:
+    """Launches of ``k``: its ``count``, and on a synchronous device (a CPU) one per group of a
+    grouped GEMM: torch's CPU ``_grouped_mm`` runs one GEMM per expert (a GPU's is one kernel)."""
+    return k.count * (k.weights_read if hw.synchronous and k.weights_read > 1 else 1)
 
 
 @dataclass(frozen=True)
@@ -321,4 +331,4 @@ class DeviceCost:
 
     def kernel_count(self, i: int, backward: bool = False) -> int:
         """Launches of layer ``i``'s forward, or (``backward``) of its backward alone."""
-        return sum(k.count for k in (self.layer_backward(i) if backward else self.layer_forward(i)))
+        return sum(launches(k, self.hw) for k in (self.layer_backward(i) if backward else self.layer_forward(i)))
