@@ -33,21 +33,31 @@ def test_calibrate_measures_the_host_fields_at_the_run_shape(monkeypatch, tmp_pa
     it, and every host field is a measurement (gloo between two in-process ranks, asked), not
     the preset's figure; the profile round-trips as the current format.
 
-    Mutation seen caught: ``measure_host`` returning the preset's ``host_accum_bf16_gbps``
-    (the old calibrate timed no bf16 accumulation); the fit's points left at 512/8."""
+    The launches are fitted at the run's shape without ``in_layer_factor`` (both of the run's
+    points are compute-bound: their slope says little about the intercept).
+
+    Mutations seen caught: ``measure_host`` returning the preset's ``host_accum_bf16_gbps``
+    (the old calibrate timed no bf16 accumulation); the fit's points left at 512/8;
+    ``other=points[0]`` given at a run shape too."""
     seen = {}
-    layer = calibrate.measure_layer
+    layer, launches = calibrate.measure_layer, calibrate.measure_launches
 
     def spy(device, dtype, points, repeats, clock=None, config=None):
         seen["points"], seen["hidden"] = points, config.hidden_size
         return layer(device, dtype, points, 1, clock, config)
+
+    def spy_launches(hw, device, dtype, point, repeats, clock=None, config=None, other=None):
+        seen["launch_point"], seen["other"] = point, other
+        return launches(hw, device, dtype, point, 1, clock, config, other)
     monkeypatch.setattr(calibrate, "measure_layer", spy)
+    monkeypatch.setattr(calibrate, "measure_launches", spy_launches)
     _shrink(monkeypatch, "measure_matmul_tflops", n=64)
     _shrink(monkeypatch, "measure_copy_gbps", nbytes=1 << 20)
     _shrink(monkeypatch, "measure_disk_gbps", nbytes=1 << 20)
     hw = calibrate.calibrate(quick=True, device="cpu", spill_dir=str(tmp_path), model="llama-debug",
                              seq_len=16, micro_batch_size=2, gloo=True)
     assert seen["points"] == ((2, 16), (4, 16))
+    assert seen["launch_point"] == (4, 16) and seen["other"] is None
     assert seen["hidden"] == calibrate.get_flavor("llama-debug").build_config().hidden_size
     cpu = PRESETS["cpu"]
     for f in HOST_FIELDS:
