@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from layerwise.models import DecoderAdapter, FLAVORS, get_flavor
+from layerwise.models import adapter as A
 from layerwise.models.init import build_hf_model
 from layerwise.store import FlatLayout, HostStore
 
@@ -69,17 +70,6 @@ def test_unknown_flavor_lists_the_known_ones():
     assert "qwen-27b" in FLAVORS
 
 
-def _layer_call(adapter: DecoderAdapter, flat: torch.Tensor):
-    from layerwise.models import adapter as A
-
-    t = adapter._template_of_layer[0]
-    layout = FlatLayout.of(adapter.units[1])
-    ctx = adapter.layer_context((2, 8), "cpu", torch.float32, adapter.new_rotary("cpu"))
-    kw = {"attention_mask": ctx.masks.get(adapter.layer_types[0]), "position_ids": ctx.position_ids,
-          "position_embeddings": ctx.rope[adapter._rope_key[0]]}
-    return A, t.module, layout.views(flat), {k: v for k, v in kw.items() if k in t.inputs}
-
-
 def test_a_layer_binds_its_tensors_as_functional_call_does_and_gives_the_template_back():
     """The adapter's own binding (``adapter._functional_call``) computes what
     ``torch.func.functional_call`` computes, bit for bit (the module's forward is the same code
@@ -89,8 +79,14 @@ def test_a_layer_binds_its_tensors_as_functional_call_does_and_gives_the_templat
     Mutation seen caught: the template's tensors not put back (no ``finally``): the raising
     call leaves a layer's real weight in the meta template."""
     adapter = DecoderAdapter(get_flavor("qwen3-debug").build_config())
-    flat = (torch.randn(FlatLayout.of(adapter.units[1]).numel) * 0.02).requires_grad_()
-    A, module, params, kw = _layer_call(adapter, flat)
+    layout = FlatLayout.of(adapter.units[1])
+    flat = (torch.randn(layout.numel) * 0.02).requires_grad_()
+    t = adapter._template_of_layer[0]
+    module, params = t.module, layout.views(flat)
+    ctx = adapter.layer_context((2, 8), "cpu", torch.float32, adapter.new_rotary("cpu"))
+    kw = {"attention_mask": ctx.masks.get(adapter.layer_types[0]), "position_ids": ctx.position_ids,
+          "position_embeddings": ctx.rope[adapter._rope_key[0]]}
+    kw = {k: v for k, v in kw.items() if k in t.inputs}
     own = {n: t for n, t in list(module.named_parameters()) + list(module.named_buffers())}
     x = torch.randn(2, 8, adapter.config.hidden_size)
     mine = A._functional_call(module, params, (x,), kw, strict=True)[0]
