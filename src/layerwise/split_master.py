@@ -42,6 +42,8 @@ try:  # numba is optional: the torch path computes the same bits
     from numba import types as _nbt
     from numba.extending import intrinsic as _intrinsic
     from numba.extending import overload as _overload
+
+    from .util.simd import wide_vectors
 except Exception:  # pragma: no cover - depends on the environment
     _nb = None
 
@@ -145,6 +147,7 @@ if _nb is not None:
 
     @_nb.njit(**_jit)
     def _split_kernel(x, hi, lo):  # pragma: no cover - compiled
+        wide_vectors()
         for j in range(x.size):
             h, r = split_bits(x[j])
             hi[j] = _np.int16(h)
@@ -152,12 +155,14 @@ if _nb is not None:
 
     @_nb.njit(**_jit)
     def _hi_kernel(x, hi):  # pragma: no cover - compiled
+        wide_vectors()
         for j in range(x.size):
             h, _ = split_bits(x[j])
             hi[j] = _np.int16(h)
 
     @_nb.njit(**_jit)
     def _join_kernel(hi, lo, out):  # pragma: no cover - compiled
+        wide_vectors()
         for j in range(out.size):
             out[j] = join_bits(hi[j], lo[j])
 

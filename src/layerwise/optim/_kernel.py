@@ -50,6 +50,7 @@ try:  # numba is optional: the torch path below computes the same update
     from numba.extending import intrinsic as _intrinsic
 
     from ..split_master import as_f32, join_bits, split_bits
+    from ..util.simd import wide_vectors
 except Exception:  # pragma: no cover - depends on the environment
     _nb = None
 
@@ -307,6 +308,7 @@ if _nb is not None:
         # tab[i] = addresses of p, g, qm, sm, qv, sv; numel, decay_end, block size, first
         # global block; the address of a split p's remainder (0: p is fp32); 1 if g is bf16.
         # Runs global blocks [b0, b1) of all rows.
+        wide_vectors()
         rows = tab.shape[0]
         scratch = _nb.carray(_stack_scratch(), 3 * _MAX_NUMBA_BLOCK)
         buf_m = scratch[:_MAX_NUMBA_BLOCK]

@@ -24,6 +24,7 @@ try:  # numba is optional: adamw.py falls back to torch's fused AdamW
     import numpy as _np
 
     from ..split_master import as_f32, join_bits, split_bits
+    from ..util.simd import wide_vectors
 except Exception:  # pragma: no cover - depends on the environment
     _nb = None
 
@@ -47,6 +48,7 @@ if _nb is not None:
     # wrap-around check, and LLVM then leaves the loop scalar (3x slower).
     @_nb.njit(**_jit)
     def _step_plain(p, g, m, v, lo, hi, decay_end, sc):  # pragma: no cover - compiled
+        wide_vectors()
         b1, c1, b2, c2, gm, dm, ss, ib, eps = sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], \
             sc[7], sc[8]
         for a, b, d in ((lo, min(hi, max(lo, decay_end)), dm),
@@ -58,6 +60,7 @@ if _nb is not None:
 
     @_nb.njit(**_jit)
     def _step_split(hi_, lo_, g, m, v, lo, hi, decay_end, sc):  # pragma: no cover - compiled
+        wide_vectors()
         b1, c1, b2, c2, gm, dm, ss, ib, eps = sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], \
             sc[7], sc[8]
         for a, b, d in ((lo, min(hi, max(lo, decay_end)), dm),

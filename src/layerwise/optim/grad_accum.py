@@ -47,17 +47,20 @@ _CHUNKS_PER_THREAD = 4
 
 if _nb is not None:
     from ..split_master import as_f32  # a bf16 (its bits as int16) widened exactly, an fp32 as is
+    from ..util.simd import wide_vectors
 
     _jit = dict(nogil=True, cache=True, error_model="numpy", boundscheck=False)
 
     @_nb.njit(**_jit)
     def _add(dst, src, lo, hi):  # pragma: no cover - compiled
+        wide_vectors()
         d, s = dst[lo:hi], src[lo:hi]  # from 0: no negative-index fix-up to stop vectorising
         for j in range(s.size):
             d[j] += as_f32(s[j])
 
     @_nb.njit(**_jit)
     def _copy(dst, src, lo, hi):  # pragma: no cover - compiled
+        wide_vectors()
         d, s = dst[lo:hi], src[lo:hi]  # from 0: no negative-index fix-up to stop vectorising
         for j in range(s.size):
             d[j] = as_f32(s[j])

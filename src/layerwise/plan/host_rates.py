@@ -33,15 +33,15 @@ def bytes_per_param(moments: str, grad: str) -> int:
     return 8 + (4 if grad == "fp32" else 2) + (16 if moments == "fp32" else 4)
 
 
-MEASURED_ON = "a 2-core shared Intel Xeon VM with AVX-512, 38.97 GB/s one-thread stream, 2026-12-03"
+MEASURED_ON = "a 2-core shared Intel Xeon VM with AVX-512, 38.31 GB/s one-thread stream, 2026-12-03"
 """Where ``PER_CORE_GPARAM_S`` was measured: docs/benchmarks.md, "Host optimizer (issue 30)",
-the rerun table of stop 41, ``python benchmarks/host_optimizer.py`` (median of 3, load 0.64 -> 0.91)."""
+the rerun table of stop 42, ``python benchmarks/host_optimizer.py`` (median of 3, load 1.29 -> 1.30)."""
 
 PER_CORE_GPARAM_S: dict[str, float] = {  # measured on MEASURED_ON: the 1-thread column, clip off
-    "fp32-fp32grad-plain": 0.837, "fp32-fp32grad-split": 0.783,
-    "fp32-bf16grad-plain": 0.918, "fp32-bf16grad-split": 0.863,
-    "8bit-fp32grad-plain": 0.854, "8bit-fp32grad-split": 0.71,
-    "8bit-bf16grad-plain": 0.92, "8bit-bf16grad-split": 0.767,
+    "fp32-fp32grad-plain": 0.788, "fp32-fp32grad-split": 0.801,
+    "fp32-bf16grad-plain": 0.943, "fp32-bf16grad-split": 0.892,
+    "8bit-fp32grad-plain": 0.865, "8bit-fp32grad-split": 0.842,
+    "8bit-bf16grad-plain": 0.998, "8bit-bf16grad-split": 0.994,
 }
 """Gparam/s of one thread of ``step_unit`` per configuration (the clip's cost is within 1-9%
 either way there, so one figure stands for both)."""
@@ -50,7 +50,7 @@ either way there, so one figure stands for both)."""
 @dataclass(frozen=True)
 class HostAssumption:
     """What a preset assumes of its host's optimizer: ``optimizer_cores`` threads at the
-    measured per-core rate (linear scaling, assumed: measured only from 1 to 2 threads, 1.62-1.80x
+    measured per-core rate (linear scaling, assumed: measured only from 1 to 2 threads, 1.64-1.71x
     for the compute-bound 8-bit forms), capped by ``stream_gbps`` / the configuration's bytes
     per parameter (the memory-bandwidth roofline)."""
 

@@ -1,2 +1,3 @@
 """Small helpers every package may use: atomic files, byte sizes, dtypes, JSON-safe values,
-the safetensors encoding, and CLI command groups. Nothing here imports another layerwise package."""
+the safetensors encoding, CLI command groups and the host kernels' vector width. Nothing here
+imports another layerwise package."""
