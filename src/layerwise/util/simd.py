@@ -29,8 +29,12 @@ if _intrinsic is not None:
     def wide_vectors(typingctx):  # pragma: no cover - compiled
         def codegen(context, builder, signature, args):
             # a string attribute with a value: llvmlite's ``add`` takes only its named
-            # attributes, so this goes into the set directly (it is printed into the IR as is)
-            set.add(builder.function.attributes,
-                    f'"prefer-vector-width"="{PREFERRED_VECTOR_BITS}"')
+            # attributes, so this goes into the set directly (it is printed into the IR as is);
+            # an llvmlite whose attributes are no set compiles at LLVM's own width
+            try:
+                set.add(builder.function.attributes,
+                        f'"prefer-vector-width"="{PREFERRED_VECTOR_BITS}"')
+            except TypeError:
+                pass
             return context.get_dummy_value()
         return _nbt.none(), codegen
