@@ -51,6 +51,22 @@ def test_the_trace_finds_each_layout_and_what_its_layers_take():
         ("backbone", "embeddings", None, frozenset())
 
 
+def test_a_falcon_with_alibi_is_refused_in_one_line():
+    """Falcon's ALiBi biases are the base model's: transformers up to 5.24 gives them to every
+    layer (refused as an input layerwise does not compute), 5.25 folds them into the attention
+    mask, where the trace cannot see them, so the config is read. Mutation seen caught (with
+    transformers 5.25): the check removed; the engine then trained the model without its biases
+    (loss 4.48381 against HF's 4.48408 on the sweep's tiny model), with no error."""
+    cfg = tiny_config("falcon")
+    cfg.alibi = True
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(ValueError) as e:
+        decoder_layout(model, "falcon", cfg.num_hidden_layers)
+    assert "ALiBi" in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith("unsupported architecture model_type='falcon'")
+
+
 @pytest.mark.parametrize("model_type, why", [
     ("bloom", "runs word_embeddings_layernorm (LayerNorm) on the embeddings"),
     ("mpt", "gives every layer position_bias"),

@@ -81,6 +81,11 @@ def decoder_layout(meta: nn.Module, family: str, num_layers: int) -> DecoderLayo
             f"unsupported architecture model_type={family!r}: transformers' {type(meta).__name__} "
             f"does not have the decoder layout layerwise streams (it lacks {', '.join(missing)}); "
             "convert the checkpoint to a family that has it (e.g. Llama) or open an issue")
+    if _uses_alibi(base):
+        raise ValueError(
+            f"unsupported architecture model_type={family!r}: its base model adds ALiBi biases "
+            "to the attention it gives its layers (config alibi), which layerwise does not "
+            "compute; use a checkpoint with rotary positions or open an issue")
     tensors = sorted(k for k, v in vars(base).items() if isinstance(v, torch.Tensor))
     if tensors:
         raise ValueError(
@@ -114,6 +119,15 @@ def decoder_layout(meta: nn.Module, family: str, num_layers: int) -> DecoderLayo
     return DecoderLayout(base_path, embed, tuple(n for n in pre if weighted(n) and n != rotary),
                          layers, tuple(post), head, rotary, frozenset(inputs & LAYER_INPUTS),
                          frozenset(nones - LAYER_INPUTS), frozenset(masked))
+
+
+def _uses_alibi(base: nn.Module) -> bool:
+    """Whether the base model biases attention by ALiBi: it says so in its config or on itself
+    (Falcon's ``alibi`` / ``use_alibi``). Newer transformers fold the biases into the attention
+    mask (Falcon since 5.25), where the trace cannot see them, so this is read, not traced."""
+    config = getattr(base, "config", None)
+    flags = [getattr(obj, name, None) for obj in (config, base) for name in ("alibi", "use_alibi")]
+    return True in flags or getattr(config, "position_embedding_type", None) == "alibi"
 
 
 class _LayerProbe(nn.Module):
