@@ -152,10 +152,16 @@ def host_kernels() -> dict[str, Any]:
     from layerwise.optim import _kernel, grad_accum
 
     forced = os.environ.get("LAYERWISE_OPTIM_KERNEL", "") == "torch"
+    avx512 = None
+    if _kernel.numba_available():  # the 512-bit vectors ``util/simd`` asks for exist here?
+        import llvmlite.binding as llvm
+
+        avx512 = "+avx512f" in llvm.get_host_cpu_features().flatten()
     return {"numba": package_versions().get("numba"),
             "optimizer_8bit": "numba" if _kernel.numba_available() and not forced else "torch",
             "grad_accumulation": "numba" if grad_accum.numba_available() else "torch",
-            "split_master": "numba" if split_master.numba_available() else "torch"}
+            "split_master": "numba" if split_master.numba_available() else "torch",
+            "host_avx512": avx512}
 
 
 def imported_from(names: tuple[str, ...]) -> dict[str, str | None]:

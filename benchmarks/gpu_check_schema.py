@@ -71,8 +71,9 @@ DEVICE = R("device",
            K("device", "str", "`cuda`, or `cpu-async` in a dry run"),
            K("layerwise_commit", "str", "`git rev-parse HEAD`", null=True),
            K("kernels", "object", "which host kernels run, `numba` or `torch` (the fallback): "
-                                  "`optimizer_8bit`, `grad_accumulation`, `split_master`; and "
-                                  "`numba`'s version"),
+                                  "`optimizer_8bit`, `grad_accumulation`, `split_master`; "
+                                  "`numba`'s version; `host_avx512`: the host CPU has the 512-bit "
+                                  "vectors the kernels are compiled for (null without numba)"),
            K("cuda_alloc_conf", "str", "`PYTORCH_CUDA_ALLOC_CONF` (the check adds `expandable_segments:True` "
                                        "unless given)", null=True),
            K("expandable_segments", "bool", "`cuda_alloc_conf` holds `expandable_segments:True`"),
