@@ -25,8 +25,9 @@ def test_the_trace_finds_each_layout_and_what_its_layers_take():
     """Phi registers its final norm after a dropout and LFM2 calls its final norm
     ``embedding_norm``: the order is the forward's, the names the model's. Mutations seen failing:
     the probe not recording the required arguments given as None (Falcon's ``alibi`` where the
-    installed transformers passes it; in the engine: ``missing 1 required positional argument``); the trace run with SDPA (no layer gets
-    a 4-D mask, so a recurrent layer cannot be told from an attention one)."""
+    installed transformers passes it; in the engine: ``missing 1 required positional
+    argument``); the trace run with SDPA (no layer gets a 4-D mask, so a recurrent layer cannot
+    be told from an attention one)."""
     llama = _layout("llama")
     assert (llama.base, llama.embed, llama.pre, llama.layers, llama.post, llama.head) == \
         ("model", "embed_tokens", (), "layers", ("norm",), "lm_head")
