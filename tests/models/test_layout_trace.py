@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.falcon.modeling_falcon import FalconDecoderLayer
 
-from layerwise.models.layout import decoder_layout
+from layerwise.models.layout import _uses_alibi, decoder_layout
 from sweep_cases import tiny_config
 
 
@@ -66,6 +66,18 @@ def test_a_falcon_with_alibi_is_refused_in_one_line():
         decoder_layout(model, "falcon", cfg.num_hidden_layers)
     assert "ALiBi" in str(e.value) and "\n" not in str(e.value)
     assert str(e.value).startswith("unsupported architecture model_type='falcon'")
+
+
+@pytest.mark.parametrize("model_type, alibi", [("falcon", False), ("mpt", True), ("bloom", True),
+                                               ("llama", False), ("gpt2", False)])
+def test_alibi_is_read_off_the_model(model_type, alibi):
+    """Bloom and MPT are refused before this is asked (an embedding norm, ``position_bias``); the
+    reading stands behind those for the day their biases move into the mask as Falcon's did.
+    Mutation seen caught: Bloom's fallback (no flag: a base model that builds the biases) dropped."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+    base = model.get_submodule(next(n for n, _ in model.named_children()))
+    assert _uses_alibi(base) is alibi
 
 
 @pytest.mark.parametrize("model_type, why", [

@@ -81,11 +81,6 @@ def decoder_layout(meta: nn.Module, family: str, num_layers: int) -> DecoderLayo
             f"unsupported architecture model_type={family!r}: transformers' {type(meta).__name__} "
             f"does not have the decoder layout layerwise streams (it lacks {', '.join(missing)}); "
             "convert the checkpoint to a family that has it (e.g. Llama) or open an issue")
-    if _uses_alibi(base):
-        raise ValueError(
-            f"unsupported architecture model_type={family!r}: its base model adds ALiBi biases "
-            "to the attention it gives its layers (config alibi), which layerwise does not "
-            "compute; use a checkpoint with rotary positions or open an issue")
     tensors = sorted(k for k, v in vars(base).items() if isinstance(v, torch.Tensor))
     if tensors:
         raise ValueError(
@@ -116,18 +111,29 @@ def decoder_layout(meta: nn.Module, family: str, num_layers: int) -> DecoderLayo
         raise ValueError(
             f"unsupported architecture model_type={family!r}: its base model gives every layer "
             f"{', '.join(unknown)}, which layerwise does not compute; open an issue if you need it")
+    if _uses_alibi(base):  # after the trace's refusals: theirs say more where they apply
+        raise ValueError(
+            f"unsupported architecture model_type={family!r}: its base model adds ALiBi biases "
+            "to the attention it gives its layers, which layerwise does not compute; use a "
+            "checkpoint with rotary positions or open an issue")
     return DecoderLayout(base_path, embed, tuple(n for n in pre if weighted(n) and n != rotary),
                          layers, tuple(post), head, rotary, frozenset(inputs & LAYER_INPUTS),
                          frozenset(nones - LAYER_INPUTS), frozenset(masked))
 
 
 def _uses_alibi(base: nn.Module) -> bool:
-    """Whether the base model biases attention by ALiBi: it says so in its config or on itself
-    (Falcon's ``alibi`` / ``use_alibi``). Newer transformers fold the biases into the attention
-    mask (Falcon since 5.25), where the trace cannot see them, so this is read, not traced."""
+    """Whether the base model biases attention by ALiBi: a flag says so (Falcon's ``alibi`` /
+    ``use_alibi``, MPT's ``attn_config.alibi``), or, with no flag, the base model builds the
+    biases itself (Bloom's ``build_alibi_tensor``). Newer transformers fold the biases into the
+    attention mask (Falcon since 5.25), where the trace cannot see them, so this is read, not
+    traced."""
     config = getattr(base, "config", None)
-    flags = [getattr(obj, name, None) for obj in (config, base) for name in ("alibi", "use_alibi")]
-    return True in flags or getattr(config, "position_embedding_type", None) == "alibi"
+    owners = (config, base, getattr(config, "attn_config", None))
+    flags = [getattr(o, n, None) for o in owners for n in ("alibi", "use_alibi")]
+    flags.append(getattr(config, "position_embedding_type", None) == "alibi" or None)
+    if any(isinstance(f, bool) for f in flags):
+        return True in flags
+    return any("alibi" in name for name in dir(type(base)))
 
 
 class _LayerProbe(nn.Module):
