@@ -15,16 +15,21 @@ every-2 and recompute-all.
 
 from __future__ import annotations
 
+import copy
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from family_cases import assert_grads_close, engine_grads, hf_reference, make_batch
 from layerwise.engine import StreamingEngine
+from layerwise.interop.hf.model_dir import load_store
 from layerwise.interop.recipes.store_export import export_store
 from layerwise.plan import Plan
 from matrix import subset
-from sweep_cases import build, causal_lm_types, saved_and_loaded, saved_tensors
+from sweep_cases import (MAX_PARAMS, REFUSALS, VOCAB, build, causal_lm_types, saved_and_loaded,
+                         saved_tensors, tiny_config)
 
 SAMPLE = (
     # the types that guarded a named mutation (below)
@@ -83,3 +88,76 @@ def test_every_causal_lm_type_trains_as_hf_or_is_refused(model_type, tmp_path):
 @pytest.mark.parametrize("model_type", causal_lm_types())
 def test_every_causal_lm_type_under_every_plan(model_type, tmp_path):
     _check(model_type, list(PLANS), tmp_path)
+
+
+OUTPUT_FLAGS = frozenset({
+    "return_dict", "output_hidden_states", "output_attentions", "output_router_logits", "use_cache",
+    "torchscript", "is_decoder", "is_encoder_decoder", "add_cross_attention", "tie_encoder_decoder",
+    "tie_word_embeddings", "use_bfloat16", "tf_legacy_loss"})
+"""Boolean config fields that choose what a forward returns or keeps, or the weights' sharing
+(the export tests cover that), not what it computes."""
+FLAG_SAMPLE = ("falcon", "afmoe", "gemma3_text", "qwen3", "gpt2", "mixtral")
+"""Of ``causal_lm_types()``: what ``make test`` flips (the three whose flags were found wrong)."""
+
+
+def _flag_flips(model_type: str):
+    """(flag, config, model) for each boolean field of the type's tiny config flipped, where the
+    flipped config still builds (within the sweep's size) and survives the JSON round trip."""
+    try:
+        base = tiny_config(model_type)
+    except Exception as e:  # noqa: BLE001 — as ``build``: a type whose tiny config does not build
+        pytest.skip(f"{model_type}: its tiny config does not build here ({type(e).__name__})")
+    for flag, value in base.to_dict().items():
+        if not isinstance(value, bool) or flag in OUTPUT_FLAGS:
+            continue
+        cfg = copy.deepcopy(base)
+        setattr(cfg, flag, not value)
+        try:
+            type(cfg).from_dict(json.loads(cfg.to_json_string()))
+            with torch.device("meta"):
+                if sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters()) > MAX_PARAMS:
+                    continue
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(cfg).eval()
+            with torch.no_grad():
+                model(torch.randint(3, VOCAB, (1, 8)))
+        except Exception:  # noqa: BLE001 — a combination the family does not build
+            continue
+        yield flag, cfg, model
+
+
+def _check_flags(model_type: str, tmp_path) -> None:
+    for flag, cfg, model in _flag_flips(model_type):
+        hub = tmp_path / flag
+        model.save_pretrained(hub)
+        try:
+            adapter, store = load_store(hub)
+        except ValueError as e:
+            assert "\n" not in str(e).strip() and str(e).startswith(REFUSALS), f"{flag}: {e}"
+            continue
+        batch = make_batch(cfg.vocab_size)
+        ref_loss, ref_grads = hf_reference(model, cfg, [batch])
+        engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 1))
+        try:
+            loss, _ = engine.compute_grads([batch])
+        finally:
+            engine.close()
+        assert loss == pytest.approx(ref_loss, rel=1e-5), f"{model_type} with {flag}={getattr(cfg, flag)}"
+        assert_grads_close(engine_grads(store), ref_grads)
+
+
+@pytest.mark.parametrize("model_type", subset(causal_lm_types(), FLAG_SAMPLE, strict=False))
+def test_every_boolean_flag_trains_as_hf_or_is_refused(model_type, tmp_path):
+    """Each boolean field of the type's config flipped (what it computes, not what it returns):
+    the engine equals HF, or layerwise refuses in one line. Found wrong before (transformers
+    5.25), each a mutation seen caught when its fix is undone: Falcon's ``alibi`` (folded into
+    the mask; trained without the biases), AFMoE's ``mup_enabled`` (the embeddings scaled by
+    ``sqrt(hidden)`` in the base model's forward; loss 4.58176 against HF's 4.57928),
+    Gemma 3's ``use_bidirectional_attention`` (a two-way mask; 4.58471 against 4.58719)."""
+    _check_flags(model_type, tmp_path)
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("model_type", causal_lm_types())
+def test_every_boolean_flag_of_every_type(model_type, tmp_path):
+    _check_flags(model_type, tmp_path)

@@ -676,10 +676,13 @@ def _causal_lm_head(meta: nn.Module, layout: DecoderLayout, head_params: list[Pa
 def embedding_scale(embed: nn.Module, config: PretrainedConfig) -> tuple[float, bool] | None:
     """The factor the base model multiplies its token embeddings by, and whether it is cast to
     the weights' dtype first: a scaled embedding module's own (Gemma's ``sqrt(hidden)``, cast;
-    its buffer is empty on the meta device, its scalar copy is not) or the config's
-    ``embedding_multiplier`` (Granite, a Python float). None: no scale."""
+    its buffer is empty on the meta device, its scalar copy is not), the config's
+    ``embedding_multiplier`` (Granite, a Python float), or ``sqrt(hidden)`` where the config's
+    ``mup_enabled`` says so (AFMoE's muP input scaling, a Python float). None: no scale."""
     scale = getattr(embed, "scalar_embed_scale", None)
     cast = scale is not None
     if not cast:
         scale = getattr(config, "embedding_multiplier", None)
+    if not cast and scale is None and getattr(config, "mup_enabled", None) is True:
+        scale = config.hidden_size ** 0.5
     return None if scale is None or float(scale) == 1.0 else (float(scale), cast)

@@ -116,6 +116,12 @@ def decoder_layout(meta: nn.Module, family: str, num_layers: int) -> DecoderLayo
             f"unsupported architecture model_type={family!r}: its base model adds ALiBi biases "
             "to the attention it gives its layers, which layerwise does not compute; use a "
             "checkpoint with rotary positions or open an issue")
+    both_ways = getattr(getattr(base, "config", None), "use_bidirectional_attention", None)
+    if both_ways is True or both_ways == "all":  # "vision": over image tokens, none in text
+        raise ValueError(
+            f"unsupported architecture model_type={family!r}: its layers attend in both "
+            f"directions (use_bidirectional_attention={both_ways!r}), and layerwise's masks are "
+            "causal; set it to None for causal-LM training or open an issue")
     return DecoderLayout(base_path, embed, tuple(n for n in pre if weighted(n) and n != rotary),
                          layers, tuple(post), head, rotary, frozenset(inputs & LAYER_INPUTS),
                          frozenset(nones - LAYER_INPUTS), frozenset(masked))
