@@ -96,22 +96,32 @@ OUTPUT_FLAGS = frozenset({
     "tie_word_embeddings", "use_bfloat16", "tf_legacy_loss"})
 """Boolean config fields that choose what a forward returns or keeps, or the weights' sharing
 (the export tests cover that), not what it computes."""
-FLAG_SAMPLE = ("falcon", "afmoe", "gemma3_text", "qwen3", "gpt2", "mixtral")
-"""Of ``causal_lm_types()``: what ``make test`` flips (the three whose flags were found wrong)."""
+WINDOW_FIELDS = ("window", "chunk")
+"""Integer (or unset) config fields with these in their names are set to a few positions, less
+than the test batch's sequence, so that a window or chunk actually cuts it."""
+VARIANT_SAMPLE = ("falcon", "afmoe", "gemma3_text", "minimax", "qwen3", "gpt2", "mixtral")
+"""Of ``causal_lm_types()``: what ``make test`` varies (the four found wrong, and a few others)."""
 
 
-def _flag_flips(model_type: str):
-    """(flag, config, model) for each boolean field of the type's tiny config flipped, where the
-    flipped config still builds (within the sweep's size) and survives the JSON round trip."""
+def _variants(model_type: str):
+    """(field, config, model) for each boolean field of the type's tiny config flipped and each
+    window field set to 4 (with ``use_sliding_window`` on where the config has it), where the
+    changed config still builds (within the sweep's size) and survives the JSON round trip."""
     try:
         base = tiny_config(model_type)
     except Exception as e:  # noqa: BLE001 — as ``build``: a type whose tiny config does not build
         pytest.skip(f"{model_type}: its tiny config does not build here ({type(e).__name__})")
     for flag, value in base.to_dict().items():
-        if not isinstance(value, bool) or flag in OUTPUT_FLAGS:
+        window = (value is None or type(value) is int) and any(w in flag for w in WINDOW_FIELDS)
+        if not (isinstance(value, bool) or window) or flag in OUTPUT_FLAGS:
             continue
         cfg = copy.deepcopy(base)
-        setattr(cfg, flag, not value)
+        if window:
+            setattr(cfg, flag, 4)
+            if hasattr(cfg, "use_sliding_window"):
+                cfg.use_sliding_window = True
+        else:
+            setattr(cfg, flag, not value)
         try:
             type(cfg).from_dict(json.loads(cfg.to_json_string()))
             with torch.device("meta"):
@@ -126,8 +136,8 @@ def _flag_flips(model_type: str):
         yield flag, cfg, model
 
 
-def _check_flags(model_type: str, tmp_path) -> None:
-    for flag, cfg, model in _flag_flips(model_type):
+def _check_variants(model_type: str, tmp_path) -> None:
+    for flag, cfg, model in _variants(model_type):
         hub = tmp_path / flag
         model.save_pretrained(hub)
         try:
@@ -146,18 +156,20 @@ def _check_flags(model_type: str, tmp_path) -> None:
         assert_grads_close(engine_grads(store), ref_grads)
 
 
-@pytest.mark.parametrize("model_type", subset(causal_lm_types(), FLAG_SAMPLE, strict=False))
-def test_every_boolean_flag_trains_as_hf_or_is_refused(model_type, tmp_path):
-    """Each boolean field of the type's config flipped (what it computes, not what it returns):
-    the engine equals HF, or layerwise refuses in one line. Found wrong before (transformers
-    5.25), each a mutation seen caught when its fix is undone: Falcon's ``alibi`` (folded into
-    the mask; trained without the biases), AFMoE's ``mup_enabled`` (the embeddings scaled by
-    ``sqrt(hidden)`` in the base model's forward; loss 4.58176 against HF's 4.57928),
-    Gemma 3's ``use_bidirectional_attention`` (a two-way mask; 4.58471 against 4.58719)."""
-    _check_flags(model_type, tmp_path)
+@pytest.mark.parametrize("model_type", subset(causal_lm_types(), VARIANT_SAMPLE, strict=False))
+def test_every_flag_and_window_trains_as_hf_or_is_refused(model_type, tmp_path):
+    """Each boolean field of the type's config flipped (what it computes, not what it returns)
+    and each window field set: the engine equals HF, or layerwise refuses in one line. Found
+    wrong before (transformers 5.25), each a mutation seen caught when its fix is undone:
+    Falcon's ``alibi`` (folded into the mask; trained without the biases), AFMoE's
+    ``mup_enabled`` (the embeddings scaled by ``sqrt(hidden)`` in the base model's forward; loss
+    4.58176 against HF's 4.57928), Gemma 3's ``use_bidirectional_attention`` (a two-way mask;
+    4.58471 against 4.58719), MiniMax's ``sliding_window`` (it windows the full-attention
+    layers; 4.56085 against 4.56064)."""
+    _check_variants(model_type, tmp_path)
 
 
 @pytest.mark.sweep
 @pytest.mark.parametrize("model_type", causal_lm_types())
-def test_every_boolean_flag_of_every_type(model_type, tmp_path):
-    _check_flags(model_type, tmp_path)
+def test_every_flag_and_window_of_every_type(model_type, tmp_path):
+    _check_variants(model_type, tmp_path)

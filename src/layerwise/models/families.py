@@ -230,6 +230,13 @@ def attn_implementation(config: PretrainedConfig | Any, spec: FamilySpec | None 
     return (spec or family_of(config)).attn_implementation
 
 
+WINDOW_ON_FULL_LAYERS = frozenset({"minimax"})
+"""Families whose base model windows the layers ``layer_types`` marks ``full_attention`` by
+``sliding_window`` when the config sets one (MiniMax gives them a sliding-window causal mask),
+so those layers are sliding ones here. Found by setting config fields against HF
+(``tests/models/test_sweep.py``); no module says it."""
+
+
 def layer_attention_types(config: PretrainedConfig | Any,
                           recurrent: tuple[bool, ...] | None = None,
                           spec: FamilySpec | None = None) -> list[str]:
@@ -248,6 +255,8 @@ def layer_attention_types(config: PretrainedConfig | Any,
         if unknown:
             raise ValueError(f"layer_types {unknown} of {spec.model_type} are not supported; "
                              f"layerwise runs {list(ATTENTION_TYPES)}")
+        if spec.model_type in WINDOW_ON_FULL_LAYERS and getattr(config, "sliding_window", None):
+            types = [SLIDING_ATTENTION if t == FULL_ATTENTION else t for t in types]
         return types
     windowed = (spec.window_on_every_layer and getattr(config, "sliding_window", None)
                 and getattr(config, "use_sliding_window", True))
