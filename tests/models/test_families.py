@@ -5,7 +5,7 @@ every-2, recompute-all and kept internals, and the export loads with ``from_pret
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, RobertaConfig, Gemma3Config
+from transformers import AutoModelForCausalLM, Gemma3Config, GPT2Config, LlamaConfig, RobertaConfig
 
 from family_cases import (QUIRKY, assert_grads_close, engine_run, hf_case, hf_reference, make_batch,
                           uses_aux)
@@ -13,7 +13,7 @@ from layerwise.engine import StreamingEngine
 from layerwise.engine.batch import Batch
 from layerwise.interop.recipes.store_export import export_store
 from layerwise.models import DecoderAdapter
-from layerwise.models.families import attn_implementation, family_of
+from layerwise.models.families import attn_implementation, family_of, model_dropouts
 from layerwise.plan import Plan
 from layerwise.store import HostStore
 from matrix import sampled
@@ -127,3 +127,10 @@ def test_packed_batch_refuses_segment_ids_of_another_shape():
     with pytest.raises(ValueError, match="segment_ids .* must have the shape of input_ids"):
         engine.compute_grads([Batch(batch.input_ids, batch.labels, torch.zeros(2, 5, dtype=torch.long))])
     engine.close()
+
+
+def test_the_models_own_dropout_is_named_where_its_config_sets_it():
+    """A training run warns that these are off (the engine runs the modules as in eval)."""
+    assert model_dropouts(GPT2Config()) == {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
+    assert model_dropouts(LlamaConfig()) == {}
+    assert model_dropouts(LlamaConfig(attention_dropout=0.05)) == {"attention_dropout": 0.05}

@@ -272,6 +272,14 @@ def layer_windows(config: PretrainedConfig | Any,
     return tuple(size.get(t) for t in (types or layer_attention_types(config)))
 
 
+def model_dropouts(config: PretrainedConfig | Any) -> dict[str, float]:
+    """The language model's dropout probabilities its config sets above 0 (``attention_dropout``,
+    GPT-2's ``resid_pdrop`` …): the engine runs the modules as in eval, so these are off."""
+    items = text_config(config).to_dict().items() if hasattr(config, "to_dict") else ()
+    return {k: v for k, v in items if ("dropout" in k or "pdrop" in k) and isinstance(v, float)
+            and v > 0 and not k.startswith(("summary_", "classifier"))}  # heads a causal LM lacks
+
+
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 """Where the families' configs give their number of routed experts."""
 

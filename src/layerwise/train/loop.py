@@ -30,6 +30,7 @@ from .. import config as config_lib
 from ..ckpt.store_provider import HostStoreStateProvider
 from ..engine import EngineConfig, StreamingEngine
 from ..engine.batch import Batch
+from ..models.families import model_dropouts
 from ..util.errors import Interrupted
 from ..util.logs import quiet_unless
 from .build import (FlopCounter, ModelSource, check_fits, check_options, choose_plan, mem_cap_bytes,
@@ -252,6 +253,12 @@ class Trainer:
                   f"{self.store.nbytes() / 2**20:.0f} MiB"
                   + (f"; data parallel over {ctx.world_size} ranks ({ctx.num_nodes} node(s) x "
                      f"{ctx.local_world_size}), one shared store per node" if ctx.enabled else ""))
+        dropouts = model_dropouts(self.adapter.config)
+        if dropouts:
+            _log.warning("warning: the model's own dropout is off in training here ("
+                         + ", ".join(f"{k}={v:g}" for k, v in dropouts.items())
+                         + " in its config): layerwise runs its modules as in eval, so every plan "
+                         "computes the same step; LoRA's lora.dropout is the adapters' own")
         for line in [self.tokenizer_line, *self.data.summary()]:
             _log.info(line)
         _log.info(f"plan {plan.source}: boundaries {''.join(t[0] for t in plan.boundary_tiers)} "
