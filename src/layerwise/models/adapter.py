@@ -189,7 +189,7 @@ class DecoderAdapter:
         self.layout = layout = decoder_layout(self._meta, self.family, self.num_layers)
         inner = self._meta.get_submodule(layout.base)
         self._transient = _transient_buffers(spec.model_class, self.model_config, self._meta, layout)
-        self._device_buffers: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        self._device_buffers: dict[tuple[str, str, torch.dtype], dict[str, torch.Tensor]] = {}
         layers = getattr(inner, layout.layers)
         self._layers = layers
         self.sliding_window: int | None = getattr(config, "sliding_window", None)
@@ -373,7 +373,8 @@ class DecoderAdapter:
         named = {(self.layout.embed + "." + k if k == "weight" else k): v for k, v in params.items()}
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        named.update(self._on(input_ids.device, "pre", self._pre_buffers))
+        dtype = next((v.dtype for v in params.values() if v.is_floating_point()), torch.float32)
+        named.update(self._on(input_ids.device, "pre", self._pre_buffers, dtype))
         out = _functional_call(self._pre_template, named, (),
                                {"input_ids": input_ids, "position_ids": position_ids}, strict=False)
         return out[0] if isinstance(out, tuple) else out.last_hidden_state
@@ -455,17 +456,20 @@ class DecoderAdapter:
         kwargs = {k: v for k, v in given.items() if k in t.inputs}
         kwargs.update({k: None for k in self.layout.none_inputs if k not in kwargs})
         if t.transient:
-            params = {**params, **self._on(hidden.device, f"layer{index}", t.transient)}
+            params = {**params, **self._on(hidden.device, f"layer{index}", t.transient, hidden.dtype)}
         out = _functional_call(t.module, params, (hidden,), kwargs, strict=True)
         return out[0] if isinstance(out, (tuple, list)) else out
 
-    def _on(self, device: torch.device, key: str, buffers: dict[str, torch.Tensor]
-            ) -> dict[str, torch.Tensor]:
-        """``buffers`` on ``device`` (copied once per device)."""
-        cached = self._device_buffers.get((key, str(device)))
+    def _on(self, device: torch.device, key: str, buffers: dict[str, torch.Tensor],
+            dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """``buffers`` on ``device``, the floating ones in the compute ``dtype`` (as a model
+        loaded or cast to it holds them: an fp32 causal-mask table would promote a bf16 layer's
+        scores, an fp32 position table its embeddings), copied once per device and dtype."""
+        cached = self._device_buffers.get((key, str(device), dtype))
         if cached is None:
-            cached = self._device_buffers[(key, str(device))] = {
-                n: b.to(device) for n, b in buffers.items()}
+            cached = self._device_buffers[(key, str(device), dtype)] = {
+                n: b.to(device, dtype if b.is_floating_point() else b.dtype)
+                for n, b in buffers.items()}
         return cached
 
     def _layer_per_example(self, t: _Template, index: int, params, hidden, ctx) -> torch.Tensor:
