@@ -10,6 +10,7 @@ from layerwise.engine import EngineConfig, StreamingEngine
 from layerwise.optim.adamw import state_nbytes
 from layerwise.plan import Plan
 
+from sweep_cases import tiny_config as sweep_tiny_config
 from lora_helpers import (engine_grads, lora_plans, lora_store, make_batch, peft_grads,
                           peft_model, tiny_config, worst_rel)
 
@@ -109,3 +110,23 @@ def test_lora_options_are_checked():
         LoraConfig(r=4, base_dtype="fp8").check()
     with pytest.raises(ValueError, match="lm_head stay frozen"):
         lora_store(cfg, LoraConfig(r=4, target_modules=["lm_head"]))
+
+
+@pytest.mark.parametrize("model_type", ["phimoe", "llama4_text"])
+def test_lora_on_a_model_whose_router_is_a_linear_with_its_own_forward(model_type):
+    """PhiMoE's and Llama 4's routers subclass ``nn.Linear`` and return a tuple: they keep their
+    own forward (held in the compute dtype), and the adapters' gradients equal PEFT's. Mutation
+    seen caught: every ``nn.Linear`` swapped for the streamed one (the router then returns one
+    tensor: "too many values to unpack")."""
+    cfg = sweep_tiny_config(model_type)
+    lora = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    adapter, store = lora_store(cfg, lora)
+    batch = make_batch(cfg.vocab_size)
+    ref_loss, ref = peft_grads(peft_model(cfg, store, lora).eval(), batch)
+    engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 1))
+    try:
+        loss, _ = engine.compute_grads([batch])
+    finally:
+        engine.close()
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert worst_rel(engine_grads(store), ref) <= 1e-5

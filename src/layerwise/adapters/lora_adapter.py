@@ -96,7 +96,10 @@ class LoraAdapter:
 
     def _swap_linears(self, layer: nn.Module) -> nn.Module:
         out = copy.deepcopy(layer)
-        linears = [(n, m) for n, m in out.named_modules() if isinstance(m, nn.Linear)]
+        # a Linear subclass with a forward of its own (PhiMoE's and Llama 4's routers return a
+        # tuple) keeps it: held in the compute dtype, never an adapter's base
+        linears = [(n, m) for n, m in out.named_modules()
+                   if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward]
         for module_id, (name, lin) in enumerate(linears):
             shape = (lin.out_features, lin.in_features)
             meta = (torch.empty(packed_nbytes(self.base_format, shape), dtype=torch.uint8, device="meta")
