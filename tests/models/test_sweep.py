@@ -10,6 +10,10 @@ skipped with the reason the build gave. ``make test`` runs one plan for a stated
 types (``SAMPLE``); the ``sweep`` set (``make test-all``) runs every type under every-1,
 every-2 and recompute-all.
 
+Beside that: each type's config varied (every boolean field flipped, every window field set),
+each variant equal to HF or refused in one line; and each type in bf16, as close to HF's fp32
+autograd as HF's own bf16 model is.
+
 ``python tests/sweep_cases.py`` prints the outcome of every type and the counts.
 """
 
