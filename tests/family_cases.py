@@ -69,15 +69,21 @@ def hf_reference(model, cfg, batches: list[Batch]) -> tuple[float, dict[str, tor
     return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def engine_run(adapter, model, plan, batches: list[Batch], device: str = "cpu", spill_dir=None):
-    """(loss, grads by HF name, store) of the engine's ``compute_grads`` from ``model``'s weights."""
-    store = HostStore(adapter)
-    store.copy_from_model(model)
-    engine = StreamingEngine(adapter, store, plan, EngineConfig(device=device, spill_dir=spill_dir))
+def engine_loss(adapter, store, plan, batches: list[Batch], config: EngineConfig | None = None) -> float:
+    """The loss of one ``compute_grads`` on a fresh engine over ``store`` (its grads land there)."""
+    engine = StreamingEngine(adapter, store, plan, config or EngineConfig())
     try:
         loss, _ = engine.compute_grads(batches)
     finally:
         engine.close()
+    return loss
+
+
+def engine_run(adapter, model, plan, batches: list[Batch], device: str = "cpu", spill_dir=None):
+    """(loss, grads by HF name, store) of the engine's ``compute_grads`` from ``model``'s weights."""
+    store = HostStore(adapter)
+    store.copy_from_model(model)
+    loss = engine_loss(adapter, store, plan, batches, EngineConfig(device=device, spill_dir=spill_dir))
     return loss, engine_grads(store), store
 
 

@@ -10,6 +10,7 @@ from layerwise.engine import EngineConfig, StreamingEngine
 from layerwise.optim.adamw import state_nbytes
 from layerwise.plan import Plan
 
+from family_cases import engine_loss
 from sweep_cases import tiny_config as sweep_tiny_config
 from lora_helpers import (engine_grads, lora_plans, lora_store, make_batch, peft_grads,
                           peft_model, tiny_config, worst_rel)
@@ -123,10 +124,6 @@ def test_lora_on_a_model_whose_router_is_a_linear_with_its_own_forward(model_typ
     adapter, store = lora_store(cfg, lora)
     batch = make_batch(cfg.vocab_size)
     ref_loss, ref = peft_grads(peft_model(cfg, store, lora).eval(), batch)
-    engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 1))
-    try:
-        loss, _ = engine.compute_grads([batch])
-    finally:
-        engine.close()
+    loss = engine_loss(adapter, store, Plan.every_k(adapter.num_layers, 1), [batch])
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     assert worst_rel(engine_grads(store), ref) <= 1e-5

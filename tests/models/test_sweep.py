@@ -26,7 +26,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from family_cases import assert_grads_close, engine_grads, hf_reference, make_batch
+from family_cases import assert_grads_close, engine_grads, engine_loss, hf_reference, make_batch
 from layerwise.engine import EngineConfig, StreamingEngine
 from layerwise.interop.hf.model_dir import load_store
 from layerwise.interop.recipes.store_export import export_store
@@ -59,11 +59,7 @@ def _check(model_type: str, plans: list[str], tmp_path) -> None:
     ref_loss, ref_grads = hf_reference(model, cfg, [batch])
     for name in plans:
         store.zero_grads()
-        engine = StreamingEngine(adapter, store, PLANS[name](adapter.num_layers))
-        try:
-            loss, _ = engine.compute_grads([batch])
-        finally:
-            engine.close()
+        loss = engine_loss(adapter, store, PLANS[name](adapter.num_layers), [batch])
         assert loss == pytest.approx(ref_loss, rel=1e-5), name
         assert_grads_close(engine_grads(store), ref_grads)
     out = export_store(store, tmp_path / "out")
@@ -152,11 +148,7 @@ def _check_variants(model_type: str, tmp_path) -> None:
             continue
         batch = make_batch(cfg.vocab_size)
         ref_loss, ref_grads = hf_reference(model, cfg, [batch])
-        engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 1))
-        try:
-            loss, _ = engine.compute_grads([batch])
-        finally:
-            engine.close()
+        loss = engine_loss(adapter, store, Plan.every_k(adapter.num_layers, 1), [batch])
         assert loss == pytest.approx(ref_loss, rel=1e-5), f"{model_type} with {flag}={getattr(cfg, flag)}"
         assert_grads_close(engine_grads(store), ref_grads)
 
@@ -195,12 +187,8 @@ def _check_bf16(model_type: str, tmp_path) -> None:
     hf_loss, hf = hf_reference(copy.deepcopy(model).to(torch.bfloat16), cfg, [batch])
     store = HostStore(adapter, compute_dtype=torch.bfloat16, pin=False)
     store.copy_from_model(model)
-    engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 1),
-                             EngineConfig(compute_dtype=torch.bfloat16))
-    try:
-        loss, _ = engine.compute_grads([batch])
-    finally:
-        engine.close()
+    loss = engine_loss(adapter, store, Plan.every_k(adapter.num_layers, 1), [batch],
+                       EngineConfig(compute_dtype=torch.bfloat16))
     assert abs(loss - ref_loss) <= max(4 * abs(hf_loss - ref_loss), 2e-3 * abs(ref_loss)), \
         (loss, hf_loss, ref_loss)
     got = engine_grads(store)

@@ -16,8 +16,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
-from family_cases import assert_grads_close, engine_grads, hf_reference, make_batch
-from layerwise.engine import StreamingEngine
+from family_cases import assert_grads_close, engine_grads, engine_loss, hf_reference, make_batch
 from layerwise.interop.recipes.store_export import export_store
 from layerwise.plan import Plan
 from matrix import sampled
@@ -54,11 +53,7 @@ def test_every_image_text_type_trains_its_language_model_as_hf_or_is_refused(mod
     assert adapter.passthrough_names, "a multimodal model has tensors outside its language model"
     batch = make_batch(adapter.vocab_size)
     ref_loss, ref_grads = hf_reference(model, adapter.config, [batch])
-    engine = StreamingEngine(adapter, store, Plan.every_k(adapter.num_layers, 1))
-    try:
-        loss, _ = engine.compute_grads([batch])
-    finally:
-        engine.close()
+    loss = engine_loss(adapter, store, Plan.every_k(adapter.num_layers, 1), [batch])
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     got = engine_grads(store)
     assert_grads_close(got, {k: v for k, v in ref_grads.items() if k in got})

@@ -135,8 +135,9 @@ def _uses_alibi(base: nn.Module) -> bool:
     traced."""
     config = getattr(base, "config", None)
     owners = (config, base, getattr(config, "attn_config", None))
+    if getattr(config, "position_embedding_type", None) == "alibi":
+        return True
     flags = [getattr(o, n, None) for o in owners for n in ("alibi", "use_alibi")]
-    flags.append(getattr(config, "position_embedding_type", None) == "alibi" or None)
     if any(isinstance(f, bool) for f in flags):
         return True in flags
     return any("alibi" in name for name in dir(type(base)))
