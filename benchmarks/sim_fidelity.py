@@ -25,6 +25,16 @@ to carry one measurement across widths), median of 3 rounds. Beside each predict
 pricing of the same profile (the model before format 5). Prints one JSON object with
 ``max_abs_error_pct_widths`` (and ``..._flops_only``).
 
+Machine drift (``--widths``): a shared VM's speed moves while the benchmark runs (on a 2-core
+AMD EPYC VM, one fixed workload's CPU time swung 21 -> 30 ms between 2-second windows), and a
+prediction from one moment's calibration is compared with a later moment's step. So a fixed
+workload (``_speed_probe``: a small decoder layer's forward, median of ~0.25 s of runs) is timed
+right before and after each calibration and right before and after each engine measurement; ``drift`` is
+the measurement's probe time over the calibration's. Each case reports it and
+``error_drift_adjusted_pct`` (the prediction scaled by its drift) beside the raw error; the
+headline ``max_abs_error_pct_widths`` stays the raw one, ``..._drift_adjusted`` says how much
+of it the machine's drift explains.
+
     python benchmarks/sim_fidelity.py [--quick]
     python benchmarks/sim_fidelity.py --widths
 """
@@ -211,6 +221,34 @@ def _flops_only(hw):
     return replace(hw, device_mem_gbps=None, op_overhead_s=max(0.0, hw.op_overhead_s + kernels - flops_s))
 
 
+def _speed_probe():
+    """A fixed workload's CPU time per run, for machine drift: a Llama-style layer of hidden 128
+    (no graph) at 2 x 128 tokens, its runs for ~0.25 s, their median."""
+    import torch
+
+    from layerwise.models import DecoderAdapter
+    from layerwise.store import FlatLayout
+
+    cfg = _width_models()["dense-h128"]
+    adapter = DecoderAdapter(cfg)
+    layout = FlatLayout.of(adapter.units[1])
+    w = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0)) * 0.02
+    x = torch.randn(2, 128, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    ctx = adapter.layer_context((2, 128), "cpu", torch.float32, adapter.new_rotary("cpu"))
+
+    def probe() -> float:
+        times, end = [], time.process_time() + 0.25
+        while time.process_time() < end or len(times) < 5:
+            t = time.process_time()
+            with torch.no_grad():
+                adapter.layer(0, layout.views(w), x, ctx)
+            times.append(time.process_time() - t)
+        return statistics.median(times)
+
+    probe()  # warm-up
+    return probe
+
+
 def widths(args) -> int:
     import torch
 
@@ -236,9 +274,13 @@ def widths(args) -> int:
     pred_flops, meas = {k: [] for k in pred}, {k: [] for k in pred}
     spill = tempfile.mkdtemp(prefix="layerwise-fidelity-widths-")
     profiles, loads = [], []
+    probe = _speed_probe()
+    drift = {k: [] for k in pred}
     for _ in range(rounds):
         load = os.getloadavg()[0]
+        before = probe()
         hw = calibrate(quick=args.quick, cpu_time=True)
+        at_calibration = (before + probe()) / 2
         old = _flops_only(hw)
         profiles.append(hw.to_dict())
         for name, cfg in models.items():
@@ -257,24 +299,30 @@ def widths(args) -> int:
                 eng = StreamingEngine(adapter, store, plan, EngineConfig(spill_dir=spill))
                 eng.train_step(batches)  # warm-up
                 eng.synchronize()
+                before = probe()
                 start = time.process_time()
                 for _ in range(steps):
                     eng.train_step(batches)
                 eng.synchronize()
                 meas[name, pname].append((time.process_time() - start) / steps)
+                drift[name, pname].append((before + probe()) / 2 / at_calibration)
                 eng.close()
         loads.append((load, os.getloadavg()[0]))
     cases = []
     for (name, pname), p in pred.items():
         err = [100.0 * (a - b) / b for a, b in zip(p, meas[name, pname])]
         err_old = [100.0 * (a - b) / b for a, b in zip(pred_flops[name, pname], meas[name, pname])]
+        err_adj = [100.0 * (a * d - b) / b for a, b, d in zip(p, meas[name, pname], drift[name, pname])]
         cases.append({"model": name, "plan": pname, "params": shapes[name].num_params,
                       "predicted_s": statistics.median(p), "measured_s": statistics.median(meas[name, pname]),
                       "predicted_flops_only_s": statistics.median(pred_flops[name, pname]),
                       "predicted_rounds_s": p, "measured_rounds_s": meas[name, pname],
                       "error_rounds_pct": err, "error_pct": statistics.median(err),
-                      "error_flops_only_pct": statistics.median(err_old)})
+                      "error_flops_only_pct": statistics.median(err_old),
+                      "drift_rounds": [round(d, 3) for d in drift[name, pname]],
+                      "error_drift_adjusted_pct": statistics.median(err_adj)})
     per_model = {n: max(abs(c["error_pct"]) for c in cases if c["model"] == n) for n in models}
+    all_drift = [d for c in cases for d in c["drift_rounds"]]
     out = {
         "benchmark": "sim_fidelity_widths", "quick": args.quick,
         "inputs": {"models": list(models), "seq_len": seq, "micro_batch_size": mbs, "num_micro_batches": m,
@@ -287,6 +335,8 @@ def widths(args) -> int:
         "max_abs_error_pct_by_model": per_model,
         "max_abs_error_pct_widths": max(per_model.values()),
         "max_abs_error_pct_widths_flops_only": max(abs(c["error_flops_only_pct"]) for c in cases),
+        "max_abs_error_pct_widths_drift_adjusted": max(abs(c["error_drift_adjusted_pct"]) for c in cases),
+        "drift_range": [min(all_drift), max(all_drift)],
         "wall_s": time.perf_counter() - t0,
     }
     print(json.dumps(out, indent=1))
