@@ -40,7 +40,7 @@ def test_calibrate_measures_the_host_fields_at_the_run_shape(monkeypatch, tmp_pa
     (the old calibrate timed no bf16 accumulation); the fit's points left at 512/8;
     ``other=points[0]`` given at a run shape too."""
     seen = {}
-    layer, launches = calibrate.measure_layer, calibrate.measure_launches
+    layer, launches = calibrate.measure_layer, calibrate.measure_by_shape
 
     def spy(device, dtype, points, repeats, clock=None, config=None):
         seen["points"], seen["hidden"] = points, config.hidden_size
@@ -50,7 +50,7 @@ def test_calibrate_measures_the_host_fields_at_the_run_shape(monkeypatch, tmp_pa
         seen["launch_point"], seen["other"] = point, other
         return launches(hw, device, dtype, point, 1, clock, config, other)
     monkeypatch.setattr(calibrate, "measure_layer", spy)
-    monkeypatch.setattr(calibrate, "measure_launches", spy_launches)
+    monkeypatch.setattr(calibrate, "measure_by_shape", spy_launches)
     _shrink(monkeypatch, "measure_matmul_tflops", n=64)
     _shrink(monkeypatch, "measure_copy_gbps", nbytes=1 << 20)
     _shrink(monkeypatch, "measure_disk_gbps", nbytes=1 << 20)
@@ -157,3 +157,25 @@ def test_calibrate_names_the_optimizer_form_its_threads_and_the_rate_per_thread(
     assert probe.grad.dtype == torch.bfloat16 and probe.remainder is not None
     assert calibrate_host.optimizer_form("cpu") == ("fp32", "plain")
     assert "on 2 intra-op" in calibrate_host.optimizer_lines(hw, "cuda", 2)[0]
+
+
+def test_best_times_runs_its_closures_in_turn():
+    """On a machine whose speed halves after the first round, each closure's best time is the
+    fast round's: the closures are run one of each per round, not each's repeats back to back.
+
+    Mutation seen caught: ``best_times`` running each closure's repeats in a row (the later
+    closures see only the slow phase: their best is 2x)."""
+    now, runs = [0.0], [0]
+    bases = [1.0, 2.0, 3.0]
+
+    def work(base):
+        def run():
+            runs[0] += 1
+            # the first round (each closure's untimed and timed run: 2 x 3 runs) at full
+            # speed, then at half
+            now[0] += base * (1.0 if runs[0] <= 2 * len(bases) else 2.0)
+        return run
+
+    got = calibrate_host.best_times([work(b) for b in bases], 4, clock=lambda: now[0])
+    assert got == bases
+    assert runs[0] == 2 * len(bases) * 4

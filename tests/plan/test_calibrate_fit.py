@@ -23,8 +23,8 @@ def test_layer_fit_recovers_rates_and_overhead(monkeypatch):
     overhead_s, bwd_rate, fwd_rate = 3e-3, 8e10, 1.2e11
     times = [overhead_s + 3 * flops[512] / bwd_rate, overhead_s + 3 * flops[8] / bwd_rate,
              overhead_s + flops[512] / fwd_rate, overhead_s + flops[8] / fwd_rate]
-    calls = iter(times)  # measure_layer times: backward 512, backward 8, forward 512, forward 8
-    monkeypatch.setattr(calibrate, "_best_time", lambda *a, **kw: next(calls))
+    # measure_layer times, in one batch: backward 512, backward 8, forward 512, forward 8
+    monkeypatch.setattr(calibrate, "best_times", lambda fns, *a, **kw: times[:len(fns)])
     b, f, o = calibrate.measure_layer("cpu", __import__("torch").float32, ((1, 512), (1, 8)), 1)
     assert b == pytest.approx(bwd_rate, rel=1e-9)
     assert f == pytest.approx(fwd_rate, rel=1e-9)
@@ -60,7 +60,7 @@ def test_a_version_2_profile_without_fwd_efficiency_loads(tmp_path):
     assert hw.fwd_efficiency is None and hw.fwd_flops_per_s == hw.flops_per_s
 
 
-def test_launches_are_fitted_per_kernel_from_the_layer(monkeypatch):
+def test_launches_are_fitted_per_kernel_from_the_layer():
     """Times synthesised from the shape model (rooflines + ``n_fwd x L_f`` for the forward,
     + ``n_bwd x L_b`` more for the backward op) give back both launches exactly, and the per-op
     overhead is 0 (the layer's Python is its kernels'), so one layer's measurement carries to
@@ -76,9 +76,8 @@ def test_launches_are_fitted_per_kernel_from_the_layer(monkeypatch):
     free = DeviceCost(shape, replace(hw, kernel_launch_s=0.0, backward_launch_s=0.0), 1, 8)
     n_f, n_b = free.kernel_count(0), free.kernel_count(0, backward=True)
     l_f, l_b = 60e-6, 25e-6
-    times = iter([free.layer_bwd_s(0) + n_f * l_f + n_b * l_b, free.layer_fwd_s(0) + n_f * l_f])
-    monkeypatch.setattr(calibrate, "_best_time", lambda *a, **kw: next(times))
-    got = calibrate.measure_launches(hw, "cpu", __import__("torch").float32, (1, 8), 1)
+    got = calibrate.fit_launches(hw, shape, (1, 8), free.layer_bwd_s(0) + n_f * l_f + n_b * l_b,
+                                 free.layer_fwd_s(0) + n_f * l_f)
     assert got.kernel_launch_s == pytest.approx(l_f, rel=1e-9)
     assert got.backward_launch_s == pytest.approx(l_b, rel=1e-9)
     assert got.op_overhead_s == 0.0
@@ -86,7 +85,7 @@ def test_launches_are_fitted_per_kernel_from_the_layer(monkeypatch):
     assert full.layer_bwd_s(0) == pytest.approx(free.layer_bwd_s(0) + n_f * l_f + n_b * l_b)
 
 
-def test_the_probes_rates_are_scaled_to_the_layers_before_the_launches(monkeypatch):
+def test_the_probes_rates_are_scaled_to_the_layers_before_the_launches():
     """Times synthesised with every kernel ``f`` times slower than the probes say (and the
     launches above) give back ``f`` from the backward op's two points, the probes' rates over
     ``f``, and both launches exactly.
@@ -104,11 +103,36 @@ def test_the_probes_rates_are_scaled_to_the_layers_before_the_launches(monkeypat
     small, big = DeviceCost(shape, zero, 1, 8), DeviceCost(shape, zero, 1, 512)
     n_f, n_b = small.kernel_count(0), small.kernel_count(0, backward=True)
     launches = n_f * l_f + n_b * l_b
-    times = iter([small.layer_bwd_s(0) + launches, small.layer_fwd_s(0) + n_f * l_f,
-                  big.layer_bwd_s(0) + launches, big.layer_fwd_s(0) + n_f * l_f])
-    monkeypatch.setattr(calibrate, "_best_time", lambda *a, **kw: next(times))
-    got = calibrate.measure_launches(hw, "cpu", __import__("torch").float32, (1, 8), 1, other=(1, 512))
+    got = calibrate.fit_launches(hw, shape, (1, 8), small.layer_bwd_s(0) + launches,
+                                 small.layer_fwd_s(0) + n_f * l_f, (1, 512), big.layer_bwd_s(0) + launches)
     assert got.device_mem_gbps == pytest.approx(20.0 / f, rel=1e-9)
     assert [r for p in got.gemm_tflops_points for r in p] == pytest.approx([1e4, 0.04, 4.0, 1e7, 0.032, 2.4], rel=1e-9)
     assert got.kernel_launch_s == pytest.approx(l_f, rel=1e-9)
     assert got.backward_launch_s == pytest.approx(l_b, rel=1e-9)
+
+
+
+def test_the_probes_and_the_layer_are_timed_in_one_batch(monkeypatch):
+    """``measure_by_shape`` hands the probes and the layer's runs (both points, with ``other``)
+    to one ``best_times`` call, so the times the launch fit subtracts come from the same seconds
+    (``best_times`` runs them in turn: tests/engine/test_calibrate_host.py); what it fits is
+    a profile with every device-by-shape field measured.
+
+    Mutation seen caught: the layer timed in a ``best_times`` call of its own after the probes'."""
+    import torch
+
+    from layerwise.engine.calibrate_host import best_times
+
+    batches = []
+
+    def spy(fns, repeats, sync=lambda: None, clock=None):
+        batches.append(len(fns))
+        return best_times(fns, repeats, sync)
+
+    monkeypatch.setattr(calibrate, "best_times", spy)
+    probes = len(calibrate._device_shape_probes("cpu", torch.float32)[0])
+    got = calibrate.measure_by_shape(PRESETS["cpu"], "cpu", torch.float32, (1, 8), 1,
+                                     config=get_flavor("llama-debug").build_config(), other=(1, 64))
+    assert batches == [probes + 3]
+    assert got.kernel_launch_s > 0 and got.backward_launch_s > 0 and got.op_overhead_s == 0.0
+    assert got.device_mem_gbps > 0 and len(got.gemm_tflops_points) == len(calibrate.GEMM_PROBES["cpu"])

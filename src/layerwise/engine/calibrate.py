@@ -15,12 +15,13 @@ What is measured (each the fastest of a few repeats, after a warm-up):
   tokens is launch-bound noise); without them a llama-30m layer, 512 and 8 tokens;
 - the device by shape (``plan/device_cost.py``): ``gemm_tflops_points``, a GEMM's rate at a few
   weight sizes and the rate it reads that weight at (8 rows); ``device_mem_gbps``, an elementwise add's bytes per second; and the launches,
-  from the layer at the fit's small point (``measure_launches``): ``kernel_launch_s`` per
+  from the layer at the fit's small point (``fit_launches``): ``kernel_launch_s`` per
   forward kernel and ``backward_launch_s`` per backward kernel, what the layer takes beyond its
   kernels' rooflines (its modules' Python and dispatch grow with its kernels, so the profile's
   ``op_overhead_s`` is then 0), so one layer's measurement prices every width; on a CPU
   without a run shape the probes' rates are first scaled to the layer's (``in_layer_factor``,
-  from its two points);
+  from its two points). The probes and the layer's runs are timed in turn, round by round
+  (``measure_by_shape``), so the differences the fit takes are of times from the same seconds;
 - copy bandwidth: on CUDA pinned H2D/D2H copies; on CPU the engine's "copies" are ``copy_``
   into slots allocated once;
 - disk: write with fsync, then read back, in the spill directory;
@@ -51,14 +52,13 @@ from ..plan.hardware import PRESETS, HardwareProfile
 from ..plan.hardware_choice import resolve_hardware
 from ..plan.shape import ModelShape
 from ..store import FlatLayout
-from .calibrate_host import (Clock, best_time, measure_accumulation, measure_gloo_reduce_gbps,
+from .calibrate_host import (Clock, best_time, best_times, measure_accumulation, measure_gloo_reduce_gbps,
                              measure_optimizer, measure_optimizer_8bit, measure_pinned_copy_gbps,
                              on_host_worker)
 from .devices import this_machine
 from .host_threads import plan_host_threads
 from .layer_ops import layer_backward
 
-_best_time = best_time  # the layer fit's clock (a test synthesises its times through it)
 
 DEFAULT_POINTS = ((1, 512), (1, 8))
 """(micro-batch size, sequence length) of the layer fit without a run shape."""
@@ -78,30 +78,39 @@ def _sync_for(device: str) -> Callable[[], None]:
 def measure_matmul_tflops(device: str, dtype, n: int, repeats: int, clock: Clock = time.perf_counter) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    t = _best_time(lambda: torch.mm(a, b), repeats, _sync_for(device), clock)
+    t = best_time(lambda: torch.mm(a, b), repeats, _sync_for(device), clock)
     return 2 * n**3 / t / 1e12
 
 
-def measure_device_shape(device: str, dtype, repeats: int, clock: Clock = time.perf_counter) -> dict:
-    """The profile's device-by-shape fields: the launch (a one-element add, per op over 100),
-    the memory bandwidth (an add over 3 x 1 MiB on a CPU, 3 x 128 MiB on a GPU) and each
-    probe GEMM's rate with the launch taken out where it is serial (a synchronous CPU)."""
-    sync, on_gpu = _sync_for(device), device.startswith("cuda")
+def _device_shape_probes(device: str, dtype
+                         ) -> tuple[list[Callable[[], None]], Callable[[list[float]], dict]]:
+    """The profile's device-by-shape probes, as closures to time, and their fields from their
+    times: the launch (a one-element add, per op over 100), the memory bandwidth (an add over
+    3 x 1 MiB on a CPU, 3 x 128 MiB on a GPU) and each probe GEMM's rate at its rows and at 8
+    (its weight's pass), with the launch taken out where it is serial (a synchronous CPU)."""
+    on_gpu = device.startswith("cuda")
     one = torch.zeros(1, device=device, dtype=dtype)
-    launch = _best_time(lambda: [torch.add(one, one) for _ in range(100)], repeats, sync, clock) / 100
     n = (64 << 20) if on_gpu else (1 << 18)
     a, b, c = (torch.ones(n, device=device, dtype=dtype) for _ in range(3))
-    t = _best_time(lambda: torch.add(a, b, out=c), repeats, sync, clock)
-    mem_gbps = 3 * n * a.element_size() / t / 1e9
-    points, serial = [], 0.0 if on_gpu else launch
+    fns = [lambda: [torch.add(one, one) for _ in range(100)], lambda: torch.add(a, b, out=c)]
+    gemms = []
     for m, k, nn in GEMM_PROBES["cuda" if on_gpu else "cpu"]:
         x, w = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, nn, device=device, dtype=dtype)
         x8 = x[:8].contiguous()  # at 8 rows the time is the weight's pass (its FLOPs ~1% of it)
-        t = max(_best_time(lambda: torch.mm(x, w), repeats, sync, clock) - serial, 1e-9)
-        t8 = max(_best_time(lambda: torch.mm(x8, w), repeats, sync, clock) - serial, 1e-9)
-        wbytes = float(w.numel() * w.element_size())
-        points.append((wbytes, 2 * m * k * nn / t / 1e12, wbytes / t8 / 1e9))
-    return dict(kernel_launch_s=launch, device_mem_gbps=mem_gbps, gemm_tflops_points=tuple(points))
+        fns += [lambda x=x, w=w: torch.mm(x, w), lambda x8=x8, w=w: torch.mm(x8, w)]
+        gemms.append((2.0 * m * k * nn, float(w.numel() * w.element_size())))
+
+    def fields(times: list[float]) -> dict:
+        launch = times[0] / 100
+        serial = 0.0 if on_gpu else launch
+        points = []
+        for j, (flops, wbytes) in enumerate(gemms):
+            t, t8 = (max(x - serial, 1e-9) for x in times[2 + 2 * j:4 + 2 * j])
+            points.append((wbytes, flops / t / 1e12, wbytes / t8 / 1e9))
+        return dict(kernel_launch_s=launch, device_mem_gbps=3 * n * a.element_size() / times[1] / 1e9,
+                    gemm_tflops_points=tuple(points))
+
+    return fns, fields
 
 
 def _layer_runs(device: str, dtype, config) -> tuple[Callable, ModelShape]:
@@ -127,31 +136,46 @@ def _layer_runs(device: str, dtype, config) -> tuple[Callable, ModelShape]:
     return run, ModelShape.from_config(cfg)
 
 
-def measure_launches(hw: HardwareProfile, device: str, dtype, point: tuple[int, int], repeats: int,
+def measure_by_shape(hw: HardwareProfile, device: str, dtype, point: tuple[int, int], repeats: int,
                      clock: Clock = time.perf_counter, config=None,
                      other: tuple[int, int] | None = None) -> HardwareProfile:
-    """``hw`` with its launches fitted to the layer (``plan/device_cost.py``'s form): at the small
-    ``point`` a layer is mostly its kernels' launches. A forward's time less its kernels'
-    rooflines, per kernel, is ``kernel_launch_s`` (the modules' Python and dispatch: it grows with
-    the kernel count, not per op, so ``op_overhead_s`` is 0); the backward op's time less its
-    forward and every roofline, per backward kernel, is ``backward_launch_s`` (autograd's
-    engine, no Python). The bare dispatch measured alone is the floor of both.
+    """``hw`` with the device-by-shape fields (``_device_shape_probes``) and the launches fitted
+    to the layer at ``point`` (``fit_launches``; ``other``: the in-layer factor's second point).
+    The probes and the layer are timed together, in turn (``best_times``): the launches are the
+    layer's time less its kernels' rooflines, and at a few tokens a wide layer is mostly its
+    weights' passes, so a probe timed at another moment's speed would move them by tens of
+    percent."""
+    run, shape = _layer_runs(device, dtype, config)
+    probes, fields = _device_shape_probes(device, dtype)
+    layer = list(run(*point))
+    if other is not None and hw.synchronous:
+        layer.append(run(*other)[0])
+    else:
+        other = None
+    times = best_times(probes + layer, repeats, _sync_for(device), clock)
+    hw = replace(hw, **fields(times[:len(probes)]))
+    t_bwd, t_fwd, *t_other = times[len(probes):]
+    return fit_launches(hw, shape, point, t_bwd, t_fwd, other, *t_other)
+
+
+def fit_launches(hw: HardwareProfile, shape: ModelShape, point: tuple[int, int], t_bwd: float,
+                 t_fwd: float, other: tuple[int, int] | None = None,
+                 t_bwd_other: float | None = None) -> HardwareProfile:
+    """``hw`` with its launches fitted to a layer of ``shape`` timed at ``point``
+    (``plan/device_cost.py``'s form): at a small point a layer is mostly its kernels' launches.
+    A forward's time less its kernels' rooflines, per kernel, is ``kernel_launch_s`` (the
+    modules' Python and dispatch: it grows with the kernel count, not per op, so
+    ``op_overhead_s`` is 0); the backward op's time less its forward and every roofline, per
+    backward kernel, is ``backward_launch_s`` (autograd's engine, no Python). The bare dispatch
+    (``hw.kernel_launch_s`` as measured alone) is the floor of both.
 
     ``other`` (a second point, on a synchronous device, where a kernel costs its launch plus its
     roofline): the backward op's time between the two points, where the launches cancel, over
     its rooflines' difference is what the layer's kernels take against the probes' (timed hot
     and alone, they beat the same kernels inside a layer: ~1.2x on a CPU); the probes' rates
     are divided by that factor (``in_layer_factor``) before the launches are fitted."""
-    run, shape = _layer_runs(device, dtype, config)
-    sync = _sync_for(device)
-
-    def times(pt: tuple[int, int]) -> tuple[float, float]:
-        bwd, fwd = run(*pt)
-        return _best_time(bwd, repeats, sync, clock), _best_time(fwd, repeats, sync, clock)
-
-    t_bwd, t_fwd = times(point)
-    if other is not None and hw.synchronous:
-        hw = _in_layer(hw, in_layer_factor(shape, hw, point, other, t_bwd, times(other)[0]))
+    if other is not None:
+        hw = _in_layer(hw, in_layer_factor(shape, hw, point, other, t_bwd, t_bwd_other))
     free = DeviceCost(shape, replace(hw, kernel_launch_s=0.0, backward_launch_s=0.0), *point)
     floor = hw.kernel_launch_s or 0.0
     launch = max(floor, (t_fwd - free.layer_fwd_s(0)) / free.kernel_count(0))
@@ -201,8 +225,7 @@ def measure_layer(device: str, dtype, points: tuple[tuple[int, int], tuple[int, 
     f0 = CostModel(shape, PRESETS["cpu"], m0, s0).layer_fwd_flops(0)
     f1 = CostModel(shape, PRESETS["cpu"], m1, s1).layer_fwd_flops(0)
     (bwd0, fwd0), (bwd1, fwd1) = run(m0, s0), run(m1, s1)
-    tb0, tb1 = _best_time(bwd0, repeats, sync, clock), _best_time(bwd1, repeats, sync, clock)
-    tf0, tf1 = _best_time(fwd0, repeats, sync, clock), _best_time(fwd1, repeats, sync, clock)
+    tb0, tb1, tf0, tf1 = best_times([bwd0, bwd1, fwd0, fwd1], repeats, sync, clock)  # one speed
     bwd_rate = 3 * (f0 - f1) / _nonzero(tb0 - tb1, f0 - f1)
     fwd_rate = (f0 - f1) / _nonzero(tf0 - tf1, f0 - f1)
     overhead = max(0.0, tf0 - f0 / fwd_rate)
@@ -223,8 +246,8 @@ def measure_copy_gbps(device: str, nbytes: int, repeats: int,
         host = torch.empty(n, dtype=torch.float32).pin_memory()
         dev = torch.empty(n, dtype=torch.float32, device=device)
         sync = _sync_for(device)
-        h2d = _best_time(lambda: dev.copy_(host, non_blocking=True), repeats, sync)
-        d2h = _best_time(lambda: host.copy_(dev, non_blocking=True), repeats, sync)
+        h2d = best_time(lambda: dev.copy_(host, non_blocking=True), repeats, sync)
+        d2h = best_time(lambda: host.copy_(dev, non_blocking=True), repeats, sync)
         return nbytes / h2d / 1e9, nbytes / d2h / 1e9
     # The CPU backend copies a unit (a few MB to tens of MB) into a slot allocated once
     # (``copy_`` into warm pages); a clone would time fresh pages being allocated and faulted in,
@@ -233,7 +256,7 @@ def measure_copy_gbps(device: str, nbytes: int, repeats: int,
     src = torch.ones(piece, dtype=torch.float32)
     k = max(1, n // piece)
     slots = [torch.empty(piece, dtype=torch.float32) for _ in range(2)]
-    t = _best_time(lambda: [slots[j % 2].copy_(src) for j in range(k)], repeats, clock=clock)
+    t = best_time(lambda: [slots[j % 2].copy_(src) for j in range(k)], repeats, clock=clock)
     return k * piece * 4 / t / 1e9, k * piece * 4 / t / 1e9
 
 
@@ -254,8 +277,8 @@ def measure_disk_gbps(directory: str | None, nbytes: int, repeats: int) -> tuple
                 buf = bytearray(len(data))
                 f.readinto(buf)
 
-        tw = _best_time(write, repeats)
-        tr = _best_time(read, repeats)
+        tw = best_time(write, repeats)
+        tr = best_time(read, repeats)
     return len(data) / tr / 1e9, len(data) / tw / 1e9
 
 
@@ -321,7 +344,6 @@ def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None =
     h2d, d2h = measure_copy_gbps(device, (64 << 20) if quick else (256 << 20), reps, clock)
     nvme_r, nvme_w = measure_disk_gbps(spill_dir, (32 << 20) if quick else (256 << 20), 2 if quick else 3)
     host = measure_host(device, _host_probe_numel(config, quick), reps, clock, optimizer_threads, gloo)
-    by_shape = measure_device_shape(device, dtype, reps, clock)
     free_disk = _free_bytes(spill_dir or tempfile.gettempdir())
     machine = this_machine(device)
     # what is not measured (reserves, compute dtype, lanes) is this machine's preset's; a GPU no
@@ -348,13 +370,12 @@ def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None =
         # not measured: the base preset's interconnects would be a guess about another machine
         gpus_per_node=max(1, torch.cuda.device_count()) if on_gpu else 1,
         intra_node_gbps=None, inter_node_gbps=None, node_host_link_gbps=None,
-        **by_shape,
     )
     # without a run shape the fit's points are 8 and 512 tokens, launch- and compute-bound, which
     # tell the launches from the layer's rates; the run's own two points are both compute-bound
     # (the slope between them says little about the intercept), and priced at the run's shape the
     # launches fitted there reproduce its layer whatever the split
-    return measure_launches(profile, device, dtype, points[1], reps, clock, config,
+    return measure_by_shape(profile, device, dtype, points[1], reps, clock, config,
                             other=points[0] if config is None else None)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -57,6 +57,25 @@ def best_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = l
         sync()
         times.append(clock() - t)
     return min(times)
+
+
+def best_times(fns: Sequence[Callable[[], None]], repeats: int, sync: Callable[[], None] = lambda: None,
+               clock: Clock = time.perf_counter) -> list[float]:
+    """The fastest of ``repeats`` runs of each of ``fns``, run in turn (one of each per round),
+    each timed run right after an untimed one (hot, as :func:`best_time` times it): a shared
+    machine's speed moves by tens of percent over seconds (a 2-core VM: up to 1.6x), so times
+    that are combined (a difference, a ratio) are taken over the same seconds, not one after
+    the other."""
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for k, fn in enumerate(fns):
+            fn()  # its data and code back in the caches
+            sync()
+            t = clock()
+            fn()
+            sync()
+            best[k] = min(best[k], clock() - t)
+    return best
 
 
 def _meminfo_total_bytes(path: str = "/proc/meminfo") -> int | None:
