@@ -28,9 +28,9 @@ pricing of the same profile (the model before format 5). Prints one JSON object 
 Machine drift (``--widths``): a shared VM's speed moves while the benchmark runs (on a 2-core
 AMD EPYC VM, one fixed workload's CPU time swung 21 -> 30 ms between 2-second windows), and a
 prediction from one moment's calibration is compared with a later moment's step. So a fixed
-workload (``_speed_probe``: a small decoder layer's forward, median of ~0.25 s of runs) is timed
-right before and after each calibration and right before and after each engine measurement; ``drift`` is
-the measurement's probe time over the calibration's. Each case reports it and
+workload (``_speed_probe``: a small decoder layer's forward, median of ~0.25 s of runs) is
+timed right before and after each calibration and each engine measurement; ``drift`` is the
+measurement's probe time over the calibration's. Each case reports it and
 ``error_drift_adjusted_pct`` (the prediction scaled by its drift) beside the raw error; the
 headline ``max_abs_error_pct_widths`` stays the raw one, ``..._drift_adjusted`` says how much
 of it the machine's drift explains.

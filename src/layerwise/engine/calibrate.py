@@ -52,9 +52,9 @@ from ..plan.hardware import PRESETS, HardwareProfile
 from ..plan.hardware_choice import resolve_hardware
 from ..plan.shape import ModelShape
 from ..store import FlatLayout
-from .calibrate_host import (Clock, best_time, best_times, measure_accumulation, measure_gloo_reduce_gbps,
-                             measure_optimizer, measure_optimizer_8bit, measure_pinned_copy_gbps,
-                             on_host_worker)
+from .calibrate_host import (Clock, best_time, best_times, measure_accumulation,
+                             measure_gloo_reduce_gbps, measure_optimizer, measure_optimizer_8bit,
+                             measure_pinned_copy_gbps, on_host_worker)
 from .devices import this_machine
 from .host_threads import plan_host_threads
 from .layer_ops import layer_backward
