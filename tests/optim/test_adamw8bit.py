@@ -379,3 +379,33 @@ def test_unit_face_refuses_nonfinite_clip(store_factory):
     with pytest.raises(ValueError, match="not finite"):
         opt.step_unit(b, 1e-3, float("nan"))
     assert b.state["step"].item() == 0
+
+
+@pytest.mark.skipif(not _kernel.numba_available(), reason="numba not installed")
+@pytest.mark.parametrize("fastmath", [True, False])
+def test_the_parameter_update_rounds_once_whatever_surrounds_it(fastmath):
+    """``_kernel._apply`` (``x * d - q``, the parameter's step in the plain and the split loop)
+    is one fused multiply-add in a fast-math loop and in a strict one alike: float64 product,
+    one rounding to fp32. That is what keeps a plain and a split parameter bit-identical by
+    construction rather than by two loops happening to compile alike.
+
+    Mutation seen caught: the negation dropped (``x * d + q``). Not caught here: ``_apply`` as
+    ``x * d - q`` in a jitted function without fast-math (the code before), which this numba
+    fused too, in both loops; a compiler that does not fuse it rounds twice, a quarter of these
+    elements an ulp away."""
+    import numba
+    import numpy as np
+
+    @numba.njit(fastmath=fastmath)
+    def loop(p, d, q):
+        for j in range(p.size):
+            p[j] = _kernel._apply(p[j], d, q[j])
+
+    rng = np.random.default_rng(0)
+    p = (rng.standard_normal(1 << 16) * 0.02).astype(np.float32)
+    q = (rng.standard_normal(1 << 16) * 1e-5).astype(np.float32)
+    d = np.float32(1 - 1e-6)
+    out = p.copy()
+    loop(out, d, q)
+    once = (p.astype(np.float64) * np.float64(d) - q.astype(np.float64)).astype(np.float32)
+    assert np.array_equal(out, once)

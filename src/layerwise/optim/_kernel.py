@@ -5,8 +5,9 @@ Two implementations of the same arithmetic (maps in ``quant.py``):
 - ``numba`` (CPU, fp32 or a split master, contiguous): per block, one vectorised loop
   dequantises, updates both moments, computes the parameter's step and finds the block
   maxima; a second requantises; a third applies the step to the parameter (fp32, or a split
-  master's halves joined and split again: ``layerwise.split_master``) without fast-math, so a
-  split and a plain fp32 parameter end bit-identical. The block's new moments and steps wait
+  master's halves joined and split again: ``layerwise.split_master``) as one fused
+  multiply-add per element (``_apply``), so a split and a plain fp32 parameter end
+  bit-identical. The block's new moments and steps wait
   in three ``block_size`` scratch arrays (on the stack, L1-resident), so memory is read and
   written once. The moments are kept in units where the gradient (clip included) enters with
   factor 1 (``StepScalars.folded``), and of the three roots per element two run on the divider
@@ -188,11 +189,18 @@ if _nb is not None:
             return builder.bitcast(arr, _ir.FloatType().as_pointer())
         return _nbt.CPointer(_nbt.float32)(), codegen
 
-    @_nb.njit(inline="never", nogil=True, cache=True, error_model="numpy")
-    def _apply(x, d, q):  # pragma: no cover - compiled
-        # No fast-math here: ``x * d - q`` rounds twice whatever surrounds it, so a plain and a
-        # split parameter (whose loads and stores differ) get the very same bits
-        return x * d - q
+    @_intrinsic
+    def _apply(typingctx, x, d, q):  # pragma: no cover - compiled
+        # ``x * d - q`` rounded once, as one fused multiply-add, whatever the compiler does around
+        # it: a plain and a split parameter (whose loads and stores differ) get the very same
+        # bits by construction. (Written as ``x * d - q``, numba's LLVM fused it too, but loop by
+        # loop, by its own choice.)
+        def codegen(context, builder, signature, args):
+            f32 = _ir.FloatType()
+            fma = _cgutils.get_or_insert_function(builder.module, _ir.FunctionType(f32, [f32] * 3),
+                                                  "llvm.fma.f32")
+            return builder.call(fma, [args[0], args[1], builder.fneg(args[2])])
+        return _nbt.float32(_nbt.float32, _nbt.float32, _nbt.float32), codegen
 
     @_nb.njit(inline="always", **_jit)
     def _param_plain(pb, qb, d, cnt):  # pragma: no cover - compiled
