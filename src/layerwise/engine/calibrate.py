@@ -147,11 +147,8 @@ def measure_by_shape(hw: HardwareProfile, device: str, dtype, point: tuple[int, 
     percent."""
     run, shape = _layer_runs(device, dtype, config)
     probes, fields = _device_shape_probes(device, dtype)
-    layer = list(run(*point))
-    if other is not None and hw.synchronous:
-        layer.append(run(*other)[0])
-    else:
-        other = None
+    other = other if hw.synchronous else None  # the in-layer factor is a synchronous device's
+    layer = list(run(*point)) + ([run(*other)[0]] if other is not None else [])
     times = best_times(probes + layer, repeats, _sync_for(device), clock)
     hw = replace(hw, **fields(times[:len(probes)]))
     t_bwd, t_fwd, *t_other = times[len(probes):]
