@@ -103,8 +103,10 @@ def test_the_probes_rates_are_scaled_to_the_layers_before_the_launches():
     small, big = DeviceCost(shape, zero, 1, 8), DeviceCost(shape, zero, 1, 512)
     n_f, n_b = small.kernel_count(0), small.kernel_count(0, backward=True)
     launches = n_f * l_f + n_b * l_b
-    got = calibrate.fit_launches(hw, shape, (1, 8), small.layer_bwd_s(0) + launches,
-                                 small.layer_fwd_s(0) + n_f * l_f, (1, 512), big.layer_bwd_s(0) + launches)
+    got = calibrate.fit_in_layer(hw, shape, (1, 8), (1, 512), small.layer_bwd_s(0) + launches,
+                                 big.layer_bwd_s(0) + launches)
+    got = calibrate.fit_launches(got, shape, (1, 8), small.layer_bwd_s(0) + launches,
+                                 small.layer_fwd_s(0) + n_f * l_f)
     assert got.device_mem_gbps == pytest.approx(20.0 / f, rel=1e-9)
     assert [r for p in got.gemm_tflops_points for r in p] == pytest.approx([1e4, 0.04, 4.0, 1e7, 0.032, 2.4], rel=1e-9)
     assert got.kernel_launch_s == pytest.approx(l_f, rel=1e-9)
@@ -113,12 +115,14 @@ def test_the_probes_rates_are_scaled_to_the_layers_before_the_launches():
 
 
 def test_the_probes_and_the_layer_are_timed_in_one_batch(monkeypatch):
-    """``measure_by_shape`` hands the probes and the layer's runs (both points, with ``other``)
+    """``measure_by_shape`` hands the probes (the kept internals' too) and the layers' runs (the
+    launch layer's, and with ``other`` the rates' layer at both points)
     to one ``best_times`` call, so the times the launch fit subtracts come from the same seconds
     (``best_times`` runs them in turn: tests/engine/test_calibrate_host.py); what it fits is
     a profile with every device-by-shape field measured.
 
-    Mutation seen caught: the layer timed in a ``best_times`` call of its own after the probes'."""
+    Mutations seen caught: the layer timed in a ``best_times`` call of its own after the
+    probes'; the launches fitted on the rates' layer."""
     import torch
 
     from layerwise.engine.calibrate_host import best_times
@@ -130,9 +134,39 @@ def test_the_probes_and_the_layer_are_timed_in_one_batch(monkeypatch):
         return best_times(fns, repeats, sync)
 
     monkeypatch.setattr(calibrate, "best_times", spy)
+    fitted_on = []
+    fit = calibrate.fit_launches
+    monkeypatch.setattr(calibrate, "fit_launches", lambda hw, shape, *a: fitted_on.append(shape) or fit(hw, shape, *a))
     probes = len(calibrate._device_shape_probes("cpu", torch.float32)[0])
+    probes += len(calibrate._kept_probes("cpu", torch.float32)[0])
     got = calibrate.measure_by_shape(PRESETS["cpu"], "cpu", torch.float32, (1, 8), 1,
-                                     config=get_flavor("llama-debug").build_config(), other=(1, 64))
-    assert batches == [probes + 3]
+                                     config=get_flavor("llama-demo").build_config(), other=(1, 64))
+    assert batches == [probes + 4]  # the narrow layer's backward and forward, the layer's two backwards
+    narrow = get_flavor(calibrate.LAUNCH_FLAVOR).build_config().hidden_size
+    assert [s.hidden_size for s in fitted_on] == [narrow] != [128]  # not the rates' layer (llama-demo)
+    assert got.saved_tensor_s is not None and got.storage_copy_s is not None
     assert got.kernel_launch_s > 0 and got.backward_launch_s > 0 and got.op_overhead_s == 0.0
     assert got.device_mem_gbps > 0 and len(got.gemm_tflops_points) == len(calibrate.GEMM_PROBES["cpu"])
+
+
+def test_the_kept_probe_runs_the_engine_s_tiers_and_fits_per_tensor_and_storage(monkeypatch):
+    """``_kept_probes``: its host-tier round trip runs the engine's ``KeptInternals``, each of the
+    chain's saved storages copied out and fetched back once (the backend's own byte counts; the
+    device tier copies nothing), and its fields are the excesses per tensor and direction: the
+    device tier's over the plain graph, the host tier's over the device tier's. Mutations seen
+    failing: the host tier's excess taken over the plain graph (``storage_copy_s`` then carries
+    the hooks too); the probe keeping its chain on the device tier for both closures."""
+    import torch
+
+    from layerwise.engine.backend import CpuBackend
+
+    backend = CpuBackend()
+    monkeypatch.setattr(calibrate, "make_backend", lambda device: backend)
+    (plain, device, host), fields = calibrate._kept_probes("cpu", torch.float32)
+    n = calibrate.KEPT_PROBE_TENSORS
+    plain(), device()
+    assert backend.copied_bytes == {"h2d": 0, "d2h": 0}
+    host()
+    assert backend.copied_bytes == {"h2d": n * 8 * 4, "d2h": n * 8 * 4}  # n storages of 8 fp32 each way
+    got = fields([1e-3, 1e-3 + 2 * n * 3e-6, 1e-3 + 2 * n * (3e-6 + 5e-6)])
+    assert got == pytest.approx({"saved_tensor_s": 3e-6, "storage_copy_s": 5e-6}, rel=1e-9)

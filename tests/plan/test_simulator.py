@@ -151,7 +151,7 @@ def test_kept_internals_skip_the_backward_forward_and_host_ones_add_their_copies
                 for i in range(L))
     assert saved > 0
     assert base.step_s - kept.step_s == pytest.approx(saved, rel=1e-9)
-    copies = L * (c.d2h_s(c.layer_workspace_bytes) + c.h2d_s(c.layer_workspace_bytes))
+    copies = L * (c.internals_d2h_s + c.internals_h2d_s)
     assert host.step_s - kept.step_s == pytest.approx(copies, rel=1e-9)
     assert host.peak_pinned_act_bytes == L * c.layer_workspace_bytes  # all on the host after the forward
     assert kept.peak_device_bytes - base.peak_device_bytes >= (L - 1) * (c.layer_workspace_bytes - c.boundary_bytes)
@@ -171,3 +171,27 @@ def test_checker_passes_kept_internals_and_catches_a_missing_fetch():
         if iv.label == "fetch_internals L3":
             iv.end = next(o["end"] for o in sim.op_log if o["kind"] == "layer_bwd_kept" and o["index"] == 3)
     assert any("internals of layer 3 not fetched" in v for v in check(sim, SHAPE, hw).violations)
+
+
+@pytest.mark.parametrize("by_shape", [False, True])
+def test_kept_internals_pay_their_hooks_and_the_host_tier_its_copies_per_storage(by_shape):
+    """A profile's fixed costs of kept internals (``saved_tensor_s``, ``storage_copy_s``, what
+    ``calibrate`` fits on the engine's own ``KeptInternals``): on one lane each kept layer pays
+    its saved tensors' hooks in its forward and again in its backward, and on the host tier its
+    storages' copies out and back, beside the bytes. Mutations seen failing: the unpack hooks
+    left out of ``layer_bwd_kept_s`` (the device tier's excess halves); the fetch priced by its
+    bytes alone (``internals_h2d_s`` without its storages); each in either pricing (by FLOPs, by
+    shape)."""
+    from layerwise.plan.memory import saved_counts
+
+    hw0 = replace(PRESETS["cpu"], op_overhead_s=1e-3)
+    if by_shape:
+        hw0 = replace(hw0, device_mem_gbps=20.0, kernel_launch_s=5e-6, gemm_tflops_points=((1e4, 0.05, 5.0), (1e7, 0.04, 3.0)))
+    hw = replace(hw0, saved_tensor_s=2e-6, storage_copy_s=1e-5)
+    tensors, storages = saved_counts(SHAPE)
+    hooks, copies = L * 2 * tensors * 2e-6, L * 2 * storages * 1e-5
+    for tier, extra in (("device", hooks), ("host", hooks + copies)):
+        plan = Plan(["device"] * L, internal_tiers=[tier] * L, micro_batch_size=2, seq_len=64)
+        assert simulate(plan, SHAPE, hw).step_s - simulate(plan, SHAPE, hw0).step_s == pytest.approx(extra, rel=1e-9)
+    plan = Plan(["device"] * L, micro_batch_size=2, seq_len=64)  # nothing kept: nothing paid
+    assert simulate(plan, SHAPE, hw).step_s == pytest.approx(simulate(plan, SHAPE, hw0).step_s, rel=1e-12)

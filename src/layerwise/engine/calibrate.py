@@ -15,12 +15,15 @@ What is measured (each the fastest of a few repeats, after a warm-up):
   tokens is launch-bound noise); without them a llama-30m layer, 512 and 8 tokens;
 - the device by shape (``plan/device_cost.py``): ``gemm_tflops_points``, a GEMM's rate at a few
   weight sizes and the rate it reads that weight at (8 rows); ``device_mem_gbps``, an elementwise add's bytes per second; and the launches,
-  from the layer at the fit's small point (``fit_launches``): ``kernel_launch_s`` per
+  from a layer at the fit's small point (``fit_launches``): ``kernel_launch_s`` per
   forward kernel and ``backward_launch_s`` per backward kernel, what the layer takes beyond its
   kernels' rooflines (its modules' Python and dispatch grow with its kernels, so the profile's
   ``op_overhead_s`` is then 0), so one layer's measurement prices every width; on a CPU
-  without a run shape the probes' rates are first scaled to the layer's (``in_layer_factor``,
-  from its two points). The probes and the layer's runs are timed in turn, round by round
+  without a run shape the probes' rates are first scaled to the llama-30m layer's
+  (``in_layer_factor``, from its two points) and the launches fitted on a narrow layer
+  (``LAUNCH_FLAVOR``) at 8 tokens; a kept layer's fixed costs (``saved_tensor_s``,
+  ``storage_copy_s``) from a chain of saved tensors through the engine's ``KeptInternals``
+  (``_kept_probes``). The probes and the layers' runs are timed in turn, round by round
   (``measure_by_shape``), so the differences the fit takes are of times from the same seconds;
 - copy bandwidth: on CUDA pinned H2D/D2H copies; on CPU the engine's "copies" are ``copy_``
   into slots allocated once;
@@ -55,8 +58,9 @@ from ..store import FlatLayout
 from .calibrate_host import (Clock, best_time, best_times, measure_accumulation,
                              measure_gloo_reduce_gbps, measure_optimizer, measure_optimizer_8bit,
                              measure_pinned_copy_gbps, on_host_worker)
-from .devices import this_machine
+from .devices import make_backend, this_machine
 from .host_threads import plan_host_threads
+from .internals import KeptInternals
 from .layer_ops import layer_backward
 
 
@@ -113,6 +117,52 @@ def _device_shape_probes(device: str, dtype
     return fns, fields
 
 
+KEPT_PROBE_TENSORS = 128
+"""Tensors the kept-internals probe saves: a chain of that many ``sin``, each saving its input."""
+
+
+def _kept_probes(device: str, dtype) -> tuple[list[Callable[[], None]], Callable[[list[float]], dict]]:
+    """The kept internals' fixed costs as closures to time, and their fields from their times:
+    a chain of :data:`KEPT_PROBE_TENSORS` ``sin`` over 8 elements, forward then backward, with a
+    plain graph, kept on the device tier (``KeptInternals``: the engine's hooks) and on the host
+    tier (each saved storage copied out and fetched back). Per tensor and direction,
+    ``saved_tensor_s`` is the device tier's excess over the plain graph and ``storage_copy_s``
+    the host tier's over the device tier's (their bytes are nothing). A layer's own round trip
+    would carry them too, but beside a layer's kernels they are a tenth of its time, within
+    its run-to-run spread."""
+    internals = KeptInternals(make_backend(device))
+    x = torch.rand(8, device=device, dtype=dtype)
+    grad = torch.ones_like(x)
+    weights = torch.zeros(1, device=device, dtype=dtype)  # the chain reads none
+
+    def chain(h: torch.Tensor) -> torch.Tensor:
+        for _ in range(KEPT_PROBE_TENSORS):
+            h = torch.sin(h)
+        return h
+
+    def plain() -> None:
+        h = x.detach().requires_grad_()
+        with torch.enable_grad():
+            torch.autograd.grad(chain(h), h, grad)
+
+    def kept(tier: str) -> Callable[[], None]:
+        def round_trip() -> None:
+            g = internals.begin("calibrate", tier)
+            internals.forward(g, chain, x, weights, {}, [])
+            internals.forward_queued(g)
+            internals.backward(internals.ready("calibrate"), weights, grad)
+            internals.clear()
+        return round_trip
+
+    def fields(times: list[float]) -> dict:
+        t_plain, t_device, t_host = times
+        per = 2 * KEPT_PROBE_TENSORS
+        return dict(saved_tensor_s=max(0.0, (t_device - t_plain) / per),
+                    storage_copy_s=max(0.0, (t_host - t_device) / per))
+
+    return [plain, kept("device"), kept("host")], fields
+
+
 def _layer_runs(device: str, dtype, config) -> tuple[Callable, ModelShape]:
     """(``run(mbs, seq)`` -> (the layer's backward as the engine runs it, its forward without a
     graph), the layer's shape), for ``config``'s first decoder layer (default llama-30m)."""
@@ -136,49 +186,69 @@ def _layer_runs(device: str, dtype, config) -> tuple[Callable, ModelShape]:
     return run, ModelShape.from_config(cfg)
 
 
+LAUNCH_FLAVOR = "llama-debug"
+"""The layer the launches are fitted on, on a CPU without a run shape: one too narrow (hidden 32)
+for its kernels' rooflines to matter at a few tokens. A wider layer there is mostly its GEMMs'
+passes over their weights, which run slower inside the layer than a hot probe says (its weights
+together outgrow the core's cache): on a Xeon with 2 MB of L2 per core a llama-30m layer's 8-token
+forward took 1.55 ms, 0.9 ms beyond its kernels as priced, and launches fitted there came out
+26 µs where this layer gives 7 µs (and those price dense layers of hidden 64 ... 1024 at 256
+tokens within 10%, against +100% ... +3%)."""
+
+
 def measure_by_shape(hw: HardwareProfile, device: str, dtype, point: tuple[int, int], repeats: int,
                      clock: Clock = time.perf_counter, config=None,
                      other: tuple[int, int] | None = None) -> HardwareProfile:
-    """``hw`` with the device-by-shape fields (``_device_shape_probes``) and the launches fitted
-    to the layer at ``point`` (``fit_launches``; ``other``: the in-layer factor's second point).
-    The probes and the layer are timed together, in turn (``best_times``): the launches are the
-    layer's time less its kernels' rooflines, and at a few tokens a wide layer is mostly its
-    weights' passes, so a probe timed at another moment's speed would move them by tens of
-    percent."""
+    """``hw`` with the device-by-shape fields (``_device_shape_probes``), the kept internals'
+    (``_kept_probes``) and the launches fitted to the layer at ``point`` (``fit_launches``).
+    With ``other`` (a second point, on a synchronous device): the probes' rates first scaled to
+    what ``config``'s layer takes between the two points (``fit_in_layer``), and the launches
+    fitted on the :data:`LAUNCH_FLAVOR` layer at ``point``. The probes and the layers are timed
+    together, in turn (``best_times``): the fit takes differences of their times, and a probe
+    timed at another moment's speed would move them by tens of percent."""
     run, shape = _layer_runs(device, dtype, config)
     probes, fields = _device_shape_probes(device, dtype)
-    other = other if hw.synchronous else None  # the in-layer factor is a synchronous device's
-    layer = list(run(*point)) + ([run(*other)[0]] if other is not None else [])
-    times = best_times(probes + layer, repeats, _sync_for(device), clock)
-    hw = replace(hw, **fields(times[:len(probes)]))
-    t_bwd, t_fwd, *t_other = times[len(probes):]
-    return fit_launches(hw, shape, point, t_bwd, t_fwd, other, *t_other)
+    kept, kept_fields = _kept_probes(device, dtype)
+    if other is not None and hw.synchronous:  # the in-layer factor is a synchronous device's
+        narrow, launch_shape = _layer_runs(device, dtype, get_flavor(LAUNCH_FLAVOR).build_config())
+        layer = list(narrow(*point)) + [run(*point)[0], run(*other)[0]]
+    else:
+        launch_shape, layer = shape, list(run(*point))
+    times = best_times(probes + kept + layer, repeats, _sync_for(device), clock)
+    n = len(probes) + len(kept)
+    hw = replace(hw, **fields(times[:len(probes)]), **kept_fields(times[len(probes):n]))
+    t_bwd, t_fwd, *t_rates = times[n:]
+    if t_rates:
+        hw = fit_in_layer(hw, shape, point, other, *t_rates)
+    return fit_launches(hw, launch_shape, point, t_bwd, t_fwd)
 
 
 def fit_launches(hw: HardwareProfile, shape: ModelShape, point: tuple[int, int], t_bwd: float,
-                 t_fwd: float, other: tuple[int, int] | None = None,
-                 t_bwd_other: float | None = None) -> HardwareProfile:
+                 t_fwd: float) -> HardwareProfile:
     """``hw`` with its launches fitted to a layer of ``shape`` timed at ``point``
-    (``plan/device_cost.py``'s form): at a small point a layer is mostly its kernels' launches.
-    A forward's time less its kernels' rooflines, per kernel, is ``kernel_launch_s`` (the
-    modules' Python and dispatch: it grows with the kernel count, not per op, so
+    (``plan/device_cost.py``'s form): at a small point a narrow layer is mostly its kernels'
+    launches. A forward's time less its kernels' rooflines, per kernel, is ``kernel_launch_s``
+    (the modules' Python and dispatch: it grows with the kernel count, not per op, so
     ``op_overhead_s`` is 0); the backward op's time less its forward and every roofline, per
     backward kernel, is ``backward_launch_s`` (autograd's engine, no Python). The bare dispatch
-    (``hw.kernel_launch_s`` as measured alone) is the floor of both.
-
-    ``other`` (a second point, on a synchronous device, where a kernel costs its launch plus its
-    roofline): the backward op's time between the two points, where the launches cancel, over
-    its rooflines' difference is what the layer's kernels take against the probes' (timed hot
-    and alone, they beat the same kernels inside a layer: ~1.2x on a CPU); the probes' rates
-    are divided by that factor (``in_layer_factor``) before the launches are fitted."""
-    if other is not None:
-        hw = _in_layer(hw, in_layer_factor(shape, hw, point, other, t_bwd, t_bwd_other))
+    (``hw.kernel_launch_s`` as measured alone) is the floor of both."""
     free = DeviceCost(shape, replace(hw, kernel_launch_s=0.0, backward_launch_s=0.0), *point)
     floor = hw.kernel_launch_s or 0.0
     launch = max(floor, (t_fwd - free.layer_fwd_s(0)) / free.kernel_count(0))
     left = t_bwd - free.layer_bwd_s(0) - launch * free.kernel_count(0)
     back = max(floor, left / free.kernel_count(0, backward=True))
     return replace(hw, kernel_launch_s=launch, backward_launch_s=back, op_overhead_s=0.0)
+
+
+def fit_in_layer(hw: HardwareProfile, shape: ModelShape, a: tuple[int, int], b: tuple[int, int],
+                 t_a: float, t_b: float) -> HardwareProfile:
+    """``hw`` with its probes' rates scaled to a layer of ``shape`` whose backward op took ``t_a``
+    and ``t_b`` at points ``a`` and ``b`` (a synchronous device, where a kernel costs its launch
+    plus its roofline): the time between the two points, where the launches cancel, over the
+    rooflines' difference is what the layer's kernels take against the probes' (timed hot and
+    alone, they beat the same kernels inside a layer: ~1.2x on a CPU); the rates are divided
+    by that factor (``in_layer_factor``)."""
+    return _in_layer(hw, in_layer_factor(shape, hw, a, b, t_a, t_b))
 
 
 IN_LAYER_RANGE = (1 / 3, 3.0)

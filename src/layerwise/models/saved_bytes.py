@@ -35,6 +35,12 @@ class SavedBytes:
     per_token_pos: float
     """Bytes per token per position of its row (attention probabilities; 0 for kernels that
     save none, as SDPA's flash kernels)."""
+    tensors: int = 0
+    """Saved tensors (weights' views and shared tensors too): each one a call of the engine's
+    pack hook in a kept forward and of its unpack hook in the backward."""
+    storages: int = 0
+    """Distinct activation storages among them: what the host tier copies out and back, one copy
+    each. A routed layer's as the probe routes (every token alike: top-k experts hit)."""
 
 
 _GEMMS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
@@ -71,15 +77,18 @@ def _constant_params(adapter, index: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _saved_bytes_once(adapter, index: int, seq_len: int) -> int:
+def _saved_once(adapter, index: int, seq_len: int) -> tuple[int, int, int]:
+    """(bytes, saved tensors, activation storages) of layer ``index`` over one row of ``seq_len``."""
     params = _constant_params(adapter, index)
     rotary = adapter.new_rotary("cpu")
     ctx = adapter.layer_context((1, seq_len), "cpu", torch.float32, rotary)
     skip = {t.untyped_storage().data_ptr() for t in ctx.shared_tensors()}
     skip |= {p.untyped_storage().data_ptr() for p in params.values()}
     saved: dict[int, torch.Tensor] = {}  # held, so no later tensor reuses an address
+    calls = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
         ptr = t.untyped_storage().data_ptr()
         if ptr not in skip and t.device.type == "cpu" and t.numel():
             saved.setdefault(ptr, t)
@@ -90,24 +99,25 @@ def _saved_bytes_once(adapter, index: int, seq_len: int) -> int:
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             _ShapeOnlyGemms():
         adapter.layer(index, params, hidden, ctx)
-    return sum(t.untyped_storage().nbytes() for t in saved.values())
+    return sum(t.untyped_storage().nbytes() for t in saved.values()), calls[0], len(saved)
 
 
 def layer_saved_bytes(adapter, index: int) -> SavedBytes:
     """Layer ``index``'s saved bytes, fitted ``a * s + b * s**2`` over one row of ``s`` tokens at
     the two :data:`PROBE_SEQ_LENS` (exact for a layer whose saved tensors are of those forms),
-    or at half and all of the model's positions where it has fewer."""
+    or at half and all of the model's positions where it has fewer; its saved tensors and
+    storages as the longer probe counts them."""
     s1, s2 = PROBE_SEQ_LENS
     longest = next((v for k in ("max_position_embeddings", "n_positions", "n_ctx")
                     if isinstance(v := getattr(adapter.config, k, None), int) and v > 1), s2)
     if longest < s2:  # learned positions or a fixed causal mask of fewer (a tiny config)
         s1, s2 = longest // 2, longest
-    b1, b2 = (_saved_bytes_once(adapter, index, s) for s in (s1, s2))
+    (b1, *_), (b2, tensors, storages) = (_saved_once(adapter, index, s) for s in (s1, s2))
     quad = (b2 * s1 - b1 * s2) / (s1 * s2 * (s2 - s1))
     lin = b1 / s1 - quad * s1
     if quad < 0 or lin < 0:  # not of that form (a fixed term): the shorter probe per token
-        return SavedBytes(b1 / s1, 0.0)
-    return SavedBytes(lin, quad)
+        return SavedBytes(b1 / s1, 0.0, tensors, storages)
+    return SavedBytes(lin, quad, tensors, storages)
 
 
 def saved_bytes_by_layer(adapter) -> tuple[SavedBytes, ...]:

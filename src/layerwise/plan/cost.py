@@ -144,18 +144,25 @@ class CostModel:
         return self._secs(3.0 * self.layer_fwd_flops(i))
 
     def layer_fwd_keep_s(self, i: int) -> float:
-        """A forward with a graph whose saved tensors are kept: 1x forward FLOPs at the graph rate."""
+        """A forward with a graph whose saved tensors are kept: 1x forward FLOPs at the graph
+        rate, and each saved tensor's hook (``_hooks_s``)."""
         if self.device is not None:
-            return self.device.layer_fwd_keep_s(i) + self.hw.op_overhead_s
-        return self._secs(self.layer_fwd_flops(i))
+            return self.device.layer_fwd_keep_s(i) + self.hw.op_overhead_s + self._hooks_s(i)
+        return self._secs(self.layer_fwd_flops(i)) + self._hooks_s(i)
 
     def layer_bwd_kept_s(self, i: int) -> float:
-        """The backward through a kept graph: 2x forward FLOPs (a frozen base: 1x + adapters)."""
+        """The backward through a kept graph: 2x forward FLOPs (a frozen base: 1x + adapters),
+        and each saved tensor's unpack hook."""
         if self.device is not None:
-            return self.device.layer_bwd_kept_s(i) + self.hw.op_overhead_s
+            return self.device.layer_bwd_kept_s(i) + self.hw.op_overhead_s + self._hooks_s(i)
         if self._frozen:
-            return self._secs(self.layer_fwd_flops(i) + self._adapter_wgrad_flops)
-        return self._secs(2.0 * self.layer_fwd_flops(i))
+            return self._secs(self.layer_fwd_flops(i) + self._adapter_wgrad_flops) + self._hooks_s(i)
+        return self._secs(2.0 * self.layer_fwd_flops(i)) + self._hooks_s(i)
+
+    def _hooks_s(self, i: int) -> float:
+        """A kept graph's fixed cost in one direction: ``saved_tensor_s`` per tensor layer ``i``
+        saves (``memory.saved_counts``), whatever their sizes."""
+        return memory.saved_counts(self.shape, i)[0] * (self.hw.saved_tensor_s or 0.0)
 
     @property
     def head_s(self) -> float:
@@ -192,6 +199,22 @@ class CostModel:
 
     def d2h_s(self, nbytes: float) -> float:
         return nbytes / (self.hw.d2h_gbps * 1e9)
+
+    @property
+    def internals_d2h_s(self) -> float:
+        """One layer's host-tier internals copied out: the largest layer's saved bytes (as the
+        capacity rows count them) and ``storage_copy_s`` per storage (the most any layer saves)."""
+        return self.d2h_s(self.layer_workspace_bytes) + self._storage_copies_s
+
+    @property
+    def internals_h2d_s(self) -> float:
+        """The same fetched back before the backward."""
+        return self.h2d_s(self.layer_workspace_bytes) + self._storage_copies_s
+
+    @property
+    def _storage_copies_s(self) -> float:
+        storages = max(memory.saved_counts(self.shape, i)[1] for i in range(self.shape.num_layers))
+        return storages * (self.hw.storage_copy_s or 0.0)
 
     def nvme_read_s(self, nbytes: float) -> float:
         return nbytes / (self.hw.nvme_read_gbps * 1e9)

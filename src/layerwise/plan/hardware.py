@@ -23,12 +23,9 @@ from .host_rates import PRESET_HOSTS, preset_optimizer_fields
 
 GB = 10**9
 GIB = 2**30
-PROFILE_FORMAT_VERSION = 5
-"""2: the optional scale-out fields (``gpus_per_node`` ... ``node_host_link_gbps``); 3:
-``fwd_efficiency``; 4: the host path as the engine runs it (``host_accum_bf16_gbps``,
-``pinned_copy_gbps``, ``gloo_reduce_gbps``); 5: the device by shape (``device_mem_gbps`` ...
-``gemm_tflops_points``). An older file loads with those fields unset, each read as its stated
-fallback, and a note saying to re-run ``layerwise calibrate``."""
+PROFILE_FORMAT_VERSION = 6
+"""What each version added: docs/formats.md, "Hardware profile". An older file loads with those
+fields unset, each read as its stated fallback, and a note saying to re-run ``layerwise calibrate``."""
 HOST_FIELDS_V4 = ("host_accum_bf16_gbps", "pinned_copy_gbps", "gloo_reduce_gbps")
 
 log = logging.getLogger(__name__)
@@ -117,6 +114,11 @@ class HardwareProfile:
     gemm_tflops_points: tuple[tuple[float, ...], ...] | None = None
     """Measured GEMMs ((weight bytes, TFLOPS, GB/s the weight is read at), ...), interpolated by a
     GEMM's weight size (``layerwise calibrate``); None: ``peak_tflops x efficiency``."""
+    saved_tensor_s: float | None = None
+    """A kept layer's cost per tensor its forward saves, s, in the forward and in the backward each
+    (the engine's pack and unpack hooks: ``engine/internals.py``); None (before version 6): 0."""
+    storage_copy_s: float | None = None
+    """The host tier's cost per saved storage, s, out and back each, beside its bytes; None: 0."""
     format_version: int = PROFILE_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -136,6 +138,8 @@ class HardwareProfile:
             raise ValueError(f"hardware profile {self.name!r}: host RAM ({self.host_mem_bytes / GB:.2f} GB) must "
                              f"exceed the host reserve ({self.host_reserved_bytes / GB:.2f} GB); give more "
                              "with --host-mem")
+        if any(v is not None and not v >= 0 for v in (self.saved_tensor_s, self.storage_copy_s)):
+            raise ValueError(f"hardware profile {self.name!r}: saved_tensor_s and storage_copy_s must be >= 0 or null")
         for f in ("intra_node_gbps", "inter_node_gbps", "node_host_link_gbps") + HOST_FIELDS_V4:
             if getattr(self, f) is not None and not getattr(self, f) > 0:
                 raise ValueError(f"hardware profile {self.name!r}: {f} must be > 0 or null, got {getattr(self, f)}")
@@ -210,7 +214,7 @@ class HardwareProfile:
         if unknown:
             raise ValueError(f"hardware profile has unknown keys {sorted(unknown)}; known: {sorted(known)}")
         version = d.get("format_version", PROFILE_FORMAT_VERSION)
-        if version not in (1, 2, 3, 4, PROFILE_FORMAT_VERSION):
+        if version not in (1, 2, 3, 4, 5, PROFILE_FORMAT_VERSION):
             raise ValueError(f"hardware profile format_version {d['format_version']} is not supported "
                              f"(expected {PROFILE_FORMAT_VERSION}); re-run `layerwise calibrate`")
         if version < 4:

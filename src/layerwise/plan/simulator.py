@@ -296,7 +296,7 @@ class _Simulation:
         i = op.index
         k = max(n - FETCH_AHEAD, self.forward_at[i] + 1)
         host_ready, host_alloc = mbs.internals_host.pop(i)
-        s, e = self.lanes.run("h2d", max(grp.issued[k], host_ready), self.cost.h2d_s(self.ws_bytes),
+        s, e = self.lanes.run("h2d", max(grp.issued[k], host_ready), self.cost.internals_h2d_s,
                               f"{OpKind.FETCH_INTERNALS} L{i}")
         host_alloc.end = e
         mbs.internals_ready[i] = e
@@ -383,7 +383,7 @@ class _Simulation:
         if self.internal[i] == "device":
             mbs.internals_held[i] = self.alloc("device", end, self.kept_bytes[i], f"internals {i} (kept)")
         else:
-            s, e = self.lanes.run("d2h", start, self.cost.d2h_s(self.ws_bytes), f"offload L{i}")
+            s, e = self.lanes.run("d2h", start, self.cost.internals_d2h_s, f"offload L{i}")
             grp.offload_end[grp.run] = max(grp.offload_end.get(grp.run, 0.0), e)
             if e > end:
                 self.alloc("device", end, self.ws_bytes, f"internals {i} (in flight)", e)

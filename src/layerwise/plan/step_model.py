@@ -92,8 +92,8 @@ class StepModel:
         ws = cost.layer_workspace_bytes
         self.ws_ratio = ws / a
         """One layer's internals in boundaries (the unit of the capacity rows)."""
-        self.ws_out = cost.d2h_s(ws)
-        self.ws_in = cost.h2d_s(ws)
+        self.ws_out = cost.internals_d2h_s
+        self.ws_in = cost.internals_h2d_s
         # the host accumulation lane queues: it only has to keep up over a whole micro-batch
         landed = sum(cost.grad_accumulate_s(u, landed_itemsize=g_item) for u in shape.unit_names()) + (
             cost.grad_accumulate_s(EMBED, landed_itemsize=g_item) if shape.tied else 0.0)
