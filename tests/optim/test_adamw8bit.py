@@ -389,10 +389,9 @@ def test_the_parameter_update_rounds_once_whatever_surrounds_it(fastmath):
     one rounding to fp32. That is what keeps a plain and a split parameter bit-identical by
     construction rather than by two loops happening to compile alike.
 
-    Mutation seen caught: the negation dropped (``x * d + q``). Not caught here: ``_apply`` as
-    ``x * d - q`` in a jitted function without fast-math (the code before), which this numba
-    fused too, in both loops; a compiler that does not fuse it rounds twice, a quarter of these
-    elements an ulp away."""
+    Mutations seen caught: the negation dropped (``x * d + q``); the codegen as ``fmul`` then
+    ``fsub`` (no ``llvm.fma`` in the loops; the fast-math loop fuses the pair itself, the strict
+    one rounds twice)."""
     import numba
     import numpy as np
 
@@ -409,3 +408,4 @@ def test_the_parameter_update_rounds_once_whatever_surrounds_it(fastmath):
     loop(out, d, q)
     once = (p.astype(np.float64) * np.float64(d) - q.astype(np.float64)).astype(np.float32)
     assert np.array_equal(out, once)
+    assert "llvm.fma" in loop.inspect_llvm(loop.signatures[0])
