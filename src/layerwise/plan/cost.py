@@ -200,18 +200,18 @@ class CostModel:
     def d2h_s(self, nbytes: float) -> float:
         return nbytes / (self.hw.d2h_gbps * 1e9)
 
-    @property
+    @cached_property
     def internals_d2h_s(self) -> float:
         """One layer's host-tier internals copied out: the largest layer's saved bytes (as the
         capacity rows count them) and ``storage_copy_s`` per storage (the most any layer saves)."""
         return self.d2h_s(self.layer_workspace_bytes) + self._storage_copies_s
 
-    @property
+    @cached_property
     def internals_h2d_s(self) -> float:
         """The same fetched back before the backward."""
         return self.h2d_s(self.layer_workspace_bytes) + self._storage_copies_s
 
-    @property
+    @cached_property
     def _storage_copies_s(self) -> float:
         storages = max(memory.saved_counts(self.shape, i)[1] for i in range(self.shape.num_layers))
         return storages * (self.hw.storage_copy_s or 0.0)
