@@ -38,7 +38,8 @@ def test_calibrate_measures_the_host_fields_at_the_run_shape(monkeypatch, tmp_pa
 
     Mutations seen caught: ``measure_host`` returning the preset's ``host_accum_bf16_gbps``
     (the old calibrate timed no bf16 accumulation); the fit's points left at 512/8;
-    ``other=points[0]`` given at a run shape too."""
+    ``other=points[0]`` given at a run shape too; the engine's work per op not measured (the
+    fit's ``op_overhead_s`` of 0 left in)."""
     seen = {}
     layer, launches = calibrate.measure_layer, calibrate.measure_by_shape
 
@@ -63,6 +64,7 @@ def test_calibrate_measures_the_host_fields_at_the_run_shape(monkeypatch, tmp_pa
     for f in HOST_FIELDS:
         assert getattr(hw, f) is not None and getattr(hw, f) > 0, f
         assert getattr(hw, f) != getattr(cpu, f), f"{f} is the preset's, not measured"
+    assert hw.op_overhead_s > 0  # the engine's own work per op (calibrate_engine), not the fit's 0
     hw.save(tmp_path / "p.json")
     assert HardwareProfile.load(tmp_path / "p.json") == hw and hw.format_version == 6
 

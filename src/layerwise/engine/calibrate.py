@@ -8,8 +8,10 @@ What is measured (each the fastest of a few repeats, after a warm-up):
   measured time) divided by that matmul rate, so attention, norms and the framework's overhead
   are priced as they are on this machine;
 - ``fwd_efficiency``: the same for the layer's forward without a graph (``layer_fwd``, recompute);
-- ``op_overhead_s``: the fixed cost of a layer op (dispatch + Python), the intercept of a fit
-  through two token counts, so that the rates above exclude it. Given the run's model and
+- the layer fit's intercept (a layer op's dispatch and Python, through two token counts), so
+  that the rates above exclude it; the profile's ``op_overhead_s`` is in the end the engine's
+  own work around each op on a CPU (``calibrate_engine``: contexts, fetch bookkeeping, the
+  landing's calls, on the compute lane there), 0 on a GPU (its host issues it ahead). Given the run's model and
   micro-batch (``model``, ``seq_len``, ``micro_batch_size``), the layer is the model's and the fit
   runs through the run's micro-batch and twice it (on a large GPU a small layer at a few hundred
   tokens is launch-bound noise); without them a llama-30m layer, 512 and 8 tokens;
@@ -55,6 +57,7 @@ from ..plan.hardware import PRESETS, HardwareProfile
 from ..plan.hardware_choice import resolve_hardware
 from ..plan.shape import ModelShape
 from ..store import FlatLayout
+from .calibrate_engine import measure_engine_overhead
 from .calibrate_host import (Clock, best_time, best_times, measure_accumulation,
                              measure_gloo_reduce_gbps, measure_optimizer, measure_optimizer_8bit,
                              measure_pinned_copy_gbps, on_host_worker)
@@ -442,8 +445,11 @@ def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None =
     # tell the launches from the layer's rates; the run's own two points are both compute-bound
     # (the slope between them says little about the intercept), and priced at the run's shape the
     # launches fitted there reproduce its layer whatever the split
-    return measure_by_shape(profile, device, dtype, points[1], reps, clock, config,
-                            other=points[0] if config is None else None)
+    profile = measure_by_shape(profile, device, dtype, points[1], reps, clock, config,
+                               other=points[0] if config is None else None)
+    # the engine's own work around its ops (``calibrate_engine``): on the synchronous CPU
+    # backend it runs on the compute lane; a GPU's host issues it ahead of the device
+    return profile if on_gpu else replace(profile, op_overhead_s=measure_engine_overhead(clock=clock))
 
 
 def measure_host(device: str, numel: int, repeats: int, clock: Clock = time.perf_counter,
