@@ -71,6 +71,8 @@ EMBED_OPS = (OpKind.EMBED_FWD, OpKind.RECOMPUTE_EMBED, OpKind.EMBED_BWD)
 LAYER_OPS = (OpKind.LAYER_FWD, OpKind.RECOMPUTE_LAYER, OpKind.LAYER_BWD, OpKind.LAYER_FWD_KEEP,
              OpKind.LAYER_BWD_KEPT)
 """Ops that run decoder layer ``index``."""
+COPY_OPS = (OpKind.FETCH, OpKind.FETCH_INTERNALS)
+"""Ops that copy (priced by their bytes); every other op computes."""
 RECOMPUTE_OPS = (OpKind.RECOMPUTE_EMBED, OpKind.RECOMPUTE_LAYER)
 """Ops that exist only because the plan dropped a boundary."""
 FETCH_AHEAD = 2

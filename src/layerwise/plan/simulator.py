@@ -63,8 +63,8 @@ from .hardware import HardwareProfile
 from .memory import (GRAD_SLOTS, carried, fetch_slot_count, grad_slot_itemsize, group_embed_bwd_bytes,
                      group_size, kept_internal_bytes, mask_bytes, resident_weight_bytes)
 from .plan import Plan
-from .program import (FETCH_AHEAD, RECOMPUTE_OPS, Op, OpKind, WeightWindow, micro_batch_groups,
-                      micro_batch_program, resident_units, weight_schedule)
+from .program import (COPY_OPS, FETCH_AHEAD, RECOMPUTE_OPS, Op, OpKind, WeightWindow,
+                      micro_batch_groups, micro_batch_program, resident_units, weight_schedule)
 from .shape import ModelShape
 from .topology import (REDUCE_BYTES_PER_PARAM, Topology, assign_owners, host_reduce_s, inter_allreduce_s,
                        intra_reduce_s, rank_hardware)
@@ -116,7 +116,7 @@ class _Simulation:
         self.group = group_size(plan)
         # per op, what does not change between micro-batches (each runs the whole program)
         self.labels = [str(op) for op in self.ops]
-        compute = [op.kind not in (OpKind.FETCH, OpKind.FETCH_INTERNALS) for op in self.ops]
+        compute = [op.kind not in COPY_OPS for op in self.ops]
         units = [op.units(self.tied) if c else () for op, c in zip(self.ops, compute)]
         self.op_units = [[u for u in us if u not in self.resident] for us in units]
         self.op_resident = [[u for u in us if u in self.resident] for us in units]
