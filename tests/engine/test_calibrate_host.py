@@ -161,23 +161,41 @@ def test_calibrate_names_the_optimizer_form_its_threads_and_the_rate_per_thread(
     assert "on 2 intra-op" in calibrate_host.optimizer_lines(hw, "cuda", 2)[0]
 
 
-def test_best_times_runs_its_closures_in_turn():
-    """On a machine whose speed halves after the first round, each closure's best time is the
-    fast round's: the closures are run one of each per round, not each's repeats back to back.
+def test_median_times_runs_its_closures_in_turn():
+    """On a machine whose speed halves after the first two of four rounds, every closure sees two
+    fast and two slow runs (its median 1.5x its fast time): the closures are run one of each per
+    round, not each's repeats back to back.
 
-    Mutation seen caught: ``best_times`` running each closure's repeats in a row (the later
-    closures see only the slow phase: their best is 2x)."""
+    Mutation seen caught: ``median_times`` running each closure's repeats in a row (the first
+    closure sees only the fast phase, the last only the slow one)."""
     now, runs = [0.0], [0]
     bases = [1.0, 2.0, 3.0]
+    rounds = 4
 
     def work(base):
         def run():
             runs[0] += 1
-            # the first round (each closure's untimed and timed run: 2 x 3 runs) at full
-            # speed, then at half
-            now[0] += base * (1.0 if runs[0] <= 2 * len(bases) else 2.0)
+            # the first two rounds (each closure's untimed and timed runs) at full speed, then at half
+            now[0] += base * (1.0 if runs[0] <= 2 * 2 * len(bases) else 2.0)
         return run
 
-    got = calibrate_host.best_times([work(b) for b in bases], 4, clock=lambda: now[0])
-    assert got == bases
-    assert runs[0] == 2 * len(bases) * 4
+    got = calibrate_host.median_times([work(b) for b in bases], rounds, clock=lambda: now[0])
+    assert got == [1.5 * b for b in bases]
+    assert runs[0] == 2 * len(bases) * rounds
+
+
+def test_a_timing_is_the_median_of_its_runs_not_the_fastest():
+    """A step adds up many runs of each kernel, so calibration prices a run's typical time: of
+    runs taking 1, 5, 2, 9, 3 (after a warm-up) ``median_time`` gives 3, and ``median_times`` the
+    same for each closure.
+
+    Mutation seen caught: the minimum taken (1: every prediction under the engine by a layer's
+    median-to-best spread, 3-15% on a shared VM)."""
+    now, durations = [0.0], iter([7.0, 1.0, 5.0, 2.0, 9.0, 3.0])
+
+    def run():
+        now[0] += next(durations)
+
+    assert calibrate_host.median_time(run, 5, clock=lambda: now[0]) == 3.0
+    now[0], durations = 0.0, iter([7.0, 1.0, 7.0, 5.0, 7.0, 2.0, 7.0, 9.0, 7.0, 3.0])
+    assert calibrate_host.median_times([run], 5, clock=lambda: now[0]) == [3.0]

@@ -24,7 +24,7 @@ def test_layer_fit_recovers_rates_and_overhead(monkeypatch):
     times = [overhead_s + 3 * flops[512] / bwd_rate, overhead_s + 3 * flops[8] / bwd_rate,
              overhead_s + flops[512] / fwd_rate, overhead_s + flops[8] / fwd_rate]
     # measure_layer times, in one batch: backward 512, backward 8, forward 512, forward 8
-    monkeypatch.setattr(calibrate, "best_times", lambda fns, *a, **kw: times[:len(fns)])
+    monkeypatch.setattr(calibrate, "median_times", lambda fns, *a, **kw: times[:len(fns)])
     b, f, o = calibrate.measure_layer("cpu", __import__("torch").float32, ((1, 512), (1, 8)), 1)
     assert b == pytest.approx(bwd_rate, rel=1e-9)
     assert f == pytest.approx(fwd_rate, rel=1e-9)
@@ -117,23 +117,23 @@ def test_the_probes_rates_are_scaled_to_the_layers_before_the_launches():
 def test_the_probes_and_the_layer_are_timed_in_one_batch(monkeypatch):
     """``measure_by_shape`` hands the probes (the kept internals' too) and the layers' runs (the
     launch layer's, and with ``other`` the rates' layer at both points)
-    to one ``best_times`` call, so the times the launch fit subtracts come from the same seconds
-    (``best_times`` runs them in turn: tests/engine/test_calibrate_host.py); what it fits is
+    to one ``median_times`` call, so the times the launch fit subtracts come from the same seconds
+    (``median_times`` runs them in turn: tests/engine/test_calibrate_host.py); what it fits is
     a profile with every device-by-shape field measured.
 
-    Mutations seen caught: the layer timed in a ``best_times`` call of its own after the
+    Mutations seen caught: the layer timed in a ``median_times`` call of its own after the
     probes'; the launches fitted on the rates' layer."""
     import torch
 
-    from layerwise.engine.calibrate_host import best_times
+    from layerwise.engine.calibrate_host import median_times
 
     batches = []
 
     def spy(fns, repeats, sync=lambda: None, clock=None):
         batches.append(len(fns))
-        return best_times(fns, repeats, sync)
+        return median_times(fns, repeats, sync)
 
-    monkeypatch.setattr(calibrate, "best_times", spy)
+    monkeypatch.setattr(calibrate, "median_times", spy)
     fitted_on = []
     fit = calibrate.fit_launches
     monkeypatch.setattr(calibrate, "fit_launches", lambda hw, shape, *a: fitted_on.append(shape) or fit(hw, shape, *a))

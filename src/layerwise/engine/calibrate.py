@@ -1,6 +1,6 @@
 """Measure the machine this runs on and return a :class:`HardwareProfile`.
 
-What is measured (each the fastest of a few repeats, after a warm-up):
+What is measured (each the median of a few repeats, after a warm-up: ``median_time``):
 
 - ``peak_tflops``: a square matmul in the compute dtype (fp32 on CPU, bf16 on CUDA);
 - ``efficiency``: the FLOP rate of a decoder layer's backward exactly as the engine runs it
@@ -9,9 +9,10 @@ What is measured (each the fastest of a few repeats, after a warm-up):
   are priced as they are on this machine;
 - ``fwd_efficiency``: the same for the layer's forward without a graph (``layer_fwd``, recompute);
 - the layer fit's intercept (a layer op's dispatch and Python, through two token counts), so
-  that the rates above exclude it; the profile's ``op_overhead_s`` is in the end the engine's
-  own work around each op on a CPU (``calibrate_engine``: contexts, fetch bookkeeping, the
-  landing's calls, on the compute lane there), 0 on a GPU (its host issues it ahead). Given the run's model and
+  that the rates above exclude it; the profile's ``op_overhead_s`` is in the end, on a CPU, what
+  a tiny step costs beyond the simulator's price of it, per op (``calibrate_engine``: the
+  engine's bookkeeping, the optimizer's and the landing's Python, kernels colder between them
+  than in a hot loop), 0 on a GPU (its host issues the engine's work ahead). Given the run's model and
   micro-batch (``model``, ``seq_len``, ``micro_batch_size``), the layer is the model's and the fit
   runs through the run's micro-batch and twice it (on a large GPU a small layer at a few hundred
   tokens is launch-bound noise); without them a llama-30m layer, 512 and 8 tokens;
@@ -58,7 +59,7 @@ from ..plan.hardware_choice import resolve_hardware
 from ..plan.shape import ModelShape
 from ..store import FlatLayout
 from .calibrate_engine import measure_engine_overhead
-from .calibrate_host import (Clock, best_time, best_times, measure_accumulation,
+from .calibrate_host import (Clock, median_time, median_times, measure_accumulation,
                              measure_gloo_reduce_gbps, measure_optimizer, measure_optimizer_8bit,
                              measure_pinned_copy_gbps, on_host_worker)
 from .devices import make_backend, this_machine
@@ -85,7 +86,7 @@ def _sync_for(device: str) -> Callable[[], None]:
 def measure_matmul_tflops(device: str, dtype, n: int, repeats: int, clock: Clock = time.perf_counter) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    t = best_time(lambda: torch.mm(a, b), repeats, _sync_for(device), clock)
+    t = median_time(lambda: torch.mm(a, b), repeats, _sync_for(device), clock)
     return 2 * n**3 / t / 1e12
 
 
@@ -207,7 +208,7 @@ def measure_by_shape(hw: HardwareProfile, device: str, dtype, point: tuple[int, 
     With ``other`` (a second point, on a synchronous device): the probes' rates first scaled to
     what ``config``'s layer takes between the two points (``fit_in_layer``), and the launches
     fitted on the :data:`LAUNCH_FLAVOR` layer at ``point``. The probes and the layers are timed
-    together, in turn (``best_times``): the fit takes differences of their times, and a probe
+    together, in turn (``median_times``): the fit takes differences of their times, and a probe
     timed at another moment's speed would move them by tens of percent."""
     run, shape = _layer_runs(device, dtype, config)
     probes, fields = _device_shape_probes(device, dtype)
@@ -217,7 +218,7 @@ def measure_by_shape(hw: HardwareProfile, device: str, dtype, point: tuple[int, 
         layer = list(narrow(*point)) + [run(*point)[0], run(*other)[0]]
     else:
         launch_shape, layer = shape, list(run(*point))
-    times = best_times(probes + kept + layer, repeats, _sync_for(device), clock)
+    times = median_times(probes + kept + layer, repeats, _sync_for(device), clock)
     n = len(probes) + len(kept)
     hw = replace(hw, **fields(times[:len(probes)]), **kept_fields(times[len(probes):n]))
     t_bwd, t_fwd, *t_rates = times[n:]
@@ -295,7 +296,7 @@ def measure_layer(device: str, dtype, points: tuple[tuple[int, int], tuple[int, 
     f0 = CostModel(shape, PRESETS["cpu"], m0, s0).layer_fwd_flops(0)
     f1 = CostModel(shape, PRESETS["cpu"], m1, s1).layer_fwd_flops(0)
     (bwd0, fwd0), (bwd1, fwd1) = run(m0, s0), run(m1, s1)
-    tb0, tb1, tf0, tf1 = best_times([bwd0, bwd1, fwd0, fwd1], repeats, sync, clock)  # one speed
+    tb0, tb1, tf0, tf1 = median_times([bwd0, bwd1, fwd0, fwd1], repeats, sync, clock)  # one speed
     bwd_rate = 3 * (f0 - f1) / _nonzero(tb0 - tb1, f0 - f1)
     fwd_rate = (f0 - f1) / _nonzero(tf0 - tf1, f0 - f1)
     overhead = max(0.0, tf0 - f0 / fwd_rate)
@@ -316,8 +317,8 @@ def measure_copy_gbps(device: str, nbytes: int, repeats: int,
         host = torch.empty(n, dtype=torch.float32).pin_memory()
         dev = torch.empty(n, dtype=torch.float32, device=device)
         sync = _sync_for(device)
-        h2d = best_time(lambda: dev.copy_(host, non_blocking=True), repeats, sync)
-        d2h = best_time(lambda: host.copy_(dev, non_blocking=True), repeats, sync)
+        h2d = median_time(lambda: dev.copy_(host, non_blocking=True), repeats, sync)
+        d2h = median_time(lambda: host.copy_(dev, non_blocking=True), repeats, sync)
         return nbytes / h2d / 1e9, nbytes / d2h / 1e9
     # The CPU backend copies a unit (a few MB to tens of MB) into a slot allocated once
     # (``copy_`` into warm pages); a clone would time fresh pages being allocated and faulted in,
@@ -326,7 +327,7 @@ def measure_copy_gbps(device: str, nbytes: int, repeats: int,
     src = torch.ones(piece, dtype=torch.float32)
     k = max(1, n // piece)
     slots = [torch.empty(piece, dtype=torch.float32) for _ in range(2)]
-    t = best_time(lambda: [slots[j % 2].copy_(src) for j in range(k)], repeats, clock=clock)
+    t = median_time(lambda: [slots[j % 2].copy_(src) for j in range(k)], repeats, clock=clock)
     return k * piece * 4 / t / 1e9, k * piece * 4 / t / 1e9
 
 
@@ -347,8 +348,8 @@ def measure_disk_gbps(directory: str | None, nbytes: int, repeats: int) -> tuple
                 buf = bytearray(len(data))
                 f.readinto(buf)
 
-        tw = best_time(write, repeats)
-        tr = best_time(read, repeats)
+        tw = median_time(write, repeats)
+        tr = median_time(read, repeats)
     return len(data) / tr / 1e9, len(data) / tw / 1e9
 
 
@@ -447,9 +448,9 @@ def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None =
     # launches fitted there reproduce its layer whatever the split
     profile = measure_by_shape(profile, device, dtype, points[1], reps, clock, config,
                                other=points[0] if config is None else None)
-    # the engine's own work around its ops (``calibrate_engine``): on the synchronous CPU
-    # backend it runs on the compute lane; a GPU's host issues it ahead of the device
-    return profile if on_gpu else replace(profile, op_overhead_s=measure_engine_overhead(clock=clock))
+    # what a CPU step costs beyond its priced parts (``calibrate_engine``): on the synchronous
+    # CPU backend it runs on the compute lane; a GPU's host issues it ahead of the device
+    return profile if on_gpu else replace(profile, op_overhead_s=measure_engine_overhead(profile, clock=clock))
 
 
 def measure_host(device: str, numel: int, repeats: int, clock: Clock = time.perf_counter,

@@ -1,28 +1,37 @@
-"""The engine's own work around its compute, per op, measured on a tiny step (the CPU backend).
+"""What a CPU step costs beyond its priced parts, per op, measured on a tiny step.
 
 A step is more than its ops' kernels: around each op the executor picks the next fetches, takes
 the weights, makes the micro-batches' contexts (positions, RoPE, masks), queues the closures,
-lands the gradients tensor by tensor. On the synchronous CPU backend that work runs on the
-compute lane, and at a narrow model's layer widths it is a tenth of the step and more (a
-dense layer of hidden 64: ~2.5 ms a step of ~40). ``measure_engine_overhead`` runs a few steps of
-a model too small for its compute or copies to matter (``llama-debug``, 8 tokens) and times the
-step less its compute closures, per compute op: the profile's ``op_overhead_s``,
-which the cost model adds to every compute op. A GPU's host issues this work ahead of the
-device, so there it is not measured.
+lands the gradients tensor by tensor; the optimizer and the landing pay Python per unit; and an
+op's kernels run colder between the engine's bookkeeping than in a hot loop of the layer alone,
+where ``calibrate`` fits their launches. On the synchronous CPU backend all of it runs on the
+compute lane (or, the optimizer, on its own thread, which the CPU clock counts), and at a narrow
+model's widths it is a tenth of the step and more. ``measure_engine_overhead`` runs a few steps
+of a model too small for its compute or copies to matter (``llama-debug``, 8 tokens) and takes
+the step's time less the simulator's price of the same step with no overhead, per compute op:
+the profile's ``op_overhead_s``, which the cost model adds to every compute op. It is fitted
+where these fixed costs are most of the step, on another model and shape than any run, so it
+is what the simulator's form misses, not a correction to one run. A GPU's host issues the
+engine's work ahead of the device, so there it is not measured.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..models.adapter import DecoderAdapter
 from ..models.init import build_hf_model
 from ..models.registry import get_flavor
+from ..plan.hardware import HardwareProfile
 from ..plan.plan import Plan
 from ..plan.program import COPY_OPS, OpKind
+from ..plan.shape import ModelShape
+from ..plan.simulator import simulate
 from ..store import HostStore
 from .batch import Batch
 from .executor import EngineConfig, StreamingEngine
@@ -30,10 +39,28 @@ from .executor import EngineConfig, StreamingEngine
 OVERHEAD_FLAVOR = "llama-debug"
 
 
-def measure_engine_overhead(steps: int = 5, clock: Callable[[], float] = time.perf_counter) -> float:
-    """Seconds a CPU engine step spends outside its compute closures, per compute op (the
-    median step of ``steps`` after a warm-up; each step's updates, priced apart, waited for
-    outside the timed part)."""
+@dataclass(frozen=True)
+class TinyStep:
+    """The tiny step as measured and as the simulator prices it without ``op_overhead_s``."""
+
+    step_s: float
+    """The median step, updates included (the clock's: the CPU clock counts the optimizer's thread)."""
+    simulated_s: float
+    compute_ops: int
+    """The ops a step runs that the simulator prices as compute (not its copies)."""
+    plan: Plan
+    shape: ModelShape
+
+    @property
+    def per_op_s(self) -> float:
+        return max(0.0, (self.step_s - self.simulated_s) / max(1, self.compute_ops))
+
+
+def measure_tiny_step(hw: HardwareProfile, steps: int = 5,
+                      clock: Callable[[], float] = time.perf_counter) -> TinyStep:
+    """``steps`` steps of ``OVERHEAD_FLAVOR`` at 1 x 8 tokens, 2 micro-batches, recompute-all, on
+    the CPU backend, after a warm-up; each step with its updates waited for, as the simulator's
+    synchronous step is; priced on ``hw`` with ``op_overhead_s`` 0."""
     cfg = get_flavor(OVERHEAD_FLAVOR).build_config()
     model, adapter = build_hf_model(cfg, seed=0), DecoderAdapter(cfg)
     store = HostStore(adapter)
@@ -43,13 +70,7 @@ def measure_engine_overhead(steps: int = 5, clock: Callable[[], float] = time.pe
     g = torch.Generator().manual_seed(0)
     batches = [Batch(ids, torch.roll(ids, -1, dims=1))
                for ids in (torch.randint(0, cfg.vocab_size, (1, 8), generator=g) for _ in range(2))]
-    compute, ops = [0.0], [0]
-    launch = engine.backend.launch
-
-    def timed_launch(fn: Callable[[], None]) -> None:
-        t = clock()
-        launch(fn)
-        compute[0] += clock() - t
+    ops = [0]
 
     def counted(kind: OpKind, handler):
         def run(group, i) -> None:
@@ -57,18 +78,24 @@ def measure_engine_overhead(steps: int = 5, clock: Callable[[], float] = time.pe
             handler(group, i)
         return run
 
-    engine.backend.launch = timed_launch
     engine.handlers.ops = {k: counted(k, h) for k, h in engine.handlers.ops.items()}
-    per_op = []
+    times = []
     try:
         for n in range(steps + 1):
-            compute[0], ops[0] = 0.0, 0
+            ops[0] = 0
             t = clock()
             engine.train_step(batches)
-            around = clock() - t - compute[0]
-            engine.updates.wait_own()
+            engine.synchronize()
             if n:  # the first step warms up
-                per_op.append(max(0.0, around) / max(1, ops[0]))
+                times.append(clock() - t)
     finally:
         engine.close()
-    return sorted(per_op)[len(per_op) // 2]
+    shape = ModelShape.from_config(cfg)
+    simulated = simulate(plan, shape, replace(hw, op_overhead_s=0.0), steps=2, keep_trace=False).step_s
+    return TinyStep(statistics.median(times), simulated, ops[0], plan, shape)
+
+
+def measure_engine_overhead(hw: HardwareProfile, steps: int = 5,
+                            clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds per compute op that a CPU step spends beyond what ``hw`` prices (``TinyStep``)."""
+    return measure_tiny_step(hw, steps, clock).per_op_s

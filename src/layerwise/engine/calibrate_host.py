@@ -20,6 +20,7 @@ Rates count the bytes the kernel moves (accumulation: ``e + 8`` per element; the
 from __future__ import annotations
 
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -44,10 +45,13 @@ Clock = Callable[[], float]
 T = TypeVar("T")
 
 
-def best_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None,
-              clock: Clock = time.perf_counter) -> float:
-    """Fastest of ``repeats`` runs after a warm-up: what the machine can do when others let it
-    (shared machines are noisy; the minimum is the stable statistic, as in ``timeit``)."""
+def median_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None,
+                clock: Clock = time.perf_counter) -> float:
+    """Median of ``repeats`` runs after a warm-up. The cost model adds these times up over a step
+    of many runs, so each is priced at what a run typically takes, not at the fastest one: on a
+    shared VM a layer's median run is 3-15% slower than its best, and the minimum priced every
+    step under the engine by that much (``docs/benchmarks.md``, "Widths rerun 2026-12-04
+    (stop 45)"); the median still ignores the odd descheduled run."""
     fn()
     sync()
     times = []
@@ -56,17 +60,17 @@ def best_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = l
         fn()
         sync()
         times.append(clock() - t)
-    return min(times)
+    return statistics.median(times)
 
 
-def best_times(fns: Sequence[Callable[[], None]], repeats: int, sync: Callable[[], None] = lambda: None,
-               clock: Clock = time.perf_counter) -> list[float]:
-    """The fastest of ``repeats`` runs of each of ``fns``, run in turn (one of each per round),
-    each timed run right after an untimed one (hot, as :func:`best_time` times it): a shared
+def median_times(fns: Sequence[Callable[[], None]], repeats: int, sync: Callable[[], None] = lambda: None,
+                 clock: Clock = time.perf_counter) -> list[float]:
+    """The median of ``repeats`` runs of each of ``fns`` (as :func:`median_time`), run in turn
+    (one of each per round), each timed run right after an untimed one (hot): a shared
     machine's speed moves by tens of percent over seconds (a 2-core VM: up to 1.6x), so times
     that are combined (a difference, a ratio) are taken over the same seconds, not one after
     the other."""
-    best = [float("inf")] * len(fns)
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for k, fn in enumerate(fns):
             fn()  # its data and code back in the caches
@@ -74,8 +78,8 @@ def best_times(fns: Sequence[Callable[[], None]], repeats: int, sync: Callable[[
             t = clock()
             fn()
             sync()
-            best[k] = min(best[k], clock() - t)
-    return best
+            times[k].append(clock() - t)
+    return [statistics.median(ts) for ts in times]
 
 
 def _meminfo_total_bytes(path: str = "/proc/meminfo") -> int | None:
@@ -140,7 +144,7 @@ def measure_accumulation(numel: int, repeats: int, threads: int = 1,
     out = []
     for dtype, per_elem in ((torch.bfloat16, 10), (torch.float32, 12)):
         src = torch.randn(numel).to(dtype)
-        t = best_time(lambda: accumulate(dst, src, first=False, threads=threads), repeats, clock=clock)
+        t = median_time(lambda: accumulate(dst, src, first=False, threads=threads), repeats, clock=clock)
         out.append(numel * per_elem / t / 1e9)
     return out[0], out[1]
 
@@ -166,7 +170,7 @@ def measure_optimizer(numel: int, repeats: int, clock: Clock = time.perf_counter
     buf = _probe_unit(numel, split)
     opt = HostAdamW(AdamWConfig())
     opt.init_state(buf)
-    t = best_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats, clock=clock)
+    t = median_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats, clock=clock)
     return buf.layout.numel / t
 
 
@@ -176,7 +180,7 @@ def measure_optimizer_8bit(numel: int, repeats: int, clock: Clock = time.perf_co
     buf = _probe_unit(numel, split)
     opt = HostAdamW8bit(AdamWConfig())
     opt.init_state(buf)
-    t = best_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats, clock=clock)
+    t = median_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats, clock=clock)
     return buf.layout.numel / t
 
 
@@ -187,7 +191,7 @@ def measure_pinned_copy_gbps(device: str, numel: int, repeats: int, clock: Clock
     dst = torch.empty(numel, dtype=torch.bfloat16)
     if device.startswith("cuda"):
         dst = dst.pin_memory()
-    t = best_time(lambda: dst.copy_(src), repeats, clock=clock)
+    t = median_time(lambda: dst.copy_(src), repeats, clock=clock)
     return numel * 6 / t / 1e9
 
 
@@ -211,7 +215,7 @@ def measure_gloo_reduce_gbps(numel: int, repeats: int) -> float:
             dist.reduce(t, dst=0)
 
         dist.barrier()
-        s = best_time(once, repeats, sync=dist.barrier)
+        s = median_time(once, repeats, sync=dist.barrier)
         return _reduce_bus_gbps(nbytes, s, world)
     store = dist.HashStore()
     times: dict[int, float] = {}
@@ -229,7 +233,7 @@ def measure_gloo_reduce_gbps(numel: int, repeats: int) -> float:
                 barrier.wait()
                 pg.reduce([t], opts).wait()
 
-            times[r] = best_time(once, repeats)
+            times[r] = median_time(once, repeats)
         except BaseException as e:  # surfaced below, on the caller's thread
             errors.append(e)
             barrier.abort()
