@@ -170,3 +170,25 @@ def test_the_kept_probe_runs_the_engine_s_tiers_and_fits_per_tensor_and_storage(
     assert backend.copied_bytes == {"h2d": n * 8 * 4, "d2h": n * 8 * 4}  # n storages of 8 fp32 each way
     got = fields([1e-3, 1e-3 + 2 * n * 3e-6, 1e-3 + 2 * n * (3e-6 + 5e-6)])
     assert got == pytest.approx({"saved_tensor_s": 3e-6, "storage_copy_s": 5e-6}, rel=1e-9)
+
+
+def test_a_cpu_gemm_probe_reads_a_weight_no_earlier_call_left_in_the_caches(monkeypatch):
+    """On a CPU each call of a GEMM probe reads another weight, the probe's calls together spanning
+    ``COLD_WEIGHT_BYTES`` (past any core's L2 and L3 share), as a layer's GEMM in a step reads a
+    weight the other layers' work has pushed out of the caches.
+
+    Mutation seen caught: one weight per probe, read hot by every call (as before stop 45)."""
+    import torch
+
+    seen = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda x, w: seen.append(w.data_ptr()) or mm(x, w))
+    fns, _ = calibrate._device_shape_probes("cpu", torch.float32)
+    for j, (_, k, n) in enumerate(calibrate.GEMM_PROBES["cpu"]):
+        seen.clear()
+        weight_bytes = k * n * 4
+        calls = calibrate.COLD_WEIGHT_BYTES // weight_bytes
+        for _ in range(calls):
+            fns[2 + 2 * j]()
+        assert len(set(seen)) == calls
+        assert max(seen) + weight_bytes - min(seen) == calls * weight_bytes >= 0.99 * calibrate.COLD_WEIGHT_BYTES

@@ -17,7 +17,8 @@ What is measured (each the median of a few repeats, after a warm-up: ``median_ti
   runs through the run's micro-batch and twice it (on a large GPU a small layer at a few hundred
   tokens is launch-bound noise); without them a llama-30m layer, 512 and 8 tokens;
 - the device by shape (``plan/device_cost.py``): ``gemm_tflops_points``, a GEMM's rate at a few
-  weight sizes and the rate it reads that weight at (8 rows); ``device_mem_gbps``, an elementwise add's bytes per second; and the launches,
+  weight sizes and the rate it reads that weight at (8 rows; on a CPU from weights out of the
+  caches, ``COLD_WEIGHT_BYTES``); ``device_mem_gbps``, an elementwise add's bytes per second; and the launches,
   from a layer at the fit's small point (``fit_launches``): ``kernel_launch_s`` per
   forward kernel and ``backward_launch_s`` per backward kernel, what the layer takes beyond its
   kernels' rooflines (its modules' Python and dispatch grow with its kernels, so the profile's
@@ -40,6 +41,7 @@ What is measured (each the median of a few repeats, after a warm-up: ``median_ti
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 import time
@@ -74,6 +76,12 @@ GEMM_PROBES = {"cpu": ((512, 64, 64), (512, 256, 256), (512, 1024, 1024), (512, 
                "cuda": ((8192, 1024, 1024), (8192, 4096, 4096), (8192, 8192, 8192))}
 """(M, K, N) of the GEMMs timed for ``gemm_tflops_points``: weights from cache-sized to far past
 the caches (a CPU's rate falls once a weight leaves its L2), at a layer's rows."""
+COLD_WEIGHT_BYTES = 64 << 20
+"""Bytes a CPU's GEMM probes take their weights from in rotation, so that no call finds its
+weight in the caches, as a layer's GEMM in a step does not (the step ran the other layers since):
+priced by hot weights every GEMM-bound width ran 5-10% and the MoE's experts 5-7 points under
+the engine (``docs/benchmarks.md``, "Widths rerun 2026-12-04 (stop 45)"). Past any core's L2
+and its share of the L3."""
 
 
 def _sync_for(device: str) -> Callable[[], None]:
@@ -95,18 +103,25 @@ def _device_shape_probes(device: str, dtype
     """The profile's device-by-shape probes, as closures to time, and their fields from their
     times: the launch (a one-element add, per op over 100), the memory bandwidth (an add over
     3 x 1 MiB on a CPU, 3 x 128 MiB on a GPU) and each probe GEMM's rate at its rows and at 8
-    (its weight's pass), with the launch taken out where it is serial (a synchronous CPU)."""
+    (its weight's pass), with the launch taken out where it is serial (a synchronous CPU). On a
+    CPU each GEMM call reads the next of the weights that fit in ``COLD_WEIGHT_BYTES``."""
     on_gpu = device.startswith("cuda")
     one = torch.zeros(1, device=device, dtype=dtype)
     n = (64 << 20) if on_gpu else (1 << 18)
     a, b, c = (torch.ones(n, device=device, dtype=dtype) for _ in range(3))
     fns = [lambda: [torch.add(one, one) for _ in range(100)], lambda: torch.add(a, b, out=c)]
+    pool = None if on_gpu else torch.randn(COLD_WEIGHT_BYTES // (torch.finfo(dtype).bits // 8), dtype=dtype)
     gemms = []
     for m, k, nn in GEMM_PROBES["cuda" if on_gpu else "cpu"]:
-        x, w = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, nn, device=device, dtype=dtype)
+        x = torch.randn(m, k, device=device, dtype=dtype)
         x8 = x[:8].contiguous()  # at 8 rows the time is the weight's pass (its FLOPs ~1% of it)
-        fns += [lambda x=x, w=w: torch.mm(x, w), lambda x8=x8, w=w: torch.mm(x8, w)]
-        gemms.append((2.0 * m * k * nn, float(w.numel() * w.element_size())))
+        if pool is None:
+            ws = [torch.randn(k, nn, device=device, dtype=dtype)]
+        else:  # views of the pool, one after another
+            ws = [pool[o:o + k * nn].view(k, nn) for o in range(0, pool.numel() - k * nn + 1, k * nn)]
+        turn = itertools.cycle(ws)
+        fns += [lambda x=x, t=turn: torch.mm(x, next(t)), lambda x8=x8, t=turn: torch.mm(x8, next(t))]
+        gemms.append((2.0 * m * k * nn, float(k * nn * x.element_size())))
 
     def fields(times: list[float]) -> dict:
         launch = times[0] / 100
