@@ -264,9 +264,9 @@ def fit_in_layer(hw: HardwareProfile, shape: ModelShape, a: tuple[int, int], b: 
     """``hw`` with its probes' rates scaled to a layer of ``shape`` whose backward op took ``t_a``
     and ``t_b`` at points ``a`` and ``b`` (a synchronous device, where a kernel costs its launch
     plus its roofline): the time between the two points, where the launches cancel, over the
-    rooflines' difference is what the layer's kernels take against the probes' (timed hot and
-    alone, they beat the same kernels inside a layer: ~1.2x on a CPU); the rates are divided
-    by that factor (``in_layer_factor``)."""
+    rooflines' difference is what the layer's kernels take against the probes' (timed alone,
+    they beat the same kernels inside a layer); the rates are divided by that factor
+    (``in_layer_factor``)."""
     return _in_layer(hw, in_layer_factor(shape, hw, a, b, t_a, t_b))
 
 
