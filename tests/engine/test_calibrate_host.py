@@ -64,7 +64,7 @@ def test_calibrate_measures_the_host_fields_at_the_run_shape(monkeypatch, tmp_pa
     for f in HOST_FIELDS:
         assert getattr(hw, f) is not None and getattr(hw, f) > 0, f
         assert getattr(hw, f) != getattr(cpu, f), f"{f} is the preset's, not measured"
-    assert hw.op_overhead_s > 0  # the engine's own work per op (calibrate_engine), not the fit's 0
+    assert hw.op_overhead_s > 0  # the tiny step's cost beyond its price (calibrate_engine), not the fit's 0
     hw.save(tmp_path / "p.json")
     assert HardwareProfile.load(tmp_path / "p.json") == hw and hw.format_version == 6
 

@@ -60,7 +60,7 @@ from ..plan.hardware import PRESETS, HardwareProfile
 from ..plan.hardware_choice import resolve_hardware
 from ..plan.shape import ModelShape
 from ..store import FlatLayout
-from .calibrate_engine import measure_engine_overhead
+from .calibrate_engine import measure_tiny_step
 from .calibrate_host import (Clock, median_time, median_times, measure_accumulation,
                              measure_gloo_reduce_gbps, measure_optimizer, measure_optimizer_8bit,
                              measure_pinned_copy_gbps, on_host_worker)
@@ -465,7 +465,7 @@ def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None =
                                other=points[0] if config is None else None)
     # what a CPU step costs beyond its priced parts (``calibrate_engine``): on the synchronous
     # CPU backend it runs on the compute lane; a GPU's host issues it ahead of the device
-    return profile if on_gpu else replace(profile, op_overhead_s=measure_engine_overhead(profile, clock=clock))
+    return profile if on_gpu else replace(profile, op_overhead_s=measure_tiny_step(profile, clock=clock).per_op_s)
 
 
 def measure_host(device: str, numel: int, repeats: int, clock: Clock = time.perf_counter,

@@ -6,7 +6,7 @@ lands the gradients tensor by tensor; the optimizer and the landing pay Python p
 op's kernels run colder between the engine's bookkeeping than in a hot loop of the layer alone,
 where ``calibrate`` fits their launches. On the synchronous CPU backend all of it runs on the
 compute lane (or, the optimizer, on its own thread, which the CPU clock counts), and at a narrow
-model's widths it is a tenth of the step and more. ``measure_engine_overhead`` runs a few steps
+model's widths it is a tenth of the step and more. ``measure_tiny_step`` runs a few steps
 of a model too small for its compute or copies to matter (``llama-debug``, 8 tokens) and takes
 the step's time less the simulator's price of the same step with no overhead, per compute op:
 the profile's ``op_overhead_s``, which the cost model adds to every compute op. It is fitted
@@ -94,8 +94,3 @@ def measure_tiny_step(hw: HardwareProfile, steps: int = 5,
     simulated = simulate(plan, shape, replace(hw, op_overhead_s=0.0), steps=2, keep_trace=False).step_s
     return TinyStep(statistics.median(times), simulated, ops[0], plan, shape)
 
-
-def measure_engine_overhead(hw: HardwareProfile, steps: int = 5,
-                            clock: Callable[[], float] = time.perf_counter) -> float:
-    """Seconds per compute op that a CPU step spends beyond what ``hw`` prices (``TinyStep``)."""
-    return measure_tiny_step(hw, steps, clock).per_op_s
