@@ -40,7 +40,7 @@ from layerwise.models.registry import FAMILY_PRESETS
 from layerwise.optim.adamw import AdamWConfig
 from layerwise.plan import Plan
 from layerwise.plan.cost import CostModel
-from layerwise.plan.hardware import PRESETS
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.search import PlanInfeasible, SearchConfig, search
 from layerwise.plan.shape import load_shape
 from layerwise.store import HostStore

@@ -91,7 +91,7 @@ def device_fit(lg: Large) -> tuple[str, int]:
 
 def device_memory(lg: Large) -> tuple[int, str]:
     """The GPU's memory and where the figure comes from."""
-    from layerwise.plan.hardware import PRESETS
+    from layerwise.plan.presets import PRESETS
 
     if lg.dev.is_cuda:
         return int(lg.dev.torch.cuda.get_device_properties(0).total_memory), "cuda total_memory"
@@ -106,7 +106,7 @@ def run_model(lg: Large, layers_requested: int, data: dict[str, Any]) -> None:
     import torch
     from layerwise.models import DecoderAdapter, get_flavor
     from layerwise.plan.cost import CostModel
-    from layerwise.plan.hardware import PRESETS
+    from layerwise.plan.presets import PRESETS
     from layerwise.plan.shape import ModelShape
     from layerwise.store import store_footprint
 
@@ -184,7 +184,7 @@ def measure_layer_at_shape(lg: Large) -> dict[str, Any]:
     import torch
     from layerwise.engine.layer_ops import layer_backward
     from layerwise.plan.cost import CostModel
-    from layerwise.plan.hardware import PRESETS
+    from layerwise.plan.presets import PRESETS
     from layerwise.store import FlatLayout
 
     dev, adapter, shape, mbs, seq = lg.dev, lg.adapter, lg.shape, lg.mbs, lg.seq

@@ -123,7 +123,7 @@ def run_plan(lg: Large, name: str, plan, batches, steps: int, lr: float, profile
     import torch
     from layerwise.engine import EngineConfig, StreamingEngine
     from layerwise.plan.cost import CostModel
-    from layerwise.plan.hardware import PRESETS
+    from layerwise.plan.presets import PRESETS
 
     dev, mbs, nmb, seq = lg.dev, lg.mbs, plan.num_micro_batches, lg.seq
     store = lg.store

@@ -78,7 +78,7 @@ def gpu_check_case(milp_budget_s: float) -> dict[str, Any]:
 
 
 def plan_case(model: str, hardware: str, seq: int, milp_budget_s: float) -> dict[str, Any]:
-    from layerwise.plan.hardware import get_hardware
+    from layerwise.plan.presets import get_hardware
     from layerwise.plan.milp import MilpConfig
     from layerwise.plan.search import SearchConfig, search
     from layerwise.plan.shape import load_shape

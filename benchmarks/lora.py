@@ -45,7 +45,7 @@ from layerwise.models import get_flavor
 from layerwise.models.init import build_hf_model
 from layerwise.plan import Plan
 from layerwise.plan.finetune import lora_frozen_base
-from layerwise.plan.hardware import PRESETS
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.search import SearchConfig, search
 from layerwise.plan.shape import ModelShape
 from layerwise.plan.simulator import simulate

@@ -64,7 +64,7 @@ def run_case(model: str, hw_name: str, seq: int, time_limit_s: float, tokens_per
              options: dict | None = None) -> dict:
     from layerwise.plan.check import check
     from layerwise.plan.shape import load_shape
-    from layerwise.plan.hardware import PRESETS
+    from layerwise.plan.presets import PRESETS
     from layerwise.plan.milp import MilpConfig
     from layerwise.plan.search import PlanInfeasible, SearchConfig, search
     from layerwise.plan.simulator import simulate

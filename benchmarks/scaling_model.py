@@ -30,7 +30,7 @@ GPUS = (1, 2, 4, 8)
 def predicted(model: str = MODEL, hardware: str = HARDWARE, seq_len: int = SEQ_LEN,
               global_batch: int = GLOBAL_BATCH, milp_time_limit_s: float = 5.0) -> dict:
     """Predicted step, tokens/s and speedup vs 1 GPU for each GPU count (and 2 nodes of 8)."""
-    from layerwise.plan.hardware import PRESETS
+    from layerwise.plan.presets import PRESETS
     from layerwise.plan.milp import MilpConfig
     from layerwise.plan.scaling import predict_scaling
     from layerwise.plan.search import SearchConfig, search

@@ -18,7 +18,7 @@ from layerwise.optim.adamw import AdamWConfig, HostAdamW
 from layerwise.optim.adamw8bit import HostAdamW8bit
 from layerwise.plan import Plan
 from layerwise.plan.cost import STATE_NBYTES, CostModel
-from layerwise.plan.hardware import PRESETS
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.shape import ModelShape
 from layerwise.split_master import split_torch
 from layerwise.store import ARENA_ALIGN_BYTES, HostStore, StoreFootprint, check_host_memory, store_footprint

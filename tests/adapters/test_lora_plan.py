@@ -14,7 +14,7 @@ from layerwise.optim.adamw import state_nbytes
 from layerwise.plan import Plan
 from layerwise.plan.cost import CostModel
 from layerwise.plan.finetune import lora_frozen_base
-from layerwise.plan.hardware import PRESETS
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.shape import ModelShape
 from layerwise.plan.simulator import simulate
 

@@ -8,7 +8,7 @@ import torch
 
 from layerwise.engine import calibrate_engine
 from layerwise.models.adapter import DecoderAdapter
-from layerwise.plan.hardware import PRESETS
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.simulator import simulate
 
 CLOCK = time.thread_time

@@ -8,7 +8,8 @@ import pytest
 import layerwise.engine.calibrate as calibrate
 from layerwise.models import get_flavor
 from layerwise.plan.cost import CostModel
-from layerwise.plan.hardware import PRESETS, HardwareProfile
+from layerwise.plan.hardware import HardwareProfile
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.shape import ModelShape
 
 

@@ -60,7 +60,7 @@ def test_plan_prints_a_table_and_writes_the_plan(tmp_path, capsys):
     assert plan.source == "milp" and plan.seq_len == 4096
     assert plan.micro_batch_size * plan.num_micro_batches == 8
     # the prediction written with the plan is what the simulator says of the plan as loaded
-    from layerwise.plan.hardware import PRESETS
+    from layerwise.plan.presets import PRESETS
     from layerwise.plan.shape import load_shape
     from layerwise.plan.simulator import simulate
 
@@ -78,7 +78,7 @@ def test_plan_prints_a_table_and_writes_the_plan(tmp_path, capsys):
 
 def test_plan_json_and_auto_batch(tmp_path, capsys):
     profile = tmp_path / "hw.json"
-    from layerwise.plan.hardware import PRESETS
+    from layerwise.plan.presets import PRESETS
 
     PRESETS["h800"].save(profile)
     rc = main(["plan", "--model", "llama-30m", "--hardware", str(profile), "--seq-len", "512", "--json"])
@@ -174,7 +174,7 @@ def _floor_bytes(model: str, preset: str, ram_gb: float) -> int:
     and bf16 gradients, the preset's reserve, 4 pinned ring buffers of the largest layer's bf16
     gradient."""
     from layerwise.plan.cost import CostModel
-    from layerwise.plan.hardware import PRESETS
+    from layerwise.plan.presets import PRESETS
     from layerwise.plan.shape import load_shape
 
     shape, hw = load_shape(model), PRESETS[preset].with_memory(host_mem_gb=ram_gb)
@@ -194,7 +194,7 @@ def test_plan_prints_host_bytes_per_param_fits_ram_and_the_largest_model(tmp_pat
     2 B/param more); the ring in torch's power-of-two pinned blocks (reserve 5.9 GB, not
     5.4); ``largest_fitting`` keeping the first flavor that fits (qwen2-debug)."""
     from layerwise.plan.cost import CostModel
-    from layerwise.plan.hardware import PRESETS
+    from layerwise.plan.presets import PRESETS
     from layerwise.plan.shape import load_shape
     from layerwise.plan.simulator import simulate
 

@@ -8,7 +8,8 @@ from transformers import LlamaConfig
 
 from layerwise.plan.cost import CostModel
 from layerwise.plan.device_cost import DeviceCost, gemm, gemm_roof_flops_per_s, kernels_s
-from layerwise.plan.hardware import PRESETS, HardwareProfile
+from layerwise.plan.hardware import HardwareProfile
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.plan import Plan
 from layerwise.plan.shape import ModelShape, load_shape
 from layerwise.plan.simulator import simulate

@@ -12,7 +12,7 @@ from layerwise.models import DecoderAdapter, get_flavor  # noqa: E402
 from layerwise.models.init import build_hf_model  # noqa: E402
 from layerwise.plan.cost import CostModel  # noqa: E402
 from layerwise.plan.shape import ModelShape  # noqa: E402
-from layerwise.plan.hardware import PRESETS  # noqa: E402
+from layerwise.plan.presets import PRESETS  # noqa: E402
 from layerwise.plan.plan import Plan  # noqa: E402
 from layerwise.plan.search import SearchConfig, search  # noqa: E402
 from layerwise.plan.simulator import simulate  # noqa: E402

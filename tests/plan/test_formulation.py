@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from layerwise.plan.formulation import LAYER_GROUPS, MS, build, step_groups
-from layerwise.plan.hardware import PRESETS
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.milp import MilpConfig, StepModel
 from layerwise.plan.shape import load_shape
 

@@ -11,7 +11,8 @@ import torch
 
 from layerwise.cli import build_parser
 from layerwise.plan.cli import plan_hardware
-from layerwise.plan.hardware import GB, PRESETS
+from layerwise.plan.hardware import GB
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.hardware_choice import Machine, check_spec, cuda_preset_for, resolve_hardware
 from layerwise.train.config import TrainConfig
 from layerwise.train.planning import run_hardware

@@ -11,7 +11,7 @@ from layerwise.models.attention import row_layout
 from layerwise.models.registry import FAMILY_PRESETS, FLAVORS
 from layerwise.models.structure import layer_facts, model_flops
 from layerwise.plan.cost import CostModel
-from layerwise.plan.hardware import PRESETS
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.memory import layer_workspace_bytes, mask_bytes
 from layerwise.plan.plan import Plan
 from layerwise.plan.shape import ModelShape, load_shape

@@ -8,7 +8,7 @@ import pytest
 
 from layerwise.models import get_flavor
 from layerwise.plan.cost import CostModel
-from layerwise.plan.hardware import PRESETS
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.shape import ModelShape
 from layerwise.plan.topology import Topology, host_reduce_s, intra_reduce_s, rank_hardware
 

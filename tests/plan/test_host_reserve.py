@@ -1,4 +1,4 @@
-"""The presets' host reserve ([HOSTRES] in plan/hardware.py): its parts, the ring each model adds,
+"""The presets' host reserve ([HOSTRES] in plan/presets.py): its parts, the ring each model adds,
 and profile files written before it."""
 
 import json
@@ -8,8 +8,9 @@ import torch
 
 from layerwise.engine.grad_sink import HOST_GRAD_RING, ring_piece_bytes
 from layerwise.models import get_flavor
-from layerwise.plan import hardware
-from layerwise.plan.hardware import GB, PRESETS, HardwareProfile
+from layerwise.plan import hardware, presets
+from layerwise.plan.hardware import GB, HardwareProfile
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.host_need import layer_grad_bytes
 from layerwise.plan.shape import load_shape
 from layerwise.store import init_store
@@ -21,8 +22,8 @@ def test_every_preset_reserve_is_its_parts_plus_the_margin():
     states (1, 2 and 1 GB, 20%).
 
     Mutation seen caught: ``preset_host_reserve_bytes`` leaving the margin out (4.0 GB, not 4.8)."""
-    assert (hardware.RUNTIME_HOST_BYTES, hardware.CUDA_HOST_BYTES, hardware.OS_HOST_BYTES) == (GB, 2 * GB, GB)
-    assert hardware.HOST_RESERVE_MARGIN == 0.20
+    assert (presets.RUNTIME_HOST_BYTES, presets.CUDA_HOST_BYTES, presets.OS_HOST_BYTES) == (GB, 2 * GB, GB)
+    assert presets.HOST_RESERVE_MARGIN == 0.20
     gpu = (1 + 2 + 1) * GB * 1.2
     for name, hw in PRESETS.items():
         want = (1 + 1) * GB * 1.2 if name == "cpu" else gpu

@@ -9,7 +9,7 @@ import pytest
 from layerwise.models.names import layer_unit
 from layerwise.plan.check import check
 from layerwise.plan.cost import CostModel
-from layerwise.plan.hardware import PRESETS
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.memory import device_bytes_per_op, mask_bytes, op_transient_bytes
 from layerwise.plan.milp import MilpConfig, StepModel, solve
 from layerwise.plan.plan import Plan

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from layerwise.plan.cost import CostModel
-from layerwise.plan.hardware import PRESETS
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.milp import NVME_STAGING, MilpConfig, StepModel, solve
 from layerwise.plan.plan import Plan
 from layerwise.plan.search import SearchConfig, choose_moments, search

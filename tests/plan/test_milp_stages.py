@@ -2,7 +2,7 @@
 
 from layerwise.plan import milp as milp_mod
 from layerwise.plan.baselines import baseline_tiers
-from layerwise.plan.hardware import PRESETS
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.milp import MilpConfig, StepModel, solve
 from layerwise.plan.shape import load_shape
 

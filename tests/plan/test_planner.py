@@ -8,7 +8,8 @@ from layerwise.plan.baselines import baseline_tiers
 from layerwise.plan.check import check
 from layerwise.plan.cost import CostModel
 from layerwise.plan.shape import load_shape
-from layerwise.plan.hardware import GB, PRESETS
+from layerwise.plan.hardware import GB
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.milp import MilpConfig, StepModel, dp_device_host, solve
 from layerwise.plan.plan import Plan
 from layerwise.plan import milp as milp_mod, search as search_mod

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from layerwise.plan import Plan
-from layerwise.plan.hardware import PRESETS
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.screen import simulate_fast
 from layerwise.plan.search import POLISH_MOVES, Candidate, polish
 from layerwise.plan.shape import load_shape

@@ -11,7 +11,7 @@ import torch
 from layerwise.engine.backend import CpuBackend
 from layerwise.engine.weight_stream import WeightStreamer
 from layerwise.models.names import EMBED, HEAD, layer_unit
-from layerwise.plan.hardware import PRESETS
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.memory import device_bytes_per_op
 from layerwise.plan.milp import StepModel
 from layerwise.plan.plan import Plan

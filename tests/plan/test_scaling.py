@@ -7,7 +7,8 @@ import pytest
 
 from layerwise.cli import main
 from layerwise.plan.cost import CostModel
-from layerwise.plan.hardware import PRESETS, PROFILE_FORMAT_VERSION, HardwareProfile
+from layerwise.plan.hardware import PROFILE_FORMAT_VERSION, HardwareProfile
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.plan import Plan
 from layerwise.plan.program import micro_batch_program
 from layerwise.plan.scaling import ladder, predict_scaling, split_plan

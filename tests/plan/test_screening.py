@@ -4,7 +4,7 @@ a long accumulation from 3 and 4 groups of micro-batches, against the full simul
 from __future__ import annotations
 
 from layerwise.plan import Plan
-from layerwise.plan.hardware import PRESETS
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.screen import extrapolated, simulate_fast
 from layerwise.plan.shape import load_shape
 from layerwise.plan.simulator import simulate

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from layerwise.plan.hardware import PRESETS
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.memory import OFFLOAD_WINDOW_OPS
 from layerwise.plan.plan import Plan
 from layerwise.plan.program import OpKind, micro_batch_program

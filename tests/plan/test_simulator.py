@@ -6,7 +6,7 @@ import pytest
 
 from layerwise.plan.cost import CostModel
 from layerwise.plan.shape import load_shape
-from layerwise.plan.hardware import PRESETS
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.plan import Plan
 from layerwise.plan.simulator import micro_batch_program, simulate
 

@@ -3,7 +3,7 @@ garbage collector."""
 
 import gc
 
-from layerwise.plan.hardware import PRESETS
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.plan import Plan
 from layerwise.plan.shape import load_shape
 from layerwise.plan.simulator import simulate

@@ -27,7 +27,7 @@ from layerwise.ckpt import RunDir, open_run_step
 from layerwise.cli import main
 from layerwise.models import get_flavor
 from layerwise.plan.cost import CostModel
-from layerwise.plan.hardware import PRESETS
+from layerwise.plan.presets import PRESETS
 from layerwise.plan.plan import Plan
 from layerwise.plan.shape import load_shape
 from layerwise.plan.simulator import simulate

@@ -56,7 +56,8 @@ from ..models.names import EMBED, HEAD
 from ..models.registry import FLAVORS, get_flavor
 from ..plan.cost import CostModel
 from ..plan.device_cost import DeviceCost
-from ..plan.hardware import PRESETS, HardwareProfile
+from ..plan.hardware import HardwareProfile
+from ..plan.presets import PRESETS
 from ..plan.hardware_choice import resolve_hardware
 from ..plan.shape import ModelShape
 from ..store import FlatLayout

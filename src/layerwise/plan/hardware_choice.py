@@ -27,7 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .hardware import PRESETS, HardwareProfile, get_hardware
+from .hardware import HardwareProfile
+
+from .presets import PRESETS, get_hardware
 
 _log = logging.getLogger(__name__)
 

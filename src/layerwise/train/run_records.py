@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..engine.batch import Batch
-from ..plan.hardware import PRESETS
+from ..plan.presets import PRESETS
 from ..plan.plan import Plan
 
 
