@@ -96,7 +96,7 @@ def test_the_probes_rates_are_scaled_to_the_layers_before_the_launches():
     from layerwise.plan.device_cost import DeviceCost
 
     shape = ModelShape.from_config(get_flavor("llama-30m").build_config())
-    hw = replace(PRESETS["cpu"], device_mem_gbps=20.0, kernel_launch_s=2e-6,
+    hw = replace(PRESETS["cpu"], device_mem_gbps=20.0, gather_gbps=8.0, kernel_launch_s=2e-6,
                  gemm_tflops_points=((1e4, 0.05, 5.0), (1e7, 0.04, 3.0)))
     f, l_f, l_b = 1.25, 60e-6, 25e-6
     slow = calibrate._in_layer(hw, f)
@@ -109,10 +109,29 @@ def test_the_probes_rates_are_scaled_to_the_layers_before_the_launches():
     got = calibrate.fit_launches(got, shape, (1, 8), small.layer_bwd_s(0) + launches,
                                  small.layer_fwd_s(0) + n_f * l_f)
     assert got.device_mem_gbps == pytest.approx(20.0 / f, rel=1e-9)
+    assert got.gather_gbps == pytest.approx(8.0 / f, rel=1e-9)
     assert [r for p in got.gemm_tflops_points for r in p] == pytest.approx([1e4, 0.04, 4.0, 1e7, 0.032, 2.4], rel=1e-9)
     assert got.kernel_launch_s == pytest.approx(l_f, rel=1e-9)
     assert got.backward_launch_s == pytest.approx(l_b, rel=1e-9)
 
+
+
+def test_a_cpu_gemm_probe_gives_its_weight_pass_and_its_cost_per_row():
+    """``gemm_point`` on a synchronous device: probe times synthesised as a weight's pass plus a
+    cost per row (a CPU's GEMM library packs, then computes) give back both, the rate as each
+    row's FLOPs over its cost; on an asynchronous device the rate at the probe's rows and the
+    8-row time as the pass, as before.
+
+    Mutation seen failing: the rate taken at the probe's rows on a CPU too (the pass counted in
+    it: 1.2x slow here, and then again as the weight's read)."""
+    rows, k, n, wbytes = 512, 256, 512, 256 * 512 * 4
+    pass_s, per_row_s = 60e-6, 2.4e-6
+    flops = 2.0 * rows * k * n
+    t, t8 = pass_s + rows * per_row_s, pass_s + 8 * per_row_s
+    got = calibrate.gemm_point(rows, flops, wbytes, t, t8, synchronous=True)
+    assert got == pytest.approx((wbytes, 2.0 * k * n / per_row_s / 1e12, wbytes / pass_s / 1e9), rel=1e-9)
+    assert calibrate.gemm_point(rows, flops, wbytes, t, t8, synchronous=False) == pytest.approx(
+        (wbytes, flops / t / 1e12, wbytes / t8 / 1e9), rel=1e-12)
 
 
 def test_the_probes_and_the_layer_are_timed_in_one_batch(monkeypatch):
@@ -148,6 +167,7 @@ def test_the_probes_and_the_layer_are_timed_in_one_batch(monkeypatch):
     assert got.saved_tensor_s is not None and got.storage_copy_s is not None
     assert got.kernel_launch_s > 0 and got.backward_launch_s > 0 and got.op_overhead_s == 0.0
     assert got.device_mem_gbps > 0 and len(got.gemm_tflops_points) == len(calibrate.GEMM_PROBES["cpu"])
+    assert got.gather_gbps > 0
 
 
 def test_the_kept_probe_runs_the_engine_s_tiers_and_fits_per_tensor_and_storage(monkeypatch):
@@ -185,11 +205,12 @@ def test_a_cpu_gemm_probe_reads_a_weight_no_earlier_call_left_in_the_caches(monk
     mm = torch.mm
     monkeypatch.setattr(torch, "mm", lambda x, w: seen.append(w.data_ptr()) or mm(x, w))
     fns, _ = calibrate._device_shape_probes("cpu", torch.float32)
+    first = len(fns) - 2 * len(calibrate.GEMM_PROBES["cpu"])  # the GEMMs come last, each at its rows and at 8
     for j, (_, k, n) in enumerate(calibrate.GEMM_PROBES["cpu"]):
         seen.clear()
         weight_bytes = k * n * 4
         calls = calibrate.COLD_WEIGHT_BYTES // weight_bytes
         for _ in range(calls):
-            fns[2 + 2 * j]()
+            fns[first + 2 * j]()
         assert len(set(seen)) == calls
         assert max(seen) + weight_bytes - min(seen) == calls * weight_bytes >= 0.99 * calibrate.COLD_WEIGHT_BYTES

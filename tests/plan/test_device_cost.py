@@ -157,3 +157,48 @@ def test_a_cpus_grouped_expert_gemm_launches_once_per_expert():
     assert c.layer_fwd_s(0) - free.layer_fwd_s(0) == pytest.approx(c.kernel_count(0) * 1e-5, rel=1e-9)
     gpu = DeviceCost(shape, PRESETS["h200"], 1, 64)
     assert gpu.kernel_count(0) == plain
+
+
+def test_a_cpu_gemm_adds_its_weight_pass_to_its_rows_a_gpu_overlaps_them():
+    """A CPU's GEMM library packs the weight, then computes (measured: 8 ... 512 rows within ~5%
+    of the pass plus a cost per row; ``docs/benchmarks.md``, "Widths rerun 2026-12-04 (stop
+    47)"), so on a synchronous profile a GEMM of 64 rows costs its weight's pass plus its FLOPs
+    at the roof; on an asynchronous one the longer of the two.
+
+    Mutation seen failing: the roofline's ``max`` kept on the synchronous path (64 rows then
+    priced at their FLOPs alone, 30% under the pass plus the rows)."""
+    pts = ((1e5, 0.1, 5.0), (1e7, 0.1, 5.0))  # 0.1 TFLOPS, the weight read at 5 GB/s
+    g = gemm(64, 256, 512, 4)
+    compute, weight_pass = g.flops / 0.1e12, g.weight_bytes / 5e9
+    moved = g.nbytes / 100e9
+    cpu = replace(PRESETS["cpu"], device_mem_gbps=100.0, kernel_launch_s=0.0, gemm_tflops_points=pts)
+    gpu = replace(cpu, synchronous=False)
+    assert compute > moved and compute < weight_pass + compute
+    assert kernels_s([g], cpu) == pytest.approx(weight_pass + compute, rel=1e-12)
+    assert kernels_s([g], gpu) == pytest.approx(max(compute, moved + weight_pass), rel=1e-12)
+
+
+def test_an_moe_layer_s_token_copies_are_gathers_at_their_own_rate():
+    """An MoE layer's copies of its tokens to their experts and back to token order are row
+    gathers, priced at ``gather_gbps`` (a CPU's ``x[idx]`` runs ~10 GB/s where an add streams
+    ~60 from its caches): a profile whose gathers run 10x slower prices the forward by 9x those
+    bytes more, the backward op (their scatters) by as much again; a dense layer not at all.
+
+    Mutation seen failing: the copies priced as elementwise bytes (``elementwise``), which
+    ``gather_gbps`` does not move."""
+    from layerwise.models.registry import Flavor
+
+    cfg = Flavor("moe-t", "qwen3_moe", dict(
+        vocab_size=320, hidden_size=256, intermediate_size=704, moe_intermediate_size=256, num_experts=8,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64)).build_config()
+    moe, dense = ModelShape.from_config(cfg, name="moe-t"), load_shape("llama-debug")
+    hw = replace(PRESETS["cpu"], device_mem_gbps=50.0, gather_gbps=50.0, kernel_launch_s=1e-6)
+    slow = replace(hw, gather_gbps=5.0)
+    T, e, h, k = 2 * 128, 4, 256, 2
+    copies = 2 * (2 * e * k * h * T)  # two gathers of k x T rows, each read and written
+    extra = copies / 5e9 - copies / 50e9
+    fast_d, slow_d = DeviceCost(moe, hw, 2, 128), DeviceCost(moe, slow, 2, 128)
+    assert slow_d.layer_fwd_s(0) - fast_d.layer_fwd_s(0) == pytest.approx(extra, rel=1e-9)
+    assert slow_d.layer_bwd_s(0) - fast_d.layer_bwd_s(0) == pytest.approx(2 * extra, rel=1e-9)
+    assert DeviceCost(dense, slow, 2, 128).layer_fwd_s(0) == DeviceCost(dense, hw, 2, 128).layer_fwd_s(0)

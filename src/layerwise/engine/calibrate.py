@@ -18,7 +18,9 @@ What is measured (each the median of a few repeats, after a warm-up: ``median_ti
   tokens is launch-bound noise); without them a llama-30m layer, 512 and 8 tokens;
 - the device by shape (``plan/device_cost.py``): ``gemm_tflops_points``, a GEMM's rate at a few
   weight sizes and the rate it reads that weight at (8 rows; on a CPU from weights out of the
-  caches, ``COLD_WEIGHT_BYTES``); ``device_mem_gbps``, an elementwise add's bytes per second; and the launches,
+  caches, ``COLD_WEIGHT_BYTES``, and the rate per row beyond that pass: ``gemm_point``);
+  ``device_mem_gbps``, an elementwise add's bytes per second; ``gather_gbps``, a row gather's
+  (``GATHER_PROBE``); and the launches,
   from a layer at the fit's small point (``fit_launches``): ``kernel_launch_s`` per
   forward kernel and ``backward_launch_s`` per backward kernel, what the layer takes beyond its
   kernels' rooflines (its modules' Python and dispatch grow with its kernels, so the profile's
@@ -99,18 +101,42 @@ def measure_matmul_tflops(device: str, dtype, n: int, repeats: int, clock: Clock
     return 2 * n**3 / t / 1e12
 
 
+GATHER_PROBE = {"cpu": (1024, 256), "cuda": (1 << 17, 1024)}
+"""(rows, width) of the gather probe's source: twice its rows gathered by a random index (an MoE
+of top-2 dispatching its tokens): 2 MiB out on a CPU (as the add, in its caches), 512 MiB on a GPU."""
+
+
+def gemm_point(rows: int, flops: float, weight_bytes: float, t: float, t8: float,
+               synchronous: bool) -> tuple[float, float, float]:
+    """A ``gemm_tflops_points`` entry from a probe GEMM's time at ``rows`` (``t``) and at 8 rows
+    (``t8``): on a synchronous device (a CPU's library packs the weight, then computes) its time
+    is the weight's pass plus a cost per row, so the rate is each row's FLOPs over that cost and
+    the pass the 8-row time less 8 rows (at least a twentieth of it, against noise); elsewhere
+    the rate at ``rows`` and the 8-row time as the weight's pass."""
+    if not synchronous:
+        return (weight_bytes, flops / t / 1e12, weight_bytes / t8 / 1e9)
+    per_row_s = max(t - t8, 1e-12) / (rows - 8)
+    pass_s = max(t8 - 8 * per_row_s, 0.05 * t8)
+    return (weight_bytes, flops / rows / per_row_s / 1e12, weight_bytes / pass_s / 1e9)
+
+
 def _device_shape_probes(device: str, dtype
                          ) -> tuple[list[Callable[[], None]], Callable[[list[float]], dict]]:
     """The profile's device-by-shape probes, as closures to time, and their fields from their
     times: the launch (a one-element add, per op over 100), the memory bandwidth (an add over
-    3 x 1 MiB on a CPU, 3 x 128 MiB on a GPU) and each probe GEMM's rate at its rows and at 8
-    (its weight's pass), with the launch taken out where it is serial (a synchronous CPU). On a
-    CPU each GEMM call reads the next of the weights that fit in ``COLD_WEIGHT_BYTES``."""
+    3 x 1 MiB on a CPU, 3 x 128 MiB on a GPU), a row gather (``GATHER_PROBE``) and each probe
+    GEMM's rate at its rows and at 8 (``gemm_point``), with the launch taken out where it is
+    serial (a synchronous CPU). On a CPU each GEMM call reads the next of the weights that fit
+    in ``COLD_WEIGHT_BYTES``."""
     on_gpu = device.startswith("cuda")
     one = torch.zeros(1, device=device, dtype=dtype)
     n = (64 << 20) if on_gpu else (1 << 18)
     a, b, c = (torch.ones(n, device=device, dtype=dtype) for _ in range(3))
-    fns = [lambda: [torch.add(one, one) for _ in range(100)], lambda: torch.add(a, b, out=c)]
+    rows, width = GATHER_PROBE["cuda" if on_gpu else "cpu"]
+    src = torch.randn(rows, width, device=device, dtype=dtype)
+    idx = torch.randperm(2 * rows, device=device) // 2  # every row twice, shuffled
+    fns = [lambda: [torch.add(one, one) for _ in range(100)], lambda: torch.add(a, b, out=c),
+           lambda: src[idx]]
     pool = None if on_gpu else torch.randn(COLD_WEIGHT_BYTES // (torch.finfo(dtype).bits // 8), dtype=dtype)
     gemms = []
     for m, k, nn in GEMM_PROBES["cuda" if on_gpu else "cpu"]:
@@ -122,17 +148,18 @@ def _device_shape_probes(device: str, dtype
             ws = [pool[o:o + k * nn].view(k, nn) for o in range(0, pool.numel() - k * nn + 1, k * nn)]
         turn = itertools.cycle(ws)
         fns += [lambda x=x, t=turn: torch.mm(x, next(t)), lambda x8=x8, t=turn: torch.mm(x8, next(t))]
-        gemms.append((2.0 * m * k * nn, float(k * nn * x.element_size())))
+        gemms.append((m, 2.0 * m * k * nn, float(k * nn * x.element_size())))
 
     def fields(times: list[float]) -> dict:
         launch = times[0] / 100
         serial = 0.0 if on_gpu else launch
         points = []
-        for j, (flops, wbytes) in enumerate(gemms):
-            t, t8 = (max(x - serial, 1e-9) for x in times[2 + 2 * j:4 + 2 * j])
-            points.append((wbytes, flops / t / 1e12, wbytes / t8 / 1e9))
+        for j, (m, flops, wbytes) in enumerate(gemms):
+            t, t8 = (max(x - serial, 1e-9) for x in times[3 + 2 * j:5 + 2 * j])
+            points.append(gemm_point(m, flops, wbytes, t, t8, not on_gpu))
+        gathered = 2 * 2 * rows * width * src.element_size()  # rows read and written
         return dict(kernel_launch_s=launch, device_mem_gbps=3 * n * a.element_size() / times[1] / 1e9,
-                    gemm_tflops_points=tuple(points))
+                    gather_gbps=gathered / max(times[2] - serial, 1e-9) / 1e9, gemm_tflops_points=tuple(points))
 
     return fns, fields
 
@@ -291,7 +318,8 @@ def _in_layer(hw: HardwareProfile, factor: float) -> HardwareProfile:
     """``hw`` with its measured kernel rates divided by ``factor``."""
     pts = hw.gemm_tflops_points and tuple((p[0], *(r / factor for r in p[1:])) for p in hw.gemm_tflops_points)
     mem = hw.device_mem_gbps and hw.device_mem_gbps / factor
-    return replace(hw, gemm_tflops_points=pts, device_mem_gbps=mem)
+    gathers = hw.gather_gbps and hw.gather_gbps / factor
+    return replace(hw, gemm_tflops_points=pts, device_mem_gbps=mem, gather_gbps=gathers)
 
 
 def measure_layer(device: str, dtype, points: tuple[tuple[int, int], tuple[int, int]], repeats: int,

@@ -14,15 +14,20 @@ per element of the compute dtype):
 - routed experts: two grouped GEMMs (gate+up, down) over every expert, ``tokens * top_k /
   num_experts`` rows each (each expert's rows tile-rounded), reading every expert's weights:
   with few tokens per expert the weights' bytes bind and the GEMM runs bandwidth-bound; on a
-  synchronous device (a CPU) each expert's GEMM is its own launch (``launches``);
+  synchronous device (a CPU) each expert's GEMM is its own launch (``launches``); the tokens'
+  copies to their experts and back to token order are row gathers (``gather_gbps``: their
+  backward a scatter of the same rows);
 - the elementwise kernels between them (norms, rotary, activation, residual adds, the
   router's bookkeeping): bytes only, counted below;
 - on an asynchronous device, each backward's deposit of its weight gradients into the unit's
   grad slot (an fp32 add per micro-batch in layer-major order).
 
 A kernel's time is its roofline ``max(FLOPs / compute roof, bytes / device_mem_gbps)`` and a
-launch: a device that runs asynchronously (a GPU) has the host issue kernels ahead, so a kernel
-costs ``max(roofline, kernel_launch_s)``; a synchronous one (the CPU backend) dispatches and
+launch, except a GEMM on a synchronous device (a CPU): its library packs the weight, then
+computes, one after the other, so its weight's pass adds to ``max(FLOPs / roof, activation bytes
+/ device_mem_gbps)`` (measured over 8 ... 512 rows: within ~5% where the roofline's max priced
+32 ... 64 rows 25-35% fast, an MoE's experts). A device that runs asynchronously (a GPU) has
+the host issue kernels ahead, so a kernel costs ``max(roofline, kernel_launch_s)``; a synchronous one (the CPU backend) dispatches and
 computes in one thread, ``kernel_launch_s + roofline`` (a backward's kernels, launched by
 autograd's engine, at ``backward_launch_s`` where calibration fitted one). A GEMM's compute roof is the profile's
 measured rate at its weight's size where calibration measured one (``gemm_tflops_points``),
@@ -65,8 +70,9 @@ ATTENTION_BWD_FLOPS = 2.5
 class Kernel:
     """One launch (``count`` alike): what each computes and moves. ``kind``: ``gemm`` (a weight's
     product: input and weight gradients backward), ``attention`` (a pair or recurrent mixer),
-    ``adapter`` (LoRA's products, FLOPs only) or ``elementwise``; all but the last are priced at
-    the GEMM roof's rate for ``weight_bytes``."""
+    ``adapter`` (LoRA's products, FLOPs only), ``gather`` (rows copied by an index: bytes at
+    ``gather_gbps``) or ``elementwise``; FLOPs are priced at the GEMM roof's rate for
+    ``weight_bytes``."""
 
     flops: float
     nbytes: float
@@ -91,10 +97,17 @@ def elementwise(nbytes: float, count: int) -> Kernel:
     return Kernel(0.0, nbytes / count, count)
 
 
+def gather(nbytes: float) -> Kernel:
+    """Rows copied by an index (``x[idx]``: an MoE's dispatch, an embedding): ``nbytes`` read and
+    written."""
+    return Kernel(0.0, nbytes, kind="gather")
+
+
 def backward_of(k: Kernel, weight_grads: bool = True) -> list[Kernel]:
     """A kernel's backward: a GEMM's input gradient and (``weight_grads``) weight gradient, each
-    its forward's FLOPs and bytes; attention's at 2.5x FLOPs and twice the bytes; elementwise at
-    twice the bytes and kernels."""
+    its forward's FLOPs and bytes; attention's at 2.5x FLOPs and twice the bytes; a gather's a
+    scatter of the same rows (``index_put_`` accumulating: its bytes); elementwise at twice the
+    bytes and kernels."""
     b = replace(k, backward=True)
     if k.kind == "gemm":
         return [b, b] if weight_grads else [b]
@@ -102,6 +115,8 @@ def backward_of(k: Kernel, weight_grads: bool = True) -> list[Kernel]:
         return [b, b]
     if k.kind == "attention":
         return [replace(b, flops=ATTENTION_BWD_FLOPS * k.flops, nbytes=2 * k.nbytes)]
+    if k.kind == "gather":
+        return [b]
     return [replace(b, count=BACKWARD_ELEMWISE * k.count)]
 
 
@@ -142,13 +157,15 @@ def kernels_s(kernels: list[Kernel], hw: HardwareProfile, graph: bool = True) ->
     fwd_launch = hw.kernel_launch_s or 0.0
     bwd_launch = fwd_launch if hw.backward_launch_s is None else hw.backward_launch_s
     bw = hw.device_mem_gbps * 1e9
+    gather_bw = (hw.gather_gbps or hw.device_mem_gbps) * 1e9
     t = 0.0
     for k in kernels:
         launch = bwd_launch if k.backward else fwd_launch
         compute = k.flops / gemm_roof_flops_per_s(hw, k.weight_bytes, graph) if k.flops else 0.0
         weights = (k.weights_read * k.weight_bytes / gemm_weight_bytes_per_s(hw, k.weight_bytes)
                    if k.weights_read else 0.0)
-        roof = max(compute, k.nbytes / bw + weights)
+        moved = k.nbytes / (gather_bw if k.kind == "gather" else bw)
+        roof = weights + max(compute, moved) if hw.synchronous else max(compute, moved + weights)
         if hw.synchronous:
             t += launches(k, hw) * launch + k.count * roof
         else:
@@ -250,11 +267,13 @@ class DeviceCost:
             E, k, w = d.experts, d.top_k, d.expert_width
             m = T * k / E  # rows per expert, even routing
             ks += [gemm(T, h, E, e, tile), elementwise(3 * 4 * E * T, ROUTER_KERNELS),
-                   elementwise(2 * e * k * h * T, 2),  # tokens copied to their experts
+                   gather(2 * e * k * h * T),  # each token's copies, sorted by expert
                    gemm(m, h, 2 * w, e, tile, groups=E),
                    elementwise(ACT_PASSES * e * k * w * T, ACT_KERNELS),
                    gemm(m, w, h, e, tile, groups=E),
-                   elementwise(3 * e * k * h * T, 2)]  # weighted, summed back
+                   elementwise(3 * e * k * h * T, 1),  # weighted by the router
+                   gather(2 * e * k * h * T),  # back to token order
+                   elementwise((k + 1) * e * h * T, 1)]  # summed over the top-k
         ks.append(residual)
         fb = s.frozen_base
         if fb is not None and fb.adapter_flops_per_token:
@@ -327,7 +346,7 @@ class DeviceCost:
     @property
     def embed_s(self) -> float:
         """The embedding's gather (or its gradient's scatter): one kernel over the rows."""
-        return kernels_s([elementwise(2 * self.e * self.shape.hidden_size * self.tokens, 1)], self.hw)
+        return kernels_s([gather(2 * self.e * self.shape.hidden_size * self.tokens)], self.hw)
 
     def kernel_count(self, i: int, backward: bool = False) -> int:
         """Launches of layer ``i``'s forward, or (``backward``) of its backward alone."""

@@ -21,7 +21,7 @@ from ..util.atomic import atomic_write_text
 
 GB = 10**9
 GIB = 2**30
-PROFILE_FORMAT_VERSION = 6
+PROFILE_FORMAT_VERSION = 7
 """What each version added: docs/formats.md, "Hardware profile". An older file loads with those
 fields unset, each read as its stated fallback, and a note saying to re-run ``layerwise calibrate``."""
 HOST_FIELDS_V4 = ("host_accum_bf16_gbps", "pinned_copy_gbps", "gloo_reduce_gbps")
@@ -111,7 +111,13 @@ class HardwareProfile:
     """Rows of a GEMM's output tile: a GEMM's rows (an expert's tokens) round up to it."""
     gemm_tflops_points: tuple[tuple[float, ...], ...] | None = None
     """Measured GEMMs ((weight bytes, TFLOPS, GB/s the weight is read at), ...), interpolated by a
-    GEMM's weight size (``layerwise calibrate``); None: ``peak_tflops x efficiency``."""
+    GEMM's weight size (``layerwise calibrate``); None: ``peak_tflops x efficiency``. On a
+    ``synchronous`` device (from version 7) the TFLOPS are what each row costs beyond the weight's
+    pass, which adds to them (before: at the probe's 512 rows, the pass included: ~5% slow)."""
+    gather_gbps: float | None = None
+    """Bytes per second (read and written) of rows copied by an index: an MoE's dispatch to its
+    experts and back, an embedding (``plan/device_cost.py``); None (before version 7):
+    ``device_mem_gbps``."""
     saved_tensor_s: float | None = None
     """A kept layer's cost per tensor its forward saves, s, in the forward and in the backward each
     (the engine's pack and unpack hooks: ``engine/internals.py``); None (before version 6): 0."""
@@ -212,7 +218,7 @@ class HardwareProfile:
         if unknown:
             raise ValueError(f"hardware profile has unknown keys {sorted(unknown)}; known: {sorted(known)}")
         version = d.get("format_version", PROFILE_FORMAT_VERSION)
-        if version not in (1, 2, 3, 4, 5, PROFILE_FORMAT_VERSION):
+        if version not in (1, 2, 3, 4, 5, 6, PROFILE_FORMAT_VERSION):
             raise ValueError(f"hardware profile format_version {d['format_version']} is not supported "
                              f"(expected {PROFILE_FORMAT_VERSION}); re-run `layerwise calibrate`")
         if version < 4:
