@@ -13,7 +13,7 @@ Prints one JSON object: per configuration and thread count, Gparam/s (median of 
 rounds) and the fraction of the roofline: the bytes the step must touch per parameter (master
 read + written: 8; gradient read: 4 or 2; moments read + written: 16 or 4) × the parameters /
 this machine's streaming rate at that thread count (``stream_gbps``: an in-place fp32
-``a += b * c`` over one unit's elements, measured in the same run). Summary keys: ``min_roofline_fraction_1thread``,
+``a += b * c`` over one unit's elements, timed in each round beside the runs, their median). Summary keys: ``min_roofline_fraction_1thread``,
 ``min_speedup_2threads`` (over configurations), ``default_over_fp32_path`` (the default's rate
 over ``8bit-fp32grad-plain``'s, 1 thread), and the load average before and after.
 """
@@ -95,8 +95,10 @@ def main() -> None:
     times = {k: [] for k in runs}
     # over one unit's elements: the rate the data of one ``step_unit`` call streams at
     unit_numel = max(b.layout.numel for b in next(iter(runs.values()))[0].layers)
-    rates = {t: stream_gbps(t, unit_numel) for t in threads}
+    streams = {t: [] for t in threads}
     for _ in range(rounds):
+        for t in threads:  # the roofline timed in each round beside the runs: this VM's rate drifts ~1.5x
+            streams[t].append(stream_gbps(t, unit_numel))
         for key, (store, opt) in runs.items():  # interleaved: each round times every run once
             torch.set_num_threads(key[-1])
             opt.step_unit(store.layers[0], 1e-4, key[3])  # warm (compile, caches)
@@ -104,6 +106,7 @@ def main() -> None:
             for buf in store.layers:
                 opt.step_unit(buf, 1e-4, key[3])
             times[key].append(time.perf_counter() - t0)
+    rates = {t: statistics.median(r) for t, r in streams.items()}
     out = {}
     for (moments, grad, master, clip, t), ts in times.items():
         name = config_name(moments, grad, master, clip != 1.0)

@@ -25,8 +25,8 @@ per element of the compute dtype):
 A kernel's time is its roofline ``max(FLOPs / compute roof, bytes / device_mem_gbps)`` and a
 launch, except a GEMM on a synchronous device (a CPU): its library packs the weight, then
 computes, one after the other, so its weight's pass adds to ``max(FLOPs / roof, activation bytes
-/ device_mem_gbps)`` (measured over 8 ... 512 rows: within ~5% where the roofline's max priced
-32 ... 64 rows 25-35% fast, an MoE's experts). A device that runs asynchronously (a GPU) has
+/ device_mem_gbps)`` (measured from 32 rows up: within -4...+7%, where the roofline's max priced
+32 ... 64 rows, an MoE's experts, 19-36% fast). A device that runs asynchronously (a GPU) has
 the host issue kernels ahead, so a kernel costs ``max(roofline, kernel_launch_s)``; a synchronous one (the CPU backend) dispatches and
 computes in one thread, ``kernel_launch_s + roofline`` (a backward's kernels, launched by
 autograd's engine, at ``backward_launch_s`` where calibration fitted one). A GEMM's compute roof is the profile's
