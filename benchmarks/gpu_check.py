@@ -226,7 +226,7 @@ def run_layer_major(lg, plan, args: argparse.Namespace, data: dict) -> None:
 
 
 def no_gpu(reason: str) -> int:
-    print(f"gpu-check: no GPU here ({reason}); nothing to check.")
+    print(f"gpu-check: no GPU here ({reason}); nothing to check.", file=sys.stderr)
     print(json.dumps({"schema": SCHEMA_ID, "status": "no_cuda", "reason": reason}))
     return 0
 
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
     status = report.finish(FIRST_CONTACT)
     print(json.dumps(report.result, indent=2, default=str))
-    print(summary(report.result))
+    print(summary(report.result), file=sys.stderr)  # stdout holds the one JSON object
     return 0 if status == "ok" else 1
 
 

@@ -326,9 +326,9 @@ def test_the_cuda_test_files_load_without_what_the_gpu_image_lacks():
 def test_gpu_check_without_cuda_says_so_and_exits_0(tmp_path, capsys):
     out = tmp_path / "gpu-check.json"
     assert gpu_check.main(["--out", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert "no GPU" in printed
-    assert json.loads(printed.strip().splitlines()[-1])["status"] == "no_cuda"
+    printed = capsys.readouterr()
+    assert "no GPU" in printed.err
+    assert json.loads(printed.out)["status"] == "no_cuda"  # stdout: the one JSON object
     assert not out.exists()
 
 
@@ -454,7 +454,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path, capsys):
         assert len(rec["losses"]) == 2 and rec["skipped_steps"] == 0 and rec["tokens_per_s"] > 0, name
         assert rec["reserved_over_predicted"] is None and rec["profile"]["kernels"] == 0, name
     assert len(res["simulator"]["runs"]) == 6 * 3  # every plan under h200, calibrated, calibrated-shape
-    assert "gpu-check: status ok" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "gpu-check: status ok" in printed.err and json.loads(printed.out)["status"] == "ok"
 
 
 def test_gpu_check_on_a_gpu_needs_the_host_budget(tmp_path, monkeypatch, capsys):
