@@ -27,11 +27,12 @@ launch, except a GEMM on a synchronous device (a CPU): its library packs the wei
 computes, one after the other, so its weight's pass adds to ``max(FLOPs / roof, activation bytes
 / device_mem_gbps)`` (measured from 32 rows up: within -4...+7%, where the roofline's max priced
 32 ... 64 rows, an MoE's experts, 19-36% fast). A device that runs asynchronously (a GPU) has
-the host issue kernels ahead, so a kernel costs ``max(roofline, kernel_launch_s)``; a synchronous one (the CPU backend) dispatches and
-computes in one thread, ``kernel_launch_s + roofline`` (a backward's kernels, launched by
-autograd's engine, at ``backward_launch_s`` where calibration fitted one). A GEMM's compute roof is the profile's
-measured rate at its weight's size where calibration measured one (``gemm_tflops_points``),
-else ``peak_tflops x efficiency`` (the presets' [EFF-*]: the sustained rate of training GEMMs).
+the host issue kernels ahead, so a kernel costs ``max(roofline, kernel_launch_s)``; a
+synchronous one (the CPU backend) dispatches and computes in one thread, ``kernel_launch_s +
+roofline`` (a backward's kernels, launched by autograd's engine, at ``backward_launch_s`` where
+calibration fitted one). A GEMM's compute roof is the profile's measured rate at its weight's
+size where calibration measured one (``gemm_tflops_points``), else ``peak_tflops x efficiency``
+(the presets' [EFF-*]: the sustained rate of training GEMMs).
 
 The elementwise byte counts are estimates from reading transformers' modules, stated once: an
 RMSNorm upcasts to fp32 (~9 passes of 4 bytes per element over 6 kernels), the rotary embedding

@@ -2,9 +2,10 @@
 
 A profile is the only thing the planner knows about a machine. Presets (``plan/presets.py``)
 describe common training boxes from their datasheets plus a few stated assumptions; ``layerwise
-calibrate`` measures the machine it runs on and writes a profile file that replaces them. Per-GPU figures are what one GPU
-gets alone; the scale-out fields (GPUs per node, the interconnects, the host side all GPUs of a
-node share) serve the data-parallel prediction (``plan.scaling``).
+calibrate`` measures the machine it runs on and writes a profile file that replaces them.
+Per-GPU figures are what one GPU gets alone; the scale-out fields (GPUs per node, the
+interconnects, the host side all GPUs of a node share) serve the data-parallel prediction
+(``plan.scaling``).
 
 Units: bytes, seconds, GB/s = 1e9 bytes/s, TFLOPS = 1e12 FLOP/s.
 """
