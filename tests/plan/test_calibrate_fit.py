@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 
 import layerwise.engine.calibrate as calibrate
+import layerwise.engine.calibrate_probes as calibrate_probes
 from layerwise.models import get_flavor
 from layerwise.plan.cost import CostModel
 from layerwise.plan.hardware import HardwareProfile
@@ -128,9 +129,9 @@ def test_a_cpu_gemm_probe_gives_its_weight_pass_and_its_cost_per_row():
     pass_s, per_row_s = 60e-6, 2.4e-6
     flops = 2.0 * rows * k * n
     t, t8 = pass_s + rows * per_row_s, pass_s + 8 * per_row_s
-    got = calibrate.gemm_point(rows, flops, wbytes, t, t8, synchronous=True)
+    got = calibrate_probes.gemm_point(rows, flops, wbytes, t, t8, synchronous=True)
     assert got == pytest.approx((wbytes, 2.0 * k * n / per_row_s / 1e12, wbytes / pass_s / 1e9), rel=1e-9)
-    assert calibrate.gemm_point(rows, flops, wbytes, t, t8, synchronous=False) == pytest.approx(
+    assert calibrate_probes.gemm_point(rows, flops, wbytes, t, t8, synchronous=False) == pytest.approx(
         (wbytes, flops / t / 1e12, wbytes / t8 / 1e9), rel=1e-12)
 
 
@@ -157,8 +158,8 @@ def test_the_probes_and_the_layer_are_timed_in_one_batch(monkeypatch):
     fitted_on = []
     fit = calibrate.fit_launches
     monkeypatch.setattr(calibrate, "fit_launches", lambda hw, shape, *a: fitted_on.append(shape) or fit(hw, shape, *a))
-    probes = len(calibrate._device_shape_probes("cpu", torch.float32)[0])
-    probes += len(calibrate._kept_probes("cpu", torch.float32)[0])
+    probes = len(calibrate_probes.device_shape_probes("cpu", torch.float32)[0])
+    probes += len(calibrate_probes.kept_probes("cpu", torch.float32)[0])
     got = calibrate.measure_by_shape(PRESETS["cpu"], "cpu", torch.float32, (1, 8), 1,
                                      config=get_flavor("llama-demo").build_config(), other=(1, 64))
     assert batches == [probes + 4]  # the narrow layer's backward and forward, the layer's two backwards
@@ -166,12 +167,12 @@ def test_the_probes_and_the_layer_are_timed_in_one_batch(monkeypatch):
     assert [s.hidden_size for s in fitted_on] == [narrow] != [128]  # not the rates' layer (llama-demo)
     assert got.saved_tensor_s is not None and got.storage_copy_s is not None
     assert got.kernel_launch_s > 0 and got.backward_launch_s > 0 and got.op_overhead_s == 0.0
-    assert got.device_mem_gbps > 0 and len(got.gemm_tflops_points) == len(calibrate.GEMM_PROBES["cpu"])
+    assert got.device_mem_gbps > 0 and len(got.gemm_tflops_points) == len(calibrate_probes.GEMM_PROBES["cpu"])
     assert got.gather_gbps > 0
 
 
 def test_the_kept_probe_runs_the_engine_s_tiers_and_fits_per_tensor_and_storage(monkeypatch):
-    """``_kept_probes``: its host-tier round trip runs the engine's ``KeptInternals``, each of the
+    """``kept_probes``: its host-tier round trip runs the engine's ``KeptInternals``, each of the
     chain's saved storages copied out and fetched back once (the backend's own byte counts; the
     device tier copies nothing), and its fields are the excesses per tensor and direction: the
     device tier's over the plain graph, the host tier's over the device tier's. Mutations seen
@@ -182,9 +183,9 @@ def test_the_kept_probe_runs_the_engine_s_tiers_and_fits_per_tensor_and_storage(
     from layerwise.engine.backend import CpuBackend
 
     backend = CpuBackend()
-    monkeypatch.setattr(calibrate, "make_backend", lambda device: backend)
-    (plain, device, host), fields = calibrate._kept_probes("cpu", torch.float32)
-    n = calibrate.KEPT_PROBE_TENSORS
+    monkeypatch.setattr(calibrate_probes, "make_backend", lambda device: backend)
+    (plain, device, host), fields = calibrate_probes.kept_probes("cpu", torch.float32)
+    n = calibrate_probes.KEPT_PROBE_TENSORS
     plain(), device()
     assert backend.copied_bytes == {"h2d": 0, "d2h": 0}
     host()
@@ -204,13 +205,13 @@ def test_a_cpu_gemm_probe_reads_a_weight_no_earlier_call_left_in_the_caches(monk
     seen = []
     mm = torch.mm
     monkeypatch.setattr(torch, "mm", lambda x, w: seen.append(w.data_ptr()) or mm(x, w))
-    fns, _ = calibrate._device_shape_probes("cpu", torch.float32)
-    first = len(fns) - 2 * len(calibrate.GEMM_PROBES["cpu"])  # the GEMMs come last, each at its rows and at 8
-    for j, (_, k, n) in enumerate(calibrate.GEMM_PROBES["cpu"]):
+    fns, _ = calibrate_probes.device_shape_probes("cpu", torch.float32)
+    first = len(fns) - 2 * len(calibrate_probes.GEMM_PROBES["cpu"])  # the GEMMs come last, each at its rows and at 8
+    for j, (_, k, n) in enumerate(calibrate_probes.GEMM_PROBES["cpu"]):
         seen.clear()
         weight_bytes = k * n * 4
-        calls = calibrate.COLD_WEIGHT_BYTES // weight_bytes
+        calls = calibrate_probes.COLD_WEIGHT_BYTES // weight_bytes
         for _ in range(calls):
             fns[first + 2 * j]()
         assert len(set(seen)) == calls
-        assert max(seen) + weight_bytes - min(seen) == calls * weight_bytes >= 0.99 * calibrate.COLD_WEIGHT_BYTES
+        assert max(seen) + weight_bytes - min(seen) == calls * weight_bytes >= 0.99 * calibrate_probes.COLD_WEIGHT_BYTES

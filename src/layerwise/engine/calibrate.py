@@ -16,8 +16,8 @@ What is measured (each the median of a few repeats, after a warm-up: ``median_ti
   micro-batch (``model``, ``seq_len``, ``micro_batch_size``), the layer is the model's and the fit
   runs through the run's micro-batch and twice it (on a large GPU a small layer at a few hundred
   tokens is launch-bound noise); without them a llama-30m layer, 512 and 8 tokens;
-- the device by shape (``plan/device_cost.py``): ``gemm_tflops_points``, a GEMM's rate at a few
-  weight sizes and the rate it reads that weight at (8 rows; on a CPU from weights out of the
+- the device by shape (``plan/device_cost.py``; the probes: ``calibrate_probes``):
+  ``gemm_tflops_points``, a GEMM's rate at a few weight sizes and the rate it reads that weight at (8 rows; on a CPU from weights out of the
   caches, ``COLD_WEIGHT_BYTES``, and the rate per row beyond that pass: ``gemm_point``);
   ``device_mem_gbps``, an elementwise add's bytes per second; ``gather_gbps``, a row gather's
   (``GATHER_PROBE``); and the launches,
@@ -29,7 +29,7 @@ What is measured (each the median of a few repeats, after a warm-up: ``median_ti
   (``in_layer_factor``, from its two points) and the launches fitted on a narrow layer
   (``LAUNCH_FLAVOR``) at 8 tokens; a kept layer's fixed costs (``saved_tensor_s``,
   ``storage_copy_s``) from a chain of saved tensors through the engine's ``KeptInternals``
-  (``_kept_probes``). The probes and the layers' runs are timed in turn, round by round
+  (``kept_probes``). The probes and the layers' runs are timed in turn, round by round
   (``measure_by_shape``), so the differences the fit takes are of times from the same seconds;
 - copy bandwidth: on CUDA pinned H2D/D2H copies; on CPU the engine's "copies" are ``copy_``
   into slots allocated once;
@@ -43,7 +43,6 @@ What is measured (each the median of a few repeats, after a warm-up: ``median_ti
 
 from __future__ import annotations
 
-import itertools
 import os
 import tempfile
 import time
@@ -59,34 +58,22 @@ from ..models.registry import FLAVORS, get_flavor
 from ..plan.cost import CostModel
 from ..plan.device_cost import DeviceCost
 from ..plan.hardware import HardwareProfile
-from ..plan.presets import PRESETS
 from ..plan.hardware_choice import resolve_hardware
+from ..plan.presets import PRESETS
 from ..plan.shape import ModelShape
 from ..store import FlatLayout
 from .calibrate_engine import measure_tiny_step
 from .calibrate_host import (Clock, median_time, median_times, measure_accumulation,
                              measure_gloo_reduce_gbps, measure_optimizer, measure_optimizer_8bit,
                              measure_pinned_copy_gbps, on_host_worker)
-from .devices import make_backend, this_machine
+from .calibrate_probes import device_shape_probes, kept_probes
+from .devices import this_machine
 from .host_threads import plan_host_threads
-from .internals import KeptInternals
 from .layer_ops import layer_backward
 
 
 DEFAULT_POINTS = ((1, 512), (1, 8))
 """(micro-batch size, sequence length) of the layer fit without a run shape."""
-GEMM_PROBES = {"cpu": ((512, 64, 64), (512, 256, 256), (512, 1024, 1024), (512, 1024, 4096)),
-               "cuda": ((8192, 1024, 1024), (8192, 4096, 4096), (8192, 8192, 8192))}
-"""(M, K, N) of the GEMMs timed for ``gemm_tflops_points``: weights from cache-sized to far past
-the caches (a CPU's rate falls once a weight leaves its L2), at a layer's rows."""
-COLD_WEIGHT_BYTES = 64 << 20
-"""Bytes a CPU's GEMM probes take their weights from in rotation, so that no call finds its
-weight in the caches, as a layer's GEMM in a step does not (the step ran the other layers since):
-priced by hot weights every GEMM-bound width ran 5-10% and the MoE's experts 5-7 points under
-the engine (``docs/benchmarks.md``, "Widths rerun 2026-12-04 (stop 45)"). Past any core's L2
-and its share of the L3."""
-
-
 def _sync_for(device: str) -> Callable[[], None]:
     if device.startswith("cuda"):
         dev = torch.device(device)
@@ -99,115 +86,6 @@ def measure_matmul_tflops(device: str, dtype, n: int, repeats: int, clock: Clock
     b = torch.randn(n, n, device=device, dtype=dtype)
     t = median_time(lambda: torch.mm(a, b), repeats, _sync_for(device), clock)
     return 2 * n**3 / t / 1e12
-
-
-GATHER_PROBE = {"cpu": (1024, 256), "cuda": (1 << 17, 1024)}
-"""(rows, width) of the gather probe's source: twice its rows gathered by a random index (an MoE
-of top-2 dispatching its tokens): 2 MiB out on a CPU (as the add, in its caches), 512 MiB on a GPU."""
-
-
-def gemm_point(rows: int, flops: float, weight_bytes: float, t: float, t8: float,
-               synchronous: bool) -> tuple[float, float, float]:
-    """A ``gemm_tflops_points`` entry from a probe GEMM's time at ``rows`` (``t``) and at 8 rows
-    (``t8``): on a synchronous device (a CPU's library packs the weight, then computes) its time
-    is the weight's pass plus a cost per row, so the rate is each row's FLOPs over that cost and
-    the pass the 8-row time less 8 rows (at least a twentieth of it, against noise); elsewhere
-    the rate at ``rows`` and the 8-row time as the weight's pass."""
-    if not synchronous:
-        return (weight_bytes, flops / t / 1e12, weight_bytes / t8 / 1e9)
-    per_row_s = max(t - t8, 1e-12) / (rows - 8)
-    pass_s = max(t8 - 8 * per_row_s, 0.05 * t8)
-    return (weight_bytes, flops / rows / per_row_s / 1e12, weight_bytes / pass_s / 1e9)
-
-
-def _device_shape_probes(device: str, dtype
-                         ) -> tuple[list[Callable[[], None]], Callable[[list[float]], dict]]:
-    """The profile's device-by-shape probes, as closures to time, and their fields from their
-    times: the launch (a one-element add, per op over 100), the memory bandwidth (an add over
-    3 x 1 MiB on a CPU, 3 x 128 MiB on a GPU), a row gather (``GATHER_PROBE``) and each probe
-    GEMM's rate at its rows and at 8 (``gemm_point``), with the launch taken out where it is
-    serial (a synchronous CPU). On a CPU each GEMM call reads the next of the weights that fit
-    in ``COLD_WEIGHT_BYTES``."""
-    on_gpu = device.startswith("cuda")
-    one = torch.zeros(1, device=device, dtype=dtype)
-    n = (64 << 20) if on_gpu else (1 << 18)
-    a, b, c = (torch.ones(n, device=device, dtype=dtype) for _ in range(3))
-    rows, width = GATHER_PROBE["cuda" if on_gpu else "cpu"]
-    src = torch.randn(rows, width, device=device, dtype=dtype)
-    idx = torch.randperm(2 * rows, device=device) // 2  # every row twice, shuffled
-    fns = [lambda: [torch.add(one, one) for _ in range(100)], lambda: torch.add(a, b, out=c),
-           lambda: src[idx]]
-    pool = None if on_gpu else torch.randn(COLD_WEIGHT_BYTES // (torch.finfo(dtype).bits // 8), dtype=dtype)
-    gemms = []
-    for m, k, nn in GEMM_PROBES["cuda" if on_gpu else "cpu"]:
-        x = torch.randn(m, k, device=device, dtype=dtype)
-        x8 = x[:8].contiguous()  # at 8 rows the time is the weight's pass (its FLOPs ~1% of it)
-        if pool is None:
-            ws = [torch.randn(k, nn, device=device, dtype=dtype)]
-        else:  # views of the pool, one after another
-            ws = [pool[o:o + k * nn].view(k, nn) for o in range(0, pool.numel() - k * nn + 1, k * nn)]
-        turn = itertools.cycle(ws)
-        fns += [lambda x=x, t=turn: torch.mm(x, next(t)), lambda x8=x8, t=turn: torch.mm(x8, next(t))]
-        gemms.append((m, 2.0 * m * k * nn, float(k * nn * x.element_size())))
-
-    def fields(times: list[float]) -> dict:
-        launch = times[0] / 100
-        serial = 0.0 if on_gpu else launch
-        points = []
-        for j, (m, flops, wbytes) in enumerate(gemms):
-            t, t8 = (max(x - serial, 1e-9) for x in times[3 + 2 * j:5 + 2 * j])
-            points.append(gemm_point(m, flops, wbytes, t, t8, not on_gpu))
-        gathered = 2 * 2 * rows * width * src.element_size()  # rows read and written
-        return dict(kernel_launch_s=launch, device_mem_gbps=3 * n * a.element_size() / times[1] / 1e9,
-                    gather_gbps=gathered / max(times[2] - serial, 1e-9) / 1e9, gemm_tflops_points=tuple(points))
-
-    return fns, fields
-
-
-KEPT_PROBE_TENSORS = 128
-"""Tensors the kept-internals probe saves: a chain of that many ``sin``, each saving its input."""
-
-
-def _kept_probes(device: str, dtype) -> tuple[list[Callable[[], None]], Callable[[list[float]], dict]]:
-    """The kept internals' fixed costs as closures to time, and their fields from their times:
-    a chain of :data:`KEPT_PROBE_TENSORS` ``sin`` over 8 elements, forward then backward, with a
-    plain graph, kept on the device tier (``KeptInternals``: the engine's hooks) and on the host
-    tier (each saved storage copied out and fetched back). Per tensor and direction,
-    ``saved_tensor_s`` is the device tier's excess over the plain graph and ``storage_copy_s``
-    the host tier's over the device tier's (their bytes are nothing). A layer's own round trip
-    would carry them too, but beside a layer's kernels they are a tenth of its time, within
-    its run-to-run spread."""
-    internals = KeptInternals(make_backend(device))
-    x = torch.rand(8, device=device, dtype=dtype)
-    grad = torch.ones_like(x)
-    weights = torch.zeros(1, device=device, dtype=dtype)  # the chain reads none
-
-    def chain(h: torch.Tensor) -> torch.Tensor:
-        for _ in range(KEPT_PROBE_TENSORS):
-            h = torch.sin(h)
-        return h
-
-    def plain() -> None:
-        h = x.detach().requires_grad_()
-        with torch.enable_grad():
-            torch.autograd.grad(chain(h), h, grad)
-
-    def kept(tier: str) -> Callable[[], None]:
-        def round_trip() -> None:
-            g = internals.begin("calibrate", tier)
-            internals.forward(g, chain, x, weights, {}, [])
-            internals.forward_queued(g)
-            internals.backward(internals.ready("calibrate"), weights, grad)
-            internals.clear()
-        return round_trip
-
-    def fields(times: list[float]) -> dict:
-        t_plain, t_device, t_host = times
-        per = 2 * KEPT_PROBE_TENSORS
-        return dict(saved_tensor_s=max(0.0, (t_device - t_plain) / per),
-                    storage_copy_s=max(0.0, (t_host - t_device) / per))
-
-    return [plain, kept("device"), kept("host")], fields
 
 
 def _layer_runs(device: str, dtype, config) -> tuple[Callable, ModelShape]:
@@ -246,16 +124,16 @@ tokens within 10%, against +100% ... +3%)."""
 def measure_by_shape(hw: HardwareProfile, device: str, dtype, point: tuple[int, int], repeats: int,
                      clock: Clock = time.perf_counter, config=None,
                      other: tuple[int, int] | None = None) -> HardwareProfile:
-    """``hw`` with the device-by-shape fields (``_device_shape_probes``), the kept internals'
-    (``_kept_probes``) and the launches fitted to the layer at ``point`` (``fit_launches``).
+    """``hw`` with the device-by-shape fields (``device_shape_probes``), the kept internals'
+    (``kept_probes``) and the launches fitted to the layer at ``point`` (``fit_launches``).
     With ``other`` (a second point, on a synchronous device): the probes' rates first scaled to
     what ``config``'s layer takes between the two points (``fit_in_layer``), and the launches
     fitted on the :data:`LAUNCH_FLAVOR` layer at ``point``. The probes and the layers are timed
     together, in turn (``median_times``): the fit takes differences of their times, and a probe
     timed at another moment's speed would move them by tens of percent."""
     run, shape = _layer_runs(device, dtype, config)
-    probes, fields = _device_shape_probes(device, dtype)
-    kept, kept_fields = _kept_probes(device, dtype)
+    probes, fields = device_shape_probes(device, dtype)
+    kept, kept_fields = kept_probes(device, dtype)
     if other is not None and hw.synchronous:  # the in-layer factor is a synchronous device's
         narrow, launch_shape = _layer_runs(device, dtype, get_flavor(LAUNCH_FLAVOR).build_config())
         layer = list(narrow(*point)) + [run(*point)[0], run(*other)[0]]
