@@ -23,8 +23,6 @@ weight in the caches, as a layer's GEMM in a step does not (the step ran the oth
 priced by hot weights every GEMM-bound width ran 5-10% and the MoE's experts 5-7 points under
 the engine (``docs/benchmarks.md``, "Widths rerun 2026-12-04 (stop 45)"). Past any core's L2
 and its share of the L3."""
-
-
 GATHER_PROBE = {"cpu": (1024, 256), "cuda": (1 << 17, 1024)}
 """(rows, width) of the gather probe's source: twice its rows gathered by a random index (an MoE
 of top-2 dispatching its tokens): 2 MiB out on a CPU (as the add, in its caches), 512 MiB on a GPU."""
@@ -44,8 +42,7 @@ def gemm_point(rows: int, flops: float, weight_bytes: float, t: float, t8: float
     return (weight_bytes, flops / rows / per_row_s / 1e12, weight_bytes / pass_s / 1e9)
 
 
-def device_shape_probes(device: str, dtype
-                         ) -> tuple[list[Callable[[], None]], Callable[[list[float]], dict]]:
+def device_shape_probes(device: str, dtype) -> tuple[list[Callable[[], None]], Callable[[list[float]], dict]]:
     """The profile's device-by-shape probes, as closures to time, and their fields from their
     times: the launch (a one-element add, per op over 100), the memory bandwidth (an add over
     3 x 1 MiB on a CPU, 3 x 128 MiB on a GPU), a row gather (``GATHER_PROBE``) and each probe
@@ -65,7 +62,7 @@ def device_shape_probes(device: str, dtype
     gemms = []
     for m, k, nn in GEMM_PROBES["cuda" if on_gpu else "cpu"]:
         x = torch.randn(m, k, device=device, dtype=dtype)
-        x8 = x[:8].contiguous()  # at 8 rows the time is the weight's pass (its FLOPs ~1% of it)
+        x8 = x[:8].contiguous()  # at 8 rows mostly the weight's pass (its FLOPs ~1% of the rows')
         if pool is None:
             ws = [torch.randn(k, nn, device=device, dtype=dtype)]
         else:  # views of the pool, one after another
