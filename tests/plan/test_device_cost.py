@@ -166,14 +166,14 @@ def test_a_cpu_gemm_adds_its_weight_pass_to_its_rows_a_gpu_overlaps_them():
     at the roof; on an asynchronous one the longer of the two.
 
     Mutation seen failing: the roofline's ``max`` kept on the synchronous path (64 rows then
-    priced at their FLOPs alone, 30% under the pass plus the rows)."""
+    priced at their FLOPs alone, 38% under the pass plus the rows)."""
     pts = ((1e5, 0.1, 5.0), (1e7, 0.1, 5.0))  # 0.1 TFLOPS, the weight read at 5 GB/s
     g = gemm(64, 256, 512, 4)
     compute, weight_pass = g.flops / 0.1e12, g.weight_bytes / 5e9
     moved = g.nbytes / 100e9
     cpu = replace(PRESETS["cpu"], device_mem_gbps=100.0, kernel_launch_s=0.0, gemm_tflops_points=pts)
     gpu = replace(cpu, synchronous=False)
-    assert compute > moved and compute < weight_pass + compute
+    assert compute > moved and weight_pass > 0.5 * compute  # both terms matter
     assert kernels_s([g], cpu) == pytest.approx(weight_pass + compute, rel=1e-12)
     assert kernels_s([g], gpu) == pytest.approx(max(compute, moved + weight_pass), rel=1e-12)
 
@@ -181,8 +181,9 @@ def test_a_cpu_gemm_adds_its_weight_pass_to_its_rows_a_gpu_overlaps_them():
 def test_an_moe_layer_s_token_copies_are_gathers_at_their_own_rate():
     """An MoE layer's copies of its tokens to their experts and back to token order are row
     gathers, priced at ``gather_gbps`` (a CPU's ``x[idx]`` runs ~10 GB/s where an add streams
-    ~60 from its caches): a profile whose gathers run 10x slower prices the forward by 9x those
-    bytes more, the backward op (their scatters) by as much again; a dense layer not at all.
+    ~60 from its caches): a profile whose gathers run 10x slower prices the forward nine times
+    the copies' time at the fast rate more, the backward op (their scatters) as much again; a
+    dense layer not at all.
 
     Mutation seen failing: the copies priced as elementwise bytes (``elementwise``), which
     ``gather_gbps`` does not move."""
