@@ -17,8 +17,9 @@ What is measured (each the median of a few repeats, after a warm-up: ``median_ti
   runs through the run's micro-batch and twice it (on a large GPU a small layer at a few hundred
   tokens is launch-bound noise); without them a llama-30m layer, 512 and 8 tokens;
 - the device by shape (``plan/device_cost.py``; the probes: ``calibrate_probes``):
-  ``gemm_tflops_points``, a GEMM's rate at a few weight sizes and the rate it reads that weight at (8 rows; on a CPU from weights out of the
-  caches, ``COLD_WEIGHT_BYTES``, and the rate per row beyond that pass: ``gemm_point``);
+  ``gemm_tflops_points``, a GEMM's rate at a few weight sizes and the rate it reads that weight
+  at (8 rows; on a CPU from weights out of the caches, ``COLD_WEIGHT_BYTES``, and the rate per
+  row beyond that pass: ``gemm_point``);
   ``device_mem_gbps``, an elementwise add's bytes per second; ``gather_gbps``, a row gather's
   (``GATHER_PROBE``); and the launches,
   from a layer at the fit's small point (``fit_launches``): ``kernel_launch_s`` per

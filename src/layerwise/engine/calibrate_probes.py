@@ -58,6 +58,7 @@ def device_shape_probes(device: str, dtype) -> tuple[list[Callable[[], None]], C
     idx = torch.randperm(2 * rows, device=device) // 2  # every row twice, shuffled
     fns = [lambda: [torch.add(one, one) for _ in range(100)], lambda: torch.add(a, b, out=c),
            lambda: src[idx]]
+    first_gemm = len(fns)  # the GEMMs follow, each at its rows and at 8
     pool = None if on_gpu else torch.randn(COLD_WEIGHT_BYTES // (torch.finfo(dtype).bits // 8), dtype=dtype)
     gemms = []
     for m, k, nn in GEMM_PROBES["cuda" if on_gpu else "cpu"]:
@@ -76,11 +77,13 @@ def device_shape_probes(device: str, dtype) -> tuple[list[Callable[[], None]], C
         serial = 0.0 if on_gpu else launch
         points = []
         for j, (m, flops, wbytes) in enumerate(gemms):
-            t, t8 = (max(x - serial, 1e-9) for x in times[3 + 2 * j:5 + 2 * j])
+            at = first_gemm + 2 * j
+            t, t8 = (max(x - serial, 1e-9) for x in times[at:at + 2])
             points.append(gemm_point(m, flops, wbytes, t, t8, not on_gpu))
         gathered = 2 * 2 * rows * width * src.element_size()  # rows read and written
         return dict(kernel_launch_s=launch, device_mem_gbps=3 * n * a.element_size() / times[1] / 1e9,
-                    gather_gbps=gathered / max(times[2] - serial, 1e-9) / 1e9, gemm_tflops_points=tuple(points))
+                    gather_gbps=gathered / max(times[2] - serial, 1e-9) / 1e9,
+                    gemm_tflops_points=tuple(points))
 
     return fns, fields
 
