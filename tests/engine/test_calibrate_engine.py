@@ -40,9 +40,17 @@ def test_the_fitted_overhead_makes_the_simulator_reproduce_the_tiny_step():
     assert again == pytest.approx(tiny.step_s, rel=1e-6)
 
 
+SLOWER_S = 5e-3
+
+
 def test_what_the_simulator_does_not_price_goes_into_the_overhead(monkeypatch):
-    """Each layer call made ~2 ms of CPU work slower (which no profile prices) raises the per-op
-    figure by those milliseconds over the step's compute ops, within 0.3 ms an op.
+    """Each layer call made 5 ms of CPU work slower (which no profile prices) raises the per-op
+    figure by those milliseconds over the step's compute ops, within 30%.
+
+    The broken form moves it by 0. The tolerance is relative because the step's own ~20 ms of
+    work is measured twice, and a neighbour on the core's other hyperthread can swell it by a
+    quarter in one of them (a CI run read +0.45 ms an op against a 2 ms injection); against 5 ms
+    that is under 15%.
 
     Mutation seen caught: the overhead taken as the step less its compute closures' measured
     time (the engine's bookkeeping alone, as before stop 45: the slower layers moved it by 0)."""
@@ -52,7 +60,7 @@ def test_what_the_simulator_does_not_price_goes_into_the_overhead(monkeypatch):
 
     def slow_layer(self, *a, **kw):
         calls[0] += 1
-        end = CLOCK() + 2e-3
+        end = CLOCK() + SLOWER_S
         while CLOCK() < end:
             pass
         return layer(self, *a, **kw)
@@ -61,4 +69,4 @@ def test_what_the_simulator_does_not_price_goes_into_the_overhead(monkeypatch):
     slowed = calibrate_engine.measure_tiny_step(hw, steps=3, clock=CLOCK)
     per_step = calls[0] / 4  # a warm-up and 3 timed steps
     assert slowed.compute_ops == base.compute_ops
-    assert slowed.per_op_s - base.per_op_s == pytest.approx(per_step * 2e-3 / base.compute_ops, abs=3e-4)
+    assert slowed.per_op_s - base.per_op_s == pytest.approx(per_step * SLOWER_S / base.compute_ops, rel=0.3)
