@@ -34,7 +34,7 @@ def test_the_fitted_overhead_makes_the_simulator_reproduce_the_tiny_step():
     compute closures' measured time, not less its simulated price (1.3x over)."""
     hw = PRESETS["cpu"]
     tiny = calibrate_engine.measure_tiny_step(hw, steps=3, clock=CLOCK)
-    assert 0 < tiny.per_op_s < 2e-3
+    assert 0 < tiny.per_op_s < 5e-3  # 0.65 ms on a 2-core Xeon VM (this clock, 1 thread)
     again = simulate(tiny.plan, tiny.shape, replace(hw, op_overhead_s=tiny.per_op_s), steps=2,
                      keep_trace=False).step_s
     assert again == pytest.approx(tiny.step_s, rel=1e-6)
