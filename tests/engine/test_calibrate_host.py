@@ -75,7 +75,7 @@ def test_calibrate_measures_the_host_fields_at_the_run_shape(monkeypatch, tmp_pa
     # machine's: at one repeat on a loaded machine the fit can over-price the tiny step)
     assert hw.op_overhead_s == seen["tiny"].per_op_s
     hw.save(tmp_path / "p.json")
-    assert HardwareProfile.load(tmp_path / "p.json") == hw and hw.format_version == 7
+    assert HardwareProfile.load(tmp_path / "p.json") == hw and hw.format_version == 8
 
 
 def test_gloo_is_measured_only_when_asked(monkeypatch):
@@ -146,8 +146,11 @@ def test_a_version_3_profile_loads_with_the_host_fallbacks_and_a_note(tmp_path, 
     assert hw.host_accum_bf16_gbps is None and hw.pinned_copy_gbps is None and hw.gloo_reduce_gbps is None
     assert hw.accum_bf16_gbps == hw.pinned_gbps == d["host_accum_gbps"]
     assert "layerwise calibrate" in caplog.text and "format version 3" in caplog.text
-    with pytest.raises(ValueError, match="format_version 8"):
-        HardwareProfile.from_dict({**d, "format_version": 8})
+    with pytest.raises(ValueError, match="format_version 9"):
+        HardwareProfile.from_dict({**d, "format_version": 9})
+    # format 7 folded its in-layer factor into every rate: as written, it prices as it did
+    v7 = {k: v for k, v in PRESETS["h200"].to_dict().items() if k != "in_layer_factor"}
+    assert HardwareProfile.from_dict({**v7, "format_version": 7}).in_layer_factor == 1.0
 
 
 def test_calibrate_names_the_optimizer_form_its_threads_and_the_rate_per_thread(monkeypatch):

@@ -26,8 +26,8 @@ What is measured (each the median of a few repeats, after a warm-up: ``median_ti
   forward kernel and ``backward_launch_s`` per backward kernel, what the layer takes beyond its
   kernels' rooflines (its modules' Python and dispatch grow with its kernels, so the profile's
   ``op_overhead_s`` is then 0), so one layer's measurement prices every width; on a CPU
-  without a run shape the probes' rates are first scaled to the llama-30m layer's
-  (``in_layer_factor``, from its two points) and the launches fitted on a narrow layer
+  without a run shape the kernels other than GEMMs are first priced at what they take in the
+  llama-30m layer (``in_layer_factor``, from its two points) and the launches fitted on a narrow layer
   (``LAUNCH_FLAVOR``) at 8 tokens; a kept layer's fixed costs (``saved_tensor_s``,
   ``storage_copy_s``) from a chain of saved tensors through the engine's ``KeptInternals``
   (``kept_probes``). The probes and the layers' runs are timed in turn, round by round
@@ -57,7 +57,7 @@ from ..models.adapter import DecoderAdapter
 from ..models.names import EMBED, HEAD
 from ..models.registry import FLAVORS, get_flavor
 from ..plan.cost import CostModel
-from ..plan.device_cost import DeviceCost
+from ..plan.device_cost import DeviceCost, kernels_s
 from ..plan.hardware import HardwareProfile
 from ..plan.hardware_choice import resolve_hardware
 from ..plan.presets import PRESETS
@@ -127,8 +127,8 @@ def measure_by_shape(hw: HardwareProfile, device: str, dtype, point: tuple[int, 
                      other: tuple[int, int] | None = None) -> HardwareProfile:
     """``hw`` with the device-by-shape fields (``device_shape_probes``), the kept internals'
     (``kept_probes``) and the launches fitted to the layer at ``point`` (``fit_launches``).
-    With ``other`` (a second point, on a synchronous device): the probes' rates first scaled to
-    what ``config``'s layer takes between the two points (``fit_in_layer``), and the launches
+    With ``other`` (a second point, on a synchronous device): the kernels other than GEMMs first
+    priced at what they take in ``config``'s layer between the two points (``fit_in_layer``), and the launches
     fitted on the :data:`LAUNCH_FLAVOR` layer at ``point``. The probes and the layers are timed
     together, in turn (``median_times``): the fit takes differences of their times, and a probe
     timed at another moment's speed would move them by tens of percent."""
@@ -168,37 +168,40 @@ def fit_launches(hw: HardwareProfile, shape: ModelShape, point: tuple[int, int],
 
 def fit_in_layer(hw: HardwareProfile, shape: ModelShape, a: tuple[int, int], b: tuple[int, int],
                  t_a: float, t_b: float) -> HardwareProfile:
-    """``hw`` with its probes' rates scaled to a layer of ``shape`` whose backward op took ``t_a``
-    and ``t_b`` at points ``a`` and ``b`` (a synchronous device, where a kernel costs its launch
-    plus its roofline): the time between the two points, where the launches cancel, over the
-    rooflines' difference is what the layer's kernels take against the probes' (timed alone,
-    they beat the same kernels inside a layer); the rates are divided by that factor
-    (``in_layer_factor``)."""
-    return _in_layer(hw, in_layer_factor(shape, hw, a, b, t_a, t_b))
+    """``hw`` with ``in_layer_factor`` fitted to a layer of ``shape`` whose backward op took
+    ``t_a`` and ``t_b`` at points ``a`` and ``b`` (a synchronous device, where a kernel costs its
+    launch plus its roofline)."""
+    return replace(hw, in_layer_factor=in_layer_factor(shape, hw, a, b, t_a, t_b))
 
 
-IN_LAYER_RANGE = (1 / 3, 3.0)
+IN_LAYER_RANGE = (0.5, 6.0)
 """Where ``in_layer_factor`` is believed; outside it (a noisy fit) it is clamped."""
+IN_LAYER_MIN_SHARE = 0.05
+"""The least share of the rooflines' difference between the two points that the kernels other
+than GEMMs must carry for their factor to be fitted (below it: 1, the probes' price)."""
 
 
 def in_layer_factor(shape: ModelShape, hw: HardwareProfile, a: tuple[int, int], b: tuple[int, int],
                     t_a: float, t_b: float) -> float:
-    """The layer's backward op's measured time between points ``a`` and ``b`` over its kernels'
-    rooflines' difference there (1 where the rooflines barely differ: launches dominate both)."""
-    free = replace(hw, kernel_launch_s=0.0, backward_launch_s=0.0)
-    r_a, r_b = DeviceCost(shape, free, *a).layer_bwd_s(0), DeviceCost(shape, free, *b).layer_bwd_s(0)
-    if abs(r_a - r_b) < 0.2 * max(r_a, r_b):
+    """What the layer's kernels other than GEMMs take over their rooflines: the backward op's
+    measured time between points ``a`` and ``b`` (where the launches cancel) less its GEMMs'
+    rooflines' difference, over the other kernels' difference. A GEMM's probe is the same op,
+    with cold weights, and prices the layer's GEMMs within a few percent; attention (priced at
+    the GEMM rate) and the elementwise kernels run well below their probes inside a layer."""
+    free = replace(hw, kernel_launch_s=0.0, backward_launch_s=0.0, in_layer_factor=1.0)
+
+    def split_s(pt: tuple[int, int]) -> tuple[float, float]:
+        cost = DeviceCost(shape, free, *pt)
+        ks = cost.layer_forward(0) + cost.layer_backward(0)
+        gemm = kernels_s([k for k in ks if k.kind == "gemm"], free)
+        return gemm, kernels_s(ks, free) - gemm
+
+    (g_a, o_a), (g_b, o_b) = split_s(a), split_s(b)
+    d_other, d_all = o_a - o_b, (g_a + o_a) - (g_b + o_b)
+    if abs(d_all) < 0.2 * max(g_a + o_a, g_b + o_b) or abs(d_other) < IN_LAYER_MIN_SHARE * abs(d_all):
         return 1.0
     lo, hi = IN_LAYER_RANGE
-    return min(hi, max(lo, (t_a - t_b) / (r_a - r_b)))
-
-
-def _in_layer(hw: HardwareProfile, factor: float) -> HardwareProfile:
-    """``hw`` with its measured kernel rates divided by ``factor``."""
-    pts = hw.gemm_tflops_points and tuple((p[0], *(r / factor for r in p[1:])) for p in hw.gemm_tflops_points)
-    mem = hw.device_mem_gbps and hw.device_mem_gbps / factor
-    gathers = hw.gather_gbps and hw.gather_gbps / factor
-    return replace(hw, gemm_tflops_points=pts, device_mem_gbps=mem, gather_gbps=gathers)
+    return min(hi, max(lo, (t_a - t_b - (g_a - g_b)) / d_other))
 
 
 def measure_layer(device: str, dtype, points: tuple[tuple[int, int], tuple[int, int]], repeats: int,

@@ -32,7 +32,10 @@ synchronous one (the CPU backend) dispatches and computes in one thread, ``kerne
 roofline`` (a backward's kernels, launched by autograd's engine, at ``backward_launch_s`` where
 calibration fitted one). A GEMM's compute roof is the profile's measured rate at its weight's
 size where calibration measured one (``gemm_tflops_points``), else ``peak_tflops x efficiency``
-(the presets' [EFF-*]: the sustained rate of training GEMMs).
+(the presets' [EFF-*]: the sustained rate of training GEMMs). Every other kernel's roofline is
+multiplied by ``in_layer_factor``: on a CPU the norms, rotary, attention and gathers of a layer
+take 2.6-2.9x what their probes (an add, a gather, the GEMM rate) say, where a GEMM runs at its
+cold probe's rate (docs/benchmarks.md, "Widths probe 2026-12-04 (stop 48)").
 
 The elementwise byte counts are estimates from reading transformers' modules, stated once: an
 RMSNorm upcasts to fp32 (~9 passes of 4 bytes per element over 6 kernels), the rotary embedding
@@ -167,6 +170,8 @@ def kernels_s(kernels: list[Kernel], hw: HardwareProfile, graph: bool = True) ->
                    if k.weights_read else 0.0)
         moved = k.nbytes / (gather_bw if k.kind == "gather" else bw)
         roof = weights + max(compute, moved) if hw.synchronous else max(compute, moved + weights)
+        if k.kind != "gemm":  # a GEMM's probe is the same op; the rest run slower in a layer
+            roof *= hw.in_layer_factor
         if hw.synchronous:
             t += launches(k, hw) * launch + k.count * roof
         else:

@@ -22,7 +22,7 @@ from ..util.atomic import atomic_write_text
 
 GB = 10**9
 GIB = 2**30
-PROFILE_FORMAT_VERSION = 7
+PROFILE_FORMAT_VERSION = 8
 """What each version added: docs/formats.md, "Hardware profile". An older file loads with those
 fields unset, each read as its stated fallback, and a note saying to re-run ``layerwise calibrate``."""
 HOST_FIELDS_V4 = ("host_accum_bf16_gbps", "pinned_copy_gbps", "gloo_reduce_gbps")
@@ -124,6 +124,11 @@ class HardwareProfile:
     (the engine's pack and unpack hooks: ``engine/internals.py``); None (before version 6): 0."""
     storage_copy_s: float | None = None
     """The host tier's cost per saved storage, s, out and back each, beside its bytes; None: 0."""
+    in_layer_factor: float = 1.0
+    """What a decoder layer's kernels other than its GEMMs (elementwise, gathers, attention) take
+    inside the layer over their probes' price (``layerwise calibrate`` fits it on a synchronous
+    device: ``calibrate.in_layer_factor``); a GEMM runs at its own probe's rate. 1: as probed
+    (a GPU; before version 8 calibration divided every rate by one such factor, GEMMs' too)."""
     format_version: int = PROFILE_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -219,7 +224,7 @@ class HardwareProfile:
         if unknown:
             raise ValueError(f"hardware profile has unknown keys {sorted(unknown)}; known: {sorted(known)}")
         version = d.get("format_version", PROFILE_FORMAT_VERSION)
-        if version not in (1, 2, 3, 4, 5, 6, PROFILE_FORMAT_VERSION):
+        if version not in (1, 2, 3, 4, 5, 6, 7, PROFILE_FORMAT_VERSION):
             raise ValueError(f"hardware profile format_version {d['format_version']} is not supported "
                              f"(expected {PROFILE_FORMAT_VERSION}); re-run `layerwise calibrate`")
         if version < 4:
