@@ -37,6 +37,10 @@ from .batch import Batch
 from .executor import EngineConfig, StreamingEngine
 
 OVERHEAD_FLAVOR = "llama-debug"
+TINY_STEPS = 15
+"""Steps the tiny step's median is taken over: its residual is ~5 of its ~20 ms, so a slow step
+moves ``op_overhead_s`` by tens of percent. Eight fits in one process on a 2-core Xeon VM read
+151-310 µs an op over 5 steps, 189-223 (one 303) over 15; the 10 more cost ~0.2 s."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ class TinyStep:
         return max(0.0, (self.step_s - self.simulated_s) / max(1, self.compute_ops))
 
 
-def measure_tiny_step(hw: HardwareProfile, steps: int = 5,
+def measure_tiny_step(hw: HardwareProfile, steps: int = TINY_STEPS,
                       clock: Callable[[], float] = time.perf_counter) -> TinyStep:
     """``steps`` steps of ``OVERHEAD_FLAVOR`` at 1 x 8 tokens, 2 micro-batches, recompute-all, on
     the CPU backend, after a warm-up; each step with its updates waited for, as the simulator's
