@@ -198,6 +198,7 @@ def in_layer_factor(shape: ModelShape, hw: HardwareProfile, a: tuple[int, int], 
 
     (g_a, o_a), (g_b, o_b) = split_s(a), split_s(b)
     d_other, d_all = o_a - o_b, (g_a + o_a) - (g_b + o_b)
+    # launches dominate both points, or the other kernels are a sliver of what changes: no fit
     if abs(d_all) < 0.2 * max(g_a + o_a, g_b + o_b) or abs(d_other) < IN_LAYER_MIN_SHARE * abs(d_all):
         return 1.0
     lo, hi = IN_LAYER_RANGE

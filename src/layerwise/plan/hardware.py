@@ -127,8 +127,9 @@ class HardwareProfile:
     in_layer_factor: float = 1.0
     """What a decoder layer's kernels other than its GEMMs (elementwise, gathers, attention) take
     inside the layer over their probes' price (``layerwise calibrate`` fits it on a synchronous
-    device: ``calibrate.in_layer_factor``); a GEMM runs at its own probe's rate. 1: as probed
-    (a GPU; before version 8 calibration divided every rate by one such factor, GEMMs' too)."""
+    device: ``calibrate.in_layer_factor``); a GEMM runs at its own probe's rate. The head's and
+    the embedding's kernels are priced the same way. 1: as probed (a GPU; before version 8
+    calibration divided every rate by one such factor, GEMMs' too)."""
     format_version: int = PROFILE_FORMAT_VERSION
 
     def __post_init__(self) -> None:
