@@ -187,6 +187,10 @@ def _trace(base: nn.Module, layers: str, family: str
     config = base.config
     eager = copy.deepcopy(config)  # the base's own: the config object is shared, maybe by a running model
     eager._attn_implementation = "eager"
+    # A cache makes the mask code skip its packed-rows probe, which reads the position ids'
+    # values (none on the meta device); what the layers get is the same either way, and a
+    # training run leaves ``use_cache: false`` in every checkpoint it writes.
+    eager.use_cache = True
     error: Exception | None = None
     for as_tuple in (False, True):
         order: list[str] = []
