@@ -76,6 +76,13 @@ def decoder_layout(meta: nn.Module, family: str, num_layers: int) -> DecoderLayo
         ("a token embedding", isinstance(embed_module, nn.Embedding) and bool(base_path)),
         ("a ModuleList of num_hidden_layers layers beside it", layers is not None),
         ("an lm_head", isinstance(head_module, nn.Linear) and "." not in head)) if not ok]
+    stack = next((n for n, m in meta.named_modules()
+                  if isinstance(m, nn.ModuleList) and len(m) == num_layers), None)
+    if missing and stack and "encoder" in stack.split("."):
+        raise ValueError(
+            f"unsupported architecture model_type={family!r}: transformers' {type(meta).__name__} "
+            f"is an encoder model (its layers are {stack}, BERT-style), and layerwise trains "
+            "decoder-only causal LMs; use a decoder-only checkpoint")
     if missing:
         raise ValueError(
             f"unsupported architecture model_type={family!r}: transformers' {type(meta).__name__} "
