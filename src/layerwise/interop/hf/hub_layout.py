@@ -29,11 +29,14 @@ from transformers.core_model_loading import (
 class HubLayout:
     """The conversion transformers applies between ``model``'s checkpoint keys and its own.
 
-    ``model``: the model on the meta device (its state dict names the in-memory layout)."""
+    ``model``: the model on the meta device (its state dict names the in-memory layout);
+    ``hf_quantizer``: a quantizer in dequantize mode (``quantized.dequantizer``) for a quantized
+    release, whose load ops then turn packed weights and their scales into the model's plain ones."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, hf_quantizer=None):
         self.model = model
-        transforms = get_model_conversion_mapping(model, add_legacy=True)
+        kwargs = {"hf_quantizer": hf_quantizer} if hf_quantizer is not None else {}
+        transforms = get_model_conversion_mapping(model, add_legacy=True, **kwargs)
         self._renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         self._converters = [t for t in transforms if isinstance(t, WeightConverter)]
         self._by_pattern = {p: c for c in self._converters for p in c.source_patterns}

@@ -32,6 +32,7 @@ from ..layout import (
     meta_model,
 )
 from .hub_layout import HubLayout
+from .quantized import QUANT_KEY, dequantizer, quant_method, refusal
 
 
 def read_json(path: Path) -> dict:
@@ -97,11 +98,29 @@ class HFModelDirSource:
         return read_json(f) if f.is_file() else None
 
     @cached_property
+    def _quantizer(self) -> Any | None:
+        """transformers' quantizer reading this release dequantized (None: plain weights);
+        ValueError for a quantization layerwise does not read (``quantized.py``)."""
+        return dequantizer(self._config, self.path)
+
+    @cached_property
     def _layout(self) -> HubLayout | None:
         """transformers' conversion between the files' names and the model's (None: a config
         transformers cannot build, whose names are taken as they are)."""
+        quantizer = self._quantizer
+        if self._config is None:
+            return None
         try:
-            return HubLayout(meta_model(self._config)) if self._config is not None else None
+            model = meta_model(self._config)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            if quantizer is not None:  # nothing to dequantize into
+                raise refusal(self.path, quant_method(self._config),
+                              f"transformers cannot build its model ({e})") from None
+            return None
+        if quantizer is not None:  # the quantizer's own errors are the user's to see
+            return HubLayout(model, quantizer)
+        try:
+            return HubLayout(model)
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
 
@@ -109,7 +128,23 @@ class HFModelDirSource:
     def _model_names(self) -> dict[str, list[str]]:
         """File key → the model's (in-memory) names it contributes to."""
         layout = self._layout
-        return {k: layout.model_names(k) if layout else [k] for k in self._weight_files}
+        names = {k: layout.model_names(k) if layout else [k] for k in self._weight_files}
+        self._refuse_unread_scales(names)
+        return names
+
+    def _refuse_unread_scales(self, names: dict[str, list[str]]) -> None:
+        """Scales or packed blocks that no model tensor takes mean the weights beside them would
+        load without them: refuse rather than train wrong weights."""
+        model_keys = self._layout._model_keys if self._layout else {}
+        unread = sorted(k for k, ns in names.items()
+                        if QUANT_KEY.search(k) and not any(n in model_keys for n in ns))
+        if unread:
+            method = quant_method(self._config)
+            said = f"its quant_method {method!r}" if method else "config.json has no quantization_config"
+            raise ValueError(
+                f"{self.path}: {len(unread)} tensors hold quantization scales or packed blocks that "
+                f"nothing reads ({said}), e.g. {unread[:3]}; the weights would load without their "
+                "scales: give the release's own config.json or a dequantized copy of the model")
 
     @cached_property
     def _groups(self) -> dict[str, list[str]]:
@@ -137,7 +172,21 @@ class HFModelDirSource:
         keys = self._check_group(group)
         raw = self._read_weights(keys)
         tensors = self._layout.to_model(keys, raw.pop) if self._layout else raw
+        self._refuse_packed(tensors)
         return {PARAM + n: t for n, t in tensors.items()}
+
+    def _refuse_packed(self, tensors: dict[str, torch.Tensor]) -> None:
+        """A float parameter read as 8-bit or integer codes is a quantized weight no op turned
+        back into numbers (a release without its ``quantization_config``): refuse it."""
+        model_keys = self._layout._model_keys if self._layout else {}
+        for name, t in tensors.items():
+            float_param = model_keys[name].is_floating_point() if name in model_keys else True
+            if float_param and (t.element_size() == 1 or (t.dtype in (torch.int32, torch.int64)
+                                                            and name in model_keys)):
+                raise ValueError(
+                    f"{self.path}: {name} is stored as {str(t.dtype).removeprefix('torch.')}, a "
+                    "quantized weight that config.json's quantization_config does not describe; "
+                    "give the release's own config.json or a dequantized copy of the model")
 
     def _read_weights(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         by_file: dict[Path, list[str]] = {}
@@ -160,7 +209,7 @@ class HFModelDirSource:
 
     def hf_names(self) -> list[str]:
         """The model's names of every tensor the files hold (not the files' own keys)."""
-        return [n for names in self._model_names.values() for n in names]
+        return list(dict.fromkeys(n for names in self._model_names.values() for n in names))
 
     def model_config(self) -> dict | None:
         return self._config
@@ -179,7 +228,26 @@ def load_config(path: str | Path) -> PretrainedConfig:
     path = Path(path)
     if not (path / CONFIG_NAME).is_file():
         raise ValueError(f"{path} is not a Hugging Face model directory: {CONFIG_NAME} is missing")
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    _refuse_remote_code(path)
+    return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+
+
+def _refuse_remote_code(path: Path) -> None:
+    """A model only the checkpoint's own code defines (``auto_map``, a ``model_type``
+    transformers lacks): refused in one line (transformers itself would prompt, then raise a
+    paragraph). A type transformers has loads as transformers defines it, as
+    ``from_pretrained`` does without ``trust_remote_code``."""
+    from transformers import __version__
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    raw = read_json(path / CONFIG_NAME)
+    model_type = raw.get("model_type")
+    if raw.get("auto_map") and model_type not in CONFIG_MAPPING:
+        raise ValueError(
+            f"{path}: model_type {model_type!r} is defined only by the checkpoint's own code "
+            f"(config.json's auto_map), which layerwise does not run: it trains the models "
+            f"transformers defines ({__version__} has no {model_type!r}); use a transformers "
+            "release that has it, or a conversion of the checkpoint to a family it has")
 
 
 def load_store(path: str | Path, compute_dtype: torch.dtype = torch.float32,

@@ -121,8 +121,11 @@ class WeightsWriter:
 
 
 def export_config(config: dict, dtype: torch.dtype | None) -> dict:
-    """``config.json`` contents for the output: the source's, with the dtype the weights are in."""
+    """``config.json`` contents for the output: the source's, with the dtype the weights are in
+    and without a ``quantization_config`` (a quantized release is read dequantized, so what is
+    written is plain weights, which ``from_pretrained`` must not try to unpack)."""
     out = dict(config)
+    out.pop("quantization_config", None)
     if dtype is not None:
         name = str(dtype).removeprefix("torch.")
         out["dtype"] = name
