@@ -8,8 +8,9 @@ on a dense Qwen3 and on DeepSeek-V3 (MLA + per-expert MoE); gpt-oss MXFP4
 ``save_pretrained`` of a 4-bit model, the unsloth ``-bnb-4bit`` layout). The reference is
 HF autograd in fp32 over transformers' own dequantized model; the engine's loss must equal it to
 rel 1e-5 and every gradient to ``assert_grads_close``'s 1e-4. Reading the FP8 weights without
-their scales (what the loader did before) is off by far more than that: the loss by about 1%
-and the gradients by about 10x (measured on these cases), so the tolerance separates the two.
+their scales (what the loader did before) is off by far more than that, measured on these
+cases: the loss by 0.5% (Qwen3) and 1.5% (DeepSeek-V3), the worst gradient's relative error 38
+and 80 (a layernorm's); a wrong block size (below) by 1.7e-4 and 0.63.
 """
 
 from __future__ import annotations
@@ -138,8 +139,8 @@ def test_block_fp8_dense_trains_as_transformers_dequantized(tmp_path):
     """Qwen3 in the Qwen3-FP8 layout, the reference transformers' own
     ``from_pretrained(..., quantization_config=FineGrainedFP8Config(dequantize=True))``.
     Mutation seen failing: the quantizer not passed to ``HubLayout`` (the scales dropped, the
-    e4m3 codes read as weights): refused by the unread-scales check; with that check off too,
-    the loss is 1.3% off and gradients up to 10x."""
+    e4m3 codes read as weights): refused by the unread-scales check; with both refusal checks
+    off too, the loss is 0.5% off and a gradient's relative error 38."""
     hub = tmp_path / "qwen3-fp8"
     cfg, _ = _saved("qwen3-debug-untied", hub)
     _fp8_release(hub, tmp_path / "ref", (16, 16), torch.bfloat16)
@@ -157,9 +158,10 @@ def test_block_fp8_deepseek_v3_trains_as_hf_over_its_dequantized_weights(tmp_pat
     """DeepSeek-V3's release layout: per-expert FP8 experts with their scales (merged into the
     fused experts after dequantizing), MLA projections, ``kv_a_proj_with_mqa`` 20 rows over
     16-row blocks (a ceiling grid, as its 576 rows over 128 are). The reference is HF over the
-    same keys dequantized independently. Mutation seen failing: the block size derived from the
+    same keys dequantized independently. Mutations seen failing: the block size derived from the
     scale grid (transformers' ``Fp8Dequantize`` alone: rows 0-9 and 10-19 per scale row instead
-    of 0-15 and 16-19): ``kv_a_proj_with_mqa``'s gradient off by 3e-3."""
+    of 0-15 and 16-19): the loss 1.7e-4 off, the router's gradient 0.63; the scales dropped
+    (no quantizer, refusal checks off): the loss 1.5% off, a gradient's relative error 80."""
     hub = tmp_path / "dsv3-fp8"
     cfg, _ = _saved("deepseek-v3-debug", hub)
     packed = _fp8_release(hub, tmp_path / "ref", (16, 16), torch.float32)
@@ -174,7 +176,8 @@ def test_mxfp4_gpt_oss_trains_as_transformers_dequantized(tmp_path):
     """gpt-oss's release: experts as ``gate_up_proj_blocks``/``_scales`` and ``down_proj_…``,
     attention, router, embedding and head bf16, the release's ``quantization_config``. Reference:
     ``from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True))``. Mutation seen
-    failing: no quantizer (the state before): "weights missing for 4 tensors"."""
+    failing: no quantizer (the state before): refused, the ``_blocks``/``_scales`` unread
+    (without the unread-scales check: "weights missing for 4 tensors")."""
     hub = tmp_path / "gpt-oss-mxfp4"
     cfg, _ = _saved("gpt-oss-debug", hub)
     tensors = load_file(hub / "model.safetensors")
@@ -195,8 +198,9 @@ def test_mxfp4_gpt_oss_trains_as_transformers_dequantized(tmp_path):
 def test_bitsandbytes_nf4_trains_as_bitsandbytes_dequantized(tmp_path):
     """An unsloth ``-bnb-4bit`` directory (NF4, double quant, bf16 compute) as transformers'
     ``save_pretrained`` of the 4-bit model writes it; the reference is that model's own
-    ``dequantize()``. Mutation seen failing: the QuantState's nested absmax left out (read
-    ``absmax`` as the uint8 codes): the loss 40% off."""
+    ``dequantize()``. Mutations seen failing: the QuantState's nested absmax left out (the
+    double-quantized ``absmax`` read as its uint8 codes): the loss 1e-3 off, a gradient's
+    relative error 80; no quantizer: refused, ``weight.absmax`` &c. unread."""
     pytest.importorskip("bitsandbytes")
     from transformers import BitsAndBytesConfig
 
@@ -216,9 +220,11 @@ def test_bitsandbytes_nf4_trains_as_bitsandbytes_dequantized(tmp_path):
 
 def test_export_of_a_quantized_release_is_plain_and_loads(tmp_path):
     """A full export from an FP8 release: no ``quantization_config`` in its config.json, plain
-    float weights, ``from_pretrained`` loads it to the engine's logits. Mutation seen failing:
-    ``export_config`` keeping the source's ``quantization_config``: ``from_pretrained`` reads the
-    fp32 weights as FP8 and fails ("weight_scale_inv" missing / the shapes refused)."""
+    float weights, ``from_pretrained`` loads it to the reference's logits. Mutation seen failing:
+    ``export_config`` keeping the source's ``quantization_config`` (the config assertion; on a
+    CPU transformers then falls back to dequantizing, a pass-through for fp32 weights, so the
+    load alone would not show it: with a GPU it would build FP8 layers for weights with no
+    scales)."""
     hub = tmp_path / "qwen3-fp8"
     _saved("qwen3-debug-untied", hub)
     _fp8_release(hub, tmp_path / "ref", (16, 16), torch.bfloat16)
@@ -250,8 +256,8 @@ def test_an_unread_quant_method_is_refused_in_one_line(method, tmp_path):
 def test_scales_no_config_describes_are_refused(tmp_path):
     """FP8 weights and their scales under a config.json without ``quantization_config`` (one
     copied from the base model): refused, never read as e4m3 codes without their scales.
-    Mutation seen failing: ``_refuse_unread_scales`` off: the run loads (silently wrong), then
-    the packed-dtype check refuses; with both off, it trains the codes."""
+    Mutations seen failing: ``_refuse_unread_scales`` off (the packed-dtype check refuses, not
+    naming the scales); ``_refuse_packed`` off (the codes alone load: "DID NOT RAISE")."""
     hub = tmp_path / "fp8-no-config"
     _saved("qwen3-debug-untied", hub)
     packed = _fp8_release(hub, tmp_path / "ref", (16, 16), torch.bfloat16)
