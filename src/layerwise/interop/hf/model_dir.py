@@ -178,11 +178,14 @@ class HFModelDirSource:
     def _refuse_packed(self, tensors: dict[str, torch.Tensor]) -> None:
         """A float parameter read as 8-bit or integer codes is a quantized weight no op turned
         back into numbers (a release without its ``quantization_config``): refuse it."""
-        model_keys = self._layout._model_keys if self._layout else {}
+        model_keys = self._layout._model_keys if self._layout else None
         for name, t in tensors.items():
-            float_param = model_keys[name].is_floating_point() if name in model_keys else True
-            if float_param and (t.element_size() == 1 or (t.dtype in (torch.int32, torch.int64)
-                                                            and name in model_keys)):
+            if model_keys is None:  # names unknown: only a float8 tensor is surely packed
+                packed = t.is_floating_point() and t.element_size() == 1
+            else:  # a float parameter of the model read as 8-bit or integer codes
+                packed = (name in model_keys and model_keys[name].is_floating_point()
+                          and (t.element_size() == 1 or not t.is_floating_point()))
+            if packed:
                 raise ValueError(
                     f"{self.path}: {name} is stored as {str(t.dtype).removeprefix('torch.')}, a "
                     "quantized weight that config.json's quantization_config does not describe; "
