@@ -160,6 +160,7 @@ REFUSED_DECODERS = {
     "bloom": "ALiBi biases, and a LayerNorm on the embeddings before the first layer",
     "doge": "a dynamic-mask attention that needs the dense mask on every layer",
     "hy_v4": "its base model's forward does not run on the meta device",
+    "inkling_text": "a norm inside its token embedding (not affine)",
     "modernbert-decoder": "its head is not a plain lm_head Linear",
     "mpt": "ALiBi position biases its base model gives every layer",
     "nanochat": "a norm of the embeddings before the first layer (not affine)",

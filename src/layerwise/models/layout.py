@@ -88,6 +88,13 @@ def decoder_layout(meta: nn.Module, family: str, num_layers: int) -> DecoderLayo
             f"unsupported architecture model_type={family!r}: transformers' {type(meta).__name__} "
             f"does not have the decoder layout layerwise streams (it lacks {', '.join(missing)}); "
             "convert the checkpoint to a family that has it (e.g. Llama) or open an issue")
+    extra = [n for n, _ in embed_module.named_parameters() if n != "weight"]
+    if extra:
+        raise ValueError(
+            f"unsupported architecture model_type={family!r}: its token embedding "
+            f"({type(embed_module).__name__}) has {', '.join(extra)} besides its table (a norm of "
+            "the embeddings, not affine), which the embedding unit does not compute; open an "
+            "issue if you need it")
     tensors = sorted(k for k, v in vars(base).items() if isinstance(v, torch.Tensor))
     if tensors:
         raise ValueError(
