@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) tests/numba_warm.py
 	touch $@
 
-.PHONY: install test test-all demo demo-pretrained gpu-check gpu-wheels
+.PHONY: install test test-all test-compat demo demo-pretrained gpu-check gpu-wheels
 install: $(VENV)/.installed
 
 # `make test`: a stated sample of each test matrix (model types, plans, presets, delay seeds:
@@ -26,6 +26,24 @@ test: $(VENV)/.installed
 test-all: $(VENV)/.installed
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+# `make test-compat`: the loaders and the model-type sample (tests/models, the HF interop tests)
+# on the oldest transformers pyproject.toml declares, in a second venv made as .venv is (CPU torch
+# first) with transformers pinned; `make test` runs the newest release.
+TRANSFORMERS_MIN ?= 5.21.0
+COMPAT_VENV ?= .venv-compat
+COMPAT_TESTS ?= tests/models tests/interop/test_hf.py tests/interop/test_hub_layout.py
+
+$(COMPAT_VENV)/.installed-$(TRANSFORMERS_MIN): pyproject.toml
+	python3 -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip
+	$(COMPAT_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(COMPAT_VENV)/bin/python -m pip install -q -e '.[test]' 'transformers==$(TRANSFORMERS_MIN)'
+	$(COMPAT_VENV)/bin/python tests/numba_warm.py
+	touch $@
+
+test-compat: $(COMPAT_VENV)/.installed-$(TRANSFORMERS_MIN)
+	$(COMPAT_VENV)/bin/python -m pytest -q -m "not sweep" $(PYTEST_ARGS) $(COMPAT_TESTS)
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/layerwise demo

@@ -64,7 +64,7 @@ def test_a_falcon_with_alibi_is_refused_in_one_line():
         model = AutoModelForCausalLM.from_config(cfg).eval()
     with pytest.raises(ValueError) as e:
         decoder_layout(model, "falcon", cfg.num_hidden_layers)
-    assert "ALiBi" in str(e.value) and "\n" not in str(e.value)
+    assert "alibi" in str(e.value).lower() and "\n" not in str(e.value)  # either refusal
     assert str(e.value).startswith("unsupported architecture model_type='falcon'")
 
 
