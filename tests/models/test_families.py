@@ -101,8 +101,8 @@ def test_export_loads_with_from_pretrained_and_gives_equal_logits(flavor, tmp_pa
 
 def test_refusal_names_the_layout_and_a_wrapper_gets_its_language_models_family():
     with pytest.raises(ValueError, match="unsupported architecture model_type='roberta'.*"
-                                         "RobertaForCausalLM does not have the decoder layout.*"
-                                         "lacks a ModuleList of num_hidden_layers layers"):
+                                         "RobertaForCausalLM is an encoder model.*"
+                                         "roberta.encoder.layer, BERT-style"):
         DecoderAdapter(RobertaConfig(num_hidden_layers=2))
     multimodal = family_of(Gemma3Config())  # its language model trains, its vision is carried
     assert (multimodal.text_model_type, multimodal.model_class_name) == \

@@ -83,11 +83,11 @@ def test_alibi_is_read_off_the_model(model_type, alibi):
 @pytest.mark.parametrize("model_type, why", [
     ("bloom", "runs word_embeddings_layernorm (LayerNorm) on the embeddings"),
     ("mpt", "gives every layer position_bias"),
-    ("roberta", "does not have the decoder layout"),
+    ("roberta", "RobertaForCausalLM is an encoder model"),
 ])
 def test_what_the_trace_cannot_run_is_refused_in_one_line(model_type, why):
     """An embedding norm would need the embedding's weights in its backward (the engine's has
-    none); ALiBi biases are computed by the base model; an encoder has no decoder layout."""
+    none); ALiBi biases are computed by the base model; an encoder is called one."""
     with pytest.raises(ValueError) as e:
         _layout(model_type)
     assert why in str(e.value) and "\n" not in str(e.value)
