@@ -35,7 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--recipe", default=None, help="YAML recipe (mergekit/LLMTailor slices) instead of RUN")
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     p.add_argument("--format", choices=FORMATS, default="hf", help="hf: model dir; trainer: checkpoint-N dir; dcp: torch.distributed.checkpoint dir; "
-                   "deepspeed: ZeRO save (see --template)")
+                   "deepspeed: ZeRO save (see --template); peft: a LoRA run's adapters as a PEFT adapter dir "
+                   "(with hf, a LoRA run's step is the base with its adapters merged)")
     p.add_argument("--template", default=None,
                    help="--format deepspeed: a ZeRO save (global_stepN) of the run that will resume, made "
                         "after its first step; default: the source's own when it is a ZeRO save")
@@ -49,6 +50,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="copy the tokenizer files and generation_config.json of DIR (an HF model dir "
                         "or a saved tokenizer) beside the weights; default: the source's own (a "
                         "`layerwise train` run keeps them in OUT/tokenizer)")
+    p.add_argument("--base", default=None, metavar="DIR",
+                   help="a LoRA run's base model directory, when it is no longer where the run's "
+                        "run.json says (model_path)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_merge)
     imp = ckpt_subparsers.add_parser(
@@ -116,6 +120,8 @@ def _cmd_merge(args: argparse.Namespace) -> int:
             f"{len(summary['weight_files'])} weight file(s), {summary['bytes'] / 1e6:.1f} MB "
             f"in {summary['seconds']:.1f} s"
         )
+        if summary.get("base_model"):
+            print(f"  base model: {summary['base_model']}")
         if summary.get("tokenizer_from"):
             print(f"  tokenizer and generation config <- {summary['tokenizer_from']}")
         elif summary["format"] in ("hf", "trainer"):
@@ -142,5 +148,5 @@ def _run_merge(args: argparse.Namespace) -> dict[str, Any]:
     return merge(
         source, args.out, args.format, step=step, max_shard_size=args.max_shard_size, dtype=args.dtype,
         template=args.template, overwrite=args.overwrite, config=args.config,
-        tokenizer=args.tokenizer,
+        tokenizer=args.tokenizer, base=args.base,
     )

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ...adapters.config import LoraConfig
+from ...adapters.lora_adapter import LoraAdapter
 from ...adapters.lora_store import LoraStore
 from ...ckpt.provider import PARAM
 from ...ckpt.store_provider import PASSTHROUGH
@@ -59,24 +60,34 @@ def peft_config(lora: LoraConfig, target_names: list[str], base_model: str | Non
     }
 
 
+def adapter_config(adapter: LoraAdapter, base_model: str | None) -> dict[str, Any]:
+    """``adapter_config.json`` of ``adapter``'s LoRA (r, alpha, targets) on ``base_model``."""
+    layout = adapter.layout
+    layers_path = f"{layout.base}.{layout.layers}" if adapter.passthrough_names else None
+    return peft_config(adapter.lora, adapter.target_names, base_model, layers_path)
+
+
 def write_adapter(store: LoraStore, out_dir: str | Path, base_model: str | None = None,
                   overwrite: bool = False) -> Path:
     """Write the store's adapters as a PEFT adapter directory, atomically. Call
     ``engine.synchronize()`` first."""
+    return write_adapter_tensors(store.adapter_tensors(), adapter_config(store.adapter, base_model),
+                                 out_dir, overwrite)
+
+
+def write_adapter_tensors(tensors: dict[str, torch.Tensor], config: dict[str, Any],
+                          out_dir: str | Path, overwrite: bool = False) -> Path:
+    """Adapter tensors by layerwise name and their ``adapter_config.json`` as a PEFT adapter
+    directory, atomically."""
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise ValueError(f"{out} exists; pass overwrite=True to replace it")
-    adapter = store.adapter
-    layout = adapter.layout
-    layers_path = f"{layout.base}.{layout.layers}" if adapter.passthrough_names else None
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
-        tensors = {PEFT_PREFIX + n: t.detach().clone().contiguous()
-                   for n, t in store.adapter_tensors().items()}
-        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(
-            peft_config(adapter.lora, adapter.target_names, base_model, layers_path), indent=2) + "\n")
+        save_file({PEFT_PREFIX + n: t.detach().clone().contiguous() for n, t in tensors.items()},
+                  str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
