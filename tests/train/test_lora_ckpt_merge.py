@@ -5,6 +5,7 @@ that do not apply."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -55,12 +56,14 @@ def _peft(model_dir: Path, adapter: Path) -> PeftModel:
     return model.eval()
 
 
-def test_a_saved_step_of_a_lora_run_exports_as_a_peft_adapter(lora_run, model_dir, tmp_path):
+def test_a_saved_step_of_a_lora_run_exports_as_a_peft_adapter(lora_run, model_dir, tmp_path,
+                                                               capsys):
     """Friction: no step of a LoRA run could be taken out (``ckpt merge`` failed: "group
     'layers.0' has parameter …lora_B.weight, which the model in config.json does not have").
     Now ``--format peft --step 2`` writes an adapter directory whose config carries the run's
     r, alpha, targets and base, which PEFT loads with exactly the adapters the checkpoint holds
-    at step 2 (not step 4's); the last step's is byte for byte the adapter the run exported.
+    at step 2 (not step 4's); the last step's is byte for byte the adapter the run exported. A
+    base that has moved away does not stop the adapter; the merged model asks for ``--base``.
     Mutation seen failing: the adapters read from the run's newest step instead of the one
     asked for (``LoraRunStep.adapter_tensors`` on ``open_run_step(run_dir)``: step 2's
     tensors equal step 4's)."""
@@ -83,6 +86,19 @@ def test_a_saved_step_of_a_lora_run_exports_as_a_peft_adapter(lora_run, model_di
     assert main(["ckpt", "merge", str(lora_run), "--format", "peft", "--out", str(last)]) == 0
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         assert (last / name).read_bytes() == (lora_run / "adapter" / name).read_bytes()
+
+    # the base moved away: the adapter still comes out (the checkpoint's config names its
+    # tensors); the merged model needs the base, and says so
+    moved = tmp_path / "moved"
+    shutil.copytree(lora_run, moved)
+    info = json.loads((moved / "run.json").read_text())
+    (moved / "run.json").write_text(json.dumps({**info, "model_path": str(tmp_path / "gone")}))
+    assert main(["ckpt", "merge", str(moved), "--step", "2", "--format", "peft",
+                 "--out", str(tmp_path / "moved2")]) == 0
+    assert ((tmp_path / "moved2" / "adapter_model.safetensors").read_bytes()
+            == (out / "adapter_model.safetensors").read_bytes())
+    assert main(["ckpt", "merge", str(moved), "--out", str(tmp_path / "merged")]) == 2
+    assert "--base DIR names where it is now" in capsys.readouterr().err
 
 
 def test_a_saved_step_of_a_lora_run_exports_merged_as_an_hf_model(lora_run, model_dir, tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig, PretrainedConfig
 
 from ...adapters.config import LoraConfig
 from ...adapters.lora_adapter import LoraAdapter
@@ -51,13 +52,21 @@ class LoraRunStep:
         return LoraAdapter(DecoderAdapter(self.model_config()), self.lora, self.compute_dtype,
                            self.seed)
 
-    def model_config(self):
+    def model_config(self) -> PretrainedConfig:
+        """The base's config: the flavor's, the base directory's, else (the base has moved) the
+        one the checkpoint stores, which is all the adapters' names and shapes need."""
         if self.base in FLAVORS:
             return get_flavor(self.base).build_config()
-        if not Path(self.base).is_dir():
-            raise ValueError(f"the base model {self.base} ({self.out_dir / RUN_JSON} model_path) is "
-                             "not there; --base DIR names where it is now")
-        return load_config(self.base)
+        if Path(self.base).is_dir():
+            return load_config(self.base)
+        stored = dict(self.step.model_config() or {})
+        if not stored.get("model_type"):
+            raise self.base_missing()
+        return AutoConfig.for_model(stored.pop("model_type"), **stored)
+
+    def base_missing(self) -> ValueError:
+        return ValueError(f"the base model {self.base} ({self.out_dir / RUN_JSON} model_path) is "
+                          "not there; --base DIR names where it is now")
 
     def adapter_tensors(self, adapter: LoraAdapter) -> dict[str, torch.Tensor]:
         """The step's adapters (fp32 masters) by name, read group by group from the checkpoint;
@@ -157,6 +166,8 @@ def write_peft(run: LoraRunStep, out: Path, dtype: str | None = None) -> dict[st
 def merged_source(run: LoraRunStep) -> MergedSource:
     """The run's base (as the run built it: quantised to ``lora.base_dtype``, a flavor from the
     run's seed) with the step's adapters in it, as an HF checkpoint source."""
+    if run.base not in FLAVORS and not Path(run.base).is_dir():
+        raise run.base_missing()
     adapter = run.adapter()
     tensors = run.adapter_tensors(adapter)
     store = LoraStore(adapter, run.compute_dtype, pin=False)
