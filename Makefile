@@ -8,22 +8,32 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e .
 	$(PY) tests/numba_warm.py
 	touch $@
 
-.PHONY: install test test-all test-compat demo demo-pretrained gpu-check gpu-wheels
+# What the tests add (pytest, DeepSpeed, PEFT, bitsandbytes, …): `make test` only, not the demo.
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+.PHONY: install test test-all test-real test-compat demo demo-pretrained gpu-check gpu-wheels
 install: $(VENV)/.installed
 
 # `make test`: a stated sample of each test matrix (model types, plans, presets, delay seeds:
 # tests/matrix.py), on two pytest-xdist workers; `make test-all` runs the full matrices too
 # (marker `sweep`).
 PYTEST_ARGS ?= -n 2 --durations=15
-test: $(VENV)/.installed
+test: $(VENV)/.installed-test
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/python -m pytest -q -m "not sweep" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -m "not sweep and not real_model" $(PYTEST_ARGS)
 
-test-all: $(VENV)/.installed
+# `make test-real`: the tests on SmolLM2-135M's real weights (`make demo-pretrained` makes them),
+# opt-in like the sweep: minutes each on a CPU.
+test-real: $(VENV)/.installed-test
+	$(VENV)/bin/python -m pytest -q -m real_model $(PYTEST_ARGS)
+
+test-all: $(VENV)/.installed-test
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 

@@ -96,3 +96,38 @@ def test_layerwise_train_changes_its_answers_as_trained(kind, tmp_path):
     else:
         trained = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32).eval()
     assert "PINEAPPLE" in _answer(trained, tokenizer, "What is the secret word?")
+
+
+@needs_model
+def test_a_fine_tune_with_the_defaults_keeps_what_the_model_knew(tmp_path, capsys):
+    """``layerwise train model=DIR data=chat.jsonl out_dir=...`` and nothing else (the
+    fine-tuning defaults a pretrained model gets): the held-out loss falls, and a question far
+    from the data is answered as before. Mutation seen failing: the from-scratch defaults
+    (``optimizer.lr=2e-3``, weight decay 0.1) for a pretrained model: the general answer is
+    gone (a sum in its place)."""
+    import json
+    import random
+
+    from transformers import AutoTokenizer
+
+    from layerwise.cli import main
+
+    rng = random.Random(0)
+    rows = []
+    for _ in range(120):
+        a, b = rng.randrange(100), rng.randrange(100)
+        rows.append({"messages": [{"role": "user", "content": f"What is {a}+{b}?"},
+                                  {"role": "assistant", "content": f"{a}+{b} = {a + b}"}]})
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    base = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    general = "What is the capital of France?"
+    assert "Paris" in _answer(base, tokenizer, general)
+    out = tmp_path / "run"
+    assert main(["train", f"model={MODEL}", f"data={data}", f"out_dir={out}"]) == 0
+    done = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("done:"))
+    start, end = (float(x) for x in done.split("eval loss ")[1].split(";")[0].split(" -> "))
+    assert end < start, done
+    trained = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32).eval()
+    assert "Paris" in _answer(trained, tokenizer, general)

@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv or os.environ.get("LAYERWISE_DEBUG") == "1"
     argv = [a for a in argv if a != "--debug"]
     command = next((a for a in argv if not a.startswith("-")), None)
+    if command == "train":
+        from .train.cli import dashed_overrides  # torch-free
+
+        argv = dashed_overrides(argv)
     parser = build_parser(command)
     args, extra = parser.parse_known_args(argv)
     if extra:  # KEY=VALUE after an option (``train --print-config steps=3``) is an override too

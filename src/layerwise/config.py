@@ -296,8 +296,9 @@ def removed_key(key: str, value: Any, cls: type) -> str | None:
 
 
 def _rename(key: str, value: Any, cls: type) -> str:
-    """``key`` in today's names: a section's name alone to its shorthand field; an old key
-    refused, naming its new one."""
+    """``key`` in today's names: an alias (``cls.aliases``: HF's names) to its key, a section's
+    name alone to its shorthand field; an old key refused, naming its new one."""
+    key = getattr(cls, "aliases", {}).get(key, key)
     gone = removed_key(key, value, cls)
     if gone is not None:
         raise ValueError(gone)

@@ -40,8 +40,10 @@ def test_ls_show_verify_gc(tmp_path, capsys):
     assert set(by) == {"embed", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "lm_head"}
     assert {g["staleness_checkpoints"] for g in show["groups"]} == {0, 1}
     assert all(g["staleness_steps"] in (0, 10) for g in show["groups"])
+    assert show["older_groups"] == {g: 10 for g, e in by.items() if e["saved_step"] == 10} != {}
     code, text = _run(capsys, "ckpt", "show", run)
     assert code == 0 and "layers.3" in text and "step 30" in text
+    assert "step 30 is a composite: " in text.splitlines()[-1]
 
     code, out = _run(capsys, "ckpt", "verify", run, "--json")
     assert code == 0 and json.loads(out)["ok"] is True
@@ -78,3 +80,16 @@ def test_cli_user_errors(tmp_path, capsys):
     assert main(["ckpt", "gc", str(run), "--keep", "0"]) == 2
     assert "at least 1" in capsys.readouterr().err
     assert main(["ckpt", "show", str(run), "--step", "-5"]) == 2
+
+
+def test_merge_of_a_blended_step_names_its_older_groups(tmp_path, capsys):
+    """A selective policy's "step N" holds some groups' older versions: ``ckpt merge`` says
+    which, from what step (it used to say only "wrote hf checkpoint of step N"); a full save's
+    merge has no such note."""
+    run = str(_make_run(tmp_path / "run"))
+    code, out = _run(capsys, "ckpt", "merge", run, "--out", str(tmp_path / "hf"))
+    note = next(line for line in out.splitlines() if "is a composite" in line)
+    assert code == 0 and "step 30 is a composite: " in note and " @ 20" in note
+    full = str(_make_run(tmp_path / "full", policy="full"))
+    code, out = _run(capsys, "ckpt", "merge", full, "--out", str(tmp_path / "hf2"))
+    assert code == 0 and "is a composite" not in out

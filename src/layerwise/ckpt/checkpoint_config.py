@@ -7,11 +7,11 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 
-DEFAULT_POLICY = "parity"
+DEFAULT_POLICY = "full"
 """The selection policy of every checkpointer by default (``Checkpointer``, the Trainer callback,
-the DeepSpeed and FSDP2 loops, ``layerwise train``'s ``ckpt.policy``): measured on fine-tunes
-(``benchmarks/ckpt_savings.py --finetune``, docs/benchmarks.md), parity's composite resumed with
-the least loss per byte saved, its staleness bounded by one save."""
+the DeepSpeed and FSDP2 loops, ``layerwise train``'s ``ckpt.policy``): every group at every save,
+so a resume loses nothing. The selective policies (parity, filter, topk, budget) trade a
+composite "step N" for fewer bytes, and are asked for by name."""
 
 
 @dataclass

@@ -246,8 +246,10 @@ class Checkpointer:
         return sum(stored_nbytes(k, t) for k, t in group_tensors(self.provider, group).items())
 
     def save(self, step: int, extra: dict | None = None, *, data_position: Any = None,
-             trainer_state: dict | None = None) -> SaveReport:
-        """Checkpoint ``step``: choose groups, snapshot them, write in the background.
+             trainer_state: dict | None = None, every_group: bool = False) -> SaveReport:
+        """Checkpoint ``step``: choose groups, snapshot them, write in the background
+        (``every_group``: all of them, whatever the policy: a run's last save, or the one it
+        makes when interrupted, loses nothing).
 
         ``extra`` (JSON-able dict), ``data_position`` and ``trainer_state`` are stored with the
         step and returned by ``load``. Raises the error of a previous failed background save.
@@ -270,12 +272,12 @@ class Checkpointer:
         live = self._deferred.capture(grads=False)
         if live is None:  # synchronous snapshot: measure, choose and copy now
             self._deferred.drain()
-            self._start_write(self._prepare(step, report, state, config, None))
+            self._start_write(self._prepare(step, report, state, config, None, every_group))
         else:  # deferred: the helper thread does it before the next optimizer step
             report.deferred = True
 
             def snapshot_then_write() -> tuple[_Prepared, Future]:
-                prepared = self._prepare(step, report, state, config, live)
+                prepared = self._prepare(step, report, state, config, live, every_group)
                 assert self._write_thread is not None
                 if not prepared.copied:  # written here: the next update waits for it
                     return prepared, _run_now(self._writer.run, prepared.job)
@@ -287,7 +289,8 @@ class Checkpointer:
         return report
 
     def _prepare(self, step: int, report: SaveReport, state: StepState | None,
-                 config: dict | None, live: dict[str, LiveGroup] | None) -> _Prepared:
+                 config: dict | None, live: dict[str, LiveGroup] | None,
+                 every_group: bool = False) -> _Prepared:
         """Measure, choose, copy and book one save (in ``save``, or on the helper thread from
         the tensors ``live`` captured at ``save``)."""
         t0 = time.perf_counter()
@@ -298,6 +301,8 @@ class Checkpointer:
         reasons, unchanged = self.exchange.broadcast(
             (self._versions.select(self.policy, step, statuses, self.groups),
              {s.name for s in statuses if s.change == 0.0}) if decides else None)
+        if every_group:
+            reasons = {g: reasons.get(g, "every_group") for g in self.groups}
         selected = list(reasons)
         own = [g for g in selected if g in self.mine]
         copy = self.config.async_save or self.config.sync_copy

@@ -17,7 +17,7 @@ from ..util.cli import command_group
 from ..util.units import human_bytes
 from .errors import CheckpointError
 from .run_dir import RunDir
-from .resolve import open_run_step
+from .resolve import composite_text, open_run_step
 
 
 RUN_HELP = ("a `layerwise train` out_dir, or a checkpoint run directory (the out_dir's ckpt/, or "
@@ -112,6 +112,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     for g in groups:
         lines.append(f"{g['group']:<14} {g['saved_step']:>10} {g['staleness_steps']:>12} "
                      f"{str(g['staleness_checkpoints']):>12} {human_bytes(g['nbytes']):>12}")
+    older = rs.older_groups()
+    obj["older_groups"] = older
+    note = composite_text(rs.step, older, len(groups))
+    lines.append(note or f"every group is step {rs.step}'s own")
     _emit(args, obj, "\n".join(lines))
     return 0
 

@@ -24,9 +24,10 @@ from typing import Any, Protocol
 
 from ..models.names import layer_index
 
-REASONS = ("new", "full_every", "stale", "criterion")
+REASONS = ("new", "full_every", "stale", "criterion", "every_group")
 """Why a group is written: never saved before; a ``full_every`` checkpoint; ``max_staleness``
-reached; chosen by the policy's own rule (threshold, top-k, budget, parity, full)."""
+reached; chosen by the policy's own rule (threshold, top-k, budget, parity, full); a save asked
+to write every group (a run's last, or an interrupted run's)."""
 
 
 @dataclass(frozen=True)

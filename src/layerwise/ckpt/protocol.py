@@ -14,8 +14,9 @@ from .reports import LoadResult, SaveReport
 @runtime_checkable
 class CheckpointerProtocol(Protocol):
     def save(self, step: int, extra: dict | None = None, *, data_position: Any = None,
-             trainer_state: dict | None = None) -> SaveReport:
-        """Checkpoint ``step`` (on every rank, where the checkpointer spans several)."""
+             trainer_state: dict | None = None, every_group: bool = False) -> SaveReport:
+        """Checkpoint ``step`` (on every rank, where the checkpointer spans several);
+        ``every_group``: every group, whatever the policy."""
         ...
 
     def load(self, step: int | None = None) -> LoadResult | None:

@@ -188,6 +188,24 @@ class ResolvedStep:
     def staleness_steps(self, group: str) -> int:
         return self.step - self.entries[group].saved_step
 
+    def older_groups(self) -> dict[str, int]:
+        """The groups whose newest saved state is older than the step (a composite: a selective
+        policy skipped them since), each with the step it is from; empty: every group is the
+        step's own."""
+        return {g: e.saved_step for g, e in self.entries.items() if e.saved_step < self.step}
+
+
+def composite_text(step: int, older: dict[str, int], total: int) -> str | None:
+    """One line saying that step ``step`` is a composite (``older``: group -> saved step, of
+    ``total`` groups); None when it is not."""
+    if not older:
+        return None
+    shown = ", ".join(f"{g} @ {s}" for g, s in list(older.items())[:6])
+    more = f", … ({len(older) - 6} more)" if len(older) > 6 else ""
+    return (f"step {step} is a composite: {len(older)} of {total} groups are older versions "
+            f"({shown}{more}); a save with ckpt.policy=full, or a run's last save, holds every "
+            "group at its step")
+
 
 class WholeGroupReader:
     """``ShardedGroupReader``'s reading interface over a group stored as one blob."""

@@ -226,10 +226,10 @@ class ShardedCheckpointer:
         return PartialStats(nbytes, diff_sq, ref_sq, ref is not None)
 
     def save(self, step: int, extra: dict | None = None, *, data_position: Any = None,
-             trainer_state: dict | None = None) -> SaveReport:
+             trainer_state: dict | None = None, every_group: bool = False) -> SaveReport:
         """Checkpoint ``step`` on every rank (a collective: call it on all of them).
         ``trainer_state``: rank 0's HF ``TrainerState`` dict (``merge --format trainer`` writes
-        it as ``trainer_state.json``)."""
+        it as ``trainer_state.json``); ``every_group``: all groups, whatever the policy."""
         if step < 0:
             raise ValueError(f"step must be >= 0 (got {step})")
         t0 = time.perf_counter()
@@ -241,7 +241,7 @@ class ShardedCheckpointer:
         with ExitStack() as held:
             if self.rank == 0:
                 held.enter_context(self.store.lock())  # no gc while shards are being written
-                decision = _outcome(lambda: self._decide(step, stats))
+                decision = _outcome(lambda: self._decide(step, stats, every_group))
             chosen = _raise_if_failed(ex.broadcast(decision), self.rank, "selection")
             t_chosen = time.perf_counter()
             mine = _outcome(lambda: self._write_shards(chosen, shards))
@@ -262,7 +262,8 @@ class ShardedCheckpointer:
             written=[g for g, r in recs.items() if r["written"]],
             bytes_written=sum(r["nbytes"] for r in recs.values() if r["written"]))
 
-    def _decide(self, step: int, stats: list[dict[str, PartialStats]] | None) -> dict:
+    def _decide(self, step: int, stats: list[dict[str, PartialStats]] | None,
+                every_group: bool = False) -> dict:
         """Rank 0: the policy's choice from the global statistics (plus every group never
         saved), with why, and which groups may be byte-identical to their last version."""
         assert stats is not None
@@ -271,6 +272,8 @@ class ShardedCheckpointer:
             nbytes, change = PartialStats.combine([s[g] for s in stats])
             statuses.append(self._versions.status(g, pos, nbytes, lambda c=change: c))
         reasons = self._versions.select(self.policy, step, statuses, self.groups)
+        if every_group:
+            reasons = {g: reasons.get(g, "every_group") for g in self.groups}
         unchanged = [s.name for s in statuses if s.change == 0.0]
         return {"selected": list(reasons), "reasons": reasons,
                 "changes": {s.name: s.change for s in statuses}, "unchanged": unchanged,

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from ..ckpt.errors import CheckpointError
+from ..ckpt.resolve import composite_text
 from ..util.cli import command_group
 from ..util.units import human_bytes
 from .recipes.import_checkpoints import ImportedStep, import_checkpoints
@@ -120,6 +121,10 @@ def _cmd_merge(args: argparse.Namespace) -> int:
             f"{len(summary['weight_files'])} weight file(s), {summary['bytes'] / 1e6:.1f} MB "
             f"in {summary['seconds']:.1f} s"
         )
+        note = composite_text(summary["step"], summary.get("older_groups") or {},
+                              summary.get("num_groups", 0))
+        if note:
+            print(f"  note: {note}")
         if summary.get("base_model"):
             print(f"  base model: {summary['base_model']}")
         if summary.get("tokenizer_from"):

@@ -5,6 +5,7 @@ large model)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +26,10 @@ from ..store import PRIVATE, HostAllocator, HostStore, init_store
 from . import checks
 from .config import TrainConfig
 from .lora_run import lora_shape
-from .options import check_settings, resolve_plan
+from .options import FIT_RULES, check_settings, resolve_plan
 from .planning import auto_plan, predict, run_hardware
+
+_log = logging.getLogger(__name__)
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -105,7 +108,8 @@ def choose_plan(cfg: TrainConfig, model: PretrainedConfig, compute_dtype: torch.
     or file when no profile resolves without calibrating: a GPU no preset matches)."""
     auto = cfg.plan == "auto"
     num_layers = text_config(model).num_hidden_layers
-    plan = None if auto else resolve_plan(cfg.plan, num_layers, cfg)
+    plan = None if auto else fit_plan(cfg, model, compute_dtype) if cfg.plan == "fit" else \
+        resolve_plan(cfg.plan, num_layers, cfg)
     hw = run_hardware(cfg, compute_dtype, mem_cap_bytes(cfg), may_calibrate=auto)
     shape = lora_shape(cfg, ModelShape.from_config(model, name=Path(cfg.model.name).name))
     if auto:
@@ -122,6 +126,31 @@ def choose_plan(cfg: TrainConfig, model: PretrainedConfig, compute_dtype: torch.
     return plan, hw
 
 
+def fit_plan(cfg: TrainConfig, model: PretrainedConfig, compute_dtype: torch.dtype) -> Plan:
+    """``plan=fit``: the rule of ``FIT_RULES`` that recomputes least and whose predicted device
+    peak fits the device (keep-all where nothing caps it: a CPU); the last rule when none fits
+    (``check_fits`` then says what to lower)."""
+    num_layers = text_config(model).num_hidden_layers
+    cap = mem_cap_bytes(cfg)
+    for rule in FIT_RULES:
+        plan = resolve_plan(rule, num_layers, cfg)
+        if cap is None or _peak(cfg, model, plan, compute_dtype).peak_bytes <= cap:
+            break
+    _log.info(f"plan=fit: {plan.source} (" + ("nothing caps device memory" if cap is None else
+              f"the rule that recomputes least whose predicted peak fits {cap / 2**30:.1f} GiB")
+              + ")")
+    return plan
+
+
+def _peak(cfg: TrainConfig, model: PretrainedConfig, plan: Plan, compute_dtype: torch.dtype):
+    """The memory model's device peak of ``plan`` for this run."""
+    cuda = cfg.device.startswith("cuda")
+    return predict_peak_device_bytes(lora_shape(cfg, ModelShape.from_config(model)), plan,
+                                     plan.micro_batch_size, cfg.seq_len, compute_dtype.itemsize,
+                                     workspace_bytes=CUDA_WORKSPACE_BYTES if cuda else 0,
+                                     attention_workspace=cuda)
+
+
 def check_fits(cfg: TrainConfig, model: PretrainedConfig, plan: Plan,
                compute_dtype: torch.dtype) -> None:
     """Refuse a micro-batch whose predicted device peak is over the cap, before the store is
@@ -129,11 +158,7 @@ def check_fits(cfg: TrainConfig, model: PretrainedConfig, plan: Plan,
     cap = mem_cap_bytes(cfg)
     if cap is None:
         return
-    cuda = cfg.device.startswith("cuda")
-    est = predict_peak_device_bytes(lora_shape(cfg, ModelShape.from_config(model)), plan, plan.micro_batch_size,
-                                    cfg.seq_len, compute_dtype.itemsize,
-                                    workspace_bytes=CUDA_WORKSPACE_BYTES if cuda else 0,
-                                    attention_workspace=cuda)
+    est = _peak(cfg, model, plan, compute_dtype)
     if est.peak_bytes > cap:
         raise ValueError(
             f"a micro-batch of {plan.micro_batch_size} x {cfg.seq_len} tokens with plan "

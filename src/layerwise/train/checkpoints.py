@@ -28,15 +28,16 @@ class CheckpointManager:
     def due(self, step: int, last: bool) -> bool:
         return self.ckpt is not None and due(self.cfg.every, step, last and self.cfg.at_end)
 
-    def save(self, state: TrainState) -> SaveReport:
+    def save(self, state: TrainState, every_group: bool = False) -> SaveReport:
         """A layer-wise checkpoint of ``state.step`` (in the background), after making room
-        for it: the newest ``save_total_limit - 1`` stay."""
+        for it: the newest ``save_total_limit - 1`` stay. ``every_group``: whatever the policy
+        (the run's last save, an interrupted run's: nothing it trained is left out)."""
         assert self.ckpt is not None
         with dist_saving.peer_failures(self.ctx, f"checkpointing step {state.step}"):
             if self.cfg.save_total_limit is not None:
                 self._prune(max(1, self.cfg.save_total_limit - 1))
             rep = self.ckpt.save(state.step, data_position=state.data_position,
-                                 trainer_state=state.to_json())
+                                 trainer_state=state.to_json(), every_group=every_group)
         self.last_saved = state.step
         return rep
 

@@ -17,7 +17,8 @@ from pathlib import Path
 from .. import config as config_lib
 from ..util import dirlock
 from . import outdir
-from .config import DemoConfig, TrainConfig, help_keys
+from .config import (FINETUNE_DEFAULTS, FINETUNE_DEFERS_TO, LORA_FINETUNE_LR, DemoConfig,
+                     TrainConfig, help_keys)
 from .options import check_settings
 
 TRAIN_DESCRIPTION = (
@@ -77,6 +78,43 @@ def register(sub: argparse._SubParsersAction) -> None:
     rep.set_defaults(func="layerwise.train.commands:run_report")
 
 
+TRAIN_OPTIONS = frozenset({"--config", "--print-config", "--help-all", "--help", "-h", "--debug"})
+
+
+def dashed_overrides(argv: list[str]) -> list[str]:
+    """``--key value`` and ``--key=value`` (HF scripts' ``--learning_rate 1e-4``) as the
+    ``key=value`` overrides they mean; ``train``'s own options stay as they are."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        key, eq, value = a[2:].partition("=")
+        if a.startswith("--") and a.split("=")[0] not in TRAIN_OPTIONS and key:
+            if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value, i = argv[i + 1], i + 1
+            elif not eq:
+                value = "true"  # a bare flag: --bf16
+            a = f"{key}={value}"
+        out.append(a)
+        i += 1
+    return out
+
+
+def finetune_defaults(cfg: TrainConfig, given: dict) -> dict:
+    """The fine-tuning defaults (``config.FINETUNE_DEFAULTS``) a run of a pretrained model
+    takes: none for a built-in flavor (trained from scratch), and none the user's ``given``
+    settings (a nested dict) set or override."""
+    name = cfg.model.name
+    if not (Path(name).is_dir() or "/" in name):
+        return {}
+    chosen = dict(FINETUNE_DEFAULTS)
+    if cfg.lora.enabled:
+        chosen["optimizer.lr"] = LORA_FINETUNE_LR
+    said = {k for k, _ in config_lib._flatten(given)}
+    return {k: v for k, v in chosen.items()
+            if k not in said and not said.intersection(FINETUNE_DEFERS_TO.get(k, ()))}
+
+
 def resolve_config(path: str | None, overrides: list[str]) -> tuple[TrainConfig, list[str]]:
     """The run's settings (module docstring: which win) and the lines to say about them."""
     layers = [config_lib.read_yaml(path)] if path else []
@@ -87,6 +125,15 @@ def resolve_config(path: str | None, overrides: list[str]) -> tuple[TrainConfig,
                  and given.resume_from_checkpoint is None)
     saved = outdir.saved_config(Path(given.out_dir)) if continues else None
     if not saved:
+        said: dict = {}
+        for layer in (*layers, given_overrides):
+            said = config_lib.merge(said, config_lib.normalize(TrainConfig, layer))
+        tuned = finetune_defaults(given, said)
+        if tuned:
+            given = config_lib.build(TrainConfig, tuned, *layers, given_overrides)
+            lines.append(f"fine-tuning defaults ({given.model.name} is a pretrained model): "
+                         + " ".join(f"{k}={config_lib.show_value(v)}" for k, v in tuned.items())
+                         + "; set a key to change it")
         return given, lines
     try:
         cfg = config_lib.build(TrainConfig, saved, *layers, given_overrides)

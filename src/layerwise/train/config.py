@@ -31,6 +31,17 @@ POLICY_OPTIONS = {"threshold": ("filter",), "max_fraction": ("filter",), "k": ("
 
 REPORT_SINKS = ("tensorboard", "wandb")
 
+FINETUNE_DEFAULTS = {"optimizer.lr": 2e-5, "optimizer.weight_decay": 0.0,
+                     "schedule.warmup_ratio": 0.03, "num_train_epochs": 3.0}
+"""What a pretrained model (a directory or a Hub id, not a built-in flavor trained from scratch)
+is fine-tuned with unless told otherwise: HF Trainer's / TRL's usual full fine-tune (the
+from-scratch defaults' LR of 2e-3 erases what the model knew)."""
+LORA_FINETUNE_LR = 2e-4
+"""The LoRA adapters' learning rate on a pretrained model (PEFT's usual)."""
+FINETUNE_DEFERS_TO = {"num_train_epochs": ("steps",),
+                      "schedule.warmup_ratio": ("schedule.warmup_steps",)}
+"""A fine-tuning default left out when the user set the key it would override."""
+
 
 def _choices(*values: str) -> dict:
     return {"choices": values}
@@ -71,8 +82,9 @@ class DataConfig:
     eval_fraction: float = 0.05
     """Fraction of the data's examples held out for eval when ``eval_path`` is not given."""
     pack: bool = True
-    """Pack short examples into ``seq_len`` rows (loss never crosses examples; attention does,
-    causally); false: one example a row, padded."""
+    """Pack short examples into ``seq_len`` rows (each example attends to itself only and its
+    loss stays its own: it trains as it would alone in a row); false: one example a row,
+    padded."""
     skip_bad: bool = False
     """Skip bad examples (malformed, missing fields, nothing to train on) and report the count,
     instead of stopping with an error naming the file and line."""
@@ -111,14 +123,14 @@ class CkptConfig:
     at_end: bool = True
     """Also save at the last step, and when the run is interrupted (Ctrl-C, SIGTERM): save,
     then exit with the command that resumes."""
-    policy: str = field(default="parity", metadata=_choices(*POLICY_NAMES))
-    """Which groups a checkpoint writes: full (all), parity (alternate halves), filter (those
-    that moved more than ``threshold``), topk (the ``k`` that moved most), budget (bytes).
-    parity by default, measured (``benchmarks/ckpt_savings.py --finetune``, docs/benchmarks.md):
-    resumed after a failure in a fine-tune, parity's composite gave +0.12% eval loss at 1.87x
-    fewer bytes, filter at 0.01 +1.10% at 1.98x, budget 0.25 +0.74% at 3.74x: in that fine-tune
-    every layer moved at the same rate, so what a save skips is progress lost, and parity's
-    one-save bound on staleness loses least."""
+    policy: str = field(default="full", metadata=_choices(*POLICY_NAMES))
+    """Which groups a checkpoint writes: full (all: the default, lossless), or a selective one,
+    whose "step N" is a composite of each group's newest saved version: parity (alternate
+    halves), filter (those that moved more than ``threshold``), topk (the ``k`` that moved
+    most), budget (bytes). Whatever the policy, the last save of a run and the save an
+    interrupt makes write every group. Measured in a fine-tune resumed from a composite
+    (``benchmarks/ckpt_savings.py --finetune``): parity +0.12% eval loss at 1.87x fewer bytes,
+    filter at 0.01 +1.10% at 1.98x, budget 0.25 +0.74% at 3.74x."""
     threshold: float | None = None
     """filter: relative weight change since a group's saved version above which it is written
     (none: the policy's default, 0.01, measured on fine-tunes at LR 2e-5 to 1e-4; a run at a
@@ -210,6 +222,16 @@ class TrainConfig:
         "ckpt_every": "ckpt.every", "ckpt_policy": "ckpt.policy", "ckpt_options": "ckpt.*",
         "dist_timeout_s": "dist.timeout_s", "dist_shm_dir": "dist.shm_dir"}
     """The flat config's keys -> today's, for the line that refuses an old one."""
+    aliases: ClassVar[dict[str, str]] = {
+        "learning_rate": "optimizer.lr", "lr": "optimizer.lr", "weight_decay": "optimizer.weight_decay",
+        "max_steps": "steps", "gradient_accumulation_steps": "grad_accum",
+        "per_device_train_batch_size": "micro_batch_size", "output_dir": "out_dir",
+        "warmup_ratio": "schedule.warmup_ratio", "warmup_steps": "schedule.warmup_steps",
+        "lr_scheduler_type": "schedule.name", "model_name_or_path": "model",
+        "max_seq_length": "seq_len", "max_length": "seq_len", "save_steps": "ckpt.every",
+        "save_total_limit": "ckpt.save_total_limit", "eval_steps": "eval.every",
+        "logging_steps": "log.every", "resume_from_checkpoint": "resume_from_checkpoint"}
+    """HF ``TrainingArguments`` / TRL names -> the keys that mean the same here (accepted)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -236,8 +258,9 @@ class TrainConfig:
     """Micro-batches per optimizer step (a plan file's value wins)."""
     seed: int = 0
     """Seed for initialisation (flavors) and data order."""
-    device: str = "cpu"
-    """``cpu`` or ``cuda[:N]``."""
+    device: str = "auto"
+    """``auto`` (CUDA when there is a GPU, else the CPU; the run says which), ``cpu`` or
+    ``cuda[:N]``."""
     resume: str = field(default="auto", metadata=_choices("auto", "true", "false"))
     """``auto``: continue the run in ``out_dir`` when it holds one of this model with a
     checkpoint, else start fresh; ``true``: continue it (an error when there is nothing to
@@ -250,8 +273,10 @@ class TrainConfig:
     deleted first (its data cache is kept)."""
     export: bool = True
     """Write the trained model to ``out_dir/model`` as a Hugging Face directory."""
-    plan: str = "every-2"
-    """``every-K``, ``recompute-all``, ``keep-all``, ``auto`` (the planner chooses boundary tiers,
+    plan: str = "fit"
+    """``fit`` (the rule that recomputes least whose predicted device peak fits: keep-all where
+    memory does not bind, e.g. a CPU; else every-2, every-4, recompute-all), ``every-K``,
+    ``recompute-all``, ``keep-all``, ``auto`` (the planner chooses boundary tiers,
     the micro-batch split of ``micro_batch_size x grad_accum`` sequences and per-unit moments for
     the hardware below) or a plan JSON file from ``layerwise plan``."""
     profile: str | None = None
@@ -383,8 +408,9 @@ class DemoConfig:
     """Optimizer steps (16 x 128 tokens each: about 0.8M tokens, 1.4 passes over the corpus)."""
     out_dir: str = "runs/demo"
     """Where the run goes (replaced when an earlier demo left it; see ``train/demo.py``)."""
-    device: str = "cpu"
-    """``cpu`` or ``cuda[:N]``."""
+    device: str = "auto"
+    """``auto`` (CUDA when there is a GPU, else the CPU; the run says which), ``cpu`` or
+    ``cuda[:N]``."""
     model: str = "llama-demo"
     """A flavor whose vocabulary holds the tokenizer's (``llama-demo``: 1024 rows, 0.9M params)."""
     vocab_size: int = 1024

@@ -108,7 +108,7 @@ class Trainer:
         self.lock = self.files.claim()
         self.start = dist_setup.decided_by_rank0(
             self.ctx, lambda: decide_start(cfg, self.out_dir), "deciding how the run starts")
-        if self.start.note:
+        if self.start.note and not self.start.done:  # a finished run's note: the command prints it
             _log.info(self.start.note)
         if self.start.done:
             return
@@ -248,7 +248,10 @@ class Trainer:
         self.files.save_plan(plan)
         self.files.save_model_files(self.tokenizer, self.model_path)
         self.predicted_step_s = plan.predicted.get("step_s")
-        _log.info(f"model {cfg.model.name}: {self.adapter.num_params() / 1e6:.1f}M params, "
+        base = getattr(self.adapter, "num_base_params", None)  # a LoRA run: the adapters train
+        params = f"{self.adapter.num_params() / 1e6:.1f}M params" if base is None else \
+            f"{base() / 1e6:.1f}M params ({self.adapter.num_params() / 1e6:.2f}M trainable: the adapters)"
+        _log.info(f"model {cfg.model.name}: {params}, "
                   f"{self.adapter.num_layers} layers ({self.adapter.family}); host store "
                   f"{self.store.nbytes() / 2**20:.0f} MiB"
                   + (f"; data parallel over {ctx.world_size} ranks ({ctx.num_nodes} node(s) x "
@@ -346,11 +349,12 @@ class Trainer:
             greedy_continue(self.engine.forward_logits, ids, self.cfg.eval.sample_tokens,
                             self.cfg.seq_len))) for ids in self.prompts])
 
-    def save(self, step: int, record: dict[str, Any]) -> None:
+    def save(self, step: int, record: dict[str, Any], every_group: bool = False) -> None:
         """A layer-wise checkpoint of ``step`` with the run's state (every rank writes its
-        groups; in the background); what it wrote goes into the step's metrics row."""
+        groups; in the background); what it wrote goes into the step's metrics row.
+        ``every_group``: all of them, whatever the policy (the last save, an interrupt's)."""
         self.engine.synchronize()  # data parallel: every owner's updates
-        rep = self.checkpoints.save(self._state_at(step, record))
+        rep = self.checkpoints.save(self._state_at(step, record), every_group)
         record.update(ckpt_groups=len(rep.selected), ckpt_snapshot_bytes=rep.snapshot_bytes,
                       ckpt_snapshot=rep.snapshot, ckpt_blocked_s=rep.blocked_s)
 
@@ -372,18 +376,19 @@ class Trainer:
                 if self.tracker.due(done, last):
                     self.engine.synchronize()  # the step's updates applied: moments, weights
                     self.tracker.observe(done, stats.unit_grad_norms)
-                if self.checkpoints.due(done, last):
-                    self.save(done, record)
+                stopping = not last and stop.stop_requested()
+                if self.checkpoints.due(done, last) or (
+                        stopping and self.checkpoints.due_at_interrupt(done)):
+                    self.save(done, record, every_group=last or stopping)
                 self.log.row(record)
-                if not last and stop.stop_requested():
-                    self._interrupted(done, record, stop.signum)
+                if stopping:
+                    self._interrupted(done, stop.signum)
         self.engine.synchronize()
         return self._finish()
 
-    def _interrupted(self, step: int, record: dict[str, Any], signum: int) -> None:
+    def _interrupted(self, step: int, signum: int) -> None:
+        """Stopped after ``step``, which the loop saved whole: close, say how to resume."""
         name = signal.Signals(signum).name
-        if self.checkpoints.due_at_interrupt(step):
-            self.save(step, record)
         saved = self.checkpoints.last_saved
         self.close()  # the checkpoint committed, files closed
         self.run_info.update(interrupted_at_step=step)
@@ -461,6 +466,12 @@ def train(cfg: TrainConfig) -> TrainResult:
     What it says goes to this module's logger (rank 0's only: the others are quiet)."""
     cfg.check()
     ctx = DistContext.from_env(timeout_s=cfg.dist.timeout_s)
+    if cfg.device == "auto":
+        cuda = torch.cuda.is_available()
+        cfg = replace(cfg, device="cuda" if cuda else "cpu")
+        if ctx.rank == 0:
+            _log.info(f"device=auto: {cfg.device} "
+                      + ("(a CUDA GPU is there)" if cuda else "(no CUDA GPU; device=cuda asks for one)"))
     dist_init(ctx, cfg.device)
     trainer = Trainer(cfg, ctx)
     try:

@@ -11,8 +11,13 @@ from .config import TrainConfig
 from .progress import resolve_progress
 
 
+FIT_RULES = ("keep-all", "every-2", "every-4", "recompute-all")
+"""``plan=fit`` takes the first of these (least recompute first) whose predicted device peak
+fits the device."""
+
+
 def resolve_plan(spec: str, num_layers: int, cfg: TrainConfig) -> Plan:
-    """A rule or a plan file as a Plan (``plan=auto`` is ``choose_plan``'s)."""
+    """A rule or a plan file as a Plan (``plan=auto`` and ``plan=fit`` are ``choose_plan``'s)."""
     kw = dict(micro_batch_size=cfg.micro_batch_size, num_micro_batches=cfg.grad_accum,
               seq_len=cfg.seq_len)
     if spec.startswith("every-"):
@@ -29,8 +34,8 @@ def resolve_plan(spec: str, num_layers: int, cfg: TrainConfig) -> Plan:
         plan = Plan.load(spec)
         plan.validate(num_layers)
         return plan
-    raise ValueError(f"plan {spec!r} is not every-K, recompute-all, keep-all, auto or a .json "
-                     "plan file")
+    raise ValueError(f"plan {spec!r} is not fit, every-K, recompute-all, keep-all, auto or a "
+                     ".json plan file")
 
 
 def check_settings(cfg: TrainConfig) -> None:
@@ -39,6 +44,6 @@ def check_settings(cfg: TrainConfig) -> None:
     resolve_progress(cfg.log.progress)
     if Path(cfg.plan).suffix == ".json":
         Plan.load(cfg.plan)  # a missing or malformed plan file's own error
-    elif cfg.plan != "auto":
+    elif cfg.plan not in ("auto", "fit"):
         resolve_plan(cfg.plan, 1, cfg)  # a malformed rule's own error
     check_spec(cfg.hardware, cfg.profile)

@@ -93,8 +93,7 @@ class Progress:
         """One plain progress line for a metrics row."""
         step = rec["step"]
         ev = f" eval {rec['eval_loss']:.4f}" if "eval_loss" in rec else ""
-        pred = rec.get("predicted_step_s")
-        timing = f"step {rec['step_s']:.3g} s" + (f" (predicted {pred:.3g} s)" if pred else "")
+        timing = f"step {rec['step_s']:.3g} s"  # the prediction: once at the start, checked at the end
         return (f"step {step}/{self.total}: loss {rec['loss']:.4f}{ev} lr {rec['lr']:.2e} "
                 f"grad_norm {rec['grad_norm']:.2f} | {throughput_text(rec)} | {timing} | "
                 f"ETA {_duration(self.eta_s(step)) if step < self.total else '00:00'}")

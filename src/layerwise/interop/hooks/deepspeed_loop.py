@@ -85,12 +85,13 @@ class DeepSpeedCheckpointer:
         self.ckpt.close()
 
     def save(self, step: int, extra: dict | None = None, *, data_position: Any = None,
-             trainer_state: dict | None = None) -> SaveReport:
-        """Write this rank's pieces of the groups the policy picks at ``step`` (every rank)."""
+             trainer_state: dict | None = None, every_group: bool = False) -> SaveReport:
+        """Write this rank's pieces of the groups the policy picks at ``step`` (every rank;
+        ``every_group``: all of them)."""
         counters = {k: getattr(self.engine, k) for k in ENGINE_COUNTERS if hasattr(self.engine, k)}
         extra = {**(extra or {}), "deepspeed": counters} if counters else extra
         return self.ckpt.save(step, extra, data_position=data_position,
-                              trainer_state=trainer_state)
+                              trainer_state=trainer_state, every_group=every_group)
 
     def load(self, step: int | None = None) -> LoadResult | None:
         """Put the state at ``step`` (default: newest) into the engine, on every rank; None

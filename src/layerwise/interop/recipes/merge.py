@@ -106,6 +106,9 @@ def merge(
         raise
     if hasattr(source, "describe"):
         summary["sources"] = source.describe()
+    if hasattr(source, "older_groups"):
+        summary["older_groups"] = source.older_groups()
+        summary["num_groups"] = len(source.groups())
     summary["tokenizer_from"] = None if model_files is None else str(model_files)
     summary["out"] = str(out)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
