@@ -46,7 +46,7 @@ def test_plan_prints_a_table_and_writes_the_plan(tmp_path, capsys):
     the MILP's objective instead of the simulator (they differ by 0.05% here)."""
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
     rc = main(["plan", "--model", "qwen2.5-7b", "--hardware", "rtx3090", "--seq-len", "4096",
-               "--batch", "8", "--gpu-mem", "12", "--out", str(out), "--timeline", str(png)])
+               "--batch", "8", "--gpu-mem", "12", "--host-mem", "512", "--out", str(out), "--timeline", str(png)])
     assert rc == 0
     text = capsys.readouterr().out
     for word in ("chosen plan (milp): order micro-batch-major; resident layers", "every-4", "recompute-all",
@@ -64,7 +64,7 @@ def test_plan_prints_a_table_and_writes_the_plan(tmp_path, capsys):
     from layerwise.plan.shape import load_shape
     from layerwise.plan.simulator import simulate
 
-    sim = simulate(plan, load_shape("qwen2.5-7b"), PRESETS["rtx3090"].with_memory(gpu_mem_gb=12))
+    sim = simulate(plan, load_shape("qwen2.5-7b"), PRESETS["rtx3090"].with_memory(gpu_mem_gb=12, host_mem_gb=512))
     assert plan.predicted["tokens_per_s"] == pytest.approx(sim.tokens_per_s, rel=1e-9)
     assert plan.predicted["peak_device_bytes"] == sim.peak_device_bytes
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -97,15 +97,15 @@ def test_plan_json_and_auto_batch(tmp_path, capsys):
 
 
 def test_plan_when_nothing_fits(capsys):
-    rc = main(["plan", "--model", "qwen2.5-7b", "--hardware", "rtx3090", "--seq-len", "4096",
+    rc = main(["plan", "--model", "qwen2.5-3b", "--hardware", "rtx3090", "--seq-len", "4096",
                "--batch", "1", "--gpu-mem", "2.5"])
     assert rc == 1
     out = capsys.readouterr().out
     verdict = out.splitlines()[0]
-    assert re.match(r"fits: no — qwen2\.5-7b on rtx3090 at 4096 tokens per sequence: GPU memory is short by "
+    assert re.match(r"fits: no — qwen2\.5-3b on rtx3090 at 4096 tokens per sequence: GPU memory is short by "
                     r"\d+\.\d GB\.", verdict), verdict
     assert "device memory binds" in verdict and "GB over" in verdict and len(out.splitlines()) == 1
-    rc = main(["plan", "--model", "qwen2.5-7b", "--hardware", "rtx3090", "--seq-len", "4096",
+    rc = main(["plan", "--model", "qwen2.5-3b", "--hardware", "rtx3090", "--seq-len", "4096",
                "--batch", "1", "--gpu-mem", "2.5", "--json"])
     d = json.loads(capsys.readouterr().out)
     assert rc == 1 and d["binding"] == "device" and d["over_bytes"] > 0 and d["verdict"] == verdict

@@ -169,7 +169,8 @@ def test_milp_makes_layers_resident_where_the_weights_fit_and_it_pays():
     Mutation seen failing: the resident weights left out of the device rows (every 72b layer
     resident: the simulator's device peak then over capacity)."""
     hw = replace(PRESETS["h200"], host_accum_bf16_gbps=1000.0, host_accum_gbps=1000.0,
-                 optimizer_params_per_s=1e11, optimizer_8bit_params_per_s=1e11)
+                 optimizer_params_per_s=1e11, optimizer_8bit_params_per_s=1e11,
+                 host_mem_bytes=2000 * 10**9)  # a whole node's RAM: the 72b store needs it
     shape = load_shape("qwen2.5-7b")
     model = StepModel(shape, hw, 1, 1024, 4)
     plain = solve(model, MilpConfig(internal_tiers=("recompute",)))

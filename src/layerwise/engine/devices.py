@@ -30,3 +30,9 @@ def this_machine(device: str) -> Machine:
         return Machine(ram)
     props = torch.cuda.get_device_properties(torch.device(device).index or 0)
     return Machine(ram, props.name, props.total_memory)
+
+
+def this_machine_any() -> Machine:
+    """This machine as ``layerwise plan`` without ``--hardware`` plans for it: its first CUDA
+    device where there is one, else the CPU backend; its own RAM either way."""
+    return this_machine("cuda" if torch.cuda.is_available() else "cpu")

@@ -66,7 +66,7 @@ def check(sim: SimResult, shape: ModelShape, hw: HardwareProfile) -> CheckReport
     v += _lanes_overlap(sim, hw)
     v += _op_inputs(sim)
     v += _offload_order(sim)
-    v += _update_order(sim)
+    v += _update_order(sim, shape)
     return CheckReport(not v, v, peaks)
 
 
@@ -197,12 +197,15 @@ def _offload_order(sim: SimResult) -> list[str]:
     return v
 
 
-def _update_order(sim: SimResult) -> list[str]:
-    """A unit's optimizer update of step s ends before its weights are copied in step s+1."""
+def _update_order(sim: SimResult, shape: ModelShape) -> list[str]:
+    """A unit's optimizer update of step s ends before its weights are copied in step s+1 (a
+    frozen unit, a LoRA run's embedding and head, has no update)."""
     updates = {(iv.step, iv.label[len("update "):]): iv.end for iv in sim.intervals if iv.label.startswith("update ")}
     for iv in sim.intervals:
         if iv.label.startswith("w ") and iv.step > 0:
             unit = iv.label[2:].split(" @")[0]
+            if not shape.trainable_params(unit):
+                continue
             done = updates.get((iv.step - 1, unit))
             if done is None or iv.start < done - EPS:
                 return [f"step {iv.step}: weights of {unit} copied before their update finished"]

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 LORA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
+BASE_DTYPES = ("compute", "bf16", "int8", "nf4")
+"""The frozen base's formats (``lora.base_dtype``): ``compute`` is the run's compute dtype."""
+
 BASE_BYTES_PER_PARAM = {"bf16": 2.0, "nf4": 0.5 + 4 / 64}
 """Host and wire bytes per base matmul weight by format (int8 depends on the row length)."""
 
@@ -27,6 +30,15 @@ class FrozenBase:
     dtype's (norms, embedding and head are always in the compute dtype)."""
     adapter_flops_per_token: float = 0.0
     """Forward FLOPs per token of one layer's adapters (``2 (in + out) r`` per targeted linear)."""
+    rank: int = 0
+    """The adapters' rank (``lora.r``; 0: not said)."""
+    base_dtype: str = ""
+    """The base's format by name (``lora.base_dtype``; empty: not said)."""
+
+    def label(self) -> str:
+        """``LoRA r=16, nf4 base``: the run in words (``layerwise plan``'s verdict)."""
+        base = f", {self.base_dtype} base" if self.base_dtype and self.base_dtype != "compute" else ""
+        return f"LoRA r={self.rank}{base}" if self.rank else "LoRA"
 
 
 def linear_dims(hidden: int, intermediate: int, q_dim: int, kv_dim: int) -> dict[str, tuple[int, int]]:
@@ -48,4 +60,4 @@ def lora_frozen_base(hidden: int, intermediate: int, q_dim: int, kv_dim: int, r:
         per = 1.0 + sum(4 * o for _, o in dims.values()) / matmul  # codes + fp32 row scales
     else:
         per = BASE_BYTES_PER_PARAM.get(base_dtype)
-    return FrozenBase(adapter, per, 2.0 * adapter)
+    return FrozenBase(adapter, per, 2.0 * adapter, r, base_dtype)

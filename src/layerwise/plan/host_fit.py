@@ -35,7 +35,7 @@ def choose_moments(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 
         return moments
 
     def saving(k: int) -> int:  # exact bytes 8-bit moments free on unit k
-        n = shape.unit_params(units[k])
+        n = shape.trainable_params(units[k])  # a frozen base's units: the adapters' state
         return STATE_NBYTES["fp32"](n) - STATE_NBYTES["8bit"](n)
 
     all8 = cost.host_store_bytes(["8bit"] * len(units), bf16_grads)
@@ -47,7 +47,7 @@ def choose_moments(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 
             f"8-bit optimizer moments everywhere{lean}, but {human_bytes(budget)} is usable "
             f"({human_bytes(all8 - budget)} over); use a machine with more RAM or --host-mem")
     # largest units first, then drop any that is not needed (fewest 8-bit parameters, greedily)
-    order = sorted(range(len(units)), key=lambda k: -shape.unit_params(units[k]))
+    order = sorted(range(len(units)), key=lambda k: -shape.trainable_params(units[k]))
     chosen: list[int] = []
     freed = 0
     for k in order:
@@ -55,7 +55,7 @@ def choose_moments(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 
             break
         chosen.append(k)
         freed += saving(k)
-    for k in sorted(chosen, key=lambda k: shape.unit_params(units[k])):
+    for k in sorted(chosen, key=lambda k: shape.trainable_params(units[k])):
         if freed - saving(k) >= over:
             chosen.remove(k)
             freed -= saving(k)

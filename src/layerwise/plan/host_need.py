@@ -7,20 +7,22 @@ holds at its peak, and the machine's host reserve with the model's pinned gradie
 (``HardwareProfile.for_model``, [HOSTRES] in ``plan/presets.py``). Against the machine's RAM,
 not the usable figure: the reserve is counted as a need.
 
-The largest model of a family is judged by its host floor: 8-bit moments everywhere, bf16
-gradients (a plan that lands once: one micro-batch, or layer-major), no host-tier activations;
-the device side is not searched (a model may still need a larger GPU).
+The largest model of a family (its released sizes: ``plan.family_sizes``) is judged by its host
+floor: 8-bit moments everywhere, bf16 gradients (a plan that lands once: one micro-batch, or
+layer-major; a LoRA run's adapters keep fp32 ones), no host-tier activations; and, where the
+caller gives one, by a device check (``layerwise plan``: the search finds a plan the GPU holds).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..models.names import EMBED, HEAD
-from ..models.registry import FLAVORS
 from .cost import CostModel
+from .family_sizes import family_sizes, flavor_of
 from .hardware import HardwareProfile
 from .plan import Plan
 from .shape import ModelShape, load_shape
@@ -72,14 +74,16 @@ def layer_grad_bytes(shape: ModelShape, hw: HardwareProfile) -> int:
     return max(shape.trainable_params(u) for u in layers) * hw.compute_dtype_bytes
 
 
-def bf16_grads_of(plan: Plan, hw: HardwareProfile) -> bool:
-    """The host gradient is bf16: bf16 compute and every gradient landing once per step."""
-    return hw.compute_dtype_bytes == 2 and plan.lands_once()
+def bf16_grads_of(plan: Plan, hw: HardwareProfile, shape: ModelShape | None = None) -> bool:
+    """The host gradient is bf16: bf16 compute and every gradient landing once per step (a
+    frozen base's adapters keep fp32 gradients: ``CostModel.store_footprint``)."""
+    frozen = shape is not None and shape.frozen_base is not None
+    return hw.compute_dtype_bytes == 2 and plan.lands_once() and not frozen
 
 
 def plan_host_need(shape: ModelShape, hw: HardwareProfile, plan: Plan, sim: SimResult) -> HostNeed:
     """The host bytes of ``plan`` on ``hw`` (the profile as given, before ``for_model``)."""
-    bf16 = bf16_grads_of(plan, hw)
+    bf16 = bf16_grads_of(plan, hw, shape)
     store = CostModel(shape, hw, 1, 1).host_store_bytes(plan.moments, bf16_grads=bf16)
     reserve = hw.for_model(layer_grad_bytes(shape, hw)).host_reserved_bytes
     return HostNeed(shape.num_params, store, sim.peak_pinned_act_bytes, reserve, hw.host_mem_bytes, bf16)
@@ -88,7 +92,7 @@ def plan_host_need(shape: ModelShape, hw: HardwareProfile, plan: Plan, sim: SimR
 def host_floor(shape: ModelShape, hw: HardwareProfile) -> HostNeed:
     """The least host RAM any plan of ``shape`` needs on ``hw`` (see the module docstring)."""
     units = shape.unit_names()
-    bf16 = hw.compute_dtype_bytes == 2
+    bf16 = hw.compute_dtype_bytes == 2 and shape.frozen_base is None
     store = CostModel(shape, hw, 1, 1).host_store_bytes(["8bit"] * len(units), bf16_grads=bf16)
     reserve = hw.for_model(layer_grad_bytes(shape, hw)).host_reserved_bytes
     return HostNeed(shape.num_params, store, 0, reserve, hw.host_mem_bytes, bf16)
@@ -96,23 +100,24 @@ def host_floor(shape: ModelShape, hw: HardwareProfile) -> HostNeed:
 
 def family_of_model(model: str) -> str | None:
     """The family (``models.FAMILIES`` key) of a flavor name or a local model directory."""
-    if model in FLAVORS:
-        return FLAVORS[model].family
+    flavor = flavor_of(model)
+    if flavor is not None:
+        return flavor.family
     cfg = Path(model) / "config.json"
     if cfg.is_file():
         return json.loads(cfg.read_text()).get("model_type")
     return None
 
 
-def largest_fitting(model: str, hw: HardwareProfile) -> tuple[str, HostNeed] | None:
-    """The flavor of ``model``'s family with the most parameters whose host floor fits ``hw``'s
-    RAM (None: none fits, or the family has no flavor)."""
-    family = family_of_model(model)
-    best: tuple[str, HostNeed] | None = None
-    for name, flavor in FLAVORS.items():
-        if flavor.family != family:
-            continue
-        need = host_floor(load_shape(name), hw)
-        if need.fits and (best is None or need.num_params > best[1].num_params):
-            best = (name, need)
-    return best
+def largest_fitting(model: str, hw: HardwareProfile,
+                    adapt: Callable[[ModelShape], ModelShape] = lambda s: s,
+                    fits_device: Callable[[ModelShape], bool] | None = None) -> tuple[str, HostNeed] | None:
+    """The largest size of ``model``'s family (``plan.family_sizes``) that fits ``hw``: its host
+    floor within the RAM and, with ``fits_device``, a plan the device holds (None: none fits).
+    ``adapt`` makes each size's shape the run's (``ModelShape.with_lora`` for a LoRA run)."""
+    sizes = [(name, adapt(load_shape(name))) for name in family_sizes(family_of_model(model))]
+    for name, shape in sorted(sizes, key=lambda ns: -ns[1].num_params):
+        need = host_floor(shape, hw)
+        if need.fits and (fits_device is None or fits_device(shape)):
+            return name, need
+    return None

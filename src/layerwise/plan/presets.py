@@ -105,6 +105,22 @@ from .host_rates import PRESET_HOSTS, preset_optimizer_fields
 # [WS4]  assumption: a workstation with 4 cards and no NVLink or peer access (the RTX 4090 has no
 #        P2P; RTX 3090 bridges pair two cards only): reduction through PCIe and host memory, ~10
 #        GB/s per GPU; one 100 GbE NIC per node shared by 4 GPUs (12.5 GB/s x 0.9 / 4 = 2.8 GB/s).
+# [HOSTMEM] host RAM, per GPU: a plan is what one GPU runs, so each preset holds the RAM one GPU
+#        of such a machine has; ``layerwise plan --gpus G`` on a preset plans on G of these shares
+#        (``preset_host_mem_bytes``); ``--host-mem`` gives a machine's own figure, and
+#        ``layerwise plan`` without ``--hardware`` reads this machine's RAM.
+#        - H100 / H800 / H200: a node's per-GPU share: DGX H100 and DGX H200 datasheets, 2 TB of
+#          system memory for 8 GPUs -> 250 GB per GPU (cloud 1-GPU H100 instances are that size:
+#          Google Cloud a3-highgpu-1g, 234 GB).
+#        - A100 80GB: a node's per-GPU share: DGX A100 datasheet, 1 TB for 8 GPUs -> 125 GB.
+#        - RTX 3090 / 4090: a typical workstation with one such card ships with 64-128 GB (two or
+#          four 32 GB DIMMs on a desktop board); the lower figure, 64 GB, is taken (assumption).
+NODE_SHARE_H = 2000 * GB // 8
+"""[HOSTMEM] an H100 / H800 / H200 node's RAM per GPU: 250 GB."""
+NODE_SHARE_A100 = 1000 * GB // 8
+"""[HOSTMEM] an A100 node's RAM per GPU: 125 GB."""
+WORKSTATION_RAM = 64 * GB
+"""[HOSTMEM] a one-card RTX 3090 / 4090 workstation's RAM (typical: 64-128 GB)."""
 RUNTIME_HOST_BYTES = 1 * GB
 """[HOSTRES] measured: a training run's RSS beside its store, device-side memory and ring."""
 CUDA_HOST_BYTES = 2 * GB
@@ -135,7 +151,7 @@ PRESETS: dict[str, HardwareProfile] = {
         efficiency=0.40,  # [EFF-H]
         h2d_gbps=50.0, d2h_gbps=50.0,  # [PCIE5]
         nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
-        host_mem_bytes=2000 * GB,  # HGX H200 servers ship with 2 TB DDR5 (e.g. DGX H200 datasheet)
+        host_mem_bytes=NODE_SHARE_H,  # [HOSTMEM] per-GPU share: DGX H200 datasheet, 2 TB for 8 GPUs
         host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
         **preset_optimizer_fields(PRESET_HOSTS["h200"]),  # [OPT] server
         host_accum_gbps=150.0, host_accum_bf16_gbps=80.0,  # [ACC] [ACC16] server
@@ -152,7 +168,7 @@ PRESETS: dict[str, HardwareProfile] = {
         efficiency=0.40,  # [EFF-H]
         h2d_gbps=50.0, d2h_gbps=50.0,  # [PCIE5]
         nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
-        host_mem_bytes=2000 * GB,  # HGX H800 servers as DGX H100: 2 TB (DGX H100 datasheet)
+        host_mem_bytes=NODE_SHARE_H,  # [HOSTMEM] per-GPU share: HGX H800 as DGX H100, 2 TB for 8 GPUs
         host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
         **preset_optimizer_fields(PRESET_HOSTS["h800"]),  # [OPT] server
         host_accum_gbps=150.0, host_accum_bf16_gbps=80.0,  # [ACC] [ACC16] server
@@ -169,7 +185,7 @@ PRESETS: dict[str, HardwareProfile] = {
         efficiency=0.40,  # [EFF-H]
         h2d_gbps=50.0, d2h_gbps=50.0,  # [PCIE5]
         nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
-        host_mem_bytes=2000 * GB,  # DGX H100 datasheet: 2 TB system memory
+        host_mem_bytes=NODE_SHARE_H,  # [HOSTMEM] per-GPU share: DGX H100 datasheet, 2 TB for 8 GPUs
         host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
         **preset_optimizer_fields(PRESET_HOSTS["h100"]),  # [OPT] server
         host_accum_gbps=150.0, host_accum_bf16_gbps=80.0,  # [ACC] [ACC16] server
@@ -186,7 +202,7 @@ PRESETS: dict[str, HardwareProfile] = {
         efficiency=0.52,  # [EFF-A]
         h2d_gbps=25.0, d2h_gbps=25.0,  # [PCIE4]
         nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
-        host_mem_bytes=1000 * GB,  # DGX A100 datasheet: 1 TB system memory (2 TB option)
+        host_mem_bytes=NODE_SHARE_A100,  # [HOSTMEM] per-GPU share: DGX A100 datasheet, 1 TB for 8 GPUs
         host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
         **preset_optimizer_fields(PRESET_HOSTS["a100-80g"]),  # [OPT] server
         host_accum_gbps=150.0, host_accum_bf16_gbps=80.0,  # [ACC] [ACC16] server
@@ -203,7 +219,7 @@ PRESETS: dict[str, HardwareProfile] = {
         efficiency=0.52,  # [EFF-C]
         h2d_gbps=25.0, d2h_gbps=25.0,  # [PCIE4]
         nvme_read_gbps=7.0, nvme_write_gbps=5.0, nvme_capacity_bytes=1500 * GB,  # [CNVME]
-        host_mem_bytes=512 * GB,  # assumption: 8 x 64 GB workstation (Threadripper/EPYC class)
+        host_mem_bytes=WORKSTATION_RAM,  # [HOSTMEM] a typical RTX 3090 workstation: 64 GB
         host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
         **preset_optimizer_fields(PRESET_HOSTS["rtx3090"]),  # [OPT] workstation
         host_accum_gbps=50.0, host_accum_bf16_gbps=50.0,  # [ACC] [ACC16] workstation
@@ -219,7 +235,7 @@ PRESETS: dict[str, HardwareProfile] = {
         efficiency=0.52,  # [EFF-C]
         h2d_gbps=25.0, d2h_gbps=25.0,  # [PCIE4]
         nvme_read_gbps=7.0, nvme_write_gbps=5.0, nvme_capacity_bytes=1500 * GB,  # [CNVME]
-        host_mem_bytes=512 * GB,  # assumption: 8 x 64 GB workstation
+        host_mem_bytes=WORKSTATION_RAM,  # [HOSTMEM] a typical RTX 4090 workstation: 64 GB
         host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
         **preset_optimizer_fields(PRESET_HOSTS["rtx4090"]),  # [OPT] workstation
         host_accum_gbps=50.0, host_accum_bf16_gbps=50.0,  # [ACC] [ACC16] workstation
@@ -245,6 +261,15 @@ PRESETS: dict[str, HardwareProfile] = {
         op_overhead_s=2e-4,  # Python + dispatch per op (assumption)
     ),
 }
+
+
+def preset_host_mem_bytes(name: str, gpus: int) -> int | None:
+    """[HOSTMEM] The host RAM of ``gpus`` GPUs of the preset ``name`` on one node: that many
+    per-GPU shares (the node's GPUs share one host store); None: not a GPU preset."""
+    hw = PRESETS.get(name)
+    if hw is None or hw.synchronous:
+        return None
+    return hw.host_mem_bytes * max(1, min(gpus, hw.gpus_per_node))
 
 
 def get_hardware(spec: str) -> HardwareProfile:

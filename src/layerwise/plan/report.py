@@ -39,6 +39,11 @@ def _hours(h: float) -> str:
     return f"{h:,.0f}" if h >= 100 else f"{h:.1f}" if h >= 10 else f"{h:.2f}" if h >= 1 else f"{h:.3g}"
 
 
+def run_name(shape: ModelShape) -> str:
+    """The model, and for a LoRA / QLoRA run its adapters and base: ``llama3-8b (LoRA r=16, nf4 base)``."""
+    return shape.name if shape.frozen_base is None else f"{shape.name} ({shape.frozen_base.label()})"
+
+
 def verdict_fits(shape: ModelShape, hw: HardwareProfile, seq_len: int, sim: SimResult, global_batch: int,
                  scaling: Sequence[ScalingPoint] = ()) -> str:
     """``fits: yes — ...``: tokens/s, hours per billion tokens, and each memory's peak of its capacity.
@@ -49,7 +54,7 @@ def verdict_fits(shape: ModelShape, hw: HardwareProfile, seq_len: int, sim: SimR
            f"host RAM {_gb(sim.peak_host_bytes)} of {_gb(sim.host_cap_bytes)} GB"]
     if sim.peak_nvme_bytes:
         mem.append(f"NVMe {_gb(sim.peak_nvme_bytes)} of {_gb(sim.nvme_cap_bytes)} GB")
-    return (f"fits: yes — {shape.name} on {hw.name}{gpus}, {global_batch} x {seq_len} tokens per step: "
+    return (f"fits: yes — {run_name(shape)} on {hw.name}{gpus}, {global_batch} x {seq_len} tokens per step: "
             f"{tps:,.0f} tokens/s predicted, {_hours(hours_per_billion_tokens(tps))} h per billion tokens "
             f"(peak {', '.join(mem)})")
 
@@ -74,10 +79,13 @@ def reserve_line(machine: HardwareProfile, hw: HardwareProfile) -> str:
 
 
 def largest_line(shape: ModelShape, machine: HardwareProfile, largest: tuple[str, HostNeed] | None) -> str:
-    """``largest ... that fits ...``: by the host floor (``host_need.host_floor``)."""
+    """``largest ... that fits ...``: by the host floor (``host_need.host_floor``) and a plan the
+    GPU holds, each size planned as ``shape``'s run (full, or LoRA on the same base format)."""
     family = family_of_model(shape.name) or "this"
     how = "8-bit moments, bf16 gradients, no host-tier activations" if machine.compute_dtype_bytes == 2 \
         else "8-bit moments, no host-tier activations"
+    if shape.frozen_base is not None:
+        how = f"{shape.frozen_base.label()}, 8-bit adapter moments, no host-tier activations"
     where = f"{_gb(machine.host_mem_bytes)} GB of host RAM on {machine.name} ({how})"
     if largest is None:
         return f"largest {family} model that fits {where}: none"
@@ -88,7 +96,7 @@ def largest_line(shape: ModelShape, machine: HardwareProfile, largest: tuple[str
 
 def verdict_unfit(shape: ModelShape, hw: HardwareProfile, seq_len: int, err: PlanInfeasible) -> str:
     """``fits: no — ...``: which memory binds, by how much, and what would make it fit."""
-    return (f"fits: no — {shape.name} on {hw.name} at {seq_len} tokens per sequence: "
+    return (f"fits: no — {run_name(shape)} on {hw.name} at {seq_len} tokens per sequence: "
             f"{MEMORY_NAMES.get(err.resource, err.resource)} is short by {_gb(err.over_bytes)} GB. {err}")
 
 
@@ -177,9 +185,9 @@ def print_report(seq_len: int, shape: ModelShape, hw: HardwareProfile, res: Sear
 def run_form(shape: ModelShape, hw: HardwareProfile, plan: Plan) -> tuple[str, str]:
     """(gradient, master) of the host store a run of ``plan`` keeps (``train/loop.py``): bf16
     gradients where bf16 compute lands each once per step, a split master with bf16 compute
-    (a LoRA store keeps its adapters' masters plain)."""
+    (a LoRA store keeps its adapters' masters plain and their gradients fp32)."""
     bf16 = hw.compute_dtype_bytes == 2
-    return ("bf16" if bf16 and plan.lands_once() else "fp32",
+    return ("bf16" if bf16 and plan.lands_once() and shape.frozen_base is None else "fp32",
             "split" if bf16 and shape.frozen_base is None else "plain")
 
 

@@ -12,7 +12,7 @@ each layer's own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from ..models.names import EMBED, HEAD, layer_index, unit_names
 from ..models.registry import FLAVORS
 from ..models.saved_bytes import SavedBytes, saved_bytes_by_layer
 from ..models.structure import LayerFacts, layer_facts
+from .family_sizes import SIZE_FLAVORS, flavor_of
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class LayerCost:
                    saved.tensors, saved.storages)
 
 
-from .finetune import FrozenBase
+from .finetune import BASE_DTYPES, FrozenBase, lora_frozen_base
 
 
 @dataclass(frozen=True)
@@ -222,6 +223,18 @@ class ModelShape:
         rest = self.layer_params - self.layer_matmul_params  # norms, biases
         return int(self.layer_matmul_params * per) + (rest + fb.adapter_params_per_layer) * elem_bytes
 
+    def with_lora(self, r: int, targets: list[str] | tuple[str, ...] = ("all-linear",),
+                  base_dtype: str = "compute") -> ModelShape:
+        """This shape as a LoRA / QLoRA run plans it (``lora.r=r lora.target_modules=targets
+        lora.base_dtype=base_dtype``): the base frozen in ``base_dtype``, the adapters trained
+        (``plan/finetune.py``); ``r`` 0: the shape itself."""
+        if r <= 0:
+            return self
+        if base_dtype not in BASE_DTYPES:
+            raise ValueError(f"unknown base dtype {base_dtype!r}; use one of {', '.join(BASE_DTYPES)}")
+        return replace(self, frozen_base=lora_frozen_base(
+            self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim, r, targets, base_dtype))
+
     def attention_pairs(self, seq_len: int, window: int | None) -> int:
         """(query, key) pairs a causal (windowed) attention scores per sequence."""
         if window is None or window >= seq_len:
@@ -231,12 +244,13 @@ class ModelShape:
 
 def load_shape(model: str) -> ModelShape:
     """A registry flavor name or a local Hugging Face model directory."""
-    if model in FLAVORS:
-        return ModelShape.from_config(FLAVORS[model].build_config(), name=model)
+    flavor = flavor_of(model)
+    if flavor is not None:
+        return ModelShape.from_config(flavor.build_config(), name=model)
     p = Path(model)
     if p.is_dir():
         if not (p / "config.json").exists():
             raise ValueError(f"{model} has no config.json; pass a Hugging Face model directory or a flavor name")
         return ModelShape.from_config(AutoConfig.from_pretrained(str(p)), name=p.name)
-    raise ValueError(f"unknown model {model!r}: use a flavor ({', '.join(sorted(FLAVORS))}) "
+    raise ValueError(f"unknown model {model!r}: use a flavor ({', '.join(sorted([*FLAVORS, *SIZE_FLAVORS]))}) "
                      "or a local Hugging Face model directory")

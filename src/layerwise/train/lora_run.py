@@ -8,7 +8,6 @@ each rank writing its groups) is the same code."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -21,7 +20,6 @@ from ..interop.hf.model_dir import HFModelDirSource, check_weights, fill_store
 from ..interop.peft.adapter_dir import load_init_adapter, write_adapter, write_merged
 from ..models import FLAVORS, DecoderAdapter
 from ..models.init import build_hf_model
-from ..plan.finetune import lora_frozen_base
 from ..plan.shape import ModelShape
 from ..store import PRIVATE, HostAllocator
 from .config import TrainConfig
@@ -33,10 +31,7 @@ def lora_shape(cfg: TrainConfig, shape: ModelShape) -> ModelShape:
     """``shape`` with the run's frozen base, for planning (nothing built)."""
     if not cfg.lora.enabled:
         return shape
-    lora = cfg.lora
-    return dataclasses.replace(shape, frozen_base=lora_frozen_base(
-        shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim, lora.r,
-        lora.target_modules, lora.base_dtype))
+    return shape.with_lora(cfg.lora.r, cfg.lora.target_modules, cfg.lora.base_dtype)
 
 
 def lora_adapter(config: PretrainedConfig, cfg: TrainConfig, compute_dtype: torch.dtype
