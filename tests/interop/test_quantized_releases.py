@@ -291,4 +291,6 @@ def test_cli_refuses_an_unread_quant_method_with_exit_2(tmp_path):
                         f"out_dir={tmp_path / 'run'}", "steps=1"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "'gptq'" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]  # after the lines that say what was resolved
+    assert "'gptq'" in last and last.startswith("layerwise train: error:"), r.stderr[-2000:]
+    assert "Traceback" not in r.stderr

@@ -21,6 +21,9 @@ from transformers.core_model_loading import ConversionOps
 # FP8 (DeepSeek-V3, Qwen3-FP8), MXFP8 (same op, ue8m0 scales) and gpt-oss MXFP4
 DEQUANTIZED_BY_TRANSFORMERS = ("fp8", "mxfp8", "mxfp4")
 BITSANDBYTES = "bitsandbytes"
+DEQUANTIZE_MIN = "5.25"
+"""The oldest transformers whose load ops the quantized tests pass on (5.21 reads block FP8 and
+MXFP4 off by more than their rounding)."""
 # formats whose weights are plain floats already (a GGUF file converted by transformers and saved)
 PLAIN_WEIGHTS = ("gguf",)
 
@@ -66,9 +69,13 @@ def dequantizer(config: dict | None, path: Any = "the model dir") -> Any | None:
         from transformers.quantizers.base import HfQuantizer
     except ImportError:  # pragma: no cover - transformers without quantizers
         raise refusal(path, method, "the installed transformers has no quantizers") from None
-    if not hasattr(HfQuantizer, "get_load_operations"):
-        raise refusal(path, method, "the installed transformers has no dequantizing load ops "
-                      "(it needs transformers >= 5.25)")
+    from packaging.version import Version
+    from transformers import __version__
+
+    if not hasattr(HfQuantizer, "get_load_operations") or Version(__version__) < Version(DEQUANTIZE_MIN):
+        # older 5.x releases dequantize these differently from their own from_pretrained
+        raise refusal(path, method, f"reading it needs transformers >= {DEQUANTIZE_MIN} (this is "
+                      f"{__version__}): pip install -U transformers")
     qc = dict(config["quantization_config"])
     if method == BITSANDBYTES:
         return _bnb_dequantizer(qc, path)
