@@ -14,8 +14,10 @@ from ..util.cli import command_group
 from ..util.units import human_bytes
 from .recipes.import_checkpoints import ImportedStep, import_checkpoints
 from .layout import CheckpointSource
+from .peft.lora_step import PEFT, export_step, lora_step_of
 from .recipes.merge import FORMATS, merge
 from .recipes.recipe import load_recipe
+from .sources import open_source
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--step", type=int, default=None, help="step of a layer-wise run (default: latest)")
     p.add_argument("--recipe", default=None, help="YAML recipe (mergekit/LLMTailor slices) instead of RUN")
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    p.add_argument("--format", choices=FORMATS, default="hf", help="hf: model dir; trainer: checkpoint-N dir; dcp: torch.distributed.checkpoint dir; "
+    p.add_argument("--format", choices=(*FORMATS, PEFT), default="hf", help="hf: model dir; trainer: checkpoint-N dir; dcp: torch.distributed.checkpoint dir; "
                    "deepspeed: ZeRO save (see --template); peft: a LoRA run's adapters as a PEFT adapter dir "
                    "(with hf, a LoRA run's step is the base with its adapters merged)")
     p.add_argument("--template", default=None,
@@ -146,12 +148,15 @@ def _run_merge(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError("--step does not apply to --recipe; write path@step for a source in the recipe")
         if args.config is not None:
             raise ValueError("--config does not apply to --recipe; write `config: PATH` in the recipe")
-        source: CheckpointSource | str = load_recipe(args.recipe).open()
-        step = None
-    else:
-        source, step = args.run, args.step
+        source: CheckpointSource = load_recipe(args.recipe).open()
+    else:  # a LoRA run's step exports its adapters (peft) or the base with them merged (hf)
+        source = open_source(args.run, args.step, args.config)
+    if args.format == PEFT or lora_step_of(source, args.base) is not None:
+        return export_step(source, args.out, args.format, base=args.base, dtype=args.dtype,
+                           max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+                           tokenizer=args.tokenizer)
     return merge(
-        source, args.out, args.format, step=step, max_shard_size=args.max_shard_size, dtype=args.dtype,
+        source, args.out, args.format, max_shard_size=args.max_shard_size, dtype=args.dtype,
         template=args.template, overwrite=args.overwrite, config=args.config,
-        tokenizer=args.tokenizer, base=args.base,
+        tokenizer=args.tokenizer,
     )

@@ -1,6 +1,7 @@
 """A saved step of a LoRA run (``layerwise train ... lora.r=N``) taken out: ``ckpt merge --format
 peft`` (the step's adapters as a PEFT adapter directory) and ``--format hf`` (the base with them
-merged, as ``lora.merge=true`` exports at the end).
+merged, as ``lora.merge=true`` exports at the end): :func:`export_step`, which ``ckpt merge``
+calls in place of ``recipes.merge.merge`` for such a step (and for ``--format peft``).
 
 A LoRA run's checkpoint groups hold the adapters (``...q_proj.lora_A.weight``) and their AdamW
 moments alone; the rest of what an export needs is in the run's ``out_dir/run.json``, beside its
@@ -30,9 +31,13 @@ from ...models import FLAVORS, DecoderAdapter, get_flavor
 from ...models.init import build_hf_model
 from ..hf.model_dir import HFModelDirSource, check_weights, fill_store, load_config
 from ..hf.tokenizer_files import model_files_of
+from ..recipes.merge import merge
+from ..sources import open_source
 from .adapter_dir import ADAPTER_WEIGHTS, MergedSource, adapter_config, write_adapter_tensors
 
 RUN_JSON = "run.json"
+PEFT = "peft"
+"""The export format of a LoRA run's step as a PEFT adapter directory (``ckpt merge --format``)."""
 
 
 @dataclass(frozen=True)
@@ -184,3 +189,40 @@ def merged_source(run: LoraRunStep) -> MergedSource:
 def tokenizer_of(run: LoraRunStep, given: str | Path | None) -> Path | None:
     """The tokenizer a merged export copies: ``given``, else the run's own (``out_dir/tokenizer``)."""
     return model_files_of(run.step, given)
+
+
+def export_step(source: object, out_dir: str | Path, format: str = PEFT, *, step: int | None = None,
+                base: str | Path | None = None, dtype: str | None = None,
+                max_shard_size: int | str | None = "5GB", overwrite: bool = False,
+                tokenizer: str | Path | None = None) -> dict[str, Any]:
+    """Write a LoRA run's step (``source``: an opened step, or a path for ``open_source`` at
+    ``step``) as ``peft`` (its adapters) or ``hf`` (the base with them merged, through
+    ``merge``); any other source or format is refused (``ValueError``). ``base``: the base
+    model's directory, when no longer at run.json's ``model_path``. Returns merge's summary."""
+    if isinstance(source, (str, Path)):
+        source = open_source(source, step)
+    run = lora_step_of(source, base)
+    if run is None:
+        raise refuse_peft(source)
+    if format not in (PEFT, "hf"):
+        raise refuse_format(run, format)
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"--out {out} exists and is not empty; choose a new path or pass --overwrite")
+    t0 = time.perf_counter()
+    if format == "hf":
+        summary = merge(merged_source(run), out, "hf", max_shard_size=max_shard_size, dtype=dtype,
+                        overwrite=True, tokenizer=tokenizer_of(run, tokenizer))
+        summary["step"] = run.step.step
+        summary["base_model"] = run.base
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        summary = write_peft(run, out, dtype)
+        summary["out"] = str(out)
+        summary["bytes"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    older = {g: e.saved_step for g, e in run.step.entries.items() if e.saved_step < run.step.step}
+    summary.update(older_groups=older, num_groups=len(run.step.groups()),
+                   seconds=round(time.perf_counter() - t0, 3))
+    return summary

@@ -2,8 +2,7 @@
 
 ``merge(source, out_dir, format=...)`` writes a Hugging Face model dir (``hf``), an HF Trainer
 ``checkpoint-N`` dir (``trainer``), a torch.distributed.checkpoint dir (``dcp``) or a DeepSpeed ZeRO
-save (``deepspeed``, filling a template save's layout); of a LoRA run's step, a PEFT adapter directory
-(``peft``) or the base with the step's adapters merged (``hf``). The output is built in a hidden temp dir next to ``out_dir`` and
+save (``deepspeed``, filling a template save's layout). The output is built in a hidden temp dir next to ``out_dir`` and
 renamed into place only once complete, so a failed merge (bad recipe, disk full, a kill) never
 leaves a half-written output. Sources are read one group at a time.
 
@@ -28,7 +27,7 @@ from ..sources import open_source
 from ..hf.trainer_checkpoint import write_trainer
 from ..deepspeed.zero_checkpoint import ZeroCheckpointSource, write_zero
 
-FORMATS = ("hf", "trainer", "dcp", "deepspeed", "peft")
+FORMATS = ("hf", "trainer", "dcp", "deepspeed")
 
 
 def merge(
@@ -44,7 +43,6 @@ def merge(
     overwrite: bool = False,
     config: dict | str | Path | None = None,
     tokenizer: str | Path | None = None,
-    base: str | Path | None = None,
 ) -> dict[str, Any]:
     """Write ``source`` (a CheckpointSource or a path for :func:`open_source`) to ``out_dir``.
 
@@ -55,9 +53,6 @@ def merge(
     ZeRO save). ``config``: the HF config of a DCP source that has none (:func:`open_source`).
     ``tokenizer``: a directory whose tokenizer files and generation config are copied beside the
     weights (``hf`` and ``trainer``; default: the source's own, ``hf.tokenizer_files``).
-    A step of a LoRA run (``layerwise train ... lora.r=N``; its settings from the run's
-    ``run.json``) exports as ``peft`` (the step's adapters) or ``hf`` (the base with them merged);
-    ``base``: its base model directory, when no longer at run.json's ``model_path``.
     Returns a summary (files, bytes, step, seconds, ``tokenizer_from``).
     """
     if format not in FORMATS:
@@ -66,12 +61,6 @@ def merge(
         source = open_source(source, step, config)
     elif step is not None:
         raise ValueError("step= is only used when source is a path; an opened source already has its step")
-    from ..peft import lora_step  # here: peft.adapter_dir writes its merged model through merge()
-    lora = lora_step.lora_step_of(source, base)
-    if format == "peft" and lora is None:
-        raise lora_step.refuse_peft(source)
-    if lora is not None and format not in ("peft", "hf"):
-        raise lora_step.refuse_format(lora, format)
     recipe = getattr(source, "recipe", None)
     if dtype is None and recipe is not None:
         dtype = recipe.dtype  # a recipe's `dtype:` applies unless overridden
@@ -81,8 +70,6 @@ def merge(
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"--out {out} exists and is not empty; choose a new path or pass --overwrite")
 
-    if lora is not None:
-        return _merge_lora(lora, out, format, dtype, max_shard_size, tokenizer)
     model_files = model_files_of(source, tokenizer) if format in ("hf", "trainer") else None
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
@@ -113,28 +100,6 @@ def merge(
     summary["out"] = str(out)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     summary["bytes"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    return summary
-
-
-def _merge_lora(lora: Any, out: Path, format: str, dtype: str | None,
-                max_shard_size: int | str | None, tokenizer: str | Path | None) -> dict[str, Any]:
-    """A LoRA run's step: its adapters (``peft``), or the base with them merged (``hf``)."""
-    from ..peft import lora_step
-    t0 = time.perf_counter()
-    if format == "hf":
-        summary = merge(lora_step.merged_source(lora), out, "hf", max_shard_size=max_shard_size,
-                        dtype=dtype, overwrite=True, tokenizer=lora_step.tokenizer_of(lora, tokenizer))
-        summary["step"] = lora.step.step
-        summary["base_model"] = lora.base
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        summary = lora_step.write_peft(lora, out, dtype)
-        summary["out"] = str(out)
-        summary["bytes"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    if hasattr(lora.step, "older_groups"):
-        summary["older_groups"] = lora.step.older_groups()
-        summary["num_groups"] = len(lora.step.groups())
-    summary["seconds"] = round(time.perf_counter() - t0, 3)
     return summary
 
 
