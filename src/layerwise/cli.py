@@ -62,6 +62,30 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+OWN_OPTIONS = frozenset({"--config", "--print-config", "--help-all", "--help", "-h", "--debug"})
+"""``train``'s own options; any other ``--key`` is a setting."""
+
+
+def dashed_overrides(argv: list[str]) -> list[str]:
+    """``--key value`` and ``--key=value`` (HF scripts' ``--learning_rate 1e-4``) as the
+    ``key=value`` settings they mean (a bare ``--flag``: ``flag=true``); the command's own
+    options stay as they are."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        key, eq, value = a[2:].partition("=")
+        if a.startswith("--") and key and a.split("=")[0] not in OWN_OPTIONS:
+            if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value, i = argv[i + 1], i + 1
+            elif not eq:
+                value = "true"
+            a = f"{key}={value}"
+        out.append(a)
+        i += 1
+    return out
+
+
 def resolve(func: Callable | str) -> Callable:
     """A handler, or ``"module:function"`` imported now."""
     if callable(func):
@@ -76,8 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for a in argv if a != "--debug"]
     command = next((a for a in argv if not a.startswith("-")), None)
     if command == "train":
-        from .train.cli import dashed_overrides  # torch-free
-
         argv = dashed_overrides(argv)
     parser = build_parser(command)
     args, extra = parser.parse_known_args(argv)

@@ -203,8 +203,8 @@ def test_the_filter_default_writes_what_moved_and_the_composite_staleness_is_bou
     a composite's groups get, ``ckpt show`` lists each group's age, and the README says both,
     with the numbers of the defaults.
 
-    The same fine-tune (LR 1e-4, a save every 10 steps, ``ckpt.policy=filter``: the default
-    is parity, measured by ``ckpt_savings.py --finetune``) under the old threshold writes all
+    The same fine-tune (LR 1e-4, a save every 10 steps, ``ckpt.policy=filter``: asked for by
+    name, the default is ``full``) under the old threshold writes all
     groups or all but the norm at every save; under the default, some save writes at most half.
     Mutation seen failing: ``FilterPolicy.threshold`` back to 1e-3 (every save writes >= 6)."""
     from layerwise.ckpt import RunDir

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from layerwise.cli import main
-from layerwise.train.cli import dashed_overrides, resolve_config
+from layerwise.cli import dashed_overrides, main
+from layerwise.train.cli import resolve_config
 from layerwise.train.config import FINETUNE_DEFAULTS, LORA_FINETUNE_LR, TrainConfig
 
 

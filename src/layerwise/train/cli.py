@@ -78,28 +78,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     rep.set_defaults(func="layerwise.train.commands:run_report")
 
 
-TRAIN_OPTIONS = frozenset({"--config", "--print-config", "--help-all", "--help", "-h", "--debug"})
-
-
-def dashed_overrides(argv: list[str]) -> list[str]:
-    """``--key value`` and ``--key=value`` (HF scripts' ``--learning_rate 1e-4``) as the
-    ``key=value`` overrides they mean; ``train``'s own options stay as they are."""
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        key, eq, value = a[2:].partition("=")
-        if a.startswith("--") and a.split("=")[0] not in TRAIN_OPTIONS and key:
-            if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                value, i = argv[i + 1], i + 1
-            elif not eq:
-                value = "true"  # a bare flag: --bf16
-            a = f"{key}={value}"
-        out.append(a)
-        i += 1
-    return out
-
-
 def finetune_defaults(cfg: TrainConfig, given: dict) -> dict:
     """The fine-tuning defaults (``config.FINETUNE_DEFAULTS``) a run of a pretrained model
     takes: none for a built-in flavor (trained from scratch), and none the user's ``given``
