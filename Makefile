@@ -67,7 +67,7 @@ demo-pretrained: $(VENV)/.installed
 	$(PY) benchmarks/real_model.py
 	$(VENV)/bin/layerwise demo --pretrained $(SMOLLM2_DIR)
 
-# `make gpu-check`: the GPU check (docs/benchmarks.md, "GPU check") on a machine with one CUDA GPU,
+# `make gpu-check`: the GPU check (docs/results.md, "GPU check") on a machine with one CUDA GPU,
 # torch and transformers, and no network: benchmarks/gpu_check.py from src/ under `timeout`. With
 # CUDA its first stage (`wheels`) installs the wheels in $(WHEEL_DIR) (`make gpu-wheels`, here)
 # into $(GPU_SITE) and reports each of GPU_WHEELS installed, missing or failed; the script writes
@@ -76,16 +76,17 @@ demo-pretrained: $(VENV)/.installed
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 GPU_CHECK_OUT ?= gpu-check.json
 GPU_CHECK_ARGS ?=
-# The host RAM every RAM check uses, in GB: the GPU machine's documented 128 GiB (its MemTotal and
-# MemAvailable start far lower and grow as memory is used, so they are not read).
+# The host RAM every RAM check uses, in GB (default: 128 GiB); set it to the machine's RAM. It is
+# given, not read: on some GPU machines MemTotal and MemAvailable start far lower and grow as
+# memory is used.
 GPU_HOST_BUDGET_GB ?= 137.4
-# The script starts no stage it has no time for; `timeout` is the backstop (both under the device
-# call's 420 s, which leaves a rerun room in a 15-minute lease).
+# The check's time budget in seconds: the script starts no stage it has no time left for, and
+# `timeout` stops it after GPU_CHECK_TIMEOUT_S. Raise both for a longer run.
 GPU_CHECK_BUDGET_S ?= 360
 GPU_CHECK_TIMEOUT_S ?= 390
 WHEEL_DIR ?= .whl
 GPU_SITE ?= /tmp/layerwise-gpu-site
-# What the GPU machine's image lacks of layerwise's dependencies (KINDS.md's package list), and
+# What a bare GPU image (torch, transformers, numpy) lacks of layerwise's dependencies, and
 # the wheels of those the check imports: highspy (the planner) and blake3 (layerwise.ckpt, which
 # no CUDA test file imports today). deepspeed stays behind: only ZeRO tests use it, and the
 # check collects only the files with CUDA tests. tests/engine/test_gpu_check.py runs the dry run
@@ -99,9 +100,9 @@ gpu-check:
 	  --host-budget-gb $(GPU_HOST_BUDGET_GB) --budget-s $(GPU_CHECK_BUDGET_S) \
 	  --wheel-dir $(WHEEL_DIR) --wheel-site $(GPU_SITE) --wheels "$(GPU_WHEELS)" $(GPU_CHECK_ARGS)
 
-# The wheels of GPU_WHEELS for the GPU machine's Python 3.12 on x86-64 (it has no network), then
-# what each requires (numpy, which the image has); they travel only when the device call names
-# $(WHEEL_DIR) in `carry` (the folder is git-ignored).
+# The wheels of GPU_WHEELS for a GPU machine's Python 3.12 on x86-64 that has no network, then
+# what each requires (numpy, which the image has); copy $(WHEEL_DIR) (git-ignored) to that machine
+# with the checkout.
 gpu-wheels:
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \

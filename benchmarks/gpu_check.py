@@ -24,7 +24,7 @@ The host RAM is given (``--host-budget-gb``), never read from MemTotal/MemAvaila
 the GPU machine start far below its RAM and grow as memory is used. ``--dry-run`` runs every
 stage's Python on the CPU (a tiny model, the engine's asynchronous CPU backend), all but the
 CUDA calls; the test suite runs it so the check cannot rot. The JSON schema is defined once, in
-``gpu_check_schema.py``, and rendered into docs/benchmarks.md ("GPU check"; ``--print-schema``).
+``gpu_check_schema.py``, and printed as markdown tables by ``--print-schema``.
 
     python benchmarks/gpu_check.py --host-budget-gb 137.4 [--out gpu-check.json] [--budget-s 360]
     python benchmarks/gpu_check.py --dry-run

@@ -1,6 +1,6 @@
 """The GPU check's JSON schema, defined once: ``validate`` checks a result against it (the dry-run
-test does) and ``render_markdown`` writes the tables of docs/benchmarks.md ("GPU check"), which a
-test compares with this definition, so the documentation and the file cannot drift apart.
+test does) and ``render_markdown`` writes its tables (``gpu_check.py --print-schema``), so the
+documentation and the file cannot drift apart.
 
 Every key the check writes is listed: an object's unlisted key is an error, except in objects
 of kind ``object`` (free-form: their content is described in words, e.g. a hardware profile).
@@ -431,7 +431,7 @@ def _records(record: Record, seen: list[Record]) -> list[Record]:
 
 
 def render_markdown() -> str:
-    """One table per record (the top level first), as docs/benchmarks.md holds them."""
+    """One table per record (the top level first), as ``--print-schema`` prints them."""
     out = []
     for rec in _records(TOP, []) + [r for r in LIST_ITEMS.values()]:
         if any(r is rec for r in out):

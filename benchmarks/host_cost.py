@@ -14,8 +14,8 @@ rate made free, the part of the step the GPU waits on the host.
 
     PYTHONPATH=src python benchmarks/host_cost.py [--milp-budget-s 6] [--cases gpu-check,qwen2.5-14b]
 
-Runs on any source tree with the same planner API (main's too: the before/after figures in
-docs/benchmarks.md run this file against both).
+Runs on any source tree with the same planner API, so a change's before and after can be
+compared with the same file.
 """
 
 from __future__ import annotations

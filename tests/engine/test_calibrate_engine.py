@@ -53,7 +53,7 @@ def test_what_the_simulator_does_not_price_goes_into_the_overhead(monkeypatch):
     that is under 15%.
 
     Mutation seen caught: the overhead taken as the step less its compute closures' measured
-    time (the engine's bookkeeping alone, as before stop 45: the slower layers moved it by 0)."""
+    time (the engine's bookkeeping alone, the earlier form: the slower layers moved it by 0)."""
     hw = PRESETS["cpu"]
     base = calibrate_engine.measure_tiny_step(hw, steps=3, clock=CLOCK)
     layer, calls = DecoderAdapter.layer, [0]

@@ -95,7 +95,7 @@ def test_the_layers_other_kernels_are_priced_at_their_in_layer_factor_before_the
     cost before and every other kernel ``f`` times as much.
 
     Mutations seen caught: the factor fitted over every kernel's roofline difference, GEMMs' too
-    (the form before stop 48: 1.18 here, not 2.5); the factor applied to GEMMs in ``kernels_s``
+    (the earlier form: 1.18 here, not 2.5); the factor applied to GEMMs in ``kernels_s``
     (the fit then reads 6.0, its clamp); the launches fitted without the factor (they absorb the
     small point's share of the slowdown: ``kernel_launch_s`` 3% high)."""
     shape = ModelShape.from_config(get_flavor("llama-30m").build_config())
@@ -217,7 +217,7 @@ def test_a_cpu_gemm_probe_reads_a_weight_no_earlier_call_left_in_the_caches(monk
     ``COLD_WEIGHT_BYTES`` (past any core's L2 and L3 share), as a layer's GEMM in a step reads a
     weight the other layers' work has pushed out of the caches.
 
-    Mutation seen caught: one weight per probe, read hot by every call (as before stop 45)."""
+    Mutation seen caught: one weight per probe, read hot by every call (the earlier form)."""
     import torch
 
     seen = []

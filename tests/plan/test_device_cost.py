@@ -161,8 +161,7 @@ def test_a_cpus_grouped_expert_gemm_launches_once_per_expert():
 
 def test_a_cpu_gemm_adds_its_weight_pass_to_its_rows_a_gpu_overlaps_them():
     """A CPU's GEMM library packs the weight, then computes (measured: from 32 rows up within
-    -4...+7% of the pass plus a cost per row; ``docs/benchmarks.md``, "Widths rerun 2026-12-04
-    (stop 47)"), so on a synchronous profile a GEMM of 64 rows costs its weight's pass plus its FLOPs
+    -4...+7% of the pass plus a cost per row; ``benchmarks/sim_fidelity.py --widths``), so on a synchronous profile a GEMM of 64 rows costs its weight's pass plus its FLOPs
     at the roof; on an asynchronous one the longer of the two.
 
     Mutation seen failing: the roofline's ``max`` kept on the synchronous path (64 rows then

@@ -7,8 +7,9 @@ total. Gradient and Adam-moment norms are logged alongside for diagnosis.
 
 Cost is one read of the live weights, the reference, the gradients and the moments (the
 difference is formed in cache-sized chunks, no allocation); ``Checkpointer.observe`` takes the
-statistics every ``track_every_steps`` steps (saves always measure what they need). See
-``docs/benchmarks.md`` for the measured overhead.
+statistics every ``track_every_steps`` steps (saves always measure what they need). Measured
+(``benchmarks/ckpt_savings.py``, llama-30m): one pass over all groups every 12 steps is 1.1% of
+the step time; every step it would be 13% of a 128-token step.
 
 The statistics may be taken on another thread than the training loop's (``Checkpointer``'s
 deferred snapshot): the live tensors are captured by reference when they are asked for

@@ -50,8 +50,8 @@ def median_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] =
     """Median of ``repeats`` runs after a warm-up. The cost model adds these times up over a step
     of many runs, so each is priced at what a run typically takes, not at the fastest one: on a
     shared VM a layer's median run is 3-15% slower than its best, and the minimum priced every
-    step under the engine by that much (``docs/benchmarks.md``, "Widths rerun 2026-12-04
-    (stop 45)"); the median still ignores the odd descheduled run."""
+    step under the engine by that much (measured with ``benchmarks/sim_fidelity.py --widths``);
+    the median still ignores the odd descheduled run."""
     fn()
     sync()
     times = []

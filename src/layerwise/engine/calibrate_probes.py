@@ -21,7 +21,7 @@ COLD_WEIGHT_BYTES = 64 << 20
 """Bytes a CPU's GEMM probes take their weights from in rotation, so that no call finds its
 weight in the caches, as a layer's GEMM in a step does not (the step ran the other layers since):
 priced by hot weights every GEMM-bound width ran 5-10% and the MoE's experts 5-7 points under
-the engine (``docs/benchmarks.md``, "Widths rerun 2026-12-04 (stop 45)"). Past any core's L2
+the engine (measured with ``benchmarks/sim_fidelity.py --widths``). Past any core's L2
 and its share of the L3."""
 GATHER_PROBE = {"cpu": (1024, 256), "cuda": (1 << 17, 1024)}
 """(rows, width) of the gather probe's source: twice its rows gathered by a random index (an MoE

@@ -15,8 +15,11 @@ Error bound (both maps, per element, ``s`` = the unrounded code, ``Q`` = 127 or 
 ``|x - deq(x)| <= scale * (s + 0.25) / Q**2``, i.e. about ``sqrt(|x| * scale) / Q``: relative
 error ~``1 / (Q * sqrt(|x| / scale))``, which is why small values keep precision. (Exception:
 a positive ``v`` whose code would round to 0 is stored as code 1.)
-``docs/benchmarks.md`` has the measured comparison with a linear and the
-bitsandbytes dynamic map on real Adam moments, and the block-size sweep.
+Measured on real Adam moments, block 256 (``benchmarks/optim.py``): the next update's relative
+L2 error is 1.8% with these maps, 30% with bitsandbytes' dynamic map and ~3000% with a linear
+absmax map (their few ``v`` rounded to 0 divide the update by ``eps``). Block size: the error
+grows with the block (64: 0.9%, 256: 1.8%, 1024: 4.0%), the step time is flat up to 1024;
+256 is the smallest block within 2.05 bytes a parameter.
 
 This module is the reference, device-agnostic torch implementation; ``_kernel.py`` has the
 fused CPU update that uses the same maps.

@@ -35,7 +35,7 @@ size where calibration measured one (``gemm_tflops_points``), else ``peak_tflops
 (the presets' [EFF-*]: the sustained rate of training GEMMs). Every other kernel's roofline is
 multiplied by ``in_layer_factor``: on a CPU the norms, rotary, attention and gathers of a layer
 take 2.6-2.9x what their probes (an add, a gather, the GEMM rate) say, where a GEMM runs at its
-cold probe's rate (docs/benchmarks.md, "Widths rerun 2026-12-04 (stop 48)").
+cold probe's rate (measured with ``benchmarks/sim_fidelity.py --widths``).
 
 The elementwise byte counts are estimates from reading transformers' modules, stated once: an
 RMSNorm upcasts to fp32 (~9 passes of 4 bytes per element over 6 kernels), the rotary embedding

@@ -34,8 +34,8 @@ def bytes_per_param(moments: str, grad: str) -> int:
 
 
 MEASURED_ON = "a 2-core shared Intel Xeon VM with AVX-512, 38.31 GB/s one-thread stream, 2026-12-03"
-"""Where ``PER_CORE_GPARAM_S`` was measured: docs/benchmarks.md, "Host optimizer (issue 30)",
-the rerun table of stop 42, ``python benchmarks/host_optimizer.py`` (median of 3, load 1.29 -> 1.30)."""
+"""Where ``PER_CORE_GPARAM_S`` was measured: docs/results.md, "Host optimizer by configuration",
+``python benchmarks/host_optimizer.py`` (median of 3, load 1.29 -> 1.30)."""
 
 PER_CORE_GPARAM_S: dict[str, float] = {  # measured on MEASURED_ON: the 1-thread column, clip off
     "fp32-fp32grad-plain": 0.788, "fp32-fp32grad-split": 0.801,

@@ -17,7 +17,7 @@ from .host_rates import PRESET_HOSTS, preset_optimizer_fields
 #        Llama 3 405B on 16k H100, 38-43% MFU: Megatron-Core benchmark notes), and 328-334 on
 #        DGX-H100 for NeMo AutoModel's Nemotron 3 BF16 runs (fused kernels: their non-GEMM work is
 #        small), so it is each GEMM's compute roof; an eager layer's elementwise work is priced
-#        apart ([MEM]). Sources: docs/benchmarks.md, "Preset efficiencies".
+#        apart ([MEM]). Sources: docs/planner.md, "Hardware presets".
 # [EFF-A] 0.52 on the A100: Megatron-LM (Narayanan et al. 2021) sustains 163 TFLOPS/GPU (52% of
 #        312) on 3072 A100s for a 1T-parameter GPT, data loading and optimizer included.
 # [EFF-C] 0.52 on GeForce cards: no published training rate found; assumption, the A100's
@@ -31,7 +31,7 @@ from .host_rates import PRESET_HOSTS, preset_optimizer_fields
 #        5.0 GB/s write sequential); 2 TB drive, 1.5 TB given to spill.
 # Host side (the engine's own kernels; ``layerwise calibrate`` measures each on the machine,
 # these are what a preset assumes without it). Per-thread rates measured here
-# (docs/benchmarks.md, "Host cost model"; 2 shared cores, load 7-14): the fused bf16 -> fp32
+# (``layerwise calibrate --quick --device cpu``; 2 shared cores, load 7-14): the fused bf16 -> fp32
 # accumulation ~1.2 G elements/s (12 GB/s), the compute copy's refresh (torch fp32 -> bf16
 # ``copy_``) ~2.2 GB/s; the optimizer's per-core rates: [OPT].
 # [OPT]  host optimizer (``plan.host_rates``): per configuration, the per-core rate measured by
@@ -53,7 +53,7 @@ from .host_rates import PRESET_HOSTS, preset_optimizer_fields
 #        (assumption: 16-32 cores, its bus).
 # [GLOO] gloo's reduce of host fp32 gradients (``grad_reduce="host"``) goes through the
 #        loopback TCP transport, not NVLink: assumption 3 GB/s bus bandwidth, the middle of the
-#        1-5 GB/s estimated in issue 19 (measured here between 2 in-process ranks on 2 shared
+#        1-5 GB/s estimated for loopback TCP (measured here between 2 in-process ranks on 2 shared
 #        cores: 0.4-0.5 GB/s); ``layerwise calibrate --gloo`` measures it.
 # [LAUNCH] estimate: ~5 us for eager PyTorch to dispatch and launch one CUDA kernel (the launch is
 #        a few us, the dispatcher and Python the rest); not measured here: calibrate on the GPU.
@@ -64,8 +64,7 @@ from .host_rates import PRESET_HOSTS, preset_optimizer_fields
 #        Nsight Compute measurement on H100 SXM: coalesced loads 2.8 of 3.35 TB/s, 84%).
 # [RES]  1.5 GB device reserve: CUDA context (~500 MB) + cuBLAS workspace + allocator slack.
 # [HOSTRES] host reserve: what a run holds in host RAM beside its store and the host-tier
-#        activations the planner counts (``preset_host_reserve_bytes``; docs/benchmarks.md,
-#        "Host reserve"):
+#        activations the planner counts (``preset_host_reserve_bytes``; docs/results.md):
 #        - runtime (measured, ``RUNTIME_HOST_BYTES``): ``benchmarks/host_reserve.py``, a
 #          ``layerwise train`` run of a 134M-parameter llama, bf16 compute, 8-bit moments, on
 #          the cpu-async backend: its step peak RSS minus the store's storages, minus the
@@ -87,7 +86,7 @@ from .host_rates import PRESET_HOSTS, preset_optimizer_fields
 #          layer's gradient in the compute dtype, each page-locked in place at its own size by
 #          ``CudaBackend.host_alloc`` (torch's pinned allocator would round each up to a power
 #          of two: 4 x 1 GiB for qwen2.5-14b's 0.55 GB layers). A synchronous profile has no ring.
-#        Not in the reserve (the run adds them; docs/benchmarks.md says how much): the tokenized
+#        Not in the reserve (the run adds them; measured by ``benchmarks/host_reserve.py``): the tokenized
 #        data set beyond the built-in corpus (held whole: 8 B per token measured for a token
 #        stream, up to 20 with labels and segment ids) and a checkpoint save's snapshot (a copy
 #        of the groups it writes: 6.0 B per saved parameter with 8-bit moments, its peak 1.17x).

@@ -168,7 +168,7 @@ def _cgroup_headroom() -> int | None:
 
 HOST_MEM_ENV = "LAYERWISE_HOST_MEM_AVAILABLE_BYTES"
 """Where set, the bytes of RAM available, in place of what the kernel says: for a machine whose
-``MemAvailable`` is not the truth (the GPU check's lease starts far below its documented RAM
+``MemAvailable`` is not the truth (some GPU machines start far below their documented RAM
 and grows as memory is used; the check sets it for the CUDA tests from its host budget)."""
 
 

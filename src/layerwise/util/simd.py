@@ -3,7 +3,7 @@
 LLVM tunes most AVX-512 CPUs to vectorise loops at 256 bits (its ``prefer-256-bit``, a guard
 against the frequency drop of early AVX-512 chips), so numba's loops there use half the lanes
 the CPU has. The host optimizer's 8-bit step is bound by its instruction count, not by memory:
-at 512 bits it runs 1.3-1.4x faster on a Xeon with AVX-512 (``docs/benchmarks.md``). A jitted
+at 512 bits it runs 1.3-1.4x faster on a Xeon with AVX-512 (``benchmarks/host_optimizer.py``). A jitted
 kernel calls ``wide_vectors()`` first: it marks the function being compiled (its loops and
 every helper inlined into it) ``"prefer-vector-width"="512"``. On a CPU without 512-bit
 vectors the widest legal width stays 256, so the mark changes nothing there; and an element's
