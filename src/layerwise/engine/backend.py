@@ -180,7 +180,7 @@ class DeviceBackend(Protocol):
         the collective is issued (its memory stays reserved for the lane until it is done)."""
 
     def bind_thread(self) -> None:
-        """Make the calling thread's device calls go to this backend's device (run first by
+        """Make the calling thread's CUDA calls go to this backend's device (run first by
         every host worker thread: a CUDA call from a thread that never set its device goes to
         GPU 0 and creates a context there)."""
 
