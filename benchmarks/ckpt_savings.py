@@ -61,7 +61,7 @@ POLICIES = ("full", "parity", "budget", "filter")
 THRESHOLD, MAX_FRACTION = 0.06, 0.2
 """The headline filter: a group is written when its weights moved by more than 6% (relative L2)
 since the version last saved, at most 20% of a full checkpoint's bytes per checkpoint (most
-changed first). Before issue 13 the threshold was 0.3 (0.25 with --quick), which no decoder
+changed first). Earlier the threshold was 0.3 (0.25 with --quick), which no decoder
 layer reached between two staleness refreshes: the guards (staleness, never saved) chose 95%
 of the writes."""
 PARETO_THRESHOLDS = (0.02, 0.04, 0.06, 0.1, 0.15, 0.2, 0.3)

@@ -1,6 +1,6 @@
 """Wall time of ``layerwise --help`` and ``layerwise train --help``, each a fresh process.
 
-The claim (issue 20): each under 1 s, median of 5. The help path imports neither torch nor
+The claim: each under 1 s, median of 5. The help path imports neither torch nor
 transformers (``tests/train/test_first_hour.py`` checks that), so what is left is Python's
 start-up and layerwise's own config modules. Each command runs ``--repeats`` times, one fresh
 interpreter each (``python -c "from layerwise.cli import main; main()"``, what the console

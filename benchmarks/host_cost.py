@@ -1,4 +1,4 @@
-"""The planner's predicted step and what each host term takes of it (issue 19 item 7).
+"""The planner's predicted step and what each host term takes of it.
 
 Two cases: the GPU check's model (``benchmarks/gpu_check.py`` defaults: llama3-8b widths with the
 layers that fit a 137.4 GB host budget, 8 x 4096 tokens, one micro-batch, 8-bit moments) on the

@@ -1,4 +1,4 @@
-"""Issue 30: the host optimizer in every configuration the engine runs, against this machine's
+"""The host optimizer in every configuration the engine runs, against this machine's
 memory roofline, at 1 and 2 threads.
 
     python benchmarks/host_optimizer.py [--quick]

@@ -1,4 +1,4 @@
-"""Issues 4 and 13: the hybrid 8-bit AdamW — state size, CPU step time side by side, eval loss.
+"""The hybrid 8-bit AdamW — state size, CPU step time side by side, eval loss.
 
     python benchmarks/optim.py [--quick] [--skip-train]
 

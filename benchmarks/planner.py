@@ -17,7 +17,7 @@ layer's internals on the device / on the host), so that the MILP's use of the in
 not measured against rules that cannot use it; ``milp_speedup_vs_best_boundary_rule`` is the
 same ratio against the boundary-only rules (every-K, keep-all-device/host, recompute-all).
 
-The new options of issue 21 (layer-major accumulation: micro-batches sharing each weight load;
+The newer options (layer-major accumulation: micro-batches sharing each weight load;
 resident layers) are on in every case; ``NEW_OPTIONS`` cases (gradient accumulation of >= 4
 micro-batches, models whose weights fit the device) are also planned without them, and
 ``geomean_speedup_new_options`` is the predicted speedup of the best plan with them over the best

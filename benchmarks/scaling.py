@@ -147,7 +147,7 @@ def save_part(args: argparse.Namespace, model: str) -> dict:
 
 
 def predicted_part(args: argparse.Namespace) -> dict:
-    """The planner's predicted scaling (issue 11 item 6), from ``scaling_model.predicted``."""
+    """The planner's predicted scaling, from ``scaling_model.predicted``."""
     pred = predicted(milp_time_limit_s=2.0 if args.quick else 5.0)
     top = {k: v for k, v in pred.items() if k.startswith("predicted_speedup_") and "device" not in k}
     return {**top, "predicted": pred}

@@ -1,4 +1,4 @@
-"""Predicted data-parallel scaling (issue 11, item 6): the simulator's speedup for 1/2/4/8 GPUs.
+"""Predicted data-parallel scaling: the simulator's speedup for 1/2/4/8 GPUs.
 
 qwen2.5-14b on the h200 preset, 4096-token sequences, a fixed global batch of 64 sequences (262k
 tokens per optimizer step): the planner makes the plan one of 8 GPUs runs (its 8 sequences), and

@@ -17,7 +17,7 @@ has to itself); ``max_abs_error_pct_wall`` is reported beside it. Prints one JSO
 ``cases`` (``predicted_s``, ``measured_s``, ``error_pct`` per round and their medians, and the
 same with ``_wall``).
 
-``--widths`` (issue 30): the same comparison across model widths, for the shape-aware device
+``--widths``: the same comparison across model widths, for the shape-aware device
 cost model (``plan/device_cost.py``): Llama-style dense models of hidden 64, 128, 256, 512 and
 1024 and a small MoE (Qwen3-MoE, 8 experts, top-2), 5 layers each, every plan above, the CPU
 clock, each round calibrated once with ``calibrate``'s own layer (not the model's: the form has
@@ -172,7 +172,7 @@ def _plans(L: int, kw: dict) -> dict:
         "recompute-all": Plan.recompute_all(L, **kw),
         "keep-all-host": Plan.keep_all(L, "host", **kw),
         "mixed-nvme": Plan(["device", "host", "nvme", "recompute", "recompute"] * (L // 5), source="mixed", **kw),
-        # kept layer internals (issue 13): on the device, on the host, and mixed with the rest
+        # kept layer internals: on the device, on the host, and mixed with the rest
         "every-4+internals-device": Plan(Plan.every_k(L, 4).boundary_tiers, internal_tiers=["device"] * L,
                                          source="every-4+internals-device", **kw),
         "internals-host": Plan(["recompute"] * L, internal_tiers=["host"] * L, source="internals-host", **kw),

@@ -1,5 +1,5 @@
 """``layerwise.config``: values parsed as a person means them, sections, shorthands, old keys refused,
-suggestions, docs from the source; and ``TrainConfig``'s checks (issue 20's friction list)."""
+suggestions, docs from the source; and ``TrainConfig``'s checks (a new user's friction points)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from layerwise.plan.simulator import simulate
 from layerwise.store import StoreFootprint
 
 BOUNDARIES_ONLY = MilpConfig(internal_tiers=("recompute",))
-"""The MILP as before issue 13 (every layer recomputes its internals)."""
+"""The MILP without the internals tier (every layer recomputes its internals)."""
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Commands that fit together (issue 20, item 4): each friction point of the issue's list about
+"""Commands that fit together: each friction point a user met in
 the commands between a run and its checkpoints, reproduced and now passing. One tiny fine-tune
 (a tiny Llama with its own BPE tokenizer, chat template and generation config; 48 chat examples)
 is trained to step 4 and resumed to step 6; the tests read it."""

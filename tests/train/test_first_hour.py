@@ -1,4 +1,4 @@
-"""A new user's first hour with ``layerwise train`` (issue 20): each friction point of the issue's
+"""A new user's first hour with ``layerwise train``: each friction point of the
 list that the config, the Trainer, runs that lose nothing and errors that say what to do cover,
 reproduced and now passing. Runs are tiny (the 0.9M ``llama-demo`` on 20k tokens of the built-in
 corpus); the ones that must be separate processes (a lock held by another process, SIGINT) are.
