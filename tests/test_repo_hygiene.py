@@ -6,7 +6,7 @@ at most 200.
 
 The patterns are built from pieces so that this file does not match them itself.
 
-Mutations seen failing: a comment ``# stop 3 measured this`` added to ``src/layerwise/util/simd.py``
+Mutations seen failing: a comment ``# st`` + ``op 3 measured this`` (joined) added to ``src/layerwise/util/simd.py``
 (the first test names the file and line); ``see issue 12`` added to ``docs/results.md`` (the
 second); 400 lines appended to ``docs/results.md`` (the third)."""
 
