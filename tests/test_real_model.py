@@ -99,6 +99,7 @@ def test_layerwise_train_changes_its_answers_as_trained(kind, tmp_path):
 
 
 @needs_model
+@pytest.mark.timeout(1800)  # three epochs of the data on a CPU: minutes
 def test_a_fine_tune_with_the_defaults_keeps_what_the_model_knew(tmp_path, capsys):
     """``layerwise train model=DIR data=chat.jsonl out_dir=...`` and nothing else (the
     fine-tuning defaults a pretrained model gets): the held-out loss falls, and a question far
@@ -114,7 +115,7 @@ def test_a_fine_tune_with_the_defaults_keeps_what_the_model_knew(tmp_path, capsy
 
     rng = random.Random(0)
     rows = []
-    for _ in range(120):
+    for _ in range(60):
         a, b = rng.randrange(100), rng.randrange(100)
         rows.append({"messages": [{"role": "user", "content": f"What is {a}+{b}?"},
                                   {"role": "assistant", "content": f"{a}+{b} = {a + b}"}]})

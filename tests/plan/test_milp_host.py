@@ -7,6 +7,9 @@ import pytest
 
 from layerwise.plan.cost import CostModel
 from layerwise.plan.presets import PRESETS
+
+WORKSTATION_GB = 512
+"""Host RAM these cases are about (a large workstation): what binds is the device, not the host."""
 from layerwise.plan.milp import NVME_STAGING, MilpConfig, StepModel, solve
 from layerwise.plan.plan import Plan
 from layerwise.plan.search import SearchConfig, choose_moments, search
@@ -151,7 +154,7 @@ def test_search_tries_prefetch_depths_and_reports_max_micro_batch_per_rule():
     assert all(0 <= v <= 4 for v in mx.values())  # 0: the rule fits at no size tried
     assert all(mx[r] >= 1 for r in ("every-1", "every-4", "keep-all-device", "recompute-all", "milp"))
     # 12 GB of device memory: the rules stop fitting at different sizes (tried: 1, 2, 4, 8)
-    small = PRESETS["rtx3090"].with_memory(gpu_mem_gb=12)
+    small = PRESETS["rtx3090"].with_memory(gpu_mem_gb=12, host_mem_gb=WORKSTATION_GB)
     shape7 = load_shape("qwen2.5-7b")
     res = search(shape7, small, 4096, SearchConfig(global_batch=8))
     mx = res.max_micro_batch_size
@@ -172,7 +175,7 @@ def test_a_milp_plan_over_capacity_in_the_simulator_is_solved_again():
     Mutation seen caught: the re-solve removed (the MILP then has no fitting plan here).
     (Boundaries only: with kept internals the MILP's plan fits here at once.)"""
     shape = load_shape("qwen2.5-14b")
-    hw = PRESETS["rtx3090"]
+    hw = PRESETS["rtx3090"].with_memory(host_mem_gb=WORKSTATION_GB)
     model = StepModel(shape, hw, 8, 4096, 4)
     r = solve(model, BOUNDARIES_ONLY)
     assert simulate(r.plan(model), shape, hw, keep_trace=False).over_capacity().get("device", 0) > 0

@@ -19,10 +19,10 @@ from matrix import sampled
 
 CASES = [
     # (model, hardware, seq, global batch, gpu GB, host GB)
-    ("qwen2.5-7b", "rtx3090", 4096, 8, 12, None),  # device memory binds
+    ("qwen2.5-7b", "rtx3090", 4096, 8, 12, 512),  # device memory binds
     ("llama3-8b", "h800", 1024, 16, None, None),
     ("qwen2.5-3b", "rtx3090", 4096, 4, None, 90),  # host memory short: little room for activations
-    ("qwen2.5-14b", "a100-80g", 2048, 4, 30, None),
+    ("qwen2.5-14b", "a100-80g", 2048, 4, 30, 1000),
     ("llama-30m", "cpu", 256, 4, None, None),
 ]
 
@@ -87,7 +87,7 @@ def test_device_memory_bound_plan_offloads_instead_of_recomputing():
     ties go to the MILP, so the label is not asserted (see the next test for the MILP's own gain).
     """
     shape = load_shape("qwen2.5-7b")
-    hw = PRESETS["rtx3090"].with_memory(gpu_mem_gb=12)
+    hw = PRESETS["rtx3090"].with_memory(gpu_mem_gb=12, host_mem_gb=512)
     res = search(shape, hw, 4096, SearchConfig(global_batch=8))
     best_k = max(c.sim.tokens_per_s for n, c in res.by_name.items() if n.startswith("every-"))
     assert res.best.sim.tokens_per_s > best_k
@@ -122,7 +122,7 @@ def test_milp_beats_every_rule_when_the_device_holds_only_some_boundaries():
 
 def test_warm_start_and_time_limit():
     shape = load_shape("qwen2.5-14b")
-    hw = PRESETS["rtx3090"]
+    hw = PRESETS["rtx3090"].with_memory(host_mem_gb=512)  # a workstation whose device binds
     model = StepModel(shape, hw, 2, 4096, 2)
     cold = solve(model)
     warm = solve(model, MilpConfig(time_limit_s=2.0), warm_start=("every-4", baseline_tiers(shape.num_layers)["every-4"]))
@@ -150,7 +150,7 @@ def test_dp_cross_checks_the_milp_on_device_and_host():
 
 def test_moments_switch_to_8bit_only_as_needed():
     shape = load_shape("qwen2.5-32b")
-    hw = PRESETS["rtx3090"]
+    hw = PRESETS["rtx3090"].with_memory(host_mem_gb=512)  # a workstation whose device binds
     moments = choose_moments(shape, hw)
     cm = CostModel(shape, hw, 1, 1)
     assert cm.host_store_bytes(moments) <= hw.host_cap_bytes < cm.host_store_bytes()
@@ -167,7 +167,8 @@ def test_moments_switch_to_8bit_only_as_needed():
 def test_nothing_fits_names_the_binding_resource():
     shape = load_shape("qwen2.5-7b")
     with pytest.raises(PlanInfeasible) as e:
-        search(shape, PRESETS["rtx3090"].with_memory(gpu_mem_gb=2.5), 4096, SearchConfig(global_batch=1))
+        search(shape, PRESETS["rtx3090"].with_memory(gpu_mem_gb=2.5, host_mem_gb=512), 4096,
+               SearchConfig(global_batch=1))
     assert e.value.resource == "device" and e.value.over_bytes > 0
     assert "device memory binds" in str(e.value) and "GB over" in str(e.value)
     with pytest.raises(PlanInfeasible) as e:

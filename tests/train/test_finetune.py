@@ -60,8 +60,10 @@ def test_train_on_chat_jsonl_learns_and_exports_a_loadable_model_and_tokenizer(
     ``train/loop.py``: ``AutoTokenizer`` cannot load the directory)."""
     data = _chat_file(tmp_path / "chat.jsonl", bad_line=True)
     out = tmp_path / "run"
+    # a random tiny model: trained at a from-scratch LR, not a pretrained model's default
     code = main(["train", f"model={model_dir}", f"data={data}", "steps=30", "plan=auto", "seq_len=64",
-                 "data.skip_bad=true", "eval.every=0", "log.every=10", "log.track_every=5", f"out_dir={out}"])
+                 "optimizer.lr=2e-3", "data.skip_bad=true", "eval.every=0", "log.every=10",
+                 "log.track_every=5", f"out_dir={out}"])
     assert code == 0
     log = capsys.readouterr().out
     assert json.loads((out / "plan.json").read_text())["predicted"]["step_s"] > 0

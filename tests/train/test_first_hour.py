@@ -334,7 +334,7 @@ def test_a_micro_batch_that_cannot_fit_is_refused_before_the_store_is_built(tmp_
     assert main(["train", f"out_dir={tmp_path / 'run'}", "device_mem_cap_gb=0.001",
                  "micro_batch_size=64", *TINY[:1], *TINY[2:]]) == 2
     err = capsys.readouterr().err
-    assert "a micro-batch of 64 x 32 tokens with plan every-2 needs" in err
+    assert "a micro-batch of 64 x 32 tokens with plan recompute-all needs" in err  # plan=fit: none fits
     assert "lower micro_batch_size" in err and built == []
 
 

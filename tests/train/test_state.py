@@ -57,7 +57,7 @@ def test_a_checkpoint_of_the_format_before_resumes_as_one_of_today(model_dir, tm
     today, before = tmp_path / "today", tmp_path / "before"
     train(_cfg(model_dir, today, 2))
 
-    def save_as_before(self, state):
+    def save_as_before(self, state, every_group=False):
         legacy = {"eval_loss_start": state.eval_loss_start,
                   "eval_loss_start_step": state.eval_loss_start_step,
                   "metrics_row": state.metrics_row, "data_key": state.data_key,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 from .. import config as config_lib
@@ -137,8 +136,8 @@ def prepare_train(args: argparse.Namespace) -> int | None:
               + config_lib.help_text(TrainConfig, full=True))
         return 0
     cfg, lines = resolve_config(args.config, args.overrides)
-    for line in lines:
-        print(line, file=sys.stderr)
+    for line in lines:  # what was resolved: on stdout with the run's other lines (errors: stderr)
+        print(line)
     check_settings(cfg)
     if args.print_config:
         print(config_lib.to_yaml(cfg), end="")
