@@ -103,9 +103,9 @@ def test_layerwise_train_changes_its_answers_as_trained(kind, tmp_path):
 def test_a_fine_tune_with_the_defaults_keeps_what_the_model_knew(tmp_path, capsys):
     """``layerwise train model=DIR data=chat.jsonl out_dir=...`` and nothing else (the
     fine-tuning defaults a pretrained model gets): the held-out loss falls, and a question far
-    from the data is answered as before. Mutation seen failing: the from-scratch defaults
-    (``optimizer.lr=2e-3``, weight decay 0.1) for a pretrained model: the general answer is
-    gone (a sum in its place)."""
+    from the data is answered as before. What it guards against: the from-scratch defaults
+    (``optimizer.lr=2e-3``, weight decay 0.1, 60 steps) on a pretrained model, which answered
+    a sum in place of the general answer on such data."""
     import json
     import random
 
