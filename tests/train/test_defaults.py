@@ -65,3 +65,15 @@ def test_a_key_hf_does_not_have_either_is_refused_with_a_suggestion(capsys):
 
 def test_the_device_is_auto_by_default():
     assert TrainConfig().device == "auto"
+
+
+def test_print_config_is_yaml_alone_on_stdout(tmp_path, capsys):
+    """The fine-tuning-defaults line goes to stderr with ``--print-config``: stdout stays the
+    YAML a ``--config`` file takes. Mutation seen failing: the line printed on stdout."""
+    import yaml
+
+    model = tmp_path / "model"
+    model.mkdir()
+    assert main(["train", f"model={model}", f"out_dir={tmp_path / 'a'}", "--print-config"]) == 0
+    out, err = capsys.readouterr()
+    assert yaml.safe_load(out)["optimizer"]["lr"] == 2e-5 and "fine-tuning defaults" in err

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from .. import config as config_lib
@@ -136,8 +137,10 @@ def prepare_train(args: argparse.Namespace) -> int | None:
               + config_lib.help_text(TrainConfig, full=True))
         return 0
     cfg, lines = resolve_config(args.config, args.overrides)
-    for line in lines:  # what was resolved: on stdout with the run's other lines (errors: stderr)
-        print(line)
+    # what was resolved: on stdout with the run's other lines (a refusal is one line on
+    # stderr), on stderr where stdout is the YAML of --print-config
+    for line in lines:
+        print(line, file=sys.stderr if args.print_config else sys.stdout)
     check_settings(cfg)
     if args.print_config:
         print(config_lib.to_yaml(cfg), end="")
