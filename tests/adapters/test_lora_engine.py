@@ -108,7 +108,7 @@ def test_lora_options_are_checked():
     with pytest.raises(ValueError, match="match no linear"):
         lora_store(cfg, LoraConfig(r=4, target_modules=["qkv_proj"]))
     with pytest.raises(ValueError, match="base_dtype"):
-        LoraConfig(r=4, base_dtype="fp8").check()
+        LoraConfig(r=4, base_dtype="fp4").check()
     with pytest.raises(ValueError, match="lm_head stay frozen"):
         lora_store(cfg, LoraConfig(r=4, target_modules=["lm_head"]))
 

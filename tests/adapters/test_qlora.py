@@ -51,7 +51,7 @@ def test_int8_is_per_row_absmax():
     assert torch.equal(back.abs().amax(1), x.abs().amax(1))
 
 
-@pytest.mark.parametrize("base_dtype", ["bf16", "int8", "nf4"])
+@pytest.mark.parametrize("base_dtype", ["bf16", "int8", "nf4", "fp8", "mxfp4"])
 def test_qlora_gradients_equal_peft_over_the_dequantised_base(base_dtype, tmp_path):
     """CPU fp32 compute, the base held in ``base_dtype``: adapter gradients equal PEFT LoRA over
     the dequantised base weights to 1e-5, with recompute and with kept internals on both tiers

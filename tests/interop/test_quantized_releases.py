@@ -19,6 +19,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,11 +28,17 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 
 from family_cases import assert_grads_close, engine_grads, engine_loss, hf_reference, make_batch
-from layerwise.interop.hf.model_dir import HFModelDirSource, load_store
+from layerwise.adapters.config import LoraConfig
+from layerwise.cli import main
+from layerwise.adapters.lora_adapter import LoraAdapter
+from layerwise.adapters.lora_store import LoraStore
+from layerwise.interop.hf.model_dir import HFModelDirSource, fill_store, load_store
+from layerwise.interop.hf.quantized import release_weight_format
 from layerwise.interop.recipes.store_export import export_store
-from layerwise.models import get_flavor
+from layerwise.models import DecoderAdapter, get_flavor
 from layerwise.models.init import build_hf_model
 from layerwise.plan import Plan
+from layerwise.util.units import tensor_nbytes
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -41,7 +48,7 @@ FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 def _saved(flavor: str, out: Path, dtype=torch.bfloat16):
     """(config, model): ``flavor``'s tiny model saved to ``out`` as ``save_pretrained`` writes
     it, in the release's ``dtype``."""
-    cfg = get_flavor(flavor).build_config()
+    cfg = get_flavor(flavor).build_config(vocab_size=320)  # room for the byte tokenizer
     model = build_hf_model(cfg, seed=0).to(dtype)
     model.save_pretrained(out)
     return cfg, model
@@ -135,49 +142,37 @@ def _no_quant_names(hub: Path) -> None:
     assert not [n for n in names if n.endswith(("_blocks", "_scales", "scale_inv", "absmax"))]
 
 
-def test_block_fp8_dense_trains_as_transformers_dequantized(tmp_path):
-    """Qwen3 in the Qwen3-FP8 layout, the reference transformers' own
-    ``from_pretrained(..., quantization_config=FineGrainedFP8Config(dequantize=True))``.
-    Mutation seen failing: the quantizer not passed to ``HubLayout`` (the scales dropped, the
-    e4m3 codes read as weights): refused by the unread-scales check; with both refusal checks
-    off too, the loss is 0.5% off and a gradient's relative error 38."""
+def _qwen3_fp8(tmp_path: Path) -> tuple[Path, Any, Any]:
+    """(dir, config, reference): Qwen3 in the Qwen3-FP8 layout, the reference transformers' own
+    ``from_pretrained(..., quantization_config=FineGrainedFP8Config(dequantize=True))``."""
     hub = tmp_path / "qwen3-fp8"
     cfg, _ = _saved("qwen3-debug-untied", hub)
     _fp8_release(hub, tmp_path / "ref", (16, 16), torch.bfloat16)
     with safe_open(hub / "model.safetensors", "pt") as f:
         assert f.get_slice("model.layers.0.self_attn.q_proj.weight").get_dtype() == "F8_E4M3"
         assert f.get_slice("model.layers.0.self_attn.q_proj.weight_scale_inv").get_shape() == [2, 2]
-    _no_quant_names(hub)
     ref = AutoModelForCausalLM.from_pretrained(
         hub, quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.float32,
         attn_implementation="eager")
-    _check(hub, cfg, ref)
+    return hub, cfg, ref
 
 
-def test_block_fp8_deepseek_v3_trains_as_hf_over_its_dequantized_weights(tmp_path):
-    """DeepSeek-V3's release layout: per-expert FP8 experts with their scales (merged into the
-    fused experts after dequantizing), MLA projections, ``kv_a_proj_with_mqa`` 20 rows over
-    16-row blocks (a ceiling grid, as its 576 rows over 128 are). The reference is HF over the
-    same keys dequantized independently. Mutations seen failing: the block size derived from the
-    scale grid (transformers' ``Fp8Dequantize`` alone: rows 0-9 and 10-19 per scale row instead
-    of 0-15 and 16-19): the loss 1.7e-4 off, the router's gradient 0.63; the scales dropped
-    (no quantizer, refusal checks off): the loss 1.5% off, a gradient's relative error 80."""
+def _deepseek_v3_fp8(tmp_path: Path) -> tuple[Path, Any, Any]:
+    """DeepSeek-V3's release layout (per-expert FP8 experts with their scales, MLA, a 20-row
+    ``kv_a_proj_with_mqa`` over 16-row blocks); the reference HF over the same keys dequantized
+    independently."""
     hub = tmp_path / "dsv3-fp8"
     cfg, _ = _saved("deepseek-v3-debug", hub)
     packed = _fp8_release(hub, tmp_path / "ref", (16, 16), torch.float32)
     assert packed["model.layers.1.mlp.experts.0.gate_proj.weight"].dtype == torch.float8_e4m3fn
     assert tuple(packed["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape) == (2, 2)
-    _no_quant_names(hub)
-    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", config=cfg, dtype=torch.float32)
-    _check(hub, cfg, ref)
+    return hub, cfg, AutoModelForCausalLM.from_pretrained(tmp_path / "ref", config=cfg, dtype=torch.float32)
 
 
-def test_mxfp4_gpt_oss_trains_as_transformers_dequantized(tmp_path):
+def _gpt_oss_mxfp4(tmp_path: Path) -> tuple[Path, Any, Any]:
     """gpt-oss's release: experts as ``gate_up_proj_blocks``/``_scales`` and ``down_proj_…``,
-    attention, router, embedding and head bf16, the release's ``quantization_config``. Reference:
-    ``from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True))``. Mutation seen
-    failing: no quantizer (the state before): refused, the ``_blocks``/``_scales`` unread
-    (without the unread-scales check: "weights missing for 4 tensors")."""
+    attention, router, embedding and head bf16, the release's ``quantization_config``; the
+    reference ``from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True))``."""
     hub = tmp_path / "gpt-oss-mxfp4"
     cfg, _ = _saved("gpt-oss-debug", hub)
     tensors = load_file(hub / "model.safetensors")
@@ -188,19 +183,16 @@ def test_mxfp4_gpt_oss_trains_as_transformers_dequantized(tmp_path):
                                                       "model.layers.*.mlp.router",
                                                       "model.embed_tokens", "lm_head"],
                           "quant_method": "mxfp4"})
-    _no_quant_names(hub)
     ref = AutoModelForCausalLM.from_pretrained(
         hub, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32,
         attn_implementation="eager")
-    _check(hub, cfg, ref)
+    return hub, cfg, ref
 
 
-def test_bitsandbytes_nf4_trains_as_bitsandbytes_dequantized(tmp_path):
+def _bnb_nf4(tmp_path: Path) -> tuple[Path, Any, Any]:
     """An unsloth ``-bnb-4bit`` directory (NF4, double quant, bf16 compute) as transformers'
-    ``save_pretrained`` of the 4-bit model writes it; the reference is that model's own
-    ``dequantize()``. Mutations seen failing: the QuantState's nested absmax left out (the
-    double-quantized ``absmax`` read as its uint8 codes): the loss 1e-3 off, a gradient's
-    relative error 80; no quantizer: refused, ``weight.absmax`` &c. unread."""
+    ``save_pretrained`` of the 4-bit model writes it; the reference that model's own
+    ``dequantize()``."""
     pytest.importorskip("bitsandbytes")
     from transformers import BitsAndBytesConfig
 
@@ -212,10 +204,92 @@ def test_bitsandbytes_nf4_trains_as_bitsandbytes_dequantized(tmp_path):
     hub = tmp_path / "llama-bnb-4bit"
     AutoModelForCausalLM.from_pretrained(plain, quantization_config=bnb).save_pretrained(hub)
     assert json.loads((hub / "config.json").read_text())["quantization_config"]["load_in_4bit"]
-    _no_quant_names(hub)
     ref = AutoModelForCausalLM.from_pretrained(hub, dtype=torch.float32, attn_implementation="eager")
-    ref = ref.dequantize(dtype=torch.float32).float()
+    return hub, cfg, ref.dequantize(dtype=torch.float32).float()
+
+
+RELEASES = {"qwen3-fp8": _qwen3_fp8, "deepseek-v3-fp8": _deepseek_v3_fp8,
+            "gpt-oss-mxfp4": _gpt_oss_mxfp4, "llama-bnb-nf4": _bnb_nf4}
+
+
+def test_block_fp8_dense_trains_as_transformers_dequantized(tmp_path):
+    """Qwen3-FP8. Mutation seen failing: the quantizer not passed to ``HubLayout`` (the scales
+    dropped, the e4m3 codes read as weights): refused by the unread-scales check; with both
+    refusal checks off too, the loss is 0.5% off and a gradient's relative error 38."""
+    hub, cfg, ref = _qwen3_fp8(tmp_path)
+    _no_quant_names(hub)
     _check(hub, cfg, ref)
+
+
+def test_block_fp8_deepseek_v3_trains_as_hf_over_its_dequantized_weights(tmp_path):
+    """DeepSeek-V3: the per-expert scales are merged into the fused experts after dequantizing;
+    ``kv_a_proj_with_mqa`` has a ceiling grid (as its 576 rows over 128 are). Mutations seen
+    failing: the block size derived from the scale grid (transformers' ``Fp8Dequantize`` alone:
+    rows 0-9 and 10-19 per scale row instead of 0-15 and 16-19): the loss 1.7e-4 off, the
+    router's gradient 0.63; the scales dropped (no quantizer, refusal checks off): the loss 1.5%
+    off, a gradient's relative error 80."""
+    hub, cfg, ref = _deepseek_v3_fp8(tmp_path)
+    _no_quant_names(hub)
+    _check(hub, cfg, ref)
+
+
+def test_mxfp4_gpt_oss_trains_as_transformers_dequantized(tmp_path):
+    """gpt-oss. Mutation seen failing: no quantizer (the state before): refused, the
+    ``_blocks``/``_scales`` unread (without the unread-scales check: "weights missing for 4
+    tensors")."""
+    hub, cfg, ref = _gpt_oss_mxfp4(tmp_path)
+    _no_quant_names(hub)
+    _check(hub, cfg, ref)
+
+
+def test_bitsandbytes_nf4_trains_as_bitsandbytes_dequantized(tmp_path):
+    """bitsandbytes NF4. Mutations seen failing: the QuantState's nested absmax left out (the
+    double-quantized ``absmax`` read as its uint8 codes): the loss 1e-3 off, a gradient's
+    relative error 80; no quantizer: refused, ``weight.absmax`` &c. unread."""
+    hub, cfg, ref = _bnb_nf4(tmp_path)
+    _no_quant_names(hub)
+    _check(hub, cfg, ref)
+
+
+@pytest.mark.parametrize("release, fmt, max_bytes", [
+    # a scale per 16x16 tile; DeepSeek's 20-row projection has a ceiling grid, as its scales do
+    ("qwen3-fp8", "fp8-16", 1 + 4 / 16**2), ("deepseek-v3-fp8", "fp8-16", 1.02),
+    ("gpt-oss-mxfp4", "mxfp4", 0.5 + 1 / 32), ("llama-bnb-nf4", "nf4", 0.5 + 4 / 64)])
+def test_lora_holds_a_release_in_its_own_low_bit_format(release, fmt, max_bytes, tmp_path, capsys):
+    """LoRA over a quantized release (``lora.base_dtype`` left ``auto``): the tensors the release
+    packs are held packed in its format (bytes per such parameter measured from the store's
+    regions), the ones it keeps plain stay plain, the held values are the release's (the loss
+    with the adapters at zero equals HF's over transformers' dequantized model, rel 1e-5), and
+    ``layerwise train`` trains it, printing the bytes per frozen parameter. Mutations seen
+    failing: every matmul weight packed (``packed_names`` ignored): gpt-oss's bf16 attention is
+    refused ("do not pack back"); with the round-trip check off too, the packed set is not the
+    release's."""
+    hub, cfg, ref = RELEASES[release](tmp_path)
+    source = HFModelDirSource(hub)
+    assert release_weight_format(source.config) == fmt
+    lora = LoraConfig(r=4, alpha=8, base_dtype=fmt)
+    adapter = LoraAdapter(DecoderAdapter(cfg), lora, packed_names=source.packed_names())
+    store = LoraStore(adapter)
+    store.release_format = True
+    fill_store(source, store)
+    store.init_adapters(0)
+    entries = [e for b in store.layers for e in b.layout.frozen]
+    packed = [e for e in entries if e.fmt == fmt]
+    assert packed and {e.hf_name for e in packed} == source.packed_names() & {e.hf_name for e in entries}
+    held = sum(tensor_nbytes(e.view(store.by_name[b.name].source.view(torch.uint8)))
+               for b in store.layers for e in b.layout.frozen if e.fmt == fmt)
+    assert held / sum(e.numel for e in packed) <= max_bytes + 1e-9
+    batch = make_batch(cfg.vocab_size)
+    ref_loss, _ = hf_reference(ref.eval(), cfg, [batch])
+    loss = engine_loss(adapter, store, Plan.every_k(adapter.num_layers, 1), [batch])
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+
+    capsys.readouterr()
+    assert main(["train", f"model={hub}", f"out_dir={tmp_path / 'run'}", "lora.r=4", "steps=2",
+                 "seq_len=16", "micro_batch_size=1", "grad_accum=1"]) == 0
+    said = "".join(capsys.readouterr())
+    assert f"lora.base_dtype=auto: {fmt}" in said and "bytes per frozen layer parameter" in said, said[-3000:]
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
 
 
 def test_export_of_a_quantized_release_is_plain_and_loads(tmp_path):

@@ -1,7 +1,8 @@
 """The directories users start from: a ``checkpoint-N`` the real HF ``Trainer`` wrote (its
 ``use_cache: false``, bf16 weights, optimizer and scheduler files beside them), trained with
-``layerwise train`` in full and with LoRA, each export loaded by ``from_pretrained``; and a
-directory whose config needs the checkpoint's own code, refused in one line."""
+``layerwise train`` in full and with LoRA, each export loaded by ``from_pretrained`` and trained
+a step by HF ``Trainer`` (the PEFT adapter too); ``make demo-pretrained``'s directory in
+``Trainer``; and a directory whose config needs the checkpoint's own code, refused in one line."""
 
 from __future__ import annotations
 
@@ -46,6 +47,14 @@ def trainer_checkpoint(tmp_path_factory) -> Path:
     return checkpoint
 
 
+def _hf_trainer_step(model, out: Path) -> None:
+    """One step of HF's ``Trainer`` on ``model`` (it refuses a model flagged as quantized)."""
+    args = TrainingArguments(output_dir=str(out), max_steps=1, per_device_train_batch_size=2,
+                             report_to=[], use_cpu=True, dataloader_num_workers=0,
+                             disable_tqdm=True, save_strategy="no")
+    Trainer(model=model, args=args, train_dataset=_Tokens(model.config.vocab_size, n=2)).train()
+
+
 def _chat(path: Path) -> Path:
     rows = [{"messages": [{"role": "user", "content": f"What is {i}+1?"},
                           {"role": "assistant", "content": f"{i}+1 = {i + 1}"}]} for i in range(16)]
@@ -68,13 +77,35 @@ def test_a_trainer_checkpoint_trains_and_its_export_loads(trainer_checkpoint, mo
     ids = tok("What is 3+1?", return_tensors="pt").input_ids
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()
+    _hf_trainer_step(model, tmp_path / "hf-again")
     if mode == "lora":  # the adapter, on the checkpoint it was trained on, is the merged model
         from peft import PeftModel
 
         base = AutoModelForCausalLM.from_pretrained(trainer_checkpoint, dtype=torch.float32)
-        peft = PeftModel.from_pretrained(base, out / "adapter")
+        peft = PeftModel.from_pretrained(base, out / "adapter", is_trainable=True)
+        model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
         with torch.no_grad():
             torch.testing.assert_close(peft(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+        _hf_trainer_step(peft, tmp_path / "hf-peft")
+
+
+def test_the_pretrained_demo_dir_trains_in_hf_trainer(tmp_path):
+    """``make demo-pretrained`` writes SmolLM2 read from its GGUF file; transformers leaves
+    ``quant_method: gguf`` in the config over the plain weights, and HF ``Trainer`` refuses such
+    a model ("do not support training"). The directory is written without it. Mutation seen
+    failing: ``_plain_config`` a no-op (Trainer raises)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    from real_model import _plain_config
+
+    model_dir = make_model_dir(tmp_path / "smol")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gguf"}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    _plain_config(model_dir / "config.json")
+    _hf_trainer_step(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                     tmp_path / "hf")
 
 
 def test_remote_code_is_refused_in_one_line(trainer_checkpoint, tmp_path, capsys):

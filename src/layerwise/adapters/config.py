@@ -5,10 +5,11 @@ The names follow PEFT's ``LoraConfig`` (``r``, ``lora_alpha`` as ``alpha``, ``lo
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
-BASE_DTYPES = ("compute", "bf16", "int8", "nf4")
-"""How the frozen base's decoder-layer linears are held on the host and streamed."""
+BASE_DTYPES = ("auto", "compute", "bf16", "int8", "nf4", "fp8", "mxfp4")
+"""How the frozen base's decoder-layer matmul weights are held on the host and streamed."""
 ALL_LINEAR = "all-linear"
 
 
@@ -25,11 +26,13 @@ class LoraConfig:
     """Decoder-layer linears that get adapters, by PEFT's names (``q_proj``, ``v_proj``, ...: a
     module whose name is one of these or ends with ``.`` + one), or ``all-linear`` (every linear of
     the decoder layers; the lm_head never)."""
-    base_dtype: str = field(default="compute", metadata={"choices": BASE_DTYPES})
-    """The frozen base's decoder-layer linears on the host and on the wire: ``compute`` (the
-    compute dtype), ``bf16``, ``int8`` (per-row absmax, ~1 B/param) or ``nf4`` (QLoRA's 4-bit,
-    block-wise absmax, 0.56 B/param); dequantised on the device. Norms, embedding and head stay
-    in the compute dtype."""
+    base_dtype: str = field(default="auto", metadata={"choices": BASE_DTYPES})
+    """The frozen base's decoder-layer matmul weights (linears, expert tensors) on the host and
+    on the wire: ``compute`` (the compute dtype), ``bf16``, ``int8`` (per-row absmax, ~1
+    B/param), ``nf4`` (QLoRA's 4-bit, block-wise absmax, 0.56 B/param), ``fp8`` (e4m3 in
+    128x128 blocks, ~1 B/param) or ``mxfp4`` (gpt-oss's, 0.53 B/param); dequantised on the
+    device. ``auto``: a quantized release's own format (its values kept exactly), else
+    ``compute``. Norms, embedding and head stay in the compute dtype."""
     init: str | None = None
     """A PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) to start
     from; its r, alpha and target modules must match these."""
@@ -58,6 +61,6 @@ class LoraConfig:
         if not self.target_modules:
             raise ValueError(f"{prefix}target_modules is empty: name linears (q_proj, v_proj, ...) "
                              f"or {ALL_LINEAR}")
-        if self.base_dtype not in BASE_DTYPES:
+        if self.base_dtype not in BASE_DTYPES and not re.fullmatch(r"fp8-[1-9]\d*", self.base_dtype):
             raise ValueError(f"{prefix}base_dtype must be one of {', '.join(BASE_DTYPES)}, got "
                              f"{self.base_dtype!r}")

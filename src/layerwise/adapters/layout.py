@@ -20,6 +20,7 @@ import torch
 
 from ..models.adapter import ParamSpec
 from ..store import FlatLayout
+from .quant import dequantize
 
 FROZEN_ALIGN_BYTES = 64
 """Each frozen tensor starts at a multiple of this many bytes (any dtype's view is aligned)."""
@@ -32,11 +33,14 @@ class FrozenEntry:
     hf_name: str
     shape: tuple[int, ...]
     fmt: str
-    """``float`` (held in ``dtype``), ``int8`` or ``nf4`` (packed bytes)."""
+    """``float`` (held in ``dtype``) or a format of ``adapters.quant`` (packed bytes)."""
     dtype: torch.dtype
     """The held dtype of a ``float`` entry; ``torch.uint8`` for a packed one."""
     byte_offset: int
     nbytes: int
+    bind_dtype: torch.dtype | None = None
+    """A packed entry no module unpacks itself (an expert tensor) is dequantised to this dtype
+    when the layer is bound; None: bound as held."""
 
     @property
     def numel(self) -> int:
@@ -44,8 +48,14 @@ class FrozenEntry:
         return math.prod(self.shape)
 
     def view(self, raw: torch.Tensor) -> torch.Tensor:
+        """The held bytes (a packed entry) or tensor (a ``float`` one) in ``raw``."""
         part = raw[self.byte_offset:self.byte_offset + self.nbytes]
         return part if self.fmt != "float" else part.view(self.dtype).view(self.shape)
+
+    def bound(self, raw: torch.Tensor) -> torch.Tensor:
+        """What the layer's module is bound to: the held view, or dequantised (``bind_dtype``)."""
+        held = self.view(raw)
+        return held if self.bind_dtype is None else dequantize(self.fmt, held, self.shape, self.bind_dtype)
 
 
 @dataclass(frozen=True)
@@ -58,14 +68,15 @@ class LoraLayout:
     """Elements (compute dtype) of the whole copy source: adapters, then the frozen base."""
 
     @classmethod
-    def build(cls, trainable: tuple[ParamSpec, ...], frozen: list[tuple[ParamSpec, str, torch.dtype, int]],
+    def build(cls, trainable: tuple[ParamSpec, ...],
+              frozen: list[tuple[ParamSpec, str, torch.dtype, int, torch.dtype | None]],
               itemsize: int) -> LoraLayout:
-        """``frozen``: (spec, format, held dtype, bytes) per base tensor, in order."""
+        """``frozen``: (spec, format, held dtype, bytes, bind dtype) per base tensor, in order."""
         flat = FlatLayout.of(_TrainableUnit(trainable))
         pos = _round_up(flat.numel * itemsize, FROZEN_ALIGN_BYTES)
         entries = []
-        for spec, fmt, dtype, nbytes in frozen:
-            entries.append(FrozenEntry(spec.local, spec.hf_name, spec.shape, fmt, dtype, pos, nbytes))
+        for spec, fmt, dtype, nbytes, bind in frozen:
+            entries.append(FrozenEntry(spec.local, spec.hf_name, spec.shape, fmt, dtype, pos, nbytes, bind))
             pos = _round_up(pos + nbytes, FROZEN_ALIGN_BYTES)
         return cls(flat, tuple(entries), itemsize, -(-pos // itemsize))
 
@@ -110,7 +121,7 @@ class LoraLayout:
         if flat.numel() < self.source_numel:
             return {}
         raw = flat.view(torch.uint8)
-        return {e.local: e.view(raw) for e in self.frozen}
+        return {e.local: e.bound(raw) for e in self.frozen}
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .quant import QUANT_FORMATS, dequantize
+from .quant import dequantize, is_packed
 
 _DROPOUT_SEED: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
     "lora_dropout_seed", default=None)
@@ -41,10 +41,10 @@ def dropout_scope(seed: int | None, layer: int):
         _DROPOUT_SEED.reset(token)
 
 
-def dense_weight(weight: torch.Tensor, fmt: str, shape: tuple[int, int], dtype: torch.dtype
+def dense_weight(weight: torch.Tensor, fmt: str, shape: tuple[int, ...], dtype: torch.dtype
                  ) -> torch.Tensor:
-    """The frozen weight as a ``shape`` matrix in ``dtype`` (``fmt``: ``float`` or a quant format)."""
-    if fmt in QUANT_FORMATS:
+    """The frozen weight as a ``shape`` tensor in ``dtype`` (``fmt``: ``float`` or a quant format)."""
+    if is_packed(fmt):
         return dequantize(fmt, weight, shape, dtype)
     return weight if weight.dtype == dtype else weight.to(dtype)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Collection
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ from ..plan.shape import ModelShape
 from .config import ALL_LINEAR, LoraConfig
 from .layout import LoraLayout
 from .linear import StreamedLinear, dropout_scope
-from .quant import QUANT_FORMATS, packed_nbytes
+from .quant import is_packed, packed_nbytes
 
 DROPOUT_SEED_KEY = "lora_dropout_seed"
 """Key of a training micro-batch's dropout seed in its ``LayerContext.masks`` (a CPU int64
@@ -46,7 +47,10 @@ class LoraAdapter:
     """``DecoderAdapter``'s interface for a LoRA (QLoRA) run; see the module docstring."""
 
     def __init__(self, base: DecoderAdapter, lora: LoraConfig,
-                 compute_dtype: torch.dtype = torch.float32, seed: int = 0):
+                 compute_dtype: torch.dtype = torch.float32, seed: int = 0,
+                 packed_names: Collection[str] | None = None):
+        """``packed_names``: hold only these base tensors in the base format (a quantized
+        release's own packed ones, the rest as its plain weights are); None: every matmul weight."""
         lora.check()
         if not lora.enabled:
             raise ValueError("lora.r is 0: there are no adapters to train; use the plain adapter")
@@ -64,15 +68,16 @@ class LoraAdapter:
         self.dropout_draws = 0
         """Training micro-batches started so far: the dropout seed of the next is derived from it
         (a resumed run sets it back, so its masks are the uninterrupted run's)."""
-        self.base_format = "float" if lora.base_dtype in ("compute", "bf16") else lora.base_dtype
-        self.base_held_dtype = (torch.uint8 if self.base_format in QUANT_FORMATS
-                                else BASE_HELD.get(lora.base_dtype, compute_dtype))
+        self.base_format = lora.base_dtype if is_packed(lora.base_dtype) else "float"
+        self.packed_names = None if packed_names is None else frozenset(packed_names)
+        self.float_dtype = BASE_HELD.get(lora.base_dtype, compute_dtype)
+        """The dtype of a matmul weight the base format does not pack."""
         swapped: dict[int, nn.Module] = {}
         self._templates: list[nn.Module] = []
         for i in range(base.num_layers):
             original = base.layer_template(i)
             if id(original) not in swapped:
-                swapped[id(original)] = self._swap_linears(original)
+                swapped[id(original)] = self._swap_linears(original, base.layout.layer_prefix(i))
             self._templates.append(swapped[id(original)])
         self.target_names = sorted({n for t in swapped.values() for n, m in t.named_modules()
                                     if isinstance(m, StreamedLinear) and m.r})
@@ -94,7 +99,13 @@ class LoraAdapter:
 
     # ----- structure ---------------------------------------------------------------------
 
-    def _swap_linears(self, layer: nn.Module) -> nn.Module:
+    def _format(self, hf_name: str) -> str:
+        """The format base matmul weight ``hf_name`` is held in."""
+        packed = self.packed_names is None or hf_name in self.packed_names
+        return self.base_format if packed else "float"
+
+    def _swap_linears(self, layer: nn.Module, prefix: str) -> nn.Module:
+        """``layer`` with its linears swapped, in the formats of the layer named ``prefix``'s."""
         out = copy.deepcopy(layer)
         # a Linear subclass with a forward of its own (PhiMoE's and Llama 4's routers return a
         # tuple) keeps it: held in the compute dtype, never an adapter's base
@@ -102,36 +113,40 @@ class LoraAdapter:
                    if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward]
         for module_id, (name, lin) in enumerate(linears):
             shape = (lin.out_features, lin.in_features)
-            meta = (torch.empty(packed_nbytes(self.base_format, shape), dtype=torch.uint8, device="meta")
-                    if self.base_format in QUANT_FORMATS
-                    else torch.empty(shape, dtype=self.base_held_dtype, device="meta"))
+            fmt = self._format(f"{prefix}{name}.weight")
+            meta = (torch.empty(packed_nbytes(fmt, shape), dtype=torch.uint8, device="meta")
+                    if is_packed(fmt) else torch.empty(shape, dtype=self.float_dtype, device="meta"))
             r = self.lora.r if matches_target(name, self.lora.target_modules) else 0
             new = StreamedLinear(lin.in_features, lin.out_features, lin.bias is not None,
-                                 self.base_format, meta, r, self.lora.scaling, self.lora.dropout,
-                                 module_id)
+                                 fmt, meta, r, self.lora.scaling, self.lora.dropout, module_id)
             parent, _, child = name.rpartition(".")
             setattr(out.get_submodule(parent) if parent else out, child, new)
         return out
 
     def _unit_tensors(self, unit: Unit):
-        """(trainable specs, frozen (spec, format, held dtype, bytes)) of one base unit."""
+        """(trainable specs, frozen (spec, format, held dtype, bytes, bind dtype)) of one base unit.
+        The base format holds the layer's matmul weights: its linears' (a ``StreamedLinear``
+        dequantises its own) and its expert tensors (3-D; dequantised as the layer is bound)."""
         if unit.kind != "layer":
-            return (), [(p, "float", self.compute_dtype, p.numel * self.compute_dtype.itemsize)
+            return (), [(p, "float", self.compute_dtype, p.numel * self.compute_dtype.itemsize, None)
                         for p in unit.params]
         template = self._templates[unit.index]
         prefix = self.base.layout.layer_prefix(unit.index)
         trainable = tuple(ParamSpec(n, prefix + n, tuple(p.shape))
                           for n, p in template.named_parameters() if ".lora_" in n)
-        linear_weights = {n + ".weight" for n, m in template.named_modules()
-                          if isinstance(m, StreamedLinear)}
+        linear_fmt = {n + ".weight": m.fmt for n, m in template.named_modules()
+                      if isinstance(m, StreamedLinear)}
         frozen = []
         for p in unit.params:
-            if p.local in linear_weights and self.base_format in QUANT_FORMATS:
-                frozen.append((p, self.base_format, torch.uint8, packed_nbytes(self.base_format, p.shape)))
-            elif p.local in linear_weights:
-                frozen.append((p, "float", self.base_held_dtype, p.numel * self.base_held_dtype.itemsize))
+            experts = len(p.shape) == 3
+            fmt = linear_fmt.get(p.local) or (self._format(p.hf_name) if experts else None)
+            if fmt is None:  # norms, biases, routers: the compute dtype
+                frozen.append((p, "float", self.compute_dtype, p.numel * self.compute_dtype.itemsize, None))
+            elif is_packed(fmt):
+                frozen.append((p, fmt, torch.uint8, packed_nbytes(fmt, p.shape),
+                               self.compute_dtype if experts else None))
             else:
-                frozen.append((p, "float", self.compute_dtype, p.numel * self.compute_dtype.itemsize))
+                frozen.append((p, "float", self.float_dtype, p.numel * self.float_dtype.itemsize, None))
         return trainable, frozen
 
     @property
@@ -157,7 +172,7 @@ class LoraAdapter:
         """The planner's shape of this run (``ModelShape.frozen_base`` from the real layouts)."""
         shape = ModelShape.from_config(self.base.config, adapter=self.base)
         layer = self.layouts[self.units[1].name]
-        matmul = [e for e in layer.frozen if len(e.shape) == 2]
+        matmul = [e for e in layer.frozen if len(e.shape) >= 2]
         per = sum(e.nbytes for e in matmul) / sum(e.numel for e in matmul)
         adapter = layer.numel
         return dataclasses.replace(shape, frozen_base=FrozenBase(

@@ -31,7 +31,7 @@ from ..util.units import tensor_nbytes
 from .layout import LoraLayout
 from .linear import dense_weight
 from .lora_adapter import LoraAdapter
-from .quant import QUANT_FORMATS, quantize_into
+from .quant import is_packed, quantize_into, roundtrips
 
 
 @dataclass
@@ -95,6 +95,9 @@ class LoraStore(HostStore):
                                               source=source))
         self.by_name = {b.name: b for b in self.units}
         self._frozen = {e.hf_name: (b, e) for b in self.units for e in b.layout.frozen}
+        self.release_format = False
+        """The base format is the release's own (``lora.base_dtype=auto`` on a quantized
+        release): each packed tensor must give back the values read, or the run is refused."""
 
     # ----- bytes -------------------------------------------------------------------------------
 
@@ -130,8 +133,13 @@ class LoraStore(HostStore):
             raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the model "
                              f"config's {entry.shape}; the checkpoint and config.json disagree")
         view = entry.view(buf.source.view(torch.uint8))
-        if entry.fmt in QUANT_FORMATS:
+        if is_packed(entry.fmt):
             quantize_into(entry.fmt, tensor, view)
+            if self.release_format and not roundtrips(entry.fmt, tensor, view):
+                raise ValueError(
+                    f"{hf_name}: the release's values do not pack back into {entry.fmt} exactly "
+                    "(its blocks or scales are not the format's); set lora.base_dtype=bf16 to "
+                    "hold the base dequantized")
         else:
             view.copy_(tensor)
 
@@ -144,10 +152,7 @@ class LoraStore(HostStore):
     def base_weight(self, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A base tensor as the device computes with it (dequantised), on the host."""
         buf, entry = self._frozen[hf_name]
-        view = entry.view(buf.source.view(torch.uint8))
-        if entry.fmt == "float" and len(entry.shape) != 2:
-            return view.to(dtype)
-        return dense_weight(view, entry.fmt, entry.shape, dtype)
+        return dense_weight(entry.view(buf.source.view(torch.uint8)), entry.fmt, entry.shape, dtype)
 
     # ----- adapters -------------------------------------------------------------------------------
 

@@ -105,6 +105,10 @@ class RouterRecorder:
         self.spec = spec
         self._calls: list[torch.Tensor] | None = None
 
+    def __deepcopy__(self, memo) -> RouterRecorder:
+        # a copied template (a LoRA run's, its linears swapped) records into the same recorder
+        return self
+
     def attach(self, layer: nn.Module) -> bool:
         """Hook ``layer``'s routers; whether it has any."""
         routers = self.spec.routers(layer)

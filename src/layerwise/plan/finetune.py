@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 LORA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-BASE_DTYPES = ("compute", "bf16", "int8", "nf4")
-"""The frozen base's formats (``lora.base_dtype``): ``compute`` is the run's compute dtype."""
+BASE_DTYPES = ("auto", "compute", "bf16", "int8", "nf4", "fp8", "mxfp4")
+"""The frozen base's formats (``lora.base_dtype``): ``compute`` is the run's compute dtype;
+``auto`` a quantized release's own format, else ``compute`` (planned as ``compute``)."""
 
-BASE_BYTES_PER_PARAM = {"bf16": 2.0, "nf4": 0.5 + 4 / 64}
+BASE_BYTES_PER_PARAM = {"bf16": 2.0, "nf4": 0.5 + 4 / 64, "fp8": 1.0 + 4 / 128**2, "mxfp4": 0.5 + 1 / 32}
 """Host and wire bytes per base matmul weight by format (int8 depends on the row length)."""
 
 
@@ -37,7 +38,7 @@ class FrozenBase:
 
     def label(self) -> str:
         """``LoRA r=16, nf4 base``: the run in words (``layerwise plan``'s verdict)."""
-        base = f", {self.base_dtype} base" if self.base_dtype and self.base_dtype != "compute" else ""
+        base = f", {self.base_dtype} base" if self.base_dtype not in ("", "compute", "auto") else ""
         return f"LoRA r={self.rank}{base}" if self.rank else "LoRA"
 
 

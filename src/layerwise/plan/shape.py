@@ -230,6 +230,8 @@ class ModelShape:
         (``plan/finetune.py``); ``r`` 0: the shape itself."""
         if r <= 0:
             return self
+        if base_dtype.startswith("fp8-"):  # a release's FP8 blocks: ~1 B/param whatever their size
+            base_dtype = "fp8"
         if base_dtype not in BASE_DTYPES:
             raise ValueError(f"unknown base dtype {base_dtype!r}; use one of {', '.join(BASE_DTYPES)}")
         return replace(self, frozen_base=lora_frozen_base(

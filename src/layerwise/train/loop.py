@@ -43,7 +43,8 @@ from .dist.reducer import DistReducer
 from .dist.shm import shared_store_nbytes
 from .interrupt import StopFlag
 from .checkpoints import CheckpointManager, due
-from .lora_run import build_lora, eval_mode, export_lora, lora_adapter, resume_dropout
+from .lora_run import (build_lora, eval_mode, export_lora, lora_adapter, resolve_base_dtype,
+                       resume_dropout)
 from .outdir import RUN_FORMAT_VERSION, read_run_json
 from .outdir import open_metrics as _open_metrics  # noqa: F401  (tests read it here)
 from .progress import Progress
@@ -126,12 +127,13 @@ class Trainer:
         if line:
             _log.info(line)
         self.model_path = source.name
+        cfg = self.cfg = resolve_base_dtype(cfg, source.name)
         self.compute_dtype = resolve_dtype(cfg.model.compute_dtype, cfg.device)
         self.plan, self.hw = dist_setup.decided_by_rank0(
             ctx, lambda: choose_plan(cfg, source.config, self.compute_dtype), "sharing the plan")
         check_fits(cfg, source.config, self.plan, self.compute_dtype)
         self.alloc = dist_setup.host_allocator(ctx, cfg.dist.shm_dir, lambda: shared_store_nbytes(
-            lora_adapter(source.config, cfg, self.compute_dtype) if cfg.lora.enabled
+            lora_adapter(source.name, source.config, cfg, self.compute_dtype) if cfg.lora.enabled
             else source.config, self.compute_dtype, self.plan.moments))
         try:
             # every gradient lands once a step on one process (one micro-batch, or all of them

@@ -93,7 +93,7 @@ class HFModelDirSource:
         return cache[path]
 
     @cached_property
-    def _config(self) -> dict | None:
+    def config(self) -> dict | None:
         f = self.path / CONFIG_NAME
         return read_json(f) if f.is_file() else None
 
@@ -101,20 +101,20 @@ class HFModelDirSource:
     def _quantizer(self) -> Any | None:
         """transformers' quantizer reading this release dequantized (None: plain weights);
         ValueError for a quantization layerwise does not read (``quantized.py``)."""
-        return dequantizer(self._config, self.path)
+        return dequantizer(self.config, self.path)
 
     @cached_property
     def _layout(self) -> HubLayout | None:
         """transformers' conversion between the files' names and the model's (None: a config
         transformers cannot build, whose names are taken as they are)."""
         quantizer = self._quantizer
-        if self._config is None:
+        if self.config is None:
             return None
         try:
-            model = meta_model(self._config)
+            model = meta_model(self.config)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             if quantizer is not None:  # nothing to dequantize into
-                raise refusal(self.path, quant_method(self._config),
+                raise refusal(self.path, quant_method(self.config),
                               f"transformers cannot build its model ({e})") from None
             return None
         if quantizer is not None:  # the quantizer's own errors are the user's to see
@@ -139,7 +139,7 @@ class HFModelDirSource:
         unread = sorted(k for k, ns in names.items()
                         if QUANT_KEY.search(k) and not any(n in model_keys for n in ns))
         if unread:
-            method = quant_method(self._config)
+            method = quant_method(self.config)
             said = f"its quant_method {method!r}" if method else "config.json has no quantization_config"
             raise ValueError(
                 f"{self.path}: {len(unread)} tensors hold quantization scales or packed blocks that "
@@ -149,7 +149,7 @@ class HFModelDirSource:
     @cached_property
     def _groups(self) -> dict[str, list[str]]:
         """Group → the file keys it is read from (groups by the model's names)."""
-        tied = config_is_tied(self._config)
+        tied = config_is_tied(self.config)
         out: dict[str, list[str]] = {}
         for key, names in self._model_names.items():
             if tied and is_head_name(names[0]) and names[0].endswith(".weight"):
@@ -210,12 +210,17 @@ class HFModelDirSource:
                     out[n] = sd[n].clone()
         return out
 
+    def packed_names(self) -> set[str]:
+        """The model's names of the tensors a quantized release stores packed (read with scales
+        or as packed blocks), the rest being plain."""
+        return {n for k, names in self._model_names.items() if QUANT_KEY.search(k) for n in names}
+
     def hf_names(self) -> list[str]:
         """The model's names of every tensor the files hold (not the files' own keys)."""
         return list(dict.fromkeys(n for names in self._model_names.values() for n in names))
 
     def model_config(self) -> dict | None:
-        return self._config
+        return self.config
 
     def extra_state(self) -> dict:
         extra: dict[str, Any] = {"step": 0, "scheduler": None, "rng": None, "trainer_state": None}

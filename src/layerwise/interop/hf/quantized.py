@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from transformers.core_model_loading import ConversionOps
 
+from ...adapters.quant import fp8_format
+
 # FP8 (DeepSeek-V3, Qwen3-FP8), MXFP8 (same op, ue8m0 scales) and gpt-oss MXFP4
 DEQUANTIZED_BY_TRANSFORMERS = ("fp8", "mxfp8", "mxfp4")
 BITSANDBYTES = "bitsandbytes"
@@ -51,6 +53,23 @@ def quant_method(config: dict | None) -> str | None:
     if qc.get("load_in_4bit") or qc.get("load_in_8bit"):
         return BITSANDBYTES
     return str(qc.get("quant_method", "unknown"))
+
+
+def release_weight_format(config: dict | None) -> str | None:
+    """The ``adapters.quant`` format that holds ``config``'s quantized weights as the release has
+    them (NF4 in 64-blocks, LLM.int8, square-block FP8, MXFP4), None for a plain checkpoint or a
+    format none of them is."""
+    method = quant_method(config)
+    qc = (config or {}).get("quantization_config") or {}
+    if method == BITSANDBYTES:
+        if qc.get("load_in_8bit"):
+            return "int8"
+        nf4 = qc.get("bnb_4bit_quant_type", "fp4") == "nf4"
+        return "nf4" if nf4 and qc.get("bnb_4bit_blocksize", 64) == 64 else None
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        return fp8_format(block[0]) if block and len(block) == 2 and block[0] == block[1] else None
+    return "mxfp4" if method == "mxfp4" else None
 
 
 def refusal(path: Any, method: str, why: str = "layerwise does not read it") -> ValueError:

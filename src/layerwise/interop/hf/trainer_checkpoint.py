@@ -331,7 +331,7 @@ class TrainerCheckpointSource(HFModelDirSource):
                 "FSDP, consolidate the optimizer state into optimizer.pt first"
             )
         super().__init__(path)
-        if self._config is None:
+        if self.config is None:
             raise ValueError(
                 f"{self.path} has no {CONFIG_NAME}; it is needed to map optimizer.pt entries to parameters"
             )
@@ -347,7 +347,7 @@ class TrainerCheckpointSource(HFModelDirSource):
         opt = self._optimizer
         if opt is None:
             return {}
-        model = meta_model(self._config)
+        model = meta_model(self.config)
         named = trainer_param_groups(model)
         saved = opt["param_groups"]
         if len(saved) != len(named) or any(len(g["params"]) != len(n) for g, n in zip(saved, named)):
