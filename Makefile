@@ -68,11 +68,11 @@ demo-pretrained: $(VENV)/.installed
 	$(VENV)/bin/layerwise demo --pretrained $(SMOLLM2_DIR)
 
 # `make gpu-check`: the GPU check (docs/results.md, "GPU check") on a machine with one CUDA GPU,
-# torch and transformers, and no network: benchmarks/gpu_check.py from src/ under `timeout`. With
-# CUDA its first stage (`wheels`) installs the wheels in $(WHEEL_DIR) (`make gpu-wheels`, here)
-# into $(GPU_SITE) and reports each of GPU_WHEELS installed, missing or failed; the script writes
-# $(GPU_CHECK_OUT) after every stage and prints it. Without CUDA it says there is no GPU and exits
-# 0. Python: .venv's when present, else python3 (the GPU machine's).
+# torch and transformers; it needs no network. It runs `python -m benchmarks.gpu_check` with src/
+# on the path, under `timeout`. Its first stage installs the wheels in $(WHEEL_DIR) (`make
+# gpu-wheels` fetches them) into $(GPU_SITE) and reports each of GPU_WHEELS installed, missing or
+# failed; the check rewrites $(GPU_CHECK_OUT) after every stage and prints it at the end. Without
+# CUDA it says there is no GPU and exits 0. Python: .venv's when present, else python3.
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 GPU_CHECK_OUT ?= gpu-check.json
 GPU_CHECK_ARGS ?=
@@ -80,13 +80,13 @@ GPU_CHECK_ARGS ?=
 # given, not read: on some GPU machines MemTotal and MemAvailable start far lower and grow as
 # memory is used.
 GPU_HOST_BUDGET_GB ?= 137.4
-# The check's time budget in seconds: the script starts no stage it has no time left for, and
-# `timeout` stops it after GPU_CHECK_TIMEOUT_S. Raise both for a longer run.
+# How long the check may take, in seconds: it starts no stage it has no time left for, and
+# `timeout` ends it after GPU_CHECK_TIMEOUT_S. Raise both for a longer run.
 GPU_CHECK_BUDGET_S ?= 360
 GPU_CHECK_TIMEOUT_S ?= 390
 WHEEL_DIR ?= .whl
 GPU_SITE ?= /tmp/layerwise-gpu-site
-# What a bare GPU image (torch, transformers, numpy) lacks of layerwise's dependencies, and
+# What a GPU image with only torch, transformers and numpy lacks of layerwise's dependencies, and
 # the wheels of those the check imports: highspy (the planner) and blake3 (layerwise.ckpt, which
 # no CUDA test file imports today). deepspeed stays behind: only ZeRO tests use it, and the
 # check collects only the files with CUDA tests. tests/engine/test_gpu_check.py runs the dry run
@@ -96,15 +96,17 @@ GPU_WHEELS ?= highspy==1.16.0 blake3==1.0.11
 
 gpu-check:
 	@PYTHONPATH=$(CURDIR)/src:$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
-	  timeout -k 15 $(GPU_CHECK_TIMEOUT_S) $(GPU_PY) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT) \
+	  timeout -k 15 $(GPU_CHECK_TIMEOUT_S) $(GPU_PY) -m benchmarks.gpu_check --out $(GPU_CHECK_OUT) \
 	  --host-budget-gb $(GPU_HOST_BUDGET_GB) --budget-s $(GPU_CHECK_BUDGET_S) \
 	  --wheel-dir $(WHEEL_DIR) --wheel-site $(GPU_SITE) --wheels "$(GPU_WHEELS)" $(GPU_CHECK_ARGS)
 
-# The wheels of GPU_WHEELS for a GPU machine's Python 3.12 on x86-64 that has no network, then
-# what each requires (numpy, which the image has); copy $(WHEEL_DIR) (git-ignored) to that machine
-# with the checkout.
+# `make gpu-wheels`, on a machine with network: the wheels of GPU_WHEELS for the GPU machine's
+# Python (WHEEL_PYTHON, x86-64 Linux) into $(WHEEL_DIR) (git-ignored), then what each requires
+# (numpy, which a GPU image with torch has). Copy $(WHEEL_DIR) with the checkout to the GPU
+# machine; `make gpu-check` installs them there.
+WHEEL_PYTHON ?= 3.12
 gpu-wheels:
-	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version $(WHEEL_PYTHON) --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
 	  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d $(WHEEL_DIR) $(GPU_WHEELS)
 	@python3 -c "import glob, zipfile; [print(w, [l for l in zipfile.ZipFile(w).read(next(n for n in \

@@ -1,6 +1,6 @@
 """The planner's predicted step and what each host term takes of it.
 
-Two cases: the GPU check's model (``benchmarks/gpu_check.py`` defaults: llama3-8b widths with the
+Two cases: the GPU check's model (``benchmarks/gpu_check`` defaults: llama3-8b widths with the
 layers that fit a 137.4 GB host budget, 8 x 4096 tokens, one micro-batch, 8-bit moments) on the
 ``h200`` preset with that host budget, planned as the check plans it (``run_planner``); and
 qwen2.5-14b on ``h200`` at 4096 tokens as ``layerwise plan`` plans it (batch auto).
@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: benchmarks.gpu_check
 
 TERMS = {"accumulation": ("accumulate",), "optimizer": ("update",), "pinned_copies": ("refresh",),
          "reduction": ("reduce", "all-reduce")}
@@ -62,9 +62,11 @@ def breakdown(plan, shape, hw) -> dict[str, Any]:
 
 
 def gpu_check_case(milp_budget_s: float) -> dict[str, Any]:
-    from gpu_check_large import Large, run_model, run_planner
+    from benchmarks.gpu_check.machine import Dev
+    from benchmarks.gpu_check.model import Large, run_model
+    from benchmarks.gpu_check.probes import run_planner
 
-    lg = Large(dev=None, flavor="llama3-8b", host_budget_bytes=int(137.4e9), mbs=8, seq=4096, nmb=1,
+    lg = Large(dev=Dev(dry_run=True), flavor="llama3-8b", host_budget_bytes=int(137.4e9), mbs=8, seq=4096, nmb=1,
                moments_kind="8bit")
     model: dict[str, Any] = {}
     run_model(lg, 16, model)

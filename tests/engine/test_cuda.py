@@ -2,7 +2,7 @@
 
 Tests marked ``cuda`` are skipped without CUDA (tests/conftest.py); ``make gpu-check`` runs them
 (``pytest -m cuda`` over the test files that hold such tests) on a GPU machine. The helpers they
-share with ``benchmarks/gpu_check.py`` (trace analysis, the seeded store fill) are tested on the
+share with the check (``benchmarks/gpu_check``: trace analysis, the seeded store fill) are tested on the
 CPU in ``test_gpu_check.py``; the bf16 gradient test also runs on the CPU backend.
 
 What the GPU tests hold the engine to:
@@ -22,13 +22,13 @@ import copy
 import gc
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.gpu_check import store as check_store
+from benchmarks.gpu_check import trace as check_trace
 from layerwise.engine.backend import Ref
 from layerwise.engine import CudaBackend, EngineConfig, StreamingEngine
 from layerwise.engine.batch import IGNORE_INDEX, Batch
@@ -41,11 +41,6 @@ from layerwise.store import HostStore
 from .test_gradients import assert_grads_close, engine_grads, make_batch, reference
 
 cuda = pytest.mark.cuda
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the GPU check's modules
-import gpu_check_large  # noqa: E402
-import gpu_check_trace  # noqa: E402
 
 
 @pytest.fixture
@@ -207,7 +202,7 @@ def _random_store(seed: int = 0, **model) -> tuple[DecoderAdapter, HostStore, ob
     cfg = get_flavor("llama-debug").build_config(**{**MEM_MODEL, **model})
     adapter = DecoderAdapter(cfg)
     store = HostStore(adapter, compute_dtype=torch.bfloat16)
-    gpu_check_large.fill_store_random(store, seed=seed)
+    check_store.fill_store_random(store, seed=seed)
     return adapter, store, cfg
 
 
@@ -296,7 +291,7 @@ def test_weight_and_gradient_copies_overlap_compute(tmp_path):
         engine.close()
         del engine
         _clean_cuda()
-    ov = gpu_check_trace.copy_overlap(gpu_check_trace.load_trace_events(trace))
+    ov = check_trace.copy_overlap(check_trace.load_trace_events(trace))
     summary = json.dumps({k: ov[k] for k in ("h2d", "d2h", "compute_stream", "compute_busy_s", "window_s")},
                          default=str)
     assert ov["kernels"] > 0 and ov["compute_stream"] is not None, summary

@@ -1,7 +1,7 @@
-"""The GPU check (``benchmarks/gpu_check.py`` and its ``gpu_check_*`` modules) on the CPU: its
-pure helpers, its stage runner, its schema as ``--print-schema`` prints it, and the whole check as a
-dry run (every stage's Python on the asynchronous CPU backend, all but the CUDA calls), so it
-keeps working against the engine between GPU runs."""
+"""The GPU check (the package ``benchmarks/gpu_check``) on the CPU: its pure helpers, its stage
+runner, its schema as ``--print-schema`` prints it, and the whole check as a dry run (every
+stage's Python on the asynchronous CPU backend, all but the CUDA calls), so it keeps working
+against the engine between GPU runs."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import importlib
 import json
 import os
 import re
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -17,20 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.gpu_check import cli, cuda_tests, machine, report, schema, trace, wheels
+from benchmarks.gpu_check import model as large_model
+from benchmarks.gpu_check import store as host_store
 from layerwise.models import DecoderAdapter, get_flavor
-from layerwise.store import HostStore
 from layerwise.split_master import split_torch
+from layerwise.store import HostStore
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))  # the GPU check's modules
-import gpu_check  # noqa: E402
-import gpu_check_device as device  # noqa: E402
-import gpu_check_large as large  # noqa: E402
-import gpu_check_report as report  # noqa: E402
-import gpu_check_schema as schema  # noqa: E402
-import gpu_check_tests as cuda_tests  # noqa: E402
-import gpu_check_trace as trace  # noqa: E402
-import gpu_check_wheels as wheels  # noqa: E402
 
 
 def _make_var(name: str) -> list[str]:
@@ -116,7 +111,7 @@ def test_parse_junit(tmp_path):
         '<testcase classname="tests.b" name="test_err"><error message="y"/></testcase>'
         '<testcase classname="tests.b" name="test_skip"><skipped message="z"/></testcase>'
         '</testsuite></testsuites>')
-    res = trace.parse_junit(xml)
+    res = cuda_tests.parse_junit(xml)
     assert (res["total"], res["passed"], res["failed"], res["errors"], res["skipped"]) == (5, 2, 1, 1, 1)
     assert res["failing_tests"] == ["tests.a::test_bad", "tests.b::test_err"]
     assert res["collection_errors"] == [{"module": "tests.c.test_zero",
@@ -129,7 +124,7 @@ def test_fill_store_random_is_seeded_and_shaped():
     stores = []
     for _ in range(2):
         store = HostStore(adapter, compute_dtype=torch.bfloat16, pin=False)
-        large.fill_store_random(store, seed=3, device="cpu")
+        host_store.fill_store_random(store, seed=3, device="cpu")
         stores.append(store)
     a, b = stores
     for ua, ub in zip(a, b):
@@ -145,7 +140,7 @@ def test_fill_store_random_is_seeded_and_shaped():
             else:
                 assert torch.all(v == 0), spec.local
     c = HostStore(adapter, compute_dtype=torch.bfloat16, pin=False)
-    large.fill_store_random(c, seed=4, device="cpu")
+    host_store.fill_store_random(c, seed=4, device="cpu")
     assert not torch.equal(c["layers.0"].read_master(), a["layers.0"].read_master())
 
 
@@ -194,7 +189,7 @@ def test_report_status_ok_only_when_every_selected_stage_is():
 def test_print_schema_prints_the_one_definition(capsys):
     """``--print-schema`` is how a reader gets the JSON's meaning (docs/results.md, "GPU check"):
     it prints ``render_markdown``, a table for every record, every key of each named."""
-    assert gpu_check.main(["--print-schema"]) == 0
+    assert cli.main(["--print-schema"]) == 0
     out = capsys.readouterr().out
     assert out.strip() == schema.render_markdown().strip()
     assert "--print-schema" in (REPO / "docs" / "results.md").read_text()
@@ -241,16 +236,16 @@ def test_the_store_is_checked_against_the_budget_and_its_size_is_known(moments):
     the store's RAM check uses the host budget, not MemAvailable: a budget under the need is
     refused here, where MemAvailable would let it through. Mutation: building the store without
     ``mem_available=`` builds it."""
-    lg = large.Large(device.Dev(dry_run=True), "qwen2-debug-untied", 10**15, 2, 16, 1, moments)
+    lg = large_model.Large(machine.Dev(dry_run=True), "qwen2-debug-untied", 10**15, 2, 16, 1, moments)
     model, store = {}, {}
-    large.run_model(lg, 4, model)
-    large.run_store(lg, 0, store)
+    large_model.run_model(lg, 4, model)
+    host_store.run_store(lg, 0, store)
     assert model["store_bytes_estimate"] == store["store_nbytes"] == lg.store.nbytes()
     assert store["estimate_matches_store"] and store["ram_check"]["fits"]
     need = model["store_bytes_estimate"]
-    lg.host_budget_bytes = (device.process_rss_bytes() or 0) + need // 2
+    lg.host_budget_bytes = (machine.process_rss_bytes() or 0) + need // 2
     with pytest.raises(ValueError, match="available"):
-        large.run_store(lg, 0, {})
+        host_store.run_store(lg, 0, {})
 
 
 def _local_module_file(name: str) -> Path | None:
@@ -292,8 +287,8 @@ def _imports_at_load(tree: ast.AST, module: str, is_package: bool) -> set[str]:
 
 
 def third_party_imports_at_load(modules: list[str]) -> set[str]:
-    """Top-level names of the packages outside layerwise and tests/ that loading ``modules``
-    imports, following every layerwise and tests module they load (and the packages above it)."""
+    """Top-level names of the packages outside layerwise, tests/ and benchmarks/ that loading
+    ``modules`` imports, following every such module they load (and the packages above it)."""
     seen, todo, third = set(), list(modules), set()
     while todo:
         name = todo.pop()
@@ -301,7 +296,7 @@ def third_party_imports_at_load(modules: list[str]) -> set[str]:
             continue
         seen.add(name)
         parts = name.split(".")
-        if parts[0] not in ("layerwise", "tests"):
+        if parts[0] not in ("layerwise", "tests", "benchmarks"):
             third.add(parts[0])
             continue
         todo += [".".join(parts[:i]) for i in range(1, len(parts))]
@@ -322,12 +317,31 @@ def test_the_cuda_test_files_load_without_what_the_gpu_image_lacks():
     assert "deepspeed" in third_party_imports_at_load(["tests.interop.test_zero"])
 
 
+def test_the_check_loads_on_the_standard_library_alone():
+    """Every module of the package imports only the standard library when loaded (each stage
+    imports what it uses), so ``--print-schema`` and the no-GPU answer need nothing else and
+    ``PYTORCH_CUDA_ALLOC_CONF`` is set before torch loads. Mutation: ``import torch`` at the top
+    of ``benchmarks/gpu_check/plans.py`` fails it."""
+    third = third_party_imports_at_load(["benchmarks.gpu_check.cli", "benchmarks.gpu_check.__main__"])
+    assert {"argparse", "json"} <= third  # the walk reached cli's imports
+    assert not {m for m in third if m not in sys.stdlib_module_names}, sorted(third)
+
+
+def test_python_m_runs_the_check():
+    """``python -m benchmarks.gpu_check`` from the repository root, as ``make gpu-check`` runs it."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--print-schema"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == schema.render_markdown().strip()
+    assert "$(GPU_PY) -m benchmarks.gpu_check " in (REPO / "Makefile").read_text()
+
+
 # ----- the whole check ---------------------------------------------------------------------------
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_gpu_check_without_cuda_says_so_and_exits_0(tmp_path, capsys):
     out = tmp_path / "gpu-check.json"
-    assert gpu_check.main(["--out", str(out)]) == 0
+    assert cli.main(["--out", str(out)]) == 0
     printed = capsys.readouterr()
     assert "no GPU" in printed.err
     assert json.loads(printed.out)["status"] == "no_cuda"  # stdout: the one JSON object
@@ -387,23 +401,23 @@ def test_the_alloc_conf_gets_expandable_segments_unless_the_user_chose(monkeypat
         monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     else:
         monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", given)
-    monkeypatch.setattr(device, "ALLOC_CONF", dict(device.ALLOC_CONF))
-    device.set_alloc_conf()
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == want and device.ALLOC_CONF["source"] == source
+    monkeypatch.setattr(machine, "ALLOC_CONF", dict(machine.ALLOC_CONF))
+    machine.set_alloc_conf()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == want and machine.ALLOC_CONF["source"] == source
 
 
 def test_the_model_is_sized_to_the_gpu_less_the_margin(monkeypatch):
     """With every plan's predicted peak 1 GB a layer and the GPU's memory the margin plus 4.5 GB,
     the model comes out with 4 of the 8 layers asked for, its peak within the budget. Mutation
     seen failing: the device condition dropped from ``run_model``'s loop (it keeps 8 layers)."""
-    monkeypatch.setattr(large, "cuda_peak_bytes", lambda shape, plan, mbs, seq: shape.num_layers * 10**9)
-    mem = large.DEVICE_MARGIN_BYTES + 45 * 10**8
-    monkeypatch.setattr(large, "device_memory", lambda lg: (mem, "test"))
-    lg = large.Large(device.Dev(dry_run=True), "qwen2-debug-untied", 10**15, 2, 64, 1, "8bit")
+    monkeypatch.setattr(large_model, "cuda_peak_bytes", lambda shape, plan, mbs, seq: shape.num_layers * 10**9)
+    mem = large_model.DEVICE_MARGIN_BYTES + 45 * 10**8
+    monkeypatch.setattr(large_model, "device_memory", lambda lg: (mem, "test"))
+    lg = large_model.Large(machine.Dev(dry_run=True), "qwen2-debug-untied", 10**15, 2, 64, 1, "8bit")
     data: dict = {}
-    large.run_model(lg, 8, data)
+    large_model.run_model(lg, 8, data)
     assert data["num_layers"] == 4 and data["fits_device"]
-    assert data["device_budget_bytes"] == mem - large.DEVICE_MARGIN_BYTES == lg.device_budget_bytes
+    assert data["device_budget_bytes"] == mem - large_model.DEVICE_MARGIN_BYTES == lg.device_budget_bytes
     assert data["device_peak_predicted_bytes"] <= data["device_budget_bytes"]
 
 
@@ -417,7 +431,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path, capsys):
     out = tmp_path / "gpu-check.json"
     (tmp_path / "whl").mkdir()
     _wheel(tmp_path / "whl", "gc_probe_dry")
-    rc = gpu_check.main(["--dry-run", "--out", str(out), "--hide-modules", ",".join(NOT_CARRIED),
+    rc = cli.main(["--dry-run", "--out", str(out), "--hide-modules", ",".join(NOT_CARRIED),
                          "--wheel-dir", str(tmp_path / "whl"), "--wheel-site", str(tmp_path / "site"),
                          "--wheels", "gc-probe-dry"])
     res = json.loads(out.read_text())
@@ -443,7 +457,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path, capsys):
     assert lora["lora"]["base_dtype"] == "nf4" and lora["lora"]["base_host_bytes_per_layer_param"] < 0.6
     assert lora["lora"]["loss_finite"] and lora["predicted_peak_bytes"] > 0 and lora["source"] == "lora"
     model = res["model"]
-    assert model["fits_device"] and model["device_margin_bytes"] == large.DEVICE_MARGIN_BYTES
+    assert model["fits_device"] and model["device_margin_bytes"] == large_model.DEVICE_MARGIN_BYTES
     assert {r["device_cap_bytes"] for r in res["plans"].values()} == {model["device_budget_bytes"]}
     ops = res["tiny_steps"]["op_counts"]
     assert all(ops.get(k) for k in ("fetch", "recompute_layer", "layer_fwd_keep", "fetch_internals")), ops
@@ -465,7 +479,7 @@ def test_gpu_check_on_a_gpu_needs_the_host_budget(tmp_path, monkeypatch, capsys)
     says so and stops before touching anything."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     out = tmp_path / "gpu-check.json"
-    assert gpu_check.main(["--out", str(out)]) == 2
+    assert cli.main(["--out", str(out)]) == 2
     assert "--host-budget-gb" in capsys.readouterr().err
     assert not out.exists()
 

@@ -1,5 +1,5 @@
 """The GPU check's JSON schema, defined once: ``validate`` checks a result against it (the dry-run
-test does) and ``render_markdown`` writes its tables (``gpu_check.py --print-schema``), so the
+test does) and ``render_markdown`` writes its tables (``--print-schema``), so the
 documentation and the file cannot drift apart.
 
 Every key the check writes is listed: an object's unlisted key is an error, except in objects
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_check_report import SCHEMA_ID
+from .report import SCHEMA_ID
 
 
 @dataclass(frozen=True)
@@ -35,9 +35,7 @@ class Record:
     keys: tuple[Key, ...]
 
 
-def K(name: str, kind: str, doc: str, null: bool = False, optional: bool = False,
-      of: Record | None = None) -> Key:
-    return Key(name, kind, doc, null, optional, of)
+K = Key
 
 
 def R(title: str, *keys: Key) -> Record:
@@ -378,17 +376,10 @@ LIST_ITEMS = {("cuda_tests", "collection_errors"): COLLECTION_ERROR, ("plan_orde
 
 
 def _kind_ok(kind: str, v: Any) -> bool:
-    if kind == "str":
-        return isinstance(v, str)
-    if kind == "int":
-        return isinstance(v, int) and not isinstance(v, bool)
-    if kind == "number":
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-    if kind == "bool":
-        return isinstance(v, bool)
-    if kind == "list":
-        return isinstance(v, list)
-    return isinstance(v, dict)  # object, record, map
+    if isinstance(v, bool):
+        return kind == "bool"
+    types = {"str": str, "int": int, "number": (int, float), "bool": bool, "list": list}
+    return isinstance(v, types.get(kind, dict))  # object, record, map: a dict
 
 
 def validate(value: Any, record: Record = TOP, path: tuple[str, ...] = ()) -> list[str]:
@@ -432,13 +423,9 @@ def _records(record: Record, seen: list[Record]) -> list[Record]:
 
 def render_markdown() -> str:
     """One table per record (the top level first), as ``--print-schema`` prints them."""
-    out = []
-    for rec in _records(TOP, []) + [r for r in LIST_ITEMS.values()]:
-        if any(r is rec for r in out):
-            continue
-        out.append(rec)
+    records = _records(TOP, [])
     lines = []
-    for rec in out:
+    for rec in records + [r for r in LIST_ITEMS.values() if r not in records]:
         lines += [f"`{rec.title}`", "", "| key | type | meaning |", "|---|---|---|"]
         for key in rec.keys:
             kind = {"record": f"`{key.of.title}`" if key.of else "object",

@@ -1,40 +1,4 @@
-"""GPU check: run the CUDA path on one GPU and report whatever happens, as one JSON object.
-
-Stages, smallest first; each writes its result into the JSON file before the next starts, runs
-under its own try/except (a failure is recorded, the rest still runs), after the stages it
-needs, and only when the time budget left covers its estimate (else it is skipped, saying so):
-
-0. ``wheels``: the wheels of ``--wheel-dir`` installed into ``--wheel-site``, each expected one
-   reported ``installed``, ``missing`` or ``failed`` (the stage fails unless all installed);
-1. first contact (well under 90 s): ``device`` (the machine and its GPU), ``layer_check`` (one
-   decoder layer forward/backward on the GPU against autograd), ``tiny_steps`` (two training
-   steps of a small model through every tier: device, host, NVMe, recompute, kept internals),
-   ``pinned_arena`` (the store's arena registered in place), ``copy_bandwidth`` (H2D/D2H);
-2. ``cuda_tests``: pytest over only the test files that hold ``cuda``-marked tests;
-3. the large model: ``model`` (sized to ``--host-budget-gb``), ``calibration``, ``optimizer``,
-   ``planner``, ``plan:lora`` (one layer of the model's widths, NF4 frozen base, LoRA
-   adapters), ``store`` (4.5B parameters by default), ``plan:<name>`` (the planner's first,
-   then the rules, largest predicted device peak last), ``simulator``.
-
-Device memory: the check's process runs with ``PYTORCH_CUDA_ALLOC_CONF`` holding
-``expandable_segments:True`` (added before torch starts CUDA), the model is sized so every
-plan's predicted peak fits the GPU less ``DEVICE_MARGIN_BYTES``, and each engine is capped there.
-
-The host RAM is given (``--host-budget-gb``), never read from MemTotal/MemAvailable, which on
-the GPU machine start far below its RAM and grow as memory is used. ``--dry-run`` runs every
-stage's Python on the CPU (a tiny model, the engine's asynchronous CPU backend), all but the
-CUDA calls; the test suite runs it so the check cannot rot. The JSON schema is defined once, in
-``gpu_check_schema.py``, and printed as markdown tables by ``--print-schema``.
-
-    python benchmarks/gpu_check.py --host-budget-gb 137.4 [--out gpu-check.json] [--budget-s 360]
-    python benchmarks/gpu_check.py --dry-run
-    make gpu-check                  # on the GPU machine: wheels from .whl/, the Makefile's budget
-    python benchmarks/gpu_check.py --host-budget-gb 137.4 --wheel-dir .whl --wheels highspy,blake3
-
-Exit status: 0 when every stage is ok (and without a GPU, where it only says so), else 1.
-This file and its siblings import only the standard library at load time; each stage imports
-what it uses.
-"""
+"""The command line of the GPU check: its options, the stages in order, the summary table."""
 
 from __future__ import annotations
 
@@ -44,10 +8,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling gpu_check_* modules
-
-from gpu_check_device import REPO, host_ram, set_alloc_conf  # noqa: E402
-from gpu_check_report import SCHEMA_ID, Report, hidden_modules  # noqa: E402
+from . import __doc__ as PACKAGE_DOC
+from .cuda_tests import run_cuda_tests
+from .first import FirstSizes, run_copy_bandwidth, run_layer_check, run_pinned_arena, run_tiny_steps
+from .lora import LORA, run_lora
+from .machine import REPO, Dev, device_facts, host_ram, set_alloc_conf
+from .model import LAYER_MAJOR, PACKED, Large, candidate_plans, run_model
+from .plans import make_batches, run_layer_major, run_plan, run_simulator
+from .probes import run_calibration, run_optimizer, run_planner
+from .report import SCHEMA_ID, Report, hidden_modules
+from .schema import render_markdown
+from .store import run_store
+from .wheels import WHEEL_STATUSES, run_wheels
 
 FIRST_CONTACT = ("device", "layer_check", "tiny_steps", "pinned_arena", "copy_bandwidth")
 PLAN_NAMES = ("planner", "every-1", "every-4", "keep-all-host", "packed", "layer-major")
@@ -62,13 +34,13 @@ DEFAULTS = dict(model="llama3-8b", layers=16, seq_len=4096, micro_batch_size=8, 
 DRY_DEFAULTS = dict(model="llama-debug", layers=4, seq_len=32, micro_batch_size=2, steps=1, optim_layers=1,
                     optim_rounds=1, milp_budget_s=0.5)
 DRY_HOST_BUDGET_GB = 137.4
-"""A dry run's host budget when none is given: the GPU machine's documented 128 GiB."""
+"""A dry run's host budget when none is given: 128 GiB, as the Makefile's ``GPU_HOST_BUDGET_GB``."""
 DEFAULT_WHEELS = "highspy,blake3"
 """What ``make gpu-wheels`` brings (the Makefile's ``GPU_WHEELS`` passes its own list)."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=PACKAGE_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="gpu-check.json", help="JSON file to write (default gpu-check.json)")
     ap.add_argument("--dry-run", action="store_true",
                     help="every stage on the CPU (asynchronous CPU backend, tiny model), all but the CUDA calls")
@@ -137,16 +109,6 @@ def selected_stages(names: list[str]) -> set[str] | None:
 
 
 def run_stages(report: Report, args: argparse.Namespace) -> None:
-    from gpu_check_device import Dev, device_facts, process_rss_bytes
-    from gpu_check_first import (FirstSizes, run_copy_bandwidth, run_layer_check, run_pinned_arena,
-                                 run_tiny_steps)
-    from gpu_check_large import (Large, run_calibration, run_model, run_optimizer, run_planner,
-                                 run_store)
-    from gpu_check_plans import (LAYER_MAJOR, PACKED, candidate_plans, make_batches, run_plan,
-                                 run_simulator)
-    from gpu_check_lora import LORA, run_lora
-    from gpu_check_tests import run_cuda_tests
-
     res = report.result
     dev = Dev(args.dry_run)
     sizes = FirstSizes.dry() if args.dry_run else FirstSizes()
@@ -159,12 +121,12 @@ def run_stages(report: Report, args: argparse.Namespace) -> None:
     res["first_contact_s"] = round(report.elapsed_s(), 3)
 
     timeout = max(30.0, min(args.cuda_tests_timeout_s, report.left_s() - args.reserve_after_tests_s))
-    tests_ram = int(args.host_budget_gb * 1e9) - (process_rss_bytes() or 0)
+    lg = Large(dev, args.model, int(args.host_budget_gb * 1e9), args.micro_batch_size, args.seq_len,
+               args.micro_batches, args.moments)
+    tests_ram = lg.host_available_bytes()
     report.stage("cuda_tests", 30, lambda d: run_cuda_tests(d, args.dry_run, args.hide_modules, timeout,
                                                             args.cuda_test_timeout_s, tests_ram))
 
-    lg = Large(dev, args.model, int(args.host_budget_gb * 1e9), args.micro_batch_size, args.seq_len,
-               args.micro_batches, args.moments)
     report.stage("model", 10, lambda d: run_model(lg, args.layers, d))
     report.stage("calibration", 25, lambda d: run_calibration(lg, args.calibrate_quick, d), needs=("model",))
     report.stage("optimizer", 20, lambda d: run_optimizer(lg, args.optim_layers, args.optim_rounds, d),
@@ -184,8 +146,8 @@ def run_stages(report: Report, args: argparse.Namespace) -> None:
     for name, plan, _ in plans:
         needs = ("store", "planner") if name == "planner" else ("store",)
         if name == LAYER_MAJOR:  # a store of its own (bf16 gradients), built where the last one was
-            report.stage(f"plan:{name}", estimate + 60, lambda d, p=plan: run_layer_major(
-                lg, p, args, d), data_path=("plans", name), needs=needs)
+            report.stage(f"plan:{name}", estimate + 60, lambda d, p=plan: run_layer_major(lg, p, args, d),
+                         data_path=("plans", name), needs=needs)
             continue
         mine = batches
         if name == PACKED and lg.store is not None:
@@ -202,27 +164,10 @@ def run_stages(report: Report, args: argparse.Namespace) -> None:
 
 def wheels_stage(args: argparse.Namespace, data: dict) -> None:
     """Install and report the wheels (a dry run without ``--wheel-dir``: none looked for)."""
-    from gpu_check_wheels import WHEEL_STATUSES, run_wheels
-
     if args.wheel_dir is None:
         data.update(wheel_dir=None, site=None, expected=[], wheels={}, counts=dict.fromkeys(WHEEL_STATUSES, 0))
         return
     run_wheels(Path(args.wheel_dir), Path(args.wheel_site), args.wheels, data)
-
-
-def run_layer_major(lg, plan, args: argparse.Namespace, data: dict) -> None:
-    """The production path: the store rebuilt with bf16 gradients (the previous one let go
-    first), then the layer-major plan on batches of its own count."""
-    from gpu_check_large import run_store
-    from gpu_check_plans import LAYER_MAJOR, make_batches, run_plan
-
-    lg.store = None
-    lg.dev.clean()
-    built: dict = {}
-    run_store(lg, args.seed, built, grad_dtype="bfloat16")
-    batches = make_batches(lg, args.seed + 1, plan.num_micro_batches)
-    run_plan(lg, LAYER_MAJOR, plan, batches, args.steps, args.lr, args.profile, args.trace_dir, data)
-    data["store_nbytes"] = built["store_nbytes"]
 
 
 def no_gpu(reason: str) -> int:
@@ -234,8 +179,6 @@ def no_gpu(reason: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.print_schema:
-        from gpu_check_schema import render_markdown
-
         print(render_markdown(), end="")
         return 0
     set_alloc_conf()
@@ -246,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         return no_gpu(f"torch {torch.__version__} sees no CUDA device")
     if args.host_budget_gb is None:
-        print("gpu-check: give --host-budget-gb, the machine's RAM in GB (`make gpu-check` passes the GPU "
-              "machine's documented 128 GiB); MemTotal/MemAvailable are not used", file=sys.stderr)
+        print("gpu-check: give --host-budget-gb, the machine's RAM in GB (`make gpu-check` passes "
+              "GPU_HOST_BUDGET_GB); MemTotal/MemAvailable are not used", file=sys.stderr)
         return 2
     if str(REPO / "src") not in sys.path:
         sys.path.insert(0, str(REPO / "src"))

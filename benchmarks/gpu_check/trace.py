@@ -1,11 +1,9 @@
-"""Pure helpers of the GPU check: interval arithmetic, the profiler trace's copies against its
-kernels, and pytest's JUnit XML (counts, failing tests, collection errors). Standard library only,
-so ``tests/engine/test_cuda.py`` tests them on the CPU."""
+"""A profiled step's copies against its kernels, from ``torch.profiler``'s chrome trace: interval
+arithmetic and the copy/compute overlap. Standard library only (tested on the CPU)."""
 
 from __future__ import annotations
 
 import json
-import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
@@ -157,39 +155,3 @@ def copy_overlap(events: list[dict[str, Any]]) -> dict[str, Any]:
     out["copies_on_compute_stream"] = summarise([c for c in copies if c["stream"] == compute_stream])
     out["pageable_copies"] = sum(1 for c in copies if "Pageable" in c["name"])
     return out
-
-
-# ----- pytest --------------------------------------------------------------------------------
-
-def parse_junit(path: str | Path) -> dict[str, Any]:
-    """Counts, failing test ids and collection errors from a pytest JUnit XML file.
-
-    pytest writes a file that failed to import as a ``testcase`` named after the module with an
-    ``error`` whose message is ``collection failure``; those are ``collection_errors`` (the
-    module and the error's last line), not tests, and ``errors`` counts only errors of tests.
-    """
-    root = ET.parse(path).getroot()
-    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-    for s in suites:
-        for k in counts:
-            counts[k] += int(s.get(k, 0))
-    failed, collection = [], []
-    for case in root.iter("testcase"):
-        error = case.find("error")
-        if error is not None and error.get("message") == "collection failure":
-            lines = [ln.strip() for ln in (error.text or "").splitlines() if ln.strip()]
-            collection.append({"module": case.get("name", ""), "error": lines[-1] if lines else ""})
-        elif case.find("failure") is not None or error is not None:
-            failed.append(f"{case.get('classname', '')}::{case.get('name', '')}")
-    total = counts["tests"] - len(collection)
-    errors = counts["errors"] - len(collection)
-    return {
-        "total": total,
-        "passed": total - counts["failures"] - errors - counts["skipped"],
-        "failed": counts["failures"],
-        "errors": errors,
-        "skipped": counts["skipped"],
-        "failing_tests": failed,
-        "collection_errors": collection,
-    }

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 PACKAGES = ("transformers", "numba", "highspy", "blake3", "deepspeed", "pytest", "pytest-timeout")
 """Reported by version without importing them (``importlib.metadata``)."""
@@ -59,17 +59,23 @@ class Dev:
         if self.is_cuda:
             self.torch.cuda.reset_peak_memory_stats()
 
-    def reserved(self) -> int | None:
-        return int(self.torch.cuda.memory_reserved()) if self.is_cuda else None
+    def mem(self, counter: str) -> int | None:
+        """``torch.cuda.<counter>()`` (``memory_reserved``, ``max_memory_allocated``, ...); None
+        without CUDA."""
+        return int(getattr(self.torch.cuda, counter)()) if self.is_cuda else None
 
-    def allocated(self) -> int | None:
-        return int(self.torch.cuda.memory_allocated()) if self.is_cuda else None
+    def timed(self, fn) -> float:
+        """Seconds ``fn()`` takes, the device synchronised before and after."""
+        self.sync()
+        t = time.perf_counter()
+        fn()
+        self.sync()
+        return time.perf_counter() - t
 
-    def max_reserved(self) -> int | None:
-        return int(self.torch.cuda.max_memory_reserved()) if self.is_cuda else None
-
-    def max_allocated(self) -> int | None:
-        return int(self.torch.cuda.max_memory_allocated()) if self.is_cuda else None
+    def best_s(self, fn, repeats: int) -> float:
+        """The fastest of ``repeats`` timed calls of ``fn`` after one warm-up call."""
+        fn()
+        return min(self.timed(fn) for _ in range(repeats))
 
     def generator(self, seed: int):
         g = self.torch.Generator(device=self.name)

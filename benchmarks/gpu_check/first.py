@@ -15,8 +15,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_check_device import Dev
-from gpu_check_report import CheckFailed
+from .machine import Dev
+from .report import CheckFailed
 
 
 @dataclass
@@ -230,18 +230,6 @@ def run_pinned_arena(dev: Dev, sizes: FirstSizes, data: dict[str, Any]) -> None:
         raise CheckFailed("; ".join(problems))
 
 
-def _best_gbps(fn, nbytes: int, repeats: int, sync) -> float:
-    fn()
-    sync()
-    best = math.inf
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best / 1e9
-
-
 def run_copy_bandwidth(dev: Dev, sizes: FirstSizes, data: dict[str, Any]) -> None:
     """H2D and D2H GB/s (best of ``copy_repeats`` after a warm-up) from memory registered in
     place as the store's arena is, from torch's pinned allocator, and from pageable memory."""
@@ -256,9 +244,9 @@ def run_copy_bandwidth(dev: Dev, sizes: FirstSizes, data: dict[str, Any]) -> Non
     data.update(bytes=n, repeats=sizes.copy_repeats, timer="perf_counter around a synchronised copy")
     for kind, host in hosts.items():
         host.fill_(1)
-        data[f"h2d_{kind}_gbps"] = _best_gbps(lambda: device_buf.copy_(host, non_blocking=True), n,
-                                              sizes.copy_repeats, dev.sync)
-        data[f"d2h_{kind}_gbps"] = _best_gbps(lambda: host.copy_(device_buf, non_blocking=True), n,
-                                              sizes.copy_repeats, dev.sync)
+        data[f"h2d_{kind}_gbps"] = n / dev.best_s(lambda: device_buf.copy_(host, non_blocking=True),
+                                                  sizes.copy_repeats) / 1e9
+        data[f"d2h_{kind}_gbps"] = n / dev.best_s(lambda: host.copy_(device_buf, non_blocking=True),
+                                                  sizes.copy_repeats) / 1e9
     device_buf = hosts = None  # freed before the cache is emptied (the closures above are done)
     dev.clean()

@@ -12,57 +12,15 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections import Counter
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from gpu_check_large import Large, cuda_peak_bytes, host_allocator_stats, tier_counts
-from gpu_check_report import StageSkipped
-from gpu_check_trace import copy_overlap, load_trace_events
-
-
-LAYER_MAJOR = "layer-major"
-"""The production path of a step that lands each gradient once: layer-major order over
-``LAYER_MAJOR_MICRO_BATCHES`` micro-batches (at least), bf16 host gradients, the split master
-and the run's moments (8-bit by default), on a store rebuilt for it (``rebuild_store``)."""
-LAYER_MAJOR_MICRO_BATCHES = 2
-PACKED = "packed"
-"""every-4 over rows packed with examples of uneven lengths (``make_batches(packed=True)``):
-the block-diagonal masks and restarted positions of packed rows on the device."""
-
-
-def layer_major_plan(lg: Large):
-    from layerwise.plan import Plan
-
-    m = max(LAYER_MAJOR_MICRO_BATCHES, lg.nmb)
-    plan = Plan.keep_all(lg.shape.num_layers, "host", micro_batch_size=lg.mbs, num_micro_batches=m,
-                         micro_batches_per_load=m, seq_len=lg.seq, moments=list(lg.moments))
-    plan.source = LAYER_MAJOR
-    return plan
-
-
-def candidate_plans(lg: Large) -> list[tuple[str, Any, int]]:
-    """(name, plan, predicted device peak bytes): the planner's plan first (when the planner
-    ran: the plan a user gets, so the budget never cuts it), then every-1, every-4 and
-    keep-all-host, smallest predicted peak first, then the layer-major production path (it
-    rebuilds the store)."""
-    from layerwise.plan import Plan
-
-    L = lg.shape.num_layers
-    kw = dict(micro_batch_size=lg.mbs, num_micro_batches=lg.nmb, seq_len=lg.seq, moments=list(lg.moments))
-    rules = {"every-1": Plan.every_k(L, 1, **kw), "every-4": Plan.every_k(L, 4, **kw),
-             "keep-all-host": Plan.keep_all(L, "host", **kw)}
-
-    def peak(plan) -> int:
-        return cuda_peak_bytes(lg.shape, plan, lg.mbs, lg.seq) if plan is not None else 0
-
-    planner = [("planner", lg.planner_plan, peak(lg.planner_plan))]
-    ordered = sorted(((n, p, peak(p)) for n, p in rules.items()), key=lambda x: x[2])
-    packed = Plan.every_k(L, 4, **kw)
-    packed.source = PACKED
-    last = layer_major_plan(lg)
-    return planner + ordered + [(PACKED, packed, peak(packed)), (LAYER_MAJOR, last, peak(last))]
+from .model import LAYER_MAJOR, Large, tier_counts
+from .report import StageSkipped
+from .store import host_allocator_stats, run_store
+from .trace import copy_overlap, load_trace_events
 
 
 def make_batches(lg: Large, seed: int, count: int | None = None, packed: bool = False):
@@ -137,7 +95,7 @@ def run_plan(lg: Large, name: str, plan, batches, steps: int, lr: float, profile
                        "moments": dict(Counter(plan.moments or ["fp32"]))})
     dev.clean()
     dev.reset_peak()
-    base_reserved, base_alloc = dev.reserved(), dev.allocated()
+    base_reserved, base_alloc = dev.mem("memory_reserved"), dev.mem("memory_allocated")
     spill = tempfile.mkdtemp(prefix="layerwise-gpu-check-spill-")
     t = time.perf_counter()
     engine = StreamingEngine(lg.adapter, lg.store, plan, EngineConfig(
@@ -162,9 +120,9 @@ def run_plan(lg: Large, name: str, plan, batches, steps: int, lr: float, profile
         dev.sync()
         step_s = (time.perf_counter() - t0) / steps
         flops = CostModel(lg.shape, PRESETS["h200"], mbs, seq).model_flops() * nmb
-        peak_tflops = lg.peak_tflops()
-        reserved = dev.max_reserved() - base_reserved if dev.is_cuda else None
-        allocated = dev.max_allocated() - base_alloc if dev.is_cuda else None
+        peak_tflops = lg.best_profile()[1].peak_tflops
+        reserved = dev.mem("max_memory_reserved") - base_reserved if dev.is_cuda else None
+        allocated = dev.mem("max_memory_allocated") - base_alloc if dev.is_cuda else None
         data.update({
             "steps": steps, "step_s": step_s,
             "step_return_intervals_s": [b - a for a, b in zip([t0] + marks[:-1], marks)],
@@ -190,6 +148,18 @@ def run_plan(lg: Large, name: str, plan, batches, steps: int, lr: float, profile
         del engine
         shutil.rmtree(spill, ignore_errors=True)
         dev.clean()
+
+
+def run_layer_major(lg: Large, plan, args, data: dict[str, Any]) -> None:
+    """The production path: the store rebuilt with bf16 gradients (the previous one let go
+    first), then the layer-major plan on batches of its own count."""
+    lg.store = None
+    lg.dev.clean()
+    built: dict = {}
+    run_store(lg, args.seed, built, grad_dtype="bfloat16")
+    batches = make_batches(lg, args.seed + 1, plan.num_micro_batches)
+    run_plan(lg, LAYER_MAJOR, plan, batches, args.steps, args.lr, args.profile, args.trace_dir, data)
+    data["store_nbytes"] = built["store_nbytes"]
 
 
 def run_simulator(lg: Large, data: dict[str, Any]) -> None:

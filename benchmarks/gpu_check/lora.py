@@ -17,9 +17,9 @@ import math
 import time
 from typing import Any
 
-from gpu_check_device import process_rss_bytes
-from gpu_check_large import Large
-from gpu_check_report import CheckFailed
+from .model import Large
+from .plans import make_batches, run_plan
+from .report import CheckFailed
 
 LORA = "lora"
 LORA_LAYERS = 1
@@ -50,7 +50,7 @@ def build_lora_store(lg: Large, seed: int):
                       base_dtype=LORA_BASE_DTYPE)
     t = time.perf_counter()
     adapter = LoraAdapter(DecoderAdapter(cfg), lora, torch.bfloat16, seed)
-    available = lg.host_budget_bytes - (process_rss_bytes() or 0)
+    available = lg.host_available_bytes()
     store = LoraStore(adapter, torch.bfloat16, pin=lg.dev.is_cuda, mem_available=lambda: available)
     model = build_hf_model(cfg, seed)
     store.copy_from_model(model)  # quantised to NF4 as it is copied
@@ -63,8 +63,6 @@ def run_lora(lg: Large, args, data: dict[str, Any]) -> None:
     """``plan:lora``: every-1 over the LoRA model (each layer's forward again in its backward:
     the adapters' recompute), one micro-batch of the run's shape."""
     from layerwise.plan import Plan
-
-    from gpu_check_plans import make_batches, run_plan
 
     adapter, store, build_s = build_lora_store(lg, args.seed)
     shape = adapter.plan_shape()

@@ -18,12 +18,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-from gpu_check_device import REPO, find_spec_ok
-from gpu_check_report import CheckFailed
-from gpu_check_trace import parse_junit
+from .machine import REPO, find_spec_ok
+from .report import CheckFailed
 
 CUDA_MARK = re.compile(r"\bpytest\.mark\.cuda\b")
 
@@ -66,6 +66,34 @@ def pytest_command(files: list[str], junit: Path, per_test_timeout_s: float,
     return cmd + files
 
 
+def parse_junit(path: str | Path) -> dict[str, Any]:
+    """Counts, failing test ids and collection errors from a pytest JUnit XML file.
+
+    pytest writes a file that failed to import as a ``testcase`` named after the module with an
+    ``error`` whose message is ``collection failure``; those are ``collection_errors`` (the
+    module and the error's last line), not tests, and ``errors`` counts only errors of tests.
+    """
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    for s in suites:
+        for k in counts:
+            counts[k] += int(s.get(k, 0))
+    failed, collection = [], []
+    for case in root.iter("testcase"):
+        error = case.find("error")
+        if error is not None and error.get("message") == "collection failure":
+            lines = [ln.strip() for ln in (error.text or "").splitlines() if ln.strip()]
+            collection.append({"module": case.get("name", ""), "error": lines[-1] if lines else ""})
+        elif case.find("failure") is not None or error is not None:
+            failed.append(f"{case.get('classname', '')}::{case.get('name', '')}")
+    total = counts["tests"] - len(collection)
+    errors = counts["errors"] - len(collection)
+    return {"total": total, "passed": total - counts["failures"] - errors - counts["skipped"],
+            "failed": counts["failures"], "errors": errors, "skipped": counts["skipped"],
+            "failing_tests": failed, "collection_errors": collection}
+
+
 def _text(b) -> str:
     return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
@@ -99,7 +127,7 @@ def run_cuda_tests(data: dict[str, Any], dry_run: bool, hidden: list[str], timeo
         if host_mem_available_bytes is not None:
             env[HOST_MEM_ENV] = str(host_mem_available_bytes)
         data["host_mem_available_bytes"] = host_mem_available_bytes
-        paths = [str(REPO / "src"), *([str(plugin_dir)] if plugin_dir else []), env.get("PYTHONPATH", "")]
+        paths = [str(REPO / "src"), str(REPO), *([str(plugin_dir)] if plugin_dir else []), env.get("PYTHONPATH", "")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         data.update(ran_files=run_files, command=" ".join(cmd), timeout_s=round(timeout_s, 1))
         t = time.perf_counter()

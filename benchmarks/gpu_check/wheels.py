@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gpu_check_report import CheckFailed
+from .report import CheckFailed
 
 WHEEL_STATUSES = ("installed", "missing", "failed")
 
