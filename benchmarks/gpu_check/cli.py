@@ -100,12 +100,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def selected_stages(names: list[str]) -> set[str] | None:
-    if not names:
-        return None
-    out = set(names)
-    for name in names:
-        out |= set(NEEDS.get(name, ()))
-    return out
+    """The stages asked for with those they need; None: all."""
+    return set(names).union(*(NEEDS.get(n, ()) for n in names)) if names else None
 
 
 def run_stages(report: Report, args: argparse.Namespace) -> None:

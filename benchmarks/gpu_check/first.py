@@ -53,11 +53,6 @@ def rel_err(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def _worst(errs: dict[str, float]) -> tuple[str, float]:
-    name = max(errs, key=errs.get)
-    return name, errs[name]
-
-
 def run_layer_check(dev: Dev, sizes: FirstSizes, data: dict[str, Any]) -> None:
     """The engine's layer forward and ``layer_backward`` on the device against HF's decoder
     layer under plain autograd on the CPU, same weights and inputs."""
@@ -100,7 +95,7 @@ def run_layer_check(dev: Dev, sizes: FirstSizes, data: dict[str, Any]) -> None:
         dev.sync()
     data["device_s"] = round(time.perf_counter() - t, 4)
     errs = {spec.local: rel_err(gp.cpu(), ref_w[spec.local].grad) for spec, gp in zip(buf.layout.specs, gw)}
-    worst, worst_err = _worst(errs)
+    worst, worst_err = max(errs.items(), key=lambda kv: kv[1])
     data.update(output_rel_err=rel_err(y.cpu(), y_ref.detach()), grad_input_rel_err=rel_err(gx.cpu(), x_ref.grad),
                 max_grad_param_rel_err=worst_err, worst_param=worst)
     bad = {k: data[k] for k in ("output_rel_err", "grad_input_rel_err", "max_grad_param_rel_err")
@@ -171,7 +166,7 @@ def run_tiny_steps(dev: Dev, sizes: FirstSizes, data: dict[str, Any]) -> None:
             loss, _ = engine.compute_grads([batch])
             got = _store_grads(store)
             errs = {n: rel_err(got[n], ref_grads[n]) for n in ref_grads}
-            worst, worst_err = _worst(errs)
+            worst, worst_err = max(errs.items(), key=lambda kv: kv[1])
             data.update(ref_loss=ref_loss, loss=loss, loss_rel_err=abs(loss - ref_loss) / abs(ref_loss),
                         max_grad_rel_err=worst_err, worst_param=worst)
             store.zero_grads()

@@ -1,13 +1,7 @@
-"""The LoRA / QLoRA stage: the check's model widths with an NF4-quantised frozen base, trained
-through its adapters as ``layerwise train`` with ``lora.r > 0`` runs it.
-
-The store is built as ``train/lora_run.build_lora`` builds it for a flavor (``LoraAdapter`` over
-the ``DecoderAdapter``, ``LoraStore``, the seeded HF model's weights quantised into it as they
-are copied, PEFT's adapter init), except that the store's RAM check is given the host budget
-(``MemAvailable`` is not read on the GPU machine). Then ``run_plan`` as for every plan: a fresh
-engine, a warm-up step, timed steps, the device peak against ``engine.predict_memory`` (the
-engine's shape knows the frozen base: ``LoraAdapter.plan_shape``). The adapters' loss must stay
-finite; whether it fell over the steps on the one batch is recorded.
+"""The LoRA / QLoRA stage: the check's model widths with an NF4-quantised frozen base, built as
+``train/lora_run.build_lora`` builds it (its RAM check given the host budget) and trained through
+its adapters by ``run_plan`` as every plan is (the engine's shape knows the frozen base:
+``LoraAdapter.plan_shape``). The adapters' loss must stay finite; whether it fell is recorded.
 """
 
 from __future__ import annotations

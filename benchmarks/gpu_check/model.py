@@ -1,8 +1,6 @@
-"""The large model of the check and the plans it runs: ``Large`` carries what later stages need
-from earlier ones; ``run_model`` sizes the model to the host budget and the GPU; the candidate
-plans (the planner's, the rules, ``packed`` and the layer-major production path) are defined
-here, where their predicted device peaks size the model. A dry run gives every stage a tiny
-model; the Python that runs is the same.
+"""The large model and the plans it runs: ``Large`` carries what later stages need from earlier
+ones; ``run_model`` sizes the model so the store fits the host budget and every candidate plan's
+predicted peak fits the GPU. A dry run gives every stage a tiny model; the Python is the same.
 """
 
 from __future__ import annotations

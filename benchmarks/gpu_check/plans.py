@@ -1,11 +1,7 @@
-"""The plans on the large model, and the simulator against them.
-
-Every plan trains the one store (each continues from the last one's weights): a fresh engine,
-a warm-up step, timed steps back to back, then one step under ``torch.profiler`` whose trace
-gives the copies' bandwidth and overlap with compute. The planner's plan runs first (what a
-user gets); the rules then run in the order of their predicted device peak, largest last, so
-that a plan that runs out of memory or time costs none of the others; the layer-major
-production path runs last, on a store rebuilt with bf16 gradients.
+"""The plans on the large model (in ``model.candidate_plans``' order), and the simulator against
+them. Every plan trains the one store (each continues from the last one's weights): a fresh
+engine, a warm-up step, timed steps back to back, then one step under ``torch.profiler`` whose
+trace gives the copies' bandwidth and overlap with compute.
 """
 
 from __future__ import annotations

@@ -30,20 +30,8 @@ def measure(intervals: list[tuple[float, float]]) -> float:
 
 
 def intersect_measure(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Length of (union of ``a``) ∩ (union of ``b``)."""
-    ua, ub = merge_intervals(a), merge_intervals(b)
-    i = j = 0
-    total = 0.0
-    while i < len(ua) and j < len(ub):
-        lo = max(ua[i][0], ub[j][0])
-        hi = min(ua[i][1], ub[j][1])
-        if hi > lo:
-            total += hi - lo
-        if ua[i][1] < ub[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
+    """Length of (union of ``a``) ∩ (union of ``b``): |A| + |B| − |A ∪ B|."""
+    return max(0.0, measure(a) + measure(b) - measure(a + b))
 
 
 # ----- profiler trace analysis -----------------------------------------------------------------
@@ -94,13 +82,7 @@ def gpu_activity(events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], li
 def copy_direction(name: str) -> str:
     """``h2d``, ``d2h``, ``d2d`` or ``other`` from a kineto memcpy name
     (e.g. ``Memcpy HtoD (Pinned -> Device)``)."""
-    if "HtoD" in name:
-        return "h2d"
-    if "DtoH" in name:
-        return "d2h"
-    if "DtoD" in name:
-        return "d2d"
-    return "other"
+    return next((d for k, d in (("HtoD", "h2d"), ("DtoH", "d2h"), ("DtoD", "d2d")) if k in name), "other")
 
 
 def copy_overlap(events: list[dict[str, Any]]) -> dict[str, Any]:
