@@ -241,15 +241,12 @@ class DeviceCost:
         if key not in self._layer_s:
             fwd = self.layer_forward(i)
             bwd = self.layer_backward(i) if what != "fwd" else []
-            ks = {"fwd": fwd, "keep": fwd, "bwd": fwd + bwd, "kept": bwd}[what]
+            ks = {"fwd": fwd, "bwd": fwd + bwd, "kept": bwd}[what]
             self._layer_s[key] = kernels_s(ks, self.hw)
         return self._layer_s[key]
 
     def layer_fwd_s(self, i: int) -> float:
         return self._priced(i, "fwd")
-
-    def layer_fwd_keep_s(self, i: int) -> float:
-        return self._priced(i, "keep")
 
     def layer_bwd_s(self, i: int) -> float:
         return self._priced(i, "bwd")
