@@ -248,7 +248,7 @@ PRESETS: dict[str, HardwareProfile] = {
         device_reserved_bytes=1 * GB,
         peak_tflops=0.05,  # assumption: 2 cores x AVX2 fp32 matmul in PyTorch; calibrate measures
         efficiency=1.0,  # peak_tflops is already a measured-style sustained number
-        device_mem_gbps=10.0, kernel_launch_s=1e-5,  # assumption: a few cores' stream, eager dispatch; calibrate measures
+        device_mem_gbps=10.0, kernel_launch_s=1e-5,  # assumption: a few cores, eager dispatch; calibrate measures
         h2d_gbps=5.0, d2h_gbps=5.0,  # assumption: memcpy of large buffers; calibrate measures
         nvme_read_gbps=1.0, nvme_write_gbps=0.5, nvme_capacity_bytes=50 * GB,  # assumption (VM disk)
         host_mem_bytes=16 * GB,
