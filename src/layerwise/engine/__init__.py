@@ -6,8 +6,8 @@ GPU's protocol with threads), device slots and pinned rings (``slots``), weights
 executor (``executor``: a step's sequence; ``op_handlers``: the ops; ``updates``:
 the host optimizer updates; ``reduce``: how ranks combine a step, ``LocalReducer`` alone;
 ``host_threads``: which CPUs the landing and optimizer threads use), the
-micro-batch contract (``batch``), the layer backward shared with calibration (``layer_ops``)
-and ``layerwise calibrate``. The step program and the memory
+micro-batch contract (``batch``), the layer backward (``layer_ops``) and ``layerwise
+calibrate``. The step program and the memory
 model it obeys live in ``layerwise.plan``.
 """
 

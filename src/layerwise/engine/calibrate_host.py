@@ -23,7 +23,7 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -47,11 +47,9 @@ T = TypeVar("T")
 
 def median_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None,
                 clock: Clock = time.perf_counter) -> float:
-    """Median of ``repeats`` runs after a warm-up. The cost model adds these times up over a step
-    of many runs, so each is priced at what a run typically takes, not at the fastest one: on a
-    shared VM a layer's median run is 3-15% slower than its best, and the minimum priced every
-    step under the engine by that much (measured with ``benchmarks/sim_fidelity.py --widths``);
-    the median still ignores the odd descheduled run."""
+    """Median of ``repeats`` runs after a warm-up: the cost model adds these times up over a step
+    of many runs, so each is priced at what a run typically takes, not at the fastest one; the
+    median still ignores the odd descheduled run."""
     fn()
     sync()
     times = []
@@ -61,25 +59,6 @@ def median_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] =
         sync()
         times.append(clock() - t)
     return statistics.median(times)
-
-
-def median_times(fns: Sequence[Callable[[], None]], repeats: int, sync: Callable[[], None] = lambda: None,
-                 clock: Clock = time.perf_counter) -> list[float]:
-    """The median of ``repeats`` runs of each of ``fns`` (as :func:`median_time`), run in turn
-    (one of each per round), each timed run right after an untimed one (hot): a shared
-    machine's speed moves by tens of percent over seconds (a 2-core VM: up to 1.6x), so times
-    that are combined (a difference, a ratio) are taken over the same seconds, not one after
-    the other."""
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for k, fn in enumerate(fns):
-            fn()  # its data and code back in the caches
-            sync()
-            t = clock()
-            fn()
-            sync()
-            times[k].append(clock() - t)
-    return [statistics.median(ts) for ts in times]
 
 
 def _meminfo_total_bytes(path: str = "/proc/meminfo") -> int | None:
@@ -136,15 +115,14 @@ def on_host_worker(threads: HostThreads, fn: Callable[[], T], intra: int | None 
         torch.set_num_threads(before)
 
 
-def measure_accumulation(numel: int, repeats: int, threads: int = 1,
-                         clock: Clock = time.perf_counter) -> tuple[float, float]:
+def measure_accumulation(numel: int, repeats: int, threads: int = 1) -> tuple[float, float]:
     """(bf16 -> fp32, fp32 -> fp32) GB/s of ``grad_accum.accumulate`` adding (not the first
     landing) a ``numel`` gradient split over ``threads``, counted as 10 and 12 bytes an element."""
     dst = torch.zeros(numel)
     out = []
     for dtype, per_elem in ((torch.bfloat16, 10), (torch.float32, 12)):
         src = torch.randn(numel).to(dtype)
-        t = median_time(lambda: accumulate(dst, src, first=False, threads=threads), repeats, clock=clock)
+        t = median_time(lambda: accumulate(dst, src, first=False, threads=threads), repeats)
         out.append(numel * per_elem / t / 1e9)
     return out[0], out[1]
 
@@ -163,35 +141,33 @@ def _probe_unit(numel: int, split: bool = False) -> UnitBuffers:
     return UnitBuffers(unit, FlatLayout.of(unit), None, g.to(torch.bfloat16), compute=hi, remainder=lo)
 
 
-def measure_optimizer(numel: int, repeats: int, clock: Clock = time.perf_counter,
-                      split: bool = False) -> float:
+def measure_optimizer(numel: int, repeats: int, split: bool = False) -> float:
     """Params/s of the host AdamW step with fp32 moments (``HostAdamW.step_unit``), as the engine
     updates a unit, in the unit's form (``_probe_unit``; the caller sets the threads)."""
     buf = _probe_unit(numel, split)
     opt = HostAdamW(AdamWConfig())
     opt.init_state(buf)
-    t = median_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats, clock=clock)
+    t = median_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats)
     return buf.layout.numel / t
 
 
-def measure_optimizer_8bit(numel: int, repeats: int, clock: Clock = time.perf_counter,
-                           split: bool = False) -> float:
+def measure_optimizer_8bit(numel: int, repeats: int, split: bool = False) -> float:
     """Params/s of the project's block-wise 8-bit AdamW step, in the unit's form."""
     buf = _probe_unit(numel, split)
     opt = HostAdamW8bit(AdamWConfig())
     opt.init_state(buf)
-    t = median_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats, clock=clock)
+    t = median_time(lambda: opt.step_unit(buf, 1e-4, 1.0), repeats)
     return buf.layout.numel / t
 
 
-def measure_pinned_copy_gbps(device: str, numel: int, repeats: int, clock: Clock = time.perf_counter) -> float:
+def measure_pinned_copy_gbps(device: str, numel: int, repeats: int) -> float:
     """GB/s (4 read + 2 written an element) of the compute copy's refresh: ``copy_`` of an fp32
     master into a bf16 buffer, page-locked when ``device`` is CUDA (as the store's arena is)."""
     src = torch.randn(numel)
     dst = torch.empty(numel, dtype=torch.bfloat16)
     if device.startswith("cuda"):
         dst = dst.pin_memory()
-    t = median_time(lambda: dst.copy_(src), repeats, clock=clock)
+    t = median_time(lambda: dst.copy_(src), repeats)
     return numel * 6 / t / 1e9
 
 

@@ -12,17 +12,15 @@ from .calibrate_host import optimizer_lines
 
 def register(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("calibrate", help="measure this machine and write a hardware profile",
-                       description="Measure matmul and layer throughput, copy bandwidth, disk write/read and the "
-                                   "host path (gradient accumulation, optimizer, pinned refresh, gloo when "
-                                   "asked) at the run's shape; write a profile for `layerwise plan --hardware`.")
+                       description="Measure matmul throughput, memory bandwidth, kernel launch, copy bandwidth, "
+                                   "disk write/read, memory and the host path (gradient accumulation, optimizer, "
+                                   "pinned refresh, gloo when asked); write a profile for `layerwise plan --hardware`.")
     c.add_argument("--out", default="profile.json", help="profile file to write (default profile.json)")
     c.add_argument("--quick", action="store_true", help="smaller measurements (seconds, less precise)")
     c.add_argument("--device", default="auto", help="cpu, cuda or auto")
     c.add_argument("--spill-dir", default=None, help="directory for the disk measurement (default: temp dir)")
-    c.add_argument("--model", default=None, help="the run's model (flavor or HF model dir): time its layer "
-                                                 "and size the host probes to it (with --seq-len)")
-    c.add_argument("--seq-len", type=int, default=None, help="the run's sequence length (with --model)")
-    c.add_argument("--micro-batch-size", type=int, default=1, help="the run's micro-batch size (default 1)")
+    c.add_argument("--model", default=None, help="the run's model (flavor or HF model dir): size the host "
+                                                 "probes to its largest layer")
     c.add_argument("--optimizer-threads", type=int, default=1,
                    help="the engine's optimizer threads (EngineConfig.optimizer_threads, default 1)")
     c.add_argument("--gloo", action="store_true", help="also measure gloo's reduce (data parallel on the host); "
@@ -32,7 +30,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def calibrate_command(args: argparse.Namespace) -> int:
     profile = calibrate(quick=args.quick, device=args.device, spill_dir=args.spill_dir, model=args.model,
-                        seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                         optimizer_threads=args.optimizer_threads, gloo=args.gloo)
     profile.save(args.out)
     d = profile.to_dict()

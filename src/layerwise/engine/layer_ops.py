@@ -1,6 +1,6 @@
 """A decoder layer's backward as the engine runs it: forward with a graph from the stored input
 boundary, then gradients w.r.t. the input and the layer's parameters as leaf views of its flat
-device buffer. The executor and ``layerwise calibrate`` both time exactly this."""
+device buffer."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Cost model: FLOPs, bytes and seconds of every op the engine runs, from the model config.
 
-One source of numbers for the simulator and the MILP, so that what the solver optimises is what
-the simulator (and, through calibration, the machine) measures. Everything is per micro-batch of
-``micro_batch_size x seq_len`` tokens.
+One source of numbers for the simulator and the MILP, so that the solver and the simulator price
+a step alike. Everything is per micro-batch of ``micro_batch_size x seq_len`` tokens.
 
 FLOP conventions (multiply-add = 2 FLOPs):
 
@@ -112,72 +111,40 @@ class CostModel:
         return 0.0 if fb is None else fb.adapter_flops_per_token * self.tokens
 
     # ----- seconds ------------------------------------------------------------------------
-    # A profile with a device memory bandwidth prices each op by its kernels' shapes
-    # (``plan/device_cost.py``: a roofline per GEMM, attention and grouped expert GEMM, bytes for
-    # the elementwise work, a launch per kernel); one without (before format 5) by its FLOPs at
-    # ``efficiency``. Either way ``op_overhead_s`` is added once per op.
+    # Each op is priced by its kernels' shapes (``plan/device_cost.py``: a roofline per GEMM,
+    # attention and grouped expert GEMM, bytes for the elementwise work, a launch per kernel).
 
     @cached_property
-    def device(self) -> DeviceCost | None:
-        """The shape-aware pricing of this profile's device; None: FLOPs alone."""
-        if self.hw.device_mem_gbps is None:
-            return None
+    def device(self) -> DeviceCost:
         return DeviceCost(self.shape, self.hw, self.micro_batch_size, self.seq_len, self.head_chunk_tokens,
                           self.per_load)
 
-    def _secs(self, flops: float) -> float:
-        return flops / self.hw.flops_per_s + self.hw.op_overhead_s
-
     def layer_fwd_s(self, i: int) -> float:
-        """A forward without a graph (``layer_fwd``, recompute), at the forward's own rate."""
-        if self.device is not None:
-            return self.device.layer_fwd_s(i) + self.hw.op_overhead_s
-        return self.layer_fwd_flops(i) / self.hw.fwd_flops_per_s + self.hw.op_overhead_s
+        """A forward without a graph (``layer_fwd``, recompute)."""
+        return self.device.layer_fwd_s(i)
 
     def layer_bwd_s(self, i: int) -> float:
-        """Forward with a graph + backward (2x): 3x forward FLOPs; with a frozen base the
-        backward is the input gradients (1x) and the adapters' weight gradients: 2x + those."""
-        if self.device is not None:
-            return self.device.layer_bwd_s(i) + self.hw.op_overhead_s
-        if self._frozen:
-            return self._secs(2.0 * self.layer_fwd_flops(i) + self._adapter_wgrad_flops)
-        return self._secs(3.0 * self.layer_fwd_flops(i))
+        """Forward with a graph + backward; with a frozen base the backward is the input
+        gradients and the adapters' weight gradients."""
+        return self.device.layer_bwd_s(i)
 
     def layer_fwd_keep_s(self, i: int) -> float:
-        """A forward with a graph whose saved tensors are kept: 1x forward FLOPs at the graph
-        rate, and each saved tensor's hook (``_hooks_s``)."""
-        if self.device is not None:
-            return self.device.layer_fwd_keep_s(i) + self.hw.op_overhead_s + self._hooks_s(i)
-        return self._secs(self.layer_fwd_flops(i)) + self._hooks_s(i)
+        """A forward with a graph whose saved tensors are kept: the same kernels."""
+        return self.device.layer_fwd_s(i)
 
     def layer_bwd_kept_s(self, i: int) -> float:
-        """The backward through a kept graph: 2x forward FLOPs (a frozen base: 1x + adapters),
-        and each saved tensor's unpack hook."""
-        if self.device is not None:
-            return self.device.layer_bwd_kept_s(i) + self.hw.op_overhead_s + self._hooks_s(i)
-        if self._frozen:
-            return self._secs(self.layer_fwd_flops(i) + self._adapter_wgrad_flops) + self._hooks_s(i)
-        return self._secs(2.0 * self.layer_fwd_flops(i)) + self._hooks_s(i)
-
-    def _hooks_s(self, i: int) -> float:
-        """A kept graph's fixed cost in one direction: ``saved_tensor_s`` per tensor layer ``i``
-        saves (``memory.saved_counts``), whatever their sizes."""
-        return memory.saved_counts(self.shape, i)[0] * (self.hw.saved_tensor_s or 0.0)
+        """The backward through a kept graph."""
+        return self.device.layer_bwd_kept_s(i)
 
     @property
     def head_s(self) -> float:
         """Norm + lm_head + loss forward and backward, all chunks."""
-        chunks = -(-self.tokens // self.head_chunk_tokens)
-        if self.device is not None:
-            return self.device.head_s + chunks * self.hw.op_overhead_s
-        passes = 2.0 if self._frozen else 3.0  # a frozen head: no weight gradient
-        return passes * self.head_fwd_flops / self.hw.flops_per_s + chunks * self.hw.op_overhead_s
+        return self.device.head_s
 
     @property
     def embed_s(self) -> float:
-        """Embedding gather or scatter-add: memory-bound and tiny (one kernel by shape; by FLOPs
-        only the op overhead counts)."""
-        return self.hw.op_overhead_s + (self.device.embed_s if self.device is not None else 0.0)
+        """Embedding gather or scatter-add: memory-bound and tiny."""
+        return self.device.embed_s
 
     def op_s(self, kind: OpKind, i: int = -1) -> float:
         if kind in (OpKind.LAYER_FWD, OpKind.RECOMPUTE_LAYER):
@@ -203,18 +170,13 @@ class CostModel:
     @cached_property
     def internals_d2h_s(self) -> float:
         """One layer's host-tier internals copied out: the largest layer's saved bytes (as the
-        capacity rows count them) and ``storage_copy_s`` per storage (the most any layer saves)."""
-        return self.d2h_s(self.layer_workspace_bytes) + self._storage_copies_s
+        capacity rows count them)."""
+        return self.d2h_s(self.layer_workspace_bytes)
 
     @cached_property
     def internals_h2d_s(self) -> float:
         """The same fetched back before the backward."""
-        return self.h2d_s(self.layer_workspace_bytes) + self._storage_copies_s
-
-    @cached_property
-    def _storage_copies_s(self) -> float:
-        storages = max(memory.saved_counts(self.shape, i)[1] for i in range(self.shape.num_layers))
-        return storages * (self.hw.storage_copy_s or 0.0)
+        return self.h2d_s(self.layer_workspace_bytes)
 
     def nvme_read_s(self, nbytes: float) -> float:
         return nbytes / (self.hw.nvme_read_gbps * 1e9)

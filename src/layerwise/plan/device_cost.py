@@ -5,37 +5,26 @@ op is a sequence of kernels, each priced by what it computes and what it moves (
 per element of the compute dtype):
 
 - a GEMM ``[M, K] @ [K, N]``: ``2 M K N`` FLOPs against ``e (M K + K N + M N)`` bytes (operands
-  read once, output written once; the weight's ``e K N`` at its measured pass rate where
-  calibrated: on a CPU the library packs it every call), ``M`` rounded up to the device's GEMM tile
+  read once, output written once), ``M`` rounded up to the device's GEMM tile
   (``gemm_tile_rows``: a tile of output rows is computed whole however many of its rows are real);
 - attention (flash-style, one kernel): its pair FLOPs against the bytes of Q, K, V and O (an
   eager kernel also writes and re-reads its fp32 probabilities); the backward recomputes the
   scores: 5 products of the pair size against the forward's 2, 2.5x its FLOPs;
 - routed experts: two grouped GEMMs (gate+up, down) over every expert, ``tokens * top_k /
   num_experts`` rows each (each expert's rows tile-rounded), reading every expert's weights:
-  with few tokens per expert the weights' bytes bind and the GEMM runs bandwidth-bound; on a
-  synchronous device (a CPU) each expert's GEMM is its own launch (``launches``); the tokens'
-  copies to their experts and back to token order are row gathers (``gather_gbps``: their
-  backward a scatter of the same rows);
+  with few tokens per expert the weights' bytes bind and the GEMM runs bandwidth-bound; the
+  tokens' copies to their experts and back to token order are row gathers (their backward a
+  scatter of the same rows);
 - the elementwise kernels between them (norms, rotary, activation, residual adds, the
   router's bookkeeping): bytes only, counted below;
 - on an asynchronous device, each backward's deposit of its weight gradients into the unit's
   grad slot (an fp32 add per micro-batch in layer-major order).
 
-A kernel's time is its roofline ``max(FLOPs / compute roof, bytes / device_mem_gbps)`` and a
-launch, except a GEMM on a synchronous device (a CPU): its library packs the weight, then
-computes, one after the other, so its weight's pass adds to ``max(FLOPs / roof, activation bytes
-/ device_mem_gbps)`` (measured from 32 rows up: within -4...+7%, where the roofline's max priced
-32 ... 64 rows, an MoE's experts, 19-36% fast). A device that runs asynchronously (a GPU) has
-the host issue kernels ahead, so a kernel costs ``max(roofline, kernel_launch_s)``; a
-synchronous one (the CPU backend) dispatches and computes in one thread, ``kernel_launch_s +
-roofline`` (a backward's kernels, launched by autograd's engine, at ``backward_launch_s`` where
-calibration fitted one). A GEMM's compute roof is the profile's measured rate at its weight's
-size where calibration measured one (``gemm_tflops_points``), else ``peak_tflops x efficiency``
-(the presets' [EFF-*]: the sustained rate of training GEMMs). Every other kernel's roofline is
-multiplied by ``in_layer_factor``: on a CPU the norms, rotary, attention and gathers of a layer
-take 2.6-2.9x what their probes (an add, a gather, the GEMM rate) say, where a GEMM runs at its
-cold probe's rate (measured with ``benchmarks/sim_fidelity.py --widths``).
+A kernel's time is its roofline ``max(FLOPs / (peak_tflops x efficiency), bytes /
+device_mem_gbps)`` (the presets' [EFF-*]: the sustained rate of training GEMMs) and a launch. A
+device that runs asynchronously (a GPU) has the host issue kernels ahead, so a kernel costs
+``max(roofline, kernel_launch_s)``; a synchronous one (the CPU backend) dispatches and computes
+in one thread, ``kernel_launch_s + roofline``.
 
 The elementwise byte counts are estimates from reading transformers' modules, stated once: an
 RMSNorm upcasts to fp32 (~9 passes of 4 bytes per element over 6 kernels), the rotary embedding
@@ -74,27 +63,19 @@ ATTENTION_BWD_FLOPS = 2.5
 class Kernel:
     """One launch (``count`` alike): what each computes and moves. ``kind``: ``gemm`` (a weight's
     product: input and weight gradients backward), ``attention`` (a pair or recurrent mixer),
-    ``adapter`` (LoRA's products, FLOPs only), ``gather`` (rows copied by an index: bytes at
-    ``gather_gbps``) or ``elementwise``; FLOPs are priced at the GEMM roof's rate for
-    ``weight_bytes``."""
+    ``adapter`` (LoRA's products, FLOPs only), ``gather`` (rows copied by an index) or
+    ``elementwise``."""
 
     flops: float
     nbytes: float
     count: int = 1
-    weight_bytes: float = 0.0
     kind: str = "elementwise"
-    backward: bool = False
-    """Launched by autograd's engine (``backward_launch_s``), not by a module's Python."""
-    weights_read: int = 0
-    """Weights of ``weight_bytes`` it reads (a GEMM: 1, grouped: one per expert), at
-    ``gemm_weight_bytes_per_s``; ``nbytes`` is then the rest (its activations)."""
 
 
 def gemm(m: int | float, k: int, n: int, e: int, tile: int = 1, groups: int = 1) -> Kernel:
     """``groups`` GEMMs of ``m`` rows each (a grouped expert GEMM: every expert's weights read)."""
     rows = math.ceil(m / tile) * tile if m > 0 else 0
-    return Kernel(2.0 * groups * rows * k * n, e * groups * m * (k + n), weight_bytes=e * k * n,
-                  kind="gemm", weights_read=groups)
+    return Kernel(2.0 * groups * rows * k * n, e * groups * (m * (k + n) + k * n), kind="gemm")
 
 
 def elementwise(nbytes: float, count: int) -> Kernel:
@@ -112,77 +93,25 @@ def backward_of(k: Kernel, weight_grads: bool = True) -> list[Kernel]:
     its forward's FLOPs and bytes; attention's at 2.5x FLOPs and twice the bytes; a gather's a
     scatter of the same rows (``index_put_`` accumulating: its bytes); elementwise at twice the
     bytes and kernels."""
-    b = replace(k, backward=True)
     if k.kind == "gemm":
-        return [b, b] if weight_grads else [b]
+        return [k, k] if weight_grads else [k]
     if k.kind == "adapter":  # a frozen base's adapters: input and weight gradients
-        return [b, b]
+        return [k, k]
     if k.kind == "attention":
-        return [replace(b, flops=ATTENTION_BWD_FLOPS * k.flops, nbytes=2 * k.nbytes)]
+        return [replace(k, flops=ATTENTION_BWD_FLOPS * k.flops, nbytes=2 * k.nbytes)]
     if k.kind == "gather":
-        return [b]
-    return [replace(b, count=BACKWARD_ELEMWISE * k.count)]
+        return [k]
+    return [replace(k, count=BACKWARD_ELEMWISE * k.count)]
 
 
-def _interpolated(pts: tuple[tuple[float, ...], ...], weight_bytes: float, col: int) -> float:
-    """Column ``col`` of the calibrated points at ``weight_bytes``: log-linear in the weight's
-    size between the points, flat past the ends."""
-    pts = tuple(sorted(pts))
-    x = math.log(max(weight_bytes, 1.0))
-    xs = [math.log(p[0]) for p in pts]
-    if x <= xs[0]:
-        return pts[0][col]
-    for (x0, x1), (p0, p1) in zip(zip(xs, xs[1:]), zip(pts, pts[1:])):
-        if x <= x1:
-            return p0[col] + (p1[col] - p0[col]) * (x - x0) / (x1 - x0)
-    return pts[-1][col]
-
-
-def gemm_roof_flops_per_s(hw: HardwareProfile, weight_bytes: float, graph: bool = True) -> float:
-    """A GEMM's compute roof: the measured rate at this weight size, else the preset's sustained
-    fraction of peak."""
-    if hw.gemm_tflops_points:
-        return _interpolated(hw.gemm_tflops_points, weight_bytes, 1) * 1e12
-    return hw.flops_per_s if graph else hw.fwd_flops_per_s
-
-
-def gemm_weight_bytes_per_s(hw: HardwareProfile, weight_bytes: float) -> float:
-    """The rate a GEMM reads its weight at: measured per weight size where calibration timed it
-    (a CPU's GEMM library packs the weight every call, far below the memory's rate), else the
-    device memory bandwidth."""
-    pts = hw.gemm_tflops_points
-    if pts and all(len(p) > 2 for p in pts):
-        return _interpolated(pts, weight_bytes, 2) * 1e9
-    return hw.device_mem_gbps * 1e9
-
-
-def kernels_s(kernels: list[Kernel], hw: HardwareProfile, graph: bool = True) -> float:
+def kernels_s(kernels: list[Kernel], hw: HardwareProfile) -> float:
     """Seconds of a kernel sequence on ``hw`` (see the module docstring)."""
-    fwd_launch = hw.kernel_launch_s or 0.0
-    bwd_launch = fwd_launch if hw.backward_launch_s is None else hw.backward_launch_s
-    bw = hw.device_mem_gbps * 1e9
-    gather_bw = (hw.gather_gbps or hw.device_mem_gbps) * 1e9
+    launch = hw.kernel_launch_s or 0.0
     t = 0.0
     for k in kernels:
-        launch = bwd_launch if k.backward else fwd_launch
-        compute = k.flops / gemm_roof_flops_per_s(hw, k.weight_bytes, graph) if k.flops else 0.0
-        weights = (k.weights_read * k.weight_bytes / gemm_weight_bytes_per_s(hw, k.weight_bytes)
-                   if k.weights_read else 0.0)
-        moved = k.nbytes / (gather_bw if k.kind == "gather" else bw)
-        roof = weights + max(compute, moved) if hw.synchronous else max(compute, moved + weights)
-        if k.kind != "gemm":  # a GEMM's probe is the same op; the rest run slower in a layer
-            roof *= hw.in_layer_factor
-        if hw.synchronous:
-            t += launches(k, hw) * launch + k.count * roof
-        else:
-            t += k.count * max(launch, roof)
+        roof = max(k.flops / hw.flops_per_s, k.nbytes / (hw.device_mem_gbps * 1e9))
+        t += k.count * (launch + roof if hw.synchronous else max(launch, roof))
     return t
-
-
-def launches(k: Kernel, hw: HardwareProfile) -> int:
-    """Launches of ``k``: its ``count``, and on a synchronous device (a CPU) one per group of a
-    grouped GEMM: torch's CPU ``_grouped_mm`` runs one GEMM per expert (a GPU's is one kernel)."""
-    return k.count * (k.weights_read if hw.synchronous and k.weights_read > 1 else 1)
 
 
 @dataclass(frozen=True)
@@ -259,11 +188,9 @@ class DeviceCost:
             pairs = s.attention_pairs(self.seq_len, d.window) * self.micro_batch_size
             probs = 4 * 4 * 2 * pairs * d.heads if s.eager_attention else 0  # fp32, the full square
             ks += [elementwise(ROPE_PASSES * e * (q + kv) * T, 2 * ROPE_KERNELS),
-                   Kernel(d.pair_flops * pairs, e * T * 2 * (q + kv) + probs,
-                          weight_bytes=e * self.seq_len * d.head_dim, kind="attention")]
+                   Kernel(d.pair_flops * pairs, e * T * 2 * (q + kv) + probs, kind="attention")]
         if d.mixer_flops_per_token:
-            ks.append(Kernel(d.mixer_flops_per_token * T, e * T * 2 * (q + kv),
-                             weight_bytes=e * d.head_dim * d.head_dim, kind="attention"))
+            ks.append(Kernel(d.mixer_flops_per_token * T, e * T * 2 * (q + kv), kind="attention"))
         ks += [elementwise(2 * e * q * T, 1), residual, norm]  # heads back to rows; add; norm
         if d.mlp_width:
             w = d.mlp_width
@@ -283,7 +210,7 @@ class DeviceCost:
         ks.append(residual)
         fb = s.frozen_base
         if fb is not None and fb.adapter_flops_per_token:
-            ks.append(Kernel(fb.adapter_flops_per_token * T, 0.0, weight_bytes=e * h * h, kind="adapter"))
+            ks.append(Kernel(fb.adapter_flops_per_token * T, 0.0, kind="adapter"))
         return ks
 
     def layer_backward(self, i: int) -> list[Kernel]:
@@ -303,7 +230,7 @@ class DeviceCost:
         n = self.shape.trainable_params(layer_unit(i))
         slot = grad_slot_itemsize(self.e, self.per_load)
         per_param = self.e + slot + slot * (1 - 1 / self.per_load)  # the adds read the slot too
-        return [replace(elementwise(n * per_param, 1), backward=True)] if n else []
+        return [elementwise(n * per_param, 1)] if n else []
 
     @cached_property
     def _layer_s(self) -> dict[tuple[LayerDims, str], float]:
@@ -314,15 +241,12 @@ class DeviceCost:
         if key not in self._layer_s:
             fwd = self.layer_forward(i)
             bwd = self.layer_backward(i) if what != "fwd" else []
-            ks = {"fwd": fwd, "keep": fwd, "bwd": fwd + bwd, "kept": bwd}[what]
-            self._layer_s[key] = kernels_s(ks, self.hw, graph=what != "fwd")
+            ks = {"fwd": fwd, "bwd": fwd + bwd, "kept": bwd}[what]
+            self._layer_s[key] = kernels_s(ks, self.hw)
         return self._layer_s[key]
 
     def layer_fwd_s(self, i: int) -> float:
         return self._priced(i, "fwd")
-
-    def layer_fwd_keep_s(self, i: int) -> float:
-        return self._priced(i, "keep")
 
     def layer_bwd_s(self, i: int) -> float:
         return self._priced(i, "bwd")
@@ -353,7 +277,3 @@ class DeviceCost:
     def embed_s(self) -> float:
         """The embedding's gather (or its gradient's scatter): one kernel over the rows."""
         return kernels_s([gather(2 * self.e * self.shape.hidden_size * self.tokens)], self.hw)
-
-    def kernel_count(self, i: int, backward: bool = False) -> int:
-        """Launches of layer ``i``'s forward, or (``backward``) of its backward alone."""
-        return sum(launches(k, self.hw) for k in (self.layer_backward(i) if backward else self.layer_forward(i)))

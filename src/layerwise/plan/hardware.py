@@ -64,6 +64,9 @@ class HardwareProfile:
     not included), parameters/s at the optimizer threads the engine runs (``host_threads``)."""
     optimizer_8bit_params_per_s: float
     """The same for block-wise 8-bit moments (``HostAdamW8bit``: dequantise + requantise)."""
+    device_mem_gbps: float
+    """Sustained device memory bandwidth, GB/s, the roof of memory-bound kernels
+    (``plan/device_cost.py``; on the CPU backend the host's)."""
     host_accum_gbps: float = 150.0
     """Host gradient accumulation of an fp32 gradient (``grad_accum.accumulate``, fp32 into
     fp32: the CPU backend's), GB/s counted as 12 bytes per element (read 4 + 4, write 4)."""
@@ -83,12 +86,6 @@ class HardwareProfile:
     """Bytes per element of streamed weights, gradients and activations (2 = bf16, 4 = fp32)."""
     synchronous: bool = False
     """True when copies and compute cannot overlap (the CPU backend): one lane for everything."""
-    op_overhead_s: float = 0.0
-    """Fixed cost of one compute op (launches, Python), seconds."""
-    fwd_efficiency: float | None = None
-    """Fraction of ``peak_tflops`` a layer's forward without a graph reaches (the engine's
-    ``layer_fwd`` and recompute); None = ``efficiency``. Calibration measures both: a forward
-    without autograd bookkeeping runs at a different rate than forward + backward."""
     gpus_per_node: int = 1
     """GPUs in one node of this machine type: a data-parallel run uses at most this many per node."""
     intra_node_gbps: float | None = None
@@ -101,56 +98,25 @@ class HardwareProfile:
     """Host<->device copy bandwidth the host side of a node sustains for all its GPUs together,
     per direction (host memory, PCIe root complexes), GB/s; None: not shared (each GPU keeps
     ``h2d_gbps``/``d2h_gbps`` however many copy at once)."""
-    device_mem_gbps: float | None = None
-    """Sustained device memory bandwidth, GB/s, the roof of memory-bound kernels
-    (``plan/device_cost.py``); None (before version 5): ops priced by FLOPs alone."""
     kernel_launch_s: float | None = None
     """One kernel's launch and dispatch, s (hidden behind the last kernel unless ``synchronous``)."""
-    backward_launch_s: float | None = None
-    """The same for a backward's kernels (autograd's, no Python modules); None: ``kernel_launch_s``."""
     gemm_tile_rows: int = 1
     """Rows of a GEMM's output tile: a GEMM's rows (an expert's tokens) round up to it."""
-    gemm_tflops_points: tuple[tuple[float, ...], ...] | None = None
-    """Measured GEMMs ((weight bytes, TFLOPS, GB/s the weight is read at), ...), interpolated by a
-    GEMM's weight size (``layerwise calibrate``); None: ``peak_tflops x efficiency``. On a
-    ``synchronous`` device (from version 7) the TFLOPS are what each row costs beyond the weight's
-    pass, which adds to them (before: at the probe's 512 rows, the pass included: ~5% slow)."""
-    gather_gbps: float | None = None
-    """Bytes per second (read and written) of rows copied by an index: an MoE's dispatch to its
-    experts and back, an embedding (``plan/device_cost.py``); None (before version 7):
-    ``device_mem_gbps``."""
-    saved_tensor_s: float | None = None
-    """A kept layer's cost per tensor its forward saves, s, in the forward and in the backward each
-    (the engine's pack and unpack hooks: ``engine/internals.py``); None (before version 6): 0."""
-    storage_copy_s: float | None = None
-    """The host tier's cost per saved storage, s, out and back each, beside its bytes; None: 0."""
-    in_layer_factor: float = 1.0
-    """What a decoder layer's kernels other than its GEMMs (elementwise, gathers, attention) take
-    inside the layer over their probes' price (``layerwise calibrate`` fits it on a synchronous
-    device: ``calibrate.in_layer_factor``); a GEMM runs at its own probe's rate. The head's and
-    the embedding's kernels are priced the same way. 1: as probed (a GPU; before version 8
-    calibration divided every rate by one such factor, GEMMs' too)."""
     format_version: int = PROFILE_FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        if self.gemm_tflops_points is not None:  # JSON gives lists
-            object.__setattr__(self, "gemm_tflops_points", tuple(map(tuple, self.gemm_tflops_points)))
         for f in ("peak_tflops", "h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps",
-                  "optimizer_params_per_s", "optimizer_8bit_params_per_s", "host_accum_gbps"):
+                  "optimizer_params_per_s", "optimizer_8bit_params_per_s", "host_accum_gbps", "device_mem_gbps"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"hardware profile {self.name!r}: {f} must be > 0, got {getattr(self, f)}")
-        for f in ("efficiency", "fwd_efficiency"):
-            v = getattr(self, f)
-            if v is not None and not 0 < v <= 1:
-                raise ValueError(f"hardware profile {self.name!r}: {f} must be in (0, 1], got {v}")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"hardware profile {self.name!r}: efficiency must be in (0, 1], got {self.efficiency}")
         if self.device_mem_bytes <= self.device_reserved_bytes:
             raise ValueError(f"hardware profile {self.name!r}: device_mem_bytes must exceed device_reserved_bytes")
         if self.host_mem_bytes <= self.host_reserved_bytes:
             raise ValueError(f"hardware profile {self.name!r}: host RAM ({self.host_mem_bytes / GB:.2f} GB) must "
                              f"exceed the host reserve ({self.host_reserved_bytes / GB:.2f} GB); give more "
                              "with --host-mem")
-        if any(v is not None and not v >= 0 for v in (self.saved_tensor_s, self.storage_copy_s)):
-            raise ValueError(f"hardware profile {self.name!r}: saved_tensor_s and storage_copy_s must be >= 0 or null")
         for f in ("intra_node_gbps", "inter_node_gbps", "node_host_link_gbps") + HOST_FIELDS_V4:
             if getattr(self, f) is not None and not getattr(self, f) > 0:
                 raise ValueError(f"hardware profile {self.name!r}: {f} must be > 0 or null, got {getattr(self, f)}")
@@ -165,12 +131,6 @@ class HardwareProfile:
     def flops_per_s(self) -> float:
         """Sustained FLOP/s the cost model uses."""
         return self.peak_tflops * 1e12 * self.efficiency
-
-    @property
-    def fwd_flops_per_s(self) -> float:
-        """Sustained FLOP/s of a forward without a graph."""
-        eff = self.efficiency if self.fwd_efficiency is None else self.fwd_efficiency
-        return self.peak_tflops * 1e12 * eff
 
     @property
     def accum_bf16_gbps(self) -> float:
@@ -223,7 +183,8 @@ class HardwareProfile:
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
-            raise ValueError(f"hardware profile has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+            raise ValueError(f"hardware profile has unknown keys {sorted(unknown)} (an older format?); "
+                             "regenerate it with `layerwise calibrate --out FILE`")
         version = d.get("format_version", PROFILE_FORMAT_VERSION)
         if version not in (1, 2, 3, 4, 5, 6, 7, PROFILE_FORMAT_VERSION):
             raise ValueError(f"hardware profile format_version {d['format_version']} is not supported "
@@ -236,7 +197,8 @@ class HardwareProfile:
         d = {**d, "format_version": PROFILE_FORMAT_VERSION}  # older versions lack only optional fields
         missing = {f.name for f in fields(cls) if f.default is MISSING} - set(d)
         if missing:
-            raise ValueError(f"hardware profile is missing {sorted(missing)}")
+            raise ValueError(f"hardware profile is missing {sorted(missing)}; regenerate it with "
+                             "`layerwise calibrate --out FILE`")
         return cls(**d)
 
     def save(self, path: str | Path) -> None:

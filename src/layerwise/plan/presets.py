@@ -248,6 +248,7 @@ PRESETS: dict[str, HardwareProfile] = {
         device_reserved_bytes=1 * GB,
         peak_tflops=0.05,  # assumption: 2 cores x AVX2 fp32 matmul in PyTorch; calibrate measures
         efficiency=1.0,  # peak_tflops is already a measured-style sustained number
+        device_mem_gbps=10.0, kernel_launch_s=1e-5,  # assumption: a few cores, eager dispatch; calibrate measures
         h2d_gbps=5.0, d2h_gbps=5.0,  # assumption: memcpy of large buffers; calibrate measures
         nvme_read_gbps=1.0, nvme_write_gbps=0.5, nvme_capacity_bytes=50 * GB,  # assumption (VM disk)
         host_mem_bytes=16 * GB,
@@ -257,7 +258,6 @@ PRESETS: dict[str, HardwareProfile] = {
         pinned_copy_gbps=2.0,  # assumption (the per-thread refresh rate measured here); calibrate measures
         compute_dtype_bytes=4,  # CPU runs fp32
         synchronous=True,  # CPU backend copies and computes in one thread
-        op_overhead_s=2e-4,  # Python + dispatch per op (assumption)
     ),
 }
 

@@ -84,8 +84,7 @@ PRESET_OFF_BY = 1.5
 def timing_summary(step_times: list[float], predicted: float | None, plan: Plan,
                    out_dir: str | Path | None = None, model: str | None = None) -> str:
     """The closing line on step time; where a preset's prediction is far off, how to plan a run
-    of ``model`` on this machine's own figures (a profile written under ``out_dir``, measured at
-    the run's shape: a calibration of another layer prices a small model's launches poorly)."""
+    of ``model`` on this machine's own figures (a profile written under ``out_dir``)."""
     measured = statistics.median(step_times[1:]) if len(step_times) > 1 else None
     text = "step time: measured " + (f"{measured:.4g} s (median of {len(step_times) - 1} steps "
                                      "after the first)" if measured else "n/a (under 2 steps)")
@@ -98,7 +97,6 @@ def timing_summary(step_times: list[float], predicted: float | None, plan: Plan,
             if (out_dir is not None and model is not None and plan.predicted.get("hardware") in PRESETS
                     and not 1 / PRESET_OFF_BY <= ratio <= PRESET_OFF_BY):
                 profile = Path(out_dir) / "profile.json"
-                text += (f"; a preset is not this machine: `layerwise calibrate --model {model} --seq-len "
-                         f"{plan.seq_len} --micro-batch-size {plan.micro_batch_size} --out {profile}` measures "
-                         f"it at this run's shape, and `profile={profile}` plans a run on that")
+                text += (f"; a preset is not this machine: `layerwise calibrate --model {model} --out {profile}` "
+                         f"measures it, and `profile={profile}` plans a run on that")
     return text
