@@ -14,7 +14,7 @@ from unittest import mock
 from .model import Large, count_moments, tier_counts
 
 DRY_CALIBRATE = {
-    "measure_layer": {"points": ((1, 16), (1, 8)), "repeats": 1},
+    "measure_mem_gbps": {"numel": 1 << 16, "repeats": 1},
     "measure_matmul_tflops": {"n": 128, "repeats": 1},
     "measure_copy_gbps": {"nbytes": 1 << 20, "repeats": 1},
     "measure_disk_gbps": {"nbytes": 1 << 20, "repeats": 1},
@@ -79,8 +79,7 @@ def run_calibration(lg: Large, quick: bool, data: dict[str, Any]) -> None:
         if lg.dev.dry_run:
             for name, over in DRY_CALIBRATE.items():
                 stack.enter_context(mock.patch.object(cal, name, _shrunk(getattr(cal, name), over)))
-        profile = cal.calibrate(quick=quick, device=lg.dev.name, model=lg.adapter.config, seq_len=lg.seq,
-                                micro_batch_size=lg.mbs)
+        profile = cal.calibrate(quick=quick, device=lg.dev.name, model=lg.adapter.config)
     cal_s = time.perf_counter() - t
     profile = replace(profile, host_mem_bytes=max(lg.host_budget_bytes, profile.host_reserved_bytes + 1))
     lg.profiles["calibrated"] = profile
