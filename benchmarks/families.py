@@ -39,9 +39,9 @@ from layerwise.models.init import build_hf_model
 from layerwise.models.registry import FAMILY_PRESETS
 from layerwise.optim.adamw import AdamWConfig
 from layerwise.plan import Plan
-from layerwise.plan.cost import CostModel
-from layerwise.plan.presets import PRESETS
-from layerwise.plan.search import PlanInfeasible, SearchConfig, search
+from layerwise.planner.cost import CostModel
+from layerwise.planner.presets import PRESETS
+from layerwise.planner.search import PlanInfeasible, SearchConfig, search
 from layerwise.plan.shape import load_shape
 from layerwise.store import HostStore
 

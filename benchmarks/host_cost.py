@@ -36,7 +36,7 @@ FREE_HOST = dict(host_accum_gbps=1e15, optimizer_params_per_s=1e21, optimizer_8b
 
 
 def _free_host(hw):
-    from layerwise.plan.hardware import HardwareProfile
+    from layerwise.planner.hardware import HardwareProfile
 
     extra = {k: 1e15 for k in ("host_accum_bf16_gbps", "pinned_copy_gbps")
              if k in HardwareProfile.__dataclass_fields__}
@@ -44,7 +44,7 @@ def _free_host(hw):
 
 
 def breakdown(plan, shape, hw) -> dict[str, Any]:
-    from layerwise.plan.simulator import simulate
+    from layerwise.planner.simulator import simulate
 
     sim = simulate(plan, shape, hw, steps=3)
     t0, t1 = sim.window
@@ -80,9 +80,9 @@ def gpu_check_case(milp_budget_s: float) -> dict[str, Any]:
 
 
 def plan_case(model: str, hardware: str, seq: int, milp_budget_s: float) -> dict[str, Any]:
-    from layerwise.plan.presets import get_hardware
-    from layerwise.plan.milp import MilpConfig
-    from layerwise.plan.search import SearchConfig, search
+    from layerwise.planner.presets import get_hardware
+    from layerwise.planner.milp import MilpConfig
+    from layerwise.planner.search import SearchConfig, search
     from layerwise.plan.shape import load_shape
 
     shape, hw = load_shape(model), get_hardware(hardware)

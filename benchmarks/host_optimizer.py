@@ -35,7 +35,7 @@ from layerwise.optim import _kernel
 from layerwise.optim.adamw import HostAdamW
 from layerwise.optim.adamw8bit import HostAdamW8bit
 from layerwise.optim.config import AdamWConfig
-from layerwise.plan.host_rates import CONFIGS, bytes_per_param, config_name
+from layerwise.planner.host_rates import CONFIGS, bytes_per_param, config_name
 from layerwise.store import HostStore
 
 CONFIG = AdamWConfig(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)

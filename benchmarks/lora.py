@@ -45,10 +45,10 @@ from layerwise.models import get_flavor
 from layerwise.models.init import build_hf_model
 from layerwise.plan import Plan
 from layerwise.plan.finetune import lora_frozen_base
-from layerwise.plan.presets import PRESETS
-from layerwise.plan.search import SearchConfig, search
+from layerwise.planner.presets import PRESETS
+from layerwise.planner.search import SearchConfig, search
 from layerwise.plan.shape import ModelShape
-from layerwise.plan.simulator import simulate
+from layerwise.planner.simulator import simulate
 
 ROUNDS = 3
 

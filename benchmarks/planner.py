@@ -62,12 +62,12 @@ STRICT = 1e-3  # the MILP plan "beats" / "trails" the best rule when tokens/s di
 def run_case(model: str, hw_name: str, seq: int, time_limit_s: float, tokens_per_step: int,
              gpu_gb: float | None = None, host_gb: float | None = None, sizes: tuple[int, ...] | None = None,
              options: dict | None = None) -> dict:
-    from layerwise.plan.check import check
+    from layerwise.planner.check import check
     from layerwise.plan.shape import load_shape
-    from layerwise.plan.presets import PRESETS
-    from layerwise.plan.milp import MilpConfig
-    from layerwise.plan.search import PlanInfeasible, SearchConfig, search
-    from layerwise.plan.simulator import simulate
+    from layerwise.planner.presets import PRESETS
+    from layerwise.planner.milp import MilpConfig
+    from layerwise.planner.search import PlanInfeasible, SearchConfig, search
+    from layerwise.planner.simulator import simulate
 
     shape = load_shape(model)
     hw = PRESETS[hw_name].with_memory(gpu_gb, host_gb)

@@ -2,7 +2,7 @@
 
 qwen2.5-14b on the h200 preset, 4096-token sequences, a fixed global batch of 64 sequences (262k
 tokens per optimizer step): the planner makes the plan one of 8 GPUs runs (its 8 sequences), and
-``layerwise.plan.scaling.predict_scaling`` simulates that plan's tiers on 1 GPU (the whole batch),
+``layerwise.planner.scaling.predict_scaling`` simulates that plan's tiers on 1 GPU (the whole batch),
 2, 4 and 8 GPUs of one node and 2 nodes of 8. Gradients summed on the host (what ``layerwise
 train`` runs) and, for comparison, on the GPUs before the copy (``grad_reduce="device"``).
 
@@ -30,12 +30,12 @@ GPUS = (1, 2, 4, 8)
 def predicted(model: str = MODEL, hardware: str = HARDWARE, seq_len: int = SEQ_LEN,
               global_batch: int = GLOBAL_BATCH, milp_time_limit_s: float = 5.0) -> dict:
     """Predicted step, tokens/s and speedup vs 1 GPU for each GPU count (and 2 nodes of 8)."""
-    from layerwise.plan.presets import PRESETS
-    from layerwise.plan.milp import MilpConfig
-    from layerwise.plan.scaling import predict_scaling
-    from layerwise.plan.search import SearchConfig, search
+    from layerwise.planner.presets import PRESETS
+    from layerwise.planner.milp import MilpConfig
+    from layerwise.planner.scaling import predict_scaling
+    from layerwise.planner.search import SearchConfig, search
     from layerwise.plan.shape import load_shape
-    from layerwise.plan.topology import Topology
+    from layerwise.planner.topology import Topology
 
     shape = load_shape(model)
     hw = PRESETS[hardware]

@@ -51,7 +51,7 @@ def test_import_contracts_hold():
 
 
 TORCH_DISTRIBUTED_IMPORTERS = {
-    "ckpt/collective.py", "engine/calibrate.py", "engine/calibrate_host.py",
+    "ckpt/collective.py", "planner/calibrate.py", "planner/calibrate_host.py",
     "interop/hooks/fsdp2_loop.py", "interop/hooks/zero_partitions.py",
     "interop/torchdist/dcp_checkpoint.py", "train/dist/context.py", "train/dist/reducer.py",
     "train/interrupt.py",

@@ -17,8 +17,8 @@ from layerwise.models.init import build_hf_model
 from layerwise.optim.adamw import AdamWConfig, HostAdamW
 from layerwise.optim.adamw8bit import HostAdamW8bit
 from layerwise.plan import Plan
-from layerwise.plan.cost import STATE_NBYTES, CostModel
-from layerwise.plan.presets import PRESETS
+from layerwise.planner.cost import STATE_NBYTES, CostModel
+from layerwise.planner.presets import PRESETS
 from layerwise.plan.shape import ModelShape
 from layerwise.split_master import split_torch
 from layerwise.store import ARENA_ALIGN_BYTES, HostStore, StoreFootprint, check_host_memory, store_footprint

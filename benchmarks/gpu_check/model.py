@@ -129,7 +129,7 @@ def device_fit(lg: Large) -> tuple[str, int]:
 
 def device_memory(lg: Large) -> tuple[int, str]:
     """The GPU's memory and where the figure comes from."""
-    from layerwise.plan.presets import PRESETS
+    from layerwise.planner.presets import PRESETS
 
     if lg.dev.is_cuda:
         return int(lg.dev.torch.cuda.get_device_properties(0).total_memory), "cuda total_memory"
@@ -143,8 +143,8 @@ def run_model(lg: Large, layers_requested: int, data: dict[str, Any]) -> None:
     predicted CUDA peak fits the GPU less ``DEVICE_MARGIN_BYTES``."""
     import torch
     from layerwise.models import DecoderAdapter, get_flavor
-    from layerwise.plan.cost import CostModel
-    from layerwise.plan.presets import PRESETS
+    from layerwise.planner.cost import CostModel
+    from layerwise.planner.presets import PRESETS
     from layerwise.plan.shape import ModelShape
     from layerwise.store import store_footprint
 

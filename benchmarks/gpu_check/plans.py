@@ -76,8 +76,8 @@ def run_plan(lg: Large, name: str, plan, batches, steps: int, lr: float, profile
              trace_dir: str | None, data: dict[str, Any]) -> None:
     import torch
     from layerwise.engine import EngineConfig, StreamingEngine
-    from layerwise.plan.cost import CostModel
-    from layerwise.plan.presets import PRESETS
+    from layerwise.planner.cost import CostModel
+    from layerwise.planner.presets import PRESETS
 
     dev, mbs, nmb, seq = lg.dev, lg.mbs, plan.num_micro_batches, lg.seq
     store = lg.store
@@ -160,7 +160,7 @@ def run_layer_major(lg: Large, plan, args, data: dict[str, Any]) -> None:
 
 def run_simulator(lg: Large, data: dict[str, Any]) -> None:
     """The simulator's step for each measured plan under each profile, against the measurement."""
-    from layerwise.plan.simulator import simulate
+    from layerwise.planner.simulator import simulate
 
     if not lg.measured:
         raise StageSkipped("no plan was measured")

@@ -46,8 +46,8 @@ def measure_layer_at_shape(lg: Large) -> dict[str, Any]:
     best of 3."""
     import torch
     from layerwise.engine.layer_ops import layer_backward
-    from layerwise.plan.cost import CostModel
-    from layerwise.plan.presets import PRESETS
+    from layerwise.planner.cost import CostModel
+    from layerwise.planner.presets import PRESETS
     from layerwise.store import FlatLayout
 
     dev, adapter, shape, mbs, seq = lg.dev, lg.adapter, lg.shape, lg.mbs, lg.seq
@@ -72,7 +72,7 @@ def measure_layer_at_shape(lg: Large) -> dict[str, Any]:
 def run_calibration(lg: Large, quick: bool, data: dict[str, Any]) -> None:
     from dataclasses import replace
 
-    from layerwise.engine import calibrate as cal
+    from layerwise.planner import calibrate as cal
 
     t = time.perf_counter()
     with ExitStack() as stack:
@@ -166,7 +166,7 @@ def run_optimizer(lg: Large, layers: int, rounds: int, data: dict[str, Any]) -> 
 def run_planner(lg: Large, milp_budget_s: float, data: dict[str, Any]) -> None:
     """``plan.search`` at the run's micro-batch size and count with the best profile there is;
     its moments are replaced by the run's (one store serves every plan), both reported."""
-    from layerwise.plan.search import SearchConfig, search
+    from layerwise.planner.search import SearchConfig, search
 
     name, hw = lg.best_profile()
     cfg = SearchConfig(global_batch=lg.mbs * lg.nmb, micro_batch_sizes=(lg.mbs,), prefetch_depth=1,

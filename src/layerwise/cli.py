@@ -30,9 +30,9 @@ COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {
     "train": (("layerwise.train.cli",), "train a model with the streaming engine"),
     "report": (("layerwise.train.cli",),
                "draw a training run: curves, per-layer change, checkpoint history"),
-    "plan": (("layerwise.plan.cli",),
+    "plan": (("layerwise.planner.cli",),
              "plan where activations live (MILP) and compare with fixed rules"),
-    "calibrate": (("layerwise.engine.cli",), "measure this machine and write a hardware profile"),
+    "calibrate": (("layerwise.planner.calibrate_cli",), "measure this machine and write a hardware profile"),
     "ckpt": (("layerwise.ckpt.cli", "layerwise.interop.cli"),
              "inspect, verify, clean and merge layer-wise checkpoints"),
 }

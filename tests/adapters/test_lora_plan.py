@@ -12,11 +12,11 @@ from layerwise.adapters.lora_store import LoraStore
 from layerwise.models import DecoderAdapter, get_flavor
 from layerwise.optim.adamw import state_nbytes
 from layerwise.plan import Plan
-from layerwise.plan.cost import CostModel
+from layerwise.planner.cost import CostModel
 from layerwise.plan.finetune import lora_frozen_base
-from layerwise.plan.presets import PRESETS
+from layerwise.planner.presets import PRESETS
 from layerwise.plan.shape import ModelShape
-from layerwise.plan.simulator import simulate
+from layerwise.planner.simulator import simulate
 
 
 def _cfg():

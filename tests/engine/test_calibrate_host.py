@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-import layerwise.engine.calibrate as calibrate
-from layerwise.engine import calibrate_host
+import layerwise.planner.calibrate as calibrate
+from layerwise.planner import calibrate_host
 from layerwise.engine.host_threads import plan_host_threads
-from layerwise.plan.hardware import HardwareProfile
-from layerwise.plan.presets import PRESETS
+from layerwise.planner.hardware import HardwareProfile
+from layerwise.planner.presets import PRESETS
 
 HOST_FIELDS = ("host_accum_gbps", "host_accum_bf16_gbps", "optimizer_params_per_s",
                "optimizer_8bit_params_per_s", "pinned_copy_gbps", "gloo_reduce_gbps")
@@ -113,7 +113,7 @@ def test_a_version_3_profile_loads_with_the_host_fallbacks_and_a_note(tmp_path, 
     d["format_version"] = 3
     p = tmp_path / "v3.json"
     p.write_text(json.dumps(d))
-    with caplog.at_level(logging.WARNING, logger="layerwise.plan.hardware"):
+    with caplog.at_level(logging.WARNING, logger="layerwise.planner.hardware"):
         hw = HardwareProfile.load(p)
     assert hw.host_accum_bf16_gbps is None and hw.pinned_copy_gbps is None and hw.gloo_reduce_gbps is None
     assert hw.accum_bf16_gbps == hw.pinned_gbps == d["host_accum_gbps"]

@@ -7,8 +7,8 @@ import torch
 from family_cases import hf_case
 from layerwise.models.attention import row_layout
 from layerwise.models.structure import attention_pairs, layer_facts, model_flops
-from layerwise.plan.cost import CostModel
-from layerwise.plan.presets import PRESETS
+from layerwise.planner.cost import CostModel
+from layerwise.planner.presets import PRESETS
 from layerwise.plan.shape import ModelShape
 
 

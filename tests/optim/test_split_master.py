@@ -177,8 +177,8 @@ def test_bf16_gradients_take_two_bytes_where_the_device_computes_bf16():
 
     Mutation that fails it: ``grad_itemsizes_of`` giving the head 2 bytes."""
     from layerwise.optim.adamw8bit import HostAdamW8bit
-    from layerwise.plan.cost import CostModel
-    from layerwise.plan.presets import PRESETS
+    from layerwise.planner.cost import CostModel
+    from layerwise.planner.presets import PRESETS
     from layerwise.plan.shape import ModelShape
     from layerwise.store import store_footprint
 

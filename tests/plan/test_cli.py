@@ -5,7 +5,7 @@ import pytest
 
 from layerwise.cli import main
 from layerwise.plan.plan import Plan
-from layerwise.plan.report import format_table, order_text
+from layerwise.planner.report import format_table, order_text
 
 
 def _table(text: str) -> tuple[int, list[dict[str, str]]]:
@@ -60,9 +60,9 @@ def test_plan_prints_a_table_and_writes_the_plan(tmp_path, capsys):
     assert plan.source == "milp" and plan.seq_len == 4096
     assert plan.micro_batch_size * plan.num_micro_batches == 8
     # the prediction written with the plan is what the simulator says of the plan as loaded
-    from layerwise.plan.presets import PRESETS
+    from layerwise.planner.presets import PRESETS
     from layerwise.plan.shape import load_shape
-    from layerwise.plan.simulator import simulate
+    from layerwise.planner.simulator import simulate
 
     sim = simulate(plan, load_shape("qwen2.5-7b"), PRESETS["rtx3090"].with_memory(gpu_mem_gb=12, host_mem_gb=512))
     assert plan.predicted["tokens_per_s"] == pytest.approx(sim.tokens_per_s, rel=1e-9)
@@ -78,7 +78,7 @@ def test_plan_prints_a_table_and_writes_the_plan(tmp_path, capsys):
 
 def test_plan_json_and_auto_batch(tmp_path, capsys):
     profile = tmp_path / "hw.json"
-    from layerwise.plan.presets import PRESETS
+    from layerwise.planner.presets import PRESETS
 
     PRESETS["h800"].save(profile)
     rc = main(["plan", "--model", "llama-30m", "--hardware", str(profile), "--seq-len", "512", "--json"])
@@ -158,7 +158,7 @@ def test_user_errors_are_one_line(capsys):
 
 
 def test_calibrate_pieces_are_quick(tmp_path):
-    from layerwise.engine.calibrate import (measure_accumulation, measure_copy_gbps, measure_disk_gbps,
+    from layerwise.planner.calibrate import (measure_accumulation, measure_copy_gbps, measure_disk_gbps,
                                             measure_optimizer)
 
     h2d, d2h = measure_copy_gbps("cpu", 1 << 20, 2)
@@ -173,8 +173,8 @@ def _floor_bytes(model: str, preset: str, ram_gb: float) -> int:
     """A model's least host need, from the parts (not ``host_need``): the store with 8-bit moments
     and bf16 gradients, the preset's reserve, 4 pinned ring buffers of the largest layer's bf16
     gradient."""
-    from layerwise.plan.cost import CostModel
-    from layerwise.plan.presets import PRESETS
+    from layerwise.planner.cost import CostModel
+    from layerwise.planner.presets import PRESETS
     from layerwise.plan.shape import load_shape
 
     shape, hw = load_shape(model), PRESETS[preset].with_memory(host_mem_gb=ram_gb)
@@ -193,10 +193,10 @@ def test_plan_prints_host_bytes_per_param_fits_ram_and_the_largest_model(tmp_pat
     Mutations seen caught: ``bf16_grads_of`` always False (the store printed at fp32 gradients,
     2 B/param more); the ring in torch's power-of-two pinned blocks (reserve 5.9 GB, not
     5.4); ``largest_fitting`` keeping the first flavor that fits (qwen2-debug)."""
-    from layerwise.plan.cost import CostModel
-    from layerwise.plan.presets import PRESETS
+    from layerwise.planner.cost import CostModel
+    from layerwise.planner.presets import PRESETS
     from layerwise.plan.shape import load_shape
-    from layerwise.plan.simulator import simulate
+    from layerwise.planner.simulator import simulate
 
     out = tmp_path / "plan.json"
     assert main(["plan", "--model", "qwen2.5-3b", "--hardware", "rtx4090", "--host-mem", "40", "--seq-len", "1024",

@@ -6,13 +6,13 @@ from dataclasses import replace
 import pytest
 from transformers import LlamaConfig
 
-from layerwise.plan.cost import CostModel
-from layerwise.plan.device_cost import DeviceCost, LayerDims, gemm, kernels_s
-from layerwise.plan.hardware import HardwareProfile
-from layerwise.plan.presets import PRESETS
+from layerwise.planner.cost import CostModel
+from layerwise.planner.device_cost import DeviceCost, LayerDims, gemm, kernels_s
+from layerwise.planner.hardware import HardwareProfile
+from layerwise.planner.presets import PRESETS
 from layerwise.plan.plan import Plan
 from layerwise.plan.shape import ModelShape, load_shape
-from layerwise.plan.simulator import simulate
+from layerwise.planner.simulator import simulate
 
 LAZYTRAIN_TOKENS_PER_S = 1361
 """LazyTrain, Table 1: Qwen ~27B, 64 layers, one H800 capped at 70 GB, seq 1024, batch 72."""

@@ -10,12 +10,12 @@ import layerwise.engine as engine
 
 from layerwise.models import DecoderAdapter, get_flavor  # noqa: E402
 from layerwise.models.init import build_hf_model  # noqa: E402
-from layerwise.plan.cost import CostModel  # noqa: E402
+from layerwise.planner.cost import CostModel  # noqa: E402
 from layerwise.plan.shape import ModelShape  # noqa: E402
-from layerwise.plan.presets import PRESETS  # noqa: E402
+from layerwise.planner.presets import PRESETS  # noqa: E402
 from layerwise.plan.plan import Plan  # noqa: E402
-from layerwise.plan.search import SearchConfig, search  # noqa: E402
-from layerwise.plan.simulator import simulate  # noqa: E402
+from layerwise.planner.search import SearchConfig, search  # noqa: E402
+from layerwise.planner.simulator import simulate  # noqa: E402
 from layerwise.store import HostStore  # noqa: E402
 from layerwise.engine.batch import IGNORE_INDEX, Batch  # noqa: E402
 

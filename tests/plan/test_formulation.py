@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from layerwise.plan.formulation import LAYER_GROUPS, MS, build, step_groups
-from layerwise.plan.presets import PRESETS
-from layerwise.plan.milp import MilpConfig, StepModel
+from layerwise.planner.formulation import LAYER_GROUPS, MS, build, step_groups
+from layerwise.planner.presets import PRESETS
+from layerwise.planner.milp import MilpConfig, StepModel
 from layerwise.plan.shape import load_shape
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "planner.md"

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from layerwise.cli import build_parser
-from layerwise.plan.cli import plan_hardware
-from layerwise.plan.hardware import GB
-from layerwise.plan.presets import PRESETS
-from layerwise.plan.hardware_choice import Machine, check_spec, cuda_preset_for, resolve_hardware
+from layerwise.planner.cli import plan_hardware
+from layerwise.planner.hardware import GB
+from layerwise.planner.presets import PRESETS
+from layerwise.planner.hardware_choice import Machine, check_spec, cuda_preset_for, resolve_hardware
 from layerwise.train.config import TrainConfig
 from layerwise.train.planning import run_hardware
 

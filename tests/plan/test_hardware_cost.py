@@ -5,10 +5,10 @@ import pytest
 
 from layerwise.models.adapter import DecoderAdapter
 from layerwise.models.registry import get_flavor
-from layerwise.plan.cost import CostModel
+from layerwise.planner.cost import CostModel
 from layerwise.plan.shape import ModelShape, load_shape
-from layerwise.plan.hardware import HardwareProfile
-from layerwise.plan.presets import PRESETS, get_hardware
+from layerwise.planner.hardware import HardwareProfile
+from layerwise.planner.presets import PRESETS, get_hardware
 
 
 def test_presets_roundtrip_through_json(tmp_path):

@@ -10,12 +10,12 @@ from layerwise.models import DecoderAdapter, get_flavor
 from layerwise.models.attention import row_layout
 from layerwise.models.registry import FAMILY_PRESETS, FLAVORS
 from layerwise.models.structure import layer_facts, model_flops
-from layerwise.plan.cost import CostModel
-from layerwise.plan.presets import PRESETS
+from layerwise.planner.cost import CostModel
+from layerwise.planner.presets import PRESETS
 from layerwise.plan.memory import layer_workspace_bytes, mask_bytes
 from layerwise.plan.plan import Plan
 from layerwise.plan.shape import ModelShape, load_shape
-from layerwise.plan.simulator import simulate
+from layerwise.planner.simulator import simulate
 from matrix import sampled
 
 PUBLISHED_B = {"gpt-oss-20b": (20.9, 3.6), "gpt-oss-120b": (116.8, 5.1), "qwen3-30b-a3b": (30.5, 3.3),

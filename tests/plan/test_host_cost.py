@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 
 from layerwise.models import get_flavor
-from layerwise.plan.cost import CostModel
-from layerwise.plan.presets import PRESETS
+from layerwise.planner.cost import CostModel
+from layerwise.planner.presets import PRESETS
 from layerwise.plan.shape import ModelShape
-from layerwise.plan.topology import Topology, host_reduce_s, intra_reduce_s, rank_hardware
+from layerwise.planner.topology import Topology, host_reduce_s, intra_reduce_s, rank_hardware
 
 SHAPE = ModelShape.from_config(get_flavor("llama-30m").build_config())
 U = "layers.0"

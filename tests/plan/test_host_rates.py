@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from layerwise.cli import main
-from layerwise.plan.host_rates import CONFIGS, PER_CORE_GPARAM_S, PRESET_HOSTS, config_name
+from layerwise.planner.host_rates import CONFIGS, PER_CORE_GPARAM_S, PRESET_HOSTS, config_name
 from layerwise.plan.shape import load_shape
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,15 +7,15 @@ from dataclasses import replace
 import pytest
 
 from layerwise.models.names import layer_unit
-from layerwise.plan.check import check
-from layerwise.plan.cost import CostModel
-from layerwise.plan.presets import PRESETS
+from layerwise.planner.check import check
+from layerwise.planner.cost import CostModel
+from layerwise.planner.presets import PRESETS
 from layerwise.plan.memory import device_bytes_per_op, mask_bytes, op_transient_bytes
-from layerwise.plan.milp import MilpConfig, StepModel, solve
+from layerwise.planner.milp import MilpConfig, StepModel, solve
 from layerwise.plan.plan import Plan
 from layerwise.plan.program import OpKind
 from layerwise.plan.shape import load_shape
-from layerwise.plan.simulator import simulate
+from layerwise.planner.simulator import simulate
 
 SMALL = load_shape("llama-30m")  # 10 layers, untied
 MBS, SEQ, E = 2, 128, 2
@@ -196,7 +196,7 @@ def test_search_emits_layer_major_plans_with_their_fields_and_the_simulators_pre
 
     Mutation seen failing: the search's per-load options left at 1 (the plan then
     micro-batch-major)."""
-    from layerwise.plan.search import SearchConfig, search
+    from layerwise.planner.search import SearchConfig, search
 
     shape, hw = load_shape("qwen2.5-14b"), PRESETS["h200"]
     cfg = dict(global_batch=8, micro_batch_sizes=(1, 2), prefetch_depth=1)
@@ -225,8 +225,8 @@ def test_a_store_that_fits_only_with_bf16_gradients_is_planned_layer_major():
 
     Mutation seen failing: the host check of the search with fp32 gradients whatever the
     order (``choose_moments`` without ``bf16_grads``: the search refuses at once)."""
-    from layerwise.plan.host_fit import PlanInfeasible
-    from layerwise.plan.search import SearchConfig, search
+    from layerwise.planner.host_fit import PlanInfeasible
+    from layerwise.planner.search import SearchConfig, search
 
     shape = load_shape("qwen2.5-14b")
     hw = replace(PRESETS["h200"], host_mem_bytes=128 * 10**9, host_reserved_bytes=4 * 10**9)

@@ -5,16 +5,16 @@ from dataclasses import replace
 
 import pytest
 
-from layerwise.plan.cost import CostModel
-from layerwise.plan.presets import PRESETS
+from layerwise.planner.cost import CostModel
+from layerwise.planner.presets import PRESETS
 
 WORKSTATION_GB = 512
 """Host RAM these cases are about (a large workstation): what binds is the device, not the host."""
-from layerwise.plan.milp import NVME_STAGING, MilpConfig, StepModel, solve
+from layerwise.planner.milp import NVME_STAGING, MilpConfig, StepModel, solve
 from layerwise.plan.plan import Plan
-from layerwise.plan.search import SearchConfig, choose_moments, search
+from layerwise.planner.search import SearchConfig, choose_moments, search
 from layerwise.plan.shape import load_shape
-from layerwise.plan.simulator import simulate
+from layerwise.planner.simulator import simulate
 from layerwise.store import StoreFootprint
 
 BOUNDARIES_ONLY = MilpConfig(internal_tiers=("recompute",))

@@ -1,9 +1,9 @@
 """``milp.solve``'s stages: a HiGHS answer that does not match its objective is not trusted."""
 
 from layerwise.plan import milp as milp_mod
-from layerwise.plan.baselines import baseline_tiers
-from layerwise.plan.presets import PRESETS
-from layerwise.plan.milp import MilpConfig, StepModel, solve
+from layerwise.planner.baselines import baseline_tiers
+from layerwise.planner.presets import PRESETS
+from layerwise.planner.milp import MilpConfig, StepModel, solve
 from layerwise.plan.shape import load_shape
 
 

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 
 from layerwise.cli import main
-from layerwise.plan.cost import CostModel
+from layerwise.planner.cost import CostModel
 from layerwise.plan.family_sizes import FAMILY_SIZES, family_sizes
-from layerwise.plan.hardware import GB
-from layerwise.plan.host_need import host_floor, largest_fitting
-from layerwise.plan.presets import PRESETS, preset_host_mem_bytes
+from layerwise.planner.hardware import GB
+from layerwise.planner.host_need import host_floor, largest_fitting
+from layerwise.planner.presets import PRESETS, preset_host_mem_bytes
 from layerwise.plan.shape import load_shape
 
 
@@ -124,13 +124,13 @@ def test_without_hardware_it_plans_for_this_machine(monkeypatch, capsys):
 
     Mutation seen caught: ``machine_preset`` keeping the cpu preset's 16 GB, not the machine's RAM."""
     from layerwise.plan import cli as plan_cli
-    from layerwise.plan.hardware_choice import Machine
+    from layerwise.planner.hardware_choice import Machine
 
     from layerwise.cli import build_parser
 
     monkeypatch.setitem(sys.modules, "fake_reader", SimpleNamespace(read=lambda: Machine(25 * GB)))
     parsed = build_parser("plan").parse_args(["plan", "--model", "llama3-8b", "--seq-len", "512", "--json"])
-    assert parsed.read_machine == plan_cli.READ_MACHINE == "layerwise.engine.devices:this_machine_any"
+    assert parsed.read_machine == plan_cli.READ_MACHINE == "layerwise.planner.machine:this_machine_any"
     parsed.read_machine = "fake_reader:read"
     hw = plan_cli.plan_hardware(parsed)
     assert hw.name == "cpu" and hw.host_mem_bytes == 25 * GB

@@ -4,17 +4,17 @@ from dataclasses import replace
 
 import pytest
 
-from layerwise.plan.baselines import baseline_tiers
-from layerwise.plan.check import check
-from layerwise.plan.cost import CostModel
+from layerwise.planner.baselines import baseline_tiers
+from layerwise.planner.check import check
+from layerwise.planner.cost import CostModel
 from layerwise.plan.shape import load_shape
-from layerwise.plan.hardware import GB
-from layerwise.plan.presets import PRESETS
-from layerwise.plan.milp import MilpConfig, StepModel, dp_device_host, solve
+from layerwise.planner.hardware import GB
+from layerwise.planner.presets import PRESETS
+from layerwise.planner.milp import MilpConfig, StepModel, dp_device_host, solve
 from layerwise.plan.plan import Plan
 from layerwise.plan import milp as milp_mod, search as search_mod
-from layerwise.plan.search import PlanInfeasible, SearchConfig, choose_moments, search
-from layerwise.plan.simulator import simulate
+from layerwise.planner.search import PlanInfeasible, SearchConfig, choose_moments, search
+from layerwise.planner.simulator import simulate
 from matrix import sampled
 
 CASES = [

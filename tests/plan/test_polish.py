@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from layerwise.plan import Plan
-from layerwise.plan.presets import PRESETS
-from layerwise.plan.screen import simulate_fast
-from layerwise.plan.search import POLISH_MOVES, Candidate, polish
+from layerwise.planner.presets import PRESETS
+from layerwise.planner.screen import simulate_fast
+from layerwise.planner.search import POLISH_MOVES, Candidate, polish
 from layerwise.plan.shape import load_shape
 
 

@@ -11,13 +11,13 @@ import torch
 from layerwise.engine.backend import CpuBackend
 from layerwise.engine.weight_stream import WeightStreamer
 from layerwise.models.names import EMBED, HEAD, layer_unit
-from layerwise.plan.presets import PRESETS
+from layerwise.planner.presets import PRESETS
 from layerwise.plan.memory import device_bytes_per_op
-from layerwise.plan.milp import StepModel
+from layerwise.planner.milp import StepModel
 from layerwise.plan.plan import Plan
 from layerwise.plan.program import Op, OpKind, micro_batch_program, weight_schedule, weight_windows
 from layerwise.plan.shape import load_shape
-from layerwise.plan.simulator import simulate
+from layerwise.planner.simulator import simulate
 
 E, H, L0, L1, L2 = EMBED, HEAD, layer_unit(0), layer_unit(1), layer_unit(2)
 
@@ -129,7 +129,7 @@ def test_simulator_holds_the_windows_the_streamer_holds(tied, depth):
     """The simulator's copies follow the same window: at each op of the first micro-batch the
     slot of each of its units last received that unit's weights, and no slot is written while
     an op reads it (the checker's slot rule passes)."""
-    from layerwise.plan.check import check
+    from layerwise.planner.check import check
 
     shape = _shape(3, tied)
     hw = PRESETS["h200"]

@@ -6,15 +6,15 @@ from dataclasses import replace
 import pytest
 
 from layerwise.cli import main
-from layerwise.plan.cost import CostModel
-from layerwise.plan.hardware import PROFILE_FORMAT_VERSION, HardwareProfile
-from layerwise.plan.presets import PRESETS
+from layerwise.planner.cost import CostModel
+from layerwise.planner.hardware import PROFILE_FORMAT_VERSION, HardwareProfile
+from layerwise.planner.presets import PRESETS
 from layerwise.plan.plan import Plan
 from layerwise.plan.program import micro_batch_program
-from layerwise.plan.scaling import ladder, predict_scaling, split_plan
+from layerwise.planner.scaling import ladder, predict_scaling, split_plan
 from layerwise.plan.shape import load_shape
-from layerwise.plan.simulator import simulate
-from layerwise.plan.topology import Topology, assign_owners
+from layerwise.planner.simulator import simulate
+from layerwise.planner.topology import Topology, assign_owners
 
 SHAPE = load_shape("llama-30m")  # 10 layers, untied: 12 units
 L = SHAPE.num_layers

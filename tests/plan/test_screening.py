@@ -4,10 +4,10 @@ a long accumulation from 3 and 4 groups of micro-batches, against the full simul
 from __future__ import annotations
 
 from layerwise.plan import Plan
-from layerwise.plan.presets import PRESETS
-from layerwise.plan.screen import extrapolated, simulate_fast
+from layerwise.planner.presets import PRESETS
+from layerwise.planner.screen import extrapolated, simulate_fast
 from layerwise.plan.shape import load_shape
-from layerwise.plan.simulator import simulate
+from layerwise.planner.simulator import simulate
 
 _TIER = {"d": "device", "r": "recompute"}
 # a MILP plan the search met (qwen-27b, h800, 64 sequences of 1024, one per micro-batch): its

@@ -7,9 +7,9 @@ from __future__ import annotations
 import threading
 
 from layerwise.plan import search as search_mod
-from layerwise.plan.presets import PRESETS
-from layerwise.plan.milp import MilpConfig
-from layerwise.plan.search import MIN_SOLVE_S, SearchConfig, search
+from layerwise.planner.presets import PRESETS
+from layerwise.planner.milp import MilpConfig
+from layerwise.planner.search import MIN_SOLVE_S, SearchConfig, search
 from layerwise.plan.shape import load_shape
 
 

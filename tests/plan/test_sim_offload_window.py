@@ -5,12 +5,12 @@ from dataclasses import replace
 
 import pytest
 
-from layerwise.plan.presets import PRESETS
+from layerwise.planner.presets import PRESETS
 from layerwise.plan.memory import OFFLOAD_WINDOW_OPS
 from layerwise.plan.plan import Plan
 from layerwise.plan.program import OpKind, micro_batch_program
 from layerwise.plan.shape import load_shape
-from layerwise.plan.simulator import simulate
+from layerwise.planner.simulator import simulate
 
 SHAPE = load_shape("llama-30m")
 L = SHAPE.num_layers

@@ -4,11 +4,11 @@ from dataclasses import replace
 
 import pytest
 
-from layerwise.plan.cost import CostModel
+from layerwise.planner.cost import CostModel
 from layerwise.plan.shape import load_shape
-from layerwise.plan.presets import PRESETS
+from layerwise.planner.presets import PRESETS
 from layerwise.plan.plan import Plan
-from layerwise.plan.simulator import micro_batch_program, simulate
+from layerwise.planner.simulator import micro_batch_program, simulate
 
 SHAPE = load_shape("llama-30m")  # 10 layers, untied
 L = SHAPE.num_layers
@@ -160,7 +160,7 @@ def test_kept_internals_skip_the_backward_forward_and_host_ones_add_their_copies
 def test_checker_passes_kept_internals_and_catches_a_missing_fetch():
     """Async machine: host-tier internals are fetched before their backward; the checker sees it,
     and sees the backward start early when the fetch is slowed and the wait removed."""
-    from layerwise.plan.check import check
+    from layerwise.planner.check import check
 
     hw = PRESETS["h200"]
     plan = Plan(Plan.every_k(L, 2).boundary_tiers, micro_batch_size=2, seq_len=128,

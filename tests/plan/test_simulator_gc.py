@@ -3,10 +3,10 @@ garbage collector."""
 
 import gc
 
-from layerwise.plan.presets import PRESETS
+from layerwise.planner.presets import PRESETS
 from layerwise.plan.plan import Plan
 from layerwise.plan.shape import load_shape
-from layerwise.plan.simulator import simulate
+from layerwise.planner.simulator import simulate
 
 
 def test_a_simulation_leaves_no_reference_cycles():

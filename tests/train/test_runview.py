@@ -26,11 +26,11 @@ import layerwise
 from layerwise.ckpt import RunDir, open_run_step
 from layerwise.cli import main
 from layerwise.models import get_flavor
-from layerwise.plan.cost import CostModel
-from layerwise.plan.presets import PRESETS
+from layerwise.planner.cost import CostModel
+from layerwise.planner.presets import PRESETS
 from layerwise.plan.plan import Plan
 from layerwise.plan.shape import load_shape
-from layerwise.plan.simulator import simulate
+from layerwise.planner.simulator import simulate
 from layerwise.train import progress as progress_mod
 from layerwise.train.config import CkptConfig
 from layerwise.train.loop import TrainConfig, train

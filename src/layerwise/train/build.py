@@ -5,9 +5,11 @@ large model)."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig
@@ -18,7 +20,6 @@ from ..models import FLAVORS, DecoderAdapter, family_of, get_flavor
 from ..models.families import text_config
 from ..models.attention import row_layout
 from ..models.structure import layer_facts, model_flops
-from ..plan.hardware_choice import HardwareChoice
 from ..plan.memory import CUDA_WORKSPACE_BYTES, predict_peak_device_bytes
 from ..plan.plan import Plan
 from ..plan.shape import ModelShape
@@ -27,7 +28,6 @@ from . import checks
 from .config import TrainConfig
 from .lora_run import lora_shape
 from .options import FIT_RULES, check_settings, resolve_plan
-from .planning import auto_plan, predict, run_hardware
 
 _log = logging.getLogger(__name__)
 
@@ -99,31 +99,26 @@ def mem_cap_bytes(cfg: TrainConfig) -> int | None:
     return None
 
 
-def choose_plan(cfg: TrainConfig, model: PretrainedConfig, compute_dtype: torch.dtype
-                ) -> tuple[Plan, HardwareChoice | None]:
-    """The run's plan and the hardware profile its prediction is for (``train/planning.py``).
+PLANNER = "layerwise.planner.run_plan"
+"""The planner's entry, imported by name for ``plan=auto`` only: a run with a rule or a plan
+file never loads the planner (search, MILP, simulator, hardware profiles)."""
 
-    ``plan=auto`` asks the planner; a rule or a plan file is simulated on the resolved profile.
-    Either way ``plan.predicted["step_s"]`` is the predicted step time (absent only for a rule
-    or file when no profile resolves without calibrating: a GPU no preset matches)."""
-    auto = cfg.plan == "auto"
+
+def choose_plan(cfg: TrainConfig, model: PretrainedConfig, compute_dtype: torch.dtype
+                ) -> tuple[Plan, Any]:
+    """The run's plan, and for ``plan=auto`` the hardware profile it was planned on (its
+    ``predicted["step_s"]`` the simulator's step time); a rule or a plan file has no profile."""
     num_layers = text_config(model).num_hidden_layers
-    plan = None if auto else fit_plan(cfg, model, compute_dtype) if cfg.plan == "fit" else \
-        resolve_plan(cfg.plan, num_layers, cfg)
-    hw = run_hardware(cfg, compute_dtype, mem_cap_bytes(cfg), may_calibrate=auto)
+    if cfg.plan == "fit":
+        return fit_plan(cfg, model, compute_dtype), None
+    if cfg.plan != "auto":
+        return resolve_plan(cfg.plan, num_layers, cfg), None
+    planner = importlib.import_module(PLANNER)
+    hw = planner.run_hardware(cfg.hardware, cfg.profile, cfg.out_dir, cfg.device,
+                              compute_dtype.itemsize, mem_cap_bytes(cfg))
     shape = lora_shape(cfg, ModelShape.from_config(model, name=Path(cfg.model.name).name))
-    if auto:
-        assert hw is not None
-        plan = auto_plan(shape, hw, cfg.seq_len, cfg.micro_batch_size * cfg.grad_accum,
-                         cfg.plan_time_limit_s)
-    elif hw is not None:
-        assert plan is not None
-        before = dict(plan.predicted)
-        plan.predicted = predict(plan, shape, hw, cfg.seq_len)
-        if before:  # a plan file's own predictions, for the machine it was planned for
-            plan.predicted["planned_for"] = before
-    assert plan is not None
-    return plan, hw
+    return planner.plan_for_run(shape, hw, cfg.seq_len, cfg.micro_batch_size * cfg.grad_accum,
+                                cfg.plan_time_limit_s), hw
 
 
 def fit_plan(cfg: TrainConfig, model: PretrainedConfig, compute_dtype: torch.dtype) -> Plan:

@@ -1,11 +1,11 @@
-"""Checks of a run's settings that need the plan and hardware tables but not torch: the command
-runs them before its heavy imports (and before it creates the out_dir), the loop again."""
+"""Checks of a run's settings that need the plan tables but not torch: the command runs them
+before its heavy imports (and before it creates the out_dir), the loop again."""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
-from ..plan.hardware_choice import check_spec
 from ..plan.plan import Plan
 from .config import TrainConfig
 from .progress import resolve_progress
@@ -46,4 +46,5 @@ def check_settings(cfg: TrainConfig) -> None:
         Plan.load(cfg.plan)  # a missing or malformed plan file's own error
     elif cfg.plan not in ("auto", "fit"):
         resolve_plan(cfg.plan, 1, cfg)  # a malformed rule's own error
-    check_spec(cfg.hardware, cfg.profile)
+    if cfg.plan == "auto":  # the hardware settings are the planner's alone
+        importlib.import_module("layerwise.planner.hardware_choice").check_spec(cfg.hardware, cfg.profile)

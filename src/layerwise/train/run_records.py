@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from ..engine.batch import Batch
-from ..plan.presets import PRESETS
 from ..plan.plan import Plan
 
 
@@ -94,7 +93,7 @@ def timing_summary(step_times: list[float], predicted: float | None, plan: Plan,
         if measured:
             ratio = measured / predicted
             text += f": measured / predicted {ratio:.2f}"
-            if (out_dir is not None and model is not None and plan.predicted.get("hardware") in PRESETS
+            if (out_dir is not None and model is not None and plan.predicted.get("hardware_preset")
                     and not 1 / PRESET_OFF_BY <= ratio <= PRESET_OFF_BY):
                 profile = Path(out_dir) / "profile.json"
                 text += (f"; a preset is not this machine: `layerwise calibrate --model {model} --out {profile}` "

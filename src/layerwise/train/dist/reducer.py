@@ -1,7 +1,7 @@
 """``StepReducer`` over torch.distributed: per-unit gradient reduction to the unit's owner.
 
 Ownership. The units are dealt to the local ranks of a node, largest first to the least loaded
-(``plan.topology.assign_owners``, the assignment the scaling model simulates: balanced by
+(``plan.owners.assign_owners``, the assignment the scaling model simulates: balanced by
 parameters, ties in model order, the same on every node). A unit's owner runs its
 optimizer update on the node's shared store; the other local ranks only read it.
 
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ...optim.clip import sq_norm
-from ...plan.topology import assign_owners
+from ...plan.owners import assign_owners
 from ...store import HostStore
 from .context import DistContext
 

@@ -1,6 +1,6 @@
 """Checkpoints under torchrun: which rank writes which groups, and each rank's checkpointer.
 
-Every rank writes the groups of the units it is dealt by ``plan.topology.assign_owners`` over
+Every rank writes the groups of the units it is dealt by ``plan.owners.assign_owners`` over
 all ranks of all nodes (a group spanning units goes with its first unit). On one node that is
 exactly the update owners' assignment (``reducer.py``: the same function over the local
 ranks), so each rank writes what it updates, from the node's shared store. With several nodes
@@ -20,7 +20,7 @@ from ...ckpt.checkpointer import Checkpointer
 from ...ckpt.collective import CollectiveTimeout, TorchExchange
 from ...ckpt.provider import StateProvider
 from ...models.names import group_of
-from ...plan.topology import assign_owners
+from ...plan.owners import assign_owners
 from ...store import HostStore
 from .context import DistContext
 from .setup import first_then_others

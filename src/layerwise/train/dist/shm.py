@@ -32,7 +32,7 @@ from transformers import PretrainedConfig
 from ...adapters.lora_adapter import LoraAdapter
 from ...adapters.lora_store import lora_footprint
 from ...models.adapter import DecoderAdapter
-from ...plan.cost import STATE_NBYTES
+from ...optim import adamw, adamw8bit
 from ...store import FlatLayout, StoreFootprint
 from ...util.host_memory import locked_nbytes, page_lock, page_size
 from ...util.units import human_bytes, tensor_nbytes
@@ -51,7 +51,8 @@ def shared_store_nbytes(model: PretrainedConfig | DecoderAdapter | LoraAdapter,
     adapter = model if isinstance(model, (DecoderAdapter, LoraAdapter)) else DecoderAdapter(model)
     numels = [FlatLayout.of(u).numel for u in adapter.units]
     kinds = moments or ["fp32"] * len(numels)
-    state = sum(STATE_NBYTES[k](n) for n, k in zip(numels, kinds))
+    state_nbytes = {"fp32": adamw.state_nbytes, "8bit": adamw8bit.state_nbytes}
+    state = sum(state_nbytes[k](n) for n, k in zip(numels, kinds))
     fp = (lora_footprint(adapter, compute_dtype, pin=False, state_nbytes=state)
           if isinstance(adapter, LoraAdapter)
           else StoreFootprint.of_numels(numels, compute_dtype.itemsize, state_nbytes=state))

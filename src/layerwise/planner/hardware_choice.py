@@ -17,7 +17,7 @@ Then, whatever the source: memory overrides (plan's ``--gpu-mem`` / ``--host-mem
 size of the run's compute dtype, and a cap on the device memory a plan may use.
 
 ``plan/`` reads no device and runs no kernel: the layers above read the machine
-(``engine.devices.this_machine``) and inject the calibration.
+(``planner.machine.this_machine``) and inject the calibration.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .plan import Plan
+from ..plan.plan import Plan
 
 LANES = ("compute", "h2d", "d2h", "host", "nvme", "optimizer", "intra", "inter")
 RESIDENT_SLOT = "resident"

@@ -4,7 +4,7 @@ window)."""
 
 from __future__ import annotations
 
-from .memory import OFFLOAD_WINDOW_OPS
+from ..plan.memory import OFFLOAD_WINDOW_OPS
 from .trace import Alloc
 
 

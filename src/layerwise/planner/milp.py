@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .formulation import ALL_INTERNAL_TIERS, ALL_TIERS, MS, Formulation, build
-from .plan import Plan
+from ..plan.plan import Plan
 from .step_model import NVME_STAGING, StepModel, dp_device_host
 
 __all__ = ["MilpConfig", "MilpResult", "NVME_STAGING", "StepModel", "dp_device_host", "solve"]

@@ -7,8 +7,8 @@ import copy
 from typing import Any
 
 from .hardware import HardwareProfile
-from .plan import Plan
-from .shape import ModelShape
+from ..plan.plan import Plan
+from ..plan.shape import ModelShape
 from .simulator import SimResult, simulate
 
 __all__ = ["Sims", "extrapolated", "simulate_fast"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .program import OpKind
+from ..plan.program import OpKind
 from .trace import LANES, SimResult
 
 # one colour per kind of work, so a glance tells compute from copies from recompute

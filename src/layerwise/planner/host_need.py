@@ -22,10 +22,10 @@ from pathlib import Path
 
 from ..models.names import EMBED, HEAD
 from .cost import CostModel
-from .family_sizes import family_sizes, flavor_of
+from ..plan.family_sizes import family_sizes, flavor_of
 from .hardware import HardwareProfile
-from .plan import Plan
-from .shape import ModelShape, load_shape
+from ..plan.plan import Plan
+from ..plan.shape import ModelShape, load_shape
 from .simulator import SimResult
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .hardware import HardwareProfile
-from .plan import Plan
-from .shape import ModelShape
+from ..plan.plan import Plan
+from ..plan.shape import ModelShape
 from .simulator import SimResult, simulate
 from .topology import Topology
 

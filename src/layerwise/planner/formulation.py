@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .columns import INF, Block, ColumnMap, Rows, to_lp
-from .plan import INTERNAL_TIERS
+from ..plan.plan import INTERNAL_TIERS
 from .step_model import NVME_STAGING, ModelEval, StepModel
 
 ALL_TIERS = ("device", "host", "nvme", "recompute")

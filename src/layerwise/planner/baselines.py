@@ -18,7 +18,7 @@ Their boundaries are all dropped: a layer that keeps its internals never reads i
 
 from __future__ import annotations
 
-from .plan import Plan
+from ..plan.plan import Plan
 
 EVERY_K = (1, 2, 4, 8)
 

@@ -10,7 +10,7 @@ fields the planner's roofline prices a step by (``plan/device_cost.py``):
 - copy bandwidth: on CUDA pinned H2D/D2H copies; on CPU the engine's "copies" are ``copy_``
   into slots allocated once;
 - disk: write with fsync, then read back, in the spill directory;
-- memory: the GPU's and this process's RAM (``devices.this_machine``);
+- memory: the GPU's and this process's RAM (``machine.this_machine``);
 - the host side (``calibrate_host``): gradient accumulation, the optimizer step (fp32 and 8-bit
   moments), the refresh into pinned memory, and (data parallel, asked) gloo's reduce, each at the
   threads and CPUs the engine will give it and at the run's unit size.
@@ -30,14 +30,14 @@ import torch
 
 from ..models.names import EMBED, HEAD
 from ..models.registry import FLAVORS, get_flavor
-from ..plan.hardware import HardwareProfile
-from ..plan.hardware_choice import resolve_hardware
-from ..plan.presets import PRESETS
+from .hardware import HardwareProfile
+from .hardware_choice import resolve_hardware
+from .presets import PRESETS
 from ..plan.shape import ModelShape
 from .calibrate_host import (median_time, measure_accumulation, measure_gloo_reduce_gbps, measure_optimizer,
                              measure_optimizer_8bit, measure_pinned_copy_gbps, on_host_worker)
-from .devices import this_machine
-from .host_threads import plan_host_threads
+from .machine import this_machine
+from ..engine.host_threads import plan_host_threads
 
 
 def _sync_for(device: str) -> Callable[[], None]:

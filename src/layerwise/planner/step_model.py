@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from ..models.names import EMBED, layer_unit
 from .cost import STATE_NBYTES, CostModel
 from .hardware import HardwareProfile
-from .memory import GRAD_SLOTS, fetch_slot_count, grad_slot_itemsize, mask_bytes
-from .program import Op, OpKind
-from .shape import ModelShape
+from ..plan.memory import GRAD_SLOTS, fetch_slot_count, grad_slot_itemsize, mask_bytes
+from ..plan.program import Op, OpKind
+from ..plan.shape import ModelShape
 
 NVME_STAGING = 2
 """Host buffers NVMe traffic holds: one boundary waiting for its write, one read back ahead of

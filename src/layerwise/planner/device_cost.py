@@ -42,8 +42,8 @@ from functools import cached_property
 
 from ..models.names import layer_unit
 from .hardware import HardwareProfile
-from .memory import grad_slot_itemsize
-from .shape import ModelShape
+from ..plan.memory import grad_slot_itemsize
+from ..plan.shape import ModelShape
 
 NORM_KERNELS, NORM_BYTES_PER_ELEM = 6, 36
 """An RMSNorm as transformers runs it: upcast, square, mean, scale, downcast, weight: ~9 fp32 passes."""

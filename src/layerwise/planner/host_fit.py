@@ -8,8 +8,8 @@ from typing import Any
 
 from .cost import STATE_NBYTES, CostModel
 from .hardware import HardwareProfile
-from .plan import Plan
-from .shape import ModelShape
+from ..plan.plan import Plan
+from ..plan.shape import ModelShape
 from .simulator import simulate
 from .step_model import NVME_STAGING
 

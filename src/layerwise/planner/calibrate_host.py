@@ -35,11 +35,11 @@ from ..models.adapter import ParamSpec, Unit
 from ..optim.adamw import AdamWConfig, HostAdamW
 from ..optim.adamw8bit import HostAdamW8bit
 from ..optim.grad_accum import accumulate
-from ..plan.hardware import GB, HardwareProfile
-from ..plan.host_rates import config_name
+from .hardware import GB, HardwareProfile
+from .host_rates import config_name
 from ..split_master import split_
 from ..store import FlatLayout, UnitBuffers
-from .host_threads import HostThreads, plan_host_threads
+from ..engine.host_threads import HostThreads, plan_host_threads
 
 Clock = Callable[[], float]
 T = TypeVar("T")

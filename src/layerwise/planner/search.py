@@ -36,10 +36,10 @@ from typing import Any
 from .baselines import baseline_tiers, extra_candidates, internal_rules
 from .cost import CostModel
 from .host_fit import PlanInfeasible, choose_moments, human_bytes, infeasible, rule_moments
-from .shape import ModelShape
+from ..plan.shape import ModelShape
 from .hardware import HardwareProfile
 from .milp import MilpConfig, MilpResult, solve
-from .plan import Plan
+from ..plan.plan import Plan
 from .screen import Sims, extrapolated
 from .simulator import SimResult
 from .step_model import StepModel

@@ -31,11 +31,11 @@ import torch
 from ..optim import adamw, adamw8bit
 from ..store import StoreFootprint, grad_itemsizes_of
 from ..util.host_memory import locked_nbytes
-from . import memory
+from ..plan import memory
 from .device_cost import DeviceCost
 from .hardware import HardwareProfile
-from .program import EMBED_OPS, OpKind
-from .shape import ModelShape
+from ..plan.program import EMBED_OPS, OpKind
+from ..plan.shape import ModelShape
 
 # The host store's bytes are counted with the store's own arithmetic (``StoreFootprint``) and
 # the optimizers' (per unit: fp32 moments 8 B/param; 8-bit 2 B/param + 8 B per 256-block).

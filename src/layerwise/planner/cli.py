@@ -11,7 +11,7 @@ from typing import Any
 
 from .check import CheckReport, check
 from .hardware import HardwareProfile
-from .finetune import BASE_DTYPES
+from ..plan.finetune import BASE_DTYPES
 from .hardware_choice import Machine, resolve_hardware
 from .host_need import HostNeed, largest_fitting, layer_grad_bytes, plan_host_need
 from .milp import MilpConfig
@@ -20,7 +20,7 @@ from .report import (host_line, hours_per_billion_tokens, largest_line, print_re
                      verdict_fits, verdict_unfit)
 from .scaling import ScalingPoint, ladder, predict_scaling
 from .search import PlanInfeasible, SearchConfig, SearchResult, search
-from .shape import ModelShape, load_shape
+from ..plan.shape import ModelShape, load_shape
 from .simulator import simulate
 from .timeline import draw_timeline
 from .topology import GRAD_REDUCE, Topology
@@ -66,9 +66,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=plan_command, read_machine=READ_MACHINE)
 
 
-READ_MACHINE = "layerwise.engine.devices:this_machine_any"
-"""Without ``--hardware``: the function that reads this machine (``plan/`` reads no device: the
-engine does, imported only then)."""
+READ_MACHINE = "layerwise.planner.machine:this_machine_any"
+"""Without ``--hardware``: the function that reads this machine (it needs torch, imported only
+then)."""
 
 
 def plan_command(args: argparse.Namespace) -> int:

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .shape import ModelShape
+from ..plan.shape import ModelShape
 from .hardware import HardwareProfile
-from .program import OpKind
+from ..plan.program import OpKind
 from .trace import LANES, RESIDENT_SLOT, SimResult
 
 EPS = 1e-9

@@ -60,13 +60,14 @@ from typing import Any
 
 from .cost import CostModel
 from .hardware import HardwareProfile
-from .memory import (GRAD_SLOTS, carried, fetch_slot_count, grad_slot_itemsize, group_embed_bwd_bytes,
+from ..plan.memory import (GRAD_SLOTS, carried, fetch_slot_count, grad_slot_itemsize, group_embed_bwd_bytes,
                      group_size, kept_internal_bytes, mask_bytes, resident_weight_bytes)
-from .plan import Plan
-from .program import (COPY_OPS, FETCH_AHEAD, RECOMPUTE_OPS, Op, OpKind, WeightWindow,
+from ..plan.plan import Plan
+from ..plan.program import (COPY_OPS, FETCH_AHEAD, RECOMPUTE_OPS, Op, OpKind, WeightWindow,
                       micro_batch_groups, micro_batch_program, resident_units, weight_schedule)
-from .shape import ModelShape
-from .topology import (REDUCE_BYTES_PER_PARAM, Topology, assign_owners, host_reduce_s, inter_allreduce_s,
+from ..plan.shape import ModelShape
+from ..plan.owners import assign_owners
+from .topology import (REDUCE_BYTES_PER_PARAM, Topology, host_reduce_s, inter_allreduce_s,
                        intra_reduce_s, rank_hardware)
 from .sim_state import Group as _Group, MicroBatch as _MicroBatch
 from .trace import LANES, RESIDENT_SLOT, Alloc, Interval, Lanes, SimResult, peak_bytes

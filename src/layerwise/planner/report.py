@@ -14,10 +14,10 @@ from .check import CheckReport
 from .hardware import HardwareProfile
 from .host_need import HostNeed, family_of_model
 from .host_rates import GPU_RUN, PRESET_HOSTS, config_name
-from .plan import Plan
+from ..plan.plan import Plan
 from .scaling import ScalingPoint
 from .search import Candidate, PlanInfeasible, SearchResult
-from .shape import ModelShape
+from ..plan.shape import ModelShape
 from .simulator import SimResult
 
 MEMORY_NAMES = {"device": "GPU memory", "host": "host RAM", "nvme": "NVMe", "unknown": "memory"}

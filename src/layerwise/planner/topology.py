@@ -88,18 +88,6 @@ def rank_hardware(hw: HardwareProfile, topo: Topology) -> HardwareProfile:
     )
 
 
-def assign_owners(unit_params: list[int], gpus: int) -> list[int]:
-    """The local rank that owns each unit: largest first, each to the least-loaded rank (ties: the
-    lower rank), so owners' parameters, and with them their optimizer and reduction work, balance."""
-    load = [0] * gpus
-    owner = [0] * len(unit_params)
-    for k in sorted(range(len(unit_params)), key=lambda k: (-unit_params[k], k)):
-        r = min(range(gpus), key=lambda r: (load[r], r))
-        owner[k] = r
-        load[r] += unit_params[k]
-    return owner
-
-
 def intra_reduce_s(nbytes: float, hw: HardwareProfile, topo: Topology) -> float:
     """Reduce ``nbytes`` from the node's G GPUs to the owner, ring-style: (G-1)/G of the bytes
     cross each GPU's link."""
