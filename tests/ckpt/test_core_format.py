@@ -91,8 +91,7 @@ def test_a_run_of_another_format_version_or_hash_is_refused_in_one_line(tmp_path
     refused in one line that says the version, the one read and what to do; another content
     hash is refused too.
 
-    Mutation seen failing: ``read_format`` accepting version 5 (``version < FORMAT_VERSION - 1``
-    as the refusal)."""
+    Mutation seen failing: accepting version 5 (``refuse_version`` letting it through)."""
     run = saved_run(tmp_path)
     fmt = run / "format.json"
     for version in (1, FORMAT_VERSION - 1, FORMAT_VERSION + 1):

@@ -10,7 +10,6 @@ import layerwise.engine.calibrate_probes as calibrate_probes
 from layerwise.models import get_flavor
 from layerwise.plan.cost import CostModel
 from layerwise.plan.device_cost import DeviceCost, kernels_s
-from layerwise.plan.hardware import HardwareProfile
 from layerwise.plan.presets import PRESETS
 from layerwise.plan.shape import ModelShape
 
@@ -49,18 +48,6 @@ def test_forward_is_priced_at_its_own_rate():
     assert old.layer_fwd_s(0) == pytest.approx(c.layer_fwd_flops(0) / (0.5 * peak))
     with pytest.raises(ValueError, match="fwd_efficiency"):
         replace(hw, fwd_efficiency=1.5)
-
-
-def test_a_version_2_profile_without_fwd_efficiency_loads(tmp_path):
-    """Profiles written before ``fwd_efficiency`` (format version 2) load, pricing the forward
-    at ``efficiency`` as they did. Mutation seen caught: version 2 dropped from the readable
-    versions."""
-    d = {k: v for k, v in PRESETS["cpu"].to_dict().items() if k != "fwd_efficiency"}
-    d["format_version"] = 2
-    p = tmp_path / "v2.json"
-    p.write_text(__import__("json").dumps(d))
-    hw = HardwareProfile.load(p)
-    assert hw.fwd_efficiency is None and hw.fwd_flops_per_s == hw.flops_per_s
 
 
 def test_launches_are_fitted_per_kernel_from_the_layer():

@@ -7,7 +7,7 @@ import pytest
 
 from layerwise.cli import main
 from layerwise.plan.cost import CostModel
-from layerwise.plan.hardware import PROFILE_FORMAT_VERSION, HardwareProfile
+from layerwise.plan.hardware import HardwareProfile
 from layerwise.plan.presets import PRESETS
 from layerwise.plan.plan import Plan
 from layerwise.plan.program import micro_batch_program
@@ -147,16 +147,6 @@ def test_topologies_the_profile_cannot_price_are_refused():
         split_plan(PLAN, 6, 4)
     with pytest.raises(ValueError, match="grad_reduce"):
         Topology(2, 1, "nvme")
-
-
-def test_a_version_1_profile_loads_as_single_gpu(tmp_path):
-    d = {k: v for k, v in PRESETS["cpu"].to_dict().items()
-         if k not in ("gpus_per_node", "intra_node_gbps", "inter_node_gbps", "node_host_link_gbps")}
-    d["format_version"] = 1
-    p = tmp_path / "old.json"
-    p.write_text(json.dumps(d))
-    hw = HardwareProfile.load(p)
-    assert (hw.gpus_per_node, hw.intra_node_gbps, hw.format_version) == (1, None, PROFILE_FORMAT_VERSION)
 
 
 def test_plan_gpus_prints_the_predicted_scaling(capsys):

@@ -13,7 +13,6 @@ Units: bytes, seconds, GB/s = 1e9 bytes/s, TFLOPS = 1e12 FLOP/s.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -23,11 +22,18 @@ from ..util.atomic import atomic_write_text
 GB = 10**9
 GIB = 2**30
 PROFILE_FORMAT_VERSION = 8
-"""What each version added: docs/formats.md, "Hardware profile". An older file loads with those
-fields unset, each read as its stated fallback, and a note saying to re-run ``layerwise calibrate``."""
-HOST_FIELDS_V4 = ("host_accum_bf16_gbps", "pinned_copy_gbps", "gloo_reduce_gbps")
+"""The one hardware profile format this layerwise writes and reads; a file of another version is
+refused (``refuse_version``)."""
+HOST_RATE_FIELDS = ("host_accum_bf16_gbps", "pinned_copy_gbps", "gloo_reduce_gbps")
+"""Measured host rates a profile may leave null (``host_accum_gbps`` stands in)."""
 
-log = logging.getLogger(__name__)
+
+def refuse_version(version: object, where: str | None = None) -> None:
+    """Refuse, in one line, a hardware profile of a format version other than this layerwise's
+    (``where``: its file)."""
+    if version != PROFILE_FORMAT_VERSION:
+        raise ValueError(f"{where + ': ' if where else ''}hardware profile format_version {version}; this layerwise reads "
+                         f"{PROFILE_FORMAT_VERSION}: measure it again with `layerwise calibrate --out FILE`")
 
 
 @dataclass(frozen=True)
@@ -70,11 +76,11 @@ class HardwareProfile:
     host_accum_bf16_gbps: float | None = None
     """The same for a bf16 gradient landing from the pinned ring (the GPU path), at the landing
     threads the engine runs, GB/s counted as 10 bytes per element (read 2 + 4, write 4); None
-    (a profile before version 4): ``host_accum_gbps``."""
+    (not measured): ``host_accum_gbps``."""
     pinned_copy_gbps: float | None = None
     """Host copy into page-locked memory: the compute copy's refresh after an update
     (``UnitBuffers.refresh_compute``, fp32 master -> bf16 arena), GB/s counted as bytes read +
-    written; None (a profile before version 4): ``host_accum_gbps``."""
+    written; None (not measured): ``host_accum_gbps``."""
     gloo_reduce_gbps: float | None = None
     """Bus bandwidth of gloo's reduce of host fp32 gradients between the processes of a node
     (``grad_reduce="host"``), GB/s: ``(G-1)/G`` of the bytes per second, as
@@ -103,7 +109,7 @@ class HardwareProfile:
     ``h2d_gbps``/``d2h_gbps`` however many copy at once)."""
     device_mem_gbps: float | None = None
     """Sustained device memory bandwidth, GB/s, the roof of memory-bound kernels
-    (``plan/device_cost.py``); None (before version 5): ops priced by FLOPs alone."""
+    (``plan/device_cost.py``); None: ops priced by FLOPs alone."""
     kernel_launch_s: float | None = None
     """One kernel's launch and dispatch, s (hidden behind the last kernel unless ``synchronous``)."""
     backward_launch_s: float | None = None
@@ -113,23 +119,22 @@ class HardwareProfile:
     gemm_tflops_points: tuple[tuple[float, ...], ...] | None = None
     """Measured GEMMs ((weight bytes, TFLOPS, GB/s the weight is read at), ...), interpolated by a
     GEMM's weight size (``layerwise calibrate``); None: ``peak_tflops x efficiency``. On a
-    ``synchronous`` device (from version 7) the TFLOPS are what each row costs beyond the weight's
-    pass, which adds to them (before: at the probe's 512 rows, the pass included: ~5% slow)."""
+    ``synchronous`` device the TFLOPS are what each row costs beyond the weight's pass, which
+    adds to them."""
     gather_gbps: float | None = None
     """Bytes per second (read and written) of rows copied by an index: an MoE's dispatch to its
-    experts and back, an embedding (``plan/device_cost.py``); None (before version 7):
+    experts and back, an embedding (``plan/device_cost.py``); None:
     ``device_mem_gbps``."""
     saved_tensor_s: float | None = None
     """A kept layer's cost per tensor its forward saves, s, in the forward and in the backward each
-    (the engine's pack and unpack hooks: ``engine/internals.py``); None (before version 6): 0."""
+    (the engine's pack and unpack hooks: ``engine/internals.py``); None: 0."""
     storage_copy_s: float | None = None
     """The host tier's cost per saved storage, s, out and back each, beside its bytes; None: 0."""
     in_layer_factor: float = 1.0
     """What a decoder layer's kernels other than its GEMMs (elementwise, gathers, attention) take
     inside the layer over their probes' price (``layerwise calibrate`` fits it on a synchronous
     device: ``calibrate.in_layer_factor``); a GEMM runs at its own probe's rate. The head's and
-    the embedding's kernels are priced the same way. 1: as probed (a GPU; before version 8
-    calibration divided every rate by one such factor, GEMMs' too)."""
+    the embedding's kernels are priced the same way. 1: as probed (a GPU)."""
     format_version: int = PROFILE_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -151,7 +156,7 @@ class HardwareProfile:
                              "with --host-mem")
         if any(v is not None and not v >= 0 for v in (self.saved_tensor_s, self.storage_copy_s)):
             raise ValueError(f"hardware profile {self.name!r}: saved_tensor_s and storage_copy_s must be >= 0 or null")
-        for f in ("intra_node_gbps", "inter_node_gbps", "node_host_link_gbps") + HOST_FIELDS_V4:
+        for f in ("intra_node_gbps", "inter_node_gbps", "node_host_link_gbps") + HOST_RATE_FIELDS:
             if getattr(self, f) is not None and not getattr(self, f) > 0:
                 raise ValueError(f"hardware profile {self.name!r}: {f} must be > 0 or null, got {getattr(self, f)}")
         if self.gpus_per_node < 1:
@@ -219,21 +224,14 @@ class HardwareProfile:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> HardwareProfile:
+    def from_dict(cls, d: dict[str, Any], where: str | None = None) -> HardwareProfile:
+        """The profile ``d`` describes; one of another format version is refused (``where``: its
+        file, for that refusal)."""
+        refuse_version(d.get("format_version"), where)
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"hardware profile has unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        version = d.get("format_version", PROFILE_FORMAT_VERSION)
-        if version not in (1, 2, 3, 4, 5, 6, 7, PROFILE_FORMAT_VERSION):
-            raise ValueError(f"hardware profile format_version {d['format_version']} is not supported "
-                             f"(expected {PROFILE_FORMAT_VERSION}); re-run `layerwise calibrate`")
-        if version < 4:
-            log.warning("hardware profile %r is format version %s: it has no %s; the bf16 accumulation "
-                        "and pinned copies are timed at host_accum_gbps and a host reduction at "
-                        "intra_node_gbps. Re-run `layerwise calibrate` to measure them",
-                        d.get("name"), version, ", ".join(HOST_FIELDS_V4))
-        d = {**d, "format_version": PROFILE_FORMAT_VERSION}  # older versions lack only optional fields
         missing = {f.name for f in fields(cls) if f.default is MISSING} - set(d)
         if missing:
             raise ValueError(f"hardware profile is missing {sorted(missing)}")
@@ -251,7 +249,7 @@ class HardwareProfile:
                              " or use a preset") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"hardware profile {path} is not valid JSON: {e}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(d, str(path))
 
 
 HOST_GRAD_RING = 4
