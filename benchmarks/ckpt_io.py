@@ -5,11 +5,11 @@ random values, 13.2 GB) is written four ways, side by side in one run:
 
 - ``disk``: the disk's sequential write bandwidth: one file of the state's size written in
   64 MiB blocks (from the same random pool) and fsynced;
-- ``layerwise``: a synchronous ``full`` save through ``Checkpointer`` into a new run (format 3, BLAKE3 since format 2:
-  one safetensors blob per group named by its BLAKE3, hashed on a second thread while written,
+- ``layerwise``: a synchronous ``full`` save through ``Checkpointer`` into a new run (one
+  safetensors blob per group named by its BLAKE3, hashed on a second thread while written,
   fsync per file, manifest last), straight from the live tensors (``sync_copy=False``);
-- ``layerwise_sha256``: the same save into a format 1 run (sha256 content addresses, as every
-  run was before format 2; a run keeps its format), to show the hash's share side by side;
+- ``layerwise_sha256``: the same save with the hash replaced by sha256 (diagnostic only: no run
+  format uses it), to show the hash's share side by side;
 - ``torch.save``: the same tensors, one ``torch.save`` file per group, each fsynced.
 
 To stay far below the machine's memory, every tensor is a view into one 1 GiB pool of random
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -122,15 +123,10 @@ def disk_write_s(path: Path, nbytes: int, source: torch.Tensor) -> float:
 
 
 
-def layerwise_save_s(run: Path, state: dict, format_version: int | None = None) -> tuple[float, int]:
+def layerwise_save_s(run: Path, state: dict) -> tuple[float, int]:
     """Seconds and bytes of one synchronous full save, straight from the live tensors, into a
-    new run (of ``format_version``, default the current one)."""
+    new run."""
     shutil.rmtree(run, ignore_errors=True)
-    if format_version is not None:  # an existing run keeps its format (and content hash)
-        run.mkdir(parents=True)
-        (run / "format.json").write_text(json.dumps(
-            {"format": run_format.FORMAT, "format_version": format_version,
-             "hash": content_hash.HASH_OF_VERSION[format_version]}))
     ck = Checkpointer(run, provider=DictStateProvider(state), policy="full", async_save=False,
                       sync_copy=False, save_rng=False, tracker_log=False)
     t = time.perf_counter()
@@ -142,9 +138,21 @@ def layerwise_save_s(run: Path, state: dict, format_version: int | None = None) 
 
 
 @contextlib.contextmanager
+def _hash_replaced(hasher):
+    """Diagnostic only: saves with the run's hash replaced by ``hasher`` (a ``hashlib``-like
+    factory). Never a mode of the product."""
+    name = content_hash.CONTENT_HASH
+    real = content_hash.HASHES[name]
+    content_hash.HASHES[name] = hasher
+    try:
+        yield
+    finally:
+        content_hash.HASHES[name] = real
+
+
 def _no_hash():
-    """Diagnostic only: the same save with a no-op hash (unique fake names), to show what the
-    hash of every byte costs on this machine. Never a mode of the product."""
+    """The same save with a no-op hash (unique fake names), to show what the hash of every byte
+    costs on this machine."""
 
     class NoHash:
         def __init__(self, data: bytes = b""):
@@ -156,13 +164,7 @@ def _no_hash():
         def hexdigest(self) -> str:
             return os.urandom(32).hex()
 
-    name = content_hash.HASH_OF_VERSION[run_format.FORMAT_VERSION]
-    real = content_hash.HASHES[name]
-    content_hash.HASHES[name] = NoHash
-    try:
-        yield
-    finally:
-        content_hash.HASHES[name] = real
+    return _hash_replaced(NoHash)
 
 
 def main(argv=None) -> dict:
@@ -173,7 +175,7 @@ def main(argv=None) -> dict:
     p.add_argument("--no-probe-hash-cost", dest="probe_hash_cost", action="store_false",
                    help="skip the diagnostic save with a no-op hash (write_gbps_without_hash)")
     p.add_argument("--no-sha256", dest="sha256", action="store_false",
-                   help="skip the save into a format 1 (sha256) run")
+                   help="skip the diagnostic save with sha256 in place of the run's hash")
     p.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds (medians)")
     p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     a = p.parse_args(argv)
@@ -203,7 +205,8 @@ def main(argv=None) -> dict:
 
         if a.sha256:
             os.sync()
-            sha_s.append(layerwise_save_s(run, state, format_version=1)[0])
+            with _hash_replaced(hashlib.sha256):
+                sha_s.append(layerwise_save_s(run, state)[0])
 
         if a.probe_hash_cost:
             os.sync()
@@ -240,7 +243,7 @@ def main(argv=None) -> dict:
         "inputs": {"quick": a.quick, "num_params": num_params, "state_bytes": nbytes,
                    "groups": len(state), "block_bytes": BLOCK_BYTES, "rounds": a.rounds,
                    "pool_numel": a.pool_numel, "format_version": run_format.FORMAT_VERSION,
-                   "hash": content_hash.HASH_OF_VERSION[run_format.FORMAT_VERSION],
+                   "hash": content_hash.CONTENT_HASH,
                    "blake3_max_threads": content_hash.BLAKE3_MAX_THREADS, "chunk_bytes": content_hash.CHUNK_BYTES},
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "python": platform.python_version(), "torch": torch.__version__,

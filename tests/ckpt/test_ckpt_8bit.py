@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from layerwise.ckpt import RunDir
+from layerwise.ckpt import FORMAT_VERSION, RunDir
 from layerwise.ckpt.checkpointer import Checkpointer
 from layerwise.ckpt.errors import StateModifiedError
 from layerwise.ckpt.moments import fp32_moments, unit_part, write_unit_part
@@ -116,7 +116,7 @@ def test_an_8bit_run_resumes_bit_identical_from_codes_and_scales(tmp_path):
         keys = rs.load_group(g)
         assert not any(k.startswith("exp_avg/") for k in keys), g
         assert any(k.startswith("exp_avg_codes/") for k in keys), g
-    assert json.loads((tmp_path / "run" / "format.json").read_text())["format_version"] >= 3
+    assert json.loads((tmp_path / "run" / "format.json").read_text())["format_version"] == FORMAT_VERSION
 
 
 def test_a_mixed_run_resumes_bit_identical(tmp_path):
@@ -193,27 +193,6 @@ def test_plan_changes_convert_and_export_needs_fp32(tmp_path):
         for k, t in want.items():
             if k.startswith(("exp_avg/", "exp_avg_sq/")):
                 assert torch.equal(got[k], t), k
-
-
-def test_a_format_2_run_is_continued_with_fp32_moments(tmp_path):
-    """A run created by the layerwise before format 3 stays readable by it: an 8-bit engine's
-    save into it stores fp32 moments (blob layout 1), and loads back as the quantised state."""
-    run = tmp_path / "old"
-    run.mkdir()
-    (run / "format.json").write_text(json.dumps(
-        {"format": "layerwise-ckpt", "format_version": 2, "hash": "blake3"}))
-    engine, provider = fresh(all_8bit)
-    engine.train_step(data(97, 1))
-    engine.synchronize()
-    with Checkpointer(run, provider=provider, policy="full", async_save=False) as ck:
-        ck.save(1)
-    rs = open_run_step(run)
-    assert rs.manifest["format_version"] == 2
-    for g in rs.groups():
-        keys = rs.load_group(g)
-        assert any(k.startswith("exp_avg/") for k in keys)
-        assert not any("codes" in k for k in keys)
-    engine.close()
 
 
 def test_a_block_shared_by_two_groups_stays_consistent():

@@ -136,15 +136,3 @@ def test_zero_style_partitions_two_ranks_to_one_and_three(tmp_path):
             ShardedCheckpointer(run, p, SingleProcess()).load()
         assert torch.equal(torch.cat([p.mine for p in parts]), full.mine)
         assert all(torch.equal(t, full.scalars[gk]) for gk, t in parts[0].scalars.items())
-
-
-def test_a_run_of_an_older_format_is_not_saved_into_sharded(tmp_path):
-    """Readers of format 3 would misread a sharded entry: a sharded save refuses such a run,
-    saying what to do, and writes nothing. Mutation seen failing: ``_create`` without the
-    version check (the save then commits a sharded step into the format 3 run)."""
-    run = tmp_path / "old"
-    run.mkdir()
-    (run / "format.json").write_text('{"format": "layerwise-ckpt", "format_version": 3, "hash": "blake3"}')
-    with pytest.raises(ValueError, match="format 3 run; sharded saves need format 4.*new run"):
-        ShardedCheckpointer(run, FlatPartitions(state(1), 0, 1), SingleProcess()).save(1)
-    assert RunDir.open(run).committed_steps() == []

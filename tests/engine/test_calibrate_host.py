@@ -2,7 +2,6 @@
 the engine's own kernels on the engine's threads), RAM from MemTotal or the cgroup limit."""
 
 import json
-import logging
 from dataclasses import replace
 
 import pytest
@@ -104,27 +103,30 @@ def test_total_ram_reads_memtotal_and_the_cgroup_limit(tmp_path):
     assert calibrate_host.total_ram_bytes(str(mem), str(root)) == 8 << 30
 
 
-def test_a_version_3_profile_loads_with_the_host_fallbacks_and_a_note(tmp_path, caplog):
-    """A profile written before the host fields (format 3) loads: they are None, the bf16
-    accumulation and the pinned refresh read ``host_accum_gbps``, and a warning says to
-    re-run calibrate. Mutation seen caught: version 3 dropped from the readable versions."""
-    d = {k: v for k, v in PRESETS["h200"].to_dict().items()
-         if k not in ("host_accum_bf16_gbps", "pinned_copy_gbps", "gloo_reduce_gbps")}
-    d["format_version"] = 3
-    p = tmp_path / "v3.json"
-    p.write_text(json.dumps(d))
-    with caplog.at_level(logging.WARNING, logger="layerwise.planner.hardware"):
-        hw = HardwareProfile.load(p)
-    assert hw.host_accum_bf16_gbps is None and hw.pinned_copy_gbps is None and hw.gloo_reduce_gbps is None
+def test_a_profile_of_another_format_version_is_refused_in_one_line(tmp_path):
+    """An older, a newer and an unversioned profile file are refused in one line naming the
+    file, its version, the one read and the command that measures it again; null host rates
+    read ``host_accum_gbps``.
+
+    Mutation seen failing: accepting version 7 (``refuse_version`` letting it through)."""
+    d = PRESETS["h200"].to_dict()
+    p = tmp_path / "old.json"
+    for version in (3, 7, 9, None):
+        p.write_text(json.dumps({**d, "format_version": version} if version is not None else
+                                {k: v for k, v in d.items() if k != "format_version"}))
+        with pytest.raises(ValueError) as err:
+            HardwareProfile.load(p)
+        msg = str(err.value)
+        assert "\n" not in msg
+        assert msg == (f"{p}: hardware profile format_version {version}; this layerwise reads 8: "
+                       "measure it again with `layerwise calibrate --out FILE`"), msg
+    hw = HardwareProfile.from_dict({**d, "host_accum_bf16_gbps": None, "pinned_copy_gbps": None})
     assert hw.accum_bf16_gbps == hw.pinned_gbps == d["host_accum_gbps"]
-    assert "layerwise calibrate" in caplog.text and "format version 3" in caplog.text
-    with pytest.raises(ValueError, match="format_version 9"):
-        HardwareProfile.from_dict({**d, "format_version": 9})
 
 
 def test_a_profile_with_fields_no_longer_read_or_without_the_roofline_is_refused_in_one_line(tmp_path):
     """A profile written with the CPU-fitting fields (``in_layer_factor``, ``gemm_tflops_points``)
-    or without ``device_mem_gbps`` (before format 5) is refused in one line naming how to
+    or without ``device_mem_gbps`` is refused in one line naming how to
     regenerate it."""
     d = PRESETS["h200"].to_dict()
     for bad in ({**d, "in_layer_factor": 1.0, "gemm_tflops_points": None},

@@ -50,14 +50,13 @@ def test_the_ring_is_the_engines():
     assert cpu.for_model(layer).host_reserved_bytes == cpu.host_reserved_bytes
 
 
-def test_a_profile_file_from_before_keeps_its_own_reserve(tmp_path):
-    """A calibrated profile written before the derived reserve (format 3, a flat 64 GB) loads
-    with its own figure (only a preset derives it), and the model's ring still adds to it; a
-    reserve the RAM cannot hold is refused with both figures."""
-    d = {k: v for k, v in PRESETS["h100"].to_dict().items()
-         if k not in hardware.HOST_FIELDS_V4}
-    d.update(format_version=3, host_reserved_bytes=64 * GB, name="old-box")
-    path = tmp_path / "old.json"
+def test_a_profile_file_keeps_its_own_reserve(tmp_path):
+    """A calibrated profile with a reserve of its own (a flat 64 GB) loads with that figure
+    (only a preset derives it), and the model's ring still adds to it; a reserve the RAM cannot
+    hold is refused with both figures."""
+    d = PRESETS["h100"].to_dict()
+    d.update(host_reserved_bytes=64 * GB, name="my-box")
+    path = tmp_path / "my-box.json"
     path.write_text(json.dumps(d))
     old = HardwareProfile.load(path)
     assert old.host_reserved_bytes == 64 * GB and old.host_cap_bytes == old.host_mem_bytes - 64 * GB

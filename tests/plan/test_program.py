@@ -175,15 +175,10 @@ def test_layer_major_step_runs_each_op_for_its_group_and_shares_the_weight_copy(
                                                   micro_batches_per_load=4).lands_once()
 
 
-def test_plan_refuses_bad_resident_layers_and_reads_version_3():
+def test_plan_refuses_bad_resident_layers():
     with pytest.raises(ValueError, match="resident_layers"):
         Plan.every_k(3, 1, resident_layers=[3])
     with pytest.raises(ValueError, match="resident_layers"):
         Plan.every_k(3, 1, resident_layers=[1, 1])
     with pytest.raises(ValueError, match="micro_batches_per_load"):
         Plan.every_k(3, 1, micro_batches_per_load=0)
-    d = Plan.every_k(3, 1).to_dict()
-    del d["micro_batches_per_load"], d["resident_layers"]
-    d["format_version"] = 3
-    old = Plan.from_dict(d)
-    assert old.micro_batches_per_load == 1 and old.resident_layers == [] and old.format_version == 4

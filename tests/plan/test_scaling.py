@@ -7,14 +7,15 @@ import pytest
 
 from layerwise.cli import main
 from layerwise.planner.cost import CostModel
-from layerwise.planner.hardware import PROFILE_FORMAT_VERSION, HardwareProfile
+from layerwise.planner.hardware import HardwareProfile
 from layerwise.planner.presets import PRESETS
 from layerwise.plan.plan import Plan
 from layerwise.plan.program import micro_batch_program
 from layerwise.planner.scaling import ladder, predict_scaling, split_plan
 from layerwise.plan.shape import load_shape
 from layerwise.planner.simulator import simulate
-from layerwise.planner.topology import Topology, assign_owners
+from layerwise.plan.owners import assign_owners
+from layerwise.planner.topology import Topology
 
 SHAPE = load_shape("llama-30m")  # 10 layers, untied: 12 units
 L = SHAPE.num_layers
@@ -147,16 +148,6 @@ def test_topologies_the_profile_cannot_price_are_refused():
         split_plan(PLAN, 6, 4)
     with pytest.raises(ValueError, match="grad_reduce"):
         Topology(2, 1, "nvme")
-
-
-def test_a_version_1_profile_loads_as_single_gpu(tmp_path):
-    d = {k: v for k, v in PRESETS["cpu"].to_dict().items()
-         if k not in ("gpus_per_node", "intra_node_gbps", "inter_node_gbps", "node_host_link_gbps")}
-    d["format_version"] = 1
-    p = tmp_path / "old.json"
-    p.write_text(json.dumps(d))
-    hw = HardwareProfile.load(p)
-    assert (hw.gpus_per_node, hw.intra_node_gbps, hw.format_version) == (1, None, PROFILE_FORMAT_VERSION)
 
 
 def test_plan_gpus_prints_the_predicted_scaling(capsys):

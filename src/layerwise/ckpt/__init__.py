@@ -12,13 +12,13 @@ Owns the checkpoint core, free of foreign formats (HF / Trainer formats, merge a
   the several-writer protocol), ``commit`` and ``step_state`` (manifest, step files, committed
   versions; shared with ``sharded_checkpointer``);
 - the run directory: ``run_dir`` (``RunDir``: steps, manifests, commit), ``blob_store``,
-  ``blob_codec`` (fp32 weights delta-coded against a key frame, run format 6),
+  ``blob_codec`` (fp32 weights delta-coded against a key frame),
   ``content_hash``, ``run_format`` (format.json), ``run_lock``, ``run_upkeep`` (verify, gc);
 - reading: ``resolve`` (the state at step N, group by group);
 - the live state: ``provider`` (the ``StateProvider`` protocol and blob keys),
   ``store_provider`` (the engine's HostStore), ``moments`` (8-bit moments);
 - several ranks: ``collective`` (the ranks' exchange), ``shard_ranges`` and
-  ``sharded_checkpointer`` (run format 4: a group as one blob per rank).
+  ``sharded_checkpointer`` (a group as one blob per rank).
 """
 
 from .checkpoint_config import CheckpointConfig

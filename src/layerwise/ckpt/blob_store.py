@@ -23,19 +23,18 @@ from ..util.atomic import fsync_dir
 from ..util.safetensors_io import dtype_name, encode_header, tensor_bytes
 from .content_hash import CHUNK_BYTES, new_hasher
 from .errors import write_error
-from .moments import fp32_moments, has_8bit
-from .run_format import FIRST_VERSION_8BIT
+from .moments import has_8bit
 
 BLOB_FORMAT = "layerwise-group"
 BLOB_FORMAT_VERSION = 1
-"""The blob's own layout (safetensors, key order, metadata): unchanged by run format 2, so the
-same state gives the same blob bytes in runs of either version (only the name differs)."""
+"""The blob's own layout (safetensors, key order, metadata) when it holds neither 8-bit moments
+nor delta-coded weights."""
 BLOB_FORMAT_VERSION_8BIT = 2
-"""The layout of a blob that holds 8-bit moments (``ckpt.moments``; runs of format 3 only).
-Blobs without them keep layout 1, so fp32 state still gives the same bytes in every run."""
+"""The layout of a blob that holds 8-bit moments (``ckpt.moments``).
+Blobs without them keep layout 1."""
 BLOB_FORMAT_VERSION_DELTA = 3
 """The layout of a blob whose fp32 weights are delta-coded against a key frame
-(``ckpt.blob_codec``; runs of format 6 only)."""
+(``ckpt.blob_codec``)."""
 
 
 @dataclass
@@ -68,13 +67,11 @@ class BlobPayload:
         return cls(header, ordered, len(header) + offset)
 
     @classmethod
-    def of_group(cls, tensors: dict[str, torch.Tensor], group: str, run_version: int,
+    def of_group(cls, tensors: dict[str, torch.Tensor], group: str,
                  coded: dict[str, str] | None = None) -> BlobPayload:
-        """A group's tensors as its blob stores them: 8-bit moments as they are (blob layout 2)
-        in a run that may hold them, else as fp32 moments (layout 1). ``coded``: the metadata
-        of tensors ``blob_codec.encode_delta`` coded (layout 3)."""
-        if run_version < FIRST_VERSION_8BIT:
-            tensors = fp32_moments(tensors)
+        """A group's tensors as its blob stores them: with 8-bit moments as they are (blob layout
+        2), else layout 1. ``coded``: the metadata of tensors ``blob_codec.encode_delta`` coded
+        (layout 3)."""
         layout = (BLOB_FORMAT_VERSION_DELTA if coded else
                   BLOB_FORMAT_VERSION_8BIT if has_8bit(tensors) else BLOB_FORMAT_VERSION)
         return cls.build(tensors, {"format": BLOB_FORMAT, "format_version": str(layout), "group": group,

@@ -39,8 +39,8 @@ class CheckpointConfig:
     policy writes only the experts that moved; for families with fused experts (a dense model
     keeps its layer groups). Needs fp32 optimizer moments."""
     encoding: str = "plain"
-    """How a blob stores its tensors (``ckpt.blob_codec``): ``"plain"`` whole; ``"delta"`` (run
-    format 6) fp32 weights as their low halves plus the high halves that changed since the
+    """How a blob stores its tensors (``ckpt.blob_codec``): ``"plain"`` whole; ``"delta"`` fp32
+    weights as their low halves plus the high halves that changed since the
     group's key frame blob, lossless (a new key frame when over half of them changed);
     ``"moments8"`` fp32 Adam moments block-wise 8-bit, lossy (a resume continues from
     moments within the 8-bit optimizer's error); ``"delta+moments8"`` both."""

@@ -263,7 +263,7 @@ class Checkpointer:
         state, config = None, None  # the step's files are rank 0's
         if self.exchange.rank == 0:
             state = StepState.capture(
-                self.store.version, step, scheduler=self.scheduler, provider=self.provider,
+                step, scheduler=self.scheduler, provider=self.provider,
                 save_rng=self.config.save_rng, extra=extra, data_position=data_position,
                 trainer_state=trainer_state)
             config = None if self._config_written else self.provider.model_config()

@@ -20,6 +20,7 @@ from .policies import GroupStatus, Policy, PolicyContext, select_with_reasons
 from .reports import LoadResult
 from .resolve import ResolvedStep
 from .run_dir import RunDir
+from .run_format import FORMAT_VERSION
 from .step_state import StepState
 
 MANIFEST_FORMAT = "layerwise-ckpt-manifest"
@@ -106,11 +107,10 @@ def commit_step(store: RunDir, step: int, header: ManifestHeader, state: StepSta
     commit loadable; then the step's files, then the manifest. Returns the manifest."""
     store.uncommit(step)
     files = state.write(store, step)
-    version = store.version
     manifest = {
         "format": MANIFEST_FORMAT,
-        "format_version": version,
-        **({"hash": store.hash_name} if version >= 2 else {}),
+        "format_version": FORMAT_VERSION,
+        "hash": store.hash_name,
         "step": step,
         "save_index": header.save_index,
         "created_unix_s": now_unix_s(),

@@ -1,21 +1,18 @@
 """Content hashes: the digest that names a blob and checksums every file a manifest lists.
 
-BLAKE3 for runs created as format 2 and later, sha256 for format 1 runs (which are read,
-verified and, when saved into again, continued as format 1, so that the layerwise that wrote
-them can still read them). Each manifest says which hash its checksums are.
+BLAKE3, the one hash of the run format; ``format.json`` and each manifest name it.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 import blake3
 
-HASH_OF_VERSION = {1: "sha256", 2: "blake3", 3: "blake3", 4: "blake3", 5: "blake3", 6: "blake3"}
-"""The content hash a run of each format version uses."""
+CONTENT_HASH = "blake3"
+"""The content hash of a run: names its blobs, checksums its files; a manifest's ``"hash"``."""
 
 BLAKE3_MAX_THREADS = 1
 """Threads one BLAKE3 hasher may use (the ``blake3`` package's own pool). One: the hash runs on
@@ -41,8 +38,8 @@ def _blake3() -> Hasher:
     return blake3.blake3(max_threads=BLAKE3_MAX_THREADS)
 
 
-HASHES: dict[str, Callable[[], Hasher]] = {"sha256": hashlib.sha256, "blake3": _blake3}
-"""Content hashes by the name a manifest gives them; every one has a 64-hex-digit digest."""
+HASHES: dict[str, Callable[[], Hasher]] = {CONTENT_HASH: _blake3}
+"""Content hashes by the name a manifest gives them (a 64-hex-digit digest)."""
 
 
 def new_hasher(name: str) -> Hasher:
@@ -50,7 +47,7 @@ def new_hasher(name: str) -> Hasher:
         return HASHES[name]()
     except KeyError:
         raise ValueError(f"unknown checkpoint content hash {name!r}; this layerwise knows "
-                         f"{sorted(HASHES)}. Upgrade layerwise to read this run.") from None
+                         f"{sorted(HASHES)}") from None
 
 
 def digest_bytes(data: bytes | memoryview, hash_name: str) -> str:
@@ -71,10 +68,9 @@ def file_digest(path: Path, hash_name: str) -> str:
 
 
 def manifest_hash(manifest: dict) -> str:
-    """The content hash of a manifest's checksums: sha256 in format 1, named in format 2."""
-    version = int(manifest.get("format_version", 1))
-    name = manifest.get("hash", HASH_OF_VERSION.get(version, "sha256"))
-    if name not in HASHES:
-        raise ValueError(f"manifest of step {manifest.get('step')} uses content hash {name!r}; "
-                         f"this layerwise knows {sorted(HASHES)}. Upgrade layerwise to read it.")
+    """The content hash of a manifest's checksums (the run's one hash); another is refused."""
+    name = manifest.get("hash")
+    if name != CONTENT_HASH:
+        raise ValueError(f"manifest of step {manifest.get('step')} uses content hash {name!r}, "
+                         f"not {CONTENT_HASH!r}")
     return name

@@ -10,7 +10,7 @@ into ``layers.{i}`` (everything but the routed experts) and ``layers.{i}.experts
 group (``ckpt.shard_ranges``); where the experts are stored one tensor each (an HF model dir
 being imported), the expert's own tensors, whole. The tracker and the policies then see, and measure, every expert
 like any group; the manifest stores an expert group's version as a one-shard entry over its
-ranges, marked ``slice_of`` its layer (run format 5), and ``resolve`` joins a layer's versions
+ranges, marked ``slice_of`` its layer, and ``resolve`` joins a layer's versions
 back into whole tensors, so every reader sees ordinary layer groups.
 
 Loading goes by whole layers (``load_group`` takes the joined layer name): the checkpointer
@@ -39,7 +39,6 @@ from .host_copies import stored_dtype
 from .moments import Q8_KINDS
 from .provider import STEP, StateProvider, group_tensors
 from .run_dir import RunDir
-from .run_format import FIRST_VERSION_EXPERT_GROUPS
 
 _log = logging.getLogger(__name__)
 
@@ -161,11 +160,6 @@ def with_expert_groups(provider: StateProvider, store: RunDir) -> StateProvider:
     if num_experts == 0:
         _log.info("ckpt.expert_groups: the model has no fused routed experts; layer groups kept")
         return provider
-    if store.version < FIRST_VERSION_EXPERT_GROUPS:
-        raise ValueError(
-            f"{store.root} is a format {store.version} run; expert groups need format "
-            f"{FIRST_VERSION_EXPERT_GROUPS} (readers of older runs would not understand them). "
-            "Start a new run directory, or set ckpt.expert_groups=false.")
     return ExpertGroupsProvider(provider, num_experts)
 
 

@@ -1,7 +1,7 @@
 """8-bit Adam moments in checkpoint blobs: stored as the optimizer keeps them (codes + scales),
 turned into fp32 moments only where a format needs them (a Trainer export, a run of format < 3).
 
-Blob keys of a parameter ``n`` with 8-bit moments (blob layout 2, run format 3):
+Blob keys of a parameter ``n`` with 8-bit moments (blob layout 2):
 
 - ``exp_avg_codes/n`` int8 ``[numel]``, ``exp_avg_sq_codes/n`` uint8 ``[numel]``;
 - ``exp_avg_scales/n``, ``exp_avg_sq_scales/n`` fp32 ``[k]``: the scales of the blocks the

@@ -6,11 +6,11 @@ manifest of the newest committed step <= N. A ``ResolvedStep`` is a checkpoint *
 and export read it group by group (peak memory: one group), and ``Checkpointer.load`` puts it
 straight back into a model and optimizer.
 
-A group may be stored sharded (run format 4, ``ckpt.shard_ranges``): ``load_group`` reassembles it
+A group may be stored sharded (``ckpt.shard_ranges``): ``load_group`` reassembles it
 from its shards (their ranges checked), and ``group_reader`` reads only the elements a rank
 asks for, from either kind of entry, so a save by N ranks loads at M.
 
-A layer saved with expert groups (run format 5, ``ckpt.expert_groups``) has one entry for its
+A layer saved with expert groups (``ckpt.expert_groups``) has one entry for its
 non-expert part and one per expert, each a slice of the fused tensors (``slice_of`` the layer).
 ``groups()`` and ``load_group`` join them: readers see the layer as one group with whole
 tensors, assembled from the newest version of every expert slice. ``entries`` keeps every
@@ -47,7 +47,7 @@ class GroupEntry:
     digest: str
     """The blob's checksum (and name) under ``hash_name`` ("" for a sharded group)."""
     hash_name: str
-    """The manifest's content hash: ``sha256`` (format 1) or ``blake3`` (format 2)."""
+    """The manifest's content hash (``blake3``)."""
     nbytes: int
     """Bytes of the blob (of a sharded group: of all its shard blobs)."""
     saved_step: int
@@ -55,9 +55,9 @@ class GroupEntry:
     written_step: int
     """The step at which these bytes were first written."""
     shards: tuple[dict, ...] | None = None
-    """A sharded group's shard records (manifest format 4, ``ckpt.shard_ranges``); None: one blob."""
+    """A sharded group's shard records (``ckpt.shard_ranges``); None: one blob."""
     slice_of: str | None = None
-    """The layer group an expert group's slices belong to (format 5); None: a group of its own."""
+    """The layer group an expert group's slices belong to; None: a group of its own."""
 
 
 class ResolvedStep:

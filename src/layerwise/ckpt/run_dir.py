@@ -2,7 +2,7 @@
 
 Layout of a run directory (the format is documented in ``docs/formats.md``)::
 
-    RUN/format.json                       {"format": "layerwise-ckpt", "format_version": 2,
+    RUN/format.json                       {"format": "layerwise-ckpt", "format_version": 6,
                                            "hash": "blake3"}
     RUN/config.json                       the model's HF config (written once, if known)
     RUN/blobs/ab/<digest>.safetensors     one group version; named by the hash of its bytes
@@ -35,9 +35,9 @@ from pathlib import Path
 
 from ..util.atomic import atomic_write_bytes, atomic_write_text, fsync_dir
 from .blob_store import BlobBatch, BlobPayload, BlobRecord, blob_rel, put_blob
-from .content_hash import HASH_OF_VERSION, digest_bytes, manifest_hash
+from .content_hash import CONTENT_HASH, digest_bytes, manifest_hash
 from .errors import CheckpointCorruptError, write_error
-from .run_format import FORMAT_VERSION, json_bytes, locate_run, read_format, write_format
+from .run_format import json_bytes, locate_run, read_format, refuse_version, write_format
 from .run_lock import run_lock
 from .run_upkeep import GcReport, StepChecker, VerifyReport, entry_blobs, sweep_blobs
 
@@ -49,9 +49,7 @@ class RunDir:
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
-        self.version = FORMAT_VERSION
-        """The run's format version (read from ``format.json`` by ``create`` and ``open``)."""
-        self.hash_name = HASH_OF_VERSION[FORMAT_VERSION]
+        self.hash_name = CONTENT_HASH
         """The run's content hash: names its blobs and checksums its files."""
 
     # ----- opening ---------------------------------------------------------------------
@@ -61,7 +59,7 @@ class RunDir:
         """Open ``root`` for writing, creating an empty run if needed."""
         store = cls(root)
         if (store.root / "format.json").exists():
-            store.version, store.hash_name = read_format(store.root)
+            read_format(store.root)
         else:
             if store.root.exists() and any(store.root.iterdir()):
                 raise ValueError(
@@ -82,7 +80,7 @@ class RunDir:
         store = cls(locate_run(root))
         if not store.root.is_dir():
             raise FileNotFoundError(f"checkpoint run directory {store.root} does not exist")
-        store.version, store.hash_name = read_format(store.root)
+        read_format(store.root)
         return store
 
     # ----- paths ----------------------------------------------------------------------
@@ -134,9 +132,7 @@ class RunDir:
             m = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise CheckpointCorruptError(f"{path} is not valid JSON: {e}") from None
-        version = int(m.get("format_version", -1))
-        if version > FORMAT_VERSION:
-            raise ValueError(f"{path} has format_version {version} > {FORMAT_VERSION}; upgrade layerwise")
+        refuse_version(m.get("format_version"), path)
         manifest_hash(m)  # a hash this layerwise cannot check is refused here, not at load
         return m
 
@@ -213,7 +209,7 @@ class RunDir:
 
     def verify(self, steps: list[int] | None = None) -> VerifyReport:
         """Check every committed step (or ``steps``): files present, sizes and checksums (each
-        manifest's hash: sha256 in format 1, BLAKE3 in format 2) match."""
+        manifest's hash) match."""
         rep = VerifyReport()
         committed = self.committed_steps()
         for w in self._leftovers():

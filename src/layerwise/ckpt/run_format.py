@@ -1,5 +1,5 @@
 """The run directory's ``format.json``: which format version a run is and which content hash
-it uses. Readers refuse newer versions; a run keeps the version it was created with."""
+it uses. A reader opens only the version it writes and refuses every other in one line."""
 
 from __future__ import annotations
 
@@ -7,32 +7,19 @@ import json
 from pathlib import Path
 
 from ..util.atomic import atomic_write_bytes
-from .content_hash import HASH_OF_VERSION, HASHES
+from .content_hash import CONTENT_HASH
 
 FORMAT = "layerwise-ckpt"
 FORMAT_VERSION = 6
-"""Written for new runs. Bump on any change a reader of an older version would misread; readers
-refuse newer versions. 1: sha256 content addresses; 2: BLAKE3 (``"hash"`` in format.json and in
-each manifest; entries carry their digest under the hash's name); 3: blobs may hold 8-bit
-moments as codes and scales (blob layout 2, ``ckpt.moments``); runs of format 1 and 2 get fp32
-moments, as their readers expect; 4: a group entry may be sharded, one blob per writing rank
-(``ckpt.shard_ranges``, written by ``ckpt.sharded_checkpointer``); 5: a layer's routed
-experts may be groups of their own, each entry a one-shard slice of the fused tensors marked
-``slice_of`` its layer (``ckpt.expert_groups``); 6: a blob's fp32 weights may be delta-coded
-against a key frame blob of the same group (blob layout 3, ``ckpt.blob_codec``), its entry naming
-that key frame under ``base``."""
-
-FIRST_VERSION_DELTA = 6
-"""The first run format whose blobs may be delta-coded."""
-
-FIRST_VERSION_EXPERT_GROUPS = 5
-"""The first run format whose manifests may hold expert-group (slice) entries."""
-
-FIRST_VERSION_SHARDED = 4
-"""The first run format whose manifests may hold sharded group entries."""
-
-FIRST_VERSION_8BIT = 3
-"""The first run format whose blobs may hold 8-bit moments."""
+"""The one run format this layerwise writes and reads. Blobs and every checksum are BLAKE3
+(``"hash"`` in format.json and in each manifest; entries carry their digest under the hash's
+name); blobs may hold 8-bit moments as codes and scales (blob layout 2, ``ckpt.moments``); a
+group entry may be sharded, one blob per writing rank (``ckpt.shard_ranges``, written by
+``ckpt.sharded_checkpointer``); a layer's routed experts may be groups of their own, each entry
+a one-shard slice of the fused tensors marked ``slice_of`` its layer (``ckpt.expert_groups``); a
+blob's fp32 weights may be delta-coded against a key frame blob of the same group (blob layout
+3, ``ckpt.blob_codec``), its entry naming that key frame under ``base``. Bump on any change a
+reader of this version would misread."""
 
 OUT_DIR_CKPT = "ckpt"
 """Where a ``layerwise train`` out_dir keeps its checkpoint run: every reader of a run takes the
@@ -57,12 +44,20 @@ def json_bytes(obj: object) -> bytes:
 def write_format(root: Path) -> None:
     """``format.json`` of a new run (atomically: a run without it is not a run)."""
     atomic_write_bytes(root / "format.json", json_bytes(
-        {"format": FORMAT, "format_version": FORMAT_VERSION, "hash": HASH_OF_VERSION[FORMAT_VERSION]}))
+        {"format": FORMAT, "format_version": FORMAT_VERSION, "hash": CONTENT_HASH}))
 
 
-def read_format(root: Path) -> tuple[int, str]:
-    """(format version, content hash name) of the run at ``root``; refuses what this layerwise
-    cannot read."""
+def refuse_version(version: object, where: Path) -> None:
+    """Refuse, in one line, a run file (``where``) of a format version other than this
+    layerwise's."""
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"{where}: checkpoint run format_version {version}; this layerwise reads "
+            f"{FORMAT_VERSION}: start the run again or use a layerwise that wrote it")
+
+
+def read_format(root: Path) -> None:
+    """Check that ``root`` is a run of this layerwise's format; refuse anything else."""
     fmt = root / "format.json"
     if not fmt.exists():
         raise FileNotFoundError(
@@ -72,16 +67,7 @@ def read_format(root: Path) -> tuple[int, str]:
     info = json.loads(fmt.read_text())
     if info.get("format") != FORMAT:
         raise ValueError(f"{fmt}: format {info.get('format')!r} is not {FORMAT!r}")
-    version = int(info.get("format_version", -1))
-    if version > FORMAT_VERSION or version < 1:
-        raise ValueError(
-            f"{root} has checkpoint format_version {version}; this layerwise reads "
-            f"versions 1 to {FORMAT_VERSION}. Upgrade layerwise to read it."
-        )
-    hash_name = info.get("hash", HASH_OF_VERSION[version])
-    if version == 1 and hash_name != "sha256":
-        raise ValueError(f"{fmt}: format_version 1 runs are sha256, not {hash_name!r}")
-    if hash_name not in HASHES:
-        raise ValueError(f"{fmt}: content hash {hash_name!r} is unknown to this layerwise "
-                         f"(known: {sorted(HASHES)}); upgrade layerwise to read it")
-    return version, hash_name
+    refuse_version(info.get("format_version"), root)
+    if info.get("hash") != CONTENT_HASH:
+        raise ValueError(f"{fmt}: content hash {info.get('hash')!r} is not {CONTENT_HASH!r}, "
+                         f"the one format_version {FORMAT_VERSION} uses")

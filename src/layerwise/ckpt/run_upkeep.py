@@ -42,7 +42,7 @@ class GcReport:
 
 def entry_blobs(entry: dict, hash_name: str) -> list[tuple[str, str, int | None]]:
     """``(path, digest, nbytes)`` of every blob a manifest group entry names: its one blob, or
-    each of its shards' (format 4), and the key frame of a delta blob (format 6)."""
+    each of its shards', and the key frame of a delta blob."""
     recs = entry["shards"] if is_sharded(entry) else [entry, *([entry["base"]] if "base" in entry else [])]
     return [(r.get("blob", ""), str(r.get(hash_name)), r.get("nbytes")) for r in recs]
 

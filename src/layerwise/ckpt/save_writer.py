@@ -29,7 +29,6 @@ from .errors import CheckpointError, write_error
 from ..models.names import joined_group
 from .provider import PARAM
 from .run_dir import RunDir
-from .run_format import FIRST_VERSION_8BIT, FIRST_VERSION_DELTA
 from .shard_ranges import is_sharded
 from .step_state import StepState
 
@@ -130,9 +129,9 @@ class SaveWriter:
         up whole first, so an unchanged key frame is reused, not coded against itself."""
         store, maybe_dup = self.store, _maybe_duplicate(job, g)
         tensors = job.snaps[g]
-        if "moments8" in job.encoding and store.version >= FIRST_VERSION_8BIT:
+        if "moments8" in job.encoding:
             tensors = moments_8bit(tensors)
-        plain = BlobPayload.of_group(tensors, g, store.version)
+        plain = BlobPayload.of_group(tensors, g)
         base = self._key_frame(job, g)
         if base is None:
             return store.put_blob(plain, maybe_dup, batch)
@@ -147,7 +146,7 @@ class SaveWriter:
         coded = encode_delta(tensors, key, base, store.hash_name)
         if coded is None:
             return store.put_blob(plain, False, batch)
-        payload = BlobPayload.of_group(coded[0], g, store.version, coded=coded[1])
+        payload = BlobPayload.of_group(coded[0], g, coded=coded[1])
         rec = store.put_blob(payload, maybe_dup, batch)
         return replace(rec, base=base.record(store.hash_name))
 
@@ -155,8 +154,7 @@ class SaveWriter:
         """The whole blob a new version of ``g`` may be coded against: its committed entry's key
         frame, or that entry's blob when it is whole; None when not coding or none is."""
         prev = job.committed.get(g)
-        if ("delta" not in job.encoding or self.store.version < FIRST_VERSION_DELTA or prev is None
-                or g in job.slices or is_sharded(prev)):
+        if "delta" not in job.encoding or prev is None or g in job.slices or is_sharded(prev):
             return None
         rec = prev.get("base") or prev
         return KeyFrame(rec["blob"], rec[self.store.hash_name], int(rec["nbytes"]))
@@ -207,7 +205,7 @@ class SaveWriter:
             same_bytes = prev_digest == rec.digest and not rec.written
             where = {"blob": rec.rel_path, hash_name: rec.digest, "nbytes": rec.nbytes,
                      **({"base": rec.base} if rec.base is not None else {})}
-            if g in job.slices:  # an expert's slices of its layer's fused tensors (format 5)
+            if g in job.slices:  # an expert's slices of its layer's fused tensors
                 where = {"shards": [{**where, "tensors": job.slices[g]}],
                          "slice_of": joined_group(g), "nbytes": rec.nbytes}
             groups[g] = {**where, "saved_step": job.step, "saved_index": job.header.save_index,

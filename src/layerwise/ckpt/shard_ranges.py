@@ -1,4 +1,4 @@
-"""Sharded group versions (run format 4): a group stored as one blob per writing rank.
+"""Sharded group versions: a group stored as one blob per writing rank.
 
 A manifest entry of a sharded group has ``shards`` instead of ``blob``: one record per rank
 that held elements of the group, each naming its blob (path, digest, bytes) and, per tensor key,
@@ -13,7 +13,7 @@ agree on shape and dtype) and reads from it: a whole group (``assemble``) or onl
 (``ShardedGroupReader.read``, which opens only the shards that overlap them), so a save by N
 ranks loads at M.
 
-The same records describe an expert group (run format 5, ``ckpt.expert_groups``): one shard
+The same records describe an expert group (``ckpt.expert_groups``): one shard
 holding expert ``e``'s flat range of each of its layer's fused tensors, marked ``slice_of`` the
 layer; the slices of all a layer's experts together cover those tensors exactly
 (``joined_shards``).
@@ -149,7 +149,7 @@ class ShardedGroupReader:
         return {k: self.read(k).reshape(lay.shape) for k, lay in self.layout.items()}
 
 
-# ----- expert slices (run format 5, ``ckpt.expert_groups``) ---------------------------------
+# ----- expert slices (``ckpt.expert_groups``) ---------------------------------------------
 
 
 def joined_parts(entries: dict[str, dict]) -> dict[str, list[str]]:

@@ -20,7 +20,7 @@ in the flattened full tensor, its full shape). One save is the protocol of ``ckp
 3. every rank writes one blob per chosen group with its elements (content-addressed: an
    identical shard is not written again) and makes it durable;
 4. rank 0 gathers the shard records, checks that they cover every tensor exactly, writes the
-   step's state files and commits the manifest (run format 4, ``ckpt.shard_ranges``); every rank
+   step's state files and commits the manifest (``ckpt.shard_ranges``); every rank
    learns the outcome, so an error anywhere raises on every rank and nothing is committed.
 
 Loading reads, per group, only the elements the rank holds now (``ShardProvider.load_shards``
@@ -53,7 +53,6 @@ from .provider import PARAM
 from .reports import LoadResult, SaveReport
 from .resolve import open_run_step
 from .run_dir import RunDir
-from .run_format import FIRST_VERSION_SHARDED
 from .shard_ranges import shard_layout
 from .step_state import StepState, restore_step_state
 
@@ -179,12 +178,7 @@ class ShardedCheckpointer:
 
     @staticmethod
     def _create(run_dir: str | Path) -> None:
-        store = RunDir.create(run_dir)
-        if store.version < FIRST_VERSION_SHARDED:
-            raise ValueError(
-                f"{store.root} is a format {store.version} run; sharded saves need format "
-                f"{FIRST_VERSION_SHARDED} (readers of older runs would not understand them). "
-                "Start a new run directory, or import this one into a new run.")
+        RunDir.create(run_dir)
 
     def latest(self) -> int | None:
         """The newest committed step (None: none yet)."""
@@ -324,7 +318,7 @@ class ShardedCheckpointer:
             if config is not None:
                 self.store.write_config(config)  # merge and export need the architecture
         state = StepState.capture(  # rank 0's RNG
-            self.store.version, step, scheduler=self.scheduler, provider=self.provider,
+            step, scheduler=self.scheduler, provider=self.provider,
             save_rng=self.save_rng, extra=extra, data_position=data_position,
             trainer_state=trainer_state, world_size=self.world_size)
         header = ManifestHeader.of(chosen["save_index"], self.policy, self.provider, self.world_size)

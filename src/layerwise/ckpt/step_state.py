@@ -18,6 +18,7 @@ from safetensors.torch import save as st_save
 from .provider import capture_rng, jsonable, restore_rng, rng_dict
 from .resolve import ResolvedStep
 from .run_dir import RunDir
+from .run_format import FORMAT_VERSION
 
 
 @dataclass(frozen=True)
@@ -28,13 +29,13 @@ class StepState:
     rng_tensors: dict[str, torch.Tensor]
 
     @classmethod
-    def capture(cls, run_version: int, step: int, *, scheduler: Any, provider: Any, save_rng: bool,
+    def capture(cls, step: int, *, scheduler: Any, provider: Any, save_rng: bool,
                 extra: dict | None, data_position: Any, trainer_state: dict | None,
                 world_size: int | None = None) -> StepState:
         """The state now. ``world_size``: recorded by sharded saves. A provider with RNG states
         of its own (``rng_state()``: an imported checkpoint's) gives them instead of this
         process's."""
-        state: dict[str, Any] = {"format_version": run_version, "step": step}
+        state: dict[str, Any] = {"format_version": FORMAT_VERSION, "step": step}
         if world_size is not None:
             state["world_size"] = world_size
         state.update({

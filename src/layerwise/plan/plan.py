@@ -51,9 +51,16 @@ STORED_TIERS = ("device", "host", "nvme")
 INTERNAL_TIERS = ("device", "host", "recompute")
 MOMENT_KINDS = ("fp32", "8bit")
 FORMAT_VERSION = 4
-"""4: adds ``micro_batches_per_load`` and ``resident_layers`` (older versions are read with 1
-and none); 3: adds ``internal_tiers`` (versions 1 and 2 are read with every layer's internals
-``recompute``); 2: the tiers are ``boundary_tiers`` (version 1 called them ``boundaries``)."""
+"""The one plan file format this layerwise writes and reads; a file of another version is
+refused (``refuse_version``)."""
+
+
+def refuse_version(version: object, where: str | None = None) -> None:
+    """Refuse, in one line, a plan of a format version other than this layerwise's (``where``:
+    its file)."""
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{where + ': ' if where else ''}plan format_version {version}; this layerwise reads "
+                         f"{FORMAT_VERSION}: write it again with `layerwise plan ... --out FILE`")
 
 
 @dataclass
@@ -140,10 +147,7 @@ class Plan:
                 )
             if any(m not in MOMENT_KINDS for m in self.moments):
                 raise ValueError(f"plan.moments entries must be one of {MOMENT_KINDS}")
-        if self.format_version != FORMAT_VERSION:
-            raise ValueError(
-                f"plan format_version {self.format_version} is not supported (expected {FORMAT_VERSION})"
-            )
+        refuse_version(self.format_version)
 
     # ----- rules --------------------------------------------------------------------------
 
@@ -169,8 +173,10 @@ class Plan:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Plan:
-        d = _upgrade(d)
+    def from_dict(cls, d: dict[str, Any], where: str | None = None) -> Plan:
+        """The plan ``d`` describes; one of another format version is refused (``where``: its
+        file, for that refusal)."""
+        refuse_version(d.get("format_version"), where)
         known = set(cls.__dataclass_fields__)
         unknown = set(d) - known
         if unknown:
@@ -188,22 +194,5 @@ class Plan:
             raise ValueError(f"plan file {path} does not exist") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"plan file {path} is not valid JSON: {e}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(d, str(path))
 
-
-def _upgrade(d: dict[str, Any]) -> dict[str, Any]:
-    """A plan dict of an older format in the current one, so old plan files keep loading.
-
-    Version 1 named the tiers ``boundaries`` (a file without ``format_version`` that has that key
-    is version 1, the only version that wrote it); versions 1 and 2 had no ``internal_tiers``
-    (every layer recomputed its internals, which is what a missing list means); versions 1-3 had
-    no ``micro_batches_per_load`` and ``resident_layers`` (micro-batch-major, every layer
-    streamed: their defaults). Other versions
-    pass through unchanged; :meth:`Plan.validate` refuses those it does not know.
-    """
-    version = d.get("format_version", 1 if "boundaries" in d else FORMAT_VERSION)
-    if version not in (1, 2, 3):
-        return d
-    out = {("boundary_tiers" if k == "boundaries" and version == 1 else k): v for k, v in d.items()}
-    out["format_version"] = FORMAT_VERSION
-    return out

@@ -13,7 +13,6 @@ Units: bytes, seconds, GB/s = 1e9 bytes/s, TFLOPS = 1e12 FLOP/s.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -23,11 +22,18 @@ from ..util.atomic import atomic_write_text
 GB = 10**9
 GIB = 2**30
 PROFILE_FORMAT_VERSION = 8
-"""What each version added: docs/formats.md, "Hardware profile". An older file loads with those
-fields unset, each read as its stated fallback, and a note saying to re-run ``layerwise calibrate``."""
-HOST_FIELDS_V4 = ("host_accum_bf16_gbps", "pinned_copy_gbps", "gloo_reduce_gbps")
+"""The one hardware profile format this layerwise writes and reads; a file of another version is
+refused (``refuse_version``)."""
+HOST_RATE_FIELDS = ("host_accum_bf16_gbps", "pinned_copy_gbps", "gloo_reduce_gbps")
+"""Measured host rates a profile may leave null (``host_accum_gbps`` stands in)."""
 
-log = logging.getLogger(__name__)
+
+def refuse_version(version: object, where: str | None = None) -> None:
+    """Refuse, in one line, a hardware profile of a format version other than this layerwise's
+    (``where``: its file)."""
+    if version != PROFILE_FORMAT_VERSION:
+        raise ValueError(f"{where + ': ' if where else ''}hardware profile format_version {version}; this layerwise reads "
+                         f"{PROFILE_FORMAT_VERSION}: measure it again with `layerwise calibrate --out FILE`")
 
 
 @dataclass(frozen=True)
@@ -73,11 +79,11 @@ class HardwareProfile:
     host_accum_bf16_gbps: float | None = None
     """The same for a bf16 gradient landing from the pinned ring (the GPU path), at the landing
     threads the engine runs, GB/s counted as 10 bytes per element (read 2 + 4, write 4); None
-    (a profile before version 4): ``host_accum_gbps``."""
+    (not measured): ``host_accum_gbps``."""
     pinned_copy_gbps: float | None = None
     """Host copy into page-locked memory: the compute copy's refresh after an update
     (``UnitBuffers.refresh_compute``, fp32 master -> bf16 arena), GB/s counted as bytes read +
-    written; None (a profile before version 4): ``host_accum_gbps``."""
+    written; None (not measured): ``host_accum_gbps``."""
     gloo_reduce_gbps: float | None = None
     """Bus bandwidth of gloo's reduce of host fp32 gradients between the processes of a node
     (``grad_reduce="host"``), GB/s: ``(G-1)/G`` of the bytes per second, as
@@ -117,7 +123,7 @@ class HardwareProfile:
             raise ValueError(f"hardware profile {self.name!r}: host RAM ({self.host_mem_bytes / GB:.2f} GB) must "
                              f"exceed the host reserve ({self.host_reserved_bytes / GB:.2f} GB); give more "
                              "with --host-mem")
-        for f in ("intra_node_gbps", "inter_node_gbps", "node_host_link_gbps") + HOST_FIELDS_V4:
+        for f in ("intra_node_gbps", "inter_node_gbps", "node_host_link_gbps") + HOST_RATE_FIELDS:
             if getattr(self, f) is not None and not getattr(self, f) > 0:
                 raise ValueError(f"hardware profile {self.name!r}: {f} must be > 0 or null, got {getattr(self, f)}")
         if self.gpus_per_node < 1:
@@ -179,22 +185,15 @@ class HardwareProfile:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> HardwareProfile:
+    def from_dict(cls, d: dict[str, Any], where: str | None = None) -> HardwareProfile:
+        """The profile ``d`` describes; one of another format version is refused (``where``: its
+        file, for that refusal)."""
+        refuse_version(d.get("format_version"), where)
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"hardware profile has unknown keys {sorted(unknown)} (an older format?); "
                              "regenerate it with `layerwise calibrate --out FILE`")
-        version = d.get("format_version", PROFILE_FORMAT_VERSION)
-        if version not in (1, 2, 3, 4, 5, 6, 7, PROFILE_FORMAT_VERSION):
-            raise ValueError(f"hardware profile format_version {d['format_version']} is not supported "
-                             f"(expected {PROFILE_FORMAT_VERSION}); re-run `layerwise calibrate`")
-        if version < 4:
-            log.warning("hardware profile %r is format version %s: it has no %s; the bf16 accumulation "
-                        "and pinned copies are timed at host_accum_gbps and a host reduction at "
-                        "intra_node_gbps. Re-run `layerwise calibrate` to measure them",
-                        d.get("name"), version, ", ".join(HOST_FIELDS_V4))
-        d = {**d, "format_version": PROFILE_FORMAT_VERSION}  # older versions lack only optional fields
         missing = {f.name for f in fields(cls) if f.default is MISSING} - set(d)
         if missing:
             raise ValueError(f"hardware profile is missing {sorted(missing)}; regenerate it with "
@@ -213,7 +212,7 @@ class HardwareProfile:
                              " or use a preset") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"hardware profile {path} is not valid JSON: {e}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(d, str(path))
 
 
 HOST_GRAD_RING = 4

@@ -150,7 +150,7 @@ class CkptConfig:
     """Any policy: every N-th save writes every group."""
     expert_groups: bool = False
     """MoE models with fused experts: version each routed expert as its own checkpoint group
-    (``layers.{i}.experts.{e}``), so a save writes only the experts that moved (run format 5)."""
+    (``layers.{i}.experts.{e}``), so a save writes only the experts that moved."""
     encoding: str = field(default="plain", metadata=_choices("plain", "delta", "moments8",
                                                              "delta+moments8"))
     """How a checkpoint stores its tensors: plain (whole); delta (fp32 weights, lossless: the

@@ -15,8 +15,7 @@ from ..ckpt import LoadResult
 
 TRAIN_STATE_FORMAT = "layerwise-train-state"
 TRAIN_STATE_VERSION = 1
-"""``trainer_state``'s format (docs/formats.md). Before it (no ``format`` key), ``layerwise
-train`` kept the same fields in the step's ``extra``: still read."""
+"""``trainer_state``'s format (docs/formats.md); another version is refused."""
 
 
 @dataclass
@@ -46,25 +45,21 @@ class TrainState:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TrainState:
         version = d.get("format_version")
-        if not isinstance(version, int) or version > TRAIN_STATE_VERSION:
-            raise ValueError(f"the checkpoint's train state is format {version}, newer than this "
-                             f"layerwise reads ({TRAIN_STATE_VERSION}): upgrade layerwise")
+        if version != TRAIN_STATE_VERSION:
+            raise ValueError(f"the checkpoint's train state is format_version {version}; this "
+                             f"layerwise reads {TRAIN_STATE_VERSION}: start the run again or use a "
+                             "layerwise that wrote it")
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
     @classmethod
     def from_checkpoint(cls, loaded: LoadResult) -> TrainState:
-        """The state of a loaded step: ``layerwise train``'s own (this format, or the ``extra``
-        of the format before it), or another loop's (its step and data position alone)."""
+        """The state of a loaded step: ``layerwise train``'s own, or another loop's (its step and
+        data position alone)."""
         own = loaded.trainer_state
         if isinstance(own, dict) and own.get("format") == TRAIN_STATE_FORMAT:
             return replace(cls.from_json(own), step=loaded.step)  # the manifest's step wins
-        extra = loaded.extra or {}
-        legacy = {"rows_per_micro_batch": extra.get("data_rows_per_micro_batch"),
-                  **{k: extra[k] for k in ("data_key", "schedule", "eval_loss_start",
-                                           "eval_loss_start_step", "metrics_row") if k in extra}}
         position = loaded.data_position
-        return cls(step=loaded.step, data_position=None if position is None else int(position),
-                   **legacy)
+        return cls(step=loaded.step, data_position=None if position is None else int(position))
 
     def at(self, step: int, data_position: int, metrics_row: dict) -> TrainState:
         """This state as a save at ``step`` records it."""
