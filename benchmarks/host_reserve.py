@@ -1,5 +1,5 @@
 """What a training run holds in host RAM beside its store: the figure the presets' host reserve
-is made of (``plan/presets.py``, [HOSTRES]).
+is made of (``planner/presets.py``, [HOSTRES]).
 
 Each round is a fresh process running a ``layerwise train`` run (``train.loop.Trainer``: data
 loading, the engine with its landing threads and pinned gradient ring, the optimizer, the

@@ -99,7 +99,7 @@ def _oversized(source: str) -> list[str]:
 
 
 def test_no_module_over_500_lines_or_function_over_80_without_saying_why():
-    """Mutation checked: deleting the "past 500 lines" paragraph of ``plan/search.py``'s
+    """Mutation checked: deleting the "past 500 lines" paragraph of ``planner/search.py``'s
     docstring makes this fail."""
     found = {str(p.relative_to(SRC)): bad for p in sorted(SRC.rglob("*.py"))
              if (bad := _oversized(p.read_text()))}

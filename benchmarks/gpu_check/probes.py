@@ -164,7 +164,7 @@ def run_optimizer(lg: Large, layers: int, rounds: int, data: dict[str, Any]) -> 
 
 
 def run_planner(lg: Large, milp_budget_s: float, data: dict[str, Any]) -> None:
-    """``plan.search`` at the run's micro-batch size and count with the best profile there is;
+    """``planner.search`` at the run's micro-batch size and count with the best profile there is;
     its moments are replaced by the run's (one store serves every plan), both reported."""
     from layerwise.planner.search import SearchConfig, search
 

@@ -1,4 +1,4 @@
-"""The device cost model by shape (``plan/device_cost.py``): a roofline per GEMM,
+"""The device cost model by shape (``planner/device_cost.py``): a roofline per GEMM,
 attention and grouped expert GEMM, bytes for the elementwise work, a launch per kernel."""
 
 from dataclasses import replace

@@ -1,4 +1,4 @@
-"""The MILP as written (plan/formulation.py): its columns, its constraint groups and the step
+"""The MILP as written (planner/formulation.py): its columns, its constraint groups and the step
 model it shares with the evaluation of a fixed assignment."""
 
 from pathlib import Path

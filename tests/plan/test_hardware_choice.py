@@ -1,4 +1,4 @@
-"""Which hardware profile a command plans on (``plan.hardware_choice``): the order of the
+"""Which hardware profile a command plans on (``planner.hardware_choice``): the order of the
 sources, what adjusts the chosen profile, and ``layerwise train`` and ``layerwise plan`` agreeing."""
 
 from __future__ import annotations

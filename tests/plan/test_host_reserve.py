@@ -1,4 +1,4 @@
-"""The presets' host reserve ([HOSTRES] in plan/presets.py): its parts, the ring each model adds,
+"""The presets' host reserve ([HOSTRES] in planner/presets.py): its parts, the ring each model adds,
 and profile files written before it."""
 
 import json

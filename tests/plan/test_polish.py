@@ -1,4 +1,4 @@
-"""The search's polish of the MILP's plan in the simulator (``plan/search.py``: ``polish``)."""
+"""The search's polish of the MILP's plan in the simulator (``planner/search.py``: ``polish``)."""
 
 from __future__ import annotations
 

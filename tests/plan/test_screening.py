@@ -1,4 +1,4 @@
-"""The search's screening simulation (``plan/screen.py``: ``simulate_fast``), which extrapolates
+"""The search's screening simulation (``planner/screen.py``: ``simulate_fast``), which extrapolates
 a long accumulation from 3 and 4 groups of micro-batches, against the full simulation."""
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ class OffloadWindow:
     """Device-to-host offloads in flight, by the op that queued them: before an op's compute, the
     compute lane waits for the offloads queued ``ops`` ops back or more, and their sources are let
     go. With ``ops=1`` an op starts once the previous op's offloads have left, the window the
-    planner times them in (``plan/milp.py``: a forward window lasts as long as its D2H copies) and
+    planner times them in (``planner/milp.py``: a forward window lasts as long as its D2H copies) and
     the one the memory model counts (``plan.memory.OFFLOAD_WINDOW_OPS``)."""
 
     def __init__(self, backend: DeviceBackend, ops: int = OFFLOAD_WINDOW_OPS):

@@ -8,7 +8,7 @@ the routed experts' weights count ``top_k / num_experts`` of their size. The pla
 memory models can take these per layer; the training report counts its model FLOPs with them
 (:func:`model_flops`), including the shorter attention spans of packed examples.
 
-FLOP conventions (as ``plan/cost.py``): a weight of two or more dimensions a token multiplies
+FLOP conventions (as ``planner/cost.py``): a weight of two or more dimensions a token multiplies
 through costs 2 FLOPs per element forward (a depthwise convolution's kernel likewise); causal
 attention costs, per (query, key) pair forward, ``2 * heads * (qk_head_dim + v_head_dim)``
 (QK^T and AV; ``4 * heads * head_dim`` for ordinary attention); a linear-attention layer has no

@@ -135,7 +135,7 @@ def layer_workspace_bytes(shape: ModelShape, tokens: int, elem_bytes: int, i: in
 
 def saved_counts(shape: ModelShape, i: int = 0) -> tuple[int, int]:
     """(tensors, activation storages) decoder layer ``i``'s forward saves: what a kept forward's
-    hooks and the host tier's copies cost per item (``plan/cost.py``). Layers with their own
+    hooks and the host tier's copies cost per item (``planner/cost.py``). Layers with their own
     facts: as the layer counted them when it ran; the closed-form families: the same counts
     (``tests/plan/test_module_facts.py`` holds them equal), a q/k norm adding 12 tensors, 6
     storages."""

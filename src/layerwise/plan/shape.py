@@ -58,7 +58,7 @@ class LayerCost:
     """Of ``params``, all routed experts' (the grouped expert GEMMs read every one of them)."""
     mlp_matmul_params: int = 0
     """Of ``matmul_params``, the MLP's (routed experts at top-k, shared ones, the router); the
-    rest is the token mixer's projections (``plan/device_cost.py`` prices each by its shape)."""
+    rest is the token mixer's projections (``planner/device_cost.py`` prices each by its shape)."""
     saved_tensors: int = 0
     """Tensors its forward saves (``SavedBytes.tensors``): a kept forward's hook calls."""
     saved_storages: int = 0

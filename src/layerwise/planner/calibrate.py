@@ -1,7 +1,7 @@
 """Measure the machine this runs on and return a :class:`HardwareProfile`.
 
 What is measured (each the median of a few repeats, after a warm-up: ``median_time``), the
-fields the planner's roofline prices a step by (``plan/device_cost.py``):
+fields the planner's roofline prices a step by (``planner/device_cost.py``):
 
 - ``peak_tflops``: a square matmul in the compute dtype (fp32 on CPU, bf16 on CUDA); it is what
   a GEMM sustains here, so ``efficiency`` is 1;

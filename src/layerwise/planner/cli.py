@@ -135,8 +135,8 @@ def plan_command(args: argparse.Namespace) -> int:
 
 def plan_hardware(args: argparse.Namespace) -> HardwareProfile:
     """``--hardware`` with ``--gpu-mem`` / ``--host-mem``, by the rules ``layerwise train`` uses
-    (``plan.hardware_choice``); without ``--hardware``, this machine (``READ_MACHINE``). A preset
-    planned for ``--gpus G`` has G GPUs' shares of host RAM ([HOSTMEM], ``plan/presets.py``)."""
+    (``planner.hardware_choice``); without ``--hardware``, this machine (``READ_MACHINE``). A preset
+    planned for ``--gpus G`` has G GPUs' shares of host RAM ([HOSTMEM], ``planner/presets.py``)."""
     machine = None if args.hardware else _resolve(getattr(args, "read_machine", READ_MACHINE))()
     choice = resolve_hardware(args.hardware, machine=machine, gpu_mem_gb=args.gpu_mem, host_mem_gb=args.host_mem)
     if choice is None:

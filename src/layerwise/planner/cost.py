@@ -111,7 +111,7 @@ class CostModel:
         return 0.0 if fb is None else fb.adapter_flops_per_token * self.tokens
 
     # ----- seconds ------------------------------------------------------------------------
-    # Each op is priced by its kernels' shapes (``plan/device_cost.py``: a roofline per GEMM,
+    # Each op is priced by its kernels' shapes (``planner/device_cost.py``: a roofline per GEMM,
     # attention and grouped expert GEMM, bytes for the elementwise work, a launch per kernel).
 
     @cached_property

@@ -31,7 +31,7 @@ RMSNorm upcasts to fp32 (~9 passes of 4 bytes per element over 6 kernels), the r
 ~10 passes over 5 kernels per tensor, SwiGLU's activation and product 5 passes over 2 kernels, a
 residual add 3 passes; an elementwise op's backward reads its output's gradient and its saved
 inputs and writes its inputs' gradients: twice the forward's bytes over twice its kernels. FLOP
-totals follow ``plan/cost.py``'s conventions; what changes is their price.
+totals follow ``planner/cost.py``'s conventions; what changes is their price.
 """
 
 from __future__ import annotations

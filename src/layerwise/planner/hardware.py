@@ -1,6 +1,6 @@
 """Hardware profiles: what one machine can hold and move per second.
 
-A profile is the only thing the planner knows about a machine. Presets (``plan/presets.py``)
+A profile is the only thing the planner knows about a machine. Presets (``planner/presets.py``)
 describe common training boxes from their datasheets plus a few stated assumptions; ``layerwise
 calibrate`` measures the machine it runs on and writes a profile file that replaces them.
 Per-GPU figures are what one GPU gets alone; the scale-out fields (GPUs per node, the
@@ -72,7 +72,7 @@ class HardwareProfile:
     """The same for block-wise 8-bit moments (``HostAdamW8bit``: dequantise + requantise)."""
     device_mem_gbps: float
     """Sustained device memory bandwidth, GB/s, the roof of memory-bound kernels
-    (``plan/device_cost.py``; on the CPU backend the host's)."""
+    (``planner/device_cost.py``; on the CPU backend the host's)."""
     host_accum_gbps: float = 150.0
     """Host gradient accumulation of an fp32 gradient (``grad_accum.accumulate``, fp32 into
     fp32: the CPU backend's), GB/s counted as 12 bytes per element (read 4 + 4, write 4)."""

@@ -4,7 +4,7 @@ One accounting for the verdict of ``layerwise plan`` and for the family search: 
 (``CostModel.host_store_bytes``: the split master, the gradient in bf16 when the plan lands each
 gradient once with bf16 compute, the moments per unit), the host-tier activations the simulator
 holds at its peak, and the machine's host reserve with the model's pinned gradient ring
-(``HardwareProfile.for_model``, [HOSTRES] in ``plan/presets.py``). Against the machine's RAM,
+(``HardwareProfile.for_model``, [HOSTRES] in ``planner/presets.py``). Against the machine's RAM,
 not the usable figure: the reserve is counted as a need.
 
 The largest model of a family (its released sizes: ``plan.family_sizes``) is judged by its host
