@@ -39,6 +39,13 @@ Held-out loss: each final model (layerwise ``out_dir/model`` or ``out_dir/adapte
 cross-entropy over the assistant tokens of the 30 held-out examples, one example at a time,
 token-weighted; the base model's is printed beside them.
 
+Save size (``--saves``): the full fine-tune with a checkpoint every ``steps`` steps on both sides,
+run to ``2 x steps``: bytes on disk of the second save. layerwise's default (``ckpt.policy=full``,
+lossless: a resume is bit-identical) and ``ckpt.encoding=delta`` (lossless too) are measured
+by running to ``steps`` then the same command to ``2 x steps`` (the resume path users run), the
+run directory's ``du`` before and after; HF's is its ``checkpoint-N`` directory (model,
+optimizer, scheduler, RNG). Ratios: layerwise's second save over HF's checkpoint.
+
 Prints one JSON object. ``--quick``: 6 steps, one repeat (checks that it runs).
 """
 
@@ -78,6 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--examples", type=int, default=300)
     p.add_argument("--held-out", type=int, default=30)
     p.add_argument("--dir", default=None, help="where the runs go (default: a temp dir, removed)")
+    p.add_argument("--saves", action="store_true", help="measure the save size instead (full case)")
     p.add_argument("--hf-child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.steps is None:
@@ -140,7 +148,8 @@ def run_child(cmd: list[str], env: dict, log: Path) -> dict:
     return {"wall_s": time.perf_counter() - t0, "peak_rss_mib": usage.ru_maxrss / 1024}
 
 
-def run_layerwise(j: dict, out: Path) -> dict:
+def run_layerwise(j: dict, out: Path, ckpt: list[str] | None = None) -> dict:
+    """``ckpt``: the checkpoint settings (default: none saved inside the timed steps)."""
     cmd = [sys.executable, "-c", LAYERWISE_MAIN, "train", f"model={j['model']}", f"data={j['train']}",
            f"data.eval_path={j['eval']}", f"out_dir={out}", f"steps={j['steps']}",
            f"seq_len={j['seq_len']}", f"micro_batch_size={j['micro_batch']}",
@@ -148,7 +157,8 @@ def run_layerwise(j: dict, out: Path) -> dict:
            f"optimizer.weight_decay={j['weight_decay']}", f"optimizer.max_grad_norm={j['max_grad_norm']}",
            f"schedule.name={j['schedule']}", f"schedule.warmup_steps={j['warmup_steps']}",
            f"schedule.min_lr_ratio={j['min_lr_ratio']}", f"seed={j['seed']}",
-           "eval.every=0", "ckpt.every=0", "ckpt.at_end=false", "log.progress=lines", "device=cpu"]
+           "eval.every=0", "log.progress=lines", "device=cpu",
+           *(["ckpt.every=0", "ckpt.at_end=false"] if ckpt is None else ckpt)]
     if j["case"] == "lora":
         cmd += [f"lora.r={LORA['r']}", f"lora.alpha={LORA['alpha']}"]  # target_modules: all-linear, the default
     res = run_child(cmd, child_env(j["threads"]), out.with_suffix(".log"))
@@ -231,7 +241,8 @@ def hf_child(j: dict) -> None:
         gradient_accumulation_steps=j["grad_accum"], learning_rate=j["lr"],
         weight_decay=j["weight_decay"], adam_beta1=j["betas"][0], adam_beta2=j["betas"][1],
         adam_epsilon=j["eps"], max_grad_norm=j["max_grad_norm"], warmup_steps=j["warmup_steps"],
-        logging_steps=1, save_strategy="no", eval_strategy="no", report_to=[], use_cpu=True,
+        logging_steps=1, save_strategy="steps" if j.get("save_steps") else "no",
+        save_steps=j.get("save_steps") or 500, eval_strategy="no", report_to=[], use_cpu=True,
         dataloader_num_workers=0, seed=j["seed"], data_seed=j["seed"], disable_tqdm=True,
         remove_unused_columns=False)
     timer = Timer()
@@ -326,6 +337,29 @@ def versions() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
 
 
+def du_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def measure_saves(args, model: Path, train: Path, ev: Path, root: Path) -> dict:
+    """Bytes of the second save: layerwise (default and ``ckpt.encoding=delta``) and HF."""
+    j = job(args, "full", model, train, ev)
+    out: dict = {"every_steps": args.steps}
+    for enc in ("plain", "delta"):
+        run = root / f"saves-{enc}"
+        ckpt = [f"ckpt.every={args.steps}", f"ckpt.encoding={enc}"]
+        run_layerwise(j, run, ckpt)
+        first = du_bytes(run / "ckpt")
+        run_layerwise({**j, "steps": 2 * args.steps}, run, ckpt)
+        out[enc] = {"first_save_bytes": first, "second_save_bytes": du_bytes(run / "ckpt") - first}
+    hf = root / "saves-hf"
+    run_hf({**j, "steps": 2 * args.steps, "save_steps": args.steps}, hf)
+    out["hf_checkpoint_bytes"] = du_bytes(hf / "trainer" / f"checkpoint-{2 * args.steps}")
+    for enc in ("plain", "delta"):
+        out[enc]["ratio_to_hf"] = round(out[enc]["second_save_bytes"] / out["hf_checkpoint_bytes"], 3)
+    return out
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.hf_child is not None:
@@ -341,6 +375,13 @@ def main(argv=None) -> None:
     root = Path(args.dir or tmp.name)
     root.mkdir(parents=True, exist_ok=True)
     train, ev = write_data(root, args.examples, args.held_out)
+    if args.saves:
+        print(json.dumps({"saves": measure_saves(args, model, train, ev, root), "machine": {
+            **machine(), "load_avg_before": [round(x, 2) for x in load_before],
+            "load_avg_after": [round(x, 2) for x in os.getloadavg()]}}, indent=1))
+        if tmp is not None:
+            tmp.cleanup()
+        return
     runs: dict[str, dict[str, list]] = {c: {"layerwise": [], "hf": []} for c in args.cases}
     for rep in range(args.repeats):
         for ci, case in enumerate(args.cases):
