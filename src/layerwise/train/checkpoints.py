@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..ckpt import RunDir, SaveReport
 from ..ckpt.checkpointer import Checkpointer
-from .config import CkptConfig
+from .config import CheckpointConfig
 from .dist import saving as dist_saving
 from .dist.context import DistContext
 from .state import TrainState
@@ -19,7 +19,7 @@ def due(every: int, step: int, last: bool) -> bool:
 
 
 class CheckpointManager:
-    def __init__(self, ctx: DistContext, cfg: CkptConfig, ckpt: Checkpointer | None,
+    def __init__(self, ctx: DistContext, cfg: CheckpointConfig, ckpt: Checkpointer | None,
                  last_saved: int | None = None):
         self.ctx, self.cfg, self.ckpt = ctx, cfg, ckpt
         self.last_saved = last_saved

@@ -188,9 +188,8 @@ class Trainer:
         self.provider = HostStoreStateProvider(self.store, self.engine.optimizers)
         # the run's tracker.jsonl is written by RunTracker (with the engine's gradient norms)
         ckpt = dist_saving.checkpointer(
-            ctx, self.ckpt_dir, self.provider, self.store, True, policy=cfg.ckpt.policy,
-            tracker_log=False, expert_groups=cfg.ckpt.expert_groups, encoding=cfg.ckpt.encoding,
-            **cfg.ckpt.policy_options()) if cfg.checkpoints else None
+            ctx, self.ckpt_dir, self.provider, self.store, True, config=cfg.ckpt,
+            tracker_log=False) if cfg.checkpoints else None
         self.checkpoints = CheckpointManager(ctx, cfg.ckpt, ckpt)
         source = self.start.source
         self.reader = None
