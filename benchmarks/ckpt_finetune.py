@@ -38,7 +38,7 @@ policy side by side (``ckpt.blob_codec``; labels ``<policy>+delta``), reported u
 
 Prints one JSON object: per seed, and medians over seeds (``--seeds``, default 3) per policy;
 ``finetune.*`` are the medians of the default policy (what ``layerwise train`` uses:
-``ckpt.policy`` and its options in ``train.config.CkptConfig``). ``--quick``: one seed, a shorter
+``ckpt.policy`` and its options in ``train.config.CheckpointConfig``). ``--quick``: one seed, a shorter
 pre-training and fine-tune (a few minutes on 2 busy cores, plus the first pre-training).
 """
 
@@ -65,7 +65,7 @@ from ckpt_finetune_setup import (LayerDeltas, build_model, eval_batches, eval_lo
 from real_model import smollm2_dir  # noqa: E402
 from layerwise.ckpt import Checkpointer  # noqa: E402
 from layerwise.ckpt.policies import make_policy  # noqa: E402
-from layerwise.train.config import CkptConfig  # noqa: E402
+from layerwise.train.config import CheckpointConfig  # noqa: E402
 from layerwise.util.atomic import fsync_dir  # noqa: E402
 
 
@@ -110,13 +110,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def default_spec() -> tuple[str, dict]:
     """The policy ``layerwise train`` checkpoints with, with its options."""
-    c = CkptConfig()
+    c = CheckpointConfig()
     return c.policy, c.policy_options()
 
 
 def policy_specs(args) -> dict[str, tuple[str, dict]]:
     """Run-directory name (the policy as ``make_policy`` reads it) -> (policy, options)."""
-    stale = {"max_staleness": CkptConfig().max_staleness}
+    stale = {"max_staleness": CheckpointConfig().max_staleness}
     policy, options = default_spec()
     candidates = [("full", {}), (policy, options)] if args.model != "tiny" else [  # 135M: two
         ("full", {}),

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_model import smollm2_dir  # noqa: E402
 from layerwise.adapters.config import LoraConfig  # noqa: E402
 from layerwise.ckpt import RunDir  # noqa: E402
-from layerwise.train.config import CkptConfig  # noqa: E402
+from layerwise.train.config import CheckpointConfig  # noqa: E402
 from layerwise.train.demo_pretrained import PretrainedDemoConfig, train_config, write_data  # noqa: E402
 from layerwise.train.loop import train  # noqa: E402
 
@@ -39,7 +39,7 @@ def run(model_dir: Path, policy: str, root: Path, steps: int, every: int) -> dic
                                lora=LoraConfig(r=16, alpha=32, merge=False))
     train_path, eval_path = write_data(out)
     tc = train_config(cfg, train_path, eval_path)
-    tc.ckpt = CkptConfig(every=every, policy=policy)
+    tc.ckpt = CheckpointConfig(every=every, policy=policy)
     t0 = time.perf_counter()
     train(tc)
     wall_s = time.perf_counter() - t0

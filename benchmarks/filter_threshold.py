@@ -37,7 +37,7 @@ import torch
 from layerwise import config as config_lib
 from layerwise.ckpt import RunDir
 from layerwise.ckpt.policies import FilterPolicy
-from layerwise.train.config import CkptConfig, TrainConfig
+from layerwise.train.config import CheckpointConfig, TrainConfig
 from layerwise.train.loop import train
 
 CANDIDATES = (1e-3, 3e-3, 0.01, 0.02, 0.03, 0.05, 0.1)
@@ -151,7 +151,7 @@ def main(argv=None) -> None:
     print(json.dumps({
         "benchmark": "filter_threshold", "model": "llama-demo", "pretrain_steps": pre_steps,
         "finetune_steps": steps, "every": args.every, "lrs": lrs,
-        "default_threshold": default, "default_max_staleness": CkptConfig().max_staleness,
+        "default_threshold": default, "default_max_staleness": CheckpointConfig().max_staleness,
         "measured": measured, "filter_runs": filtered,
         "machine": {"python": sys.version.split()[0], "torch": torch.__version__,
                     "platform": platform.platform(), "cpus": os.cpu_count(),

@@ -9,7 +9,8 @@ import pytest
 
 from layerwise import config
 from layerwise.cli import main
-from layerwise.train.config import POLICY_NAMES, CkptConfig, TrainConfig, help_keys
+from layerwise.train.config import TrainConfig, help_keys
+from layerwise.util.checkpoint_config import POLICY_NAMES, CheckpointConfig
 
 
 def test_numbers_as_a_person_writes_them():
@@ -151,26 +152,37 @@ def test_every_key_has_a_doc_and_help_shows_defaults():
 
 
 def test_every_checkpointer_has_one_default_policy():
-    """``layerwise train``'s ``ckpt.policy`` (a literal: its config module must not import torch
-    for ``--help``), ``CheckpointConfig`` and the Trainer / DeepSpeed / FSDP2 checkpointers all
-    default to ``ckpt.checkpoint_config.DEFAULT_POLICY``. Mutation seen failing: CheckpointConfig
-    back at ``full`` (the two had drifted: parity for train, full for the library)."""
+    """``layerwise train``'s ``ckpt.policy``, ``CheckpointConfig`` (one dataclass, torch-free for
+    ``--help``) and the Trainer / DeepSpeed / FSDP2 / sharded checkpointers all default to
+    ``DEFAULT_POLICY``. Mutation seen failing: CheckpointConfig back at ``full`` (the two had
+    drifted: parity for train, full for the library)."""
     import inspect
 
-    from layerwise.ckpt.checkpoint_config import DEFAULT_POLICY, CheckpointConfig
+    from layerwise.ckpt import CheckpointConfig as Reexported
+    from layerwise.ckpt.checkpoint_config import DEFAULT_POLICY
+    from layerwise.ckpt.sharded_checkpointer import ShardedCheckpointer
     from layerwise.interop.hooks.deepspeed_loop import DeepSpeedCheckpointer
     from layerwise.interop.hooks.fsdp2_loop import fsdp_checkpointer
     from layerwise.interop.hooks.trainer_callback import LayerwiseCheckpointCallback
 
-    assert CkptConfig().policy == CheckpointConfig().policy == DEFAULT_POLICY
-    for fn in (DeepSpeedCheckpointer, fsdp_checkpointer, LayerwiseCheckpointCallback):
+    assert Reexported is CheckpointConfig and TrainConfig().ckpt.policy == DEFAULT_POLICY
+    for fn in (DeepSpeedCheckpointer, fsdp_checkpointer, LayerwiseCheckpointCallback,
+               ShardedCheckpointer):
         assert inspect.signature(fn).parameters["policy"].default == DEFAULT_POLICY, fn
+
+
+def test_library_only_checkpoint_fields_are_no_train_keys():
+    """``async_save``, ``snapshot``, ... configure a ``Checkpointer``; ``layerwise train`` neither
+    takes them as ``ckpt.*`` keys nor records them in run.json's config."""
+    assert "async_save" not in config.to_dict(TrainConfig())["ckpt"]
+    with pytest.raises(ValueError, match="unknown key 'ckpt.async_save'"):
+        config.apply_overrides(TrainConfig(), ["ckpt.async_save=false"])
 
 
 def test_policy_names_match_the_checkpoint_core():
     from layerwise.ckpt import POLICIES
     assert set(POLICY_NAMES) == set(POLICIES)
-    fields = {f.name for f in dataclasses.fields(CkptConfig)}
+    fields = {f.name for f in dataclasses.fields(CheckpointConfig)}
     from layerwise.ckpt.policies import POLICIES as P
     options = {f.name for cls in P.values() for f in dataclasses.fields(cls)}
     assert options <= fields  # every policy option is settable as ckpt.<option>

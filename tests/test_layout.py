@@ -54,7 +54,7 @@ TORCH_DISTRIBUTED_IMPORTERS = {
     "ckpt/collective.py", "planner/calibrate.py", "planner/calibrate_host.py",
     "interop/hooks/fsdp2_loop.py", "interop/hooks/zero_partitions.py",
     "interop/torchdist/dcp_checkpoint.py", "train/dist/context.py", "train/dist/reducer.py",
-    "train/interrupt.py",
+    "train/checkpoints.py",
 }
 """The modules docs/architecture.md names as the only ones importing ``torch.distributed``."""
 

@@ -24,6 +24,7 @@ A misspelled key or choice is refused with the closest known ones ("did you mean
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import difflib
 import functools
@@ -85,7 +86,13 @@ def _class_nodes(filename: str | None) -> dict[str, ast.ClassDef]:
 
 @functools.cache
 def _types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    """The settable fields' types (``metadata={"cli": False}``: a library's field, not one)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in _fields(cls)}
+
+
+def _fields(cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", True)]
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -113,7 +120,7 @@ def keys(cls: type, prefix: str = "", instance: Any = None) -> list[Key]:
     ``instance`` when given (a section's default is its parent's default of the section)."""
     out: list[Key] = []
     hints, docs = _types(cls), field_docs(cls)
-    for f in dataclasses.fields(cls):
+    for f in _fields(cls):
         tp = hints[f.name]
         default = getattr(instance, f.name) if instance is not None else _default(f)
         if dataclasses.is_dataclass(tp):
@@ -127,7 +134,7 @@ def keys(cls: type, prefix: str = "", instance: Any = None) -> list[Key]:
 def sections(cls: type) -> dict[str, type]:
     """Top-level section name -> its dataclass."""
     hints = _types(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)
+    return {f.name: hints[f.name] for f in _fields(cls)
             if dataclasses.is_dataclass(hints[f.name])}
 
 
@@ -352,7 +359,7 @@ def normalize(cls: type, data: dict) -> dict:
 def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     """``cls`` from a nested dict of its fields (missing ones take their defaults)."""
     hints = _types(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in _fields(cls)}
     unknown = [k for k in data if k not in fields]
     if unknown:
         known = [prefix + n for n in fields]
@@ -367,7 +374,8 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
 
 
 def to_dict(obj: Any) -> dict[str, Any]:
-    return dataclasses.asdict(obj)
+    return {f.name: to_dict(v) if dataclasses.is_dataclass(v := getattr(obj, f.name))
+            else copy.deepcopy(v) for f in _fields(type(obj))}
 
 
 def merge(base: dict, top: dict) -> dict:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 from layerwise.ckpt import RunDir
-from layerwise.train.config import CkptConfig
+from layerwise.train.config import CheckpointConfig
 from layerwise.train.loop import TrainConfig, train
 
 from ..log_lines import logged_lines
@@ -21,7 +21,7 @@ def _train(model_dir: Path, out: Path) -> tuple[list[dict], list[str]]:
                       micro_batch_size=2, grad_accum=1, data={"corpus_tokens": 50_000},
                       eval={"every": 0, "batches": 1}, export=False,
                       log={"every": 100, "track_every": 100, "progress": "lines"},
-                      ckpt=CkptConfig(every=2, policy="full"), resume=False, out_dir=str(out))
+                      ckpt=CheckpointConfig(every=2, policy="full"), resume=False, out_dir=str(out))
     with logged_lines() as lines:
         train(cfg)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

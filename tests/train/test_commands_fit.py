@@ -209,7 +209,7 @@ def test_the_filter_default_writes_what_moved_and_the_composite_staleness_is_bou
     Mutation seen failing: ``FilterPolicy.threshold`` back to 1e-3 (every save writes >= 6)."""
     from layerwise.ckpt import RunDir
     from layerwise.ckpt.policies import FilterPolicy
-    from layerwise.train.config import CkptConfig
+    from layerwise.train.config import CheckpointConfig
 
     model, data = run["model"], run["model"].parent / "chat.jsonl"
     common = [f"model={model}", f"data={data}", "steps=40", "seq_len=64", "micro_batch_size=2",
@@ -227,13 +227,13 @@ def test_the_filter_default_writes_what_moved_and_the_composite_staleness_is_bou
     assert written["old"][0] == written["default"][0] == groups  # the first save: all are new
     assert all(w >= groups - 1 for w in written["old"][1:]), written
     assert min(written["default"][1:]) <= groups // 2, written
-    bound = CkptConfig().max_staleness * 10
+    bound = CheckpointConfig().max_staleness * 10
     code, shown = _json(capsys, ["ckpt", "show", str(tmp_path / "default")])
     assert code == 0 and max(g["staleness_steps"] for g in shown["groups"]) <= bound
     readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
-    every = CkptConfig().every
-    staleness = CkptConfig().max_staleness
-    assert f"(`ckpt.policy={CkptConfig().policy}`)" in readme  # the README names the default
+    every = CheckpointConfig().every
+    staleness = CheckpointConfig().max_staleness
+    assert f"(`ckpt.policy={CheckpointConfig().policy}`)" in readme  # the README names the default
     assert f"moved more than {FilterPolicy().threshold:.0%}" in readme
     assert (f"at most `ckpt.max_staleness={staleness}` saves ({staleness * every} steps at "
             f"`ckpt.every={every}`) older than N") in readme

@@ -32,7 +32,7 @@ from layerwise.plan.plan import Plan
 from layerwise.plan.shape import load_shape
 from layerwise.planner.simulator import simulate
 from layerwise.train import progress as progress_mod
-from layerwise.train.config import CkptConfig
+from layerwise.train.config import CheckpointConfig
 from layerwise.train.loop import TrainConfig, train
 from layerwise.train.planning import run_hardware
 from layerwise.train.progress import Progress
@@ -96,7 +96,7 @@ def rule_run(model_dir, tmp_path_factory):
                       micro_batch_size=2, grad_accum=2, data={"corpus_tokens": 50_000},
                       eval={"every": 0, "batches": 1}, export=False,
                       log={"every": 100, "track_every": 3, "progress": "lines"},
-                      ckpt=CkptConfig(every=0, at_end=False), resume=False, out_dir=str(out))
+                      ckpt=CheckpointConfig(every=0, at_end=False), resume=False, out_dir=str(out))
     with logged_lines() as lines:
         train(cfg)
     return out, lines

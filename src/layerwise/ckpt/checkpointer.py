@@ -153,7 +153,7 @@ class Checkpointer:
         default: one process) and ``mine`` names the groups this rank writes (a set, or a
         predicate on group names; default: all). ``available_memory``: reads the host bytes
         available, against which each snapshot is sized (default: ``available_host_memory``)."""
-        self.config, policy_options = split_options(config, options)
+        self.config, policy_options = split_options(config, options, policy)
         if self.config.encoding not in ENCODINGS:
             raise ValueError(f"encoding={self.config.encoding!r} is not one of {list(ENCODINGS)}; "
                              "'delta' codes fp32 weights against a key frame, 'plain' stores them whole")

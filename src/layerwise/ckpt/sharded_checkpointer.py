@@ -42,6 +42,7 @@ from typing import Any, Protocol
 import torch
 
 from ..util.safetensors_io import dtype_name
+from .checkpoint_config import DEFAULT_POLICY
 from .blob_store import BLOB_FORMAT, BLOB_FORMAT_VERSION, BlobBatch, BlobPayload
 from .collective import RankExchange, SingleProcess
 from .commit import (CommittedVersions, ManifestHeader, check_groups_match, commit_step,
@@ -159,7 +160,7 @@ class ShardedCheckpointer:
     rank with the same arguments; ``exchange`` connects them)."""
 
     def __init__(self, run_dir: str | Path, provider: ShardProvider,
-                 exchange: RankExchange | None = None, policy: str | Policy = "full", *,
+                 exchange: RankExchange | None = None, policy: str | Policy = DEFAULT_POLICY, *,
                  scheduler: Any = None, save_rng: bool = True, **policy_options: Any):
         self.provider, self.scheduler, self.save_rng = provider, scheduler, save_rng
         self.exchange = exchange or SingleProcess()

@@ -1,12 +1,28 @@
 """A run's checkpoints: when it saves (``ckpt.every``, at the end, at an interrupt), what it
 keeps (``save_total_limit``, cleaned up by rank 0 once the save in flight committed) and the
-close that waits for the last background write. Every rank saves (each writes its groups)."""
+close that waits for the last background write. Every rank saves (each writes its groups).
+
+Ctrl-C and SIGTERM (``StopFlag``): the first signal only sets a flag (and says, at once, that the
+run will stop after this step); the loop looks at it between steps, so the checkpoint is of a
+whole step, then stops with the command that resumes (``util.errors.Interrupted``). A second
+Ctrl-C stops at once without saving (the last committed checkpoint stays intact). Data
+parallel: every rank may see its signal at another step, so the ranks agree on the flag each
+step (one all-reduce of one number) and all save the same step.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
 from ..ckpt import RunDir, SaveReport
 from ..ckpt.checkpointer import Checkpointer
-from .config import CkptConfig
+from ..util.checkpoint_config import CheckpointConfig
 from .dist import saving as dist_saving
 from .dist.context import DistContext
 from .state import TrainState
@@ -19,14 +35,19 @@ def due(every: int, step: int, last: bool) -> bool:
 
 
 class CheckpointManager:
-    def __init__(self, ctx: DistContext, cfg: CkptConfig, ckpt: Checkpointer | None,
-                 last_saved: int | None = None):
+    def __init__(self, ctx: DistContext, cfg: CheckpointConfig, ckpt: Checkpointer | None):
         self.ctx, self.cfg, self.ckpt = ctx, cfg, ckpt
-        self.last_saved = last_saved
+        self.last_saved: int | None = None
         """The newest step this run's checkpoints hold (None: none yet)."""
 
-    def due(self, step: int, last: bool) -> bool:
-        return self.ckpt is not None and due(self.cfg.every, step, last and self.cfg.at_end)
+    def should_save(self, step: int, last: bool, stopping: bool) -> bool:
+        """Whether to save after ``step``: on ``ckpt.every``'s schedule, at the last step
+        (``ckpt.at_end``), or when the run stops at an interrupt (``ckpt.at_end``; not when
+        this step is saved already)."""
+        if self.ckpt is None:
+            return False
+        return due(self.cfg.every, step, last and self.cfg.at_end) or (
+            stopping and self.cfg.at_end and self.last_saved != step)
 
     def save(self, state: TrainState, every_group: bool = False) -> SaveReport:
         """A layer-wise checkpoint of ``state.step`` (in the background), after making room
@@ -41,11 +62,6 @@ class CheckpointManager:
         self.last_saved = state.step
         return rep
 
-    def due_at_interrupt(self, step: int) -> bool:
-        """Whether a run interrupted after ``step`` saves it: not when it is saved already or
-        saves are only on a schedule (``ckpt.at_end=false``)."""
-        return self.ckpt is not None and self.cfg.at_end and self.last_saved != step
-
     def _prune(self, keep: int) -> None:
         if self.ctx.rank == 0:
             self.ckpt.wait()  # the save in flight committed: no blob is being written that gc takes
@@ -59,3 +75,44 @@ class CheckpointManager:
             self.ckpt.close()
         if self.cfg.save_total_limit is not None:
             self._prune(self.cfg.save_total_limit)
+
+
+class StopFlag:
+    """The signal handlers of one run (installed only from the main thread)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, ctx: DistContext):
+        self.ctx = ctx
+        self.signum: int | None = None
+        self._saved: dict[int, object] = {}
+
+    def __enter__(self) -> StopFlag:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._saved[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+        self._saved.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self.signum = signum
+        name = signal.Signals(signum).name
+        os.write(2, f"\n{name}: stopping after this step, then saving (Ctrl-C again to stop "
+                    "now, without saving)\n".encode())
+
+    def stop_requested(self) -> bool:
+        """Whether to stop now (data parallel: whether any rank was signalled)."""
+        if not self.ctx.enabled:
+            return self.signum is not None
+        mine = torch.tensor([0 if self.signum is None else self.signum], dtype=torch.int64)
+        self.ctx.collective("agreeing whether to stop",
+                            lambda: dist.all_reduce(mine, op=dist.ReduceOp.MAX))
+        if int(mine) and self.signum is None:
+            self.signum = int(mine)
+        return bool(int(mine))

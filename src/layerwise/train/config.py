@@ -20,14 +20,7 @@ from typing import ClassVar
 from .. import config as config_lib
 from ..adapters.config import LoraConfig
 from ..optim.config import AdamWConfig
-
-POLICY_NAMES = ("full", "parity", "filter", "topk", "budget")
-"""The checkpoint core's policies (``layerwise.ckpt.POLICIES``; a test keeps the two equal)."""
-
-POLICY_OPTIONS = {"threshold": ("filter",), "max_fraction": ("filter",), "k": ("topk",),
-                  "budget_bytes": ("budget",), "budget_fraction": ("budget",),
-                  "max_staleness": POLICY_NAMES, "full_every": POLICY_NAMES}
-"""``ckpt.*`` policy options -> the policies that take them."""
+from ..util.checkpoint_config import POLICY_OPTIONS, CheckpointConfig
 
 REPORT_SINKS = ("tensorboard", "wandb")
 
@@ -117,54 +110,6 @@ class ScheduleConfig:
 
 
 @dataclass
-class CkptConfig:
-    every: int = 50
-    """Save a layer-wise checkpoint to ``out_dir/ckpt`` every N steps (0: none on a schedule)."""
-    at_end: bool = True
-    """Also save at the last step, and when the run is interrupted (Ctrl-C, SIGTERM): save,
-    then exit with the command that resumes."""
-    policy: str = field(default="full", metadata=_choices(*POLICY_NAMES))
-    """Which groups a checkpoint writes: full (all: the default, lossless), or a selective one,
-    whose "step N" is a composite of each group's newest saved version: parity (alternate
-    halves), filter (those that moved more than ``threshold``), topk (the ``k`` that moved
-    most), budget (bytes). Whatever the policy, the last save of a run and the save an
-    interrupt makes write every group. Measured in a fine-tune resumed from a composite
-    (``benchmarks/ckpt_savings.py --finetune``): parity +0.12% eval loss at 1.87x fewer bytes,
-    filter at 0.01 +1.10% at 1.98x, budget 0.25 +0.74% at 3.74x."""
-    threshold: float | None = None
-    """filter: relative weight change since a group's saved version above which it is written
-    (none: the policy's default, 0.01, measured on fine-tunes at LR 2e-5 to 1e-4; a run at a
-    larger LR moves every group more than that between saves: raise it)."""
-    max_fraction: float | None = None
-    """filter: at most this fraction of a full checkpoint's bytes per save."""
-    k: int | None = None
-    """topk: groups per save (none: the policy's default, 4)."""
-    budget_bytes: int | None = None
-    """budget: bytes per save (none: ``budget_fraction`` of a full checkpoint)."""
-    budget_fraction: float | None = None
-    """budget: bytes per save as a fraction of a full checkpoint (none: 0.25)."""
-    max_staleness: int | None = 4
-    """Any policy: at most this many saves between two saves of any group, so a composite
-    "step N" holds no group older than N - max_staleness x every steps (none: no bound)."""
-    full_every: int | None = None
-    """Any policy: every N-th save writes every group."""
-    expert_groups: bool = False
-    """MoE models with fused experts: version each routed expert as its own checkpoint group
-    (``layers.{i}.experts.{e}``), so a save writes only the experts that moved."""
-    encoding: str = field(default="plain", metadata=_choices("plain", "delta", "moments8",
-                                                             "delta+moments8"))
-    """How a checkpoint stores its tensors: plain (whole); delta (fp32 weights, lossless: the
-    low halves and only the high halves that changed since the group's key frame; run format
-    6); moments8 (fp32 Adam moments block-wise 8-bit, lossy); delta+moments8 (both)."""
-    save_total_limit: int | None = None
-    """Keep only the newest N committed checkpoints (older steps and the blobs only they use
-    are deleted after each save); none: keep all."""
-
-    def policy_options(self) -> dict:
-        return {k: getattr(self, k) for k in POLICY_OPTIONS if getattr(self, k) is not None}
-
-
-@dataclass
 class EvalConfig:
     every: int = 20
     """Evaluate the held-out loss every N steps (0: only at the start and the end)."""
@@ -237,7 +182,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: AdamWConfig = field(default_factory=lambda: AdamWConfig(lr=2e-3, weight_decay=0.1))
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -435,7 +380,7 @@ class DemoConfig:
     log: LogConfig = field(default_factory=lambda: LogConfig(track_every=10))
     """``log.track_every``: per-layer update statistics (``tracker.jsonl``, the report's heat
     map); ``log.progress``: a bar on a terminal, plain lines otherwise."""
-    ckpt: CkptConfig = field(default_factory=lambda: CkptConfig(
+    ckpt: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(
         every=50, policy="filter", threshold=0.1, max_staleness=2))
     """A layer-wise checkpoint every 50 steps and at the end, ``filter`` policy: a group is
     written when its weights moved more than ``threshold`` (relative) since its saved version,

@@ -26,7 +26,7 @@ import torch
 from ..adapters.config import LoraConfig
 from ..optim.config import AdamWConfig
 from ..util.atomic import atomic_write_text
-from .config import CkptConfig, DataConfig, EvalConfig, LogConfig, ModelConfig, ScheduleConfig, TrainConfig
+from .config import CheckpointConfig, DataConfig, EvalConfig, LogConfig, ModelConfig, ScheduleConfig, TrainConfig
 from .demo import DEMO_FORMAT_VERSION, fresh_out_dir, load_quietly
 from .loop import train
 from .run_records import TrainResult
@@ -131,7 +131,7 @@ def train_config(cfg: PretrainedDemoConfig, train_path: Path, eval_path: Path) -
         data=DataConfig(path=str(train_path), eval_path=str(eval_path)),
         optimizer=AdamWConfig(lr=cfg.lr, weight_decay=0.0),
         schedule=ScheduleConfig(warmup_steps=2), eval=EvalConfig(every=0, batches=2),
-        log=LogConfig(track_every=0), ckpt=CkptConfig(every=6), resume="false",
+        log=LogConfig(track_every=0), ckpt=CheckpointConfig(every=6), resume="false",
         out_dir=cfg.out_dir)
 
 

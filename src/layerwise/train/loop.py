@@ -1,16 +1,10 @@
 """The training loop around the StreamingEngine: ``Trainer``, in named steps (``setup``,
 ``train_step``, ``evaluate``, ``save``, ``close``), and ``train(cfg)``, which runs them.
 
-What a run writes in ``out_dir`` (schemas in ``docs/formats.md``): ``plan.json`` (the plan, with
-the step time predicted for it), ``run.json`` (the resolved settings, what ran, start/end evals,
-measured vs predicted step time), ``metrics.jsonl`` (one row per step), ``tracker.jsonl``
-(per-layer update statistics, ``update_log.py``), ``samples.jsonl`` (generations at evals, when
-asked), ``ckpt/`` (layer-wise checkpoints) and ``model/`` (the export). How a run starts
-(fresh, continued, from another run) is ``resume.py``'s, what it continues with is a
-``TrainState`` (``state.py``), when it saves and what it keeps is the ``CheckpointManager``'s
-(``checkpoints.py``); a run is interrupted cleanly by ``interrupt.py``. Rank 0 writes the files
-(``RunFiles``, ``MetricsLog``: ``lead``); every other rank of a data-parallel run runs the same
-code and writes nothing.
+What a run writes in ``out_dir`` is in ``docs/formats.md``. How a run starts is ``resume.py``'s,
+what it continues with a ``TrainState`` (``state.py``), when it saves and stops at Ctrl-C the
+``CheckpointManager``'s (``checkpoints.py``). Rank 0 writes the files (``lead``); every other
+rank of a data-parallel run runs the same code and writes nothing.
 """
 
 from __future__ import annotations
@@ -33,16 +27,18 @@ from ..engine.batch import Batch
 from ..models.families import model_dropouts
 from ..util.errors import Interrupted
 from ..util.logs import quiet_unless
+from ..models.adapter import DecoderAdapter
+from ..plan.plan import Plan
+from ..store import HostStore
 from .build import (FlopCounter, ModelSource, check_fits, check_options, choose_plan, mem_cap_bytes,
                     resolve_dtype)
 from .config import TrainConfig
-from .data import DataSpec, prepare_data
+from .data import DataSpec, TrainData, prepare_data
 from .dist import saving as dist_saving, setup as dist_setup
 from .dist.context import DistContext, init as dist_init, shutdown as dist_shutdown
 from .dist.reducer import DistReducer
 from .dist.shm import shared_store_nbytes
-from .interrupt import StopFlag
-from .checkpoints import CheckpointManager, due
+from .checkpoints import CheckpointManager, StopFlag, due
 from .lora_run import (build_lora, eval_mode, export_lora, lora_adapter, resolve_base_dtype,
                        resume_dropout)
 from .outdir import RUN_FORMAT_VERSION, read_run_json
@@ -76,27 +72,58 @@ class Trainer:
     """One run: ``setup()``, then ``fit()`` (``train_step`` for each step, ``evaluate`` and
     ``save`` on their cadence, ``close`` at the end); ``train(cfg)`` does exactly that."""
 
+    cfg: TrainConfig  # with the base model's dtype resolved (``resolve_base_dtype``)
+    ctx: DistContext
+    out_dir: Path
+    ckpt_dir: Path
+    lead: bool  # rank 0: it writes the run's files and computes the evaluations for every rank
+    files: RunFiles
+    log: MetricsLog
+    lock: Any = None  # the out_dir's lock while the run holds it
+    start: Start  # how the run starts (fresh, continued, from another run; done already)
+    model_path: str
+    compute_dtype: torch.dtype
+    plan: Plan
+    hw: Any  # the hardware the plan was chosen for (None: a rule or plan file)
+    alloc: Any  # host memory of the store (one shared store per node under torchrun)
+    adapter: DecoderAdapter
+    store: HostStore
+    engine: StreamingEngine | None = None
+    mbs: int  # rows of this rank's micro-batch
+    accum: int  # micro-batches per optimizer step
+    global_rows: int  # rows of a global micro-batch: rank r trains on [r*mbs, (r+1)*mbs) of each
+    est: Any  # the engine's predicted memory (``peak_bytes``)
+    tokenizer: Any
+    tokenizer_line: str
+    data: TrainData
+    eval_set: list[Batch]  # this rank's pieces of the held-out global micro-batches
+    steps: int  # the run's optimizer steps (``num_train_epochs`` resolved)
+    checkpoints: CheckpointManager | None = None
+    state: TrainState  # the resumed checkpoint's, else a fresh run's
+    start_step: int = 0
+    batches: Any  # iterator of global micro-batches, from the data position
+    schedule: Schedule
+    tracker: RunTracker | None = None
+    prompts: list[list[int]]  # token ids continued at each eval
+    predicted_step_s: float | None
+    run_info: dict[str, Any]  # run.json
+    eval_loss: float
+    flop_count: FlopCounter
+    t_start: float
+    tokens_seen: int  # of every row trained on, all ranks (padding, masked prompts too)
+    step_times: list[float]
+    step_tokens_per_s: list[float]
+
     def __init__(self, cfg: TrainConfig, ctx: DistContext | None = None):
         self.cfg = cfg
         self.ctx = ctx or DistContext.from_env(timeout_s=cfg.dist.timeout_s)
         self.out_dir = Path(cfg.out_dir)
         self.ckpt_dir = self.out_dir / "ckpt"
         self.lead = self.ctx.rank == 0
-        """Rank 0: it writes the run's files and computes the evaluations for every rank."""
         self.files, self.log = RunFiles(self.out_dir, self.lead), MetricsLog(self.out_dir, self.lead)
-        self.lock = None
-        self.engine: StreamingEngine | None = None
-        self.checkpoints: CheckpointManager | None = None
-        self.tracker: RunTracker | None = None
         self.start = Start()
-        self.start_step = 0
         self.state = TrainState()
-        """What the run continues with: the resumed checkpoint's, else a fresh run's."""
-        self.step_times: list[float] = []
-        self.tokens_seen = 0
-        """Tokens of every row trained on (all ranks; padding and masked prompt tokens too, as
-        in each metrics row's ``tokens``)."""
-        self.step_tokens_per_s: list[float] = []
+        self.step_times, self.step_tokens_per_s, self.tokens_seen = [], [], 0
         self._closed = False
 
     # ----- setup ----------------------------------------------------------------------------
@@ -117,7 +144,6 @@ class Trainer:
             self.files.clear()
         self._build()
         self._prepare_data()
-        self._open_checkpoints()
         self._resume()
         self._begin()
 
@@ -158,7 +184,6 @@ class Trainer:
             raise
         self.mbs, self.accum = self.plan.micro_batch_size, self.plan.num_micro_batches
         self.global_rows = self.mbs * ctx.world_size
-        """Rows of a global micro-batch: rank r trains on rows [r*mbs, (r+1)*mbs) of each."""
         self.est = self.engine.check(self.mbs, cfg.seq_len)
 
     def _prepare_data(self) -> None:
@@ -181,34 +206,28 @@ class Trainer:
             _log.info(f"num_train_epochs={cfg.num_train_epochs:g}: {self.steps} steps "
                       f"({len(self.data.train)} train rows, {per_step} a step)")
 
-    def _open_checkpoints(self) -> None:
-        """The run's checkpointer (every rank writes its groups), and a reader of the
-        checkpoint to resume from when that is another run's or this run does not write."""
-        cfg, ctx = self.cfg, self.ctx
-        self.provider = HostStoreStateProvider(self.store, self.engine.optimizers)
+    def _resume(self) -> None:
+        """The run's checkpointer (every rank writes its groups); weights, AdamW moments and
+        step counts, RNG from the checkpoint to resume from (read by the run's checkpointer when
+        it is this run's, else by a reader); the data position, the schedule and the run's
+        start-of-training eval from its ``TrainState``."""
+        cfg, ctx, start = self.cfg, self.ctx, self.start
+        provider = HostStoreStateProvider(self.store, self.engine.optimizers)
         # the run's tracker.jsonl is written by RunTracker (with the engine's gradient norms)
         ckpt = dist_saving.checkpointer(
-            ctx, self.ckpt_dir, self.provider, self.store, True, policy=cfg.ckpt.policy,
-            tracker_log=False, expert_groups=cfg.ckpt.expert_groups, encoding=cfg.ckpt.encoding,
-            **cfg.ckpt.policy_options()) if cfg.checkpoints else None
+            ctx, self.ckpt_dir, provider, self.store, True, config=cfg.ckpt,
+            tracker_log=False) if cfg.checkpoints else None
         self.checkpoints = CheckpointManager(ctx, cfg.ckpt, ckpt)
-        source = self.start.source
-        self.reader = None
-        if source is not None and (ckpt is None or source != self.ckpt_dir) \
+        reader = None
+        if start.source is not None and (ckpt is None or start.source != self.ckpt_dir) \
                 and ctx.local_rank == 0:
-            self.reader = dist_saving.checkpointer(ctx, source, self.provider, self.store, False,
-                                                   policy="full", tracker_log=False,
-                                                   expert_groups=cfg.ckpt.expert_groups)
-
-    def _resume(self) -> None:
-        """Weights, AdamW moments and step counts, RNG from the checkpoint; the data position,
-        the schedule and the run's start-of-training eval from its ``TrainState``."""
-        start = self.start
-        loader = self.reader if self.reader is not None else self.checkpoints.ckpt
-        resumed = dist_setup.resume(self.ctx, loader, start.source is not None,
+            reader = dist_saving.checkpointer(ctx, start.source, provider, self.store, False,
+                                              policy="full", tracker_log=False,
+                                              expert_groups=cfg.ckpt.expert_groups)
+        resumed = dist_setup.resume(ctx, reader or ckpt, start.source is not None,
                                     self.engine.optimizers, self.store, start.step)
-        if self.reader is not None:
-            self.reader.close()
+        if reader is not None:
+            reader.close()
         if resumed is not None:
             where = start.source or self.ckpt_dir
             _log.info(f"resumed from layer-wise checkpoint step {resumed.step} in {where}")
@@ -339,29 +358,22 @@ class Trainer:
         same store), and the sample generations when asked for."""
         with eval_mode(self.adapter):
             loss = self.engine.eval_loss(self.eval_set) if self.lead else math.nan
-        if step == self.start_step:
-            _log.info(f"step {step}: eval loss {loss:.4f}")
-        if self.prompts:
-            with eval_mode(self.adapter):
-                self._sample(step)
+            if step == self.start_step:
+                _log.info(f"step {step}: eval loss {loss:.4f}")
+            if self.prompts:
+                self.log.sample(step, lambda: [(self.tokenizer.decode(ids), self.tokenizer.decode(
+                    greedy_continue(self.engine.forward_logits, ids, self.cfg.eval.sample_tokens,
+                                    self.cfg.seq_len))) for ids in self.prompts])
         return loss
-
-    def _sample(self, step: int) -> None:
-        self.log.sample(step, lambda: [(self.tokenizer.decode(ids), self.tokenizer.decode(
-            greedy_continue(self.engine.forward_logits, ids, self.cfg.eval.sample_tokens,
-                            self.cfg.seq_len))) for ids in self.prompts])
 
     def save(self, step: int, record: dict[str, Any], every_group: bool = False) -> None:
         """A layer-wise checkpoint of ``step`` with the run's state (every rank writes its
         groups; in the background); what it wrote goes into the step's metrics row.
         ``every_group``: all of them, whatever the policy (the last save, an interrupt's)."""
         self.engine.synchronize()  # data parallel: every owner's updates
-        rep = self.checkpoints.save(self._state_at(step, record), every_group)
+        rep = self.checkpoints.save(self.state.at(step, step * self.accum, record), every_group)
         record.update(ckpt_groups=len(rep.selected), ckpt_snapshot_bytes=rep.snapshot_bytes,
                       ckpt_snapshot=rep.snapshot, ckpt_blocked_s=rep.blocked_s)
-
-    def _state_at(self, step: int, record: dict[str, Any]) -> TrainState:
-        return self.state.at(step, step * self.accum, record)
 
     def fit(self) -> TrainResult:
         """Train from the start step to ``steps``; on SIGINT/SIGTERM save and raise
@@ -379,8 +391,7 @@ class Trainer:
                     self.engine.synchronize()  # the step's updates applied: moments, weights
                     self.tracker.observe(done, stats.unit_grad_norms)
                 stopping = not last and stop.stop_requested()
-                if self.checkpoints.due(done, last) or (
-                        stopping and self.checkpoints.due_at_interrupt(done)):
+                if self.checkpoints.should_save(done, last, stopping):
                     self.save(done, record, every_group=last or stopping)
                 self.log.row(record)
                 if stopping:
