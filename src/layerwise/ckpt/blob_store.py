@@ -142,7 +142,8 @@ class BlobBatch:
     """The blobs of one save: each new blob is fsynced and renamed into place on a helper
     thread while the next one is written (the disk works while the CPU fills the page cache).
     ``finish`` waits for all of them and fsyncs their directories; only then may a manifest
-    name them. As a context manager: ``finish`` on leaving, ``finish_quietly`` on an error."""
+    name them. As a context manager: ``finish`` on leaving; on an error, the blobs already
+    handed over land (or fail) before it is reported, their own errors giving way to it."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-fsync")
@@ -180,22 +181,15 @@ class BlobBatch:
         finally:
             self._pool.shutdown(wait=True)
 
-    def finish_quietly(self) -> None:
-        """On an error path: let the blobs already handed over land (or fail), so none is being
-        written when the error is reported; their own errors give way to that one."""
-        try:
-            self.finish()
-        except BaseException:
-            pass
-
     def __enter__(self) -> BlobBatch:
         return self
 
     def __exit__(self, exc_type: type | None, *_: object) -> None:
-        if exc_type is None:
+        try:
             self.finish()
-        else:
-            self.finish_quietly()
+        except BaseException:
+            if exc_type is None:
+                raise
 
 
 def blob_rel(digest: str) -> str:

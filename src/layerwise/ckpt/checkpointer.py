@@ -380,7 +380,7 @@ class Checkpointer:
         if self.exchange.rank == 0:
             pairs += [(PARAM + n, t) for g in others for n, t in self.provider.params(g).items()]
         need = host_need_bytes(self.exchange, self._buffers.fresh_nbytes(pairs))
-        return self._fit.decide(step, need).copy
+        return self._fit.decide(step, need)
 
     def _book_references(self, snaps: Mapping[str, dict[str, torch.Tensor]], copy: bool,
                          others: list[str]) -> tuple[TrackerReferences, list[dict[str, torch.Tensor]]]:
@@ -526,7 +526,3 @@ class Checkpointer:
         for g in rs.groups():
             refs.update(self._split_references(g, rs.load_group(g)))
         self.tracker.reset(refs)
-
-    def resolve(self, step: int | None = None) -> ResolvedStep:
-        self.wait()
-        return open_run_step(self.run_dir, step)

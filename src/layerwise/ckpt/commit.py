@@ -26,10 +26,6 @@ from .step_state import StepState
 MANIFEST_FORMAT = "layerwise-ckpt-manifest"
 
 
-def now_unix_s() -> float:
-    return round(time.time(), 3)
-
-
 @dataclass
 class CommittedVersions:
     """Every group's committed version (its manifest entry) and the index the next save takes."""
@@ -113,7 +109,7 @@ def commit_step(store: RunDir, step: int, header: ManifestHeader, state: StepSta
         "hash": store.hash_name,
         "step": step,
         "save_index": header.save_index,
-        "created_unix_s": now_unix_s(),
+        "created_unix_s": round(time.time(), 3),
         "policy": header.policy,
         "policy_config": header.policy_config,
         "tied": header.tied,

@@ -272,17 +272,10 @@ class DictStateProvider:
 
 def capture_rng() -> tuple[dict, dict[str, torch.Tensor]]:
     """(JSON part: python + numpy RNG, tensor part: torch CPU/CUDA generator states)."""
-    version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    js = {
-        "python": [version, list(internal), gauss],
-        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-    }
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"torch_cuda_{i}"] = s
-    return js, tensors
+    cuda = (torch.cuda.get_rng_state_all()
+            if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+    return rng_parts({"python": random.getstate(), "numpy": np.random.get_state(),
+                      "cpu": torch.get_rng_state(), "cuda": cuda})
 
 
 def rng_dict(js: dict | None, tensors: dict[str, torch.Tensor]) -> dict | None:

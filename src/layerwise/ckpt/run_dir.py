@@ -34,7 +34,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 from ..util.atomic import atomic_write_bytes, atomic_write_text, fsync_dir
-from .blob_store import BlobBatch, BlobPayload, BlobRecord, blob_rel, put_blob
+from .blob_store import BlobBatch, BlobPayload, BlobRecord, put_blob
 from .content_hash import CONTENT_HASH, digest_bytes, manifest_hash
 from .errors import CheckpointCorruptError, write_error
 from .run_format import json_bytes, locate_run, read_format, refuse_version, write_format
@@ -84,10 +84,6 @@ class RunDir:
         return store
 
     # ----- paths ----------------------------------------------------------------------
-
-    @staticmethod
-    def blob_rel(digest: str) -> str:
-        return blob_rel(digest)
 
     def step_dir(self, step: int) -> Path:
         return self.root / "steps" / f"{step:0{STEP_DIR_DIGITS}d}"
