@@ -97,9 +97,8 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[n:]
 
 
-def _write_payload(path: Path, payload: BlobPayload, hash_name: str | None,
-                   fsync: bool = True) -> str | None:
-    """Write ``payload`` to ``path`` (fsynced unless ``fsync=False``); return its digest under
+def _write_payload(path: Path, payload: BlobPayload, hash_name: str | None) -> str | None:
+    """Write ``payload`` to ``path`` (not fsynced: ``BlobBatch`` does); return its digest under
     ``hash_name`` (None: not hashed)."""
     h = new_hasher(hash_name) if hash_name is not None else None
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -118,8 +117,6 @@ def _write_payload(path: Path, payload: BlobPayload, hash_name: str | None,
                     _write_all(fd, c)
                 if pending is not None:
                     pending.result()
-        if fsync:
-            os.fsync(fd)
     finally:
         os.close(fd)
     return h.hexdigest() if h is not None else None
@@ -206,32 +203,23 @@ def has_blob(root: Path, digest: str, nbytes: int) -> bool:
 
 
 def put_blob(root: Path, hash_name: str, payload: BlobPayload, maybe_duplicate: bool,
-             batch: BlobBatch | None) -> BlobRecord:
+             batch: BlobBatch) -> BlobRecord:
     """Store one group version in the run at ``root`` (``RunDir.put_blob`` says how)."""
     digest = payload.digest(hash_name) if maybe_duplicate else None
     if digest is not None and has_blob(root, digest, payload.nbytes):
         return BlobRecord(digest, payload.nbytes, blob_rel(digest), written=False)
     tmp = root / "tmp" / f"blob-{uuid.uuid4().hex}.tmp"
     try:
-        got = _write_payload(tmp, payload, hash_name if digest is None else None,
-                             fsync=batch is None)
+        got = _write_payload(tmp, payload, hash_name if digest is None else None)
         digest = digest or got
         assert digest is not None
         if has_blob(root, digest, payload.nbytes):
             tmp.unlink()
             return BlobRecord(digest, payload.nbytes, blob_rel(digest), written=False)
-        final = root / blob_rel(digest)
-        if batch is None:
-            final.parent.mkdir(exist_ok=True)
-            os.replace(tmp, final)
     except OSError as e:
         _unlink_quiet(tmp)
         raise write_error(e, tmp) from e
-    if batch is not None:
-        batch.submit(tmp, final)
-    else:
-        fsync_dir(final.parent)
-        fsync_dir(final.parent.parent)  # blobs/<aa>/ may be new
+    batch.submit(tmp, root / blob_rel(digest))
     return BlobRecord(digest, payload.nbytes, blob_rel(digest), written=True)
 
 

@@ -41,19 +41,11 @@ was; the others fail within the exchange's timeout. The snapshot is taken inside
 (never deferred); the writes still run on the writer thread, whose collectives use the
 exchange's own process group.
 
-Who does what: ``snapshot`` (the helper thread, the update gate, deferred statistics),
-``host_copies`` (the buffer pool and the blob form of tensors), ``tracker`` (the statistics),
-``policies`` (the choice), ``save_writer`` (the write and the several-writer protocol, on the
-writer thread), ``commit`` and ``step_state`` (the manifest, the step's files and the
-bookkeeping of committed versions, shared with ``ShardedCheckpointer``). The writer thread
-reads a ``WriteJob`` and returns a ``WriteResult`` that the checkpointer adopts on its owner's
-thread (``wait``, the next ``save``, ``close``): only that thread changes the checkpointer's
-state (committed versions, the save in flight). The tracker and the buffer pool are used by one
-thread at a time: the helper while it takes a deferred snapshot, the owner otherwise.
-
-One module past 500 lines: what is left here is that ownership — the state only the owner's
-thread changes (committed versions, the save in flight, the tracker's references), which save,
-wait, close and load all touch; split, each part would reach into the others'.
+Threads: the writer thread reads a ``WriteJob`` and returns a ``WriteResult`` that the
+checkpointer adopts on its owner's thread (``wait``, the next ``save``, ``close``): only that
+thread changes the checkpointer's state (committed versions, the save in flight, the tracker's
+references). The tracker and the buffer pool are used by one thread at a time: the helper while
+it takes a deferred snapshot, the owner otherwise.
 """
 
 from __future__ import annotations
@@ -227,18 +219,12 @@ class Checkpointer:
         live = self._deferred.capture(grads=True)
         if live is None:  # synchronous, after whatever the helper thread still reads
             self._deferred.drain()
-            self._pending_snapshot()
+            if self._pending is not None and self._pending.deferred:  # its snapshot, not write
+                wait_all([self._pending.future])
             return self.tracker.observe(step)
-        return self._deferred.observe(lambda: self.tracker.observe(step, live),
-                                      self._add_observe_stall)
-
-    def _add_observe_stall(self, seconds: float) -> None:
-        self.observe_stall_s += seconds
-
-    def _pending_snapshot(self) -> None:
-        """Wait until the pending save's snapshot (not its write) is taken."""
-        if self._pending is not None and self._pending.deferred:
-            wait_all([self._pending.future])
+        return self._deferred.observe(
+            lambda: self.tracker.observe(step, live),
+            lambda s: setattr(self, "observe_stall_s", self.observe_stall_s + s))
 
     # ----- saving ---------------------------------------------------------------------------
 

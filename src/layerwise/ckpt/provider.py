@@ -110,12 +110,7 @@ class ModuleStateProvider:
         return {n: self._param[n].detach() for n in self._groups[group]}
 
     def grads(self, group: str) -> dict[str, torch.Tensor]:
-        out = {}
-        for n in self._groups[group]:
-            g = self._param[n].grad
-            if g is not None:
-                out[n] = g.detach()
-        return out
+        return {n: g.detach() for n in self._groups[group] if (g := self._param[n].grad) is not None}
 
     def optimizer_state(self, group: str) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}

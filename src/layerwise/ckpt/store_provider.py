@@ -44,6 +44,9 @@ class HostStoreStateProvider:
         if getattr(store, "passthrough", None):  # (a LoRA store checkpoints its adapters only)
             self._groups[PASSTHROUGH] = list(store.passthrough)
 
+    def _units(self, group: str) -> dict[str, UnitBuffers]:
+        return {self._where[n][0].name: self._where[n][0] for n in self._groups[group]}
+
     def group_names(self) -> dict[str, list[str]]:
         return self._groups
 
@@ -114,7 +117,7 @@ class HostStoreStateProvider:
             for n in names:
                 self.store.passthrough[n].copy_(tensors[f"param/{n}"])
             return
-        for buf in {self._where[n][0].name: self._where[n][0] for n in names}.values():  # its units
+        for buf in self._units(group).values():
             mine = [n for n in names if self._where[n][0] is buf]
             for n in mine:
                 _, spec, offset = self._param(n)
