@@ -1,24 +1,10 @@
 """Layer-wise checkpoints: write only the groups that changed, resume directly, never lose data.
 
-Owns the checkpoint core, free of foreign formats (HF / Trainer formats, merge and recipes are
-``layerwise.interop``; group names come from ``layerwise.models.names``):
-
-- the API: ``protocol`` (``CheckpointerProtocol``: save, load, latest, close, which every
-  checkpointer implements), ``reports`` (what a save and a load return, for all of them);
-- saving: ``checkpointer`` (the plain-PyTorch API; ``checkpoint_config``),
-  ``tracker`` (how much each group moved), ``policies`` (which groups a save writes),
-  ``snapshot`` (deferred snapshots: helper thread, update gate), ``host_copies`` (the host
-  buffer pool, the blob form of tensors), ``save_writer`` (the write, on the writer thread, and
-  the several-writer protocol), ``commit`` and ``step_state`` (manifest, step files, committed
-  versions; shared with ``sharded_checkpointer``);
-- the run directory: ``run_dir`` (``RunDir``: steps, manifests, commit), ``blob_store``,
-  ``blob_codec`` (fp32 weights delta-coded against a key frame),
-  ``content_hash``, ``run_format`` (format.json), ``run_lock``, ``run_upkeep`` (verify, gc);
-- reading: ``resolve`` (the state at step N, group by group);
-- the live state: ``provider`` (the ``StateProvider`` protocol and blob keys),
-  ``store_provider`` (the engine's HostStore), ``moments`` (8-bit moments);
-- several ranks: ``collective`` (the ranks' exchange), ``shard_ranges`` and
-  ``sharded_checkpointer`` (a group as one blob per rank).
+The checkpoint core, free of foreign formats (HF / Trainer formats, merge and recipes are
+``layerwise.interop``; group names come from ``layerwise.models.names``). Entry points:
+``checkpointer`` (the plain-PyTorch API) and ``sharded_checkpointer`` (each rank its shard),
+both held to ``protocol``; ``run_dir`` (the run directory); ``resolve`` (the state at step N,
+group by group); ``provider`` (the ``StateProvider`` protocol and blob keys).
 """
 
 from .checkpoint_config import CheckpointConfig

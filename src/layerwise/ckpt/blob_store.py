@@ -97,9 +97,8 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[n:]
 
 
-def _write_payload(path: Path, payload: BlobPayload, hash_name: str | None,
-                   fsync: bool = True) -> str | None:
-    """Write ``payload`` to ``path`` (fsynced unless ``fsync=False``); return its digest under
+def _write_payload(path: Path, payload: BlobPayload, hash_name: str | None) -> str | None:
+    """Write ``payload`` to ``path`` (not fsynced: ``BlobBatch`` does); return its digest under
     ``hash_name`` (None: not hashed)."""
     h = new_hasher(hash_name) if hash_name is not None else None
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -118,8 +117,6 @@ def _write_payload(path: Path, payload: BlobPayload, hash_name: str | None,
                     _write_all(fd, c)
                 if pending is not None:
                     pending.result()
-        if fsync:
-            os.fsync(fd)
     finally:
         os.close(fd)
     return h.hexdigest() if h is not None else None
@@ -142,7 +139,8 @@ class BlobBatch:
     """The blobs of one save: each new blob is fsynced and renamed into place on a helper
     thread while the next one is written (the disk works while the CPU fills the page cache).
     ``finish`` waits for all of them and fsyncs their directories; only then may a manifest
-    name them. As a context manager: ``finish`` on leaving, ``finish_quietly`` on an error."""
+    name them. As a context manager: ``finish`` on leaving; on an error, the blobs already
+    handed over land (or fail) before it is reported, their own errors giving way to it."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-fsync")
@@ -180,22 +178,15 @@ class BlobBatch:
         finally:
             self._pool.shutdown(wait=True)
 
-    def finish_quietly(self) -> None:
-        """On an error path: let the blobs already handed over land (or fail), so none is being
-        written when the error is reported; their own errors give way to that one."""
-        try:
-            self.finish()
-        except BaseException:
-            pass
-
     def __enter__(self) -> BlobBatch:
         return self
 
     def __exit__(self, exc_type: type | None, *_: object) -> None:
-        if exc_type is None:
+        try:
             self.finish()
-        else:
-            self.finish_quietly()
+        except BaseException:
+            if exc_type is None:
+                raise
 
 
 def blob_rel(digest: str) -> str:
@@ -212,32 +203,23 @@ def has_blob(root: Path, digest: str, nbytes: int) -> bool:
 
 
 def put_blob(root: Path, hash_name: str, payload: BlobPayload, maybe_duplicate: bool,
-             batch: BlobBatch | None) -> BlobRecord:
+             batch: BlobBatch) -> BlobRecord:
     """Store one group version in the run at ``root`` (``RunDir.put_blob`` says how)."""
     digest = payload.digest(hash_name) if maybe_duplicate else None
     if digest is not None and has_blob(root, digest, payload.nbytes):
         return BlobRecord(digest, payload.nbytes, blob_rel(digest), written=False)
     tmp = root / "tmp" / f"blob-{uuid.uuid4().hex}.tmp"
     try:
-        got = _write_payload(tmp, payload, hash_name if digest is None else None,
-                             fsync=batch is None)
+        got = _write_payload(tmp, payload, hash_name if digest is None else None)
         digest = digest or got
         assert digest is not None
         if has_blob(root, digest, payload.nbytes):
             tmp.unlink()
             return BlobRecord(digest, payload.nbytes, blob_rel(digest), written=False)
-        final = root / blob_rel(digest)
-        if batch is None:
-            final.parent.mkdir(exist_ok=True)
-            os.replace(tmp, final)
     except OSError as e:
         _unlink_quiet(tmp)
         raise write_error(e, tmp) from e
-    if batch is not None:
-        batch.submit(tmp, final)
-    else:
-        fsync_dir(final.parent)
-        fsync_dir(final.parent.parent)  # blobs/<aa>/ may be new
+    batch.submit(tmp, root / blob_rel(digest))
     return BlobRecord(digest, payload.nbytes, blob_rel(digest), written=True)
 
 

@@ -41,19 +41,11 @@ was; the others fail within the exchange's timeout. The snapshot is taken inside
 (never deferred); the writes still run on the writer thread, whose collectives use the
 exchange's own process group.
 
-Who does what: ``snapshot`` (the helper thread, the update gate, deferred statistics),
-``host_copies`` (the buffer pool and the blob form of tensors), ``tracker`` (the statistics),
-``policies`` (the choice), ``save_writer`` (the write and the several-writer protocol, on the
-writer thread), ``commit`` and ``step_state`` (the manifest, the step's files and the
-bookkeeping of committed versions, shared with ``ShardedCheckpointer``). The writer thread
-reads a ``WriteJob`` and returns a ``WriteResult`` that the checkpointer adopts on its owner's
-thread (``wait``, the next ``save``, ``close``): only that thread changes the checkpointer's
-state (committed versions, the save in flight). The tracker and the buffer pool are used by one
-thread at a time: the helper while it takes a deferred snapshot, the owner otherwise.
-
-One module past 500 lines: what is left here is that ownership — the state only the owner's
-thread changes (committed versions, the save in flight, the tracker's references), which save,
-wait, close and load all touch; split, each part would reach into the others'.
+Threads: the writer thread reads a ``WriteJob`` and returns a ``WriteResult`` that the
+checkpointer adopts on its owner's thread (``wait``, the next ``save``, ``close``): only that
+thread changes the checkpointer's state (committed versions, the save in flight, the tracker's
+references). The tracker and the buffer pool are used by one thread at a time: the helper while
+it takes a deferred snapshot, the owner otherwise.
 """
 
 from __future__ import annotations
@@ -227,18 +219,12 @@ class Checkpointer:
         live = self._deferred.capture(grads=True)
         if live is None:  # synchronous, after whatever the helper thread still reads
             self._deferred.drain()
-            self._pending_snapshot()
+            if self._pending is not None and self._pending.deferred:  # its snapshot, not write
+                wait_all([self._pending.future])
             return self.tracker.observe(step)
-        return self._deferred.observe(lambda: self.tracker.observe(step, live),
-                                      self._add_observe_stall)
-
-    def _add_observe_stall(self, seconds: float) -> None:
-        self.observe_stall_s += seconds
-
-    def _pending_snapshot(self) -> None:
-        """Wait until the pending save's snapshot (not its write) is taken."""
-        if self._pending is not None and self._pending.deferred:
-            wait_all([self._pending.future])
+        return self._deferred.observe(
+            lambda: self.tracker.observe(step, live),
+            lambda s: setattr(self, "observe_stall_s", self.observe_stall_s + s))
 
     # ----- saving ---------------------------------------------------------------------------
 
@@ -380,7 +366,7 @@ class Checkpointer:
         if self.exchange.rank == 0:
             pairs += [(PARAM + n, t) for g in others for n, t in self.provider.params(g).items()]
         need = host_need_bytes(self.exchange, self._buffers.fresh_nbytes(pairs))
-        return self._fit.decide(step, need).copy
+        return self._fit.decide(step, need)
 
     def _book_references(self, snaps: Mapping[str, dict[str, torch.Tensor]], copy: bool,
                          others: list[str]) -> tuple[TrackerReferences, list[dict[str, torch.Tensor]]]:
@@ -526,7 +512,3 @@ class Checkpointer:
         for g in rs.groups():
             refs.update(self._split_references(g, rs.load_group(g)))
         self.tracker.reset(refs)
-
-    def resolve(self, step: int | None = None) -> ResolvedStep:
-        self.wait()
-        return open_run_step(self.run_dir, step)

@@ -30,27 +30,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Layer-wise checkpoint runs: list steps, show composites, verify, gc, merge.",
     )
 
-    ls = sub.add_parser("ls", help="committed steps with bytes written and policy")
-    ls.add_argument("run", help=RUN_HELP)
-    ls.add_argument("--json", action="store_true", help="print one JSON object")
-    ls.set_defaults(func=cmd_ls)
+    def command(name: str, help: str, func) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        p.add_argument("run", help=RUN_HELP)
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+        p.set_defaults(func=func)
+        return p
 
-    show = sub.add_parser("show", help="per group of one step: source step, staleness, bytes")
-    show.add_argument("run", help=RUN_HELP)
-    show.add_argument("--step", type=int, default=None, help="step to resolve (default: newest)")
-    show.add_argument("--json", action="store_true")
-    show.set_defaults(func=cmd_show)
-
-    verify = sub.add_parser("verify", help="check checksums and completeness; exit 1 on any fault")
-    verify.add_argument("run", help=RUN_HELP)
-    verify.add_argument("--json", action="store_true")
-    verify.set_defaults(func=cmd_verify)
-
-    gc = sub.add_parser("gc", help="keep the newest K steps; delete the rest and unreferenced blobs")
-    gc.add_argument("run", help=RUN_HELP)
-    gc.add_argument("--keep", type=int, required=True, help="number of newest committed steps to keep")
-    gc.add_argument("--json", action="store_true")
-    gc.set_defaults(func=cmd_gc)
+    command("ls", "committed steps with bytes written and policy", cmd_ls)
+    command("show", "per group of one step: source step, staleness, bytes", cmd_show).add_argument(
+        "--step", type=int, default=None, help="step to resolve (default: newest)")
+    command("verify", "check checksums and completeness; exit 1 on any fault", cmd_verify)
+    command("gc", "keep the newest K steps; delete the rest and unreferenced blobs", cmd_gc).add_argument(
+        "--keep", type=int, required=True, help="number of newest committed steps to keep")
 
 
 def _emit(args: argparse.Namespace, obj: dict, text: str) -> None:

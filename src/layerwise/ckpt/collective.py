@@ -5,7 +5,7 @@ others (``broadcast``); every rank writes its own blobs (content-addressed, so c
 never collide) and sends their records to rank 0 (``gather``); rank 0 alone commits the manifest,
 so a rank that dies before the commit leaves the last committed step as it was.
 
-``SingleProcess`` is the exchange of one process (what every save used before); ``TorchExchange``
+``SingleProcess`` is the exchange of one process; ``TorchExchange``
 runs the same calls as torch.distributed collectives on a process group of its own (gloo), with
 a timeout, so a checkpoint thread's collectives never interleave with the training step's.
 """

@@ -1,12 +1,6 @@
-"""The commit of a save and the bookkeeping of committed versions, shared by ``Checkpointer``
-and ``ShardedCheckpointer``.
-
-``CommittedVersions``: each group's entry in the newest committed manifest and the next save
-index, from which the policy sees every group's age. ``commit_step``: the end of the commit
-protocol (``docs/formats.md``), once every blob the manifest names is durable: uncommit a step
-saved again, write the step's files, write the manifest. ``check_groups_match`` and
-``load_result``: what a load checks and reports.
-"""
+"""The commit of a save and the bookkeeping of committed versions (from which the policy sees
+every group's age), shared by ``Checkpointer`` and ``ShardedCheckpointer``; what a load checks
+and reports."""
 
 from __future__ import annotations
 
@@ -24,10 +18,6 @@ from .run_format import FORMAT_VERSION
 from .step_state import StepState
 
 MANIFEST_FORMAT = "layerwise-ckpt-manifest"
-
-
-def now_unix_s() -> float:
-    return round(time.time(), 3)
 
 
 @dataclass
@@ -113,7 +103,7 @@ def commit_step(store: RunDir, step: int, header: ManifestHeader, state: StepSta
         "hash": store.hash_name,
         "step": step,
         "save_index": header.save_index,
-        "created_unix_s": now_unix_s(),
+        "created_unix_s": round(time.time(), 3),
         "policy": header.policy,
         "policy_config": header.policy_config,
         "tied": header.tied,

@@ -18,28 +18,17 @@ import atexit
 import logging
 import threading
 import weakref
-from typing import Protocol
+from typing import Any
 
 _log = logging.getLogger(__name__)
-
-
-class Closable(Protocol):
-    run_dir: object
-
-    def unclosed_save(self) -> int | None:
-        """The step of a save not yet waited for (None: nothing pending, or closed)."""
-        ...
-
-    def close(self) -> None:
-        ...
-
 
 _open: weakref.WeakSet = weakref.WeakSet()
 _registered = False
 
 
-def track(ck: Closable) -> None:
-    """Close ``ck`` at exit if it is still open with a save pending."""
+def track(ck: Any) -> None:
+    """Close ``ck`` (a ``Checkpointer``: ``run_dir``, ``unclosed_save()``, ``close()``) at exit
+    if it is still open with a save pending."""
     global _registered
     _open.add(ck)
     if not _registered:

@@ -92,7 +92,7 @@ class ExpertGroupsProvider:
                 out[n] = (shape, e)
         return out
 
-    def __getattr__(self, name: str) -> Any:  # tied, register_update_hook, param_groups_state, ...
+    def __getattr__(self, name: str) -> Any:  # model_config, tied, register_update_hook, ...
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
@@ -148,9 +148,6 @@ class ExpertGroupsProvider:
         if group not in self._parts:
             return {group: params}
         return {g: self._sliced(g, params, lambda n: n) for g in [group, *self._parts[group]]}
-
-    def model_config(self) -> dict | None:
-        return self.inner.model_config()
 
 
 def with_expert_groups(provider: StateProvider, store: RunDir) -> StateProvider:

@@ -16,13 +16,12 @@ from .provider import PARAM, StateProvider, group_tensors
 
 
 def stored_nbytes(key: str, t: torch.Tensor) -> int:
-    """Bytes ``t`` takes in a blob under ``key``: floating optimizer state is stored as fp32."""
-    fp32_state = not key.startswith(PARAM) and t.is_floating_point()
-    return t.numel() * (4 if fp32_state else t.element_size())
+    """Bytes ``t`` takes in a blob under ``key`` (``stored_dtype``)."""
+    return t.numel() * stored_dtype(key, t).itemsize
 
 
 def stored_dtype(key: str, t: torch.Tensor) -> torch.dtype:
-    """The dtype ``t`` has in a blob under ``key`` (``stored_nbytes``'s rule)."""
+    """The dtype ``t`` has in a blob under ``key``: floating optimizer state is stored as fp32."""
     return torch.float32 if not key.startswith(PARAM) and t.is_floating_point() else t.dtype
 
 
@@ -34,7 +33,7 @@ def as_blob_tensor(t: torch.Tensor, key: str, flat: bool = False) -> torch.Tenso
         t = t.reshape(-1)
     elif key.startswith("step/"):
         t = t.reshape(())
-    if not key.startswith(PARAM) and t.is_floating_point() and t.dtype != torch.float32:
+    if t.dtype != stored_dtype(key, t):
         t = t.float()
     if t.device.type != "cpu" or not t.is_contiguous():
         t = t.to("cpu").contiguous()

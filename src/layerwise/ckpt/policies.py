@@ -22,8 +22,6 @@ from collections.abc import Container
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
-from ..models.names import layer_index
-
 REASONS = ("new", "full_every", "stale", "criterion", "every_group")
 """Why a group is written: never saved before; a ``full_every`` checkpoint; ``max_staleness``
 reached; chosen by the policy's own rule (threshold, top-k, budget, parity, full); a save asked
@@ -42,10 +40,6 @@ class GroupStatus:
     """Checkpoints since the group was last saved (1 = saved by the previous one); None if never."""
     position: int
     """Index of the group in model order."""
-
-    @property
-    def layer_index(self) -> int | None:
-        return layer_index(self.name)
 
 
 @dataclass(frozen=True)

@@ -110,12 +110,7 @@ class ModuleStateProvider:
         return {n: self._param[n].detach() for n in self._groups[group]}
 
     def grads(self, group: str) -> dict[str, torch.Tensor]:
-        out = {}
-        for n in self._groups[group]:
-            g = self._param[n].grad
-            if g is not None:
-                out[n] = g.detach()
-        return out
+        return {n: g.detach() for n in self._groups[group] if (g := self._param[n].grad) is not None}
 
     def optimizer_state(self, group: str) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -272,17 +267,10 @@ class DictStateProvider:
 
 def capture_rng() -> tuple[dict, dict[str, torch.Tensor]]:
     """(JSON part: python + numpy RNG, tensor part: torch CPU/CUDA generator states)."""
-    version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    js = {
-        "python": [version, list(internal), gauss],
-        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-    }
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"torch_cuda_{i}"] = s
-    return js, tensors
+    cuda = (torch.cuda.get_rng_state_all()
+            if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+    return rng_parts({"python": random.getstate(), "numpy": np.random.get_state(),
+                      "cpu": torch.get_rng_state(), "cuda": cuda})
 
 
 def rng_dict(js: dict | None, tensors: dict[str, torch.Tensor]) -> dict | None:

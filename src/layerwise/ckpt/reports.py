@@ -7,7 +7,7 @@ when ``save`` returns."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -57,9 +57,6 @@ class SaveReport:
     bytes_written: int | None = None
     """New blob bytes plus the step's state files and manifest (rank 0's report only); a
     sharded save: the new shard bytes this rank wrote, without the step's files."""
-
-    def to_json(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass

@@ -137,22 +137,15 @@ class ResolvedStep:
 
     def extra_state(self) -> dict:
         st = self.state()
-        rng_tensors = self._rng_tensors()
         return {
             "step": self.step,
             "scheduler": st.get("scheduler"),
-            "rng": rng_dict(st.get("rng"), rng_tensors),
+            "rng": rng_dict(st.get("rng"), self._rng_tensors()),
             "trainer_state": st.get("trainer_state"),
             "optimizer_param_groups": st.get("optimizer_param_groups"),
             "data_position": st.get("data_position"),
             "extra": st.get("extra"),
         }
-
-    # ----- more ---------------------------------------------------------------------------
-
-    @property
-    def tied(self) -> bool:
-        return bool(self.manifest.get("tied", False))
 
     @property
     def policy(self) -> str | None:
@@ -184,9 +177,6 @@ class ResolvedStep:
                 "file); load an earlier step or restore the file"
             )
         return data
-
-    def staleness_steps(self, group: str) -> int:
-        return self.step - self.entries[group].saved_step
 
     def older_groups(self) -> dict[str, int]:
         """The groups whose newest saved state is older than the step (a composite: a selective

@@ -18,10 +18,6 @@ A step is committed exactly when its ``manifest.json`` exists: every file it nam
 to a temp file, fsynced and renamed into place (and its directory fsynced) before the manifest
 itself is written the same way. A crash at any point therefore leaves either the old set of
 committed steps or the old set plus the new step, never a half step.
-
-``RunDir`` is the run's one door: opening (``run_format``), paths, committed steps and their
-manifests, the step files, commit and uncommit, and ``verify``/``gc`` (``run_upkeep``). Blobs are
-``blob_store``'s, content hashes ``content_hash``'s, the writer lock ``run_lock``'s.
 """
 
 
@@ -29,12 +25,11 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
 from ..util.atomic import atomic_write_bytes, atomic_write_text, fsync_dir
-from .blob_store import BlobBatch, BlobPayload, BlobRecord, blob_rel, put_blob
+from .blob_store import BlobBatch, BlobPayload, BlobRecord, put_blob
 from .content_hash import CONTENT_HASH, digest_bytes, manifest_hash
 from .errors import CheckpointCorruptError, write_error
 from .run_format import json_bytes, locate_run, read_format, refuse_version, write_format
@@ -85,10 +80,6 @@ class RunDir:
 
     # ----- paths ----------------------------------------------------------------------
 
-    @staticmethod
-    def blob_rel(digest: str) -> str:
-        return blob_rel(digest)
-
     def step_dir(self, step: int) -> Path:
         return self.root / "steps" / f"{step:0{STEP_DIR_DIGITS}d}"
 
@@ -97,13 +88,8 @@ class RunDir:
 
     def _step_dirs(self) -> list[tuple[int, Path]]:
         d = self.root / "steps"
-        if not d.is_dir():
-            return []
-        out = []
-        for p in d.iterdir():
-            if p.is_dir() and p.name.isdigit():
-                out.append((int(p.name), p))
-        return sorted(out)
+        return sorted((int(p.name), p) for p in (d.iterdir() if d.is_dir() else [])
+                      if p.is_dir() and p.name.isdigit())
 
     def committed_steps(self) -> list[int]:
         """Steps whose manifest exists, ascending."""
@@ -149,14 +135,14 @@ class RunDir:
     def write_config(self, config: dict) -> None:
         atomic_write_bytes(self.root / "config.json", json_bytes(config))
 
-    def put_blob(self, payload: BlobPayload, maybe_duplicate: bool = False,
-                 batch: BlobBatch | None = None) -> BlobRecord:
+    def put_blob(self, payload: BlobPayload, maybe_duplicate: bool,
+                 batch: BlobBatch) -> BlobRecord:
         """Store one group version; an identical existing blob is reused (nothing written).
 
         ``maybe_duplicate`` hashes first (a memory pass) and skips the write on a hit: right for
         groups believed unchanged (frozen layers). Otherwise the hash is computed while writing.
-        With a ``batch``, the fsync and rename happen on its thread (``batch.finish()`` before the
-        manifest); without, before returning.
+        The fsync and rename happen on ``batch``'s thread (``batch.finish()`` before the
+        manifest).
         """
         return put_blob(self.root, self.hash_name, payload, maybe_duplicate, batch)
 
@@ -212,8 +198,12 @@ class RunDir:
         manifest's hash) match."""
         rep = VerifyReport()
         committed = self.committed_steps()
-        for w in self._leftovers():
-            rep.warnings.append(w)
+        # what interrupted saves leave: step directories without a manifest, temp files
+        rep.warnings += [f"step {step}: no manifest (an interrupted save; not committed)"
+                         for step, p in self._step_dirs() if not (p / "manifest.json").exists()]
+        n_tmp = sum(1 for _ in (self.root / "tmp").iterdir()) if (self.root / "tmp").is_dir() else 0
+        if n_tmp:
+            rep.warnings.append(f"{n_tmp} temp file(s) in tmp/ from interrupted or running saves")
         pointer = self.latest_pointer()
         if committed and pointer is not None and pointer not in committed:
             rep.faults.append(f"latest points to step {pointer}, which has no manifest")
@@ -229,18 +219,6 @@ class RunDir:
                 continue
             checker.check(step, self.step_dir(step), m)
         return rep
-
-    def _leftovers(self) -> Iterator[str]:
-        """Warnings about what interrupted saves leave: step directories without a manifest and
-        temp files."""
-        for step, p in self._step_dirs():
-            if not (p / "manifest.json").exists():
-                yield f"step {step}: no manifest (an interrupted save; not committed)"
-        tmp = self.root / "tmp"
-        if tmp.is_dir():
-            n = sum(1 for _ in tmp.iterdir())
-            if n:
-                yield f"{n} temp file(s) in tmp/ from interrupted or running saves"
 
     def gc(self, keep: int) -> GcReport:
         """Keep the newest ``keep`` committed steps; drop the rest and every unreferenced blob."""

@@ -3,7 +3,7 @@ check of one committed step's files against its manifest, and the sweep of unref
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .content_hash import file_digest, manifest_hash
@@ -24,8 +24,7 @@ class VerifyReport:
         return not self.faults
 
     def to_json(self) -> dict:
-        return {"ok": self.ok, "faults": self.faults, "warnings": self.warnings,
-                "steps": self.steps, "blobs_checked": self.blobs_checked}
+        return {"ok": self.ok, **asdict(self)}
 
 
 @dataclass
@@ -36,8 +35,7 @@ class GcReport:
     freed_bytes: int
 
     def to_json(self) -> dict:
-        return dict(kept_steps=self.kept_steps, dropped_steps=self.dropped_steps,
-                    removed_blobs=self.removed_blobs, freed_bytes=self.freed_bytes)
+        return asdict(self)
 
 
 def entry_blobs(entry: dict, hash_name: str) -> list[tuple[str, str, int | None]]:

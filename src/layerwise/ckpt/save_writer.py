@@ -6,9 +6,6 @@ directories), the step's state files, then the manifest, which commits the step.
 writers (``ckpt.collective``), rank 0 holds the run's lock from before any rank writes until the
 commit (so a ``ckpt gc`` never removes a blob written for a manifest still to come), every rank
 writes the chosen groups it owns, and rank 0 gathers their records and alone commits.
-
-The writer reads only its ``WriteJob`` and returns a ``WriteResult``: the checkpointer adopts it
-on its own thread, so only that thread ever changes the checkpointer's state.
 """
 
 from __future__ import annotations

@@ -168,7 +168,7 @@ class ShardedCheckpointer:
         self.policy: Policy = make_policy(policy, **policy_options)
         self.groups = list(provider.group_names())
         # Rank 0 creates the run (format.json); the others open it once it exists.
-        made = _outcome(lambda: self._create(run_dir)) if self.rank == 0 else None
+        made = _outcome(lambda: RunDir.create(run_dir) and None) if self.rank == 0 else None
         _raise_if_failed(self.exchange.broadcast(made), self.rank, "setup")
         self.store = RunDir.open(run_dir)
         self.run_dir = self.store.root
@@ -176,10 +176,6 @@ class ShardedCheckpointer:
         self._refs: dict[str, dict[str, torch.Tensor]] = {}
         """This rank's elements of each group's weights as last saved (or loaded), host copies."""
         self._versions = CommittedVersions.newest(self.store)
-
-    @staticmethod
-    def _create(run_dir: str | Path) -> None:
-        RunDir.create(run_dir)
 
     def latest(self) -> int | None:
         """The newest committed step (None: none yet)."""

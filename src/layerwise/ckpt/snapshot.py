@@ -62,17 +62,14 @@ class DeferredStats(Mapping):
     def __init__(self, future: Future):
         self._future = future
 
-    def _stats(self) -> dict[str, dict[str, float]]:
-        return self._future.result()
-
     def __getitem__(self, group: str) -> dict[str, float]:
-        return self._stats()[group]
+        return self._future.result()[group]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._stats())
+        return iter(self._future.result())
 
     def __len__(self) -> int:
-        return len(self._stats())
+        return len(self._future.result())
 
 
 class DeferredSnapshots:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ..util.host_memory import available_host_memory
 from ..util.units import human_bytes
@@ -30,16 +29,6 @@ MARGIN_FRACTION = 0.05
 
 def margin_bytes(available_bytes: int) -> int:
     return max(MARGIN_BYTES, int(MARGIN_FRACTION * available_bytes))
-
-
-@dataclass(frozen=True)
-class FitVerdict:
-    copy: bool
-    """Copy the snapshot (else write from the live tensors)."""
-    need_bytes: int
-    """Bytes of fresh host buffers the copy would allocate (this host's ranks together)."""
-    available_bytes: int | None
-    """Host memory available when it was decided (None: unknown, then it copies)."""
 
 
 def host_need_bytes(exchange: RankExchange, need_bytes: int) -> int:
@@ -62,11 +51,12 @@ class SnapshotFit:
         self.available = available or available_host_memory
         self._warned = False
 
-    def decide(self, step: int, need_bytes: int) -> FitVerdict:
-        """``need_bytes``: what the copy would allocate (``host_need_bytes``)."""
+    def decide(self, step: int, need_bytes: int) -> bool:
+        """Whether to copy the snapshot (else write from the live tensors); ``need_bytes``: what
+        the copy would allocate (``host_need_bytes``). Unknown available memory: copy."""
         avail = self.available() if need_bytes > 0 else None
         if avail is None or need_bytes + margin_bytes(avail) <= avail:
-            return FitVerdict(True, need_bytes, avail)
+            return True
         if not self._warned:
             self._warned = True
             _log.warning(
@@ -77,4 +67,4 @@ class SnapshotFit:
                 "any later save that does not fit). To save in the background, write fewer groups "
                 "per save (ckpt.policy=parity or filter; the first save writes every group) or "
                 "use a machine with more RAM.")
-        return FitVerdict(False, need_bytes, avail)
+        return False

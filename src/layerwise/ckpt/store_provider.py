@@ -50,15 +50,6 @@ class HostStoreStateProvider:
     def group_names(self) -> dict[str, list[str]]:
         return self._groups
 
-    def _views(self, group: str, flat_of) -> dict[str, torch.Tensor]:
-        out = {}
-        for n in self._groups[group]:
-            buf, local = self._where[n]
-            flat = flat_of(buf)
-            if flat is not None:
-                out[n] = buf.layout.views(flat)[local]
-        return out
-
     def params(self, group: str) -> dict[str, torch.Tensor]:
         """fp32 weights by HF name: views of plain masters, fresh fp32 copies of split ones
         (one group's worth at a time); the passthrough tensors as they are."""
@@ -76,12 +67,11 @@ class HostStoreStateProvider:
         return buf, spec, offset
 
     def grads(self, group: str) -> dict[str, torch.Tensor]:
-        return {} if group == PASSTHROUGH else self._views(group, lambda b: b.grad)
-
-    def _fp32_state(self, buf: UnitBuffers) -> dict[str, torch.Tensor]:
-        opt = self.optimizers.get(buf.name)
-        convert = getattr(opt, "to_fp32_state", None)
-        return convert(buf.state) if convert is not None else buf.state
+        if group == PASSTHROUGH:
+            return {}
+        return {n: buf.layout.views(buf.grad)[local]
+                for n in self._groups[group]
+                for buf, local in [self._where[n]] if buf.grad is not None}
 
     def _block_size(self, buf: UnitBuffers) -> int | None:
         """The unit's 8-bit block size, or None when its moments are fp32."""
@@ -127,7 +117,7 @@ class HostStoreStateProvider:
             for n in names:
                 self.store.passthrough[n].copy_(tensors[f"param/{n}"])
             return
-        for unit, buf in self._units(group).items():
+        for buf in self._units(group).values():
             mine = [n for n in names if self._where[n][0] is buf]
             for n in mine:
                 _, spec, offset = self._param(n)
@@ -161,7 +151,10 @@ class HostStoreStateProvider:
     def _load_converted(self, buf: UnitBuffers, names: list[str],
                         tensors: dict[str, torch.Tensor]) -> None:
         """fp32 moments (or none: saved before any step) through the unit's fp32 form."""
-        fp32 = {k: v.clone() for k, v in self._fp32_state(buf).items()}
+        opt = self.optimizers.get(buf.name)
+        to_fp32 = getattr(opt, "to_fp32_state", None)
+        state = to_fp32(buf.state) if to_fp32 is not None else buf.state
+        fp32 = {k: v.clone() for k, v in state.items()}
         for n in names:
             local = self._where[n][1]
             if f"step/{n}" in tensors:
@@ -172,7 +165,7 @@ class HostStoreStateProvider:
                 for k in MOMENTS:
                     buf.layout.views(fp32[k])[local].zero_()
                 fp32["step"].zero_()
-        back = getattr(self.optimizers.get(buf.name), "from_fp32_state", None)
+        back = getattr(opt, "from_fp32_state", None)
         new_state = back(fp32) if back is not None else fp32
         for k, v in new_state.items():
             buf.state[k].copy_(v)

@@ -111,11 +111,9 @@ class UpdateTracker:
     def reset(self, references: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
         """Forget every reference and measurement; then keep ``references`` (group -> weights,
         kept, not copied), e.g. the versions a checkpoint load just restored."""
-        self._ref.clear()
-        self._ref_norm.clear()
+        self._ref = dict(references or {})
+        self._ref_norm.clear()  # measured on first use
         self._change.clear()
-        for group, params in (references or {}).items():
-            self.set_reference(group, params)
 
     def save_references(self) -> TrackerReferences:
         """The current references, to put back with ``restore_references`` if the save that is
@@ -165,8 +163,7 @@ class UpdateTracker:
             sq += torch.linalg.vector_norm(a[i:i + CHUNK_NUMEL].float() - chunk.float()).double() ** 2
         return math.sqrt(float(sq))
 
-    def change(self, group: str, step: int | None = None,
-               live: dict[str, torch.Tensor] | None = None) -> float:
+    def change(self, group: str, step: int, live: dict[str, torch.Tensor] | None = None) -> float:
         """Relative L2 change since the last saved version (``inf`` if none yet), of ``live``
         (the weights captured for ``step``; default: the provider's now).
 
@@ -175,7 +172,7 @@ class UpdateTracker:
         ref = self._ref.get(group)
         if ref is None:
             return math.inf
-        if step is not None and group in self._change and self._change[group][0] == step:
+        if group in self._change and self._change[group][0] == step:
             return self._change[group][1]
         live = self.provider.params(group) if live is None else live
         sq = 0.0
@@ -184,8 +181,7 @@ class UpdateTracker:
         num = math.sqrt(sq)
         den = self._reference_norm(group)
         out = num / den if den > 0 else (0.0 if num == 0 else math.inf)
-        if step is not None:
-            self._change[group] = (step, out)
+        self._change[group] = (step, out)
         return out
 
     def capture(self) -> dict[str, LiveGroup]:
