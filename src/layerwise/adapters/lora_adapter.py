@@ -91,7 +91,6 @@ class LoraAdapter:
             units.append(Unit(unit.name, unit.kind, unit.index, trainable))
             self.layouts[unit.name] = LoraLayout.build(trainable, frozen, compute_dtype.itemsize)
         self.units: tuple[Unit, ...] = tuple(units)
-        self.unit_by_name = {u.name: u for u in self.units}
 
     def __getattr__(self, name: str):
         # everything else (config, sizes, embed, head_logits, rotary, ...) is the base model's
@@ -152,14 +151,6 @@ class LoraAdapter:
     @property
     def layer_units(self) -> tuple[Unit, ...]:
         return self.units[1:-1]
-
-    def hf_names(self) -> list[str]:
-        """The base's HF keys (what a base checkpoint must provide)."""
-        return self.base.hf_names()
-
-    def adapter_names(self) -> list[str]:
-        """Every adapter tensor's name (PEFT's key without ``base_model.model.``)."""
-        return [p.hf_name for u in self.units for p in u.params]
 
     def num_params(self) -> int:
         """Trainable parameters (the adapters)."""

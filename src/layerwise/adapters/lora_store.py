@@ -173,7 +173,7 @@ class LoraStore(HostStore):
         self.refresh_compute()
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
-        """Every adapter's fp32 master view, by name (``LoraAdapter.adapter_names``)."""
+        """Every adapter's fp32 master view, by its PEFT key without ``base_model.model.``."""
         out = {}
         for b in self.units:
             views = b.layout.trainable.views(b.master)
