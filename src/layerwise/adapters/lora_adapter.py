@@ -1,16 +1,11 @@
 """A decoder model with LoRA adapters on a frozen base, as the engine sees it.
 
-:class:`LoraAdapter` wraps a ``DecoderAdapter`` and answers the engine with the same calls
-(``embed``, ``layer``, ``head_logits``, ``layer_context``, ...). Its units hold the adapters as
-their parameters (what is stored in fp32, gradient-accumulated, updated and checkpointed) and the
-frozen base as the rest of their copy source (``adapters.layout``). Each decoder layer's template
-is the HF layer with every ``nn.Linear`` swapped for a ``StreamedLinear`` (frozen weight, in the
-base format, plus ``lora_A`` / ``lora_B`` where ``target_modules`` matches), so the engine binds
-one flat buffer per layer, as for a full model.
-
-Adapter names are PEFT's: ``model.layers.{i}.self_attn.q_proj.lora_A.weight`` (PEFT's saved key
-without the ``base_model.model.`` prefix), so the checkpoint groups are the layers' and a PEFT
-adapter maps one to one.
+:class:`LoraAdapter` wraps a ``DecoderAdapter`` and answers the engine with the same calls. Its
+units hold the adapters as their parameters (stored in fp32, accumulated, updated,
+checkpointed) and the frozen base as the rest of their copy source (``adapters.layout``). Each
+layer's template is the HF layer with every ``nn.Linear`` swapped for a ``StreamedLinear``, so
+the engine binds one flat buffer per layer, as for a full model. Adapter names are PEFT's saved
+keys without the ``base_model.model.`` prefix, so a PEFT adapter maps one to one.
 """
 
 from __future__ import annotations
