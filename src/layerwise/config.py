@@ -3,22 +3,15 @@ discoverable.
 
 A config is a dataclass whose fields may be dataclasses (sections), addressed with dots
 (``optimizer.lr=1e-3``). Each field's documentation is the string literal under it (read from
-the source, as torchtitan does), so ``--help`` is generated from the same text a reader sees.
+the source), so ``--help`` is generated from the text a reader sees. Values are parsed by the
+field's type: ``1e-3`` and ``1_000`` are numbers (PyYAML reads ``1e-3`` as a string: YAML files
+go through the same parsing), ``true``/``no``/``on`` booleans, ``[a, b]`` or ``a,b`` lists,
+``none``/``null`` None where allowed; ``metadata={"choices": (...)}`` limits a field's values.
 
-Values are parsed as a person means them, by the field's type: ``1e-3``, ``2e-5`` and
-``1_000`` are numbers (PyYAML reads ``1e-3`` as a string: YAML files go through the same
-parsing), ``true``/``no``/``on`` booleans, ``[a, b]`` or ``a,b`` lists, ``none``/``null`` None
-where None is allowed. A field with ``metadata={"choices": (...)}`` takes only those values.
-
-Hooks a config class may declare (``ClassVar``s, not fields):
-
-- ``shorthand`` on a section: ``section=VALUE`` sets that field (``model=DIR`` is
-  ``model.name=DIR``);
-- ``removed_keys`` on the root: an old key -> its new dotted key (``"ckpt_every": "ckpt.every"``),
-  or -> ``"section.*"`` for an old mapping whose keys are the section's fields. An old key is
-  refused in one line that names its new one (``ckpt_every is gone: use ckpt.every=3``).
-
-A misspelled key or choice is refused with the closest known ones ("did you mean").
+Hooks (``ClassVar``s): ``shorthand`` on a section (``model=DIR`` is ``model.name=DIR``);
+``removed_keys`` on the root: an old key -> its new dotted key, or -> ``"section.*"`` for an old
+mapping of the section's fields, refused in one line that names the new one (``ckpt_every is
+gone: use ckpt.every=3``). A misspelled key or choice is refused with the closest known ones.
 """
 
 from __future__ import annotations

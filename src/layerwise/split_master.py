@@ -1,34 +1,25 @@
 """An fp32 value as its bf16 part plus a signed 16-bit remainder, exactly.
 
-The store keeps a bf16 compute copy of every weight for the device anyway; keeping the fp32
-master as that copy (``hi``) plus the 16 bits it lacks (``lo``) stores the master and the
-copy source in 4 bytes per parameter instead of 6, and an optimizer update on the pair is
-bit-identical to one on an fp32 master. The encoding, on the fp32 bit pattern ``x``:
+Keeping the fp32 master as the bf16 compute copy (``hi``) plus the 16 bits it lacks (``lo``)
+stores master and copy source in 4 bytes per parameter instead of 6, and an update on the pair
+is bit-identical to one on an fp32 master. On the fp32 bit pattern ``x``:
 
-- ``hi`` = ``x`` rounded to bf16 to nearest, **ties away from zero** (on the magnitude bits:
-  ``(|x| + 0x8000) >> 16``, the sign copied): a rounding that carries into the exponent (a
-  mantissa of all ones) gives the next power of two, and a finite value within half a bf16
-  ulp of the top rounds to inf, as torch's rounding does;
-- ``lo`` = ``x - (hi << 16)`` on the bit patterns, as a signed int16: with ties away from zero
-  it lies in [-2^15, 2^15), so every bf16 pattern has exactly 2^16 fp32 preimages and the map
-  is invertible: ``x = (hi << 16) + lo``. (With torch's round-half-to-*even* a bf16 of even
-  mantissa would own both ties, 2^16 + 1 preimages, and 16 bits could not tell them apart.)
+- ``hi`` = ``x`` rounded to bf16 to nearest, **ties away from zero** (``(|x| + 0x8000) >> 16``,
+  the sign copied; a carry gives the next power of two, overflow gives inf, as torch's does);
+- ``lo`` = ``x - (hi << 16)`` as a signed int16, in [-2^15, 2^15): with ties away from zero
+  every bf16 pattern has exactly 2^16 fp32 preimages, so ``x = (hi << 16) + lo``. (Torch's
+  round-half-to-even gives an even mantissa 2^16 + 1 preimages: 16 bits cannot tell them apart.)
 
-So ``hi`` differs from torch's ``x.to(torch.bfloat16)`` only where ``x``'s low 16 bits are
-exactly ``0x8000`` and the bf16 mantissa below is even (torch keeps that one, this rounds it
-away from zero), and on NaNs: every non-NaN fp32 value, signed zeros, subnormals and
-infinities included, round-trips bit for bit; a NaN becomes the quiet NaN of its sign and top
-16 bits (``hi = (x >> 16) | 0x0040``, ``lo = 0``), so the device reads a NaN, never an inf or a
-zero, where the master holds one. (No exact scheme can do both: fp32 has more NaN patterns
-than 2^16 times bf16's.) Payloads are all a NaN loses; nothing in training reads them.
+So ``hi`` differs from ``x.to(torch.bfloat16)`` only at exact ties above an even mantissa, and
+on NaNs: every non-NaN fp32 (signed zeros, subnormals, infinities) round-trips bit for bit; a
+NaN becomes the quiet NaN of its sign and top 16 bits (``hi = (x >> 16) | 0x0040``, ``lo = 0``),
+so the device reads a NaN where the master holds one; only payloads are lost.
 
-Here: the reference in torch ops (``split_torch`` / ``join_torch``: integer arithmetic on the
-bit patterns, the definition the tests check the kernels against), the element-wise numba
-helpers the optimizer kernels inline (``split_bits`` / ``join_bits``), and ``split_`` / ``join``
-over flat tensors (numba, or torch in cache-sized chunks without it). The numba helpers are
-LLVM integer code on 32-bit lanes (no fast-math), so they are exact whatever the compiler
-vectorises; after editing them, clear the optimizer kernels' numba caches too
-(``optim/__pycache__/*.nb*``): those inline them and numba keys a cache on its own file only.
+``split_torch`` / ``join_torch`` are the reference the tests check the kernels against;
+``split_bits`` / ``join_bits`` the numba helpers the optimizer kernels inline (LLVM integer code,
+no fast-math: exact however it vectorises; after editing them, clear
+``optim/__pycache__/*.nb*`` too, since numba keys a cache on its own file only); ``split_`` /
+``join`` work over flat tensors.
 """
 
 from __future__ import annotations

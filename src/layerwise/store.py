@@ -1,34 +1,17 @@
 """HostStore: all training state in host memory, one contiguous flat buffer per unit.
 
-Per unit (``embed``, ``layers.{i}``, ``head``) the store keeps:
+Per unit (``embed``, ``layers.{i}``, ``head``): the fp32 master, flat (with bf16 compute *split*
+into the bf16 ``compute`` copy the device reads plus a 16-bit ``remainder``,
+``layerwise.split_master``: 4 bytes per parameter for master and copy source, every update
+exact; otherwise a plain fp32 ``master``, beside a ``compute`` copy unless compute is fp32);
+``grad``, the fp32 gradient accumulator; ``state``, the optimizer's buffers. Read and write the
+master through ``UnitBuffers.read_master`` / ``write_master``. A flat layout puts
+weight-decayed parameters first, so an optimizer treats each class as one contiguous slice.
 
-- the fp32 master weights, flat: with bf16 compute *split* (``layerwise.split_master``) into
-  their bf16 part, which is the ``compute`` copy the device reads, and a 16-bit
-  ``remainder``: 4 bytes per parameter for master and copy source together, every update
-  exact; otherwise a plain fp32 ``master`` (fp32 compute: it is the copy source; fp16 compute,
-  or ``split_master=False``: beside a ``compute`` copy refreshed after every update);
-- ``grad``: fp32 gradient accumulator, flat, same layout;
-- ``state``: the optimizer's buffers for this unit (created by the optimizer).
-
-Read and write the master through ``UnitBuffers.read_master`` / ``write_master`` (either form);
-``master`` itself is None when it is split.
-
-A flat layout puts weight-decayed parameters first and the rest (norms, biases) after, so an
-optimizer can treat each class as one contiguous slice.
-
-Host memory. Only the *copy sources* (what the device reads: each unit's ``compute`` copy, or
-its ``master`` when the compute dtype is fp32) are page-locked, all of them in one arena: one
-exact-size allocation, page-locked in place, sliced per unit at ``ARENA_ALIGN_BYTES``
-boundaries. fp32 masters that are not copy sources, gradients and optimizer state stay pageable
-(the device never reads them; gradients come back through the engine's own pinned buffers).
-Pinning tensor by tensor would cost 2x for a moment per tensor and a power-of-two rounding of
-each block by the CUDA host allocator; how a region is locked, and how much RAM the machine has
-left, is ``layerwise.util.host_memory``.
-
-``StoreFootprint`` is the byte count of a store, computed without allocating (from a config,
-an adapter or a list of unit sizes) or measured from a live one; ``check_host_memory`` refuses a
-store that does not fit in the RAM the machine has available, before anything is allocated
-(both in ``layerwise.store_bytes``, re-exported here).
+Only the copy sources are page-locked, all in one arena (one exact-size allocation locked in
+place, sliced per unit at ``ARENA_ALIGN_BYTES``): pinning tensor by tensor would cost 2x for a
+moment per tensor and a power-of-two rounding by the CUDA host allocator. Masters, gradients and
+optimizer state stay pageable. Byte counts and the RAM check are ``layerwise.store_bytes``.
 """
 
 from __future__ import annotations
@@ -249,10 +232,6 @@ def store_footprint(model: PretrainedConfig | DecoderAdapter, compute_dtype: tor
 
 # ----- the store ----------------------------------------------------------------------------
 
-def _pin_available() -> bool:
-    return torch.cuda.is_available()
-
-
 class HostStore:
     """Flat host buffers for every unit of a model.
 
@@ -279,7 +258,7 @@ class HostStore:
         self.alloc = alloc
         self.compute_dtype = compute_dtype
         self.split_master = resolve_split_master(compute_dtype, split_master)
-        self.pinned = _pin_available() if pin is None else pin
+        self.pinned = torch.cuda.is_available() if pin is None else pin
         layouts = [FlatLayout.of(unit) for unit in adapter.units]
         numels = [lay.numel for lay in layouts]
         separate = compute_dtype != torch.float32
@@ -411,9 +390,8 @@ class HostStore:
 
 
 def init_store(config: PretrainedConfig, seed: int = 0, compute_dtype: torch.dtype = torch.float32,
-               pin: bool | None = None, *, state_nbytes: int | None = None,
-               mem_available: Callable[[], int | None] | None = None,
-               alloc: HostAllocator = PRIVATE, split_master: bool | None = None,
+               pin: bool | None = None, *, alloc: HostAllocator = PRIVATE,
+               split_master: bool | None = None,
                grad_dtype: torch.dtype = torch.float32) -> tuple[DecoderAdapter, HostStore]:
     """Adapter + HostStore holding exactly the weights ``build_hf_model(config, seed)`` has.
 
@@ -421,8 +399,7 @@ def init_store(config: PretrainedConfig, seed: int = 0, compute_dtype: torch.dty
     for (tests, demo, CPU benchmarks). Large models are loaded from a directory instead.
     """
     adapter = DecoderAdapter(config)
-    store = HostStore(adapter, compute_dtype=compute_dtype, pin=pin, state_nbytes=state_nbytes,
-                      mem_available=mem_available, alloc=alloc, split_master=split_master,
-                      grad_dtype=grad_dtype)
+    store = HostStore(adapter, compute_dtype=compute_dtype, pin=pin, alloc=alloc,
+                      split_master=split_master, grad_dtype=grad_dtype)
     store.copy_from_model(build_hf_model(config, seed))
     return adapter, store

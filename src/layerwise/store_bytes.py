@@ -1,9 +1,6 @@
 """A HostStore's bytes, by buffer, before anything is allocated; the copy-source arena's layout;
-the refusal of a store that does not fit in the RAM the machine has available.
-
-Apart from ``layerwise.store`` (which re-exports all of it) so the planner's host model and the
-store share one arithmetic without the planner needing the store's buffers.
-"""
+the refusal of a store that does not fit in RAM. Apart from ``layerwise.store`` so the planner
+shares the arithmetic without the store's buffers."""
 
 from __future__ import annotations
 
@@ -25,24 +22,16 @@ ARENA_ALIGN_BYTES = 256
 alignment ``cudaMalloc`` gives device buffers, so a copy's source and destination line up."""
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def arena_offsets(numels: Sequence[int], element_size: int,
-                  align_bytes: int = ARENA_ALIGN_BYTES) -> tuple[list[int], int]:
+def arena_offsets(numels: Sequence[int], element_size: int) -> tuple[list[int], int]:
     """Offset (in elements) of each slice of ``numels`` in one arena, and the arena's length.
 
-    Every slice starts at a multiple of ``align_bytes``; the padding between slices is part of
-    the arena (and counted as pinned); there is none after the last slice.
+    Every slice starts at a multiple of ``ARENA_ALIGN_BYTES``; the padding between slices is
+    part of the arena (and counted as pinned); there is none after the last slice.
     """
-    if align_bytes % element_size:
-        raise ValueError(f"align_bytes={align_bytes} is not a multiple of the element size "
-                         f"{element_size}")
-    align = align_bytes // element_size
+    align = ARENA_ALIGN_BYTES // element_size
     offsets, pos = [], 0
     for n in numels:
-        pos = _round_up(pos, align)
+        pos = -(-pos // align) * align
         offsets.append(pos)
         pos += n
     return offsets, pos

@@ -6,7 +6,7 @@ after editing ``split_master`` remove ``src/layerwise/optim/__pycache__/*.nb*`` 
 - the bf16 widening (``split_master.as_f32``) shifting by 15 instead of 16
   (``test_bf16_add_is_bit_equal_to_torch``);
 - ``_copy`` adding instead of writing (``test_first_writes_instead_of_adding``);
-- ``_run_split``'s workers stopping one element short of each chunk's end
+- ``run_split``'s workers stopping one element short of each chunk's end
   (``edges[i + 1] - 1``): only the split sizes fail (``...[(1 << 17) * 3 + 5-2]``).
 """
 

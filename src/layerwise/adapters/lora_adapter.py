@@ -1,16 +1,11 @@
 """A decoder model with LoRA adapters on a frozen base, as the engine sees it.
 
-:class:`LoraAdapter` wraps a ``DecoderAdapter`` and answers the engine with the same calls
-(``embed``, ``layer``, ``head_logits``, ``layer_context``, ...). Its units hold the adapters as
-their parameters (what is stored in fp32, gradient-accumulated, updated and checkpointed) and the
-frozen base as the rest of their copy source (``adapters.layout``). Each decoder layer's template
-is the HF layer with every ``nn.Linear`` swapped for a ``StreamedLinear`` (frozen weight, in the
-base format, plus ``lora_A`` / ``lora_B`` where ``target_modules`` matches), so the engine binds
-one flat buffer per layer, as for a full model.
-
-Adapter names are PEFT's: ``model.layers.{i}.self_attn.q_proj.lora_A.weight`` (PEFT's saved key
-without the ``base_model.model.`` prefix), so the checkpoint groups are the layers' and a PEFT
-adapter maps one to one.
+:class:`LoraAdapter` wraps a ``DecoderAdapter`` and answers the engine with the same calls. Its
+units hold the adapters as their parameters (stored in fp32, accumulated, updated,
+checkpointed) and the frozen base as the rest of their copy source (``adapters.layout``). Each
+layer's template is the HF layer with every ``nn.Linear`` swapped for a ``StreamedLinear``, so
+the engine binds one flat buffer per layer, as for a full model. Adapter names are PEFT's saved
+keys without the ``base_model.model.`` prefix, so a PEFT adapter maps one to one.
 """
 
 from __future__ import annotations
@@ -91,7 +86,6 @@ class LoraAdapter:
             units.append(Unit(unit.name, unit.kind, unit.index, trainable))
             self.layouts[unit.name] = LoraLayout.build(trainable, frozen, compute_dtype.itemsize)
         self.units: tuple[Unit, ...] = tuple(units)
-        self.unit_by_name = {u.name: u for u in self.units}
 
     def __getattr__(self, name: str):
         # everything else (config, sizes, embed, head_logits, rotary, ...) is the base model's
@@ -152,14 +146,6 @@ class LoraAdapter:
     @property
     def layer_units(self) -> tuple[Unit, ...]:
         return self.units[1:-1]
-
-    def hf_names(self) -> list[str]:
-        """The base's HF keys (what a base checkpoint must provide)."""
-        return self.base.hf_names()
-
-    def adapter_names(self) -> list[str]:
-        """Every adapter tensor's name (PEFT's key without ``base_model.model.``)."""
-        return [p.hf_name for u in self.units for p in u.params]
 
     def num_params(self) -> int:
         """Trainable parameters (the adapters)."""

@@ -2,16 +2,13 @@
 for the adapters alone.
 
 Per unit one copy source in the store's single arena (pinned like any store's): ``[adapters in
-the compute dtype | frozen base]`` (``adapters.layout``). The base has no fp32 master, no
-gradient and no optimizer state: its only host bytes are the copy source, quantised once when it
-is loaded (``load_hf_tensor``). The adapters have an fp32 master (with fp32 compute, the copy
-source's own first part), an fp32 gradient and the optimizer's state, as any unit's parameters do,
-so the engine, the host optimizer and the checkpoint provider treat them as the unit's
-parameters (a checkpoint of a LoRA run holds the adapters and their moments alone). Under
-torchrun ``alloc`` is the node's shared allocator, as for a full store: the arena (base and
-adapters' copy sources), the adapters' masters and their optimizer state are one copy per node;
-gradients stay each rank's own.
-``merged_tensors`` / ``iter_hf_tensors`` give the base with the adapters merged in.
+the compute dtype | frozen base]`` (``adapters.layout``). The base has no master, gradient or
+optimizer state, only its copy source, quantised once when loaded (``load_hf_tensor``). The
+adapters have an fp32 master (with fp32 compute, the copy source's own first part), an fp32
+gradient and optimizer state, so the engine, the host optimizer and the checkpoint provider treat
+them as the unit's parameters. Under torchrun ``alloc`` is the node's shared allocator, as for a
+full store; gradients stay each rank's own. ``merged_tensors`` / ``iter_hf_tensors`` give the
+base with the adapters merged in.
 """
 
 from __future__ import annotations
@@ -173,7 +170,7 @@ class LoraStore(HostStore):
         self.refresh_compute()
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
-        """Every adapter's fp32 master view, by name (``LoraAdapter.adapter_names``)."""
+        """Every adapter's fp32 master view, by its PEFT key without ``base_model.model.``."""
         out = {}
         for b in self.units:
             views = b.layout.trainable.views(b.master)

@@ -2,30 +2,20 @@
 
 A *unit* is what layerwise stores, streams, updates and checkpoints as one piece:
 
-- ``embed``: the token embedding (``model.embed_tokens.weight``, GPT-2's ``transformer.wte``)
-  and whatever else with tensors the base model runs before its layers (learned positions);
-  with tied embeddings the token embedding also serves as the lm_head;
+- ``embed``: the token embedding and whatever else with tensors the base model runs before its
+  layers (learned positions); with tied embeddings it also serves as the lm_head;
 - ``layers.{i}``: decoder block ``i`` (its parameters and the persistent buffers HF saves with
   them, which are *frozen*: never trained);
 - ``head``: what runs after the layers (the final norm) and, when untied, the lm_head.
 
-Where those parts sit and what the base model gives its layers is read off the model
-(``layout.py``). A layer runs as HF's own decoder-layer module, called with what its base model
-gives it (``position_embeddings`` of its layer type, the mask of its attention type,
-``position_ids``), through ``torch.func.functional_call`` on a meta-device template: a pure
-function of the parameters given, so the engine runs any layer on views of a flat device buffer
-without a module per layer. One template serves every layer of the same structure (layer type,
-parameter shapes, module classes and their plain attributes). The head is the causal LM's own
-forward with its base model replaced by the modules that run after the layers (soft caps and
-logit scales are the family's code); the embedding is a scaled token embedding, or — when the
-base model adds more — the base model's own forward with no layers. Masks and positions of
-packed rows are ``attention.py``'s, the MoE aux loss ``moe.py``'s, the per-layer sizes and FLOPs
-``structure.py``'s.
-
-One module past 500 lines: ``DecoderAdapter`` and the meta-device templates it calls through
-(the layer's, the embedding's, the head's) are one mechanism: a template is only right with the
-parameter names, buffers and call arguments the adapter gives it, and reading both in one place
-is how a family's quirk is found.
+Where those parts sit is read off the model (``layout.py``). A layer runs as HF's own
+decoder-layer module, called with what its base model gives it, through a functional call on a
+meta-device template: a pure function of the parameters given, so the engine runs any layer on
+views of a flat device buffer. One template serves every layer of the same structure. The head
+is the causal LM's own forward with its base model replaced by what runs after the layers (soft
+caps and logit scales are the family's code); the embedding is a scaled token embedding, or the
+base model's own forward with no layers. One module past 500 lines: a template is only right
+with the names, buffers and call arguments the adapter gives it, so both are read in one place.
 """
 
 from __future__ import annotations
@@ -202,7 +192,6 @@ class DecoderAdapter:
 
         embed_module = getattr(inner, layout.embed)
         self.units, head_params = self._split_units(inner, embed_module, layers)
-        self.unit_by_name = {u.name: u for u in self.units}
         self.head_weight_name = layout.head + ".weight"
         """The lm_head weight's HF key (the embedding's under tied embeddings)."""
         streamed = {p.hf_name for u in self.units for p in u.params} | {self.head_weight_name}

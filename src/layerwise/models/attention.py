@@ -1,25 +1,17 @@
 """Where the examples of a micro-batch sit in its rows, and the attention masks that keep them apart.
 
 A packed row holds several examples end to end (``train/packing.py``'s ``segment_ids``: the
-example of each position, -1 for padding). To run them exactly as if each were alone in its
-row, a layer needs:
-
-- position ids that restart at 0 at each example (RoPE sees each example from its start);
-- attention that is causal *and* block-diagonal: a query sees keys of its own example only
-  (and, on a sliding layer, only the last ``window`` of them);
-- for a recurrent token mixer (linear attention: a state carried along the row, a causal
-  convolution), no mask can cut the state, so such a layer runs example by example
-  (``RowLayout.runs``).
-
-Padding is a run of its own; nothing attends to it that carries loss. A row holding one example
-(and trailing padding) needs no mask at all: the plain causal path is already exact for it.
+example of each position, -1 for padding). To run each as if alone in its row, a layer needs
+position ids that restart at 0 at each example, attention that is causal *and* block-diagonal
+(on a sliding layer, within the last ``window`` keys), and, for a recurrent token mixer whose
+state no mask can cut, a run example by example (``RowLayout.runs``). Padding is a run of its
+own. A row holding one example (and trailing padding) needs no mask: plain causal is exact.
 
 Masks take the form the attention implementation reads: SDPA a boolean ``[b, 1, q, k]``
 (``True`` = attend; ``None`` = its ``is_causal`` path), eager an additive float mask (0 or the
-dtype's minimum, exactly as HF's mask functions build it). On CUDA the boolean mask takes
-SDPA's memory-efficient kernel (the flash kernel takes no mask): correct by construction, the
-same code path as on the CPU. Device bytes of a packed micro-batch's masks: ``b * s * s`` per
-distinct masked attention type (full, sliding), times the element size for eager.
+dtype's minimum, as HF's mask functions build it). On CUDA the boolean mask takes SDPA's
+memory-efficient kernel (flash takes no mask). Device bytes: ``b * s * s`` per distinct masked
+attention type, times the element size for eager.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Family facts: what differs between the decoder families layerwise trains, and what it
 cannot read off transformers' modules.
 
-A unit of the engine runs Hugging Face's own decoder-layer module (``models/adapter.py``), so
-everything *inside* a layer (fused projections, partial rotary, qk-norm, post-norms, multi-head
-latent attention, attention sinks, linear attention, routed and shared experts) needs no code
-here; the head runs the causal LM's own forward (final norm, lm_head, logit soft cap or scale),
-and the embedding scale is read off the embedding module. Any ``model_type`` of transformers'
-causal-LM auto mapping gets a spec (:func:`derived_family`); the table's rows hold only what
-that derivation gets wrong or what the planner and checkpoints use:
-
-- the attention implementation the layers must run with (``eager`` where SDPA lacks a feature
-  the family uses: soft-capped scores, sinks);
-- where a ``sliding_window`` without ``layer_types`` applies (every layer: Mistral, Mixtral,
-  Phi-3, Qwen3-MoE; otherwise ``layer_types`` says per layer);
-- the shape facts of the closed-form planner sizes (qkv bias, qk-norm), fused experts
-  (expert-level checkpoint groups) and multi-axis RoPE positions.
-
-Per-layer attention types, windows and RoPE bases come from the config (``layer_types``, the
-rotary module's ``layer_type`` argument); MoE facts from the modules (``models/moe.py``).
+Everything *inside* a layer runs as HF's own decoder-layer module (``models/adapter.py``), the
+head as the causal LM's own forward, and the embedding scale is read off the embedding module,
+so none of that needs code here. Any ``model_type`` of transformers' causal-LM auto mapping gets
+a spec (:func:`derived_family`); the table's rows hold only what that derivation gets wrong or
+what the planner and checkpoints use: the attention implementation (``eager`` where SDPA lacks
+a feature: soft-capped scores, sinks), where a ``sliding_window`` without ``layer_types``
+applies, the shape facts of the closed-form planner sizes, fused experts and multi-axis RoPE.
 Classes are named, not imported, so that reading the table costs no import of a modeling file.
 """
 
@@ -61,8 +51,6 @@ class FamilySpec:
     rope_position_axes: int = 0
     """The rotary module takes position ids per axis, ``[axes, b, s]`` (Qwen3.5's multimodal
     RoPE: text positions repeated on its 3 axes, as its text model does); 0: ``[b, s]``."""
-    quirks: str = ""
-    """What the row's family brings (for the list of supported families)."""
     fused_experts: bool = False
     """Each MoE layer keeps its routed experts as fused ``[num_experts, ...]`` tensors
     (``mlp.experts.<proj>``), so a checkpoint may version each expert on its own: a slice of
@@ -86,48 +74,29 @@ class FamilySpec:
 FAMILIES: dict[str, FamilySpec] = {s.model_type: s for s in (
     FamilySpec("llama", "LlamaConfig", "LlamaForCausalLM", closed_form_shape=True),
     FamilySpec("mistral", "MistralConfig", "MistralForCausalLM", window_on_every_layer=True,
-               quirks="sliding window", closed_form_shape=True),
-    FamilySpec("qwen2", "Qwen2Config", "Qwen2ForCausalLM", qkv_bias=True, quirks="qkv bias",
                closed_form_shape=True),
-    FamilySpec("qwen3", "Qwen3Config", "Qwen3ForCausalLM", qk_norm=True, quirks="qk-norm",
-               closed_form_shape=True),
-    FamilySpec("gemma", "GemmaConfig", "GemmaForCausalLM", quirks="embedding scale"),
-    FamilySpec("gemma2", "Gemma2Config", "Gemma2ForCausalLM", attn_implementation="eager",
-               quirks="attention and logit soft-capping, sliding layers, post-norms"),
-    FamilySpec("gemma3_text", "Gemma3TextConfig", "Gemma3ForCausalLM", qk_norm=True,
-               quirks="sliding/full layers with their own RoPE bases, qk-norm"),
+    FamilySpec("qwen2", "Qwen2Config", "Qwen2ForCausalLM", qkv_bias=True, closed_form_shape=True),
+    FamilySpec("qwen3", "Qwen3Config", "Qwen3ForCausalLM", qk_norm=True, closed_form_shape=True),
+    FamilySpec("gemma", "GemmaConfig", "GemmaForCausalLM"),
+    FamilySpec("gemma2", "Gemma2Config", "Gemma2ForCausalLM", attn_implementation="eager"),
+    FamilySpec("gemma3_text", "Gemma3TextConfig", "Gemma3ForCausalLM", qk_norm=True),
     FamilySpec("gpt_oss", "GptOssConfig", "GptOssForCausalLM", fused_experts=True,
-               attn_implementation="eager",
-               quirks="attention sinks, sliding/full layers, MoE with biased experts"),
-    FamilySpec("phi3", "Phi3Config", "Phi3ForCausalLM", window_on_every_layer=True,
-               quirks="fused qkv and gate/up projections (Phi-3, Phi-4)"),
-    FamilySpec("glm4", "Glm4Config", "Glm4ForCausalLM", qkv_bias=True,
-               quirks="partial rotary, post-norms, fused gate/up"),
-    FamilySpec("olmo2", "Olmo2Config", "Olmo2ForCausalLM", quirks="post-norms, full-width qk-norm"),
-    FamilySpec("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM", fused_experts=True,
-               quirks="multi-head latent attention, dense first layers, grouped routing, "
-                      "shared experts"),
+               attn_implementation="eager"),
+    FamilySpec("phi3", "Phi3Config", "Phi3ForCausalLM", window_on_every_layer=True),
+    FamilySpec("glm4", "Glm4Config", "Glm4ForCausalLM", qkv_bias=True),
+    FamilySpec("olmo2", "Olmo2Config", "Olmo2ForCausalLM"),
+    FamilySpec("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM", fused_experts=True),
     FamilySpec("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", fused_experts=True,
-               qk_norm=True,
-               window_on_every_layer=True, quirks="MoE, mlp_only_layers"),
+               qk_norm=True, window_on_every_layer=True),
     FamilySpec("mixtral", "MixtralConfig", "MixtralForCausalLM", fused_experts=True,
-               window_on_every_layer=True,
-               quirks="MoE"),
+               window_on_every_layer=True),
     FamilySpec("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM", fused_experts=True,
-               qk_norm=True,
-               quirks="linear-attention layers, gated attention, MoE with a gated shared expert"),
+               qk_norm=True),
     FamilySpec("qwen3_5_text", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", qk_norm=True,
-               rope_position_axes=3, quirks="linear-attention layers, multi-axis RoPE"),
+               rope_position_axes=3),
     FamilySpec("qwen3_5_moe_text", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
-               fused_experts=True, qk_norm=True,
-               rope_position_axes=3, quirks="linear-attention layers, MoE with a gated shared expert"),
+               fused_experts=True, qk_norm=True, rope_position_axes=3),
 )}
-
-def supported_families() -> str:
-    """One line per family: its ``model_type`` and what it brings."""
-    return "; ".join(f"{s.model_type}" + (f" ({s.quirks})" if s.quirks else "")
-                     for s in FAMILIES.values())
-
 
 def text_config(config: PretrainedConfig | Any) -> PretrainedConfig | Any:
     """The language model's config: a multimodal config's ``text_config``, else ``config``."""
@@ -184,8 +153,7 @@ def multimodal_family(model_type: str | None, config_class_name: str, text: Fami
     return dataclasses.replace(text, model_type=model_type, config_class_name=config_class_name,
                                model_class_name=class_name, text_model_type=text.model_type,
                                closed_form_shape=False,
-                               attn_implementation=text.attn_implementation if sdpa else "eager",
-                               quirks=f"multimodal: the {text.model_type} language model trained")
+                               attn_implementation=text.attn_implementation if sdpa else "eager")
 
 
 REFUSED: dict[str, str] = {
@@ -220,8 +188,7 @@ def derived_family(model_type: str | None, config_class_name: str) -> FamilySpec
                          f"{REFUSED[model_type]}; open an issue if you need it")
     cls = getattr(transformers, class_name)
     return FamilySpec(model_type, config_class_name, class_name, window_on_every_layer=True,
-                      attn_implementation="sdpa" if getattr(cls, "_supports_sdpa", False) else "eager",
-                      quirks="derived from transformers' modules")
+                      attn_implementation="sdpa" if getattr(cls, "_supports_sdpa", False) else "eager")
 def attn_implementation(config: PretrainedConfig | Any, spec: FamilySpec | None = None) -> str:
     """The attention implementation the family's layers run with (the engine and the HF
     reference alike)."""

@@ -1,36 +1,21 @@
 """The router's auxiliary load-balancing loss, exactly as Hugging Face computes it, across a
 layer-by-layer forward and backward.
 
-HF's ``…ForCausalLM.forward(output_router_logits=True)`` records every router's logits (the
-module and output index its model names in ``_can_record_outputs["router_logits"]``), and adds
-``router_aux_loss_coef * load_balancing_loss_func(all layers' logits, num_experts, top_k,
-attention_mask)`` to the loss. Its statistics (the share of tokens each expert is picked for,
-the mean routing probability) span every MoE layer, so the loss is known only once the last
-layer has run, and its gradient reaches each layer through that layer's router logits.
+HF adds ``router_aux_loss_coef * load_balancing_loss_func(all layers' router logits, ...)`` to
+the loss; its statistics span every MoE layer, so it is known only after the last layer, and its
+gradient reaches each layer through that layer's router logits. Per micro-batch
+(:class:`RouterState`): each MoE layer's forward (first run or recompute) records its router
+logits through a forward hook (:class:`RouterSpec`); the head computes the aux loss with the
+family's own function over them and its gradient w.r.t. each layer's logits; a layer's output
+passes through :class:`LayerTail`, an identity whose backward adds that gradient, so every plan
+gets the same extra gradient with no change to how the engine takes gradients. ``LayerTail``
+also gives a unit's frozen tensors (e.g. DeepSeek-V3's ``e_score_correction_bias``) an exact
+zero gradient.
 
-Here, per micro-batch (:class:`RouterState`):
-
-- each MoE layer's forward (with or without a graph, first run or recompute) records its
-  router logits through a forward hook on the router module (:class:`RouterSpec`); they are
-  tiny (``tokens x experts`` per layer) and kept until the head;
-- the head computes the aux loss with the family's own ``load_balancing_loss_func`` over the
-  kept logits (leaves), and its gradient w.r.t. each layer's logits;
-- a layer's backward re-runs its forward with a graph (or backpropagates its kept one), whose
-  output passes through :class:`LayerTail`: an identity whose backward also hands that layer's
-  aux gradient to its router logits. So every plan (recompute, stored or kept internals) gets
-  the same extra incoming gradient at each layer, with no change to how the engine takes
-  gradients.
-
-:class:`LayerTail` also gives a unit's *frozen* tensors (persistent buffers HF saves with the
-weights, e.g. DeepSeek-V3's ``e_score_correction_bias``, which only selects experts) an exact
-zero gradient, so every tensor of a unit's flat buffer has one.
-
-Several micro-batches: HF adds the aux loss once per forward. Each micro-batch here adds its own
-(over its own tokens, padding excluded as HF excludes it with an ``attention_mask``) weighted by
-its share of the step's target tokens, so one micro-batch is exactly HF's ``loss`` (mean
-cross-entropy + coef * aux) and k micro-batches are the target-token-weighted mean of HF's
-per-micro-batch losses. (HF's Trainer, which does not divide a loss that takes
-``num_items_in_batch``, adds each micro-batch's aux term unweighted: k times the weight.)
+Several micro-batches: each adds its own aux loss (padding excluded, as HF's ``attention_mask``
+does) weighted by its share of the step's target tokens, so one micro-batch is exactly HF's
+``loss`` and k are the target-token-weighted mean of HF's per-micro-batch losses. (HF's Trainer
+adds each micro-batch's aux term unweighted: k times the weight.)
 """
 
 from __future__ import annotations

@@ -1,26 +1,20 @@
 """Names of units and checkpoint groups, and how Hugging Face keys map onto them.
 
-One vocabulary for the whole package:
-
 - *units* (what the engine stores, streams and updates as one piece): ``embed``, ``layers.{i}``,
   ``head`` (final norm + lm_head when untied);
 - *groups* (what a checkpoint saves and versions as one piece): ``embed``, ``layers.{i}``,
-  ``norm``, ``lm_head``. A tied lm_head *is* the embedding, so it falls into ``embed``. Groups are
-  finer than units for the head because the final norm and the lm_head change at very different
-  rates and have very different sizes.
-
-Anything that is not a known HF key becomes a group of its own (its name without ``.weight``).
-
-*Expert groups* (``ckpt.expert_groups``, families with fused experts): an MoE layer's group may
-be split into ``layers.{i}`` (attention, norms, router, shared experts) and one
-``layers.{i}.experts.{e}`` per routed expert, whose tensors are expert ``e``'s rows of the fused
-``model.layers.{i}.mlp.experts.<proj>`` tensors (dim 0 is the expert, so its elements are one
-contiguous flat range), or its own tensors where they are stored one per expert (HF model dirs:
-``...experts.{e}.w1.weight``). ``joined_group`` names the layer group an expert group is part of.
+  ``norm``, ``lm_head`` (finer than units: the final norm and the lm_head change at very
+  different rates and sizes); a tied lm_head *is* the embedding. Any other HF key is a group of
+  its own (its name without ``.weight``).
+- *expert groups* (``ckpt.expert_groups``, fused experts): an MoE layer's group split into
+  ``layers.{i}`` and one ``layers.{i}.experts.{e}`` per routed expert: expert ``e``'s rows of the
+  fused ``model.layers.{i}.mlp.experts.<proj>`` tensors (dim 0, one contiguous flat range), or its
+  own tensors where HF model dirs store them one per expert (``...experts.{e}.w1.weight``).
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 from torch import nn
@@ -88,9 +82,7 @@ def expert_item(hf_name: str) -> int | None:
 
 def expert_range(shape: tuple[int, ...], e: int) -> tuple[int, int]:
     """Elements ``[start, stop)`` of expert ``e`` in a flattened fused tensor of ``shape``."""
-    per = 1
-    for d in shape[1:]:
-        per *= int(d)
+    per = math.prod(int(d) for d in shape[1:])
     return e * per, (e + 1) * per
 
 

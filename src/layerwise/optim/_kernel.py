@@ -1,31 +1,21 @@
 """The fused 8-bit AdamW update: dequantise → update → requantise, one pass over each block.
 
-Two implementations of the same arithmetic (maps in ``quant.py``):
+Two implementations of the same arithmetic (maps in ``quant.py``), held bit-identical by tests:
 
 - ``numba`` (CPU, fp32 or a split master, contiguous): per block, one vectorised loop
-  dequantises, updates both moments, computes the parameter's step and finds the block
-  maxima; a second requantises; a third applies the step to the parameter (fp32, or a split
-  master's halves joined and split again: ``layerwise.split_master``) as one fused
-  multiply-add per element (``_apply``), so a split and a plain fp32 parameter end
-  bit-identical. The block's new moments and steps wait
-  in three ``block_size`` scratch arrays (on the stack, L1-resident), so memory is read and
-  written once. The moments are kept in units where the gradient (clip included) enters with
-  factor 1 (``StepScalars.folded``), and of the three roots per element two run on the divider
-  and one as an estimate on the FMA pipes. One call takes a *table* of tensors
-  (``fused_steps``), so a drop-in optimizer over a model's parameter list pays one kernel
-  launch per step, not one per tensor, and its threads split the blocks of all tensors evenly.
-  Compiled with ``nogil=True`` and run on a small thread pool (ours, not numba's
-  ``parallel=True``: numba's only always-present threading layer, ``workqueue``, aborts when
-  entered from several engine worker threads at once; ours is safe). Cold start: compiling
-  takes seconds on first use in a fresh environment (up to a minute on the loaded 2-core box,
-  with both parameter forms); ``cache=True`` keeps the machine code in ``__pycache__``, and
-  later processes load it in ~1 s.
-- ``torch`` (any device, any float dtype): the same maths as a few dozen elementwise ops over
-  chunks of ``_TORCH_CHUNK`` elements, so the temporaries stay in cache. Used on CUDA, when
-  numba is missing, or when ``LAYERWISE_OPTIM_KERNEL=torch``.
-
-Both stay in this one module (past 500 lines) beside the scalar folding they share, so that the
-arithmetic the tests hold bit-identical between them is read in one place.
+  dequantises, updates both moments, computes the step and the block maxima; a second
+  requantises; a third applies the step as one fused multiply-add per element (``_apply``), so
+  a split and a plain fp32 parameter end bit-identical. The block's moments and steps wait in
+  three ``block_size`` stack scratch arrays (L1-resident), so memory is read and written once.
+  The moments are kept in units where the gradient (clip included) enters with factor 1
+  (``StepScalars.folded``). One call takes a *table* of tensors (``fused_steps``): one launch
+  per step, the blocks of all tensors split evenly over the threads. ``nogil=True`` on our own
+  thread pool, not numba's ``parallel=True``: its ``workqueue`` layer aborts when entered from
+  several engine threads at once. ``cache=True`` keeps the machine code in ``__pycache__``
+  (first compile takes seconds to a minute).
+- ``torch`` (any device, any float dtype): the same maths as elementwise ops over chunks of
+  ``_TORCH_CHUNK`` elements, so temporaries stay in cache. Used on CUDA, without numba, or with
+  ``LAYERWISE_OPTIM_KERNEL=torch``.
 """
 
 from __future__ import annotations
@@ -448,14 +438,8 @@ def fused_steps(steps: Sequence[FlatStep], num_threads: int | None = None) -> No
         tab = _np.array(rows, dtype=_np.int64)
         sc = _np.array(scal, dtype=_np.float32)
         # the tensors stay referenced by ``steps`` until every task below has returned
-        _run_split(tab, sc, first, num_threads)
-
-
-def _run_split(tab, sc, total_blocks: int, num_threads: int | None) -> None:
-    """Run blocks ``[0, total_blocks)`` of the table on up to ``num_threads`` threads
-    (``util.threads.run_split``: chunks from a shared counter, the caller one of the threads)."""
-    run_split(lambda lo, hi: _run_table(tab, sc, lo, hi), total_blocks,
-              num_threads or torch.get_num_threads(), _MIN_BLOCKS_PER_TASK)
+        run_split(lambda lo, hi: _run_table(tab, sc, lo, hi), first,
+                  num_threads or torch.get_num_threads(), _MIN_BLOCKS_PER_TASK)
 
 
 # ----- torch --------------------------------------------------------------------------------

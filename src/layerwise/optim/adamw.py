@@ -6,15 +6,11 @@ folded into the gradient's read. ``step_unit`` touches only that unit's buffers,
 units may be updated on different worker threads.
 
 Without numba (or on another device) torch's fused AdamW runs, the clip coefficient through its
-``grad_scale`` (grads are divided by it). A split master (``layerwise.split_master``) is updated ``SPLIT_CHUNK`` elements at a time:
-joined into a per-thread fp32 scratch that stays in L2, stepped by the same fused kernel, split
-back. The kernel is element-wise and every chunk starts a multiple of 64 elements into the
-slice (its vector and cache-line splits fall where an fp32-master call's do), so the result is
-bit-identical to stepping the fp32 master in one call; no fp32 copy of the unit exists. The
-chunks are spread over the optimizer's threads (``util.threads.run_split``), each with its own
-scratch. A bf16
-gradient (one micro-batch per step: ``HostStore(grad_dtype=...)``) is widened the same way, a
-chunk at a time into scratch (exact: a bf16 is the top half of an fp32).
+``grad_scale``. A split master (``layerwise.split_master``) is updated ``SPLIT_CHUNK`` elements
+at a time: joined into a per-thread fp32 scratch that stays in L2, stepped, split back. Every
+chunk starts a multiple of 64 elements into the slice (its vector and cache-line splits fall
+where an fp32-master call's do), so the result is bit-identical to stepping the fp32 master in
+one call. A bf16 gradient (``HostStore(grad_dtype=...)``) is widened the same way, exactly.
 """
 
 from __future__ import annotations

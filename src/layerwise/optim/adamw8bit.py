@@ -3,20 +3,17 @@
 Two faces over one update (``_kernel.fused_step`` / ``fused_steps``):
 
 - ``AdamW8bit``: a drop-in ``torch.optim.Optimizer`` (CPU and CUDA), all of whose 8-bit
-  tensors take one kernel call per step (``fused_steps``: a table of tensors), with per-group
-  hyper-parameters like ``torch.optim.AdamW``, a per-group choice of moment format
-  (``moments="8bit"`` or ``"fp32"``; tensors under ``min_8bit_numel`` stay fp32), and an
-  optional fused global-norm clip (``max_grad_norm``): one fp32 pass computes the norm, the clip
-  factor is folded into the update, and a non-finite norm skips the whole step.
+  tensors take one kernel call per step, with per-group hyper-parameters like
+  ``torch.optim.AdamW``, a per-group moment format (``moments="8bit"`` or ``"fp32"``; tensors
+  under ``min_8bit_numel`` stay fp32), and an optional fused global-norm clip
+  (``max_grad_norm``; a non-finite norm skips the whole step).
 - ``HostAdamW8bit``: the engine's ``UnitOptimizer`` over one unit's flat ``HostStore`` buffers.
 
-8-bit state (both faces) is four tensors plus ``step``: ``exp_avg_codes`` (int8),
-``exp_avg_scales`` (fp32 per block), ``exp_avg_sq_codes`` (uint8), ``exp_avg_sq_scales``;
-``quant.py`` defines the maps. ``step`` of 8-bit state is a 0-d fp32 CPU tensor (as
-``torch.optim.AdamW`` keeps it), and the update reads the count from a host-side Python int
-(``HostSteps``), never from the tensor: on CUDA every ``.item()`` would be a device sync. ``state_to_fp32`` / ``state_to_8bit`` convert between this and
-``torch.optim.AdamW``'s ``exp_avg`` / ``exp_avg_sq``, so checkpoints written by either load
-into the other.
+8-bit state is ``step`` plus ``Q8_KEYS`` (``quant.py`` defines the maps). ``step`` is a 0-d fp32
+CPU tensor (as ``torch.optim.AdamW`` keeps it), but the update reads the count from a host-side
+int (``HostSteps``): on CUDA every ``.item()`` would be a device sync. ``state_to_fp32`` /
+``state_to_8bit`` convert to and from ``torch.optim.AdamW``'s moments, so checkpoints written by
+either load into the other.
 """
 
 from __future__ import annotations

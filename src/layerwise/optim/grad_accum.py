@@ -1,28 +1,20 @@
 """Host gradient accumulation at memory speed: ``dst (fp32) += src`` with no temporaries.
 
-A gradient lands on the host in the compute dtype (bf16 on a GPU) and is added into the unit's
-fp32 host gradient, once per micro-batch. ``torch``'s ``dst.add_(src_bf16)`` first converts the
-whole source into a full-size fp32 temporary (measured on one core: 0.44 G elements/s, against
-3.37 for fp32 += fp32). Here the conversion is fused into the add:
+``torch``'s ``dst.add_(src_bf16)`` first converts the whole source into a full-size fp32
+temporary (one core: 0.44 G elements/s, against 3.37 for fp32 += fp32). Here the conversion is
+fused into the add:
 
-- ``numba`` (CPU, contiguous, bf16 or fp32 source): a bf16 value is the top half of an fp32, so
-  ``float32_bits(int32(bits16) << 16)`` *is* ``src.float()``, exactly (NaN payloads, infinities,
-  subnormals included), and one loop reads 2 bytes, reads and writes 4 per element. The
-  bit-cast is an LLVM ``bitcast`` (``split_master.as_f32``, the optimizer kernels' widening
-  too), so the loop vectorises (zero-extend, shift,
-  add: three instructions per 8 lanes). Each loop runs over slices from index 0, so numba adds
-  no negative-index fix-up (which alone kept the loop scalar). A scratch-array variant (fill an
-  int32 buffer, view it as fp32, add) ran ~3.5x slower here: numba's view is not contiguous to
-  LLVM and the add stayed scalar.
-  No fast-math: a single add per element has nothing to reassociate, and the result must be
-  bit-equal to ``dst += src.float()``.
+- ``numba`` (CPU, contiguous, bf16 or fp32 source): a bf16 value is the top half of an fp32,
+  so an LLVM ``bitcast`` of ``int32(bits16) << 16`` *is* ``src.float()`` exactly
+  (``split_master.as_f32``) and the loop vectorises. Each loop runs over slices from index 0,
+  so numba adds no negative-index fix-up (which alone kept the loop scalar). No fast-math: the
+  result must be bit-equal to ``dst += src.float()``.
 - ``torch`` fallback (no numba, another dtype or device): in chunks of ``_TORCH_CHUNK``
-  elements, so the conversion's temporary is cache-sized, never full-size.
+  elements, so the conversion's temporary is cache-sized.
 
-``first=True`` writes instead of adding (the first landing of a unit in a step), so nobody has
-to zero the gradient between steps. ``threads`` splits one call over that many threads (the
-caller is one), through a pool of our own: the kernels release the GIL (``nogil``), and
-numba's ``parallel=True`` layers abort when entered from several Python threads at once.
+``first=True`` writes instead of adding (a unit's first landing in a step), so nobody zeroes the
+gradient between steps. ``threads`` splits one call over our own pool (``nogil`` kernels;
+numba's ``parallel=True`` layers abort when entered from several Python threads at once).
 """
 
 from __future__ import annotations

@@ -1,28 +1,21 @@
 """Block-wise 8-bit quantisation of Adam moments (square-law companding, fp32 scale per block).
 
-A flat tensor is cut into blocks of ``block_size`` elements; each block stores one fp32 scale
-(its absolute maximum) and one byte per element. The byte is not a linear code: both maps put
-more codes near zero, like the "dynamic" maps of 8-bit Adam, but they are plain arithmetic, so
-encoding needs no table search (one ``sqrt`` per value, vectorised) on a CPU:
+Each block of ``block_size`` elements stores one fp32 scale (its absolute maximum) and one byte
+per element. Both maps put more codes near zero, like 8-bit Adam's "dynamic" maps, but are plain
+arithmetic, so encoding needs no table search:
 
-- ``exp_avg`` (signed, int8, codes -127..127): ``m = scale * sign(c) * (c / 127)**2``.
-- ``exp_avg_sq`` (unsigned, uint8, codes 0..255) is stored through its square root, the
-  quantity the update divides by: ``sqrt(v) = scale * (c / 255)**2`` with
-  ``scale = sqrt(max v)``; so ``v = scale**2 * (c / 255)**4``. A positive ``v`` never gets
-  code 0, so no denominator collapses to ``eps`` by rounding.
+- ``exp_avg`` (int8, codes -127..127): ``m = scale * sign(c) * (c / 127)**2``.
+- ``exp_avg_sq`` (uint8, codes 0..255), stored through its square root, which the update
+  divides by: ``sqrt(v) = scale * (c / 255)**2`` with ``scale = sqrt(max v)``. A positive ``v``
+  never gets code 0, so no denominator collapses to ``eps`` by rounding.
 
-Error bound (both maps, per element, ``s`` = the unrounded code, ``Q`` = 127 or 255):
-``|x - deq(x)| <= scale * (s + 0.25) / Q**2``, i.e. about ``sqrt(|x| * scale) / Q``: relative
-error ~``1 / (Q * sqrt(|x| / scale))``, which is why small values keep precision. (Exception:
-a positive ``v`` whose code would round to 0 is stored as code 1.)
-Measured on real Adam moments, block 256 (``benchmarks/optim.py``): the next update's relative
-L2 error is 1.8% with these maps, 30% with bitsandbytes' dynamic map and ~3000% with a linear
-absmax map (their few ``v`` rounded to 0 divide the update by ``eps``). Block size: the error
-grows with the block (64: 0.9%, 256: 1.8%, 1024: 4.0%), the step time is flat up to 1024;
-256 is the smallest block within 2.05 bytes a parameter.
+Error bound (``s`` = the unrounded code, ``Q`` = 127 or 255): ``|x - deq(x)| <= scale * (s +
+0.25) / Q**2``, about ``sqrt(|x| * scale) / Q``. Measured on real Adam moments, block 256
+(``benchmarks/optim.py``): the next update's relative L2 error is 1.8% with these maps, 30% with
+bitsandbytes' dynamic map, ~3000% with a linear absmax map. Block 64: 0.9%, 1024: 4.0%, step
+time flat up to 1024; 256 is the smallest block within 2.05 bytes a parameter.
 
-This module is the reference, device-agnostic torch implementation; ``_kernel.py`` has the
-fused CPU update that uses the same maps.
+This is the device-agnostic torch reference; ``_kernel.py`` has the fused CPU update.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def _holder(lock_file: Path) -> str:
         return "a process that left no details"
 
 
-def acquire(directory: str | Path, what: str = "run") -> DirLock:
+def acquire(directory: str | Path) -> DirLock:
     """The exclusive lock of ``directory`` (created if missing), or ``DirLocked`` naming the
     holder. ``ValueError`` when the directory cannot be created or written."""
     directory = Path(directory)
@@ -79,7 +79,7 @@ def acquire(directory: str | Path, what: str = "run") -> DirLock:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise DirLocked(f"out_dir {directory} is in use by another {what} ({_holder(lock_file)}); "
+        raise DirLocked(f"out_dir {directory} is in use by another run ({_holder(lock_file)}); "
                         "wait for it to finish, or pick another out_dir") from None
     info = {"pid": os.getpid(), "host": socket.gethostname(), "started_unix_s": time.time(),
             "argv": sys.argv}

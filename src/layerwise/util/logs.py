@@ -30,8 +30,8 @@ class _StdoutHandler(logging.StreamHandler):
 
 
 @contextmanager
-def command_output(level: int = logging.INFO) -> Iterator[None]:
-    """While a ``layerwise`` command runs: the package's records at ``level`` and above print on
+def command_output() -> Iterator[None]:
+    """While a ``layerwise`` command runs: the package's records at INFO and above print on
     stdout as their message alone (no level or logger name), and only there (not also through a
     handler the root logger may have)."""
     logger = logging.getLogger(PACKAGE_LOGGER)
@@ -39,7 +39,7 @@ def command_output(level: int = logging.INFO) -> Iterator[None]:
     handler.setFormatter(logging.Formatter("%(message)s"))
     saved = logger.level, logger.propagate
     logger.addHandler(handler)
-    logger.setLevel(level)
+    logger.setLevel(logging.INFO)
     logger.propagate = False
     try:
         yield
