@@ -38,7 +38,6 @@ import enum
 import math
 import re
 import shutil
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -178,9 +177,13 @@ class ZeroCheckpointSource:
         o = self._optim[rank]
         return o["fp32_flat_groups"][group] if self.stage == 3 else o["single_partition_of_fp32_groups"][group]
 
-    def _moments(self, rank: int, group: int) -> dict[str, torch.Tensor]:
+    def _inner(self, rank: int) -> dict:
+        """The wrapped torch optimizer's state dict."""
         o = self._optim[rank]
-        inner = o["optimizer_state_dict"] if self.stage == 3 else o["base_optimizer_state"]
+        return o["optimizer_state_dict"] if self.stage == 3 else o["base_optimizer_state"]
+
+    def _moments(self, rank: int, group: int) -> dict[str, torch.Tensor]:
+        inner = self._inner(rank)
         (pid,) = inner["param_groups"][group]["params"]  # ZeRO's optimizer sees one flat param a group
         return inner["state"].get(pid, {})
 
@@ -322,16 +325,12 @@ class ZeroCheckpointSource:
     def model_config(self) -> dict | None:
         return dict(self._config)
 
-    @cached_property
-    def _param_groups(self) -> list[dict]:
-        inner = self._optim[0]["optimizer_state_dict"] if self.stage == 3 else self._optim[0]["base_optimizer_state"]
-        return [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]]
-
     def extra_state(self) -> dict:
         sched = self._model_state.get("lr_scheduler")
         return {"step": int(self._model_state.get("global_steps") or 0),
                 "scheduler": jsonable(sched) if sched else None, "rng": None, "trainer_state": None,
-                "optimizer_param_groups": self._param_groups}
+                "optimizer_param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                           for g in self._inner(0)["param_groups"]]}
 
 
 # ----- writing -----------------------------------------------------------------------------

@@ -217,22 +217,15 @@ def write_trainer(
 
     staging = out_dir / ".optimizer-staging"
     staging.mkdir()
-    weights = WeightsWriter(out_dir, config, parse_size_bytes(max_shard_size), torch_dtype)
     staged_files: list[Path] = []
-    try:
-        for group in source.groups():
-            tensors = source.load_group(group)
-            weights.add_group(group, tensors)
-            staged = _optimizer_entries(group, tensors, position)
-            if staged:
-                f = staging / f"{len(staged_files):05d}.pt"
-                torch.save(staged, f)
-                staged_files.append(f)
-            del tensors, staged
-        summary = weights.finish()
-    except BaseException:
-        weights.abort()
-        raise
+
+    def stage(group: str, tensors: dict[str, torch.Tensor]) -> None:
+        staged = _optimizer_entries(group, tensors, position)
+        if staged:
+            staged_files.append(staging / f"{len(staged_files):05d}.pt")
+            torch.save(staged, staged_files[-1])
+
+    summary = WeightsWriter(out_dir, config, parse_size_bytes(max_shard_size), torch_dtype).write_all(source, stage)
 
     scheduler = extra.get("scheduler")
     if scheduler is None:

@@ -34,6 +34,7 @@ from ...ckpt.provider import PARAM, rng_parts
 from ...models.names import config_is_tied, group_of
 from ..layout import CheckpointSource
 from ..sources import open_source
+from .merge import dir_bytes
 
 
 @dataclass
@@ -131,10 +132,6 @@ class _SourceScheduler:
 
     def state_dict(self) -> dict | None:
         return self.provider.extra.get("scheduler")
-
-
-def dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
 def _ordered(paths: list[str | Path], config: dict | str | Path | None

@@ -64,11 +64,7 @@ def merge(
     recipe = getattr(source, "recipe", None)
     if dtype is None and recipe is not None:
         dtype = recipe.dtype  # a recipe's `dtype:` applies unless overridden
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"--out {out} exists and is not empty; choose a new path or pass --overwrite")
+    out = check_out(out_dir, overwrite)
 
     model_files = model_files_of(source, tokenizer) if format in ("hf", "trainer") else None
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -99,8 +95,21 @@ def merge(
     summary["tokenizer_from"] = None if model_files is None else str(model_files)
     summary["out"] = str(out)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
-    summary["bytes"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    summary["bytes"] = dir_bytes(out)
     return summary
+
+
+def check_out(out_dir: str | Path, overwrite: bool) -> Path:
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"--out {out} exists and is not empty; choose a new path or pass --overwrite")
+    return out
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
 def _zero_template(source: CheckpointSource, template: str | Path | None) -> Path:

@@ -57,7 +57,7 @@ from ..hf.trainer_checkpoint import AdamWHParams, _param_groups, trainer_param_g
 METADATA_NAME = ".metadata"
 """DCP's metadata file (what marks a directory as a DCP checkpoint)."""
 
-MODEL, OPTIM, TRAIN_STATE = "model.", "optim.state.", "train_state."
+MODEL, OPTIM = "model.", "optim.state."
 _MOMENTS = {EXP_AVG: "exp_avg", EXP_AVG_SQ: "exp_avg_sq", STEP: "step"}
 _OPTIM_PREFIXES = ("optim.state.", "optimizer.state.", "state.")
 
