@@ -1,34 +1,26 @@
 """DeepSpeed ZeRO checkpoints (stages 1, 2 and 3): read a layer group at a time, and written by
 filling a template save's layout.
 
-A ZeRO save (``<dir>/global_stepN/``, with ``<dir>/latest`` naming the tag) holds, per data-parallel
-rank, ``zero_pp_rank_R_mp_rank_00_optim_states.pt``: that rank's partition of each optimizer param
-group's flat fp32 master and of its AdamW moments. ``*_model_states.pt`` carries ``param_shapes``
-(one ordered ``{name: shape}`` per param group: the flat layout) and the step.
+A save (``<dir>/global_stepN/``, ``<dir>/latest`` naming the tag) holds per data-parallel rank
+``zero_pp_rank_R_mp_rank_00_optim_states.pt``: that rank's partition of each param group's flat
+fp32 master and AdamW moments; ``*_model_states.pt`` carries ``param_shapes`` (the flat layout)
+and the step.
 
-- Stages 1 and 2: a group's flat vector (parameters back to back, with ``param_alignment_paddings``
-  after each when recorded) is cut into ``partition_count`` equal contiguous partitions (the last
-  is saved without the group's padding, so it may be shorter).
-  ``param_slice_mappings`` (where each parameter's fragment sits in a rank's partition) is checked
-  against the offsets computed from the shapes.
-- Stage 3: every parameter is cut separately into ``ceil(numel / world)`` elements per rank, and
-  a rank's flat vector is its pieces of each parameter in order.
+- Stages 1 and 2: a group's flat vector (parameters back to back, plus
+  ``param_alignment_paddings``) is cut into ``partition_count`` equal partitions (the last saved
+  without the padding, so maybe shorter); ``param_slice_mappings`` is checked against it.
+- Stage 3: every parameter is cut separately into ``ceil(numel / world)`` elements per rank.
 
-A group's tensors are gathered from every rank's partition through memory-mapped loads
-(``torch.load(mmap=True)``), so only the bytes of that group are read into memory, never a
-whole partition. Parameter names and shapes are checked against the model that ``config.json``
-describes, and partition sizes against the layout, so a checkpoint that does not fit is refused
-with what differs rather than mis-assigned. The ``.pt`` files are pickles: they are read with
-``weights_only=True`` and an allow-list of the four DeepSpeed classes they hold, mapped to three inert
-local stand-ins, so reading needs no DeepSpeed and runs no code from the file.
+Reads are memory-mapped, so only a group's bytes are read. Names, shapes and partition sizes
+are checked against the model of ``config.json``: a save that does not fit is refused, never
+mis-assigned. The pickles load with ``weights_only=True`` and an allow-list of the four
+DeepSpeed classes they hold, mapped to inert stand-ins: no DeepSpeed, no code from the file.
 
-Writing (:func:`write_zero`) does not re-create DeepSpeed's pickles: it copies a *template* save
-made by the target run's own DeepSpeed set-up (config and world size; e.g. its first save), maps
-the copies shared and writable, and overwrites in place the numbers a source provides: each
-rank's fp32 master and moment partitions, the optimizer step, and (stages 1/2) the module
-weights. Padding, alignment, the loss scaler, the scheduler and the counters are the
-template's, so DeepSpeed's own ``load_checkpoint`` resumes from the output; another world size
-is another template.
+Writing (:func:`write_zero`) copies a *template* save of the target run's own DeepSpeed set-up
+(config and world size), maps the copies shared and writable, and overwrites in place the fp32
+master and moment partitions, the optimizer step and (stages 1/2) the module weights. The rest
+(padding, loss scaler, scheduler, counters) stays the template's, so DeepSpeed's
+``load_checkpoint`` resumes from it.
 """
 
 from __future__ import annotations
@@ -281,13 +273,13 @@ class ZeroCheckpointSource:
         with torch.no_grad():
             for name in self._groups[group]:
                 slot = self._slots[name]
-                ranks = range(self.world_size)
                 for key in (PARAM, EXP_AVG, EXP_AVG_SQ):
                     if key + name not in tensors:
                         raise ValueError(f"the source has no {key.rstrip('/')} for {name}; a DeepSpeed "
                                          "checkpoint needs weights and both AdamW moments of every parameter")
-                self._scatter(slot, [self._flat(r, slot.group) for r in ranks], tensors[PARAM + name])
-                moments = [self._moments(r, slot.group) for r in ranks]
+                flats = [self._flat(r, slot.group) for r in range(self.world_size)]
+                self._scatter(slot, flats, tensors[PARAM + name])
+                moments = [self._moments(r, slot.group) for r in range(self.world_size)]
                 if not all("exp_avg" in m and "exp_avg_sq" in m for m in moments):
                     raise ValueError(f"{self.path} has no optimizer state for {name}: a template must be "
                                      "saved after the run's first optimizer step")
@@ -313,9 +305,8 @@ class ZeroCheckpointSource:
         out: dict[str, torch.Tensor] = {}
         for name in self._groups[group]:
             slot = self._slots[name]
-            ranks = range(self.world_size)
-            out[PARAM + name] = self._gather(slot, [self._flat(r, slot.group) for r in ranks])
-            moments = [self._moments(r, slot.group) for r in ranks]
+            out[PARAM + name] = self._gather(slot, [self._flat(r, slot.group) for r in range(self.world_size)])
+            moments = [self._moments(r, slot.group) for r in range(self.world_size)]
             if all("exp_avg" in m and "exp_avg_sq" in m for m in moments):
                 out[EXP_AVG + name] = self._gather(slot, [m["exp_avg"] for m in moments])
                 out[EXP_AVG_SQ + name] = self._gather(slot, [m["exp_avg_sq"] for m in moments])

@@ -10,9 +10,8 @@ AdamW ``state_dict``), ``scheduler.pt``, ``rng_state.pth`` (when the source has 
 group 1 the rest (biases, norms), each in ``model.named_parameters()`` order, positions numbered
 across both groups. :func:`trainer_param_groups` replays that on a meta-device model.
 
-Streaming: the moments of each group are staged in a small torch file as the group passes; the
-final ``optimizer.pt`` is assembled from memory-mapped staging files, so its tensors are read from
-the page cache rather than held in process memory.
+Writing stages each group's moments in a small file as it passes; ``optimizer.pt`` is assembled
+from the memory-mapped staging files, so its tensors come from the page cache, not the heap.
 """
 
 from __future__ import annotations
@@ -304,11 +303,8 @@ def _optimizer_entries(group: str, tensors: dict[str, torch.Tensor], position: d
 class TrainerCheckpointSource(HFModelDirSource):
     """An HF Trainer ``checkpoint-N`` dir: weights plus AdamW moments, scheduler, RNG and trainer state.
 
-    ``optimizer.pt`` names parameters by position only. The position of each parameter follows how
-    ``transformers.Trainer.create_optimizer`` builds AdamW's param groups: first every parameter that
-    gets weight decay, then every one that does not, each in ``model.named_parameters()`` order
-    (tied parameters once). The model is rebuilt on the meta device from ``config.json`` to replay
-    that order; a count or shape mismatch is reported instead of silently mis-assigning moments.
+    ``optimizer.pt``'s positions are replayed on the meta model of ``config.json`` (module
+    docstring); a count or shape mismatch is refused rather than mis-assigning moments.
     """
 
     def __init__(self, path: str | Path):

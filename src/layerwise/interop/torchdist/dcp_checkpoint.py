@@ -1,32 +1,22 @@
 """torch.distributed.checkpoint (DCP) checkpoints, written and read a group at a time.
 
-Written layout (the nesting ``torch.distributed.checkpoint.state_dict.get_state_dict`` returns, so an
-FSDP2 loop loads it with ``dcp.load({"model": msd, "optim": osd}, checkpoint_id=dir)`` and
-``set_state_dict``, at any world size: DCP reshards on load):
+Written layout (``get_state_dict``'s nesting, so an FSDP2 loop loads it with
+``dcp.load({"model": msd, "optim": osd}, checkpoint_id=dir)`` and ``set_state_dict`` at any
+world size): ``model.<hf_name>`` weights; ``optim.state.<hf_name>.{step, exp_avg, exp_avg_sq}``
+(fp32); ``optim.param_groups`` (the Trainer's two groups, params by name); ``train_state.step``;
+and ``config.json`` (with ``generation_config.json``) so the dir also opens as a source.
 
-- ``model.<hf_name>``: weights;
-- ``optim.state.<hf_name>.{step, exp_avg, exp_avg_sq}``: AdamW state, fp32;
-- ``optim.param_groups``: the Trainer's two AdamW groups (weight decay / none), params by name;
-- ``train_state.step``: the training step;
-- ``config.json`` (and ``generation_config.json``) beside DCP's own files, so the directory also
-  opens as a source.
+DCP plans a save from the whole state dict, so the writer hands it meta tensors and resolves
+each when DCP writes it (``_LazySavePlanner``): with one writer thread DCP writes in plan order,
+i.e. group order, one group in memory at a time. A first pass over the groups gets the shapes.
 
-DCP plans a save from the whole state dict, so the writer hands it meta tensors and resolves each
-one when DCP writes it (``_LazySavePlanner``): with one writer thread DCP writes in plan order,
-which is group order, and only one group is in memory at a time. The shapes and dtypes the plan
-needs come from a first pass over the groups (each group is read twice).
-
-Reading (:class:`DCPCheckpointSource`) takes the keys from DCP's metadata, finds the names
-(HF's, or torchtitan's Llama names: :mod:`layerwise.interop.torchdist.titan_names`) and the weight and optimizer
-prefixes (``model.`` or none; ``optim.state.``, ``optimizer.state.`` or ``state.``) by matching the
-config's parameter names, and loads one group's keys per ``dcp.load``. torchtitan's
-``CheckpointManager`` saves ``{model, optimizer, lr_scheduler, dataloader, train_state}``: the
-model's weights flat at the top level (older versions: under ``model.``), the optimizer as
-``get_optimizer_state_dict(flatten_optimizer_state_dict=True)`` (``optimizer.state.<fqn>.exp_avg``,
-``optimizer.param_groups.<fqn>.lr``, ...) and ``train_state.step`` as an int32 tensor. DCP pickles
-its ``.metadata`` and non-tensor values; a foreign checkpoint is untrusted, so both are read here
-with allow-lists (:class:`_DataOnlyReader`, :class:`_DataOnlyLoadPlanner`) instead of DCP's plain
-``pickle.load`` / ``torch.load(weights_only=False)``.
+Reading (:class:`DCPCheckpointSource`) matches the config's parameter names (HF's, or
+torchtitan's Llama names: :mod:`.titan_names`) against DCP's metadata to find the weight prefix
+(``model.`` or none) and optimizer prefix (``optim.state.``, ``optimizer.state.`` or
+``state.``: torchtitan's ``flatten_optimizer_state_dict``), then loads one group per
+``dcp.load``. DCP pickles ``.metadata`` and non-tensor values; a foreign checkpoint is
+untrusted, so both are read with allow-lists (:class:`_MetadataUnpickler`,
+:class:`_DataOnlyLoadPlanner`) instead of DCP's plain unpickling.
 """
 
 from __future__ import annotations
