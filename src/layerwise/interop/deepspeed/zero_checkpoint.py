@@ -40,7 +40,6 @@ from ...util.atomic import atomic_write_text
 from ...util.jsonable import jsonable
 from ...util.safe_load import load_data_file
 from ..hf.model_dir import read_json
-from ..hf.model_dir_writer import require_config, write_config_files
 from ..layout import CONFIG_NAME, EXP_AVG, EXP_AVG_SQ, PARAM, STEP, CheckpointSource, meta_model
 
 LATEST_NAME = "latest"
@@ -327,20 +326,16 @@ class ZeroCheckpointSource:
 # ----- writing -----------------------------------------------------------------------------
 
 
-def write_zero(source: CheckpointSource, out_dir: Path, *, template: str | Path) -> dict[str, Any]:
-    """Write ``source`` into a copy of the ZeRO save ``template`` under the empty ``out_dir``
-    (``out_dir/<tag>/``, ``out_dir/latest``, ``out_dir/config.json``); return a summary.
-
-    Not atomic by itself: :func:`layerwise.interop.recipes.merge.merge` points it at a temp dir and renames.
-    """
-    config = require_config(source)
+def write_zero(source: CheckpointSource, out_dir: Path, config: dict, extra: dict, *,
+               template: str | Path) -> dict[str, Any]:
+    """``source`` in a copy of the ZeRO save ``template`` under the empty ``out_dir``
+    (``out_dir/<tag>/``, ``out_dir/latest``; config files apart); a summary."""
     tmpl = ZeroCheckpointSource(template, config=config)
     tag_dir = Path(out_dir) / tmpl.path.name
     tag_dir.mkdir()
     for f in [*tmpl._optim_files, *tmpl._model_files]:
         shutil.copyfile(f, tag_dir / f.name)
     target = ZeroCheckpointSource(tag_dir, config=config, writable=True)
-    extra = source.extra_state()
     written_step = float(extra.get("step") or 0)  # ZeRO keeps one step per param group
     steps: set[float] = set()
     for group in source.groups():
@@ -349,8 +344,7 @@ def write_zero(source: CheckpointSource, out_dir: Path, *, template: str | Path)
         target.put_group(group, tensors, step=written_step)
     del target  # unmap; merge fsyncs the files, which writes the shared pages back
     atomic_write_text(Path(out_dir) / LATEST_NAME, tmpl.path.name)
-    write_config_files(Path(out_dir), config, None, extra.get("generation_config"))
-    return {"format": "deepspeed", "step": int(tmpl._model_state.get("global_steps") or 0),
+    return {"step": int(tmpl._model_state.get("global_steps") or 0),
             "stage": tmpl.stage, "world_size": tmpl.world_size, "template": str(tmpl.path),
             "weight_files": sorted(f.name for f in tag_dir.iterdir()),
             "optimizer_step_written": written_step, "optimizer_steps_in_source": sorted(steps)}

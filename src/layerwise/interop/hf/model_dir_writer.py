@@ -18,7 +18,6 @@ from transformers import AutoConfig, GenerationConfig
 
 from ...models.names import config_is_tied, is_head_name
 from ...util.atomic import atomic_write_text
-from ...util.dtypes import parse_dtype
 from ...util.safetensors_io import ShardedSafetensorsWriter
 from ...util.units import parse_size_bytes
 from ..layout import (
@@ -170,16 +169,7 @@ def require_config(source: CheckpointSource) -> dict:
     return config
 
 
-def write_hf(source: CheckpointSource, out_dir: Path, *,
-             max_shard_size: int | str | None = DEFAULT_MAX_SHARD_SIZE,
-             dtype: str | torch.dtype | None = None) -> dict[str, Any]:
-    """Write ``source`` as an HF model dir into the existing, empty ``out_dir``; return a summary.
-
-    Not atomic by itself: :func:`layerwise.interop.recipes.merge.merge` points it at a temp dir and renames.
-    """
-    config = require_config(source)
-    torch_dtype = parse_dtype(dtype)
-    summary = WeightsWriter(Path(out_dir), config, parse_size_bytes(max_shard_size), torch_dtype).write_all(source)
-    extra = source.extra_state()
-    write_config_files(Path(out_dir), config, torch_dtype, extra.get("generation_config"))
-    return {"format": "hf", "step": int(extra.get("step", 0) or 0), **summary}
+def write_hf(source: CheckpointSource, out_dir: Path, config: dict, dtype: torch.dtype | None, *,
+             max_shard_size: int | str | None = DEFAULT_MAX_SHARD_SIZE) -> dict[str, Any]:
+    """The weights of ``source`` as an HF model dir in the empty ``out_dir``; a summary."""
+    return WeightsWriter(Path(out_dir), config, parse_size_bytes(max_shard_size), dtype).write_all(source)

@@ -82,12 +82,9 @@ def dequantizer(config: dict | None, path: Any = "the model dir") -> Any | None:
     method = quant_method(config)
     if method is None or method in PLAIN_WEIGHTS:
         return None
-    try:
-        from transformers.quantizers import AutoHfQuantizer
-        from transformers.quantizers.auto import AutoQuantizationConfig
-        from transformers.quantizers.base import HfQuantizer
-    except ImportError:  # pragma: no cover - transformers without quantizers
-        raise refusal(path, method, "the installed transformers has no quantizers") from None
+    from transformers.quantizers import AutoHfQuantizer
+    from transformers.quantizers.auto import AutoQuantizationConfig
+    from transformers.quantizers.base import HfQuantizer
     from packaging.version import Version
     from transformers import __version__
 

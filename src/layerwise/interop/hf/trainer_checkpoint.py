@@ -28,16 +28,14 @@ import numpy as np
 import torch
 from torch import nn
 from transformers import Trainer, TrainerState
-from transformers.trainer_pt_utils import get_parameter_names
 
 from ...ckpt.moments import fp32_moments
 from ...util.atomic import atomic_write_text
-from ...util.dtypes import parse_dtype
 from ...util.jsonable import jsonable
 from ...util.safe_load import load_data_file
 from ...util.units import parse_size_bytes
 from .model_dir import HFModelDirSource, load_pt, read_json
-from .model_dir_writer import DEFAULT_MAX_SHARD_SIZE, WeightsWriter, require_config, write_config_files
+from .model_dir_writer import DEFAULT_MAX_SHARD_SIZE, WeightsWriter
 from ..layout import (
     CONFIG_NAME,
     EXP_AVG,
@@ -55,12 +53,8 @@ from ..layout import (
 
 def decay_parameter_names(model: nn.Module) -> list[str]:
     """Parameter names that transformers.Trainer puts in the weight-decay group."""
-    try:
-        # The method does not touch ``self``; calling it keeps us in step with the installed version.
-        return list(Trainer.get_decay_parameter_names(None, model))
-    except AttributeError:
-        patterns = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
-        return list(get_parameter_names(model, [nn.LayerNorm], patterns))
+    # The method does not touch ``self``; calling it keeps us in step with the installed version.
+    return list(Trainer.get_decay_parameter_names(None, model))
 
 
 def trainer_param_groups(model: nn.Module) -> list[list[str]]:
@@ -193,22 +187,11 @@ def trainer_state_dict(extra: dict, step: int) -> dict:
     return state
 
 
-def write_trainer(
-    source: CheckpointSource,
-    out_dir: Path,
-    *,
-    max_shard_size: int | str | None = DEFAULT_MAX_SHARD_SIZE,
-    dtype: str | torch.dtype | None = None,
-    hparams: AdamWHParams | None = None,
-) -> dict[str, Any]:
-    """Write ``source`` as a Trainer checkpoint into the existing, empty ``out_dir``; return a summary.
-
-    Not atomic by itself: :func:`layerwise.interop.recipes.merge.merge` points it at a temp dir and renames.
-    """
+def write_trainer(source: CheckpointSource, out_dir: Path, config: dict, extra: dict,
+                  dtype: torch.dtype | None, *, max_shard_size: int | str | None = DEFAULT_MAX_SHARD_SIZE,
+                  hparams: AdamWHParams | None = None) -> dict[str, Any]:
+    """``source`` as a Trainer checkpoint in the empty ``out_dir`` (but its config files); a summary."""
     out_dir = Path(out_dir)
-    config = require_config(source)
-    torch_dtype = parse_dtype(dtype)
-    extra = source.extra_state()
     step = int(extra.get("step") or 0)
 
     order = trainer_param_groups(meta_model(config))
@@ -224,7 +207,7 @@ def write_trainer(
             staged_files.append(staging / f"{len(staged_files):05d}.pt")
             torch.save(staged, staged_files[-1])
 
-    summary = WeightsWriter(out_dir, config, parse_size_bytes(max_shard_size), torch_dtype).write_all(source, stage)
+    summary = WeightsWriter(out_dir, config, parse_size_bytes(max_shard_size), dtype).write_all(source, stage)
 
     scheduler = extra.get("scheduler")
     if scheduler is None:
@@ -255,13 +238,10 @@ def write_trainer(
     if rng is not None:
         torch.save(rng, out_dir / RNG_STATE_NAME)
     atomic_write_text(out_dir / TRAINER_STATE_NAME, json.dumps(trainer_state_dict(extra, step), indent=2, sort_keys=True) + "\n")
-    write_config_files(out_dir, config, torch_dtype, extra.get("generation_config"))
     for f in staged_files:
         f.unlink()
     staging.rmdir()
     return {
-        "format": "trainer",
-        "step": step,
         **summary,
         "optimizer_state_params": len(position) if staged_files else 0,
         "rng_state": rng is not None,

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from ...util.atomic import fsync_dir
+from ...util.dtypes import parse_dtype
 from ..torchdist.dcp_checkpoint import write_dcp
-from ..hf.model_dir_writer import write_hf
+from ..hf.model_dir_writer import require_config, write_config_files, write_hf
 from ..hf.tokenizer_files import copy_model_files, model_files_of
 from ..layout import CheckpointSource
 from ..sources import open_source
@@ -72,14 +73,20 @@ def merge(
     tmp.mkdir()
     t0 = time.perf_counter()
     try:
+        config = require_config(source)
+        extra = source.extra_state()
+        torch_dtype = None if format == "deepspeed" else parse_dtype(dtype)  # ZeRO keeps fp32 masters
+        summary = {"format": format, "step": int(extra.get("step") or 0)}
         if format == "hf":
-            summary = write_hf(source, tmp, max_shard_size=max_shard_size, dtype=dtype)
+            summary.update(write_hf(source, tmp, config, torch_dtype, max_shard_size=max_shard_size))
         elif format == "dcp":
-            summary = write_dcp(source, tmp, dtype=dtype, hparams=hparams)
+            summary.update(write_dcp(source, tmp, config, extra, torch_dtype, hparams=hparams))
         elif format == "deepspeed":
-            summary = write_zero(source, tmp, template=_zero_template(source, template))
+            summary.update(write_zero(source, tmp, config, extra, template=_zero_template(source, template)))
         else:
-            summary = write_trainer(source, tmp, max_shard_size=max_shard_size, dtype=dtype, hparams=hparams)
+            summary.update(write_trainer(source, tmp, config, extra, torch_dtype,
+                                         max_shard_size=max_shard_size, hparams=hparams))
+        write_config_files(tmp, config, torch_dtype, extra.get("generation_config"))
         if model_files is not None:
             copy_model_files(model_files, tmp)
         _fsync_tree(tmp)

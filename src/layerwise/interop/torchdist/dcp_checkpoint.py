@@ -36,10 +36,8 @@ from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex, Stor
                                                    TensorStorageMetadata)
 
 from ...models.names import config_is_tied, group_sort_key, groups_of_model
-from ...util.dtypes import parse_dtype
 from ...util.safe_load import load_data_file
 from ..hf.model_dir import read_json
-from ..hf.model_dir_writer import require_config, write_config_files
 from ..layout import CONFIG_NAME, EXP_AVG, EXP_AVG_SQ, PARAM, STEP, CheckpointSource, meta_model
 from .titan_names import rope_heads, titan_name, titan_rows_to_hf
 from ..hf.trainer_checkpoint import AdamWHParams, _param_groups, trainer_param_groups
@@ -112,17 +110,11 @@ def _dcp_tensors(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) ->
     return out
 
 
-def write_dcp(source: CheckpointSource, out_dir: Path, *, dtype: str | torch.dtype | None = None,
-              hparams: AdamWHParams | None = None) -> dict[str, Any]:
-    """Write ``source`` as a DCP checkpoint into the existing, empty ``out_dir``; return a summary.
-
-    Not atomic by itself: :func:`layerwise.interop.recipes.merge.merge` points it at a temp dir and renames.
-    """
-    config = require_config(source)
-    torch_dtype = parse_dtype(dtype)
+def write_dcp(source: CheckpointSource, out_dir: Path, config: dict, extra: dict,
+              torch_dtype: torch.dtype | None, *, hparams: AdamWHParams | None = None) -> dict[str, Any]:
+    """``source`` as a DCP checkpoint in the empty ``out_dir`` (but its config files); a summary."""
     model = meta_model(config)
     names = {n for names in groups_of_model(model).values() for n in names}
-    extra = source.extra_state()
 
     # Pass 1: the plan needs every tensor's shape and dtype; a group at a time, nothing kept.
     state: dict[str, torch.Tensor] = {}
@@ -154,9 +146,8 @@ def write_dcp(source: CheckpointSource, out_dir: Path, *, dtype: str | torch.dty
     planner = _LazySavePlanner(source, group_of_fqn, torch_dtype)
     _quiet_single_process(dcp.save, to_save, storage_writer=FileSystemWriter(out_dir, thread_count=1),
                           planner=planner)
-    write_config_files(Path(out_dir), config, torch_dtype, extra.get("generation_config"))
     files = sorted(f.name for f in Path(out_dir).iterdir() if f.suffix == ".distcp")
-    return {"format": "dcp", "step": int(extra.get("step") or 0), "weight_files": files,
+    return {"weight_files": files,
             "tensors": len(state), "params_with_optimizer_state": len(stepped),
             "group_loads": planner.group_loads, "groups": len(source.groups())}
 
