@@ -191,11 +191,6 @@ class DeviceBackend(Protocol):
         """Re-raise an error a lane has hit so far, without waiting (CUDA: errors surface at
         the next call that synchronises, as they do in torch)."""
 
-    def reserved_peak_bytes(self) -> int | None:
-        """The device allocator's reserved peak since the last reset (None: no allocator)."""
-
-    def reset_peak(self) -> None: ...
-
 
 class DoneEvent:
     """An event whose work has run (synchronous backends)."""
@@ -256,12 +251,6 @@ class CpuBackend:
         pass
 
     def raise_errors(self) -> None:
-        pass
-
-    def reserved_peak_bytes(self) -> int | None:
-        return None
-
-    def reset_peak(self) -> None:
         pass
 
 
@@ -361,10 +350,3 @@ class CudaBackend:
 
     def raise_errors(self) -> None:
         pass
-
-    def reserved_peak_bytes(self) -> int | None:
-        # reserved, not allocated: blocks a stream still uses count until they are reusable
-        return int(torch.cuda.max_memory_reserved(self.device))
-
-    def reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)

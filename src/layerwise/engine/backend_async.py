@@ -272,12 +272,6 @@ class AsyncCpuBackend:
             self._errors.clear()
             raise err
 
-    def reserved_peak_bytes(self) -> int | None:
-        return None
-
-    def reset_peak(self) -> None:
-        pass
-
     def close(self) -> None:
         for lane in self._lanes.values():
             lane.close()

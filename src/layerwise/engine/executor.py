@@ -7,12 +7,8 @@ layers stay on the device, ``resident.py``), gradients stream out as each layer'
 finishes, activations live where the plan says. The optimizer updates run on host worker
 threads after the backward and overlap the next step's forward: a step ends when its last
 gradient has landed on the host (no drain of the device), and the next forward of unit ``u``
-waits for ``u``'s update alone (the streamer asks before it copies ``u``).
-
-Where each part lives: the ops' handlers and their dispatch table in ``op_handlers.py``, weights
-in (``weight_stream.py``), gradients out (``grad_sink.py``), activation tiers
-(``boundary_tiers.py``) over the slots of ``slots.py``, the optimizer updates in ``updates.py``, how ranks combine a step in ``reduce.py`` (:class:`LocalReducer` for one
-process). This module sequences a step and checks what it is given.
+waits for ``u``'s update alone (the streamer asks before it copies ``u``). This module
+sequences a step and checks what it is given; the parts are listed in the package docstring.
 
 With fp32 compute the numbers are those of plain autograd on the same model, for any plan:
 a plan moves activations and adds recomputation, it never changes the arithmetic.

@@ -114,7 +114,7 @@ def ring_piece_bytes(store: HostStore) -> int:
 class GradSink:
     def __init__(self, backend: DeviceBackend, store: HostStore,
                  on_final: Callable[[str], None], landing_threads: int = 1,
-                 ring_buffers: int = HOST_GRAD_RING, thread_init: Callable[[], None] | None = None,
+                 thread_init: Callable[[], None] | None = None,
                  device_reduce: DeviceReduce | None = None, per_load: int = 1):
         """``on_final(unit)``: called where a unit's step gradient is complete on the host (the
         landing thread, or inline): the step reducer's ``unit_landed``, which takes its norm or
@@ -150,7 +150,7 @@ class GradSink:
         dtype = torch.float32 if grad_slot_itemsize(elem, per_load) == 4 else store.compute_dtype
         self.slots = [Slot(backend.alloc(numel, dtype)) for _ in range(GRAD_SLOTS)]
         self._next_slot = 0
-        self._ring = HostRing(backend, ring_buffers, ring_piece_bytes(store))
+        self._ring = HostRing(backend, HOST_GRAD_RING, ring_piece_bytes(store))
         self._work: queue.Queue = queue.Queue()
         self._errors: list[BaseException] = []
         self._pending = 0

@@ -1,34 +1,26 @@
 """DeepSpeed ZeRO checkpoints (stages 1, 2 and 3): read a layer group at a time, and written by
 filling a template save's layout.
 
-A ZeRO save (``<dir>/global_stepN/``, with ``<dir>/latest`` naming the tag) holds, per data-parallel
-rank, ``zero_pp_rank_R_mp_rank_00_optim_states.pt``: that rank's partition of each optimizer param
-group's flat fp32 master and of its AdamW moments. ``*_model_states.pt`` carries ``param_shapes``
-(one ordered ``{name: shape}`` per param group: the flat layout) and the step.
+A save (``<dir>/global_stepN/``, ``<dir>/latest`` naming the tag) holds per data-parallel rank
+``zero_pp_rank_R_mp_rank_00_optim_states.pt``: that rank's partition of each param group's flat
+fp32 master and AdamW moments; ``*_model_states.pt`` carries ``param_shapes`` (the flat layout)
+and the step.
 
-- Stages 1 and 2: a group's flat vector (parameters back to back, with ``param_alignment_paddings``
-  after each when recorded) is cut into ``partition_count`` equal contiguous partitions (the last
-  is saved without the group's padding, so it may be shorter).
-  ``param_slice_mappings`` (where each parameter's fragment sits in a rank's partition) is checked
-  against the offsets computed from the shapes.
-- Stage 3: every parameter is cut separately into ``ceil(numel / world)`` elements per rank, and
-  a rank's flat vector is its pieces of each parameter in order.
+- Stages 1 and 2: a group's flat vector (parameters back to back, plus
+  ``param_alignment_paddings``) is cut into ``partition_count`` equal partitions (the last saved
+  without the padding, so maybe shorter); ``param_slice_mappings`` is checked against it.
+- Stage 3: every parameter is cut separately into ``ceil(numel / world)`` elements per rank.
 
-A group's tensors are gathered from every rank's partition through memory-mapped loads
-(``torch.load(mmap=True)``), so only the bytes of that group are read into memory, never a
-whole partition. Parameter names and shapes are checked against the model that ``config.json``
-describes, and partition sizes against the layout, so a checkpoint that does not fit is refused
-with what differs rather than mis-assigned. The ``.pt`` files are pickles: they are read with
-``weights_only=True`` and an allow-list of the four DeepSpeed classes they hold, mapped to three inert
-local stand-ins, so reading needs no DeepSpeed and runs no code from the file.
+Reads are memory-mapped, so only a group's bytes are read. Names, shapes and partition sizes
+are checked against the model of ``config.json``: a save that does not fit is refused, never
+mis-assigned. The pickles load with ``weights_only=True`` and an allow-list of the four
+DeepSpeed classes they hold, mapped to inert stand-ins: no DeepSpeed, no code from the file.
 
-Writing (:func:`write_zero`) does not re-create DeepSpeed's pickles: it copies a *template* save
-made by the target run's own DeepSpeed set-up (config and world size; e.g. its first save), maps
-the copies shared and writable, and overwrites in place the numbers a source provides: each
-rank's fp32 master and moment partitions, the optimizer step, and (stages 1/2) the module
-weights. Padding, alignment, the loss scaler, the scheduler and the counters are the
-template's, so DeepSpeed's own ``load_checkpoint`` resumes from the output; another world size
-is another template.
+Writing (:func:`write_zero`) copies a *template* save of the target run's own DeepSpeed set-up
+(config and world size), maps the copies shared and writable, and overwrites in place the fp32
+master and moment partitions, the optimizer step and (stages 1/2) the module weights. The rest
+(padding, loss scaler, scheduler, counters) stays the template's, so DeepSpeed's
+``load_checkpoint`` resumes from it.
 """
 
 from __future__ import annotations
@@ -38,7 +30,6 @@ import enum
 import math
 import re
 import shutil
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +40,6 @@ from ...util.atomic import atomic_write_text
 from ...util.jsonable import jsonable
 from ...util.safe_load import load_data_file
 from ..hf.model_dir import read_json
-from ..hf.model_dir_writer import require_config, write_config_files
 from ..layout import CONFIG_NAME, EXP_AVG, EXP_AVG_SQ, PARAM, STEP, CheckpointSource, meta_model
 
 LATEST_NAME = "latest"
@@ -178,9 +168,13 @@ class ZeroCheckpointSource:
         o = self._optim[rank]
         return o["fp32_flat_groups"][group] if self.stage == 3 else o["single_partition_of_fp32_groups"][group]
 
-    def _moments(self, rank: int, group: int) -> dict[str, torch.Tensor]:
+    def _inner(self, rank: int) -> dict:
+        """The wrapped torch optimizer's state dict."""
         o = self._optim[rank]
-        inner = o["optimizer_state_dict"] if self.stage == 3 else o["base_optimizer_state"]
+        return o["optimizer_state_dict"] if self.stage == 3 else o["base_optimizer_state"]
+
+    def _moments(self, rank: int, group: int) -> dict[str, torch.Tensor]:
+        inner = self._inner(rank)
         (pid,) = inner["param_groups"][group]["params"]  # ZeRO's optimizer sees one flat param a group
         return inner["state"].get(pid, {})
 
@@ -278,13 +272,13 @@ class ZeroCheckpointSource:
         with torch.no_grad():
             for name in self._groups[group]:
                 slot = self._slots[name]
-                ranks = range(self.world_size)
                 for key in (PARAM, EXP_AVG, EXP_AVG_SQ):
                     if key + name not in tensors:
                         raise ValueError(f"the source has no {key.rstrip('/')} for {name}; a DeepSpeed "
                                          "checkpoint needs weights and both AdamW moments of every parameter")
-                self._scatter(slot, [self._flat(r, slot.group) for r in ranks], tensors[PARAM + name])
-                moments = [self._moments(r, slot.group) for r in ranks]
+                flats = [self._flat(r, slot.group) for r in range(self.world_size)]
+                self._scatter(slot, flats, tensors[PARAM + name])
+                moments = [self._moments(r, slot.group) for r in range(self.world_size)]
                 if not all("exp_avg" in m and "exp_avg_sq" in m for m in moments):
                     raise ValueError(f"{self.path} has no optimizer state for {name}: a template must be "
                                      "saved after the run's first optimizer step")
@@ -310,9 +304,8 @@ class ZeroCheckpointSource:
         out: dict[str, torch.Tensor] = {}
         for name in self._groups[group]:
             slot = self._slots[name]
-            ranks = range(self.world_size)
-            out[PARAM + name] = self._gather(slot, [self._flat(r, slot.group) for r in ranks])
-            moments = [self._moments(r, slot.group) for r in ranks]
+            out[PARAM + name] = self._gather(slot, [self._flat(r, slot.group) for r in range(self.world_size)])
+            moments = [self._moments(r, slot.group) for r in range(self.world_size)]
             if all("exp_avg" in m and "exp_avg_sq" in m for m in moments):
                 out[EXP_AVG + name] = self._gather(slot, [m["exp_avg"] for m in moments])
                 out[EXP_AVG_SQ + name] = self._gather(slot, [m["exp_avg_sq"] for m in moments])
@@ -322,35 +315,27 @@ class ZeroCheckpointSource:
     def model_config(self) -> dict | None:
         return dict(self._config)
 
-    @cached_property
-    def _param_groups(self) -> list[dict]:
-        inner = self._optim[0]["optimizer_state_dict"] if self.stage == 3 else self._optim[0]["base_optimizer_state"]
-        return [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]]
-
     def extra_state(self) -> dict:
         sched = self._model_state.get("lr_scheduler")
         return {"step": int(self._model_state.get("global_steps") or 0),
                 "scheduler": jsonable(sched) if sched else None, "rng": None, "trainer_state": None,
-                "optimizer_param_groups": self._param_groups}
+                "optimizer_param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                           for g in self._inner(0)["param_groups"]]}
 
 
 # ----- writing -----------------------------------------------------------------------------
 
 
-def write_zero(source: CheckpointSource, out_dir: Path, *, template: str | Path) -> dict[str, Any]:
-    """Write ``source`` into a copy of the ZeRO save ``template`` under the empty ``out_dir``
-    (``out_dir/<tag>/``, ``out_dir/latest``, ``out_dir/config.json``); return a summary.
-
-    Not atomic by itself: :func:`layerwise.interop.recipes.merge.merge` points it at a temp dir and renames.
-    """
-    config = require_config(source)
+def write_zero(source: CheckpointSource, out_dir: Path, config: dict, extra: dict, *,
+               template: str | Path) -> dict[str, Any]:
+    """``source`` in a copy of the ZeRO save ``template`` under the empty ``out_dir``
+    (``out_dir/<tag>/``, ``out_dir/latest``; config files apart); a summary."""
     tmpl = ZeroCheckpointSource(template, config=config)
     tag_dir = Path(out_dir) / tmpl.path.name
     tag_dir.mkdir()
     for f in [*tmpl._optim_files, *tmpl._model_files]:
         shutil.copyfile(f, tag_dir / f.name)
     target = ZeroCheckpointSource(tag_dir, config=config, writable=True)
-    extra = source.extra_state()
     written_step = float(extra.get("step") or 0)  # ZeRO keeps one step per param group
     steps: set[float] = set()
     for group in source.groups():
@@ -359,8 +344,7 @@ def write_zero(source: CheckpointSource, out_dir: Path, *, template: str | Path)
         target.put_group(group, tensors, step=written_step)
     del target  # unmap; merge fsyncs the files, which writes the shared pages back
     atomic_write_text(Path(out_dir) / LATEST_NAME, tmpl.path.name)
-    write_config_files(Path(out_dir), config, None, extra.get("generation_config"))
-    return {"format": "deepspeed", "step": int(tmpl._model_state.get("global_steps") or 0),
+    return {"step": int(tmpl._model_state.get("global_steps") or 0),
             "stage": tmpl.stage, "world_size": tmpl.world_size, "template": str(tmpl.path),
             "weight_files": sorted(f.name for f in tag_dir.iterdir()),
             "optimizer_step_written": written_step, "optimizer_steps_in_source": sorted(steps)}

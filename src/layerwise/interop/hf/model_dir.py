@@ -160,16 +160,12 @@ class HFModelDirSource:
     def groups(self) -> list[str]:
         return list(self._groups)
 
-    def _check_group(self, group: str) -> list[str]:
-        try:
-            return self._groups[group]
-        except KeyError:
-            raise ValueError(f"{self.path} has no group {group!r}; it has {self.groups()}") from None
-
     def load_group(self, group: str) -> dict[str, torch.Tensor]:
         """The group's tensors under the model's names (per-expert files fused, renamed keys
         mapped, as ``from_pretrained`` of the installed transformers does)."""
-        keys = self._check_group(group)
+        if group not in self._groups:
+            raise ValueError(f"{self.path} has no group {group!r}; it has {self.groups()}")
+        keys = self._groups[group]
         raw = self._read_weights(keys)
         tensors = self._layout.to_model(keys, raw.pop) if self._layout else raw
         self._refuse_packed(tensors)

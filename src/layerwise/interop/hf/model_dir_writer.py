@@ -9,16 +9,15 @@ into shards (see :mod:`layerwise.util.safetensors_io`); a tied head is stored on
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-
 from transformers import AutoConfig, GenerationConfig
 
 from ...models.names import config_is_tied, is_head_name
 from ...util.atomic import atomic_write_text
-from ...util.dtypes import parse_dtype
 from ...util.safetensors_io import ShardedSafetensorsWriter
 from ...util.units import parse_size_bytes
 from ..layout import (
@@ -42,30 +41,40 @@ class WeightsWriter:
     mismatched sources fails with a clear error instead of producing a model that will not load.
     """
 
-    def __init__(
-        self,
-        out_dir: Path,
-        config: dict | None,
-        max_shard_bytes: int | None,
-        dtype: torch.dtype | None = None,
-    ):
+    def __init__(self, out_dir: Path, config: dict, max_shard_bytes: int | None,
+                 dtype: torch.dtype | None = None):
         self.out_dir = Path(out_dir)
         self.tied = config_is_tied(config)
         self.dtype = dtype
         self.expected: dict[str, tuple[int, ...]] | None = None
         self.layout: HubLayout | None = None
-        if config is not None:
-            try:
-                model = meta_model(config)
-            except (ValueError, KeyError):
-                model = None  # an architecture transformers does not know: no name check possible
-            if model is not None:
-                # every tensor HF saves: parameters and persistent buffers (DeepSeek-V3's
-                # expert-selection bias), which from_pretrained reads back alike
-                self.expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-                self.layout = HubLayout(model)
+        try:
+            model = meta_model(config)
+        except (ValueError, KeyError):
+            model = None  # an architecture transformers does not know: no name check possible
+        if model is not None:
+            # every tensor HF saves: parameters and persistent buffers (DeepSeek-V3's
+            # expert-selection bias), which from_pretrained reads back alike
+            self.expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+            self.layout = HubLayout(model)
         self.written: set[str] = set()
         self._writer = ShardedSafetensorsWriter(self.out_dir, max_shard_bytes)
+
+    def write_all(self, source: CheckpointSource, each: Callable[[str, dict], None] | None = None
+                  ) -> dict[str, Any]:
+        """Every group of ``source`` (``each(group, tensors)`` after each), then :meth:`finish`;
+        the shards are removed on any error."""
+        try:
+            for group in source.groups():
+                tensors = source.load_group(group)
+                self.add_group(group, tensors)
+                if each is not None:
+                    each(group, tensors)
+                del tensors
+            return self.finish()
+        except BaseException:
+            self._writer.abort()
+            raise
 
     def add_group(self, group: str, tensors: dict[str, torch.Tensor]) -> None:
         """Check the group's ``param/…`` tensors (the model's names) and write them in the
@@ -116,9 +125,6 @@ class WeightsWriter:
             atomic_write_text(self.out_dir / SAFE_WEIGHTS_INDEX_NAME, json.dumps(index, indent=2) + "\n")
         return {"weight_files": files, "num_tensors": len(weight_map), "weight_bytes": self._writer.total_bytes}
 
-    def abort(self) -> None:
-        self._writer.abort()
-
 
 def export_config(config: dict, dtype: torch.dtype | None) -> dict:
     """``config.json`` contents for the output: the source's, with the dtype the weights are in
@@ -163,27 +169,7 @@ def require_config(source: CheckpointSource) -> dict:
     return config
 
 
-def write_hf(
-    source: CheckpointSource,
-    out_dir: Path,
-    *,
-    max_shard_size: int | str | None = DEFAULT_MAX_SHARD_SIZE,
-    dtype: str | torch.dtype | None = None,
-) -> dict[str, Any]:
-    """Write ``source`` as an HF model dir into the existing, empty ``out_dir``; return a summary.
-
-    Not atomic by itself: :func:`layerwise.interop.recipes.merge.merge` points it at a temp dir and renames.
-    """
-    config = require_config(source)
-    torch_dtype = parse_dtype(dtype)
-    writer = WeightsWriter(Path(out_dir), config, parse_size_bytes(max_shard_size), torch_dtype)
-    try:
-        for group in source.groups():
-            writer.add_group(group, source.load_group(group))
-        summary = writer.finish()
-    except BaseException:
-        writer.abort()
-        raise
-    extra = source.extra_state()
-    write_config_files(Path(out_dir), config, torch_dtype, extra.get("generation_config"))
-    return {"format": "hf", "step": int(extra.get("step", 0) or 0), **summary}
+def write_hf(source: CheckpointSource, out_dir: Path, config: dict, dtype: torch.dtype | None, *,
+             max_shard_size: int | str | None = DEFAULT_MAX_SHARD_SIZE) -> dict[str, Any]:
+    """The weights of ``source`` as an HF model dir in the empty ``out_dir``; a summary."""
+    return WeightsWriter(Path(out_dir), config, parse_size_bytes(max_shard_size), dtype).write_all(source)

@@ -82,12 +82,9 @@ def dequantizer(config: dict | None, path: Any = "the model dir") -> Any | None:
     method = quant_method(config)
     if method is None or method in PLAIN_WEIGHTS:
         return None
-    try:
-        from transformers.quantizers import AutoHfQuantizer
-        from transformers.quantizers.auto import AutoQuantizationConfig
-        from transformers.quantizers.base import HfQuantizer
-    except ImportError:  # pragma: no cover - transformers without quantizers
-        raise refusal(path, method, "the installed transformers has no quantizers") from None
+    from transformers.quantizers import AutoHfQuantizer
+    from transformers.quantizers.auto import AutoQuantizationConfig
+    from transformers.quantizers.base import HfQuantizer
     from packaging.version import Version
     from transformers import __version__
 
@@ -174,27 +171,20 @@ def _target_dtype(model: torch.nn.Module | None, name: str | None) -> torch.dtyp
     return torch.float32
 
 
-def _first(v: Any) -> Any:
-    return v[0] if isinstance(v, list) and len(v) == 1 else v
-
-
 def _as_list(v: Any) -> list:
     return v if isinstance(v, list) else [v]
 
 
 class _BnbDequantize(ConversionOps):
-    """A load op turning each ``…weight`` entry
-    and its companions (``…weight<suffix>`` for the quantizer's serialized names) into the plain
-    weight; entries without companions pass through (a weight bnb did not quantize)."""
+    """A load op turning each ``…weight`` entry and its companions (``…weight<suffix>`` for the
+    quantizer's serialized names) into the plain weight; entries without companions pass through
+    (a weight bnb did not quantize). Subclasses give ``_base(key)`` (the weight key whose
+    companion ``key`` is; None: ``key`` is a weight) and ``_dequantize``."""
 
     companions: tuple[str, ...] = ()
 
     def __init__(self, hf_quantizer):
         self.hf_quantizer = hf_quantizer
-
-    def _base(self, key: str) -> str | None:
-        """The weight key whose companion ``key`` is (None: ``key`` is a weight)."""
-        raise NotImplementedError
 
     def convert(self, input_dict: dict[str, Any], model=None, full_layer_name=None, **kwargs):
         dtype = _target_dtype(model, full_layer_name)
@@ -214,10 +204,7 @@ class _BnbDequantize(ConversionOps):
             per = [{k: _as_list(v)[i] for k, v in p.items()} for i in range(len(weights))]
             out[key] = [self._dequantize(w, stats).to(dtype) for w, stats in zip(weights, per)]
         # a per-expert pattern keeps its list for the converter's merge; a plain key, one tensor
-        return {k: v if "*" in k else _first(v) for k, v in out.items()}
-
-    def _dequantize(self, weight: torch.Tensor, stats: dict[str, torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError
+        return {k: v if "*" in k or len(v) != 1 else v[0] for k, v in out.items()}
 
     @property
     def reverse_op(self):

@@ -10,9 +10,8 @@ AdamW ``state_dict``), ``scheduler.pt``, ``rng_state.pth`` (when the source has 
 group 1 the rest (biases, norms), each in ``model.named_parameters()`` order, positions numbered
 across both groups. :func:`trainer_param_groups` replays that on a meta-device model.
 
-Streaming: the moments of each group are staged in a small torch file as the group passes; the
-final ``optimizer.pt`` is assembled from memory-mapped staging files, so its tensors are read from
-the page cache rather than held in process memory.
+Writing stages each group's moments in a small file as it passes; ``optimizer.pt`` is assembled
+from the memory-mapped staging files, so its tensors come from the page cache, not the heap.
 """
 
 from __future__ import annotations
@@ -29,16 +28,14 @@ import numpy as np
 import torch
 from torch import nn
 from transformers import Trainer, TrainerState
-from transformers.trainer_pt_utils import get_parameter_names
 
 from ...ckpt.moments import fp32_moments
 from ...util.atomic import atomic_write_text
-from ...util.dtypes import parse_dtype
 from ...util.jsonable import jsonable
 from ...util.safe_load import load_data_file
 from ...util.units import parse_size_bytes
 from .model_dir import HFModelDirSource, load_pt, read_json
-from .model_dir_writer import DEFAULT_MAX_SHARD_SIZE, WeightsWriter, require_config, write_config_files
+from .model_dir_writer import DEFAULT_MAX_SHARD_SIZE, WeightsWriter
 from ..layout import (
     CONFIG_NAME,
     EXP_AVG,
@@ -56,12 +53,8 @@ from ..layout import (
 
 def decay_parameter_names(model: nn.Module) -> list[str]:
     """Parameter names that transformers.Trainer puts in the weight-decay group."""
-    try:
-        # The method does not touch ``self``; calling it keeps us in step with the installed version.
-        return list(Trainer.get_decay_parameter_names(None, model))
-    except AttributeError:
-        patterns = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
-        return list(get_parameter_names(model, [nn.LayerNorm], patterns))
+    # The method does not touch ``self``; calling it keeps us in step with the installed version.
+    return list(Trainer.get_decay_parameter_names(None, model))
 
 
 def trainer_param_groups(model: nn.Module) -> list[list[str]]:
@@ -194,22 +187,11 @@ def trainer_state_dict(extra: dict, step: int) -> dict:
     return state
 
 
-def write_trainer(
-    source: CheckpointSource,
-    out_dir: Path,
-    *,
-    max_shard_size: int | str | None = DEFAULT_MAX_SHARD_SIZE,
-    dtype: str | torch.dtype | None = None,
-    hparams: AdamWHParams | None = None,
-) -> dict[str, Any]:
-    """Write ``source`` as a Trainer checkpoint into the existing, empty ``out_dir``; return a summary.
-
-    Not atomic by itself: :func:`layerwise.interop.recipes.merge.merge` points it at a temp dir and renames.
-    """
+def write_trainer(source: CheckpointSource, out_dir: Path, config: dict, extra: dict,
+                  dtype: torch.dtype | None, *, max_shard_size: int | str | None = DEFAULT_MAX_SHARD_SIZE,
+                  hparams: AdamWHParams | None = None) -> dict[str, Any]:
+    """``source`` as a Trainer checkpoint in the empty ``out_dir`` (but its config files); a summary."""
     out_dir = Path(out_dir)
-    config = require_config(source)
-    torch_dtype = parse_dtype(dtype)
-    extra = source.extra_state()
     step = int(extra.get("step") or 0)
 
     order = trainer_param_groups(meta_model(config))
@@ -217,22 +199,15 @@ def write_trainer(
 
     staging = out_dir / ".optimizer-staging"
     staging.mkdir()
-    weights = WeightsWriter(out_dir, config, parse_size_bytes(max_shard_size), torch_dtype)
     staged_files: list[Path] = []
-    try:
-        for group in source.groups():
-            tensors = source.load_group(group)
-            weights.add_group(group, tensors)
-            staged = _optimizer_entries(group, tensors, position)
-            if staged:
-                f = staging / f"{len(staged_files):05d}.pt"
-                torch.save(staged, f)
-                staged_files.append(f)
-            del tensors, staged
-        summary = weights.finish()
-    except BaseException:
-        weights.abort()
-        raise
+
+    def stage(group: str, tensors: dict[str, torch.Tensor]) -> None:
+        staged = _optimizer_entries(group, tensors, position)
+        if staged:
+            staged_files.append(staging / f"{len(staged_files):05d}.pt")
+            torch.save(staged, staged_files[-1])
+
+    summary = WeightsWriter(out_dir, config, parse_size_bytes(max_shard_size), dtype).write_all(source, stage)
 
     scheduler = extra.get("scheduler")
     if scheduler is None:
@@ -263,13 +238,10 @@ def write_trainer(
     if rng is not None:
         torch.save(rng, out_dir / RNG_STATE_NAME)
     atomic_write_text(out_dir / TRAINER_STATE_NAME, json.dumps(trainer_state_dict(extra, step), indent=2, sort_keys=True) + "\n")
-    write_config_files(out_dir, config, torch_dtype, extra.get("generation_config"))
     for f in staged_files:
         f.unlink()
     staging.rmdir()
     return {
-        "format": "trainer",
-        "step": step,
         **summary,
         "optimizer_state_params": len(position) if staged_files else 0,
         "rng_state": rng is not None,
@@ -311,11 +283,8 @@ def _optimizer_entries(group: str, tensors: dict[str, torch.Tensor], position: d
 class TrainerCheckpointSource(HFModelDirSource):
     """An HF Trainer ``checkpoint-N`` dir: weights plus AdamW moments, scheduler, RNG and trainer state.
 
-    ``optimizer.pt`` names parameters by position only. The position of each parameter follows how
-    ``transformers.Trainer.create_optimizer`` builds AdamW's param groups: first every parameter that
-    gets weight decay, then every one that does not, each in ``model.named_parameters()`` order
-    (tied parameters once). The model is rebuilt on the meta device from ``config.json`` to replay
-    that order; a count or shape mismatch is reported instead of silently mis-assigning moments.
+    ``optimizer.pt``'s positions are replayed on the meta model of ``config.json`` (module
+    docstring); a count or shape mismatch is refused rather than mis-assigning moments.
     """
 
     def __init__(self, path: str | Path):

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ...adapters.config import LoraConfig
 from ...adapters.lora_adapter import LoraAdapter
 from ...adapters.lora_store import LoraStore
 from ...ckpt.provider import PARAM
@@ -39,14 +38,14 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
 
-def peft_config(lora: LoraConfig, target_names: list[str], base_model: str | None,
-                layers_path: str | None = None) -> dict[str, Any]:
-    """``adapter_config.json`` of an adapter on ``target_names`` (local module names).
-    ``layers_path``: where the layers sit (``model.language_model.layers``) when the model has
-    linears outside them that the names would also match (a multimodal model's vision tower):
-    the targets are then a regex PEFT matches against the full module names."""
+def adapter_config(adapter: LoraAdapter, base_model: str | None) -> dict[str, Any]:
+    """``adapter_config.json`` of ``adapter``'s LoRA (r, alpha, targets) on ``base_model``. A
+    model with linears outside its layers that the target names would also match (a multimodal
+    model's vision tower) gets a regex PEFT matches against the full module names."""
+    lora, target_names = adapter.lora, adapter.target_names
     targets: list[str] | str = sorted({n.rsplit(".", 1)[-1] for n in target_names})
-    if layers_path is not None:
+    if adapter.passthrough_names:
+        layers_path = f"{adapter.layout.base}.{adapter.layout.layers}"  # model.language_model.layers
         names = "|".join(re.escape(n) for n in sorted(set(target_names)))
         targets = rf"{re.escape(layers_path)}\.\d+\.(?:{names})"
     return {
@@ -58,13 +57,6 @@ def peft_config(lora: LoraConfig, target_names: list[str], base_model: str | Non
         "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
         "alpha_pattern": {}, "revision": None,
     }
-
-
-def adapter_config(adapter: LoraAdapter, base_model: str | None) -> dict[str, Any]:
-    """``adapter_config.json`` of ``adapter``'s LoRA (r, alpha, targets) on ``base_model``."""
-    layout = adapter.layout
-    layers_path = f"{layout.base}.{layout.layers}" if adapter.passthrough_names else None
-    return peft_config(adapter.lora, adapter.target_names, base_model, layers_path)
 
 
 def write_adapter(store: LoraStore, out_dir: str | Path, base_model: str | None = None,

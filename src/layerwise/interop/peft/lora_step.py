@@ -31,7 +31,7 @@ from ...models import FLAVORS, DecoderAdapter, get_flavor
 from ...models.init import build_hf_model
 from ..hf.model_dir import HFModelDirSource, check_weights, fill_store, load_config
 from ..hf.tokenizer_files import model_files_of
-from ..recipes.merge import merge
+from ..recipes.merge import check_out, dir_bytes, merge
 from ..sources import open_source
 from .adapter_dir import ADAPTER_WEIGHTS, MergedSource, adapter_config, write_adapter_tensors
 
@@ -144,12 +144,6 @@ def refuse_peft(source: object) -> ValueError:
                       "train ... lora.r=N`, its out_dir); this source holds whole weights")
 
 
-def refuse_format(run: LoraRunStep, format: str) -> ValueError:
-    return ValueError(f"{run.out_dir} is a LoRA run (lora.r={run.lora.r}): its checkpoints hold "
-                      f"the adapters alone, not a {format} checkpoint; --format peft writes them "
-                      "as a PEFT adapter, --format hf the base with them merged")
-
-
 def write_peft(run: LoraRunStep, out: Path, dtype: str | None = None) -> dict[str, Any]:
     """The step's adapters as a PEFT adapter directory at ``out`` (replaced: the caller checked
     it may be). ``dtype``: cast the adapters (default: fp32, as stored)."""
@@ -186,11 +180,6 @@ def merged_source(run: LoraRunStep) -> MergedSource:
     return MergedSource(store, None if run.base in FLAVORS else run.base)
 
 
-def tokenizer_of(run: LoraRunStep, given: str | Path | None) -> Path | None:
-    """The tokenizer a merged export copies: ``given``, else the run's own (``out_dir/tokenizer``)."""
-    return model_files_of(run.step, given)
-
-
 def export_step(source: object, out_dir: str | Path, format: str = PEFT, *, step: int | None = None,
                 base: str | Path | None = None, dtype: str | None = None,
                 max_shard_size: int | str | None = "5GB", overwrite: bool = False,
@@ -205,23 +194,21 @@ def export_step(source: object, out_dir: str | Path, format: str = PEFT, *, step
     if run is None:
         raise refuse_peft(source)
     if format not in (PEFT, "hf"):
-        raise refuse_format(run, format)
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"--out {out} exists and is not empty; choose a new path or pass --overwrite")
+        raise ValueError(f"{run.out_dir} is a LoRA run (lora.r={run.lora.r}): its checkpoints hold "
+                         f"the adapters alone, not a {format} checkpoint; --format peft writes them "
+                         "as a PEFT adapter, --format hf the base with them merged")
+    out = check_out(out_dir, overwrite)
     t0 = time.perf_counter()
     if format == "hf":
         summary = merge(merged_source(run), out, "hf", max_shard_size=max_shard_size, dtype=dtype,
-                        overwrite=True, tokenizer=tokenizer_of(run, tokenizer))
+                        overwrite=True, tokenizer=model_files_of(run.step, tokenizer))
         summary["step"] = run.step.step
         summary["base_model"] = run.base
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
         summary = write_peft(run, out, dtype)
         summary["out"] = str(out)
-        summary["bytes"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+        summary["bytes"] = dir_bytes(out)
     older = {g: e.saved_step for g, e in run.step.entries.items() if e.saved_step < run.step.step}
     summary.update(older_groups=older, num_groups=len(run.step.groups()),
                    seconds=round(time.perf_counter() - t0, 3))

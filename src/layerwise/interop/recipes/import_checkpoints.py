@@ -1,19 +1,14 @@
 """``layerwise ckpt import``: compact a pile of ordinary checkpoints into a layer-wise run.
 
-Each checkpoint (an HF Trainer ``checkpoint-N`` dir, a DeepSpeed ZeRO save, a DCP dir or an HF
-model dir) becomes one step of the run, oldest first: its own step, else the order given. The steps are saved by a
-``Checkpointer`` whose provider serves the checkpoint being imported (``ImportProvider``), so
-the run is written by the same code, in the same format and with the same commit protocol as a
-training run's. The save is synchronous and copies nothing: each group is read from the
-checkpoint when it is measured or written, one at a time (plus, under a policy that reads
-weight changes, the tracker's reference weights of every group, as in training).
+Each checkpoint (HF Trainer ``checkpoint-N``, ZeRO save, DCP dir, HF model dir) becomes one step,
+oldest first (its own step, else the order given), saved by a ``Checkpointer`` over
+``ImportProvider``: the same code, format and commit protocol as a training run's, reading each
+group from the checkpoint when it is measured or written.
 
-Under ``full`` every group is stored, and content addressing stores a group whose bytes equal
-an earlier version (a frozen layer) once. Under ``filter``/``topk``/``budget`` the tracker
-measures each group's change since its stored version, from the checkpoints themselves, and only
-the groups the policy picks are stored (LLMTailor's tailoring, after the fact); the others
-resolve to their stored version. An import into a run that has steps continues it: the stored
-versions are the references, so importing a pile in two parts stores what one import would.
+Under ``full`` every group is stored (content addressing stores equal bytes once); under
+``filter``/``topk``/``budget`` the tracker measures each group's change since its stored version
+and stores only the groups the policy picks. An import into a run with steps continues it (the
+stored versions are the references), so importing a pile in two parts stores what one would.
 """
 
 from __future__ import annotations
@@ -34,6 +29,7 @@ from ...ckpt.provider import PARAM, rng_parts
 from ...models.names import config_is_tied, group_of
 from ..layout import CheckpointSource
 from ..sources import open_source
+from .merge import dir_bytes
 
 
 @dataclass
@@ -131,10 +127,6 @@ class _SourceScheduler:
 
     def state_dict(self) -> dict | None:
         return self.provider.extra.get("scheduler")
-
-
-def dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
 def _ordered(paths: list[str | Path], config: dict | str | Path | None

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from ...util.atomic import fsync_dir
+from ...util.dtypes import parse_dtype
 from ..torchdist.dcp_checkpoint import write_dcp
-from ..hf.model_dir_writer import write_hf
+from ..hf.model_dir_writer import require_config, write_config_files, write_hf
 from ..hf.tokenizer_files import copy_model_files, model_files_of
 from ..layout import CheckpointSource
 from ..sources import open_source
@@ -64,11 +65,7 @@ def merge(
     recipe = getattr(source, "recipe", None)
     if dtype is None and recipe is not None:
         dtype = recipe.dtype  # a recipe's `dtype:` applies unless overridden
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"--out {out} exists and is not empty; choose a new path or pass --overwrite")
+    out = check_out(out_dir, overwrite)
 
     model_files = model_files_of(source, tokenizer) if format in ("hf", "trainer") else None
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -76,14 +73,20 @@ def merge(
     tmp.mkdir()
     t0 = time.perf_counter()
     try:
+        config = require_config(source)
+        extra = source.extra_state()
+        torch_dtype = None if format == "deepspeed" else parse_dtype(dtype)  # ZeRO keeps fp32 masters
+        summary = {"format": format, "step": int(extra.get("step") or 0)}
         if format == "hf":
-            summary = write_hf(source, tmp, max_shard_size=max_shard_size, dtype=dtype)
+            summary.update(write_hf(source, tmp, config, torch_dtype, max_shard_size=max_shard_size))
         elif format == "dcp":
-            summary = write_dcp(source, tmp, dtype=dtype, hparams=hparams)
+            summary.update(write_dcp(source, tmp, config, extra, torch_dtype, hparams=hparams))
         elif format == "deepspeed":
-            summary = write_zero(source, tmp, template=_zero_template(source, template))
+            summary.update(write_zero(source, tmp, config, extra, template=_zero_template(source, template)))
         else:
-            summary = write_trainer(source, tmp, max_shard_size=max_shard_size, dtype=dtype, hparams=hparams)
+            summary.update(write_trainer(source, tmp, config, extra, torch_dtype,
+                                         max_shard_size=max_shard_size, hparams=hparams))
+        write_config_files(tmp, config, torch_dtype, extra.get("generation_config"))
         if model_files is not None:
             copy_model_files(model_files, tmp)
         _fsync_tree(tmp)
@@ -99,8 +102,21 @@ def merge(
     summary["tokenizer_from"] = None if model_files is None else str(model_files)
     summary["out"] = str(out)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
-    summary["bytes"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    summary["bytes"] = dir_bytes(out)
     return summary
+
+
+def check_out(out_dir: str | Path, overwrite: bool) -> Path:
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"--out {out} exists and is not empty; choose a new path or pass --overwrite")
+    return out
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
 def _zero_template(source: CheckpointSource, template: str | Path | None) -> Path:

@@ -1,32 +1,22 @@
 """torch.distributed.checkpoint (DCP) checkpoints, written and read a group at a time.
 
-Written layout (the nesting ``torch.distributed.checkpoint.state_dict.get_state_dict`` returns, so an
-FSDP2 loop loads it with ``dcp.load({"model": msd, "optim": osd}, checkpoint_id=dir)`` and
-``set_state_dict``, at any world size: DCP reshards on load):
+Written layout (``get_state_dict``'s nesting, so an FSDP2 loop loads it with
+``dcp.load({"model": msd, "optim": osd}, checkpoint_id=dir)`` and ``set_state_dict`` at any
+world size): ``model.<hf_name>`` weights; ``optim.state.<hf_name>.{step, exp_avg, exp_avg_sq}``
+(fp32); ``optim.param_groups`` (the Trainer's two groups, params by name); ``train_state.step``;
+and ``config.json`` (with ``generation_config.json``) so the dir also opens as a source.
 
-- ``model.<hf_name>``: weights;
-- ``optim.state.<hf_name>.{step, exp_avg, exp_avg_sq}``: AdamW state, fp32;
-- ``optim.param_groups``: the Trainer's two AdamW groups (weight decay / none), params by name;
-- ``train_state.step``: the training step;
-- ``config.json`` (and ``generation_config.json``) beside DCP's own files, so the directory also
-  opens as a source.
+DCP plans a save from the whole state dict, so the writer hands it meta tensors and resolves
+each when DCP writes it (``_LazySavePlanner``): with one writer thread DCP writes in plan order,
+i.e. group order, one group in memory at a time. A first pass over the groups gets the shapes.
 
-DCP plans a save from the whole state dict, so the writer hands it meta tensors and resolves each
-one when DCP writes it (``_LazySavePlanner``): with one writer thread DCP writes in plan order,
-which is group order, and only one group is in memory at a time. The shapes and dtypes the plan
-needs come from a first pass over the groups (each group is read twice).
-
-Reading (:class:`DCPCheckpointSource`) takes the keys from DCP's metadata, finds the names
-(HF's, or torchtitan's Llama names: :mod:`layerwise.interop.torchdist.titan_names`) and the weight and optimizer
-prefixes (``model.`` or none; ``optim.state.``, ``optimizer.state.`` or ``state.``) by matching the
-config's parameter names, and loads one group's keys per ``dcp.load``. torchtitan's
-``CheckpointManager`` saves ``{model, optimizer, lr_scheduler, dataloader, train_state}``: the
-model's weights flat at the top level (older versions: under ``model.``), the optimizer as
-``get_optimizer_state_dict(flatten_optimizer_state_dict=True)`` (``optimizer.state.<fqn>.exp_avg``,
-``optimizer.param_groups.<fqn>.lr``, ...) and ``train_state.step`` as an int32 tensor. DCP pickles
-its ``.metadata`` and non-tensor values; a foreign checkpoint is untrusted, so both are read here
-with allow-lists (:class:`_DataOnlyReader`, :class:`_DataOnlyLoadPlanner`) instead of DCP's plain
-``pickle.load`` / ``torch.load(weights_only=False)``.
+Reading (:class:`DCPCheckpointSource`) matches the config's parameter names (HF's, or
+torchtitan's Llama names: :mod:`.titan_names`) against DCP's metadata to find the weight prefix
+(``model.`` or none) and optimizer prefix (``optim.state.``, ``optimizer.state.`` or
+``state.``: torchtitan's ``flatten_optimizer_state_dict``), then loads one group per
+``dcp.load``. DCP pickles ``.metadata`` and non-tensor values; a foreign checkpoint is
+untrusted, so both are read with allow-lists (:class:`_MetadataUnpickler`,
+:class:`_DataOnlyLoadPlanner`) instead of DCP's plain unpickling.
 """
 
 from __future__ import annotations
@@ -46,10 +36,8 @@ from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex, Stor
                                                    TensorStorageMetadata)
 
 from ...models.names import config_is_tied, group_sort_key, groups_of_model
-from ...util.dtypes import parse_dtype
 from ...util.safe_load import load_data_file
 from ..hf.model_dir import read_json
-from ..hf.model_dir_writer import require_config, write_config_files
 from ..layout import CONFIG_NAME, EXP_AVG, EXP_AVG_SQ, PARAM, STEP, CheckpointSource, meta_model
 from .titan_names import rope_heads, titan_name, titan_rows_to_hf
 from ..hf.trainer_checkpoint import AdamWHParams, _param_groups, trainer_param_groups
@@ -57,7 +45,7 @@ from ..hf.trainer_checkpoint import AdamWHParams, _param_groups, trainer_param_g
 METADATA_NAME = ".metadata"
 """DCP's metadata file (what marks a directory as a DCP checkpoint)."""
 
-MODEL, OPTIM, TRAIN_STATE = "model.", "optim.state.", "train_state."
+MODEL, OPTIM = "model.", "optim.state."
 _MOMENTS = {EXP_AVG: "exp_avg", EXP_AVG_SQ: "exp_avg_sq", STEP: "step"}
 _OPTIM_PREFIXES = ("optim.state.", "optimizer.state.", "state.")
 
@@ -122,17 +110,11 @@ def _dcp_tensors(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) ->
     return out
 
 
-def write_dcp(source: CheckpointSource, out_dir: Path, *, dtype: str | torch.dtype | None = None,
-              hparams: AdamWHParams | None = None) -> dict[str, Any]:
-    """Write ``source`` as a DCP checkpoint into the existing, empty ``out_dir``; return a summary.
-
-    Not atomic by itself: :func:`layerwise.interop.recipes.merge.merge` points it at a temp dir and renames.
-    """
-    config = require_config(source)
-    torch_dtype = parse_dtype(dtype)
+def write_dcp(source: CheckpointSource, out_dir: Path, config: dict, extra: dict,
+              torch_dtype: torch.dtype | None, *, hparams: AdamWHParams | None = None) -> dict[str, Any]:
+    """``source`` as a DCP checkpoint in the empty ``out_dir`` (but its config files); a summary."""
     model = meta_model(config)
     names = {n for names in groups_of_model(model).values() for n in names}
-    extra = source.extra_state()
 
     # Pass 1: the plan needs every tensor's shape and dtype; a group at a time, nothing kept.
     state: dict[str, torch.Tensor] = {}
@@ -164,9 +146,8 @@ def write_dcp(source: CheckpointSource, out_dir: Path, *, dtype: str | torch.dty
     planner = _LazySavePlanner(source, group_of_fqn, torch_dtype)
     _quiet_single_process(dcp.save, to_save, storage_writer=FileSystemWriter(out_dir, thread_count=1),
                           planner=planner)
-    write_config_files(Path(out_dir), config, torch_dtype, extra.get("generation_config"))
     files = sorted(f.name for f in Path(out_dir).iterdir() if f.suffix == ".distcp")
-    return {"format": "dcp", "step": int(extra.get("step") or 0), "weight_files": files,
+    return {"weight_files": files,
             "tensors": len(state), "params_with_optimizer_state": len(stepped),
             "group_loads": planner.group_loads, "groups": len(source.groups())}
 
