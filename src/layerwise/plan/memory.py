@@ -133,18 +133,6 @@ def layer_workspace_bytes(shape: ModelShape, tokens: int, elem_bytes: int, i: in
     return tokens * per_token * elem_bytes
 
 
-def saved_counts(shape: ModelShape, i: int = 0) -> tuple[int, int]:
-    """(tensors, activation storages) decoder layer ``i``'s forward saves: what a kept forward's
-    hooks and the host tier's copies cost per item (``planner/cost.py``). Layers with their own
-    facts: as the layer counted them when it ran; the closed-form families: the same counts
-    (``tests/plan/test_module_facts.py`` holds them equal), a q/k norm adding 12 tensors, 6
-    storages."""
-    c = shape.layer(i)
-    if c is not None:
-        return c.saved_tensors, c.saved_storages
-    return (50, 23) if shape.qk_norm else (38, 17)
-
-
 def _widest_bytes(shape: ModelShape, i: int, tokens: int, elem_bytes: int) -> int:
     """The MLP's widest intermediates of a forward without a graph (gate and up)."""
     c = shape.layer(i)

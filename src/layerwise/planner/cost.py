@@ -44,30 +44,16 @@ STATE_NBYTES = {"fp32": adamw.state_nbytes, "8bit": adamw8bit.state_nbytes}
 
 
 @dataclass(frozen=True)
-class CostModel:
-    """Seconds and bytes of each engine op for one micro-batch shape on one machine."""
-
-    shape: ModelShape
-    hw: HardwareProfile
-    micro_batch_size: int
-    seq_len: int
-    head_chunk_tokens: int = 1024
-    per_load: int = 1
-    """Micro-batches that share a weight load (layer-major order when > 1): their weight
-    gradients are summed on the device in an fp32 slot, a deposit each backward pays."""
+class CostModel(DeviceCost):
+    """Seconds and bytes of each engine op for one micro-batch shape on one machine (the ops'
+    compute seconds: ``DeviceCost``)."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.seq_len < 1:
             raise ValueError(f"micro_batch_size and seq_len must be >= 1, got "
                              f"{self.micro_batch_size} and {self.seq_len}")
 
-    @property
-    def tokens(self) -> int:
-        return self.micro_batch_size * self.seq_len
-
-    @property
-    def elem_bytes(self) -> int:
-        return self.hw.compute_dtype_bytes
+    elem_bytes = DeviceCost.e
 
     # ----- FLOPs --------------------------------------------------------------------------
 
@@ -110,41 +96,7 @@ class CostModel:
         fb = self.shape.frozen_base
         return 0.0 if fb is None else fb.adapter_flops_per_token * self.tokens
 
-    # ----- seconds ------------------------------------------------------------------------
-    # Each op is priced by its kernels' shapes (``planner/device_cost.py``: a roofline per GEMM,
-    # attention and grouped expert GEMM, bytes for the elementwise work, a launch per kernel).
-
-    @cached_property
-    def device(self) -> DeviceCost:
-        return DeviceCost(self.shape, self.hw, self.micro_batch_size, self.seq_len, self.head_chunk_tokens,
-                          self.per_load)
-
-    def layer_fwd_s(self, i: int) -> float:
-        """A forward without a graph (``layer_fwd``, recompute)."""
-        return self.device.layer_fwd_s(i)
-
-    def layer_bwd_s(self, i: int) -> float:
-        """Forward with a graph + backward; with a frozen base the backward is the input
-        gradients and the adapters' weight gradients."""
-        return self.device.layer_bwd_s(i)
-
-    def layer_fwd_keep_s(self, i: int) -> float:
-        """A forward with a graph whose saved tensors are kept: the same kernels."""
-        return self.device.layer_fwd_s(i)
-
-    def layer_bwd_kept_s(self, i: int) -> float:
-        """The backward through a kept graph."""
-        return self.device.layer_bwd_kept_s(i)
-
-    @property
-    def head_s(self) -> float:
-        """Norm + lm_head + loss forward and backward, all chunks."""
-        return self.device.head_s
-
-    @property
-    def embed_s(self) -> float:
-        """Embedding gather or scatter-add: memory-bound and tiny."""
-        return self.device.embed_s
+    # ----- seconds (compute: ``DeviceCost``) ---------------------------------------------
 
     def op_s(self, kind: OpKind, i: int = -1) -> float:
         if kind in (OpKind.LAYER_FWD, OpKind.RECOMPUTE_LAYER):
@@ -271,7 +223,3 @@ class CostModel:
         the gradient, the moments per unit, plus the copy-source arena's alignment padding;
         exactly ``HostStore.nbytes()``."""
         return self.store_footprint(moments, bf16_grads).total
-
-    def pinned_store_bytes(self) -> int:
-        """Of ``host_store_bytes``, the page-locked part: the copy-source arena."""
-        return self.store_footprint().pinned

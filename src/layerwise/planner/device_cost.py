@@ -166,9 +166,12 @@ class DeviceCost:
     seq_len: int
     head_chunk_tokens: int = 1024
     per_load: int = 1
+    """Micro-batches that share a weight load (layer-major order when > 1): their weight
+    gradients are summed on the device in an fp32 slot, a deposit each backward pays."""
 
     @property
     def e(self) -> int:
+        """Bytes per element of the compute dtype."""
         return self.hw.compute_dtype_bytes
 
     @property
@@ -253,6 +256,9 @@ class DeviceCost:
 
     def layer_bwd_kept_s(self, i: int) -> float:
         return self._priced(i, "kept")
+
+    layer_fwd_keep_s = layer_fwd_s
+    """A forward with a graph whose saved tensors are kept: the same kernels."""
 
     def head_chunk(self, rows: int) -> list[Kernel]:
         """Norm, lm_head and the fp32 loss over ``rows`` tokens, forward and backward (a frozen
