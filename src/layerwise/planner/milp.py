@@ -13,8 +13,7 @@ under the names :mod:`.formulation` gives its functions.
 Here: :func:`solve` as named steps (the presolve that picks HiGHS's start, then one stage per
 HiGHS run: build, seed, run, read back). Beside it: :mod:`.step_model` (:class:`StepModel`, the
 linear model's constants from the cost model the simulator shares, the evaluation of a fixed
-assignment, and :func:`dp_device_host`, an exact dynamic program for the device/host-only case
-used as a cross-check), :mod:`.formulation` (the variables, objective and constraint groups) and
+assignment), :mod:`.formulation` (the variables, objective and constraint groups) and
 :mod:`.columns` (named blocks of columns and rows, turned into one ``HighsLp``).
 """
 
@@ -26,9 +25,9 @@ from typing import Any
 
 from .formulation import ALL_INTERNAL_TIERS, ALL_TIERS, MS, Formulation, build
 from ..plan.plan import Plan
-from .step_model import NVME_STAGING, StepModel, dp_device_host
+from .step_model import NVME_STAGING, StepModel
 
-__all__ = ["MilpConfig", "MilpResult", "NVME_STAGING", "StepModel", "dp_device_host", "solve"]
+__all__ = ["MilpConfig", "MilpResult", "NVME_STAGING", "StepModel", "solve"]
 
 
 @dataclass
@@ -124,7 +123,7 @@ def solve(model: StepModel, config: MilpConfig | None = None,
     ``warm_moments`` (default: the model's) and ``warm_internal`` (default: all recompute),
     seeds the search. One call's ``time_limit_s`` covers all its stages."""
     cfg = (config or MilpConfig()).validated()
-    start = given_start(warm_start, warm_moments, warm_internal)
+    start = None if warm_start is None else Start(*warm_start, warm_moments, warm_internal)
     spent_s = 0.0
     if cfg.joint:
         start, spent_s = boundaries_first(model, cfg, start)
@@ -133,15 +132,6 @@ def solve(model: StepModel, config: MilpConfig | None = None,
     res = _stage(model, cfg, start, max(cfg.time_limit_s - spent_s, 0.1 * cfg.time_limit_s))
     res.solve_s += spent_s
     return res
-
-
-def given_start(warm_start: tuple[str, list[str]] | None, warm_moments: list[str] | None,
-                warm_internal: list[str] | None) -> Start | None:
-    """The caller's warm start as a :class:`Start` (None: a cold solve)."""
-    if warm_start is None:
-        return None
-    name, tiers = warm_start
-    return Start(name, tiers, warm_moments, warm_internal)
 
 
 def boundaries_first(model: StepModel, cfg: MilpConfig, given: Start | None) -> tuple[Start | None, float]:
@@ -265,7 +255,6 @@ def _quiet_highs(highspy: Any) -> Any:
         try:
             os.dup2(devnull, 1)
             h = highspy.Highs()
-            h.setOptionValue("output_flag", False)
         finally:
             os.dup2(saved, 1)
             os.close(saved)

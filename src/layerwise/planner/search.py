@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .baselines import baseline_tiers, extra_candidates, internal_rules
+from .baselines import rules as fixed_rules
 from .cost import CostModel
 from .host_fit import PlanInfeasible, choose_moments, human_bytes, infeasible, rule_moments
 from ..plan.shape import ModelShape
@@ -191,7 +191,7 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
     lands_once = cfg.per_loads is None or max(cfg.per_loads) > 1 or cfg.global_batch in _micro_batch_sizes(cfg)
     choose_moments(shape, hw, bf16_grads=lands_once)
     auto = cfg.global_batch is None
-    rules = _rules(shape.num_layers)
+    rules = fixed_rules(shape.num_layers)
     tally = _Tally(dict.fromkeys([*rules, "milp"], 0), Sims(shape, hw))
     order = []
     for mbs in _micro_batch_sizes(cfg):
@@ -253,14 +253,6 @@ def _micro_batch_sizes(cfg: SearchConfig) -> list[int]:
         if bad:
             raise ValueError(f"micro-batch sizes {bad} do not divide the global batch {cfg.global_batch}")
     return sizes
-
-
-def _rules(num_layers: int) -> Rules:
-    """Name -> (boundary tiers, internal tiers or None) of every fixed rule."""
-    rules: Rules = {name: (tiers, None)
-                    for name, tiers in {**baseline_tiers(num_layers), **extra_candidates(num_layers)}.items()}
-    rules.update(internal_rules(num_layers))
-    return rules
 
 
 def _per_loads(cfg: SearchConfig, m_count: int) -> list[int]:
