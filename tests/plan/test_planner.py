@@ -140,7 +140,7 @@ def dp_device_host(model):
     L = model.L
     dmax = min(int(model.max_device_total() + 1e-9),
                min(int(model.max_device_prefix(i) + 1e-9) for i in range(L)))
-    hmax = int(model.max_host() + 1e-9)
+    hmax = int(model.host_budget / model.a_bytes + 1e-9)
     M = model.num_micro_batches
 
     def cost(i: int, tier: str) -> float:

@@ -211,10 +211,9 @@ def kept_internal_bytes(shape: ModelShape, plan: Plan, i: int, tokens: int, elem
     return layer_workspace_bytes(shape, tokens, elem_bytes, i, seq_len) - shared
 
 
-def group_size(plan: Plan, num_micro_batches: int | None = None) -> int:
+def group_size(plan: Plan) -> int:
     """Micro-batches that run each op together (one group of the step program)."""
-    n = plan.num_micro_batches if num_micro_batches is None else num_micro_batches
-    return max(1, min(plan.micro_batches_per_load, n))
+    return max(1, min(plan.micro_batches_per_load, plan.num_micro_batches))
 
 
 def resident_weight_bytes(shape: ModelShape, plan: Plan, elem_bytes: int) -> int:
@@ -361,9 +360,6 @@ def predict_peak_device_bytes(shape: ModelShape, plan: Plan, micro_batch_size: i
                               offload_window_ops: int = OFFLOAD_WINDOW_OPS,
                               attention_workspace: bool = False) -> MemoryEstimate:
     """The largest of :func:`device_bytes_per_op` (the first op to reach it)."""
-    best = MemoryEstimate(0, "", {})
-    for est in device_bytes_per_op(shape, plan, micro_batch_size, seq_len, elem_bytes, grad_slots,
-                                   workspace_bytes, offload_window_ops, attention_workspace):
-        if est.peak_bytes > best.peak_bytes:
-            best = est
-    return best
+    return max(device_bytes_per_op(shape, plan, micro_batch_size, seq_len, elem_bytes, grad_slots,
+                                   workspace_bytes, offload_window_ops, attention_workspace),
+               key=lambda est: est.peak_bytes)

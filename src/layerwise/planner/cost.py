@@ -33,9 +33,7 @@ from ..store import StoreFootprint, grad_itemsizes_of
 from ..util.host_memory import locked_nbytes
 from ..plan import memory
 from .device_cost import DeviceCost
-from .hardware import HardwareProfile
 from ..plan.program import EMBED_OPS, OpKind
-from ..plan.shape import ModelShape
 
 # The host store's bytes are counted with the store's own arithmetic (``StoreFootprint``) and
 # the optimizers' (per unit: fp32 moments 8 B/param; 8-bit 2 B/param + 8 B per 256-block).
@@ -68,17 +66,16 @@ class CostModel(DeviceCost):
                     + c.mixer_flops_per_token * self.tokens + adapters)
         return 2.0 * s.layer_matmul_params * self.tokens + 4.0 * s.q_dim * pairs + adapters
 
-    @property
-    def head_fwd_flops(self) -> float:
-        return 2.0 * self.shape.hidden_size * self.shape.vocab_size * self.tokens
-
     def model_flops(self) -> float:
         """Forward + backward FLOPs of one micro-batch, no recompute (the MFU numerator); with a
-        frozen base the backward is the input gradients' (1x) plus the adapters'."""
-        fwd = sum(self.layer_fwd_flops(i) for i in range(self.shape.num_layers)) + self.head_fwd_flops
-        if self.shape.frozen_base is None:
+        frozen base the backward is the input gradients' (1x) plus the adapters' weight gradients
+        (their forward's again)."""
+        s = self.shape
+        fwd = (sum(self.layer_fwd_flops(i) for i in range(s.num_layers))
+               + 2.0 * s.hidden_size * s.vocab_size * self.tokens)  # + the head
+        if s.frozen_base is None:
             return 3.0 * fwd
-        return 2.0 * fwd + self.shape.num_layers * self._adapter_wgrad_flops
+        return 2.0 * fwd + s.num_layers * (s.frozen_base.adapter_flops_per_token * self.tokens)
 
     @property
     def _frozen(self) -> bool:
@@ -89,12 +86,6 @@ class CostModel(DeviceCost):
         """A 2-byte compute dtype is bf16 to the planner, and a bf16 store keeps its master split
         (``StoreFootprint.of_numels``); a LoRA store keeps its adapters' masters plain."""
         return self.elem_bytes == 2 and not self._frozen
-
-    @property
-    def _adapter_wgrad_flops(self) -> float:
-        """The adapters' weight-gradient FLOPs of one layer (their forward's again)."""
-        fb = self.shape.frozen_base
-        return 0.0 if fb is None else fb.adapter_flops_per_token * self.tokens
 
     # ----- seconds (compute: ``DeviceCost``) ---------------------------------------------
 
@@ -184,11 +175,8 @@ class CostModel(DeviceCost):
     def layer_workspace_bytes(self) -> int:
         """What autograd keeps for one layer's backward (the engine's formula); layers that
         differ: the largest layer's (an upper bound where one number stands for all)."""
-        return max(self.layer_workspace_bytes_of(i) for i in range(self.shape.num_layers))
-
-    def layer_workspace_bytes_of(self, i: int) -> int:
-        return memory.layer_workspace_bytes(self.shape, self.tokens, self.elem_bytes, i,
-                                            self.seq_len)
+        return max(memory.layer_workspace_bytes(self.shape, self.tokens, self.elem_bytes, i, self.seq_len)
+                   for i in range(self.shape.num_layers))
 
     def op_transient_bytes(self, kind: OpKind, i: int = -1) -> int:
         """Device bytes an op holds only while it runs (inputs, outputs, grads, workspace)."""

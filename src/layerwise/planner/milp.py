@@ -112,9 +112,6 @@ class Start:
             return self.moments
         return model.moments or ["fp32"] * len(model.units)
 
-    def internal_for(self, model: StepModel) -> list[str]:
-        return self.internal or ["recompute"] * model.L
-
 
 def solve(model: StepModel, config: MilpConfig | None = None,
           warm_start: tuple[str, list[str]] | None = None,
@@ -193,7 +190,7 @@ def _seed(h: Any, highspy: Any, form: Formulation, model: StepModel, cfg: MilpCo
     config allows its tiers; returns the start used (None: a cold solve)."""
     if start is None or len(start.tiers) != model.L:
         return None
-    moments, internal = start.moments_for(model, cfg), start.internal_for(model)
+    moments, internal = start.moments_for(model, cfg), start.internal or ["recompute"] * model.L
     ev = model.evaluate(start.tiers, cfg.include_optimizer_stall, moments, internal, start.resident)
     if not (ev.feasible and all(t in cfg.tiers for t in start.tiers)
             and all(t in cfg.internal_tiers for t in internal) and (cfg.resident or not start.resident)):

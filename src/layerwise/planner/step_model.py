@@ -166,11 +166,6 @@ class StepModel:
         """Host bytes left for offloaded boundaries (and NVMe staging) beside the store."""
         return self.host_budget_fp32 + sum(s for s, m in zip(self.saving_8bit, moments or []) if m == "8bit")
 
-    def max_host(self) -> float:
-        """Host-offloaded boundaries that fit beside the store (with ``moments``). NVMe staging
-        (NVME_STAGING boundaries) is charged only when some boundary goes to NVMe."""
-        return self.host_budget / self.a_bytes
-
     def max_nvme(self) -> float:
         return self.nvme_cap / self.a_bytes
 
