@@ -26,12 +26,10 @@ device that runs asynchronously (a GPU) has the host issue kernels ahead, so a k
 ``max(roofline, kernel_launch_s)``; a synchronous one (the CPU backend) dispatches and computes
 in one thread, ``kernel_launch_s + roofline``.
 
-The elementwise byte counts are estimates from reading transformers' modules, stated once: an
-RMSNorm upcasts to fp32 (~9 passes of 4 bytes per element over 6 kernels), the rotary embedding
-~10 passes over 5 kernels per tensor, SwiGLU's activation and product 5 passes over 2 kernels, a
-residual add 3 passes; an elementwise op's backward reads its output's gradient and its saved
-inputs and writes its inputs' gradients: twice the forward's bytes over twice its kernels. FLOP
-totals follow ``planner/cost.py``'s conventions; what changes is their price.
+The elementwise byte counts are estimates from reading transformers' modules (the constants
+below); an elementwise op's backward reads its output's gradient and its saved inputs and writes
+its inputs' gradients: twice the forward's bytes over twice its kernels. FLOP totals follow
+``planner/cost.py``'s conventions; what changes is their price.
 """
 
 from __future__ import annotations
