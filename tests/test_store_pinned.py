@@ -168,7 +168,7 @@ def test_bytes_the_planner_predicts_are_what_the_store_holds(adapter, locks, mom
     assert hw.compute_dtype_bytes == dtype.itemsize
     cm = CostModel(ModelShape.from_config(adapter.config), hw, 1, 1)
     assert cm.host_store_bytes([moments] * len(store.units)) == store.nbytes()
-    assert cm.pinned_store_bytes() == store.pinned_nbytes()
+    assert cm.store_footprint().pinned == store.pinned_nbytes()
 
 
 def test_qwen2_5_14b_pins_only_its_copy_sources():

@@ -190,7 +190,7 @@ def test_plan_prints_host_bytes_per_param_fits_ram_and_the_largest_model(tmp_pat
     parameter, against the RAM; the largest-model line names the largest qwen2 flavor whose
     floor fits 40 GB, and the next larger one does not fit.
 
-    Mutations seen caught: ``bf16_grads_of`` always False (the store printed at fp32 gradients,
+    Mutations seen caught: ``plan_host_need``'s bf16 gradients always False (the store printed at fp32 gradients,
     2 B/param more); the ring in torch's power-of-two pinned blocks (reserve 5.9 GB, not
     5.4); ``largest_fitting`` keeping the first flavor that fits (qwen2-debug)."""
     from layerwise.planner.cost import CostModel

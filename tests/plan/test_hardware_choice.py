@@ -15,7 +15,7 @@ from layerwise.planner.hardware import GB
 from layerwise.planner.presets import PRESETS
 from layerwise.planner.hardware_choice import Machine, check_spec, cuda_preset_for, resolve_hardware
 from layerwise.train.config import TrainConfig
-from layerwise.train.planning import run_hardware
+from layerwise.planner.run_plan import run_hardware
 
 CPU = Machine(ram_bytes=64 * GB)
 T4 = Machine(ram_bytes=64 * GB, gpu_name="Tesla T4", gpu_mem_bytes=16 * GB)
@@ -95,6 +95,7 @@ def test_plan_and_train_resolve_a_spec_to_the_same_profile(tmp_path, spec):
     args = build_parser("plan").parse_args(["plan", "--model", "llama-demo", "--hardware", spec,
                                       "--seq-len", "64"])
     cfg = TrainConfig(hardware=spec, out_dir=str(tmp_path / "run"), device="cpu")
-    train_hw = run_hardware(cfg, torch.bfloat16, may_calibrate=False)
+    train_hw = run_hardware(cfg.hardware, cfg.profile, cfg.out_dir, cfg.device, torch.bfloat16.itemsize,
+                            may_calibrate=False)
     assert train_hw.profile == plan_hardware(args)
     assert train_hw.profile.name != "cpu"

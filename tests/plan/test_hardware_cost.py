@@ -66,7 +66,7 @@ def test_flops_by_hand():
     pairs = 4 * 5 // 2  # causal (q, k) pairs of a 4-token sequence
     expect = 2 * 9216 * 8 + 4 * 32 * pairs * 2
     assert cm.layer_fwd_flops(0) == expect
-    assert sum(k.flops * k.count for k in cm.device.layer_forward(0)) == expect  # the kernels' FLOPs too
+    assert sum(k.flops * k.count for k in cm.layer_forward(0)) == expect  # the kernels' FLOPs too
     assert cm.boundary_bytes == 2 * 4 * 32 * 2  # bf16
     assert shape.attention_pairs(10, 4) == 4 * 5 // 2 + 6 * 4  # sliding window
 

@@ -8,7 +8,7 @@ import torch
 
 from layerwise.engine.grad_sink import HOST_GRAD_RING, ring_piece_bytes
 from layerwise.models import get_flavor
-from layerwise.plan import hardware, presets
+from layerwise.planner import hardware, presets
 from layerwise.planner.hardware import GB, HardwareProfile
 from layerwise.planner.presets import PRESETS
 from layerwise.planner.host_need import layer_grad_bytes

@@ -66,7 +66,7 @@ def test_nvme_staging_is_charged_only_with_an_nvme_boundary(tight):
     shape, hw, moments = tight
     # two micro-batches: the gradients are summed on the host, so the store keeps them in fp32
     model = StepModel(shape, hw, 16, 1024, 2, moments=moments)
-    assert 1 <= model.max_host() < NVME_STAGING
+    assert 1 <= model.host_budget / model.a_bytes < NVME_STAGING
     one = ["device"] * shape.num_layers
     for tier, fits in (("host", True), ("nvme", False)):
         tiers = list(one)

@@ -1,6 +1,6 @@
 """``milp.solve``'s stages: a HiGHS answer that does not match its objective is not trusted."""
 
-from layerwise.plan import milp as milp_mod
+from layerwise.planner import milp as milp_mod
 from layerwise.planner.baselines import baseline_tiers
 from layerwise.planner.presets import PRESETS
 from layerwise.planner.milp import MilpConfig, StepModel, solve

@@ -8,7 +8,7 @@ import pytest
 from layerwise.models import DecoderAdapter, get_flavor
 from layerwise.models.saved_bytes import PROBE_SEQ_LENS, layer_saved_bytes, saved_bytes_by_layer
 from layerwise.models.structure import layer_facts
-from layerwise.plan.memory import layer_workspace_bytes, saved_counts
+from layerwise.plan.memory import layer_workspace_bytes
 from layerwise.plan.shape import ModelShape
 
 CLOSED_FORMS = ["llama-debug", "qwen2-debug", "qwen3-debug", "mistral-debug", "llama3-8b",
@@ -42,18 +42,6 @@ def test_saved_bytes_measured_equal_the_closed_form(flavor):
     saved = layer_saved_bytes(DecoderAdapter(cfg), 0)
     assert saved.per_token_pos == 0
     assert saved.per_token == pytest.approx(layer_workspace_bytes(shape, 1, 4), rel=0.02)
-
-
-@pytest.mark.parametrize("flavor", CLOSED_FORMS)
-def test_saved_counts_measured_equal_the_closed_form(flavor):
-    """The tensors a layer saves (each a hook call in a kept forward) and their distinct
-    activation storages (each a host-tier copy) as the layer counts them when it runs equal the
-    closed form's (``memory.saved_counts``), which the kept internals' fixed costs are priced
-    by. Mutation seen failing: the closed form without the q/k norm's 12 tensors and 6 storages
-    (qwen3)."""
-    cfg = get_flavor(flavor).build_config()
-    saved = layer_saved_bytes(DecoderAdapter(cfg), 0)
-    assert (saved.tensors, saved.storages) == saved_counts(ModelShape.from_config(cfg))
 
 
 def test_an_eager_kernel_s_probabilities_grow_with_the_row():

@@ -123,7 +123,7 @@ def test_without_hardware_it_plans_for_this_machine(monkeypatch, capsys):
     here): llama3-8b's full run does not fit it; llama3.2-1b's floor does.
 
     Mutation seen caught: ``machine_preset`` keeping the cpu preset's 16 GB, not the machine's RAM."""
-    from layerwise.plan import cli as plan_cli
+    from layerwise.planner import cli as plan_cli
     from layerwise.planner.hardware_choice import Machine
 
     from layerwise.cli import build_parser

@@ -10,9 +10,9 @@ from layerwise.planner.cost import CostModel
 from layerwise.plan.shape import load_shape
 from layerwise.planner.hardware import GB
 from layerwise.planner.presets import PRESETS
-from layerwise.planner.milp import MilpConfig, StepModel, dp_device_host, solve
+from layerwise.planner.milp import MilpConfig, StepModel, solve
 from layerwise.plan.plan import Plan
-from layerwise.plan import milp as milp_mod, search as search_mod
+from layerwise.planner import milp as milp_mod, search as search_mod
 from layerwise.planner.search import PlanInfeasible, SearchConfig, choose_moments, search
 from layerwise.planner.simulator import simulate
 from matrix import sampled
@@ -129,6 +129,48 @@ def test_warm_start_and_time_limit():
     assert warm.warm_start == "every-4"
     assert warm.objective_s == pytest.approx(cold.objective_s, rel=2e-3)
     assert warm.solve_s < 10
+
+
+def dp_device_host(model):
+    """Exact optimum over device/host only, without the optimizer stall (a cross-check).
+
+    With no recompute or NVMe the model separates per boundary and the capacities reduce to a
+    count of device boundaries (<= D) and of host boundaries (<= H): a DP over (layer, #device).
+    """
+    L = model.L
+    dmax = min(int(model.max_device_total() + 1e-9),
+               min(int(model.max_device_prefix(i) + 1e-9) for i in range(L)))
+    hmax = int(model.host_budget / model.a_bytes + 1e-9)
+    M = model.num_micro_batches
+
+    def cost(i: int, tier: str) -> float:
+        off = 1.0 if tier == "host" else 0.0
+        return M * (max(model.f_lb[i], model.a_out * off) + max(model.b_lb[i], model.w_in[i] + model.a_in * off))
+
+    INF = float("inf")
+    # best[c] = (cost, tiers) over the layers seen so far with c device boundaries
+    best: list[tuple[float, list[str]]] = [(0.0, [])] + [(INF, [])] * max(dmax, 0)
+    if dmax < 0:
+        return None, INF
+    for i in range(L):
+        new: list[tuple[float, list[str]]] = [(INF, [])] * (dmax + 1)
+        for c, (v, tiers) in enumerate(best):
+            if v == INF:
+                continue
+            hosts = i - c
+            if hosts + 1 <= hmax:
+                cand = v + cost(i, "host")
+                if cand < new[c][0]:
+                    new[c] = (cand, tiers + ["host"])
+            if c + 1 <= dmax:
+                cand = v + cost(i, "device")
+                if cand < new[c + 1][0]:
+                    new[c + 1] = (cand, tiers + ["device"])
+        best = new
+    v, tiers = min(best, key=lambda e: e[0])
+    if v == INF:
+        return None, INF
+    return tiers, v + model.const_s()
 
 
 def test_dp_cross_checks_the_milp_on_device_and_host():

@@ -15,7 +15,7 @@ from layerwise.planner.presets import PRESETS
 from layerwise.plan.memory import device_bytes_per_op
 from layerwise.planner.milp import StepModel
 from layerwise.plan.plan import Plan
-from layerwise.plan.program import Op, OpKind, micro_batch_program, weight_schedule, weight_windows
+from layerwise.plan.program import Op, OpKind, WeightWindow, micro_batch_program, weight_schedule
 from layerwise.plan.shape import load_shape
 from layerwise.planner.simulator import simulate
 
@@ -53,6 +53,22 @@ HAND_WINDOWS = {
     # tied, two slots: the head holds both, so layers.1's copy waits for the head to finish
     (True, 1): [{E, L0}, {L0, L1}, {L1, E}, {E, H}, {L1}, {L1, L0}, {L0}, {L0}, set()],
 }
+
+
+def weight_windows(ops, tied, depth):
+    """Per op, the units whose weights are on the device while it runs (the window's rule)."""
+    window = WeightWindow(weight_schedule(ops, tied), depth)
+    window.fill()
+    out = []
+    for op in ops:
+        units = op.units(tied)
+        for u in units:
+            window.acquire(u)
+        out.append(window.resident())
+        for u in units:
+            window.release(u)
+        window.fill()
+    return out
 
 
 @pytest.mark.parametrize("tied,depth", sorted(HAND_WINDOWS))

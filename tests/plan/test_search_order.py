@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from layerwise.plan import search as search_mod
+from layerwise.planner import search as search_mod
 from layerwise.planner.presets import PRESETS
 from layerwise.planner.milp import MilpConfig
 from layerwise.planner.search import MIN_SOLVE_S, SearchConfig, search

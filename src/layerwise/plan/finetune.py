@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LORA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
 BASE_DTYPES = ("auto", "compute", "bf16", "int8", "nf4", "fp8", "mxfp4")
 """The frozen base's formats (``lora.base_dtype``): ``compute`` is the run's compute dtype;
 ``auto`` a quantized release's own format, else ``compute`` (planned as ``compute``)."""
@@ -42,18 +40,13 @@ class FrozenBase:
         return f"LoRA r={self.rank}{base}" if self.rank else "LoRA"
 
 
-def linear_dims(hidden: int, intermediate: int, q_dim: int, kv_dim: int) -> dict[str, tuple[int, int]]:
-    """(in, out) of each decoder-layer linear (Llama-style names)."""
-    return {"q_proj": (hidden, q_dim), "k_proj": (hidden, kv_dim), "v_proj": (hidden, kv_dim),
-            "o_proj": (q_dim, hidden), "gate_proj": (hidden, intermediate),
-            "up_proj": (hidden, intermediate), "down_proj": (intermediate, hidden)}
-
-
 def lora_frozen_base(hidden: int, intermediate: int, q_dim: int, kv_dim: int, r: int,
                      targets: list[str] | tuple[str, ...], base_dtype: str) -> FrozenBase:
     """The planner's view of ``lora.r=r lora.target_modules=targets lora.base_dtype=base_dtype``."""
-    dims = linear_dims(hidden, intermediate, q_dim, kv_dim)
-    chosen = [n for n in LORA_LINEARS if "all-linear" in targets or n in targets
+    dims = {"q_proj": (hidden, q_dim), "k_proj": (hidden, kv_dim), "v_proj": (hidden, kv_dim),  # (in, out)
+            "o_proj": (q_dim, hidden), "gate_proj": (hidden, intermediate),
+            "up_proj": (hidden, intermediate), "down_proj": (intermediate, hidden)}
+    chosen = [n for n in dims if "all-linear" in targets or n in targets
               or any(t.endswith("." + n) for t in targets)]
     adapter = sum(r * (dims[n][0] + dims[n][1]) for n in chosen)
     if base_dtype == "int8":

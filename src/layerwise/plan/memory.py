@@ -133,18 +133,6 @@ def layer_workspace_bytes(shape: ModelShape, tokens: int, elem_bytes: int, i: in
     return tokens * per_token * elem_bytes
 
 
-def saved_counts(shape: ModelShape, i: int = 0) -> tuple[int, int]:
-    """(tensors, activation storages) decoder layer ``i``'s forward saves: what a kept forward's
-    hooks and the host tier's copies cost per item (``planner/cost.py``). Layers with their own
-    facts: as the layer counted them when it ran; the closed-form families: the same counts
-    (``tests/plan/test_module_facts.py`` holds them equal), a q/k norm adding 12 tensors, 6
-    storages."""
-    c = shape.layer(i)
-    if c is not None:
-        return c.saved_tensors, c.saved_storages
-    return (50, 23) if shape.qk_norm else (38, 17)
-
-
 def _widest_bytes(shape: ModelShape, i: int, tokens: int, elem_bytes: int) -> int:
     """The MLP's widest intermediates of a forward without a graph (gate and up)."""
     c = shape.layer(i)
@@ -223,10 +211,9 @@ def kept_internal_bytes(shape: ModelShape, plan: Plan, i: int, tokens: int, elem
     return layer_workspace_bytes(shape, tokens, elem_bytes, i, seq_len) - shared
 
 
-def group_size(plan: Plan, num_micro_batches: int | None = None) -> int:
+def group_size(plan: Plan) -> int:
     """Micro-batches that run each op together (one group of the step program)."""
-    n = plan.num_micro_batches if num_micro_batches is None else num_micro_batches
-    return max(1, min(plan.micro_batches_per_load, n))
+    return max(1, min(plan.micro_batches_per_load, plan.num_micro_batches))
 
 
 def resident_weight_bytes(shape: ModelShape, plan: Plan, elem_bytes: int) -> int:
@@ -373,9 +360,6 @@ def predict_peak_device_bytes(shape: ModelShape, plan: Plan, micro_batch_size: i
                               offload_window_ops: int = OFFLOAD_WINDOW_OPS,
                               attention_workspace: bool = False) -> MemoryEstimate:
     """The largest of :func:`device_bytes_per_op` (the first op to reach it)."""
-    best = MemoryEstimate(0, "", {})
-    for est in device_bytes_per_op(shape, plan, micro_batch_size, seq_len, elem_bytes, grad_slots,
-                                   workspace_bytes, offload_window_ops, attention_workspace):
-        if est.peak_bytes > best.peak_bytes:
-            best = est
-    return best
+    return max(device_bytes_per_op(shape, plan, micro_batch_size, seq_len, elem_bytes, grad_slots,
+                                   workspace_bytes, offload_window_ops, attention_workspace),
+               key=lambda est: est.peak_bytes)

@@ -29,7 +29,7 @@ schedule: their weights stay on the device.
 
 The weight window (:class:`WeightWindow`) is the one rule for which weight buffers the device
 holds at each op: the engine's streamer makes the copies it names, the simulator times them,
-and the memory model and the MILP count its slots (:func:`weight_windows` lists them op by op).
+and the memory model and the MILP count its slots.
 """
 
 from __future__ import annotations
@@ -295,20 +295,3 @@ class WeightWindow:
     def finished(self) -> bool:
         return not self._ahead and not self._window and not self._refs
 
-
-def weight_windows(ops: list[Op], tied: bool, depth: int, then: list[str] | None = None) -> list[frozenset[str]]:
-    """Per op, the units whose weights are on the device while it runs: its own and the next
-    ``depth`` uses of the schedule, which continues into ``then`` (the uses after these ops,
-    e.g. the next micro-batch's; None: the schedule ends with the ops)."""
-    window = WeightWindow(weight_schedule(ops, tied) + list(then or ()), depth)
-    window.fill()
-    out = []
-    for op in ops:
-        units = op.units(tied)
-        for u in units:
-            window.acquire(u)
-        out.append(window.resident())
-        for u in units:
-            window.release(u)
-        window.fill()
-    return out

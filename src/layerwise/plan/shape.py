@@ -59,10 +59,6 @@ class LayerCost:
     mlp_matmul_params: int = 0
     """Of ``matmul_params``, the MLP's (routed experts at top-k, shared ones, the router); the
     rest is the token mixer's projections (``planner/device_cost.py`` prices each by its shape)."""
-    saved_tensors: int = 0
-    """Tensors its forward saves (``SavedBytes.tensors``): a kept forward's hook calls."""
-    saved_storages: int = 0
-    """Activation storages among them (``SavedBytes.storages``): the host tier's copies."""
 
     @classmethod
     def of(cls, f: LayerFacts, hidden: int, saved: SavedBytes) -> LayerCost:
@@ -74,8 +70,7 @@ class LayerCost:
                    f.params - f.routed_expert_params
                    + (f.routed_expert_params * f.experts_per_token // f.num_experts
                       if f.num_experts else 0),
-                   saved.per_token_pos / 4, f.routed_expert_params, f.mlp_active_matmul_params,
-                   saved.tensors, saved.storages)
+                   saved.per_token_pos / 4, f.routed_expert_params, f.mlp_active_matmul_params)
 
 
 from .finetune import BASE_DTYPES, FrozenBase, lora_frozen_base

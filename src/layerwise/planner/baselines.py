@@ -33,11 +33,12 @@ def baseline_tiers(num_layers: int) -> dict[str, list[str]]:
     return out
 
 
-def extra_candidates(num_layers: int) -> dict[str, list[str]]:
-    """Assignments that are not baselines but are good starting points."""
-    return {"keep-all-host": ["host"] * num_layers}
-
-
-def internal_rules(num_layers: int) -> dict[str, tuple[list[str], list[str]]]:
-    """Name -> (boundary tiers, internal tiers) of the rules that keep layer internals."""
-    return {f"internals-{t}": (["recompute"] * num_layers, [t] * num_layers) for t in ("device", "host")}
+def rules(num_layers: int) -> dict[str, tuple[list[str], list[str] | None]]:
+    """Name -> (boundary tiers, internal tiers or None) of every fixed rule and of
+    ``keep-all-host`` (a warm start for the MILP)."""
+    out: dict[str, tuple[list[str], list[str] | None]] = {
+        name: (tiers, None) for name, tiers in baseline_tiers(num_layers).items()}
+    out["keep-all-host"] = (["host"] * num_layers, None)
+    for t in ("device", "host"):
+        out[f"internals-{t}"] = (["recompute"] * num_layers, [t] * num_layers)
+    return out

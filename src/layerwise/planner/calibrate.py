@@ -29,11 +29,10 @@ from pathlib import Path
 import torch
 
 from ..models.names import EMBED, HEAD
-from ..models.registry import FLAVORS, get_flavor
 from .hardware import HardwareProfile
 from .hardware_choice import resolve_hardware
 from .presets import PRESETS
-from ..plan.shape import ModelShape
+from ..plan.shape import ModelShape, load_shape
 from .calibrate_host import (median_time, measure_accumulation, measure_gloo_reduce_gbps, measure_optimizer,
                              measure_optimizer_8bit, measure_pinned_copy_gbps, on_host_worker)
 from .machine import this_machine
@@ -109,27 +108,12 @@ def measure_disk_gbps(directory: str | None, nbytes: int, repeats: int) -> tuple
     return len(data) / tr / 1e9, len(data) / tw / 1e9
 
 
-def _model_config(model):
-    """A flavor name, a local HF model directory, or a config, as a config."""
-    if model is None or not isinstance(model, (str, Path)):
-        return model
-    if str(model) in FLAVORS:
-        return get_flavor(str(model)).build_config()
-    if Path(model).is_dir():
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(str(model))
-    raise ValueError(f"calibrate: unknown model {model!r}; use a flavor ({', '.join(sorted(FLAVORS))}) "
-                     "or a local Hugging Face model directory")
-
-
-def _host_probe_numel(config, quick: bool) -> int:
+def _host_probe_numel(shape: ModelShape | None, quick: bool) -> int:
     """Elements of a host probe: the run's largest decoder layer (a landing is one layer), capped
     so a probe's buffers stay a few hundred MB (a memory-bound kernel's rate is flat past the caches)."""
     cap = (4 << 20) if quick else (64 << 20)
-    if config is None:
+    if shape is None:
         return (4 << 20) if quick else (16 << 20)
-    shape = ModelShape.from_config(config)
     layers = [shape.unit_params(u) for u in shape.unit_names() if u not in (EMBED, HEAD)]
     return max(1 << 16, min(cap, max(layers)))
 
@@ -147,7 +131,8 @@ def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None =
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda but CUDA is not available; use --device cpu")
     on_gpu = device.startswith("cuda")
-    config = _model_config(model)
+    shape = model if model is None else (load_shape(str(model)) if isinstance(model, (str, Path))
+                                         else ModelShape.from_config(model))
     dtype = torch.bfloat16 if on_gpu else torch.float32
     reps = 3 if quick else 7
     n = (4096 if on_gpu else 1024) if quick else (8192 if on_gpu else 2048)
@@ -156,7 +141,7 @@ def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None =
     launch = measure_launch_s(device, dtype, reps)
     h2d, d2h = measure_copy_gbps(device, (64 << 20) if quick else (256 << 20), reps)
     nvme_r, nvme_w = measure_disk_gbps(spill_dir, (32 << 20) if quick else (256 << 20), 2 if quick else 3)
-    host = measure_host(device, _host_probe_numel(config, quick), reps, optimizer_threads, gloo)
+    host = measure_host(device, _host_probe_numel(shape, quick), reps, optimizer_threads, gloo)
     free_disk = _free_bytes(spill_dir or tempfile.gettempdir())
     machine = this_machine(device)
     # what is not measured (reserves, compute dtype, lanes, GEMM tile) is this machine's preset's;

@@ -44,9 +44,6 @@ class Block:
             cols = self._at[label] = [self[i] if label is None else self[i, label] for i in range(self.count)]
         return cols
 
-    def __repr__(self) -> str:
-        return f"Block({self.name!r}, {self.start}..{self.start + self.size})"
-
 
 class ColumnMap:
     """The columns of a model: bounds, objective cost and integrality, allocated in named blocks."""

@@ -33,9 +33,7 @@ from ..store import StoreFootprint, grad_itemsizes_of
 from ..util.host_memory import locked_nbytes
 from ..plan import memory
 from .device_cost import DeviceCost
-from .hardware import HardwareProfile
 from ..plan.program import EMBED_OPS, OpKind
-from ..plan.shape import ModelShape
 
 # The host store's bytes are counted with the store's own arithmetic (``StoreFootprint``) and
 # the optimizers' (per unit: fp32 moments 8 B/param; 8-bit 2 B/param + 8 B per 256-block).
@@ -44,30 +42,16 @@ STATE_NBYTES = {"fp32": adamw.state_nbytes, "8bit": adamw8bit.state_nbytes}
 
 
 @dataclass(frozen=True)
-class CostModel:
-    """Seconds and bytes of each engine op for one micro-batch shape on one machine."""
-
-    shape: ModelShape
-    hw: HardwareProfile
-    micro_batch_size: int
-    seq_len: int
-    head_chunk_tokens: int = 1024
-    per_load: int = 1
-    """Micro-batches that share a weight load (layer-major order when > 1): their weight
-    gradients are summed on the device in an fp32 slot, a deposit each backward pays."""
+class CostModel(DeviceCost):
+    """Seconds and bytes of each engine op for one micro-batch shape on one machine (the ops'
+    compute seconds: ``DeviceCost``)."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.seq_len < 1:
             raise ValueError(f"micro_batch_size and seq_len must be >= 1, got "
                              f"{self.micro_batch_size} and {self.seq_len}")
 
-    @property
-    def tokens(self) -> int:
-        return self.micro_batch_size * self.seq_len
-
-    @property
-    def elem_bytes(self) -> int:
-        return self.hw.compute_dtype_bytes
+    elem_bytes = DeviceCost.e
 
     # ----- FLOPs --------------------------------------------------------------------------
 
@@ -82,17 +66,16 @@ class CostModel:
                     + c.mixer_flops_per_token * self.tokens + adapters)
         return 2.0 * s.layer_matmul_params * self.tokens + 4.0 * s.q_dim * pairs + adapters
 
-    @property
-    def head_fwd_flops(self) -> float:
-        return 2.0 * self.shape.hidden_size * self.shape.vocab_size * self.tokens
-
     def model_flops(self) -> float:
         """Forward + backward FLOPs of one micro-batch, no recompute (the MFU numerator); with a
-        frozen base the backward is the input gradients' (1x) plus the adapters'."""
-        fwd = sum(self.layer_fwd_flops(i) for i in range(self.shape.num_layers)) + self.head_fwd_flops
-        if self.shape.frozen_base is None:
+        frozen base the backward is the input gradients' (1x) plus the adapters' weight gradients
+        (their forward's again)."""
+        s = self.shape
+        fwd = (sum(self.layer_fwd_flops(i) for i in range(s.num_layers))
+               + 2.0 * s.hidden_size * s.vocab_size * self.tokens)  # + the head
+        if s.frozen_base is None:
             return 3.0 * fwd
-        return 2.0 * fwd + self.shape.num_layers * self._adapter_wgrad_flops
+        return 2.0 * fwd + s.num_layers * (s.frozen_base.adapter_flops_per_token * self.tokens)
 
     @property
     def _frozen(self) -> bool:
@@ -104,47 +87,7 @@ class CostModel:
         (``StoreFootprint.of_numels``); a LoRA store keeps its adapters' masters plain."""
         return self.elem_bytes == 2 and not self._frozen
 
-    @property
-    def _adapter_wgrad_flops(self) -> float:
-        """The adapters' weight-gradient FLOPs of one layer (their forward's again)."""
-        fb = self.shape.frozen_base
-        return 0.0 if fb is None else fb.adapter_flops_per_token * self.tokens
-
-    # ----- seconds ------------------------------------------------------------------------
-    # Each op is priced by its kernels' shapes (``planner/device_cost.py``: a roofline per GEMM,
-    # attention and grouped expert GEMM, bytes for the elementwise work, a launch per kernel).
-
-    @cached_property
-    def device(self) -> DeviceCost:
-        return DeviceCost(self.shape, self.hw, self.micro_batch_size, self.seq_len, self.head_chunk_tokens,
-                          self.per_load)
-
-    def layer_fwd_s(self, i: int) -> float:
-        """A forward without a graph (``layer_fwd``, recompute)."""
-        return self.device.layer_fwd_s(i)
-
-    def layer_bwd_s(self, i: int) -> float:
-        """Forward with a graph + backward; with a frozen base the backward is the input
-        gradients and the adapters' weight gradients."""
-        return self.device.layer_bwd_s(i)
-
-    def layer_fwd_keep_s(self, i: int) -> float:
-        """A forward with a graph whose saved tensors are kept: the same kernels."""
-        return self.device.layer_fwd_s(i)
-
-    def layer_bwd_kept_s(self, i: int) -> float:
-        """The backward through a kept graph."""
-        return self.device.layer_bwd_kept_s(i)
-
-    @property
-    def head_s(self) -> float:
-        """Norm + lm_head + loss forward and backward, all chunks."""
-        return self.device.head_s
-
-    @property
-    def embed_s(self) -> float:
-        """Embedding gather or scatter-add: memory-bound and tiny."""
-        return self.device.embed_s
+    # ----- seconds (compute: ``DeviceCost``) ---------------------------------------------
 
     def op_s(self, kind: OpKind, i: int = -1) -> float:
         if kind in (OpKind.LAYER_FWD, OpKind.RECOMPUTE_LAYER):
@@ -232,11 +175,8 @@ class CostModel:
     def layer_workspace_bytes(self) -> int:
         """What autograd keeps for one layer's backward (the engine's formula); layers that
         differ: the largest layer's (an upper bound where one number stands for all)."""
-        return max(self.layer_workspace_bytes_of(i) for i in range(self.shape.num_layers))
-
-    def layer_workspace_bytes_of(self, i: int) -> int:
-        return memory.layer_workspace_bytes(self.shape, self.tokens, self.elem_bytes, i,
-                                            self.seq_len)
+        return max(memory.layer_workspace_bytes(self.shape, self.tokens, self.elem_bytes, i, self.seq_len)
+                   for i in range(self.shape.num_layers))
 
     def op_transient_bytes(self, kind: OpKind, i: int = -1) -> int:
         """Device bytes an op holds only while it runs (inputs, outputs, grads, workspace)."""
@@ -271,7 +211,3 @@ class CostModel:
         the gradient, the moments per unit, plus the copy-source arena's alignment padding;
         exactly ``HostStore.nbytes()``."""
         return self.store_footprint(moments, bf16_grads).total
-
-    def pinned_store_bytes(self) -> int:
-        """Of ``host_store_bytes``, the page-locked part: the copy-source arena."""
-        return self.store_footprint().pinned

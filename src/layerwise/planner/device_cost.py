@@ -26,12 +26,10 @@ device that runs asynchronously (a GPU) has the host issue kernels ahead, so a k
 ``max(roofline, kernel_launch_s)``; a synchronous one (the CPU backend) dispatches and computes
 in one thread, ``kernel_launch_s + roofline``.
 
-The elementwise byte counts are estimates from reading transformers' modules, stated once: an
-RMSNorm upcasts to fp32 (~9 passes of 4 bytes per element over 6 kernels), the rotary embedding
-~10 passes over 5 kernels per tensor, SwiGLU's activation and product 5 passes over 2 kernels, a
-residual add 3 passes; an elementwise op's backward reads its output's gradient and its saved
-inputs and writes its inputs' gradients: twice the forward's bytes over twice its kernels. FLOP
-totals follow ``planner/cost.py``'s conventions; what changes is their price.
+The elementwise byte counts are estimates from reading transformers' modules (the constants
+below); an elementwise op's backward reads its output's gradient and its saved inputs and writes
+its inputs' gradients: twice the forward's bytes over twice its kernels. FLOP totals follow
+``planner/cost.py``'s conventions; what changes is their price.
 """
 
 from __future__ import annotations
@@ -166,9 +164,12 @@ class DeviceCost:
     seq_len: int
     head_chunk_tokens: int = 1024
     per_load: int = 1
+    """Micro-batches that share a weight load (layer-major order when > 1): their weight
+    gradients are summed on the device in an fp32 slot, a deposit each backward pays."""
 
     @property
     def e(self) -> int:
+        """Bytes per element of the compute dtype."""
         return self.hw.compute_dtype_bytes
 
     @property
@@ -253,6 +254,9 @@ class DeviceCost:
 
     def layer_bwd_kept_s(self, i: int) -> float:
         return self._priced(i, "kept")
+
+    layer_fwd_keep_s = layer_fwd_s
+    """A forward with a graph whose saved tensors are kept: the same kernels."""
 
     def head_chunk(self, rows: int) -> list[Kernel]:
         """Norm, lm_head and the fp32 loss over ``rows`` tokens, forward and backward (a frozen

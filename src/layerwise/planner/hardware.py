@@ -158,17 +158,15 @@ class HardwareProfile:
         """Host bytes the store plus offloaded activations may use."""
         return self.host_mem_bytes - self.host_reserved_bytes
 
-    def grad_ring_bytes(self, layer_grad_bytes: int) -> int:
-        """Host bytes of the engine's pinned gradient ring for a model whose largest decoder
-        layer's gradient is ``layer_grad_bytes`` in the compute dtype ([HOSTRES]): none on a
-        synchronous profile (the CPU backend adds gradients inline)."""
-        return 0 if self.synchronous else grad_ring_bytes(layer_grad_bytes)
-
     def for_model(self, layer_grad_bytes: int) -> HardwareProfile:
-        """A copy whose host reserve also holds what scales with the model: the pinned gradient
-        ring of ``grad_ring_bytes``. The planner plans on this copy (``layerwise plan``), so its
-        usable host RAM (``host_cap_bytes``) is what the store and activations really have."""
-        return replace(self, host_reserved_bytes=self.host_reserved_bytes + self.grad_ring_bytes(layer_grad_bytes))
+        """A copy whose host reserve also holds what scales with the model ([HOSTRES]): the
+        engine's pinned gradient ring, ``HOST_GRAD_RING`` buffers of the largest decoder layer's
+        gradient (``layer_grad_bytes``, compute dtype; ``engine.grad_sink.ring_piece_bytes``),
+        none on a synchronous profile (the CPU backend adds gradients inline). The planner plans
+        on this copy (``layerwise plan``), so its usable host RAM (``host_cap_bytes``) is what the
+        store and activations really have."""
+        ring = 0 if self.synchronous else HOST_GRAD_RING * layer_grad_bytes
+        return replace(self, host_reserved_bytes=self.host_reserved_bytes + ring)
 
     def with_memory(self, gpu_mem_gb: float | None = None, host_mem_gb: float | None = None) -> HardwareProfile:
         """A copy with device and/or host memory overridden (GB = 1e9 bytes)."""
@@ -219,8 +217,3 @@ HOST_GRAD_RING = 4
 """Pinned host buffers the engine's gradients land in (``engine.grad_sink.HOST_GRAD_RING``; a
 test keeps the two equal: the planner does not import the engine)."""
 
-
-def grad_ring_bytes(layer_grad_bytes: int) -> int:
-    """[HOSTRES] The pinned gradient ring of a model whose largest decoder layer's gradient is
-    ``layer_grad_bytes`` in the compute dtype (``engine.grad_sink.ring_piece_bytes``)."""
-    return HOST_GRAD_RING * layer_grad_bytes

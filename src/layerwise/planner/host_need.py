@@ -74,16 +74,10 @@ def layer_grad_bytes(shape: ModelShape, hw: HardwareProfile) -> int:
     return max(shape.trainable_params(u) for u in layers) * hw.compute_dtype_bytes
 
 
-def bf16_grads_of(plan: Plan, hw: HardwareProfile, shape: ModelShape | None = None) -> bool:
-    """The host gradient is bf16: bf16 compute and every gradient landing once per step (a
-    frozen base's adapters keep fp32 gradients: ``CostModel.store_footprint``)."""
-    frozen = shape is not None and shape.frozen_base is not None
-    return hw.compute_dtype_bytes == 2 and plan.lands_once() and not frozen
-
-
 def plan_host_need(shape: ModelShape, hw: HardwareProfile, plan: Plan, sim: SimResult) -> HostNeed:
     """The host bytes of ``plan`` on ``hw`` (the profile as given, before ``for_model``)."""
-    bf16 = bf16_grads_of(plan, hw, shape)
+    # bf16 compute and every gradient landing once (a frozen base's adapters keep fp32 ones)
+    bf16 = hw.compute_dtype_bytes == 2 and plan.lands_once() and shape.frozen_base is None
     store = CostModel(shape, hw, 1, 1).host_store_bytes(plan.moments, bf16_grads=bf16)
     reserve = hw.for_model(layer_grad_bytes(shape, hw)).host_reserved_bytes
     return HostNeed(shape.num_params, store, sim.peak_pinned_act_bytes, reserve, hw.host_mem_bytes, bf16)

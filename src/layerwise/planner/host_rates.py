@@ -1,14 +1,8 @@
 """The presets' host optimizer rates: a per-core rate measured for each configuration the engine
-runs, times a stated scaling assumption for the host a preset's GPU sits in.
-
-Why: a preset cannot measure its host, and the optimizer's speed depends on the configuration
-the run keeps (moments, gradient dtype, master form: up to 1.9x apart per core here), so one
-assumed "params/s" per moments format priced a path that does not run. Here the part that was
-measured (per core, per configuration: ``benchmarks/host_optimizer.py``, whose configuration
-names are these) is kept apart from the part that is assumed (how many cores the optimizer gets
-and the memory bus that caps them), and ``layerwise plan`` prints the assumption with the rate.
-``layerwise calibrate`` replaces both with a measurement on the machine itself.
-"""
+runs (moments, gradient dtype, master form: up to 1.9x apart per core; ``benchmarks/host_optimizer.py``,
+whose configuration names these are), times a stated assumption of the cores and memory bus of
+the host a preset's GPU sits in, which ``layerwise plan`` prints with the rate. ``layerwise
+calibrate`` measures the rate on the machine itself."""
 
 from __future__ import annotations
 

@@ -13,8 +13,7 @@ under the names :mod:`.formulation` gives its functions.
 Here: :func:`solve` as named steps (the presolve that picks HiGHS's start, then one stage per
 HiGHS run: build, seed, run, read back). Beside it: :mod:`.step_model` (:class:`StepModel`, the
 linear model's constants from the cost model the simulator shares, the evaluation of a fixed
-assignment, and :func:`dp_device_host`, an exact dynamic program for the device/host-only case
-used as a cross-check), :mod:`.formulation` (the variables, objective and constraint groups) and
+assignment), :mod:`.formulation` (the variables, objective and constraint groups) and
 :mod:`.columns` (named blocks of columns and rows, turned into one ``HighsLp``).
 """
 
@@ -26,9 +25,9 @@ from typing import Any
 
 from .formulation import ALL_INTERNAL_TIERS, ALL_TIERS, MS, Formulation, build
 from ..plan.plan import Plan
-from .step_model import NVME_STAGING, StepModel, dp_device_host
+from .step_model import NVME_STAGING, StepModel
 
-__all__ = ["MilpConfig", "MilpResult", "NVME_STAGING", "StepModel", "dp_device_host", "solve"]
+__all__ = ["MilpConfig", "MilpResult", "NVME_STAGING", "StepModel", "solve"]
 
 
 @dataclass
@@ -113,9 +112,6 @@ class Start:
             return self.moments
         return model.moments or ["fp32"] * len(model.units)
 
-    def internal_for(self, model: StepModel) -> list[str]:
-        return self.internal or ["recompute"] * model.L
-
 
 def solve(model: StepModel, config: MilpConfig | None = None,
           warm_start: tuple[str, list[str]] | None = None,
@@ -124,7 +120,7 @@ def solve(model: StepModel, config: MilpConfig | None = None,
     ``warm_moments`` (default: the model's) and ``warm_internal`` (default: all recompute),
     seeds the search. One call's ``time_limit_s`` covers all its stages."""
     cfg = (config or MilpConfig()).validated()
-    start = given_start(warm_start, warm_moments, warm_internal)
+    start = None if warm_start is None else Start(*warm_start, warm_moments, warm_internal)
     spent_s = 0.0
     if cfg.joint:
         start, spent_s = boundaries_first(model, cfg, start)
@@ -133,15 +129,6 @@ def solve(model: StepModel, config: MilpConfig | None = None,
     res = _stage(model, cfg, start, max(cfg.time_limit_s - spent_s, 0.1 * cfg.time_limit_s))
     res.solve_s += spent_s
     return res
-
-
-def given_start(warm_start: tuple[str, list[str]] | None, warm_moments: list[str] | None,
-                warm_internal: list[str] | None) -> Start | None:
-    """The caller's warm start as a :class:`Start` (None: a cold solve)."""
-    if warm_start is None:
-        return None
-    name, tiers = warm_start
-    return Start(name, tiers, warm_moments, warm_internal)
 
 
 def boundaries_first(model: StepModel, cfg: MilpConfig, given: Start | None) -> tuple[Start | None, float]:
@@ -203,7 +190,7 @@ def _seed(h: Any, highspy: Any, form: Formulation, model: StepModel, cfg: MilpCo
     config allows its tiers; returns the start used (None: a cold solve)."""
     if start is None or len(start.tiers) != model.L:
         return None
-    moments, internal = start.moments_for(model, cfg), start.internal_for(model)
+    moments, internal = start.moments_for(model, cfg), start.internal or ["recompute"] * model.L
     ev = model.evaluate(start.tiers, cfg.include_optimizer_stall, moments, internal, start.resident)
     if not (ev.feasible and all(t in cfg.tiers for t in start.tiers)
             and all(t in cfg.internal_tiers for t in internal) and (cfg.resident or not start.resident)):
@@ -265,7 +252,6 @@ def _quiet_highs(highspy: Any) -> Any:
         try:
             os.dup2(devnull, 1)
             h = highspy.Highs()
-            h.setOptionValue("output_flag", False)
         finally:
             os.dup2(saved, 1)
             os.close(saved)

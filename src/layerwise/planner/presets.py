@@ -7,6 +7,7 @@ and writes a profile file that replaces them (``planner/hardware.py``: the profi
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from .hardware import GB, GIB, HardwareProfile
 from .host_rates import PRESET_HOSTS, preset_optimizer_fields
@@ -81,8 +82,8 @@ from .host_rates import PRESET_HOSTS, preset_optimizer_fields
 #          per 4 KiB page: 0.25 GB per 128 GB), system daemons: 1 GB.
 #        - margin (assumption, ``HOST_RESERVE_MARGIN``): 20% of the three above, 0.8 GB (the
 #          runtime's spread over rounds is 0.3 GB).
-#        - the pinned gradient ring (scales with the model, ``grad_ring_bytes``, added per model
-#          by ``HardwareProfile.for_model``): ``HOST_GRAD_RING`` buffers of the largest decoder
+#        - the pinned gradient ring (scales with the model, added per model by
+#          ``HardwareProfile.for_model``): ``HOST_GRAD_RING`` buffers of the largest decoder
 #          layer's gradient in the compute dtype, each page-locked in place at its own size by
 #          ``CudaBackend.host_alloc`` (torch's pinned allocator would round each up to a power
 #          of two: 4 x 1 GiB for qwen2.5-14b's 0.55 GB layers). A synchronous profile has no ring.
@@ -140,106 +141,87 @@ def preset_host_reserve_bytes(gpu: bool) -> int:
 GPU_HOST_RESERVE_BYTES = preset_host_reserve_bytes(gpu=True)
 """4.8 GB: every GPU preset's host reserve before the model's ring."""
 
-PRESETS: dict[str, HardwareProfile] = {
-    "h200": HardwareProfile(
-        name="h200",
-        device_mem_gbps=0.85 * 4800.0, kernel_launch_s=5e-6, gemm_tile_rows=128,  # H200: 4.8 TB/s [MEM] [LAUNCH] [TILE]
-        device_mem_bytes=141 * GB,  # NVIDIA H200 datasheet: 141 GB HBM3e
+
+def _gpu(name: str, **fields: Any) -> HardwareProfile:
+    """A GPU preset: what every GPU preset shares, then its own ``fields``."""
+    return HardwareProfile(
+        name=name,
+        kernel_launch_s=5e-6, gemm_tile_rows=128,  # [LAUNCH] [TILE]
         device_reserved_bytes=int(1.5 * GB),  # [RES]
+        host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
+        **preset_optimizer_fields(PRESET_HOSTS[name]),  # [OPT]
+        gloo_reduce_gbps=3.0,  # [GLOO]
+        **fields)
+
+
+_SERVER: dict[str, Any] = dict(
+    nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
+    host_accum_gbps=150.0, host_accum_bf16_gbps=80.0, pinned_copy_gbps=150.0,  # [ACC] [ACC16] [PIN] server
+    gpus_per_node=8)  # [NODE8]
+"""A GPU server node's host side (H100 / H800 / H200 / A100)."""
+_WORKSTATION: dict[str, Any] = dict(
+    nvme_read_gbps=7.0, nvme_write_gbps=5.0, nvme_capacity_bytes=1500 * GB,  # [CNVME]
+    host_mem_bytes=WORKSTATION_RAM,  # [HOSTMEM] a typical RTX 3090 / 4090 workstation: 64 GB
+    host_accum_gbps=50.0, host_accum_bf16_gbps=50.0, pinned_copy_gbps=60.0,  # [ACC] [ACC16] [PIN] workstation
+    gpus_per_node=4, intra_node_gbps=10.0, inter_node_gbps=2.8, node_host_link_gbps=50.0)  # [WS4] [HOSTLINK]
+"""A GeForce workstation's host side (RTX 3090 / 4090)."""
+
+PRESETS: dict[str, HardwareProfile] = {
+    "h200": _gpu(
+        "h200", **_SERVER,
+        device_mem_gbps=0.85 * 4800.0,  # H200: 4.8 TB/s [MEM]
+        device_mem_bytes=141 * GB,  # NVIDIA H200 datasheet: 141 GB HBM3e
         peak_tflops=989.0,  # H200 SXM datasheet: 1,979 TFLOPS bf16 with sparsity -> 989 dense
         efficiency=0.40,  # [EFF-H]
         h2d_gbps=50.0, d2h_gbps=50.0,  # [PCIE5]
-        nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
         host_mem_bytes=NODE_SHARE_H,  # [HOSTMEM] per-GPU share: DGX H200 datasheet, 2 TB for 8 GPUs
-        host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
-        **preset_optimizer_fields(PRESET_HOSTS["h200"]),  # [OPT] server
-        host_accum_gbps=150.0, host_accum_bf16_gbps=80.0,  # [ACC] [ACC16] server
-        pinned_copy_gbps=150.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
-        gpus_per_node=8,  # [NODE8]
         intra_node_gbps=360.0, inter_node_gbps=45.0, node_host_link_gbps=200.0,  # [NVL] [IB] [HOSTLINK]
     ),
-    "h800": HardwareProfile(
-        name="h800",
-        device_mem_gbps=0.85 * 3350.0, kernel_launch_s=5e-6, gemm_tile_rows=128,  # as H100 SXM: 3.35 TB/s [MEM] [LAUNCH] [TILE]
+    "h800": _gpu(
+        "h800", **_SERVER,
+        device_mem_gbps=0.85 * 3350.0,  # as H100 SXM: 3.35 TB/s [MEM]
         device_mem_bytes=80 * GB,  # NVIDIA H800 SXM: 80 GB HBM3 (same die as H100 SXM)
-        device_reserved_bytes=int(1.5 * GB),  # [RES]
         peak_tflops=989.0,  # H800 SXM: H100 SXM compute (989 dense bf16); only NVLink is cut
         efficiency=0.40,  # [EFF-H]
         h2d_gbps=50.0, d2h_gbps=50.0,  # [PCIE5]
-        nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
         host_mem_bytes=NODE_SHARE_H,  # [HOSTMEM] per-GPU share: HGX H800 as DGX H100, 2 TB for 8 GPUs
-        host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
-        **preset_optimizer_fields(PRESET_HOSTS["h800"]),  # [OPT] server
-        host_accum_gbps=150.0, host_accum_bf16_gbps=80.0,  # [ACC] [ACC16] server
-        pinned_copy_gbps=150.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
-        gpus_per_node=8,  # [NODE8]
         intra_node_gbps=160.0, inter_node_gbps=45.0, node_host_link_gbps=200.0,  # [NVL] H800 [IB] [HOSTLINK]
     ),
-    "h100": HardwareProfile(
-        name="h100",
-        device_mem_gbps=0.85 * 3350.0, kernel_launch_s=5e-6, gemm_tile_rows=128,  # H100 SXM: 3.35 TB/s [MEM] [LAUNCH] [TILE]
+    "h100": _gpu(
+        "h100", **_SERVER,
+        device_mem_gbps=0.85 * 3350.0,  # H100 SXM: 3.35 TB/s [MEM]
         device_mem_bytes=80 * GB,  # NVIDIA H100 SXM datasheet: 80 GB HBM3
-        device_reserved_bytes=int(1.5 * GB),  # [RES]
         peak_tflops=989.0,  # H100 SXM datasheet: 1,979 bf16 with sparsity -> 989 dense
         efficiency=0.40,  # [EFF-H]
         h2d_gbps=50.0, d2h_gbps=50.0,  # [PCIE5]
-        nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
         host_mem_bytes=NODE_SHARE_H,  # [HOSTMEM] per-GPU share: DGX H100 datasheet, 2 TB for 8 GPUs
-        host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
-        **preset_optimizer_fields(PRESET_HOSTS["h100"]),  # [OPT] server
-        host_accum_gbps=150.0, host_accum_bf16_gbps=80.0,  # [ACC] [ACC16] server
-        pinned_copy_gbps=150.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
-        gpus_per_node=8,  # [NODE8]
         intra_node_gbps=360.0, inter_node_gbps=45.0, node_host_link_gbps=200.0,  # [NVL] [IB] [HOSTLINK]
     ),
-    "a100-80g": HardwareProfile(
-        name="a100-80g",
-        device_mem_gbps=0.85 * 2039.0, kernel_launch_s=5e-6, gemm_tile_rows=128,  # A100 80GB: 2,039 GB/s [MEM] [LAUNCH] [TILE]
+    "a100-80g": _gpu(
+        "a100-80g", **_SERVER,
+        device_mem_gbps=0.85 * 2039.0,  # A100 80GB: 2,039 GB/s [MEM]
         device_mem_bytes=80 * GB,  # NVIDIA A100 80GB datasheet
-        device_reserved_bytes=int(1.5 * GB),  # [RES]
         peak_tflops=312.0,  # A100 datasheet: 312 TFLOPS bf16 dense (624 with sparsity)
         efficiency=0.52,  # [EFF-A]
         h2d_gbps=25.0, d2h_gbps=25.0,  # [PCIE4]
-        nvme_read_gbps=6.9, nvme_write_gbps=4.1, nvme_capacity_bytes=3000 * GB,  # [DCNVME]
         host_mem_bytes=NODE_SHARE_A100,  # [HOSTMEM] per-GPU share: DGX A100 datasheet, 1 TB for 8 GPUs
-        host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
-        **preset_optimizer_fields(PRESET_HOSTS["a100-80g"]),  # [OPT] server
-        host_accum_gbps=150.0, host_accum_bf16_gbps=80.0,  # [ACC] [ACC16] server
-        pinned_copy_gbps=150.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
-        gpus_per_node=8,  # [NODE8]
         intra_node_gbps=240.0, inter_node_gbps=22.5, node_host_link_gbps=120.0,  # [NVL] A100 [IB] [HOSTLINK]
     ),
-    "rtx3090": HardwareProfile(
-        name="rtx3090",
-        device_mem_gbps=0.85 * 936.0, kernel_launch_s=5e-6, gemm_tile_rows=128,  # GA102 whitepaper: 936 GB/s [MEM] [LAUNCH] [TILE]
+    "rtx3090": _gpu(
+        "rtx3090", **_WORKSTATION,
+        device_mem_gbps=0.85 * 936.0,  # GA102 whitepaper: 936 GB/s [MEM]
         device_mem_bytes=24 * GIB,  # GeForce RTX 3090: 24 GB GDDR6X (24 GiB)
-        device_reserved_bytes=int(1.5 * GB),  # [RES]
         peak_tflops=71.0,  # GA102 whitepaper: 71 TFLOPS fp16/bf16 tensor with fp32 accumulate
         efficiency=0.52,  # [EFF-C]
         h2d_gbps=25.0, d2h_gbps=25.0,  # [PCIE4]
-        nvme_read_gbps=7.0, nvme_write_gbps=5.0, nvme_capacity_bytes=1500 * GB,  # [CNVME]
-        host_mem_bytes=WORKSTATION_RAM,  # [HOSTMEM] a typical RTX 3090 workstation: 64 GB
-        host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
-        **preset_optimizer_fields(PRESET_HOSTS["rtx3090"]),  # [OPT] workstation
-        host_accum_gbps=50.0, host_accum_bf16_gbps=50.0,  # [ACC] [ACC16] workstation
-        pinned_copy_gbps=60.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
-        gpus_per_node=4, intra_node_gbps=10.0, inter_node_gbps=2.8, node_host_link_gbps=50.0,  # [WS4] [HOSTLINK]
     ),
-    "rtx4090": HardwareProfile(
-        name="rtx4090",
-        device_mem_gbps=0.85 * 1008.0, kernel_launch_s=5e-6, gemm_tile_rows=128,  # Ada whitepaper: 1,008 GB/s [MEM] [LAUNCH] [TILE]
+    "rtx4090": _gpu(
+        "rtx4090", **_WORKSTATION,
+        device_mem_gbps=0.85 * 1008.0,  # Ada whitepaper: 1,008 GB/s [MEM]
         device_mem_bytes=24 * GIB,  # GeForce RTX 4090: 24 GB GDDR6X (24 GiB)
-        device_reserved_bytes=int(1.5 * GB),  # [RES]
         peak_tflops=165.2,  # Ada whitepaper: 165.2 TFLOPS fp16/bf16 tensor with fp32 accumulate
         efficiency=0.52,  # [EFF-C]
         h2d_gbps=25.0, d2h_gbps=25.0,  # [PCIE4]
-        nvme_read_gbps=7.0, nvme_write_gbps=5.0, nvme_capacity_bytes=1500 * GB,  # [CNVME]
-        host_mem_bytes=WORKSTATION_RAM,  # [HOSTMEM] a typical RTX 4090 workstation: 64 GB
-        host_reserved_bytes=GPU_HOST_RESERVE_BYTES,  # [HOSTRES]
-        **preset_optimizer_fields(PRESET_HOSTS["rtx4090"]),  # [OPT] workstation
-        host_accum_gbps=50.0, host_accum_bf16_gbps=50.0,  # [ACC] [ACC16] workstation
-        pinned_copy_gbps=60.0, gloo_reduce_gbps=3.0,  # [PIN] [GLOO]
-        gpus_per_node=4, intra_node_gbps=10.0, inter_node_gbps=2.8, node_host_link_gbps=50.0,  # [WS4] [HOSTLINK]
     ),
     "cpu": HardwareProfile(
         name="cpu",

@@ -8,13 +8,9 @@ Every rule's row (``SearchResult.by_name``) is at the emitted plan's global batc
 rows compare like for like; in auto mode the global batch is chosen first, then the fastest
 plan at it.
 
-Prefetch depth: each depth in ``SearchConfig.prefetch_depths`` is tried at every micro-batch size
-(a deeper prefetch costs one weight slot more per step of depth, and hides a weight copy that is
-longer than one compute window).
-
-Order and resident layers: each micro-batch size is also tried in layer-major order (all the
-step's micro-batches share each weight load, ``SearchConfig.per_loads``), and the MILP may keep
-layers' weights on the device (``SearchConfig.resident``).
+Each micro-batch size is tried at every prefetch depth (a deeper prefetch costs a weight slot and
+hides a weight copy longer than one compute window) and in layer-major order
+(``SearchConfig.per_loads``); the MILP may keep layers' weights resident.
 
 Optimizer moments: the MILP chooses them per unit (8-bit frees ~6 bytes/param of host memory
 for offloaded boundaries; fp32 keeps the host optimizer faster). A fixed rule gets fp32
@@ -33,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .baselines import baseline_tiers, extra_candidates, internal_rules
+from .baselines import rules as fixed_rules
 from .cost import CostModel
 from .host_fit import PlanInfeasible, choose_moments, human_bytes, infeasible, rule_moments
 from ..plan.shape import ModelShape
@@ -65,7 +61,6 @@ class SearchConfig:
     ``prefetch_depths``."""
     prefetch_depths: tuple[int, ...] = (1, 2)
     """Depths tried when ``prefetch_depth`` is None."""
-    head_chunk_tokens: int = 1024
     milp: MilpConfig = field(default_factory=MilpConfig)
     per_loads: tuple[int, ...] | None = None
     """Micro-batches sharing each weight load to try (those that divide the step's count); None:
@@ -191,7 +186,7 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
     lands_once = cfg.per_loads is None or max(cfg.per_loads) > 1 or cfg.global_batch in _micro_batch_sizes(cfg)
     choose_moments(shape, hw, bf16_grads=lands_once)
     auto = cfg.global_batch is None
-    rules = _rules(shape.num_layers)
+    rules = fixed_rules(shape.num_layers)
     tally = _Tally(dict.fromkeys([*rules, "milp"], 0), Sims(shape, hw))
     order = []
     for mbs in _micro_batch_sizes(cfg):
@@ -253,14 +248,6 @@ def _micro_batch_sizes(cfg: SearchConfig) -> list[int]:
         if bad:
             raise ValueError(f"micro-batch sizes {bad} do not divide the global batch {cfg.global_batch}")
     return sizes
-
-
-def _rules(num_layers: int) -> Rules:
-    """Name -> (boundary tiers, internal tiers or None) of every fixed rule."""
-    rules: Rules = {name: (tiers, None)
-                    for name, tiers in {**baseline_tiers(num_layers), **extra_candidates(num_layers)}.items()}
-    rules.update(internal_rules(num_layers))
-    return rules
 
 
 def _per_loads(cfg: SearchConfig, m_count: int) -> list[int]:
@@ -333,10 +320,10 @@ def _prepare(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: SearchCo
     layer-major order (a step is one long group, simulated in full) no rule is simulated: the
     MILP starts from the rule the step model finds fastest, and its plan is simulated."""
     kw = dict(micro_batch_size=mbs, num_micro_batches=m_count, seq_len=seq_len, prefetch_depth=depth,
-              head_chunk_tokens=cfg.head_chunk_tokens, micro_batches_per_load=per_load)
+              micro_batches_per_load=per_load)
     once = m_count <= per_load
     mbs_cost = CostModel(shape, hw, mbs, seq_len)
-    model = StepModel(shape, hw, mbs, seq_len, m_count, depth, cfg.head_chunk_tokens, per_load=per_load)
+    model = StepModel(shape, hw, mbs, seq_len, m_count, depth, per_load=per_load)
     plans = []
     for name, (tiers, internal) in rules.items():
         moments = rule_moments(shape, hw, tiers, mbs_cost.boundary_bytes, internal, mbs_cost.layer_workspace_bytes,
@@ -372,7 +359,7 @@ def _milp_candidate(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: S
     over = cand.sim.over_capacity()
     if set(over) <= {"device", "host"} and over:
         model = StepModel(shape, hw, model.micro_batch_size, seq_len, model.num_micro_batches, model.prefetch_depth,
-                          cfg.head_chunk_tokens, device_reserve_bytes=over.get("device", 0),
+                          model.head_chunk_tokens, device_reserve_bytes=over.get("device", 0),
                           host_reserve_bytes=over.get("host", 0), per_load=model.per_load)
         again = solve(model, _budgeted(cfg, tally.solve_s))
         tally.solve_s += again.solve_s

@@ -366,10 +366,7 @@ class _Simulation:
             mbs.ready[i] = start
             mbs.held[i] = self.alloc("device", start, a_bytes, f"boundary {i} (kept)")
         elif tier in ("host", "nvme"):
-            s, e = self.lanes.run("d2h", start, self.cost.d2h_s(a_bytes), f"offload b{i}")
-            grp.offload_end[grp.run] = max(grp.offload_end.get(grp.run, 0.0), e)
-            if e > end:  # the copy holds the device buffer until it is done
-                self.alloc("device", end, a_bytes, f"boundary {i} (in flight)", e)
+            s, e = self._offload(grp, start, end, a_bytes, self.cost.d2h_s(a_bytes), f"b{i}", f"boundary {i}")
             host = self.alloc("host", s, a_bytes, f"boundary {i} ({tier})")
             if tier == "host":
                 mbs.offloaded[i] = (e, host)
@@ -384,12 +381,19 @@ class _Simulation:
         if self.internal[i] == "device":
             mbs.internals_held[i] = self.alloc("device", end, self.kept_bytes[i], f"internals {i} (kept)")
         else:
-            s, e = self.lanes.run("d2h", start, self.cost.internals_d2h_s, f"offload L{i}")
-            grp.offload_end[grp.run] = max(grp.offload_end.get(grp.run, 0.0), e)
-            if e > end:
-                self.alloc("device", end, self.ws_bytes, f"internals {i} (in flight)", e)
+            s, e = self._offload(grp, start, end, self.ws_bytes, self.cost.internals_d2h_s, f"L{i}", f"internals {i}")
             mbs.internals_host[i] = (e, self.alloc("host", s, self.ws_bytes, f"internals {i} (host)"))
         self._store_boundary(grp, mbs, i, start, end)
+
+    def _offload(self, grp: _Group, start: float, end: float, nbytes: int, dur_s: float, what: str,
+                 held: str) -> tuple[float, float]:
+        """Copy ``nbytes`` out as the op that made them runs, in the group's offload window; the
+        copy holds the device buffer until it is done."""
+        s, e = self.lanes.run("d2h", start, dur_s, f"offload {what}")
+        grp.offload_end[grp.run] = max(grp.offload_end.get(grp.run, 0.0), e)
+        if e > end:
+            self.alloc("device", end, nbytes, f"{held} (in flight)", e)
+        return s, e
 
     def _recomputed_embed(self, grp: _Group, mbs: _MicroBatch, i: int, start: float, end: float) -> None:
         self._recomputed(mbs, 0, start, end)

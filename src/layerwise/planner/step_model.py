@@ -1,6 +1,5 @@
 """The linear step model: the MILP's constants for one (model, machine, micro-batch shape), and
-the step time and capacity check of a fixed assignment under it, and an exact dynamic program
-for the device/host-only case (:func:`dp_device_host`, the MILP's cross-check).
+the step time and capacity check of a fixed assignment under it.
 
 Every constant comes from :class:`~.cost.CostModel`, the cost model the simulator uses too, so
 the MILP and the simulator price an op alike; the MILP is this model with its choices left open
@@ -167,11 +166,6 @@ class StepModel:
         """Host bytes left for offloaded boundaries (and NVMe staging) beside the store."""
         return self.host_budget_fp32 + sum(s for s, m in zip(self.saving_8bit, moments or []) if m == "8bit")
 
-    def max_host(self) -> float:
-        """Host-offloaded boundaries that fit beside the store (with ``moments``). NVMe staging
-        (NVME_STAGING boundaries) is charged only when some boundary goes to NVMe."""
-        return self.host_budget / self.a_bytes
-
     def max_nvme(self) -> float:
         return self.nvme_cap / self.a_bytes
 
@@ -270,44 +264,3 @@ class StepModel:
             viol["nvme"] = over * self.a_bytes
         return viol, runs
 
-
-def dp_device_host(model: StepModel) -> tuple[list[str] | None, float]:
-    """Exact optimum over device/host only, without the optimizer stall (a cross-check).
-
-    With no recompute or NVMe the model separates per boundary and the capacities reduce to a
-    count of device boundaries (<= D) and of host boundaries (<= H): a DP over (layer, #device).
-    """
-    L = model.L
-    dmax = min(int(model.max_device_total() + 1e-9),
-               min(int(model.max_device_prefix(i) + 1e-9) for i in range(L)))
-    hmax = int(model.max_host() + 1e-9)
-    M = model.num_micro_batches
-
-    def cost(i: int, tier: str) -> float:
-        off = 1.0 if tier == "host" else 0.0
-        return M * (max(model.f_lb[i], model.a_out * off) + max(model.b_lb[i], model.w_in[i] + model.a_in * off))
-
-    INF = float("inf")
-    # best[c] = (cost, tiers) over the layers seen so far with c device boundaries
-    best: list[tuple[float, list[str]]] = [(0.0, [])] + [(INF, [])] * max(dmax, 0)
-    if dmax < 0:
-        return None, INF
-    for i in range(L):
-        new: list[tuple[float, list[str]]] = [(INF, [])] * (dmax + 1)
-        for c, (v, tiers) in enumerate(best):
-            if v == INF:
-                continue
-            hosts = i - c
-            if hosts + 1 <= hmax:
-                cand = v + cost(i, "host")
-                if cand < new[c][0]:
-                    new[c] = (cand, tiers + ["host"])
-            if c + 1 <= dmax:
-                cand = v + cost(i, "device")
-                if cand < new[c + 1][0]:
-                    new[c + 1] = (cand, tiers + ["device"])
-        best = new
-    v, tiers = min(best, key=lambda e: e[0])
-    if v == INF:
-        return None, INF
-    return tiers, v + model.const_s()

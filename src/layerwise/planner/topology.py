@@ -88,31 +88,27 @@ def rank_hardware(hw: HardwareProfile, topo: Topology) -> HardwareProfile:
     )
 
 
-def intra_reduce_s(nbytes: float, hw: HardwareProfile, topo: Topology) -> float:
-    """Reduce ``nbytes`` from the node's G GPUs to the owner, ring-style: (G-1)/G of the bytes
-    cross each GPU's link."""
-    g = topo.gpus_per_node
+def _ring_s(nbytes: float, g: int, gbps: float | None) -> float:
+    """Ring-style reduce among ``g`` peers: (g-1)/g of the bytes cross each one's link."""
     if g == 1:
         return 0.0
-    assert hw.intra_node_gbps is not None  # Topology.check refuses it first
-    return (g - 1) / g * nbytes / (hw.intra_node_gbps * 1e9)
+    assert gbps is not None  # Topology.check refuses it first
+    return (g - 1) / g * nbytes / (gbps * 1e9)
+
+
+def intra_reduce_s(nbytes: float, hw: HardwareProfile, topo: Topology) -> float:
+    """Reduce ``nbytes`` from the node's G GPUs to the owner, ring-style."""
+    return _ring_s(nbytes, topo.gpus_per_node, hw.intra_node_gbps)
 
 
 def host_reduce_s(nbytes: float, hw: HardwareProfile, topo: Topology) -> float:
     """Reduce ``nbytes`` of host fp32 gradient to the owner with gloo (``grad_reduce="host"``),
     at ``gloo_reduce_gbps`` when the profile has it (gloo moves host tensors over its TCP
     transport, not the GPUs' links), else as :func:`intra_reduce_s`."""
-    if hw.gloo_reduce_gbps is None or topo.gpus_per_node == 1:
-        return intra_reduce_s(nbytes, hw, topo)
-    g = topo.gpus_per_node
-    return (g - 1) / g * nbytes / (hw.gloo_reduce_gbps * 1e9)
+    return _ring_s(nbytes, topo.gpus_per_node, hw.gloo_reduce_gbps or hw.intra_node_gbps)
 
 
 def inter_allreduce_s(nbytes: float, hw: HardwareProfile, topo: Topology) -> float:
     """All-reduce ``nbytes`` among the unit's owners on the N nodes, ring: 2(N-1)/N of the bytes
     cross each owner's NIC."""
-    n = topo.nodes
-    if n == 1:
-        return 0.0
-    assert hw.inter_node_gbps is not None  # Topology.check refuses it first
-    return 2 * (n - 1) / n * nbytes / (hw.inter_node_gbps * 1e9)
+    return 2 * _ring_s(nbytes, topo.nodes, hw.inter_node_gbps)
