@@ -34,7 +34,7 @@ from layerwise.planner.simulator import simulate
 from layerwise.train import progress as progress_mod
 from layerwise.train.config import CheckpointConfig
 from layerwise.train.loop import TrainConfig, train
-from layerwise.train.planning import run_hardware
+from layerwise.planner.run_plan import run_hardware
 from layerwise.train.progress import Progress
 from layerwise.train.report import load_run
 from layerwise.train.update_log import open_jsonl_upto
@@ -120,7 +120,8 @@ def test_plan_auto_saves_the_planners_plan_and_its_predicted_step_time(auto_run,
     assert plan.micro_batch_size * plan.num_micro_batches == 4  # the run's sequences per step
     pred = plan.predicted["step_s"]
     assert pred > 0 and plan.predicted["hardware_source"].startswith("the cpu preset")
-    hw = run_hardware(TrainConfig(out_dir=str(out)), torch.float32)
+    cfg = TrainConfig(out_dir=str(out))
+    hw = run_hardware(cfg.hardware, cfg.profile, cfg.out_dir, "cpu", torch.float32.itemsize)
     assert simulate(plan, load_shape(str(model_dir)), hw.profile, keep_trace=False).step_s \
         == pytest.approx(pred, rel=1e-9)
     assert {r["predicted_step_s"] for r in _rows(out / "metrics.jsonl")} == {pred}
