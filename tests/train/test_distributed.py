@@ -30,7 +30,7 @@ from layerwise.ckpt.provider import PARAM
 from layerwise.models import get_flavor
 from layerwise.optim.adamw import state_nbytes as fp32_state_nbytes
 from layerwise.plan.plan import Plan
-from layerwise.planner.topology import assign_owners
+from layerwise.plan.owners import assign_owners
 from layerwise.store import init_store, store_footprint
 from layerwise.train.dist.saving import group_writers
 from layerwise.train.loop import TrainConfig, train
