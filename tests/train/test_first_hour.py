@@ -493,7 +493,7 @@ def _wait_for(pred, proc: subprocess.Popen, timeout_s: float = 300) -> None:
         time.sleep(0.02)
 
 
-def test_a_second_run_into_the_same_out_dir_is_refused_at_once(tmp_path):
+def test_a_second_run_into_the_same_out_dir_is_refused_at_once(tmp_path, capsys):
     """Friction: two runs into one out_dir both exited 0, their checkpoints interleaved and
     ``metrics.jsonl`` corrupted. The second now exits 2 within 10 s (it does not even import
     torch) naming the first's pid and start time; the first finishes, its checkpoints verify
@@ -517,13 +517,14 @@ def test_a_second_run_into_the_same_out_dir_is_refused_at_once(tmp_path):
         assert first.returncode == 0, err[-3000:]
     finally:
         first.kill()
-    verify = subprocess.run(_cli("ckpt", "verify", str(out / "ckpt")), env=_env(),
-                            capture_output=True, text=True, timeout=120)
-    assert verify.returncode == 0 and verify.stdout.startswith("OK"), verify.stdout
+    capsys.readouterr()
+    assert main(["ckpt", "verify", str(out / "ckpt")]) == 0
+    verified = capsys.readouterr().out
+    assert verified.startswith("OK"), verified
     assert [r["step"] for r in _rows(out)] == list(range(1, 31))
 
 
-def test_sigint_saves_says_how_to_resume_and_the_resume_is_exact(tmp_path):
+def test_sigint_saves_says_how_to_resume_and_the_resume_is_exact(tmp_path, capsys):
     """Friction: Ctrl-C printed 30 lines of traceback, no resume hint, no save. Now SIGINT in
     the middle of a run finishes the step, saves it, and exits 130 with one line naming the
     step and the command that resumes; that command (settings from ``run.json``) ends with the
@@ -534,9 +535,6 @@ def test_sigint_saves_says_how_to_resume_and_the_resume_is_exact(tmp_path):
     the step the line names, and "checkpoint step N" names the wrong step); the interrupt's save
     following the policy (``every_group=last`` in the loop: half the groups a save older)."""
     args = ["steps=40", "ckpt.every=2", "ckpt.policy=parity", *TINY]
-    straight = subprocess.Popen(_cli("train", f"out_dir={tmp_path / 'straight'}", *args),
-                                env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True)
     cut = tmp_path / "cut"
     proc = subprocess.Popen(_cli("train", f"out_dir={cut}", *args), env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -555,12 +553,17 @@ def test_sigint_saves_says_how_to_resume_and_the_resume_is_exact(tmp_path):
     assert last.endswith(f"resume with: layerwise train out_dir={cut}")
     assert RunDir.open(cut / "ckpt").committed_steps()[-1] == step
     assert json.loads((cut / "run.json").read_text())["interrupted_at_step"] == step
-    resume = subprocess.run(_cli("train", f"out_dir={cut}"), env=_env(), capture_output=True,
-                            text=True, timeout=600)
-    assert resume.returncode == 0, resume.stderr[-3000:]
-    assert f"resumed from layer-wise checkpoint step {step} " in resume.stdout
-    straight.communicate(timeout=600)
-    assert straight.returncode == 0
+    # the resume and the uninterrupted run in this process (the command the line names, through
+    # ``cli.main``), on one thread as the interrupted process was (OMP_NUM_THREADS=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        capsys.readouterr()
+        assert main(["train", f"out_dir={cut}"]) == 0
+        assert f"resumed from layer-wise checkpoint step {step} " in capsys.readouterr().out
+        assert main(["train", f"out_dir={tmp_path / 'straight'}", *args]) == 0
+    finally:
+        torch.set_num_threads(threads)
     assert [r["step"] for r in _rows(cut)] == list(range(1, 41))
     a, b = _weights(tmp_path / "straight"), _weights(cut)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
