@@ -120,6 +120,13 @@ def test_user_errors_are_one_line_and_exit_2_the_traceback_only_with_debug(tmp_p
         main(["train", "device=cuda", f"out_dir={out}", "--debug"])
 
 
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory) -> Path:
+    """A tiny Gemma 3 as the Hub serves it (``Gemma3ForConditionalGeneration``, vision inside),
+    made once for the module's tests (they only read it: each trains into its own out_dir)."""
+    return _gemma3_multimodal_dir(tmp_path_factory.mktemp("gemma3") / "gemma3")
+
+
 def _gemma3_multimodal_dir(path: Path) -> Path:
     """A tiny Gemma 3 as the Hub serves it (``Gemma3ForConditionalGeneration``, vision inside)."""
     from transformers import AutoModelForImageTextToText, Gemma3Config
@@ -135,7 +142,7 @@ def _gemma3_multimodal_dir(path: Path) -> Path:
     return path
 
 
-def test_a_lora_adapter_of_a_multimodal_model_targets_its_language_model_only(tmp_path):
+def test_a_lora_adapter_of_a_multimodal_model_targets_its_language_model_only(gemma3_dir, tmp_path):
     """Friction: the adapter's ``target_modules`` named the linears by their last names
     (``q_proj`` …), which the vision tower has too: PEFT made LoRA modules there and warned of
     missing adapter keys. The targets are now a regex under the language model's layers.
@@ -146,7 +153,7 @@ def test_a_lora_adapter_of_a_multimodal_model_targets_its_language_model_only(tm
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
-    model_dir = _gemma3_multimodal_dir(tmp_path / "gemma3")
+    model_dir = gemma3_dir
     out = tmp_path / "run"
     assert main(["train", f"model={model_dir}", f"out_dir={out}", "steps=2", "lora.r=4",
                  *TINY]) == 0
@@ -171,7 +178,7 @@ def _assert_the_whole_multimodal_model(model_dir: Path, written: Path) -> None:
     assert vision and all(torch.equal(before[k], after[k]) for k in vision)
 
 
-def test_a_merged_lora_of_a_multimodal_model_is_the_whole_model(tmp_path):
+def test_a_merged_lora_of_a_multimodal_model_is_the_whole_model(gemma3_dir, tmp_path):
     """Friction: ``lora.merge=true`` on a multimodal directory ended the run with "group
     'model.language_model.embed_tokens' has parameter …, which the model in config.json does not
     have" (the merged export wrote the text config and no vision tower). Now the merged model has
@@ -180,7 +187,7 @@ def test_a_merged_lora_of_a_multimodal_model_is_the_whole_model(tmp_path):
     directory's passthrough group ("the source lacks 34 parameter(s)")."""
     from transformers import AutoModelForImageTextToText
 
-    model_dir = _gemma3_multimodal_dir(tmp_path / "gemma3")
+    model_dir = gemma3_dir
     out = tmp_path / "run"
     assert main(["train", f"model={model_dir}", f"out_dir={out}", "steps=2", "lora.r=4",
                  "lora.merge=true", *TINY]) == 0
@@ -190,7 +197,7 @@ def test_a_merged_lora_of_a_multimodal_model_is_the_whole_model(tmp_path):
 
 
 def test_a_multimodal_checkpoint_fine_tunes_its_language_model_and_keeps_its_vision_tower(
-        tmp_path, capsys):
+        gemma3_dir, tmp_path, capsys):
     """Friction: a multimodal directory (Gemma 3 as the Hub serves it) ended in a traceback
     (``'Gemma3Config' object has no attribute 'num_hidden_layers'``), then was refused. Now
     ``layerwise train`` trains its language model on text and exports the same multimodal model:
@@ -199,7 +206,7 @@ def test_a_multimodal_checkpoint_fine_tunes_its_language_model_and_keeps_its_vis
     lacks 34 parameter(s)")."""
     from safetensors.torch import load_file
 
-    model_dir = _gemma3_multimodal_dir(tmp_path / "gemma3")
+    model_dir = gemma3_dir
     capsys.readouterr()  # save_pretrained's progress bar
     out = tmp_path / "run"
     assert main(["train", f"model={model_dir}", f"out_dir={out}", "steps=2", "optimizer.lr=1e-2",
@@ -215,14 +222,14 @@ def test_a_multimodal_checkpoint_fine_tunes_its_language_model_and_keeps_its_vis
     assert config["model_type"] == "gemma3" and "vision_config" in config
 
 
-def test_a_multimodal_run_s_checkpoint_merges_into_the_whole_model_and_resumes(tmp_path, capsys):
+def test_a_multimodal_run_s_checkpoint_merges_into_the_whole_model_and_resumes(gemma3_dir, tmp_path, capsys):
     """Friction: ``layerwise ckpt merge`` of a multimodal run was refused ("the source lacks 34
     parameter(s) of the model"): the checkpoint held the language model only. The vision tower
     and projector are now a checkpoint group of their own (``store_provider.PASSTHROUGH``,
     written by the first save), so the merge has the names, shapes and dtypes of the model
     directory, the vision tensors bit for bit, and the same command with more steps resumes.
     Mutation seen failing: the provider without the passthrough group (the refusal again)."""
-    model_dir = _gemma3_multimodal_dir(tmp_path / "gemma3")
+    model_dir = gemma3_dir
     out = tmp_path / "run"
     args = ["train", f"model={model_dir}", f"out_dir={out}", "ckpt.every=2", *TINY]
     assert main([*args, "steps=4"]) == 0
