@@ -74,6 +74,21 @@ def pytest_collection_finish(session):
         multiproc.context()  # the fork server imports while the single-process tests run
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Every test on one intra-op thread (restored after it). ``make test`` runs two pytest-xdist
+    workers on two cores: with torch's default (a thread per core) each worker's OpenMP team
+    fights the other's, and the tiny models here wait on those threads more than they compute
+    (tests/engine/test_training.py and test_gradients.py: 1.7x longer on two threads than on
+    one). The children the tests start already run on one (``OMP_NUM_THREADS=1``), so in-process
+    references now match them by default; the kernels' threaded paths are tested with explicit
+    ``num_threads`` (tests/optim)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=["cpu", "cpu-async"])
 def engine_device(request):
     """Every engine test runs on the synchronous CPU backend and on the asynchronous one, which

@@ -74,9 +74,10 @@ def test_host_probes_run_on_the_engine_threads(monkeypatch):
     monkeypatch.setattr(calibrate, "measure_optimizer_8bit", lambda *a: 1.0)
     monkeypatch.setattr(calibrate, "measure_pinned_copy_gbps",
                         lambda *a: got.setdefault("pinned", torch.get_num_threads()) and 1.0)
-    before = torch.get_num_threads()
-    calibrate.measure_host("cuda:1", 1 << 16, 1, optimizer_threads=1)
     want = plan_host_threads("cuda", 1, cpus=cpus)
+    torch.set_num_threads(want.optimizer_intra + 1)  # not what the probes must run at (conftest
+    before = torch.get_num_threads()                 # runs every test on 1; restored after it)
+    calibrate.measure_host("cuda:1", 1 << 16, 1, optimizer_threads=1)
     assert got == {"landing": want.landing, "opt": want.optimizer_intra, "pinned": want.optimizer_intra}
     assert want.landing == 5 and torch.get_num_threads() == before
 

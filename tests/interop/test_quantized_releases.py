@@ -16,8 +16,6 @@ and 80 (a layernorm's); a wrong block size (below) by 1.7e-4 and 0.63.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -357,14 +355,17 @@ def test_gguf_config_over_plain_weights_loads_as_plain(tmp_path):
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
 
 
-def test_cli_refuses_an_unread_quant_method_with_exit_2(tmp_path):
+def test_cli_refuses_an_unread_quant_method_with_exit_2(tmp_path, capsys):
+    """In process (``cli.main``, what the ``layerwise`` script calls): a fresh process only
+    paid the imports again."""
+    from layerwise.cli import main
+
     hub = tmp_path / "gptq"
     _saved("llama-debug", hub)
     _write(hub, load_file(hub / "model.safetensors"), {"quant_method": "gptq", "bits": 4})
-    r = subprocess.run([str(Path(sys.executable).parent / "layerwise"), "train", f"model={hub}",
-                        f"out_dir={tmp_path / 'run'}", "steps=1"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2, r.stderr[-2000:]
-    last = r.stderr.strip().splitlines()[-1]  # after the lines that say what was resolved
-    assert "'gptq'" in last and last.startswith("layerwise train: error:"), r.stderr[-2000:]
-    assert "Traceback" not in r.stderr
+    capsys.readouterr()
+    assert main(["train", f"model={hub}", f"out_dir={tmp_path / 'run'}", "steps=1"]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # after the lines that say what was resolved
+    assert "'gptq'" in last and last.startswith("layerwise train: error:"), err[-2000:]
+    assert "Traceback" not in err

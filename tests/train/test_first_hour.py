@@ -120,6 +120,13 @@ def test_user_errors_are_one_line_and_exit_2_the_traceback_only_with_debug(tmp_p
         main(["train", "device=cuda", f"out_dir={out}", "--debug"])
 
 
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory) -> Path:
+    """A tiny Gemma 3 as the Hub serves it (``Gemma3ForConditionalGeneration``, vision inside),
+    made once for the module's tests (they only read it: each trains into its own out_dir)."""
+    return _gemma3_multimodal_dir(tmp_path_factory.mktemp("gemma3") / "gemma3")
+
+
 def _gemma3_multimodal_dir(path: Path) -> Path:
     """A tiny Gemma 3 as the Hub serves it (``Gemma3ForConditionalGeneration``, vision inside)."""
     from transformers import AutoModelForImageTextToText, Gemma3Config
@@ -135,7 +142,7 @@ def _gemma3_multimodal_dir(path: Path) -> Path:
     return path
 
 
-def test_a_lora_adapter_of_a_multimodal_model_targets_its_language_model_only(tmp_path):
+def test_a_lora_adapter_of_a_multimodal_model_targets_its_language_model_only(gemma3_dir, tmp_path):
     """Friction: the adapter's ``target_modules`` named the linears by their last names
     (``q_proj`` …), which the vision tower has too: PEFT made LoRA modules there and warned of
     missing adapter keys. The targets are now a regex under the language model's layers.
@@ -146,7 +153,7 @@ def test_a_lora_adapter_of_a_multimodal_model_targets_its_language_model_only(tm
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
-    model_dir = _gemma3_multimodal_dir(tmp_path / "gemma3")
+    model_dir = gemma3_dir
     out = tmp_path / "run"
     assert main(["train", f"model={model_dir}", f"out_dir={out}", "steps=2", "lora.r=4",
                  *TINY]) == 0
@@ -171,7 +178,7 @@ def _assert_the_whole_multimodal_model(model_dir: Path, written: Path) -> None:
     assert vision and all(torch.equal(before[k], after[k]) for k in vision)
 
 
-def test_a_merged_lora_of_a_multimodal_model_is_the_whole_model(tmp_path):
+def test_a_merged_lora_of_a_multimodal_model_is_the_whole_model(gemma3_dir, tmp_path):
     """Friction: ``lora.merge=true`` on a multimodal directory ended the run with "group
     'model.language_model.embed_tokens' has parameter …, which the model in config.json does not
     have" (the merged export wrote the text config and no vision tower). Now the merged model has
@@ -180,7 +187,7 @@ def test_a_merged_lora_of_a_multimodal_model_is_the_whole_model(tmp_path):
     directory's passthrough group ("the source lacks 34 parameter(s)")."""
     from transformers import AutoModelForImageTextToText
 
-    model_dir = _gemma3_multimodal_dir(tmp_path / "gemma3")
+    model_dir = gemma3_dir
     out = tmp_path / "run"
     assert main(["train", f"model={model_dir}", f"out_dir={out}", "steps=2", "lora.r=4",
                  "lora.merge=true", *TINY]) == 0
@@ -190,7 +197,7 @@ def test_a_merged_lora_of_a_multimodal_model_is_the_whole_model(tmp_path):
 
 
 def test_a_multimodal_checkpoint_fine_tunes_its_language_model_and_keeps_its_vision_tower(
-        tmp_path, capsys):
+        gemma3_dir, tmp_path, capsys):
     """Friction: a multimodal directory (Gemma 3 as the Hub serves it) ended in a traceback
     (``'Gemma3Config' object has no attribute 'num_hidden_layers'``), then was refused. Now
     ``layerwise train`` trains its language model on text and exports the same multimodal model:
@@ -199,7 +206,7 @@ def test_a_multimodal_checkpoint_fine_tunes_its_language_model_and_keeps_its_vis
     lacks 34 parameter(s)")."""
     from safetensors.torch import load_file
 
-    model_dir = _gemma3_multimodal_dir(tmp_path / "gemma3")
+    model_dir = gemma3_dir
     capsys.readouterr()  # save_pretrained's progress bar
     out = tmp_path / "run"
     assert main(["train", f"model={model_dir}", f"out_dir={out}", "steps=2", "optimizer.lr=1e-2",
@@ -215,14 +222,14 @@ def test_a_multimodal_checkpoint_fine_tunes_its_language_model_and_keeps_its_vis
     assert config["model_type"] == "gemma3" and "vision_config" in config
 
 
-def test_a_multimodal_run_s_checkpoint_merges_into_the_whole_model_and_resumes(tmp_path, capsys):
+def test_a_multimodal_run_s_checkpoint_merges_into_the_whole_model_and_resumes(gemma3_dir, tmp_path, capsys):
     """Friction: ``layerwise ckpt merge`` of a multimodal run was refused ("the source lacks 34
     parameter(s) of the model"): the checkpoint held the language model only. The vision tower
     and projector are now a checkpoint group of their own (``store_provider.PASSTHROUGH``,
     written by the first save), so the merge has the names, shapes and dtypes of the model
     directory, the vision tensors bit for bit, and the same command with more steps resumes.
     Mutation seen failing: the provider without the passthrough group (the refusal again)."""
-    model_dir = _gemma3_multimodal_dir(tmp_path / "gemma3")
+    model_dir = gemma3_dir
     out = tmp_path / "run"
     args = ["train", f"model={model_dir}", f"out_dir={out}", "ckpt.every=2", *TINY]
     assert main([*args, "steps=4"]) == 0
@@ -493,14 +500,16 @@ def _wait_for(pred, proc: subprocess.Popen, timeout_s: float = 300) -> None:
         time.sleep(0.02)
 
 
-def test_a_second_run_into_the_same_out_dir_is_refused_at_once(tmp_path):
+def test_a_second_run_into_the_same_out_dir_is_refused_at_once(tmp_path, capsys):
     """Friction: two runs into one out_dir both exited 0, their checkpoints interleaved and
     ``metrics.jsonl`` corrupted. The second now exits 2 within 10 s (it does not even import
     torch) naming the first's pid and start time; the first finishes, its checkpoints verify
     clean, ``metrics.jsonl`` has one row per step. Mutation seen failing: ``dirlock.acquire``
     without its ``flock`` (the second trains too: rc 0)."""
     out = tmp_path / "run"
-    argv = _cli("train", f"out_dir={out}", "steps=30", "ckpt.every=5", "export=false", *TINY)
+    # the lock is taken before torch is imported: the first is still importing or training
+    # while the second (no torch) is refused
+    argv = _cli("train", f"out_dir={out}", "steps=12", "ckpt.every=4", "export=false", *TINY)
     first = subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)
     try:
@@ -517,13 +526,14 @@ def test_a_second_run_into_the_same_out_dir_is_refused_at_once(tmp_path):
         assert first.returncode == 0, err[-3000:]
     finally:
         first.kill()
-    verify = subprocess.run(_cli("ckpt", "verify", str(out / "ckpt")), env=_env(),
-                            capture_output=True, text=True, timeout=120)
-    assert verify.returncode == 0 and verify.stdout.startswith("OK"), verify.stdout
-    assert [r["step"] for r in _rows(out)] == list(range(1, 31))
+    capsys.readouterr()
+    assert main(["ckpt", "verify", str(out / "ckpt")]) == 0
+    verified = capsys.readouterr().out
+    assert verified.startswith("OK"), verified
+    assert [r["step"] for r in _rows(out)] == list(range(1, 13))
 
 
-def test_sigint_saves_says_how_to_resume_and_the_resume_is_exact(tmp_path):
+def test_sigint_saves_says_how_to_resume_and_the_resume_is_exact(tmp_path, capsys):
     """Friction: Ctrl-C printed 30 lines of traceback, no resume hint, no save. Now SIGINT in
     the middle of a run finishes the step, saves it, and exits 130 with one line naming the
     step and the command that resumes; that command (settings from ``run.json``) ends with the
@@ -534,9 +544,6 @@ def test_sigint_saves_says_how_to_resume_and_the_resume_is_exact(tmp_path):
     the step the line names, and "checkpoint step N" names the wrong step); the interrupt's save
     following the policy (``every_group=last`` in the loop: half the groups a save older)."""
     args = ["steps=40", "ckpt.every=2", "ckpt.policy=parity", *TINY]
-    straight = subprocess.Popen(_cli("train", f"out_dir={tmp_path / 'straight'}", *args),
-                                env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True)
     cut = tmp_path / "cut"
     proc = subprocess.Popen(_cli("train", f"out_dir={cut}", *args), env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -555,12 +562,17 @@ def test_sigint_saves_says_how_to_resume_and_the_resume_is_exact(tmp_path):
     assert last.endswith(f"resume with: layerwise train out_dir={cut}")
     assert RunDir.open(cut / "ckpt").committed_steps()[-1] == step
     assert json.loads((cut / "run.json").read_text())["interrupted_at_step"] == step
-    resume = subprocess.run(_cli("train", f"out_dir={cut}"), env=_env(), capture_output=True,
-                            text=True, timeout=600)
-    assert resume.returncode == 0, resume.stderr[-3000:]
-    assert f"resumed from layer-wise checkpoint step {step} " in resume.stdout
-    straight.communicate(timeout=600)
-    assert straight.returncode == 0
+    # the resume and the uninterrupted run in this process (the command the line names, through
+    # ``cli.main``), on one thread as the interrupted process was (OMP_NUM_THREADS=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        capsys.readouterr()
+        assert main(["train", f"out_dir={cut}"]) == 0
+        assert f"resumed from layer-wise checkpoint step {step} " in capsys.readouterr().out
+        assert main(["train", f"out_dir={tmp_path / 'straight'}", *args]) == 0
+    finally:
+        torch.set_num_threads(threads)
     assert [r["step"] for r in _rows(cut)] == list(range(1, 41))
     a, b = _weights(tmp_path / "straight"), _weights(cut)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -2,19 +2,18 @@
 ``run.json`` and ``layerwise report``.
 
 Two short runs on a tiny Llama (the ``llama-debug`` shape with the byte vocabulary), each made
-once per module: ``layerwise train ... plan=auto`` as a subprocess with piped output (so not a
-terminal), checkpointing with the ``filter`` policy; and an in-process run with the ``every-2``
+once per module: ``layerwise train ... plan=auto`` (``cli.main`` in process) with its output to
+streams that are not a terminal, checkpointing with the ``filter`` policy; and an in-process run with the ``every-2``
 rule, accumulation 2 and no checkpoints (the tracker's own start-of-run reference).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +21,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import layerwise
 from layerwise.ckpt import RunDir, open_run_step
 from layerwise.cli import main
 from layerwise.models import get_flavor
@@ -56,14 +54,6 @@ RUN_FIELDS = {"format", "format_version", "model", "family", "num_params", "num_
               "tokens_per_s", "device_mem_reserved_bytes"}
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    src = str(Path(layerwise.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("model")
@@ -75,16 +65,20 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def auto_run(model_dir, tmp_path_factory):
-    """``layerwise train plan=auto`` with its output piped: (out_dir, stdout, stderr)."""
+    """``layerwise train plan=auto`` with its output to streams that are not a terminal (as a
+    pipe is: ``isatty`` false), in process through ``cli.main`` (a fresh process only paid the
+    imports again): (out_dir, stdout, stderr)."""
     out = tmp_path_factory.mktemp("auto") / "run"
-    cmd = [sys.executable, "-m", "layerwise.cli", "train", f"model={model_dir}", "plan=auto",
-           f"steps={STEPS}", "seq_len=32", "micro_batch_size=2", "grad_accum=2",
-           "data.corpus_tokens=50000", "eval.every=3", "eval.batches=1", "log.every=2",
-           "export=false", "log.track_every=2", "ckpt.every=3", "ckpt.policy=filter",
-           f"out_dir={out}"]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, proc.stdout, proc.stderr
+    argv = ["train", f"model={model_dir}", "plan=auto",
+            f"steps={STEPS}", "seq_len=32", "micro_batch_size=2", "grad_accum=2",
+            "data.corpus_tokens=50000", "eval.every=3", "eval.batches=1", "log.every=2",
+            "export=false", "log.track_every=2", "ckpt.every=3", "ckpt.policy=filter",
+            f"out_dir={out}"]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(argv)
+    assert code == 0, stderr.getvalue()[-3000:]
+    return out, stdout.getvalue(), stderr.getvalue()
 
 
 @pytest.fixture(scope="module")
