@@ -79,12 +79,14 @@ def test_torch_distributed_is_imported_only_where_the_architecture_doc_says():
     assert all(f"`{m}`" in doc for m in TORCH_DISTRIBUTED_IMPORTERS)
 
 
-MODULE_LINES, FUNCTION_LINES = 500, 80
+MODULE_LINES, FUNCTION_LINES = 800, 80
+"""A module is as long as its concept needs; past 800 lines it says why (a smell, not a cap that
+splits a concept)."""
 
 
 def _oversized(source: str) -> list[str]:
     """What in ``source`` is over the size rule without a docstring that says why (a module:
-    "past 500 lines" in its docstring; a function: "past 80 lines" in its own)."""
+    "past 800 lines" in its docstring; a function: "past 80 lines" in its own)."""
     tree = ast.parse(source)
     out = []
     if source.count("\n") > MODULE_LINES and f"past {MODULE_LINES} lines" not in " ".join(
@@ -98,12 +100,17 @@ def _oversized(source: str) -> list[str]:
     return out
 
 
-def test_no_module_over_500_lines_or_function_over_80_without_saying_why():
-    """Mutation checked: deleting the "past 500 lines" paragraph of ``planner/search.py``'s
-    docstring makes this fail."""
+def test_no_module_over_800_lines_or_function_over_80_without_saying_why():
+    """Mutation checked: a module of 801 lines without the note (``test_size_detector_sees_a_long_module``)."""
     found = {str(p.relative_to(SRC)): bad for p in sorted(SRC.rglob("*.py"))
              if (bad := _oversized(p.read_text()))}
     assert found == {}
+
+
+def test_size_detector_sees_a_long_module():
+    body = '"""A module."""\n' + "x = 1\n" * MODULE_LINES
+    assert _oversized(body) == ["module"]
+    assert _oversized(body.replace("A module.", f"A module past {MODULE_LINES} lines: why.")) == []
 
 
 def test_size_detector_sees_a_long_function():

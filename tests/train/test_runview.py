@@ -126,11 +126,14 @@ def test_plan_auto_saves_the_planners_plan_and_its_predicted_step_time(auto_run,
     assert f"predicted {pred:.4g} s" in closing and "measured / predicted" in closing
 
 
-def test_a_rule_plan_gets_a_predicted_step_time_too(rule_run):
+def test_a_rule_plan_is_not_priced(rule_run):
+    """A rule plan is the rule: no hardware profile is resolved and no step time predicted (the
+    planner is never loaded for it; ``test_rule_runs_skip_the_planner.py``)."""
     out, lines = rule_run
     plan = Plan.load(out / "plan.json")
-    assert plan.source == "every-2" and plan.predicted["step_s"] > 0
-    assert any(x.startswith("step time: measured ") and "predicted" in x for x in lines)
+    assert plan.source == "every-2" and "step_s" not in plan.predicted
+    [closing] = [x for x in lines if x.startswith("step time: measured ")]
+    assert "predicted" not in closing
 
 
 def test_a_preset_far_off_the_measured_step_says_how_to_calibrate(tmp_path):
@@ -140,8 +143,9 @@ def test_a_preset_far_off_the_measured_step_says_how_to_calibrate(tmp_path):
 
     def closing(source: str, measured: float) -> str:
         name = "cpu" if "preset" in source else "calibrated-cpu"
-        plan = Plan(["device"] * 2, source="every-1", predicted={"hardware": name, "hardware_source": source},
-                    seq_len=128, micro_batch_size=16)
+        plan = Plan(["device"] * 2, source="every-1", seq_len=128, micro_batch_size=16,
+                    predicted={"hardware": name, "hardware_source": source,
+                               "hardware_preset": "preset" in source})
         return timing_summary([9.0, measured, measured], 1.0, plan, tmp_path, "llama-demo")
 
     preset = "the cpu preset (this machine's RAM)"

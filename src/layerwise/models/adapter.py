@@ -14,7 +14,7 @@ meta-device template: a pure function of the parameters given, so the engine run
 views of a flat device buffer. One template serves every layer of the same structure. The head
 is the causal LM's own forward with its base model replaced by what runs after the layers (soft
 caps and logit scales are the family's code); the embedding is a scaled token embedding, or the
-base model's own forward with no layers. One module past 500 lines: a template is only right
+base model's own forward with no layers. A template is only right
 with the names, buffers and call arguments the adapter gives it, so both are read in one place.
 """
 

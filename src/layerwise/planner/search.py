@@ -17,7 +17,7 @@ for offloaded boundaries; fp32 keeps the host optimizer faster). A fixed rule ge
 everywhere if the store plus the host memory its own offloaded boundaries need fits, else the
 fewest parameters switched to block-wise 8-bit moments until it does.
 
-One module past 500 lines: every step above (sizes, orders, depths, the MILP, the rules, the
+Every step above (sizes, orders, depths, the MILP, the rules, the
 polish, the global batch) reads and extends one tally of simulated candidates, whose rules for
 what "fits" and "fastest" must be the same for all of them.
 """
