@@ -205,7 +205,7 @@ MODEL = R("model",
           K("data", "str", "what is trained on"))
 
 CALIBRATION = R("calibration",
-                K("calibrate_s", "number", "`engine.calibrate.calibrate`"), K("quick", "bool", "`--calibrate-quick`"),
+                K("calibrate_s", "number", "`planner.calibrate.calibrate`"), K("quick", "bool", "`--calibrate-quick`"),
                 K("probes", "str", "`calibrate's own` sizes, or `dry-run sizes`"),
                 K("profile", "object", "the calibrated `HardwareProfile` (as `layerwise calibrate --out`), "
                                        "`host_mem_bytes` set to the host budget"),
