@@ -27,14 +27,18 @@ A layer's *internals* (the tensors its forward saves for its backward) have a ti
 Weights are never among the kept tensors: the backward streams them in again (unless the layer
 is resident).
 
-Two choices are about weights, not activations:
+Three choices are about weights and their state, not activations:
 
 - ``micro_batches_per_load`` (layer-major order when > 1): that many micro-batches run through
   each op of the program before the next op, so they share one copy of each unit's weights,
   and a unit's gradient is summed over them on the device (fp32) and sent to the host once;
   each keeps its own boundaries and internals in the tiers the plan gives;
 - ``resident_layers``: decoder layers whose compute-dtype weights stay on the device for the
-  whole run; after the host update their new weights go up once per step.
+  whole run; after the host update their new weights go up once per step;
+- ``state_tiers``: per unit, where its optimizer-side state lives: ``ram`` (the host store), or
+  ``nvme`` (its master remainder, or plain fp32 master beside a copy source, and its optimizer
+  moments in a file of the state directory, read before its update and written back after;
+  the copy source and the gradient stay in RAM).
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ TIERS = ("device", "host", "nvme", "recompute")
 STORED_TIERS = ("device", "host", "nvme")
 INTERNAL_TIERS = ("device", "host", "recompute")
 MOMENT_KINDS = ("fp32", "8bit")
+STATE_TIERS = ("ram", "nvme")
+NVME_STATE_SLOTS = 3
+"""Units whose NVMe state is staged in RAM at once: one being updated, one read ahead, one being
+written back (the RAM an ``nvme`` state tier still needs, beside the units in ``ram``)."""
 FORMAT_VERSION = 4
 """The one plan file format this layerwise writes and reads; a file of another version is
 refused (``refuse_version``)."""
@@ -88,6 +96,8 @@ class Plan:
     """Tokens per lm_head + loss chunk; bounds the logits held at once."""
     moments: list[str] | None = None
     """Per unit (embed, layers..., head): optimizer moments ``fp32`` or ``8bit``; None = all fp32."""
+    state_tiers: list[str] | None = None
+    """Per unit (embed, layers..., head): ``ram`` or ``nvme`` (see above); None = all ``ram``."""
     source: str = "manual"
     """Which rule or solver produced the plan."""
     predicted: dict[str, Any] = field(default_factory=dict)
@@ -147,7 +157,18 @@ class Plan:
                 )
             if any(m not in MOMENT_KINDS for m in self.moments):
                 raise ValueError(f"plan.moments entries must be one of {MOMENT_KINDS}")
+        if self.state_tiers is not None:
+            if num_layers is not None and len(self.state_tiers) != num_layers + 2:
+                raise ValueError(
+                    f"plan.state_tiers has {len(self.state_tiers)} entries; expected num_layers + 2 "
+                    f"= {num_layers + 2} (embed, every layer, head)")
+            if any(t not in STATE_TIERS for t in self.state_tiers):
+                raise ValueError(f"plan.state_tiers entries must be one of {STATE_TIERS}")
         refuse_version(self.format_version)
+
+    def nvme_units(self, unit_names: list[str]) -> list[str]:
+        """The units of ``unit_names`` (embed, layers..., head) whose state the plan puts on NVMe."""
+        return [u for u, t in zip(unit_names, self.state_tiers or ()) if t == "nvme"]
 
     # ----- rules --------------------------------------------------------------------------
 
