@@ -12,10 +12,16 @@ Only the copy sources are page-locked, all in one arena (one exact-size allocati
 place, sliced per unit at ``ARENA_ALIGN_BYTES``): pinning tensor by tensor would cost 2x for a
 moment per tensor and a power-of-two rounding by the CUDA host allocator. Masters, gradients and
 optimizer state stay pageable. Byte counts and the RAM check are ``layerwise.store_bytes``.
+
+With a ``state_tier`` (``layerwise.state_tier``), the units it holds keep their master remainder
+(or plain master) and optimizer state in files on NVMe: read or write them inside
+``HostStore.staged(unit)``; everything here that reads them does.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -27,6 +33,7 @@ from transformers import PretrainedConfig
 from .models.adapter import DecoderAdapter, ParamSpec, Unit
 from .models.init import build_hf_model
 from .split_master import join, round_bf16_, split_
+from .state_tier import META, PLACEHOLDER, NvmeStateTier
 from .store_bytes import (ARENA_ALIGN_BYTES, StoreFootprint, arena_offsets, check_host_memory,
                           grad_itemsizes_of, resolve_split_master)
 from .util.host_memory import alloc_pinned
@@ -245,14 +252,18 @@ class HostStore:
     ``grad_dtype``: bf16 for a run of one micro-batch per step (nothing is summed on the host):
     the units whose device gradient is bf16 keep it so, 2 bytes per parameter instead of 4
     (``grad_itemsizes_of`` says which); such a store refuses a second micro-batch.
+    ``state_tier``: the units whose master remainder (or plain master) and optimizer state live
+    on NVMe (``layerwise.state_tier``); they are not in the RAM check.
     """
 
     def __init__(self, adapter: DecoderAdapter, compute_dtype: torch.dtype = torch.float32,
                  pin: bool | None = None, *, state_nbytes: int | None = None,
                  mem_available: Callable[[], int | None] | None = None,
                  alloc: HostAllocator = PRIVATE, split_master: bool | None = None,
-                 grad_dtype: torch.dtype = torch.float32):
+                 grad_dtype: torch.dtype = torch.float32, state_tier: NvmeStateTier | None = None):
         self.adapter = adapter
+        self.state_tier = state_tier
+        """Where the state of the units it ``holds`` lives (None: all in RAM)."""
         self.passthrough: dict[str, torch.Tensor] = {}
         """``adapter.passthrough_names``' tensors as the checkpoint holds them (vision tower)."""
         self.alloc = alloc
@@ -264,29 +275,39 @@ class HostStore:
         separate = compute_dtype != torch.float32
         grad_items = grad_itemsizes_of([u.name for u in adapter.units], adapter.tied, grad_dtype,
                                        compute_dtype)
-        check_host_memory(StoreFootprint.of_numels(numels, compute_dtype.itemsize,
-                                                   pin=self.pinned, state_nbytes=state_nbytes or 0,
-                                                   split_master=self.split_master,
-                                                   grad_itemsizes=grad_items),
-                          mem_available)
+        need = StoreFootprint.of_numels(numels, compute_dtype.itemsize, pin=self.pinned,
+                                        state_nbytes=state_nbytes or 0,
+                                        split_master=self.split_master, grad_itemsizes=grad_items)
+        tiered = [state_tier is not None and state_tier.holds(u.name) for u in adapter.units]
+        if any(tiered) and (self.split_master or separate):
+            per_param = need.master // max(need.numel, 1)
+            need = dataclasses.replace(need, master=need.master - per_param * sum(
+                n for n, t in zip(numels, tiered) if t))
+        check_host_memory(need, mem_available)
 
         source_dtype = compute_dtype if separate else torch.float32
         offsets, arena_numel = arena_offsets(numels, source_dtype.itemsize)
         self.arena, self._pinned_nbytes = self._alloc_arena(arena_numel, source_dtype)
         """Every unit's copy source, in one allocation (page-locked when ``pinned``)."""
         self.units: list[UnitBuffers] = []
-        for unit, layout, off, grad_item in zip(adapter.units, layouts, offsets, grad_items):
+        for unit, layout, off, grad_item, tier in zip(adapter.units, layouts, offsets, grad_items,
+                                                      tiered):
             source = self.arena[off:off + layout.numel]
+            unit_alloc = META if tier else alloc  # placeholders, filed by the tier
             master, remainder = source, None
             if self.split_master:
-                master, remainder = None, alloc.zeros(layout.numel, torch.int16)
+                master, remainder = None, unit_alloc.zeros(layout.numel, torch.int16)
             elif separate:
-                master = alloc.zeros(layout.numel, torch.float32)
+                master = unit_alloc.zeros(layout.numel, torch.float32)
             grad = torch.zeros(layout.numel,
                                dtype=torch.float32 if grad_item == 4 else torch.bfloat16)
             compute = source if separate else None
-            self.units.append(UnitBuffers(unit, layout, master, grad, compute=compute, alloc=alloc,
-                                          remainder=remainder))
+            buf = UnitBuffers(unit, layout, master, grad, compute=compute, alloc=unit_alloc,
+                              remainder=remainder)
+            if tier:
+                state_tier.add(buf, {"remainder": remainder} if self.split_master else
+                               {"master": master} if separate else {})
+            self.units.append(buf)
         self.by_name = {b.name: b for b in self.units}
 
     def _alloc_arena(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
@@ -303,6 +324,27 @@ class HostStore:
     def layers(self) -> list[UnitBuffers]:
         return self.units[1:-1]
 
+    def staged(self, name: str, write: bool = False, flush: bool = False
+               ) -> contextlib.AbstractContextManager:
+        """Unit ``name``'s master and optimizer state are real inside (``NvmeStateTier.staged``;
+        a unit in RAM always is); ``write``: they are written."""
+        if self.state_tier is None or not self.state_tier.holds(name):
+            return contextlib.nullcontext()
+        return self.state_tier.staged(name, write, flush)
+
+    def on_nvme(self, name: str) -> bool:
+        return self.state_tier is not None and self.state_tier.holds(name)
+
+    def adopt_state(self, buf: UnitBuffers) -> None:
+        """After ``init_state``: file an NVMe unit's new optimizer state (nothing in RAM)."""
+        if self.on_nvme(buf.name):
+            self.state_tier.adopt_state(buf)
+
+    def close(self) -> None:
+        """Remove the NVMe state files (working memory; the checkpoints hold the state)."""
+        if self.state_tier is not None:
+            self.state_tier.close()
+
     def copy_source(self, name: str) -> torch.Tensor:
         """Unit ``name``'s copy source (see ``UnitBuffers.copy_source``)."""
         return self.by_name[name].copy_source
@@ -313,16 +355,22 @@ class HostStore:
         separate = self.units[0].compute is not None if self.units else False
         return StoreFootprint(
             numel=numel, compute_itemsize=self.compute_dtype.itemsize,
-            master=sum(tensor_nbytes(b.remainder if b.split else b.master) for b in self.units),
+            master=sum(_ram_nbytes(b.remainder if b.split else b.master) for b in self.units),
             grad=sum(tensor_nbytes(b.grad) for b in self.units),
             compute=sum(tensor_nbytes(b.compute) for b in self.units) if separate else 0,
-            state=sum(tensor_nbytes(t) for b in self.units for t in b.state.values()),
+            state=sum(_ram_nbytes(t) for b in self.units for t in b.state.values()
+                      if not self.on_nvme(b.name)),
             copy_source=self.copy_source_nbytes(), arena=tensor_nbytes(self.arena),
             pinned=self._pinned_nbytes, split_master=self.split_master)
 
     def nbytes(self) -> int:
-        """Host bytes of the whole store: buffers, optimizer state and the arena's padding."""
+        """Host bytes of the whole store in RAM: buffers, optimizer state and the arena's
+        padding (not the state on NVMe, nor its staging slots)."""
         return self.footprint().total
+
+    def nvme_nbytes(self) -> int:
+        """Bytes of state on NVMe (0 without a state tier)."""
+        return 0 if self.state_tier is None else self.state_tier.nbytes()
 
     def pinned_nbytes(self) -> int:
         """Page-locked bytes (0 when not pinned): the copy-source arena, in whole pages."""
@@ -350,7 +398,8 @@ class HostStore:
                 f"{hf_name}: shape {tuple(tensor.shape)} does not match the model config's "
                 f"{tuple(spec.shape)}; the checkpoint and config.json disagree"
             )
-        buf.write_master(tensor, offset)
+        with self.staged(unit_name, write=True):
+            buf.write_master(tensor, offset)
 
     def _hf_map(self) -> dict[str, tuple[str, str]]:
         if not hasattr(self, "_hf_map_cache"):
@@ -368,8 +417,13 @@ class HostStore:
         """(HF key, fp32 weights) for every distinct tensor, unit by unit: views of a plain
         master, one decoded copy at a time of a split one."""
         for b in self.units:
+            nvme = self.on_nvme(b.name)
             for p, o in zip(b.layout.specs, b.layout.offsets):
-                yield p.hf_name, b.read_master(o, o + p.numel).view(p.shape)
+                with self.staged(b.name):
+                    w = b.read_master(o, o + p.numel).view(p.shape)
+                    if nvme and not b.split:
+                        w = w.clone()  # a view into a staging slot outlives nothing
+                yield p.hf_name, w
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """HF-keyed fp32 weights (tied head key included when tied): views of plain masters,
@@ -382,17 +436,23 @@ class HostStore:
     def refresh_compute(self) -> None:
         """Every unit's ``UnitBuffers.refresh_compute`` (after writing plain masters directly)."""
         for b in self.units:
-            b.refresh_compute()
+            with self.staged(b.name):
+                b.refresh_compute()
 
     def zero_grads(self) -> None:
         for b in self.units:
             b.grad.zero_()
 
 
+def _ram_nbytes(t: torch.Tensor | None) -> int:
+    """Bytes ``t`` holds in RAM (an NVMe unit's placeholder: none)."""
+    return 0 if t is None or t.device.type == PLACEHOLDER else tensor_nbytes(t)
+
+
 def init_store(config: PretrainedConfig, seed: int = 0, compute_dtype: torch.dtype = torch.float32,
                pin: bool | None = None, *, alloc: HostAllocator = PRIVATE,
-               split_master: bool | None = None,
-               grad_dtype: torch.dtype = torch.float32) -> tuple[DecoderAdapter, HostStore]:
+               split_master: bool | None = None, grad_dtype: torch.dtype = torch.float32,
+               state_tier: NvmeStateTier | None = None) -> tuple[DecoderAdapter, HostStore]:
     """Adapter + HostStore holding exactly the weights ``build_hf_model(config, seed)`` has.
 
     The HF model is built on the host once and dropped; fine for the small models this is used
@@ -400,6 +460,6 @@ def init_store(config: PretrainedConfig, seed: int = 0, compute_dtype: torch.dty
     """
     adapter = DecoderAdapter(config)
     store = HostStore(adapter, compute_dtype=compute_dtype, pin=pin, alloc=alloc,
-                      split_master=split_master, grad_dtype=grad_dtype)
+                      split_master=split_master, grad_dtype=grad_dtype, state_tier=state_tier)
     store.copy_from_model(build_hf_model(config, seed))
     return adapter, store

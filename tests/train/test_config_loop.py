@@ -83,8 +83,12 @@ def _tiny_llama_dir(path: Path) -> Path:
     return path
 
 
-def _train_argv(model_dir: Path, out_dir: Path) -> list[str]:
-    return ["train", f"model={model_dir}",
+NVME_STATE = ["host_mem_gb=0.0008"]
+"""The test model's store with most units' optimizer state on NVMe (``out_dir/nvme-state``)."""
+
+
+def _train_argv(model_dir: Path, out_dir: Path, extra: list[str] = ()) -> list[str]:
+    return ["train", f"model={model_dir}", *extra,
             f"steps={KILL_STEPS}", "seq_len=32", "micro_batch_size=2", "grad_accum=2",
             "data.corpus_tokens=50000", "eval.every=0", "eval.batches=1", "log.every=1",
             "export=false", "ckpt.every=1", "ckpt.policy=full", f"out_dir={out_dir}"]
@@ -97,10 +101,10 @@ def _cli(rank: int, argv: list[str]) -> None:
         raise SystemExit(code)
 
 
-def _train(model_dir: Path, out_dir: Path, log: Path) -> multiproc.Launch:
+def _train(model_dir: Path, out_dir: Path, log: Path, extra: list[str] = ()) -> multiproc.Launch:
     """``layerwise train`` of the test's run in a child process of its own, output in
     ``<log>.0.log``."""
-    return multiproc.start(_cli, (_train_argv(model_dir, out_dir),), 1, log=log, stores=[])
+    return multiproc.start(_cli, (_train_argv(model_dir, out_dir, extra),), 1, log=log, stores=[])
 
 
 def _output(launch: multiproc.Launch) -> str:
@@ -108,12 +112,12 @@ def _output(launch: multiproc.Launch) -> str:
     return launch[0].log_tail(1_000_000)
 
 
-def _kill_inside_a_save(model_dir: Path, out_dir: Path, log: Path) -> int | None:
+def _kill_inside_a_save(model_dir: Path, out_dir: Path, log: Path, extra: list[str]) -> int | None:
     """Start the run; once a checkpoint is committed, SIGKILL it while the next one is being
     written: its step's metrics row is out, ``latest`` still names the step before (or, if that
     is never seen, halfway through the run). Returns the newest committed step it left (None if
     it ended before the kill)."""
-    with _train(model_dir, out_dir, log) as launch:
+    with _train(model_dir, out_dir, log, extra) as launch:
         proc = launch[0]
         ckpt, metrics = out_dir / "ckpt", out_dir / "metrics.jsonl"
         deadline = time.monotonic() + 300
@@ -145,7 +149,8 @@ def _metrics(out_dir: Path) -> list[dict]:
 
 @pytest.mark.dist
 @pytest.mark.timeout(600)
-def test_killed_train_resumes_from_its_last_checkpoint_bit_exactly(tmp_path):
+@pytest.mark.parametrize("state", ["ram", "nvme"])
+def test_killed_train_resumes_from_its_last_checkpoint_bit_exactly(tmp_path, state):
     """``layerwise train`` (a process of its own, a ``full`` checkpoint every step) killed with
     SIGKILL inside a save after its first commit, then rerun with the same command (while the
     uninterrupted run runs beside it, on the other core): it resumes from the
@@ -155,27 +160,34 @@ def test_killed_train_resumes_from_its_last_checkpoint_bit_exactly(tmp_path):
     fp32 with one thread per run the engine is deterministic (per-unit updates on worker
     threads touch disjoint buffers), and a ``full`` checkpoint holds the whole state (a
     ``filter`` one may hold older versions of groups that moved little, so resuming from it is
-    close, not exact, by design).
+    close, not exact, by design). ``nvme``: the killed and resumed run keeps most units'
+    optimizer state on NVMe (``host_mem_gb``) and still equals the uninterrupted run in RAM;
+    the kill leaves its state files behind, and the resumed run starts them afresh.
 
     Mutations this fails on (each made once, by hand, in ``train/loop.py``): resume ignoring the
     checkpoint (``if False:`` for ``cfg.resume``: restarts at step 0); the data position not
     restored (``start=0`` for the batch iterator: other batches, other losses); the AdamW state
     reset after the load (``init_state`` per unit: other weights); the LR schedule restarted at
     the resumed step (``lr_at(step - start_step, …)``); metrics appended as they are (the step
-    logged before the kill but never committed appears twice)."""
+    logged before the kill but never committed appears twice); ``nvme``: a checkpoint load that
+    does not stage its unit for writing (``staged(buf.name)`` in ``load_group``: the loaded
+    state stays in the slot and is dropped, the resumed run trains from zeros)."""
+    extra = NVME_STATE if state == "nvme" else []
     model_dir = _tiny_llama_dir(tmp_path / "model")
     straight, cut = tmp_path / "straight", tmp_path / "cut"
     with _train(model_dir, straight, tmp_path / "straight") as uninterrupted:
         for attempt in range(3):  # the kill must land before the run ends; retry if it did not
             shutil.rmtree(cut, ignore_errors=True)
-            killed_at = _kill_inside_a_save(model_dir, cut, tmp_path / f"killed{attempt}")
+            killed_at = _kill_inside_a_save(model_dir, cut, tmp_path / f"killed{attempt}", extra)
             if killed_at is not None:
                 break
         assert killed_at is not None, "the run always finished before it could be killed"
         assert 1 <= killed_at < KILL_STEPS
-        out = _output(_train(model_dir, cut, tmp_path / "resumed"))
+        out = _output(_train(model_dir, cut, tmp_path / "resumed", extra))
         out_straight = _output(uninterrupted)
     assert f"resumed from layer-wise checkpoint step {killed_at} " in out
+    if state == "nvme":
+        assert "optimizer state of" in out and not (cut / "nvme-state").exists()
     assert _eval_losses(out) == _eval_losses(out_straight)  # start and end of the whole run
 
     rows_straight, rows_cut = _metrics(straight), _metrics(cut)

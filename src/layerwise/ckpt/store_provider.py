@@ -9,7 +9,8 @@ the fp32 master, in the same format. A unit with 8-bit moments is served as its 
 parameter (``ckpt.moments``), and loaded back bit for bit; a stored version in the other format
 (fp32 moments into an 8-bit unit, or the reverse: the plan changed) is converted by the unit's
 optimizer. Call ``engine.synchronize()`` first: a pending update would otherwise race the
-snapshot.
+snapshot. A unit whose state is on NVMe (``HostStore.state_tier``) is staged while it is read or
+written, and what is read of it is copied out (a staging slot is reused once released).
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ class HostStoreStateProvider:
         out = {}
         for n in self._groups[group]:
             buf, spec, offset = self._param(n)
-            out[n] = buf.read_master(offset, offset + spec.numel).view(spec.shape)
+            with self.store.staged(buf.name):
+                w = buf.read_master(offset, offset + spec.numel).view(spec.shape)
+                out[n] = w.clone() if self.store.on_nvme(buf.name) and not buf.split else w
         return out
 
     def _param(self, name: str):
@@ -89,17 +92,24 @@ class HostStoreStateProvider:
             return out
         for n in self._groups[group]:
             buf, local = self._where[n]
-            st = buf.state
-            if not st or float(st["step"]) == 0:
-                continue  # no step taken yet: like torch.optim, there is no state to save
-            block_size = self._block_size(buf)
-            if block_size is None:
-                for k in MOMENTS:
-                    out[f"{k}/{n}"] = buf.layout.views(st[k])[local]
-            else:
-                out.update({kind + n: t for kind, t in
-                            unit_part(st, *self._span[n], block_size).items()})
-            out[f"step/{n}"] = st["step"].reshape(())
+            with self.store.staged(buf.name):
+                part = self._unit_state(buf, n, local)
+            if self.store.on_nvme(buf.name):
+                part = {k: t.clone() for k, t in part.items()}
+            out.update(part)
+        return out
+
+    def _unit_state(self, buf: UnitBuffers, n: str, local: str) -> dict[str, torch.Tensor]:
+        """Parameter ``n``'s optimizer state (views into ``buf.state``)."""
+        st = buf.state
+        if not st or float(st["step"]) == 0:
+            return {}  # no step taken yet: like torch.optim, there is no state to save
+        block_size = self._block_size(buf)
+        if block_size is None:
+            out = {f"{k}/{n}": buf.layout.views(st[k])[local] for k in MOMENTS}
+        else:
+            out = {kind + n: t for kind, t in unit_part(st, *self._span[n], block_size).items()}
+        out[f"step/{n}"] = st["step"].reshape(())
         return out
 
     def load_group(self, group: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -118,17 +128,20 @@ class HostStoreStateProvider:
                 self.store.passthrough[n].copy_(tensors[f"param/{n}"])
             return
         for buf in self._units(group).values():
-            mine = [n for n in names if self._where[n][0] is buf]
-            for n in mine:
-                _, spec, offset = self._param(n)
-                w = tensors[f"param/{n}"]
-                if tuple(w.shape) != tuple(spec.shape):
-                    raise ValueError(f"{n}: checkpoint shape {tuple(w.shape)} != model shape "
-                                     f"{tuple(spec.shape)}; saved from a different configuration")
-                buf.write_master(w, offset)  # the copy source with it (split, or refreshed)
-            if buf.state:
-                if not self._load_8bit_exact(buf, mine, tensors):
-                    self._load_converted(buf, mine, fp32_moments(tensors))
+            with self.store.staged(buf.name, write=True):
+                self._load_unit(buf, [n for n in names if self._where[n][0] is buf], tensors)
+
+    def _load_unit(self, buf: UnitBuffers, mine: list[str], tensors: dict[str, torch.Tensor]) -> None:
+        for n in mine:
+            _, spec, offset = self._param(n)
+            w = tensors[f"param/{n}"]
+            if tuple(w.shape) != tuple(spec.shape):
+                raise ValueError(f"{n}: checkpoint shape {tuple(w.shape)} != model shape "
+                                 f"{tuple(spec.shape)}; saved from a different configuration")
+            buf.write_master(w, offset)  # the copy source with it (split, or refreshed)
+        if buf.state:
+            if not self._load_8bit_exact(buf, mine, tensors):
+                self._load_converted(buf, mine, fp32_moments(tensors))
 
     def _load_8bit_exact(self, buf: UnitBuffers, names: list[str],
                          tensors: dict[str, torch.Tensor]) -> bool:

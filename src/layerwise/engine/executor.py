@@ -136,6 +136,7 @@ class StreamingEngine:
         for buf in store:
             if not buf.state:
                 self.optimizers[buf.name].init_state(buf)
+                store.adopt_state(buf)  # an NVMe unit's state goes to its file
         threads = plan_host_threads(self.device.type, self.config.optimizer_threads)
         if threads.optimizer_intra is not None:
             torch.set_num_threads(threads.optimizer_intra)  # the launcher's CPU stays free

@@ -6,6 +6,9 @@ overlap the next step's forward; the weight streamer asks :meth:`HostUpdates.wai
 applied. Data parallel: a unit another rank owns is updated there, and "done" means the owner
 has published its update (the step reducer says).
 
+A unit whose state is on NVMe (``HostStore.state_tier``) is read ahead in the order the updates
+are submitted and written back as soon as its update is done (``NvmeStateTier``).
+
 No update zeroes a gradient, and a rank that does not own a unit leaves its spent gradient as it
 is: the first landing of the next step overwrites it (``GradSink``), a pass over every gradient
 saved per step. Each update's start and end (``perf_counter``) are kept in ``times`` for the
@@ -40,18 +43,20 @@ class HostUpdates:
         """Start the step's updates with clip factor ``coef``. The caller guarantees every
         weight copy of the step has completed (the host weights may be overwritten)."""
         self.reducer.begin_updates()
-        for buf in self.store:  # embed first: the next forward needs it first
-            if not self.reducer.owns(buf.name):
-                continue  # reduced into the owner's; this rank's part is spent
-            if not buf.layout.numel:
-                continue  # frozen (a LoRA run's embedding and head): nothing to update
-            self._pending[buf.name] = self._pool.submit(self._update, buf.name, lr, coef)
+        # embed first: the next forward needs it first; frozen units (a LoRA run's embedding and
+        # head) have nothing to update; another owner's are reduced there, this rank's part spent
+        mine = [b.name for b in self.store if self.reducer.owns(b.name) and b.layout.numel]
+        if self.store.state_tier is not None:
+            self.store.state_tier.prefetch(mine)
+        for unit in mine:
+            self._pending[unit] = self._pool.submit(self._update, unit, lr, coef)
 
     def _update(self, unit: str, lr: float, coef: float) -> None:
         t0 = time.perf_counter()
         buf = self.store[unit]
-        self.optimizers[unit].step_unit(buf, lr, coef)
-        buf.refresh_compute()
+        with self.store.staged(unit, write=True, flush=True):
+            self.optimizers[unit].step_unit(buf, lr, coef)
+            buf.refresh_compute()
         self.times[unit] = (t0, time.perf_counter())
         self.reducer.published(unit)
 

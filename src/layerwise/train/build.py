@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,13 @@ from ..models.families import text_config
 from ..models.attention import row_layout
 from ..models.structure import layer_facts, model_flops
 from ..plan.memory import CUDA_WORKSPACE_BYTES, predict_peak_device_bytes
+from ..optim import adamw, adamw8bit
 from ..plan.plan import Plan
 from ..plan.shape import ModelShape
-from ..store import PRIVATE, HostAllocator, HostStore, init_store
+from ..plan.state_placement import place_state
+from ..state_tier import NvmeStateTier
+from ..store import PRIVATE, FlatLayout, HostAllocator, HostStore, init_store, store_footprint
+from ..store_bytes import resolve_split_master
 from . import checks
 from .config import TrainConfig
 from .lora_run import lora_shape
@@ -78,15 +82,17 @@ class ModelSource:
         return cls(name, _rope_scaled(config, cfg.model.rope_scaling)), line
 
     def build(self, seed: int, compute_dtype: torch.dtype, alloc: HostAllocator = PRIVATE,
-              grad_dtype: torch.dtype = torch.float32) -> tuple[DecoderAdapter, HostStore]:
+              grad_dtype: torch.dtype = torch.float32, state_tier: NvmeStateTier | None = None
+              ) -> tuple[DecoderAdapter, HostStore]:
         """Every local rank builds the same weights into the node's shared store (identical
         writes, before the store-ready barrier), so no rank needs to know which wrote them.
-        ``grad_dtype``: ``HostStore``'s (bf16 when every gradient lands once a step on one process)."""
+        ``grad_dtype``, ``state_tier``: ``HostStore``'s (bf16 when every gradient lands once a
+        step on one process; the units whose state lives on NVMe)."""
         if self.name in FLAVORS:
             return init_store(self.config, seed=seed, compute_dtype=compute_dtype, alloc=alloc,
-                              grad_dtype=grad_dtype)
+                              grad_dtype=grad_dtype, state_tier=state_tier)
         return load_store(self.name, compute_dtype=compute_dtype, alloc=alloc, config=self.config,
-                          grad_dtype=grad_dtype)
+                          grad_dtype=grad_dtype, state_tier=state_tier)
 
 
 def mem_cap_bytes(cfg: TrainConfig) -> int | None:
@@ -119,6 +125,48 @@ def choose_plan(cfg: TrainConfig, model: PretrainedConfig, compute_dtype: torch.
     shape = lora_shape(cfg, ModelShape.from_config(model, name=Path(cfg.model.name).name))
     return planner.plan_for_run(shape, hw, cfg.seq_len, cfg.micro_batch_size * cfg.grad_accum,
                                 cfg.plan_time_limit_s), hw
+
+
+STATE_NBYTES = {"fp32": adamw.state_nbytes, "8bit": adamw8bit.state_nbytes}
+
+
+def place_run_state(cfg: TrainConfig, model: PretrainedConfig, plan: Plan,
+                    compute_dtype: torch.dtype, grad_dtype: torch.dtype) -> Plan:
+    """``host_mem_gb``: the plan with the units whose state goes on NVMe so that the store fits
+    (``plan.state_placement``); a plan that places its state itself is kept."""
+    if cfg.host_mem_gb is None or plan.state_tiers is not None or cfg.lora.enabled:
+        return plan
+    adapter = DecoderAdapter(model)
+    numels = [FlatLayout.of(u).numel for u in adapter.units]
+    moments = [STATE_NBYTES[k](n) for n, k in zip(numels, plan.moments or ["fp32"] * len(numels))]
+    master_itemsize = (2 if resolve_split_master(compute_dtype, None)
+                       else 4 if compute_dtype != torch.float32 else 0)  # fp32: the master streams
+    need = store_footprint(adapter, compute_dtype, pin=False, state_nbytes=sum(moments),
+                           grad_dtype=grad_dtype).total
+    try:
+        tiers = place_state([master_itemsize * n + m for n, m in zip(numels, moments)], need,
+                            int(cfg.host_mem_gb * 1e9))
+    except ValueError as e:
+        raise ValueError(f"host_mem_gb={cfg.host_mem_gb:g}: {e}") from None
+    if "nvme" in tiers:
+        _log.info(f"host_mem_gb={cfg.host_mem_gb:g}: the optimizer state of {tiers.count('nvme')} of "
+                  f"{len(tiers)} units goes on NVMe ({cfg.state_dir or 'out_dir/nvme-state'})")
+    return replace(plan, state_tiers=tiers)
+
+
+def make_state_tier(cfg: TrainConfig, plan: Plan, unit_names: list[str], out_dir: Path,
+                    distributed: bool) -> NvmeStateTier | None:
+    """The run's NVMe state tier, for the units the plan puts there (None: none)."""
+    units = plan.nvme_units(unit_names)
+    if not units:
+        return None
+    if distributed:
+        raise ValueError("optimizer state on NVMe (plan.state_tiers, host_mem_gb) runs in one "
+                         "process: drop host_mem_gb or launch without torchrun")
+    if cfg.lora.enabled:
+        raise ValueError("optimizer state on NVMe is for full fine-tuning (a LoRA run's state is "
+                         "small): drop host_mem_gb or plan.state_tiers")
+    return NvmeStateTier(cfg.state_dir or out_dir / "nvme-state", units)
 
 
 def fit_plan(cfg: TrainConfig, model: PretrainedConfig, compute_dtype: torch.dtype) -> Plan:

@@ -232,6 +232,13 @@ class TrainConfig:
     profile; default: this machine."""
     plan_time_limit_s: float = 5.0
     """``plan=auto``: MILP time limit per micro-batch size tried, seconds."""
+    host_mem_gb: float | None = None
+    """RAM the host store may take, GB; a larger store puts units' optimizer-side state (master
+    remainder and moments) in files under ``state_dir``, the fewest units that fit (default: no
+    cap; a plan's own ``state_tiers`` are obeyed either way)."""
+    state_dir: str | None = None
+    """Where units' state on NVMe lives: a directory on a local NVMe drive (default
+    ``out_dir/nvme-state``). Working memory, removed when the run ends; checkpoints hold the state."""
     device_mem_cap_gb: float | None = None
     """Refuse plans predicted to need more device memory than this (default on CUDA: the
     device's memory)."""
@@ -286,7 +293,8 @@ class TrainConfig:
                              "schedule.total_steps": self.schedule.total_steps,
                              "ckpt.save_total_limit": self.ckpt.save_total_limit,
                              "model.rope_scaling": self.model.rope_scaling,
-                             "device_mem_cap_gb": self.device_mem_cap_gb}
+                             "device_mem_cap_gb": self.device_mem_cap_gb,
+                             "host_mem_gb": self.host_mem_gb}
         for key, value in optional_positive.items():
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{key} must be > 0 (or none), got {value}")

@@ -28,10 +28,11 @@ from ..models.families import model_dropouts
 from ..util.errors import Interrupted
 from ..util.logs import quiet_unless
 from ..models.adapter import DecoderAdapter
+from ..models.names import unit_names
 from ..plan.plan import Plan
 from ..store import HostStore
-from .build import (FlopCounter, ModelSource, check_fits, check_options, choose_plan, mem_cap_bytes,
-                    resolve_dtype)
+from .build import (FlopCounter, ModelSource, check_fits, check_options, choose_plan,
+                    make_state_tier, mem_cap_bytes, place_run_state, resolve_dtype)
 from .config import TrainConfig
 from .data import DataSpec, TrainData, prepare_data
 from .dist import saving as dist_saving, setup as dist_setup
@@ -87,7 +88,7 @@ class Trainer:
     hw: Any  # the hardware the plan was chosen for (None: a rule or plan file)
     alloc: Any  # host memory of the store (one shared store per node under torchrun)
     adapter: DecoderAdapter
-    store: HostStore
+    store: HostStore | None = None
     engine: StreamingEngine | None = None
     mbs: int  # rows of this rank's micro-batch
     accum: int  # micro-batches per optimizer step
@@ -167,10 +168,13 @@ class Trainer:
             # as the device made it (2 bytes per parameter instead of 4)
             one = self.plan.lands_once() and not ctx.enabled
             grad_dtype = torch.bfloat16 if one and self.compute_dtype == torch.bfloat16 else torch.float32
+            self.plan = place_run_state(cfg, source.config, self.plan, self.compute_dtype, grad_dtype)
+            tier = make_state_tier(cfg, self.plan, unit_names(self.plan.num_layers), self.out_dir,
+                                   ctx.enabled)
             self.adapter, self.store = (
                 build_lora(source.name, source.config, cfg, self.compute_dtype, self.alloc)
                 if cfg.lora.enabled
-                else source.build(cfg.seed, self.compute_dtype, self.alloc, grad_dtype))
+                else source.build(cfg.seed, self.compute_dtype, self.alloc, grad_dtype, tier))
             flags = self.alloc.zeros(len(self.store.units), torch.int64) if ctx.enabled else None
             self.engine = StreamingEngine(self.adapter, self.store, self.plan, EngineConfig(
                 device=cfg.device, compute_dtype=self.compute_dtype,
@@ -214,8 +218,11 @@ class Trainer:
         cfg, ctx, start = self.cfg, self.ctx, self.start
         provider = HostStoreStateProvider(self.store, self.engine.optimizers)
         # the run's tracker.jsonl is written by RunTracker (with the engine's gradient norms)
+        # state on NVMe: a save writes from the live state, a unit at a time, not a RAM copy
+        ckpt_cfg = (replace(cfg.ckpt, async_save=False, sync_copy=False)
+                    if self.store.state_tier is not None else cfg.ckpt)
         ckpt = dist_saving.checkpointer(
-            ctx, self.ckpt_dir, provider, self.store, True, config=cfg.ckpt,
+            ctx, self.ckpt_dir, provider, self.store, True, config=ckpt_cfg,
             tracker_log=False) if cfg.checkpoints else None
         self.checkpoints = CheckpointManager(ctx, cfg.ckpt, ckpt)
         reader = None
@@ -417,7 +424,7 @@ class Trainer:
     def _finish(self) -> TrainResult:
         cfg = self.cfg
         elapsed = max(1e-9, time.perf_counter() - self.t_start)
-        self.close()
+        self.close(keep_store=True)
         _log.info(timing_summary(self.step_times, self.predicted_step_s, self.plan, self.out_dir,
                                  self.model_path))
         mem = device_mem_reserved(cfg.device)
@@ -453,12 +460,19 @@ class Trainer:
                            info.get("predicted_step_s"), self.ctx.rank, note=self.start.note,
                            tokens_per_s_wall=info.get("tokens_per_s_wall"))
 
-    def close(self) -> None:
+    def close(self, keep_store: bool = False) -> None:
         """Close everything the run opened (idempotent): the outputs, the tracker, the engine,
-        and the checkpointer, whose last background write is waited for (its error raised)."""
-        if self._closed:
-            return
-        self._closed = True
+        and the checkpointer, whose last background write is waited for (its error raised);
+        then, unless ``keep_store`` (the export still reads it), the store's NVMe state."""
+        try:
+            if not self._closed:
+                self._closed = True
+                self._close_run()
+        finally:
+            if not keep_store and self.store is not None:
+                self.store.close()
+
+    def _close_run(self) -> None:
         try:
             self.log.close()
             if self.tracker is not None:

@@ -19,6 +19,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from ...models.adapter import DecoderAdapter
 from ...models.names import config_is_tied, group_of, group_sort_key, is_head_name
+from ...state_tier import NvmeStateTier
 from ...store import PRIVATE, HostAllocator, HostStore
 from ...util.safe_load import load_data_file
 from ..layout import (
@@ -257,16 +258,17 @@ def _refuse_remote_code(path: Path) -> None:
 def load_store(path: str | Path, compute_dtype: torch.dtype = torch.float32,
                pin: bool | None = None, alloc: HostAllocator = PRIVATE,
                config: PretrainedConfig | None = None,
-               grad_dtype: torch.dtype = torch.float32) -> tuple[DecoderAdapter, HostStore]:
+               grad_dtype: torch.dtype = torch.float32,
+               state_tier: NvmeStateTier | None = None) -> tuple[DecoderAdapter, HostStore]:
     """Build the adapter from ``config.json`` (or ``config``, that file's config as the caller
     adjusted it, e.g. its RoPE scaling) and fill a HostStore, one group at a time
-    (``grad_dtype``: the store's, see ``HostStore``)."""
+    (``grad_dtype``, ``state_tier``: the store's, see ``HostStore``)."""
     path = Path(path)
     adapter = DecoderAdapter(config if config is not None else load_config(path))
     source = HFModelDirSource(path)
     check_weights(source, [*adapter.hf_names(), *adapter.passthrough_names])
     store = HostStore(adapter, compute_dtype=compute_dtype, pin=pin, alloc=alloc,
-                      grad_dtype=grad_dtype)
+                      grad_dtype=grad_dtype, state_tier=state_tier)
     fill_store(source, store)
     return adapter, store
 
