@@ -1,0 +1,229 @@
+"""The training state on NVMe against the same run with everything in RAM: equal bits, the RAM it
+takes, the page cache it leaves, the step time it costs.
+
+The job: full training of a decoder built from a config here (``--layers`` x ``--hidden``, vocab
+8192; 0.25B parameters by default, 20M with ``--quick``), saved as an HF directory once
+(``benchmarks/.cache``), trained by ``layerwise train`` (the command users run, in a child
+process each) on the built-in corpus, fp32 on the CPU, ``ckpt.policy=full`` saved at the end:
+
+- ``ram``: everything in the host store's RAM;
+- ``nvme``: ``host_mem_gb`` set to the RAM the store needs with every unit's optimizer moments
+  in files (its weights and gradients in RAM, plus the staging slots; ``plan.state_placement``),
+  ``state_dir`` on this machine's disk: ``state_over_budget`` is the store's bytes over it.
+
+Figures (median of ``--repeats`` runs each, the two runs alternating):
+
+- ``weights_equal_ram_run``: the final checkpoints of the two runs hold the same blobs (content
+  addressed: every weight and moment bit for bit);
+- ``peak_rss_over_budget``: the ``nvme`` child's peak RSS (``ru_maxrss`` from ``os.wait4``) over
+  the budget plus the fixed runtime: the ``ram`` child's peak RSS less its store's allocated
+  bytes;
+- ``page_cache_max_bytes``: the most the page cache held of the state files, polled by this
+  process with ``mincore`` while the child trains;
+- ``step_time_over_ram_run``: the median step time (``metrics.jsonl``, first step left out) of
+  ``nvme`` over ``ram``, at ``--seq-len`` x ``--micro-batch`` tokens a step; ``nvme_over_compute``:
+  the disk time of a step's state traffic (each state file read once and written once, at the
+  disk's own rates) over the ``ram`` run's step time;
+- ``io_bound``: the same ``nvme`` run at ``--io-bound-tokens`` a step, where the traffic cannot
+  hide: ``disk_fraction``, the disk time of its traffic over its step time (1.0: the step runs at
+  the disk's own O_DIRECT rates, measured here first with 256 MiB written and read back).
+
+Prints one JSON object. ``--quick``: the small model, 3 steps, one repeat (checks that it runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from layerwise.ckpt.run_dir import RunDir
+from layerwise.interop.hf.model_dir import load_config
+from layerwise.models import DecoderAdapter
+from layerwise.optim.adamw import state_nbytes
+from layerwise.plan.plan import NVME_STATE_SLOTS
+from layerwise.store import FlatLayout, store_footprint
+from layerwise.util import direct_io
+
+HERE = Path(__file__).resolve().parent
+CACHE = HERE / ".cache"
+LAYERWISE_MAIN = "import sys; from layerwise.cli import main; sys.exit(main())"
+
+
+def model_dir(layers: int, hidden: int) -> Path:
+    """An HF directory of a Llama-shaped decoder of ``layers`` x ``hidden`` (made once)."""
+    path = CACHE / f"nvme-state-l{layers}-h{hidden}"
+    if (path / "config.json").exists():
+        return path
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64,
+                      num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                      num_key_value_heads=max(1, hidden // 256), vocab_size=8192,
+                      max_position_embeddings=2048, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+def store_bytes(path: Path) -> tuple[int, int, int]:
+    """(the RAM store's bytes with fp32 moments, the RAM the store needs with every unit's
+    moments on NVMe incl. the staging slots, the moments' bytes) of the model at ``path``."""
+    adapter = DecoderAdapter(load_config(path))
+    moments = [state_nbytes(FlatLayout.of(u).numel) for u in adapter.units]
+    whole = store_footprint(adapter, torch.float32, pin=False, state_nbytes=sum(moments)).total
+    ram = whole - sum(moments) + NVME_STATE_SLOTS * max(moments)
+    return whole, ram, sum(moments)
+
+
+def disk_rates(directory: Path, nbytes: int = 256 << 20) -> tuple[float, float]:
+    """This disk's own O_DIRECT write and read rates, GB/s (``util.direct_io``)."""
+    block = direct_io.io_block_bytes(directory)
+    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % 4096
+    buf = memoryview(raw[start:start + nbytes].numpy())
+    path = directory / "rate.bin"
+    t0 = time.perf_counter()
+    direct_io.write_file(path, buf, nbytes, block)
+    t1 = time.perf_counter()
+    direct_io.read_file(path, buf, nbytes, block)
+    t2 = time.perf_counter()
+    path.unlink()
+    return nbytes / (t1 - t0) / 1e9, nbytes / (t2 - t1) / 1e9
+
+
+class CacheWatch:
+    """Polls the page-cache bytes of the files in a directory (``mincore``) and their sizes."""
+
+    def __init__(self, directory: Path):
+        self.directory, self.max_bytes, self.file_bytes = directory, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CacheWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            cached = size = 0
+            for f in list(self.directory.glob("*.state")):
+                try:
+                    cached += direct_io.page_cache_bytes(f)
+                    size += f.stat().st_size
+                except (OSError, ValueError):
+                    pass  # removed as the run ended
+            self.max_bytes = max(self.max_bytes, cached)
+            self.file_bytes = max(self.file_bytes, size)
+
+
+def run(args, model: Path, out: Path, tokens_rows: int, extra: list[str]) -> dict:
+    """``layerwise train`` in a child; its peak RSS, median step time and final checkpoint."""
+    cmd = [sys.executable, "-c", LAYERWISE_MAIN, "train", f"model={model}", f"out_dir={out}",
+           f"steps={args.steps}", f"seq_len={args.seq_len}", f"micro_batch_size={tokens_rows}",
+           "grad_accum=1", "device=cpu", "plan=keep-all", "eval.every=0", "export=false",
+           "ckpt.every=0", "ckpt.policy=full", "data.corpus_tokens=300000", "log.progress=lines",
+           "overwrite=true", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
+           "PYTHONPATH": str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    state_dir = out.parent / f"{out.name}-state"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    log = out.parent / f"{out.name}.log"
+    with open(log, "w") as f, CacheWatch(state_dir) as watch:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(p.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"layerwise train exited {status}; last lines of {log}:\n"
+                 + "\n".join(log.read_text().splitlines()[-15:]))
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    manifest = RunDir.open(out / "ckpt").read_manifest(args.steps)
+    return {"peak_rss_bytes": usage.ru_maxrss * 1024,
+            "step_s": statistics.median(r["step_s"] for r in rows[1:]),
+            "blobs": {g: e["blob"] for g, e in manifest["groups"].items()},
+            "page_cache_max_bytes": watch.max_bytes, "state_file_bytes": watch.file_bytes}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--hidden", type=int, default=896)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--io-bound-rows", type=int, default=1, help="rows a step of the I/O-bound run")
+    ap.add_argument("--io-bound-seq-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--dir", default=None, help="where runs and state files go (default: a temp dir "
+                    "under benchmarks/.cache: this machine's disk)")
+    args = ap.parse_args()
+    if args.quick:
+        args.layers, args.hidden, args.steps, args.repeats = 4, 384, 3, 1
+    load_start = os.getloadavg()
+    print(f"load average {load_start}", file=sys.stderr)
+    model = model_dir(args.layers, args.hidden)
+    whole, budget, moments = store_bytes(model)
+    CACHE.mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="nvme-state-", dir=args.dir or CACHE))
+    write_gbps, read_gbps = disk_rates(work)
+    nvme = [f"host_mem_gb={budget / 1e9:.6f}"]
+
+    def state_args(name: str) -> list[str]:
+        return [*nvme, f"state_dir={work / (name + '-state')}"]
+
+    ram_runs, nvme_runs, io_runs = [], [], []
+    for r in range(args.repeats):
+        order = [("ram", []), ("nvme", state_args("nvme"))]
+        for name, extra in order if r % 2 == 0 else order[::-1]:
+            res = run(args, model, work / name, args.micro_batch, extra)
+            (ram_runs if name == "ram" else nvme_runs).append(res)
+            print(f"{name}: step {res['step_s']:.2f} s, peak RSS {res['peak_rss_bytes'] / 2**30:.2f} "
+                  f"GiB, load {os.getloadavg()[0]:.2f}", file=sys.stderr)
+        io_args = argparse.Namespace(**{**vars(args), "seq_len": args.io_bound_seq_len})
+        io_runs.append(run(io_args, model, work / "io", args.io_bound_rows, state_args("io")))
+    ram_step = statistics.median(r["step_s"] for r in ram_runs)
+    nvme_step = statistics.median(r["step_s"] for r in nvme_runs)
+    ram_peak = statistics.median(r["peak_rss_bytes"] for r in ram_runs)
+    nvme_peak = statistics.median(r["peak_rss_bytes"] for r in nvme_runs)
+    fixed = ram_peak - whole
+    files = max(r["state_file_bytes"] for r in nvme_runs)
+    disk_s = files / (read_gbps * 1e9) + files / (write_gbps * 1e9)  # each file read and written once
+    io_step = statistics.median(r["step_s"] for r in io_runs)
+    print(json.dumps({
+        "benchmark": "nvme_state", "quick": args.quick,
+        "model": {"dir": str(model), "layers": args.layers, "hidden": args.hidden},
+        "tokens_per_step": args.seq_len * args.micro_batch,
+        "store_bytes": whole, "budget_bytes": budget, "moments_on_nvme_bytes": moments,
+        "state_over_budget": round(whole / budget, 3),
+        "weights_equal_ram_run": all(n["blobs"] == ram_runs[0]["blobs"] for n in nvme_runs),
+        "peak_rss_over_budget": round(nvme_peak / (budget + fixed), 3),
+        "peak_rss_bytes": {"ram": ram_peak, "nvme": nvme_peak, "fixed_runtime": fixed},
+        "page_cache_max_bytes": max(r["page_cache_max_bytes"] for r in [*nvme_runs, *io_runs]),
+        "step_s": {"ram": round(ram_step, 3), "nvme": round(nvme_step, 3)},
+        "step_time_over_ram_run": round(nvme_step / ram_step, 3),
+        "nvme_over_compute": round(disk_s / ram_step, 3),
+        "io_bound": {"tokens_per_step": args.io_bound_rows * args.io_bound_seq_len,
+                     "step_s": round(io_step, 3), "disk_fraction": round(disk_s / io_step, 3)},
+        "disk_gbps": {"write": round(write_gbps, 3), "read": round(read_gbps, 3)},
+        "state_file_bytes": files, "repeats": args.repeats,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "load_average_start": load_start, "load_average_end": os.getloadavg()},
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
