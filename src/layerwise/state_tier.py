@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from .util import direct_io
-from .util.host_memory import page_size
+from .util.host_memory import alloc_pinned, page_size
 
 PLACEHOLDER = "meta"
 """The device of an unstaged unit's state tensors."""
@@ -101,7 +101,9 @@ class NvmeStateTier:
     """Units' optimizer-side state in ``directory`` (one file per unit), ``slots`` staged at once."""
 
     def __init__(self, directory: str | Path, units: Iterable[str], slots: int = 3,
-                 io_threads: int = 2):
+                 io_threads: int = 2, kind: str = "state", pinned: bool = False):
+        """``kind``: the files' suffix (``state``; ``source`` for copy sources); ``pinned``:
+        page-lock the slots (a device copies from them without waiting)."""
         if slots < 2:
             raise ValueError(f"an NVMe state tier needs at least 2 slots (one read ahead), got {slots}")
         self.directory = Path(directory)
@@ -111,6 +113,7 @@ class NvmeStateTier:
                              f"{direct_io.filesystem_type(self.directory)}, which lives in RAM: "
                              "give a directory on an NVMe drive (train key state_dir)")
         self.names = frozenset(units)
+        self.kind, self.pinned = kind, pinned
         self.block = direct_io.io_block_bytes(self.directory)
         self._units: dict[str, _Unit] = {}
         self._slots = [_Slot() for _ in range(slots)]
@@ -146,7 +149,7 @@ class NvmeStateTier:
         with self._cv:
             unit = self._units.get(name)
             if unit is None:
-                path = self.directory / f"{name}.state"
+                path = self.directory / f"{name}.{self.kind}"
                 fd, direct = _open(path)
                 unit = self._units[name] = _Unit(buf, path, fd, direct)
             slot = self._slot_of.get(name)
@@ -173,11 +176,11 @@ class NvmeStateTier:
     def staged(self, unit: str, write: bool = False, flush: bool = False) -> Iterator[None]:
         """Unit ``unit``'s tensors are real inside; ``write``: they are written; ``flush``:
         write them back at once on the way out (else when the slot is needed)."""
-        self._acquire(unit)
+        self.acquire(unit)
         try:
             yield
         finally:
-            self._release(unit, write, flush)
+            self.release(unit, write, flush)
 
     def prefetch(self, units: Iterable[str]) -> None:
         """Read ``units`` ahead, in this order, as slots free up."""
@@ -185,7 +188,8 @@ class NvmeStateTier:
             self._ahead.extend(u for u in units if u in self.names)
             self._advance()
 
-    def _acquire(self, name: str) -> None:
+    def acquire(self, name: str) -> None:
+        """Stage unit ``name`` (waiting for its read) and hold it until ``release``."""
         with self._cv:
             while True:
                 slot = self._slot_of.get(name)
@@ -204,11 +208,18 @@ class NvmeStateTier:
         if io is not None:
             io.result()
 
-    def _release(self, name: str, write: bool, flush: bool) -> None:
+    def release(self, name: str, write: bool = False, flush: bool = False,
+                in_use_until=None) -> None:
+        """End a hold of ``acquire``. ``in_use_until``: an event (``synchronize()``) after which
+        the slot's bytes are no longer read (a device copy from it in flight): the slot is not
+        read into before it."""
         with self._cv:
             slot = self._slot_of[name]
             slot.pins -= 1
             slot.dirty |= write
+            if in_use_until is not None:
+                slot.io = self._io.submit(_after, [f for f in (slot.io,) if f is not None],
+                                          in_use_until)
             if flush and slot.dirty and slot.pins == 0:
                 self._write_back(slot)
             self._advance()
@@ -217,13 +228,20 @@ class NvmeStateTier:
     # ----- under the lock ---------------------------------------------------------------------
 
     def _victim(self, allow_fresh: bool) -> _Slot | None:
-        """An unpinned slot to reuse: an empty one, else the least recently used (one read
-        ahead only when ``allow_fresh``)."""
+        """An unpinned slot to reuse: an empty one, else the one whose unit is needed last by
+        the reads ahead (never, first), the least recently used among equals; a slot read ahead
+        and not yet staged only when ``allow_fresh``."""
         free = [s for s in self._slots if s.unit is None]
         if free:
             return free[0]
         idle = [s for s in self._slots if s.pins == 0 and (allow_fresh or not s.fresh)]
-        return min(idle, key=lambda s: s.used) if idle else None
+        if not idle:
+            return None
+        ahead = list(self._ahead)
+
+        def next_use(s: _Slot) -> int:
+            return ahead.index(s.unit) if s.unit in ahead else len(ahead)
+        return max(idle, key=lambda s: (not s.fresh, next_use(s), -s.used))
 
     def _load(self, name: str, slot: _Slot) -> _Slot:
         """Give ``slot`` to unit ``name``: write its unit back if dirty, then read ``name``."""
@@ -236,7 +254,8 @@ class NvmeStateTier:
         if slot.raw is None or slot.raw.numel() < unit.nbytes:
             if slot.io is not None:  # the old buffer's last write must finish before it goes
                 slot.io.result()
-            slot.raw = _aligned(max(unit.nbytes, max(u.nbytes for u in self._units.values())))
+            slot.raw = _aligned(max(unit.nbytes, max(u.nbytes for u in self._units.values())),
+                                self.pinned)
         after = [f for f in (slot.io, self._writing.get(name)) if f is not None]
         slot.io = self._io.submit(self._read, after, unit, slot.raw)
         slot.unit, slot.dirty, slot.fresh = name, False, False
@@ -258,7 +277,7 @@ class NvmeStateTier:
                 self._ahead.popleft()
                 continue
             victim = self._victim(allow_fresh=False)
-            if victim is None or (victim.unit is not None and victim.unit in self._ahead):
+            if victim is None:
                 return
             self._ahead.popleft()
             self._load(name, victim).fresh = True
@@ -339,8 +358,17 @@ def _set(buf, key: str, t: torch.Tensor) -> None:
         setattr(buf, key, t)
 
 
-def _aligned(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of uint8 starting on a page (``O_DIRECT`` buffers must)."""
+def _after(after: list[Future], event) -> None:
+    for f in after:
+        f.result()
+    event.synchronize()
+
+
+def _aligned(nbytes: int, pinned: bool) -> torch.Tensor:
+    """``nbytes`` of uint8 starting on a page (``O_DIRECT`` buffers must), page-locked when
+    ``pinned``."""
+    if pinned:
+        return alloc_pinned(nbytes)[0]
     page = page_size()
     raw = torch.empty(nbytes + page, dtype=torch.uint8)
     start = (-raw.data_ptr()) % page

@@ -14,7 +14,8 @@ moment per tensor and a power-of-two rounding by the CUDA host allocator. Master
 optimizer state stay pageable. Byte counts and the RAM check are ``layerwise.store_bytes``.
 
 With a ``state_tier`` (``layerwise.state_tier``), the units it holds keep their master remainder
-(or plain master) and optimizer state in files on NVMe: read or write them inside
+(or plain master) and optimizer state in files on NVMe; with a ``source_tier``, the units it
+holds keep their copy source there too, outside the arena. Read or write them inside
 ``HostStore.staged(unit)``; everything here that reads them does.
 """
 
@@ -253,17 +254,21 @@ class HostStore:
     the units whose device gradient is bf16 keep it so, 2 bytes per parameter instead of 4
     (``grad_itemsizes_of`` says which); such a store refuses a second micro-batch.
     ``state_tier``: the units whose master remainder (or plain master) and optimizer state live
-    on NVMe (``layerwise.state_tier``); they are not in the RAM check.
+    on NVMe (``layerwise.state_tier``); ``source_tier``: the units whose copy source does; what
+    they hold is not in the RAM check.
     """
 
     def __init__(self, adapter: DecoderAdapter, compute_dtype: torch.dtype = torch.float32,
                  pin: bool | None = None, *, state_nbytes: int | None = None,
                  mem_available: Callable[[], int | None] | None = None,
                  alloc: HostAllocator = PRIVATE, split_master: bool | None = None,
-                 grad_dtype: torch.dtype = torch.float32, state_tier: NvmeStateTier | None = None):
+                 grad_dtype: torch.dtype = torch.float32, state_tier: NvmeStateTier | None = None,
+                 source_tier: NvmeStateTier | None = None):
         self.adapter = adapter
         self.state_tier = state_tier
         """Where the state of the units it ``holds`` lives (None: all in RAM)."""
+        self.source_tier = source_tier
+        """Where the copy sources of the units it ``holds`` live (None: all in the arena)."""
         self.passthrough: dict[str, torch.Tensor] = {}
         """``adapter.passthrough_names``' tensors as the checkpoint holds them (vision tower)."""
         self.alloc = alloc
@@ -279,20 +284,25 @@ class HostStore:
                                         state_nbytes=state_nbytes or 0,
                                         split_master=self.split_master, grad_itemsizes=grad_items)
         tiered = [state_tier is not None and state_tier.holds(u.name) for u in adapter.units]
-        if any(tiered) and (self.split_master or separate):
-            per_param = need.master // max(need.numel, 1)
-            need = dataclasses.replace(need, master=need.master - per_param * sum(
-                n for n, t in zip(numels, tiered) if t))
+        sourced = [source_tier is not None and source_tier.holds(u.name) for u in adapter.units]
+        master_moved = sum(n for n, t, c in zip(numels, tiered, sourced)
+                           if (t and (self.split_master or separate)) or (c and not separate))
+        compute_moved = sum(n for n, c in zip(numels, sourced) if c and separate)
+        need = dataclasses.replace(
+            need, master=need.master - need.master // max(need.numel, 1) * master_moved,
+            compute=need.compute - compute_dtype.itemsize * compute_moved)
         check_host_memory(need, mem_available)
 
         source_dtype = compute_dtype if separate else torch.float32
-        offsets, arena_numel = arena_offsets(numels, source_dtype.itemsize)
+        offsets, arena_numel = arena_offsets([0 if c else n for n, c in zip(numels, sourced)],
+                                             source_dtype.itemsize)
         self.arena, self._pinned_nbytes = self._alloc_arena(arena_numel, source_dtype)
         """Every unit's copy source, in one allocation (page-locked when ``pinned``)."""
         self.units: list[UnitBuffers] = []
-        for unit, layout, off, grad_item, tier in zip(adapter.units, layouts, offsets, grad_items,
-                                                      tiered):
-            source = self.arena[off:off + layout.numel]
+        for unit, layout, off, grad_item, tier, on_source in zip(
+                adapter.units, layouts, offsets, grad_items, tiered, sourced):
+            source = (META.zeros(layout.numel, source_dtype) if on_source
+                      else self.arena[off:off + layout.numel])
             unit_alloc = META if tier else alloc  # placeholders, filed by the tier
             master, remainder = source, None
             if self.split_master:
@@ -307,6 +317,8 @@ class HostStore:
             if tier:
                 state_tier.add(buf, {"remainder": remainder} if self.split_master else
                                {"master": master} if separate else {})
+            if on_source:
+                source_tier.add(buf, {"compute": compute} if separate else {"master": master})
             self.units.append(buf)
         self.by_name = {b.name: b for b in self.units}
 
@@ -328,22 +340,28 @@ class HostStore:
                ) -> contextlib.AbstractContextManager:
         """Unit ``name``'s master and optimizer state are real inside (``NvmeStateTier.staged``;
         a unit in RAM always is); ``write``: they are written."""
-        if self.state_tier is None or not self.state_tier.holds(name):
-            return contextlib.nullcontext()
-        return self.state_tier.staged(name, write, flush)
+        stack = contextlib.ExitStack()
+        for tier in self._tiers():
+            if tier.holds(name):
+                stack.enter_context(tier.staged(name, write, flush))
+        return stack
+
+    def _tiers(self) -> list[NvmeStateTier]:
+        return [t for t in (self.state_tier, self.source_tier) if t is not None]
 
     def on_nvme(self, name: str) -> bool:
-        return self.state_tier is not None and self.state_tier.holds(name)
+        """Does unit ``name`` keep anything on NVMe (its state, its copy source)?"""
+        return any(t.holds(name) for t in self._tiers())
 
     def adopt_state(self, buf: UnitBuffers) -> None:
         """After ``init_state``: file an NVMe unit's new optimizer state (nothing in RAM)."""
-        if self.on_nvme(buf.name):
+        if self.state_tier is not None and self.state_tier.holds(buf.name):
             self.state_tier.adopt_state(buf)
 
     def close(self) -> None:
         """Remove the NVMe state files (working memory; the checkpoints hold the state)."""
-        if self.state_tier is not None:
-            self.state_tier.close()
+        for tier in self._tiers():
+            tier.close()
 
     def copy_source(self, name: str) -> torch.Tensor:
         """Unit ``name``'s copy source (see ``UnitBuffers.copy_source``)."""
@@ -357,9 +375,8 @@ class HostStore:
             numel=numel, compute_itemsize=self.compute_dtype.itemsize,
             master=sum(_ram_nbytes(b.remainder if b.split else b.master) for b in self.units),
             grad=sum(tensor_nbytes(b.grad) for b in self.units),
-            compute=sum(tensor_nbytes(b.compute) for b in self.units) if separate else 0,
-            state=sum(_ram_nbytes(t) for b in self.units for t in b.state.values()
-                      if not self.on_nvme(b.name)),
+            compute=sum(_ram_nbytes(b.compute) for b in self.units) if separate else 0,
+            state=sum(_ram_nbytes(t) for b in self.units for t in b.state.values()),
             copy_source=self.copy_source_nbytes(), arena=tensor_nbytes(self.arena),
             pinned=self._pinned_nbytes, split_master=self.split_master)
 
@@ -370,7 +387,7 @@ class HostStore:
 
     def nvme_nbytes(self) -> int:
         """Bytes of state on NVMe (0 without a state tier)."""
-        return 0 if self.state_tier is None else self.state_tier.nbytes()
+        return sum(t.nbytes() for t in self._tiers())
 
     def pinned_nbytes(self) -> int:
         """Page-locked bytes (0 when not pinned): the copy-source arena, in whole pages."""

@@ -23,9 +23,10 @@ def _batches(vocab, n, seed=0):
     return out
 
 
-def _run(cfg, tier, compute_dtype, moments, steps=6):
+def _run(cfg, tier, compute_dtype, moments, steps=6, source_tier=None):
     adapter = DecoderAdapter(cfg)
-    store = HostStore(adapter, compute_dtype=compute_dtype, state_tier=tier)
+    store = HostStore(adapter, compute_dtype=compute_dtype, state_tier=tier,
+                      source_tier=source_tier)
     store.copy_from_model(build_hf_model(cfg, seed=0))
     n = adapter.num_layers
     engine = StreamingEngine(adapter, store, Plan.every_k(n, 2, moments=[moments] * (n + 2)),
@@ -42,17 +43,23 @@ def _run(cfg, tier, compute_dtype, moments, steps=6):
     return store, engine, out
 
 
-@pytest.mark.parametrize("compute_dtype,moments", [(torch.bfloat16, "fp32"),
-                                                   (torch.float32, "8bit")])
-def test_state_on_nvme_trains_the_same_bits_as_in_ram(tmp_path, compute_dtype, moments):
-    """Mutations: write a unit back before its update is done (release without ``write``), or
+@pytest.mark.parametrize("compute_dtype,moments,source", [(torch.bfloat16, "fp32", False),
+                                                          (torch.float32, "8bit", False),
+                                                          (torch.bfloat16, "fp32", True),
+                                                          (torch.float32, "fp32", True)])
+def test_state_on_nvme_trains_the_same_bits_as_in_ram(tmp_path, compute_dtype, moments, source):
+    """``source``: the copy sources of the layers on NVMe too (``nvme-all``).
+
+    Mutations: write a unit back before its update is done (release without ``write``), or
     read it into a slot whose previous unit's write-back is still in flight (drop ``after``
-    from ``_load``); each changes a master or a moment."""
+    from ``_load``); each changes a master or a moment. ``source``: the weight streamer copying
+    a source without staging it (``staged = False`` in ``_copy``: it copies a placeholder)."""
     cfg = get_flavor("llama-debug").build_config()
     _, _, ram = _run(cfg, None, compute_dtype, moments)
     names = [u.name for u in DecoderAdapter(cfg).units]
     tier = NvmeStateTier(tmp_path / "state", names[1:], slots=2)  # the layers and head on NVMe
-    store, engine, nvme = _run(cfg, tier, compute_dtype, moments)
+    sources = NvmeStateTier(tmp_path / "state", names[1:-1], kind="source") if source else None
+    store, engine, nvme = _run(cfg, tier, compute_dtype, moments, source_tier=sources)
     assert tier.read_bytes > 0 and tier.written_bytes > 0
     for u in names:
         for k, v in ram[u].items():

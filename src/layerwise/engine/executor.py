@@ -129,6 +129,9 @@ class StreamingEngine:
         self.program = micro_batch_program(plan.boundary_tiers, plan.internal_tiers)
         """The ops of one micro-batch (a step runs each for every micro-batch of its group)."""
         self.resident = resident_units(plan.resident_layers)
+        if store.source_tier is not None and any(store.source_tier.holds(u) for u in self.resident):
+            raise ValueError("a resident layer's copy source cannot live on NVMe: drop it from "
+                             "plan.resident_layers or keep its state_tiers entry off nvme-all")
         plan_shape = getattr(adapter, "plan_shape", None)  # a LoRA run's knows its frozen base
         self.shape = plan_shape() if plan_shape is not None else \
             ModelShape.from_config(adapter.config, adapter=adapter)

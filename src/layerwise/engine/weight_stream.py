@@ -4,7 +4,9 @@
 ``depth`` uses ahead of the op being run, never copying a unit whose optimizer update has not
 finished (it retries at the next op), and never waiting for a unit other than the one the op
 needs now. Resident units (``resident.py``) are not streamed: acquiring one returns its own
-buffer, refreshed once per update.
+buffer, refreshed once per update. A copy source on NVMe (``HostStore.source_tier``) is read
+ahead in the schedule's order and staged for its copy; its slot is read into again only after
+the copy's event.
 """
 
 from __future__ import annotations
@@ -45,14 +47,22 @@ class WeightStreamer:
     def begin(self, schedule: list[str]) -> None:
         assert self.finished(), "previous schedule not finished"
         self._window = WeightWindow(schedule, self.depth)
+        if self.store.source_tier is not None:
+            self.store.source_tier.prefetch(schedule)
         self._copy(self._window.fill(self.update_done))
         self.resident.refresh_ready()
 
     def _copy(self, copies: list[tuple[str, int]]) -> None:
+        tier = self.store.source_tier
         for unit, slot in copies:
+            staged = tier is not None and tier.holds(unit)
+            if staged:
+                tier.acquire(unit)
             src = self.store[unit].copy_source
             dst = self.slots[slot].buffer[:src.numel()]
             self._ready[unit] = self.backend.copy_h2d(dst, src, after=[self.slots[slot].free_after])
+            if staged:
+                tier.release(unit, in_use_until=self._ready[unit])
             self.loads += 1
 
     def acquire(self, unit: str) -> torch.Tensor:

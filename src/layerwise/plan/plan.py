@@ -35,10 +35,11 @@ Three choices are about weights and their state, not activations:
   each keeps its own boundaries and internals in the tiers the plan gives;
 - ``resident_layers``: decoder layers whose compute-dtype weights stay on the device for the
   whole run; after the host update their new weights go up once per step;
-- ``state_tiers``: per unit, where its optimizer-side state lives: ``ram`` (the host store), or
-  ``nvme`` (its master remainder, or plain fp32 master beside a copy source, and its optimizer
-  moments in a file of the state directory, read before its update and written back after;
-  the copy source and the gradient stay in RAM).
+- ``state_tiers``: per unit, where its state lives: ``ram`` (the host store); ``nvme`` (its
+  master remainder, or plain fp32 master beside a copy source, and its optimizer moments in a
+  file of the state directory, read before its update and written back after; the copy source
+  and the gradient stay in RAM); ``nvme-all`` (its copy source too, in a file of its own, read
+  ahead of each weight copy to the device: a model whose weights exceed the RAM).
 """
 
 from __future__ import annotations
@@ -54,10 +55,13 @@ TIERS = ("device", "host", "nvme", "recompute")
 STORED_TIERS = ("device", "host", "nvme")
 INTERNAL_TIERS = ("device", "host", "recompute")
 MOMENT_KINDS = ("fp32", "8bit")
-STATE_TIERS = ("ram", "nvme")
+STATE_TIERS = ("ram", "nvme", "nvme-all")
 NVME_STATE_SLOTS = 3
 """Units whose NVMe state is staged in RAM at once: one being updated, one read ahead, one being
 written back (the RAM an ``nvme`` state tier still needs, beside the units in ``ram``)."""
+NVME_SOURCE_SLOTS = 3
+"""Units whose copy source on NVMe (``nvme-all``) is staged in RAM at once: one being copied to
+the device, one read ahead, one being written back by its update."""
 FORMAT_VERSION = 4
 """The one plan file format this layerwise writes and reads; a file of another version is
 refused (``refuse_version``)."""
@@ -97,7 +101,8 @@ class Plan:
     moments: list[str] | None = None
     """Per unit (embed, layers..., head): optimizer moments ``fp32`` or ``8bit``; None = all fp32."""
     state_tiers: list[str] | None = None
-    """Per unit (embed, layers..., head): ``ram`` or ``nvme`` (see above); None = all ``ram``."""
+    """Per unit (embed, layers..., head): ``ram``, ``nvme`` or ``nvme-all`` (see above); None =
+    all ``ram``."""
     source: str = "manual"
     """Which rule or solver produced the plan."""
     predicted: dict[str, Any] = field(default_factory=dict)
@@ -166,9 +171,11 @@ class Plan:
                 raise ValueError(f"plan.state_tiers entries must be one of {STATE_TIERS}")
         refuse_version(self.format_version)
 
-    def nvme_units(self, unit_names: list[str]) -> list[str]:
-        """The units of ``unit_names`` (embed, layers..., head) whose state the plan puts on NVMe."""
-        return [u for u, t in zip(unit_names, self.state_tiers or ()) if t == "nvme"]
+    def nvme_units(self, unit_names: list[str], source: bool = False) -> list[str]:
+        """The units of ``unit_names`` (embed, layers..., head) whose state the plan puts on
+        NVMe; ``source``: those whose copy source too (``nvme-all``)."""
+        on = ("nvme-all",) if source else ("nvme", "nvme-all")
+        return [u for u, t in zip(unit_names, self.state_tiers or ()) if t in on]
 
     # ----- rules --------------------------------------------------------------------------
 
