@@ -19,7 +19,7 @@ from .scaling import ScalingPoint
 from .search import Candidate, PlanInfeasible, SearchResult
 from ..plan.shape import ModelShape
 from .simulator import SimResult
-from .state_traffic import HIDE_FRACTION, NvmeState
+from .state_traffic import HIDE_FRACTION, STEP_SLACK, NvmeState
 
 MEMORY_NAMES = {"device": "GPU memory", "host": "host RAM", "nvme": "NVMe", "unknown": "memory"}
 """The capacities a plan can overflow, in a newcomer's words."""
@@ -77,13 +77,18 @@ def nvme_state_line(shape: ModelShape, plan: Plan, fig: NvmeState, batch_note: s
     units = plan.nvme_units(shape.unit_names())
     layers = [int(u.rsplit(".", 1)[1]) for u in units if u.rsplit(".", 1)[-1].isdigit()]
     named = ([f"layers {_ranges(layers)}"] if layers else []) + [u for u in units if not u.rsplit(".", 1)[-1].isdigit()]
-    hides = (f"hides (<= {HIDE_FRACTION:.0%} of the compute)" if fig.hides
-             else f"does not hide (over {HIDE_FRACTION:.0%} of the compute): the step waits for the NVMe")
+    if not fig.hides:
+        hides = f"does not hide (over {HIDE_FRACTION:.0%} of the compute): the step waits for the NVMe"
+    elif fig.compute_bound:
+        hides = f"hides (<= {HIDE_FRACTION:.0%} of the compute, the step within {STEP_SLACK:.0%} of it)"
+    else:  # the reads run a few units ahead of the updates: most of it lands in the next forward
+        hides = (f"under {HIDE_FRACTION:.0%} of the compute, but the next forward waits for the state's reads "
+                 f"and writes: not hidden")
     return (f"optimizer state on NVMe: {fig.units} of {len(shape.unit_names())} units ({', '.join(named)}), "
             f"{_gb(fig.state_bytes)} GB (master remainders and moments; copy source and gradients in RAM); "
             f"{_gb(fig.moved_bytes)} GB over the NVMe per step (read + written), {fig.nvme_s:.2f} s of NVMe vs "
-            f"{fig.compute_s:.2f} s of compute per step (step {fig.step_s:.2f} s): {hides}"
-            + (f"; {batch_note}" if batch_note else ""))
+            f"{fig.compute_s:.2f} s of compute per step (step {fig.step_s:.2f} s, {fig.over_compute:+.1%} over the "
+            f"compute): {hides}" + (f"; {batch_note}" if batch_note else ""))
 
 
 def reserve_line(machine: HardwareProfile, hw: HardwareProfile) -> str:

@@ -38,7 +38,7 @@ from .milp import MilpConfig, MilpResult, solve
 from ..plan.plan import Plan
 from .screen import Sims, extrapolated
 from .simulator import SimResult
-from .state_traffic import HIDE_FRACTION, MAX_HIDING_BATCH, hiding_batch, nvme_state
+from .state_traffic import HIDE_FRACTION, MAX_HIDING_BATCH, STEP_SLACK, hiding_batch, nvme_state
 from .step_model import StepModel
 
 __all__ = ["Candidate", "PlanInfeasible", "SearchConfig", "SearchResult", "choose_moments", "human_bytes",
@@ -511,25 +511,32 @@ def _auto_global_batch(tally: _Tally, shape: ModelShape, hw: HardwareProfile, se
 
 def _hiding_pool(pool: list[Candidate], g: int, tally: _Tally, shape: ModelShape, hw: HardwareProfile,
                  seq_len: int) -> list[Candidate]:
-    """Auto mode with optimizer state on NVMe: the candidates at the global batch at which the
-    fastest plan at ``g`` would hide its NVMe traffic behind its compute (``hiding_batch``),
-    where a plan fits there; else ``pool``. Says which in ``tally.batch_note``."""
+    """Auto mode with optimizer state on NVMe: ``pool`` (at ``g``) if its fastest plan's NVMe
+    traffic hides there and its step stays compute-bound; else the candidates at the smallest
+    larger global batch (the one ``hiding_batch`` estimates, then ``g`` doubled) at which it does,
+    while some candidate fits. Says which in ``tally.batch_note``."""
     best = _fastest(_fastest_per_rule(pool, tally, shape, hw, seq_len)[0])
     fig = nvme_state(shape, hw, best.plan, best.sim)
     if fig is None:
         return pool
-    if fig.hides:
-        tally.batch_note = f"global batch {g}: its NVMe traffic hides behind the compute at the fastest batch"
+    if fig.hides and fig.compute_bound:
+        tally.batch_note = f"global batch {g}: the NVMe traffic of the optimizer state hides behind the compute"
         return pool
-    g2 = hiding_batch(shape, hw, best.plan, best.sim)
-    if g2 is not None and g2 > g:
+    estimate = hiding_batch(shape, hw, best.plan, best.sim)
+    for g2 in sorted({b for b in (estimate, *(g * 2**k for k in range(1, 12))) if b and g < b <= MAX_HIDING_BATCH}):
         bigger = _at_global_batch(tally.cands, g2, tally.sims)
-        if any(c.fits for c in bigger):
+        fitting = [c for c in bigger if c.fits]
+        if not fitting:
+            break  # a larger batch (one landing per step: one group) only needs more memory
+        top = max(fitting, key=lambda c: c.sim.tokens_per_s)
+        f2 = nvme_state(shape, hw, top.plan, top.sim)
+        if f2 is not None and f2.hides and f2.compute_bound:
             tally.batch_note = (f"global batch {g2} (not {g}) so the NVMe traffic of the optimizer state hides "
-                                f"behind the compute (<= {HIDE_FRACTION:.0%} of it)")
+                                f"behind the compute (<= {HIDE_FRACTION:.0%} of it, the step within "
+                                f"{STEP_SLACK:.0%} of it)")
             return bigger
-    tally.batch_note = (f"global batch {g}: no batch up to {MAX_HIDING_BATCH} sequences that fits hides the "
-                        f"NVMe traffic of the optimizer state; pass a larger --batch to try one")
+    tally.batch_note = (f"global batch {g}: no larger batch that fits (up to {MAX_HIDING_BATCH} sequences) hides the "
+                        f"NVMe traffic of the optimizer state")
     return pool
 
 

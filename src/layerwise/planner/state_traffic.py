@@ -5,8 +5,10 @@ that hides, and the global batch at which it would.
 Each ``nvme`` unit's state crosses the NVMe twice a step (read before its update, written back
 after), whatever the batch; the compute grows with the batch. So a larger global batch hides a
 fixed traffic: the search takes, when the batch is its to choose, one at which the traffic is at
-most ``HIDE_FRACTION`` of the compute (the rest is slack for the lane's reads waiting on slots and
-for the activations it carries too)."""
+most ``HIDE_FRACTION`` of the compute and the simulated step within ``STEP_SLACK`` of it. Both,
+because the reads run at most ``NVME_STATE_SLOTS - 1`` units ahead of the updates, which start
+after the step's backward: most of the traffic falls in the next step's forward, and a traffic
+under ``HIDE_FRACTION`` of the whole compute can still make the forward wait."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from .simulator import SimResult
 
 HIDE_FRACTION = 0.8
 """The NVMe traffic of a step hides when it takes at most this fraction of the step's compute."""
+STEP_SLACK = 0.10
+"""A step is compute-bound when it takes at most this fraction more than its compute."""
 MAX_HIDING_BATCH = 1024
 """The largest global batch (sequences) the search grows to for hiding the traffic."""
 
@@ -44,12 +48,23 @@ class NvmeState:
 
     @property
     def hides(self) -> bool:
+        """The traffic takes at most ``HIDE_FRACTION`` of the compute."""
         return self.nvme_s <= HIDE_FRACTION * self.compute_s
+
+    @property
+    def over_compute(self) -> float:
+        """How much longer the simulated step is than its compute (a fraction of the compute)."""
+        return self.step_s / self.compute_s - 1.0 if self.compute_s > 0 else float("inf")
+
+    @property
+    def compute_bound(self) -> bool:
+        return self.over_compute <= STEP_SLACK
 
     def row(self) -> dict:
         return {"units": self.units, "state_bytes": self.state_bytes, "moved_bytes_per_step": self.moved_bytes,
                 "nvme_s_per_step": self.nvme_s, "compute_s_per_step": self.compute_s, "step_s": self.step_s,
-                "hides": self.hides, "hide_fraction": HIDE_FRACTION}
+                "hides": self.hides, "hide_fraction": HIDE_FRACTION, "step_over_compute": self.over_compute,
+                "compute_bound": self.compute_bound}
 
 
 def nvme_state(shape: ModelShape, hw: HardwareProfile, plan: Plan, sim: SimResult) -> NvmeState | None:
