@@ -208,13 +208,32 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
     if "milp" in by_name:
         by_name["milp"] = polish(by_name["milp"], [c for n, c in by_name.items() if n != "milp"],
                                  shape, hw, POLISH_MOVES, tally.sims)
-    best = _fastest(by_name)
+    best = _fewest_on_nvme(_fastest(by_name), shape, hw, tally.sims)
+    by_name[best.name] = best
     plan = best.plan
     plan.source = "milp" if best.name == "milp" else f"planner:{best.name}"
     res = _milp_solve_of(tally, plan)
     plan.predicted = _predicted(shape, hw, best, res, tally)
     return SearchResult(plan, best, res, by_name, unfit, tally.tried, plan.moments or ["fp32"] * len(shape.unit_names()),
                         dict(tally.max_mbs), tally.solve_s, time.perf_counter() - t_start)
+
+
+def _fewest_on_nvme(best: Candidate, shape: ModelShape, hw: HardwareProfile, sims: Sims) -> Candidate:
+    """``best`` with the fewest units' state on NVMe for what it holds in RAM beside its store (its
+    state tiers were placed for the micro-batch count it was screened at: fp32 gradients where it
+    landed more than once), if that fits and is not slower in simulation."""
+    plan = best.plan
+    if not plan.nvme_units(shape.unit_names()):
+        return best
+    try:
+        moments, tiers = choose_state(shape, hw, best.sim.peak_pinned_act_bytes, plan.lands_once())
+    except PlanInfeasible:
+        return best
+    if (tiers or []).count("nvme") >= plan.state_tiers.count("nvme"):
+        return best
+    trial = Plan.from_dict({**plan.to_dict(), "moments": moments, "state_tiers": tiers})
+    sim = sims.full(trial)
+    return Candidate(best.name, trial, sim) if sim.fits and sim.tokens_per_s >= best.sim.tokens_per_s else best
 
 
 def _milp_solve_of(tally: _Tally, plan: Plan) -> MilpResult | None:
