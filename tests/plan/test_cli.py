@@ -1,5 +1,6 @@
 import json
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -224,12 +225,16 @@ def test_plan_prints_host_bytes_per_param_fits_ram_and_the_largest_model(tmp_pat
     assert _floor_bytes("qwen2.5-7b", "rtx4090", 40) > 40e9
 
 
-def test_plan_json_says_host_ram_and_the_largest_model_when_nothing_fits(capsys):
-    """qwen2.5-7b's floor (69.2 GB) is over 60 GB of RAM on an h200: refused on host RAM, with the
-    reserve's parts and the largest qwen2 that fits (qwen2.5-3b, 31.3 GB) in the lines and the JSON.
+def test_plan_json_says_host_ram_and_the_largest_model_when_nothing_fits(capsys, monkeypatch):
+    """qwen2.5-7b's floor (69.2 GB) is over 60 GB of RAM on an h200 without NVMe space (where no
+    optimizer state can leave the RAM): refused on host RAM, with the reserve's parts and the
+    largest qwen2 that fits (qwen2.5-3b, 31.3 GB) in the lines and the JSON.
 
     Mutation seen caught: the pre-check without bf16 gradients (the refusal then names 76.39 GB,
     the store with fp32 gradients, not the 62.25 GB of the leanest store)."""
+    from layerwise.planner.presets import PRESETS
+
+    monkeypatch.setitem(PRESETS, "h200", replace(PRESETS["h200"], nvme_capacity_bytes=0))
     assert main(["plan", "--model", "qwen2.5-7b", "--hardware", "h200", "--host-mem", "60", "--seq-len", "4096",
                  "--json"]) == 1
     d = json.loads(capsys.readouterr().out)

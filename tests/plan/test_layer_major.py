@@ -229,7 +229,8 @@ def test_a_store_that_fits_only_with_bf16_gradients_is_planned_layer_major():
     from layerwise.planner.search import SearchConfig, search
 
     shape = load_shape("qwen2.5-14b")
-    hw = replace(PRESETS["h200"], host_mem_bytes=128 * 10**9, host_reserved_bytes=4 * 10**9)
+    # no NVMe space: every unit's optimizer state stays in RAM
+    hw = replace(PRESETS["h200"], host_mem_bytes=128 * 10**9, host_reserved_bytes=4 * 10**9, nvme_capacity_bytes=0)
     cost = CostModel(shape, hw, 1, 4096)
     eight = ["8bit"] * len(shape.unit_names())
     assert cost.host_store_bytes(eight, bf16_grads=True) < hw.host_cap_bytes < cost.host_store_bytes(eight)

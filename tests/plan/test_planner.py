@@ -215,8 +215,9 @@ def test_nothing_fits_names_the_binding_resource():
     assert "device memory binds" in str(e.value) and "GB over" in str(e.value)
     with pytest.raises(PlanInfeasible) as e:
         # ~55 GB usable beside the measured reserve: under the 62 GB store with 8-bit moments
-        # and bf16 gradients (one micro-batch)
-        search(shape, PRESETS["rtx3090"].with_memory(host_mem_gb=60), 1024, SearchConfig(global_batch=1))
+        # and bf16 gradients (one micro-batch), and no NVMe space for optimizer state
+        search(shape, replace(PRESETS["rtx3090"].with_memory(host_mem_gb=60), nvme_capacity_bytes=0), 1024,
+               SearchConfig(global_batch=1))
     assert e.value.resource == "host" and "8-bit" in str(e.value)
 
 

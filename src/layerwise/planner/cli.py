@@ -16,12 +16,13 @@ from .hardware_choice import Machine, resolve_hardware
 from .host_need import HostNeed, largest_fitting, layer_grad_bytes, plan_host_need
 from .milp import MilpConfig
 from .presets import preset_host_mem_bytes
-from .report import (host_line, hours_per_billion_tokens, largest_line, print_report, print_scaling, reserve_line,
-                     verdict_fits, verdict_unfit)
+from .report import (host_line, hours_per_billion_tokens, largest_line, nvme_state_line, print_report, print_scaling,
+                     reserve_line, verdict_fits, verdict_unfit)
 from .scaling import ScalingPoint, ladder, predict_scaling
 from .search import PlanInfeasible, SearchConfig, SearchResult, search
 from ..plan.shape import ModelShape, load_shape
 from .simulator import simulate
+from .state_traffic import nvme_state
 from .timeline import draw_timeline
 from .topology import GRAD_REDUCE, Topology
 
@@ -115,12 +116,16 @@ def plan_command(args: argparse.Namespace) -> int:
     verdict = verdict_fits(shape, hw, args.seq_len, sim, global_batch, scaling)
     need = plan_host_need(shape, machine, res.plan, sim)
     lines = [verdict, host_line(shape, machine, need)]
+    fig = nvme_state(shape, hw, res.plan, sim)
+    nvme_row = None if fig is None else {**fig.row(), "batch": (res.plan.predicted.get("nvme_state") or {}).get("batch")}
+    if fig is not None:
+        lines.append(nvme_state_line(shape, res.plan, fig, nvme_row["batch"]))
     if largest is not _NOT_ASKED:
         lines.append(largest_line(shape, machine, largest))
     if args.json:
         out = _json_report(args, shape, hw, res, report, scaling, global_batch)
-        print(json.dumps({**out, "verdict": verdict, "host": need.row(), **_largest_json(largest, lines)},
-                         indent=2, default=str))
+        print(json.dumps({**out, "verdict": verdict, "host": need.row(), "nvme_state": nvme_row,
+                          **_largest_json(largest, lines)}, indent=2, default=str))
         return 0
     print("\n".join(lines))
     print_report(args.seq_len, shape, hw, res, sim, report)

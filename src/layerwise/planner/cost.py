@@ -33,6 +33,7 @@ from ..store import StoreFootprint, grad_itemsizes_of
 from ..util.host_memory import locked_nbytes
 from ..plan import memory
 from .device_cost import DeviceCost
+from ..plan.plan import NVME_STATE_SLOTS
 from ..plan.program import EMBED_OPS, OpKind
 
 # The host store's bytes are counted with the store's own arithmetic (``StoreFootprint``) and
@@ -206,8 +207,54 @@ class CostModel(DeviceCost):
         return StoreFootprint.of_numels(numels, self.elem_bytes, state_nbytes=state,
                                         grad_itemsizes=grads)
 
-    def host_store_bytes(self, moments: list[str] | None = None, bf16_grads: bool = False) -> int:
+    def host_store_bytes(self, moments: list[str] | None = None, bf16_grads: bool = False,
+                         state_tiers: list[str] | None = None) -> int:
         """Host bytes of the store: the master (split with bf16 compute: 4 bytes with its copy),
         the gradient, the moments per unit, plus the copy-source arena's alignment padding;
-        exactly ``HostStore.nbytes()``."""
-        return self.store_footprint(moments, bf16_grads).total
+        exactly ``HostStore.nbytes()`` with every unit's state in RAM. ``state_tiers``: the units
+        on ``nvme`` leave their state (``nvme_state_bytes``) out, and the staging slots
+        (``staging_bytes``) come in."""
+        total = self.store_footprint(moments, bf16_grads).total
+        if not state_tiers or "nvme" not in state_tiers:
+            return total
+        return total - self.nvme_state_bytes(moments, state_tiers) + self.staging_bytes(moments, state_tiers)
+
+    # ----- optimizer state on NVMe (``Plan.state_tiers``) -----------------------------------
+
+    def master_state_bytes(self, unit: str) -> int:
+        """Bytes of a unit's master that are not its copy source: the 16-bit remainder of a split
+        master (2 B/param), a plain fp32 master beside a separate copy (4), none where the fp32
+        master is the copy source (fp32 compute)."""
+        n = self.shape.trainable_params(unit)
+        if self.split_master:
+            return 2 * n
+        return 0 if self.elem_bytes == 4 else 4 * n
+
+    def unit_state_bytes(self, unit: str, moments: str = "8bit") -> int:
+        """What an ``nvme`` unit keeps on NVMe and moves once in and once out per step: its master
+        remainder and its optimizer moments."""
+        return self.master_state_bytes(unit) + STATE_NBYTES[moments](self.shape.trainable_params(unit))
+
+    def _nvme_sizes(self, moments: list[str] | None, state_tiers: list[str] | None) -> list[int]:
+        units = self.shape.unit_names()
+        moments = moments or ["fp32"] * len(units)
+        return [self.unit_state_bytes(u, m) for u, m, t in zip(units, moments, state_tiers or ()) if t == "nvme"]
+
+    def nvme_state_bytes(self, moments: list[str] | None, state_tiers: list[str] | None) -> int:
+        """State bytes the ``nvme`` units keep on NVMe (and out of RAM)."""
+        return sum(self._nvme_sizes(moments, state_tiers))
+
+    def staging_bytes(self, moments: list[str] | None, state_tiers: list[str] | None) -> int:
+        """RAM the engine stages NVMe state in: ``NVME_STATE_SLOTS`` x the largest ``nvme`` unit's."""
+        return NVME_STATE_SLOTS * max(self._nvme_sizes(moments, state_tiers), default=0)
+
+    def state_read_s(self, unit: str, moments: str = "8bit") -> float:
+        return self.nvme_read_s(self.unit_state_bytes(unit, moments))
+
+    def state_write_s(self, unit: str, moments: str = "8bit") -> float:
+        return self.nvme_write_s(self.unit_state_bytes(unit, moments))
+
+    def state_traffic_s(self, moments: list[str] | None, state_tiers: list[str] | None) -> float:
+        """NVMe seconds a step spends moving the ``nvme`` units' state (read in, written back)."""
+        n = self.nvme_state_bytes(moments, state_tiers)
+        return self.nvme_read_s(n) + self.nvme_write_s(n)

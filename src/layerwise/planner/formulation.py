@@ -120,6 +120,9 @@ def variables(cols: ColumnMap, m: StepModel, cfg: Choices) -> Vars:
         for u, mom in enumerate(m.moments or ["fp32"] * U):
             fixed = 1.0 if mom == "8bit" else 0.0
             cols.bound(q[u], lower=fixed, upper=fixed)
+    for u in range(U):  # a unit whose state is on NVMe keeps 8-bit moments (fewer bytes to move)
+        if m.on_nvme[u]:
+            cols.bound(q[u], lower=1.0, upper=1.0)
     return Vars(tier, f, b, run, stall, q, z, internal, needed, recomputed, resident)
 
 
@@ -290,15 +293,16 @@ def nvme_capacity(m: StepModel, x: Vars) -> list[Row]:
 
 
 def nvme_lane(m: StepModel, x: Vars) -> list[Row]:
-    """The NVMe thread (writes and reads) keeps up over a micro-batch:
-    ``Σ f + Σ b + Σ R_k ρ_k + E_f + H + E_b ≥ Σ n_k · (A/nvme_write + A/nvme_read)``."""
+    """The NVMe thread (writes and reads) keeps up over a micro-batch, with its share of the
+    optimizer state's traffic ``T_state`` (the ``nvme`` units' state in and out, per step):
+    ``Σ f + Σ b + Σ R_k ρ_k + E_f + H + E_b ≥ Σ n_k · (A/nvme_write + A/nvme_read) + T_state / M``."""
     lane: dict[int, float] = {}
     for j in range(m.L):
         lane[x.f[j]] = 1.0
         lane[x.b[j]] = 1.0
         lane[x.recomputed[j]] = m.recompute[j] * MS
         lane[x.tier[j, "nvme"]] = -m.nvme_rw * MS
-    return [(-(m.e_fwd + m.head + m.e_bwd) * MS, INF, lane)]
+    return [((m.state_traffic / m.num_micro_batches - m.e_fwd - m.head - m.e_bwd) * MS, INF, lane)]
 
 
 def accumulation_lane(m: StepModel, x: Vars) -> list[Row]:
@@ -321,7 +325,7 @@ def optimizer_overlap(m: StepModel, x: Vars) -> list[Row]:
     ``S + P (E_f + Σ_{u≤k} f_u) − Σ_{u≤k+1} δ_u q_u ≥ O_k + W_k/h2d + P c_k`` (a resident
     layer's ``W_k/h2d`` is its refresh)."""
     P = m.per_load
-    d_opt = [b - a for a, b in zip(m.opt_fp32, m.opt_8bit)]
+    d_opt = [0.0 if nv else b - a for a, b, nv in zip(m.opt_fp32, m.opt_8bit, m.on_nvme)]  # nvme: 8-bit in O
     embed_ready, layer_done = m.optimizer_bounds(None)
     rows = [(embed_ready * MS, INF, {x.stall: 1.0, x.q[0]: -d_opt[0] * MS})]
     f, q = x.f.at(), x.q.at()

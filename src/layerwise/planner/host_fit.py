@@ -1,6 +1,9 @@
-"""What host memory a plan needs beside its store, and the optimizer moments that make it fit:
-the fewest parameters switched to 8-bit moments (fp32 keeps the host optimizer faster), with
-the store's gradients in bf16 where every unit's gradient lands once per step."""
+"""What host memory a plan needs beside its store, and the optimizer moments and state tiers that
+make it fit: the fewest parameters switched to 8-bit moments (fp32 keeps the host optimizer
+faster), with the store's gradients in bf16 where every unit's gradient lands once per step; where
+even 8-bit moments everywhere leave the store over the RAM, the fewest units' optimizer state on
+NVMe (``Plan.state_tiers``: read before each update and written back after, so the fewer units
+the less NVMe traffic)."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from typing import Any
 
 from .cost import STATE_NBYTES, CostModel
 from .hardware import HardwareProfile
-from ..plan.plan import Plan
+from ..plan.plan import NVME_STATE_SLOTS, Plan
 from ..plan.shape import ModelShape
 from .simulator import simulate
 from .step_model import NVME_STAGING
@@ -64,20 +67,98 @@ def choose_moments(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 
     return moments
 
 
-def rule_moments(shape: ModelShape, hw: HardwareProfile, tiers: list[str], boundary_bytes: int,
-                 internal: list[str] | None = None, internal_bytes: int = 0, per_load: int = 1,
-                 bf16_grads: bool = False) -> list[str]:
-    """Moments for a fixed rule: the fewest 8-bit parameters with which the store and the host
-    memory the rule's own offloaded boundaries and internals need (each of the ``per_load``
-    micro-batches of a group's; NVMe staging included) fit; all 8-bit when nothing does (the
-    simulator then reports the plan over host capacity)."""
+def choose_state(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 0,
+                 bf16_grads: bool = False) -> tuple[list[str], list[str] | None]:
+    """(moments, state tiers) of the host store: every unit's state in RAM (``choose_moments``;
+    tiers None) while 8-bit moments make it fit; else 8-bit moments everywhere (fewer bytes to
+    move) and the fewest units' state on NVMe with which the store, its staging slots counted,
+    fits. PlanInfeasible when even every unit's state on NVMe leaves the copy source and the
+    gradients over the RAM, or the NVMe cannot hold the state (a machine without NVMe space
+    keeps the in-RAM refusal)."""
+    try:
+        return choose_moments(shape, hw, reserve_bytes, bf16_grads), None
+    except PlanInfeasible:
+        if hw.nvme_capacity_bytes <= 0:
+            raise
+    cost = CostModel(shape, hw, 1, 1)
+    units = shape.unit_names()
+    budget = hw.host_cap_bytes - reserve_bytes
+    moments = ["8bit"] * len(units)
+    in_ram = cost.host_store_bytes(moments, bf16_grads)
+    size = [cost.unit_state_bytes(u) for u in units]
+    chosen = _fewest_on_nvme(size, in_ram - budget)
+    if chosen is None:
+        raise _weights_exceed(shape, cost, moments, bf16_grads, budget)
+    tiers = ["nvme" if k in chosen else "ram" for k in range(len(units))]
+    on_nvme = cost.nvme_state_bytes(moments, tiers)
+    if on_nvme > hw.nvme_capacity_bytes:
+        over = on_nvme - hw.nvme_capacity_bytes
+        raise PlanInfeasible(
+            "nvme", over,
+            f"host memory binds, and the NVMe cannot take the difference: {len(chosen)} units' optimizer "
+            f"state ({human_bytes(on_nvme)}) would have to live on NVMe, {human_bytes(hw.nvme_capacity_bytes)} "
+            f"usable ({human_bytes(over)} over); use more RAM (--host-mem) or more NVMe space")
+    return moments, tiers
+
+
+def _fewest_on_nvme(size: list[int], over: int) -> set[int] | None:
+    """The fewest units (indices into ``size``, their state bytes) whose state off the RAM frees
+    ``over`` bytes beside the staging slots (``NVME_STATE_SLOTS`` x the largest of them); None
+    when none do. Per cap on the largest unit, the largest units under it first, later units
+    (updated last, so their reads wait least on the next step's forward) first among equals;
+    then the fewest units, the fewest bytes."""
+    best: tuple[int, int, set[int]] | None = None
+    for cap in sorted(set(size), reverse=True):
+        order = sorted((k for k in range(len(size)) if size[k] <= cap), key=lambda k: (-size[k], -k))
+        chosen: set[int] = set()
+        freed = -NVME_STATE_SLOTS * size[order[0]]
+        for k in order:
+            if freed >= over:
+                break
+            chosen.add(k)
+            freed += size[k]
+        if freed >= over:
+            key = (len(chosen), sum(size[k] for k in chosen))
+            if best is None or key < best[:2]:
+                best = (*key, chosen)
+    return None if best is None else best[2]
+
+
+def _weights_exceed(shape: ModelShape, cost: CostModel, moments: list[str], bf16_grads: bool,
+                    budget: int) -> PlanInfeasible:
+    """The refusal where even every unit's state on NVMe does not fit: what stays in RAM."""
+    units = shape.unit_names()
+    floor = cost.host_store_bytes(moments, bf16_grads, ["nvme"] * len(units))
+    fp = cost.store_footprint(moments, bf16_grads)
+    dtype = "bf16" if cost.elem_bytes == 2 else f"{8 * cost.elem_bytes}-bit"
+    weights = f"the {dtype} weights ({human_bytes(fp.copy_source)}, the copy source the GPU reads)"
+    grads = "bf16" if fp.grad < 4 * fp.numel else "fp32"
+    if fp.copy_source > budget:
+        what = f"{weights} alone exceed the RAM"
+    else:
+        what = (f"{weights} and the {grads} gradients ({human_bytes(fp.grad)}) alone exceed the RAM, with "
+                f"{human_bytes(cost.staging_bytes(moments, ['nvme'] * len(units)))} of NVMe staging")
+    return PlanInfeasible(
+        "host", floor - budget,
+        f"host memory binds: {what}: {shape.name} needs {human_bytes(floor)} of RAM even with every unit's "
+        f"optimizer state on NVMe, but {human_bytes(budget)} is usable ({human_bytes(floor - budget)} over); "
+        f"the copy source on NVMe is not supported: use a machine with more RAM or --host-mem")
+
+
+def rule_state(shape: ModelShape, hw: HardwareProfile, tiers: list[str], boundary_bytes: int,
+               internal: list[str] | None = None, internal_bytes: int = 0, per_load: int = 1,
+               bf16_grads: bool = False) -> tuple[list[str], list[str] | None]:
+    """(moments, state tiers) for a fixed rule (``choose_state``) with which the store and the
+    host memory the rule's own offloaded boundaries and internals need (each of the ``per_load``
+    micro-batches of a group's; NVMe staging included) fit; all 8-bit in RAM when nothing does
+    (the simulator then reports the plan over host capacity)."""
     staging = NVME_STAGING if "nvme" in tiers else 0
     offloaded = (per_load * (tiers.count("host") * boundary_bytes + (internal or []).count("host") * internal_bytes)
                  + staging * boundary_bytes)
     try:
-        return choose_moments(shape, hw, offloaded, bf16_grads)
+        return choose_state(shape, hw, offloaded, bf16_grads)
     except PlanInfeasible:
-        return ["8bit"] * len(shape.unit_names())
+        return ["8bit"] * len(shape.unit_names()), None
 
 
 def human_bytes(n: float) -> str:

@@ -9,8 +9,10 @@ not the usable figure: the reserve is counted as a need.
 
 The largest model of a family (its released sizes: ``plan.family_sizes``) is judged by its host
 floor: 8-bit moments everywhere, bf16 gradients (a plan that lands once: one micro-batch, or
-layer-major; a LoRA run's adapters keep fp32 ones), no host-tier activations; and, where the
-caller gives one, by a device check (``layerwise plan``: the search finds a plan the GPU holds).
+layer-major; a LoRA run's adapters keep fp32 ones), no host-tier activations, and where that
+store is over the RAM the fewest units' optimizer state on NVMe (``host_fit.choose_state``); and,
+where the caller gives one, by a device check (``layerwise plan``: the search finds a plan the
+GPU holds).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..models.names import EMBED, HEAD
 from .cost import CostModel
 from ..plan.family_sizes import family_sizes, flavor_of
 from .hardware import HardwareProfile
+from .host_fit import PlanInfeasible, choose_state
 from ..plan.plan import Plan
 from ..plan.shape import ModelShape, load_shape
 from .simulator import SimResult
@@ -42,6 +45,8 @@ class HostNeed:
     ram_bytes: int
     """The machine's host RAM."""
     bf16_grads: bool
+    nvme_state_bytes: int = 0
+    """Optimizer state kept on NVMe instead (out of ``store_bytes``, whose staging it adds)."""
 
     @property
     def total_bytes(self) -> int:
@@ -65,7 +70,8 @@ class HostNeed:
                 "store_bytes_per_param": round(self.store_bytes_per_param, 3),
                 "activation_bytes": self.activation_bytes, "reserve_bytes": self.reserve_bytes,
                 "total_bytes": self.total_bytes, "bytes_per_param": round(self.bytes_per_param, 3),
-                "ram_bytes": self.ram_bytes, "bf16_grads": self.bf16_grads, "fits_ram": self.fits}
+                "ram_bytes": self.ram_bytes, "bf16_grads": self.bf16_grads, "fits_ram": self.fits,
+                "nvme_state_bytes": self.nvme_state_bytes}
 
 
 def layer_grad_bytes(shape: ModelShape, hw: HardwareProfile) -> int:
@@ -78,18 +84,28 @@ def plan_host_need(shape: ModelShape, hw: HardwareProfile, plan: Plan, sim: SimR
     """The host bytes of ``plan`` on ``hw`` (the profile as given, before ``for_model``)."""
     # bf16 compute and every gradient landing once (a frozen base's adapters keep fp32 ones)
     bf16 = hw.compute_dtype_bytes == 2 and plan.lands_once() and shape.frozen_base is None
-    store = CostModel(shape, hw, 1, 1).host_store_bytes(plan.moments, bf16_grads=bf16)
+    cost = CostModel(shape, hw, 1, 1)
+    store = cost.host_store_bytes(plan.moments, bf16, plan.state_tiers)
     reserve = hw.for_model(layer_grad_bytes(shape, hw)).host_reserved_bytes
-    return HostNeed(shape.num_params, store, sim.peak_pinned_act_bytes, reserve, hw.host_mem_bytes, bf16)
+    return HostNeed(shape.num_params, store, sim.peak_pinned_act_bytes, reserve, hw.host_mem_bytes, bf16,
+                    cost.nvme_state_bytes(plan.moments, plan.state_tiers))
 
 
 def host_floor(shape: ModelShape, hw: HardwareProfile) -> HostNeed:
     """The least host RAM any plan of ``shape`` needs on ``hw`` (see the module docstring)."""
     units = shape.unit_names()
     bf16 = hw.compute_dtype_bytes == 2 and shape.frozen_base is None
-    store = CostModel(shape, hw, 1, 1).host_store_bytes(["8bit"] * len(units), bf16_grads=bf16)
-    reserve = hw.for_model(layer_grad_bytes(shape, hw)).host_reserved_bytes
-    return HostNeed(shape.num_params, store, 0, reserve, hw.host_mem_bytes, bf16)
+    cost = CostModel(shape, hw, 1, 1)
+    moments, tiers = ["8bit"] * len(units), None
+    ring = hw.for_model(layer_grad_bytes(shape, hw))
+    try:
+        moments, tiers = choose_state(shape, ring, bf16_grads=bf16)
+        moments = ["8bit"] * len(units)  # the floor: 8-bit moments in RAM too
+    except PlanInfeasible:
+        pass  # over the RAM either way: the in-RAM floor says by how much
+    store = cost.host_store_bytes(moments, bf16, tiers)
+    return HostNeed(shape.num_params, store, 0, ring.host_reserved_bytes, hw.host_mem_bytes, bf16,
+                    cost.nvme_state_bytes(moments, tiers))
 
 
 def family_of_model(model: str) -> str | None:

@@ -92,7 +92,7 @@ class MilpResult:
                     num_micro_batches=model.num_micro_batches, seq_len=model.seq_len,
                     prefetch_depth=model.prefetch_depth, head_chunk_tokens=model.head_chunk_tokens,
                     micro_batches_per_load=model.per_load, resident_layers=list(self.resident_layers or []),
-                    moments=self.moments, source="milp", **kw)
+                    moments=self.moments, state_tiers=model.state_tiers, source="milp", **kw)
 
 
 @dataclass(frozen=True)
@@ -193,6 +193,7 @@ def _seed(h: Any, highspy: Any, form: Formulation, model: StepModel, cfg: MilpCo
     moments, internal = start.moments_for(model, cfg), start.internal or ["recompute"] * model.L
     ev = model.evaluate(start.tiers, cfg.include_optimizer_stall, moments, internal, start.resident)
     if not (ev.feasible and all(t in cfg.tiers for t in start.tiers)
+            and all(mom == "8bit" for mom, nv in zip(moments, model.on_nvme) if nv)
             and all(t in cfg.internal_tiers for t in internal) and (cfg.resident or not start.resident)):
         return None
     sol = highspy.HighsSolution()

@@ -26,10 +26,14 @@ from .host_rates import PRESET_HOSTS, preset_optimizer_fields
 # [PCIE5] PCIe 5.0 x16 is 64 GB/s per direction raw; pinned cudaMemcpy measures ~50-55 GB/s
 #        (CUDA bandwidthTest on H100/H200 hosts); 50 GB/s used.
 # [PCIE4] PCIe 4.0 x16 is 32 GB/s raw; pinned copies measure ~24-26 GB/s; 25 GB/s used.
-# [DCNVME] one datacenter PCIe 4.0 NVMe drive (Samsung PM9A3 datasheet: 6.9 GB/s read,
-#        4.1 GB/s write sequential); 3.84 TB drive, 3 TB given to spill.
+# [DCNVME] one datacenter PCIe 4.0 NVMe drive per GPU (Samsung PM9A3 datasheet: 6.9 GB/s read,
+#        4.1 GB/s write sequential, per drive); 3.84 TB drive, 3 TB given to spill and optimizer
+#        state. Per GPU, as [HOSTMEM]: DGX H100 / H200 datasheets, 8 x 3.84 TB U.2 NVMe data
+#        drives for 8 GPUs, one drive each (assumption: each GPU's process uses its own drive;
+#        ZeRO-Infinity, Rajbhandari et al. 2021, sizes ~3 GB/s of NVMe per GPU for its offload).
 # [CNVME] one consumer PCIe 4.0 NVMe drive (Samsung 980 PRO datasheet: 7.0 GB/s read,
-#        5.0 GB/s write sequential); 2 TB drive, 1.5 TB given to spill.
+#        5.0 GB/s write sequential, per drive); 2 TB drive, 1.5 TB given to spill and optimizer
+#        state; the one GPU of a workstation has it to itself.
 # Host side (the engine's own kernels; ``layerwise calibrate`` measures each on the machine,
 # these are what a preset assumes without it). Per-thread rates measured here
 # (``layerwise calibrate --quick --device cpu``; 2 shared cores, load 7-14): the fused bf16 -> fp32

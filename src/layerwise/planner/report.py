@@ -19,6 +19,7 @@ from .scaling import ScalingPoint
 from .search import Candidate, PlanInfeasible, SearchResult
 from ..plan.shape import ModelShape
 from .simulator import SimResult
+from .state_traffic import HIDE_FRACTION, STEP_SLACK, NvmeState
 
 MEMORY_NAMES = {"device": "GPU memory", "host": "host RAM", "nvme": "NVMe", "unknown": "memory"}
 """The capacities a plan can overflow, in a newcomer's words."""
@@ -70,6 +71,26 @@ def host_line(shape: ModelShape, machine: HardwareProfile, need: HostNeed) -> st
             f"{_gb(need.total_bytes)} of {_gb(need.ram_bytes)} GB RAM on {machine.name} — {verdict}")
 
 
+def nvme_state_line(shape: ModelShape, plan: Plan, fig: NvmeState, batch_note: str | None) -> str:
+    """``optimizer state on NVMe: ...``: which units, how many bytes a step moves over the NVMe,
+    the NVMe's seconds for them against the compute's, and whether that hides."""
+    units = plan.nvme_units(shape.unit_names())
+    layers = [int(u.rsplit(".", 1)[1]) for u in units if u.rsplit(".", 1)[-1].isdigit()]
+    named = ([f"layers {_ranges(layers)}"] if layers else []) + [u for u in units if not u.rsplit(".", 1)[-1].isdigit()]
+    if not fig.hides:
+        hides = f"does not hide (over {HIDE_FRACTION:.0%} of the compute): the step waits for the NVMe"
+    elif fig.compute_bound:
+        hides = f"hides (<= {HIDE_FRACTION:.0%} of the compute, the step within {STEP_SLACK:.0%} of it)"
+    else:  # the reads run a few units ahead of the updates: most of it lands in the next forward
+        hides = (f"under {HIDE_FRACTION:.0%} of the compute, but the next forward waits for the state's reads "
+                 f"and writes: not hidden")
+    return (f"optimizer state on NVMe: {fig.units} of {len(shape.unit_names())} units ({', '.join(named)}), "
+            f"{_gb(fig.state_bytes)} GB (master remainders and moments; copy source and gradients in RAM); "
+            f"{_gb(fig.moved_bytes)} GB over the NVMe per step (read + written), {fig.nvme_s:.2f} s of NVMe vs "
+            f"{fig.compute_s:.2f} s of compute per step (step {fig.step_s:.2f} s, {fig.over_compute:+.1%} over the "
+            f"compute): {hides}" + (f"; {batch_note}" if batch_note else ""))
+
+
 def reserve_line(machine: HardwareProfile, hw: HardwareProfile) -> str:
     """What the host reserve of ``hw`` (``machine.for_model(...)``) is made of ([HOSTRES])."""
     ring = hw.host_reserved_bytes - machine.host_reserved_bytes
@@ -86,12 +107,15 @@ def largest_line(shape: ModelShape, machine: HardwareProfile, largest: tuple[str
         else "8-bit moments, no host-tier activations"
     if shape.frozen_base is not None:
         how = f"{shape.frozen_base.label()}, 8-bit adapter moments, no host-tier activations"
+    if largest is not None and largest[1].nvme_state_bytes:
+        how += ", optimizer state on NVMe where the RAM is short"
     where = f"{_gb(machine.host_mem_bytes)} GB of host RAM on {machine.name} ({how})"
     if largest is None:
         return f"largest {family} model that fits {where}: none"
     name, need = largest
+    nvme = f", {_gb(need.nvme_state_bytes)} GB of optimizer state on NVMe" if need.nvme_state_bytes else ""
     return (f"largest {family} model that fits {where}: {name}, {need.num_params / 1e9:.2f}B params, "
-            f"{_gb(need.total_bytes)} GB ({need.bytes_per_param:.2f} B/param)")
+            f"{_gb(need.total_bytes)} GB ({need.bytes_per_param:.2f} B/param){nvme}")
 
 
 def verdict_unfit(shape: ModelShape, hw: HardwareProfile, seq_len: int, err: PlanInfeasible) -> str:

@@ -31,13 +31,14 @@ from typing import Any
 
 from .baselines import rules as fixed_rules
 from .cost import CostModel
-from .host_fit import PlanInfeasible, choose_moments, human_bytes, infeasible, rule_moments
+from .host_fit import PlanInfeasible, choose_moments, choose_state, human_bytes, infeasible, rule_state
 from ..plan.shape import ModelShape
 from .hardware import HardwareProfile
 from .milp import MilpConfig, MilpResult, solve
 from ..plan.plan import Plan
 from .screen import Sims, extrapolated
 from .simulator import SimResult
+from .state_traffic import HIDE_FRACTION, MAX_HIDING_BATCH, STEP_SLACK, hiding_batch, nvme_state
 from .step_model import StepModel
 
 __all__ = ["Candidate", "PlanInfeasible", "SearchConfig", "SearchResult", "choose_moments", "human_bytes",
@@ -156,6 +157,8 @@ class _Tally:
     """HiGHS seconds so far (the budget's spending)."""
     smallest_failure: Candidate | None = None
     """The least device-hungry candidate of the first size at which nothing fits."""
+    batch_note: str | None = None
+    """Auto mode with optimizer state on NVMe: the global batch chosen for its traffic, and why."""
 
     def add(self, mbs: int, cands: list[Candidate]) -> bool:
         """Record the candidates of micro-batch size ``mbs``; whether any fits."""
@@ -181,10 +184,10 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
     cfg = config or SearchConfig()
     t_start = time.perf_counter()
     depths = _depths(cfg, seq_len)
-    # the store must fit with 8-bit moments at most (bf16 gradients where a plan may land them
-    # once): else say so now
+    # the store must fit with 8-bit moments at most, or with state on NVMe (bf16 gradients where
+    # a plan may land them once): else say so now
     lands_once = cfg.per_loads is None or max(cfg.per_loads) > 1 or cfg.global_batch in _micro_batch_sizes(cfg)
-    choose_moments(shape, hw, bf16_grads=lands_once)
+    choose_state(shape, hw, bf16_grads=lands_once)
     auto = cfg.global_batch is None
     rules = fixed_rules(shape.num_layers)
     tally = _Tally(dict.fromkeys([*rules, "milp"], 0), Sims(shape, hw))
@@ -199,17 +202,38 @@ def search(shape: ModelShape, hw: HardwareProfile, seq_len: int, config: SearchC
     if auto:
         g = _auto_global_batch(tally, shape, hw, seq_len, cfg)
         pool = _at_global_batch(tally.cands, g, tally.sims)
+        if _state_tiers(shape, hw, True) is not None:
+            pool = _hiding_pool(pool, g, tally, shape, hw, seq_len)
     by_name, unfit = _fastest_per_rule(pool, tally, shape, hw, seq_len)
     if "milp" in by_name:
         by_name["milp"] = polish(by_name["milp"], [c for n, c in by_name.items() if n != "milp"],
                                  shape, hw, POLISH_MOVES, tally.sims)
-    best = _fastest(by_name)
+    best = _fewest_on_nvme(_fastest(by_name), shape, hw, tally.sims)
+    by_name[best.name] = best
     plan = best.plan
     plan.source = "milp" if best.name == "milp" else f"planner:{best.name}"
     res = _milp_solve_of(tally, plan)
     plan.predicted = _predicted(shape, hw, best, res, tally)
     return SearchResult(plan, best, res, by_name, unfit, tally.tried, plan.moments or ["fp32"] * len(shape.unit_names()),
                         dict(tally.max_mbs), tally.solve_s, time.perf_counter() - t_start)
+
+
+def _fewest_on_nvme(best: Candidate, shape: ModelShape, hw: HardwareProfile, sims: Sims) -> Candidate:
+    """``best`` with the fewest units' state on NVMe for what it holds in RAM beside its store (its
+    state tiers were placed for the micro-batch count it was screened at: fp32 gradients where it
+    landed more than once), if that fits and is not slower in simulation."""
+    plan = best.plan
+    if not plan.nvme_units(shape.unit_names()):
+        return best
+    try:
+        moments, tiers = choose_state(shape, hw, best.sim.peak_pinned_act_bytes, plan.lands_once())
+    except PlanInfeasible:
+        return best
+    if (tiers or []).count("nvme") >= plan.state_tiers.count("nvme"):
+        return best
+    trial = Plan.from_dict({**plan.to_dict(), "moments": moments, "state_tiers": tiers})
+    sim = sims.full(trial)
+    return Candidate(best.name, trial, sim) if sim.fits and sim.tokens_per_s >= best.sim.tokens_per_s else best
 
 
 def _milp_solve_of(tally: _Tally, plan: Plan) -> MilpResult | None:
@@ -323,12 +347,12 @@ def _prepare(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: SearchCo
               micro_batches_per_load=per_load)
     once = m_count <= per_load
     mbs_cost = CostModel(shape, hw, mbs, seq_len)
-    model = StepModel(shape, hw, mbs, seq_len, m_count, depth, per_load=per_load)
+    model = StepModel(shape, hw, mbs, seq_len, m_count, depth, per_load=per_load, state_tiers=_state_tiers(shape, hw, once))
     plans = []
     for name, (tiers, internal) in rules.items():
-        moments = rule_moments(shape, hw, tiers, mbs_cost.boundary_bytes, internal, mbs_cost.layer_workspace_bytes,
-                               per_load, once)
-        plan = Plan(list(tiers), internal_tiers=internal, source=name, moments=moments, **kw)
+        moments, state = rule_state(shape, hw, tiers, mbs_cost.boundary_bytes, internal, mbs_cost.layer_workspace_bytes,
+                                    per_load, once)
+        plan = Plan(list(tiers), internal_tiers=internal, source=name, moments=moments, state_tiers=state, **kw)
         ev = model.evaluate(plan.boundary_tiers, moments=moments, internal=plan.internal_tiers)
         plans.append((name, plan, ev))
     if per_load > 1:
@@ -340,6 +364,15 @@ def _prepare(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: SearchCo
         fitting = [c for c, (_, _, ev) in zip(here, plans) if c.fits and ev.feasible]
         warm = max(fitting, key=lambda c: c.sim.tokens_per_s).plan if fitting else None
     return _Config((mbs, depth, per_load), model, here, warm)
+
+
+def _state_tiers(shape: ModelShape, hw: HardwareProfile, lands_once: bool) -> list[str] | None:
+    """The MILP's state tiers: the fewest units on NVMe with which the store alone fits (the
+    boundaries it puts on the host get what is left); None where it fits in RAM or nothing does."""
+    try:
+        return choose_state(shape, hw, bf16_grads=lands_once)[1]
+    except PlanInfeasible:
+        return None
 
 
 def _solve(cfg: SearchConfig, c: _Config, spent_s: float) -> MilpResult:
@@ -360,7 +393,8 @@ def _milp_candidate(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: S
     if set(over) <= {"device", "host"} and over:
         model = StepModel(shape, hw, model.micro_batch_size, seq_len, model.num_micro_batches, model.prefetch_depth,
                           model.head_chunk_tokens, device_reserve_bytes=over.get("device", 0),
-                          host_reserve_bytes=over.get("host", 0), per_load=model.per_load)
+                          host_reserve_bytes=over.get("host", 0), per_load=model.per_load,
+                          state_tiers=model.state_tiers)
         again = solve(model, _budgeted(cfg, tally.solve_s))
         tally.solve_s += again.solve_s
         if again.tiers is not None:
@@ -394,7 +428,8 @@ def polish(milp: Candidate, rules: list[Candidate], shape: ModelShape, hw: Hardw
         best, other = rule, milp.plan
     else:
         best, other = milp, rule.plan
-    fields = (("boundary_tiers", 0), ("internal_tiers", 0), ("moments", 1))  # (field, unit offset)
+    # (field, unit offset)
+    fields = (("boundary_tiers", 0), ("internal_tiers", 0), ("moments", 1), ("state_tiers", 1))
     theirs = {k: (o, getattr(other, k)) for k, o in fields if getattr(other, k) is not None}
     mine = best.plan.to_dict()
     diff = [i for i in range(shape.num_layers)
@@ -493,6 +528,37 @@ def _auto_global_batch(tally: _Tally, shape: ModelShape, hw: HardwareProfile, se
     return best.plan.micro_batch_size * best.plan.num_micro_batches
 
 
+def _hiding_pool(pool: list[Candidate], g: int, tally: _Tally, shape: ModelShape, hw: HardwareProfile,
+                 seq_len: int) -> list[Candidate]:
+    """Auto mode with optimizer state on NVMe: ``pool`` (at ``g``) if its fastest plan's NVMe
+    traffic hides there and its step stays compute-bound; else the candidates at the smallest
+    larger global batch (the one ``hiding_batch`` estimates, then ``g`` doubled) at which it does,
+    while some candidate fits. Says which in ``tally.batch_note``."""
+    best = _fastest(_fastest_per_rule(pool, tally, shape, hw, seq_len)[0])
+    fig = nvme_state(shape, hw, best.plan, best.sim)
+    if fig is None:
+        return pool
+    if fig.hides and fig.compute_bound:
+        tally.batch_note = f"global batch {g}: the NVMe traffic of the optimizer state hides behind the compute"
+        return pool
+    estimate = hiding_batch(shape, hw, best.plan, best.sim)
+    for g2 in sorted({b for b in (estimate, *(g * 2**k for k in range(1, 12))) if b and g < b <= MAX_HIDING_BATCH}):
+        bigger = _at_global_batch(tally.cands, g2, tally.sims)
+        fitting = [c for c in bigger if c.fits]
+        if not fitting:
+            break  # a larger batch (one landing per step: one group) only needs more memory
+        top = max(fitting, key=lambda c: c.sim.tokens_per_s)
+        f2 = nvme_state(shape, hw, top.plan, top.sim)
+        if f2 is not None and f2.hides and f2.compute_bound:
+            tally.batch_note = (f"global batch {g2} (not {g}) so the NVMe traffic of the optimizer state hides "
+                                f"behind the compute (<= {HIDE_FRACTION:.0%} of it, the step within "
+                                f"{STEP_SLACK:.0%} of it)")
+            return bigger
+    tally.batch_note = (f"global batch {g}: no larger batch that fits (up to {MAX_HIDING_BATCH} sequences) hides the "
+                        f"NVMe traffic of the optimizer state")
+    return pool
+
+
 def _predicted(shape: ModelShape, hw: HardwareProfile, best: Candidate, res: MilpResult | None,
                tally: _Tally) -> dict[str, Any]:
     """What the emitted plan says of itself (``plan.predicted``)."""
@@ -514,9 +580,16 @@ def _predicted(shape: ModelShape, hw: HardwareProfile, best: Candidate, res: Mil
         "micro_batches_per_load": plan.micro_batches_per_load,
         "resident_layers": list(plan.resident_layers),
         "moments_8bit_units": (plan.moments or []).count("8bit"),
+        "nvme_state": _nvme_row(shape, hw, best, tally),
         # per rule, the largest micro-batch size tried (up to the largest that fits any) that fits
         "max_micro_batch_size": dict(tally.max_mbs),
     }
+
+
+def _nvme_row(shape: ModelShape, hw: HardwareProfile, best: Candidate, tally: _Tally) -> dict[str, Any] | None:
+    """The emitted plan's optimizer state on NVMe and its traffic (None: all in RAM)."""
+    fig = nvme_state(shape, hw, best.plan, best.sim)
+    return None if fig is None else {**fig.row(), "batch": tally.batch_note or "the global batch was given"}
 
 
 def _budgeted(cfg: SearchConfig, spent_s: float) -> MilpConfig:

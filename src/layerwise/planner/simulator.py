@@ -36,7 +36,12 @@ Dependencies modelled (as ``layerwise.engine`` runs them):
   once per step (``plan.lands_once``) with bf16 compute;
 - the optimizer starts when the last gradient of the step has landed (global clip needs all),
   updating embed, layers 0.., head in order (each update, then its compute copy's refresh into
-  the pinned arena), overlapping the next step's forward.
+  the pinned arena), overlapping the next step's forward;
+- a unit whose optimizer state is on NVMe (``plan.state_tiers``) has it read on the ``nvme``
+  lane before its update and written back after; the reads go in update order, at most
+  ``NVME_STATE_SLOTS - 1`` units ahead (a read takes the staging slot the write of the unit
+  ``NVME_STATE_SLOTS`` before it frees), the first of them issued when the step's last group
+  starts its backward (the head).
 
 Data parallel (``topology``; :mod:`.topology` says what is shared): one GPU's process is
 simulated, on the machine as it sees it while its node's other GPUs run too
@@ -62,7 +67,7 @@ from .cost import CostModel
 from .hardware import HardwareProfile
 from ..plan.memory import (GRAD_SLOTS, carried, fetch_slot_count, grad_slot_itemsize, group_embed_bwd_bytes,
                      group_size, kept_internal_bytes, mask_bytes, resident_weight_bytes)
-from ..plan.plan import Plan
+from ..plan.plan import NVME_STATE_SLOTS, Plan
 from ..plan.program import (COPY_OPS, FETCH_AHEAD, RECOMPUTE_OPS, Op, OpKind, WeightWindow,
                       micro_batch_groups, micro_batch_program, resident_units, weight_schedule)
 from ..plan.shape import ModelShape
@@ -149,6 +154,16 @@ class _Simulation:
         self.lanes = Lanes(hw.synchronous, me=max(range(topo.gpus_per_node), key=lambda r: (owned[r], -r)))
         self.last_grad_op = {u: n for n, op in enumerate(self.ops) for u in op.grad_units(self.tied)}  # its final landing
         self.first_grad_op = {u: n for n, op in reversed(list(enumerate(self.ops))) for u in op.grad_units(self.tied)}
+        tiers = plan.state_tiers or ["ram"] * len(self.units)
+        self.state_seq = [u for u, t in zip(self.units, tiers) if t == "nvme"]
+        """Units whose state is on NVMe, in update order."""
+        self.state_slots = min(NVME_STATE_SLOTS, len(self.state_seq))
+        self.state_io_s = {u: (cost.state_read_s(u, m), cost.state_write_s(u, m))
+                           for u, m, t in zip(self.units, self.moments, tiers) if t == "nvme"}
+        self.state_write_end: list[float] = []
+        """When each NVMe state write so far ended (every step's, in order)."""
+        self.state_read_end: dict[str, float] = {}
+        """This step's NVMe state reads: unit -> when it is staged in RAM."""
         self.allocs: list[Alloc] = []
         self.op_log: list[dict[str, Any]] = []
         self.opt_ready: dict[str, float] = {}
@@ -197,6 +212,7 @@ class _Simulation:
         self.copy_in(self.window.fill(), self.t_begin)
         self.recompute_this_step = 0.0
         self.last_grad_landed = 0.0
+        self.state_read_end = {}
         for index, mbs in enumerate(self.groups):
             self.run_group(_Group(index, mbs, lanes.free_at("compute")), step)
         done = max(lanes.free_at("compute"), self.last_grad_landed)
@@ -204,11 +220,30 @@ class _Simulation:
         self.recompute_s = self.recompute_this_step
         lanes.step = step
         for u, m in zip(self.units, self.moments):  # each owner its own units, in order
-            _, upd = lanes.run("optimizer", done, self.cost.optimizer_step_s(u, m), f"update {u}",
+            ready = done
+            if u in self.state_io_s:  # the reads its slot allows, then its own
+                self._read_state(done, self.state_seq.index(u) + self.state_slots)
+                ready = max(done, self.state_read_end[u])
+            _, upd = lanes.run("optimizer", ready, self.cost.optimizer_step_s(u, m), f"update {u}",
                                rank=self.owner[u])
             _, self.opt_ready[u] = lanes.run("optimizer", upd, self.cost.compute_refresh_s(u), f"refresh {u}",
                                              rank=self.owner[u])
+            if u in self.state_io_s:
+                _, end = lanes.run("nvme", self.opt_ready[u], self.state_io_s[u][1], f"nvme state write {u}")
+                self.state_write_end.append(end)
         self.t_begin = done
+
+    def _read_state(self, t_issue: float, upto: int) -> None:
+        """Issue this step's NVMe state reads before the ``upto``-th (in update order), each once
+        the write ``state_slots`` units before it has freed its staging slot."""
+        m, done = len(self.state_seq), len(self.state_read_end)
+        base = len(self.state_write_end) - (len(self.state_write_end) % m if m else 0)  # this step's first
+        for j in range(done, min(upto, m)):
+            g = base + j - self.state_slots  # the write whose slot it takes
+            slot_free = self.state_write_end[g] if g >= 0 else 0.0
+            u = self.state_seq[j]
+            _, self.state_read_end[u] = self.lanes.run("nvme", max(t_issue, slot_free), self.state_io_s[u][0],
+                                                      f"nvme state read {u}")
 
     def copy_in(self, copies: list[tuple[str, int]], t_issue: float) -> None:
         """Time the weight copies the window asks for, issued from the host thread in order;
@@ -331,6 +366,8 @@ class _Simulation:
             start, end = self.lanes.run("compute", max(t_issue, need_w, need_b, grp.offload_wait), dur,
                                         self.labels[n])
             grp.prev_start = start
+            if kind == OpKind.HEAD and k == 0 and grp.index == len(self.groups) - 1 and self.state_seq:
+                self._read_state(start, NVME_STATE_SLOTS - 1)  # the step's last backward begins
             if kind in RECOMPUTE_OPS:
                 self.recompute_this_step += dur
             if self.keep_trace:
@@ -471,10 +508,11 @@ class _Simulation:
             peak_pinned_act_bytes=g * peak_bytes(self.allocs, "host"),
             # the node's: one store, the other processes' own fp32 gradients (summed on the host:
             # each keeps its own), everyone's activations
-            host_store_bytes=cost.host_store_bytes(plan.moments, bf16_grads=plan.lands_once() and g == 1)
+            host_store_bytes=cost.host_store_bytes(plan.moments, plan.lands_once() and g == 1, plan.state_tiers)
             + (g - 1) * own_grads * cost.store_footprint().grad,
             host_cap_bytes=hw.host_cap_bytes,
-            peak_nvme_bytes=g * peak_bytes(self.allocs, "nvme"),
+            # the node's one store keeps its NVMe state once
+            peak_nvme_bytes=g * peak_bytes(self.allocs, "nvme") + cost.nvme_state_bytes(plan.moments, plan.state_tiers),
             nvme_cap_bytes=hw.nvme_capacity_bytes,
             recompute_s=self.recompute_s,
             window=(t0, t1),

@@ -15,6 +15,7 @@ from ..models.names import EMBED, layer_unit
 from .cost import STATE_NBYTES, CostModel
 from .hardware import HardwareProfile
 from ..plan.memory import GRAD_SLOTS, fetch_slot_count, grad_slot_itemsize, mask_bytes
+from ..plan.plan import NVME_STATE_SLOTS
 from ..plan.program import Op, OpKind
 from ..plan.shape import ModelShape
 
@@ -47,9 +48,11 @@ class StepModel:
     def __init__(self, shape: ModelShape, hw: HardwareProfile, micro_batch_size: int, seq_len: int,
                  num_micro_batches: int = 1, prefetch_depth: int = 1, head_chunk_tokens: int = 1024,
                  moments: list[str] | None = None, device_reserve_bytes: int = 0, host_reserve_bytes: int = 0,
-                 per_load: int = 1):
+                 per_load: int = 1, state_tiers: list[str] | None = None):
         """``device_reserve_bytes`` / ``host_reserve_bytes``: capacity held back from the linear
         model, for what it does not see (the search sets them from the simulator's overflow).
+        ``state_tiers``: the units whose optimizer state is on NVMe (fixed: 8-bit moments, out of
+        the store, their reads and writes on the NVMe lane).
         ``per_load``: micro-batches sharing each weight load (layer-major order when > 1). The
         windows stay per micro-batch: a copy shared by ``P`` micro-batches costs each ``1/P`` of
         it, and each micro-batch of a group holds its own boundaries and internals at once."""
@@ -108,14 +111,26 @@ class StepModel:
         # after the last backward: the last gradient lands, then the optimizer starts
         self.tail = cost.d2h_s(emb_w) + cost.grad_accumulate_s(EMBED)
         units = self.units = shape.unit_names()
+        self._state_on_nvme(state_tiers)
         self.emb_w_in = cost.h2d_s(emb_w)
         # per unit: optimizer seconds with fp32 and with 8-bit moments, and the host bytes 8-bit
         # moments free (the MILP may switch any unit; ``moments`` is the fixed choice evaluated)
         self.opt_fp32 = [cost.optimizer_s(u, "fp32") for u in units]
         self.opt_8bit = [cost.optimizer_s(u, "8bit") for u in units]
-        self.saving_8bit = [STATE_NBYTES["fp32"](n) - STATE_NBYTES["8bit"](n)
-                            for n in (shape.unit_params(u) for u in units)]
+        self.saving_8bit = [0 if nv else STATE_NBYTES["fp32"](n) - STATE_NBYTES["8bit"](n)
+                            for n, nv in zip((shape.unit_params(u) for u in units), self.on_nvme)]
         self._capacities(g_item, moments, device_reserve_bytes, host_reserve_bytes)
+
+    def _state_on_nvme(self, state_tiers: list[str] | None) -> None:
+        """The ``nvme`` units (8-bit moments, fixed), their state's reads and writes."""
+        cost, units = self.cost, self.units
+        self.state_tiers = state_tiers if state_tiers and "nvme" in state_tiers else None
+        self.on_nvme = [t == "nvme" for t in self.state_tiers or ["ram"] * len(units)]
+        nvme_moments = ["8bit" if nv else "fp32" for nv in self.on_nvme]
+        self.state_traffic = cost.state_traffic_s(nvme_moments, self.state_tiers)
+        """NVMe seconds per step moving the ``nvme`` units' state in and out."""
+        self.state_io = [(cost.state_read_s(u), cost.state_write_s(u)) if nv else (0.0, 0.0)
+                         for u, nv in zip(units, self.on_nvme)]
 
     def _capacities(self, g_item: int, moments: list[str] | None, device_reserve_bytes: int,
                     host_reserve_bytes: int) -> None:
@@ -134,11 +149,12 @@ class StepModel:
                  + fetch_slot_count(L, P) * a + masks)
         self.c_bwd_mem = [slots + cost.op_transient_bytes(OpKind.LAYER_BWD, i) for i in range(L)]
         self.c_head_mem = slots + cost.op_transient_bytes(OpKind.HEAD)
-        # host: what the store leaves (all-fp32 moments; each 8-bit unit frees saving_8bit)
+        # host: what the store leaves (fp32 moments in RAM; each 8-bit unit there frees saving_8bit)
+        fixed = ["8bit" if nv else "fp32" for nv in self.on_nvme]
         self.host_budget_fp32 = hw.host_cap_bytes - host_reserve_bytes - cost.host_store_bytes(
-            ["fp32"] * len(units), bf16_grads=self.lands_once)
+            fixed, self.lands_once, self.state_tiers)
         self.host_budget = self.host_budget_for(moments)
-        self.nvme_cap = hw.nvme_capacity_bytes
+        self.nvme_cap = hw.nvme_capacity_bytes - cost.nvme_state_bytes(fixed, self.state_tiers)
         self.nvme_rw = a / (hw.nvme_write_gbps * 1e9) + a / (hw.nvme_read_gbps * 1e9)
         self.nvme_read = a / (hw.nvme_read_gbps * 1e9)
 
@@ -153,14 +169,46 @@ class StepModel:
     def optimizer_bounds(self, moments: list[str] | None) -> tuple[float, list[float]]:
         """(when the embedding's update is on the device, per layer k the earliest end of its
         next forward: its update + its copy (a resident layer's refresh) + its compute for the first
-        group), the optimizer running units in order."""
+        group), the optimizer running units in order (an ``nvme`` unit, 8-bit, once its state is
+        read: ``update_ends``)."""
         mom = moments or ["fp32"] * len(self.units)
-        t, cum = 0.0, []
-        for k, m in enumerate(mom):
-            t += self.opt_8bit[k] if m == "8bit" else self.opt_fp32[k]
-            cum.append(t)
+        opt = [self.opt_8bit[k] if m == "8bit" or self.on_nvme[k] else self.opt_fp32[k] for k, m in enumerate(mom)]
+        cum = self.update_ends(opt)
         return (cum[0] + self.emb_w_in,
                 [cum[1 + k] + self.w_copy[k] + self.per_load * self.c_fwd[k] for k in range(self.L)])
+
+    def update_ends(self, opt_s: list[float]) -> list[float]:
+        """Per unit, when its update ends after the optimizer starts, the updates ``opt_s`` in
+        order, the simulator's NVMe state pipeline on one lane: reads in update order, the first
+        ``NVME_STATE_SLOTS - 1`` during the last group's backward (its windows at their lower
+        bounds), each later one once the write ``NVME_STATE_SLOTS`` units back has freed its slot;
+        each write after its update."""
+        seq = [k for k, nv in enumerate(self.on_nvme) if nv]
+        slots = min(NVME_STATE_SLOTS, len(seq))
+        lane = -self.per_load * (sum(self.b_lb) + self.head)  # the last group's backward
+        reads: list[float] = []
+        writes: list[float] = []
+
+        def read_upto(n: int, t_issue: float) -> None:
+            nonlocal lane
+            for j in range(len(reads), min(n, len(seq))):
+                free = writes[j - slots] if j >= slots else t_issue
+                lane = max(lane, t_issue, free) + self.state_io[seq[j]][0]
+                reads.append(lane)
+
+        read_upto(NVME_STATE_SLOTS - 1, lane)
+        t, ends = 0.0, []
+        for k, s in enumerate(opt_s):
+            if self.on_nvme[k]:
+                j = seq.index(k)
+                read_upto(j + slots, 0.0)
+                t = max(t, reads[j])
+            t += s
+            ends.append(t)
+            if self.on_nvme[k]:
+                lane = max(lane, t) + self.state_io[k][1]
+                writes.append(lane)
+        return ends
 
     def host_budget_for(self, moments: list[str] | None) -> float:
         """Host bytes left for offloaded boundaries (and NVMe staging) beside the store."""
@@ -216,7 +264,7 @@ class StepModel:
                     b[later[0] if later else L - 1] += self.nvme_read - have
         n_nvme = sum(t == "nvme" for t in tiers)
         total = sum(f) + sum(b) + rec + self.e_fwd + self.head + self.e_bwd
-        need = max(n_nvme * self.nvme_rw, self.accumulate)
+        need = max(n_nvme * self.nvme_rw + self.state_traffic / self.num_micro_batches, self.accumulate)
         if need > total:
             b[0] += need - total
         stall = 0.0

@@ -1,0 +1,98 @@
+"""The NVMe traffic of a plan whose optimizer state is partly on NVMe (``Plan.state_tiers``): how
+many bytes a step moves, how long the NVMe takes for them against the step's compute, whether
+that hides, and the global batch at which it would.
+
+Each ``nvme`` unit's state crosses the NVMe twice a step (read before its update, written back
+after), whatever the batch; the compute grows with the batch. So a larger global batch hides a
+fixed traffic: the search takes, when the batch is its to choose, one at which the traffic is at
+most ``HIDE_FRACTION`` of the compute and the simulated step within ``STEP_SLACK`` of it. Both,
+because the reads run at most ``NVME_STATE_SLOTS - 1`` units ahead of the updates, which start
+after the step's backward: most of the traffic falls in the next step's forward, and a traffic
+under ``HIDE_FRACTION`` of the whole compute can still make the forward wait."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..plan.plan import Plan
+from ..plan.shape import ModelShape
+from .cost import CostModel
+from .hardware import HardwareProfile
+from .simulator import SimResult
+
+HIDE_FRACTION = 0.8
+"""The NVMe traffic of a step hides when it takes at most this fraction of the step's compute."""
+STEP_SLACK = 0.10
+"""A step is compute-bound when it takes at most this fraction more than its compute."""
+MAX_HIDING_BATCH = 1024
+"""The largest global batch (sequences) the search grows to for hiding the traffic."""
+
+
+@dataclass(frozen=True)
+class NvmeState:
+    """A plan's optimizer state on NVMe and what moving it costs per step."""
+
+    units: int
+    """Units whose state is on NVMe."""
+    state_bytes: int
+    """Their state on NVMe (master remainder + moments)."""
+    moved_bytes: int
+    """Bytes over the NVMe per step: the state read and written, and the NVMe-tier activations
+    written and read."""
+    nvme_s: float
+    """NVMe seconds per step for those bytes."""
+    compute_s: float
+    """Compute seconds of the simulated step."""
+    step_s: float
+
+    @property
+    def hides(self) -> bool:
+        """The traffic takes at most ``HIDE_FRACTION`` of the compute."""
+        return self.nvme_s <= HIDE_FRACTION * self.compute_s
+
+    @property
+    def over_compute(self) -> float:
+        """How much longer the simulated step is than its compute (a fraction of the compute)."""
+        return self.step_s / self.compute_s - 1.0 if self.compute_s > 0 else float("inf")
+
+    @property
+    def compute_bound(self) -> bool:
+        return self.over_compute <= STEP_SLACK
+
+    def row(self) -> dict:
+        return {"units": self.units, "state_bytes": self.state_bytes, "moved_bytes_per_step": self.moved_bytes,
+                "nvme_s_per_step": self.nvme_s, "compute_s_per_step": self.compute_s, "step_s": self.step_s,
+                "hides": self.hides, "hide_fraction": HIDE_FRACTION, "step_over_compute": self.over_compute,
+                "compute_bound": self.compute_bound}
+
+
+def nvme_state(shape: ModelShape, hw: HardwareProfile, plan: Plan, sim: SimResult) -> NvmeState | None:
+    """The NVMe state figures of ``plan`` simulated as ``sim``; None when its state is all in RAM."""
+    units = plan.nvme_units(shape.unit_names())
+    if not units:
+        return None
+    cost = CostModel(shape, hw, plan.micro_batch_size, plan.seq_len or 1)
+    state = cost.nvme_state_bytes(plan.moments, plan.state_tiers)
+    acts = plan.num_micro_batches * plan.boundary_tiers.count("nvme") * cost.boundary_bytes
+    nvme_s = cost.state_traffic_s(plan.moments, plan.state_tiers) + cost.nvme_read_s(acts) + cost.nvme_write_s(acts)
+    return NvmeState(len(units), state, 2 * (state + acts), nvme_s, sim.busy_s["compute"], sim.step_s)
+
+
+def hiding_batch(shape: ModelShape, hw: HardwareProfile, plan: Plan, sim: SimResult) -> int | None:
+    """The smallest global batch (a multiple of ``plan``'s micro-batch size) at which ``plan``'s
+    NVMe traffic would hide behind its compute, scaled from ``sim`` (compute and NVMe-tier
+    activations grow with the batch, the state's traffic does not); None when it hides already
+    or no batch up to ``MAX_HIDING_BATCH`` would."""
+    fig = nvme_state(shape, hw, plan, sim)
+    if fig is None or fig.hides:
+        return None
+    seqs = plan.micro_batch_size * plan.num_micro_batches
+    cost = CostModel(shape, hw, plan.micro_batch_size, plan.seq_len or 1)
+    fixed_s = cost.state_traffic_s(plan.moments, plan.state_tiers)
+    per_seq_slack = (HIDE_FRACTION * fig.compute_s - (fig.nvme_s - fixed_s)) / seqs
+    if per_seq_slack <= 0:
+        return None
+    mbs = plan.micro_batch_size
+    batch = mbs * math.ceil(fixed_s / per_seq_slack / mbs)
+    return batch if batch <= MAX_HIDING_BATCH else None
