@@ -38,8 +38,10 @@ Three choices are about weights and their state, not activations:
 - ``state_tiers``: per unit, where its state lives: ``ram`` (the host store); ``nvme`` (its
   master remainder, or plain fp32 master beside a copy source, and its optimizer moments in a
   file of the state directory, read before its update and written back after; the copy source
-  and the gradient stay in RAM); ``nvme-all`` (its copy source too, in a file of its own, read
-  ahead of each weight copy to the device: a model whose weights exceed the RAM).
+  and the gradient stay in RAM); ``nvme-all`` (its copy source and its gradient too, each in a
+  file of its own: the source read ahead of each weight copy to the device and of the update,
+  which writes it back; the gradient written as it lands and read by the update. A model whose
+  weights and gradients exceed the RAM).
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ written back (the RAM an ``nvme`` state tier still needs, beside the units in ``
 NVME_SOURCE_SLOTS = 3
 """Units whose copy source on NVMe (``nvme-all``) is staged in RAM at once: one being copied to
 the device, one read ahead, one being written back by its update."""
+NVME_GRAD_SLOTS = 2
+"""Units whose gradient on NVMe (``nvme-all``) is staged in RAM at once: one landing, one being
+written back (or read by its update)."""
 FORMAT_VERSION = 4
 """The one plan file format this layerwise writes and reads; a file of another version is
 refused (``refuse_version``)."""
