@@ -6,7 +6,8 @@ directory; its copy source and gradient stay in the HostStore's RAM. While the u
 staged those tensors are meta placeholders of their shape and dtype, so code that reads them
 without staging fails loudly instead of reading stale bytes.
 
-``staged(unit, write)`` makes them real: views into one of ``slots`` page-aligned buffers, read
+``staged(unit, write)`` (or ``acquire`` / ``release``) makes them real: views into one of
+``slots`` page-aligned buffers, read
 and written with ``O_DIRECT`` (``util.direct_io``), so the state never sits in the page cache and
 the RAM it takes is the slots. ``prefetch(units)`` reads ahead, in the order the optimizer takes
 the units, into slots as they free up; a unit released with ``flush`` drains to its file behind
@@ -89,7 +90,11 @@ class _Slot:
     """The page-aligned staging buffer (uint8), grown on demand."""
     unit: str | None = None
     io: Future | None = None
-    """The read or write on ``raw`` last submitted; the buffer is usable once it is done."""
+    """The I/O on ``raw`` (or the device copy from it) last submitted: ``raw`` is read into
+    again only once it is done."""
+    ready: Future | None = None
+    """The read that fills ``raw`` with the unit's bytes (or, for a unit staged to be
+    overwritten, the I/O that must leave ``raw`` first); staging waits for it alone."""
     pins: int = 0
     dirty: bool = False
     fresh: bool = False
@@ -188,8 +193,9 @@ class NvmeStateTier:
             self._ahead.extend(u for u in units if u in self.names)
             self._advance()
 
-    def acquire(self, name: str) -> None:
-        """Stage unit ``name`` (waiting for its read) and hold it until ``release``."""
+    def acquire(self, name: str, overwrite: bool = False) -> None:
+        """Stage unit ``name`` (waiting for its read) and hold it until ``release``.
+        ``overwrite``: the holder writes every byte of it, so a unit not staged is not read."""
         with self._cv:
             while True:
                 slot = self._slot_of.get(name)
@@ -197,16 +203,16 @@ class NvmeStateTier:
                     break
                 victim = self._victim(allow_fresh=True)
                 if victim is not None:
-                    slot = self._load(name, victim)
+                    slot = self._load(name, victim, read=not overwrite)
                     break
                 self._cv.wait()
             slot.pins += 1
             slot.fresh = False
             self._clock += 1
             slot.used = self._clock
-            io = slot.io
-        if io is not None:
-            io.result()
+            ready = slot.ready
+        if ready is not None:
+            ready.result()
 
     def release(self, name: str, write: bool = False, flush: bool = False,
                 in_use_until=None) -> None:
@@ -243,8 +249,9 @@ class NvmeStateTier:
             return ahead.index(s.unit) if s.unit in ahead else len(ahead)
         return max(idle, key=lambda s: (not s.fresh, next_use(s), -s.used))
 
-    def _load(self, name: str, slot: _Slot) -> _Slot:
-        """Give ``slot`` to unit ``name``: write its unit back if dirty, then read ``name``."""
+    def _load(self, name: str, slot: _Slot, read: bool = True) -> _Slot:
+        """Give ``slot`` to unit ``name``: write its unit back if dirty, then read ``name``
+        (unless not ``read``: its holder overwrites it)."""
         if slot.unit is not None:
             if slot.dirty:
                 self._write_back(slot)
@@ -256,8 +263,11 @@ class NvmeStateTier:
                 slot.io.result()
             slot.raw = _aligned(max(unit.nbytes, max(u.nbytes for u in self._units.values())),
                                 self.pinned)
-        after = [f for f in (slot.io, self._writing.get(name)) if f is not None]
-        slot.io = self._io.submit(self._read, after, unit, slot.raw)
+        if read:
+            after = [f for f in (slot.io, self._writing.get(name)) if f is not None]
+            slot.io = slot.ready = self._io.submit(self._read, after, unit, slot.raw)
+        else:
+            slot.ready = slot.io  # the buffer's last I/O must leave it before it is written
         slot.unit, slot.dirty, slot.fresh = name, False, False
         self._slot_of[name] = slot
         self._bind(unit, slot.raw)
@@ -265,7 +275,8 @@ class NvmeStateTier:
 
     def _write_back(self, slot: _Slot) -> None:
         unit = self._units[slot.unit]
-        after = [slot.io] if slot.io is not None else []
+        # behind the unit's previous write too: the file ends with the newest bytes
+        after = [f for f in (slot.io, self._writing.get(slot.unit)) if f is not None]
         slot.io = self._writing[slot.unit] = self._io.submit(self._write, after, unit, slot.raw)
         slot.dirty = False
 

@@ -14,9 +14,10 @@ moment per tensor and a power-of-two rounding by the CUDA host allocator. Master
 optimizer state stay pageable. Byte counts and the RAM check are ``layerwise.store_bytes``.
 
 With a ``state_tier`` (``layerwise.state_tier``), the units it holds keep their master remainder
-(or plain master) and optimizer state in files on NVMe; with a ``source_tier``, the units it
-holds keep their copy source there too, outside the arena. Read or write them inside
-``HostStore.staged(unit)``; everything here that reads them does.
+(or plain master) and optimizer state in files on NVMe; with a ``source_tier`` and a
+``grad_tier``, the units they hold keep their copy source (outside the arena) and gradient
+there too. Read or write them inside ``HostStore.staged(unit)`` (a gradient being written:
+``staged_grad``); everything here that reads them does.
 """
 
 from __future__ import annotations
@@ -254,8 +255,8 @@ class HostStore:
     the units whose device gradient is bf16 keep it so, 2 bytes per parameter instead of 4
     (``grad_itemsizes_of`` says which); such a store refuses a second micro-batch.
     ``state_tier``: the units whose master remainder (or plain master) and optimizer state live
-    on NVMe (``layerwise.state_tier``); ``source_tier``: the units whose copy source does; what
-    they hold is not in the RAM check.
+    on NVMe (``layerwise.state_tier``); ``source_tier``, ``grad_tier``: the units whose copy
+    source, gradient does; what they hold is not in the RAM check.
     """
 
     def __init__(self, adapter: DecoderAdapter, compute_dtype: torch.dtype = torch.float32,
@@ -263,12 +264,15 @@ class HostStore:
                  mem_available: Callable[[], int | None] | None = None,
                  alloc: HostAllocator = PRIVATE, split_master: bool | None = None,
                  grad_dtype: torch.dtype = torch.float32, state_tier: NvmeStateTier | None = None,
-                 source_tier: NvmeStateTier | None = None):
+                 source_tier: NvmeStateTier | None = None,
+                 grad_tier: NvmeStateTier | None = None):
         self.adapter = adapter
         self.state_tier = state_tier
         """Where the state of the units it ``holds`` lives (None: all in RAM)."""
         self.source_tier = source_tier
         """Where the copy sources of the units it ``holds`` live (None: all in the arena)."""
+        self.grad_tier = grad_tier
+        """Where the gradients of the units it ``holds`` live (None: all in RAM)."""
         self.passthrough: dict[str, torch.Tensor] = {}
         """``adapter.passthrough_names``' tensors as the checkpoint holds them (vision tower)."""
         self.alloc = alloc
@@ -291,6 +295,9 @@ class HostStore:
         need = dataclasses.replace(
             need, master=need.master - need.master // max(need.numel, 1) * master_moved,
             compute=need.compute - compute_dtype.itemsize * compute_moved)
+        graded = [grad_tier is not None and grad_tier.holds(u.name) for u in adapter.units]
+        need = dataclasses.replace(need, grad=need.grad - sum(
+            n * item for n, item, g in zip(numels, grad_items, graded) if g))
         check_host_memory(need, mem_available)
 
         source_dtype = compute_dtype if separate else torch.float32
@@ -299,8 +306,8 @@ class HostStore:
         self.arena, self._pinned_nbytes = self._alloc_arena(arena_numel, source_dtype)
         """Every unit's copy source, in one allocation (page-locked when ``pinned``)."""
         self.units: list[UnitBuffers] = []
-        for unit, layout, off, grad_item, tier, on_source in zip(
-                adapter.units, layouts, offsets, grad_items, tiered, sourced):
+        for unit, layout, off, grad_item, tier, on_source, on_grad in zip(
+                adapter.units, layouts, offsets, grad_items, tiered, sourced, graded):
             source = (META.zeros(layout.numel, source_dtype) if on_source
                       else self.arena[off:off + layout.numel])
             unit_alloc = META if tier else alloc  # placeholders, filed by the tier
@@ -309,8 +316,8 @@ class HostStore:
                 master, remainder = None, unit_alloc.zeros(layout.numel, torch.int16)
             elif separate:
                 master = unit_alloc.zeros(layout.numel, torch.float32)
-            grad = torch.zeros(layout.numel,
-                               dtype=torch.float32 if grad_item == 4 else torch.bfloat16)
+            grad = (META if on_grad else PRIVATE).zeros(  # a rank's own, never shared
+                layout.numel, torch.float32 if grad_item == 4 else torch.bfloat16)
             compute = source if separate else None
             buf = UnitBuffers(unit, layout, master, grad, compute=compute, alloc=unit_alloc,
                               remainder=remainder)
@@ -319,6 +326,8 @@ class HostStore:
                                {"master": master} if separate else {})
             if on_source:
                 source_tier.add(buf, {"compute": compute} if separate else {"master": master})
+            if on_grad:
+                grad_tier.add(buf, {"grad": grad})
             self.units.append(buf)
         self.by_name = {b.name: b for b in self.units}
 
@@ -342,12 +351,20 @@ class HostStore:
         a unit in RAM always is); ``write``: they are written."""
         stack = contextlib.ExitStack()
         for tier in self._tiers():
-            if tier.holds(name):
-                stack.enter_context(tier.staged(name, write, flush))
+            if tier.holds(name):  # a gradient is written by its landing alone (``staged_grad``)
+                stack.enter_context(tier.staged(name, write and tier is not self.grad_tier, flush))
         return stack
 
+    def staged_grad(self, name: str, write: bool = False, overwrite: bool = False
+                    ) -> contextlib.AbstractContextManager:
+        """Unit ``name``'s gradient is real inside; ``write``: it is written (back to NVMe at
+        once); ``overwrite``: every element of it, so a gradient on NVMe is not read first."""
+        if self.grad_tier is None or not self.grad_tier.holds(name):
+            return contextlib.nullcontext()
+        return _held(self.grad_tier, name, write, overwrite)
+
     def _tiers(self) -> list[NvmeStateTier]:
-        return [t for t in (self.state_tier, self.source_tier) if t is not None]
+        return [t for t in (self.state_tier, self.source_tier, self.grad_tier) if t is not None]
 
     def on_nvme(self, name: str) -> bool:
         """Does unit ``name`` keep anything on NVMe (its state, its copy source)?"""
@@ -374,7 +391,7 @@ class HostStore:
         return StoreFootprint(
             numel=numel, compute_itemsize=self.compute_dtype.itemsize,
             master=sum(_ram_nbytes(b.remainder if b.split else b.master) for b in self.units),
-            grad=sum(tensor_nbytes(b.grad) for b in self.units),
+            grad=sum(_ram_nbytes(b.grad) for b in self.units),
             compute=sum(_ram_nbytes(b.compute) for b in self.units) if separate else 0,
             state=sum(_ram_nbytes(t) for b in self.units for t in b.state.values()),
             copy_source=self.copy_source_nbytes(), arena=tensor_nbytes(self.arena),
@@ -458,7 +475,17 @@ class HostStore:
 
     def zero_grads(self) -> None:
         for b in self.units:
-            b.grad.zero_()
+            with self.staged_grad(b.name, write=True, overwrite=True):
+                b.grad.zero_()
+
+
+@contextlib.contextmanager
+def _held(tier: NvmeStateTier, name: str, write: bool, overwrite: bool) -> Iterator[None]:
+    tier.acquire(name, overwrite)
+    try:
+        yield
+    finally:
+        tier.release(name, write, flush=write)
 
 
 def _ram_nbytes(t: torch.Tensor | None) -> int:
@@ -469,7 +496,7 @@ def _ram_nbytes(t: torch.Tensor | None) -> int:
 def init_store(config: PretrainedConfig, seed: int = 0, compute_dtype: torch.dtype = torch.float32,
                pin: bool | None = None, *, alloc: HostAllocator = PRIVATE,
                split_master: bool | None = None, grad_dtype: torch.dtype = torch.float32,
-               state_tier: NvmeStateTier | None = None) -> tuple[DecoderAdapter, HostStore]:
+               **tiers: NvmeStateTier) -> tuple[DecoderAdapter, HostStore]:
     """Adapter + HostStore holding exactly the weights ``build_hf_model(config, seed)`` has.
 
     The HF model is built on the host once and dropped; fine for the small models this is used
@@ -477,6 +504,6 @@ def init_store(config: PretrainedConfig, seed: int = 0, compute_dtype: torch.dty
     """
     adapter = DecoderAdapter(config)
     store = HostStore(adapter, compute_dtype=compute_dtype, pin=pin, alloc=alloc,
-                      split_master=split_master, grad_dtype=grad_dtype, state_tier=state_tier)
+                      split_master=split_master, grad_dtype=grad_dtype, **tiers)
     store.copy_from_model(build_hf_model(config, seed))
     return adapter, store

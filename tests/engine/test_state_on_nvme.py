@@ -23,14 +23,15 @@ def _batches(vocab, n, seed=0):
     return out
 
 
-def _run(cfg, tier, compute_dtype, moments, steps=6, source_tier=None):
+def _run(cfg, tier, compute_dtype, moments, steps=6, source_tier=None, grad_tier=None,
+         engine_device="cpu"):
     adapter = DecoderAdapter(cfg)
     store = HostStore(adapter, compute_dtype=compute_dtype, state_tier=tier,
-                      source_tier=source_tier)
+                      source_tier=source_tier, grad_tier=grad_tier)
     store.copy_from_model(build_hf_model(cfg, seed=0))
     n = adapter.num_layers
     engine = StreamingEngine(adapter, store, Plan.every_k(n, 2, moments=[moments] * (n + 2)),
-                             EngineConfig(device="cpu", compute_dtype=compute_dtype,
+                             EngineConfig(device=engine_device, compute_dtype=compute_dtype,
                                           optimizer=AdamWConfig(lr=3e-3, max_grad_norm=1.0)))
     for b in _batches(cfg.vocab_size, steps):
         engine.train_step([b])
@@ -48,18 +49,23 @@ def _run(cfg, tier, compute_dtype, moments, steps=6, source_tier=None):
                                                           (torch.bfloat16, "fp32", True),
                                                           (torch.float32, "fp32", True)])
 def test_state_on_nvme_trains_the_same_bits_as_in_ram(tmp_path, compute_dtype, moments, source):
-    """``source``: the copy sources of the layers on NVMe too (``nvme-all``).
+    """``source``: the copy sources and gradients of the layers on NVMe too (``nvme-all``), on
+    the synchronous CPU backend and on the asynchronous one (which lands gradients in pieces on
+    its landing thread).
 
     Mutations: write a unit back before its update is done (release without ``write``), or
     read it into a slot whose previous unit's write-back is still in flight (drop ``after``
     from ``_load``); each changes a master or a moment. ``source``: the weight streamer copying
-    a source without staging it (``staged = False`` in ``_copy``: it copies a placeholder)."""
+    a source without staging it (``staged = False`` in ``_copy``: it copies a placeholder); a
+    gradient landing without writing it back (``write=False`` in ``_land_loop``'s release)."""
     cfg = get_flavor("llama-debug").build_config()
     _, _, ram = _run(cfg, None, compute_dtype, moments)
     names = [u.name for u in DecoderAdapter(cfg).units]
     tier = NvmeStateTier(tmp_path / "state", names[1:], slots=2)  # the layers and head on NVMe
     sources = NvmeStateTier(tmp_path / "state", names[1:-1], kind="source") if source else None
-    store, engine, nvme = _run(cfg, tier, compute_dtype, moments, source_tier=sources)
+    grads = NvmeStateTier(tmp_path / "state", names[1:-1], 2, kind="grad") if source else None
+    store, engine, nvme = _run(cfg, tier, compute_dtype, moments, source_tier=sources,
+                               grad_tier=grads, engine_device="cpu-async" if source else "cpu")
     assert tier.read_bytes > 0 and tier.written_bytes > 0
     for u in names:
         for k, v in ram[u].items():

@@ -85,7 +85,9 @@ def test_weight_windows_by_hand(tied, depth):
 
 
 class _Store:
-    """The part of a HostStore the streamer reads: a copy source per unit."""
+    """The part of a HostStore the streamer reads: a copy source per unit (all in RAM)."""
+
+    source_tier = None
 
     def __init__(self, shape):
         self.compute_dtype = torch.float32

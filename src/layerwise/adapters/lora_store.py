@@ -72,7 +72,7 @@ class LoraStore(HostStore):
                  alloc: HostAllocator = PRIVATE):
         # not HostStore.__init__: the buffers differ (no base master or gradient)
         self.adapter = adapter
-        self.state_tier = self.source_tier = None  # adapters are small: their state stays in RAM
+        self.state_tier = self.source_tier = self.grad_tier = None  # adapters are small: their state stays in RAM
         self.alloc = alloc
         self.compute_dtype = compute_dtype
         self.pinned = torch.cuda.is_available() if pin is None else pin

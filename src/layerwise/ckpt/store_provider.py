@@ -72,9 +72,15 @@ class HostStoreStateProvider:
     def grads(self, group: str) -> dict[str, torch.Tensor]:
         if group == PASSTHROUGH:
             return {}
-        return {n: buf.layout.views(buf.grad)[local]
-                for n in self._groups[group]
-                for buf, local in [self._where[n]] if buf.grad is not None}
+        out = {}
+        for n in self._groups[group]:
+            buf, local = self._where[n]
+            if buf.grad is None:
+                continue
+            with self.store.staged_grad(buf.name):
+                g = buf.layout.views(buf.grad)[local]
+                out[n] = g.clone() if self.store.on_nvme(buf.name) else g
+        return out
 
     def _block_size(self, buf: UnitBuffers) -> int | None:
         """The unit's 8-bit block size, or None when its moments are fp32."""

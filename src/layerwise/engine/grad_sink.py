@@ -16,6 +16,9 @@ and sent once after the group's last micro-batch; on the synchronous path it is 
 fp32 scratch and landed once. A bf16 host gradient (the gradient lands once a step) takes that
 fp32 sum rounded to nearest.
 
+A gradient on NVMe (``HostStore.grad_tier``) is staged while it lands (not read first where the
+landing writes all of it) and written back as soon as the landing ends.
+
 The first landing of a unit in a step *writes* its host gradient (``accumulate(first=True)``)
 instead of adding, so nothing zeroes gradients between steps: between steps ``store[u].grad``
 is spent (the optimizer may have clobbered it) and no one reads it.
@@ -192,9 +195,10 @@ class GradSink:
         ``add``: a later micro-batch of the group (summed into the earlier ones')."""
         dst = ticket.device if ticket.device is not None else ticket.scratch
         if dst is None:  # synchronous, one micro-batch: straight into the host gradient's slices
-            host_grad = self.store[ticket.unit].grad
-            for sl, part in zip(self.store[ticket.unit].layout.slices(), parts):
-                accumulate(host_grad[sl], part, ticket.first, self.landing_threads)
+            with self.store.staged_grad(ticket.unit, write=True, overwrite=ticket.first):
+                host_grad = self.store[ticket.unit].grad
+                for sl, part in zip(self.store[ticket.unit].layout.slices(), parts):
+                    accumulate(host_grad[sl], part, ticket.first, self.landing_threads)
         elif add:
             for sl, part in zip(self.store[ticket.unit].layout.slices(), parts):
                 dst[sl].add_(part.reshape(-1))
@@ -205,8 +209,9 @@ class GradSink:
         """The deposit is queued: send the gradient to the host and add it up there."""
         if ticket.device is None:
             if ticket.scratch is not None:
-                accumulate(self.store[ticket.unit].grad, ticket.scratch, ticket.first,
-                           self.landing_threads)
+                with self.store.staged_grad(ticket.unit, write=True, overwrite=ticket.first):
+                    accumulate(self.store[ticket.unit].grad, ticket.scratch, ticket.first,
+                               self.landing_threads)
             if final:
                 self.on_final(ticket.unit)
             return
@@ -218,7 +223,8 @@ class GradSink:
         """Send a flat fp32 gradient a compute closure filled into ``grad`` (the head's)."""
         first = self._first(unit)
         if self.inline:
-            accumulate(self.store[unit].grad, grad.get(), first, self.landing_threads)
+            with self.store.staged_grad(unit, write=True, overwrite=first):
+                accumulate(self.store[unit].grad, grad.get(), first, self.landing_threads)
             if final:
                 self.on_final(unit)
             return
@@ -262,7 +268,7 @@ class GradSink:
             ev = self.backend.copy_d2h(dst, piece, after=[produced])
             with self._idle:
                 self._pending += 1
-            self._work.put((ev, ring, dst, unit, lo, first, final and hi == numel))
+            self._work.put((ev, ring, dst, unit, lo, first, final and hi == numel, hi == numel))
         assert ev is not None, f"{unit}: an empty gradient"
         return ev
 
@@ -275,15 +281,21 @@ class GradSink:
             item = self._work.get()
             if item is None:
                 return
-            ev, ring, dst, unit, lo, first, final = item
+            ev, ring, dst, unit, lo, first, final, last = item
+            tier = self.store.grad_tier
+            held = tier is not None and tier.holds(unit)
             try:
                 ev.synchronize()  # the copy has landed before the host reads it
+                if held and lo == 0:  # staged for the whole landing, its pieces in order
+                    tier.acquire(unit, overwrite=first)
                 host_grad = self.store[unit].grad
                 accumulate(host_grad[lo:lo + dst.numel()], dst, first, self.landing_threads)
                 self._ring.give_back(ring)
                 ring = None
                 if final:
                     self.on_final(unit)
+                if held and last:
+                    tier.release(unit, write=True, flush=True)
             except BaseException as e:  # noqa: BLE001  (re-raised by finish)
                 self._errors.append(e)
             finally:

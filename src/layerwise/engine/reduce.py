@@ -72,7 +72,8 @@ class LocalReducer:
         return local_tokens
 
     def unit_landed(self, unit: str) -> None:
-        self._sq_norms[unit] = sq_norm(self.store[unit].grad)
+        with self.store.staged_grad(unit):
+            self._sq_norms[unit] = sq_norm(self.store[unit].grad)
 
     def reduce_on_device(self, unit: str, grad: torch.Tensor) -> Work | None:
         raise AssertionError("one process has nothing to reduce")

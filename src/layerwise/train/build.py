@@ -22,7 +22,7 @@ from ..models.attention import row_layout
 from ..models.structure import layer_facts, model_flops
 from ..plan.memory import CUDA_WORKSPACE_BYTES, predict_peak_device_bytes
 from ..optim import adamw, adamw8bit
-from ..plan.plan import Plan
+from ..plan.plan import NVME_GRAD_SLOTS, NVME_SOURCE_SLOTS, NVME_STATE_SLOTS, Plan
 from ..plan.shape import ModelShape
 from ..plan.state_placement import place_state
 from ..state_tier import NvmeStateTier
@@ -82,17 +82,17 @@ class ModelSource:
         return cls(name, _rope_scaled(config, cfg.model.rope_scaling)), line
 
     def build(self, seed: int, compute_dtype: torch.dtype, alloc: HostAllocator = PRIVATE,
-              grad_dtype: torch.dtype = torch.float32, state_tier: NvmeStateTier | None = None
+              grad_dtype: torch.dtype = torch.float32, tiers: dict[str, NvmeStateTier] | None = None
               ) -> tuple[DecoderAdapter, HostStore]:
         """Every local rank builds the same weights into the node's shared store (identical
         writes, before the store-ready barrier), so no rank needs to know which wrote them.
-        ``grad_dtype``, ``state_tier``: ``HostStore``'s (bf16 when every gradient lands once a
-        step on one process; the units whose state lives on NVMe)."""
+        ``grad_dtype``, ``tiers``: ``HostStore``'s (bf16 when every gradient lands once a step
+        on one process; its NVMe tiers, ``make_state_tiers``)."""
         if self.name in FLAVORS:
             return init_store(self.config, seed=seed, compute_dtype=compute_dtype, alloc=alloc,
-                              grad_dtype=grad_dtype, state_tier=state_tier)
+                              grad_dtype=grad_dtype, **(tiers or {}))
         return load_store(self.name, compute_dtype=compute_dtype, alloc=alloc, config=self.config,
-                          grad_dtype=grad_dtype, state_tier=state_tier)
+                          grad_dtype=grad_dtype, **(tiers or {}))
 
 
 def mem_cap_bytes(cfg: TrainConfig) -> int | None:
@@ -132,41 +132,57 @@ STATE_NBYTES = {"fp32": adamw.state_nbytes, "8bit": adamw8bit.state_nbytes}
 
 def place_run_state(cfg: TrainConfig, model: PretrainedConfig, plan: Plan,
                     compute_dtype: torch.dtype, grad_dtype: torch.dtype) -> Plan:
-    """``host_mem_gb``: the plan with the units whose state goes on NVMe so that the store fits
-    (``plan.state_placement``); a plan that places its state itself is kept."""
-    if cfg.host_mem_gb is None or plan.state_tiers is not None or cfg.lora.enabled:
+    """``host_mem_gb``: the plan with the units whose state (and, where that is not enough, copy
+    source and gradient) goes on NVMe so that the store fits (``plan.state_placement``); a plan
+    that places its state itself is kept."""
+    if cfg.host_mem_gb is None or plan.state_tiers is not None:
         return plan
+    if cfg.lora.enabled:
+        raise ValueError("host_mem_gb places a full fine-tune's state on NVMe; a LoRA run keeps "
+                         "its frozen base and adapters in RAM: drop host_mem_gb")
     adapter = DecoderAdapter(model)
     numels = [FlatLayout.of(u).numel for u in adapter.units]
     moments = [STATE_NBYTES[k](n) for n, k in zip(numels, plan.moments or ["fp32"] * len(numels))]
-    master_itemsize = (2 if resolve_split_master(compute_dtype, None)
-                       else 4 if compute_dtype != torch.float32 else 0)  # fp32: the master streams
+    separate = compute_dtype != torch.float32
+    master_itemsize = 2 if resolve_split_master(compute_dtype, None) else 4 if separate else 0
     need = store_footprint(adapter, compute_dtype, pin=False, state_nbytes=sum(moments),
                            grad_dtype=grad_dtype).total
     try:
         tiers = place_state([master_itemsize * n + m for n, m in zip(numels, moments)], need,
-                            int(cfg.host_mem_gb * 1e9))
+                            int(cfg.host_mem_gb * 1e9),
+                            source_bytes=[compute_dtype.itemsize * n for n in numels],
+                            grad_bytes=[grad_dtype.itemsize * n for n in numels])
     except ValueError as e:
         raise ValueError(f"host_mem_gb={cfg.host_mem_gb:g}: {e}") from None
-    if "nvme" in tiers:
-        _log.info(f"host_mem_gb={cfg.host_mem_gb:g}: the optimizer state of {tiers.count('nvme')} of "
-                  f"{len(tiers)} units goes on NVMe ({cfg.state_dir or 'out_dir/nvme-state'})")
+    if tiers.count("ram") < len(tiers):
+        everything = tiers.count("nvme-all")
+        _log.info(f"host_mem_gb={cfg.host_mem_gb:g}: the optimizer state of "
+                  f"{len(tiers) - tiers.count('ram')} of {len(tiers)} units goes on NVMe"
+                  + (f", the weights and gradients of {everything} too" if everything else "")
+                  + f" ({cfg.state_dir or 'out_dir/nvme-state'})")
     return replace(plan, state_tiers=tiers)
 
 
-def make_state_tier(cfg: TrainConfig, plan: Plan, unit_names: list[str], out_dir: Path,
-                    distributed: bool) -> NvmeStateTier | None:
-    """The run's NVMe state tier, for the units the plan puts there (None: none)."""
-    units = plan.nvme_units(unit_names)
+def make_state_tiers(cfg: TrainConfig, plan: Plan, unit_names: list[str], out_dir: Path,
+                     distributed: bool, pinned: bool) -> dict[str, NvmeStateTier]:
+    """The run's NVMe tiers (``state_tier``, ``source_tier``, ``grad_tier``: the store's
+    keywords) for the units the plan puts there; none when it puts none."""
+    units, everything = plan.nvme_units(unit_names), plan.nvme_units(unit_names, source=True)
     if not units:
-        return None
+        return {}
     if distributed:
         raise ValueError("optimizer state on NVMe (plan.state_tiers, host_mem_gb) runs in one "
                          "process: drop host_mem_gb or launch without torchrun")
     if cfg.lora.enabled:
         raise ValueError("optimizer state on NVMe is for full fine-tuning (a LoRA run's state is "
                          "small): drop host_mem_gb or plan.state_tiers")
-    return NvmeStateTier(cfg.state_dir or out_dir / "nvme-state", units)
+    where = Path(cfg.state_dir) if cfg.state_dir else out_dir / "nvme-state"
+    tiers = {"state_tier": NvmeStateTier(where, units, NVME_STATE_SLOTS)}
+    if everything:
+        tiers["source_tier"] = NvmeStateTier(where, everything, NVME_SOURCE_SLOTS, kind="source",
+                                             pinned=pinned)
+        tiers["grad_tier"] = NvmeStateTier(where, everything, NVME_GRAD_SLOTS, kind="grad")
+    return tiers
 
 
 def fit_plan(cfg: TrainConfig, model: PretrainedConfig, compute_dtype: torch.dtype) -> Plan:

@@ -32,7 +32,7 @@ from ..models.names import unit_names
 from ..plan.plan import Plan
 from ..store import HostStore
 from .build import (FlopCounter, ModelSource, check_fits, check_options, choose_plan,
-                    make_state_tier, mem_cap_bytes, place_run_state, resolve_dtype)
+                    make_state_tiers, mem_cap_bytes, place_run_state, resolve_dtype)
 from .config import TrainConfig
 from .data import DataSpec, TrainData, prepare_data
 from .dist import saving as dist_saving, setup as dist_setup
@@ -169,12 +169,12 @@ class Trainer:
             one = self.plan.lands_once() and not ctx.enabled
             grad_dtype = torch.bfloat16 if one and self.compute_dtype == torch.bfloat16 else torch.float32
             self.plan = place_run_state(cfg, source.config, self.plan, self.compute_dtype, grad_dtype)
-            tier = make_state_tier(cfg, self.plan, unit_names(self.plan.num_layers), self.out_dir,
-                                   ctx.enabled)
+            tiers = make_state_tiers(cfg, self.plan, unit_names(self.plan.num_layers),
+                                     self.out_dir, ctx.enabled, torch.cuda.is_available())
             self.adapter, self.store = (
                 build_lora(source.name, source.config, cfg, self.compute_dtype, self.alloc)
                 if cfg.lora.enabled
-                else source.build(cfg.seed, self.compute_dtype, self.alloc, grad_dtype, tier))
+                else source.build(cfg.seed, self.compute_dtype, self.alloc, grad_dtype, tiers))
             flags = self.alloc.zeros(len(self.store.units), torch.int64) if ctx.enabled else None
             self.engine = StreamingEngine(self.adapter, self.store, self.plan, EngineConfig(
                 device=cfg.device, compute_dtype=self.compute_dtype,

@@ -259,16 +259,16 @@ def load_store(path: str | Path, compute_dtype: torch.dtype = torch.float32,
                pin: bool | None = None, alloc: HostAllocator = PRIVATE,
                config: PretrainedConfig | None = None,
                grad_dtype: torch.dtype = torch.float32,
-               state_tier: NvmeStateTier | None = None) -> tuple[DecoderAdapter, HostStore]:
+               **tiers: NvmeStateTier) -> tuple[DecoderAdapter, HostStore]:
     """Build the adapter from ``config.json`` (or ``config``, that file's config as the caller
     adjusted it, e.g. its RoPE scaling) and fill a HostStore, one group at a time
-    (``grad_dtype``, ``state_tier``: the store's, see ``HostStore``)."""
+    (``grad_dtype``, ``tiers``: the store's, see ``HostStore``)."""
     path = Path(path)
     adapter = DecoderAdapter(config if config is not None else load_config(path))
     source = HFModelDirSource(path)
     check_weights(source, [*adapter.hf_names(), *adapter.passthrough_names])
     store = HostStore(adapter, compute_dtype=compute_dtype, pin=pin, alloc=alloc,
-                      grad_dtype=grad_dtype, state_tier=state_tier)
+                      grad_dtype=grad_dtype, **tiers)
     fill_store(source, store)
     return adapter, store
 
