@@ -1,10 +1,11 @@
-"""NvmeStateTier: units' optimizer-side state in files on NVMe, staged through a few RAM slots.
+"""NvmeStateTier: one kind of units' buffers in files on NVMe, staged through a few RAM slots.
 
 A unit the plan puts on NVMe (``Plan.state_tiers``) keeps its master remainder (or its plain
 fp32 master beside a separate copy source) and its optimizer state in one file of the state
-directory; its copy source and gradient stay in the HostStore's RAM. While the unit is not
-staged those tensors are meta placeholders of their shape and dtype, so code that reads them
-without staging fails loudly instead of reading stale bytes.
+directory (kind ``state``); an ``nvme-all`` unit its copy source and its gradient too, each in a
+tier of its own (kinds ``source``, ``grad``), so that each is read and written without the
+others. While a unit is not staged those tensors are meta placeholders of their shape and dtype,
+so code that reads them without staging fails loudly instead of reading stale bytes.
 
 ``staged(unit, write)`` (or ``acquire`` / ``release``) makes them real: views into one of
 ``slots`` page-aligned buffers, read
@@ -103,12 +104,12 @@ class _Slot:
 
 
 class NvmeStateTier:
-    """Units' optimizer-side state in ``directory`` (one file per unit), ``slots`` staged at once."""
+    """One kind of units' buffers in ``directory`` (a file per unit), ``slots`` staged at once."""
 
     def __init__(self, directory: str | Path, units: Iterable[str], slots: int = 3,
                  io_threads: int = 2, kind: str = "state", pinned: bool = False):
-        """``kind``: the files' suffix (``state``; ``source`` for copy sources); ``pinned``:
-        page-lock the slots (a device copies from them without waiting)."""
+        """``kind``: the files' suffix (``state``, ``source``, ``grad``); ``pinned``: page-lock
+        the slots (a device copies from them without waiting)."""
         if slots < 2:
             raise ValueError(f"an NVMe state tier needs at least 2 slots (one read ahead), got {slots}")
         self.directory = Path(directory)
