@@ -26,7 +26,11 @@ Figures (median of ``--repeats`` runs each, the two runs alternating):
   disk's own rates) over the ``ram`` run's step time;
 - ``io_bound``: the same ``nvme`` run at ``--io-bound-tokens`` a step, where the traffic cannot
   hide: ``disk_fraction``, the disk time of its traffic over its step time (1.0: the step runs at
-  the disk's own O_DIRECT rates, measured here first with 256 MiB written and read back).
+  the disk's own O_DIRECT rates, measured here first with 256 MiB written and read back);
+- ``sim_error_pct``: the simulator's step time of each ``nvme`` run's own plan (``plan.json``,
+  its ``state_tiers``) against the measured one, on the ``cpu`` profile with this disk's rates
+  and its compute rate fitted to the ``ram`` run (the CPU is not modelled in detail: what is
+  predicted is what the tier adds).
 
 Prints one JSON object. ``--quick``: the small model, 3 steps, one repeat (checks that it runs).
 """
@@ -43,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -52,7 +57,10 @@ from layerwise.ckpt.run_dir import RunDir
 from layerwise.interop.hf.model_dir import load_config
 from layerwise.models import DecoderAdapter
 from layerwise.optim.adamw import state_nbytes
-from layerwise.plan.plan import NVME_STATE_SLOTS
+from layerwise.plan.plan import NVME_STATE_SLOTS, Plan
+from layerwise.plan.shape import ModelShape
+from layerwise.planner.presets import PRESETS
+from layerwise.planner.simulator import simulate
 from layerwise.store import FlatLayout, store_footprint
 from layerwise.util import direct_io
 
@@ -150,10 +158,23 @@ def run(args, model: Path, out: Path, tokens_rows: int, extra: list[str]) -> dic
                  + "\n".join(log.read_text().splitlines()[-15:]))
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     manifest = RunDir.open(out / "ckpt").read_manifest(args.steps)
-    return {"peak_rss_bytes": usage.ru_maxrss * 1024,
+    plan = Plan.load(out / "plan.json")
+    return {"peak_rss_bytes": usage.ru_maxrss * 1024, "plan": replace(plan, seq_len=args.seq_len),
             "step_s": statistics.median(r["step_s"] for r in rows[1:]),
             "blobs": {g: e["blob"] for g, e in manifest["groups"].items()},
             "page_cache_max_bytes": watch.max_bytes, "state_file_bytes": watch.file_bytes}
+
+
+def simulated_s(model: Path, runs: dict[str, dict], disk: tuple[float, float]) -> dict[str, float]:
+    """Each run's simulated step on the ``cpu`` profile with this disk's rates, its compute rate
+    scaled until the ``ram`` run's simulated step is its measured one."""
+    shape = ModelShape.from_config(load_config(model))
+    hw = replace(PRESETS["cpu"], nvme_write_gbps=disk[0], nvme_read_gbps=disk[1],
+                 host_mem_bytes=1 << 50)  # the runs' own plans say what lives where
+    for _ in range(4):
+        sim = simulate(runs["ram"]["plan"], shape, hw).step_s
+        hw = replace(hw, peak_tflops=hw.peak_tflops * sim / runs["ram"]["step_s"])
+    return {name: simulate(r["plan"], shape, hw).step_s for name, r in runs.items()}
 
 
 def main() -> None:
@@ -203,6 +224,10 @@ def main() -> None:
     files = max(r["state_file_bytes"] for r in nvme_runs)
     disk_s = files / (read_gbps * 1e9) + files / (write_gbps * 1e9)  # each file read and written once
     io_step = statistics.median(r["step_s"] for r in io_runs)
+    sims = [simulated_s(model, {"ram": a, "nvme": b}, (write_gbps, read_gbps))
+            for a, b in zip(ram_runs, nvme_runs)]
+    sim_error = statistics.median(abs(sim["nvme"] / b["step_s"] - 1) * 100
+                                  for sim, b in zip(sims, nvme_runs))
     print(json.dumps({
         "benchmark": "nvme_state", "quick": args.quick,
         "model": {"dir": str(model), "layers": args.layers, "hidden": args.hidden},
@@ -216,6 +241,8 @@ def main() -> None:
         "step_s": {"ram": round(ram_step, 3), "nvme": round(nvme_step, 3)},
         "step_time_over_ram_run": round(nvme_step / ram_step, 3),
         "nvme_over_compute": round(disk_s / ram_step, 3),
+        "sim_error_pct": round(sim_error, 1),
+        "simulated_step_s": [{k: round(v, 3) for k, v in sim.items()} for sim in sims],
         "io_bound": {"tokens_per_step": args.io_bound_rows * args.io_bound_seq_len,
                      "step_s": round(io_step, 3), "disk_fraction": round(disk_s / io_step, 3)},
         "disk_gbps": {"write": round(write_gbps, 3), "read": round(read_gbps, 3)},
