@@ -24,17 +24,23 @@ def _batches(vocab, n, seed=0):
 
 
 def _run(cfg, tier, compute_dtype, moments, steps=6, source_tier=None, grad_tier=None,
-         engine_device="cpu"):
+         engine_device="cpu", groups=1):
+    """``groups`` > 1: layer-major, two micro-batches per weight load and ``groups`` loads a
+    step, so a gradient lands ``groups`` times (the later landings add to the first)."""
     adapter = DecoderAdapter(cfg)
     store = HostStore(adapter, compute_dtype=compute_dtype, state_tier=tier,
                       source_tier=source_tier, grad_tier=grad_tier)
     store.copy_from_model(build_hf_model(cfg, seed=0))
     n = adapter.num_layers
-    engine = StreamingEngine(adapter, store, Plan.every_k(n, 2, moments=[moments] * (n + 2)),
+    per_load = 2 if groups > 1 else 1
+    plan = Plan.every_k(n, 2, moments=[moments] * (n + 2), micro_batches_per_load=per_load,
+                        num_micro_batches=per_load * groups)
+    engine = StreamingEngine(adapter, store, plan,
                              EngineConfig(device=engine_device, compute_dtype=compute_dtype,
                                           optimizer=AdamWConfig(lr=3e-3, max_grad_norm=1.0)))
-    for b in _batches(cfg.vocab_size, steps):
-        engine.train_step([b])
+    data = _batches(cfg.vocab_size, steps * plan.num_micro_batches)
+    for i in range(steps):
+        engine.train_step(data[i * plan.num_micro_batches:(i + 1) * plan.num_micro_batches])
     engine.synchronize()
     out = {}
     for buf in store:
@@ -44,28 +50,32 @@ def _run(cfg, tier, compute_dtype, moments, steps=6, source_tier=None, grad_tier
     return store, engine, out
 
 
-@pytest.mark.parametrize("compute_dtype,moments,source", [(torch.bfloat16, "fp32", False),
-                                                          (torch.float32, "8bit", False),
-                                                          (torch.bfloat16, "fp32", True),
-                                                          (torch.float32, "fp32", True)])
-def test_state_on_nvme_trains_the_same_bits_as_in_ram(tmp_path, compute_dtype, moments, source):
+@pytest.mark.parametrize("compute_dtype,moments,source,groups", [
+    (torch.bfloat16, "fp32", False, 1), (torch.float32, "8bit", False, 1),
+    (torch.bfloat16, "fp32", True, 1), (torch.float32, "fp32", True, 1),
+    (torch.float32, "fp32", True, 2)])
+def test_state_on_nvme_trains_the_same_bits_as_in_ram(tmp_path, compute_dtype, moments, source,
+                                                      groups):
     """``source``: the copy sources and gradients of the layers on NVMe too (``nvme-all``), on
-    the synchronous CPU backend and on the asynchronous one (which lands gradients in pieces on
-    its landing thread).
+    the asynchronous CPU backend (which lands gradients in pieces on its landing thread);
+    ``groups``: layer-major, each gradient landing twice a step.
 
     Mutations: write a unit back before its update is done (release without ``write``), or
     read it into a slot whose previous unit's write-back is still in flight (drop ``after``
     from ``_load``); each changes a master or a moment. ``source``: the weight streamer copying
     a source without staging it (``staged = False`` in ``_copy``: it copies a placeholder); a
-    gradient landing without writing it back (``write=False`` in ``_land_loop``'s release)."""
+    gradient landing without writing it back (``write=False`` in ``_land_loop``'s release);
+    ``groups``: a later landing staged as an overwrite (``overwrite=True`` in ``_land_loop``:
+    it adds to bytes never read)."""
     cfg = get_flavor("llama-debug").build_config()
-    _, _, ram = _run(cfg, None, compute_dtype, moments)
+    _, _, ram = _run(cfg, None, compute_dtype, moments, groups=groups)
     names = [u.name for u in DecoderAdapter(cfg).units]
     tier = NvmeStateTier(tmp_path / "state", names[1:], slots=2)  # the layers and head on NVMe
     sources = NvmeStateTier(tmp_path / "state", names[1:-1], kind="source") if source else None
     grads = NvmeStateTier(tmp_path / "state", names[1:-1], 2, kind="grad") if source else None
     store, engine, nvme = _run(cfg, tier, compute_dtype, moments, source_tier=sources,
-                               grad_tier=grads, engine_device="cpu-async" if source else "cpu")
+                               grad_tier=grads, engine_device="cpu-async" if source else "cpu",
+                               groups=groups)
     assert tier.read_bytes > 0 and tier.written_bytes > 0
     for u in names:
         for k, v in ram[u].items():
