@@ -9,7 +9,9 @@ needs, and only when the time budget left covers its estimate (else it is skippe
 1. first contact (well under 90 s): ``device`` (the machine and its GPU), ``layer_check`` (one
    decoder layer forward/backward on the GPU against autograd), ``tiny_steps`` (two training
    steps of a small model through every tier: device, host, NVMe, recompute, kept internals),
-   ``pinned_arena`` (the store's arena registered in place), ``copy_bandwidth`` (H2D/D2H);
+   ``nvme_state`` (three steps with the store's state, weights and gradients in files on the
+   disk of ``--out``, against the same steps in RAM: equal to the bit), ``pinned_arena`` (the
+   store's arena registered in place), ``copy_bandwidth`` (H2D/D2H);
 2. ``cuda_tests``: pytest over only the test files that hold ``cuda``-marked tests;
 3. the large model: ``model`` (sized to ``--host-budget-gb``), ``calibration``, ``optimizer``,
    ``planner``, ``plan:lora`` (one layer of the model's widths, NF4 frozen base, LoRA
@@ -29,8 +31,9 @@ the CUDA calls; the test suite runs it so the check cannot rot. The JSON schema 
 Modules, each importing only those above it: ``report`` (the stage runner and the JSON file),
 ``schema``, ``machine`` (``Dev``: CUDA or the dry run's CPU backend; the machine's facts),
 ``trace`` (a profiled step's copies against its kernels), ``wheels``, ``cuda_tests``, ``first``
-(first contact), ``model`` (the large model and the plans it runs), ``probes`` (calibration,
-optimizer, planner), ``store``, ``plans`` (steps per plan, the simulator), ``lora``, ``cli``.
+(first contact), ``nvme_state`` (the state on the disk against RAM), ``model`` (the large model
+and the plans it runs), ``probes`` (calibration, optimizer, planner), ``store``, ``plans`` (steps
+per plan, the simulator), ``lora``, ``cli``.
 
 From the repository root, with ``src`` on ``PYTHONPATH``:
 

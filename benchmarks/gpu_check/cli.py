@@ -14,6 +14,7 @@ from .first import FirstSizes, run_copy_bandwidth, run_layer_check, run_pinned_a
 from .lora import LORA, run_lora
 from .machine import REPO, Dev, device_facts, host_ram, set_alloc_conf
 from .model import LAYER_MAJOR, PACKED, Large, candidate_plans, run_model
+from .nvme_state import run_nvme_state
 from .plans import make_batches, run_layer_major, run_plan, run_simulator
 from .probes import run_calibration, run_optimizer, run_planner
 from .report import SCHEMA_ID, Report, hidden_modules
@@ -21,7 +22,7 @@ from .schema import render_markdown
 from .store import run_store
 from .wheels import WHEEL_STATUSES, run_wheels
 
-FIRST_CONTACT = ("device", "layer_check", "tiny_steps", "pinned_arena", "copy_bandwidth")
+FIRST_CONTACT = ("device", "layer_check", "tiny_steps", "nvme_state", "pinned_arena", "copy_bandwidth")
 PLAN_NAMES = ("planner", "every-1", "every-4", "keep-all-host", "packed", "layer-major")
 NEEDS = {"calibration": ("model",), "optimizer": ("model",), "planner": ("model",), "store": ("model",),
          "plan": ("model", "store", "planner"), "simulator": ("model",)}
@@ -112,6 +113,7 @@ def run_stages(report: Report, args: argparse.Namespace) -> None:
     report.stage("device", 10, lambda d: device_facts(dev, d))
     report.stage("layer_check", 15, lambda d: run_layer_check(dev, sizes, d))
     report.stage("tiny_steps", 15, lambda d: run_tiny_steps(dev, sizes, d))
+    report.stage("nvme_state", 20, lambda d: run_nvme_state(dev, sizes, Path(args.out), d))
     report.stage("pinned_arena", 10, lambda d: run_pinned_arena(dev, sizes, d))
     report.stage("copy_bandwidth", 10, lambda d: run_copy_bandwidth(dev, sizes, d))
     res["first_contact_s"] = round(report.elapsed_s(), 3)

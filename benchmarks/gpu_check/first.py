@@ -23,7 +23,7 @@ from .report import CheckFailed
 class FirstSizes:
     layer_widths: dict[str, int] = field(default_factory=lambda: dict(
         hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4))
-    """Overrides of ``llama-debug`` for the layer check (GQA, several heads)."""
+    """Overrides of ``llama-debug`` for the layer check and ``nvme_state`` (GQA, several heads)."""
     layer_batch: int = 2
     layer_seq: int = 512
     steps_batch: int = 2

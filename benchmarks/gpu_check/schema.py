@@ -131,6 +131,53 @@ TINY_STEPS = R("tiny_steps",
                K("skipped_steps", "int", "non-finite gradient norms (must be 0)"),
                K("step_s", "list", "`StepStats.step_s` of the two"))
 
+NVME_TIER = R("nvme_state.tiers.<kind>",
+              K("units", "int", "units whose files it holds"),
+              K("slots", "int", "units staged in RAM at once (`NVME_STATE_SLOTS`, `NVME_SOURCE_SLOTS`, "
+                                "`NVME_GRAD_SLOTS`)"),
+              K("file_bytes", "int", "its files' lengths"),
+              K("staging_bytes", "int", "RAM its staging slots hold after the steps"),
+              K("o_direct", "bool", "every file open with `O_DIRECT` (else buffered, each transfer synced "
+                                    "and dropped from the page cache: the filesystem refused it)"),
+              K("read_bytes_per_step", "list", "bytes read during each step, counted as reads complete"),
+              K("written_bytes_per_step", "list", "bytes written during each step (a write behind may "
+                                                  "complete in the next)"),
+              K("read_bytes_total", "int", "since the tier was made (the weights' fill included), after "
+                                           "the steps' writes drained and before the comparison reads"),
+              K("written_bytes_total", "int", "same"))
+
+NVME_STATE = R("nvme_state",
+               K("flavor", "str", "`llama-debug`, widened as `layer_check` on a GPU"),
+               K("num_layers", "int", "6"), K("hidden_size", "int", ""), K("intermediate_size", "int", ""),
+               K("batch", "int", ""), K("seq_len", "int", "within one key block of flash attention (its "
+                                                          "backward then sums in a fixed order)"),
+               K("steps", "int", "per run (3), the same batches in both"),
+               K("compute_dtype", "str", "`bfloat16` (`float32` in a dry run: bf16 matmuls on a CPU are slow)"),
+               K("moments", "str", "`fp32`, every unit (the kernels `tiny_steps` compiled; the 8-bit ones "
+                                   "compile in `optimizer`)"),
+               K("state_tiers", "list", "per unit of the NVMe run: embed and head `nvme` (optimizer state), "
+                                        "every layer `nvme-all` (state, copy source, gradient)"),
+               K("directory", "str", "the `--out` JSON's folder: the tiers' files go in a temporary "
+                                     "folder in it, removed after"),
+               K("filesystem_type", "str", "its filesystem (`direct_io.filesystem_type`; \"\" unknown)"),
+               K("in_ram", "bool", "that filesystem lives in RAM (tmpfs, ramfs): the stage fails, there is "
+                                   "no disk to check"),
+               K("weights_equal", "bool", "every unit's fp32 master equal to the bit after the steps, NVMe vs "
+                                          "RAM (else the stage fails)"),
+               K("moments_equal", "bool", "every unit's optimizer state equal to the bit (else the stage fails)"),
+               K("unequal", "list", "`unit:tensor` of each that differs"),
+               K("ram_losses", "list", "per step, all in RAM"), K("nvme_losses", "list", "per step, on NVMe"),
+               K("ram_step_s", "list", "each step, `perf_counter` around `train_step` and `synchronize()`"),
+               K("nvme_step_s", "list", "same, on NVMe"),
+               K("ram_step_median_s", "number", "median of the steps after the first"),
+               K("nvme_step_median_s", "number", "same, on NVMe"),
+               K("step_time_over_ram", "number", "`nvme_step_median_s` / `ram_step_median_s`"),
+               K("tiers", "map", "`state`, `source`, `grad`", of=NVME_TIER),
+               K("page_cache_bytes_per_step", "list", "the tiers' files in the page cache after each step "
+                                                      "(`mincore`)"),
+               K("page_cache_max_bytes", "int", "their largest: 0 with `O_DIRECT`"),
+               K("files_removed_at_close", "bool", "`store.close()` removed the files and their folder"))
+
 PINNED_ARENA = R("pinned_arena",
                  K("store_pinned", "bool", "the store pins (CUDA available)"),
                  K("arena_bytes", "int", "the copy-source arena of a `llama-debug` store (bf16)"),
@@ -345,11 +392,11 @@ TOP = R("(top level)",
         K("wall_s", "number", "seconds since the start when last written"), K("budget_s", "number", ""),
         K("args", "object", "every option as parsed"),
         K("stages", "map", "per stage, in run order: `wheels`, `device`, `layer_check`, `tiny_steps`, "
-                           "`pinned_arena`, `copy_bandwidth`, `cuda_tests`, `model`, `calibration`, `optimizer`, "
-                           "`planner`, `plan:lora`, `store`, `plan:<name>`, `simulator`", of=STAGE),
+                           "`nvme_state`, `pinned_arena`, `copy_bandwidth`, `cuda_tests`, `model`, `calibration`, "
+                           "`optimizer`, `planner`, `plan:lora`, `store`, `plan:<name>`, `simulator`", of=STAGE),
         K("host_ram", "record", "the RAM figure the checks use, beside the kernel's", of=HOST_RAM),
         *(K(r.title, "record", f"stage `{r.title}`'s result", optional=True, of=r)
-          for r in (WHEELS, DEVICE, LAYER_CHECK, TINY_STEPS, PINNED_ARENA, COPY_BANDWIDTH)),
+          for r in (WHEELS, DEVICE, LAYER_CHECK, TINY_STEPS, NVME_STATE, PINNED_ARENA, COPY_BANDWIDTH)),
         K("first_contact_s", "number", "seconds from the start to the end of `copy_bandwidth`", optional=True),
         K("cuda_tests", "record", "stage `cuda_tests`'s result", optional=True, of=CUDA_TESTS),
         *(K(r.title, "record", f"stage `{r.title}`'s result", optional=True, of=r)

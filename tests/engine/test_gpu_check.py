@@ -348,8 +348,8 @@ def test_gpu_check_without_cuda_says_so_and_exits_0(tmp_path, capsys):
     assert not out.exists()
 
 
-STAGES = ["wheels", "device", "layer_check", "tiny_steps", "pinned_arena", "copy_bandwidth", "cuda_tests", "model",
-          "calibration", "optimizer", "planner", "plan:lora", "store"]
+STAGES = ["wheels", "device", "layer_check", "tiny_steps", "nvme_state", "pinned_arena", "copy_bandwidth",
+          "cuda_tests", "model", "calibration", "optimizer", "planner", "plan:lora", "store"]
 
 
 def _wheel(folder: Path, dist: str, broken: bool = False) -> Path:
@@ -459,6 +459,10 @@ def test_gpu_check_dry_run_on_cpu(tmp_path, capsys):
     model = res["model"]
     assert model["fits_device"] and model["device_margin_bytes"] == large_model.DEVICE_MARGIN_BYTES
     assert {r["device_cap_bytes"] for r in res["plans"].values()} == {model["device_budget_bytes"]}
+    nv = res["nvme_state"]  # state, weights and gradients in files: the same bits as in RAM
+    assert nv["weights_equal"] and nv["moments_equal"] and nv["files_removed_at_close"] and not nv["in_ram"]
+    assert set(nv["tiers"]) == {"state", "source", "grad"}
+    assert all(t["read_bytes_per_step"][-1] > 0 and t["written_bytes_per_step"][-1] > 0 for t in nv["tiers"].values())
     ops = res["tiny_steps"]["op_counts"]
     assert all(ops.get(k) for k in ("fetch", "recompute_layer", "layer_fwd_keep", "fetch_internals")), ops
     assert res["cuda_tests"]["passed"] == 1 and "tests/engine/test_cuda.py" in res["cuda_tests"]["files"]
