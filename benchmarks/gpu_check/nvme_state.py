@@ -65,9 +65,9 @@ def _train(dev: Dev, cfg, model, batches, plan, compute_dtype, tiers: dict[str, 
                 out["page_cache_bytes"].append(sum(t.page_cache_bytes() for t in tiers.values()))
             for t in tiers.values():  # the last step's writes, before the comparison reads
                 t.drain()
-            out["tiers"] = {k: {"units": len(t.names), "slots": len(t._slots), "file_bytes": t.nbytes(),
+            out["tiers"] = {k: {"units": len(t.names), "slots": t.slot_count, "file_bytes": t.nbytes(),
                                 "staging_bytes": t.staging_nbytes(),
-                                "o_direct": all(u.direct for u in t._units.values()),
+                                "o_direct": t.direct,
                                 "read_bytes_per_step": out["read_bytes"][k],
                                 "written_bytes_per_step": out["written_bytes"][k],
                                 "read_bytes_total": t.read_bytes, "written_bytes_total": t.written_bytes}

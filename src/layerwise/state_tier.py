@@ -138,6 +138,21 @@ class NvmeStateTier:
     def holds(self, unit: str) -> bool:
         return unit in self.names
 
+    def staged_units(self) -> frozenset[str]:
+        """The units in a slot now (real tensors; the others are placeholders)."""
+        with self._cv:
+            return frozenset(self._slot_of)
+
+    @property
+    def slot_count(self) -> int:
+        return len(self._slots)
+
+    @property
+    def direct(self) -> bool:
+        """Are all its files read and written with ``O_DIRECT`` (else: buffered, each transfer
+        synced and dropped from the page cache)?"""
+        return all(u.direct for u in self._units.values())
+
     def nbytes(self) -> int:
         """Bytes of state on NVMe (the files' lengths)."""
         return sum(u.nbytes for u in self._units.values())

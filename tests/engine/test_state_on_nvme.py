@@ -80,8 +80,8 @@ def test_state_on_nvme_trains_the_same_bits_as_in_ram(tmp_path, compute_dtype, m
     for u in names:
         for k, v in ram[u].items():
             assert torch.equal(v, nvme[u][k]), (u, k)
-    assert tier.page_cache_bytes() == 0 or not any(u.direct for u in tier._units.values())
-    held = [b for b in store if store.on_nvme(b.name) and not store.state_tier._slot_of.get(b.name)]
+    assert tier.page_cache_bytes() == 0 or not tier.direct
+    held = [b for b in store if store.on_nvme(b.name) and b.name not in tier.staged_units()]
     assert held and all(t.device.type == "meta" for b in held for t in b.state.values())
     engine.close()
     store.close()
