@@ -99,6 +99,9 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
                          f"{shape.num_layers} layers; make a plan for this model")
     if plan.seq_len is None:
         raise ValueError("the plan has no seq_len; the simulator needs the sequence length")
+    tiers = plan.state_tiers or ()
+    if any(tiers[1 + i] == "nvme-all" for i in plan.resident_layers if 1 + i < len(tiers)):
+        raise ValueError("a resident layer's weights stay on the device: its state_tiers entry cannot be nvme-all")
     topo = topology or Topology()
     topo.check(hw)
     rank_hw = rank_hardware(hw, topo) if topology else hw  # (no topology: the plain one-GPU path)
