@@ -229,7 +229,8 @@ def _fewest_on_nvme(best: Candidate, shape: ModelShape, hw: HardwareProfile, sim
         moments, tiers = choose_state(shape, hw, best.sim.peak_pinned_act_bytes, plan.lands_once())
     except PlanInfeasible:
         return best
-    if _off_ram(tiers) >= _off_ram(plan.state_tiers):
+    resident_all = tiers is not None and any(tiers[1 + i] == "nvme-all" for i in plan.resident_layers)
+    if _off_ram(tiers) >= _off_ram(plan.state_tiers) or resident_all:  # a resident layer stays so
         return best
     trial = Plan.from_dict({**plan.to_dict(), "moments": moments, "state_tiers": tiers})
     sim = sims.full(trial)
