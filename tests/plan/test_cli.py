@@ -185,11 +185,12 @@ def _floor_bytes(model: str, preset: str, ram_gb: float) -> int:
     return store + hw.host_reserved_bytes + 4 * layer
 
 
-def test_plan_prints_host_bytes_per_param_fits_ram_and_the_largest_model(tmp_path, capsys):
+def test_plan_prints_host_bytes_per_param_fits_ram_and_the_largest_model(tmp_path, capsys, monkeypatch):
     """The host line is the chosen plan's store (bf16 gradients: one micro-batch per step, bf16
     compute), its host-tier activations and the reserve with the model's pinned ring, per
     parameter, against the RAM; the largest-model line names the largest qwen2 flavor whose
-    floor fits 40 GB, and the next larger one does not fit.
+    floor fits 40 GB, and the next larger one does not fit. On a 4090 without NVMe space: with
+    it, units' weights and gradients on NVMe (``nvme-all``) let far larger flavors fit.
 
     Mutations seen caught: ``plan_host_need``'s bf16 gradients always False (the store printed at fp32 gradients,
     2 B/param more); the ring in torch's power-of-two pinned blocks (reserve 5.9 GB, not
@@ -199,6 +200,7 @@ def test_plan_prints_host_bytes_per_param_fits_ram_and_the_largest_model(tmp_pat
     from layerwise.plan.shape import load_shape
     from layerwise.planner.simulator import simulate
 
+    monkeypatch.setitem(PRESETS, "rtx4090", replace(PRESETS["rtx4090"], nvme_capacity_bytes=0))
     out = tmp_path / "plan.json"
     assert main(["plan", "--model", "qwen2.5-3b", "--hardware", "rtx4090", "--host-mem", "40", "--seq-len", "1024",
                  "--batch", "1", "--time-limit", "1", "--out", str(out)]) == 0
@@ -252,17 +254,19 @@ def test_qwen2_5_14b_fits_an_h200_with_128_gb_of_host_ram(capsys):
     """The issue's figure (21, item 5): split master + 8-bit moments + bf16 gradients ~8.1 B/param
     (120.2 GB) plus the reserve fit 128 GB: a plan that lands each gradient once at the auto
     batch (the search's layer-major order) and the pinned gradient ring at its own size (2.2 GB,
-    not torch's 4 x 1 GiB blocks)."""
+    not torch's 4 x 1 GiB blocks). The largest qwen2 that fits is qwen2.5-72b, with units'
+    weights and gradients on NVMe (``nvme-all``)."""
     rc = main(["plan", "--model", "qwen2.5-14b", "--hardware", "h200", "--host-mem", "128", "--seq-len", "4096"])
     lines = capsys.readouterr().out.splitlines()
     assert rc == 0 and lines[0].startswith("fits: yes — qwen2.5-14b on h200"), lines[:3]
     assert lines[1].startswith("host RAM: ") and lines[1].endswith("of 128.0 GB RAM on h200 — fits"), lines[1]
-    assert re.search(r"largest qwen2 model that fits 128\.0 GB .*: qwen2\.5-14b,", lines[2]), lines[2]
+    assert re.search(r"largest qwen2 model that fits 128\.0 GB .*: qwen2\.5-72b,.* units nvme-all\)$", lines[2]), lines[2]
 
 
 def test_qwen2_5_14b_at_one_micro_batch_fits_128_gb(capsys):
     """At one micro-batch per step (bf16 host gradients) the store is 120.18 GB; with the ring
-    page-locked at its own size the reserve is 7.0 GB, and the plan fits 128 GB of RAM.
+    page-locked at its own size the reserve is 7.0 GB, and the plan fits 128 GB of RAM. The largest
+    qwen2 that fits is qwen2.5-72b, with units' weights and gradients on NVMe (``nvme-all``).
 
     Mutations seen caught: the search's pre-check with fp32 gradients (refused: 148.16 GB); the
     ring in torch's power-of-two pinned blocks (refused: 1.3 GB short)."""
@@ -273,7 +277,7 @@ def test_qwen2_5_14b_at_one_micro_batch_fits_128_gb(capsys):
     assert lines[0].startswith("fits: yes — qwen2.5-14b on h200, 1 x 4096 tokens per step"), lines[0]
     assert re.match(r"host RAM: 8\.14 B/param for the store \(120\.2 GB, bf16 gradients .* and the 7\.0 GB reserve "
                     r".*of 128\.0 GB RAM on h200 — fits$", lines[1]), lines[1]
-    assert re.search(r": qwen2\.5-14b, 14\.77B params, 127\.2 GB \(8\.61 B/param\)$", lines[2]), lines[2]
+    assert re.search(r": qwen2\.5-72b, 72\.71B params, .* units nvme-all\)$", lines[2]), lines[2]
 
 
 def test_the_chosen_plan_says_its_order_and_resident_layers():

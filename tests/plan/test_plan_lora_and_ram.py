@@ -124,7 +124,9 @@ def test_the_largest_size_is_searched_over_the_family_ladder():
 
 def test_without_hardware_it_plans_for_this_machine(monkeypatch, capsys):
     """No ``--hardware``: the machine the reader returns, with its own RAM (a CPU box of 25 GB
-    here): llama3-8b's full run does not fit it; llama3.2-1b's floor does.
+    here): llama3-8b's full run does not fit it (its weights and gradients could leave the RAM, but
+    the preset's 50 GB drive cannot take them: NVMe binds); llama3.2-3b's floor does, with units'
+    weights and gradients on that drive.
 
     Mutation seen caught: ``machine_preset`` keeping the cpu preset's 16 GB, not the machine's RAM."""
     from layerwise.planner import cli as plan_cli
@@ -140,7 +142,8 @@ def test_without_hardware_it_plans_for_this_machine(monkeypatch, capsys):
     assert hw.name == "cpu" and hw.host_mem_bytes == 25 * GB
     assert plan_cli.plan_command(parsed) == 1
     d = json.loads(capsys.readouterr().out)
-    assert d["binding"] == "host" and d["largest_fitting_model"]["model"] == "llama3.2-1b"
+    assert d["binding"] == "nvme" and d["largest_fitting_model"]["model"] == "llama3.2-3b"
+    assert d["largest_fitting_model"]["nvme_all_units"] > 0
     assert d["largest_fitting_model"]["ram_bytes"] == 25 * GB
 
 

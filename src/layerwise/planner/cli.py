@@ -89,8 +89,9 @@ def plan_command(args: argparse.Namespace) -> int:
         res = search(shape, hw, args.seq_len, cfg)
     except PlanInfeasible as e:
         verdict = verdict_unfit(shape, hw, args.seq_len, e)
-        # the largest model that fits: asked for (--host-mem), or when host RAM binds
-        largest = _largest(args, machine) if args.host_mem is not None or e.resource == "host" else _NOT_ASKED
+        # the largest model that fits: asked for (--host-mem), or when host RAM binds (or the NVMe
+        # that would take what the RAM cannot)
+        largest = _largest(args, machine) if args.host_mem is not None or e.resource in ("host", "nvme") else _NOT_ASKED
         lines = [verdict] + ([reserve_line(machine, hw)] if e.resource == "host" else []) \
             + ([largest_line(shape, machine, largest)] if largest is not _NOT_ASKED else [])
         if args.json:

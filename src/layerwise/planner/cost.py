@@ -33,7 +33,7 @@ from ..store import StoreFootprint, grad_itemsizes_of
 from ..util.host_memory import locked_nbytes
 from ..plan import memory
 from .device_cost import DeviceCost
-from ..plan.plan import NVME_STATE_SLOTS
+from ..plan.plan import NVME_GRAD_SLOTS, NVME_SOURCE_SLOTS, NVME_STATE_SLOTS
 from ..plan.program import EMBED_OPS, OpKind
 
 # The host store's bytes are counted with the store's own arithmetic (``StoreFootprint``) and
@@ -212,14 +212,21 @@ class CostModel(DeviceCost):
         """Host bytes of the store: the master (split with bf16 compute: 4 bytes with its copy),
         the gradient, the moments per unit, plus the copy-source arena's alignment padding;
         exactly ``HostStore.nbytes()`` with every unit's state in RAM. ``state_tiers``: the units
-        on ``nvme`` leave their state (``nvme_state_bytes``) out, and the staging slots
+        on ``nvme`` leave their state out, those on ``nvme-all`` their copy source and gradient too
+        (``nvme_bytes``; the arena's padding is the rest's), and the staging slots
         (``staging_bytes``) come in."""
-        total = self.store_footprint(moments, bf16_grads).total
-        if not state_tiers or "nvme" not in state_tiers:
-            return total
-        return total - self.nvme_state_bytes(moments, state_tiers) + self.staging_bytes(moments, state_tiers)
+        fp = self.store_footprint(moments, bf16_grads)
+        if not state_tiers or set(state_tiers) == {"ram"}:
+            return fp.total
+        padding = fp.padding
+        if "nvme-all" in state_tiers and not self._frozen:  # the arena holds the others' sources
+            numels = [0 if t == "nvme-all" else self.shape.trainable_params(u)
+                      for u, t in zip(self.shape.unit_names(), state_tiers)]
+            padding = StoreFootprint.of_numels(numels, self.elem_bytes).padding
+        return (fp.total - fp.padding + padding - self.nvme_bytes(moments, state_tiers, bf16_grads)
+                + self.staging_bytes(moments, state_tiers, bf16_grads))
 
-    # ----- optimizer state on NVMe (``Plan.state_tiers``) -----------------------------------
+    # ----- state on NVMe (``Plan.state_tiers``) ---------------------------------------------
 
     def master_state_bytes(self, unit: str) -> int:
         """Bytes of a unit's master that are not its copy source: the 16-bit remainder of a split
@@ -235,18 +242,57 @@ class CostModel(DeviceCost):
         remainder and its optimizer moments."""
         return self.master_state_bytes(unit) + STATE_NBYTES[moments](self.shape.trainable_params(unit))
 
-    def _nvme_sizes(self, moments: list[str] | None, state_tiers: list[str] | None) -> list[int]:
+    def unit_source_bytes(self, unit: str) -> int:
+        """An ``nvme-all`` unit's copy source on NVMe: the compute-dtype weights the device
+        receives (the fp32 master itself with fp32 compute)."""
+        return self.shape.trainable_params(unit) * self.elem_bytes
+
+    def unit_grad_store_bytes(self, unit: str, bf16_grads: bool = False) -> int:
+        """A unit's gradient as the store keeps it (an ``nvme-all`` unit's, on NVMe): bf16 where
+        every gradient lands once per step with bf16 compute (a head's, or a tied embedding's,
+        summed in fp32, stays fp32: ``grad_itemsizes_of``), else fp32."""
+        n = self.shape.trainable_params(unit)
+        if not (bf16_grads and self.elem_bytes == 2):
+            return 4 * n
+        units = self.shape.unit_names()
+        items = grad_itemsizes_of(units, self.shape.tied, torch.bfloat16, torch.bfloat16)
+        return items[units.index(unit)] * n
+
+    def tier_sizes(self, moments: list[str] | None, state_tiers: list[str] | None,
+                   bf16_grads: bool = False) -> list[tuple[str, int, int, int]]:
+        """Per unit off the RAM, in unit order: (tier, state, copy source, gradient) bytes on
+        NVMe (the last two 0 on ``nvme``)."""
         units = self.shape.unit_names()
         moments = moments or ["fp32"] * len(units)
-        return [self.unit_state_bytes(u, m) for u, m, t in zip(units, moments, state_tiers or ()) if t == "nvme"]
+        out = []
+        for u, m, t in zip(units, moments, state_tiers or ()):
+            if t == "ram":
+                continue
+            full = t == "nvme-all"
+            out.append((t, self.unit_state_bytes(u, m), self.unit_source_bytes(u) if full else 0,
+                        self.unit_grad_store_bytes(u, bf16_grads) if full else 0))
+        return out
 
     def nvme_state_bytes(self, moments: list[str] | None, state_tiers: list[str] | None) -> int:
-        """State bytes the ``nvme`` units keep on NVMe (and out of RAM)."""
-        return sum(self._nvme_sizes(moments, state_tiers))
+        """State bytes (master remainders and moments) the ``nvme`` and ``nvme-all`` units keep
+        on NVMe (and out of RAM)."""
+        return sum(s for _, s, _, _ in self.tier_sizes(moments, state_tiers))
 
-    def staging_bytes(self, moments: list[str] | None, state_tiers: list[str] | None) -> int:
-        """RAM the engine stages NVMe state in: ``NVME_STATE_SLOTS`` x the largest ``nvme`` unit's."""
-        return NVME_STATE_SLOTS * max(self._nvme_sizes(moments, state_tiers), default=0)
+    def nvme_bytes(self, moments: list[str] | None, state_tiers: list[str] | None,
+                   bf16_grads: bool = False) -> int:
+        """Everything the store keeps on NVMe: the state, and the ``nvme-all`` units' copy
+        sources and gradients."""
+        return sum(s + w + g for _, s, w, g in self.tier_sizes(moments, state_tiers, bf16_grads))
+
+    def staging_bytes(self, moments: list[str] | None, state_tiers: list[str] | None,
+                      bf16_grads: bool = False) -> int:
+        """RAM the engine stages NVMe units in: ``NVME_STATE_SLOTS`` x the largest off-RAM unit's
+        state, ``NVME_SOURCE_SLOTS`` x the largest ``nvme-all`` copy source, ``NVME_GRAD_SLOTS`` x
+        the largest ``nvme-all`` gradient."""
+        sizes = self.tier_sizes(moments, state_tiers, bf16_grads)
+        return (NVME_STATE_SLOTS * max((s for _, s, _, _ in sizes), default=0)
+                + NVME_SOURCE_SLOTS * max((w for _, _, w, _ in sizes), default=0)
+                + NVME_GRAD_SLOTS * max((g for _, _, _, g in sizes), default=0))
 
     def state_read_s(self, unit: str, moments: str = "8bit") -> float:
         return self.nvme_read_s(self.unit_state_bytes(unit, moments))
@@ -254,7 +300,36 @@ class CostModel(DeviceCost):
     def state_write_s(self, unit: str, moments: str = "8bit") -> float:
         return self.nvme_write_s(self.unit_state_bytes(unit, moments))
 
+    def nvme_traffic(self, moments: list[str] | None, state_tiers: list[str] | None, bf16_grads: bool,
+                     copies: dict[str, int], landings: dict[str, int]) -> dict[str, int]:
+        """Bytes a step moves over the NVMe for the store's units off the RAM, by kind: each
+        unit's state read and written once; an ``nvme-all`` unit's copy source read once per
+        weight copy to the device (``copies``: per unit, in the step) and once by its update,
+        written once after it, its gradient written once per landing (``landings``) and read
+        once by the update."""
+        units = self.shape.unit_names()
+        out = dict.fromkeys(TRAFFIC_KINDS, 0)
+        off = [u for u, t in zip(units, state_tiers or ()) if t != "ram"]
+        for u, (t, s, w, g) in zip(off, self.tier_sizes(moments, state_tiers, bf16_grads)):
+            out["state_read"] += s
+            out["state_write"] += s
+            out["source_read"] += w * (copies.get(u, 0) + 1) if t == "nvme-all" else 0
+            out["source_write"] += w
+            out["grad_write"] += g * landings.get(u, 0)
+            out["grad_read"] += g
+        return out
+
+    def traffic_s(self, traffic: dict[str, int]) -> float:
+        """NVMe seconds for ``traffic`` (``nvme_traffic``), reads and writes on one lane."""
+        reads = sum(v for k, v in traffic.items() if k.endswith("_read"))
+        return self.nvme_read_s(reads) + self.nvme_write_s(sum(traffic.values()) - reads)
+
     def state_traffic_s(self, moments: list[str] | None, state_tiers: list[str] | None) -> float:
-        """NVMe seconds a step spends moving the ``nvme`` units' state (read in, written back)."""
+        """NVMe seconds a step spends moving the off-RAM units' state (read in, written back);
+        ``nvme_traffic`` adds the ``nvme-all`` units' copy sources and gradients."""
         n = self.nvme_state_bytes(moments, state_tiers)
         return self.nvme_read_s(n) + self.nvme_write_s(n)
+
+
+TRAFFIC_KINDS = ("state_read", "state_write", "source_read", "source_write", "grad_write", "grad_read")
+"""What crosses the NVMe per step for the store's units off the RAM (``CostModel.nvme_traffic``)."""

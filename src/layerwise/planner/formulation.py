@@ -95,7 +95,8 @@ class Vars:
 def variables(cols: ColumnMap, m: StepModel, cfg: Choices) -> Vars:
     """Allocate the columns with their bounds: tiers a config rules out are fixed at 0, window
     lengths start at what no choice changes (``f_i ≥ w_i``, ``b_i ≥ max(B'_i, w_i, g_i)``; without
-    ``w_i`` where a layer may be resident)."""
+    ``w_i`` where a layer may be resident; an ``nvme-all`` layer's copy-source read ``s_i`` and
+    gradient write ``G_i``: ``f_i ≥ s_i``, ``b_i ≥ s_i + G_i``, and it is never resident)."""
     L, U = m.L, len(m.units)
     tier = cols.add("tier", L, ALL_TIERS, integer=True)
     f = cols.add("f", L, upper=INF)
@@ -114,8 +115,10 @@ def variables(cols: ColumnMap, m: StepModel, cfg: Choices) -> Vars:
         for t in ALL_INTERNAL_TIERS:
             cols.bound(internal[i, t], upper=1.0 if t in cfg.internal_tiers else 0.0)
         w = 0.0 if cfg.resident else m.w_in[i]
-        cols.bound(f[i], lower=w * MS)
-        cols.bound(b[i], lower=max(w, m.grad_out[i], m.c_bwd_kept[i]) * MS)
+        cols.bound(f[i], lower=max(w, m.src_in[i]) * MS)
+        cols.bound(b[i], lower=max(w, m.grad_out[i], m.c_bwd_kept[i], m.src_in[i] + m.grad_nv[i]) * MS)
+        if resident is not None and m.all_nvme[1 + i]:  # its weights come from NVMe each copy
+            cols.bound(resident[i], upper=0.0)
     if not cfg.choose_moments:
         for u, mom in enumerate(m.moments or ["fp32"] * U):
             fixed = 1.0 if mom == "8bit" else 0.0
@@ -294,13 +297,14 @@ def nvme_capacity(m: StepModel, x: Vars) -> list[Row]:
 
 def nvme_lane(m: StepModel, x: Vars) -> list[Row]:
     """The NVMe thread (writes and reads) keeps up over a micro-batch, with its share of the
-    optimizer state's traffic ``T_state`` (the ``nvme`` units' state in and out, per step):
-    ``Σ f + Σ b + Σ R_k ρ_k + E_f + H + E_b ≥ Σ n_k · (A/nvme_write + A/nvme_read) + T_state / M``."""
+    store's traffic ``T_state`` (the off-RAM units' state in and out, the ``nvme-all`` units'
+    sources and gradients, per step) and a recompute's source read ``s'_k``:
+    ``Σ f + Σ b + Σ (R_k − s'_k) ρ_k + E_f + H + E_b ≥ Σ n_k · (A/nvme_write + A/nvme_read) + T_state / M``."""
     lane: dict[int, float] = {}
     for j in range(m.L):
         lane[x.f[j]] = 1.0
         lane[x.b[j]] = 1.0
-        lane[x.recomputed[j]] = m.recompute[j] * MS
+        lane[x.recomputed[j]] = (m.recompute[j] - m.src_recompute[j]) * MS
         lane[x.tier[j, "nvme"]] = -m.nvme_rw * MS
     return [((m.state_traffic / m.num_micro_batches - m.e_fwd - m.head - m.e_bwd) * MS, INF, lane)]
 

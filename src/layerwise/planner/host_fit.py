@@ -3,7 +3,9 @@ make it fit: the fewest parameters switched to 8-bit moments (fp32 keeps the hos
 faster), with the store's gradients in bf16 where every unit's gradient lands once per step; where
 even 8-bit moments everywhere leave the store over the RAM, the fewest units' optimizer state on
 NVMe (``Plan.state_tiers``: read before each update and written back after, so the fewer units
-the less NVMe traffic)."""
+the less NVMe traffic); where even every unit's state there leaves the weights and gradients over
+the RAM, the fewest units ``nvme-all`` (their copy source and gradient on NVMe too: read before
+every weight copy, written as they land, the most traffic of all)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from typing import Any
 
 from .cost import STATE_NBYTES, CostModel
 from .hardware import HardwareProfile
-from ..plan.plan import NVME_STATE_SLOTS, Plan
+from ..plan.plan import NVME_GRAD_SLOTS, NVME_SOURCE_SLOTS, NVME_STATE_SLOTS, Plan
+from ..store_bytes import ARENA_ALIGN_BYTES
 from ..plan.shape import ModelShape
 from .simulator import simulate
 from .step_model import NVME_STAGING
@@ -72,9 +75,10 @@ def choose_state(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 0,
     """(moments, state tiers) of the host store: every unit's state in RAM (``choose_moments``;
     tiers None) while 8-bit moments make it fit; else 8-bit moments everywhere (fewer bytes to
     move) and the fewest units' state on NVMe with which the store, its staging slots counted,
-    fits. PlanInfeasible when even every unit's state on NVMe leaves the copy source and the
-    gradients over the RAM, or the NVMe cannot hold the state (a machine without NVMe space
-    keeps the in-RAM refusal)."""
+    fits; where none do, the fewest units ``nvme-all`` (``_fewest_all``) and beside them the
+    fewest ``nvme``. PlanInfeasible when even every unit ``nvme-all`` leaves the staging, the
+    ``reserve_bytes`` (activations) and the host reserve over the RAM, or the NVMe cannot hold
+    what goes there (a machine without NVMe space keeps the in-RAM refusal)."""
     try:
         return choose_moments(shape, hw, reserve_bytes, bf16_grads), None
     except PlanInfeasible:
@@ -87,31 +91,39 @@ def choose_state(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 0,
     in_ram = cost.host_store_bytes(moments, bf16_grads)
     size = [cost.unit_state_bytes(u) for u in units]
     chosen = _fewest_on_nvme(size, in_ram - budget)
-    if chosen is None:
+    if chosen is not None:
+        tiers = ["nvme" if k in chosen else "ram" for k in range(len(units))]
+    elif shape.frozen_base is None:
+        tiers = _fewest_all(shape, cost, moments, bf16_grads, in_ram - budget)
+        if tiers is None:
+            raise _nothing_left(shape, cost, moments, bf16_grads, hw, reserve_bytes)
+    else:  # a LoRA store's copy source is its frozen base: it stays in RAM
         raise _weights_exceed(shape, cost, moments, bf16_grads, budget)
-    tiers = ["nvme" if k in chosen else "ram" for k in range(len(units))]
-    on_nvme = cost.nvme_state_bytes(moments, tiers)
+    on_nvme = cost.nvme_bytes(moments, tiers, bf16_grads)
     if on_nvme > hw.nvme_capacity_bytes:
         over = on_nvme - hw.nvme_capacity_bytes
+        what = (f"{tiers.count('nvme-all')} units' weights, gradients and optimizer state and "
+                f"{tiers.count('nvme')} units' optimizer state" if "nvme-all" in tiers
+                else f"{tiers.count('nvme')} units' optimizer state")
         raise PlanInfeasible(
             "nvme", over,
-            f"host memory binds, and the NVMe cannot take the difference: {len(chosen)} units' optimizer "
-            f"state ({human_bytes(on_nvme)}) would have to live on NVMe, {human_bytes(hw.nvme_capacity_bytes)} "
-            f"usable ({human_bytes(over)} over); use more RAM (--host-mem) or more NVMe space")
+            f"host memory binds, and the NVMe cannot take the difference: {what} ({human_bytes(on_nvme)}) would "
+            f"have to live on NVMe, {human_bytes(hw.nvme_capacity_bytes)} usable ({human_bytes(over)} over); "
+            f"use more RAM (--host-mem) or more NVMe space")
     return moments, tiers
 
 
-def _fewest_on_nvme(size: list[int], over: int) -> set[int] | None:
+def _fewest_on_nvme(size: list[int], over: int, floor: int = 0) -> set[int] | None:
     """The fewest units (indices into ``size``, their state bytes) whose state off the RAM frees
-    ``over`` bytes beside the staging slots (``NVME_STATE_SLOTS`` x the largest of them); None
-    when none do. Per cap on the largest unit, the largest units under it first, later units
+    ``over`` bytes beside the staging slots (``NVME_STATE_SLOTS`` x the largest of them, at least
+    ``floor``: slots held already, counted in ``over``); None when none do. Per cap on the largest unit, the largest units under it first, later units
     (updated last, so their reads wait least on the next step's forward) first among equals;
     then the fewest units, the fewest bytes."""
     best: tuple[int, int, set[int]] | None = None
     for cap in sorted(set(size), reverse=True):
         order = sorted((k for k in range(len(size)) if size[k] <= cap), key=lambda k: (-size[k], -k))
         chosen: set[int] = set()
-        freed = -NVME_STATE_SLOTS * size[order[0]]
+        freed = -NVME_STATE_SLOTS * max(size[order[0]] - floor, 0)
         for k in order:
             if freed >= over:
                 break
@@ -124,9 +136,74 @@ def _fewest_on_nvme(size: list[int], over: int) -> set[int] | None:
     return None if best is None else best[2]
 
 
+def _fewest_all(shape: ModelShape, cost: CostModel, moments: list[str], bf16_grads: bool,
+                over: int) -> list[str] | None:
+    """State tiers with the fewest ``nvme-all`` units, then the fewest ``nvme`` ones, that free
+    ``over`` bytes of the all-in-RAM store beside their staging slots (``CostModel.staging_bytes``);
+    None when every unit ``nvme-all`` does not. Per cap on the largest ``nvme-all`` unit, the
+    largest units under it go first, later ones first among equals (the next forward needs their
+    updated weights last); the other units' state then goes by ``_fewest_on_nvme``, whose slots
+    are as large as the largest state off the RAM."""
+    units = shape.unit_names()
+    n = len(units)
+    state = [cost.unit_state_bytes(u, m) for u, m in zip(units, moments)]
+    source = [cost.unit_source_bytes(u) for u in units]
+    grad = [cost.unit_grad_store_bytes(u, bf16_grads) for u in units]
+    moved = [s + w + g for s, w, g in zip(state, source, grad)]
+    over += ARENA_ALIGN_BYTES * n  # the arena's padding, which moving sources may shift
+
+    def freed(full: list[int], nvme_state: int, max_state: int) -> int:
+        """Bytes off the RAM less the staging slots, ``full`` nvme-all, ``nvme_state`` beside."""
+        return (sum(moved[k] for k in full) + nvme_state - NVME_STATE_SLOTS * max_state
+                - NVME_SOURCE_SLOTS * max(source[k] for k in full) - NVME_GRAD_SLOTS * max(grad[k] for k in full))
+
+    best: tuple[int, int, int, list[str]] | None = None
+    for cap in sorted(set(moved), reverse=True):
+        order = sorted((k for k in range(n) if moved[k] <= cap), key=lambda k: (-moved[k], -k))
+        full: list[int] = []
+        for k in order:  # the others at most free their state (every one on NVMe)
+            full.append(k)
+            others = sum(state) - sum(state[j] for j in full)
+            if freed(full, others, max(state)) >= over:
+                break
+        else:
+            continue
+        rest = [k for k in range(n) if k not in full]
+        tiers = ["nvme-all" if k in full else "ram" for k in range(n)]
+        floor = max(state[k] for k in full)
+        left = over - freed(full, 0, floor)
+        if left > 0:  # the fewest others' state on NVMe: the slots grow past the nvme-all units' state
+            chosen = _fewest_on_nvme([state[k] for k in rest], left, floor)
+            if chosen is None:
+                continue
+            for j in chosen:
+                tiers[rest[j]] = "nvme"
+        key = (tiers.count("nvme-all"), tiers.count("nvme"), cost.nvme_bytes(moments, tiers, bf16_grads))
+        if best is None or key < best[:3]:
+            best = (*key, tiers)
+    return None if best is None else best[3]
+
+
+def _nothing_left(shape: ModelShape, cost: CostModel, moments: list[str], bf16_grads: bool, hw: HardwareProfile,
+                  reserve_bytes: int) -> PlanInfeasible:
+    """The refusal where even every unit ``nvme-all`` does not fit: what is left in RAM."""
+    tiers = ["nvme-all"] * len(shape.unit_names())
+    staging = cost.host_store_bytes(moments, bf16_grads, tiers)
+    need = staging + reserve_bytes + hw.host_reserved_bytes
+    over = need - hw.host_mem_bytes
+    return PlanInfeasible(
+        "host", over,
+        f"host memory binds: {shape.name} needs {human_bytes(need)} of RAM even with every unit's weights, "
+        f"gradients and optimizer state on NVMe (nvme-all): {human_bytes(staging)} of NVMe staging (slots for the "
+        f"largest unit's state, copy source and gradient), {human_bytes(reserve_bytes)} of host-tier activations "
+        f"and the {human_bytes(hw.host_reserved_bytes)} host reserve, but the RAM is {human_bytes(hw.host_mem_bytes)} "
+        f"({human_bytes(over)} over); use a machine with more RAM or --host-mem")
+
+
 def _weights_exceed(shape: ModelShape, cost: CostModel, moments: list[str], bf16_grads: bool,
                     budget: int) -> PlanInfeasible:
-    """The refusal where even every unit's state on NVMe does not fit: what stays in RAM."""
+    """The refusal of a LoRA run where even every unit's state on NVMe does not fit: what stays
+    in RAM (its copy source is the frozen base, which ``nvme-all`` does not move)."""
     units = shape.unit_names()
     floor = cost.host_store_bytes(moments, bf16_grads, ["nvme"] * len(units))
     fp = cost.store_footprint(moments, bf16_grads)
@@ -142,7 +219,7 @@ def _weights_exceed(shape: ModelShape, cost: CostModel, moments: list[str], bf16
         "host", floor - budget,
         f"host memory binds: {what}: {shape.name} needs {human_bytes(floor)} of RAM even with every unit's "
         f"optimizer state on NVMe, but {human_bytes(budget)} is usable ({human_bytes(floor - budget)} over); "
-        f"the copy source on NVMe is not supported: use a machine with more RAM or --host-mem")
+        f"a LoRA run keeps its frozen base (the copy source) in RAM: use a machine with more RAM or --host-mem")
 
 
 def rule_state(shape: ModelShape, hw: HardwareProfile, tiers: list[str], boundary_bytes: int,

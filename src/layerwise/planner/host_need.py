@@ -10,7 +10,8 @@ not the usable figure: the reserve is counted as a need.
 The largest model of a family (its released sizes: ``plan.family_sizes``) is judged by its host
 floor: 8-bit moments everywhere, bf16 gradients (a plan that lands once: one micro-batch, or
 layer-major; a LoRA run's adapters keep fp32 ones), no host-tier activations, and where that
-store is over the RAM the fewest units' optimizer state on NVMe (``host_fit.choose_state``); and,
+store is over the RAM the fewest units' optimizer state on NVMe, and where even that is over the
+fewest units' weights and gradients too (``host_fit.choose_state``); and,
 where the caller gives one, by a device check (``layerwise plan``: the search finds a plan the
 GPU holds).
 """
@@ -47,6 +48,9 @@ class HostNeed:
     bf16_grads: bool
     nvme_state_bytes: int = 0
     """Optimizer state kept on NVMe instead (out of ``store_bytes``, whose staging it adds)."""
+    nvme_weight_bytes: int = 0
+    """The ``nvme-all`` units' copy sources and gradients, on NVMe too."""
+    nvme_all_units: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -71,7 +75,8 @@ class HostNeed:
                 "activation_bytes": self.activation_bytes, "reserve_bytes": self.reserve_bytes,
                 "total_bytes": self.total_bytes, "bytes_per_param": round(self.bytes_per_param, 3),
                 "ram_bytes": self.ram_bytes, "bf16_grads": self.bf16_grads, "fits_ram": self.fits,
-                "nvme_state_bytes": self.nvme_state_bytes}
+                "nvme_state_bytes": self.nvme_state_bytes, "nvme_weight_bytes": self.nvme_weight_bytes,
+                "nvme_all_units": self.nvme_all_units}
 
 
 def layer_grad_bytes(shape: ModelShape, hw: HardwareProfile) -> int:
@@ -88,7 +93,7 @@ def plan_host_need(shape: ModelShape, hw: HardwareProfile, plan: Plan, sim: SimR
     store = cost.host_store_bytes(plan.moments, bf16, plan.state_tiers)
     reserve = hw.for_model(layer_grad_bytes(shape, hw)).host_reserved_bytes
     return HostNeed(shape.num_params, store, sim.peak_pinned_act_bytes, reserve, hw.host_mem_bytes, bf16,
-                    cost.nvme_state_bytes(plan.moments, plan.state_tiers))
+                    *_on_nvme(cost, plan.moments, plan.state_tiers, bf16))
 
 
 def host_floor(shape: ModelShape, hw: HardwareProfile) -> HostNeed:
@@ -105,7 +110,13 @@ def host_floor(shape: ModelShape, hw: HardwareProfile) -> HostNeed:
         pass  # over the RAM either way: the in-RAM floor says by how much
     store = cost.host_store_bytes(moments, bf16, tiers)
     return HostNeed(shape.num_params, store, 0, ring.host_reserved_bytes, hw.host_mem_bytes, bf16,
-                    cost.nvme_state_bytes(moments, tiers))
+                    *_on_nvme(cost, moments, tiers, bf16))
+
+
+def _on_nvme(cost: CostModel, moments: list[str] | None, tiers: list[str] | None, bf16: bool) -> tuple[int, int, int]:
+    """(state bytes, ``nvme-all`` weight and gradient bytes, ``nvme-all`` units) on NVMe."""
+    state = cost.nvme_state_bytes(moments, tiers)
+    return state, cost.nvme_bytes(moments, tiers, bf16) - state, (tiers or []).count("nvme-all")
 
 
 def family_of_model(model: str) -> str | None:

@@ -72,11 +72,11 @@ def host_line(shape: ModelShape, machine: HardwareProfile, need: HostNeed) -> st
 
 
 def nvme_state_line(shape: ModelShape, plan: Plan, fig: NvmeState, batch_note: str | None) -> str:
-    """``optimizer state on NVMe: ...``: which units, how many bytes a step moves over the NVMe,
-    the NVMe's seconds for them against the compute's, and whether that hides."""
+    """``optimizer state on NVMe: ...``: which units (and which of them ``nvme-all``, with their
+    weights and gradients), how many bytes a step moves over the NVMe by kind, the NVMe's seconds
+    for them against the compute's, and whether that hides."""
     units = plan.nvme_units(shape.unit_names())
-    layers = [int(u.rsplit(".", 1)[1]) for u in units if u.rsplit(".", 1)[-1].isdigit()]
-    named = ([f"layers {_ranges(layers)}"] if layers else []) + [u for u in units if not u.rsplit(".", 1)[-1].isdigit()]
+    full = plan.nvme_units(shape.unit_names(), source=True)
     if not fig.hides:
         hides = f"does not hide (over {HIDE_FRACTION:.0%} of the compute): the step waits for the NVMe"
     elif fig.compute_bound:
@@ -84,11 +84,24 @@ def nvme_state_line(shape: ModelShape, plan: Plan, fig: NvmeState, batch_note: s
     else:  # the reads run a few units ahead of the updates: most of it lands in the next forward
         hides = (f"under {HIDE_FRACTION:.0%} of the compute, but the next forward waits for the state's reads "
                  f"and writes: not hidden")
-    return (f"optimizer state on NVMe: {fig.units} of {len(shape.unit_names())} units ({', '.join(named)}), "
-            f"{_gb(fig.state_bytes)} GB (master remainders and moments; copy source and gradients in RAM); "
-            f"{_gb(fig.moved_bytes)} GB over the NVMe per step (read + written), {fig.nvme_s:.2f} s of NVMe vs "
+    if full:
+        where = (f"{_gb(fig.state_bytes)} GB of master remainders and moments; {fig.all_units} of them nvme-all "
+                 f"({_unit_names(full)}): their weights ({_gb(fig.source_bytes)} GB, the copy source) and "
+                 f"gradients ({_gb(fig.grad_bytes)} GB) on NVMe too, the rest's in RAM")
+    else:
+        where = f"{_gb(fig.state_bytes)} GB (master remainders and moments; copy source and gradients in RAM)"
+    kinds = ", ".join(f"{k.replace('_', ' ')} {_gb(v)}" for k, v in fig.moved_by_kind.items() if v)
+    return (f"optimizer state on NVMe: {fig.units} of {len(shape.unit_names())} units ({_unit_names(units)}), "
+            f"{where}; {_gb(fig.moved_bytes)} GB over the NVMe per step ({kinds}), {fig.nvme_s:.2f} s of NVMe vs "
             f"{fig.compute_s:.2f} s of compute per step (step {fig.step_s:.2f} s, {fig.over_compute:+.1%} over the "
             f"compute): {hides}" + (f"; {batch_note}" if batch_note else ""))
+
+
+def _unit_names(units: Sequence[str]) -> str:
+    """``layers 0-3, 7, embed``: units with the layers' indices in runs."""
+    layers = [int(u.rsplit(".", 1)[1]) for u in units if u.rsplit(".", 1)[-1].isdigit()]
+    return ", ".join(([f"layers {_ranges(layers)}"] if layers else [])
+                     + [u for u in units if not u.rsplit(".", 1)[-1].isdigit()])
 
 
 def reserve_line(machine: HardwareProfile, hw: HardwareProfile) -> str:
@@ -109,11 +122,15 @@ def largest_line(shape: ModelShape, machine: HardwareProfile, largest: tuple[str
         how = f"{shape.frozen_base.label()}, 8-bit adapter moments, no host-tier activations"
     if largest is not None and largest[1].nvme_state_bytes:
         how += ", optimizer state on NVMe where the RAM is short"
+        if largest[1].nvme_weight_bytes:
+            how += " (weights and gradients too where that is not enough)"
     where = f"{_gb(machine.host_mem_bytes)} GB of host RAM on {machine.name} ({how})"
     if largest is None:
         return f"largest {family} model that fits {where}: none"
     name, need = largest
     nvme = f", {_gb(need.nvme_state_bytes)} GB of optimizer state on NVMe" if need.nvme_state_bytes else ""
+    if need.nvme_weight_bytes:
+        nvme += f" and {_gb(need.nvme_weight_bytes)} GB of weights and gradients ({need.nvme_all_units} units nvme-all)"
     return (f"largest {family} model that fits {where}: {name}, {need.num_params / 1e9:.2f}B params, "
             f"{_gb(need.total_bytes)} GB ({need.bytes_per_param:.2f} B/param){nvme}")
 

@@ -229,11 +229,18 @@ def _fewest_on_nvme(best: Candidate, shape: ModelShape, hw: HardwareProfile, sim
         moments, tiers = choose_state(shape, hw, best.sim.peak_pinned_act_bytes, plan.lands_once())
     except PlanInfeasible:
         return best
-    if (tiers or []).count("nvme") >= plan.state_tiers.count("nvme"):
+    resident_all = tiers is not None and any(tiers[1 + i] == "nvme-all" for i in plan.resident_layers)
+    if _off_ram(tiers) >= _off_ram(plan.state_tiers) or resident_all:  # a resident layer stays so
         return best
     trial = Plan.from_dict({**plan.to_dict(), "moments": moments, "state_tiers": tiers})
     sim = sims.full(trial)
     return Candidate(best.name, trial, sim) if sim.fits and sim.tokens_per_s >= best.sim.tokens_per_s else best
+
+
+def _off_ram(tiers: list[str] | None) -> tuple[int, int]:
+    """(``nvme-all`` units, units off the RAM) of state tiers: fewer is less NVMe traffic."""
+    tiers = tiers or []
+    return tiers.count("nvme-all"), len(tiers) - tiers.count("ram")
 
 
 def _milp_solve_of(tally: _Tally, plan: Plan) -> MilpResult | None:
@@ -445,6 +452,8 @@ def polish(milp: Candidate, rules: list[Candidate], shape: ModelShape, hw: Hardw
                 if d.get(k) is not None:
                     d[k][i + o] = t[i + o]
         trial = Plan.from_dict(d)
+        if any((trial.state_tiers or {}) and trial.state_tiers[1 + i] == "nvme-all" for i in trial.resident_layers):
+            continue  # a resident layer's weights cannot come from NVMe
         result = sims.fast(trial)
         if result.fits and result.tokens_per_s > screened.tokens_per_s:
             best, screened = Candidate(best.name, trial, result), result
@@ -495,14 +504,18 @@ AT_BATCH_PER_RULE = 2
 chosen global batch (each costs a simulation; the fastest at 4 micro-batches rarely loses)."""
 
 
-def _at_global_batch(cands: list[Candidate], global_batch: int, sims: Sims) -> list[Candidate]:
+def _at_global_batch(cands: list[Candidate], global_batch: int, sims: Sims, groups: bool = False) -> list[Candidate]:
     """Auto mode: the screened candidates whose micro-batch size divides ``global_batch``, with
     their accumulation set so each step holds ``global_batch`` sequences. Per rule the
     ``AT_BATCH_PER_RULE`` fastest that fit are simulated again, and its least over-capacity one
-    when none fits (to say why in its row)."""
+    when none fits (to say why in its row). ``groups``: the layer-major ones only, each keeping
+    its group of micro-batches per weight load (more groups, not a larger one: the device holds
+    one group's boundaries)."""
     out: list[Candidate] = []
     for name in dict.fromkeys(c.name for c in cands):
-        mine = [c for c in cands if c.name == name and global_batch % c.plan.micro_batch_size == 0]
+        mine = [c for c in cands if c.name == name and global_batch % c.plan.micro_batch_size == 0
+                and (not groups or (c.plan.layer_major
+                                    and global_batch // c.plan.micro_batch_size % c.plan.micro_batches_per_load == 0))]
         if not mine:
             continue
         fit = sorted((c for c in mine if c.fits), key=lambda c: -c.sim.tokens_per_s)[:AT_BATCH_PER_RULE]
@@ -512,8 +525,27 @@ def _at_global_batch(cands: list[Candidate], global_batch: int, sims: Sims) -> l
                 out.append(c)
                 continue
             plan = with_micro_batches(c.plan, m)
+            if groups:  # its gradients now land once per group (fp32): the state placed again
+                plan = _regrouped(plan, c, sims)
+                if plan is None:
+                    continue
             out.append(Candidate(name, plan, sims.fast(plan)))
     return out
+
+
+def _regrouped(plan: Plan, c: Candidate, sims: Sims) -> Plan | None:
+    """``plan`` (``c``'s at more micro-batches) in groups of ``c``'s micro-batches per load, with
+    the state tiers that its store (fp32 gradients where they land more than once) and ``c``'s
+    host-tier activations need (None: none fit); its resident layers that go ``nvme-all`` are
+    streamed instead (their weights come from NVMe at every copy)."""
+    d = {**plan.to_dict(), "micro_batches_per_load": c.plan.micro_batches_per_load}
+    try:
+        moments, tiers = choose_state(sims.shape, sims.hw, c.sim.peak_pinned_act_bytes,
+                                      Plan.from_dict(d).lands_once())
+    except PlanInfeasible:
+        return None
+    resident = [i for i in plan.resident_layers if tiers is None or tiers[1 + i] != "nvme-all"]
+    return Plan.from_dict({**d, "moments": moments, "state_tiers": tiers, "resident_layers": resident})
 
 
 def _auto_global_batch(tally: _Tally, shape: ModelShape, hw: HardwareProfile, seq_len: int,
@@ -530,33 +562,40 @@ def _auto_global_batch(tally: _Tally, shape: ModelShape, hw: HardwareProfile, se
 
 def _hiding_pool(pool: list[Candidate], g: int, tally: _Tally, shape: ModelShape, hw: HardwareProfile,
                  seq_len: int) -> list[Candidate]:
-    """Auto mode with optimizer state on NVMe: ``pool`` (at ``g``) if its fastest plan's NVMe
-    traffic hides there and its step stays compute-bound; else the candidates at the smallest
-    larger global batch (the one ``hiding_batch`` estimates, then ``g`` doubled) at which it does,
-    while some candidate fits. Says which in ``tally.batch_note``."""
+    """Auto mode with optimizer state on NVMe: the candidates at the smallest global batch from
+    ``g`` (``g``, the one ``hiding_batch`` estimates, then ``g`` doubled) at which some plan that
+    fits has its NVMe traffic hidden and its step compute-bound, those plans only; ``pool`` (at
+    ``g``) when no batch that fits does. With ``nvme-all`` units the layer-major candidates are
+    tried in more groups of the same size too (``_at_global_batch(groups=True)``). Says which in
+    ``tally.batch_note``."""
     best = _fastest(_fastest_per_rule(pool, tally, shape, hw, seq_len)[0])
     fig = nvme_state(shape, hw, best.plan, best.sim)
     if fig is None:
         return pool
-    if fig.hides and fig.compute_bound:
-        tally.batch_note = f"global batch {g}: the NVMe traffic of the optimizer state hides behind the compute"
-        return pool
+    every = "nvme-all" in (best.plan.state_tiers or ())
     estimate = hiding_batch(shape, hw, best.plan, best.sim)
-    for g2 in sorted({b for b in (estimate, *(g * 2**k for k in range(1, 12))) if b and g < b <= MAX_HIDING_BATCH}):
-        bigger = _at_global_batch(tally.cands, g2, tally.sims)
-        fitting = [c for c in bigger if c.fits]
+    for g2 in sorted({b for b in (g, estimate, *(g * 2**k for k in range(1, 12))) if b and g <= b <= MAX_HIDING_BATCH}):
+        here = pool if g2 == g else _at_global_batch(tally.cands, g2, tally.sims)
+        if every:  # each group copies the weights: more groups of the same size, not a larger one
+            here = here + _at_global_batch(tally.cands, g2, tally.sims, groups=True)
+        fitting = [c for c in here if c.fits]
         if not fitting:
             break  # a larger batch (one landing per step: one group) only needs more memory
-        top = max(fitting, key=lambda c: c.sim.tokens_per_s)
-        f2 = nvme_state(shape, hw, top.plan, top.sim)
-        if f2 is not None and f2.hides and f2.compute_bound:
-            tally.batch_note = (f"global batch {g2} (not {g}) so the NVMe traffic of the optimizer state hides "
-                                f"behind the compute (<= {HIDE_FRACTION:.0%} of it, the step within "
-                                f"{STEP_SLACK:.0%} of it)")
-            return bigger
-    tally.batch_note = (f"global batch {g}: no larger batch that fits (up to {MAX_HIDING_BATCH} sequences) hides the "
+        hiding = [c for c in fitting if _hidden(shape, hw, c)]
+        if hiding:
+            tally.batch_note = (f"global batch {g2}{f' (not {g})' if g2 != g else ''}: the NVMe traffic of the "
+                                f"optimizer state hides behind the compute (<= {HIDE_FRACTION:.0%} of it, the step "
+                                f"within {STEP_SLACK:.0%} of it)")
+            return hiding
+    tally.batch_note = (f"global batch {g}: no batch that fits (up to {MAX_HIDING_BATCH} sequences) hides the "
                         f"NVMe traffic of the optimizer state")
     return pool
+
+
+def _hidden(shape: ModelShape, hw: HardwareProfile, c: Candidate) -> bool:
+    """``c``'s NVMe traffic hides behind its compute and its step is compute-bound."""
+    fig = nvme_state(shape, hw, c.plan, c.sim)
+    return fig is None or (fig.hides and fig.compute_bound)
 
 
 def _predicted(shape: ModelShape, hw: HardwareProfile, best: Candidate, res: MilpResult | None,

@@ -41,7 +41,14 @@ Dependencies modelled (as ``layerwise.engine`` runs them):
   lane before its update and written back after; the reads go in update order, at most
   ``NVME_STATE_SLOTS - 1`` units ahead (a read takes the staging slot the write of the unit
   ``NVME_STATE_SLOTS`` before it frees), the first of them issued when the step's last group
-  starts its backward (the head).
+  starts its backward (the head);
+- a unit on ``nvme-all`` also has its copy source read on the ``nvme`` lane before each weight
+  copy to the device (reads in the step's copy order, at most ``NVME_SOURCE_SLOTS - 1`` ahead:
+  each takes the slot of the copy that many before it, the host thread waits for it), and with
+  its state before its update, which writes it back with the state; its gradient written as it
+  lands (the landing waits for the write ``NVME_GRAD_SLOTS`` before it to free a slot) and read
+  with the state. The next step's source reads run in the NVMe lane's idle gaps
+  (``Lanes.fill``): the engine issues them while the optimizer's state traffic is still queued.
 
 Data parallel (``topology``; :mod:`.topology` says what is shared): one GPU's process is
 simulated, on the machine as it sees it while its node's other GPUs run too
@@ -67,7 +74,7 @@ from .cost import CostModel
 from .hardware import HardwareProfile
 from ..plan.memory import (GRAD_SLOTS, carried, fetch_slot_count, grad_slot_itemsize, group_embed_bwd_bytes,
                      group_size, kept_internal_bytes, mask_bytes, resident_weight_bytes)
-from ..plan.plan import NVME_STATE_SLOTS, Plan
+from ..plan.plan import NVME_GRAD_SLOTS, NVME_SOURCE_SLOTS, NVME_STATE_SLOTS, Plan
 from ..plan.program import (COPY_OPS, FETCH_AHEAD, RECOMPUTE_OPS, Op, OpKind, WeightWindow,
                       micro_batch_groups, micro_batch_program, resident_units, weight_schedule)
 from ..plan.shape import ModelShape
@@ -76,6 +83,7 @@ from .topology import (REDUCE_BYTES_PER_PARAM, Topology, host_reduce_s, inter_al
                        intra_reduce_s, rank_hardware)
 from .sim_state import Group as _Group, MicroBatch as _MicroBatch
 from .trace import LANES, RESIDENT_SLOT, Alloc, Interval, Lanes, SimResult, peak_bytes
+from .unit_copies import plan_copy_order
 
 __all__ = ["LANES", "Alloc", "Interval", "SimResult", "micro_batch_program", "peak_bytes", "simulate"]
 
@@ -91,6 +99,9 @@ def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
                          f"{shape.num_layers} layers; make a plan for this model")
     if plan.seq_len is None:
         raise ValueError("the plan has no seq_len; the simulator needs the sequence length")
+    tiers = plan.state_tiers or ()
+    if any(tiers[1 + i] == "nvme-all" for i in plan.resident_layers if 1 + i < len(tiers)):
+        raise ValueError("a resident layer's weights stay on the device: its state_tiers entry cannot be nvme-all")
     topo = topology or Topology()
     topo.check(hw)
     rank_hw = rank_hardware(hw, topo) if topology else hw  # (no topology: the plain one-GPU path)
@@ -154,16 +165,7 @@ class _Simulation:
         self.lanes = Lanes(hw.synchronous, me=max(range(topo.gpus_per_node), key=lambda r: (owned[r], -r)))
         self.last_grad_op = {u: n for n, op in enumerate(self.ops) for u in op.grad_units(self.tied)}  # its final landing
         self.first_grad_op = {u: n for n, op in reversed(list(enumerate(self.ops))) for u in op.grad_units(self.tied)}
-        tiers = plan.state_tiers or ["ram"] * len(self.units)
-        self.state_seq = [u for u, t in zip(self.units, tiers) if t == "nvme"]
-        """Units whose state is on NVMe, in update order."""
-        self.state_slots = min(NVME_STATE_SLOTS, len(self.state_seq))
-        self.state_io_s = {u: (cost.state_read_s(u, m), cost.state_write_s(u, m))
-                           for u, m, t in zip(self.units, self.moments, tiers) if t == "nvme"}
-        self.state_write_end: list[float] = []
-        """When each NVMe state write so far ended (every step's, in order)."""
-        self.state_read_end: dict[str, float] = {}
-        """This step's NVMe state reads: unit -> when it is staged in RAM."""
+        self._state_on_nvme(plan.state_tiers or ["ram"] * len(self.units))
         self.allocs: list[Alloc] = []
         self.op_log: list[dict[str, Any]] = []
         self.opt_ready: dict[str, float] = {}
@@ -171,6 +173,37 @@ class _Simulation:
         self.recompute_s = 0.0
         self.t_begin = 0.0
         self._allocate_slots()
+
+    def _state_on_nvme(self, tiers: list[str]) -> None:
+        """The units off the RAM: their state's reads and writes around the update; an
+        ``nvme-all`` unit's copy-source reads before its copies, its gradient's writes."""
+        cost, bf16 = self.cost, self.plan.lands_once()
+        self.state_seq = [u for u, t in zip(self.units, tiers) if t != "ram"]
+        """Units whose state is on NVMe, in update order."""
+        self.state_slots = min(NVME_STATE_SLOTS, len(self.state_seq))
+        self.all_units = frozenset(u for u, t in zip(self.units, tiers) if t == "nvme-all")
+        """Units whose copy source and gradient are on NVMe too."""
+        self.src_read_s = {u: cost.nvme_read_s(cost.unit_source_bytes(u)) for u in self.all_units}
+        self.grad_io_s = {u: (cost.nvme_read_s(cost.unit_grad_store_bytes(u, bf16)),
+                              cost.nvme_write_s(cost.unit_grad_store_bytes(u, bf16))) for u in self.all_units}
+        # the update reads its state (and an nvme-all unit's source and gradient), then writes
+        # the state (and the source) back
+        self.state_io_s = {u: (cost.state_read_s(u, m) + (self.src_read_s[u] + self.grad_io_s[u][0]
+                                                          if u in self.all_units else 0.0),
+                               cost.state_write_s(u, m) + (cost.nvme_write_s(cost.unit_source_bytes(u))
+                                                           if u in self.all_units else 0.0))
+                           for u, m, t in zip(self.units, self.moments, tiers) if t != "ram"}
+        self.state_write_end: list[float] = []
+        """When each NVMe state write so far ended (every step's, in order)."""
+        self.state_read_end: dict[str, float] = {}
+        """This step's NVMe state reads: unit -> when it is staged in RAM."""
+        self.src_order = [u for u in plan_copy_order(self.plan, self.tied) if u in self.all_units] \
+            if self.all_units else []
+        """The ``nvme-all`` units' weight copies of a step, in order."""
+        self.src_write_end: dict[str, float] = {}
+        """Unit -> when its update last wrote its copy source back."""
+        self.grad_write_end: list[float] = []
+        """When each ``nvme-all`` gradient write so far ended (in order)."""
 
     def alloc(self, tier: str, start: float, nbytes: int, label: str, end: float | None = None) -> Alloc:
         a = Alloc(tier, start, end if end is not None else float("inf"), int(nbytes), label)
@@ -209,6 +242,9 @@ class _Simulation:
         self.resident_ready: dict[str, float] = {}  # resident unit -> when this step's refresh lands
         self.pending = deque(self.refresh_order)  # resident units not yet refreshed this step
         self.host_clock = self.t_begin  # when the engine's host thread may issue the next copy
+        self.src_read_end: list[float] = []  # this step's nvme-all copies: their sources staged
+        self.src_copy_end: list[float] = []  # ... and their copies done (the slot free)
+        self._read_sources()
         self.copy_in(self.window.fill(), self.t_begin)
         self.recompute_this_step = 0.0
         self.last_grad_landed = 0.0
@@ -231,6 +267,8 @@ class _Simulation:
             if u in self.state_io_s:
                 _, end = lanes.run("nvme", self.opt_ready[u], self.state_io_s[u][1], f"nvme state write {u}")
                 self.state_write_end.append(end)
+                if u in self.all_units:
+                    self.src_write_end[u] = end
         self.t_begin = done
 
     def _read_state(self, t_issue: float, upto: int) -> None:
@@ -247,16 +285,33 @@ class _Simulation:
 
     def copy_in(self, copies: list[tuple[str, int]], t_issue: float) -> None:
         """Time the weight copies the window asks for, issued from the host thread in order;
-        each waits for its slot's previous reader (the slot-free event). Resident units' refreshes
-        used before a copy's unit go first."""
+        each waits for its slot's previous reader (the slot-free event), an ``nvme-all`` unit's
+        for its source read too. Resident units' refreshes used before a copy's unit go first."""
         t = max(t_issue, self.host_clock)
         for u, slot in copies:
             while self.pending and self.first_use[self.pending[0]] < self.first_use[u]:
                 t = self._refresh(self.pending.popleft(), t)
             t = max(t, self.opt_ready.get(u, 0.0))  # wait_ready: the host thread blocks
+            if u in self.all_units:  # ... and for the source staged in RAM
+                t = max(t, self.src_read_end[len(self.src_copy_end)])
             _, end = self.lanes.run("h2d", max(t, self.slot_free_at[slot]), self.weight_copy_s[u], f"w {u} @{slot}")
             self.w_landed[u] = end
+            if u in self.all_units:
+                self.src_copy_end.append(end)
+                self._read_sources()
         self.host_clock = t
+
+    def _read_sources(self) -> None:
+        """Issue this step's copy-source reads as far as the staging slots allow: read ``j`` takes
+        the slot of copy ``j - (NVME_SOURCE_SLOTS - 1)``, free once that copy is done, and waits
+        for the unit's last update to write its source back."""
+        ahead = NVME_SOURCE_SLOTS - 1
+        for j in range(len(self.src_read_end), min(len(self.src_copy_end) + ahead, len(self.src_order))):
+            u = self.src_order[j]
+            free = self.src_copy_end[j - ahead] if j >= ahead else self.t_begin
+            earliest = max(free, self.t_begin, self.src_write_end.get(u, 0.0))
+            _, end = self.lanes.fill("nvme", earliest, self.src_read_s[u], f"nvme source read {u}")
+            self.src_read_end.append(end)
 
     def refresh_resident(self, unit: str, t_issue: float) -> None:
         """Refresh the resident units up to ``unit`` (in order of first use) if not yet done."""
@@ -470,7 +525,13 @@ class _Simulation:
         if e > end and kind == OpKind.HEAD and lander in (None, lanes.me):  # others leave from a grad slot
             self.alloc("device", end, cost.grad_bytes(u) * 4 // cost.elem_bytes, f"grad {u} (fp32, in flight)", e)
         first = group == 0 and self.first_grad_op[u] == n
+        on_nvme = u in self.all_units
+        if on_nvme and len(self.grad_write_end) >= NVME_GRAD_SLOTS:  # a staging slot to land in
+            e = max(e, self.grad_write_end[-NVME_GRAD_SLOTS])
         _, landed = lanes.run("host", e, self.accumulate_s[u][first], f"accumulate {u}", rank=lander)
+        if on_nvme:  # written to its file as it lands
+            _, written = lanes.fill("nvme", landed, self.grad_io_s[u][1], f"nvme grad write {u}")
+            self.grad_write_end.append(written)
         if group == len(self.groups) - 1 and self.last_grad_op[u] == n:  # the step's sum: reduce it
             reduce_bytes = self.shape.unit_params(u) * REDUCE_BYTES_PER_PARAM
             if topo.grad_reduce == "host":
@@ -512,7 +573,8 @@ class _Simulation:
             + (g - 1) * own_grads * cost.store_footprint().grad,
             host_cap_bytes=hw.host_cap_bytes,
             # the node's one store keeps its NVMe state once
-            peak_nvme_bytes=g * peak_bytes(self.allocs, "nvme") + cost.nvme_state_bytes(plan.moments, plan.state_tiers),
+            peak_nvme_bytes=g * peak_bytes(self.allocs, "nvme") + cost.nvme_bytes(plan.moments, plan.state_tiers,
+                                                                                 plan.lands_once() and g == 1),
             nvme_cap_bytes=hw.nvme_capacity_bytes,
             recompute_s=self.recompute_s,
             window=(t0, t1),

@@ -3,8 +3,11 @@ many bytes a step moves, how long the NVMe takes for them against the step's com
 that hides, and the global batch at which it would.
 
 Each ``nvme`` unit's state crosses the NVMe twice a step (read before its update, written back
-after), whatever the batch; the compute grows with the batch. So a larger global batch hides a
-fixed traffic: the search takes, when the batch is its to choose, one at which the traffic is at
+after), whatever the batch; an ``nvme-all`` unit's copy source crosses it once per weight copy,
+once for the update and once written back, and its gradient once per landing and once read
+(``CostModel.nvme_traffic``): fixed too in layer-major order over the whole step (one copy in
+each pass, one landing), growing with the groups otherwise. The compute grows with the batch.
+So a larger global batch hides a fixed traffic: the search takes, when the batch is its to choose, one at which the traffic is at
 most ``HIDE_FRACTION`` of the compute and the simulated step within ``STEP_SLACK`` of it. Both,
 because the reads run at most ``NVME_STATE_SLOTS - 1`` units ahead of the updates, which start
 after the step's backward: most of the traffic falls in the next step's forward, and a traffic
@@ -13,13 +16,14 @@ under ``HIDE_FRACTION`` of the whole compute can still make the forward wait."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..plan.plan import Plan
 from ..plan.shape import ModelShape
 from .cost import CostModel
 from .hardware import HardwareProfile
 from .simulator import SimResult
+from .unit_copies import plan_grad_landings, weight_copies
 
 HIDE_FRACTION = 0.8
 """The NVMe traffic of a step hides when it takes at most this fraction of the step's compute."""
@@ -34,17 +38,26 @@ class NvmeState:
     """A plan's optimizer state on NVMe and what moving it costs per step."""
 
     units: int
-    """Units whose state is on NVMe."""
+    """Units whose state is on NVMe (``nvme`` and ``nvme-all``)."""
     state_bytes: int
     """Their state on NVMe (master remainder + moments)."""
     moved_bytes: int
-    """Bytes over the NVMe per step: the state read and written, and the NVMe-tier activations
-    written and read."""
+    """Bytes over the NVMe per step: the store's (``moved_by_kind``), and the NVMe-tier
+    activations written and read."""
     nvme_s: float
     """NVMe seconds per step for those bytes."""
     compute_s: float
     """Compute seconds of the simulated step."""
     step_s: float
+    all_units: int = 0
+    """Units whose copy source and gradient are on NVMe too (``nvme-all``)."""
+    source_bytes: int = 0
+    """Their copy sources on NVMe (the compute-dtype weights)."""
+    grad_bytes: int = 0
+    """Their gradients on NVMe."""
+    moved_by_kind: dict[str, int] = field(default_factory=dict)
+    """The store's bytes over the NVMe per step by kind (``cost.TRAFFIC_KINDS``), and
+    ``activations`` (NVMe-tier boundaries written and read)."""
 
     @property
     def hides(self) -> bool:
@@ -61,7 +74,9 @@ class NvmeState:
         return self.over_compute <= STEP_SLACK
 
     def row(self) -> dict:
-        return {"units": self.units, "state_bytes": self.state_bytes, "moved_bytes_per_step": self.moved_bytes,
+        return {"units": self.units, "state_bytes": self.state_bytes, "nvme_all_units": self.all_units,
+                "source_bytes": self.source_bytes, "grad_bytes": self.grad_bytes,
+                "moved_bytes_per_step": self.moved_bytes, "moved_bytes_by_kind": dict(self.moved_by_kind),
                 "nvme_s_per_step": self.nvme_s, "compute_s_per_step": self.compute_s, "step_s": self.step_s,
                 "hides": self.hides, "hide_fraction": HIDE_FRACTION, "step_over_compute": self.over_compute,
                 "compute_bound": self.compute_bound}
@@ -73,10 +88,22 @@ def nvme_state(shape: ModelShape, hw: HardwareProfile, plan: Plan, sim: SimResul
     if not units:
         return None
     cost = CostModel(shape, hw, plan.micro_batch_size, plan.seq_len or 1)
+    bf16 = plan.lands_once()
     state = cost.nvme_state_bytes(plan.moments, plan.state_tiers)
+    sizes = cost.tier_sizes(plan.moments, plan.state_tiers, bf16)
+    traffic = store_traffic(shape, cost, plan)
     acts = plan.num_micro_batches * plan.boundary_tiers.count("nvme") * cost.boundary_bytes
-    nvme_s = cost.state_traffic_s(plan.moments, plan.state_tiers) + cost.nvme_read_s(acts) + cost.nvme_write_s(acts)
-    return NvmeState(len(units), state, 2 * (state + acts), nvme_s, sim.busy_s["compute"], sim.step_s)
+    nvme_s = cost.traffic_s(traffic) + cost.nvme_read_s(acts) + cost.nvme_write_s(acts)
+    return NvmeState(len(units), state, sum(traffic.values()) + 2 * acts, nvme_s, sim.busy_s["compute"], sim.step_s,
+                     len(plan.nvme_units(shape.unit_names(), source=True)), sum(w for _, _, w, _ in sizes),
+                     sum(g for _, _, _, g in sizes), {**traffic, "activations": 2 * acts})
+
+
+def store_traffic(shape: ModelShape, cost: CostModel, plan: Plan) -> dict[str, int]:
+    """The store's bytes over the NVMe in one step of ``plan``, by kind (``CostModel.nvme_traffic``)."""
+    copies = weight_copies(plan, shape.tied) if "nvme-all" in (plan.state_tiers or ()) else {}
+    return cost.nvme_traffic(plan.moments, plan.state_tiers, plan.lands_once(), copies,
+                             plan_grad_landings(plan, shape.tied))
 
 
 def hiding_batch(shape: ModelShape, hw: HardwareProfile, plan: Plan, sim: SimResult) -> int | None:
@@ -89,7 +116,13 @@ def hiding_batch(shape: ModelShape, hw: HardwareProfile, plan: Plan, sim: SimRes
         return None
     seqs = plan.micro_batch_size * plan.num_micro_batches
     cost = CostModel(shape, hw, plan.micro_batch_size, plan.seq_len or 1)
-    fixed_s = cost.state_traffic_s(plan.moments, plan.state_tiers)
+    # the store's traffic at twice the micro-batches tells its part that grows with them
+    m = plan.num_micro_batches
+    twice = Plan.from_dict({**plan.to_dict(), "num_micro_batches": 2 * m,
+                            "micro_batches_per_load": 2 * m if plan.micro_batches_per_load == m > 1
+                            else plan.micro_batches_per_load})
+    now_s, twice_s = (cost.traffic_s(store_traffic(shape, cost, p)) for p in (plan, twice))
+    fixed_s = 2 * now_s - twice_s
     per_seq_slack = (HIDE_FRACTION * fig.compute_s - (fig.nvme_s - fixed_s)) / seqs
     if per_seq_slack <= 0:
         return None

@@ -9,6 +9,7 @@ upper bound on the MILP's value for it: warm starts, rules screened before a sol
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ..models.names import EMBED, layer_unit
@@ -16,8 +17,9 @@ from .cost import STATE_NBYTES, CostModel
 from .hardware import HardwareProfile
 from ..plan.memory import GRAD_SLOTS, fetch_slot_count, grad_slot_itemsize, mask_bytes
 from ..plan.plan import NVME_STATE_SLOTS
-from ..plan.program import Op, OpKind
+from ..plan.program import Op, OpKind, micro_batch_program
 from ..plan.shape import ModelShape
+from .unit_copies import copy_order, grad_landings
 
 NVME_STAGING = 2
 """Host buffers NVMe traffic holds: one boundary waiting for its write, one read back ahead of
@@ -52,7 +54,8 @@ class StepModel:
         """``device_reserve_bytes`` / ``host_reserve_bytes``: capacity held back from the linear
         model, for what it does not see (the search sets them from the simulator's overflow).
         ``state_tiers``: the units whose optimizer state is on NVMe (fixed: 8-bit moments, out of
-        the store, their reads and writes on the NVMe lane).
+        the store, their reads and writes on the NVMe lane); an ``nvme-all`` layer's windows hold
+        its copy source's read (and the backward its gradient's write), and it is not resident.
         ``per_load``: micro-batches sharing each weight load (layer-major order when > 1). The
         windows stay per micro-batch: a copy shared by ``P`` micro-batches costs each ``1/P`` of
         it, and each micro-batch of a group holds its own boundaries and internals at once."""
@@ -81,9 +84,12 @@ class StepModel:
         g_bytes = [cost.grad_bytes(layer_unit(i)) * g_item // cost.elem_bytes for i in range(L)]
         self.a_out = cost.d2h_s(a)
         self.a_in = cost.h2d_s(a)
+        units = self.units = shape.unit_names()
+        self._state_on_nvme(state_tiers)
         # window lower bounds that do not depend on the choice
-        self.f_lb = [max(self.c_fwd[i], self.w_in[i]) for i in range(L)]
-        self.b_lb = [max(cost.layer_bwd_s(i), self.w_in[i], cost.d2h_s(g_bytes[i]) / P) for i in range(L)]
+        self.f_lb = [max(self.c_fwd[i], self.w_in[i], self.src_in[i]) for i in range(L)]
+        self.b_lb = [max(cost.layer_bwd_s(i), self.w_in[i], cost.d2h_s(g_bytes[i]) / P, self.src_in[i] + self.grad_nv[i])
+                     for i in range(L)]
         # a layer with kept internals: forward with a graph, backward without the forward; its
         # internals (ws bytes) copied out in its forward window and back in its backward window
         # on the host tier
@@ -106,12 +112,13 @@ class StepModel:
         self.head = max(cost.head_s, cost.h2d_s(head_w) / P, cost.d2h_s(head_w * g_item // cost.elem_bytes) / P)
         self.e_bwd = max(cost.embed_s, cost.h2d_s(emb_w) / P, cost.d2h_s(emb_w * g_item // cost.elem_bytes) / P)
         # a dropped boundary k costs the forward of layer k-1 (boundary 0: the embedding) again,
-        # with that layer's weights streamed again
-        self.recompute = [self.e_fwd] + [max(self.c_fwd[k - 1], self.w_in[k - 1]) for k in range(1, L)]
+        # with that layer's weights streamed again (and, on nvme-all, their source read again)
+        self.src_recompute = [self.src_embed] + self.src_in[:L - 1]
+        """Per boundary: the NVMe seconds its recompute's copy-source read adds (a micro-batch's share)."""
+        self.recompute = [max(self.e_fwd, self.src_embed)] + [max(self.c_fwd[k - 1], self.w_in[k - 1], self.src_in[k - 1])
+                                                               for k in range(1, L)]
         # after the last backward: the last gradient lands, then the optimizer starts
         self.tail = cost.d2h_s(emb_w) + cost.grad_accumulate_s(EMBED)
-        units = self.units = shape.unit_names()
-        self._state_on_nvme(state_tiers)
         self.emb_w_in = cost.h2d_s(emb_w)
         # per unit: optimizer seconds with fp32 and with 8-bit moments, and the host bytes 8-bit
         # moments free (the MILP may switch any unit; ``moments`` is the fixed choice evaluated)
@@ -122,15 +129,35 @@ class StepModel:
         self._capacities(g_item, moments, device_reserve_bytes, host_reserve_bytes)
 
     def _state_on_nvme(self, state_tiers: list[str] | None) -> None:
-        """The ``nvme`` units (8-bit moments, fixed), their state's reads and writes."""
-        cost, units = self.cost, self.units
-        self.state_tiers = state_tiers if state_tiers and "nvme" in state_tiers else None
-        self.on_nvme = [t == "nvme" for t in self.state_tiers or ["ram"] * len(units)]
+        """The units off the RAM (8-bit moments, fixed), their state's reads and writes; the
+        ``nvme-all`` units' copy-source reads and gradient writes per window, and what a step
+        moves for them whatever the boundaries (the copies of a program without recomputes)."""
+        cost, units, P = self.cost, self.units, self.per_load
+        self.state_tiers = state_tiers if state_tiers and set(state_tiers) != {"ram"} else None
+        tiers = self.state_tiers or ["ram"] * len(units)
+        self.on_nvme = [t != "ram" for t in tiers]
+        self.all_nvme = [t == "nvme-all" for t in tiers]
         nvme_moments = ["8bit" if nv else "fp32" for nv in self.on_nvme]
-        self.state_traffic = cost.state_traffic_s(nvme_moments, self.state_tiers)
-        """NVMe seconds per step moving the ``nvme`` units' state in and out."""
-        self.state_io = [(cost.state_read_s(u), cost.state_write_s(u)) if nv else (0.0, 0.0)
-                         for u, nv in zip(units, self.on_nvme)]
+        src_read = [cost.nvme_read_s(cost.unit_source_bytes(u)) if a else 0.0 for u, a in zip(units, self.all_nvme)]
+        grad = [cost.unit_grad_store_bytes(u, self.lands_once) if a else 0 for u, a in zip(units, self.all_nvme)]
+        self.src_in = [r / P for r in src_read[1:-1]]
+        """Per layer: a micro-batch's share of its copy source's read before each weight copy."""
+        self.src_embed = src_read[0] / P
+        self.grad_nv = [cost.nvme_write_s(g) / P for g in grad[1:-1]]
+        """Per layer: a micro-batch's share of its gradient's write as it lands."""
+        groups = -(-self.num_micro_batches // P)
+        ops = micro_batch_program(["device"] * self.L)
+        copies = Counter(copy_order(ops, self.shape.tied, frozenset(), groups, self.prefetch_depth))
+        traffic = cost.nvme_traffic(nvme_moments, self.state_tiers, self.lands_once, copies,
+                                    grad_landings(ops, self.shape.tied, groups))
+        self.state_traffic = cost.traffic_s(traffic)
+        """NVMe seconds per step moving the off-RAM units' state in and out, and the ``nvme-all``
+        units' sources and gradients (a recompute's extra source read: ``src_recompute``)."""
+        # the update reads its state (nvme-all: and its source and gradient), then writes back
+        self.state_io = [(cost.state_read_s(u) + r + (cost.nvme_read_s(g) if a else 0.0),
+                          cost.state_write_s(u) + (cost.nvme_write_s(cost.unit_source_bytes(u)) if a else 0.0))
+                         if nv else (0.0, 0.0) for u, nv, a, r, g in zip(units, self.on_nvme, self.all_nvme, src_read, grad)]
+        self.src_read = src_read
 
     def _capacities(self, g_item: int, moments: list[str] | None, device_reserve_bytes: int,
                     host_reserve_bytes: int) -> None:
@@ -154,7 +181,7 @@ class StepModel:
         self.host_budget_fp32 = hw.host_cap_bytes - host_reserve_bytes - cost.host_store_bytes(
             fixed, self.lands_once, self.state_tiers)
         self.host_budget = self.host_budget_for(moments)
-        self.nvme_cap = hw.nvme_capacity_bytes - cost.nvme_state_bytes(fixed, self.state_tiers)
+        self.nvme_cap = hw.nvme_capacity_bytes - cost.nvme_bytes(fixed, self.state_tiers, self.lands_once)
         self.nvme_rw = a / (hw.nvme_write_gbps * 1e9) + a / (hw.nvme_read_gbps * 1e9)
         self.nvme_read = a / (hw.nvme_read_gbps * 1e9)
 
@@ -173,13 +200,20 @@ class StepModel:
         read: ``update_ends``)."""
         mom = moments or ["fp32"] * len(self.units)
         opt = [self.opt_8bit[k] if m == "8bit" or self.on_nvme[k] else self.opt_fp32[k] for k, m in enumerate(mom)]
-        cum = self.update_ends(opt)
-        return (cum[0] + self.emb_w_in,
-                [cum[1 + k] + self.w_copy[k] + self.per_load * self.c_fwd[k] for k in range(self.L)])
+        cum, written = self._update_pipeline(opt)
+        # an nvme-all unit's next copy reads the source its update wrote back
+        ready = [max(c, written.get(k, 0.0) + self.src_read[k]) if self.all_nvme[k] else c for k, c in enumerate(cum)]
+        return (ready[0] + self.emb_w_in,
+                [ready[1 + k] + self.w_copy[k] + self.per_load * self.c_fwd[k] for k in range(self.L)])
 
     def update_ends(self, opt_s: list[float]) -> list[float]:
-        """Per unit, when its update ends after the optimizer starts, the updates ``opt_s`` in
-        order, the simulator's NVMe state pipeline on one lane: reads in update order, the first
+        """Per unit, when its update ends after the optimizer starts (``_update_pipeline``)."""
+        return self._update_pipeline(opt_s)[0]
+
+    def _update_pipeline(self, opt_s: list[float]) -> tuple[list[float], dict[int, float]]:
+        """(per unit, when its update ends after the optimizer starts; per unit off the RAM, when
+        its write-back ends), the updates ``opt_s`` in order, the simulator's NVMe state pipeline
+        on one lane: reads (state; nvme-all: source and gradient too) in update order, the first
         ``NVME_STATE_SLOTS - 1`` during the last group's backward (its windows at their lower
         bounds), each later one once the write ``NVME_STATE_SLOTS`` units back has freed its slot;
         each write after its update."""
@@ -188,6 +222,7 @@ class StepModel:
         lane = -self.per_load * (sum(self.b_lb) + self.head)  # the last group's backward
         reads: list[float] = []
         writes: list[float] = []
+        written: dict[int, float] = {}
 
         def read_upto(n: int, t_issue: float) -> None:
             nonlocal lane
@@ -208,7 +243,8 @@ class StepModel:
             if self.on_nvme[k]:
                 lane = max(lane, t) + self.state_io[k][1]
                 writes.append(lane)
-        return ends
+                written[k] = lane
+        return ends, written
 
     def host_budget_for(self, moments: list[str] | None) -> float:
         """Host bytes left for offloaded boundaries (and NVMe staging) beside the store."""
@@ -251,9 +287,10 @@ class StepModel:
         hostk = [1.0 if t == "host" else 0.0 for t in internal]
         w = [self.w_in[i] * (1.0 - res[i]) for i in range(L)]
         f = [max(w[i] + self.w_refresh[i] * res[i], self.c_fwd[i] + (self.c_fwd_keep[i] - self.c_fwd[i]) * kept[i],
-                 self.a_out * off[i] + self.ws_out * hostk[i]) for i in range(L)]
+                 self.a_out * off[i] + self.ws_out * hostk[i], self.src_in[i]) for i in range(L)]
         b = [max(w[i] + self.a_in * off[i] + self.ws_in * hostk[i], self.grad_out[i],
-                 self.c_bwd[i] - (self.c_bwd[i] - self.c_bwd_kept[i]) * kept[i]) for i in range(L)]
+                 self.c_bwd[i] - (self.c_bwd[i] - self.c_bwd_kept[i]) * kept[i], self.src_in[i] + self.grad_nv[i])
+             for i in range(L)]
         needed, recomputed = self.needed(tiers, internal)
         rec = sum(self.recompute[k] * recomputed[k] for k in range(L))
         for i in range(L):  # NVMe reads must fit in the two windows before their use
@@ -264,7 +301,8 @@ class StepModel:
                     b[later[0] if later else L - 1] += self.nvme_read - have
         n_nvme = sum(t == "nvme" for t in tiers)
         total = sum(f) + sum(b) + rec + self.e_fwd + self.head + self.e_bwd
-        need = max(n_nvme * self.nvme_rw + self.state_traffic / self.num_micro_batches, self.accumulate)
+        need = max(n_nvme * self.nvme_rw + self.state_traffic / self.num_micro_batches
+                   + sum(self.src_recompute[k] * recomputed[k] for k in range(L)), self.accumulate)
         if need > total:
             b[0] += need - total
         stall = 0.0

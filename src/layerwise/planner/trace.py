@@ -3,6 +3,7 @@ lifetimes, and the result (step time, busy seconds, peaks) that ``check`` and ``
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,12 +122,19 @@ def peak_bytes(allocs: list[Alloc], tier: str) -> int:
     return max(0, int(held.max()))
 
 
+GAP_LANES = ("nvme",)
+"""Lanes whose busy intervals are kept, so that work issued late in the simulator's order but
+early in time (``Lanes.fill``) can run in an idle gap."""
+
+
 class Lanes:
     """Each lane's clock: work runs in issue order, one item at a time; on a synchronous machine
     the copy, host and optimizer lanes are the compute lane."""
 
     def __init__(self, synchronous: bool, me: int = 0):
         self.free: dict[str, float] = {}
+        self.busy: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in GAP_LANES}
+        """Per ``GAP_LANES`` lane: the (starts, ends) of its work, in time order."""
         self.map = {k: k for k in LANES}
         if synchronous:
             for k in ("h2d", "d2h", "host", "optimizer", "intra", "inter"):
@@ -146,9 +154,31 @@ class Lanes:
         start = earliest if earliest > free else free
         end = start + dur
         self.free[physical] = end
+        if physical in self.busy and dur > 0:
+            starts, ends = self.busy[physical]
+            starts.append(start)
+            ends.append(end)
         if dur > 0 and mine:
             self.spans.append((lane, start, end, label, self.step))
         return start, end
+
+    def fill(self, lane: str, earliest: float, dur: float, label: str) -> tuple[float, float]:
+        """Run on a ``GAP_LANES`` lane in its first idle gap from ``earliest`` long enough: work
+        the engine issues as soon as it may (the next step's copy-source reads, read ahead while
+        the optimizer's state traffic is queued) though the simulator reaches it later."""
+        if dur <= 0:
+            return earliest, earliest
+        starts, ends = self.busy[lane]
+        k = bisect.bisect_right(ends, earliest)
+        t = earliest
+        while k < len(starts) and starts[k] < t + dur:
+            t = max(t, ends[k])
+            k += 1
+        starts.insert(k, t)
+        ends.insert(k, t + dur)
+        self.free[lane] = max(self.free.get(lane, 0.0), t + dur)
+        self.spans.append((lane, t, t + dur, label, self.step))
+        return t, t + dur
 
     def intervals(self) -> list[Interval]:
         return [Interval(*s) for s in self.spans]
