@@ -306,7 +306,7 @@ class CostModel(DeviceCost):
         unit's state read and written once; an ``nvme-all`` unit's copy source read once per
         weight copy to the device (``copies``: per unit, in the step) and once by its update,
         written once after it, its gradient written once per landing (``landings``) and read
-        once by the update."""
+        back by each later landing (the partial sum it adds to) and by the update."""
         units = self.shape.unit_names()
         out = dict.fromkeys(TRAFFIC_KINDS, 0)
         off = [u for u, t in zip(units, state_tiers or ()) if t != "ram"]
@@ -316,7 +316,7 @@ class CostModel(DeviceCost):
             out["source_read"] += w * (copies.get(u, 0) + 1) if t == "nvme-all" else 0
             out["source_write"] += w
             out["grad_write"] += g * landings.get(u, 0)
-            out["grad_read"] += g
+            out["grad_read"] += g * max(1, landings.get(u, 0))
         return out
 
     def traffic_s(self, traffic: dict[str, int]) -> float:

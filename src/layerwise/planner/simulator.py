@@ -528,6 +528,8 @@ class _Simulation:
         on_nvme = u in self.all_units
         if on_nvme and len(self.grad_write_end) >= NVME_GRAD_SLOTS:  # a staging slot to land in
             e = max(e, self.grad_write_end[-NVME_GRAD_SLOTS])
+        if on_nvme and not first:  # a later landing adds to the partial sum: read it back first
+            _, e = lanes.fill("nvme", e, self.grad_io_s[u][0], f"nvme grad read {u}")
         _, landed = lanes.run("host", e, self.accumulate_s[u][first], f"accumulate {u}", rank=lander)
         if on_nvme:  # written to its file as it lands
             _, written = lanes.fill("nvme", landed, self.grad_io_s[u][1], f"nvme grad write {u}")
