@@ -2,9 +2,12 @@
 takes, the page cache it leaves, the step time it costs.
 
 The job: full training of a decoder built from a config here (``--layers`` x ``--hidden``, vocab
-8192; 0.25B parameters by default, 20M with ``--quick``), saved as an HF directory once
+8192; 0.24B parameters by default, 12M with ``--quick``), saved as an HF directory once
 (``benchmarks/.cache``), trained by ``layerwise train`` (the command users run, in a child
-process each) on the built-in corpus, fp32 on the CPU, ``ckpt.policy=full`` saved at the end:
+process each) on the built-in corpus, fp32 on the CPU, ``ckpt.policy=full`` saved at the end,
+both told (``$LAYERWISE_HOST_MEM_AVAILABLE_BYTES``) that the RAM available is the whole store's
+bytes plus 1.5 GB, so that neither takes a RAM snapshot of the model to save it (the ``nvme``
+run never does; a snapshot would put the ``ram`` run's peak at twice its store):
 
 - ``ram``: everything in the host store's RAM;
 - ``nvme``: ``host_mem_gb`` set to the RAM the store needs with every unit's optimizer moments
@@ -41,6 +44,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,6 +67,7 @@ from layerwise.planner.presets import PRESETS
 from layerwise.planner.simulator import simulate
 from layerwise.store import FlatLayout, store_footprint
 from layerwise.util import direct_io
+from layerwise.util.host_memory import HOST_MEM_ENV
 
 HERE = Path(__file__).resolve().parent
 CACHE = HERE / ".cache"
@@ -109,26 +114,42 @@ def disk_rates(directory: Path, nbytes: int = 256 << 20) -> tuple[float, float]:
     return nbytes / (t1 - t0) / 1e9, nbytes / (t2 - t1) / 1e9
 
 
-class CacheWatch:
-    """Polls the page-cache bytes of the files in a directory (``mincore``) and their sizes."""
+class Watch:
+    """Polls, while a child trains: the page-cache bytes (``mincore``) and sizes of the files in
+    its state directory; its block I/O (``/proc/PID/io``, the kernel's count) each time a row
+    appears in its ``metrics.jsonl``, so the bytes between two rows are a step's."""
 
-    def __init__(self, directory: Path):
-        self.directory, self.max_bytes, self.file_bytes = directory, 0, 0
+    def __init__(self, directory: Path, pid: int, metrics: Path):
+        self.directory, self.pid, self.metrics = directory, pid, metrics
+        self.max_bytes = self.file_bytes = 0
+        self.marks: dict[int, tuple[int, int]] = {}
+        """Rows seen -> (read_bytes, write_bytes) of the child then."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> CacheWatch:
         self._thread.start()
-        return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
         self._stop.set()
         self._thread.join()
 
+    def _io(self) -> tuple[int, int] | None:
+        try:
+            fields = dict(line.split(": ") for line in Path(f"/proc/{self.pid}/io").read_text().splitlines())
+        except OSError:
+            return None
+        return int(fields["read_bytes"]), int(fields["write_bytes"])
+
     def _run(self) -> None:
-        while not self._stop.wait(0.2):
+        while not self._stop.wait(0.1):
+            try:
+                rows = self.metrics.read_text().count("\n")
+            except OSError:
+                rows = 0
+            io = self._io()
+            if rows and rows not in self.marks and io is not None:
+                self.marks[rows] = io
             cached = size = 0
-            for f in list(self.directory.glob("*.state")):
+            for f in list(self.directory.glob("*.*")):
                 try:
                     cached += direct_io.page_cache_bytes(f)
                     size += f.stat().st_size
@@ -137,31 +158,46 @@ class CacheWatch:
             self.max_bytes = max(self.max_bytes, cached)
             self.file_bytes = max(self.file_bytes, size)
 
+    def io_per_step(self) -> tuple[float, float] | None:
+        """(read, written) bytes a step, between the first row seen and the last but one (the
+        last step's row may come after the final save has started)."""
+        rows = sorted(self.marks)[:-1]
+        if len(rows) < 2:
+            return None
+        (r0, w0), (r1, w1), n = self.marks[rows[0]], self.marks[rows[-1]], rows[-1] - rows[0]
+        return (r1 - r0) / n, (w1 - w0) / n
 
-def run(args, model: Path, out: Path, tokens_rows: int, extra: list[str]) -> dict:
-    """``layerwise train`` in a child; its peak RSS, median step time and final checkpoint."""
+
+def run(args, model: Path, out: Path, rows: int, seq_len: int, extra: list[str],
+        available: int) -> dict:
+    """``layerwise train`` in a child; its peak RSS, median step time, I/O a step, final
+    checkpoint and plan."""
     cmd = [sys.executable, "-c", LAYERWISE_MAIN, "train", f"model={model}", f"out_dir={out}",
-           f"steps={args.steps}", f"seq_len={args.seq_len}", f"micro_batch_size={tokens_rows}",
+           f"steps={args.steps}", f"seq_len={seq_len}", f"micro_batch_size={rows}",
            "grad_accum=1", "device=cpu", "plan=keep-all", "eval.every=0", "export=false",
            "ckpt.every=0", "ckpt.policy=full", "data.corpus_tokens=300000", "log.progress=lines",
            "overwrite=true", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), HOST_MEM_ENV: str(available),
            "PYTHONPATH": str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     state_dir = out.parent / f"{out.name}-state"
     state_dir.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{out.name}.log"
-    with open(log, "w") as f, CacheWatch(state_dir) as watch:
+    shutil.rmtree(out, ignore_errors=True)
+    with open(log, "w") as f:
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        watch = Watch(state_dir, p.pid, out / "metrics.jsonl")
         _, status, usage = os.wait4(p.pid, 0)
+        watch.stop()
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"layerwise train exited {status}; last lines of {log}:\n"
                  + "\n".join(log.read_text().splitlines()[-15:]))
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     manifest = RunDir.open(out / "ckpt").read_manifest(args.steps)
     plan = Plan.load(out / "plan.json")
-    return {"peak_rss_bytes": usage.ru_maxrss * 1024, "plan": replace(plan, seq_len=args.seq_len),
-            "step_s": statistics.median(r["step_s"] for r in rows[1:]),
+    return {"peak_rss_bytes": usage.ru_maxrss * 1024, "plan": replace(plan, seq_len=seq_len),
+            "step_s": statistics.median(r["step_s"] for r in metrics[1:]),
             "blobs": {g: e["blob"] for g, e in manifest["groups"].items()},
+            "io_per_step": watch.io_per_step(), "tiers": plan.state_tiers,
             "page_cache_max_bytes": watch.max_bytes, "state_file_bytes": watch.file_bytes}
 
 
@@ -177,79 +213,97 @@ def simulated_s(model: Path, runs: dict[str, dict], disk: tuple[float, float]) -
     return {name: simulate(r["plan"], shape, hw).step_s for name, r in runs.items()}
 
 
+def disk_s(io: tuple[float, float] | None, rates: tuple[float, float]) -> float | None:
+    """Seconds this disk takes for ``io`` (read, written bytes) at its own rates (write, read)."""
+    return None if io is None else io[0] / (rates[1] * 1e9) + io[1] / (rates[0] * 1e9)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--hidden", type=int, default=896)
+    ap.add_argument("--layers", type=int, default=20)
+    ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--micro-batch", type=int, default=2)
-    ap.add_argument("--io-bound-rows", type=int, default=1, help="rows a step of the I/O-bound run")
-    ap.add_argument("--io-bound-seq-len", type=int, default=32)
+    ap.add_argument("--io-bound-seq-len", type=int, default=32, help="tokens a step of the deep runs")
+    ap.add_argument("--deep-over", type=float, default=3.5,
+                    help="the deep runs' store over their RAM budget")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--dir", default=None, help="where runs and state files go (default: a temp dir "
                     "under benchmarks/.cache: this machine's disk)")
     args = ap.parse_args()
-    if args.quick:
-        args.layers, args.hidden, args.steps, args.repeats = 4, 384, 3, 1
+    if args.quick:  # staging is a larger share of a small model: a lower deep ratio
+        args.layers, args.hidden, args.steps, args.repeats, args.deep_over = 4, 384, 4, 1, 1.3
     load_start = os.getloadavg()
     print(f"load average {load_start}", file=sys.stderr)
     model = model_dir(args.layers, args.hidden)
     whole, budget, moments = store_bytes(model)
+    deep_budget = int(whole / args.deep_over)
     CACHE.mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="nvme-state-", dir=args.dir or CACHE))
-    write_gbps, read_gbps = disk_rates(work)
-    nvme = [f"host_mem_gb={budget / 1e9:.6f}"]
+    rates = disk_rates(work)
+    available = whole + 1_500_000_000
 
-    def state_args(name: str) -> list[str]:
-        return [*nvme, f"state_dir={work / (name + '-state')}"]
+    def on_nvme(name: str, gb: float) -> list[str]:
+        return [f"host_mem_gb={gb / 1e9:.6f}", f"state_dir={work / (name + '-state')}"]
 
-    ram_runs, nvme_runs, io_runs = [], [], []
+    jobs = {"ram": (args.micro_batch, args.seq_len, []),
+            "nvme": (args.micro_batch, args.seq_len, on_nvme("nvme", budget)),
+            "deep_ram": (1, args.io_bound_seq_len, []),
+            "deep": (1, args.io_bound_seq_len, on_nvme("deep", deep_budget))}
+    runs: dict[str, list[dict]] = {k: [] for k in jobs}
     for r in range(args.repeats):
-        order = [("ram", []), ("nvme", state_args("nvme"))]
-        for name, extra in order if r % 2 == 0 else order[::-1]:
-            res = run(args, model, work / name, args.micro_batch, extra)
-            (ram_runs if name == "ram" else nvme_runs).append(res)
-            print(f"{name}: step {res['step_s']:.2f} s, peak RSS {res['peak_rss_bytes'] / 2**30:.2f} "
-                  f"GiB, load {os.getloadavg()[0]:.2f}", file=sys.stderr)
-        io_args = argparse.Namespace(**{**vars(args), "seq_len": args.io_bound_seq_len})
-        io_runs.append(run(io_args, model, work / "io", args.io_bound_rows, state_args("io")))
-    ram_step = statistics.median(r["step_s"] for r in ram_runs)
-    nvme_step = statistics.median(r["step_s"] for r in nvme_runs)
-    ram_peak = statistics.median(r["peak_rss_bytes"] for r in ram_runs)
-    nvme_peak = statistics.median(r["peak_rss_bytes"] for r in nvme_runs)
-    fixed = ram_peak - whole
-    files = max(r["state_file_bytes"] for r in nvme_runs)
-    disk_s = files / (read_gbps * 1e9) + files / (write_gbps * 1e9)  # each file read and written once
-    io_step = statistics.median(r["step_s"] for r in io_runs)
-    sims = [simulated_s(model, {"ram": a, "nvme": b}, (write_gbps, read_gbps))
-            for a, b in zip(ram_runs, nvme_runs)]
-    sim_error = statistics.median(abs(sim["nvme"] / b["step_s"] - 1) * 100
-                                  for sim, b in zip(sims, nvme_runs))
+        for name in jobs if r % 2 == 0 else reversed(list(jobs)):
+            rows, seq, extra = jobs[name]
+            res = run(args, model, work / name, rows, seq, extra, available)
+            runs[name].append(res)
+            print(f"{name}: step {res['step_s']:.2f} s, peak RSS {res['peak_rss_bytes'] / 2**30:.2f} GiB, "
+                  f"I/O a step {res['io_per_step']}, load {os.getloadavg()[0]:.2f}", file=sys.stderr)
+
+    def med(name: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[name])
+
+    fixed = med("ram", "peak_rss_bytes") - whole
+    sims = [simulated_s(model, {"ram": a, "nvme": b}, rates) for a, b in zip(runs["ram"], runs["nvme"])]
+    nvme_disk = statistics.median(d for r in runs["nvme"] if (d := disk_s(r["io_per_step"], rates)) is not None)
+    deep_disk = [disk_s(r["io_per_step"], rates) for r in runs["deep"]]
+    deep_tiers = runs["deep"][0]["tiers"]
     print(json.dumps({
         "benchmark": "nvme_state", "quick": args.quick,
         "model": {"dir": str(model), "layers": args.layers, "hidden": args.hidden},
-        "tokens_per_step": args.seq_len * args.micro_batch,
-        "store_bytes": whole, "budget_bytes": budget, "moments_on_nvme_bytes": moments,
-        "state_over_budget": round(whole / budget, 3),
-        "weights_equal_ram_run": all(n["blobs"] == ram_runs[0]["blobs"] for n in nvme_runs),
-        "peak_rss_over_budget": round(nvme_peak / (budget + fixed), 3),
-        "peak_rss_bytes": {"ram": ram_peak, "nvme": nvme_peak, "fixed_runtime": fixed},
-        "page_cache_max_bytes": max(r["page_cache_max_bytes"] for r in [*nvme_runs, *io_runs]),
-        "step_s": {"ram": round(ram_step, 3), "nvme": round(nvme_step, 3)},
-        "step_time_over_ram_run": round(nvme_step / ram_step, 3),
-        "nvme_over_compute": round(disk_s / ram_step, 3),
-        "sim_error_pct": round(sim_error, 1),
-        "simulated_step_s": [{k: round(v, 3) for k, v in sim.items()} for sim in sims],
-        "io_bound": {"tokens_per_step": args.io_bound_rows * args.io_bound_seq_len,
-                     "step_s": round(io_step, 3), "disk_fraction": round(disk_s / io_step, 3)},
-        "disk_gbps": {"write": round(write_gbps, 3), "read": round(read_gbps, 3)},
-        "state_file_bytes": files, "repeats": args.repeats,
+        "store_bytes": whole, "moments_bytes": moments,
+        "disk_gbps": {"write": round(rates[0], 3), "read": round(rates[1], 3)},
+        "hiding": {
+            "tokens_per_step": args.seq_len * args.micro_batch, "budget_bytes": budget,
+            "state_tiers": runs["nvme"][0]["tiers"],
+            "state_over_budget": round(whole / budget, 3),
+            "weights_equal_ram_run": all(r["blobs"] == runs["ram"][0]["blobs"] for r in runs["nvme"]),
+            "peak_rss_over_budget": round(med("nvme", "peak_rss_bytes") / (budget + fixed), 3),
+            "step_s": {"ram": round(med("ram", "step_s"), 3), "nvme": round(med("nvme", "step_s"), 3)},
+            "step_time_over_ram_run": round(med("nvme", "step_s") / med("ram", "step_s"), 3),
+            "nvme_over_compute": round(nvme_disk / med("ram", "step_s"), 3),
+            "sim_error_pct": round(statistics.median(
+                abs(sim["nvme"] / b["step_s"] - 1) * 100 for sim, b in zip(sims, runs["nvme"])), 1),
+            "simulated_step_s": [{k: round(v, 3) for k, v in sim.items()} for sim in sims]},
+        "deep": {
+            "tokens_per_step": args.io_bound_seq_len, "budget_bytes": deep_budget,
+            "nvme_all_units": deep_tiers.count("nvme-all"), "state_tiers": deep_tiers,
+            "state_over_budget": round(whole / deep_budget, 3),
+            "weights_equal_ram_run": all(r["blobs"] == runs["deep_ram"][0]["blobs"] for r in runs["deep"]),
+            "peak_rss_over_budget": round(med("deep", "peak_rss_bytes") / (deep_budget + fixed), 3),
+            "step_s": {"ram": round(med("deep_ram", "step_s"), 3), "nvme": round(med("deep", "step_s"), 3)},
+            "io_per_step_bytes": [r["io_per_step"] for r in runs["deep"]],
+            "disk_fraction": round(statistics.median(
+                d / r["step_s"] for d, r in zip(deep_disk, runs["deep"]) if d is not None), 3)},
+        "peak_rss_bytes": {k: med(k, "peak_rss_bytes") for k in runs} | {"fixed_runtime": fixed},
+        "page_cache_max_bytes": max(r["page_cache_max_bytes"] for k in ("nvme", "deep") for r in runs[k]),
+        "repeats": args.repeats,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "load_average_start": load_start, "load_average_end": os.getloadavg()},
     }, indent=1))
+    shutil.rmtree(work)  # the runs' checkpoints: several times the model
 
 
 if __name__ == "__main__":
