@@ -162,6 +162,7 @@ class Trainer:
         self.alloc = dist_setup.host_allocator(ctx, cfg.dist.shm_dir, lambda: shared_store_nbytes(
             lora_adapter(source.name, source.config, cfg, self.compute_dtype) if cfg.lora.enabled
             else source.config, self.compute_dtype, self.plan.moments))
+        tiers: dict = {}
         try:
             # every gradient lands once a step on one process (one micro-batch, or all of them
             # sharing each weight load): nothing is summed on the host, the bf16 gradient lands
@@ -185,6 +186,8 @@ class Trainer:
         except BaseException:
             if ctx.enabled:
                 self.alloc.unlink()
+            for tier in tiers.values():  # a store that was built closes them at the end
+                tier.close()
             raise
         self.mbs, self.accum = self.plan.micro_batch_size, self.plan.num_micro_batches
         self.global_rows = self.mbs * ctx.world_size
