@@ -7,7 +7,9 @@ The job: full training of a decoder built from a config here (``--layers`` x ``-
 process each) on the built-in corpus, fp32 on the CPU, ``ckpt.policy=full`` saved at the end,
 both told (``$LAYERWISE_HOST_MEM_AVAILABLE_BYTES``) that the RAM available is the whole store's
 bytes plus 1.5 GB, so that neither takes a RAM snapshot of the model to save it (the ``nvme``
-run never does; a snapshot would put the ``ram`` run's peak at twice its store):
+run never does; a snapshot would put the ``ram`` run's peak at twice its store), and both
+without per-layer update statistics (``log.track_every=0``; a run with state on NVMe turns them
+off, their reference being a RAM copy of every weight):
 
 - ``ram``: everything in the host store's RAM;
 - ``nvme``: ``host_mem_gb`` set to the RAM the store needs with every unit's optimizer moments
@@ -176,6 +178,7 @@ def run(args, model: Path, out: Path, rows: int, seq_len: int, extra: list[str],
            f"steps={args.steps}", f"seq_len={seq_len}", f"micro_batch_size={rows}",
            "grad_accum=1", "device=cpu", "plan=keep-all", "eval.every=0", "export=false",
            "ckpt.every=0", "ckpt.policy=full", "data.corpus_tokens=300000", "log.progress=lines",
+           "log.track_every=0",
            "overwrite=true", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), HOST_MEM_ENV: str(available),
            "PYTHONPATH": str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -366,6 +366,10 @@ class HostStore:
     def _tiers(self) -> list[NvmeStateTier]:
         return [t for t in (self.state_tier, self.source_tier, self.grad_tier) if t is not None]
 
+    def on_nvme_any(self) -> bool:
+        """Does any unit keep anything on NVMe?"""
+        return bool(self._tiers())
+
     def on_nvme(self, name: str) -> bool:
         """Does unit ``name`` keep anything on NVMe (its state, its copy source)?"""
         return any(t.holds(name) for t in self._tiers())

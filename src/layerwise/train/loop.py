@@ -319,7 +319,12 @@ class Trainer:
         self.files.run_json(self.run_info)
         start_eval = self.state.eval_loss_start
         self.eval_loss = float(last.get("eval_loss", start_eval)) if last else start_eval
-        self.tracker = RunTracker(self.out_dir, cfg.log.track_every if self.lead else 0,
+        track = cfg.log.track_every if self.lead else 0
+        if track and self.store.on_nvme_any():
+            track = 0  # its reference is an fp32 copy of every weight: the RAM the tiers saved
+            _log.info("log.track_every: per-layer update statistics are off with state on NVMe "
+                      "(they keep a RAM copy of every weight)")
+        self.tracker = RunTracker(self.out_dir, track,
                                   self.adapter, self.store, self.engine.optimizers,
                                   self.checkpoints.ckpt, self.start_step)
         self.flop_count = FlopCounter(self.adapter, self.engine.shape)
