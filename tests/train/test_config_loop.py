@@ -112,11 +112,13 @@ def _output(launch: multiproc.Launch) -> str:
     return launch[0].log_tail(1_000_000)
 
 
-def _kill_inside_a_save(model_dir: Path, out_dir: Path, log: Path, extra: list[str]) -> int | None:
+def _kill_after_a_commit(model_dir: Path, out_dir: Path, log: Path, extra: list[str],
+                         in_step: bool) -> int | None:
     """Start the run; once a checkpoint is committed, SIGKILL it while the next one is being
-    written: its step's metrics row is out, ``latest`` still names the step before (or, if that
-    is never seen, halfway through the run). Returns the newest committed step it left (None if
-    it ended before the kill)."""
+    written (its step's metrics row is out, ``latest`` still names the step before) or, with
+    ``in_step``, while the next step runs (no row for it yet); if that is never seen, halfway
+    through the run. Returns the newest committed step it left (None if it ended before the
+    kill)."""
     with _train(model_dir, out_dir, log, extra) as launch:
         proc = launch[0]
         ckpt, metrics = out_dir / "ckpt", out_dir / "metrics.jsonl"
@@ -127,7 +129,8 @@ def _kill_inside_a_save(model_dir: Path, out_dir: Path, log: Path, extra: list[s
                 rows = metrics.read_text().count("\n")
             except (FileNotFoundError, ValueError):
                 latest = None  # not started, or a file being replaced right now
-            if latest is not None and (rows > latest or latest >= KILL_STEPS // 2):
+            caught = latest is not None and (rows == latest >= 1 if in_step else rows > latest)
+            if caught or (latest is not None and latest >= KILL_STEPS // 2):
                 break
             time.sleep(0.001)
         proc.kill()
@@ -152,7 +155,8 @@ def _metrics(out_dir: Path) -> list[dict]:
 @pytest.mark.parametrize("state", ["ram", "nvme"])
 def test_killed_train_resumes_from_its_last_checkpoint_bit_exactly(tmp_path, state):
     """``layerwise train`` (a process of its own, a ``full`` checkpoint every step) killed with
-    SIGKILL inside a save after its first commit, then rerun with the same command (while the
+    SIGKILL after its first commit (inside the next save; ``nvme``: inside the next step, its
+    state files being read and written), then rerun with the same command (while the
     uninterrupted run runs beside it, on the other core): it resumes from the
     newest committed step (not 0), ends at ``steps``, logs every step once, and every loss, the
     start and end eval losses and the final weights and AdamW state (compared as the final
@@ -178,7 +182,8 @@ def test_killed_train_resumes_from_its_last_checkpoint_bit_exactly(tmp_path, sta
     with _train(model_dir, straight, tmp_path / "straight") as uninterrupted:
         for attempt in range(3):  # the kill must land before the run ends; retry if it did not
             shutil.rmtree(cut, ignore_errors=True)
-            killed_at = _kill_inside_a_save(model_dir, cut, tmp_path / f"killed{attempt}", extra)
+            killed_at = _kill_after_a_commit(model_dir, cut, tmp_path / f"killed{attempt}", extra,
+                                             in_step=state == "nvme")
             if killed_at is not None:
                 break
         assert killed_at is not None, "the run always finished before it could be killed"
