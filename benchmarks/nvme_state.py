@@ -34,8 +34,8 @@ Figures (median of ``--repeats`` runs each, the two runs alternating):
   the disk's own O_DIRECT rates, measured here first with 256 MiB written and read back);
 - ``sim_error_pct``: the simulator's step time of each ``nvme`` run's own plan (``plan.json``,
   its ``state_tiers``) against the measured one, on the ``cpu`` profile with this disk's rates
-  and its compute rate fitted to the ``ram`` run (the CPU is not modelled in detail: what is
-  predicted is what the tier adds).
+  and its CPU rates scaled by one factor fitted to the ``ram`` run (the CPU is not modelled in
+  detail: what is predicted is what the tier adds).
 
 Prints one JSON object. ``--quick``: the small model, 3 steps, one repeat (checks that it runs).
 """
@@ -205,14 +205,19 @@ def run(args, model: Path, out: Path, rows: int, seq_len: int, extra: list[str],
 
 
 def simulated_s(model: Path, runs: dict[str, dict], disk: tuple[float, float]) -> dict[str, float]:
-    """Each run's simulated step on the ``cpu`` profile with this disk's rates, its compute rate
-    scaled until the ``ram`` run's simulated step is its measured one."""
+    """Each run's simulated step on the ``cpu`` profile with this disk's rates, every rate of
+    the CPU (compute, memory, copies, optimizer) scaled by one factor until the ``ram`` run's
+    simulated step is its measured one: what the ``nvme`` run's prediction adds is the tier."""
     shape = ModelShape.from_config(load_config(model))
-    hw = replace(PRESETS["cpu"], nvme_write_gbps=disk[0], nvme_read_gbps=disk[1],
-                 host_mem_bytes=1 << 50)  # the runs' own plans say what lives where
-    for _ in range(4):
-        sim = simulate(runs["ram"]["plan"], shape, hw).step_s
-        hw = replace(hw, peak_tflops=hw.peak_tflops * sim / runs["ram"]["step_s"])
+    base = replace(PRESETS["cpu"], nvme_write_gbps=disk[0], nvme_read_gbps=disk[1],
+                   host_mem_bytes=1 << 50)  # the runs' own plans say what lives where
+    rates = ("peak_tflops", "device_mem_gbps", "h2d_gbps", "d2h_gbps", "host_accum_gbps",
+             "host_accum_bf16_gbps", "pinned_copy_gbps", "optimizer_params_per_s",
+             "optimizer_8bit_params_per_s")
+    hw, speed = base, 1.0
+    for _ in range(6):
+        speed *= simulate(runs["ram"]["plan"], shape, hw).step_s / runs["ram"]["step_s"]
+        hw = replace(base, **{f: getattr(base, f) * speed for f in rates})
     return {name: simulate(r["plan"], shape, hw).step_s for name, r in runs.items()}
 
 
