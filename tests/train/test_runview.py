@@ -294,7 +294,7 @@ def test_a_resumed_log_keeps_whole_rows_up_to_the_resumed_step(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["plan=nonsense"], "is not fit, every-K, recompute-all, keep-all, auto or a .json plan file"),
+    (["plan=nonsense"], "is not fit, every-K, recompute-all, keep-all, keep-internals, auto or a .json plan file"),
     (["plan=auto", "profile=/nonexistent/profile.json"], "profile=/nonexistent/profile.json: no such file"),
     (["plan=auto", "hardware=tpu-v9"], "unknown hardware 'tpu-v9'"),
     (["plan=/nonexistent/plan.json"], "plan file /nonexistent/plan.json does not exist"),

@@ -200,6 +200,12 @@ class Plan:
     def keep_all(cls, num_layers: int, tier: str = "device", **kw: Any) -> Plan:
         return cls([tier] * num_layers, source=f"keep-all-{tier}", **kw)
 
+    @classmethod
+    def keep_internals(cls, num_layers: int, tier: str = "device", **kw: Any) -> Plan:
+        """Every layer's forward graph kept for its backward: nothing recomputed (``keep_all``
+        keeps the boundaries but runs each layer's forward again in its backward)."""
+        return cls(["recompute"] * num_layers, [tier] * num_layers, source=f"keep-internals-{tier}", **kw)
+
     # ----- JSON ---------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from ..ckpt.snapshot_fit import margin_bytes
 from ..engine.batch import Batch
 from ..interop.hf.model_dir import load_config, load_store
 from ..models import FLAVORS, DecoderAdapter, family_of, get_flavor
@@ -26,6 +27,7 @@ from ..plan.plan import NVME_GRAD_SLOTS, NVME_SOURCE_SLOTS, NVME_STATE_SLOTS, Pl
 from ..plan.shape import ModelShape
 from ..plan.state_placement import place_state
 from ..state_tier import NvmeStateTier
+from ..util.host_memory import available_host_memory
 from ..store import PRIVATE, FlatLayout, HostAllocator, HostStore, init_store, store_footprint
 from ..store_bytes import resolve_split_master
 from . import checks
@@ -187,10 +189,10 @@ def make_state_tiers(cfg: TrainConfig, plan: Plan, unit_names: list[str], out_di
 
 def fit_plan(cfg: TrainConfig, model: PretrainedConfig, compute_dtype: torch.dtype) -> Plan:
     """``plan=fit``: the rule of ``FIT_RULES`` that recomputes least and whose predicted device
-    peak fits the device (keep-all where nothing caps it: a CPU); the last rule when none fits
+    peak fits the device (on the CPU: the RAM the store leaves); the last rule when none fits
     (``check_fits`` then says what to lower)."""
     num_layers = text_config(model).num_hidden_layers
-    cap = mem_cap_bytes(cfg)
+    cap = fit_cap_bytes(cfg, model, compute_dtype)
     for rule in FIT_RULES:
         plan = resolve_plan(rule, num_layers, cfg)
         if cap is None or _peak(cfg, model, plan, compute_dtype).peak_bytes <= cap:
@@ -199,6 +201,24 @@ def fit_plan(cfg: TrainConfig, model: PretrainedConfig, compute_dtype: torch.dty
               f"the rule that recomputes least whose predicted peak fits {cap / 2**30:.1f} GiB")
               + ")")
     return plan
+
+
+def fit_cap_bytes(cfg: TrainConfig, model: PretrainedConfig, compute_dtype: torch.dtype) -> int | None:
+    """What ``plan=fit`` fits a plan's device peak in: ``mem_cap_bytes``; on the CPU, whose
+    device memory is the host's, the RAM available less the store (fp32 moments: the most it
+    takes; with ``host_mem_gb``, that budget) and a margin; None where the RAM is not known."""
+    cap = mem_cap_bytes(cfg)
+    if cap is not None or cfg.device.startswith("cuda"):
+        return cap
+    avail = available_host_memory()
+    if avail is None:
+        return None
+    params = ModelShape.from_config(model).num_params
+    extra = 0 if compute_dtype == torch.float32 else compute_dtype.itemsize  # the copy source
+    store = params * (compute_dtype.itemsize if cfg.lora.enabled else 16 + extra)
+    if cfg.host_mem_gb is not None:
+        store = min(store, int(cfg.host_mem_gb * 1e9))
+    return max(avail - store - margin_bytes(avail), 0)
 
 
 def _peak(cfg: TrainConfig, model: PretrainedConfig, plan: Plan, compute_dtype: torch.dtype):

@@ -219,9 +219,11 @@ class TrainConfig:
     export: bool = True
     """Write the trained model to ``out_dir/model`` as a Hugging Face directory."""
     plan: str = "fit"
-    """``fit`` (the rule that recomputes least whose predicted device peak fits: keep-all where
-    memory does not bind, e.g. a CPU; else every-2, every-4, recompute-all), ``every-K``,
-    ``recompute-all``, ``keep-all``, ``auto`` (the planner chooses boundary tiers,
+    """``fit`` (the rule that recomputes least whose predicted device peak fits: keep-internals
+    where memory does not bind, e.g. a CPU; else keep-all, every-2, every-4, recompute-all),
+    ``every-K``, ``recompute-all``, ``keep-all`` (every boundary kept, each layer's forward run
+    again in its backward), ``keep-internals`` (every layer's forward graph kept: nothing
+    recomputed), ``auto`` (the planner chooses boundary tiers,
     the micro-batch split of ``micro_batch_size x grad_accum`` sequences and per-unit moments for
     the hardware below) or a plan JSON file from ``layerwise plan``."""
     profile: str | None = None

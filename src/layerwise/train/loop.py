@@ -295,8 +295,10 @@ class Trainer:
                          "computes the same step; LoRA's lora.dropout is the adapters' own")
         for line in [self.tokenizer_line, *self.data.summary()]:
             _log.info(line)
-        _log.info(f"plan {plan.source}: boundaries {''.join(t[0] for t in plan.boundary_tiers)} "
-                  f"(d=device h=host n=nvme r=recompute); micro-batch {self.mbs} x {cfg.seq_len}, "
+        kept = "".join(t[0] for t in plan.internal_tiers)
+        _log.info(f"plan {plan.source}: boundaries {''.join(t[0] for t in plan.boundary_tiers)}"
+                  + (f", layer internals {kept}" if kept.strip("r") else "")
+                  + f" (d=device h=host n=nvme r=recompute); micro-batch {self.mbs} x {cfg.seq_len}, "
                   f"accum {self.accum}; predicted device peak {self.est.peak_bytes / 2**20:.1f} MiB "
                   f"on {cfg.device}"
                   + (f"; 8-bit moments on {plan.moments.count('8bit')} of {len(plan.moments)} units"

@@ -11,7 +11,7 @@ from .config import TrainConfig
 from .progress import resolve_progress
 
 
-FIT_RULES = ("keep-all", "every-2", "every-4", "recompute-all")
+FIT_RULES = ("keep-internals", "keep-all", "every-2", "every-4", "recompute-all")
 """``plan=fit`` takes the first of these (least recompute first) whose predicted device peak
 fits the device."""
 
@@ -30,12 +30,14 @@ def resolve_plan(spec: str, num_layers: int, cfg: TrainConfig) -> Plan:
         return Plan.recompute_all(num_layers, **kw)
     if spec == "keep-all":
         return Plan.keep_all(num_layers, **kw)
+    if spec == "keep-internals":
+        return Plan.keep_internals(num_layers, **kw)
     if Path(spec).suffix == ".json":
         plan = Plan.load(spec)
         plan.validate(num_layers)
         return plan
-    raise ValueError(f"plan {spec!r} is not fit, every-K, recompute-all, keep-all, auto or a "
-                     ".json plan file")
+    raise ValueError(f"plan {spec!r} is not fit, every-K, recompute-all, keep-all, keep-internals, "
+                     "auto or a .json plan file")
 
 
 def check_settings(cfg: TrainConfig) -> None:
