@@ -27,9 +27,9 @@ from ..plan.plan import NVME_GRAD_SLOTS, NVME_SOURCE_SLOTS, NVME_STATE_SLOTS, Pl
 from ..plan.shape import ModelShape
 from ..plan.state_placement import place_state
 from ..state_tier import NvmeStateTier
-from ..util.host_memory import available_host_memory
 from ..store import PRIVATE, FlatLayout, HostAllocator, HostStore, init_store, store_footprint
 from ..store_bytes import resolve_split_master
+from ..util.host_memory import available_host_memory
 from . import checks
 from .config import TrainConfig
 from .lora_run import lora_shape
