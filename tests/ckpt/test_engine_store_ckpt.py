@@ -82,3 +82,29 @@ def test_partial_saves_compose_the_newest_version_of_each_group(tmp_path):
         for n, t in provider2.params(g).items():
             assert torch.equal(t, snapshots[newest][g][n]), (g, newest)
     engine2.close()
+
+
+def test_a_save_reads_each_group_once_for_its_size(tmp_path, monkeypatch):
+    """A live save (no copy: as a store with state on NVMe saves) reads each group twice: its
+    size, once for the policy's statuses and the snapshot's bytes, then its write. Reading a
+    group stages a unit on NVMe and decodes a split master's weights.
+
+    Mutations seen failing (each group read three times): ``_group_nbytes`` without its per-save
+    ``sizes`` memo; ``GroupsOnDemand`` without ``__contains__`` (``Mapping``'s reads the group
+    to answer ``g in snaps``)."""
+    engine, provider = fresh()
+    engine.train_step(data(96, 1))
+    engine.synchronize()
+    reads: dict[str, int] = {}
+    params = provider.params
+
+    def counted(group):
+        reads[group] = reads.get(group, 0) + 1
+        return params(group)
+    monkeypatch.setattr(provider, "params", counted)
+    ck = Checkpointer(tmp_path / "run", provider=provider, policy="full", async_save=False,
+                      sync_copy=False)  # live: as a store with state on NVMe saves
+    ck.save(1)
+    ck.wait()
+    engine.close()
+    assert reads == {g: 2 for g in provider.group_names()}

@@ -228,8 +228,12 @@ class Checkpointer:
 
     # ----- saving ---------------------------------------------------------------------------
 
-    def _group_nbytes(self, group: str) -> int:
-        return sum(stored_nbytes(k, t) for k, t in group_tensors(self.provider, group).items())
+    def _group_nbytes(self, group: str, sizes: dict[str, int]) -> int:
+        """``group``'s stored bytes, reckoned once a save (``sizes``: this save's so far): it
+        reads the group (a split master's weights decoded, a unit on NVMe staged)."""
+        if group not in sizes:
+            sizes[group] = sum(stored_nbytes(k, t) for k, t in group_tensors(self.provider, group).items())
+        return sizes[group]
 
     def save(self, step: int, extra: dict | None = None, *, data_position: Any = None,
              trainer_state: dict | None = None, every_group: bool = False) -> SaveReport:
@@ -281,7 +285,8 @@ class Checkpointer:
         the tensors ``live`` captured at ``save``)."""
         t0 = time.perf_counter()
         decides = self.exchange.rank == 0
-        statuses = self._group_statuses(step, live) if decides else []
+        sizes: dict[str, int] = {}
+        statuses = self._group_statuses(step, sizes, live) if decides else []
         # Rank 0 chooses for every rank: it sees every group (the node's shared store, or an
         # identical copy) and holds the statistics; the others copy their share of its choice.
         reasons, unchanged = self.exchange.broadcast(
@@ -304,7 +309,7 @@ class Checkpointer:
                                                      [g for g in selected if g not in own])
         report.selected[:] = selected
         report.reasons = reasons
-        report.snapshot_bytes = sum(self._group_nbytes(g) for g in own)
+        report.snapshot_bytes = sum(self._group_nbytes(g, sizes) for g in own)
         report.snapshot_s = time.perf_counter() - t0
         header = ManifestHeader.of(self._versions.next_index, self.policy, self.provider)
         job = WriteJob(step, header, self.groups, selected, snaps, maybe_dup,
@@ -330,14 +335,15 @@ class Checkpointer:
                 "optimizer state only through optimizer.step() between save() and the next "
                 "step, call Checkpointer.wait() before doing so, or use snapshot='sync'.")
 
-    def _group_statuses(self, step: int, live: dict[str, LiveGroup] | None = None) -> list[GroupStatus]:
+    def _group_statuses(self, step: int, sizes: dict[str, int],
+                        live: dict[str, LiveGroup] | None = None) -> list[GroupStatus]:
         """What the policy sees of every group: its size, its change since the version last
         saved (``inf`` if never saved, ``nan`` if the policy does not read it) and its age."""
         def change(g: str) -> float:
             if getattr(self.policy, "uses_change", True) or not self.tracker.has_reference(g):
                 return self.tracker.change(g, step, None if live is None else live[g].params)
             return math.nan  # not needed by the policy; unchanged groups found on writing
-        return [self._versions.status(g, pos, self._group_nbytes(g), lambda g=g: change(g))
+        return [self._versions.status(g, pos, self._group_nbytes(g, sizes), lambda g=g: change(g))
                 for pos, g in enumerate(self.groups)]
 
     def _snapshot_groups(self, selected: list[str], copy: bool, live: dict[str, LiveGroup] | None

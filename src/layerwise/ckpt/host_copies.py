@@ -117,6 +117,9 @@ class GroupsOnDemand(Mapping):
             raise KeyError(group)
         return {k: as_blob_tensor(t, k) for k, t in group_tensors(self.provider, group).items()}
 
+    def __contains__(self, group: object) -> bool:  # Mapping's would read the group
+        return group in self.groups
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.groups)
 
