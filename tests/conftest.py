@@ -106,3 +106,14 @@ def _assert_engine_idle(engine):
 def assert_engine_idle():
     """After a step nothing is held: no weight copy resident, no boundary kept or offloaded."""
     return _assert_engine_idle
+
+
+@pytest.fixture
+def streamed_cpu(monkeypatch):
+    """``device="cpu"`` engines copy weights into slots as on a GPU (the CPU backend otherwise
+    reads the host weights in place): what tests of the device memory model measure."""
+    from layerwise.engine import CpuBackend, executor
+
+    real = executor.make_backend
+    monkeypatch.setattr(executor, "make_backend", lambda device, seed=None: (
+        CpuBackend(reads_host=False) if str(device) == "cpu" else real(device, seed)))

@@ -54,7 +54,7 @@ KEPT_PLANS = {
                                           *KEPT_PLANS.values()],
                                          {"every-3", "keep-all-host", "internals-mixed"},
                                          ids=lambda p: p.source))
-def test_predicted_peak_matches_the_peak_measured_from_allocations(plan):
+def test_predicted_peak_matches_the_peak_measured_from_allocations(plan, streamed_cpu):
     """The memory model against the step's real allocations (torch profiler memory events plus
     the slots' storages), not against the engine's own bookkeeping: within 5%, at the same op.
     Mutations checked: dropping the layer backward's autograd workspace from the model (the
@@ -126,7 +126,7 @@ LAYER_MAJOR_PLANS = {
 
 
 @pytest.mark.parametrize("name", sampled(LAYER_MAJOR_PLANS, {"every-3 x4, 5 resident", "internals-host x4"}))
-def test_layer_major_and_resident_peaks_match_the_allocations(name):
+def test_layer_major_and_resident_peaks_match_the_allocations(name, streamed_cpu):
     """Layer-major groups and resident layers against the step's real allocations: within 2%, at
     the same op. Mutation seen failing: ``memory.carried`` returning 0 (the group's other
     micro-batches' hidden states and their gradients uncounted: every-1 x4 3.9% short, host x4

@@ -91,7 +91,7 @@ class _Store:
 
     def __init__(self, shape):
         self.compute_dtype = torch.float32
-        self.bufs = {u: _Buf(torch.zeros(shape.unit_params(u))) for u in shape.unit_names()}
+        self.bufs = {u: _Buf(u, torch.zeros(shape.unit_params(u))) for u in shape.unit_names()}
 
     def __getitem__(self, unit):
         return self.bufs[unit]
@@ -101,14 +101,15 @@ class _Store:
 
 
 class _Buf:
-    def __init__(self, master):
+    def __init__(self, name, master):
+        self.name = name
         self.copy_source = master
 
 
 def _streamer_units_per_op(shape, ops, depth):
     """Units whose weights the streamer holds in a slot during each op, driven as the executor
     drives it."""
-    streamer = WeightStreamer(CpuBackend(), _Store(shape), depth, wait_update=lambda unit: None,
+    streamer = WeightStreamer(CpuBackend(reads_host=False), _Store(shape), depth, wait_update=lambda unit: None,
                               update_done=lambda unit: True)
     streamer.begin(weight_schedule(ops, shape.tied))
     out = []

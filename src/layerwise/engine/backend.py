@@ -145,6 +145,9 @@ class DeviceBackend(Protocol):
     device: torch.device
     asynchronous: bool
     """True when the host may run ahead of the lanes (CUDA, AsyncCpuBackend)."""
+    reads_host: bool
+    """True when compute reads host memory in place (the device is the host and runs
+    synchronously): the engine binds the host weights instead of copying them into slots."""
     copied_bytes: dict[str, int]
     """Bytes each copy lane (``h2d``, ``d2h``) has copied since the backend was made (or the
     caller reset the entries)."""
@@ -210,8 +213,11 @@ class CpuBackend:
 
     asynchronous = False
 
-    def __init__(self) -> None:
+    def __init__(self, reads_host: bool = True) -> None:
+        """``reads_host=False``: copy weights into slots as a GPU run does (what tests of the
+        streaming schedule count)."""
         self.device = torch.device("cpu")
+        self.reads_host = reads_host
         self.copied_bytes = new_byte_counter()
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -258,6 +264,7 @@ class CudaBackend:
     """Compute on the current stream; H2D and D2H copies on streams of their own."""
 
     asynchronous = True
+    reads_host = False
 
     def __init__(self, device: str | torch.device = "cuda"):
         if not torch.cuda.is_available():

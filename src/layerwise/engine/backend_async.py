@@ -117,6 +117,7 @@ class AsyncCpuBackend:
     """Lanes as threads with seeded delays; device memory is host memory allocated once."""
 
     asynchronous = True
+    reads_host = False
 
     def __init__(self, seed: int | None = 0, max_delay_s: float = 0.004,
                  lane_delays_s: dict[str, float] | None = None):

@@ -6,7 +6,9 @@ finished (it retries at the next op), and never waiting for a unit other than th
 needs now. Resident units (``resident.py``) are not streamed: acquiring one returns its own
 buffer, refreshed once per update. A copy source on NVMe (``HostStore.source_tier``) is read
 ahead in the schedule's order and staged for its copy; its slot is read into again only after
-the copy's event.
+the copy's event. On a backend that reads host memory in place (the CPU backend) a unit whose
+copy source is in the compute dtype is not copied: compute reads the copy source itself, which
+no update writes while the unit is in use (a unit's update follows its last use in the step).
 """
 
 from __future__ import annotations
@@ -36,8 +38,12 @@ class WeightStreamer:
         """Blocks until a unit's host weights are final (its optimizer update is done)."""
         self.update_done = update_done
         self.resident = ResidentWeights(backend, store, sorted(resident), wait_update, update_done)
-        kept = {id(store[u]) for u in resident}
-        numel = max(b.copy_source.numel() for b in store if id(b) not in kept)
+        self.in_place = frozenset(
+            b.name for b in store if backend.reads_host and store.source_tier is None
+            and b.copy_source.dtype == store.compute_dtype and b.name not in resident)
+        """Units whose compute reads the host copy source itself."""
+        numel = max((b.copy_source.numel() for b in store
+                     if b.name not in resident and b.name not in self.in_place), default=0)
         self.slots = [Slot(backend.alloc(numel, store.compute_dtype)) for _ in range(depth + 1)]
         self._window: WeightWindow | None = None
         self._ready: dict[str, Event] = {}  # unit -> its copy's event, while it holds a slot
@@ -55,6 +61,9 @@ class WeightStreamer:
     def _copy(self, copies: list[tuple[str, int]]) -> None:
         tier = self.store.source_tier
         for unit, slot in copies:
+            if unit in self.in_place:
+                self._ready[unit] = self.backend.record()
+                continue
             staged = tier is not None and tier.holds(unit)
             if staged:
                 tier.acquire(unit)
@@ -74,6 +83,8 @@ class WeightStreamer:
             self.wait_update(unit)
         self._copy(self._window.acquire(unit, self.update_done))
         self.backend.wait([self._ready[unit]])  # compute reads the slot after the copy lands
+        if unit in self.in_place:
+            return self.store[unit].copy_source
         return self.slots[self._window.slot(unit)].buffer[:self.store[unit].copy_source.numel()]
 
     def release(self, unit: str) -> None:
