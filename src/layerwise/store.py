@@ -406,10 +406,6 @@ class HostStore:
         padding (not the state on NVMe, nor its staging slots)."""
         return self.footprint().total
 
-    def nvme_nbytes(self) -> int:
-        """Bytes of state on NVMe (0 without a state tier)."""
-        return sum(t.nbytes() for t in self._tiers())
-
     def pinned_nbytes(self) -> int:
         """Page-locked bytes (0 when not pinned): the copy-source arena, in whole pages."""
         return self._pinned_nbytes

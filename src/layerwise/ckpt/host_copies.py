@@ -1,9 +1,5 @@
-"""Host copies of live training state, as the blobs store it: the form (optimizer state in fp32,
-weights in their dtype), the size that form takes, and a pool of reused host buffers.
-
-The pool reuses buffers across saves because fresh pages cost more than the copy itself. It is
-used by one thread at a time: the snapshot helper while a deferred snapshot is taken, the owner
-of the checkpointer otherwise (the owner waits for the helper before it recycles).
+"""Host copies of live training state as the blobs store them, and a pool of reused host buffers
+(fresh pages cost more than the copy). One thread at a time uses the pool.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Selection policies: which groups a checkpoint writes.
 
-Every policy sees, per group, its size, its relative weight change since the version last saved
-and how many checkpoints ago that was, and returns the groups to write. The shared rules live
-in ``BasePolicy.select`` so that no policy can break them:
-
-- a group never saved before is always written (a composite must be complete);
-- ``full_every=N``: every N-th checkpoint (the 1st, N+1-th, …) writes everything;
-- ``max_staleness=S``: no group's newest version is more than S checkpoints old;
-- and, in the store, a group whose bytes are exactly unchanged is never written twice.
-
-Add a policy with ``@register_policy("name")`` on a ``BasePolicy`` subclass (a dataclass whose
-fields are its options) implementing ``choose``. ``BasePolicy.select_reasons`` says why each group
-was chosen (``REASONS``): by a rule above or by the policy's own criterion, so a benchmark can
-tell a policy that selects from one whose writes all come from its guards.
+``BasePolicy.select`` holds the rules no policy can break: a never-saved group is written,
+``full_every`` writes everything, ``max_staleness`` bounds age. Register a policy with
+``@register_policy("name")`` on a ``BasePolicy`` dataclass implementing ``choose``;
+``select_reasons`` says why each group was chosen (``REASONS``).
 """
 
 from __future__ import annotations
@@ -193,11 +184,8 @@ class ParityPolicy(BasePolicy):
 class FilterPolicy(BasePolicy):
     """The groups whose weights moved more than ``threshold`` since their last saved version.
 
-    With ``max_fraction``, at most that share of all groups' bytes is written per checkpoint
-    (groups a guard forces count first): the groups over the threshold go most changed first,
-    the rest wait for a later checkpoint. Layers of one model often drift at the same rate and
-    cross a threshold together; the cap spreads their writes over several checkpoints, so the
-    composite never holds every layer at its stalest at once.
+    ``max_fraction`` caps the bytes per checkpoint (most changed first): layers often drift
+    together, and the cap spreads their writes so the composite is never stalest everywhere at once.
     """
 
     threshold: float = 0.01

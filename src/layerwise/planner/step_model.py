@@ -197,7 +197,7 @@ class StepModel:
         """(when the embedding's update is on the device, per layer k the earliest end of its
         next forward: its update + its copy (a resident layer's refresh) + its compute for the first
         group), the optimizer running units in order (an ``nvme`` unit, 8-bit, once its state is
-        read: ``update_ends``)."""
+        read)."""
         mom = moments or ["fp32"] * len(self.units)
         opt = [self.opt_8bit[k] if m == "8bit" or self.on_nvme[k] else self.opt_fp32[k] for k, m in enumerate(mom)]
         cum, written = self._update_pipeline(opt)
@@ -205,10 +205,6 @@ class StepModel:
         ready = [max(c, written.get(k, 0.0) + self.src_read[k]) if self.all_nvme[k] else c for k, c in enumerate(cum)]
         return (ready[0] + self.emb_w_in,
                 [ready[1 + k] + self.w_copy[k] + self.per_load * self.c_fwd[k] for k in range(self.L)])
-
-    def update_ends(self, opt_s: list[float]) -> list[float]:
-        """Per unit, when its update ends after the optimizer starts (``_update_pipeline``)."""
-        return self._update_pipeline(opt_s)[0]
 
     def _update_pipeline(self, opt_s: list[float]) -> tuple[list[float], dict[int, float]]:
         """(per unit, when its update ends after the optimizer starts; per unit off the RAM, when
