@@ -1,16 +1,8 @@
 """AsyncCpuBackend: the GPU's protocol played on the CPU, to test the engine's ordering.
 
-Each lane (compute, H2D, D2H, and the reduction lane of data parallel) is a thread running its
-queue in order; events are thread events; copies a compute item queues as it runs go to copy
-lanes of their own (``d2h<-compute``), with the pace of their lane;
-before every item a lane sleeps a seeded random delay, so lanes drift against each other and
-against the host the way streams do. A wait the engine forgets (slot free before a copy
-overwrites it, a copy landed before compute or the host reads it, an update done before its
-weights are copied) then turns into wrong numbers in a test instead of passing by luck of timing.
-
-Each copy lane counts the bytes it copied as it runs them (``copied_bytes``); ``start_trace``
-makes every lane record each item it runs (:class:`LaneItem`: kind, when queued, started,
-ended), the device's timeline a benchmark or test reads overlap from.
+Each lane is a thread that sleeps a seeded random delay before each item, so lanes drift the way
+streams do and a forgotten wait turns into wrong numbers in a test instead of passing by luck.
+``start_trace`` records each item run (:class:`LaneItem`) for overlap checks.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Boundary activations by tier: kept on the device, offloaded to pinned host memory or NVMe
-and fetched back into fetch slots ahead of use, or dropped (recomputed).
+"""Boundary activations by tier: device, pinned host, NVMe, or dropped (recomputed).
 
-Boundaries are keyed by the caller (the executor: (micro-batch, layer), since in layer-major
-order every micro-batch of a group holds its own at once). NVMe boundaries pass through two
-page-aligned pinned staging buffers and are written and read with ``O_DIRECT``
-(``util/direct_io.py``), so they hold no host RAM in the page cache while they are on disk; a filesystem that refuses ``O_DIRECT`` gets a buffered write, ``fdatasync`` and
-``POSIX_FADV_DONTNEED``. A spill directory on tmpfs/ramfs is RAM whatever is done: it is logged.
+NVMe boundaries go through two pinned staging buffers with ``O_DIRECT`` so they hold no page
+cache (refused: buffered write, ``fdatasync``, ``POSIX_FADV_DONTNEED``); a tmpfs spill directory
+is RAM whatever is done, and is logged.
 """
 
 from __future__ import annotations

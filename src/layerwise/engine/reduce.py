@@ -1,8 +1,5 @@
-"""How the ranks of a data-parallel step combine their work: the engine's only seam for it.
-
-The engine stays free of ``torch.distributed``: ``layerwise.train.dist`` implements
-``StepReducer`` with collectives; one process uses :class:`LocalReducer`, which owns every unit
-and combines nothing, so the executor has one code path for both.
+"""How the ranks of a data-parallel step combine their work: the engine's only seam for it, so
+the engine stays free of ``torch.distributed`` (``LocalReducer`` for one process: one code path).
 """
 
 from __future__ import annotations
