@@ -1,9 +1,6 @@
 """What a ``lora.r > 0`` run does differently: a LoRA store over the frozen base, a planner shape
 that knows the base is frozen, dropout off while evaluating, and the PEFT adapter (and, with
-``lora.merge``, the merged model) as the export. The loop calls these where a full run builds,
-plans, evaluates and exports; everything else (engine, checkpoints of the adapters and their
-AdamW state, resume, and under torchrun the shared store, the owners' reduction and updates,
-each rank writing its groups) is the same code."""
+``lora.merge``, the merged model) as the export. Everything else is the full run's code."""
 
 from __future__ import annotations
 

@@ -1,21 +1,10 @@
 """One host store per node: its buffers in shared memory, mapped by every local rank.
 
-Each buffer the store (or an optimizer's ``init_state``) asks for is one file in ``shm_dir``
-(tmpfs: ``/dev/shm``), mapped ``MAP_SHARED`` with ``torch.from_file``. Local rank 0 creates
-each file (made under a temporary name and renamed, so it appears whole); the other local ranks
-map the file of the same name. Every rank asks for the same buffers in the same order (they
-run the same code on the same model), so the n-th request names the n-th file.
-
-The files are unlinked by their creator as soon as every local rank has mapped them
-(``unlink``, after a barrier): the memory stays until the last process unmaps it, and nothing
-is left in ``/dev/shm`` however the run ends. Before that point ``unlink`` also runs on error.
-Copy sources are page-locked in place (``cudaHostRegister`` of the mapped region), as the
-private store's arena is.
-
-Before any file is made, the directory's free space is checked against what the store will map
-(``shm_space_problem``): a tmpfs fills without an error at ``ftruncate`` (its pages are
-allocated when first touched), and the first write past its size (Docker's default ``/dev/shm``
-is 64 MB) is a SIGBUS that ends the process with no Python error.
+Each buffer is one file in ``shm_dir`` made by local rank 0 (renamed into place, so it appears
+whole) and mapped by the others; every rank asks in the same order, so the n-th request names
+the n-th file. Files are unlinked once all have mapped them, so nothing is left in ``/dev/shm``
+however the run ends. Free space is checked first: a full tmpfs is a SIGBUS at the first write
+past its size (Docker's default is 64 MB), not a Python error.
 """
 
 from __future__ import annotations
