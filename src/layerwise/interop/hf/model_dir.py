@@ -1,8 +1,5 @@
-"""Read a local Hugging Face model dir: weights one group (or one tensor) at a time.
-
-The one HF directory reader: :class:`HFModelDirSource` serves merge, recipes and export, and
-:func:`load_store` fills the engine's HostStore from it. Reading never holds the model twice:
-tensors come from memory-mapped shards, so peak host memory is the store plus one group.
+"""Read a local Hugging Face model dir: weights one group (or one tensor) at a time, from
+memory-mapped shards, so peak host memory is the store plus one group.
 """
 
 from __future__ import annotations

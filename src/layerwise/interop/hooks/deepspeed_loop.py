@@ -11,13 +11,8 @@
         if step % 100 == 0:
             ckpt.save(step)                 # on every rank
 
-Every rank writes its own pieces (``interop.hooks.zero_partitions``) of the groups the policy picks, through
-the sharded save protocol (``ckpt.sharded_checkpointer``): no rank gathers a full parameter, and a run saved
-by N ranks loads at M. Loading writes the fp32 master, both AdamW moments and the step into the
-engine's partitions, rebuilds the module's weights from them, and puts back the engine's step
-counters, the scheduler and the optimizer's hyper-parameters, so training continues exactly.
-The run is an ordinary layer-wise run: ``merge --format hf`` (or trainer, deepspeed, dcp) and
-recipes read it.
+No rank gathers a full parameter. A load restores master, moments, step counters, scheduler and
+hyper-parameters, so training continues exactly.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""A saved step of a LoRA run (``layerwise train ... lora.r=N``) taken out: ``ckpt merge --format
-peft`` (the step's adapters as a PEFT adapter directory) and ``--format hf`` (the base with them
-merged, as ``lora.merge=true`` exports at the end): :func:`export_step`, which ``ckpt merge``
-calls in place of ``recipes.merge.merge`` for such a step (and for ``--format peft``).
-
-A LoRA run's checkpoint groups hold the adapters (``...q_proj.lora_A.weight``) and their AdamW
-moments alone; the rest of what an export needs is in the run's ``out_dir/run.json``, beside its
-``ckpt/``: the LoRA settings (``config.lora``: r, alpha, target modules, base dtype), the base
-model (``model_path``: a directory, or a flavor built from ``config.seed``) and the compute dtype.
+"""A saved step of a LoRA run taken out as a PEFT adapter (``--format peft``) or the merged base
+(``--format hf``): :func:`export_step`. The groups hold only adapters and moments; the rest
+(LoRA settings, base model, dtype) comes from the run's ``run.json``.
 """
 
 from __future__ import annotations
