@@ -1,8 +1,5 @@
-"""Exact global-norm gradient clipping, folded into the update (no scaling pass over grads).
-
-Each unit's squared gradient norm is computed once, when its gradient is final; the global
-norm and the clip coefficient follow from those partial sums, with the same formula as
-``torch.nn.utils.clip_grad_norm_``.
+"""Exact global-norm gradient clipping, folded into the update (no scaling pass over grads), with
+``clip_grad_norm_``'s formula over per-unit squared norms.
 """
 
 from __future__ import annotations
