@@ -1,8 +1,7 @@
 """layerwise: train LLMs bigger than the GPU by streaming layers; checkpoint only what changed.
 
 User-facing names, imported on first use so ``import layerwise`` stays free of torch
-(``tests/test_public_api.py`` fails when a name disappears).
-"""
+(``tests/test_public_api.py`` fails when a name disappears)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ Only the modules of the command being run are imported (named here as strings), 
 torch-free step run before the handler's import (``train``'s checks and lock).
 
 Errors: a user's mistake is one line on stderr and exit 2 (traceback with ``--debug`` or
-``LAYERWISE_DEBUG=1``); an interrupted run says how to resume, exit 130/143.
-"""
+``LAYERWISE_DEBUG=1``); an interrupted run says how to resume, exit 130/143."""
 
 from __future__ import annotations
 

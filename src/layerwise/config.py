@@ -4,8 +4,7 @@ discoverable.
 Sections are addressed with dots (``optimizer.lr=1e-3``); each field's documentation is the
 string literal under it, so ``--help`` shows the text a reader sees. YAML goes through the same
 value parsing (PyYAML reads ``1e-3`` as a string). Hooks: ``shorthand`` (``model=DIR``) and
-``removed_keys`` (refused in one line naming the new key). Misspellings get the closest known.
-"""
+``removed_keys`` (refused in one line naming the new key). Misspellings get the closest known."""
 
 from __future__ import annotations
 

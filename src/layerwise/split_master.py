@@ -7,8 +7,7 @@ fp32 preimages, so ``lo`` (int16) tells them apart (torch's half-to-even gives a
 
 ``split_torch``/``join_torch`` are the reference for the numba helpers ``split_bits``/``join_bits``
 (no fast-math: exact however it vectorises). After editing them clear ``optim/__pycache__/*.nb*``
-too: numba keys a cache on its own file only.
-"""
+too: numba keys a cache on its own file only."""
 
 from __future__ import annotations
 

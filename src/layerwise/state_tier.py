@@ -5,8 +5,7 @@ the others. An unstaged unit's tensors are meta placeholders, so a read without 
 loudly instead of reading stale bytes. Slots are page-aligned and use ``O_DIRECT``, so the RAM
 taken is the slots, never page cache; ``flush`` writes behind, and a slot is reused only once
 its write is done. The files are working memory, not a checkpoint: created afresh at start,
-removed at ``close``.
-"""
+removed at ``close``."""
 
 from __future__ import annotations
 

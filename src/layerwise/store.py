@@ -4,8 +4,7 @@ With bf16 compute the fp32 master is *split* (``layerwise.split_master``): the b
 device reads plus a 16-bit remainder, 4 bytes per parameter. Weight-decayed parameters come first,
 so an optimizer treats each class as one slice. Only copy sources are page-locked, in one arena:
 pinning per tensor would cost 2x for a moment and a power-of-two rounding. Units on an NVMe tier
-are read or written inside ``staged(unit)`` (``staged_grad``).
-"""
+are read or written inside ``staged(unit)`` (``staged_grad``)."""
 
 from __future__ import annotations
 
@@ -221,8 +220,7 @@ class HostStore:
     ``pin``: page-lock copy sources (default: with CUDA). ``state_nbytes``: counted in the RAM check.
     ``alloc``: where masters, copy sources and state live. ``split_master``: default exactly with bf16
     compute. ``grad_dtype``: bf16 for one micro-batch per step (2 bytes instead of 4; a second
-    micro-batch is refused). ``*_tier``: units whose buffers live on NVMe (not in the RAM check).
-    """
+    micro-batch is refused). ``*_tier``: units whose buffers live on NVMe (not in the RAM check)."""
 
     def __init__(self, adapter: DecoderAdapter, compute_dtype: torch.dtype = torch.float32,
                  pin: bool | None = None, *, state_nbytes: int | None = None,

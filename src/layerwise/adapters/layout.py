@@ -2,8 +2,7 @@
 
 :class:`LoraLayout` answers as ``store.FlatLayout`` does about the trainable part, and adds the
 frozen part (plain views, each in its own format, aligned to ``FROZEN_ALIGN_BYTES``) when handed a
-whole copy source. A unit without adapters has ``numel == 0``: no gradient, no update.
-"""
+whole copy source. A unit without adapters has ``numel == 0``: no gradient, no update."""
 
 from __future__ import annotations
 

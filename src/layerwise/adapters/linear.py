@@ -3,8 +3,7 @@
 ``frozen_linear``'s backward computes the input's gradient only and saves only the packed weight,
 so a kept graph holds no activation for it. Dropout draws the same mask in a micro-batch's
 forward, recompute and backward: its generator is seeded per (micro-batch, layer, module) by
-:func:`dropout_scope`.
-"""
+:func:`dropout_scope`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """A decoder model with LoRA adapters on a frozen base, as the engine sees it: each layer's
 template swaps ``nn.Linear`` for ``StreamedLinear``, so the engine binds one flat buffer per layer
-as for a full model. Adapter names are PEFT's without ``base_model.model.``, one to one.
-"""
+as for a full model. Adapter names are PEFT's without ``base_model.model.``, one to one."""
 
 from __future__ import annotations
 

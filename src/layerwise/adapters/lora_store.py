@@ -1,7 +1,6 @@
 """The host store of a LoRA run: the frozen base held once, in its streaming format (quantised
 when loaded); fp32 master, gradient and state for the adapters alone, so the engine, optimizer
-and checkpoints treat them as the unit's parameters.
-"""
+and checkpoints treat them as the unit's parameters."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Each packs one weight into one byte region, so a frozen unit is a single flat buffer streamed
 like any other: ``nf4`` (bitsandbytes, block 64, no double quantisation), ``int8`` (per row),
 ``fp8-<B>`` (DeepSeek-V3's block-wise e4m3), ``mxfp4`` (gpt-oss's). Each is the release's own
-arithmetic, so a base read from a release packs back to its values (checked: ``roundtrips``).
-"""
+arithmetic, so a base read from a release packs back to its values (checked: ``roundtrips``)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Layer-wise checkpoints: write only the groups that changed, resume directly, never lose data.
 
 The core, free of foreign formats (those are ``layerwise.interop``); the modules are mapped in
-``docs/architecture.md``.
-"""
+``docs/architecture.md``."""
 
 from .checkpoint_config import CheckpointConfig
 from .checkpointer import Checkpointer

@@ -5,8 +5,7 @@ Between two saves of a fine-tune the bf16 high halves of only a few percent of f
 change, so a delta stores the low halves, a bitmap of changed high halves and those new halves:
 about 2.1 + 2f bytes per weight instead of 4. Exact on bit patterns (NaN payloads included).
 Never delta-of-delta (a load reads two blobs); the key frame's high-half hash is checked, so a
-different key frame fails the load instead of decoding to other weights.
-"""
+different key frame fails the load instead of decoding to other weights."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Content-addressed group blobs: ``RUN/blobs/ab/<digest>.safetensors``, one group version each.
 
 Streamed to disk so a group is never duplicated in memory, hashed on a second thread while
-written (no extra pass), fsynced and renamed before any manifest may name it.
-"""
+written (no extra pass), fsynced and renamed before any manifest may name it."""
 
 from __future__ import annotations
 

@@ -26,8 +26,7 @@ the groups it owns, and rank 0 (holding the run's lock) gathers the records and 
 that fails before the gather leaves the last committed step as it was.
 
 Threads: only the owner's thread changes the checkpointer's state; it adopts each
-``WriteResult`` in ``wait``, the next ``save`` or ``close``.
-"""
+``WriteResult`` in ``wait``, the next ``save`` or ``close``."""
 
 from __future__ import annotations
 
@@ -184,8 +183,7 @@ class Checkpointer:
         """Per-group update statistics every ``track_every_steps`` steps (or ``force``).
 
         Call after ``optimizer.step()`` and before ``zero_grad()`` to include gradient norms. Deferred:
-        a gradient zeroed in place before it was read gives NaN, never a later gradient's norm.
-        """
+        a gradient zeroed in place before it was read gives NaN, never a later gradient's norm."""
         every = max(1, self.config.track_every_steps)
         if not force and step % every != 0:
             return None
@@ -212,8 +210,7 @@ class Checkpointer:
              trainer_state: dict | None = None, every_group: bool = False) -> SaveReport:
         """Checkpoint ``step`` in the background (``every_group``: all groups, whatever the policy).
 
-        Raises the error of a previous failed background save.
-        """
+        Raises the error of a previous failed background save."""
         if step < 0:
             raise ValueError(f"step must be >= 0 (got {step})")
         t0 = time.perf_counter()

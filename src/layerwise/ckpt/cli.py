@@ -1,7 +1,6 @@
 """``layerwise ckpt``: ``ls``, ``show``, ``verify`` (exit 1 on any fault), ``gc``; ``merge`` is
 added by ``layerwise.interop.cli``. ``--json`` prints exactly one JSON object; a ``layerwise
-train`` out_dir is accepted as well as its ``ckpt/`` run.
-"""
+train`` out_dir is accepted as well as its ``ckpt/`` run."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Rank 0 decides (``broadcast``), every rank writes its own content-addressed blobs and sends
 their records (``gather``), rank 0 alone commits. ``TorchExchange`` uses a gloo process group of
-its own, with a timeout, so the checkpoint thread's collectives never interleave with training's.
-"""
+its own, with a timeout, so the checkpoint thread's collectives never interleave with training's."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 At exit the worker threads stop taking work and a pending save would be silently dropped, so
 each unclosed checkpointer is closed with a warning. ``threading._register_atexit`` runs before
-the executors' own exit hook, so the workers still take the write (plain ``atexit`` otherwise).
-"""
+the executors' own exit hook, so the workers still take the write (plain ``atexit`` otherwise)."""
 
 from __future__ import annotations
 

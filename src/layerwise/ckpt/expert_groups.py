@@ -5,8 +5,7 @@ An expert group (``layers.{i}.experts.{e}``) is expert ``e``'s contiguous flat r
 layer's fused ``[num_experts, ...]`` tensors, stored as a one-shard entry marked ``slice_of``
 its layer (``ckpt.shard_ranges``); ``resolve`` joins them back, so readers see ordinary layer
 groups and loads go by whole layers. Every expert stores the fused tensor's one ``step`` counter
-(a mixed composite takes the newest). 8-bit moments' blocks ignore expert rows: fp32 only.
-"""
+(a mixed composite takes the newest). 8-bit moments' blocks ignore expert rows: fp32 only."""
 
 from __future__ import annotations
 

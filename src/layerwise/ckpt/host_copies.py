@@ -1,6 +1,5 @@
 """Host copies of live training state as the blobs store them, and a pool of reused host buffers
-(fresh pages cost more than the copy). One thread at a time uses the pool.
-"""
+(fresh pages cost more than the copy). One thread at a time uses the pool."""
 
 from __future__ import annotations
 

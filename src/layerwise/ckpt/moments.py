@@ -4,8 +4,7 @@ fp32 only where a format needs it. Key layout (blob layout 2): ``docs/formats.md
 ``q8_blocks/n`` = ``(block_size, lead)`` because the engine quantises a unit's whole flat buffer,
 whose parameters do not start on block edges. A block straddling two groups (an untied head's
 ``lm_head`` | ``norm``) may mix saves: ``write_unit_part`` keeps the loaded scale and re-encodes
-the other group's elements of that block under it, so a load is exact in any order.
-"""
+the other group's elements of that block under it, so a load is exact in any order."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 ``BasePolicy.select`` holds the rules no policy can break: a never-saved group is written,
 ``full_every`` writes everything, ``max_staleness`` bounds age. Register a policy with
 ``@register_policy("name")`` on a ``BasePolicy`` dataclass implementing ``choose``;
-``select_reasons`` says why each group was chosen (``REASONS``).
-"""
+``select_reasons`` says why each group was chosen (``REASONS``)."""
 
 from __future__ import annotations
 
@@ -170,8 +169,7 @@ class FullPolicy(BasePolicy):
 class ParityPolicy(BasePolicy):
     """Alternate halves: groups at even positions (model order) on even checkpoints, odd on odd.
 
-    Every group is then at most one checkpoint stale, at half the bytes per checkpoint.
-    """
+    Every group is then at most one checkpoint stale, at half the bytes per checkpoint."""
 
     uses_change = False
 
@@ -243,8 +241,7 @@ class TopKPolicy(BasePolicy):
 class BudgetPolicy(BasePolicy):
     """Fill a byte budget per checkpoint greedily by change per byte.
 
-    Forced groups (never saved, too stale) are written even past the budget and use it up first.
-    """
+    Forced groups (never saved, too stale) are written even past the budget and use it up first."""
 
     budget_bytes: int | None = None
     """Bytes per checkpoint; None: ``budget_fraction`` of a full checkpoint."""

@@ -3,8 +3,7 @@
 The checkpointer never touches a model or optimizer directly, so the engine's host store plugs
 in with its own provider. An optional ``register_update_hook(fn)`` (fn runs before the weights
 or state are written; returns a handle or None) enables deferred snapshots. Blob keys are the
-contract with merge/export: ``docs/formats.md``.
-"""
+contract with merge/export: ``docs/formats.md``."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ class StateProvider(Protocol):
     def optimizer_state(self, group: str) -> dict[str, torch.Tensor]:
         """Live optimizer state of ``group`` in blob keys (``exp_avg/<name>``, ``step/<name>``…).
 
-        Tensors may be in any dtype/device; the checkpointer snapshots them to fp32 on the host.
-        """
+        Tensors may be in any dtype/device; the checkpointer snapshots them to fp32 on the host."""
         ...
 
     def load_group(self, group: str, tensors: dict[str, torch.Tensor]) -> None:

@@ -3,8 +3,7 @@
 The state at step N is the newest version <= N of every group, which the manifest of the newest
 committed step <= N already lists. Readers go group by group (peak memory: one group); sharded
 and expert-slice entries are joined so readers see whole layer groups (``entries`` keeps the
-stored ones), and ``group_reader`` reads only a rank's elements, so N ranks' saves load at M.
-"""
+stored ones), and ``group_reader`` reads only a rank's elements, so N ranks' saves load at M."""
 
 from __future__ import annotations
 
@@ -255,8 +254,7 @@ def _read_blob(path: Path, digest: str, nbytes: int | None,
 def open_run_step(run_dir: str | Path, step: int | None = None) -> ResolvedStep:
     """The state of a run at ``step`` (default: the newest committed step).
 
-    A step that was not checkpointed resolves to the newest committed step before it.
-    """
+    A step that was not checkpointed resolves to the newest committed step before it."""
     store = RunDir.open(run_dir)
     steps = store.committed_steps()
     if not steps:

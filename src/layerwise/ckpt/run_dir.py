@@ -2,8 +2,7 @@
 
 Layout and format: ``docs/formats.md``. A step is committed exactly when its ``manifest.json``
 exists; every file it names is fsynced and renamed into place first, so a crash leaves either
-the old committed steps or those plus the new one, never a half step.
-"""
+the old committed steps or those plus the new one, never a half step."""
 
 
 from __future__ import annotations

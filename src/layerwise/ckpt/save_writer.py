@@ -1,7 +1,6 @@
 """The write of one ``Checkpointer`` save, on the writer thread, from host snapshots only, in the
 commit order of ``docs/formats.md``. With several writers rank 0 holds the run's lock from before
-any rank writes until the commit, so ``ckpt gc`` never removes a blob a coming manifest names.
-"""
+any rank writes until the commit, so ``ckpt gc`` never removes a blob a coming manifest names."""
 
 from __future__ import annotations
 

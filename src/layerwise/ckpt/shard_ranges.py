@@ -4,8 +4,7 @@ A sharded entry has ``shards``: per rank its blob and, per key, the flat range `
 of the full tensor (with shape, dtype); that covers FSDP2 ``Shard(0)`` (padding never stored) and
 ZeRO partitions. Here: checking a layout (every key covered once) and reading a whole group
 (``assemble``) or some elements (``ShardedGroupReader``), so a save by N ranks loads at M.
-Expert groups use the same records, marked ``slice_of`` (``joined_shards``).
-"""
+Expert groups use the same records, marked ``slice_of`` (``joined_shards``)."""
 
 from __future__ import annotations
 

@@ -14,8 +14,7 @@ on rank 0 so the policy decides as an unsharded save would; each rank writes one
 group; rank 0 checks the shards cover every tensor exactly and commits, and an error anywhere
 raises on every rank with nothing committed. A load reads only the elements the rank holds now,
 from any world size. Saves are synchronous. No FSDP/DeepSpeed knowledge here: see
-``interop.hooks.fsdp2_loop`` and ``interop.hooks.zero_partitions``.
-"""
+``interop.hooks.fsdp2_loop`` and ``interop.hooks.zero_partitions``."""
 
 from __future__ import annotations
 

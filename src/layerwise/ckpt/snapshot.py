@@ -1,7 +1,6 @@
 """Deferred snapshots: a save's statistics and copies taken on a helper thread while the loop
 runs forward and backward, the next update held back until they are taken. Where the provider
-cannot hold updates back, or the state is off the CPU, ``capture`` returns None (take it sync).
-"""
+cannot hold updates back, or the state is off the CPU, ``capture`` returns None (take it sync)."""
 
 from __future__ import annotations
 

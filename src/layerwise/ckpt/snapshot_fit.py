@@ -2,8 +2,7 @@
 
 The copy (blob bytes of the chosen groups) comes on top of a host store that may fill the
 machine; if it does not fit (less a margin) the save writes from live tensors, same bytes, and
-training waits. Ranks of one host share its RAM, so their bytes are summed before comparing.
-"""
+training waits. Ranks of one host share its RAM, so their bytes are summed before comparing."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """A step's non-layer state (``state.json``, ``rng.safetensors``), captured when a save starts,
-written before the manifest; shared by both checkpointers so their step files are the same bytes.
-"""
+written before the manifest; shared by both checkpointers so their step files are the same bytes."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Views into the store's flat buffers, so a snapshot is one copy and a load writes
 A split master is decoded to fp32 per group and split again on load (exactly), so checkpoints
 always hold the fp32 master. 8-bit moments go as codes and scales; a stored version in the other
 moment format is converted. Call ``engine.synchronize()`` first, or a pending update races the
-snapshot. NVMe-tier units are staged while read or written.
-"""
+snapshot. NVMe-tier units are staged while read or written."""
 
 from __future__ import annotations
 

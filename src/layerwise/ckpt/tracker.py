@@ -3,8 +3,7 @@
 The relative L2 change ``|w - w_saved| / |w_saved|`` drives ``filter``, ``topk`` and ``budget``;
 ``w_saved`` is the checkpointer's snapshot (shared, not copied). One pass over all groups every
 12 steps is 1.1% of step time (``benchmarks/ckpt_savings.py``). Statistics may be taken on
-another thread: a tensor modified in place since ``capture`` gives NaN, never a later value.
-"""
+another thread: a tensor modified in place since ``capture`` gives NaN, never a later value."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ work and returns; an :class:`Event` orders lanes or the host. Device buffers are
 backend counts each copy lane's bytes (``copied_bytes``), for tests to compare with the plan.
 
 Data parallel adds a reduction lane (``collective``) behind the compute that wrote its tensor;
-on CUDA its own stream, which ``work.wait()`` orders after NCCL without blocking the host.
-"""
+on CUDA its own stream, which ``work.wait()`` orders after NCCL without blocking the host."""
 
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ class HeldRef(Ref):
 
     Not ``record_stream``: that returns the block only once the host sees the copy done, so a host
     running ahead would get fresh blocks for every offload; released here, the block is reused at
-    once in the compute stream's order.
-    """
+    once in the compute stream's order."""
 
     __slots__ = ("inner", "held", "released")
 

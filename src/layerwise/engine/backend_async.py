@@ -2,8 +2,7 @@
 
 Each lane is a thread that sleeps a seeded random delay before each item, so lanes drift the way
 streams do and a forgotten wait turns into wrong numbers in a test instead of passing by luck.
-``start_trace`` records each item run (:class:`LaneItem`) for overlap checks.
-"""
+``start_trace`` records each item run (:class:`LaneItem`) for overlap checks."""
 
 from __future__ import annotations
 

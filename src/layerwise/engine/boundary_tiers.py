@@ -2,8 +2,7 @@
 
 NVMe boundaries go through two pinned staging buffers with ``O_DIRECT`` so they hold no page
 cache (refused: buffered write, ``fdatasync``, ``POSIX_FADV_DONTNEED``); a tmpfs spill directory
-is RAM whatever is done, and is logged.
-"""
+is RAM whatever is done, and is logged."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ class _Offloaded:
 class BoundaryTiers:
     """Boundary activations by tier: ``device``, ``host``, ``nvme`` or dropped (``recompute``).
 
-    ``on_device`` (key -> tensor) is touched only by compute closures.
-    """
+    ``on_device`` (key -> tensor) is touched only by compute closures."""
 
     def __init__(self, backend: DeviceBackend, spill_dir: str | Path | None = None,
                  direct_io: bool = True):

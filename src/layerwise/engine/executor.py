@@ -5,8 +5,7 @@ threads, overlapping the next forward (on the CPU backend the step waits for it)
 forward of unit ``u`` waits for ``u``'s update alone (``docs/design-notes.md``, "Engine").
 
 With fp32 compute the numbers are those of plain autograd on the same model, for any plan:
-a plan moves activations and adds recomputation, it never changes the arithmetic.
-"""
+a plan moves activations and adds recomputation, it never changes the arithmetic."""
 
 from __future__ import annotations
 
@@ -229,8 +228,7 @@ class StreamingEngine:
         """Forward + backward of every micro-batch; grads accumulate in the store.
 
         Returns the loss (mean over the step's target tokens, all ranks) and per-unit squared grad norms;
-        data parallel, a unit's gradient is summed only on its owner.
-        """
+        data parallel, a unit's gradient is summed only on its owner."""
         if not micro_batches:
             raise ValueError("a step needs at least one micro-batch")
         n = len(micro_batches)

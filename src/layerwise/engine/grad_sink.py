@@ -8,8 +8,7 @@ zeroes gradients. Layer-major order sums a group on the device in fp32 first.
 
 With ``device_reduce`` each micro-batch's gradient is reduced to its owner on the device, and
 only the owner copies it out: per micro-batch, because a step sum would keep every gradient on
-the device (the model's size) where the memory model has two grad slots.
-"""
+the device (the model's size) where the memory model has two grad slots."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ CPU is left to it and the landing and optimizer threads (and all they start) run
 ``W = C - 1``: a landing split over ``min(W, MAX_LANDING_THREADS)`` threads (the bus saturates
 first), ``optimizer_threads`` units at once with ``W // optimizer_threads`` intra-op threads
 each. Landing and updates are busy at different times, so they share the ``W`` CPUs. On the CPU
-backends compute needs every core: nothing is pinned.
-"""
+backends compute needs every core: nothing is pinned."""
 
 from __future__ import annotations
 

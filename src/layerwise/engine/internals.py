@@ -5,8 +5,7 @@ Saved tensors go through ``saved_tensors_hooks``: a view of the layer's weights 
 tensors and host tensors (FlashAttention's seed) are kept as they are; activations stay on the
 device or are copied to host storage-by-storage and fetched back. The graph's input leaf is
 emptied after the forward, so the graph pins no boundary: only the saved tensors
-(``plan.memory.layer_workspace_bytes``).
-"""
+(``plan.memory.layer_workspace_bytes``)."""
 
 from __future__ import annotations
 

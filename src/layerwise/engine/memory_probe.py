@@ -1,8 +1,7 @@
 """The device memory a step really takes, measured from allocations (never from the engine's own
 bookkeeping), to hold the memory model to account: on CUDA ``max_memory_reserved``; on the CPU
 backends the profiler's allocations over the step (every lane's thread on the async one, by the
-legacy per-thread profiler: kineto records only its own thread) plus the slots.
-"""
+legacy per-thread profiler: kineto records only its own thread) plus the slots."""
 
 from __future__ import annotations
 

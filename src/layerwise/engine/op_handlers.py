@@ -2,8 +2,7 @@
 
 ``OpHandlers`` dispatches ``{OpKind: method}`` and runs a step's program with fetches a few ops
 ahead. A handler takes its weights once per group, queues a closure per micro-batch, and sends
-the group's gradient once. ``forward_hidden`` is the forward alone (eval, export checks).
-"""
+the group's gradient once. ``forward_hidden`` is the forward alone (eval, export checks)."""
 
 from __future__ import annotations
 

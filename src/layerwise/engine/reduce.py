@@ -1,6 +1,5 @@
 """How the ranks of a data-parallel step combine their work: the engine's only seam for it, so
-the engine stays free of ``torch.distributed`` (``LocalReducer`` for one process: one code path).
-"""
+the engine stays free of ``torch.distributed`` (``LocalReducer`` for one process: one code path)."""
 
 from __future__ import annotations
 

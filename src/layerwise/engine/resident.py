@@ -3,8 +3,7 @@
 Each resident unit has one device buffer, outside the weight schedule, marked stale at the start
 and by every update, and refreshed by one H2D copy once its update is done and its previous
 reads have run (compute waits at every acquire). So a run copies each resident layer once per
-step.
-"""
+step."""
 
 from __future__ import annotations
 

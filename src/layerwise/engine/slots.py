@@ -1,8 +1,7 @@
 """Device slots, pinned host rings and the offload window: the bounds on what copies hold
 (``docs/design-notes.md``, "Engine"). A slot is reused only after the compute lane's event for
 its last reader, so the device holds what the memory model counts however far the host runs
-ahead.
-"""
+ahead."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Submitted after the backward (embed first: the next forward needs it first), overlapping the next
 forward; the streamer asks ``wait``/``done`` before copying a unit. No update zeroes a gradient:
 the next step's first landing overwrites it. ``times`` keeps each update's start and end for the
-overlap tests and benchmarks read.
-"""
+overlap tests and benchmarks read."""
 
 from __future__ import annotations
 

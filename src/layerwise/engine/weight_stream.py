@@ -2,8 +2,7 @@
 
 Follows ``plan.program.WeightWindow`` up to ``depth`` uses ahead, never copying a unit whose
 update is unfinished (retried at the next op) and never waiting for a unit the op does not need
-now. Resident units are not streamed. An NVMe copy source is read ahead and staged.
-"""
+now. Resident units are not streamed. An NVMe copy source is read ahead and staged."""
 
 from __future__ import annotations
 

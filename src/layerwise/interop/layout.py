@@ -1,6 +1,5 @@
 """Hugging Face and Trainer names and layouts, and the ``CheckpointSource`` protocol: the leaf of
-``layerwise.interop``, which every interop module imports. Blob keys: ``docs/formats.md``.
-"""
+``layerwise.interop``, which every interop module imports. Blob keys: ``docs/formats.md``."""
 
 from __future__ import annotations
 

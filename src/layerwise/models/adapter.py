@@ -4,8 +4,7 @@ A layer runs as HF's own module through a functional call on a meta-device templ
 pure function of the parameters given and the engine runs it on views of a flat device buffer;
 one template serves every layer of the same structure. The head is the causal LM's own forward
 with its base model replaced by what runs after the layers. A template is only right with the
-names, buffers and call arguments the adapter gives it, so both are read in one place.
-"""
+names, buffers and call arguments the adapter gives it, so both are read in one place."""
 
 from __future__ import annotations
 

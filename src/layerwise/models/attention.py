@@ -3,8 +3,7 @@
 A packed row's examples each need positions restarting at 0 and causal block-diagonal attention
 (sliding: within the window); a recurrent mixer, whose state no mask can cut, runs example by
 example (``RowLayout.runs``). One example per row needs no mask. Masks take the implementation's
-form: SDPA boolean (``None``: ``is_causal``), eager additive float.
-"""
+form: SDPA boolean (``None``: ``is_causal``), eager additive float."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ Layers and heads run as HF's own modules, so any causal-LM ``model_type`` gets a
 (:func:`derived_family`); the table holds only what that derivation gets wrong or the planner
 and checkpoints need (eager attention where SDPA lacks soft caps or sinks, sliding windows, shape
 facts, fused experts, multi-axis RoPE). Classes are named, not imported, so reading the table
-imports no modeling file.
-"""
+imports no modeling file."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Decoders share one shape under many names (Llama, GPT-2, GPT-NeoX, OPT, ...), so
 :func:`decoder_layout` reads them off the model instead of a table: the embedding and head via
 ``get_input_embeddings``/``get_output_embeddings``, the layers' ``ModuleList``, and what runs
-around the layers traced by running the base model on meta with each layer replaced by a probe.
-"""
+around the layers traced by running the base model on meta with each layer replaced by a probe."""
 
 from __future__ import annotations
 

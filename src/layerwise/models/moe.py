@@ -6,8 +6,7 @@ forward records its router logits (:class:`RouterSpec`), the head computes the a
 gradient per layer, and :class:`LayerTail` (an identity) adds that gradient in each layer's
 backward, so every plan gets it with no change to the engine. ``LayerTail`` also gives frozen
 tensors an exact zero gradient. Several micro-batches are weighted by their share of target
-tokens (HF's Trainer adds them unweighted: k times the weight).
-"""
+tokens (HF's Trainer adds them unweighted: k times the weight)."""
 
 from __future__ import annotations
 

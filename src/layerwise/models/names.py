@@ -3,8 +3,7 @@
 Units (what the engine streams and updates): ``embed``, ``layers.{i}``, ``head``. Groups (what a
 checkpoint versions) are finer: ``norm`` and ``lm_head`` apart, because they change at very
 different rates and sizes; a tied lm_head is the embedding; any other key is its own group.
-Expert groups split an MoE layer per routed expert (``ckpt.expert_groups``).
-"""
+Expert groups split an MoE layer per routed expert (``ckpt.expert_groups``)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Rather than a formula per family, the layer runs as the engine runs it under
 ``saved_tensors_hooks`` over 256 and 512 tokens (separating linear from quadratic growth), and
 the distinct saved storages are counted, less weights and shared tensors. On the CPU, not meta,
 because a routed MoE picks experts by data; weights are zero-stride views and products are not
-computed, so it costs no memory and does not depend on a draw.
-"""
+computed, so it costs no memory and does not depend on a draw."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ Layers differ (dense/MoE, full/sliding/linear/latent attention): a layer's bytes
 tensors, its FLOPs only what a token runs through (routed experts at ``top_k / num_experts``).
 FLOP conventions are ``planner/cost.py``'s; a linear-attention layer costs
 ``4 * v_heads * k_head_dim * v_head_dim`` per token instead of pairs. Model FLOPs of a step are
-3x the forward.
-"""
+3x the forward."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Two implementations held bit-identical by tests: ``numba`` (CPU) keeps a block's
 L1-resident scratch so memory is read and written once, and takes a table of tensors in one
 launch per step. ``nogil=True`` on our own pool, not ``parallel=True``: numba's ``workqueue``
 aborts when entered from several engine threads. ``torch`` (CUDA, no numba, or
-``LAYERWISE_OPTIM_KERNEL=torch``) runs the same maths in cache-sized chunks.
-"""
+``LAYERWISE_OPTIM_KERNEL=torch``) runs the same maths in cache-sized chunks."""
 
 from __future__ import annotations
 
@@ -82,8 +81,7 @@ class StepScalars:
         ``k2 = (1 - beta2) * clip**2``, so the gradient enters with factor 1 and the clip costs nothing;
         the factors move into the block scales and the denominator:
         ``mu / (sqrt(w) * den + eps')``, ``den = sqrt(k2) / (sqrt(bc2) * step_size * k1)``,
-        ``eps' = eps / (step_size * k1)``. Float64, rounded once to fp32 by the caller.
-        """
+        ``eps' = eps / (step_size * k1)``. Float64, rounded once to fp32 by the caller."""
         k1 = (1.0 - self.beta1) * self.grad_mul
         sk2 = math.sqrt(1.0 - self.beta2) * self.grad_mul
         num = self.step_size * k1

@@ -3,8 +3,7 @@ split master, fp32 or bf16 gradient, clip folded into the read): each byte touch
 
 ``torch.optim.AdamW``'s arithmetic element by element without fast-math, so the result does not
 depend on the thread split and a split master ends bit-identical to a plain one (within round-off
-of torch's fused kernel, not equal).
-"""
+of torch's fused kernel, not equal)."""
 
 from __future__ import annotations
 

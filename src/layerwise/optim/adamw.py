@@ -3,8 +3,7 @@ different worker threads.
 
 With numba one pass of ``_kernel_fp32``; else torch's fused AdamW, a split master stepped in
 ``SPLIT_CHUNK`` pieces through an L2-sized scratch, each starting a multiple of 64 elements in so
-the result is bit-identical to stepping the fp32 master in one call.
-"""
+the result is bit-identical to stepping the fp32 master in one call."""
 
 from __future__ import annotations
 

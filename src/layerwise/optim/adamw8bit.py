@@ -3,8 +3,7 @@
 ``AdamW8bit`` is a drop-in ``torch.optim.Optimizer``; ``HostAdamW8bit`` the engine's per-unit
 optimizer. ``step`` stays a 0-d tensor for checkpoints, but the count is read from a host-side
 int (``HostSteps``): on CUDA every ``.item()`` would sync. ``state_to_fp32``/``state_to_8bit``
-convert, so checkpoints of either optimizer load into the other.
-"""
+convert, so checkpoints of either optimizer load into the other."""
 
 from __future__ import annotations
 
@@ -58,8 +57,7 @@ class HostSteps:
 
     The int is trusted while the tensor's version counter is unchanged; after an outside write (a
     checkpoint load) the tensor is read once. Keyed by ``id`` with a weak reference that must still
-    match, so a recycled id never does. Thread-safe across tensors.
-    """
+    match, so a recycled id never does. Thread-safe across tensors."""
 
     def __init__(self) -> None:
         self._counts: dict[int, tuple[weakref.ref, int, int]] = {}
@@ -122,8 +120,7 @@ def state_to_fp32(state: dict[str, Any], block_size: int = quant.DEFAULT_BLOCK_S
                   shape: torch.Size | None = None) -> dict[str, Any]:
     """``torch.optim.AdamW``-style state (``step``, ``exp_avg``, ``exp_avg_sq``) from 8-bit state.
 
-    fp32 state is returned as is (a shallow copy); other entries are kept.
-    """
+    fp32 state is returned as is (a shallow copy); other entries are kept."""
     if not is_8bit_state(state):
         return dict(state)
     _check_block_size(state, block_size)
@@ -209,8 +206,7 @@ class AdamW8bit(torch.optim.Optimizer):
     """AdamW with block-wise 8-bit moments, hybrid per group, optional fused global-norm clip.
 
     Matches ``torch.optim.AdamW`` up to the quantisation (``moments="fp32"`` is it). After each
-    ``step``: ``last_grad_norm``, ``last_step_skipped``, ``skipped_steps`` (non-finite norms).
-    """
+    ``step``: ``last_grad_norm``, ``last_step_skipped``, ``skipped_steps`` (non-finite norms)."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -391,8 +387,7 @@ class AdamW8bit(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load our own state dict exactly, or a ``torch.optim.AdamW`` one (quantised as needed).
 
-        Groups keep their moment format / block size when the saved dict does not name them.
-        """
+        Groups keep their moment format / block size when the saved dict does not name them."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"state dict has {len(saved_groups)} param groups, this optimizer "

@@ -4,8 +4,7 @@
 3.37 for fp32 += fp32). The numba kernel widens bf16 by a bit shift (exact) and vectorises
 (slices from index 0: a negative-index fix-up kept it scalar); no fast-math, so it is bit-equal
 to ``dst += src.float()``. Our own thread pool, since numba's ``parallel=True`` aborts when
-entered from several threads.
-"""
+entered from several threads."""
 
 from __future__ import annotations
 

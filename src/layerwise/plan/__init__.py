@@ -1,6 +1,5 @@
 """The contract the engine obeys, with no tensors; ``layerwise.planner`` decides a Plan and
-nothing here imports it.
-"""
+nothing here imports it."""
 
 from .plan import STORED_TIERS, TIERS, Plan
 

@@ -1,7 +1,6 @@
 """The sizes a model family is released in, smallest first, for ``layerwise plan``'s "largest
 model that fits": the registry's real shapes plus released sizes defined here from their public
-config.json (planning only). Without a ladder, the registry's non-debug flavors.
-"""
+config.json (planning only). Without a ladder, the registry's non-debug flavors."""
 
 from __future__ import annotations
 

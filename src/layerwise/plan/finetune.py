@@ -2,8 +2,7 @@
 
 With ``ModelShape.frozen_base``, weights stream in the base format, only adapters get gradients
 and state, embedding and head are frozen units, and a layer's backward is 1x its forward (input
-gradients only), not 2x.
-"""
+gradients only), not 2x."""
 
 from __future__ import annotations
 

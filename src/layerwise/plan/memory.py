@@ -3,8 +3,7 @@
 The engine checks plans with this before training and the planner's cost model and simulator use
 the same slots and transients, so all three agree on what fits. In flight (asynchronous device):
 only the offloads of the ``OFFLOAD_WINDOW_OPS - 1`` ops before, since compute waits for older
-ones. The peak is the largest sum over the ops.
-"""
+ones. The peak is the largest sum over the ops."""
 
 from __future__ import annotations
 
@@ -95,8 +94,7 @@ def layer_workspace_bytes(shape: ModelShape, tokens: int, elem_bytes: int, i: in
                           seq_len: int = 0) -> int:
     """What autograd keeps for layer ``i``'s backward over ``tokens`` tokens in rows of ``seq_len``:
     per-layer facts where measured (``models/saved_bytes.py``), else the closed-form families'
-    tensors counted by hand (``tests/plan/test_module_facts.py`` holds the two equal).
-    """
+    tensors counted by hand (``tests/plan/test_module_facts.py`` holds the two equal)."""
     c = shape.layer(i)
     if c is not None:
         return int(tokens * (c.workspace_per_token + c.workspace_per_token_pos * seq_len)

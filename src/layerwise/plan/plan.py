@@ -3,8 +3,7 @@
 Fields and tiers: ``docs/formats.md``. Boundary ``i`` is the activation entering layer ``i``
 (0: the embedding output); the head's input is consumed at once by the chunked loss, never
 stored. A layer keeping its internals needs no boundary ``i`` in its backward. Weights are never
-among the kept tensors: the backward streams them in again (unless resident).
-"""
+among the kept tensors: the backward streams them in again (unless resident)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Plain data, so the same list drives the executor, the weight prefetch, the memor
 the simulator: what is predicted is what runs (op kinds: :class:`OpKind`; ``docs/planner.md``).
 :func:`step_program` runs it micro-batch-major, or in groups of ``micro_batches_per_load``
 sharing one weight copy (layer-major). :class:`WeightWindow` is the one rule for which weight
-buffers the device holds.
-"""
+buffers the device holds."""
 
 from __future__ import annotations
 
@@ -192,8 +191,7 @@ class WeightWindow:
 
     ``depth + 1`` slots; the window holds the next ``depth`` uses as free slots allow (a tied head
     delays the next prefetch). A slot lives from the first use of its unit to the last release, so a
-    unit needed again inside the window is copied once. Lowest index first.
-    """
+    unit needed again inside the window is copied once. Lowest index first."""
 
     def __init__(self, schedule: list[str], depth: int):
         if depth < 1:

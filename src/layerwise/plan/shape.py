@@ -3,8 +3,7 @@
 The first four families are closed-form (held equal to the modules by
 ``tests/plan/test_module_facts.py``); every other has per-layer facts (:class:`LayerCost`, from
 ``models/structure.py`` and ``models/saved_bytes.py``), so dense and MoE, full and linear
-attention layers are each costed as they are.
-"""
+attention layers are each costed as they are."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 rule), ``keep-all-device``, ``recompute-all``, and with an internals tier ``internals-device``
 and ``internals-host`` (their boundaries all dropped: a layer keeping its internals never reads
 its boundary), so the MILP is never measured against rules that cannot use that tier.
-``keep-all-host`` is a warm start for the MILP, not a rule to beat.
-"""
+``keep-all-host`` is a warm start for the MILP, not a rule to beat."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Each figure is the median of a few repeats after a warm-up, measuring the fields the roofline
 prices a step by (``docs/planner.md``, "Calibration"); ``peak_tflops`` is what a GEMM sustains
-here, so ``efficiency`` is 1. ``cuda:N`` is measured on device N.
-"""
+here, so ``efficiency`` is 1. ``cuda:N`` is measured on device N."""
 
 from __future__ import annotations
 

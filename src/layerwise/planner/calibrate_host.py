@@ -1,8 +1,7 @@
 """The host half of ``layerwise calibrate``: each probe runs the engine's own host kernel
 (accumulation, optimizer step, pinned refresh, gloo reduce when asked), on the threads and CPUs
 the engine gives it (``host_threads``), at the run's unit size. Rates count the bytes each kernel
-moves, the same counts the cost model divides by.
-"""
+moves, the same counts the cost model divides by."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 It trusts neither the simulator's peaks nor the MILP's capacity rows: it recomputes every tier's
 occupancy from the timeline and checks capacity, lane exclusivity, weights and boundaries present
-for every op, NVMe reads after writes, and copies after the previous step's update.
-"""
+for every op, NVMe reads after writes, and copies after the previous step's update."""
 
 from __future__ import annotations
 

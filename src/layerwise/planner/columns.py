@@ -1,6 +1,5 @@
 """A linear program written by name: blocks of columns and rows turned into one ``HighsLp``.
-Blocks allocate column indices, so no constraint computes one by hand; rows keep their group.
-"""
+Blocks allocate column indices, so no constraint computes one by hand; rows keep their group."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 One source of numbers for the simulator and the MILP, so both price a step alike; per
 micro-batch of ``micro_batch_size x seq_len`` tokens. FLOP conventions and memory accounting:
-``docs/planner.md`` ("Cost model"). Model FLOPs (for TFLOPS) count 1x forward + 2x backward.
-"""
+``docs/planner.md`` ("Cost model"). Model FLOPs (for TFLOPS) count 1x forward + 2x backward."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ An op runs as the HF module runs it (eager, SDPA), so it is priced kernel by ker
 and elementwise kernels by bytes only (estimates from transformers' modules, below). A kernel
 costs ``max(roofline, kernel_launch_s)`` on an asynchronous device and ``kernel_launch_s +
 roofline`` on a synchronous one, the roofline being ``max(FLOPs / (peak_tflops x efficiency),
-bytes / device_mem_gbps)``.
-"""
+bytes / device_mem_gbps)``."""
 
 from __future__ import annotations
 

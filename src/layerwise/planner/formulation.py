@@ -1,7 +1,6 @@
 """The MILP as written in ``docs/planner.md`` ("MILP"), one function per constraint group, named
 as the document names it. A new constraint is a new function in :data:`LAYER_GROUPS` or
-:func:`step_groups`; constants are the step model's; rows are in milliseconds (:data:`MS`).
-"""
+:func:`step_groups`; constants are the step model's; rows are in milliseconds (:data:`MS`)."""
 
 from __future__ import annotations
 

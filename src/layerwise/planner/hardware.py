@@ -1,8 +1,7 @@
 """Hardware profiles: what one machine can hold and move per second, the only thing the planner
 knows about a machine. Per-GPU figures are one GPU alone; scale-out fields feed ``scaling``.
 
-Units: bytes, seconds, GB/s = 1e9 bytes/s, TFLOPS = 1e12 FLOP/s.
-"""
+Units: bytes, seconds, GB/s = 1e9 bytes/s, TFLOPS = 1e12 FLOP/s."""
 
 from __future__ import annotations
 

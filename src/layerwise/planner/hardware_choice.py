@@ -5,8 +5,7 @@ The first that applies: ``profile`` (a calibrated file; missing is an error), ``
 (``RUN/profile.json`` when it exists), ``hardware`` (a preset or a file), ``machine`` (this
 machine's preset, else ``calibrate()`` saved for the next run). Then memory overrides, the
 compute dtype's element size and the device-memory cap. ``plan/`` reads no device: the layers
-above read the machine and inject the calibration.
-"""
+above read the machine and inject the calibration."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ One accounting for ``layerwise plan``'s verdict and the family search: the host 
 host-tier activations at the simulator's peak, and the host reserve ([HOSTRES] in
 ``planner/presets.py``), against the machine's RAM (the reserve counts as a need). A family's
 largest model is judged by its host floor (8-bit moments, bf16 gradients, state on NVMe where
-needed: ``host_fit.choose_state``) and, if asked, a device check.
-"""
+needed: ``host_fit.choose_state``) and, if asked, a device check."""
 
 from __future__ import annotations
 

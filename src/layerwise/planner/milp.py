@@ -2,8 +2,7 @@
 once before training with HiGHS (``docs/planner.md``, "MILP").
 
 Each window lasts as long as its slowest resource, so a transfer inside its window's compute
-costs nothing. Here: :func:`solve` as named steps (presolve, then build, seed, run, read back).
-"""
+costs nothing. Here: :func:`solve` as named steps (presolve, then build, seed, run, read back)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The hardware presets: common training boxes from datasheets plus stated assumptions (each
-tagged once below, cited where used), and ``get_hardware`` (a preset name or a profile file).
-"""
+tagged once below, cited where used), and ``get_hardware`` (a preset name or a profile file)."""
 
 from __future__ import annotations
 

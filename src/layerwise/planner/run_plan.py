@@ -1,7 +1,6 @@
 """The planner's entry for ``plan=auto``: the hardware profile (``hardware_choice``), then the
 plan, with the simulator's prediction in ``plan.predicted``. Imported by name only for
-``plan=auto``, so a rule or a plan file never loads the planner.
-"""
+``plan=auto``, so a rule or a plan file never loads the planner."""
 
 from __future__ import annotations
 

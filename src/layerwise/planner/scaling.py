@@ -1,7 +1,6 @@
 """Predicted data-parallel scaling at a fixed global batch: the same plan simulated on one GPU
 and split over G x N GPUs (:func:`split_plan`) by the one simulator, so the prediction moves
-with every cost the single-GPU planner prices.
-"""
+with every cost the single-GPU planner prices."""
 
 from __future__ import annotations
 

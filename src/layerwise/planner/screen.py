@@ -20,8 +20,7 @@ def simulate_fast(plan: Plan, shape: ModelShape, hw: HardwareProfile) -> SimResu
     Groups repeat identically, so the step grows linearly in their number. Memory peaks usually do
     not, except when a copy lane falls behind compute (qwen-27b on a 70 GB h800: 65 GB at 3 groups,
     137 GB at 64): a peak that grows from 3 to 4 is extrapolated too. For screening only; the
-    emitted plan is simulated in full.
-    """
+    emitted plan is simulated in full."""
     if not extrapolated(plan):
         return simulate(plan, shape, hw, keep_trace=False)
     per = plan.micro_batches_per_load

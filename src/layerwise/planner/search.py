@@ -3,8 +3,7 @@
 The MILP plan and every baseline are simulated, and the fastest that fits (by simulation, the
 more faithful model) is emitted, so it is never slower than a baseline tried
 (``docs/planner.md``, "Outer search"). Every step reads and extends one tally of simulated
-candidates, so "fits" and "fastest" mean the same for all of them.
-"""
+candidates, so "fits" and "fastest" mean the same for all of them."""
 
 from __future__ import annotations
 

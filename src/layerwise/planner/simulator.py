@@ -6,8 +6,7 @@ engine cannot disagree on what runs when. Data parallel: one GPU's process is si
 owner with the most parameters, the one the step waits for), on the machine as it sees it while
 its node's other GPUs run (``topology.rank_hardware``); host and NVMe bytes are the node's.
 
-The simulated step is the steady-state one: the time between the ends of consecutive steps.
-"""
+The simulated step is the steady-state one: the time between the ends of consecutive steps."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 The traffic is fixed per step while compute grows with the batch, so the search picks a batch
 where traffic is at most ``HIDE_FRACTION`` of compute and the step within ``STEP_SLACK``. Both,
-because reads fall mostly in the next step's forward: a small total can still stall it.
-"""
+because reads fall mostly in the next step's forward: a small total can still stall it."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The linear step model: the MILP's constants for one (model, machine, micro-batch shape), and
 the step time of a fixed assignment under it (an upper bound on the MILP's value for it, for
-warm starts and screening). Constants come from the simulator's ``CostModel``.
-"""
+warm starts and screening). Constants come from the simulator's ``CostModel``."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 The semantics are ``train/``'s: a node's GPUs share one host store; each unit's gradient goes to
 its owner (balanced by bytes), then is all-reduced among that unit's owners across nodes; each
 owner updates its units with its share of the cores. So a GPU's share of the host side shrinks
-with GPUs per node (:func:`rank_hardware`), and reductions cost ring-style times.
-"""
+with GPUs per node (:func:`rank_hardware`), and reductions cost ring-style times."""
 
 from __future__ import annotations
 
@@ -59,8 +58,7 @@ class Topology:
 
 def rank_hardware(hw: HardwareProfile, topo: Topology) -> HardwareProfile:
     """The machine as one GPU's process sees it while all ``gpus_per_node`` of its node run: host
-    link, memory bandwidth, optimizer cores and spill drive divided by G; device figures its own.
-    """
+    link, memory bandwidth, optimizer cores and spill drive divided by G; device figures its own."""
     g = topo.gpus_per_node
     link = hw.node_host_link_gbps if g > 1 else None  # one GPU alone gets h2d_gbps by definition
     return replace(

@@ -1,7 +1,6 @@
 """How often a step copies each unit's weights to the device and lands its gradient on the host,
 for an ``nvme-all`` unit's NVMe traffic; counted from the engine's own step program and weight
-window, so a recompute that finds its unit still held adds no copy.
-"""
+window, so a recompute that finds its unit still held adds no copy."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ waits for the last background write. Every rank saves its groups.
 
 Ctrl-C/SIGTERM only set a flag the loop reads between steps, so the checkpoint is of a whole
 step; a second Ctrl-C stops at once without saving. Ranks may see the signal at different steps,
-so they agree on the flag each step (one all-reduce) and all save the same one.
-"""
+so they agree on the flag each step (one all-reduce) and all save the same one."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Checks of a run against the machine and the model, before any work: each refusal is one
 ``ValueError`` line that says what to do. layerwise never downloads: a hub id not in the local
-cache is refused with the way to fetch it.
-"""
+cache is refused with the way to fetch it."""
 
 from __future__ import annotations
 

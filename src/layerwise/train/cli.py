@@ -3,8 +3,7 @@
 
 Settings, lowest first: ``TrainConfig``'s defaults, the continued run's ``run.json``, the
 ``--config`` YAML, ``key=value`` overrides; so ``layerwise train out_dir=OUT`` resumes a run as it
-was started, and any key given now wins.
-"""
+was started, and any key given now wins."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ right under it (``layerwise train --help`` / ``--help-all`` print these texts).
 
 Torch-free, so ``--help`` and these checks answer in well under a second (checks needing the
 model or machine: ``train/checks.py``). The old flat keys (``TrainConfig.removed_keys``) are
-refused in one line naming their new key.
-"""
+refused in one line naming their new key."""
 
 from __future__ import annotations
 

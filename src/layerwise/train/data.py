@@ -1,7 +1,6 @@
 """The training data: the built-in corpus (the Python standard library's source, sorted, so runs
 are reproducible on one machine) or local data files, split, packed and cached next to the run.
-Nothing is downloaded.
-"""
+Nothing is downloaded."""
 
 from __future__ import annotations
 

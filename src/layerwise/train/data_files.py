@@ -3,8 +3,7 @@
 
 Read with the standard library and pyarrow rather than ``datasets.load_dataset``, which fails a
 whole JSON file with no line number: a bad line must be reported with its place, or skipped and
-counted.
-"""
+counted."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ The same path as ``layerwise train model=DIR model.tokenizer=DIR plan=FILE`` wit
 and nothing downloaded: learn a BPE tokenizer from the standard library's source, write a plan
 file, train ``llama-demo``, reload the export with ``AutoModelForCausalLM`` and run ``layerwise
 report``. Every run starts fresh: an earlier demo's directory is replaced; any other non-empty
-directory is refused and left as it is.
-"""
+directory is refused and left as it is."""
 
 from __future__ import annotations
 

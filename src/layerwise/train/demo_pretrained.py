@@ -2,8 +2,7 @@
 
 A local chat model, LoRA on every decoder linear, chat JSONL data, a PEFT adapter as the export.
 The task (answering capitals in a pirate's voice) holds four countries out, asked before and
-after, so the change shown is training's, on unseen questions. Nothing is downloaded.
-"""
+after, so the change shown is training's, on unseen questions. Nothing is downloaded."""
 
 from __future__ import annotations
 

@@ -13,8 +13,7 @@ and ``messages[:i+1]``, which may differ from the whole only in how the turn is 
 ``<|return|>`` vs ``<|end|>``). A template that rewrites the turn itself (Qwen3's empty
 ``<think>`` block) is refused. Tokenized once; a token is trained when its first character lies
 in a span, so a merge at a boundary cannot shift the mask. A template without a system role gets
-the system text folded into the first user turn, as Gemma 3's does.
-"""
+the system text folded into the first user turn, as Gemma 3's does."""
 
 from __future__ import annotations
 

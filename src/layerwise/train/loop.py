@@ -1,7 +1,6 @@
 """The training loop around the StreamingEngine: ``Trainer``, in named steps (``setup``,
 ``train_step``, ``evaluate``, ``save``, ``close``), and ``train(cfg)``, which runs them.
-Rank 0 writes the files (``lead``); the other ranks run the same code and write nothing.
-"""
+Rank 0 writes the files (``lead``); the other ranks run the same code and write nothing."""
 
 from __future__ import annotations
 

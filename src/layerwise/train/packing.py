@@ -5,8 +5,7 @@ across an example boundary. ``pack=True`` lays examples end to end (a supervised
 split, a text one continues in the next row); ``segment_ids`` (-1: padding) let the engine
 restart positions and keep attention block-diagonal, so a packed example trains exactly as it
 would alone. A supervised example too long is truncated (counted), or refused if no target is
-left.
-"""
+left."""
 
 from __future__ import annotations
 

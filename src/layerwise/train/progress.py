@@ -1,6 +1,5 @@
 """What a run shows while it trains: a tqdm bar only when stdout and stderr are terminals, else a
-plain line every ``log_every`` steps, which never fills a log file with carriage returns.
-"""
+plain line every ``log_every`` steps, which never fills a log file with carriage returns."""
 
 from __future__ import annotations
 

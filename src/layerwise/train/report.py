@@ -2,8 +2,7 @@
 
 Reads what ``layerwise train`` wrote in ``out_dir`` (``docs/formats.md``); a ``Checkpointer``
 directory of another loop fills only the tracker and checkpoint panels. Panels, top to bottom:
-loss, LR, gradient norm, tokens/s against the prediction, per-layer change, checkpoint history.
-"""
+loss, LR, gradient norm, tokens/s against the prediction, per-layer change, checkpoint history."""
 
 from __future__ import annotations
 

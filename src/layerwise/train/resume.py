@@ -8,8 +8,7 @@ checkpoint; decided before the model is built, each choice said in one line.
 | a run without a checkpoint, same settings (killed before its first save) | start it again | error | error |
 | a run without a checkpoint and other settings, or of another model | error | error | error |
 
-Every error says the way out (``overwrite=true``, another ``out_dir``, the right ``resume``).
-"""
+Every error says the way out (``overwrite=true``, another ``out_dir``, the right ``resume``)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Learning-rate schedules: linear warmup, then cosine or linear decay to a floor, or constant.
 
 Fixed when the run starts and kept in its checkpoints, so extending ``steps`` later does not
-redraw the curve (``schedule.total_steps`` asks for another span).
-"""
+redraw the curve (``schedule.total_steps`` asks for another span)."""
 
 from __future__ import annotations
 

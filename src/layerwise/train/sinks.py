@@ -1,6 +1,5 @@
 """Where a run's numbers go (``metrics.jsonl``, progress, samples, TensorBoard, W&B), each an
-optional import used only when asked. Non-lead ranks write nothing, so the loop never asks.
-"""
+optional import used only when asked. Non-lead ranks write nothing, so the loop never asks."""
 
 from __future__ import annotations
 

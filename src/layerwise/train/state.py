@@ -1,7 +1,6 @@
 """What a run needs to continue besides weights and optimizer state: one typed, versioned
 record, saved as each step's ``trainer_state``. RNGs are saved by the checkpointer, and dropout
-masks are seeded from the step, so they need nothing here.
-"""
+masks are seeded from the step, so they need nothing here."""
 
 from __future__ import annotations
 

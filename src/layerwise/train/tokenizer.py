@@ -1,7 +1,6 @@
 """Tokenizers for training: the model directory's own (Hugging Face, local files only, never
 fetched from the hub) or the byte tokenizer of the built-in flavors, behind one small interface.
-``train_bpe_tokenizer`` makes a tokenizer directory on the spot (``layerwise demo``).
-"""
+``train_bpe_tokenizer`` makes a tokenizer directory on the spot (``layerwise demo``)."""
 
 from __future__ import annotations
 

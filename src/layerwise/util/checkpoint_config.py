@@ -1,7 +1,6 @@
 """``CheckpointConfig``: one config for ``layerwise train``'s ``ckpt.*`` keys and
 ``Checkpointer(**options)``. Torch-free: ``--help`` reads it first. ``metadata={"cli": False}``
-fields are the library's alone; ``every``, ``at_end``, ``save_total_limit`` the command's.
-"""
+fields are the library's alone; ``every``, ``at_end``, ``save_total_limit`` the command's."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Spill files in the page cache take RAM a planner counts as free, so writes use ``O_DIRECT``
 (refused: buffered, ``fdatasync``, ``POSIX_FADV_DONTNEED``). Resident pages are counted from the
-kernel (``mincore``). A tmpfs file *is* page cache: :func:`in_ram` says so.
-"""
+kernel (``mincore``). A tmpfs file *is* page cache: :func:`in_ram` says so."""
 
 from __future__ import annotations
 

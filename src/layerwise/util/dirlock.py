@@ -1,7 +1,6 @@
 """One run at a time in a directory: an exclusive ``flock`` on ``DIR/.train.lock``, naming its
 holder. The kernel releases it however the holder ends, so a leftover file never blocks. Counted
-within a process: the command takes it early and the loop again, harmlessly.
-"""
+within a process: the command takes it early and the loop again, harmlessly."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """What this machine's host memory offers: page-locked regions and the RAM still available
-(``MemAvailable`` lowered to the cgroup's headroom, so a container's limit counts).
-"""
+(``MemAvailable`` lowered to the cgroup's headroom, so a container's limit counts)."""
 
 from __future__ import annotations
 
@@ -85,8 +84,7 @@ def alloc_pinned(nbytes: int) -> tuple[torch.Tensor, int]:
     """``nbytes`` of page-locked host memory (uint8, uninitialised) and how many bytes are locked.
 
     Registered in place (exact size, no copy): torch's pinned allocator rounds up to a power of two
-    (a 29.5 GB arena would lock 34.4 GB) and is only the fallback, with a warning.
-    """
+    (a 29.5 GB arena would lock 34.4 GB) and is only the fallback, with a warning."""
     page = page_size()
     size = locked_nbytes(nbytes)
     raw = torch.empty(size + page, dtype=torch.uint8)  # untouched slack pages cost no RAM

@@ -1,6 +1,5 @@
 """What a run tells the person running it: library code logs to module loggers with no handler;
-the ``layerwise`` command installs one (:func:`command_output`) printing INFO+ bare on stdout.
-"""
+the ``layerwise`` command installs one (:func:`command_output`) printing INFO+ bare on stdout."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Unpickling may call any function, so everything goes through ``torch.load(weights_only=True)``
 plus an explicit allowlist (``ALLOWED_GLOBALS``); anything else is refused naming the class,
-before it is called. ``training_args.bin`` is not read.
-"""
+before it is called. ``training_args.bin`` is not read."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 ``save_file`` needs the whole shard in memory because the header comes first; here a header
 region is reserved, data streams after it, and the real header is written back padded with
-spaces (which the format allows).
-"""
+spaces (which the format allows)."""
 
 from __future__ import annotations
 
@@ -124,8 +123,7 @@ class ShardedSafetensorsWriter:
     def finish(self, single_name: str, sharded_pattern: str) -> dict[str, str]:
         """Close the last shard, rename shards, return the weight map (tensor name -> file name).
 
-        One shard is named ``single_name``; several are named ``sharded_pattern.format(i, n)``.
-        """
+        One shard is named ``single_name``; several are named ``sharded_pattern.format(i, n)``."""
         self._close_shard()
         n = len(self._shards)
         weight_map: dict[str, str] = {}

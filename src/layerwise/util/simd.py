@@ -3,8 +3,7 @@
 LLVM vectorises at 256 bits on most AVX-512 CPUs (``prefer-256-bit``); the 8-bit optimizer step
 is instruction-bound and runs 1.3-1.4x faster at 512 (``benchmarks/host_optimizer.py``), so a
 kernel calls ``wide_vectors()`` first. Elementwise results do not change with width. After
-editing this file clear the kernels' ``__pycache__/*.nb*`` too.
-"""
+editing this file clear the kernels' ``__pycache__/*.nb*`` too."""
 
 from __future__ import annotations
 

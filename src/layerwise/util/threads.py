@@ -1,7 +1,6 @@
 """One pool of host threads for the kernels that split a flat range over cores (they release the
 GIL). Chunks come from a shared counter, so a descheduled thread holds up at most one chunk, not
-a static share. The caller is one of the threads.
-"""
+a static share. The caller is one of the threads."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ filling a template save's layout (``docs/formats.md``).
 Reads are memory-mapped and checked against the model of ``config.json``: a save that does not
 fit is refused, never mis-assigned. Pickles load ``weights_only`` with the four DeepSpeed classes
 mapped to inert stand-ins: no DeepSpeed, no code from the file. :func:`write_zero` overwrites a
-copied template's master, moments and step in place, so DeepSpeed's ``load_checkpoint`` resumes.
-"""
+copied template's master, moments and step in place, so DeepSpeed's ``load_checkpoint`` resumes."""
 
 from __future__ import annotations
 

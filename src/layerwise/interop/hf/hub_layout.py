@@ -2,8 +2,7 @@
 
 Many Hub checkpoints keep a layout the module no longer has (per-expert tensors, renamed
 prefixes). :class:`HubLayout` runs the installed transformers' transforms on one group's keys at
-a time, so a model never has to be in RAM whole.
-"""
+a time, so a model never has to be in RAM whole."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Read a local Hugging Face model dir: weights one group (or one tensor) at a time, from
-memory-mapped shards, so peak host memory is the store plus one group.
-"""
+memory-mapped shards, so peak host memory is the store plus one group."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Export to a Hugging Face model dir: sharded safetensors + index + ``config.json``, with the
-names and layout ``save_pretrained`` writes; a tied head is stored once, as the embedding.
-"""
+names and layout ``save_pretrained`` writes; a tied head is stored once, as the embedding."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 :func:`dequantizer` builds the quantizer transformers would use with ``dequantize=True`` (FP8,
 MXFP4, bitsandbytes NF4/FP4 and LLM.int8), so each group reads back as ``from_pretrained``
 would build it. Any other format is refused: weights read without their scales must never be
-trained.
-"""
+trained."""
 
 from __future__ import annotations
 

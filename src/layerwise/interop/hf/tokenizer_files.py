@@ -1,7 +1,6 @@
 """The files of a model that are not weights (tokenizer, chat template, ``generation_config``),
 copied beside merged weights so ``AutoTokenizer.from_pretrained(merged)`` and ``generate`` work.
-From ``--tokenizer DIR``, else the source's own (a train run's ``OUT/tokenizer/``).
-"""
+From ``--tokenizer DIR``, else the source's own (a train run's ``OUT/tokenizer/``)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 
 ``optimizer.pt`` identifies parameters only by position, so :func:`trainer_param_groups` replays
 ``Trainer.create_optimizer``'s two groups on a meta-device model. It is assembled from
-memory-mapped staging files, so its tensors come from the page cache, not the heap.
-"""
+memory-mapped staging files, so its tensors come from the page cache, not the heap."""
 
 from __future__ import annotations
 

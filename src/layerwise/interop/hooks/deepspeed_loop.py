@@ -12,8 +12,7 @@
             ckpt.save(step)                 # on every rank
 
 No rank gathers a full parameter. A load restores master, moments, step counters, scheduler and
-hyper-parameters, so training continues exactly.
-"""
+hyper-parameters, so training continues exactly."""
 
 from __future__ import annotations
 

@@ -17,8 +17,7 @@
 FSDP2's ``Shard(0)`` (``torch.chunk`` sizes) makes a rank's local tensor one flat range of the
 full tensor, and its padding is not in the local tensor, so it is never stored. ``step`` is
 handed by the rank with the first rows only; unsharded parameters by rank 0, whole. Names are
-HF's, so the run merges and serves recipes like any other.
-"""
+HF's, so the run merges and serves recipes like any other."""
 
 from __future__ import annotations
 

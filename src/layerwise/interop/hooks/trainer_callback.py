@@ -10,8 +10,7 @@ To resume with the Trainer, export a step as ``checkpoint-N`` (:func:`export_for
 it as ``resume_from_checkpoint``; set ``save_strategy="no"`` when these replace the Trainer's own.
 With DeepSpeed ZeRO the callback drives a ``DeepSpeedCheckpointer`` on every rank (the Trainer's
 own resume from it is not built: load it with ``DeepSpeedCheckpointer(...).load()``). FSDP is
-refused.
-"""
+refused."""
 
 from __future__ import annotations
 

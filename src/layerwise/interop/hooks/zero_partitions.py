@@ -5,8 +5,7 @@ where in its flat partition (stages 1/2: ``param._hp_mapping``; stage 3: ``ds_te
 Every piece is taken from DeepSpeed's metadata and checked against the layout the shapes give,
 so a DeepSpeed whose layout differs is refused, never read by blind index. ``LiveZeroState`` is
 the sharded save's ``ShardProvider``; ``finish_restore`` rebuilds the module's weights after a
-load, as DeepSpeed's own load does.
-"""
+load, as DeepSpeed's own load does."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """PEFT adapter directories in and out (PEFT itself not needed), and the merged model
-(``B A * alpha / r`` added to each adapted weight) as an HF directory, a group at a time.
-"""
+(``B A * alpha / r`` added to each adapted weight) as an HF directory, a group at a time."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """A saved step of a LoRA run taken out as a PEFT adapter (``--format peft``) or the merged base
 (``--format hf``): :func:`export_step`. The groups hold only adapters and moments; the rest
-(LoRA settings, base model, dtype) comes from the run's ``run.json``.
-"""
+(LoRA settings, base model, dtype) comes from the run's ``run.json``."""
 
 from __future__ import annotations
 

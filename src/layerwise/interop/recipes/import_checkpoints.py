@@ -2,8 +2,7 @@
 
 Each checkpoint becomes one step, oldest first, saved by a ``Checkpointer`` (same code, format
 and commit protocol as training). An import into a run with steps continues it, so importing a
-pile in two parts stores what one would.
-"""
+pile in two parts stores what one would."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Merge / export any checkpoint source into an ordinary checkpoint, atomically and streaming.
 
 Built in a hidden temp dir and renamed into place only once complete, so a failed merge never
-leaves a half-written output; sources are read one group at a time.
-"""
+leaves a half-written output; sources are read one group at a time."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ def merge(
     ``hparams``: AdamW hyper-parameters of a ``trainer`` export (default: the source's, else
     transformers'). ``template``: for ``deepspeed``, a ZeRO save whose layout is filled.
     ``config``: HF config of a DCP source. ``tokenizer``: directory whose tokenizer files go beside
-    the weights (default: the source's own).
-    """
+    the weights (default: the source's own)."""
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}; choose one of {', '.join(FORMATS)}")
     if isinstance(source, (str, Path)):

@@ -3,8 +3,7 @@
 The YAML (mergekit/LLMTailor's shape) is documented in ``docs/formats.md`` ("Recipes"). Layers
 keep their positions and every layer must be covered exactly once; each group carries its
 optimizer state from the same source as its weights. Relative paths resolve against the current
-directory, then the recipe file's.
-"""
+directory, then the recipe file's."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Written in ``get_state_dict``'s nesting (``docs/formats.md``), so FSDP2 loads it
 size. DCP plans from the whole state dict, so the writer hands it meta tensors resolved as they
 are written (``_LazySavePlanner``): one group in memory at a time. A foreign checkpoint is
 untrusted: its pickles are read with allow-lists (:class:`_MetadataUnpickler`,
-:class:`_DataOnlyLoadPlanner`).
-"""
+:class:`_DataOnlyLoadPlanner`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Which rank this process is, from torchrun's environment, and the process group. A failed or
-timed-out collective is re-raised as one error naming the timeout and the way back (resume).
-"""
+timed-out collective is re-raised as one error naming the timeout and the way back (resume)."""
 
 from __future__ import annotations
 

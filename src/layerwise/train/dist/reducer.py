@@ -8,8 +8,7 @@ the rest of the backward. Across nodes, owners all-reduce once per step and appl
 update, so nodes stay identical without broadcasting weights (2-4x the gradient's bytes).
 
 Update visibility: a per-unit counter in shared memory, written by the owner after
-``refresh_compute``; on x86 (TSO) a reader that sees it sees the weights written before it.
-"""
+``refresh_compute``; on x86 (TSO) a reader that sees it sees the weights written before it."""
 
 from __future__ import annotations
 

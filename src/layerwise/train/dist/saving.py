@@ -3,8 +3,7 @@
 Groups are dealt over all ranks of all nodes by ``plan.owners.assign_owners``: on one node each
 rank writes what it updates; across nodes (identical copies) the writes use every node's disk
 or link, so the run directory must be on a shared filesystem (resuming needs that anyway).
-Rank 0 checks that it sees every blob the others wrote.
-"""
+Rank 0 checks that it sees every blob the others wrote."""
 
 from __future__ import annotations
 

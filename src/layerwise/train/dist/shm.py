@@ -4,8 +4,7 @@ Each buffer is one file in ``shm_dir`` made by local rank 0 (renamed into place,
 whole) and mapped by the others; every rank asks in the same order, so the n-th request names
 the n-th file. Files are unlinked once all have mapped them, so nothing is left in ``/dev/shm``
 however the run ends. Free space is checked first: a full tmpfs is a SIGBUS at the first write
-past its size (Docker's default is 64 MB), not a Python error.
-"""
+past its size (Docker's default is 64 MB), not a Python error."""
 
 from __future__ import annotations
 
