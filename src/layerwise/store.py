@@ -71,8 +71,8 @@ class FlatLayout:
         }
 
     def leaves(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Like ``views``, but each its own autograd leaf: gradients w.r.t. ``flat`` would make autograd
-        scatter each into a zero-filled full-size buffer."""
+        """Like ``views``, but each its own autograd leaf: gradients w.r.t. ``flat`` would make
+        autograd scatter each into a zero-filled full-size buffer."""
         return {k: v.detach().requires_grad_() for k, v in self.views(flat).items()}
 
     def slices(self) -> list[slice]:
@@ -217,10 +217,11 @@ def store_footprint(model: PretrainedConfig | DecoderAdapter, compute_dtype: tor
 class HostStore:
     """Flat host buffers for every unit of a model.
 
-    ``pin``: page-lock copy sources (default: with CUDA). ``state_nbytes``: counted in the RAM check.
-    ``alloc``: where masters, copy sources and state live. ``split_master``: default exactly with bf16
-    compute. ``grad_dtype``: bf16 for one micro-batch per step (2 bytes instead of 4; a second
-    micro-batch is refused). ``*_tier``: units whose buffers live on NVMe (not in the RAM check)."""
+    ``pin``: page-lock copy sources (default: with CUDA). ``state_nbytes``: counted in the RAM
+    check. ``alloc``: where masters, copy sources and state live. ``split_master``: default exactly
+    with bf16 compute. ``grad_dtype``: bf16 for one micro-batch per step (2 bytes instead of 4; a
+    second micro-batch is refused). ``*_tier``: units whose buffers live on NVMe (not in the RAM
+    check)."""
 
     def __init__(self, adapter: DecoderAdapter, compute_dtype: torch.dtype = torch.float32,
                  pin: bool | None = None, *, state_nbytes: int | None = None,

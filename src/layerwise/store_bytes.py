@@ -39,7 +39,8 @@ def arena_offsets(numels: Sequence[int], element_size: int) -> tuple[list[int], 
 @dataclass(frozen=True)
 class StoreFootprint:
     """Host bytes of a HostStore, by buffer (all RAM; the pinned bytes are part of it). bf16 split
-    master: 2 (remainder) + 4 or 2 (grad) + 2 (compute, pinned) bytes per parameter, plus moments."""
+    master: 2 (remainder) + 4 or 2 (grad) + 2 (compute, pinned) bytes per parameter, plus moments.
+    """
 
     numel: int
     """Parameters."""
@@ -66,8 +67,9 @@ class StoreFootprint:
     def of_numels(cls, numels: Sequence[int], compute_itemsize: int, *, pin: bool = True,
                   state_nbytes: int = 0, split_master: bool | None = None,
                   grad_itemsizes: Sequence[int] | None = None) -> StoreFootprint:
-        """The footprint of a store whose units hold ``numels`` parameters. ``split_master`` None: the
-        default for a 2-byte compute dtype (bf16); False for fp16. ``grad_itemsizes``: default 4."""
+        """The footprint of a store whose units hold ``numels`` parameters. ``split_master`` None:
+        the default for a 2-byte compute dtype (bf16); False for fp16. ``grad_itemsizes``: default
+        4."""
         n = sum(numels)
         separate = compute_itemsize != 4
         split = separate and compute_itemsize == 2 if split_master is None else split_master

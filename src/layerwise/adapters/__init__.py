@@ -1,1 +1,1 @@
-"""LoRA / QLoRA on the streaming engine: adapters trained, the base frozen (and possibly quantised)."""
+"""LoRA / QLoRA on the streaming engine: adapters trained, the base frozen (maybe quantised)."""

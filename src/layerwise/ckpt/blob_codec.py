@@ -55,10 +55,8 @@ class KeyFrame:
 
 def moments_8bit(tensors: dict[str, torch.Tensor],
                  block_size: int = quant.DEFAULT_BLOCK_SIZE) -> dict[str, torch.Tensor]:
-    """``tensors`` with each fp32 ``exp_avg`` / ``exp_avg_sq`` pair stored as the 8-bit
-    optimizer keeps its moments (blob layout 2: codes, per-block scales, ``q8_blocks``), which
-    every reader already turns back into fp32 moments. Lossy: the quantiser's error bound
-    (``optim.quant``), ~2 bytes per parameter instead of 8."""
+    """``tensors`` with fp32 moments stored as 8-bit codes and scales (blob layout 2), which every
+    reader turns back into fp32. Lossy (``optim.quant``'s bound): ~2 bytes per parameter, not 8."""
     pairs = [k[len(M):] for k in tensors if k.startswith(M) and V + k[len(M):] in tensors
              and tensors[k].dtype == torch.float32]
     if not pairs:

@@ -182,8 +182,9 @@ class Checkpointer:
     def observe(self, step: int, force: bool = False) -> Mapping[str, dict[str, float]] | None:
         """Per-group update statistics every ``track_every_steps`` steps (or ``force``).
 
-        Call after ``optimizer.step()`` and before ``zero_grad()`` to include gradient norms. Deferred:
-        a gradient zeroed in place before it was read gives NaN, never a later gradient's norm."""
+        Call after ``optimizer.step()`` and before ``zero_grad()`` to include gradient norms.
+        Deferred: a gradient zeroed in place before it was read gives NaN, never a later gradient's
+        norm."""
         every = max(1, self.config.track_every_steps)
         if not force and step % every != 0:
             return None
@@ -445,7 +446,8 @@ class Checkpointer:
 
     def load(self, step: int | None = None, *, strict: bool = True) -> LoadResult | None:
         """Load ``step`` (default: newest committed) into model, optimizer, scheduler and RNG.
-        ``strict``: every model group must be in the checkpoint. None if nothing is committed yet."""
+        ``strict``: every model group must be in the checkpoint. None if nothing is committed yet.
+        """
         self.wait()
         if step is None and self.latest() is None:
             _log.warning(f"nothing to load: {self.run_dir} has no committed checkpoint yet "

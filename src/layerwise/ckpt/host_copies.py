@@ -99,10 +99,8 @@ def synchronize_if_pinned(tensors: Iterable[torch.Tensor]) -> None:
 
 
 class GroupsOnDemand(Mapping):
-    """The chosen groups of a save that does not copy (``async_save=False, sync_copy=False``),
-    each read from the provider when it is used. A provider that materialises its groups (a
-    checkpoint being imported, ``interop.recipes.import_checkpoints``) then holds one group at a
-    time, not every chosen one; a module's live tensors cost nothing to read again."""
+    """The chosen groups of a save that does not copy, each read from the provider when used, so an
+    importing provider holds one group at a time, not every chosen one."""
 
     def __init__(self, provider: StateProvider, groups: list[str]):
         self.provider, self.groups = provider, groups

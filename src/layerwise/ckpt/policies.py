@@ -181,10 +181,8 @@ class ParityPolicy(BasePolicy):
 @dataclass
 class FilterPolicy(BasePolicy):
     """The groups whose weights moved more than ``threshold`` since their last saved version.
-
-    ``max_fraction`` caps the bytes per checkpoint (most changed first): layers often drift
-    together, and the cap spreads their writes so the composite is never stalest everywhere at once.
-    """
+    ``max_fraction`` caps the bytes per checkpoint (most changed first): layers drift together, and
+    the cap spreads their writes so the composite is never stalest everywhere at once."""
 
     threshold: float = 0.01
     """Relative L2 change ``|w - w_saved| / |w_saved|`` above which a group is written. The

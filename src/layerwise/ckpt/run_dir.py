@@ -122,10 +122,8 @@ class RunDir:
     def put_blob(self, payload: BlobPayload, maybe_duplicate: bool,
                  batch: BlobBatch) -> BlobRecord:
         """Store one group version; an identical existing blob is reused (nothing written).
-
-        ``maybe_duplicate`` hashes before writing (a memory pass) to skip a hit: for groups believed
-        unchanged. The fsync and rename run on ``batch``'s thread (``batch.finish()`` before the manifest).
-        """
+        ``maybe_duplicate``: hash first and skip a hit (for groups believed unchanged). The fsync
+        and rename run on ``batch``'s thread."""
         return put_blob(self.root, self.hash_name, payload, maybe_duplicate, batch)
 
     def write_step_file(self, step: int, name: str, data: bytes) -> dict:
@@ -153,8 +151,8 @@ class RunDir:
             pass  # the commit stands; ``latest`` is a hint and readers fall back to the manifests
 
     def uncommit(self, step: int) -> None:
-        """Remove ``step``'s manifest durably; ``latest`` moves off it first, so after a crash it names
-        a committed step (or lags behind the newest)."""
+        """Remove ``step``'s manifest durably; ``latest`` moves off it first, so after a crash it
+        names a committed step (or lags behind the newest)."""
         manifest = self.manifest_path(step)
         if not manifest.exists():
             return

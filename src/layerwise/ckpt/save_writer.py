@@ -218,9 +218,8 @@ def _maybe_duplicate(job: WriteJob, group: str) -> bool:
 def duplicate_hints(snaps: Mapping[str, dict[str, torch.Tensor]], change_of: dict[str, float],
                     reference: Callable[[str], dict[str, torch.Tensor] | None]
                     ) -> dict[str, DuplicateHint]:
-    """Per snapshot: may it be byte-identical to its last version? Such groups are hashed
-    before writing (nothing written on a hit). True when measured unchanged (``change_of``);
-    when not measured (NaN), the ``reference`` weights, compared on the writer thread (off the
+    """Per snapshot: may it be byte-identical to its last version (then it is hashed before
+    writing)? Measured unchanged, or unmeasured and equal to its ``reference`` (compared off the
     critical path)."""
     hints: dict[str, DuplicateHint] = {}
     for g in snaps:

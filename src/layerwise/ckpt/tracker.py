@@ -152,8 +152,8 @@ class UpdateTracker:
         return math.sqrt(float(sq))
 
     def change(self, group: str, step: int, live: dict[str, torch.Tensor] | None = None) -> float:
-        """Relative L2 change since the last saved version (``inf`` if none) of ``live`` (default: now);
-        a value ``observe`` measured at ``step`` is reused."""
+        """Relative L2 change since the last saved version (``inf`` if none) of ``live`` (default:
+        now); a value ``observe`` measured at ``step`` is reused."""
         ref = self._ref.get(group)
         if ref is None:
             return math.inf
@@ -174,8 +174,8 @@ class UpdateTracker:
         return {g: LiveGroup.capture(self.provider, g) for g in self.provider.group_names()}
 
     def observe(self, step: int, live: dict[str, LiveGroup] | None = None) -> dict[str, dict[str, float]]:
-        """Statistics of every group at ``step``, appended to the JSONL log; NaN (``null``) for tensors
-        modified in place since the capture."""
+        """Statistics of every group at ``step``, appended to the JSONL log; NaN (``null``) for
+        tensors modified in place since the capture."""
         live = self.capture() if live is None else live
         stats: dict[str, dict[str, float]] = {}
         for group, lv in live.items():

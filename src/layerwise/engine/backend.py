@@ -147,10 +147,8 @@ class DeviceBackend(Protocol):
 
     def collective(self, src: Source, issue: IssueCollective, after: Sequence[Event | None] = (),
                    release: bool = False) -> Event:
-        """On the reduction lane, after ``after`` (a ``record()`` behind the compute that wrote
-        ``src``): ``issue(tensor)`` and wait for its work; the event marks the collective's end
-        (``src`` is read and written until then). ``release``: let go of a Ref's tensor once
-        the collective is issued (its memory stays reserved for the lane until it is done)."""
+        """On the reduction lane after ``after``: ``issue(tensor)`` and wait for its work; the event
+        marks the collective's end. ``release``: let go of a Ref's tensor once issued."""
 
     def bind_thread(self) -> None:
         """Make the calling thread's CUDA calls go to this backend's device (run first by

@@ -111,10 +111,9 @@ class AsyncCpuBackend:
 
     def __init__(self, seed: int | None = 0, max_delay_s: float = 0.004,
                  lane_delays_s: dict[str, float] | None = None):
-        """``seed``: each lane gets its own pace per seed (idle, quick or slow, up to
-        ``max_delay_s`` before half its items), so across seeds every lane is sometimes the one
-        that lags far behind; None: no delays. ``lane_delays_s``: instead, every item of the named
-        lanes sleeps up to this."""
+        """``seed``: each lane's pace per seed (idle, quick or slow, up to ``max_delay_s``), so
+        every lane sometimes lags far behind; None: no delays. ``lane_delays_s``: per-lane delays
+        instead."""
         self.device = torch.device("cpu")
         rng = random.Random(seed)
         self._errors: list[BaseException] = []
@@ -163,10 +162,8 @@ class AsyncCpuBackend:
             lane.trace = None
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Device memory in the compute lane's order: the host waits until compute has run what
-        it queued, as on CUDA, where closures run as they are queued and memory they free is
-        free at once for the host's next allocation; here the host would otherwise hold new
-        memory beside what compute, behind it, has not freed yet."""
+        """Device memory in the compute lane's order: the host waits until compute has run what it
+        queued, as on CUDA, or it would hold new memory beside what compute has not freed yet."""
         if not self._on_compute_lane():
             self._lanes["compute"].drain()
         t = torch.empty(numel, dtype=dtype)

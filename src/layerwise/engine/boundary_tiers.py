@@ -109,10 +109,8 @@ class BoundaryTiers:
 
     def store(self, i: Key, h: Ref, shape: tuple[int, ...], tier: str,
               place: Hashable | None = None) -> None:
-        """Keep boundary ``i`` (``h`` is filled by the compute queued just before) per its tier.
-        ``place``: which host buffer a host-tier boundary reuses (default ``i``): one whose
-        previous boundary has been fetched (the executor: the micro-batch's place in its group,
-        since a group's boundaries are all fetched before the next group stores its own)."""
+        """Keep boundary ``i`` per its tier. ``place``: the host buffer a host-tier boundary reuses
+        (default ``i``), one whose previous boundary has been fetched."""
         if tier == "recompute":
             return
         if tier == "device":

@@ -225,10 +225,8 @@ class StreamingEngine:
                              f"{int(labels[bad][0])}")
 
     def compute_grads(self, micro_batches: list[Batch]) -> tuple[float, dict[str, float]]:
-        """Forward + backward of every micro-batch; grads accumulate in the store.
-
-        Returns the loss (mean over the step's target tokens, all ranks) and per-unit squared grad norms;
-        data parallel, a unit's gradient is summed only on its owner."""
+        """Forward + backward of every micro-batch; grads accumulate in the store. Returns the loss
+        (mean over the step's target tokens, all ranks) and per-unit squared grad norms."""
         if not micro_batches:
             raise ValueError("a step needs at least one micro-batch")
         n = len(micro_batches)

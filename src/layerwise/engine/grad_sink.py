@@ -97,8 +97,8 @@ class GradSink:
                  device_reduce: DeviceReduce | None = None, per_load: int = 1):
         """``on_final(unit)``: called once a unit's step gradient is complete on the host.
         ``landing_threads``: threads one landing is split over. ``thread_init``: run first on the
-        landing thread. ``device_reduce``: reduce on the device before leaving (None: every rank lands
-        its own). ``per_load``: micro-batches a grad slot sums."""
+        landing thread. ``device_reduce``: reduce on the device before leaving (None: every rank
+        lands its own). ``per_load``: micro-batches a grad slot sums."""
         self.backend = backend
         self.on_final = on_final
         self.store = store

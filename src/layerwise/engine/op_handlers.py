@@ -79,7 +79,8 @@ class OpHandlers:
     def _next(self, pos: int) -> None:
         """Before the compute at ``pos``: wait for the offloads k computes back (their memory goes
         before any fetch ahead takes more), then issue the next ``FETCH_AHEAD`` step ops' fetches in
-        program order, each only beside a slot for every earlier one, so none waits on a later one."""
+        program order, each only beside a slot for every earlier one, so none waits on a later one.
+        """
         self.acts.offloads.next_op()
         self.internals.offloads.next_op()
         step = self._step
@@ -218,7 +219,8 @@ class OpHandlers:
                   after=None) -> None:
         """Queue ``unit``'s backward for each micro-batch of the group on one copy of its weights;
         ``grads_of`` returns (input gradient, parameter gradients summed into one grad slot).
-        ``prepare(mb)``: host work handed to ``grads_of``; ``after(mb)``: once the compute is queued."""
+        ``prepare(mb)``: host work handed to ``grads_of``; ``after(mb)``: once the compute is
+        queued."""
         w = self.streamer.acquire(unit)
         ticket = self.sink.begin(unit, len(group))
         for pos, mb in enumerate(self._each(group)):
@@ -251,8 +253,9 @@ class OpHandlers:
                        after=lambda mb: self.acts.drop(mb.key(i)))
 
     def _embed_bwd(self, group: list[MicroBatch], _i: int) -> None:
-        """The embedding's gradient from the token ids and boundary 0's gradient: no weights streamed.
-        In layer-major order one dense backward over the group's tokens sums the group's share."""
+        """The embedding's gradient from the token ids and boundary 0's gradient: no weights
+        streamed. In layer-major order one dense backward over the group's tokens sums the group's
+        share."""
         if not self.store[EMBED].layout.numel:  # frozen (a LoRA run): no gradient to make
             for mb in self._each(group):
                 self.backend.launch(lambda mb=mb: setattr(mb, "grad_h", None))

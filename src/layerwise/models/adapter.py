@@ -120,10 +120,10 @@ def _slots(module: nn.Module) -> tuple[_Slot, ...] | None:
 
 def _functional_call(module: nn.Module, params: dict[str, torch.Tensor], args: tuple, kwargs: dict,
                      strict: bool) -> object:
-    """``torch.func.functional_call`` with the tensors bound directly in their owners' dicts and
-    put back after: functional_call's per-call walk costs ~0.1 ms of host time per op (a 64-wide
-    layer: 0.57-0.67 ms with it, 0.52-0.54 this way), paid on every op of every step. A template that
-    ties tensors, or mismatched names, takes functional_call itself."""
+    """``torch.func.functional_call`` with the tensors bound directly in their owners' dicts and put
+    back after: functional_call's per-call walk costs ~0.1 ms of host time per op (a 64-wide layer:
+    0.57-0.67 ms with it, 0.52-0.54 this way), paid on every op of every step. A template that ties
+    tensors, or mismatched names, takes functional_call itself."""
     slots = _slots(module)
     todo = [] if slots is None else [(st, leaf, params[n]) for st, leaf, n in slots if n in params]
     if slots is None or len(todo) != len(params) or (strict and len(todo) != len(slots)):

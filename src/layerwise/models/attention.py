@@ -1,4 +1,5 @@
-"""Where the examples of a micro-batch sit in its rows, and the attention masks that keep them apart.
+"""Where the examples of a micro-batch sit in its rows, and the attention masks that keep them
+apart.
 
 A packed row's examples each need positions restarting at 0 and causal block-diagonal attention
 (sliding: within the window); a recurrent mixer, whose state no mask can cut, runs example by

@@ -94,10 +94,8 @@ def _saved_once(adapter, index: int, seq_len: int) -> tuple[int, int, int]:
 
 
 def layer_saved_bytes(adapter, index: int) -> SavedBytes:
-    """Layer ``index``'s saved bytes, fitted ``a * s + b * s**2`` over one row of ``s`` tokens at
-    the two :data:`PROBE_SEQ_LENS` (exact for a layer whose saved tensors are of those forms),
-    or at half and all of the model's positions where it has fewer; its saved tensors and
-    storages as the longer probe counts them."""
+    """Layer ``index``'s saved bytes, fitted ``a * s + b * s**2`` at :data:`PROBE_SEQ_LENS` (or half
+    and all of the model's positions where fewer), with the longer probe's tensors and storages."""
     s1, s2 = PROBE_SEQ_LENS
     longest = next((v for k in ("max_position_embeddings", "n_positions", "n_ctx")
                     if isinstance(v := getattr(adapter.config, k, None), int) and v > 1), s2)

@@ -375,7 +375,8 @@ def _numba_ok(s: FlatStep) -> bool:
 
 def fused_steps(steps: Sequence[FlatStep], num_threads: int | None = None) -> None:
     """``fused_step`` for many tensors at once, the blocks of all split evenly over ``num_threads``;
-    tensors the kernel cannot take run on the torch path. ``p`` contiguous, ``g`` as many elements."""
+    tensors the kernel cannot take run on the torch path. ``p`` contiguous, ``g`` as many elements.
+    """
     use_numba = _nb is not None and os.environ.get("LAYERWISE_OPTIM_KERNEL", "") != "torch"
     rows, scal, folded = [], [], {}
     first = 0

@@ -203,10 +203,9 @@ class HostAdamW8bit:
 # ----- the torch.optim face -----------------------------------------------------------------
 
 class AdamW8bit(torch.optim.Optimizer):
-    """AdamW with block-wise 8-bit moments, hybrid per group, optional fused global-norm clip.
-
-    Matches ``torch.optim.AdamW`` up to the quantisation (``moments="fp32"`` is it). After each
-    ``step``: ``last_grad_norm``, ``last_step_skipped``, ``skipped_steps`` (non-finite norms)."""
+    """AdamW with block-wise 8-bit moments, hybrid per group, optional fused global-norm clip; equal
+    to ``torch.optim.AdamW`` up to quantisation. After each ``step``: ``last_grad_norm``,
+    ``last_step_skipped``, ``skipped_steps``."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -362,7 +361,8 @@ class AdamW8bit(torch.optim.Optimizer):
     # ----- state dicts ----------------------------------------------------------------------
 
     def torch_adamw_state_dict(self) -> dict[str, Any]:
-        """This optimizer's state in ``torch.optim.AdamW``'s format (fp32 moments), loadable by either."""
+        """This optimizer's state in ``torch.optim.AdamW``'s format (fp32 moments), loadable by
+        either."""
         sd = self.state_dict()
         defaults = torch.optim.AdamW([torch.zeros(1)]).defaults
         groups = []

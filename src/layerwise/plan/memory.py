@@ -60,10 +60,10 @@ def _round_up(n: int, m: int) -> int:
 
 def attention_workspace_bytes(shape: ModelShape, micro_batch_size: int, seq_len: int,
                               elem_bytes: int, i: int = 0) -> int:
-    """Device bytes the attention kernel allocates inside layer ``i``'s CUDA backward beyond what the
-    layer saved, for one micro-batch: SDPA priced as flash-attn's backward (``softmax_d``, the fp32
-    ``dq`` accumulator, un-summed ``dk``/``dv`` with grouped heads); an eager family instead the
-    score gradient in the compute dtype and twice in fp32. Linear attention: none."""
+    """Device bytes the attention kernel allocates inside layer ``i``'s CUDA backward beyond what
+    the layer saved, for one micro-batch: SDPA priced as flash-attn's backward (``softmax_d``, the
+    fp32 ``dq`` accumulator, un-summed ``dk``/``dv`` with grouped heads); an eager family instead
+    the score gradient in the compute dtype and twice in fp32. Linear attention: none."""
     c = shape.layer(i)
     if c is not None and not c.pair_flops:
         return 0

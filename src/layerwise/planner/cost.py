@@ -112,8 +112,9 @@ class CostModel(DeviceCost):
         return nbytes / (self.hw.nvme_write_gbps * 1e9)
 
     def grad_accumulate_s(self, unit: str, first: bool = False, landed_itemsize: int | None = None) -> float:
-        """Host ``grad (fp32) += landed grad``: reads the landed gradient (``landed_itemsize``) + 4 and
-        writes 4 bytes per parameter (``first``: reads it and writes 4), at the bf16 or fp32 rate."""
+        """Host ``grad (fp32) += landed grad``: reads the landed gradient (``landed_itemsize``) + 4
+        and writes 4 bytes per parameter (``first``: reads it and writes 4), at the bf16 or fp32
+        rate."""
         itemsize = self.elem_bytes if landed_itemsize is None else landed_itemsize
         gbps = self.hw.accum_bf16_gbps if itemsize == 2 else self.hw.host_accum_gbps
         per_param = itemsize + (4 if first else 8)
@@ -279,8 +280,8 @@ class CostModel(DeviceCost):
     def nvme_traffic(self, moments: list[str] | None, state_tiers: list[str] | None, bf16_grads: bool,
                      copies: dict[str, int], landings: dict[str, int]) -> dict[str, int]:
         """Bytes a step moves over the NVMe by kind: state read and written once per unit; an
-        ``nvme-all`` unit's source read per copy and by its update, written once, its gradient written
-        per landing and read by each later landing and the update."""
+        ``nvme-all`` unit's source read per copy and by its update, written once, its gradient
+        written per landing and read by each later landing and the update."""
         units = self.shape.unit_names()
         out = dict.fromkeys(TRAFFIC_KINDS, 0)
         off = [u for u, t in zip(units, state_tiers or ()) if t != "ram"]

@@ -152,8 +152,9 @@ class HardwareProfile:
         return self.host_mem_bytes - self.host_reserved_bytes
 
     def for_model(self, layer_grad_bytes: int) -> HardwareProfile:
-        """A copy whose host reserve also holds the engine's pinned gradient ring ([HOSTRES]; none on a
-        synchronous profile), so ``host_cap_bytes`` is what the store and activations really have."""
+        """A copy whose host reserve also holds the engine's pinned gradient ring ([HOSTRES]; none
+        on a synchronous profile), so ``host_cap_bytes`` is what the store and activations really
+        have."""
         ring = 0 if self.synchronous else HOST_GRAD_RING * layer_grad_bytes
         return replace(self, host_reserved_bytes=self.host_reserved_bytes + ring)
 

@@ -121,7 +121,8 @@ def solve(model: StepModel, config: MilpConfig | None = None,
 def boundaries_first(model: StepModel, cfg: MilpConfig, given: Start | None) -> tuple[Start | None, float]:
     """Solve with every layer's internals recomputed (its LP relaxation is tight), and return the
     better of that and ``given`` as the joint model's start, with the HiGHS seconds spent. Cold, the
-    joint model can stall (qwen-27b, h800: 26% gap after 2 s; from this start: optimal in 0.75 s)."""
+    joint model can stall (qwen-27b, h800: 26% gap after 2 s; from this start: optimal in 0.75 s).
+    """
     plain = given is not None and (given.internal is None or set(given.internal) == {"recompute"})
     first = _stage(model, replace(cfg, internal_tiers=("recompute",)), given if plain else None, cfg.time_limit_s)
     given_s = None

@@ -1,7 +1,8 @@
-"""The text ``layerwise plan`` prints: a one-line verdict, then the plans compared at one global batch.
+"""The text ``layerwise plan`` prints: a one-line verdict, then the plans compared at one global
+batch.
 
-The verdict comes first and names the binding memory with its figures, because "will it fit,
-how fast, how long" is what a newcomer asks. Tables are sized from their cells."""
+The verdict comes first and names the binding memory with its figures, because "will it fit, how
+fast, how long" is what a newcomer asks. Tables are sized from their cells."""
 
 from __future__ import annotations
 

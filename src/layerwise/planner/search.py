@@ -508,10 +508,8 @@ def _at_global_batch(cands: list[Candidate], global_batch: int, sims: Sims, grou
 
 
 def _regrouped(plan: Plan, c: Candidate, sims: Sims) -> Plan | None:
-    """``plan`` (``c``'s at more micro-batches) in groups of ``c``'s micro-batches per load, with
-    the state tiers that its store (fp32 gradients where they land more than once) and ``c``'s
-    host-tier activations need (None: none fit); its resident layers that go ``nvme-all`` are
-    streamed instead (their weights come from NVMe at every copy)."""
+    """``plan`` in groups of ``c``'s micro-batches per load, with the state tiers its store and
+    host-tier activations need (None: none fit); resident layers going ``nvme-all`` are streamed."""
     d = {**plan.to_dict(), "micro_batches_per_load": c.plan.micro_batches_per_load}
     try:
         moments, tiers = choose_state(sims.shape, sims.hw, c.sim.peak_pinned_act_bytes,

@@ -33,10 +33,8 @@ __all__ = ["LANES", "Alloc", "Interval", "SimResult", "micro_batch_program", "pe
 
 def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
              keep_trace: bool = True, topology: Topology | None = None) -> SimResult:
-    """Simulate ``steps`` consecutive steps; report the last one (steady state when steps >= 2).
-
-    With a ``topology``, one GPU of a data-parallel run running ``plan`` on its share of the batch.
-    """
+    """Simulate ``steps`` consecutive steps; report the last one (steady state when steps >= 2);
+    with a ``topology``, one GPU of a data-parallel run on its share of the batch."""
     if plan.num_layers != shape.num_layers:
         raise ValueError(f"plan has {plan.num_layers} boundaries but {shape.name} has "
                          f"{shape.num_layers} layers; make a plan for this model")

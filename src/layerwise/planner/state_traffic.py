@@ -98,10 +98,9 @@ def store_traffic(shape: ModelShape, cost: CostModel, plan: Plan) -> dict[str, i
 
 
 def hiding_batch(shape: ModelShape, hw: HardwareProfile, plan: Plan, sim: SimResult) -> int | None:
-    """The smallest global batch (a multiple of ``plan``'s micro-batch size) at which ``plan``'s
-    NVMe traffic would hide behind its compute, scaled from ``sim`` (compute and NVMe-tier
-    activations grow with the batch, the state's traffic does not); None when it hides already
-    or no batch up to ``MAX_HIDING_BATCH`` would."""
+    """The smallest global batch at which ``plan``'s NVMe traffic would hide behind its compute,
+    scaled from ``sim`` (the state's traffic does not grow with the batch); None when it hides
+    already or no batch up to ``MAX_HIDING_BATCH`` would."""
     fig = nvme_state(shape, hw, plan, sim)
     if fig is None or fig.hides:
         return None

@@ -46,9 +46,10 @@ class StepModel:
                  num_micro_batches: int = 1, prefetch_depth: int = 1, head_chunk_tokens: int = 1024,
                  moments: list[str] | None = None, device_reserve_bytes: int = 0, host_reserve_bytes: int = 0,
                  per_load: int = 1, state_tiers: list[str] | None = None):
-        """``*_reserve_bytes``: capacity held back for what the linear model does not see (set from the
-        simulator's overflow). ``state_tiers``: units with state on NVMe (fixed). ``per_load``:
-        micro-batches sharing each weight load; windows stay per micro-batch, each paying ``1/P``."""
+        """``*_reserve_bytes``: capacity held back for what the linear model does not see (set from
+        the simulator's overflow). ``state_tiers``: units with state on NVMe (fixed). ``per_load``:
+        micro-batches sharing each weight load; windows stay per micro-batch, each paying ``1/P``.
+        """
         self.shape, self.hw = shape, hw
         self.micro_batch_size, self.seq_len = micro_batch_size, seq_len
         self.num_micro_batches = num_micro_batches

@@ -1,10 +1,11 @@
-"""``layerwise demo``: a user's run end to end, small enough for 2 idle CPU cores in under 3 minutes.
+"""``layerwise demo``: a user's run end to end, small enough for 2 idle CPU cores in under 3
+minutes.
 
-The same path as ``layerwise train model=DIR model.tokenizer=DIR plan=FILE`` with built-in data
-and nothing downloaded: learn a BPE tokenizer from the standard library's source, write a plan
-file, train ``llama-demo``, reload the export with ``AutoModelForCausalLM`` and run ``layerwise
-report``. Every run starts fresh: an earlier demo's directory is replaced; any other non-empty
-directory is refused and left as it is."""
+The same path as ``layerwise train model=DIR model.tokenizer=DIR plan=FILE`` with built-in data and
+nothing downloaded: learn a BPE tokenizer from the standard library's source, write a plan file,
+train ``llama-demo``, reload the export with ``AutoModelForCausalLM`` and run ``layerwise report``.
+Every run starts fresh: an earlier demo's directory is replaced; any other non-empty directory is
+refused and left as it is."""
 
 from __future__ import annotations
 

@@ -63,10 +63,8 @@ def lora_adapter(name: str, config: PretrainedConfig, cfg: TrainConfig, compute_
 
 def build_lora(name: str, config: PretrainedConfig, cfg: TrainConfig, compute_dtype: torch.dtype,
                alloc: HostAllocator = PRIVATE) -> tuple[LoraAdapter, LoraStore]:
-    """The base (a flavor's seeded init, or a model directory's weights, quantised as they are
-    read, one group at a time), then the adapters: PEFT's init under ``seed``, or ``lora.init``.
-    Under torchrun ``alloc`` is the node's shared store and every local rank writes the same
-    bytes into it, as a full run's ranks do (the quantisation is deterministic)."""
+    """The base (quantised as read, one group at a time), then the adapters (PEFT's init under
+    ``seed``, or ``lora.init``). Every local rank writes the same bytes into a shared store."""
     adapter = lora_adapter(name, config, cfg, compute_dtype)
     store = LoraStore(adapter, compute_dtype, alloc=alloc)
     if name in FLAVORS:

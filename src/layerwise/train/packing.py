@@ -126,10 +126,8 @@ def _batch(x: torch.Tensor, y: torch.Tensor, seg: torch.Tensor | None, sel: torc
 
 def row_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int = 0,
                 start: int = 0, segment_ids: torch.Tensor | None = None) -> Iterator[Batch]:
-    """Endless micro-batches of rows: each epoch a fresh seeded permutation (``seed + epoch``),
-    the last ``rows % batch_size`` rows of a permutation left to later epochs. ``start`` is the
-    number of micro-batches already consumed (a resumed run continues at exactly the next one).
-    ``segment_ids``: the rows' examples (``Rows.segment_ids``), carried into each batch."""
+    """Endless micro-batches of rows, a fresh seeded permutation per epoch (``seed + epoch``);
+    ``start`` micro-batches already consumed, so a resume continues at exactly the next one."""
     if x.shape[0] < batch_size:
         raise ValueError(f"the data gives {x.shape[0]} sequences of {x.shape[1]} tokens, fewer than "
                          f"the micro-batch size {batch_size}; add data, lower micro_batch_size or "

@@ -78,10 +78,8 @@ def _check_aligned(buf: memoryview, length: int, block: int) -> None:
 
 def write_file(path: str | os.PathLike, buf: memoryview, nbytes: int, block: int,
                direct: bool = True) -> bool:
-    """Write the first ``nbytes`` of ``buf`` (page-aligned, at least ``nbytes`` rounded up to
-    ``block`` long) to a new file at ``path``, off the page cache. Returns whether ``O_DIRECT``
-    was used (False: the filesystem refused it, or ``direct`` was False, and the buffered
-    fallback ran). The file holds the rounded length."""
+    """Write the first ``nbytes`` of page-aligned ``buf`` to a new file off the page cache (the file
+    holds the length rounded up to ``block``). Returns whether ``O_DIRECT`` was used."""
     length = round_up(nbytes, block)
     if direct:
         _check_aligned(buf, length, block)

@@ -104,8 +104,9 @@ class _Slot:
 
 
 class ZeroCheckpointSource:
-    """A DeepSpeed ZeRO checkpoint as a ``CheckpointSource``: ``path`` is ``global_stepN`` or the dir
-    whose ``latest`` names it; ``config`` defaults to a ``config.json`` there or in the parent."""
+    """A DeepSpeed ZeRO checkpoint as a ``CheckpointSource``: ``path`` is ``global_stepN`` or the
+    dir whose ``latest`` names it; ``config`` defaults to a ``config.json`` there or in the parent.
+    """
 
     def __init__(self, path: str | Path, config: dict | None = None, *, writable: bool = False):
         path = Path(path)

@@ -129,10 +129,8 @@ def _scheduler_for_groups(state: dict, num_groups: int) -> dict:
 
 
 def trainer_rng_state(rng: dict | None) -> dict | None:
-    """Trainer's ``rng_state.pth`` contents from the source's RNG states, or None if it has none usable.
-
-    Accepts the Trainer's own layout and its JSON-able form (lists for tuples, arrays and tensors).
-    """
+    """Trainer's ``rng_state.pth`` contents from the source's RNG states (its layout or the
+    JSON-able form), or None if none is usable."""
     if not rng:
         return None
     out: dict[str, Any] = {}

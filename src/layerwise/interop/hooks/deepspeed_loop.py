@@ -38,10 +38,8 @@ class DeepSpeedCheckpointer:
     def __init__(self, run_dir: str | Path, engine: Any = None, *, module: nn.Module | None = None,
                  optimizer: Any = None, scheduler: Any = None, policy: str = DEFAULT_POLICY,
                  exchange: RankExchange | None = None, timeout_s: float = 600.0, **policy_options: Any):
-        """``engine``: the DeepSpeed engine; or, where only its parts are at hand (the HF
-        Trainer's callbacks), ``module`` (the model it wraps) and ``optimizer`` (its ZeRO
-        optimizer), plus ``scheduler``. ``policy_options``: the policy's own, e.g.
-        ``threshold=1e-3``."""
+        """``engine``: the DeepSpeed engine; or its parts (the Trainer's callbacks): ``module``,
+        ``optimizer`` (ZeRO) and ``scheduler``. ``policy_options``: e.g. ``threshold=1e-3``."""
         if engine is not None:
             module, optimizer = engine.module, engine.optimizer
             scheduler = scheduler if scheduler is not None else engine.lr_scheduler

@@ -55,10 +55,10 @@ class LayerwiseCheckpointCallback(TrainerCallback):
         config: Any = None,
         **policy_options: Any,
     ):
-        """``every``: optimizer steps between saves (None: ``args.save_steps``). ``save_at_end``: also
-        save the last step off the grid. ``observe``: feed per-step statistics to the policy.
-        ``config``: a ``CheckpointConfig`` (not under DeepSpeed, whose sharded saves are synchronous).
-        ``policy_options``: e.g. ``threshold=1e-3, max_staleness=4``."""
+        """``every``: optimizer steps between saves (None: ``args.save_steps``). ``save_at_end``:
+        also save the last step off the grid. ``observe``: feed per-step statistics to the policy.
+        ``config``: a ``CheckpointConfig`` (not under DeepSpeed, whose sharded saves are
+        synchronous). ``policy_options``: e.g. ``threshold=1e-3, max_staleness=4``."""
         if every is not None and (not isinstance(every, int) or every <= 0):
             raise ValueError(f"every must be a positive number of steps or None (got {every!r})")
         self.run_dir = Path(run_dir)

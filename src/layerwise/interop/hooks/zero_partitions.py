@@ -49,10 +49,8 @@ def _layout_error(what: str) -> ValueError:
 
 
 class LiveZeroState:
-    """One rank's view of a live ZeRO optimizer: its pieces of every parameter, by group.
-
-    ``module``: the model DeepSpeed wraps (``engine.module``), for names and groups;
-    ``optimizer``: DeepSpeed's ZeRO optimizer (``engine.optimizer``)."""
+    """One rank's view of a live ZeRO optimizer (``engine.optimizer``) over ``module``
+    (``engine.module``): its pieces of every parameter, by group."""
 
     def __init__(self, module: nn.Module, optimizer: Any):
         if hasattr(optimizer, "fp32_partitioned_groups_flat"):
@@ -233,10 +231,9 @@ class LiveZeroState:
         return out
 
     def load_shards(self, group: str, reader: GroupReader) -> None:
-        """Read this rank's pieces of a stored ``group`` (saved at any world size) into the fp32
-        partitions and moments. DeepSpeed keeps one step per flat: it becomes the newest its
-        parameters bring (all equal unless a composite mixes versions within one flat). The
-        module's weights follow in ``finish_restore``."""
+        """Read this rank's pieces of a stored ``group`` (any world size) into the partitions and
+        moments; a flat's one step becomes the newest its parameters bring. Weights follow in
+        ``finish_restore``."""
         keys = reader.keys()
         with torch.no_grad():
             for name in self.groups[group]:

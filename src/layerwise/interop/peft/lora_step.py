@@ -177,10 +177,8 @@ def export_step(source: object, out_dir: str | Path, format: str = PEFT, *, step
                 base: str | Path | None = None, dtype: str | None = None,
                 max_shard_size: int | str | None = "5GB", overwrite: bool = False,
                 tokenizer: str | Path | None = None) -> dict[str, Any]:
-    """Write a LoRA run's step (``source``: an opened step, or a path for ``open_source`` at
-    ``step``) as ``peft`` (its adapters) or ``hf`` (the base with them merged, through
-    ``merge``); any other source or format is refused (``ValueError``). ``base``: the base
-    model's directory, when no longer at run.json's ``model_path``. Returns merge's summary."""
+    """Write a LoRA run's step as ``peft`` (its adapters) or ``hf`` (merged into the base); anything
+    else is refused. ``base``: the base model's directory if it moved. Returns merge's summary."""
     if isinstance(source, (str, Path)):
         source = open_source(source, step)
     run = lora_step_of(source, base)

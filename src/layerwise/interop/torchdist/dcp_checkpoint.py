@@ -204,9 +204,9 @@ def read_model_config(config: _ModelConfig, ckpt: Path) -> dict:
 
 
 class DCPCheckpointSource:
-    """A DCP checkpoint dir as a ``CheckpointSource``, with HF or torchtitan Llama names. DCP records
-    no architecture: the HF config comes from ``config`` or the dir's config.json, and the shapes are
-    checked against it."""
+    """A DCP checkpoint dir as a ``CheckpointSource``, with HF or torchtitan Llama names. DCP
+    records no architecture: the HF config comes from ``config`` or the dir's config.json, and the
+    shapes are checked against it."""
 
     def __init__(self, path: str | Path, config: _ModelConfig = None):
         self.path = Path(path)

@@ -1,7 +1,8 @@
-"""torchtitan's Llama parameter names and its RoPE layout of ``wq``/``wk``, mapped to Hugging Face's.
+"""torchtitan's Llama parameter names and its RoPE layout of ``wq``/``wk``, mapped to Hugging
+Face's.
 
-torchtitan rotates interleaved pairs, HF the two halves of each head, so a head's row ``2j + c``
-is HF's ``c * d/2 + j`` (the moments too: they are elementwise). Everything else is renamed."""
+torchtitan rotates interleaved pairs, HF the two halves of each head, so a head's row ``2j + c`` is
+HF's ``c * d/2 + j`` (the moments too: they are elementwise). Everything else is renamed."""
 
 from __future__ import annotations
 

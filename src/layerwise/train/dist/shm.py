@@ -32,10 +32,8 @@ _FILES_PER_UNIT = 8
 
 def shared_store_nbytes(model: PretrainedConfig | DecoderAdapter | LoraAdapter,
                         compute_dtype: torch.dtype, moments: list[str] | None) -> int:
-    """Bytes a node's shared store maps: masters, the copy-source arena and the optimizer state
-    (gradients are private), every file in whole pages, plus the update counters. Nothing is
-    allocated (a config's adapter is built on the meta device). A ``LoraAdapter``: its
-    ``LoraStore``'s (the adapters' state, the frozen base in its arena)."""
+    """Bytes a node's shared store maps (masters, copy-source arena, optimizer state, in whole
+    pages, plus the update counters; gradients are private), computed on the meta device."""
     adapter = model if isinstance(model, (DecoderAdapter, LoraAdapter)) else DecoderAdapter(model)
     numels = [FlatLayout.of(u).numel for u in adapter.units]
     kinds = moments or ["fp32"] * len(numels)
