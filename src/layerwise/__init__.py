@@ -1,9 +1,7 @@
 """layerwise: train LLMs bigger than the GPU by streaming layers; checkpoint only what changed.
 
-The user-facing names, importable from here (``from layerwise import load_store``) whatever
-module they live in; each is imported on first use, so ``import layerwise`` (and the command's
-``--help``) stays free of torch. ``tests/test_public_api.py`` fails when a name disappears.
-"""
+User-facing names, imported on first use so ``import layerwise`` stays free of torch
+(``tests/test_public_api.py`` fails when a name disappears)."""
 
 from __future__ import annotations
 

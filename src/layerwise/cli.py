@@ -1,17 +1,11 @@
 """The ``layerwise`` command. Each area registers its own subcommands from its ``cli`` module.
 
-Commands are named here with the modules that register them, as strings, and only the modules
-of the command being run are imported: ``layerwise --help`` imports none of them, and
-``layerwise train --help`` only ``train/cli.py``, which is torch-free (each ``--help`` in a
-fraction of a second instead of the seconds torch and transformers take). A command's handler
-may itself be named as ``"module:function"`` and is imported when the command runs; a command
-may also set ``prepare``, a torch-free step run before that import (``train``'s config checks
-and its out_dir lock, so a refused run is refused at once).
+Only the modules of the command being run are imported (named here as strings), so each
+``--help`` answers in a fraction of a second instead of torch's seconds; ``prepare`` is a
+torch-free step run before the handler's import (``train``'s checks and lock).
 
-Errors: a user's mistake (``ValueError``, a missing file or directory, a permission) is one
-line on stderr and exit code 2; the traceback only with ``--debug`` (or ``LAYERWISE_DEBUG=1``).
-An interrupted run (``util.errors.Interrupted``) says how to resume, one line, exit 130/143.
-"""
+Errors: a user's mistake is one line on stderr and exit 2 (traceback with ``--debug`` or
+``LAYERWISE_DEBUG=1``); an interrupted run says how to resume, exit 130/143."""
 
 from __future__ import annotations
 

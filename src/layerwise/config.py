@@ -1,18 +1,10 @@
 """Dataclass configs from defaults, YAML files and ``key=value`` overrides: typed, documented,
 discoverable.
 
-A config is a dataclass whose fields may be dataclasses (sections), addressed with dots
-(``optimizer.lr=1e-3``). Each field's documentation is the string literal under it (read from
-the source), so ``--help`` is generated from the text a reader sees. Values are parsed by the
-field's type: ``1e-3`` and ``1_000`` are numbers (PyYAML reads ``1e-3`` as a string: YAML files
-go through the same parsing), ``true``/``no``/``on`` booleans, ``[a, b]`` or ``a,b`` lists,
-``none``/``null`` None where allowed; ``metadata={"choices": (...)}`` limits a field's values.
-
-Hooks (``ClassVar``s): ``shorthand`` on a section (``model=DIR`` is ``model.name=DIR``);
-``removed_keys`` on the root: an old key -> its new dotted key, or -> ``"section.*"`` for an old
-mapping of the section's fields, refused in one line that names the new one (``ckpt_every is
-gone: use ckpt.every=3``). A misspelled key or choice is refused with the closest known ones.
-"""
+Sections are addressed with dots (``optimizer.lr=1e-3``); each field's documentation is the
+string literal under it, so ``--help`` shows the text a reader sees. YAML goes through the same
+value parsing (PyYAML reads ``1e-3`` as a string). Hooks: ``shorthand`` (``model=DIR``) and
+``removed_keys`` (refused in one line naming the new key). Misspellings get the closest known."""
 
 from __future__ import annotations
 

@@ -1,26 +1,13 @@
 """An fp32 value as its bf16 part plus a signed 16-bit remainder, exactly.
 
-Keeping the fp32 master as the bf16 compute copy (``hi``) plus the 16 bits it lacks (``lo``)
-stores master and copy source in 4 bytes per parameter instead of 6, and an update on the pair
-is bit-identical to one on an fp32 master. On the fp32 bit pattern ``x``:
+Master and copy source in 4 bytes per parameter instead of 6, every update bit-identical to an
+fp32 master's. ``hi`` rounds **ties away from zero**: then every bf16 pattern has exactly 2^16
+fp32 preimages, so ``lo`` (int16) tells them apart (torch's half-to-even gives an even mantissa
+2^16 + 1). Every non-NaN fp32 round-trips bit for bit; a NaN stays a quiet NaN (payload lost).
 
-- ``hi`` = ``x`` rounded to bf16 to nearest, **ties away from zero** (``(|x| + 0x8000) >> 16``,
-  the sign copied; a carry gives the next power of two, overflow gives inf, as torch's does);
-- ``lo`` = ``x - (hi << 16)`` as a signed int16, in [-2^15, 2^15): with ties away from zero
-  every bf16 pattern has exactly 2^16 fp32 preimages, so ``x = (hi << 16) + lo``. (Torch's
-  round-half-to-even gives an even mantissa 2^16 + 1 preimages: 16 bits cannot tell them apart.)
-
-So ``hi`` differs from ``x.to(torch.bfloat16)`` only at exact ties above an even mantissa, and
-on NaNs: every non-NaN fp32 (signed zeros, subnormals, infinities) round-trips bit for bit; a
-NaN becomes the quiet NaN of its sign and top 16 bits (``hi = (x >> 16) | 0x0040``, ``lo = 0``),
-so the device reads a NaN where the master holds one; only payloads are lost.
-
-``split_torch`` / ``join_torch`` are the reference the tests check the kernels against;
-``split_bits`` / ``join_bits`` the numba helpers the optimizer kernels inline (LLVM integer code,
-no fast-math: exact however it vectorises; after editing them, clear
-``optim/__pycache__/*.nb*`` too, since numba keys a cache on its own file only); ``split_`` /
-``join`` work over flat tensors.
-"""
+``split_torch``/``join_torch`` are the reference for the numba helpers ``split_bits``/``join_bits``
+(no fast-math: exact however it vectorises). After editing them clear ``optim/__pycache__/*.nb*``
+too: numba keys a cache on its own file only."""
 
 from __future__ import annotations
 

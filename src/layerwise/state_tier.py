@@ -1,25 +1,11 @@
 """NvmeStateTier: one kind of units' buffers in files on NVMe, staged through a few RAM slots.
 
-A unit the plan puts on NVMe (``Plan.state_tiers``) keeps its master remainder (or its plain
-fp32 master beside a separate copy source) and its optimizer state in one file of the state
-directory (kind ``state``); an ``nvme-all`` unit its copy source and its gradient too, each in a
-tier of its own (kinds ``source``, ``grad``), so that each is read and written without the
-others. While a unit is not staged those tensors are meta placeholders of their shape and dtype,
-so code that reads them without staging fails loudly instead of reading stale bytes.
-
-``staged(unit, write)`` (or ``acquire`` / ``release``) makes them real: views into one of
-``slots`` page-aligned buffers, read
-and written with ``O_DIRECT`` (``util.direct_io``), so the state never sits in the page cache and
-the RAM it takes is the slots. ``prefetch(units)`` reads ahead, in the order the optimizer takes
-the units, into slots as they free up; a unit released with ``flush`` drains to its file behind
-(write-behind), and its slot is reused only once that write is done. A unit written without
-``flush`` (a checkpoint load, the weights at start) stays dirty in its slot until the slot is
-needed. Staged or not, the tier is the one copy of the state: every reader stages.
-
-The files are working memory, not a checkpoint: they are created afresh (zeros, sparse) when a
-run starts and removed at ``close``; a run killed at any instant resumes from its last
-checkpoint, which holds this state like any other.
-"""
+Kinds ``state``, ``source``, ``grad`` are tiers of their own, so each is read and written without
+the others. An unstaged unit's tensors are meta placeholders, so a read without staging fails
+loudly instead of reading stale bytes. Slots are page-aligned and use ``O_DIRECT``, so the RAM
+taken is the slots, never page cache; ``flush`` writes behind, and a slot is reused only once
+its write is done. The files are working memory, not a checkpoint: created afresh at start,
+removed at ``close``."""
 
 from __future__ import annotations
 

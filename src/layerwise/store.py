@@ -1,24 +1,10 @@
 """HostStore: all training state in host memory, one contiguous flat buffer per unit.
 
-Per unit (``embed``, ``layers.{i}``, ``head``): the fp32 master, flat (with bf16 compute *split*
-into the bf16 ``compute`` copy the device reads plus a 16-bit ``remainder``,
-``layerwise.split_master``: 4 bytes per parameter for master and copy source, every update
-exact; otherwise a plain fp32 ``master``, beside a ``compute`` copy unless compute is fp32);
-``grad``, the fp32 gradient accumulator; ``state``, the optimizer's buffers. Read and write the
-master through ``UnitBuffers.read_master`` / ``write_master``. A flat layout puts
-weight-decayed parameters first, so an optimizer treats each class as one contiguous slice.
-
-Only the copy sources are page-locked, all in one arena (one exact-size allocation locked in
-place, sliced per unit at ``ARENA_ALIGN_BYTES``): pinning tensor by tensor would cost 2x for a
-moment per tensor and a power-of-two rounding by the CUDA host allocator. Masters, gradients and
-optimizer state stay pageable. Byte counts and the RAM check are ``layerwise.store_bytes``.
-
-With a ``state_tier`` (``layerwise.state_tier``), the units it holds keep their master remainder
-(or plain master) and optimizer state in files on NVMe; with a ``source_tier`` and a
-``grad_tier``, the units they hold keep their copy source (outside the arena) and gradient
-there too. Read or write them inside ``HostStore.staged(unit)`` (a gradient being written:
-``staged_grad``); everything here that reads them does.
-"""
+With bf16 compute the fp32 master is *split* (``layerwise.split_master``): the bf16 copy the
+device reads plus a 16-bit remainder, 4 bytes per parameter. Weight-decayed parameters come first,
+so an optimizer treats each class as one slice. Only copy sources are page-locked, in one arena:
+pinning per tensor would cost 2x for a moment and a power-of-two rounding. Units on an NVMe tier
+are read or written inside ``staged(unit)`` (``staged_grad``)."""
 
 from __future__ import annotations
 
@@ -85,12 +71,8 @@ class FlatLayout:
         }
 
     def leaves(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Like ``views``, but each view is its own autograd leaf (in layout order).
-
-        Taking gradients w.r.t. these instead of w.r.t. ``flat`` itself avoids autograd
-        scattering every parameter's gradient into a zero-filled full-size buffer; the parts
-        are joined once (``torch.cat`` in layout order) or added straight into their slices.
-        """
+        """Like ``views``, but each its own autograd leaf: gradients w.r.t. ``flat`` would make
+        autograd scatter each into a zero-filled full-size buffer."""
         return {k: v.detach().requires_grad_() for k, v in self.views(flat).items()}
 
     def slices(self) -> list[slice]:
@@ -99,12 +81,8 @@ class FlatLayout:
 
 
 class HostAllocator(Protocol):
-    """Where a store's shared buffers (masters, copy sources, optimizer state) live.
-
-    The default is private memory; ``layerwise.train.dist`` maps them from one shared-memory
-    file per node instead, so the local ranks of a node hold one copy. Gradients never go
-    through it: they are a rank's own.
-    """
+    """Where a store's shared buffers live: private memory by default; ``layerwise.train.dist`` maps
+    one shared-memory file per node. Gradients never go through it: they are a rank's own."""
 
     def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled flat tensor (zero as seen by the first process to map it)."""
@@ -222,13 +200,8 @@ def store_footprint(model: PretrainedConfig | DecoderAdapter, compute_dtype: tor
                     pin: bool = True, state_nbytes: int = 0,
                     split_master: bool | None = None,
                     grad_dtype: torch.dtype = torch.float32) -> StoreFootprint:
-    """Bytes a ``HostStore(adapter, compute_dtype, pin, split_master=...)`` would take, without
-    allocating it.
-
-    The unit layouts come from the adapter, which builds the model on the meta device, so this
-    is cheap for any size (e.g. ``get_flavor("qwen2.5-14b").build_config()``); the arithmetic is
-    the store's own. ``state_nbytes``: optimizer state, if known (``optim``'s ``state_nbytes``).
-    """
+    """Bytes a ``HostStore`` would take, without allocating it (cheap for any size: the layouts come
+    from the meta model). ``state_nbytes``: optimizer state, if known."""
     adapter = model if isinstance(model, DecoderAdapter) else DecoderAdapter(model)
     numels = [FlatLayout.of(u).numel for u in adapter.units]
     grads = grad_itemsizes_of([u.name for u in adapter.units], adapter.tied, grad_dtype,
@@ -244,20 +217,11 @@ def store_footprint(model: PretrainedConfig | DecoderAdapter, compute_dtype: tor
 class HostStore:
     """Flat host buffers for every unit of a model.
 
-    ``pin``: page-lock the copy sources (default: when CUDA is available). ``state_nbytes``:
-    the optimizer state the store will get, if known, so the RAM check counts it.
-    ``mem_available``: reads the bytes of RAM available (default ``available_host_memory``).
-    ``alloc``: where masters, copy sources and optimizer state live (default: this process's
-    memory; gradients always do). ``split_master``: keep the fp32 master as the bf16 compute
-    copy + a 16-bit remainder (default: exactly when ``compute_dtype`` is bf16; False keeps a
-    plain fp32 master beside the copy, 2 bytes per parameter more, the same numbers).
-    ``grad_dtype``: bf16 for a run of one micro-batch per step (nothing is summed on the host):
-    the units whose device gradient is bf16 keep it so, 2 bytes per parameter instead of 4
-    (``grad_itemsizes_of`` says which); such a store refuses a second micro-batch.
-    ``state_tier``: the units whose master remainder (or plain master) and optimizer state live
-    on NVMe (``layerwise.state_tier``); ``source_tier``, ``grad_tier``: the units whose copy
-    source, gradient does; what they hold is not in the RAM check.
-    """
+    ``pin``: page-lock copy sources (default: with CUDA). ``state_nbytes``: counted in the RAM
+    check. ``alloc``: where masters, copy sources and state live. ``split_master``: default exactly
+    with bf16 compute. ``grad_dtype``: bf16 for one micro-batch per step (2 bytes instead of 4; a
+    second micro-batch is refused). ``*_tier``: units whose buffers live on NVMe (not in the RAM
+    check)."""
 
     def __init__(self, adapter: DecoderAdapter, compute_dtype: torch.dtype = torch.float32,
                  pin: bool | None = None, *, state_nbytes: int | None = None,
@@ -406,10 +370,6 @@ class HostStore:
         padding (not the state on NVMe, nor its staging slots)."""
         return self.footprint().total
 
-    def nvme_nbytes(self) -> int:
-        """Bytes of state on NVMe (0 without a state tier)."""
-        return sum(t.nbytes() for t in self._tiers())
-
     def pinned_nbytes(self) -> int:
         """Page-locked bytes (0 when not pinned): the copy-source arena, in whole pages."""
         return self._pinned_nbytes
@@ -501,11 +461,8 @@ def init_store(config: PretrainedConfig, seed: int = 0, compute_dtype: torch.dty
                pin: bool | None = None, *, alloc: HostAllocator = PRIVATE,
                split_master: bool | None = None, grad_dtype: torch.dtype = torch.float32,
                **tiers: NvmeStateTier) -> tuple[DecoderAdapter, HostStore]:
-    """Adapter + HostStore holding exactly the weights ``build_hf_model(config, seed)`` has.
-
-    The HF model is built on the host once and dropped; fine for the small models this is used
-    for (tests, demo, CPU benchmarks). Large models are loaded from a directory instead.
-    """
+    """Adapter + HostStore holding exactly ``build_hf_model(config, seed)``'s weights, via an HF
+    model built on the host once: for small models (tests, demo, CPU benchmarks)."""
     adapter = DecoderAdapter(config)
     store = HostStore(adapter, compute_dtype=compute_dtype, pin=pin, alloc=alloc,
                       split_master=split_master, grad_dtype=grad_dtype, **tiers)

@@ -23,11 +23,8 @@ alignment ``cudaMalloc`` gives device buffers, so a copy's source and destinatio
 
 
 def arena_offsets(numels: Sequence[int], element_size: int) -> tuple[list[int], int]:
-    """Offset (in elements) of each slice of ``numels`` in one arena, and the arena's length.
-
-    Every slice starts at a multiple of ``ARENA_ALIGN_BYTES``; the padding between slices is
-    part of the arena (and counted as pinned); there is none after the last slice.
-    """
+    """Offset (in elements) of each slice of ``numels`` in one arena, and the arena's length; slices
+    start at ``ARENA_ALIGN_BYTES`` multiples, the padding counted as pinned."""
     align = ARENA_ALIGN_BYTES // element_size
     offsets, pos = [], 0
     for n in numels:
@@ -41,12 +38,8 @@ def arena_offsets(numels: Sequence[int], element_size: int) -> tuple[list[int], 
 
 @dataclass(frozen=True)
 class StoreFootprint:
-    """Host bytes of a HostStore, by buffer. All host RAM: the pinned bytes are part of it.
-
-    ``total`` = master + grad + compute + state + arena padding. With bf16 compute and the split
-    master: 2 (remainder) + 4 (grad; 2 where a one-micro-batch gradient lands in bf16) + 2
-    (compute copy, the master's high halves) bytes per parameter, plus the moments; the 2 of the
-    compute copy are pinned.
+    """Host bytes of a HostStore, by buffer (all RAM; the pinned bytes are part of it). bf16 split
+    master: 2 (remainder) + 4 or 2 (grad) + 2 (compute, pinned) bytes per parameter, plus moments.
     """
 
     numel: int
@@ -74,12 +67,9 @@ class StoreFootprint:
     def of_numels(cls, numels: Sequence[int], compute_itemsize: int, *, pin: bool = True,
                   state_nbytes: int = 0, split_master: bool | None = None,
                   grad_itemsizes: Sequence[int] | None = None) -> StoreFootprint:
-        """The footprint of a store whose units hold ``numels`` parameters (nothing allocated).
-
-        ``split_master``: None means what a store of a 2-byte compute dtype does by default
-        with bf16 (the planner's 2-byte compute is bf16); pass False for fp16.
-        ``grad_itemsizes``: bytes per gradient element of each unit (default 4: fp32;
-        ``grad_itemsizes_of`` gives a store's)."""
+        """The footprint of a store whose units hold ``numels`` parameters. ``split_master`` None:
+        the default for a 2-byte compute dtype (bf16); False for fp16. ``grad_itemsizes``: default
+        4."""
         n = sum(numels)
         separate = compute_itemsize != 4
         split = separate and compute_itemsize == 2 if split_master is None else split_master
@@ -142,13 +132,9 @@ def resolve_split_master(compute_dtype: torch.dtype, split_master: bool | None) 
 
 def grad_itemsizes_of(unit_names: Sequence[str], tied: bool, grad_dtype: torch.dtype,
                       compute_dtype: torch.dtype) -> list[int]:
-    """Bytes per gradient element of each unit of a store built with ``grad_dtype``.
-
-    bf16 (one micro-batch per step, nothing summed on the host) applies where the device
-    computes the gradient in bf16: every decoder layer and an untied embedding. The head's is
-    summed over the loss chunks in fp32 on the device, and a tied embedding's is the head's
-    fp32 part plus the embedding's, summed on the host: both stay fp32. Raises ``ValueError``
-    for a dtype that is neither, or bf16 gradients without bf16 compute."""
+    """Bytes per gradient element of each unit for ``grad_dtype``. bf16 applies where the device
+    computes it in bf16 (decoder layers, an untied embedding); the head and a tied embedding are
+    summed in fp32 and stay fp32."""
     if grad_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"grad_dtype must be torch.float32 or torch.bfloat16, got {grad_dtype}")
     if grad_dtype == torch.bfloat16 and compute_dtype != torch.bfloat16:
@@ -162,12 +148,8 @@ def grad_itemsizes_of(unit_names: Sequence[str], tied: bool, grad_dtype: torch.d
 
 def check_host_memory(need: StoreFootprint,
                       available: Callable[[], int | None] | None = None) -> None:
-    """Refuse (``ValueError``) a store that would not fit in the RAM available now.
-
-    ``available`` reads the bytes available (default ``available_host_memory``; tests inject
-    one); when it returns None nothing is checked. The message spells out what the store needs
-    and what to do about it.
-    """
+    """Refuse (``ValueError``, saying what to do) a store that would not fit in the RAM available
+    now; ``available`` returning None checks nothing."""
     avail = (available or available_host_memory)()
     if avail is None or need.total <= avail:
         return

@@ -1,15 +1,8 @@
 """Where a LoRA unit's tensors live in its flat buffer: trainable adapters first, frozen base after.
 
-A unit's *copy source* (what streams to the device) is ``[adapters in the compute dtype | frozen
-base]``; its master, gradient and optimizer state hold the adapters alone. So
-:class:`LoraLayout` answers the engine's questions the way ``store.FlatLayout`` does, about the
-trainable part (``numel``, ``specs``, ``offsets``, ``slices``, ``decay_numel``: the gradient's
-size and the checkpoint's tensors), and adds the frozen part to what ``views`` / ``leaves``
-return when handed a whole copy source (a weight slot): the frozen tensors are plain views (no
-gradient), each in its own format (a float dtype, or the packed bytes of ``adapters.quant``), at
-byte offsets aligned to ``FROZEN_ALIGN_BYTES``. A unit with no adapters (embedding and head)
-has ``numel == 0``: the engine sends no gradient for it and runs no update.
-"""
+:class:`LoraLayout` answers as ``store.FlatLayout`` does about the trainable part, and adds the
+frozen part (plain views, each in its own format, aligned to ``FROZEN_ALIGN_BYTES``) when handed a
+whole copy source. A unit without adapters has ``numel == 0``: no gradient, no update."""
 
 from __future__ import annotations
 

@@ -1,19 +1,9 @@
-"""The linear of a frozen base, with an optional LoRA adapter: what a decoder layer's
-``nn.Linear`` becomes in a LoRA run.
+"""The linear of a frozen base, with an optional LoRA adapter, as PEFT's ``lora.Linear`` computes.
 
-``frozen_linear`` is an autograd function whose backward computes the input's gradient only: the
-base weight gets none, and the function saves only the (packed) weight, never its input, so a kept
-graph holds no activation for it. A quantised weight is dequantised in the forward and again in
-the backward, from the packed bytes the weight slot holds (``layerwise.adapters.quant``).
-
-:class:`StreamedLinear` is the meta-device template module (``functional_call`` binds its tensors
-per layer): a frozen ``weight`` (and ``bias``), plus ``lora_A`` / ``lora_B`` as PEFT names them,
-computing ``base(x) + lora_B(lora_A(dropout(x))) * alpha / r`` as PEFT's ``lora.Linear`` does.
-
-Dropout must draw the same mask in a micro-batch's forward, its recompute and its backward's
-forward: the mask comes from a generator seeded with (the micro-batch's seed, the layer, the
-module), set around each layer call by :func:`dropout_scope`.
-"""
+``frozen_linear``'s backward computes the input's gradient only and saves only the packed weight,
+so a kept graph holds no activation for it. Dropout draws the same mask in a micro-batch's
+forward, recompute and backward: its generator is seeded per (micro-batch, layer, module) by
+:func:`dropout_scope`."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""A decoder model with LoRA adapters on a frozen base, as the engine sees it.
-
-:class:`LoraAdapter` wraps a ``DecoderAdapter`` and answers the engine with the same calls. Its
-units hold the adapters as their parameters (stored in fp32, accumulated, updated,
-checkpointed) and the frozen base as the rest of their copy source (``adapters.layout``). Each
-layer's template is the HF layer with every ``nn.Linear`` swapped for a ``StreamedLinear``, so
-the engine binds one flat buffer per layer, as for a full model. Adapter names are PEFT's saved
-keys without the ``base_model.model.`` prefix, so a PEFT adapter maps one to one.
-"""
+"""A decoder model with LoRA adapters on a frozen base, as the engine sees it: each layer's
+template swaps ``nn.Linear`` for ``StreamedLinear``, so the engine binds one flat buffer per layer
+as for a full model. Adapter names are PEFT's without ``base_model.model.``, one to one."""
 
 from __future__ import annotations
 

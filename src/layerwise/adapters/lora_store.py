@@ -1,15 +1,6 @@
-"""The host store of a LoRA run: the frozen base held once, in its streaming format; fp32 state
-for the adapters alone.
-
-Per unit one copy source in the store's single arena (pinned like any store's): ``[adapters in
-the compute dtype | frozen base]`` (``adapters.layout``). The base has no master, gradient or
-optimizer state, only its copy source, quantised once when loaded (``load_hf_tensor``). The
-adapters have an fp32 master (with fp32 compute, the copy source's own first part), an fp32
-gradient and optimizer state, so the engine, the host optimizer and the checkpoint provider treat
-them as the unit's parameters. Under torchrun ``alloc`` is the node's shared allocator, as for a
-full store; gradients stay each rank's own. ``merged_tensors`` / ``iter_hf_tensors`` give the
-base with the adapters merged in.
-"""
+"""The host store of a LoRA run: the frozen base held once, in its streaming format (quantised
+when loaded); fp32 master, gradient and state for the adapters alone, so the engine, optimizer
+and checkpoints treat them as the unit's parameters."""
 
 from __future__ import annotations
 

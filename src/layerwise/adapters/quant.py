@@ -1,25 +1,9 @@
 """Weight-only formats of a frozen base: what a LoRA run holds its base's matmul weights in.
 
-Each format packs one weight (a linear's ``[out, in]`` matrix, or an expert tensor ``[E, a, b]``)
-into one byte region (``packed_nbytes``), so a frozen unit is a single flat buffer the engine
-streams like any other; ``dequantize`` turns it back into the compute dtype on the device.
-
-- ``nf4``: bitsandbytes' NF4 without double quantisation: blocks of ``NF4_BLOCK`` (64) elements
-  of the flattened weight, each block's absmax in fp32, each element the nearest of the 16 NF4
-  levels of ``x / absmax``, two codes a byte (the first in the high nibble). Region: codes
-  (``ceil(n / 64) * 32`` bytes) then the absmax values; 0.5625 B/param.
-- ``int8``: symmetric per row (the last dim), LLM.int8's weight format: ``round(127 * w /
-  absmax_row)``; region: the codes then the fp32 row scales (on a 4-byte boundary).
-- ``fp8`` (``fp8-<B>``, default B = 128): DeepSeek-V3's block-wise e4m3: each ``B x B`` tile
-  scaled by ``amax / 448`` (fp32); region: the float8_e4m3fn codes, then the scales.
-- ``mxfp4``: OCP MX FP4 as gpt-oss ships its experts: groups of 32 elements share a power-of-two
-  scale (``floor(log2 amax) - 2``, one uint8 ``e + 127``), each element the nearest e2m1 value,
-  two codes a byte (the first in the low nibble), groups along a linear's last dim and along
-  dim -2 of an expert tensor (gpt-oss's ``[E, in, out]``). 0.53125 B/param.
-
-Each is the release's own arithmetic, so a base read dequantized from a release in that format
-packs back to the release's values (a LoRA run checks it: ``roundtrips``).
-"""
+Each packs one weight into one byte region, so a frozen unit is a single flat buffer streamed
+like any other: ``nf4`` (bitsandbytes, block 64, no double quantisation), ``int8`` (per row),
+``fp8-<B>`` (DeepSeek-V3's block-wise e4m3), ``mxfp4`` (gpt-oss's). Each is the release's own
+arithmetic, so a base read from a release packs back to its values (checked: ``roundtrips``)."""
 
 from __future__ import annotations
 

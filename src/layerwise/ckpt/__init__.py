@@ -1,11 +1,7 @@
 """Layer-wise checkpoints: write only the groups that changed, resume directly, never lose data.
 
-The checkpoint core, free of foreign formats (HF / Trainer formats, merge and recipes are
-``layerwise.interop``; group names come from ``layerwise.models.names``). Entry points:
-``checkpointer`` (the plain-PyTorch API) and ``sharded_checkpointer`` (each rank its shard),
-both held to ``protocol``; ``run_dir`` (the run directory); ``resolve`` (the state at step N,
-group by group); ``provider`` (the ``StateProvider`` protocol and blob keys).
-"""
+The core, free of foreign formats (those are ``layerwise.interop``); the modules are mapped in
+``docs/architecture.md``."""
 
 from .checkpoint_config import CheckpointConfig
 from .checkpointer import Checkpointer

@@ -1,21 +1,11 @@
-"""Lossless delta coding of a group's fp32 weights against a key frame (blob layout 3).
+"""Lossless delta coding of a group's fp32 weights against a key frame (blob layout 3,
+``docs/formats.md``).
 
-Between two saves of a fine-tune most fp32 weights move only in their low bits: the top 16
-bits (sign, exponent, 7 mantissa bits: the bf16 high half) of a few percent of the elements
-change, the low 16 bits of nearly all. A delta blob stores, per fp32 ``param/<name>``, the low
-halves as they are (``param_lo/``, int16), a bitmap of the elements whose high half differs
-from the key frame's (``param_hi_changed/``, uint8, little-endian bit order) and the new high
-halves of those elements only (``param_hi_new/``, int16): about 2.1 + 2 f bytes per weight
-instead of 4, for a changed fraction f. Every other tensor (moments, steps, non-fp32 weights)
-is stored as it is. Decoding is exact on the bit patterns (NaN payloads included).
-
-The key frame is an ordinary blob (layout 1 or 2) of the same group, named in the delta blob's
-metadata (``base``) and in its manifest entry (``base``, so ``gc`` keeps it and ``verify``
-checks it). A delta is never coded against another delta: loading one reads two blobs. The
-metadata also holds the hash of the key frame's high halves as the writer read them, so a key
-frame that differs from what the delta was coded against fails the load instead of decoding
-to other weights.
-"""
+Between two saves of a fine-tune the bf16 high halves of only a few percent of fp32 weights
+change, so a delta stores the low halves, a bitmap of changed high halves and those new halves:
+about 2.1 + 2f bytes per weight instead of 4. Exact on bit patterns (NaN payloads included).
+Never delta-of-delta (a load reads two blobs); the key frame's high-half hash is checked, so a
+different key frame fails the load instead of decoding to other weights."""
 
 from __future__ import annotations
 
@@ -65,10 +55,8 @@ class KeyFrame:
 
 def moments_8bit(tensors: dict[str, torch.Tensor],
                  block_size: int = quant.DEFAULT_BLOCK_SIZE) -> dict[str, torch.Tensor]:
-    """``tensors`` with each fp32 ``exp_avg`` / ``exp_avg_sq`` pair stored as the 8-bit
-    optimizer keeps its moments (blob layout 2: codes, per-block scales, ``q8_blocks``), which
-    every reader already turns back into fp32 moments. Lossy: the quantiser's error bound
-    (``optim.quant``), ~2 bytes per parameter instead of 8."""
+    """``tensors`` with fp32 moments stored as 8-bit codes and scales (blob layout 2), which every
+    reader turns back into fp32. Lossy (``optim.quant``'s bound): ~2 bytes per parameter, not 8."""
     pairs = [k[len(M):] for k in tensors if k.startswith(M) and V + k[len(M):] in tensors
              and tensors[k].dtype == torch.float32]
     if not pairs:

@@ -1,11 +1,7 @@
 """Content-addressed group blobs: ``RUN/blobs/ab/<digest>.safetensors``, one group version each.
 
-Blob files are plain safetensors, streamed to disk by a small writer here so that a group is
-never duplicated in memory to serialise it; the hash is computed on a second thread while the
-bytes are written, so hashing costs no extra pass. A blob is written to ``RUN/tmp/``, fsynced
-and renamed into place, and its directories fsynced, before any manifest may name it
-(``BlobBatch.finish``); an identical blob already stored is reused, not written again.
-"""
+Streamed to disk so a group is never duplicated in memory, hashed on a second thread while
+written (no extra pass), fsynced and renamed before any manifest may name it."""
 
 from __future__ import annotations
 
@@ -136,11 +132,9 @@ class BlobRecord:
 
 
 class BlobBatch:
-    """The blobs of one save: each new blob is fsynced and renamed into place on a helper
-    thread while the next one is written (the disk works while the CPU fills the page cache).
-    ``finish`` waits for all of them and fsyncs their directories; only then may a manifest
-    name them. As a context manager: ``finish`` on leaving; on an error, the blobs already
-    handed over land (or fail) before it is reported, their own errors giving way to it."""
+    """The blobs of one save, each fsynced and renamed on a helper thread while the next is written.
+    Only after ``finish`` (also on leaving the context) may a manifest name them; on an error, blobs
+    already handed over land or fail first, their own errors giving way to it."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-fsync")

@@ -12,41 +12,21 @@
             ckpt.save(step, extra={"data_position": step + 1})   # blocks only to capture state
     ckpt.wait()                             # the last background write, and its errors
 
-A save asks the policy which groups to write, copies those groups (weights + optimizer state)
-to host memory, and a background thread writes the blobs, the step's non-layer state and
-finally the manifest. One save writes at a time: the next ``save`` first waits for the previous
-one (that wait is part of its blocked time, reported separately as ``wait_s``). A copy that
-would not fit in the RAM available now (``snapshot_fit``) is not made: that save writes from the
-live tensors before the next update (``SaveReport.snapshot == "live"``).
+One save writes at a time (the next ``save`` waits: ``wait_s``). A host copy that would not fit
+in available RAM is not made; that save writes from the live tensors (``snapshot == "live"``).
 
-**Deferred snapshot** (``CheckpointConfig.snapshot``): where the provider can hold the next
-update back (a torch optimizer: a step pre-hook) and the state is on the CPU, ``save`` only
-captures the non-layer state (scheduler, RNG, extra) and references to the live tensors, and
-returns. A helper thread then measures the statistics the policy needs, chooses the groups and
-copies them, while the training loop runs its next forward and backward; the next
-``optimizer.step()`` waits for that copy if it is not done (``SaveReport.stall_s``). The copy is
-of the state at ``save``: the optimizer step is held back, and a tensor written in place
-otherwise (its version counter moved) fails the save (``StateModifiedError``) rather than
-storing a later state. ``observe`` is deferred the same way. The contract: between ``save``
-(or ``observe``) and the next optimizer step, change weights and optimizer state only through
-that step, or use ``snapshot="sync"``.
+**Deferred snapshot** (``CheckpointConfig.snapshot``): ``save`` captures only the non-layer
+state and references; a helper thread copies the groups while the loop runs forward/backward,
+and the next ``optimizer.step()`` waits for it (``stall_s``). A tensor written in place before
+then fails the save (``StateModifiedError``) rather than storing a later state: change state
+only through the optimizer step, or use ``snapshot="sync"``.
 
-**Several writers** (``exchange=``, ``mine=``; ``ckpt.collective``): every rank holds a
-checkpointer of the same state (a node's shared store, or identical copies) and calls ``save``
-at the same step. Rank 0 alone measures and chooses, and broadcasts the choice; each rank copies
-and writes the chosen groups it owns; rank 0, holding the run's lock from before the first
-blob to the commit, gathers every rank's blob records and alone writes the step's files and
-the manifest. A rank that fails or dies before the gather leaves the last committed step as it
-was; the others fail within the exchange's timeout. The snapshot is taken inside ``save``
-(never deferred); the writes still run on the writer thread, whose collectives use the
-exchange's own process group.
+**Several writers** (``exchange=``, ``mine=``): rank 0 chooses and broadcasts, each rank writes
+the groups it owns, and rank 0 (holding the run's lock) gathers the records and commits. A rank
+that fails before the gather leaves the last committed step as it was.
 
-Threads: the writer thread reads a ``WriteJob`` and returns a ``WriteResult`` that the
-checkpointer adopts on its owner's thread (``wait``, the next ``save``, ``close``): only that
-thread changes the checkpointer's state (committed versions, the save in flight, the tracker's
-references). The tracker and the buffer pool are used by one thread at a time: the helper while
-it takes a deferred snapshot, the owner otherwise.
-"""
+Threads: only the owner's thread changes the checkpointer's state; it adopts each
+``WriteResult`` in ``wait``, the next ``save`` or ``close``."""
 
 from __future__ import annotations
 
@@ -137,14 +117,9 @@ class Checkpointer:
         available_memory: Callable[[], int | None] | None = None,
         **options: Any,
     ):
-        """``options``: fields of ``CheckpointConfig`` (e.g. ``async_save=False``) and the
-        policy's own options (e.g. ``threshold=1e-3``), in one flat namespace.
-
-        Saves written by several ranks (see *Several writers* in the module docstring):
-        ``exchange`` joins this rank's checkpointer to the others' (``ckpt.collective``;
-        default: one process) and ``mine`` names the groups this rank writes (a set, or a
-        predicate on group names; default: all). ``available_memory``: reads the host bytes
-        available, against which each snapshot is sized (default: ``available_host_memory``)."""
+        """``options``: fields of ``CheckpointConfig`` and the policy's options, one flat namespace.
+        ``exchange``/``mine``: see *Several writers* above. ``available_memory``: host bytes each
+        snapshot is sized against (default: ``available_host_memory``)."""
         self.config, policy_options = split_options(config, options, policy)
         if self.config.encoding not in ENCODINGS:
             raise ValueError(f"encoding={self.config.encoding!r} is not one of {list(ENCODINGS)}; "
@@ -205,14 +180,11 @@ class Checkpointer:
     # ----- statistics -----------------------------------------------------------------------
 
     def observe(self, step: int, force: bool = False) -> Mapping[str, dict[str, float]] | None:
-        """Per-group update statistics at ``step`` every ``track_every_steps`` steps (or ``force``).
+        """Per-group update statistics every ``track_every_steps`` steps (or ``force``).
 
         Call after ``optimizer.step()`` and before ``zero_grad()`` to include gradient norms.
-        Deferred (see the module docstring): returns at once; the statistics are taken on the
-        helper thread before the next optimizer step, and reading the returned mapping waits for
-        them. A gradient zeroed in place before it was read (``zero_grad(set_to_none=False)``)
-        gives a NaN gradient norm, never the norm of a later gradient.
-        """
+        Deferred: a gradient zeroed in place before it was read gives NaN, never a later gradient's
+        norm."""
         every = max(1, self.config.track_every_steps)
         if not force and step % every != 0:
             return None
@@ -237,13 +209,9 @@ class Checkpointer:
 
     def save(self, step: int, extra: dict | None = None, *, data_position: Any = None,
              trainer_state: dict | None = None, every_group: bool = False) -> SaveReport:
-        """Checkpoint ``step``: choose groups, snapshot them, write in the background
-        (``every_group``: all of them, whatever the policy: a run's last save, or the one it
-        makes when interrupted, loses nothing).
+        """Checkpoint ``step`` in the background (``every_group``: all groups, whatever the policy).
 
-        ``extra`` (JSON-able dict), ``data_position`` and ``trainer_state`` are stored with the
-        step and returned by ``load``. Raises the error of a previous failed background save.
-        """
+        Raises the error of a previous failed background save."""
         if step < 0:
             raise ValueError(f"step must be >= 0 (got {step})")
         t0 = time.perf_counter()
@@ -376,12 +344,9 @@ class Checkpointer:
 
     def _book_references(self, snaps: Mapping[str, dict[str, torch.Tensor]], copy: bool,
                          others: list[str]) -> tuple[TrackerReferences, list[dict[str, torch.Tensor]]]:
-        """Book the new versions' weights now, before they are written: the snapshots become
-        the tracker's references. Returns the references before (put back if the write fails)
-        and the references replaced (reusable once the save commits).
-
-        ``others``: chosen groups other ranks write; rank 0, whose tracker chooses, copies
-        their weights as its references. The other ranks keep no references."""
+        """Book the snapshots as the tracker's references before they are written. Returns the
+        references before (put back on failure) and those replaced (reusable once committed).
+        ``others``: groups other ranks write; only rank 0 keeps references."""
         before = self.tracker.save_references()
         if self.exchange.rank != 0:
             return before, []
@@ -480,10 +445,9 @@ class Checkpointer:
     # ----- loading --------------------------------------------------------------------------
 
     def load(self, step: int | None = None, *, strict: bool = True) -> LoadResult | None:
-        """Load the state at ``step`` (default: newest committed) into model, optimizer,
-        scheduler and RNG. ``strict``: every model group must be in the checkpoint. A run with
-        no committed step yet has nothing to load: None (and a line that says so), unless a
-        ``step`` was asked for."""
+        """Load ``step`` (default: newest committed) into model, optimizer, scheduler and RNG.
+        ``strict``: every model group must be in the checkpoint. None if nothing is committed yet.
+        """
         self.wait()
         if step is None and self.latest() is None:
             _log.warning(f"nothing to load: {self.run_dir} has no committed checkpoint yet "

@@ -1,11 +1,6 @@
-"""``layerwise ckpt``: inspect, check and clean layer-wise checkpoint runs.
-
-``ls`` (steps, bytes, policy), ``show`` (per group: source step, staleness, bytes), ``verify``
-(checksums and completeness; exit 1 on any fault), ``gc`` (drop old steps and unreferenced
-blobs). ``merge`` (export to HF / Trainer formats) is added by ``layerwise.interop.cli``.
-Every subcommand takes ``--json`` and then prints exactly one JSON object, and a
-``layerwise train`` out_dir as well as the checkpoint run in its ``ckpt/``.
-"""
+"""``layerwise ckpt``: ``ls``, ``show``, ``verify`` (exit 1 on any fault), ``gc``; ``merge`` is
+added by ``layerwise.interop.cli``. ``--json`` prints exactly one JSON object; a ``layerwise
+train`` out_dir is accepted as well as its ``ckpt/`` run."""
 
 from __future__ import annotations
 

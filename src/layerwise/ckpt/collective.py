@@ -1,14 +1,8 @@
 """How the ranks of a save agree: the only seam between checkpoint writing and torch.distributed.
 
-A save written by several ranks follows one protocol: rank 0 decides what is saved and tells the
-others (``broadcast``); every rank writes its own blobs (content-addressed, so concurrent writers
-never collide) and sends their records to rank 0 (``gather``); rank 0 alone commits the manifest,
-so a rank that dies before the commit leaves the last committed step as it was.
-
-``SingleProcess`` is the exchange of one process; ``TorchExchange``
-runs the same calls as torch.distributed collectives on a process group of its own (gloo), with
-a timeout, so a checkpoint thread's collectives never interleave with the training step's.
-"""
+Rank 0 decides (``broadcast``), every rank writes its own content-addressed blobs and sends
+their records (``gather``), rank 0 alone commits. ``TorchExchange`` uses a gloo process group of
+its own, with a timeout, so the checkpoint thread's collectives never interleave with training's."""
 
 from __future__ import annotations
 

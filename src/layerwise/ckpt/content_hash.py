@@ -1,7 +1,6 @@
 """Content hashes: the digest that names a blob and checksums every file a manifest lists.
 
-BLAKE3, the one hash of the run format; ``format.json`` and each manifest name it.
-"""
+BLAKE3, the one hash of the run format; ``format.json`` and each manifest name it."""
 
 from __future__ import annotations
 

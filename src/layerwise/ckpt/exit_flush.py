@@ -1,16 +1,8 @@
 """The last save of a ``Checkpointer`` that was never closed, written when the interpreter exits.
 
-A save runs on worker threads (``concurrent.futures``), and at exit those stop taking new work:
-the pending save (a deferred snapshot still to hand its write over) would be dropped without a
-word, and the run would have no committed step. So every checkpointer is tracked (weakly), and
-at exit each one not closed is closed (its save written, its error logged), with a warning
-that says how to close it: ``with Checkpointer(...) as ckpt:`` or ``ckpt.close()``.
-
-The hook is registered with ``threading._register_atexit``, whose callbacks run in reverse
-order of registration before the executors' own exit hook (registered when
-``concurrent.futures.thread`` was imported, before any checkpointer existed), so the workers
-still take the write; plain ``atexit`` (which runs after them) where that is missing.
-"""
+At exit the worker threads stop taking work and a pending save would be silently dropped, so
+each unclosed checkpointer is closed with a warning. ``threading._register_atexit`` runs before
+the executors' own exit hook, so the workers still take the write (plain ``atexit`` otherwise)."""
 
 from __future__ import annotations
 

@@ -1,26 +1,11 @@
-"""Expert-level checkpoint groups (``ckpt.expert_groups``): each routed expert of an MoE layer
-versioned on its own, so a policy writes only the experts that moved.
+"""Expert-level checkpoint groups: each routed expert of an MoE layer versioned on its own, so a
+policy writes only the experts that moved.
 
-``ExpertGroupsProvider`` wraps any ``StateProvider`` that serves layer groups (a module and its
-optimizer, the engine's host store, an imported checkpoint) and splits each MoE layer's group
-into ``layers.{i}`` (everything but the routed experts) and ``layers.{i}.experts.{e}``
-(``models.names``). An expert group's tensors are expert ``e``'s elements of the layer's fused
-``[num_experts, ...]`` tensors and of their optimizer state: 1-D views of one flat range each
-(dim 0 is the expert, so the range is contiguous), the same description as a shard of a sharded
-group (``ckpt.shard_ranges``); where the experts are stored one tensor each (an HF model dir
-being imported), the expert's own tensors, whole. The tracker and the policies then see, and measure, every expert
-like any group; the manifest stores an expert group's version as a one-shard entry over its
-ranges, marked ``slice_of`` its layer, and ``resolve`` joins a layer's versions
-back into whole tensors, so every reader sees ordinary layer groups.
-
-Loading goes by whole layers (``load_group`` takes the joined layer name): the checkpointer
-reads a layer's joined tensors and hands them to the wrapped provider as they are.
-
-A fused tensor has one optimizer ``step`` counter (torch and the host store keep one per
-tensor): every expert group stores it with its moments, and a composite whose experts come from
-different saves takes the newest one. 8-bit moments quantise in blocks that do not follow the
-experts' rows: expert groups need fp32 moments.
-"""
+An expert group (``layers.{i}.experts.{e}``) is expert ``e``'s contiguous flat range of the
+layer's fused ``[num_experts, ...]`` tensors, stored as a one-shard entry marked ``slice_of``
+its layer (``ckpt.shard_ranges``); ``resolve`` joins them back, so readers see ordinary layer
+groups and loads go by whole layers. Every expert stores the fused tensor's one ``step`` counter
+(a mixed composite takes the newest). 8-bit moments' blocks ignore expert rows: fp32 only."""
 
 from __future__ import annotations
 
@@ -48,12 +33,8 @@ its full shape."""
 
 
 class ExpertGroupsProvider:
-    """``inner``'s groups with every MoE layer split into its non-expert part and its experts.
-
-    ``num_experts``: routed experts per MoE layer (``models.families.fused_expert_count``); a
-    layer's fused tensors are the parameters ``models.names.is_fused_expert`` names whose dim 0
-    is ``num_experts``. Other attributes (``tied``, update hooks, param-group state) are the
-    inner provider's."""
+    """``inner``'s groups with every MoE layer split into its non-expert part and its experts
+    (``num_experts`` each, dim 0 of the fused tensors); other attributes are ``inner``'s."""
 
     def __init__(self, inner: StateProvider, num_experts: int):
         if num_experts < 2:

@@ -1,10 +1,5 @@
-"""Host copies of live training state, as the blobs store it: the form (optimizer state in fp32,
-weights in their dtype), the size that form takes, and a pool of reused host buffers.
-
-The pool reuses buffers across saves because fresh pages cost more than the copy itself. It is
-used by one thread at a time: the snapshot helper while a deferred snapshot is taken, the owner
-of the checkpointer otherwise (the owner waits for the helper before it recycles).
-"""
+"""Host copies of live training state as the blobs store them, and a pool of reused host buffers
+(fresh pages cost more than the copy). One thread at a time uses the pool."""
 
 from __future__ import annotations
 
@@ -104,10 +99,8 @@ def synchronize_if_pinned(tensors: Iterable[torch.Tensor]) -> None:
 
 
 class GroupsOnDemand(Mapping):
-    """The chosen groups of a save that does not copy (``async_save=False, sync_copy=False``),
-    each read from the provider when it is used. A provider that materialises its groups (a
-    checkpoint being imported, ``interop.recipes.import_checkpoints``) then holds one group at a
-    time, not every chosen one; a module's live tensors cost nothing to read again."""
+    """The chosen groups of a save that does not copy, each read from the provider when used, so an
+    importing provider holds one group at a time, not every chosen one."""
 
     def __init__(self, provider: StateProvider, groups: list[str]):
         self.provider, self.groups = provider, groups

@@ -1,24 +1,10 @@
-"""8-bit Adam moments in checkpoint blobs: stored as the optimizer keeps them (codes + scales),
-turned into fp32 moments only where a format needs them (a Trainer export, a run of format < 3).
+"""8-bit Adam moments in checkpoint blobs, stored as the optimizer keeps them (codes + scales);
+fp32 only where a format needs it. Key layout (blob layout 2): ``docs/formats.md``.
 
-Blob keys of a parameter ``n`` with 8-bit moments (blob layout 2):
-
-- ``exp_avg_codes/n`` int8 ``[numel]``, ``exp_avg_sq_codes/n`` uint8 ``[numel]``;
-- ``exp_avg_scales/n``, ``exp_avg_sq_scales/n`` fp32 ``[k]``: the scales of the blocks the
-  parameter's elements lie in;
-- ``q8_blocks/n`` int64 ``[2]`` = ``(block_size, lead)``: the parameter starts ``lead`` elements
-  into its first block, so ``k = ceil((lead + numel) / block_size)``. The engine quantises a
-  unit's whole flat buffer, whose parameters do not start on block edges; slicing per parameter
-  keeps the blob keyed by HF name like every other state, and the bytes as they are in memory.
-- ``step/n`` as for fp32 moments.
-
-A block can straddle two parameters. Inside one group (a decoder layer is one unit) both are
-always saved and loaded together; across groups (an untied head's ``lm_head`` | ``norm``, when
-``lm_head``'s size is not a multiple of the block size) the two versions may come from different
-saves: ``write_unit_part`` then keeps the loaded version's scale and re-encodes the other
-group's few elements of that block under it, so the block stays consistent and a load of both
-from one save is exact in any order.
-"""
+``q8_blocks/n`` = ``(block_size, lead)`` because the engine quantises a unit's whole flat buffer,
+whose parameters do not start on block edges. A block straddling two groups (an untied head's
+``lm_head`` | ``norm``) may mix saves: ``write_unit_part`` keeps the loaded scale and re-encodes
+the other group's elements of that block under it, so a load is exact in any order."""
 
 from __future__ import annotations
 
@@ -112,12 +98,8 @@ def fits_unit(tensors: dict[str, torch.Tensor], name: str, offset: int, numel: i
 def write_unit_part(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
                     name: str, offset: int, numel: int, block_size: int,
                     owned: torch.Tensor) -> None:
-    """Copy ``name``'s 8-bit entries (``fits_unit``) into a unit's flat 8-bit state.
-
-    ``owned``: a bool mask over the unit's elements that this load writes (the group's
-    parameters). A boundary block with elements outside it whose scale differs from the loaded
-    one takes the loaded scale, and those elements are re-encoded under it (see the module
-    docstring)."""
+    """Copy ``name``'s 8-bit entries into a unit's flat 8-bit state; ``owned`` masks the elements
+    this load writes (see the module docstring for boundary blocks)."""
     b0, b1, _ = blocks_of(offset, numel, block_size)
     total = state["exp_avg_codes"].numel()
     for codes_key, scales_key, kc, ks, deq, enc in (

@@ -1,19 +1,9 @@
 """Selection policies: which groups a checkpoint writes.
 
-Every policy sees, per group, its size, its relative weight change since the version last saved
-and how many checkpoints ago that was, and returns the groups to write. The shared rules live
-in ``BasePolicy.select`` so that no policy can break them:
-
-- a group never saved before is always written (a composite must be complete);
-- ``full_every=N``: every N-th checkpoint (the 1st, N+1-th, …) writes everything;
-- ``max_staleness=S``: no group's newest version is more than S checkpoints old;
-- and, in the store, a group whose bytes are exactly unchanged is never written twice.
-
-Add a policy with ``@register_policy("name")`` on a ``BasePolicy`` subclass (a dataclass whose
-fields are its options) implementing ``choose``. ``BasePolicy.select_reasons`` says why each group
-was chosen (``REASONS``): by a rule above or by the policy's own criterion, so a benchmark can
-tell a policy that selects from one whose writes all come from its guards.
-"""
+``BasePolicy.select`` holds the rules no policy can break: a never-saved group is written,
+``full_every`` writes everything, ``max_staleness`` bounds age. Register a policy with
+``@register_policy("name")`` on a ``BasePolicy`` dataclass implementing ``choose``;
+``select_reasons`` says why each group was chosen (``REASONS``)."""
 
 from __future__ import annotations
 
@@ -179,8 +169,7 @@ class FullPolicy(BasePolicy):
 class ParityPolicy(BasePolicy):
     """Alternate halves: groups at even positions (model order) on even checkpoints, odd on odd.
 
-    Every group is then at most one checkpoint stale, at half the bytes per checkpoint.
-    """
+    Every group is then at most one checkpoint stale, at half the bytes per checkpoint."""
 
     uses_change = False
 
@@ -192,13 +181,8 @@ class ParityPolicy(BasePolicy):
 @dataclass
 class FilterPolicy(BasePolicy):
     """The groups whose weights moved more than ``threshold`` since their last saved version.
-
-    With ``max_fraction``, at most that share of all groups' bytes is written per checkpoint
-    (groups a guard forces count first): the groups over the threshold go most changed first,
-    the rest wait for a later checkpoint. Layers of one model often drift at the same rate and
-    cross a threshold together; the cap spreads their writes over several checkpoints, so the
-    composite never holds every layer at its stalest at once.
-    """
+    ``max_fraction`` caps the bytes per checkpoint (most changed first): layers drift together, and
+    the cap spreads their writes so the composite is never stalest everywhere at once."""
 
     threshold: float = 0.01
     """Relative L2 change ``|w - w_saved| / |w_saved|`` above which a group is written. The
@@ -255,8 +239,7 @@ class TopKPolicy(BasePolicy):
 class BudgetPolicy(BasePolicy):
     """Fill a byte budget per checkpoint greedily by change per byte.
 
-    Forced groups (never saved, too stale) are written even past the budget and use it up first.
-    """
+    Forced groups (never saved, too stale) are written even past the budget and use it up first."""
 
     budget_bytes: int | None = None
     """Bytes per checkpoint; None: ``budget_fraction`` of a full checkpoint."""

@@ -1,8 +1,5 @@
-"""The verbs every layer-wise checkpointer answers to, so that a loop or a callback that only
-saves, resumes and closes takes any of them: ``Checkpointer`` (one process, or several writers
-of a replicated state), ``ShardedCheckpointer`` (each rank its shard of the state) and the
-loops' wrappers (``interop.hooks.deepspeed_loop.DeepSpeedCheckpointer``). They implement it by
-shape, not by inheritance; ``tests/ckpt/test_protocol.py`` holds them to it."""
+"""The verbs every layer-wise checkpointer answers to, by shape, not inheritance
+(``tests/ckpt/test_protocol.py`` holds them to it)."""
 
 from __future__ import annotations
 

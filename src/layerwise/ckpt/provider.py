@@ -1,21 +1,9 @@
 """Where checkpoint groups come from and go back to: the ``StateProvider`` protocol.
 
-The checkpointer never touches a model or an optimizer directly. It asks a provider for a
-group's tensors (weights + optimizer state, keyed as in the blob format) and hands loaded
-tensors back. ``ModuleStateProvider`` serves an ``nn.Module`` + ``torch.optim`` optimizer;
-the layer-streaming engine's host store plugs in with its own provider (views into its flat
-per-unit buffers), and everything else (policies, tracker, store, resolve) is shared.
-
-A provider may also offer ``register_update_hook(fn)``: call ``fn`` before anything writes its
-weights or optimizer state (the optimizer's step), returning a handle with ``remove()``, or None
-when it cannot. With it the checkpointer copies a save's groups after ``save`` returns, while the
-training loop runs its next forward and backward (``CheckpointConfig.snapshot``).
-
-Blob keys (the contract with merge/export): ``param/<hf_name>`` (weights, in the parameter's
-dtype), ``exp_avg/<hf_name>`` and ``exp_avg_sq/<hf_name>`` (AdamW moments, fp32; absent before
-the optimizer's first step), ``step/<hf_name>`` (0-d fp32). Other optimizer state tensors are
-stored as ``<state_key>/<hf_name>`` (fp32 for floating point), e.g. ``max_exp_avg_sq/…``.
-"""
+The checkpointer never touches a model or optimizer directly, so the engine's host store plugs
+in with its own provider. An optional ``register_update_hook(fn)`` (fn runs before the weights
+or state are written; returns a handle or None) enables deferred snapshots. Blob keys are the
+contract with merge/export: ``docs/formats.md``."""
 
 from __future__ import annotations
 
@@ -55,8 +43,7 @@ class StateProvider(Protocol):
     def optimizer_state(self, group: str) -> dict[str, torch.Tensor]:
         """Live optimizer state of ``group`` in blob keys (``exp_avg/<name>``, ``step/<name>``…).
 
-        Tensors may be in any dtype/device; the checkpointer snapshots them to fp32 on the host.
-        """
+        Tensors may be in any dtype/device; the checkpointer snapshots them to fp32 on the host."""
         ...
 
     def load_group(self, group: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -76,11 +63,8 @@ def group_tensors(provider: StateProvider, group: str) -> dict[str, torch.Tensor
 
 
 class ModuleStateProvider:
-    """An ``nn.Module`` (HF names from ``named_parameters``) and its ``torch.optim`` optimizer.
-
-    Optimizer state is keyed by parameter, as torch keeps it; a parameter the optimizer has not
-    stepped yet has no state, and none is stored. Loading creates the state entries.
-    """
+    """An ``nn.Module`` and its ``torch.optim`` optimizer; a parameter not stepped yet has no state
+    stored, and loading creates the state entries."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
         self.model = model

@@ -1,9 +1,5 @@
-"""What ``save`` and ``load`` return, for both checkpointers (``ckpt.protocol``): one report of a
-save, one result of a load, whichever checkpointer wrote or read the run.
-
-A ``ShardedCheckpointer`` save is synchronous and takes no snapshot: ``blocked_s`` is the whole
-save, ``snapshot`` is ``"live"``, ``wait_s`` and ``stall_s`` are 0, and every field is filled
-when ``save`` returns."""
+"""What ``save`` and ``load`` return, for both checkpointers. A ``ShardedCheckpointer`` save is
+synchronous: ``blocked_s`` is the whole save, ``snapshot`` is ``"live"``, waits are 0."""
 
 from __future__ import annotations
 

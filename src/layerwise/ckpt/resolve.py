@@ -1,21 +1,9 @@
 """Resolve a run directory at a step into a complete state, group by group.
 
-The state at step N is the newest version <= N of every group. Each committed manifest already
-lists, for every group, the newest version at its step, so resolving N means reading the
-manifest of the newest committed step <= N. A ``ResolvedStep`` is a checkpoint *source*: merge
-and export read it group by group (peak memory: one group), and ``Checkpointer.load`` puts it
-straight back into a model and optimizer.
-
-A group may be stored sharded (``ckpt.shard_ranges``): ``load_group`` reassembles it
-from its shards (their ranges checked), and ``group_reader`` reads only the elements a rank
-asks for, from either kind of entry, so a save by N ranks loads at M.
-
-A layer saved with expert groups (``ckpt.expert_groups``) has one entry for its
-non-expert part and one per expert, each a slice of the fused tensors (``slice_of`` the layer).
-``groups()`` and ``load_group`` join them: readers see the layer as one group with whole
-tensors, assembled from the newest version of every expert slice. ``entries`` keeps every
-stored entry (listing, staleness, verify).
-"""
+The state at step N is the newest version <= N of every group, which the manifest of the newest
+committed step <= N already lists. Readers go group by group (peak memory: one group); sharded
+and expert-slice entries are joined so readers see whole layer groups (``entries`` keeps the
+stored ones), and ``group_reader`` reads only a rank's elements, so N ranks' saves load at M."""
 
 from __future__ import annotations
 
@@ -266,8 +254,7 @@ def _read_blob(path: Path, digest: str, nbytes: int | None,
 def open_run_step(run_dir: str | Path, step: int | None = None) -> ResolvedStep:
     """The state of a run at ``step`` (default: the newest committed step).
 
-    A step that was not checkpointed resolves to the newest committed step before it.
-    """
+    A step that was not checkpointed resolves to the newest committed step before it."""
     store = RunDir.open(run_dir)
     steps = store.committed_steps()
     if not steps:

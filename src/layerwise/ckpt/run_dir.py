@@ -1,24 +1,8 @@
 """The on-disk layer store: content-addressed group blobs, one manifest per step, atomic commits.
 
-Layout of a run directory (the format is documented in ``docs/formats.md``)::
-
-    RUN/format.json                       {"format": "layerwise-ckpt", "format_version": 6,
-                                           "hash": "blake3"}
-    RUN/config.json                       the model's HF config (written once, if known)
-    RUN/blobs/ab/<digest>.safetensors     one group version; named by the hash of its bytes
-    RUN/steps/<step:012d>/state.json      non-layer state: scheduler, optimizer hyper-params,
-                                          python/numpy RNG, data position, trainer state, extra
-    RUN/steps/<step:012d>/rng.safetensors torch CPU/CUDA generator states (uint8 tensors)
-    RUN/steps/<step:012d>/manifest.json   every group -> blob, checksum, saved step (written LAST)
-    RUN/latest                            the newest committed step (moved after the manifest)
-    RUN/tmp/                              temp files of writes in progress (safe to delete when
-                                          no save is running)
-
-A step is committed exactly when its ``manifest.json`` exists: every file it names was written
-to a temp file, fsynced and renamed into place (and its directory fsynced) before the manifest
-itself is written the same way. A crash at any point therefore leaves either the old set of
-committed steps or the old set plus the new step, never a half step.
-"""
+Layout and format: ``docs/formats.md``. A step is committed exactly when its ``manifest.json``
+exists; every file it names is fsynced and renamed into place first, so a crash leaves either
+the old committed steps or those plus the new one, never a half step."""
 
 
 from __future__ import annotations
@@ -138,12 +122,8 @@ class RunDir:
     def put_blob(self, payload: BlobPayload, maybe_duplicate: bool,
                  batch: BlobBatch) -> BlobRecord:
         """Store one group version; an identical existing blob is reused (nothing written).
-
-        ``maybe_duplicate`` hashes first (a memory pass) and skips the write on a hit: right for
-        groups believed unchanged (frozen layers). Otherwise the hash is computed while writing.
-        The fsync and rename happen on ``batch``'s thread (``batch.finish()`` before the
-        manifest).
-        """
+        ``maybe_duplicate``: hash first and skip a hit (for groups believed unchanged). The fsync
+        and rename run on ``batch``'s thread."""
         return put_blob(self.root, self.hash_name, payload, maybe_duplicate, batch)
 
     def write_step_file(self, step: int, name: str, data: bytes) -> dict:
@@ -171,10 +151,8 @@ class RunDir:
             pass  # the commit stands; ``latest`` is a hint and readers fall back to the manifests
 
     def uncommit(self, step: int) -> None:
-        """Remove ``step``'s manifest durably, so nothing treats it as committed any more.
-
-        ``latest`` is moved off ``step`` first (to the newest other committed step, or removed):
-        after a crash at any point it names a committed step, or lags behind the newest one."""
+        """Remove ``step``'s manifest durably; ``latest`` moves off it first, so after a crash it
+        names a committed step (or lags behind the newest)."""
         manifest = self.manifest_path(step)
         if not manifest.exists():
             return

@@ -1,12 +1,6 @@
-"""The write of one ``Checkpointer`` save, run on the writer thread (``ckpt-writer``) from host
-snapshots only.
-
-The order is the commit protocol of ``docs/formats.md``: the new blobs (each fsynced, then their
-directories), the step's state files, then the manifest, which commits the step. With several
-writers (``ckpt.collective``), rank 0 holds the run's lock from before any rank writes until the
-commit (so a ``ckpt gc`` never removes a blob written for a manifest still to come), every rank
-writes the chosen groups it owns, and rank 0 gathers their records and alone commits.
-"""
+"""The write of one ``Checkpointer`` save, on the writer thread, from host snapshots only, in the
+commit order of ``docs/formats.md``. With several writers rank 0 holds the run's lock from before
+any rank writes until the commit, so ``ckpt gc`` never removes a blob a coming manifest names."""
 
 from __future__ import annotations
 
@@ -224,9 +218,8 @@ def _maybe_duplicate(job: WriteJob, group: str) -> bool:
 def duplicate_hints(snaps: Mapping[str, dict[str, torch.Tensor]], change_of: dict[str, float],
                     reference: Callable[[str], dict[str, torch.Tensor] | None]
                     ) -> dict[str, DuplicateHint]:
-    """Per snapshot: may it be byte-identical to its last version? Such groups are hashed
-    before writing (nothing written on a hit). True when measured unchanged (``change_of``);
-    when not measured (NaN), the ``reference`` weights, compared on the writer thread (off the
+    """Per snapshot: may it be byte-identical to its last version (then it is hashed before
+    writing)? Measured unchanged, or unmeasured and equal to its ``reference`` (compared off the
     critical path)."""
     hints: dict[str, DuplicateHint] = {}
     for g in snaps:

@@ -1,23 +1,10 @@
 """Sharded group versions: a group stored as one blob per writing rank.
 
-A manifest entry of a sharded group has ``shards`` instead of ``blob``: one record per rank
-that held elements of the group, each naming its blob (path, digest, bytes) and, per tensor key,
-the flat range ``[start, stop)`` of the flattened full tensor that blob holds, plus the full
-tensor's shape and dtype. Flat ranges describe both FSDP2 (a ``Shard(0)`` piece of a contiguous
-tensor is one flat range; the padding FSDP2 adds to uneven shards is never stored) and DeepSpeed
-ZeRO (per-parameter pieces of flat partitions). Inside a shard blob every tensor is 1-D: the
-elements of its range.
-
-This module checks a shard layout (every key of the group covered exactly once, shards that
-agree on shape and dtype) and reads from it: a whole group (``assemble``) or only some elements
-(``ShardedGroupReader.read``, which opens only the shards that overlap them), so a save by N
-ranks loads at M.
-
-The same records describe an expert group (``ckpt.expert_groups``): one shard
-holding expert ``e``'s flat range of each of its layer's fused tensors, marked ``slice_of`` the
-layer; the slices of all a layer's experts together cover those tensors exactly
-(``joined_shards``).
-"""
+A sharded entry has ``shards``: per rank its blob and, per key, the flat range ``[start, stop)``
+of the full tensor (with shape, dtype); that covers FSDP2 ``Shard(0)`` (padding never stored) and
+ZeRO partitions. Here: checking a layout (every key covered once) and reading a whole group
+(``assemble``) or some elements (``ShardedGroupReader``), so a save by N ranks loads at M.
+Expert groups use the same records, marked ``slice_of`` (``joined_shards``)."""
 
 from __future__ import annotations
 

@@ -9,26 +9,12 @@
     ...
     ckpt.save(step)                             # on every rank, after optimizer.step()
 
-Each rank sees only its elements of each group: a ``ShardProvider`` hands them as ``FlatShard``s
-(a blob key as an unsharded group has it, a 1-D view of the rank's elements, where they start
-in the flattened full tensor, its full shape). One save is the protocol of ``ckpt.collective``:
-
-1. every rank measures its partial statistics of every group (bytes, squared distance to the
-   version it last saved, squared norm of that version) and rank 0 gathers them; summed, they
-   are the global numbers an unsharded save would measure, so the policy decides the same;
-2. rank 0 selects the groups and broadcasts them;
-3. every rank writes one blob per chosen group with its elements (content-addressed: an
-   identical shard is not written again) and makes it durable;
-4. rank 0 gathers the shard records, checks that they cover every tensor exactly, writes the
-   step's state files and commits the manifest (``ckpt.shard_ranges``); every rank
-   learns the outcome, so an error anywhere raises on every rank and nothing is committed.
-
-Loading reads, per group, only the elements the rank holds now (``ShardProvider.load_shards``
-with a ranged reader), from shards written at any world size or from unsharded blobs.
-
-This module knows no FSDP or DeepSpeed: ``interop.hooks.fsdp2_loop`` and ``interop.hooks.zero_partitions`` provide the
-shards. Saves are synchronous: ``save`` returns once the step is committed.
-"""
+A ``ShardProvider`` hands each rank's elements as ``FlatShard``s. Partial statistics are summed
+on rank 0 so the policy decides as an unsharded save would; each rank writes one blob per chosen
+group; rank 0 checks the shards cover every tensor exactly and commits, and an error anywhere
+raises on every rank with nothing committed. A load reads only the elements the rank holds now,
+from any world size. Saves are synchronous. No FSDP/DeepSpeed knowledge here: see
+``interop.hooks.fsdp2_loop`` and ``interop.hooks.zero_partitions``."""
 
 from __future__ import annotations
 
@@ -333,10 +319,8 @@ class ShardedCheckpointer:
     # ----- loading ---------------------------------------------------------------------------
 
     def load(self, step: int | None = None) -> LoadResult | None:
-        """Load the state at ``step`` (default: newest committed) on every rank: each reads
-        only the elements it holds now, from a save at any world size (or an unsharded one).
-        Also restores the scheduler, the optimizer's hyper-parameters and (rank 0's) RNG. A run
-        with no committed step yet has nothing to load: None, unless a ``step`` was asked for."""
+        """Load ``step`` (default: newest committed) on every rank, from any world size; also the
+        scheduler, optimizer hyper-parameters and rank 0's RNG. None if nothing is committed yet."""
         if step is None and self.latest() is None:
             return None
         rs = open_run_step(self.run_dir, step)

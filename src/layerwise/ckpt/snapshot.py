@@ -1,12 +1,6 @@
-"""Deferred snapshots: the statistics and copies of a save (and ``observe``'s statistics) taken
-on a helper thread after the call returns, while the training loop runs its next forward and
-backward, with the next update of the live state held back until they are taken.
-
-``DeferredSnapshots`` owns the helper thread (``ckpt-snapshot``) and the provider's update hook;
-``UpdateGate`` is what the hook waits on; ``DeferredStats`` is what a deferred ``observe``
-returns. Where the provider cannot hold its updates back, or the state is not on the CPU,
-``capture`` returns None and the caller takes the snapshot synchronously.
-"""
+"""Deferred snapshots: a save's statistics and copies taken on a helper thread while the loop
+runs forward and backward, the next update held back until they are taken. Where the provider
+cannot hold updates back, or the state is off the CPU, ``capture`` returns None (take it sync)."""
 
 from __future__ import annotations
 
@@ -73,11 +67,8 @@ class DeferredStats(Mapping):
 
 
 class DeferredSnapshots:
-    """The helper thread of deferred snapshots and the update hook that waits for it.
-
-    ``mode`` is ``CheckpointConfig.snapshot``: ``"sync"`` never defers; ``"auto"`` defers where
-    it can (async saves, a provider with ``register_update_hook``, one writer); ``"deferred"``
-    refuses a setup where it cannot."""
+    """The helper thread and the update hook that waits for it. ``mode``: ``"sync"`` never defers,
+    ``"auto"`` where it can, ``"deferred"`` refuses a setup where it cannot."""
 
     def __init__(self, provider: StateProvider, groups: list[str], mode: str, async_save: bool,
                  world_size: int):

@@ -1,13 +1,8 @@
 """Whether a save's host snapshot fits in the RAM available now, or the save writes live.
 
-An asynchronous save copies its chosen groups into host buffers and writes them in the
-background: that copy is about the saved groups' blob bytes (6 B per parameter with 8-bit
-moments) on top of a host store that may fill the machine. Where the buffers it would allocate
-do not fit in the memory available now (less a margin), the save writes from the live tensors
-instead (``SaveReport.snapshot == "live"``): the bytes on disk are the same, nothing is copied,
-and training waits for the write. With several writers the ranks of one host share its RAM:
-the bytes every rank of the host would allocate are summed before each compares them.
-"""
+The copy (blob bytes of the chosen groups) comes on top of a host store that may fill the
+machine; if it does not fit (less a margin) the save writes from live tensors, same bytes, and
+training waits. Ranks of one host share its RAM, so their bytes are summed before comparing."""
 
 from __future__ import annotations
 

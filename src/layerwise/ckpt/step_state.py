@@ -1,10 +1,5 @@
-"""A step's non-layer state: ``state.json`` (scheduler, optimizer hyper-parameters, python and
-numpy RNG, data position, trainer state, extra) and ``rng.safetensors`` (torch generators).
-
-Captured when a save starts (it is the state at ``save``, whatever the training loop does while
-the groups are written), written by the commit before the manifest, and put back by a load.
-Both checkpointers use this one implementation, so their step files are the same bytes.
-"""
+"""A step's non-layer state (``state.json``, ``rng.safetensors``), captured when a save starts,
+written before the manifest; shared by both checkpointers so their step files are the same bytes."""
 
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
 """The streaming engine's HostStore as a checkpoint ``StateProvider``.
 
-Weights, gradients and optimizer moments are served as views into the store's flat per-unit
-buffers, so a checkpoint snapshot is one copy from the host store and a load writes straight
-back into it. A split master (bf16 copy + 16-bit remainder, ``layerwise.split_master``) has no
-fp32 tensor to view: ``params`` decodes its weights into fresh fp32 tensors, one group at a
-time, and a load splits the stored fp32 weights again (exactly). Either way checkpoints hold
-the fp32 master, in the same format. A unit with 8-bit moments is served as its codes and scales, sliced per
-parameter (``ckpt.moments``), and loaded back bit for bit; a stored version in the other format
-(fp32 moments into an 8-bit unit, or the reverse: the plan changed) is converted by the unit's
-optimizer. Call ``engine.synchronize()`` first: a pending update would otherwise race the
-snapshot. A unit whose state is on NVMe (``HostStore.state_tier``) is staged while it is read or
-written, and what is read of it is copied out (a staging slot is reused once released).
-"""
+Views into the store's flat buffers, so a snapshot is one copy and a load writes straight back.
+A split master is decoded to fp32 per group and split again on load (exactly), so checkpoints
+always hold the fp32 master. 8-bit moments go as codes and scales; a stored version in the other
+moment format is converted. Call ``engine.synchronize()`` first, or a pending update races the
+snapshot. NVMe-tier units are staged while read or written."""
 
 from __future__ import annotations
 

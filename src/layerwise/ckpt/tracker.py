@@ -1,21 +1,9 @@
 """Per-group update statistics: how far each group moved since the version last saved.
 
-The relative L2 change ``|w - w_saved| / |w_saved|`` drives the ``filter``, ``topk`` and
-``budget`` policies. The reference ``w_saved`` is the host snapshot the checkpointer took when it
-last saved the group (shared, not copied again), so tracking costs one weight copy of memory in
-total. Gradient and Adam-moment norms are logged alongside for diagnosis.
-
-Cost is one read of the live weights, the reference, the gradients and the moments (the
-difference is formed in cache-sized chunks, no allocation); ``Checkpointer.observe`` takes the
-statistics every ``track_every_steps`` steps (saves always measure what they need). Measured
-(``benchmarks/ckpt_savings.py``, llama-30m): one pass over all groups every 12 steps is 1.1% of
-the step time; every step it would be 13% of a 128-token step.
-
-The statistics may be taken on another thread than the training loop's (``Checkpointer``'s
-deferred snapshot): the live tensors are captured by reference when they are asked for
-(``capture``), with their version counters, and a statistic of a tensor modified in place since
-then is reported as NaN, never as a value of a later state.
-"""
+The relative L2 change ``|w - w_saved| / |w_saved|`` drives ``filter``, ``topk`` and ``budget``;
+``w_saved`` is the checkpointer's snapshot (shared, not copied). One pass over all groups every
+12 steps is 1.1% of step time (``benchmarks/ckpt_savings.py``). Statistics may be taken on
+another thread: a tensor modified in place since ``capture`` gives NaN, never a later value."""
 
 from __future__ import annotations
 
@@ -164,11 +152,8 @@ class UpdateTracker:
         return math.sqrt(float(sq))
 
     def change(self, group: str, step: int, live: dict[str, torch.Tensor] | None = None) -> float:
-        """Relative L2 change since the last saved version (``inf`` if none yet), of ``live``
-        (the weights captured for ``step``; default: the provider's now).
-
-        A value measured at ``step`` already (by ``observe``) is reused.
-        """
+        """Relative L2 change since the last saved version (``inf`` if none) of ``live`` (default:
+        now); a value ``observe`` measured at ``step`` is reused."""
         ref = self._ref.get(group)
         if ref is None:
             return math.inf
@@ -189,14 +174,8 @@ class UpdateTracker:
         return {g: LiveGroup.capture(self.provider, g) for g in self.provider.group_names()}
 
     def observe(self, step: int, live: dict[str, LiveGroup] | None = None) -> dict[str, dict[str, float]]:
-        """Statistics of every group at ``step`` (call after ``optimizer.step()``, before
-        ``zero_grad``), of ``live`` (``capture()`` at ``step``; default: captured now);
-        appended to the JSONL log.
-
-        A statistic of tensors modified in place since the capture is NaN (``null`` in the log),
-        never a value of a later state: gradients zeroed in place (``zero_grad(set_to_none=False)``)
-        before a deferred observation read them, say.
-        """
+        """Statistics of every group at ``step``, appended to the JSONL log; NaN (``null``) for
+        tensors modified in place since the capture."""
         live = self.capture() if live is None else live
         stats: dict[str, dict[str, float]] = {}
         for group, lv in live.items():

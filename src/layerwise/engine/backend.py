@@ -1,33 +1,12 @@
-"""Device backends: three lanes (compute, host-to-device copies, device-to-host copies) and the
-events that order them.
+"""Device backends: three lanes (compute, H2D, D2H) and the events that order them.
 
-The engine is written once against :class:`DeviceBackend`, the way CUDA works: the host *queues*
-work on a lane and returns at once; a lane runs its work in order; an :class:`Event` recorded on
-one lane can be waited on by another lane (``wait``/``after``) or by the host
-(``Event.synchronize``). Device memory the engine moves data through is a fixed set of buffers
-allocated once (``alloc``); nothing is allocated per copy, so the device peak is what the memory
-model says whatever the host's pace.
+The engine is written once against :class:`DeviceBackend`, the way CUDA works: the host queues
+work and returns; an :class:`Event` orders lanes or the host. Device buffers are allocated once
+(``alloc``), so the device peak is what the memory model says whatever the host's pace. Every
+backend counts each copy lane's bytes (``copied_bytes``), for tests to compare with the plan.
 
-- :class:`CudaBackend`: the compute lane is the current stream, the copy lanes are their own
-  streams; events are blocking CUDA events (a host wait sleeps instead of spinning).
-- :class:`CpuBackend`: everything runs synchronously on the calling thread. Fast; every engine
-  path runs on a machine without a GPU.
-- :class:`AsyncCpuBackend` (``backend_async.py``): each lane is a thread with seeded random
-  delays, so a missing wait shows up as wrong numbers in tests.
-
-A copy's source may be a :class:`Ref` whose tensor a compute closure fills in later: on an
-asynchronous backend the host queues the copy before the compute that produces its source has run.
-
-Every backend counts the bytes each copy lane moved (``copied_bytes``), where the copy is issued
-(CUDA) or run (CPU), not from the plan: what a test or benchmark compares with the plan.
-
-Data parallel adds a fourth lane, the reduction lane (``collective``): a collective on a device
-tensor (NCCL on CUDA, gloo on the CPU backends, whose device tensors are host tensors) runs
-behind the compute that wrote the tensor, and its event marks the collective's end. On CUDA the
-lane is a stream of its own: NCCL's internal stream waits for the stream current when the
-collective is issued (this one, which waited for the compute event), and ``work.wait()`` makes
-this stream wait for NCCL's end without blocking the host.
-"""
+Data parallel adds a reduction lane (``collective``) behind the compute that wrote its tensor;
+on CUDA its own stream, which ``work.wait()`` orders after NCCL without blocking the host."""
 
 from __future__ import annotations
 
@@ -49,11 +28,8 @@ class Event(Protocol):
 
 
 class Ref:
-    """A tensor a compute closure fills in; a copy lane takes it after an event.
-
-    A copy *takes* the tensor (the Ref lets go of it), so an offloaded boundary's device memory
-    is freed once its copy is done rather than when the engine forgets the boundary.
-    """
+    """A tensor a compute closure fills in; a copy lane takes it after an event, letting go of it,
+    so an offloaded boundary's memory is freed once its copy is done."""
 
     __slots__ = ("value",)
 
@@ -70,14 +46,11 @@ class Ref:
 
 
 class HeldRef(Ref):
-    """A copy source whose owner keeps the tensor until it has made the compute lane wait for
-    the copy, then lets go (:meth:`release`); ``inner`` is a tensor or a :class:`Ref`.
+    """A copy source kept until the compute lane waits for the copy, then released.
 
-    A plain source is tied to the copy's stream instead (CUDA ``record_stream``): its memory
-    goes back to the allocator only once the host sees the copy done, so a host running ahead
-    of the device gets fresh blocks for every offload. Released after the compute lane's wait,
-    the block is free at once and reused in the compute stream's order, behind that wait.
-    """
+    Not ``record_stream``: that returns the block only once the host sees the copy done, so a host
+    running ahead would get fresh blocks for every offload; released here, the block is reused at
+    once in the compute stream's order."""
 
     __slots__ = ("inner", "held", "released")
 
@@ -177,10 +150,8 @@ class DeviceBackend(Protocol):
 
     def collective(self, src: Source, issue: IssueCollective, after: Sequence[Event | None] = (),
                    release: bool = False) -> Event:
-        """On the reduction lane, after ``after`` (a ``record()`` behind the compute that wrote
-        ``src``): ``issue(tensor)`` and wait for its work; the event marks the collective's end
-        (``src`` is read and written until then). ``release``: let go of a Ref's tensor once
-        the collective is issued (its memory stays reserved for the lane until it is done)."""
+        """On the reduction lane after ``after``: ``issue(tensor)`` and wait for its work; the event
+        marks the collective's end. ``release``: let go of a Ref's tensor once issued."""
 
     def bind_thread(self) -> None:
         """Make the calling thread's CUDA calls go to this backend's device (run first by

@@ -1,17 +1,8 @@
 """AsyncCpuBackend: the GPU's protocol played on the CPU, to test the engine's ordering.
 
-Each lane (compute, H2D, D2H, and the reduction lane of data parallel) is a thread running its
-queue in order; events are thread events; copies a compute item queues as it runs go to copy
-lanes of their own (``d2h<-compute``), with the pace of their lane;
-before every item a lane sleeps a seeded random delay, so lanes drift against each other and
-against the host the way streams do. A wait the engine forgets (slot free before a copy
-overwrites it, a copy landed before compute or the host reads it, an update done before its
-weights are copied) then turns into wrong numbers in a test instead of passing by luck of timing.
-
-Each copy lane counts the bytes it copied as it runs them (``copied_bytes``); ``start_trace``
-makes every lane record each item it runs (:class:`LaneItem`: kind, when queued, started,
-ended), the device's timeline a benchmark or test reads overlap from.
-"""
+Each lane is a thread that sleeps a seeded random delay before each item, so lanes drift the way
+streams do and a forgotten wait turns into wrong numbers in a test instead of passing by luck.
+``start_trace`` records each item run (:class:`LaneItem`) for overlap checks."""
 
 from __future__ import annotations
 
@@ -121,10 +112,9 @@ class AsyncCpuBackend:
 
     def __init__(self, seed: int | None = 0, max_delay_s: float = 0.004,
                  lane_delays_s: dict[str, float] | None = None):
-        """``seed``: each lane gets its own pace per seed (idle, quick or slow, up to
-        ``max_delay_s`` before half its items), so across seeds every lane is sometimes the one
-        that lags far behind; None: no delays. ``lane_delays_s``: instead, every item of the named
-        lanes sleeps up to this."""
+        """``seed``: each lane's pace per seed (idle, quick or slow, up to ``max_delay_s``), so
+        every lane sometimes lags far behind; None: no delays. ``lane_delays_s``: per-lane delays
+        instead."""
         self.device = torch.device("cpu")
         rng = random.Random(seed)
         self._errors: list[BaseException] = []
@@ -173,10 +163,8 @@ class AsyncCpuBackend:
             lane.trace = None
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Device memory in the compute lane's order: the host waits until compute has run what
-        it queued, as on CUDA, where closures run as they are queued and memory they free is
-        free at once for the host's next allocation; here the host would otherwise hold new
-        memory beside what compute, behind it, has not freed yet."""
+        """Device memory in the compute lane's order: the host waits until compute has run what it
+        queued, as on CUDA, or it would hold new memory beside what compute has not freed yet."""
         if not self._on_compute_lane():
             self._lanes["compute"].drain()
         t = torch.empty(numel, dtype=dtype)

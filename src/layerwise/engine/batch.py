@@ -34,10 +34,9 @@ class Batch:
 
     @classmethod
     def from_hf(cls, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Batch:
-        """A micro-batch from ``input_ids`` and labels as ``model(input_ids, labels=labels)``
-        takes them: aligned with the ids (default: the ids themselves), ``IGNORE_INDEX`` where
-        no loss; the model shifts them, so this does: position t is trained to predict
-        ``labels[t + 1]``, the last position nothing. The engine's loss is then HF's."""
+        """A micro-batch from ``input_ids`` and labels as ``model(input_ids, labels=labels)`` takes
+        them (default: the ids; position t predicts ``labels[t + 1]``), so the engine's loss is
+        HF's."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         labels = input_ids if labels is None else labels

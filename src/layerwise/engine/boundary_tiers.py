@@ -1,12 +1,8 @@
-"""Boundary activations by tier: kept on the device, offloaded to pinned host memory or NVMe
-and fetched back into fetch slots ahead of use, or dropped (recomputed).
+"""Boundary activations by tier: device, pinned host, NVMe, or dropped (recomputed).
 
-Boundaries are keyed by the caller (the executor: (micro-batch, layer), since in layer-major
-order every micro-batch of a group holds its own at once). NVMe boundaries pass through two
-page-aligned pinned staging buffers and are written and read with ``O_DIRECT``
-(``util/direct_io.py``), so they hold no host RAM in the page cache while they are on disk; a filesystem that refuses ``O_DIRECT`` gets a buffered write, ``fdatasync`` and
-``POSIX_FADV_DONTNEED``. A spill directory on tmpfs/ramfs is RAM whatever is done: it is logged.
-"""
+NVMe boundaries go through two pinned staging buffers with ``O_DIRECT`` so they hold no page
+cache (refused: buffered write, ``fdatasync``, ``POSIX_FADV_DONTNEED``); a tmpfs spill directory
+is RAM whatever is done, and is logged."""
 
 from __future__ import annotations
 
@@ -55,8 +51,7 @@ class _Offloaded:
 class BoundaryTiers:
     """Boundary activations by tier: ``device``, ``host``, ``nvme`` or dropped (``recompute``).
 
-    ``on_device`` (key -> tensor) is touched only by compute closures.
-    """
+    ``on_device`` (key -> tensor) is touched only by compute closures."""
 
     def __init__(self, backend: DeviceBackend, spill_dir: str | Path | None = None,
                  direct_io: bool = True):
@@ -114,10 +109,8 @@ class BoundaryTiers:
 
     def store(self, i: Key, h: Ref, shape: tuple[int, ...], tier: str,
               place: Hashable | None = None) -> None:
-        """Keep boundary ``i`` (``h`` is filled by the compute queued just before) per its tier.
-        ``place``: which host buffer a host-tier boundary reuses (default ``i``): one whose
-        previous boundary has been fetched (the executor: the micro-batch's place in its group,
-        since a group's boundaries are all fetched before the next group stores its own)."""
+        """Keep boundary ``i`` per its tier. ``place``: the host buffer a host-tier boundary reuses
+        (default ``i``), one whose previous boundary has been fetched."""
         if tier == "recompute":
             return
         if tier == "device":

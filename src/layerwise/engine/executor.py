@@ -1,19 +1,11 @@
 """StreamingEngine: layer-by-layer training with all state in host memory.
 
-One optimizer step = the step program (``layerwise.plan.plan_step_program``: each op run for the
-micro-batches of its group on one load of its weights; one micro-batch per group is
-micro-batch-major order), then the host optimizer. Weights stream in ahead of use (resident
-layers stay on the device, ``resident.py``), gradients stream out as each layer's backward
-finishes, activations live where the plan says. The optimizer updates run on host worker
-threads after the backward and overlap the next step's forward (on an asynchronous device, or
-with state on NVMe; on the CPU backend the step waits for them): a step ends when its last
-gradient has landed on the host (no drain of the device), and the next forward of unit ``u``
-waits for ``u``'s update alone (the streamer asks before it copies ``u``). This module
-sequences a step and checks what it is given; the parts are listed in the package docstring.
+One step = the step program (``plan.plan_step_program``), then the host optimizer on worker
+threads, overlapping the next forward (on the CPU backend the step waits for it); the next
+forward of unit ``u`` waits for ``u``'s update alone (``docs/design-notes.md``, "Engine").
 
 With fp32 compute the numbers are those of plain autograd on the same model, for any plan:
-a plan moves activations and adds recomputation, it never changes the arithmetic.
-"""
+a plan moves activations and adds recomputation, it never changes the arithmetic."""
 
 from __future__ import annotations
 
@@ -233,12 +225,8 @@ class StreamingEngine:
                              f"{int(labels[bad][0])}")
 
     def compute_grads(self, micro_batches: list[Batch]) -> tuple[float, dict[str, float]]:
-        """Forward + backward of every micro-batch; grads accumulate in the store.
-
-        Returns the loss (mean over all target tokens of the step) and per-unit squared grad norms.
-        Data parallel: over all ranks' micro-batches (``self.step_tokens`` is the step's target
-        tokens on all ranks), and a unit's gradient is summed only on its owner.
-        """
+        """Forward + backward of every micro-batch; grads accumulate in the store. Returns the loss
+        (mean over the step's target tokens, all ranks) and per-unit squared grad norms."""
         if not micro_batches:
             raise ValueError("a step needs at least one micro-batch")
         n = len(micro_batches)

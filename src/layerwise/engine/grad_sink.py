@@ -1,38 +1,14 @@
 """Gradients out: device grad slots, a pinned host ring of layer-sized pieces, one landing thread.
 
-The backward writes a unit's joined gradient into a grad slot; it leaves in D2H copies of at
-most one ring buffer each (a layer's gradient is one piece, the embedding's or the head's fp32
-one several), so the pinned ring costs ``HOST_GRAD_RING`` layer gradients whatever the
-vocabulary. The landing thread waits for each piece's copy, adds it into the unit's fp32 host
-gradient with the fused kernel (``optim.grad_accum``: no fp32 temporary, split over
-``landing_threads`` threads), and hands the unit to the step reducer once it is final (which
-takes its squared norm, or reduces it across ranks), so the clip factor is known when the
-backward ends. One thread lands, in the order the gradients were sent: the reducer's
-``unit_landed`` must come in the same order on every rank.
+The ring costs ``HOST_GRAD_RING`` layer gradients whatever the vocabulary (large gradients go in
+pieces). One thread lands, in send order, because the reducer's ``unit_landed`` must come in the
+same order on every rank; it hands each final unit to the reducer, so the clip factor is known
+when the backward ends. A unit's first landing of a step writes instead of adding, so nothing
+zeroes gradients. Layer-major order sums a group on the device in fp32 first.
 
-In layer-major order (``per_load`` > 1) a unit's gradient is summed on the device over the
-micro-batches of its group, in fp32 (the grad slots are fp32: ``plan.memory.grad_slot_itemsize``),
-and sent once after the group's last micro-batch; on the synchronous path it is summed in an
-fp32 scratch and landed once. A bf16 host gradient (the gradient lands once a step) takes that
-fp32 sum rounded to nearest.
-
-A gradient on NVMe (``HostStore.grad_tier``) is staged while it lands (not read first where the
-landing writes all of it) and written back as soon as the landing ends.
-
-The first landing of a unit in a step *writes* its host gradient (``accumulate(first=True)``)
-instead of adding, so nothing zeroes gradients between steps: between steps ``store[u].grad``
-is spent (the optimizer may have clobbered it) and no one reads it.
-
-Data parallel with the reduction on the device (``device_reduce``): each gradient, per
-micro-batch, is summed into its unit's owner's device buffer by a collective on the backend's
-reduction lane (behind the backward that wrote it), and only the owner copies it to the host
-(behind the collective) and adds it up there; another rank sends nothing and its grad slot is
-free once the collective is done. Per micro-batch rather than summed over the step's
-micro-batches on the device: a device sum would keep every unit's gradient on the device for
-the whole step (the model's size), where the memory model has two grad slots. Then every
-gradient goes through the grad slots, on the synchronous CPU backend too (its collective and
-copies run inline, its landing on the landing thread): one code path on every backend.
-"""
+With ``device_reduce`` each micro-batch's gradient is reduced to its owner on the device, and
+only the owner copies it out: per micro-batch, because a step sum would keep every gradient on
+the device (the model's size) where the memory model has two grad slots."""
 
 from __future__ import annotations
 
@@ -119,14 +95,10 @@ class GradSink:
                  on_final: Callable[[str], None], landing_threads: int = 1,
                  thread_init: Callable[[], None] | None = None,
                  device_reduce: DeviceReduce | None = None, per_load: int = 1):
-        """``on_final(unit)``: called where a unit's step gradient is complete on the host (the
-        landing thread, or inline): the step reducer's ``unit_landed``, which takes its norm or
-        starts reducing it across ranks. ``landing_threads``: threads one landing is split
-        over (the landing thread is one of them). ``thread_init``: run first on the landing
-        thread (its device, its CPU mask, inherited by the threads it starts).
-        ``device_reduce``: data parallel, gradients reduced on the device before they leave
-        (None: every rank lands its own). ``per_load``: micro-batches whose gradients a grad
-        slot sums (the plan's ``micro_batches_per_load``)."""
+        """``on_final(unit)``: called once a unit's step gradient is complete on the host.
+        ``landing_threads``: threads one landing is split over. ``thread_init``: run first on the
+        landing thread. ``device_reduce``: reduce on the device before leaving (None: every rank
+        lands its own). ``per_load``: micro-batches a grad slot sums."""
         self.backend = backend
         self.on_final = on_final
         self.store = store

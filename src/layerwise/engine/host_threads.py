@@ -1,23 +1,11 @@
 """How many host threads land gradients and run the optimizer, and on which CPUs.
 
-On a GPU the thread that queues device work (the caller's thread) is the device's pace-setter:
-a layer's forward is hundreds of kernel launches, microseconds of Python each, and a launcher
-that shares its core with numba or OpenMP workers leaves the GPU idle. So one CPU of the
-process's set is left to it: the gradient landing thread and the optimizer's workers (and every
-thread they start, which inherits their CPU mask: torch's OpenMP team, the numba kernels'
-pools) run on the other ``W = C - 1`` CPUs:
-
-- one landing, split over ``min(W, MAX_LANDING_THREADS)`` threads (the memory bus saturates
-  well before 16 threads);
-- ``optimizer_threads`` units updated at once, each with ``max(1, W // optimizer_threads)``
-  intra-op threads (``torch.set_num_threads``, which fused AdamW and the 8-bit kernel's split
-  read).
-
-Landing (during the backward) and updates (after it, overlapping the next forward) are busy at
-different times, so they share the same ``W`` CPUs rather than splitting them. On the CPU
-backends the "device" is the host itself and compute needs every core: nothing is pinned and
-torch's thread count is left alone.
-"""
+On a GPU the launching thread sets the device's pace (a layer is hundreds of launches), so one
+CPU is left to it and the landing and optimizer threads (and all they start) run on the other
+``W = C - 1``: a landing split over ``min(W, MAX_LANDING_THREADS)`` threads (the bus saturates
+first), ``optimizer_threads`` units at once with ``W // optimizer_threads`` intra-op threads
+each. Landing and updates are busy at different times, so they share the ``W`` CPUs. On the CPU
+backends compute needs every core: nothing is pinned."""
 
 from __future__ import annotations
 

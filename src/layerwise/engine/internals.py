@@ -1,27 +1,11 @@
 """A layer's internals (the tensors its forward saves for its backward) kept across the step.
 
-For a layer whose plan keeps its internals, the forward runs with a graph under
-``torch.autograd.graph.saved_tensors_hooks``; the backward then backpropagates through that graph
-instead of re-running the forward. What each saved tensor becomes:
-
-- a view of the layer's weights (a streamed weight slot, or a resident layer's own buffer,
-  recognised by its storage's data pointer): a *marker* (its dtype and place in the storage),
-  never the tensor. A slot holds other layers' weights by the backward; unpacking views the
-  same place in the backward's own copy of the layer's weights (for a resident layer, the same
-  buffer);
-- a tensor every layer shares (rotary cos/sin, masks): the tensor itself (it lives all step);
-- a tensor not on the device (FlashAttention's 0-d CPU seed and offset): the tensor itself. It
-  is host memory already, and a fetch would hand the backward a device tensor where the
-  forward saved a host one;
-- an activation: on the ``device`` tier, the tensor itself; on the ``host`` tier, its storage is
-  copied (once per storage: several saved views share one) to host memory on the D2H lane after
-  the compute that produced it, and the device copy is let go; :meth:`KeptInternals.fetch` copies
-  it back into fresh device memory on the H2D lane, and the backward waits for those copies.
-
-The graph's output and input are held as gradient edges, not tensors, and the input leaf's data is
-swapped for an empty one after the forward, so the graph pins no boundary activation: only the
-saved tensors (the bytes ``layerwise.plan.memory.layer_workspace_bytes`` counts).
-"""
+Saved tensors go through ``saved_tensors_hooks``: a view of the layer's weights becomes a marker
+(the slot holds other weights by the backward; unpacking views the backward's own copy); shared
+tensors and host tensors (FlashAttention's seed) are kept as they are; activations stay on the
+device or are copied to host storage-by-storage and fetched back. The graph's input leaf is
+emptied after the forward, so the graph pins no boundary: only the saved tensors
+(``plan.memory.layer_workspace_bytes``)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
 """The device memory a step really takes, measured from allocations (never from the engine's own
-bookkeeping), to hold the memory model to account.
-
-- CUDA: the caching allocator's reserved peak over the step (``max_memory_reserved``: blocks a
-  stream still uses count until they can be reused).
-- CPU, synchronous backend: every allocation and free of the step as the torch profiler records
-  them (the compute runs on the calling thread), the running sum's peak above the step's start,
-  plus the storages of the engine's slots, which were allocated before the step. Each op runs
-  inside a ``record_function`` of its name, so the peak is attributed to an op.
-- CPU, asynchronous backend: the same sum over the allocations and frees of the calling thread
-  and of every lane's thread, each recorded by a per-thread (legacy) profiler, on one clock. The
-  kineto profiler records memory on the thread that started it only. No op attribution: the
-  compute lane runs closures, not the host's named ops.
-"""
+bookkeeping), to hold the memory model to account: on CUDA ``max_memory_reserved``; on the CPU
+backends the profiler's allocations over the step (every lane's thread on the async one, by the
+legacy per-thread profiler: kineto records only its own thread) plus the slots."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
 """The handlers of the step program's ops: what the host queues on the device for each op.
 
-:class:`OpHandlers` holds the ``{OpKind: method}`` dispatch table and runs a step's program
-(``run_step``: :class:`~layerwise.plan.program.StepOp` by step op) through it, with the fetches a
-few step ops ahead. Each handler takes its op's weights from the streamer once, queues a compute
-closure for each micro-batch of the step op's group in turn, releases the weights, and hands
-activations to their tier and gradients to the sink (one send per step op: summed over the group
-on the device). Each micro-batch has its own :class:`MicroBatch`, which the closures share and
-the host never reads; its boundaries and internals are keyed by (micro-batch, layer).
-``forward_hidden`` is the forward alone (eval, export checks), through the same handlers.
-"""
+``OpHandlers`` dispatches ``{OpKind: method}`` and runs a step's program with fetches a few ops
+ahead. A handler takes its weights once per group, queues a closure per micro-batch, and sends
+the group's gradient once. ``forward_hidden`` is the forward alone (eval, export checks)."""
 
 from __future__ import annotations
 
@@ -83,11 +77,10 @@ class OpHandlers:
         return mb
 
     def _next(self, pos: int) -> None:
-        """Before the compute of the step op's micro-batch at ``pos`` of its group: compute waits
-        for the offloads of k computes back, and their memory goes before any fetch ahead takes
-        more (plan.memory.OFFLOAD_WINDOW_OPS); then the fetches of the next ``FETCH_AHEAD`` step
-        ops, for each micro-batch of their groups, in program order: a fetch takes a free slot
-        only beside one for every earlier fetch not issued yet, so none waits on a later one."""
+        """Before the compute at ``pos``: wait for the offloads k computes back (their memory goes
+        before any fetch ahead takes more), then issue the next ``FETCH_AHEAD`` step ops' fetches in
+        program order, each only beside a slot for every earlier one, so none waits on a later one.
+        """
         self.acts.offloads.next_op()
         self.internals.offloads.next_op()
         step = self._step
@@ -224,12 +217,10 @@ class OpHandlers:
 
     def _backward(self, group: list[MicroBatch], unit: str, grads_of, prepare=None,
                   after=None) -> None:
-        """Queue ``unit``'s backward for each micro-batch of the group on one copy of its
-        weights: on the compute lane ``grads_of(mb, w, prepared)`` -> (gradient w.r.t. its
-        input, which the next backward reads; its parameters' gradients in layout order, summed
-        into one grad slot over the group, which then leaves through the sink). ``prepare(mb)``:
-        host-side work queued once the weights and the grad slot are, its result handed to
-        ``grads_of``; ``after(mb)``: host-side, once the micro-batch's compute is queued."""
+        """Queue ``unit``'s backward for each micro-batch of the group on one copy of its weights;
+        ``grads_of`` returns (input gradient, parameter gradients summed into one grad slot).
+        ``prepare(mb)``: host work handed to ``grads_of``; ``after(mb)``: once the compute is
+        queued."""
         w = self.streamer.acquire(unit)
         ticket = self.sink.begin(unit, len(group))
         for pos, mb in enumerate(self._each(group)):
@@ -263,10 +254,8 @@ class OpHandlers:
 
     def _embed_bwd(self, group: list[MicroBatch], _i: int) -> None:
         """The embedding's gradient from the token ids and boundary 0's gradient: no weights
-        (with tied embeddings the head streamed them for its own op). On an asynchronous
-        device it is written straight into the grad slot; in layer-major order one dense
-        backward over the group's tokens, with the gradients of boundary 0 in fp32 (the slot's
-        dtype), sums the group's share."""
+        streamed. In layer-major order one dense backward over the group's tokens sums the group's
+        share."""
         if not self.store[EMBED].layout.numel:  # frozen (a LoRA run): no gradient to make
             for mb in self._each(group):
                 self.backend.launch(lambda mb=mb: setattr(mb, "grad_h", None))

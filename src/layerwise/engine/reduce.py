@@ -1,9 +1,5 @@
-"""How the ranks of a data-parallel step combine their work: the engine's only seam for it.
-
-The engine stays free of ``torch.distributed``: ``layerwise.train.dist`` implements
-``StepReducer`` with collectives; one process uses :class:`LocalReducer`, which owns every unit
-and combines nothing, so the executor has one code path for both.
-"""
+"""How the ranks of a data-parallel step combine their work: the engine's only seam for it, so
+the engine stays free of ``torch.distributed`` (``LocalReducer`` for one process: one code path)."""
 
 from __future__ import annotations
 
@@ -27,10 +23,9 @@ class StepReducer(Protocol):
         N ranks x B rows equal 1 rank x N*B rows). Called once per step, before the forward."""
 
     def unit_landed(self, unit: str) -> None:
-        """``unit``'s gradient for the step is complete in ``store[unit].grad`` (its last
-        micro-batch landed); called in the order units finish, the same on every rank that
-        lands it, on the thread that landed it (the gradient sink's worker, or inline). May
-        start reducing it while the backward goes on."""
+        """``unit``'s step gradient is complete in ``store[unit].grad``; called in finishing order,
+        the same on every rank, on the landing thread. May start reducing it while the backward goes
+        on."""
 
     def reduce_on_device(self, unit: str, grad: torch.Tensor) -> Work | None:
         """``on_device``: issue (async) the sum of every rank's ``grad`` of ``unit`` (a device
@@ -56,10 +51,8 @@ class StepReducer(Protocol):
 
 
 class LocalReducer:
-    """``StepReducer`` of one process: it owns every unit, its gradient is the step's gradient,
-    its tokens and loss the step's. The one thing it does is take each unit's squared norm once
-    the gradient is final (where a data-parallel reducer takes it of the reduced gradient), so
-    the clip factor is known when the backward ends."""
+    """``StepReducer`` of one process: owns every unit and only takes each unit's squared norm once
+    final, so the clip factor is known when the backward ends."""
 
     on_device = False
 

@@ -1,14 +1,9 @@
 """Resident weights: a layer whose compute-dtype weights stay on the device for the run.
 
-Each resident unit (``plan.resident_layers``) gets one device buffer, allocated when the engine
-is built, and is never in the weight schedule. Its buffer is *stale* when the host copy source
-may differ from it: at the start, and after every optimizer update the engine submits
-(:meth:`ResidentWeights.mark_stale`). A stale buffer is refreshed once, by one H2D copy of its
-copy source, after three things: the unit's update is done (asked without blocking as the step
-goes, waited for only where the unit is needed), the previous reads of the buffer have run (an
-event recorded at the last release of the unit), and before its first use (compute waits for
-the copy at every acquire). So a run copies each resident layer once per step.
-"""
+Each resident unit has one device buffer, outside the weight schedule, marked stale at the start
+and by every update, and refreshed by one H2D copy once its update is done and its previous
+reads have run (compute waits at every acquire). So a run copies each resident layer once per
+step."""
 
 from __future__ import annotations
 

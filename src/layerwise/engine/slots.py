@@ -1,12 +1,7 @@
-"""Device slots, pinned host rings and the offload window: the bounds on what copies hold.
-
-A slot is reused only after an event the compute lane recorded when its last reader was queued,
-and the copy lane waits on that event; so the device holds at most the slots the memory model
-counts, however far the host runs ahead. A host ring hands pinned buffers out in turn and takes
-them back when the host is done with them. The offload window bounds device-to-host offloads the
-same way: the compute lane waits for the offloads of ``OFFLOAD_WINDOW_OPS`` ops back before it
-runs the next op, so memory an offload still reads never piles up behind a slow copy lane.
-"""
+"""Device slots, pinned host rings and the offload window: the bounds on what copies hold
+(``docs/design-notes.md``, "Engine"). A slot is reused only after the compute lane's event for
+its last reader, so the device holds what the memory model counts however far the host runs
+ahead."""
 
 from __future__ import annotations
 
@@ -104,11 +99,9 @@ class EventGroup:
 
 
 class OffloadWindow:
-    """Device-to-host offloads in flight, by the op that queued them: before an op's compute, the
-    compute lane waits for the offloads queued ``ops`` ops back or more, and their sources are let
-    go. With ``ops=1`` an op starts once the previous op's offloads have left, the window the
-    planner times them in (``planner/milp.py``: a forward window lasts as long as its D2H copies) and
-    the one the memory model counts (``plan.memory.OFFLOAD_WINDOW_OPS``)."""
+    """D2H offloads in flight by the op that queued them: before an op's compute, the lane waits for
+    those ``ops`` or more ops back and lets their sources go. ``ops=1`` is the window the planner
+    times and the memory model counts (``plan.memory.OFFLOAD_WINDOW_OPS``)."""
 
     def __init__(self, backend: DeviceBackend, ops: int = OFFLOAD_WINDOW_OPS):
         assert ops >= 1

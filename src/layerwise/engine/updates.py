@@ -1,19 +1,9 @@
 """The host side of a step's end: per-unit optimizer updates on worker threads.
 
-The updates are submitted after the backward (embed first: the next forward needs it first) and
-overlap the next step's forward; the weight streamer asks :meth:`HostUpdates.wait` /
-:meth:`HostUpdates.done` before it copies a unit, so a unit streams in only once its update is
-applied. Data parallel: a unit another rank owns is updated there, and "done" means the owner
-has published its update (the step reducer says).
-
-A unit whose state is on NVMe (``HostStore.state_tier``) is read ahead in the order the updates
-are submitted and written back as soon as its update is done (``NvmeStateTier``).
-
-No update zeroes a gradient, and a rank that does not own a unit leaves its spent gradient as it
-is: the first landing of the next step overwrites it (``GradSink``), a pass over every gradient
-saved per step. Each update's start and end (``perf_counter``) are kept in ``times`` for the
-overlap the benchmark and tests read.
-"""
+Submitted after the backward (embed first: the next forward needs it first), overlapping the next
+forward; the streamer asks ``wait``/``done`` before copying a unit. No update zeroes a gradient:
+the next step's first landing overwrites it. ``times`` keeps each update's start and end for the
+overlap tests and benchmarks read."""
 
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """Weights in: ``prefetch_depth + 1`` device slots sized for the largest streamed unit.
 
-:class:`WeightStreamer` follows the step's weight schedule (``plan.program.WeightWindow``) up to
-``depth`` uses ahead of the op being run, never copying a unit whose optimizer update has not
-finished (it retries at the next op), and never waiting for a unit other than the one the op
-needs now. Resident units (``resident.py``) are not streamed: acquiring one returns its own
-buffer, refreshed once per update. A copy source on NVMe (``HostStore.source_tier``) is read
-ahead in the schedule's order and staged for its copy; its slot is read into again only after
-the copy's event. On a backend that reads host memory in place (the CPU backend) a unit whose
-copy source is in the compute dtype is not copied: compute reads the copy source itself, which
-no update writes while the unit is in use (a unit's update follows its last use in the step).
-"""
+Follows ``plan.program.WeightWindow`` up to ``depth`` uses ahead, never copying a unit whose
+update is unfinished (retried at the next op) and never waiting for a unit the op does not need
+now. Resident units are not streamed. An NVMe copy source is read ahead and staged. A backend
+that reads host memory in place (the CPU backend) copies no unit whose copy source is in the
+compute dtype: compute reads it there, and no update writes it while the unit is in use (a
+unit's update follows its last use in the step)."""
 
 from __future__ import annotations
 

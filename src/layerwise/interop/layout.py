@@ -1,13 +1,5 @@
-"""Hugging Face and Trainer names and layouts, and the ``CheckpointSource`` protocol.
-
-The leaf of ``layerwise.interop``: file names (the same constants transformers uses), the blob
-keys a group's tensors carry, the protocol every reader implements and the meta-device model a
-config describes. Every interop module imports these from here.
-
-Tensor keys of one group (the same in the layer-wise run dir): ``param/<hf_name>`` (weights),
-``exp_avg/<hf_name>`` and ``exp_avg_sq/<hf_name>`` (AdamW moments, fp32; absent when the source has
-no optimizer state) and ``step/<hf_name>`` (AdamW's per-parameter step, a 0-d fp32 tensor).
-"""
+"""Hugging Face and Trainer names and layouts, and the ``CheckpointSource`` protocol: the leaf of
+``layerwise.interop``, which every interop module imports. Blob keys: ``docs/formats.md``."""
 
 from __future__ import annotations
 

@@ -26,14 +26,8 @@ def is_trainer_checkpoint(path: Path) -> bool:
 
 def open_source(path: str | Path, step: int | None = None, config: dict | str | Path | None = None
                 ) -> CheckpointSource:
-    """Open a layer-wise run (at ``step``, default latest), an HF Trainer checkpoint, a
-    torch.distributed.checkpoint dir or an HF model dir.
-
-    ``config`` (a dict, a config.json or an HF model dir) is the model's HF config for a DCP dir,
-    which records none (a torchtitan save); the other kinds carry their own and ignore it.
-
-    ``path@N`` is accepted as a short form of ``path`` with ``step=N`` for layer-wise runs.
-    """
+    """Open a layer-wise run (``path@N``: at step N), an HF Trainer checkpoint, a DCP dir or an HF
+    model dir. ``config``: the HF config of a DCP dir, which records none."""
     p = Path(path)
     if not p.exists() and "@" in str(path):
         base, _, step_str = str(path).rpartition("@")

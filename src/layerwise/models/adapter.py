@@ -1,22 +1,10 @@
 """Split a Hugging Face decoder LM into ``pre | layers[i] | post`` units, with HF key maps.
 
-A *unit* is what layerwise stores, streams, updates and checkpoints as one piece:
-
-- ``embed``: the token embedding and whatever else with tensors the base model runs before its
-  layers (learned positions); with tied embeddings it also serves as the lm_head;
-- ``layers.{i}``: decoder block ``i`` (its parameters and the persistent buffers HF saves with
-  them, which are *frozen*: never trained);
-- ``head``: what runs after the layers (the final norm) and, when untied, the lm_head.
-
-Where those parts sit is read off the model (``layout.py``). A layer runs as HF's own
-decoder-layer module, called with what its base model gives it, through a functional call on a
-meta-device template: a pure function of the parameters given, so the engine runs any layer on
-views of a flat device buffer. One template serves every layer of the same structure. The head
-is the causal LM's own forward with its base model replaced by what runs after the layers (soft
-caps and logit scales are the family's code); the embedding is a scaled token embedding, or the
-base model's own forward with no layers. A template is only right
-with the names, buffers and call arguments the adapter gives it, so both are read in one place.
-"""
+A layer runs as HF's own module through a functional call on a meta-device template, so it is a
+pure function of the parameters given and the engine runs it on views of a flat device buffer;
+one template serves every layer of the same structure. The head is the causal LM's own forward
+with its base model replaced by what runs after the layers. A template is only right with the
+names, buffers and call arguments the adapter gives it, so both are read in one place."""
 
 from __future__ import annotations
 
@@ -132,13 +120,10 @@ def _slots(module: nn.Module) -> tuple[_Slot, ...] | None:
 
 def _functional_call(module: nn.Module, params: dict[str, torch.Tensor], args: tuple, kwargs: dict,
                      strict: bool) -> object:
-    """``torch.func.functional_call``, as a template's tensors are bound: each put in its
-    owner's dict for the call and the template's own put back after. functional_call walks the
-    submodules, checks the names and swaps each tensor through an accessor on every call: ~0.1
-    ms of host time a call (a 64-wide layer's forward on a CPU 0.57-0.67 ms with it, 0.52-0.54
-    this way, 0.47-0.53 with the tensors bound once), paid by every op of every step, and on a
-    GPU by the host that issues the kernels. A template that ties tensors, or a call whose names
-    do not match it, takes functional_call itself (its tie handling, its error)."""
+    """``torch.func.functional_call`` with the tensors bound directly in their owners' dicts and put
+    back after: functional_call's per-call walk costs ~0.1 ms of host time per op (a 64-wide layer:
+    0.57-0.67 ms with it, 0.52-0.54 this way), paid on every op of every step. A template that ties
+    tensors, or mismatched names, takes functional_call itself."""
     slots = _slots(module)
     todo = [] if slots is None else [(st, leaf, params[n]) for st, leaf, n in slots if n in params]
     if slots is None or len(todo) != len(params) or (strict and len(todo) != len(slots)):
@@ -644,11 +629,9 @@ class _BaseOutput:
 
 def _causal_lm_head(meta: nn.Module, layout: DecoderLayout, head_params: list[ParamSpec]
                     ) -> tuple[nn.Module, dict[str, str]]:
-    """``meta`` (a causal LM on the meta device) with its base model replaced by what runs
-    after the layers: calling it runs the family's own head code (lm_head, soft cap, logit
-    scale) on given hidden states. Shallow copies down to the base (OPT's ``model.decoder``, a
-    multimodal model's ``model.language_model``), sharing their modules with ``meta``; also the head unit's local names -> the copy's
-    parameter names."""
+    """``meta`` with its base model replaced by what runs after the layers, so calling it runs the
+    family's own head code; shallow copies down to the base, sharing modules. Also returns the head
+    unit's local names -> the copy's parameter names."""
     inner = meta.get_submodule(layout.base)
     new: nn.Module = _FinalNorm([(n, getattr(inner, n)) for n in layout.post])
     path = layout.base.split(".")
@@ -667,11 +650,9 @@ def _causal_lm_head(meta: nn.Module, layout: DecoderLayout, head_params: list[Pa
 
 
 def embedding_scale(embed: nn.Module, config: PretrainedConfig) -> tuple[float, bool] | None:
-    """The factor the base model multiplies its token embeddings by, and whether it is cast to
-    the weights' dtype first: a scaled embedding module's own (Gemma's ``sqrt(hidden)``, cast;
-    its buffer is empty on the meta device, its scalar copy is not), the config's
-    ``embedding_multiplier`` (Granite, a Python float), or ``sqrt(hidden)`` where the config's
-    ``mup_enabled`` says so (AFMoE's muP input scaling, a Python float). None: no scale."""
+    """The factor the base model multiplies its token embeddings by, and whether it is cast to the
+    weights' dtype first (Gemma's module, Granite's ``embedding_multiplier``, muP's
+    ``sqrt(hidden)``). None: no scale."""
     scale = getattr(embed, "scalar_embed_scale", None)
     cast = scale is not None
     if not cast:

@@ -1,18 +1,10 @@
-"""Where the examples of a micro-batch sit in its rows, and the attention masks that keep them apart.
+"""Where the examples of a micro-batch sit in its rows, and the attention masks that keep them
+apart.
 
-A packed row holds several examples end to end (``train/packing.py``'s ``segment_ids``: the
-example of each position, -1 for padding). To run each as if alone in its row, a layer needs
-position ids that restart at 0 at each example, attention that is causal *and* block-diagonal
-(on a sliding layer, within the last ``window`` keys), and, for a recurrent token mixer whose
-state no mask can cut, a run example by example (``RowLayout.runs``). Padding is a run of its
-own. A row holding one example (and trailing padding) needs no mask: plain causal is exact.
-
-Masks take the form the attention implementation reads: SDPA a boolean ``[b, 1, q, k]``
-(``True`` = attend; ``None`` = its ``is_causal`` path), eager an additive float mask (0 or the
-dtype's minimum, as HF's mask functions build it). On CUDA the boolean mask takes SDPA's
-memory-efficient kernel (flash takes no mask). Device bytes: ``b * s * s`` per distinct masked
-attention type, times the element size for eager.
-"""
+A packed row's examples each need positions restarting at 0 and causal block-diagonal attention
+(sliding: within the window); a recurrent mixer, whose state no mask can cut, runs example by
+example (``RowLayout.runs``). One example per row needs no mask. Masks take the implementation's
+form: SDPA boolean (``None``: ``is_causal``), eager additive float."""
 
 from __future__ import annotations
 

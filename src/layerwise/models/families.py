@@ -1,15 +1,11 @@
 """Family facts: what differs between the decoder families layerwise trains, and what it
 cannot read off transformers' modules.
 
-Everything *inside* a layer runs as HF's own decoder-layer module (``models/adapter.py``), the
-head as the causal LM's own forward, and the embedding scale is read off the embedding module,
-so none of that needs code here. Any ``model_type`` of transformers' causal-LM auto mapping gets
-a spec (:func:`derived_family`); the table's rows hold only what that derivation gets wrong or
-what the planner and checkpoints use: the attention implementation (``eager`` where SDPA lacks
-a feature: soft-capped scores, sinks), where a ``sliding_window`` without ``layer_types``
-applies, the shape facts of the closed-form planner sizes, fused experts and multi-axis RoPE.
-Classes are named, not imported, so that reading the table costs no import of a modeling file.
-"""
+Layers and heads run as HF's own modules, so any causal-LM ``model_type`` gets a spec
+(:func:`derived_family`); the table holds only what that derivation gets wrong or the planner
+and checkpoints need (eager attention where SDPA lacks soft caps or sinks, sliding windows, shape
+facts, fused experts, multi-axis RoPE). Classes are named, not imported, so reading the table
+imports no modeling file."""
 
 from __future__ import annotations
 
@@ -111,10 +107,9 @@ def _exported() -> frozenset[str]:
 
 
 def family_of(config: PretrainedConfig | Any) -> FamilySpec:
-    """The family of ``config``: its row of the table, else one derived from transformers'
-    causal-LM class of its ``model_type`` (:func:`derived_family`), or a clear error. A
-    multimodal config (a ``text_config`` inside) gets its language model's family with the
-    image-text-to-text class (:func:`multimodal_family`)."""
+    """The family of ``config``: its table row, else derived from its ``model_type``'s causal-LM
+    class, or a clear error; a multimodal config gets its language model's
+    (:func:`multimodal_family`)."""
     model_type = getattr(config, "model_type", None)
     text = text_config(config)
     if text is not config:
@@ -134,10 +129,8 @@ def family_of(config: PretrainedConfig | Any) -> FamilySpec:
 
 def multimodal_family(model_type: str | None, config_class_name: str, text: FamilySpec | None,
                       text_type: str | None) -> FamilySpec:
-    """A multimodal checkpoint whose language model is of family ``text`` (None: a language
-    model with no causal LM of its own, derived like :func:`derived_family`'s): that family's
-    facts, transformers' image-text-to-text class of ``model_type`` (its vision tower and
-    projector are carried unchanged: frozen, on the host, exported as they were)."""
+    """A multimodal checkpoint whose language model is of family ``text``: that family's facts with
+    the image-text-to-text class (vision tower and projector carried unchanged and frozen)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     class_name = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type)
@@ -171,11 +164,10 @@ with why; refused rather than trained with wrong numbers."""
 
 @functools.lru_cache(maxsize=None)
 def derived_family(model_type: str | None, config_class_name: str) -> FamilySpec:
-    """The spec of a family outside the table, from transformers alone: its causal-LM class
-    (the auto mapping's), SDPA where that class supports it (else eager), and a
-    ``sliding_window`` without ``layer_types`` on every layer unless ``use_sliding_window``
-    says otherwise. Whether the family's layers run this way is what the sweep
-    (``tests/models/test_sweep.py``) checks against HF autograd."""
+    """The spec of a family outside the table, from transformers alone: its causal-LM class, SDPA
+    where supported (else eager), and ``sliding_window`` on every layer unless
+    ``use_sliding_window`` says otherwise. ``tests/models/test_sweep.py`` checks this against HF
+    autograd."""
     class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
     if class_name is None or not hasattr(transformers, class_name):
         raise ValueError(

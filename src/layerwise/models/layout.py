@@ -1,16 +1,9 @@
 """Where a causal LM keeps the parts layerwise streams, found on its own (meta) modules.
 
-transformers' decoders share one shape — token embedding, a ``ModuleList`` of layers, a final
-norm, an lm_head — under many names: ``model.embed_tokens`` / ``model.layers`` / ``model.norm``
-(Llama), ``transformer.wte`` + ``transformer.wpe`` / ``transformer.h`` / ``transformer.ln_f``
-(GPT-2), ``gpt_neox.embed_in`` / ``gpt_neox.final_layer_norm`` / ``embed_out`` (GPT-NeoX),
-``model.decoder.*`` (OPT). :func:`decoder_layout` reads them off the model rather than a table:
-the embedding and head are what ``get_input_embeddings`` / ``get_output_embeddings`` return, the
-layers the base model's ``ModuleList`` of ``num_hidden_layers`` entries, and what runs before
-and after the layers is *traced*: the base model's own forward runs once on the meta device with
-each layer replaced by a probe, which records the order its other parts run in and the keyword
-arguments the base model gives its layers.
-"""
+Decoders share one shape under many names (Llama, GPT-2, GPT-NeoX, OPT, ...), so
+:func:`decoder_layout` reads them off the model instead of a table: the embedding and head via
+``get_input_embeddings``/``get_output_embeddings``, the layers' ``ModuleList``, and what runs
+around the layers traced by running the base model on meta with each layer replaced by a probe."""
 
 from __future__ import annotations
 
@@ -142,11 +135,9 @@ def decoder_layout(meta: nn.Module, family: str, num_layers: int) -> DecoderLayo
 
 
 def _uses_alibi(base: nn.Module) -> bool:
-    """Whether the base model biases attention by ALiBi: a flag says so (Falcon's ``alibi`` /
-    ``use_alibi``, MPT's ``attn_config.alibi``), or, with no flag, the base model builds the
-    biases itself (Bloom's ``build_alibi_tensor``). Newer transformers fold the biases into the
-    attention mask (Falcon since 5.25), where the trace cannot see them, so this is read, not
-    traced."""
+    """Whether the base model biases attention by ALiBi, read from its flags or its own builder:
+    newer transformers fold the biases into the mask (Falcon since 5.25), where the trace cannot see
+    them."""
     config = getattr(base, "config", None)
     owners = (config, base, getattr(config, "attn_config", None))
     if getattr(config, "position_embedding_type", None) == "alibi":

@@ -1,22 +1,12 @@
 """The router's auxiliary load-balancing loss, exactly as Hugging Face computes it, across a
 layer-by-layer forward and backward.
 
-HF adds ``router_aux_loss_coef * load_balancing_loss_func(all layers' router logits, ...)`` to
-the loss; its statistics span every MoE layer, so it is known only after the last layer, and its
-gradient reaches each layer through that layer's router logits. Per micro-batch
-(:class:`RouterState`): each MoE layer's forward (first run or recompute) records its router
-logits through a forward hook (:class:`RouterSpec`); the head computes the aux loss with the
-family's own function over them and its gradient w.r.t. each layer's logits; a layer's output
-passes through :class:`LayerTail`, an identity whose backward adds that gradient, so every plan
-gets the same extra gradient with no change to how the engine takes gradients. ``LayerTail``
-also gives a unit's frozen tensors (e.g. DeepSeek-V3's ``e_score_correction_bias``) an exact
-zero gradient.
-
-Several micro-batches: each adds its own aux loss (padding excluded, as HF's ``attention_mask``
-does) weighted by its share of the step's target tokens, so one micro-batch is exactly HF's
-``loss`` and k are the target-token-weighted mean of HF's per-micro-batch losses. (HF's Trainer
-adds each micro-batch's aux term unweighted: k times the weight.)
-"""
+Its statistics span every MoE layer, so it is known only after the last one: each layer's
+forward records its router logits (:class:`RouterSpec`), the head computes the aux loss and its
+gradient per layer, and :class:`LayerTail` (an identity) adds that gradient in each layer's
+backward, so every plan gets it with no change to the engine. ``LayerTail`` also gives frozen
+tensors an exact zero gradient. Several micro-batches are weighted by their share of target
+tokens (HF's Trainer adds them unweighted: k times the weight)."""
 
 from __future__ import annotations
 

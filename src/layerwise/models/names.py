@@ -1,16 +1,9 @@
 """Names of units and checkpoint groups, and how Hugging Face keys map onto them.
 
-- *units* (what the engine stores, streams and updates as one piece): ``embed``, ``layers.{i}``,
-  ``head`` (final norm + lm_head when untied);
-- *groups* (what a checkpoint saves and versions as one piece): ``embed``, ``layers.{i}``,
-  ``norm``, ``lm_head`` (finer than units: the final norm and the lm_head change at very
-  different rates and sizes); a tied lm_head *is* the embedding. Any other HF key is a group of
-  its own (its name without ``.weight``).
-- *expert groups* (``ckpt.expert_groups``, fused experts): an MoE layer's group split into
-  ``layers.{i}`` and one ``layers.{i}.experts.{e}`` per routed expert: expert ``e``'s rows of the
-  fused ``model.layers.{i}.mlp.experts.<proj>`` tensors (dim 0, one contiguous flat range), or its
-  own tensors where HF model dirs store them one per expert (``...experts.{e}.w1.weight``).
-"""
+Units (what the engine streams and updates): ``embed``, ``layers.{i}``, ``head``. Groups (what a
+checkpoint versions) are finer: ``norm`` and ``lm_head`` apart, because they change at very
+different rates and sizes; a tied lm_head is the embedding; any other key is its own group.
+Expert groups split an MoE layer per routed expert (``ckpt.expert_groups``)."""
 
 from __future__ import annotations
 

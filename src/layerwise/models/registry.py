@@ -1,7 +1,6 @@
 """Named model flavors: tiny ``debug`` ones for tests and the real shapes of popular models.
 
-A flavor is only a config (shapes); nothing here holds or downloads weights.
-"""
+A flavor is only a config (shapes); nothing here holds or downloads weights."""
 
 from __future__ import annotations
 

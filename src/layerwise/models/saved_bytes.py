@@ -1,19 +1,10 @@
 """What autograd keeps for a decoder layer's backward, measured by running the layer.
 
-The planner's memory model needs, per layer, the bytes a kept forward holds (the *workspace*:
-what ``engine/internals.py`` keeps or offloads). Rather than a formula per family, the layer
-runs as the engine runs it (``DecoderAdapter.layer``: transformers' own module and attention
-kernel) over one row of 256 tokens and one of 512 under ``saved_tensors_hooks``, and the
-distinct storages it saves are counted, leaving out, as the engine does, its weights and the
-tensors every layer shares (positions, RoPE, masks).
-
-It runs on the CPU, not the meta device: a routed MoE picks its experts by data
-(``nonzero``), which the meta device cannot run. The weights cost no memory all the same: each
-is a zero-stride view of one constant element, and matrix products are not computed (their
-outputs are zeros of the right shape, so every token routes alike and the count does not depend
-on a draw). The two lengths separate what grows with the tokens from what grows with their
-square (an eager kernel's attention probabilities).
-"""
+Rather than a formula per family, the layer runs as the engine runs it under
+``saved_tensors_hooks`` over 256 and 512 tokens (separating linear from quadratic growth), and
+the distinct saved storages are counted, less weights and shared tensors. On the CPU, not meta,
+because a routed MoE picks experts by data; weights are zero-stride views and products are not
+computed, so it costs no memory and does not depend on a draw."""
 
 from __future__ import annotations
 
@@ -103,10 +94,8 @@ def _saved_once(adapter, index: int, seq_len: int) -> tuple[int, int, int]:
 
 
 def layer_saved_bytes(adapter, index: int) -> SavedBytes:
-    """Layer ``index``'s saved bytes, fitted ``a * s + b * s**2`` over one row of ``s`` tokens at
-    the two :data:`PROBE_SEQ_LENS` (exact for a layer whose saved tensors are of those forms),
-    or at half and all of the model's positions where it has fewer; its saved tensors and
-    storages as the longer probe counts them."""
+    """Layer ``index``'s saved bytes, fitted ``a * s + b * s**2`` at :data:`PROBE_SEQ_LENS` (or half
+    and all of the model's positions where fewer), with the longer probe's tensors and storages."""
     s1, s2 = PROBE_SEQ_LENS
     longest = next((v for k in ("max_position_embeddings", "n_positions", "n_ctx")
                     if isinstance(v := getattr(adapter.config, k, None), int) and v > 1), s2)

@@ -1,20 +1,11 @@
 """Per-layer sizes and FLOPs, read off the adapter's (meta) modules: what a layer streams, what
 one token costs in it, and what its token mixer costs per attention pair.
 
-Layers differ: dense and MoE (DeepSeek-V3's dense first layers, Qwen3-MoE's
-``mlp_only_layers``), full, sliding and linear attention (Qwen3-Next), latent attention. A
-layer's *bytes* are all its tensors (every expert); its *FLOPs* only what a token runs through:
-the routed experts' weights count ``top_k / num_experts`` of their size. The planner's cost and
-memory models can take these per layer; the training report counts its model FLOPs with them
-(:func:`model_flops`), including the shorter attention spans of packed examples.
-
-FLOP conventions (as ``planner/cost.py``): a weight of two or more dimensions a token multiplies
-through costs 2 FLOPs per element forward (a depthwise convolution's kernel likewise); causal
-attention costs, per (query, key) pair forward, ``2 * heads * (qk_head_dim + v_head_dim)``
-(QK^T and AV; ``4 * heads * head_dim`` for ordinary attention); a linear-attention layer has no
-pairs but a recurrent state, ``4 * v_heads * k_head_dim * v_head_dim`` per token (its update
-and its read-out). Model FLOPs of a step are 3x the forward (forward + backward, no recompute).
-"""
+Layers differ (dense/MoE, full/sliding/linear/latent attention): a layer's bytes are all its
+tensors, its FLOPs only what a token runs through (routed experts at ``top_k / num_experts``).
+FLOP conventions are ``planner/cost.py``'s; a linear-attention layer costs
+``4 * v_heads * k_head_dim * v_head_dim`` per token instead of pairs. Model FLOPs of a step are
+3x the forward."""
 
 from __future__ import annotations
 

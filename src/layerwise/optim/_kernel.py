@@ -1,22 +1,10 @@
 """The fused 8-bit AdamW update: dequantise → update → requantise, one pass over each block.
 
-Two implementations of the same arithmetic (maps in ``quant.py``), held bit-identical by tests:
-
-- ``numba`` (CPU, fp32 or a split master, contiguous): per block, one vectorised loop
-  dequantises, updates both moments, computes the step and the block maxima; a second
-  requantises; a third applies the step as one fused multiply-add per element (``_apply``), so
-  a split and a plain fp32 parameter end bit-identical. The block's moments and steps wait in
-  three ``block_size`` stack scratch arrays (L1-resident), so memory is read and written once.
-  The moments are kept in units where the gradient (clip included) enters with factor 1
-  (``StepScalars.folded``). One call takes a *table* of tensors (``fused_steps``): one launch
-  per step, the blocks of all tensors split evenly over the threads. ``nogil=True`` on our own
-  thread pool, not numba's ``parallel=True``: its ``workqueue`` layer aborts when entered from
-  several engine threads at once. ``cache=True`` keeps the machine code in ``__pycache__``
-  (first compile takes seconds to a minute).
-- ``torch`` (any device, any float dtype): the same maths as elementwise ops over chunks of
-  ``_TORCH_CHUNK`` elements, so temporaries stay in cache. Used on CUDA, without numba, or with
-  ``LAYERWISE_OPTIM_KERNEL=torch``.
-"""
+Two implementations held bit-identical by tests: ``numba`` (CPU) keeps a block's moments in
+L1-resident scratch so memory is read and written once, and takes a table of tensors in one
+launch per step. ``nogil=True`` on our own pool, not ``parallel=True``: numba's ``workqueue``
+aborts when entered from several engine threads. ``torch`` (CUDA, no numba, or
+``LAYERWISE_OPTIM_KERNEL=torch``) runs the same maths in cache-sized chunks."""
 
 from __future__ import annotations
 
@@ -87,19 +75,13 @@ class StepScalars:
                    lr / (1.0 - beta1 ** step), 1.0 / math.sqrt(1.0 - beta2 ** step), eps)
 
     def folded(self) -> tuple[float, ...] | None:
-        """The numba kernel's scalars (one row of its scalar table), or None where the folded
-        units would leave fp32's safe range (then the torch path runs the step).
+        """The numba kernel's scalars, or None where the folded units would leave fp32's safe range.
 
-        The kernel keeps the moments in units where the gradient enters with factor 1:
-        ``mu = m / k1`` and ``w = v / k2`` with ``k1 = (1 - beta1) * clip`` and
-        ``k2 = (1 - beta2) * clip**2``, so ``mu' = beta1 * mu + g`` and
-        ``w' = beta2 * w + g * g`` cost no multiply by a constant, and the clip costs nothing.
-        The factors move into the per-block scales (in and out) and into the update's
-        denominator: ``step_size * m / (sqrt(v / bc2) + eps) = mu / (sqrt(w) * den + eps')``
-        with ``den = sqrt(k2) / (sqrt(bc2) * step_size * k1)`` and
-        ``eps' = eps / (step_size * k1)``. With ``lr == 0`` the kernel updates the moments
-        only. Computed in float64, rounded once to fp32 by the caller.
-        """
+        Moments are kept as ``mu = m / k1``, ``w = v / k2`` with ``k1 = (1 - beta1) * clip``,
+        ``k2 = (1 - beta2) * clip**2``, so the gradient enters with factor 1 and the clip costs nothing;
+        the factors move into the block scales and the denominator:
+        ``mu / (sqrt(w) * den + eps')``, ``den = sqrt(k2) / (sqrt(bc2) * step_size * k1)``,
+        ``eps' = eps / (step_size * k1)``. Float64, rounded once to fp32 by the caller."""
         k1 = (1.0 - self.beta1) * self.grad_mul
         sk2 = math.sqrt(1.0 - self.beta2) * self.grad_mul
         num = self.step_size * k1
@@ -367,11 +349,8 @@ def fused_step(p: torch.Tensor, g: torch.Tensor, qm: torch.Tensor, sm: torch.Ten
                qv: torch.Tensor, sv: torch.Tensor, block_size: int, decay_end: int,
                k: StepScalars, num_threads: int | None = None,
                p_lo: torch.Tensor | None = None) -> None:
-    """One AdamW step of flat ``p`` from flat ``g``, moments as 8-bit codes + block scales.
-
-    Updates ``p`` (and ``p_lo``, a split parameter's remainder: see ``FlatStep``), ``qm``,
-    ``sm``, ``qv``, ``sv`` in place; ``g`` is only read.
-    """
+    """One AdamW step of flat ``p`` from flat ``g`` (read only), moments as 8-bit codes + block
+    scales; updates ``p``, ``p_lo``, ``qm``, ``sm``, ``qv``, ``sv`` in place."""
     fused_steps([FlatStep(p, g, qm, sm, qv, sv, block_size, decay_end, k, p_lo)], num_threads)
 
 
@@ -395,12 +374,8 @@ def _numba_ok(s: FlatStep) -> bool:
 
 
 def fused_steps(steps: Sequence[FlatStep], num_threads: int | None = None) -> None:
-    """``fused_step`` for many tensors at once: the numba kernel runs them all in one call per
-    worker thread, the blocks of all tensors split evenly over ``num_threads`` (default:
-    torch's thread count). Tensors it cannot take run on the torch path, one by one.
-
-    ``p`` must be contiguous and is updated as a flat tensor of ``p.numel()`` elements (so a
-    caller need not make flat views); ``g`` has as many elements, in the same order.
+    """``fused_step`` for many tensors at once, the blocks of all split evenly over ``num_threads``;
+    tensors the kernel cannot take run on the torch path. ``p`` contiguous, ``g`` as many elements.
     """
     use_numba = _nb is not None and os.environ.get("LAYERWISE_OPTIM_KERNEL", "") != "torch"
     rows, scal, folded = [], [], {}

@@ -1,17 +1,9 @@
-"""The fp32-moment AdamW update in one pass per element, for every form the host keeps:
-the master plain fp32 or split (its bf16 copy source + a 16-bit remainder:
-``layerwise.split_master``), the gradient fp32 or bf16 (widened in the kernel, exactly), the clip
-coefficient folded into the gradient's read. No scratch, no separate join / widen / split pass:
-the bytes touched per parameter are the master's (8), the gradient's (4 or 2) and the moments'
-(16), once each.
+"""The fp32-moment AdamW update in one pass per element, for every form the host keeps (plain or
+split master, fp32 or bf16 gradient, clip folded into the read): each byte touched once.
 
-The arithmetic is ``torch.optim.AdamW``'s (decoupled decay, then the bias-corrected step), in
-fp32 without fast-math, element by element, so the result does not depend on how the range is
-split over threads, and a split master ends bit-identical to a plain one. It is not
-bit-identical to torch's own fused kernel (whose vector code rounds otherwise): within
-round-off of it. Compiled with ``nogil``; ``step`` splits a unit over the host threads
-(``util.threads.run_split``). Without numba, ``adamw.py`` runs torch's fused kernel instead.
-"""
+``torch.optim.AdamW``'s arithmetic element by element without fast-math, so the result does not
+depend on the thread split and a split master ends bit-identical to a plain one (within round-off
+of torch's fused kernel, not equal)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
-"""fp32 AdamW over the HostStore, one unit (flat buffer) at a time.
+"""fp32 AdamW over the HostStore, one unit (flat buffer) at a time, so units may be updated on
+different worker threads.
 
-On the CPU with numba, every form (plain or split master, fp32 or bf16 gradient) is one pass
-of ``_kernel_fp32`` over the unit, split over the optimizer's threads, the clip coefficient
-folded into the gradient's read. ``step_unit`` touches only that unit's buffers, so different
-units may be updated on different worker threads.
-
-Without numba (or on another device) torch's fused AdamW runs, the clip coefficient through its
-``grad_scale``. A split master (``layerwise.split_master``) is updated ``SPLIT_CHUNK`` elements
-at a time: joined into a per-thread fp32 scratch that stays in L2, stepped, split back. Every
-chunk starts a multiple of 64 elements into the slice (its vector and cache-line splits fall
-where an fp32-master call's do), so the result is bit-identical to stepping the fp32 master in
-one call. A bf16 gradient (``HostStore(grad_dtype=...)``) is widened the same way, exactly.
-"""
+With numba one pass of ``_kernel_fp32``; else torch's fused AdamW, a split master stepped in
+``SPLIT_CHUNK`` pieces through an L2-sized scratch, each starting a multiple of 64 elements in so
+the result is bit-identical to stepping the fp32 master in one call."""
 
 from __future__ import annotations
 

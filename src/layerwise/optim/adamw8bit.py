@@ -1,20 +1,9 @@
 """Hybrid 8-bit AdamW: block-wise 8-bit moments where memory is short, fp32 elsewhere.
 
-Two faces over one update (``_kernel.fused_step`` / ``fused_steps``):
-
-- ``AdamW8bit``: a drop-in ``torch.optim.Optimizer`` (CPU and CUDA), all of whose 8-bit
-  tensors take one kernel call per step, with per-group hyper-parameters like
-  ``torch.optim.AdamW``, a per-group moment format (``moments="8bit"`` or ``"fp32"``; tensors
-  under ``min_8bit_numel`` stay fp32), and an optional fused global-norm clip
-  (``max_grad_norm``; a non-finite norm skips the whole step).
-- ``HostAdamW8bit``: the engine's ``UnitOptimizer`` over one unit's flat ``HostStore`` buffers.
-
-8-bit state is ``step`` plus ``Q8_KEYS`` (``quant.py`` defines the maps). ``step`` is a 0-d fp32
-CPU tensor (as ``torch.optim.AdamW`` keeps it), but the update reads the count from a host-side
-int (``HostSteps``): on CUDA every ``.item()`` would be a device sync. ``state_to_fp32`` /
-``state_to_8bit`` convert to and from ``torch.optim.AdamW``'s moments, so checkpoints written by
-either load into the other.
-"""
+``AdamW8bit`` is a drop-in ``torch.optim.Optimizer``; ``HostAdamW8bit`` the engine's per-unit
+optimizer. ``step`` stays a 0-d tensor for checkpoints, but the count is read from a host-side
+int (``HostSteps``): on CUDA every ``.item()`` would sync. ``state_to_fp32``/``state_to_8bit``
+convert, so checkpoints of either optimizer load into the other."""
 
 from __future__ import annotations
 
@@ -66,15 +55,9 @@ def state_nbytes(numel: int, block_size: int = quant.DEFAULT_BLOCK_SIZE) -> int:
 class HostSteps:
     """Step counts as Python ints, one per ``step`` tensor, so an update never reads a tensor.
 
-    ``advance(step)`` adds one to the tensor (checkpoints still see a ``step`` tensor) and
-    returns the new count from the host-side int. The int stays valid while nobody else wrote
-    the tensor, which its version counter tells; after an outside write (a checkpoint load's
-    ``copy_``) or for a tensor never seen, the tensor is read once. Thread-safe across tensors.
-
-    Entries are keyed by ``id(step)`` and hold a weak reference that must still point at the
-    tensor (a recycled id never matches); a dead tensor's entry is dropped by the reference's
-    callback. A dropped or missing entry only costs one read of the tensor.
-    """
+    The int is trusted while the tensor's version counter is unchanged; after an outside write (a
+    checkpoint load) the tensor is read once. Keyed by ``id`` with a weak reference that must still
+    match, so a recycled id never does. Thread-safe across tensors."""
 
     def __init__(self) -> None:
         self._counts: dict[int, tuple[weakref.ref, int, int]] = {}
@@ -137,8 +120,7 @@ def state_to_fp32(state: dict[str, Any], block_size: int = quant.DEFAULT_BLOCK_S
                   shape: torch.Size | None = None) -> dict[str, Any]:
     """``torch.optim.AdamW``-style state (``step``, ``exp_avg``, ``exp_avg_sq``) from 8-bit state.
 
-    fp32 state is returned as is (a shallow copy); other entries are kept.
-    """
+    fp32 state is returned as is (a shallow copy); other entries are kept."""
     if not is_8bit_state(state):
         return dict(state)
     _check_block_size(state, block_size)
@@ -168,11 +150,8 @@ def state_to_8bit(state: dict[str, Any], block_size: int = quant.DEFAULT_BLOCK_S
 # ----- the per-unit face --------------------------------------------------------------------
 
 class HostAdamW8bit:
-    """8-bit moments for one unit's flat buffer; the ``UnitOptimizer`` of ``Plan.moments="8bit"``.
-
-    ``step_unit`` reads and writes only ``buf``'s tensors, so different units may be stepped on
-    different threads at once (the compiled kernel releases the GIL).
-    """
+    """8-bit moments for one unit's flat buffer; ``step_unit`` touches only ``buf``'s tensors, so
+    units may step on different threads (the kernel releases the GIL)."""
 
     def __init__(self, config: AdamWConfig, block_size: int = quant.DEFAULT_BLOCK_SIZE,
                  num_threads: int | None = None):
@@ -224,15 +203,9 @@ class HostAdamW8bit:
 # ----- the torch.optim face -----------------------------------------------------------------
 
 class AdamW8bit(torch.optim.Optimizer):
-    """AdamW with block-wise 8-bit moments, hybrid per group, optional fused global-norm clip.
-
-    Matches ``torch.optim.AdamW`` (decoupled weight decay, bias correction) up to the moment
-    quantisation; with ``moments="fp32"`` it *is* ``torch.optim.AdamW`` (fused kernel), and
-    with ``max_grad_norm`` it equals ``clip_grad_norm_`` + ``torch.optim.AdamW``.
-
-    After each ``step``: ``last_grad_norm`` (None without clipping), ``last_step_skipped``,
-    and ``skipped_steps`` (how many steps a non-finite gradient norm skipped).
-    """
+    """AdamW with block-wise 8-bit moments, hybrid per group, optional fused global-norm clip; equal
+    to ``torch.optim.AdamW`` up to quantisation. After each ``step``: ``last_grad_norm``,
+    ``last_step_skipped``, ``skipped_steps``."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -388,11 +361,8 @@ class AdamW8bit(torch.optim.Optimizer):
     # ----- state dicts ----------------------------------------------------------------------
 
     def torch_adamw_state_dict(self) -> dict[str, Any]:
-        """This optimizer's state in ``torch.optim.AdamW``'s format (fp32 moments).
-
-        Loads into a ``torch.optim.AdamW`` over the same parameters, or back into an
-        ``AdamW8bit`` (which re-quantises where its groups say ``"8bit"``).
-        """
+        """This optimizer's state in ``torch.optim.AdamW``'s format (fp32 moments), loadable by
+        either."""
         sd = self.state_dict()
         defaults = torch.optim.AdamW([torch.zeros(1)]).defaults
         groups = []
@@ -417,8 +387,7 @@ class AdamW8bit(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load our own state dict exactly, or a ``torch.optim.AdamW`` one (quantised as needed).
 
-        Groups keep their moment format / block size when the saved dict does not name them.
-        """
+        Groups keep their moment format / block size when the saved dict does not name them."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"state dict has {len(saved_groups)} param groups, this optimizer "

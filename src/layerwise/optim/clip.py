@@ -1,9 +1,5 @@
-"""Exact global-norm gradient clipping, folded into the update (no scaling pass over grads).
-
-Each unit's squared gradient norm is computed once, when its gradient is final; the global
-norm and the clip coefficient follow from those partial sums, with the same formula as
-``torch.nn.utils.clip_grad_norm_``.
-"""
+"""Exact global-norm gradient clipping, folded into the update (no scaling pass over grads), with
+``clip_grad_norm_``'s formula over per-unit squared norms."""
 
 from __future__ import annotations
 
@@ -31,8 +27,7 @@ def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
 def clip_or_skip(total_norm: float, max_norm: float | None) -> float | None:
     """The clip coefficient, or None when ``total_norm`` is not finite: skip the step then.
 
-    (``clip_coefficient`` alone turns a NaN norm into 1.0, which would apply NaN gradients.)
-    """
+    (``clip_coefficient`` alone turns a NaN norm into 1.0, which would apply NaN gradients.)"""
     if not math.isfinite(total_norm):
         return None
     return clip_coefficient(total_norm, max_norm)

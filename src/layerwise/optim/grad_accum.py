@@ -1,21 +1,10 @@
 """Host gradient accumulation at memory speed: ``dst (fp32) += src`` with no temporaries.
 
-``torch``'s ``dst.add_(src_bf16)`` first converts the whole source into a full-size fp32
-temporary (one core: 0.44 G elements/s, against 3.37 for fp32 += fp32). Here the conversion is
-fused into the add:
-
-- ``numba`` (CPU, contiguous, bf16 or fp32 source): a bf16 value is the top half of an fp32,
-  so an LLVM ``bitcast`` of ``int32(bits16) << 16`` *is* ``src.float()`` exactly
-  (``split_master.as_f32``) and the loop vectorises. Each loop runs over slices from index 0,
-  so numba adds no negative-index fix-up (which alone kept the loop scalar). No fast-math: the
-  result must be bit-equal to ``dst += src.float()``.
-- ``torch`` fallback (no numba, another dtype or device): in chunks of ``_TORCH_CHUNK``
-  elements, so the conversion's temporary is cache-sized.
-
-``first=True`` writes instead of adding (a unit's first landing in a step), so nobody zeroes the
-gradient between steps. ``threads`` splits one call over our own pool (``nogil`` kernels;
-numba's ``parallel=True`` layers abort when entered from several Python threads at once).
-"""
+``dst.add_(src_bf16)`` first makes a full fp32 temporary (0.44 G elements/s on one core against
+3.37 for fp32 += fp32). The numba kernel widens bf16 by a bit shift (exact) and vectorises
+(slices from index 0: a negative-index fix-up kept it scalar); no fast-math, so it is bit-equal
+to ``dst += src.float()``. Our own thread pool, since numba's ``parallel=True`` aborts when
+entered from several threads."""
 
 from __future__ import annotations
 
@@ -71,12 +60,8 @@ def kernel_name(dst: torch.Tensor, src: torch.Tensor) -> str:
 
 
 def accumulate(dst: torch.Tensor, src: torch.Tensor, first: bool = False, threads: int = 1) -> None:
-    """``dst = src.float()`` (``first``) or ``dst += src.float()``, bit-equal to torch's, with no
-    full-size temporary; ``dst`` fp32 and ``src`` of the same number of elements (shapes are
-    ignored: both are read flat). ``threads``: split over that many threads, the caller one.
-    A bf16 ``dst`` (a store whose gradients land once per step) takes its first landing only:
-    a bf16 ``src`` as it is, an fp32 one (summed over a layer-major group on the device)
-    rounded to nearest, as ``.to(torch.bfloat16)`` rounds; there is nothing to sum."""
+    """``dst = src.float()`` (``first``) or ``dst += src.float()``, bit-equal to torch's, both read
+    flat. A bf16 ``dst`` takes its first landing only (fp32 ``src`` rounded to nearest)."""
     n = src.numel()
     if dst.numel() != n:
         raise ValueError(f"accumulate: {dst.numel()} destination elements for {n} source elements")

@@ -1,9 +1,5 @@
-"""The contract the engine obeys, with no tensors: ``plan`` (the Plan JSON), ``program`` (the
-step program every consumer shares), ``shape`` (model shape facts; ``finetune`` a LoRA run's
-frozen base, ``family_sizes`` the named sizes), ``memory`` (the device-memory model) and
-``owners`` (which rank owns a unit under data parallelism). ``layerwise.planner`` decides a
-Plan; nothing here imports it.
-"""
+"""The contract the engine obeys, with no tensors; ``layerwise.planner`` decides a Plan and
+nothing here imports it."""
 
 from .plan import STORED_TIERS, TIERS, Plan
 

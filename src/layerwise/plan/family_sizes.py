@@ -1,12 +1,6 @@
-"""The sizes a model family is released in: what ``layerwise plan`` searches for "the largest
-model of the family that fits" (``host_need.largest_fitting``).
-
-A family's ladder is its real sizes smallest first: the registry's real shapes
-(``models.registry``: ``llama3-8b``, ``qwen2.5-32b``, ...) and the released sizes the registry
-does not carry, defined here from their public config.json files (planning only: no weights,
-no tests run them). A family without a ladder here searches the registry's flavors of it that
-are real shapes (not the ``-debug`` ones).
-"""
+"""The sizes a model family is released in, smallest first, for ``layerwise plan``'s "largest
+model that fits": the registry's real shapes plus released sizes defined here from their public
+config.json (planning only). Without a ladder, the registry's non-debug flavors."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """A frozen base with trained adapters (LoRA / QLoRA), as the planner's models see it: no tensors.
 
-With ``ModelShape.frozen_base`` set, the cost, memory and host models count what such a run does
-(``layerwise.adapters`` is what runs it): the decoder layers' matmul weights stream in the base
-format (``base_bytes_per_param``), the adapters in the compute dtype beside them; only the
-adapters get gradients (copied out, accumulated, updated, with optimizer state); the embedding
-and head are frozen units (streamed, never updated); a backward computes input gradients only
-(plus the adapters' small products), so a layer's backward is 1x its forward, not 2x.
-"""
+With ``ModelShape.frozen_base``, weights stream in the base format, only adapters get gradients
+and state, embedding and head are frozen units, and a layer's backward is 1x its forward (input
+gradients only), not 2x."""
 
 from __future__ import annotations
 

@@ -1,22 +1,9 @@
 """Device memory of a plan: the slots the engine allocates once, plus what each op holds.
 
-Slots (allocated when the engine is built or at its first step, never again; the engine reads
-their counts from here): ``prefetch_depth + 1`` weight slots sized for the largest streamed unit;
-one buffer per resident layer; on an asynchronous device ``GRAD_SLOTS`` gradient slots for the
-largest unit (fp32 in layer-major order); :func:`fetch_slot_count` slots for boundaries fetched
-back from host memory or NVMe. In layer-major order the ops are walked for one group of
-micro-batches, each holding its own boundaries, internals and masks. Live across ops: boundaries kept on the
-device (until their layer's backward) and recomputed ones. Transient within an op: its inputs,
-outputs, gradients, autograd workspace, the head's logits and fp32 gradient accumulators (on
-CUDA also the attention kernel's backward workspace, priced from the shape). In
-flight (an asynchronous device): what the offloads (boundaries and host-tier internals moving
-to the host) of the ``OFFLOAD_WINDOW_OPS - 1`` ops before still read; the engine's compute waits
-for older ones before each op, so no backlog beyond that. The peak is the largest sum over the
-ops.
-
-The engine checks plans with this before training; the planner's cost model and simulator use
-the same slots and transients, so all three agree on what fits.
-"""
+The engine checks plans with this before training and the planner's cost model and simulator use
+the same slots and transients, so all three agree on what fits. In flight (asynchronous device):
+only the offloads of the ``OFFLOAD_WINDOW_OPS - 1`` ops before, since compute waits for older
+ones. The peak is the largest sum over the ops."""
 
 from __future__ import annotations
 
@@ -73,17 +60,10 @@ def _round_up(n: int, m: int) -> int:
 
 def attention_workspace_bytes(shape: ModelShape, micro_batch_size: int, seq_len: int,
                               elem_bytes: int, i: int = 0) -> int:
-    """Device bytes the attention kernel allocates inside decoder layer ``i``'s backward on CUDA,
-    beyond the tensors the layer saved (counted by :func:`layer_workspace_bytes`), for one
-    micro-batch. The engine runs HF's SDPA attention: unpacked rows take the flash kernel
-    (``is_causal``, grouped heads by ``enable_gqa``), packed rows the memory-efficient one (a
-    boolean mask, the key/value heads repeated). Both price as flash-attn's backward, per row:
-    ``softmax_d`` (fp32, heads x seq) and the fp32 ``dq`` accumulator (seq x heads x head_dim,
-    seq rounded to 128, head_dim to 32 or 256), plus, with grouped heads, ``dk``/``dv`` at the
-    full head count before their sum (compute dtype; the memory-efficient kernel's gradients of
-    the repeated keys and values are the same size). An eager family (the math path) instead
-    builds the score matrix's gradient, heads x seq x seq, in the compute dtype and twice in
-    fp32 (HF's eager softmax runs in fp32). Linear attention layers hold none."""
+    """Device bytes the attention kernel allocates inside layer ``i``'s CUDA backward beyond what
+    the layer saved, for one micro-batch: SDPA priced as flash-attn's backward (``softmax_d``, the
+    fp32 ``dq`` accumulator, un-summed ``dk``/``dv`` with grouped heads); an eager family instead
+    the score gradient in the compute dtype and twice in fp32. Linear attention: none."""
     c = shape.layer(i)
     if c is not None and not c.pair_flops:
         return 0
@@ -112,16 +92,9 @@ class MemoryEstimate:
 
 def layer_workspace_bytes(shape: ModelShape, tokens: int, elem_bytes: int, i: int = 0,
                           seq_len: int = 0) -> int:
-    """What autograd keeps for decoder layer ``i``'s backward, over ``tokens`` tokens in rows of
-    ``seq_len``. Layers with their own facts: what the layer saved when it ran
-    (``LayerCost.workspace_per_token``, ``models/saved_bytes.py``; an eager kernel's attention
-    probabilities grow with ``seq_len`` too). The closed-form families: the same tensors
-    counted by hand (``tests/plan/test_module_facts.py`` holds the two equal), per token: each
-    norm's input, output and normalised input and its 1/rms; the roped q and k, v, SDPA's
-    output and its log-sum-exp per head (q and k once more before and after their own norm and
-    their 1/rms per head, where the family has a q/k norm); the MLP's gate, up, activation and
-    product.
-    """
+    """What autograd keeps for layer ``i``'s backward over ``tokens`` tokens in rows of ``seq_len``:
+    per-layer facts where measured (``models/saved_bytes.py``), else the closed-form families'
+    tensors counted by hand (``tests/plan/test_module_facts.py`` holds the two equal)."""
     c = shape.layer(i)
     if c is not None:
         return int(tokens * (c.workspace_per_token + c.workspace_per_token_pos * seq_len)
@@ -182,11 +155,9 @@ def group_embed_bwd_bytes(shape: ModelShape, kind: OpKind, tokens: int, group: i
 
 def mask_bytes(shape: ModelShape, micro_batch_size: int, seq_len: int, elem_bytes: int,
                packed: bool = True) -> int:
-    """Device bytes of one micro-batch's attention masks, as ``models/attention.py`` builds them:
-    one per masked attention type (full, sliding), shared by its layers; ``[b, 1, s, s]`` for
-    packed rows (block-diagonal; the data's default, so assumed), ``[1, 1, s, s]`` otherwise;
-    boolean for SDPA, the compute dtype for eager. SDPA's plain causal path (a full layer of
-    unpacked rows) and linear attention need none."""
+    """Device bytes of one micro-batch's attention masks, one per masked type (full, sliding):
+    ``[b, 1, s, s]`` for packed rows (assumed), ``[1, 1, s, s]`` otherwise; none for SDPA's plain
+    causal path or linear attention."""
     kinds: dict[str, bool] = {}  # attention type -> its window is shorter than the row
     for i, w in enumerate(shape.layer_windows):
         c = shape.layer(i)
@@ -269,15 +240,9 @@ def device_bytes_per_op(shape: ModelShape, plan: Plan, micro_batch_size: int, se
                         elem_bytes: int, grad_slots: bool = True, workspace_bytes: int = 0,
                         offload_window_ops: int = OFFLOAD_WINDOW_OPS,
                         attention_workspace: bool = False) -> list[MemoryEstimate]:
-    """What the device holds at each op of the step program of one group of
-    ``min(micro_batches_per_load, num_micro_batches)`` micro-batches (its peak while the op runs
-    for each of them in turn), in program order. Each micro-batch holds its own masks,
-    boundaries and internals; the slots and resident weights are held at every op.
-    ``workspace_bytes``: a fixed term for the device's own workspaces (CUDA);
-    ``attention_workspace``: each layer backward also holds the CUDA attention kernel's
-    workspace (:func:`attention_workspace_bytes`). ``grad_slots``: an
-    asynchronous device (gradient slots; offloads may still be in flight from the
-    ``offload_window_ops - 1`` op runs before, a synchronous one has finished them)."""
+    """What the device holds at each op of one group's step program (its peak over the group's
+    micro-batches), in program order; slots and resident weights at every op. ``grad_slots``: an
+    asynchronous device (offloads may be in flight from ``offload_window_ops - 1`` runs before)."""
     tokens = micro_batch_size * seq_len
     boundary = tokens * shape.hidden_size * elem_bytes
     slots = sum(slot_bytes(shape, plan, micro_batch_size, seq_len, elem_bytes, grad_slots).values())

@@ -1,48 +1,9 @@
 """Plan: what the engine obeys. JSON-serialisable; produced by a rule or by the planner.
 
-Boundary ``i`` (0 <= i < num_layers) is the activation entering decoder layer ``i``
-(boundary 0 is the embedding output). Its tier says where it lives between the forward and the
-backward pass:
-
-- ``device``: stays in device memory;
-- ``host``: copied to (pinned) host memory, brought back before layer ``i``'s backward;
-- ``nvme``: written to a file in the spill directory in the background, read back ahead of use;
-- ``recompute``: dropped; recomputed in the backward from the nearest kept boundary below it
-  (from the embedding if none).
-
-The activation entering the head (boundary ``num_layers``) is consumed at once by the chunked
-loss, so it is never stored.
-
-A layer's *internals* (the tensors its forward saves for its backward) have a tier of their own,
-``internal_tiers[i]``:
-
-- ``recompute``: the forward runs without a graph; the backward re-runs it with one (from
-  boundary ``i``), then backpropagates;
-- ``device``: the forward runs with a graph and its saved tensors stay on the device until the
-  layer's backward, which backpropagates through them without re-running the forward (so it
-  needs no boundary ``i``);
-- ``host``: as ``device``, but the saved tensors are copied to host memory during the forward
-  and fetched back before the backward.
-
-Weights are never among the kept tensors: the backward streams them in again (unless the layer
-is resident).
-
-Three choices are about weights and their state, not activations:
-
-- ``micro_batches_per_load`` (layer-major order when > 1): that many micro-batches run through
-  each op of the program before the next op, so they share one copy of each unit's weights,
-  and a unit's gradient is summed over them on the device (fp32) and sent to the host once;
-  each keeps its own boundaries and internals in the tiers the plan gives;
-- ``resident_layers``: decoder layers whose compute-dtype weights stay on the device for the
-  whole run; after the host update their new weights go up once per step;
-- ``state_tiers``: per unit, where its state lives: ``ram`` (the host store); ``nvme`` (its
-  master remainder, or plain fp32 master beside a copy source, and its optimizer moments in a
-  file of the state directory, read before its update and written back after; the copy source
-  and the gradient stay in RAM); ``nvme-all`` (its copy source and its gradient too, each in a
-  file of its own: the source read ahead of each weight copy to the device and of the update,
-  which writes it back; the gradient written as it lands and read by the update. A model whose
-  weights and gradients exceed the RAM).
-"""
+Fields and tiers: ``docs/formats.md``. Boundary ``i`` is the activation entering layer ``i``
+(0: the embedding output); the head's input is consumed at once by the chunked loss, never
+stored. A layer keeping its internals needs no boundary ``i`` in its backward. Weights are never
+among the kept tensors: the backward streams them in again (unless resident)."""
 
 from __future__ import annotations
 

@@ -1,36 +1,10 @@
 """The step program: the exact sequence of operations one micro-batch runs under a Plan.
 
-It is plain data (no tensors), so the same list drives the engine's executor, its weight
-prefetch schedule, the device-memory prediction and the planner's simulator: what is predicted
-is what runs.
-
-Op kinds (``i`` is a layer index), the members of :class:`OpKind`:
-
-- ``embed_fwd``: embedding of the input ids -> boundary 0;
-- ``layer_fwd i``: layer i forward (no graph); its input boundary i is stored per the plan first;
-- ``layer_fwd_keep i``: as ``layer_fwd``, but with a graph whose saved tensors (the layer's
-  internals) are kept on the device or copied to host memory, per the plan's internal tier;
-- ``head``: final norm + lm_head + loss in chunks, with grads -> grad of the last boundary;
-- ``fetch i``: bring stored boundary i back to the device (no-op for the device tier);
-- ``recompute_embed``: rebuild boundary 0 from the input ids;
-- ``recompute_layer i``: layer i forward (no graph) to rebuild boundary i+1;
-- ``layer_bwd i``: layer i forward with a graph + backward; grads to the host;
-- ``fetch_internals i``: bring layer i's host-tier internals back to the device;
-- ``layer_bwd_kept i``: layer i backward through the graph its ``layer_fwd_keep`` kept (no
-  forward again, no input boundary); grads to the host;
-- ``embed_bwd``: embedding backward, from the token ids and the gradient of boundary 0 alone
-  (the weights are never read, so none are streamed); grads to the host.
-
-A step runs the micro-batch program for every micro-batch (:func:`step_program`): one after
-another (micro-batch-major), or in groups of ``plan.micro_batches_per_load`` that run each op
-together (layer-major: a :class:`StepOp` is one op for every micro-batch of its group, with one
-copy of its weights). Resident layers (``plan.resident_layers``) are never in the weight
-schedule: their weights stay on the device.
-
-The weight window (:class:`WeightWindow`) is the one rule for which weight buffers the device
-holds at each op: the engine's streamer makes the copies it names, the simulator times them,
-and the memory model and the MILP count its slots.
-"""
+Plain data, so the same list drives the executor, the weight prefetch, the memory prediction and
+the simulator: what is predicted is what runs (op kinds: :class:`OpKind`; ``docs/planner.md``).
+:func:`step_program` runs it micro-batch-major, or in groups of ``micro_batches_per_load``
+sharing one weight copy (layer-major). :class:`WeightWindow` is the one rule for which weight
+buffers the device holds."""
 
 from __future__ import annotations
 
@@ -127,12 +101,8 @@ def forward_program(num_layers: int, internal_tiers: list[str] | None = None) ->
 
 
 def micro_batch_program(tiers: list[str], internal_tiers: list[str] | None = None) -> list[Op]:
-    """The ops of one micro-batch for the boundary tiers and internal tiers of a plan (None:
-    every layer recomputes its internals).
-
-    A layer whose internals are kept needs no input boundary in the backward; its stored
-    boundary (if any) is still the start of the recompute of dropped boundaries above it.
-    """
+    """The ops of one micro-batch for a plan's boundary and internal tiers (None: all recompute).
+    A kept-internals layer's stored boundary still starts recomputes above it."""
     num_layers = len(tiers)
     internal = internal_tiers or ["recompute"] * num_layers
     ops = forward_program(num_layers, internal)
@@ -219,15 +189,9 @@ def weight_schedule(ops: list[Op], tied: bool, resident: frozenset[str] = frozen
 class WeightWindow:
     """Which weight slots the device holds, use by use, for a weight schedule and a prefetch depth.
 
-    Plain bookkeeping (no tensors, no clock), so the engine's streamer, the memory model and the
-    simulator cannot disagree on it. The device has ``depth + 1`` weight slots. The window holds
-    the next ``depth`` uses of the schedule beyond the ones running (depth 1 = double buffering),
-    as far as free slots allow: a use whose unit needs a copy waits for a slot (a tied head,
-    which runs the embedding and the head at once, delays the next prefetch until one is
-    released). A slot lives from the use that first needs its unit until the release of the last
-    use holding it, so a unit needed again inside the window is copied once. Slots are handed
-    out lowest index first.
-    """
+    ``depth + 1`` slots; the window holds the next ``depth`` uses as free slots allow (a tied head
+    delays the next prefetch). A slot lives from the first use of its unit to the last release, so a
+    unit needed again inside the window is copied once. Lowest index first."""
 
     def __init__(self, schedule: list[str], depth: int):
         if depth < 1:

@@ -1,14 +1,9 @@
 """The shape facts of a model the planner needs (no tensors): sizes per unit, windows, heads.
 
-Two kinds of model. The first four families (``FamilySpec.closed_form_shape``: every layer the
-same dense Llama-style block) are described by closed-form sizes and memory formulas (held equal
-to the modules' own figures by ``tests/plan/test_module_facts.py``). Every other family has
-per-layer facts (:class:`LayerCost`, from the meta modules: ``models/structure.py``; its saved
-tensors from running it: ``models/saved_bytes.py``): a layer's bytes are all its tensors (every expert), its FLOPs what a
-token runs through (routed experts at top-k; latent, sliding and linear attention), so dense
-and MoE layers, full and linear-attention layers differ, and the cost and memory models read
-each layer's own.
-"""
+The first four families are closed-form (held equal to the modules by
+``tests/plan/test_module_facts.py``); every other has per-layer facts (:class:`LayerCost`, from
+``models/structure.py`` and ``models/saved_bytes.py``), so dense and MoE, full and linear
+attention layers are each costed as they are."""
 
 from __future__ import annotations
 

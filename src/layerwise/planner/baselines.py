@@ -1,20 +1,8 @@
-"""Fixed rules the planner must beat, evaluated in the same simulator.
-
-- ``every-K`` (MegaTrain's rule): keep every K-th boundary on the device, recompute the rest;
-- ``keep-all-device``: no recompute, no transfers (only where it fits);
-- ``recompute-all``: keep nothing, recompute every boundary from the embedding.
-
-``keep-all-host`` is not a fixed rule to beat but a useful warm start for the MILP.
-
-With a tier for a layer's internals, two more fixed rules, so that the MILP is not
-measured against rules that cannot use the new tier:
-
-- ``internals-device``: every layer's internals kept on the device (no recompute, no copies:
-  the fastest plan wherever it fits);
-- ``internals-host``: every layer's internals offloaded to host memory and fetched back.
-
-Their boundaries are all dropped: a layer that keeps its internals never reads its boundary.
-"""
+"""Fixed rules the planner must beat, evaluated in the same simulator: ``every-K`` (MegaTrain's
+rule), ``keep-all-device``, ``recompute-all``, and with an internals tier ``internals-device``
+and ``internals-host`` (their boundaries all dropped: a layer keeping its internals never reads
+its boundary), so the MILP is never measured against rules that cannot use that tier.
+``keep-all-host`` is a warm start for the MILP, not a rule to beat."""
 
 from __future__ import annotations
 

@@ -1,22 +1,8 @@
 """Measure the machine this runs on and return a :class:`HardwareProfile`.
 
-What is measured (each the median of a few repeats, after a warm-up: ``median_time``), the
-fields the planner's roofline prices a step by (``planner/device_cost.py``):
-
-- ``peak_tflops``: a square matmul in the compute dtype (fp32 on CPU, bf16 on CUDA); it is what
-  a GEMM sustains here, so ``efficiency`` is 1;
-- ``device_mem_gbps``: an elementwise add's bytes per second, the roof of memory-bound kernels;
-- ``kernel_launch_s``: one tiny kernel's dispatch and launch;
-- copy bandwidth: on CUDA pinned H2D/D2H copies; on CPU the engine's "copies" are ``copy_``
-  into slots allocated once;
-- disk: write with fsync, then read back, in the spill directory;
-- memory: the GPU's and this process's RAM (``machine.this_machine``);
-- the host side (``calibrate_host``): gradient accumulation, the optimizer step (fp32 and 8-bit
-  moments), the refresh into pinned memory, and (data parallel, asked) gloo's reduce, each at the
-  threads and CPUs the engine will give it and at the run's unit size.
-
-``cuda:N`` is measured on device N (its memory, its syncs).
-"""
+Each figure is the median of a few repeats after a warm-up, measuring the fields the roofline
+prices a step by (``docs/planner.md``, "Calibration"); ``peak_tflops`` is what a GEMM sustains
+here, so ``efficiency`` is 1. ``cuda:N`` is measured on device N."""
 
 from __future__ import annotations
 
@@ -121,11 +107,9 @@ def _host_probe_numel(shape: ModelShape | None, quick: bool) -> int:
 def calibrate(quick: bool = False, device: str = "auto", spill_dir: str | None = None,
               name: str | None = None, model=None, optimizer_threads: int = 1,
               gloo: bool = False) -> HardwareProfile:
-    """Measure this machine. ``model`` (flavor, HF model dir or config): size the host probes to
-    its largest layer. ``optimizer_threads``: the engine's (``EngineConfig.optimizer_threads``),
-    which sets the optimizer's intra-op threads. ``gloo``: measure gloo's reduce (over the
-    initialised process group, else two ranks in this process); it is measured anyway when
-    torch.distributed is initialised."""
+    """Measure this machine. ``model``: size the host probes to its largest layer.
+    ``optimizer_threads``: the engine's. ``gloo``: measure gloo's reduce (always when
+    torch.distributed is initialised)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():

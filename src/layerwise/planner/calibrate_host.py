@@ -1,21 +1,7 @@
-"""The host half of ``layerwise calibrate``: each probe runs the engine's own host kernel, on the
-threads and CPUs the engine gives it (``host_threads``), at the run's unit size.
-
-- gradient accumulation: ``grad_accum.accumulate`` of a bf16 (the GPU path) and an fp32 (the CPU
-  backend) gradient into an fp32 one, split over the landing threads, on a thread pinned as the
-  landing thread is;
-- the optimizer: ``HostAdamW`` / ``HostAdamW8bit.step_unit`` per parameter, at the optimizer's
-  intra-op thread count, on a pinned worker thread, in the form the run keeps a unit (on a GPU:
-  the split master and a bf16 gradient; on the CPU: fp32 master and gradient);
-- copies into pinned memory: the compute copy's refresh after an update (``copy_`` of the fp32
-  master into a bf16 buffer, page-locked on CUDA), on the optimizer's threads. The D2H landing
-  into the pinned ring is a DMA (``d2h_gbps``), not a host copy;
-- gloo: a reduce of a unit-sized fp32 tensor, over the initialised process group, or (asked)
-  between two ranks in this process; never by default (it would start a process group).
-
-Rates count the bytes the kernel moves (accumulation: ``e + 8`` per element; the refresh: 4 read
-+ ``e`` written), the same counts the cost model divides by.
-"""
+"""The host half of ``layerwise calibrate``: each probe runs the engine's own host kernel
+(accumulation, optimizer step, pinned refresh, gloo reduce when asked), on the threads and CPUs
+the engine gives it (``host_threads``), at the run's unit size. Rates count the bytes each kernel
+moves, the same counts the cost model divides by."""
 
 from __future__ import annotations
 

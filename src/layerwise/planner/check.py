@@ -1,17 +1,8 @@
-"""Independent feasibility check of a simulated plan.
+"""Independent feasibility check of a simulated plan (``docs/planner.md``, "Feasibility checker").
 
-It does not trust the simulator's own peak numbers or the MILP's capacity rows: from the
-simulated timeline (allocations with their lifetimes, lane intervals, compute ops) it recomputes
-every tier's occupancy at every instant something is allocated, and checks that
-
-- no tier (device, pinned host + the host store, NVMe) is over capacity at any instant;
-- no lane runs two things at once;
-- every compute op had its weights on the device, copied in before it started (a resident
-  layer's: refreshed once in this step before it), and its input
-  boundary present (kept, fetched after its offload finished, or recomputed) for its whole run;
-- NVMe reads start after the matching write ended;
-- a weight copy in step s+1 starts after that unit's optimizer update in step s.
-"""
+It trusts neither the simulator's peaks nor the MILP's capacity rows: it recomputes every tier's
+occupancy from the timeline and checks capacity, lane exclusivity, weights and boundaries present
+for every op, NVMe reads after writes, and copies after the previous step's update."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""A linear program written by name: blocks of columns and rows of coefficients, turned into one
-``HighsLp``.
-
-Column indices are allocated here, block by block, so that no constraint computes one by hand:
-a constraint says ``x.tier[i, "host"]`` and the block knows where that column is. Rows keep the
-constraint group that added them, for reading a model back (``Rows.groups``).
-"""
+"""A linear program written by name: blocks of columns and rows turned into one ``HighsLp``.
+Blocks allocate column indices, so no constraint computes one by hand; rows keep their group."""
 
 from __future__ import annotations
 

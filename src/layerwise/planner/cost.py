@@ -1,25 +1,8 @@
 """Cost model: FLOPs, bytes and seconds of every op the engine runs, from the model config.
 
-One source of numbers for the simulator and the MILP, so that the solver and the simulator price
-a step alike. Everything is per micro-batch of ``micro_batch_size x seq_len`` tokens.
-
-FLOP conventions (multiply-add = 2 FLOPs):
-
-- a linear layer with ``n`` weights costs ``2 n`` FLOPs per token forward, ``4 n`` backward;
-- causal attention costs ``4 * heads * head_dim`` FLOPs per (query, key) pair forward (QK^T and
-  AV), over ``sum_q min(q + 1, window)`` pairs per sequence, and twice that backward;
-- a model with per-layer facts (``ModelShape.layers``: MoE, latent or linear attention) costs
-  each layer its own: ``2 x`` the weights a token multiplies through (routed experts at
-  top-k), its pair FLOPs per pair, its recurrent state's FLOPs per token;
-- the engine's ``layer_bwd`` re-runs the layer's forward with a graph, then the backward:
-  ``3x`` the forward FLOPs; a layer with kept internals runs its forward with a graph
-  (``layer_fwd_keep``, ``1x`` at the graph rate) and a backward only (``layer_bwd_kept``, ``2x``).
-  Model FLOPs (for TFLOPS) count ``1x`` forward + ``2x`` backward only.
-
-Device memory follows ``layerwise.plan.memory`` (which the engine uses too) op by op: the
-weight buffers of the op and ``prefetch_depth`` uses ahead, the stored boundaries, and the op's
-transient inputs, outputs, gradients and autograd workspace.
-"""
+One source of numbers for the simulator and the MILP, so both price a step alike; per
+micro-batch of ``micro_batch_size x seq_len`` tokens. FLOP conventions and memory accounting:
+``docs/planner.md`` ("Cost model"). Model FLOPs (for TFLOPS) count 1x forward + 2x backward."""
 
 from __future__ import annotations
 
@@ -129,11 +112,9 @@ class CostModel(DeviceCost):
         return nbytes / (self.hw.nvme_write_gbps * 1e9)
 
     def grad_accumulate_s(self, unit: str, first: bool = False, landed_itemsize: int | None = None) -> float:
-        """Host ``grad (fp32) += landed grad`` (``grad_accum.accumulate``): reads the landed
-        gradient (``landed_itemsize``, default the compute dtype's ``e``; fp32 where the device
-        summed a group of micro-batches) + 4 bytes and writes 4 per parameter, or (``first``: the
-        unit's first landing of the step, which writes) reads the landed one and writes 4. A bf16
-        gradient at ``host_accum_bf16_gbps``, an fp32 one at ``host_accum_gbps``."""
+        """Host ``grad (fp32) += landed grad``: reads the landed gradient (``landed_itemsize``) + 4
+        and writes 4 bytes per parameter (``first``: reads it and writes 4), at the bf16 or fp32
+        rate."""
         itemsize = self.elem_bytes if landed_itemsize is None else landed_itemsize
         gbps = self.hw.accum_bf16_gbps if itemsize == 2 else self.hw.host_accum_gbps
         per_param = itemsize + (4 if first else 8)
@@ -209,12 +190,8 @@ class CostModel(DeviceCost):
 
     def host_store_bytes(self, moments: list[str] | None = None, bf16_grads: bool = False,
                          state_tiers: list[str] | None = None) -> int:
-        """Host bytes of the store: the master (split with bf16 compute: 4 bytes with its copy),
-        the gradient, the moments per unit, plus the copy-source arena's alignment padding;
-        exactly ``HostStore.nbytes()`` with every unit's state in RAM. ``state_tiers``: the units
-        on ``nvme`` leave their state out, those on ``nvme-all`` their copy source and gradient too
-        (``nvme_bytes``; the arena's padding is the rest's), and the staging slots
-        (``staging_bytes``) come in."""
+        """Host bytes of the store, exactly ``HostStore.nbytes()`` with all state in RAM.
+        ``state_tiers``: units off the RAM leave their bytes out and the staging slots come in."""
         fp = self.store_footprint(moments, bf16_grads)
         if not state_tiers or set(state_tiers) == {"ram"}:
             return fp.total
@@ -302,11 +279,9 @@ class CostModel(DeviceCost):
 
     def nvme_traffic(self, moments: list[str] | None, state_tiers: list[str] | None, bf16_grads: bool,
                      copies: dict[str, int], landings: dict[str, int]) -> dict[str, int]:
-        """Bytes a step moves over the NVMe for the store's units off the RAM, by kind: each
-        unit's state read and written once; an ``nvme-all`` unit's copy source read once per
-        weight copy to the device (``copies``: per unit, in the step) and once by its update,
-        written once after it, its gradient written once per landing (``landings``) and read
-        back by each later landing (the partial sum it adds to) and by the update."""
+        """Bytes a step moves over the NVMe by kind: state read and written once per unit; an
+        ``nvme-all`` unit's source read per copy and by its update, written once, its gradient
+        written per landing and read by each later landing and the update."""
         units = self.shape.unit_names()
         out = dict.fromkeys(TRAFFIC_KINDS, 0)
         off = [u for u, t in zip(units, state_tiers or ()) if t != "ram"]

@@ -1,36 +1,12 @@
 """Device seconds of a compute op from its shape: a roofline per kernel plus a launch per kernel.
 
-A decoder layer runs as the Hugging Face module runs it (eager PyTorch, SDPA attention), so an
-op is a sequence of kernels, each priced by what it computes and what it moves (``e``: bytes
-per element of the compute dtype):
-
-- a GEMM ``[M, K] @ [K, N]``: ``2 M K N`` FLOPs against ``e (M K + K N + M N)`` bytes (operands
-  read once, output written once), ``M`` rounded up to the device's GEMM tile
-  (``gemm_tile_rows``: a tile of output rows is computed whole however many of its rows are real);
-- attention (flash-style, one kernel): its pair FLOPs against the bytes of Q, K, V and O (an
-  eager kernel also writes and re-reads its fp32 probabilities); the backward recomputes the
-  scores: 5 products of the pair size against the forward's 2, 2.5x its FLOPs;
-- routed experts: two grouped GEMMs (gate+up, down) over every expert, ``tokens * top_k /
-  num_experts`` rows each (each expert's rows tile-rounded), reading every expert's weights:
-  with few tokens per expert the weights' bytes bind and the GEMM runs bandwidth-bound; the
-  tokens' copies to their experts and back to token order are row gathers (their backward a
-  scatter of the same rows);
-- the elementwise kernels between them (norms, rotary, activation, residual adds, the
-  router's bookkeeping): bytes only, counted below;
-- on an asynchronous device, each backward's deposit of its weight gradients into the unit's
-  grad slot (an fp32 add per micro-batch in layer-major order).
-
-A kernel's time is its roofline ``max(FLOPs / (peak_tflops x efficiency), bytes /
-device_mem_gbps)`` (the presets' [EFF-*]: the sustained rate of training GEMMs) and a launch. A
-device that runs asynchronously (a GPU) has the host issue kernels ahead, so a kernel costs
-``max(roofline, kernel_launch_s)``; a synchronous one (the CPU backend) dispatches and computes
-in one thread, ``kernel_launch_s + roofline``.
-
-The elementwise byte counts are estimates from reading transformers' modules (the constants
-below); an elementwise op's backward reads its output's gradient and its saved inputs and writes
-its inputs' gradients: twice the forward's bytes over twice its kernels. FLOP totals follow
-``planner/cost.py``'s conventions; what changes is their price.
-"""
+An op runs as the HF module runs it (eager, SDPA), so it is priced kernel by kernel: GEMMs
+(``M`` rounded up to ``gemm_tile_rows``: a tile is computed whole), flash attention (backward
+2.5x the forward), routed experts as grouped GEMMs (bandwidth-bound with few tokens per expert),
+and elementwise kernels by bytes only (estimates from transformers' modules, below). A kernel
+costs ``max(roofline, kernel_launch_s)`` on an asynchronous device and ``kernel_launch_s +
+roofline`` on a synchronous one, the roofline being ``max(FLOPs / (peak_tflops x efficiency),
+bytes / device_mem_gbps)``."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""The MILP as written in ``docs/planner.md`` ("MILP"): its variables, its objective, and one
-function per constraint group, each named as the document names it.
-
-A per-layer group is a function of ``(model, x, i)`` returning the rows of layer ``i``; a per-step
-group is a function of ``(model, x)``. :func:`build` adds, layer by layer, every per-layer group
-in :data:`LAYER_GROUPS`, then every per-step group in :func:`step_groups`. A new constraint is a
-new function in one of those lists; a new per-layer cost is a new :class:`~.step_model.StepModel`
-constant used by the group it enters. All constants are the step model's (seconds, bytes, or
-boundaries of ``A`` bytes); rows are in milliseconds (:data:`MS`).
-"""
+"""The MILP as written in ``docs/planner.md`` ("MILP"), one function per constraint group, named
+as the document names it. A new constraint is a new function in :data:`LAYER_GROUPS` or
+:func:`step_groups`; constants are the step model's; rows are in milliseconds (:data:`MS`)."""
 
 from __future__ import annotations
 
@@ -189,11 +182,8 @@ def copy_windows(m: StepModel, x: Vars, i: int) -> list[Row]:
 
 
 def streamed_weights(m: StepModel, x: Vars, i: int) -> list[Row]:
-    """``f_i ≥ w_i (1 − r_i) + u_i r_i``: a streamed layer's forward window holds its weight copy
-    (a micro-batch's share of it: ``w_i`` is the copy over the micro-batches sharing it); a
-    resident layer's holds a micro-batch's share of its one refresh per step, ``u_i =
-    (W_i/h2d) / M`` (the refresh lands in the first group's forward; the windows are counted per
-    micro-batch). Without resident columns the column bound ``f_i ≥ w_i`` says it."""
+    """``f_i ≥ w_i (1 − r_i) + u_i r_i``: a forward window holds its weight copy (streamed) or a
+    micro-batch's share of its one refresh per step (resident, ``u_i = (W_i/h2d) / M``)."""
     if x.resident is None:
         return []
     return [(m.w_in[i] * MS, INF, {x.f[i]: 1.0, x.resident[i]: (m.w_in[i] - m.w_refresh[i]) * MS})]
@@ -322,12 +312,9 @@ def accumulation_lane(m: StepModel, x: Vars) -> list[Row]:
 
 
 def optimizer_overlap(m: StepModel, x: Vars) -> list[Row]:
-    """The next step's layer ``k`` forward ends after its update, copy and compute, the
-    optimizer updating units in order (8-bit moments make unit ``u``'s update ``δ_u`` longer), the
-    first group's ``P`` micro-batches running each forward:
+    """The next step's layer ``k`` forward ends after its update, copy and compute:
     ``S − δ_embed q_embed ≥ O_embed + w_embed`` and, per layer ``k``,
-    ``S + P (E_f + Σ_{u≤k} f_u) − Σ_{u≤k+1} δ_u q_u ≥ O_k + W_k/h2d + P c_k`` (a resident
-    layer's ``W_k/h2d`` is its refresh)."""
+    ``S + P (E_f + Σ_{u≤k} f_u) − Σ_{u≤k+1} δ_u q_u ≥ O_k + W_k/h2d + P c_k``."""
     P = m.per_load
     d_opt = [0.0 if nv else b - a for a, b, nv in zip(m.opt_fp32, m.opt_8bit, m.on_nvme)]  # nvme: 8-bit in O
     embed_ready, layer_done = m.optimizer_bounds(None)

@@ -1,14 +1,7 @@
-"""Hardware profiles: what one machine can hold and move per second.
+"""Hardware profiles: what one machine can hold and move per second, the only thing the planner
+knows about a machine. Per-GPU figures are one GPU alone; scale-out fields feed ``scaling``.
 
-A profile is the only thing the planner knows about a machine. Presets (``planner/presets.py``)
-describe common training boxes from their datasheets plus a few stated assumptions; ``layerwise
-calibrate`` measures the machine it runs on and writes a profile file that replaces them.
-Per-GPU figures are what one GPU gets alone; the scale-out fields (GPUs per node, the
-interconnects, the host side all GPUs of a node share) serve the data-parallel prediction
-(``plan.scaling``).
-
-Units: bytes, seconds, GB/s = 1e9 bytes/s, TFLOPS = 1e12 FLOP/s.
-"""
+Units: bytes, seconds, GB/s = 1e9 bytes/s, TFLOPS = 1e12 FLOP/s."""
 
 from __future__ import annotations
 
@@ -159,12 +152,9 @@ class HardwareProfile:
         return self.host_mem_bytes - self.host_reserved_bytes
 
     def for_model(self, layer_grad_bytes: int) -> HardwareProfile:
-        """A copy whose host reserve also holds what scales with the model ([HOSTRES]): the
-        engine's pinned gradient ring, ``HOST_GRAD_RING`` buffers of the largest decoder layer's
-        gradient (``layer_grad_bytes``, compute dtype; ``engine.grad_sink.ring_piece_bytes``),
-        none on a synchronous profile (the CPU backend adds gradients inline). The planner plans
-        on this copy (``layerwise plan``), so its usable host RAM (``host_cap_bytes``) is what the
-        store and activations really have."""
+        """A copy whose host reserve also holds the engine's pinned gradient ring ([HOSTRES]; none
+        on a synchronous profile), so ``host_cap_bytes`` is what the store and activations really
+        have."""
         ring = 0 if self.synchronous else HOST_GRAD_RING * layer_grad_bytes
         return replace(self, host_reserved_bytes=self.host_reserved_bytes + ring)
 

@@ -1,24 +1,11 @@
 """Which hardware profile a command plans on: one set of rules for ``layerwise train``,
 ``layerwise plan`` and ``layerwise calibrate``, so the same spec gives the same profile.
 
-The first that applies:
-
-1. ``profile``: a profile file written by ``layerwise calibrate`` (train's ``profile=``; a
-   missing file is an error);
-2. ``calibrated``: a calibrated profile under the run directory, when it exists (train's
-   ``RUN/profile.json``, written by ``layerwise calibrate --out RUN/profile.json``);
-3. ``hardware``: a preset (``h200``, ``h100``, ..., ``cpu``) or a profile file (train's
-   ``hardware=``, plan's ``--hardware``);
-4. ``machine``: on the CPU backend the ``cpu`` preset with this machine's RAM; on CUDA the
-   preset whose name matches the GPU's, with the machine's memory; else ``calibrate()`` when
-   given (saved to ``calibrated`` for the next run), else nothing.
-
-Then, whatever the source: memory overrides (plan's ``--gpu-mem`` / ``--host-mem``), the element
-size of the run's compute dtype, and a cap on the device memory a plan may use.
-
-``plan/`` reads no device and runs no kernel: the layers above read the machine
-(``planner.machine.this_machine``) and inject the calibration.
-"""
+The first that applies: ``profile`` (a calibrated file; missing is an error), ``calibrated``
+(``RUN/profile.json`` when it exists), ``hardware`` (a preset or a file), ``machine`` (this
+machine's preset, else ``calibrate()`` saved for the next run). Then memory overrides, the
+compute dtype's element size and the device-memory cap. ``plan/`` reads no device: the layers
+above read the machine and inject the calibration."""
 
 from __future__ import annotations
 
@@ -131,11 +118,8 @@ def resolve_hardware(hardware: str | None = None, *, profile: str | None = None,
                      gpu_mem_gb: float | None = None, host_mem_gb: float | None = None,
                      compute_dtype_bytes: int | None = None,
                      device_mem_cap_bytes: int | None = None) -> HardwareChoice | None:
-    """The hardware profile to plan on (module docstring: which one wins, then what adjusts it).
-
-    None only when no source applies: nothing named, and no ``machine``, or a GPU no preset
-    matches and no ``calibrate``. Raises a one-line ``ValueError`` for a missing or bad profile
-    file or an unknown preset."""
+    """The hardware profile to plan on (see the module docstring), or None when no source applies.
+    Raises a one-line ``ValueError`` for a missing or bad profile file or an unknown preset."""
     choice = _choose(hardware, profile, calibrated, machine, calibrate)
     if choice is None:
         return None

@@ -1,11 +1,7 @@
-"""What host memory a plan needs beside its store, and the optimizer moments and state tiers that
-make it fit: the fewest parameters switched to 8-bit moments (fp32 keeps the host optimizer
-faster), with the store's gradients in bf16 where every unit's gradient lands once per step; where
-even 8-bit moments everywhere leave the store over the RAM, the fewest units' optimizer state on
-NVMe (``Plan.state_tiers``: read before each update and written back after, so the fewer units
-the less NVMe traffic); where even every unit's state there leaves the weights and gradients over
-the RAM, the fewest units ``nvme-all`` (their copy source and gradient on NVMe too: read before
-every weight copy, written as they land, the most traffic of all)."""
+"""What host memory a plan needs beside its store, and the moments and state tiers that make it
+fit (``docs/planner.md``, "Optimizer state on NVMe"): the fewest parameters to 8-bit moments
+(fp32 is faster), then the fewest units' state on NVMe, then the fewest ``nvme-all`` units; each
+step moves more NVMe traffic than the one before, so it is taken only when needed."""
 
 from __future__ import annotations
 
@@ -72,13 +68,9 @@ def choose_moments(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 
 
 def choose_state(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 0,
                  bf16_grads: bool = False) -> tuple[list[str], list[str] | None]:
-    """(moments, state tiers) of the host store: every unit's state in RAM (``choose_moments``;
-    tiers None) while 8-bit moments make it fit; else 8-bit moments everywhere (fewer bytes to
-    move) and the fewest units' state on NVMe with which the store, its staging slots counted,
-    fits; where none do, the fewest units ``nvme-all`` (``_fewest_all``) and beside them the
-    fewest ``nvme``. PlanInfeasible when even every unit ``nvme-all`` leaves the staging, the
-    ``reserve_bytes`` (activations) and the host reserve over the RAM, or the NVMe cannot hold
-    what goes there (a machine without NVMe space keeps the in-RAM refusal)."""
+    """(moments, state tiers) of the host store, by the order of the module docstring.
+    PlanInfeasible when even every unit ``nvme-all`` does not fit the RAM, or the NVMe cannot hold
+    what goes there."""
     try:
         return choose_moments(shape, hw, reserve_bytes, bf16_grads), None
     except PlanInfeasible:
@@ -114,11 +106,9 @@ def choose_state(shape: ModelShape, hw: HardwareProfile, reserve_bytes: int = 0,
 
 
 def _fewest_on_nvme(size: list[int], over: int, floor: int = 0) -> set[int] | None:
-    """The fewest units (indices into ``size``, their state bytes) whose state off the RAM frees
-    ``over`` bytes beside the staging slots (``NVME_STATE_SLOTS`` x the largest of them, at least
-    ``floor``: slots held already, counted in ``over``); None when none do. Per cap on the largest unit, the largest units under it first, later units
-    (updated last, so their reads wait least on the next step's forward) first among equals;
-    then the fewest units, the fewest bytes."""
+    """The fewest units whose state off the RAM frees ``over`` bytes beside the staging slots
+    (``NVME_STATE_SLOTS`` x the largest, at least ``floor``); None when none do. Later units first
+    among equals: updated last, their reads wait least on the next forward."""
     best: tuple[int, int, set[int]] | None = None
     for cap in sorted(set(size), reverse=True):
         order = sorted((k for k in range(len(size)) if size[k] <= cap), key=lambda k: (-size[k], -k))
@@ -139,11 +129,8 @@ def _fewest_on_nvme(size: list[int], over: int, floor: int = 0) -> set[int] | No
 def _fewest_all(shape: ModelShape, cost: CostModel, moments: list[str], bf16_grads: bool,
                 over: int) -> list[str] | None:
     """State tiers with the fewest ``nvme-all`` units, then the fewest ``nvme`` ones, that free
-    ``over`` bytes of the all-in-RAM store beside their staging slots (``CostModel.staging_bytes``);
-    None when every unit ``nvme-all`` does not. Per cap on the largest ``nvme-all`` unit, the
-    largest units under it go first, later ones first among equals (the next forward needs their
-    updated weights last); the other units' state then goes by ``_fewest_on_nvme``, whose slots
-    are as large as the largest state off the RAM."""
+    ``over`` bytes beside their staging slots; None when every unit ``nvme-all`` does not. Later
+    units first among equals (the next forward needs them last)."""
     units = shape.unit_names()
     n = len(units)
     state = [cost.unit_state_bytes(u, m) for u, m in zip(units, moments)]

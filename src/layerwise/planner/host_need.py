@@ -1,20 +1,10 @@
 """Host RAM of a plan, per parameter, and the largest model of a family that fits a machine's RAM.
 
-One accounting for the verdict of ``layerwise plan`` and for the family search: the host store
-(``CostModel.host_store_bytes``: the split master, the gradient in bf16 when the plan lands each
-gradient once with bf16 compute, the moments per unit), the host-tier activations the simulator
-holds at its peak, and the machine's host reserve with the model's pinned gradient ring
-(``HardwareProfile.for_model``, [HOSTRES] in ``planner/presets.py``). Against the machine's RAM,
-not the usable figure: the reserve is counted as a need.
-
-The largest model of a family (its released sizes: ``plan.family_sizes``) is judged by its host
-floor: 8-bit moments everywhere, bf16 gradients (a plan that lands once: one micro-batch, or
-layer-major; a LoRA run's adapters keep fp32 ones), no host-tier activations, and where that
-store is over the RAM the fewest units' optimizer state on NVMe, and where even that is over the
-fewest units' weights and gradients too (``host_fit.choose_state``); and,
-where the caller gives one, by a device check (``layerwise plan``: the search finds a plan the
-GPU holds).
-"""
+One accounting for ``layerwise plan``'s verdict and the family search: the host store, the
+host-tier activations at the simulator's peak, and the host reserve ([HOSTRES] in
+``planner/presets.py``), against the machine's RAM (the reserve counts as a need). A family's
+largest model is judged by its host floor (8-bit moments, bf16 gradients, state on NVMe where
+needed: ``host_fit.choose_state``) and, if asked, a device check."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The presets' host optimizer rates: a per-core rate measured for each configuration the engine
-runs (moments, gradient dtype, master form: up to 1.9x apart per core; ``benchmarks/host_optimizer.py``,
-whose configuration names these are), times a stated assumption of the cores and memory bus of
-the host a preset's GPU sits in, which ``layerwise plan`` prints with the rate. ``layerwise
-calibrate`` measures the rate on the machine itself."""
+"""The presets' host optimizer rates: a per-core rate per engine configuration
+(``benchmarks/host_optimizer.py``) times a stated assumption of the host's cores and bus, which
+``layerwise plan`` prints; ``layerwise calibrate`` measures the real one."""
 
 from __future__ import annotations
 

@@ -1,21 +1,8 @@
-"""The MILP: where each layer boundary lives (device / host / NVMe) or whether it is recomputed,
-where each layer's internals live (device / host) or whether they are recomputed, and which units
-keep 8-bit optimizer moments.
+"""The MILP: each boundary's and internals' tier (or recompute) and each unit's moments, solved
+once before training with HiGHS (``docs/planner.md``, "MILP").
 
-Solved once, before training, with HiGHS. The step is cut into *windows*, one per compute op of
-the engine's program; each window lasts as long as the slowest of the resources working in it
-(compute, H2D, D2H, host accumulation), so a transfer that fits inside the compute of its window
-costs nothing and one that does not shows up as exposed time. Weight and gradient traffic is
-mandatory; the activation traffic each choice adds competes with it in the same windows. The
-formulation (variables, constraint groups, objective) is written out in ``docs/planner.md``,
-under the names :mod:`.formulation` gives its functions.
-
-Here: :func:`solve` as named steps (the presolve that picks HiGHS's start, then one stage per
-HiGHS run: build, seed, run, read back). Beside it: :mod:`.step_model` (:class:`StepModel`, the
-linear model's constants from the cost model the simulator shares, the evaluation of a fixed
-assignment), :mod:`.formulation` (the variables, objective and constraint groups) and
-:mod:`.columns` (named blocks of columns and rows, turned into one ``HighsLp``).
-"""
+Each window lasts as long as its slowest resource, so a transfer inside its window's compute
+costs nothing. Here: :func:`solve` as named steps (presolve, then build, seed, run, read back)."""
 
 from __future__ import annotations
 
@@ -132,12 +119,10 @@ def solve(model: StepModel, config: MilpConfig | None = None,
 
 
 def boundaries_first(model: StepModel, cfg: MilpConfig, given: Start | None) -> tuple[Start | None, float]:
-    """Solve with every layer's internals recomputed (fast: its LP relaxation is tight), and
-    return (the better of that and ``given`` as the joint model's start, HiGHS seconds spent).
-
-    Cold, the joint model can stall at its time limit far from the optimum (qwen-27b, h800,
-    micro-batch 4: 26% gap after 2 s, a plan 18% slower than the boundary-only optimum; started
-    from the boundaries' optimum: optimal in 0.75 s)."""
+    """Solve with every layer's internals recomputed (its LP relaxation is tight), and return the
+    better of that and ``given`` as the joint model's start, with the HiGHS seconds spent. Cold, the
+    joint model can stall (qwen-27b, h800: 26% gap after 2 s; from this start: optimal in 0.75 s).
+    """
     plain = given is not None and (given.internal is None or set(given.internal) == {"recompute"})
     first = _stage(model, replace(cfg, internal_tiers=("recompute",)), given if plain else None, cfg.time_limit_s)
     given_s = None

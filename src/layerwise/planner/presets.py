@@ -1,8 +1,5 @@
-"""The hardware presets: common training boxes from their datasheets plus a few stated
-assumptions (each tagged once below and cited where it is used), and ``get_hardware``, which
-resolves a preset name or a profile file. ``layerwise calibrate`` measures the machine it runs on
-and writes a profile file that replaces them (``planner/hardware.py``: the profile and its format).
-"""
+"""The hardware presets: common training boxes from datasheets plus stated assumptions (each
+tagged once below, cited where used), and ``get_hardware`` (a preset name or a profile file)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""The text ``layerwise plan`` prints: a one-line verdict, then the plans compared at one global batch.
+"""The text ``layerwise plan`` prints: a one-line verdict, then the plans compared at one global
+batch.
 
-The verdict comes first because it is what a newcomer asks ("will it fit, how fast, how long"):
-it names the binding memory with its figures, so the answer needs none of the planner's words.
-Every table is laid out from its cells (widths from the longest cell, two spaces between
-columns), so a long figure can never run into its neighbour.
-"""
+The verdict comes first and names the binding memory with its figures, because "will it fit, how
+fast, how long" is what a newcomer asks. Tables are sized from their cells."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""The planner's entry for a training run (``plan=auto``): the run's hardware profile, then the
-plan for its shape and batch, the simulator's prediction in ``plan.predicted``. ``layerwise
-train`` imports this module by name, and only for ``plan=auto``: a rule or a plan file never
-loads the planner.
-
-Which hardware profile: ``hardware_choice`` holds the rules (the same as ``layerwise plan``'s):
-``profile=``, then ``RUN/profile.json``, then ``hardware=``, then this machine's preset, else a
-quick calibration saved as ``RUN/profile.json`` for the next run. The profile's element size
-follows the run's compute dtype, and ``device_mem_cap_gb`` caps the device memory a plan may use.
-"""
+"""The planner's entry for ``plan=auto``: the hardware profile (``hardware_choice``), then the
+plan, with the simulator's prediction in ``plan.predicted``. Imported by name only for
+``plan=auto``, so a rule or a plan file never loads the planner."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Predicted data-parallel scaling: the simulator's step on G GPUs x N nodes against 1 GPU.
-
-Strong scaling at a fixed global batch, the comparison a user makes before buying GPUs: the same
-plan (boundary tiers, moments, micro-batch size) runs the whole global batch on one GPU, or its
-share on each of G x N GPUs (:func:`split_plan`). Both are simulated by the one simulator, the
-multi-GPU case with its :class:`~.topology.Topology` (what is shared, what is reduced: see
-:mod:`.topology`), so a prediction moves with every cost the single-GPU planner already prices.
-"""
+"""Predicted data-parallel scaling at a fixed global batch: the same plan simulated on one GPU
+and split over G x N GPUs (:func:`split_plan`) by the one simulator, so the prediction moves
+with every cost the single-GPU planner prices."""
 
 from __future__ import annotations
 

@@ -17,14 +17,10 @@ __all__ = ["Sims", "extrapolated", "simulate_fast"]
 def simulate_fast(plan: Plan, shape: ModelShape, hw: HardwareProfile) -> SimResult:
     """The simulator, with long accumulations extrapolated from 3 and 4 groups of micro-batches.
 
-    Groups (``micro_batches_per_load`` micro-batches each) repeat identically, so after the
-    first one the step grows linearly in their number; memory peaks do not depend on it (host
-    bytes do when every gradient lands once, so a plan of one group is simulated in full) unless
-    a copy lane falls behind the compute: then what waits on the device for it grows with every
-    group (qwen-27b on a 70 GB h800, one sequence per micro-batch: 65 GB at 3 groups, 137 GB at
-    64), and a peak that grows from 3 to 4 groups is extrapolated like the step. Used to screen
-    candidates; the emitted plan is simulated in full.
-    """
+    Groups repeat identically, so the step grows linearly in their number. Memory peaks usually do
+    not, except when a copy lane falls behind compute (qwen-27b on a 70 GB h800: 65 GB at 3 groups,
+    137 GB at 64): a peak that grows from 3 to 4 is extrapolated too. For screening only; the
+    emitted plan is simulated in full."""
     if not extrapolated(plan):
         return simulate(plan, shape, hw, keep_trace=False)
     per = plan.micro_batches_per_load

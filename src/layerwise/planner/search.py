@@ -1,26 +1,9 @@
 """Outer search: micro-batch size, accumulation, optimizer moments; the MILP inside.
 
-For every micro-batch size that can fit, the MILP places the boundaries; the MILP plan and every
-baseline are then run through the simulator, and the fastest plan that fits (by simulation, the
-more faithful of the two models) is emitted. So the emitted plan is never slower in simulation
-than any baseline tried; when a baseline wins, the plan says so in its ``source``.
-Every rule's row (``SearchResult.by_name``) is at the emitted plan's global batch, so the
-rows compare like for like; in auto mode the global batch is chosen first, then the fastest
-plan at it.
-
-Each micro-batch size is tried at every prefetch depth (a deeper prefetch costs a weight slot and
-hides a weight copy longer than one compute window) and in layer-major order
-(``SearchConfig.per_loads``); the MILP may keep layers' weights resident.
-
-Optimizer moments: the MILP chooses them per unit (8-bit frees ~6 bytes/param of host memory
-for offloaded boundaries; fp32 keeps the host optimizer faster). A fixed rule gets fp32
-everywhere if the store plus the host memory its own offloaded boundaries need fits, else the
-fewest parameters switched to block-wise 8-bit moments until it does.
-
-Every step above (sizes, orders, depths, the MILP, the rules, the
-polish, the global batch) reads and extends one tally of simulated candidates, whose rules for
-what "fits" and "fastest" must be the same for all of them.
-"""
+The MILP plan and every baseline are simulated, and the fastest that fits (by simulation, the
+more faithful model) is emitted, so it is never slower than a baseline tried
+(``docs/planner.md``, "Outer search"). Every step reads and extends one tally of simulated
+candidates, so "fits" and "fastest" mean the same for all of them."""
 
 from __future__ import annotations
 
@@ -299,11 +282,9 @@ def with_micro_batches(plan: Plan, m: int) -> Plan:
 
 def _explore(shape: ModelShape, hw: HardwareProfile, seq_len: int, cfg: SearchConfig, rules: Rules,
              order: list[tuple[int, int, int, int]], tally: _Tally, highs: ThreadPoolExecutor) -> None:
-    """Each (micro-batch size, accumulation, depth, micro-batches per load) of ``order`` in turn,
-    into ``tally``, until a micro-batch size at which nothing fits. HiGHS releases the GIL, so
-    each MILP solves on ``highs`` while this thread simulates the next configuration's rules and
-    polishes the last one's plan; the solves still run one at a time, in order, each with what the
-    ones before it left of the budget, so the search finds what it would one step at a time."""
+    """Each configuration of ``order`` in turn, into ``tally``, until a micro-batch size fits
+    nothing. HiGHS releases the GIL, so the next configuration simulates while a MILP solves; the
+    solves still run in order, so the result is what a sequential search finds."""
     cur = _prepare(shape, hw, seq_len, cfg, rules, *order[0], tally)
     solving = highs.submit(_solve, cfg, cur, tally.solve_s)
     cands: list[Candidate] = []  # of the current micro-batch size
@@ -417,14 +398,10 @@ POLISH_MOVES = 8
 
 def polish(milp: Candidate, rules: list[Candidate], shape: ModelShape, hw: HardwareProfile,
            moves: int = 0, sims: Sims | None = None) -> Candidate:
-    """The MILP's plan, checked and polished in the simulator, which sees what its linear model
-    does not (a gradient in flight, the offload window): never slower than a fitting rule of
-    the same micro-batch order simulated beside it. Starts from the faster of the two; with
-    ``moves``, the layers where they differ (boundary tier, internal tier, the unit's moments),
-    cut into at most ``moves`` runs, each take the other plan's choices where the screening
-    simulation (``simulate_fast``) finds that faster, and the result is kept if its full
-    simulation is faster too. Named ``milp`` either way (the MILP was warm-started from that
-    rule). ``sims``: the search's simulations (else its own)."""
+    """The MILP's plan, polished in the simulator (which sees what the linear model does not):
+    never slower than the fitting rule beside it. Up to ``moves`` runs of differing layers take the
+    other plan's choices where screening finds that faster, kept if the full simulation agrees.
+    ``sims``: the search's simulations (else its own)."""
     sims = sims or Sims(shape, hw)
     per = milp.plan.micro_batches_per_load
     fitting = [c for c in rules if c.fits and c.plan.micro_batches_per_load == per]
@@ -505,12 +482,9 @@ chosen global batch (each costs a simulation; the fastest at 4 micro-batches rar
 
 
 def _at_global_batch(cands: list[Candidate], global_batch: int, sims: Sims, groups: bool = False) -> list[Candidate]:
-    """Auto mode: the screened candidates whose micro-batch size divides ``global_batch``, with
-    their accumulation set so each step holds ``global_batch`` sequences. Per rule the
-    ``AT_BATCH_PER_RULE`` fastest that fit are simulated again, and its least over-capacity one
-    when none fits (to say why in its row). ``groups``: the layer-major ones only, each keeping
-    its group of micro-batches per weight load (more groups, not a larger one: the device holds
-    one group's boundaries)."""
+    """Auto mode: screened candidates whose micro-batch size divides ``global_batch``, accumulation
+    set to match; per rule the ``AT_BATCH_PER_RULE`` fastest that fit (or its least over-capacity)
+    simulated again. ``groups``: layer-major ones in more groups, not larger ones."""
     out: list[Candidate] = []
     for name in dict.fromkeys(c.name for c in cands):
         mine = [c for c in cands if c.name == name and global_batch % c.plan.micro_batch_size == 0
@@ -534,10 +508,8 @@ def _at_global_batch(cands: list[Candidate], global_batch: int, sims: Sims, grou
 
 
 def _regrouped(plan: Plan, c: Candidate, sims: Sims) -> Plan | None:
-    """``plan`` (``c``'s at more micro-batches) in groups of ``c``'s micro-batches per load, with
-    the state tiers that its store (fp32 gradients where they land more than once) and ``c``'s
-    host-tier activations need (None: none fit); its resident layers that go ``nvme-all`` are
-    streamed instead (their weights come from NVMe at every copy)."""
+    """``plan`` in groups of ``c``'s micro-batches per load, with the state tiers its store and
+    host-tier activations need (None: none fit); resident layers going ``nvme-all`` are streamed."""
     d = {**plan.to_dict(), "micro_batches_per_load": c.plan.micro_batches_per_load}
     try:
         moments, tiers = choose_state(sims.shape, sims.hw, c.sim.peak_pinned_act_bytes,
@@ -562,12 +534,8 @@ def _auto_global_batch(tally: _Tally, shape: ModelShape, hw: HardwareProfile, se
 
 def _hiding_pool(pool: list[Candidate], g: int, tally: _Tally, shape: ModelShape, hw: HardwareProfile,
                  seq_len: int) -> list[Candidate]:
-    """Auto mode with optimizer state on NVMe: the candidates at the smallest global batch from
-    ``g`` (``g``, the one ``hiding_batch`` estimates, then ``g`` doubled) at which some plan that
-    fits has its NVMe traffic hidden and its step compute-bound, those plans only; ``pool`` (at
-    ``g``) when no batch that fits does. With ``nvme-all`` units the layer-major candidates are
-    tried in more groups of the same size too (``_at_global_batch(groups=True)``). Says which in
-    ``tally.batch_note``."""
+    """Auto mode with state on NVMe: the candidates at the smallest global batch from ``g`` at which
+    a fitting plan hides its NVMe traffic, else ``pool``; says which in ``tally.batch_note``."""
     best = _fastest(_fastest_per_rule(pool, tally, shape, hw, seq_len)[0])
     fig = nvme_state(shape, hw, best.plan, best.sim)
     if fig is None:

@@ -1,69 +1,12 @@
 """Discrete-event simulation of training steps under a Plan, with the engine's real dependencies.
 
-Lanes (each runs its work in issue order, one item at a time, like a CUDA stream or a worker
-thread): ``compute``, ``h2d`` (weights in, offloaded activations back), ``d2h`` (gradients and
-activations out), ``host`` (fp32 gradient accumulation), ``nvme`` (the engine's single
-activation I/O thread: writes and reads), ``optimizer`` (host AdamW workers), and for a
-data-parallel :class:`~.topology.Topology` ``intra`` (gradient reduction inside the node) and
-``inter`` (all-reduce between nodes). On a synchronous machine (the CPU backend) copies,
-accumulation, reduction and the optimizer share the compute lane.
+Lanes, the op program and the dependency graph are written out in ``docs/planner.md``
+("Simulator"). The program is the engine's own (``plan.program``), so the simulator and the
+engine cannot disagree on what runs when. Data parallel: one GPU's process is simulated (the
+owner with the most parameters, the one the step waits for), on the machine as it sees it while
+its node's other GPUs run (``topology.rank_hardware``); host and NVMe bytes are the node's.
 
-Dependencies modelled (as ``layerwise.engine`` runs them):
-
-- the op program per micro-batch is the engine's (:func:`micro_batch_program`): forward, head,
-  backward in reverse with fetches and segment recomputes from the nearest stored boundary below;
-  a step runs it for each group of ``micro_batches_per_load`` micro-batches, each op for every
-  micro-batch of the group in turn (:func:`~.program.step_program`), each micro-batch with its
-  own boundaries and internals;
-- weights follow the step's weight schedule ``prefetch_depth`` uses ahead, by the engine's own
-  rule (:class:`~.program.WeightWindow`), one use per op of a group (its micro-batches share the
-  copy): the copy for use ``k + depth`` is issued when use ``k`` is acquired, which is when the
-  compute lane reaches it (a unit still held by a nearby use is not copied again); resident
-  layers are not in it: their buffer is refreshed once per step after their update, issued by
-  the host thread in order of first use;
-- a weight copy of unit ``u`` in step ``s+1`` waits for ``u``'s optimizer update of step ``s``,
-  and blocks the copies issued after it (the engine's host thread waits there);
-- an op waits for its weights and its input boundary (fetched, recomputed or kept);
-- a stored boundary's D2H copy is issued at its ``layer_fwd`` (host-tier internals' at their
-  ``layer_fwd_keep``), and compute waits for the offloads queued ``OFFLOAD_WINDOW_OPS`` ops back
-  (the engine's ``OffloadWindow``); an NVMe write follows its D2H; the
-  NVMe read is issued two ops before its ``fetch``; a host/NVMe boundary's H2D copy is issued when
-  the compute op before its ``fetch`` starts;
-- each gradient goes D2H when its op has run for the group's last micro-batch (summed on the
-  device, fp32 when the group has more than one), then is accumulated in fp32 on the host (the
-  synchronous CPU backend adds it in place, without the copy); a unit's first landing of the
-  step writes instead of adding; the host store keeps bf16 gradients when every unit lands
-  once per step (``plan.lands_once``) with bf16 compute;
-- the optimizer starts when the last gradient of the step has landed (global clip needs all),
-  updating embed, layers 0.., head in order (each update, then its compute copy's refresh into
-  the pinned arena), overlapping the next step's forward;
-- a unit whose optimizer state is on NVMe (``plan.state_tiers``) has it read on the ``nvme``
-  lane before its update and written back after; the reads go in update order, at most
-  ``NVME_STATE_SLOTS - 1`` units ahead (a read takes the staging slot the write of the unit
-  ``NVME_STATE_SLOTS`` before it frees), the first of them issued when the step's last group
-  starts its backward (the head);
-- a unit on ``nvme-all`` also has its copy source read on the ``nvme`` lane before each weight
-  copy to the device (reads in the step's copy order, at most ``NVME_SOURCE_SLOTS - 1`` ahead:
-  each takes the slot of the copy that many before it, the host thread waits for it), and with
-  its state before its update, which writes it back with the state; its gradient written as it
-  lands (the landing waits for the write ``NVME_GRAD_SLOTS`` before it to free a slot) and read
-  with the state. The next step's source reads run in the NVMe lane's idle gaps
-  (``Lanes.fill``): the engine issues them while the optimizer's state traffic is still queued.
-
-Data parallel (``topology``; :mod:`.topology` says what is shared): one GPU's process is
-simulated, on the machine as it sees it while its node's other GPUs run too
-(:func:`~.topology.rank_hardware`). After a unit's last gradient of the step is accumulated it is
-reduced to its owner (``intra``) and all-reduced between nodes on the owner's NIC (``inter``);
-with ``grad_reduce="device"`` every micro-batch's gradient is reduced on the GPUs before its copy
-instead, and only the owner copies and accumulates it. The optimizer starts when every unit is
-reduced, each owner updating its own units in order on its own lane. The simulated (traced)
-process is the owner with the most parameters, the one the step waits for; other owners' lanes
-are timed but not traced, and carry only their owner work (their activation copies are not
-modelled). Host and NVMe bytes are then the node's: one store, with host-side sums the other
-processes' own fp32 gradients, and everyone's offloaded activations.
-
-The simulated step is the steady-state one: the time between the ends of consecutive steps.
-"""
+The simulated step is the steady-state one: the time between the ends of consecutive steps."""
 
 from __future__ import annotations
 
@@ -90,10 +33,8 @@ __all__ = ["LANES", "Alloc", "Interval", "SimResult", "micro_batch_program", "pe
 
 def simulate(plan: Plan, shape: ModelShape, hw: HardwareProfile, steps: int = 2,
              keep_trace: bool = True, topology: Topology | None = None) -> SimResult:
-    """Simulate ``steps`` consecutive steps; report the last one (steady state when steps >= 2).
-
-    With a ``topology``, one GPU of a data-parallel run running ``plan`` on its share of the batch.
-    """
+    """Simulate ``steps`` consecutive steps; report the last one (steady state when steps >= 2);
+    with a ``topology``, one GPU of a data-parallel run on its share of the batch."""
     if plan.num_layers != shape.num_layers:
         raise ValueError(f"plan has {plan.num_layers} boundaries but {shape.name} has "
                          f"{shape.num_layers} layers; make a plan for this model")

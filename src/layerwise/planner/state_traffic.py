@@ -1,17 +1,8 @@
-"""The NVMe traffic of a plan whose optimizer state is partly on NVMe (``Plan.state_tiers``): how
-many bytes a step moves, how long the NVMe takes for them against the step's compute, whether
-that hides, and the global batch at which it would.
+"""The NVMe traffic of a plan with optimizer state on NVMe, and the global batch that hides it.
 
-Each ``nvme`` unit's state crosses the NVMe twice a step (read before its update, written back
-after), whatever the batch; an ``nvme-all`` unit's copy source crosses it once per weight copy,
-once for the update and once written back, and its gradient once per landing and once read
-(``CostModel.nvme_traffic``): fixed too in layer-major order over the whole step (one copy in
-each pass, one landing), growing with the groups otherwise. The compute grows with the batch.
-So a larger global batch hides a fixed traffic: the search takes, when the batch is its to choose, one at which the traffic is at
-most ``HIDE_FRACTION`` of the compute and the simulated step within ``STEP_SLACK`` of it. Both,
-because the reads run at most ``NVME_STATE_SLOTS - 1`` units ahead of the updates, which start
-after the step's backward: most of the traffic falls in the next step's forward, and a traffic
-under ``HIDE_FRACTION`` of the whole compute can still make the forward wait."""
+The traffic is fixed per step while compute grows with the batch, so the search picks a batch
+where traffic is at most ``HIDE_FRACTION`` of compute and the step within ``STEP_SLACK``. Both,
+because reads fall mostly in the next step's forward: a small total can still stall it."""
 
 from __future__ import annotations
 
@@ -107,10 +98,9 @@ def store_traffic(shape: ModelShape, cost: CostModel, plan: Plan) -> dict[str, i
 
 
 def hiding_batch(shape: ModelShape, hw: HardwareProfile, plan: Plan, sim: SimResult) -> int | None:
-    """The smallest global batch (a multiple of ``plan``'s micro-batch size) at which ``plan``'s
-    NVMe traffic would hide behind its compute, scaled from ``sim`` (compute and NVMe-tier
-    activations grow with the batch, the state's traffic does not); None when it hides already
-    or no batch up to ``MAX_HIDING_BATCH`` would."""
+    """The smallest global batch at which ``plan``'s NVMe traffic would hide behind its compute,
+    scaled from ``sim`` (the state's traffic does not grow with the batch); None when it hides
+    already or no batch up to ``MAX_HIDING_BATCH`` would."""
     fig = nvme_state(shape, hw, plan, sim)
     if fig is None or fig.hides:
         return None

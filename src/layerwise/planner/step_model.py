@@ -1,11 +1,6 @@
 """The linear step model: the MILP's constants for one (model, machine, micro-batch shape), and
-the step time and capacity check of a fixed assignment under it.
-
-Every constant comes from :class:`~.cost.CostModel`, the cost model the simulator uses too, so
-the MILP and the simulator price an op alike; the MILP is this model with its choices left open
-(:mod:`.formulation`), and :meth:`StepModel.evaluate` is the same model for a fixed choice (an
-upper bound on the MILP's value for it: warm starts, rules screened before a solve).
-"""
+the step time of a fixed assignment under it (an upper bound on the MILP's value for it, for
+warm starts and screening). Constants come from the simulator's ``CostModel``."""
 
 from __future__ import annotations
 
@@ -51,14 +46,10 @@ class StepModel:
                  num_micro_batches: int = 1, prefetch_depth: int = 1, head_chunk_tokens: int = 1024,
                  moments: list[str] | None = None, device_reserve_bytes: int = 0, host_reserve_bytes: int = 0,
                  per_load: int = 1, state_tiers: list[str] | None = None):
-        """``device_reserve_bytes`` / ``host_reserve_bytes``: capacity held back from the linear
-        model, for what it does not see (the search sets them from the simulator's overflow).
-        ``state_tiers``: the units whose optimizer state is on NVMe (fixed: 8-bit moments, out of
-        the store, their reads and writes on the NVMe lane); an ``nvme-all`` layer's windows hold
-        its copy source's read (and the backward its gradient's write), and it is not resident.
-        ``per_load``: micro-batches sharing each weight load (layer-major order when > 1). The
-        windows stay per micro-batch: a copy shared by ``P`` micro-batches costs each ``1/P`` of
-        it, and each micro-batch of a group holds its own boundaries and internals at once."""
+        """``*_reserve_bytes``: capacity held back for what the linear model does not see (set from
+        the simulator's overflow). ``state_tiers``: units with state on NVMe (fixed). ``per_load``:
+        micro-batches sharing each weight load; windows stay per micro-batch, each paying ``1/P``.
+        """
         self.shape, self.hw = shape, hw
         self.micro_batch_size, self.seq_len = micro_batch_size, seq_len
         self.num_micro_batches = num_micro_batches
@@ -197,7 +188,7 @@ class StepModel:
         """(when the embedding's update is on the device, per layer k the earliest end of its
         next forward: its update + its copy (a resident layer's refresh) + its compute for the first
         group), the optimizer running units in order (an ``nvme`` unit, 8-bit, once its state is
-        read: ``update_ends``)."""
+        read)."""
         mom = moments or ["fp32"] * len(self.units)
         opt = [self.opt_8bit[k] if m == "8bit" or self.on_nvme[k] else self.opt_fp32[k] for k, m in enumerate(mom)]
         cum, written = self._update_pipeline(opt)
@@ -206,17 +197,10 @@ class StepModel:
         return (ready[0] + self.emb_w_in,
                 [ready[1 + k] + self.w_copy[k] + self.per_load * self.c_fwd[k] for k in range(self.L)])
 
-    def update_ends(self, opt_s: list[float]) -> list[float]:
-        """Per unit, when its update ends after the optimizer starts (``_update_pipeline``)."""
-        return self._update_pipeline(opt_s)[0]
-
     def _update_pipeline(self, opt_s: list[float]) -> tuple[list[float], dict[int, float]]:
-        """(per unit, when its update ends after the optimizer starts; per unit off the RAM, when
-        its write-back ends), the updates ``opt_s`` in order, the simulator's NVMe state pipeline
-        on one lane: reads (state; nvme-all: source and gradient too) in update order, the first
-        ``NVME_STATE_SLOTS - 1`` during the last group's backward (its windows at their lower
-        bounds), each later one once the write ``NVME_STATE_SLOTS`` units back has freed its slot;
-        each write after its update."""
+        """(per unit its update's end after the optimizer starts; per unit off the RAM its write-back's
+        end): the simulator's NVMe state pipeline on one lane, at most ``NVME_STATE_SLOTS - 1`` reads
+        ahead, the first during the last group's backward."""
         seq = [k for k, nv in enumerate(self.on_nvme) if nv]
         slots = min(NVME_STATE_SLOTS, len(seq))
         lane = -self.per_load * (sum(self.b_lb) + self.head)  # the last group's backward

@@ -1,17 +1,9 @@
 """Data-parallel topology: how many GPUs train one model together, and what each one gets.
 
-The semantics priced here are the ones ``train/`` runs: every GPU runs the same step
-program on its share of the global batch; the GPUs of a node share one host store (master,
-compute copy, optimizer state); a unit's gradient is reduced to the unit's owner (a local rank;
-units are assigned to owners balanced by bytes), on the GPUs per micro-batch or on the host
-after the step's last (``Topology.grad_reduce``), then all-reduced among the owners of that unit
-on the other nodes; after one all-reduce of per-unit squared norms (the clip), each owner updates its
-units with its share of the node's CPU cores. Every node updates its own copy identically.
-
-So what one GPU gets of the node's shared host side shrinks with the GPUs per node
-(:func:`rank_hardware`), and a unit's reduction costs ring-style times on the interconnects
-(:func:`intra_reduce_s`, :func:`inter_allreduce_s`). The simulator prices all of it per step.
-"""
+The semantics are ``train/``'s: a node's GPUs share one host store; each unit's gradient goes to
+its owner (balanced by bytes), then is all-reduced among that unit's owners across nodes; each
+owner updates its units with its share of the cores. So a GPU's share of the host side shrinks
+with GPUs per node (:func:`rank_hardware`), and reductions cost ring-style times."""
 
 from __future__ import annotations
 
@@ -65,13 +57,8 @@ class Topology:
 
 
 def rank_hardware(hw: HardwareProfile, topo: Topology) -> HardwareProfile:
-    """The machine as one GPU's process sees it while all ``gpus_per_node`` of its node run.
-
-    Shared by the node: host copies (each GPU gets at most the node's host link over G), host
-    memory bandwidth for the gradient accumulation and the pinned refresh, the optimizer's cores (an owner runs on 1/G
-    of them) and the spill drive. Device-side figures are the GPU's own. With one GPU per node
-    nothing changes: ``h2d_gbps``/``d2h_gbps`` are what one GPU gets alone.
-    """
+    """The machine as one GPU's process sees it while all ``gpus_per_node`` of its node run: host
+    link, memory bandwidth, optimizer cores and spill drive divided by G; device figures its own."""
     g = topo.gpus_per_node
     link = hw.node_host_link_gbps if g > 1 else None  # one GPU alone gets h2d_gbps by definition
     return replace(

@@ -1,12 +1,6 @@
-"""How often a step copies each unit's weights to the device and lands its gradient on the host:
-what an ``nvme-all`` unit's copy source and gradient cost in NVMe reads and writes per step.
-
-Both come from the step program the engine runs: the copies from its weight window
-(:class:`~..plan.program.WeightWindow`, the rule the engine's streamer and the simulator follow,
-so a recomputed forward that finds its unit still held in a slot adds no copy, and one that
-does not adds one), the landings from the ops that send gradients (one per group of
-micro-batches sharing a weight load).
-"""
+"""How often a step copies each unit's weights to the device and lands its gradient on the host,
+for an ``nvme-all`` unit's NVMe traffic; counted from the engine's own step program and weight
+window, so a recompute that finds its unit still held adds no copy."""
 
 from __future__ import annotations
 

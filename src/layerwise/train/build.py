@@ -86,10 +86,8 @@ class ModelSource:
     def build(self, seed: int, compute_dtype: torch.dtype, alloc: HostAllocator = PRIVATE,
               grad_dtype: torch.dtype = torch.float32, tiers: dict[str, NvmeStateTier] | None = None
               ) -> tuple[DecoderAdapter, HostStore]:
-        """Every local rank builds the same weights into the node's shared store (identical
-        writes, before the store-ready barrier), so no rank needs to know which wrote them.
-        ``grad_dtype``, ``tiers``: ``HostStore``'s (bf16 when every gradient lands once a step
-        on one process; its NVMe tiers, ``make_state_tiers``)."""
+        """Every local rank builds the same weights into the shared store (identical writes), so no
+        rank needs to know which wrote them. ``grad_dtype``, ``tiers``: ``HostStore``'s."""
         if self.name in FLAVORS:
             return init_store(self.config, seed=seed, compute_dtype=compute_dtype, alloc=alloc,
                               grad_dtype=grad_dtype, **(tiers or {}))
@@ -247,10 +245,8 @@ def check_fits(cfg: TrainConfig, model: PretrainedConfig, plan: Plan,
 
 
 class FlopCounter:
-    """Model FLOPs of a step (forward + backward, no recompute), per layer as the layers are
-    (``models/structure.py``: routed experts at top-k, latent and linear attention), with each
-    packed example's attention over its own span only (the mask keeps it there); a LoRA run
-    adds its adapters' FLOPs (``ModelShape.frozen_base``)."""
+    """Model FLOPs of a step (forward + backward, no recompute), per layer as the layers are, each
+    packed example's attention over its own span only; a LoRA run adds its adapters'."""
 
     def __init__(self, adapter: DecoderAdapter, shape: ModelShape | None = None):
         self.adapter, self.facts, self._per_shape = adapter, layer_facts(adapter), {}

@@ -1,14 +1,9 @@
-"""A run's checkpoints: when it saves (``ckpt.every``, at the end, at an interrupt), what it
-keeps (``save_total_limit``, cleaned up by rank 0 once the save in flight committed) and the
-close that waits for the last background write. Every rank saves (each writes its groups).
+"""A run's checkpoints: when it saves, what it keeps (``save_total_limit``), and the close that
+waits for the last background write. Every rank saves its groups.
 
-Ctrl-C and SIGTERM (``StopFlag``): the first signal only sets a flag (and says, at once, that the
-run will stop after this step); the loop looks at it between steps, so the checkpoint is of a
-whole step, then stops with the command that resumes (``util.errors.Interrupted``). A second
-Ctrl-C stops at once without saving (the last committed checkpoint stays intact). Data
-parallel: every rank may see its signal at another step, so the ranks agree on the flag each
-step (one all-reduce of one number) and all save the same step.
-"""
+Ctrl-C/SIGTERM only set a flag the loop reads between steps, so the checkpoint is of a whole
+step; a second Ctrl-C stops at once without saving. Ranks may see the signal at different steps,
+so they agree on the flag each step (one all-reduce) and all save the same one."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""Checks of a run against the machine and the model, before any work: each refusal says what
-to do (``ValueError``, one line at the command).
-
-- ``device=cuda`` on a torch built without CUDA, or with no GPU visible;
-- ``model=``: a flavor, a local directory, or a Hugging Face Hub id, which is taken from the
-  local Hugging Face cache when it is there and otherwise refused with the way to fetch it
-  (layerwise never downloads);
-- ``seq_len`` beyond the model's context (``max_position_embeddings``), unless
-  ``model.rope_scaling`` stretches it;
-- ``log.report_to`` sinks whose packages are missing.
-"""
+"""Checks of a run against the machine and the model, before any work: each refusal is one
+``ValueError`` line that says what to do. layerwise never downloads: a hub id not in the local
+cache is refused with the way to fetch it."""
 
 from __future__ import annotations
 

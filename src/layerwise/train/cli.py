@@ -1,11 +1,9 @@
 """``layerwise demo``, ``layerwise train`` and ``layerwise report``: their arguments, and what
 ``train`` checks before the heavy imports (torch-free; ``train/commands.py`` runs them).
 
-``layerwise train``'s settings, lowest first: ``TrainConfig``'s defaults; when ``out_dir``
-holds a run that this one continues, the settings that run saved in ``run.json``; the
-``--config`` YAML file; ``key=value`` overrides. So ``layerwise train out_dir=OUT`` resumes a
-run as it was started, and any key given now wins.
-"""
+Settings, lowest first: ``TrainConfig``'s defaults, the continued run's ``run.json``, the
+``--config`` YAML, ``key=value`` overrides; so ``layerwise train out_dir=OUT`` resumes a run as it
+was started, and any key given now wins."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """What a ``layerwise train`` run is told: ``TrainConfig``, in sections, each field documented
 right under it (``layerwise train --help`` / ``--help-all`` print these texts).
 
-Torch-free on purpose: ``--help``, ``--print-config`` and the checks below run before the
-command imports torch, so a mistake is reported in well under a second. The checks that need
-the model or the machine are in ``train/checks.py``.
-
-The keys of the flat config this replaced (``ckpt_every``, ``data_format``, ``eval_every``,
-...) are gone (``TrainConfig.removed_keys``): in ``key=value`` overrides, YAML files and as
-keyword arguments of ``TrainConfig(...)`` each is refused in one line naming its new key.
-"""
+Torch-free, so ``--help`` and these checks answer in well under a second (checks needing the
+model or machine: ``train/checks.py``). The old flat keys (``TrainConfig.removed_keys``) are
+refused in one line naming their new key."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""The training data: the built-in corpus (the Python standard library's own source), or local
-data files tokenized with the model's tokenizer, split into train/eval, packed into rows, and
-cached next to the run.
-
-Nothing is downloaded. The built-in corpus is whatever ``.py`` files this interpreter ships,
-read in a fixed (sorted) order so that runs are reproducible on one machine. Data files go
-through ``data_files`` (records with their place), ``formats`` (ids and loss mask per format)
-and ``packing`` (rows, batch order).
-"""
+"""The training data: the built-in corpus (the Python standard library's source, sorted, so runs
+are reproducible on one machine) or local data files, split, packed and cached next to the run.
+Nothing is downloaded."""
 
 from __future__ import annotations
 

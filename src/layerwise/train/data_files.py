@@ -1,16 +1,9 @@
 """Records from local data files, each with the place it came from (``file:line`` or
 ``file row N``), and the ledger of bad input.
 
-Formats: ``.jsonl`` (one JSON object a line; blank lines are ignored), ``.json`` (a JSON array of
-objects, or JSON Lines under a ``.json`` name), ``.parquet`` (one record a row, read with
-pyarrow), and text files ``.txt``/``.md``/``.py`` (a whole file is one record ``{"text": …}``).
-A directory means every such file under it, in sorted order (hidden files and directories
-skipped).
-
-The files are read with the standard library (and pyarrow for Parquet) rather than
-``datasets.load_dataset``: a bad line must be reported with its file and line number, or
-skipped and counted, and ``datasets`` fails a whole JSON file with no line number.
-"""
+Read with the standard library and pyarrow rather than ``datasets.load_dataset``, which fails a
+whole JSON file with no line number: a bad line must be reported with its place, or skipped and
+counted."""
 
 from __future__ import annotations
 

@@ -1,25 +1,11 @@
-"""``layerwise demo``: a user's run end to end, small enough for 2 idle CPU cores in under 3 minutes.
+"""``layerwise demo``: a user's run end to end, small enough for 2 idle CPU cores in under 3
+minutes.
 
-It goes through the same path as ``layerwise train model=DIR model.tokenizer=DIR plan=FILE``, with
-only built-in data and nothing downloaded:
-
-1. a byte-level BPE tokenizer is learnt with the ``tokenizers`` library from the first
-   ``tokenizer_chars`` characters of the Python standard library's source and saved as a
-   ``transformers`` tokenizer directory (``OUT/tokenizer``);
-2. a plan file (``OUT/demo-plan.json``) keeps every other layer boundary and recomputes the
-   rest, with block-wise 8-bit AdamW moments on the decoder layers and fp32 on the embedding
-   and the head;
-3. ``train`` runs ``llama-demo`` on the standard library's source tokenized with that
-   tokenizer, writing layer-wise checkpoints with the ``filter`` policy (``OUT/ckpt``), the
-   per-layer tracker, ``metrics.jsonl``, and the exported model with its tokenizer
-   (``OUT/model``);
-4. the export is reloaded with ``AutoModelForCausalLM`` and ``AutoTokenizer`` and continues a
-   Python prompt; ``layerwise report`` draws the run (``OUT/report.png``).
-
-Every run starts fresh: an output directory left by an earlier demo (it has ``demo.json``, or
-a ``run.json`` of ``llama-demo``) is replaced, so a second ``make demo`` trains again instead of
-resuming at the last step; any other non-empty directory is refused and left as it is.
-"""
+The same path as ``layerwise train model=DIR model.tokenizer=DIR plan=FILE`` with built-in data and
+nothing downloaded: learn a BPE tokenizer from the standard library's source, write a plan file,
+train ``llama-demo``, reload the export with ``AutoModelForCausalLM`` and run ``layerwise report``.
+Every run starts fresh: an earlier demo's directory is replaced; any other non-empty directory is
+refused and left as it is."""
 
 from __future__ import annotations
 

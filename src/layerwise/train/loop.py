@@ -1,11 +1,6 @@
 """The training loop around the StreamingEngine: ``Trainer``, in named steps (``setup``,
 ``train_step``, ``evaluate``, ``save``, ``close``), and ``train(cfg)``, which runs them.
-
-What a run writes in ``out_dir`` is in ``docs/formats.md``. How a run starts is ``resume.py``'s,
-what it continues with a ``TrainState`` (``state.py``), when it saves and stops at Ctrl-C the
-``CheckpointManager``'s (``checkpoints.py``). Rank 0 writes the files (``lead``); every other
-rank of a data-parallel run runs the same code and writes nothing.
-"""
+Rank 0 writes the files (``lead``); the other ranks run the same code and write nothing."""
 
 from __future__ import annotations
 

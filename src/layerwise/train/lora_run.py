@@ -1,9 +1,6 @@
 """What a ``lora.r > 0`` run does differently: a LoRA store over the frozen base, a planner shape
 that knows the base is frozen, dropout off while evaluating, and the PEFT adapter (and, with
-``lora.merge``, the merged model) as the export. The loop calls these where a full run builds,
-plans, evaluates and exports; everything else (engine, checkpoints of the adapters and their
-AdamW state, resume, and under torchrun the shared store, the owners' reduction and updates,
-each rank writing its groups) is the same code."""
+``lora.merge``, the merged model) as the export. Everything else is the full run's code."""
 
 from __future__ import annotations
 
@@ -66,10 +63,8 @@ def lora_adapter(name: str, config: PretrainedConfig, cfg: TrainConfig, compute_
 
 def build_lora(name: str, config: PretrainedConfig, cfg: TrainConfig, compute_dtype: torch.dtype,
                alloc: HostAllocator = PRIVATE) -> tuple[LoraAdapter, LoraStore]:
-    """The base (a flavor's seeded init, or a model directory's weights, quantised as they are
-    read, one group at a time), then the adapters: PEFT's init under ``seed``, or ``lora.init``.
-    Under torchrun ``alloc`` is the node's shared store and every local rank writes the same
-    bytes into it, as a full run's ranks do (the quantisation is deterministic)."""
+    """The base (quantised as read, one group at a time), then the adapters (PEFT's init under
+    ``seed``, or ``lora.init``). Every local rank writes the same bytes into a shared store."""
     adapter = lora_adapter(name, config, cfg, compute_dtype)
     store = LoraStore(adapter, compute_dtype, alloc=alloc)
     if name in FLAVORS:

@@ -66,10 +66,9 @@ def clear_run(out_dir: Path) -> list[str]:
 
 
 def open_metrics(path: Path, resumed_step: int, resumed_row: dict | None) -> TextIO:
-    """``metrics.jsonl`` for appending. A fresh run starts it empty. A resumed run keeps the
-    rows up to the step it resumed from and drops the rest: a killed run may have logged steps
-    whose checkpoint never committed, and a line cut by the kill. The resumed step's own row,
-    when the kill came before it was logged, is put back from the checkpoint."""
+    """``metrics.jsonl`` for appending. A resumed run keeps the rows up to its step and drops the
+    rest (a killed run may have logged steps never committed, or a cut line); the resumed step's
+    own row is put back from the checkpoint if missing."""
     if not resumed_step:
         return open(path, "w")
     kept, have_resumed = [], False

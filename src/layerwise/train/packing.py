@@ -1,29 +1,11 @@
 """Examples -> fixed-length rows of inputs and already-shifted labels, and the batch order.
 
-An example of tokens ``x_0 … x_{n-1}`` with loss mask ``m`` becomes ``n - 1`` positions:
-inputs ``x_0 … x_{n-2}``, labels ``x_{i+1}`` where ``m[i+1]`` else IGNORE_INDEX. So every
-target belongs to the example of its input, and no label ever points across an example
-boundary, however examples are laid out in a row.
-
-Layout (``pack``):
-
-- ``pack=True``: examples are laid end to end in rows of ``seq_len``; a supervised example
-  (chat, prompt/completion, instruction) is never split: if it does not fit in the row's
-  remaining room, the row is padded and it starts the next one. A text example is split at
-  the row's end and continues in the next row (so no text is lost), each token still a target
-  exactly once. The rows carry ``segment_ids``, and the engine keeps the examples of a row
-  apart: positions restart at 0 at each example and attention is block-diagonal (a layer sees
-  its own example only, ``models/attention.py``), so a packed example trains exactly as it
-  would alone in its row. Loss never crosses either.
-- ``pack=False``: one example (or one ``seq_len`` piece of a long text) per row, padded: no
-  example sees another, at the cost of the padding's compute.
-
-A supervised example longer than ``seq_len`` positions is truncated at the end (counted); one
-whose targets all fall past the cut is refused (no trainable tokens).
-
-``segment_ids`` gives, per position, the index of the example it belongs to (-1: padding):
-``Batch.segment_ids``, what the engine's per-example positions and masks are made from.
-"""
+An example of n tokens is n - 1 positions, labels masked per its loss mask, so no label points
+across an example boundary. ``pack=True`` lays examples end to end (a supervised example is never
+split, a text one continues in the next row); ``segment_ids`` (-1: padding) let the engine
+restart positions and keep attention block-diagonal, so a packed example trains exactly as it
+would alone. A supervised example too long is truncated (counted), or refused if no target is
+left."""
 
 from __future__ import annotations
 
@@ -144,10 +126,8 @@ def _batch(x: torch.Tensor, y: torch.Tensor, seg: torch.Tensor | None, sel: torc
 
 def row_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int = 0,
                 start: int = 0, segment_ids: torch.Tensor | None = None) -> Iterator[Batch]:
-    """Endless micro-batches of rows: each epoch a fresh seeded permutation (``seed + epoch``),
-    the last ``rows % batch_size`` rows of a permutation left to later epochs. ``start`` is the
-    number of micro-batches already consumed (a resumed run continues at exactly the next one).
-    ``segment_ids``: the rows' examples (``Rows.segment_ids``), carried into each batch."""
+    """Endless micro-batches of rows, a fresh seeded permutation per epoch (``seed + epoch``);
+    ``start`` micro-batches already consumed, so a resume continues at exactly the next one."""
     if x.shape[0] < batch_size:
         raise ValueError(f"the data gives {x.shape[0]} sequences of {x.shape[1]} tokens, fewer than "
                          f"the micro-batch size {batch_size}; add data, lower micro_batch_size or "

@@ -1,9 +1,5 @@
-"""What a run shows while it trains: a tqdm bar on a terminal, plain lines anywhere else.
-
-``log.progress=auto`` draws the bar only when both stdout and stderr are terminals; CI logs and
-pipes get one plain line every ``log_every`` steps (and at every evaluation and the last step),
-which reads well in a file and never fills it with carriage returns.
-"""
+"""What a run shows while it trains: a tqdm bar only when stdout and stderr are terminals, else a
+plain line every ``log_every`` steps, which never fills a log file with carriage returns."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
 """``layerwise report RUN``: one PNG and a short text summary of a training run.
 
-Reads what ``layerwise train`` wrote in its ``out_dir`` (``run.json``, ``metrics.jsonl``,
-``tracker.jsonl``, ``plan.json``, the checkpoint manifests under ``ckpt/``; formats in
-``docs/formats.md``). A layer-wise checkpoint run of another loop (a ``Checkpointer`` directory
-with its ``tracker.jsonl``) is read too: then only the tracker and checkpoint panels have data.
-
-The picture, top to bottom: training loss with the eval losses; the learning rate; the
-gradient norm (steps the clip scaled marked); tokens/s measured per step against the planner's
-prediction; a heat map of each layer's relative change (groups x tracker steps, log colour);
-the checkpoint history: for every save, which groups it wrote, and its bytes against a full save.
-"""
+Reads what ``layerwise train`` wrote in ``out_dir`` (``docs/formats.md``); a ``Checkpointer``
+directory of another loop fills only the tracker and checkpoint panels. Panels, top to bottom:
+loss, LR, gradient norm, tokens/s against the prediction, per-layer change, checkpoint history."""
 
 from __future__ import annotations
 

@@ -8,12 +8,7 @@ checkpoint; decided before the model is built, each choice said in one line.
 | a run without a checkpoint, same settings (killed before its first save) | start it again | error | error |
 | a run without a checkpoint and other settings, or of another model | error | error | error |
 
-Every error says the way out: ``overwrite=true`` (the run's files are removed first), another
-``out_dir``, or the right ``resume``. ``resume_from_checkpoint=PATH`` starts a new run from a
-step of another run (``out_dir`` must hold none, or ``overwrite=true``). A run continued past
-its ``steps`` is refused (``steps=30`` over a step-60 run); one already at its ``steps`` and
-finished has nothing to do and says so.
-"""
+Every error says the way out (``overwrite=true``, another ``out_dir``, the right ``resume``)."""
 
 from __future__ import annotations
 

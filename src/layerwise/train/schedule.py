@@ -1,9 +1,7 @@
 """Learning-rate schedules: linear warmup, then cosine or linear decay to a floor, or constant.
 
-A run's schedule is fixed when it starts (``Schedule``: its total and warmup steps, kept in its
-checkpoints), so extending the run later (more ``steps``) does not redraw the curve: past its
-total the LR stays at the floor, unless ``schedule.total_steps`` asks for another span.
-"""
+Fixed when the run starts and kept in its checkpoints, so extending ``steps`` later does not
+redraw the curve (``schedule.total_steps`` asks for another span)."""
 
 from __future__ import annotations
 

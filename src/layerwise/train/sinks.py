@@ -1,8 +1,5 @@
-"""Where a run's numbers go: ``metrics.jsonl``, the progress display, ``samples.jsonl``, and
-TensorBoard and Weights & Biases (``log.report_to``), each an optional import used only when
-asked for. ``MetricsLog`` holds them for rank 0; the other ranks' (``lead=False``) write
-nothing, so the loop never asks which rank it is.
-"""
+"""Where a run's numbers go (``metrics.jsonl``, progress, samples, TensorBoard, W&B), each an
+optional import used only when asked. Non-lead ranks write nothing, so the loop never asks."""
 
 from __future__ import annotations
 

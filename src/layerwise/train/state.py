@@ -1,10 +1,6 @@
-"""What a run needs to continue, besides weights and optimizer state: one typed, versioned
-record, saved as each checkpoint step's ``trainer_state`` part and read back on resume.
-
-The random generators (torch, Python, NumPy) are saved beside it in the same step by the
-checkpointer (``save_rng``) and put back by its load; dropout masks are seeded from the step
-(``lora_run.resume_dropout``), so they need nothing here.
-"""
+"""What a run needs to continue besides weights and optimizer state: one typed, versioned
+record, saved as each step's ``trainer_state``. RNGs are saved by the checkpointer, and dropout
+masks are seeded from the step, so they need nothing here."""
 
 from __future__ import annotations
 

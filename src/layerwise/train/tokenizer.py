@@ -1,13 +1,6 @@
-"""Tokenizers for training: the model directory's own (Hugging Face, local files only) or the
-byte tokenizer of the built-in flavors, behind one small interface.
-
-``model.tokenizer=auto`` takes the model directory's tokenizer when the directory has tokenizer files,
-else the byte tokenizer; ``byte`` always the byte tokenizer; any other value is a directory with
-tokenizer files. Nothing is ever fetched from the hub (``local_files_only=True``).
-
-``train_bpe_tokenizer`` makes such a directory from text on the spot (``layerwise demo``: a BPE
-tokenizer learnt from the standard library's source with the ``tokenizers`` library).
-"""
+"""Tokenizers for training: the model directory's own (Hugging Face, local files only, never
+fetched from the hub) or the byte tokenizer of the built-in flavors, behind one small interface.
+``train_bpe_tokenizer`` makes a tokenizer directory on the spot (``layerwise demo``)."""
 
 from __future__ import annotations
 
@@ -137,15 +130,11 @@ END_OF_TEXT = "<|endoftext|>"
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, directory: str | Path) -> HFTokenizer:
-    """A byte-level BPE tokenizer learnt from ``texts`` with the ``tokenizers`` library, wrapped
-    as a ``transformers.PreTrainedTokenizerFast``, written to ``directory`` with
-    ``save_pretrained`` and loaded back from there (so it is exactly what ``model.tokenizer=DIRECTORY``
-    and ``AutoTokenizer.from_pretrained`` see).
+    """A byte-level BPE tokenizer learnt from ``texts``, saved to ``directory`` and loaded back, so
+    it is exactly what ``model.tokenizer=DIRECTORY`` sees.
 
-    Id 0 is ``<|endoftext|>`` (EOS and padding; no BOS), then the 256 byte symbols, then merges
-    up to ``vocab_size`` (fewer when the text has fewer pairs worth merging). Byte-level, so
-    any text round-trips; whitespace is kept as is (``clean_up_tokenization_spaces=False``), as
-    code needs."""
+    Id 0 is ``<|endoftext|>`` (EOS and padding; no BOS), then the 256 bytes, then merges up to
+    ``vocab_size``. Whitespace is kept as is (``clean_up_tokenization_spaces=False``), as code needs."""
     byte_level = tokenizers.pre_tokenizers.ByteLevel
     min_size = len(byte_level.alphabet()) + 1
     if vocab_size < min_size:

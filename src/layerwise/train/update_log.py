@@ -1,18 +1,10 @@
 """Per-layer update statistics of a ``layerwise train`` run, every ``track_every`` steps, in
 ``RUN/tracker.jsonl`` (schema in ``docs/formats.md``).
 
-The statistics are the checkpoint tracker's (``layerwise.ckpt.tracker.UpdateTracker``): the
-relative change of each group's weights since a reference, and the norms of its Adam moments.
-When the run checkpoints, the tracker *is* the ``Checkpointer``'s, so the change is the one its
-policy reads (since the group's last saved version) and is measured once for both; the
-Checkpointer's own log is turned off so nothing is written twice. Without checkpoints a tracker
-of the run's own keeps a copy of the weights at the run's start as the reference (one fp32
-copy of the weights in host RAM; skipped, with a message, when RAM is short).
-
-Gradient norms come from the engine (``StepStats.unit_grad_norms``, the per-unit norms the
-clip was computed from): the engine's update clears the gradients, so the tracker would read
-zeros. A group's ``grad_norm`` is its unit's (an untied model's ``norm`` and ``lm_head`` share
-the ``head`` unit and its norm).
+With checkpoints the tracker is the ``Checkpointer``'s, so the change is measured once and is the
+one its policy reads; without, a tracker of the run's own keeps an fp32 copy of the starting
+weights (skipped, with a message, when RAM is short). Gradient norms come from the engine
+(``StepStats.unit_grad_norms``): its update clears the gradients, so the tracker would read zeros.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Atomic file writes: temp file in the same directory, fsync, rename, fsync the directory.
 
-A reader sees either the old file or the complete new one, never a half-written file.
-"""
+A reader sees either the old file or the complete new one, never a half-written file."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""``CheckpointConfig``: one config of layer-wise checkpoints, for ``layerwise train``'s ``ckpt.*``
-keys and for ``Checkpointer(**options)`` (re-exported by ``layerwise.ckpt``).
-
-Torch-free on purpose: ``layerwise train --help`` reads it before torch is imported. Fields with
-``metadata={"cli": False}`` are the library's alone (``layerwise.config`` hides them from the
-command's keys, files and ``run.json``); ``every``, ``at_end`` and ``save_total_limit`` are
-``layerwise train``'s alone (a ``Checkpointer`` is told when to save by its caller).
-"""
+"""``CheckpointConfig``: one config for ``layerwise train``'s ``ckpt.*`` keys and
+``Checkpointer(**options)``. Torch-free: ``--help`` reads it first. ``metadata={"cli": False}``
+fields are the library's alone; ``every``, ``at_end``, ``save_total_limit`` the command's."""
 
 from __future__ import annotations
 

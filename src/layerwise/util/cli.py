@@ -6,11 +6,8 @@ import argparse
 
 
 def command_group(subparsers: argparse._SubParsersAction, name: str, **kwargs) -> argparse._SubParsersAction:
-    """The subcommand action of group ``name``, created on first use with ``kwargs``.
-
-    ``layerwise ckpt`` gets ``ls/show/verify/gc`` from the checkpoint core and ``merge`` from
-    interop; each registers into the same group without importing the other.
-    """
+    """The subcommand action of group ``name``, created on first use, so ``ckpt`` and ``interop``
+    register into one group without importing each other."""
     parser = subparsers.choices.get(name)
     if parser is None:
         parser = subparsers.add_parser(name, **kwargs)

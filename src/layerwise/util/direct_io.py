@@ -1,16 +1,8 @@
 """Files that stay off the page cache, and how much of a file the page cache holds.
 
-A spill file written through the page cache occupies host RAM until the kernel evicts it, RAM a
-planner counts as free. :func:`write_file` writes with ``O_DIRECT`` from an aligned buffer (the
-length rounded up to the filesystem's block, the tail past the data is whatever the buffer held);
-where the filesystem refuses ``O_DIRECT`` it writes through the cache, ``fdatasync`` s and drops
-the file's pages (``POSIX_FADV_DONTNEED`` drops clean pages only). :func:`read_file` reads the
-rounded length back the same way. :func:`page_cache_bytes` counts a file's resident pages from
-the kernel itself (``mmap`` + ``mincore``), never from what was asked for.
-
-A tmpfs or ramfs file *is* page cache (it may accept ``O_DIRECT`` and still live in RAM):
-:func:`in_ram` says so, so that an "NVMe" directory there can be reported.
-"""
+Spill files in the page cache take RAM a planner counts as free, so writes use ``O_DIRECT``
+(refused: buffered, ``fdatasync``, ``POSIX_FADV_DONTNEED``). Resident pages are counted from the
+kernel (``mincore``). A tmpfs file *is* page cache: :func:`in_ram` says so."""
 
 from __future__ import annotations
 
@@ -86,10 +78,8 @@ def _check_aligned(buf: memoryview, length: int, block: int) -> None:
 
 def write_file(path: str | os.PathLike, buf: memoryview, nbytes: int, block: int,
                direct: bool = True) -> bool:
-    """Write the first ``nbytes`` of ``buf`` (page-aligned, at least ``nbytes`` rounded up to
-    ``block`` long) to a new file at ``path``, off the page cache. Returns whether ``O_DIRECT``
-    was used (False: the filesystem refused it, or ``direct`` was False, and the buffered
-    fallback ran). The file holds the rounded length."""
+    """Write the first ``nbytes`` of page-aligned ``buf`` to a new file off the page cache (the file
+    holds the length rounded up to ``block``). Returns whether ``O_DIRECT`` was used."""
     length = round_up(nbytes, block)
     if direct:
         _check_aligned(buf, length, block)

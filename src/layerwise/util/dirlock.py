@@ -1,11 +1,6 @@
-"""One run at a time in a directory: an exclusive ``flock`` on ``DIR/.train.lock``.
-
-The lock file holds who holds it (pid, host, start time, command), so a second run is refused
-with that in one line. ``flock`` is released by the kernel when the holder exits however it
-ends (a kill included): a lock file left behind never blocks a later run. Within one process
-the lock is counted: the command takes it before the heavy imports (a refusal in well under a
-second) and the training loop takes it again, harmlessly.
-"""
+"""One run at a time in a directory: an exclusive ``flock`` on ``DIR/.train.lock``, naming its
+holder. The kernel releases it however the holder ends, so a leftover file never blocks. Counted
+within a process: the command takes it early and the loop again, harmlessly."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""What this machine's host memory offers: page-locked regions and the RAM still available.
-
-Page-locking in place (``cudaHostRegister`` of a page-aligned pageable allocation) locks exactly
-the pages asked for; torch's pinned allocator rounds every block up to a power of two and
-pinning a pageable tensor copies it (2x for a moment). The host store's copy-source arena and
-the data-parallel shared-memory store (``train/dist/shm.py``) are locked this way.
-
-The RAM available is Linux ``MemAvailable`` lowered to the memory cgroup's headroom, so a
-container's limit counts; ``layerwise.store.check_host_memory`` compares a store with it before
-anything is allocated.
-"""
+"""What this machine's host memory offers: page-locked regions and the RAM still available
+(``MemAvailable`` lowered to the cgroup's headroom, so a container's limit counts)."""
 
 from __future__ import annotations
 
@@ -52,11 +43,9 @@ def page_lock(region: torch.Tensor) -> None:
 
 
 def clear_cuda_error(cudart=None) -> None:
-    """Reset the CUDA runtime's last error. A failed runtime call leaves it set, and torch's
-    check after the next kernel launch (``cudaGetLastError``) would raise it there, as an
-    unrelated kernel's error. torch's ``cudart()`` module does not bind ``cudaGetLastError``
-    (in the releases seen), so the runtime torch loaded is called through ctypes (the same
-    library, hence the same per-thread error state)."""
+    """Reset the CUDA runtime's last error, which torch would otherwise raise after an unrelated
+    kernel. ``cudart()`` does not bind ``cudaGetLastError``, so the loaded runtime is called via
+    ctypes (same library, same per-thread state)."""
     get = getattr(cudart if cudart is not None else torch.cuda.cudart(), "cudaGetLastError", None)
     if get is not None:
         get()
@@ -94,12 +83,8 @@ def _pinned_empty(nbytes: int) -> torch.Tensor:  # pragma: no cover - CUDA only
 def alloc_pinned(nbytes: int) -> tuple[torch.Tensor, int]:
     """``nbytes`` of page-locked host memory (uint8, uninitialised) and how many bytes are locked.
 
-    A pageable allocation is page-locked in place (``cudaHostRegister`` on a page-aligned
-    region): exact size up to the last page, no pageable-then-pinned copy. torch's own pinned
-    allocator (``torch.empty(..., pin_memory=True)``) rounds every block up to a power of two
-    (a 29.5 GB arena would lock 34.4 GB); it is only the fallback, with a warning, when the
-    runtime refuses to register.
-    """
+    Registered in place (exact size, no copy): torch's pinned allocator rounds up to a power of two
+    (a 29.5 GB arena would lock 34.4 GB) and is only the fallback, with a warning."""
     page = page_size()
     size = locked_nbytes(nbytes)
     raw = torch.empty(size + page, dtype=torch.uint8)  # untouched slack pages cost no RAM

@@ -1,10 +1,5 @@
-"""What a run tells the person running it: module loggers under ``layerwise``, one handler.
-
-Library code logs to ``logging.getLogger(__name__)`` and installs no handler, so a program that
-embeds layerwise decides where the lines go (nothing at INFO by default, as for any library).
-The ``layerwise`` command installs one (:func:`command_output`): every record at INFO and above
-on stdout as the bare message, the lines a user reads on the terminal.
-"""
+"""What a run tells the person running it: library code logs to module loggers with no handler;
+the ``layerwise`` command installs one (:func:`command_output`) printing INFO+ bare on stdout."""
 
 from __future__ import annotations
 

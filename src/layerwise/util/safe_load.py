@@ -1,16 +1,8 @@
 """The one way layerwise reads a ``torch.save`` file: as data, never as code.
 
-A ``.pt`` / ``.pth`` / ``.bin`` file is a pickle, and unpickling may call any importable
-function (``os.system`` included). Everything here goes through ``torch.load(weights_only=True)``,
-which rebuilds only tensors, containers and primitives, plus an explicit allowlist of the few
-classes the files we read hold (``ALLOWED_GLOBALS``). A file that needs anything else is refused
-with the class named, before any of it is called.
-
-What the files we read hold: a Trainer's ``optimizer.pt`` and ``scheduler.pt`` (tensors, dicts,
-lists, numbers), ``pytorch_model.bin`` (tensors), ``rng_state.pth`` (also numpy's RNG state: an
-array and its dtype), our own staged optimizer moments and tokenized-data cache (tensors).
-``training_args.bin`` (a pickled ``TrainingArguments``) is not read.
-"""
+Unpickling may call any function, so everything goes through ``torch.load(weights_only=True)``
+plus an explicit allowlist (``ALLOWED_GLOBALS``); anything else is refused naming the class,
+before it is called. ``training_args.bin`` is not read."""
 
 from __future__ import annotations
 
@@ -37,14 +29,9 @@ ALLOWED_GLOBALS: list = [
 
 def load_data_file(path: str | Path | BinaryIO, *, mmap: bool = False, writable: bool = False,
                    allow: Sequence = ()) -> Any:
-    """``torch.load`` of ``path`` onto the CPU with ``weights_only=True`` and ``ALLOWED_GLOBALS``.
-
-    ``mmap``: memory-map the tensors where the file allows it (zip files; a legacy file is read
-    whole); ``writable``: map it shared, so writes into the tensors go to the file. ``allow``:
-    more classes a particular format holds, as ``(stand_in, "module.Name")`` pairs (e.g. inert
-    stand-ins for DeepSpeed's). Raises ``ValueError`` naming the class when the file needs one
-    outside the allowlist.
-    """
+    """``torch.load`` onto the CPU, ``weights_only`` with ``ALLOWED_GLOBALS`` (+ ``allow`` pairs).
+    ``mmap``: map tensors where the file allows; ``writable``: map shared. Raises ``ValueError``
+    naming a class outside the allowlist."""
     if writable and not mmap:
         raise ValueError("writable=True needs mmap=True: only a shared mapping writes to the file")
     # Only a writable load changes the mapping mode (the default path works on any torch >= 2.4).

@@ -1,13 +1,8 @@
 """The safetensors encoding, shared by checkpoint blobs and HF exports, and a streaming writer.
 
-``ShardedSafetensorsWriter`` streams: each tensor goes to disk as it arrives, one tensor in memory.
-
-``safetensors.torch.save_file`` needs the whole shard in memory because the header (names, shapes,
-offsets) precedes the data. Here the data is written after a header region reserved up front; when
-the shard closes, the real header is written into that region and padded with spaces, which the
-format allows (the reference writer pads with spaces too). A shard closes when its data would pass
-``max_shard_bytes`` or its header would outgrow the reserved region.
-"""
+``save_file`` needs the whole shard in memory because the header comes first; here a header
+region is reserved, data streams after it, and the real header is written back padded with
+spaces (which the format allows)."""
 
 from __future__ import annotations
 
@@ -128,8 +123,7 @@ class ShardedSafetensorsWriter:
     def finish(self, single_name: str, sharded_pattern: str) -> dict[str, str]:
         """Close the last shard, rename shards, return the weight map (tensor name -> file name).
 
-        One shard is named ``single_name``; several are named ``sharded_pattern.format(i, n)``.
-        """
+        One shard is named ``single_name``; several are named ``sharded_pattern.format(i, n)``."""
         self._close_shard()
         n = len(self._shards)
         weight_map: dict[str, str] = {}

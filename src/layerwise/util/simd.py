@@ -1,17 +1,9 @@
 """Compiled host kernels at the CPU's widest vectors.
 
-LLVM tunes most AVX-512 CPUs to vectorise loops at 256 bits (its ``prefer-256-bit``, a guard
-against the frequency drop of early AVX-512 chips), so numba's loops there use half the lanes
-the CPU has. The host optimizer's 8-bit step is bound by its instruction count, not by memory:
-at 512 bits it runs 1.3-1.4x faster on a Xeon with AVX-512 (``benchmarks/host_optimizer.py``). A jitted
-kernel calls ``wide_vectors()`` first: it marks the function being compiled (its loops and
-every helper inlined into it) ``"prefer-vector-width"="512"``. On a CPU without 512-bit
-vectors the widest legal width stays 256, so the mark changes nothing there; and an element's
-arithmetic is the same at any width (no reduction is reassociated by it), so results do not move.
-
-numba keys a kernel's cache on the kernel's own file: after editing this one, clear the
-kernels' caches (``__pycache__/*.nb*``) too.
-"""
+LLVM vectorises at 256 bits on most AVX-512 CPUs (``prefer-256-bit``); the 8-bit optimizer step
+is instruction-bound and runs 1.3-1.4x faster at 512 (``benchmarks/host_optimizer.py``), so a
+kernel calls ``wide_vectors()`` first. Elementwise results do not change with width. After
+editing this file clear the kernels' ``__pycache__/*.nb*`` too."""
 
 from __future__ import annotations
 

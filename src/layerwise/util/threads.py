@@ -1,11 +1,6 @@
-"""One pool of host threads for the kernels that split a flat range over cores (the optimizers,
-gradient accumulation), and the one way they split it.
-
-The kernels release the GIL (numba ``nogil``, torch ops), so Python threads run them in
-parallel. The range is cut into ``chunks_per_thread`` chunks per thread, taken from a shared
-counter: a thread the OS deschedules (a shared or busy machine) holds up at most one chunk,
-where an even static split waits for its whole share. The caller is one of the threads.
-"""
+"""One pool of host threads for the kernels that split a flat range over cores (they release the
+GIL). Chunks come from a shared counter, so a descheduled thread holds up at most one chunk, not
+a static share. The caller is one of the threads."""
 
 from __future__ import annotations
 

@@ -1,27 +1,10 @@
 """DeepSpeed ZeRO checkpoints (stages 1, 2 and 3): read a layer group at a time, and written by
-filling a template save's layout.
+filling a template save's layout (``docs/formats.md``).
 
-A save (``<dir>/global_stepN/``, ``<dir>/latest`` naming the tag) holds per data-parallel rank
-``zero_pp_rank_R_mp_rank_00_optim_states.pt``: that rank's partition of each param group's flat
-fp32 master and AdamW moments; ``*_model_states.pt`` carries ``param_shapes`` (the flat layout)
-and the step.
-
-- Stages 1 and 2: a group's flat vector (parameters back to back, plus
-  ``param_alignment_paddings``) is cut into ``partition_count`` equal partitions (the last saved
-  without the padding, so maybe shorter); ``param_slice_mappings`` is checked against it.
-- Stage 3: every parameter is cut separately into ``ceil(numel / world)`` elements per rank.
-
-Reads are memory-mapped, so only a group's bytes are read. Names, shapes and partition sizes
-are checked against the model of ``config.json``: a save that does not fit is refused, never
-mis-assigned. The pickles load with ``weights_only=True`` and an allow-list of the four
-DeepSpeed classes they hold, mapped to inert stand-ins: no DeepSpeed, no code from the file.
-
-Writing (:func:`write_zero`) copies a *template* save of the target run's own DeepSpeed set-up
-(config and world size), maps the copies shared and writable, and overwrites in place the fp32
-master and moment partitions, the optimizer step and (stages 1/2) the module weights. The rest
-(padding, loss scaler, scheduler, counters) stays the template's, so DeepSpeed's
-``load_checkpoint`` resumes from it.
-"""
+Reads are memory-mapped and checked against the model of ``config.json``: a save that does not
+fit is refused, never mis-assigned. Pickles load ``weights_only`` with the four DeepSpeed classes
+mapped to inert stand-ins: no DeepSpeed, no code from the file. :func:`write_zero` overwrites a
+copied template's master, moments and step in place, so DeepSpeed's ``load_checkpoint`` resumes."""
 
 from __future__ import annotations
 
@@ -121,11 +104,9 @@ class _Slot:
 
 
 class ZeroCheckpointSource:
-    """A DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint as a ``CheckpointSource``.
-
-    ``path``: the ``global_stepN`` dir, or the save dir whose ``latest`` names it. ``config``: the
-    model's HF config; default: ``config.json`` in the tag dir or its parent (a Trainer
-    ``checkpoint-N`` holds both)."""
+    """A DeepSpeed ZeRO checkpoint as a ``CheckpointSource``: ``path`` is ``global_stepN`` or the
+    dir whose ``latest`` names it; ``config`` defaults to a ``config.json`` there or in the parent.
+    """
 
     def __init__(self, path: str | Path, config: dict | None = None, *, writable: bool = False):
         path = Path(path)

@@ -1,13 +1,8 @@
 """The Hub's tensor layout ↔ the model's in-memory one, by transformers' own conversion mapping.
 
-Checkpoints on the Hub keep many models in a layout their transformers module no longer has:
-one tensor per routed expert (``model.layers.1.mlp.experts.0.gate_proj.weight``, Mixtral's
-``block_sparse_moe.experts.0.w1.weight``) where the module holds fused ``[experts, …]`` tensors,
-renamed prefixes, legacy names. ``from_pretrained`` converts them with the transformers that is
-installed (``transformers.conversion_mapping``) and ``save_pretrained`` converts back;
-:class:`HubLayout` runs those same transforms on a subset of keys at a time (one checkpoint group),
-so a model never has to be in RAM whole. A model with no conversion is the identity here.
-"""
+Many Hub checkpoints keep a layout the module no longer has (per-expert tensors, renamed
+prefixes). :class:`HubLayout` runs the installed transformers' transforms on one group's keys at
+a time, so a model never has to be in RAM whole."""
 
 from __future__ import annotations
 
@@ -27,11 +22,8 @@ from transformers.core_model_loading import (
 
 
 class HubLayout:
-    """The conversion transformers applies between ``model``'s checkpoint keys and its own.
-
-    ``model``: the model on the meta device (its state dict names the in-memory layout);
-    ``hf_quantizer``: a quantizer in dequantize mode (``quantized.dequantizer``) for a quantized
-    release, whose load ops then turn packed weights and their scales into the model's plain ones."""
+    """The conversion between ``model``'s (meta device) checkpoint keys and its own;
+    ``hf_quantizer``: a dequantizing quantizer for a quantized release."""
 
     def __init__(self, model: nn.Module, hf_quantizer=None):
         self.model = model

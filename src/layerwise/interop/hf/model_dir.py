@@ -1,9 +1,5 @@
-"""Read a local Hugging Face model dir: weights one group (or one tensor) at a time.
-
-The one HF directory reader: :class:`HFModelDirSource` serves merge, recipes and export, and
-:func:`load_store` fills the engine's HostStore from it. Reading never holds the model twice:
-tensors come from memory-mapped shards, so peak host memory is the store plus one group.
-"""
+"""Read a local Hugging Face model dir: weights one group (or one tensor) at a time, from
+memory-mapped shards, so peak host memory is the store plus one group."""
 
 from __future__ import annotations
 
@@ -238,10 +234,8 @@ def load_config(path: str | Path) -> PretrainedConfig:
 
 
 def _refuse_remote_code(path: Path) -> None:
-    """A model only the checkpoint's own code defines (``auto_map``, a ``model_type``
-    transformers lacks): refused in one line (transformers itself would prompt, then raise a
-    paragraph). A type transformers has loads as transformers defines it, as
-    ``from_pretrained`` does without ``trust_remote_code``."""
+    """A model only the checkpoint's own code defines (``auto_map``, an unknown ``model_type``):
+    refused in one line, as ``from_pretrained`` would without ``trust_remote_code``."""
     from transformers import __version__
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 

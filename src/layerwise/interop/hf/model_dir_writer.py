@@ -1,10 +1,5 @@
-"""Export to a Hugging Face model dir: sharded safetensors + index + ``config.json``.
-
-The output loads with ``AutoModelForCausalLM.from_pretrained(dir)`` and has the names, shapes and
-layout ``save_pretrained`` writes (``hub_layout.py``: per-expert tensors where the Hub has them). Weights stream group by group
-into shards (see :mod:`layerwise.util.safetensors_io`); a tied head is stored once, as the embedding, the way
-``save_pretrained`` does it.
-"""
+"""Export to a Hugging Face model dir: sharded safetensors + index + ``config.json``, with the
+names and layout ``save_pretrained`` writes; a tied head is stored once, as the embedding."""
 
 from __future__ import annotations
 
@@ -35,11 +30,8 @@ SHARD_PATTERN = "model-{:05d}-of-{:05d}.safetensors"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 class WeightsWriter:
-    """Stream the ``param/…`` tensors of each group into HF-named safetensors shards.
-
-    Checks every tensor against the model that ``config`` describes (name and shape), so a merge of
-    mismatched sources fails with a clear error instead of producing a model that will not load.
-    """
+    """Stream each group's ``param/…`` tensors into HF-named shards, checked by name and shape, so a
+    merge of mismatched sources fails clearly instead of writing a model that will not load."""
 
     def __init__(self, out_dir: Path, config: dict, max_shard_bytes: int | None,
                  dtype: torch.dtype | None = None):

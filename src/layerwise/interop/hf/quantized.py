@@ -1,14 +1,9 @@
 """Quantized Hub releases, read dequantized through transformers' own load ops.
 
-A release whose ``config.json`` has a ``quantization_config`` stores some weights packed with
-their scales (block-wise FP8 ``weight`` + ``weight_scale_inv``, gpt-oss MXFP4 ``*_blocks`` +
-``*_scales``, bitsandbytes NF4/FP4 ``weight`` + ``weight.absmax``/``quant_map``/``quant_state``,
-LLM.int8 ``weight`` + ``SCB``). :func:`dequantizer` builds the quantizer transformers would use
-with ``dequantize=True``; :class:`~layerwise.interop.hf.hub_layout.HubLayout` passes it to
-``get_model_conversion_mapping``, so each group is read back as the plain weights
-``from_pretrained(..., quantization_config=…(dequantize=True))`` builds. Any other format is
-refused in one line: weights read without their scales must never be trained.
-"""
+:func:`dequantizer` builds the quantizer transformers would use with ``dequantize=True`` (FP8,
+MXFP4, bitsandbytes NF4/FP4 and LLM.int8), so each group reads back as ``from_pretrained``
+would build it. Any other format is refused: weights read without their scales must never be
+trained."""
 
 from __future__ import annotations
 

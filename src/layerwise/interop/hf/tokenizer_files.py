@@ -1,11 +1,6 @@
-"""The files of a model that are not weights: its tokenizer (with the chat template) and its
-``generation_config.json``. A merge copies them beside the weights, so that
-``AutoTokenizer.from_pretrained(merged)`` and ``generate`` work as on the model trained.
-
-Where they come from: ``--tokenizer DIR`` (an HF model dir or a saved tokenizer); else the
-source's own: a ``layerwise train`` run keeps them in ``OUT/tokenizer/`` (``RUN_TOKENIZER_DIR``,
-next to its ``ckpt/``), an HF model dir or Trainer checkpoint holds them itself.
-"""
+"""The files of a model that are not weights (tokenizer, chat template, ``generation_config``),
+copied beside merged weights so ``AutoTokenizer.from_pretrained(merged)`` and ``generate`` work.
+From ``--tokenizer DIR``, else the source's own (a train run's ``OUT/tokenizer/``)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
 """HF Trainer ``checkpoint-N`` dirs: read them group by group, and write ones that
-``Trainer.train(resume_from_checkpoint=dir)`` accepts.
+``Trainer.train(resume_from_checkpoint=dir)`` accepts (files: ``docs/formats.md``).
 
-Files: ``model.safetensors`` (sharded with an index past the shard size), ``optimizer.pt`` (a torch
-AdamW ``state_dict``), ``scheduler.pt``, ``rng_state.pth`` (when the source has RNG states),
-``trainer_state.json`` and ``config.json``.
-
-``optimizer.pt`` identifies parameters only by position, so it must follow the layout of
-``transformers.Trainer.create_optimizer``: param group 0 holds the parameters that get weight decay,
-group 1 the rest (biases, norms), each in ``model.named_parameters()`` order, positions numbered
-across both groups. :func:`trainer_param_groups` replays that on a meta-device model.
-
-Writing stages each group's moments in a small file as it passes; ``optimizer.pt`` is assembled
-from the memory-mapped staging files, so its tensors come from the page cache, not the heap.
-"""
+``optimizer.pt`` identifies parameters only by position, so :func:`trainer_param_groups` replays
+``Trainer.create_optimizer``'s two groups on a meta-device model. It is assembled from
+memory-mapped staging files, so its tensors come from the page cache, not the heap."""
 
 from __future__ import annotations
 
@@ -88,11 +79,8 @@ def _param_group_template(hp: AdamWHParams) -> dict:
 
 
 def _param_groups(extra: dict, hparams: AdamWHParams | None, scheduler: dict) -> list[dict]:
-    """Hyper-parameters of Trainer's two groups: explicit ones, else the source's, else Trainer's defaults.
-
-    A source optimizer with one param group (a plain ``AdamW(model.parameters())`` loop) lends its
-    hyper-parameters to both groups; the no-decay group gets weight_decay 0, as the Trainer builds it.
-    """
+    """Hyper-parameters of Trainer's two groups: explicit, else the source's (a one-group source
+    lends to both), else Trainer's defaults; the no-decay group gets weight_decay 0."""
     saved = [dict(g) for g in extra.get("optimizer_param_groups") or []]
     for g in saved:
         g.pop("params", None)
@@ -115,11 +103,8 @@ def _param_groups(extra: dict, hparams: AdamWHParams | None, scheduler: dict) ->
 
 
 def constant_scheduler_state(step: int, lr: float, num_groups: int = 2) -> dict:
-    """A LambdaLR state positioned at ``step``.
-
-    Trainer's schedulers are LambdaLRs whose lambda is rebuilt on resume; only the position
-    (``last_epoch``) and base rates travel in the file, so this resumes any of them at ``step``.
-    """
+    """A LambdaLR state at ``step``: only the position and base rates travel in the file (the lambda
+    is rebuilt on resume), so this resumes any Trainer scheduler."""
     opt = torch.optim.AdamW([{"params": [nn.Parameter(torch.zeros(1))]} for _ in range(num_groups)], lr=lr)
     state = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0).state_dict()
     state.update(last_epoch=step, _step_count=step + 1, _last_lr=[lr] * num_groups, base_lrs=[lr] * num_groups)
@@ -127,11 +112,8 @@ def constant_scheduler_state(step: int, lr: float, num_groups: int = 2) -> dict:
 
 
 def _scheduler_for_groups(state: dict, num_groups: int) -> dict:
-    """A scheduler state with one entry per Trainer param group in its per-group lists.
-
-    A plain loop's optimizer has one group; LambdaLR zips its rates with the optimizer's groups, so
-    a one-entry list would leave the Trainer's second group at a stale rate.
-    """
+    """A scheduler state with one entry per Trainer param group: LambdaLR zips rates with groups,
+    so one entry would leave the second group at a stale rate."""
     out = dict(state)
     for key in ("base_lrs", "_last_lr", "lr_lambdas"):
         value = out.get(key)
@@ -147,10 +129,8 @@ def _scheduler_for_groups(state: dict, num_groups: int) -> dict:
 
 
 def trainer_rng_state(rng: dict | None) -> dict | None:
-    """Trainer's ``rng_state.pth`` contents from the source's RNG states, or None if it has none usable.
-
-    Accepts the Trainer's own layout and its JSON-able form (lists for tuples, arrays and tensors).
-    """
+    """Trainer's ``rng_state.pth`` contents from the source's RNG states (its layout or the
+    JSON-able form), or None if none is usable."""
     if not rng:
         return None
     out: dict[str, Any] = {}
@@ -281,11 +261,8 @@ def _optimizer_entries(group: str, tensors: dict[str, torch.Tensor], position: d
 
 
 class TrainerCheckpointSource(HFModelDirSource):
-    """An HF Trainer ``checkpoint-N`` dir: weights plus AdamW moments, scheduler, RNG and trainer state.
-
-    ``optimizer.pt``'s positions are replayed on the meta model of ``config.json`` (module
-    docstring); a count or shape mismatch is refused rather than mis-assigning moments.
-    """
+    """An HF Trainer ``checkpoint-N`` dir; a count or shape mismatch in ``optimizer.pt``'s positions
+    is refused rather than mis-assigning moments."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)

@@ -11,14 +11,8 @@
         if step % 100 == 0:
             ckpt.save(step)                 # on every rank
 
-Every rank writes its own pieces (``interop.hooks.zero_partitions``) of the groups the policy picks, through
-the sharded save protocol (``ckpt.sharded_checkpointer``): no rank gathers a full parameter, and a run saved
-by N ranks loads at M. Loading writes the fp32 master, both AdamW moments and the step into the
-engine's partitions, rebuilds the module's weights from them, and puts back the engine's step
-counters, the scheduler and the optimizer's hyper-parameters, so training continues exactly.
-The run is an ordinary layer-wise run: ``merge --format hf`` (or trainer, deepspeed, dcp) and
-recipes read it.
-"""
+No rank gathers a full parameter. A load restores master, moments, step counters, scheduler and
+hyper-parameters, so training continues exactly."""
 
 from __future__ import annotations
 
@@ -44,10 +38,8 @@ class DeepSpeedCheckpointer:
     def __init__(self, run_dir: str | Path, engine: Any = None, *, module: nn.Module | None = None,
                  optimizer: Any = None, scheduler: Any = None, policy: str = DEFAULT_POLICY,
                  exchange: RankExchange | None = None, timeout_s: float = 600.0, **policy_options: Any):
-        """``engine``: the DeepSpeed engine; or, where only its parts are at hand (the HF
-        Trainer's callbacks), ``module`` (the model it wraps) and ``optimizer`` (its ZeRO
-        optimizer), plus ``scheduler``. ``policy_options``: the policy's own, e.g.
-        ``threshold=1e-3``."""
+        """``engine``: the DeepSpeed engine; or its parts (the Trainer's callbacks): ``module``,
+        ``optimizer`` (ZeRO) and ``scheduler``. ``policy_options``: e.g. ``threshold=1e-3``."""
         if engine is not None:
             module, optimizer = engine.module, engine.optimizer
             scheduler = scheduler if scheduler is not None else engine.lr_scheduler

@@ -14,19 +14,10 @@
         if step % 100 == 0:
             ckpt.save(step)                                         # every rank
 
-``FSDPShardProvider`` serves a ``ckpt.sharded_checkpointer.ShardProvider`` from an FSDP2 model and its torch
-optimizer. FSDP2 shards every parameter along dim 0 (``Shard(0)``, ``torch.chunk`` sizes: the
-first ranks get ``ceil(rows / world)`` rows, the last ones fewer or none), so a rank's local
-tensor is one flat range of the full tensor: ``[row0 * row_numel, (row0 + rows) * row_numel)``.
-The padding FSDP2 keeps for uneven shards is not part of the local tensor, so it is never
-stored. Adam's moments are DTensors sharded like their parameter; ``step`` is one scalar per
-parameter that every rank holds, handed by the rank with the first rows only.
-
-Group names and blob keys are layerwise's own (HF parameter names), so an FSDP2 run resolves,
-merges (``merge --format hf|trainer|dcp``) and serves as a recipe source like any other run.
-Parameters that are plain tensors (not sharded: a model without ``fully_shard``) are handed by
-rank 0 whole and loaded whole on every rank.
-"""
+FSDP2's ``Shard(0)`` (``torch.chunk`` sizes) makes a rank's local tensor one flat range of the
+full tensor, and its padding is not in the local tensor, so it is never stored. ``step`` is
+handed by the rank with the first rows only; unsharded parameters by rank 0, whole. Names are
+HF's, so the run merges and serves recipes like any other."""
 
 from __future__ import annotations
 

@@ -6,21 +6,11 @@
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb])
     trainer.train()
 
-Every ``every`` optimizer steps the callback hands the Trainer's model, optimizer, scheduler and
-``TrainerState`` to a :class:`~layerwise.ckpt.checkpointer.Checkpointer`, which writes only the
-groups its policy picks, in the background. To resume with the Trainer, export a step first
-(``layerwise ckpt merge runs/a --step N --format trainer --out ckpt/checkpoint-N``) and pass that
-dir as ``resume_from_checkpoint`` (:func:`export_for_resume` does both in Python). Set ``save_strategy="no"`` in ``TrainingArguments`` when the
-layer-wise checkpoints replace the Trainer's own.
-
-With DeepSpeed ZeRO (``args.deepspeed``) the callback runs on every rank and drives a
-:class:`~layerwise.interop.hooks.deepspeed_loop.DeepSpeedCheckpointer`: each rank writes its own
-partition of the chosen groups, and the policy sees statistics summed over the ranks. The
-``TrainerState`` is kept with the step as in one process. Such a run merges and exports like
-any other (``merge --format hf|trainer``); the Trainer's own resume from it is not built (load it
-into the engine with ``DeepSpeedCheckpointer(run_dir, trainer.model_wrapped).load()``).
-FSDP is refused.
-"""
+To resume with the Trainer, export a step as ``checkpoint-N`` (:func:`export_for_resume`) and pass
+it as ``resume_from_checkpoint``; set ``save_strategy="no"`` when these replace the Trainer's own.
+With DeepSpeed ZeRO the callback drives a ``DeepSpeedCheckpointer`` on every rank (the Trainer's
+own resume from it is not built: load it with ``DeepSpeedCheckpointer(...).load()``). FSDP is
+refused."""
 
 from __future__ import annotations
 
@@ -65,18 +55,10 @@ class LayerwiseCheckpointCallback(TrainerCallback):
         config: Any = None,
         **policy_options: Any,
     ):
-        """
-        Args:
-            run_dir: the layer-wise run directory (created on the first save).
-            policy: registry name of the selection policy (full, parity, filter, topk, budget).
-            every: save every N optimizer steps; None: follow ``args.save_steps``.
-            save_at_end: also save the last step when training ends off the ``every`` grid.
-            observe: feed per-step update statistics to the policy (after each optimizer step).
-            config: a :class:`~layerwise.ckpt.checkpoint_config.CheckpointConfig` (async save, RNG,
-                tracking; not under DeepSpeed, whose sharded saves are synchronous and never
-                observe: the change is measured at each save).
-            policy_options: options of the policy, e.g. ``threshold=1e-3, max_staleness=4``.
-        """
+        """``every``: optimizer steps between saves (None: ``args.save_steps``). ``save_at_end``:
+        also save the last step off the grid. ``observe``: feed per-step statistics to the policy.
+        ``config``: a ``CheckpointConfig`` (not under DeepSpeed, whose sharded saves are
+        synchronous). ``policy_options``: e.g. ``threshold=1e-3, max_staleness=4``."""
         if every is not None and (not isinstance(every, int) or every <= 0):
             raise ValueError(f"every must be a positive number of steps or None (got {every!r})")
         self.run_dir = Path(run_dir)
@@ -155,11 +137,8 @@ class LayerwiseCheckpointCallback(TrainerCallback):
 
 
 def export_for_resume(run_dir: str | Path, output_dir: str | Path, step: int | None = None) -> str:
-    """Export a layer-wise step (default: the newest) as ``output_dir/checkpoint-N`` for the Trainer.
-
-    Returns the path to pass as ``Trainer.train(resume_from_checkpoint=...)``. An existing
-    ``checkpoint-N`` there is reused: exports are atomic, so one that exists is complete.
-    """
+    """Export a layer-wise step (default: the newest) as ``output_dir/checkpoint-N`` and return the
+    path for ``resume_from_checkpoint``; an existing one is reused (exports are atomic)."""
     source = open_source(run_dir, step)
     n = int(source.extra_state()["step"])
     out = Path(output_dir) / f"checkpoint-{n}"

@@ -1,29 +1,11 @@
 """A live DeepSpeed ZeRO engine's partitions (stages 1, 2 and 3), seen per layer-wise group.
 
-Each rank holds a flat fp32 master partition per optimizer param group (stage 3: per sub-group)
-and its AdamW moments, shaped like that flat. A parameter's elements sit in it as contiguous
-pieces:
-
-- Stages 1 and 2: the param group's parameters lie back to back (with alignment padding) in one
-  flat vector, cut into equal partitions; DeepSpeed links each parameter to the fragment of it
-  a rank holds (``param._hp_mapping``: where in the parameter, where in the partition).
-- Stage 3: every parameter is cut separately into ``ceil(numel / world)`` elements per rank
-  (``ds_tensor``), and a rank's flat is its pieces back to back (``grad_position``: where).
-
-A :class:`Piece` says which elements ``[start, start + numel)`` of a parameter's flattened full
-tensor a rank holds and where they sit in its flat. Every piece is taken from DeepSpeed's own
-metadata and checked against the layout the shapes give (offsets, sizes, that the fragment is a
-view of the partition at that place), so a DeepSpeed whose layout differs is refused with what
-differs, never read by blind index. ``check_cover`` checks that the ranks' pieces of every
-parameter cover it exactly.
-
-``LiveZeroState`` is the ``ShardProvider`` of the sharded save (``ckpt.sharded_checkpointer``):
-``shards(group)`` gives a rank's pieces of a group's fp32 weights, both moments and the step as
-flat ranges of the full tensors (``FlatShard``), under the keys a whole layer-wise group has;
-``load_shards`` writes the ranges it reads back from a save (of any world size) into the
-partitions, and ``finish_restore`` rebuilds the module's weights from them, as DeepSpeed's own
-checkpoint load does.
-"""
+A :class:`Piece` says which elements of a parameter's flattened full tensor a rank holds and
+where in its flat partition (stages 1/2: ``param._hp_mapping``; stage 3: ``ds_tensor`` pieces).
+Every piece is taken from DeepSpeed's metadata and checked against the layout the shapes give,
+so a DeepSpeed whose layout differs is refused, never read by blind index. ``LiveZeroState`` is
+the sharded save's ``ShardProvider``; ``finish_restore`` rebuilds the module's weights after a
+load, as DeepSpeed's own load does."""
 
 from __future__ import annotations
 
@@ -67,10 +49,8 @@ def _layout_error(what: str) -> ValueError:
 
 
 class LiveZeroState:
-    """One rank's view of a live ZeRO optimizer: its pieces of every parameter, by group.
-
-    ``module``: the model DeepSpeed wraps (``engine.module``), for names and groups;
-    ``optimizer``: DeepSpeed's ZeRO optimizer (``engine.optimizer``)."""
+    """One rank's view of a live ZeRO optimizer (``engine.optimizer``) over ``module``
+    (``engine.module``): its pieces of every parameter, by group."""
 
     def __init__(self, module: nn.Module, optimizer: Any):
         if hasattr(optimizer, "fp32_partitioned_groups_flat"):
@@ -251,10 +231,9 @@ class LiveZeroState:
         return out
 
     def load_shards(self, group: str, reader: GroupReader) -> None:
-        """Read this rank's pieces of a stored ``group`` (saved at any world size) into the fp32
-        partitions and moments. DeepSpeed keeps one step per flat: it becomes the newest its
-        parameters bring (all equal unless a composite mixes versions within one flat). The
-        module's weights follow in ``finish_restore``."""
+        """Read this rank's pieces of a stored ``group`` (any world size) into the partitions and
+        moments; a flat's one step becomes the newest its parameters bring. Weights follow in
+        ``finish_restore``."""
         keys = reader.keys()
         with torch.no_grad():
             for name in self.groups[group]:

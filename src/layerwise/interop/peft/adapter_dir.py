@@ -1,15 +1,5 @@
-"""PEFT adapter directories in and out, and the merged model as an HF directory.
-
-An adapter directory is what ``peft.PeftModel.save_pretrained`` writes and ``from_pretrained``
-reads: ``adapter_config.json`` (``peft_type: LORA``, ``r``, ``lora_alpha``, ``target_modules``,
-...) and ``adapter_model.safetensors`` holding ``base_model.model.<layerwise adapter name>``
-(``...layers.{i}.self_attn.q_proj.lora_A.weight``) in fp32. Written atomically (a hidden temp
-dir renamed into place). PEFT itself is not needed for either direction.
-
-The merged model (``lora.merge``) is the base with ``B A * alpha / r`` added to each adapted
-weight (the dequantised weight for a quantised base), written through the one HF writer
-(``interop.recipes.merge``) a group at a time.
-"""
+"""PEFT adapter directories in and out (PEFT itself not needed), and the merged model
+(``B A * alpha / r`` added to each adapted weight) as an HF directory, a group at a time."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""A saved step of a LoRA run (``layerwise train ... lora.r=N``) taken out: ``ckpt merge --format
-peft`` (the step's adapters as a PEFT adapter directory) and ``--format hf`` (the base with them
-merged, as ``lora.merge=true`` exports at the end): :func:`export_step`, which ``ckpt merge``
-calls in place of ``recipes.merge.merge`` for such a step (and for ``--format peft``).
-
-A LoRA run's checkpoint groups hold the adapters (``...q_proj.lora_A.weight``) and their AdamW
-moments alone; the rest of what an export needs is in the run's ``out_dir/run.json``, beside its
-``ckpt/``: the LoRA settings (``config.lora``: r, alpha, target modules, base dtype), the base
-model (``model_path``: a directory, or a flavor built from ``config.seed``) and the compute dtype.
-"""
+"""A saved step of a LoRA run taken out as a PEFT adapter (``--format peft``) or the merged base
+(``--format hf``): :func:`export_step`. The groups hold only adapters and moments; the rest
+(LoRA settings, base model, dtype) comes from the run's ``run.json``."""
 
 from __future__ import annotations
 
@@ -184,10 +177,8 @@ def export_step(source: object, out_dir: str | Path, format: str = PEFT, *, step
                 base: str | Path | None = None, dtype: str | None = None,
                 max_shard_size: int | str | None = "5GB", overwrite: bool = False,
                 tokenizer: str | Path | None = None) -> dict[str, Any]:
-    """Write a LoRA run's step (``source``: an opened step, or a path for ``open_source`` at
-    ``step``) as ``peft`` (its adapters) or ``hf`` (the base with them merged, through
-    ``merge``); any other source or format is refused (``ValueError``). ``base``: the base
-    model's directory, when no longer at run.json's ``model_path``. Returns merge's summary."""
+    """Write a LoRA run's step as ``peft`` (its adapters) or ``hf`` (merged into the base); anything
+    else is refused. ``base``: the base model's directory if it moved. Returns merge's summary."""
     if isinstance(source, (str, Path)):
         source = open_source(source, step)
     run = lora_step_of(source, base)

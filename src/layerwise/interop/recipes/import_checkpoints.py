@@ -1,15 +1,8 @@
 """``layerwise ckpt import``: compact a pile of ordinary checkpoints into a layer-wise run.
 
-Each checkpoint (HF Trainer ``checkpoint-N``, ZeRO save, DCP dir, HF model dir) becomes one step,
-oldest first (its own step, else the order given), saved by a ``Checkpointer`` over
-``ImportProvider``: the same code, format and commit protocol as a training run's, reading each
-group from the checkpoint when it is measured or written.
-
-Under ``full`` every group is stored (content addressing stores equal bytes once); under
-``filter``/``topk``/``budget`` the tracker measures each group's change since its stored version
-and stores only the groups the policy picks. An import into a run with steps continues it (the
-stored versions are the references), so importing a pile in two parts stores what one would.
-"""
+Each checkpoint becomes one step, oldest first, saved by a ``Checkpointer`` (same code, format
+and commit protocol as training). An import into a run with steps continues it, so importing a
+pile in two parts stores what one would."""
 
 from __future__ import annotations
 
@@ -157,11 +150,9 @@ def import_checkpoints(paths: list[str | Path], run_dir: str | Path, policy: str
                        on_step: Callable[[ImportedStep], None] | None = None,
                        config: dict | str | Path | None = None,
                        expert_groups: bool = False) -> ImportReport:
-    """Import ``paths`` into the layer-wise run ``run_dir`` (created if needed) under ``policy``
-    (a registry name, optionally with options: ``filter:threshold=0.01,max_staleness=4``).
-    ``on_step`` is called after each step is committed. ``config``: the HF config of DCP dirs that
-    have none (torchtitan saves). ``expert_groups``: version each routed expert of an MoE model
-    on its own (``ckpt.expert_groups``), so a step stores only the experts that moved."""
+    """Import ``paths`` into ``run_dir`` under ``policy`` (e.g. ``filter:threshold=0.01``).
+    ``on_step``: after each commit. ``config``: HF config of DCP dirs without one.
+    ``expert_groups``: version each routed expert on its own."""
     if not paths:
         raise ValueError("give at least one checkpoint to import")
     make_policy(policy)  # a mistyped policy fails before any checkpoint is read

@@ -1,13 +1,7 @@
 """Merge / export any checkpoint source into an ordinary checkpoint, atomically and streaming.
 
-``merge(source, out_dir, format=...)`` writes a Hugging Face model dir (``hf``), an HF Trainer
-``checkpoint-N`` dir (``trainer``), a torch.distributed.checkpoint dir (``dcp``) or a DeepSpeed ZeRO
-save (``deepspeed``, filling a template save's layout). The output is built in a hidden temp dir next to ``out_dir`` and
-renamed into place only once complete, so a failed merge (bad recipe, disk full, a kill) never
-leaves a half-written output. Sources are read one group at a time.
-
-The CLI (``layerwise ckpt merge``) is in :mod:`layerwise.interop.cli`.
-"""
+Built in a hidden temp dir and renamed into place only once complete, so a failed merge never
+leaves a half-written output; sources are read one group at a time."""
 
 from __future__ import annotations
 
@@ -45,17 +39,12 @@ def merge(
     config: dict | str | Path | None = None,
     tokenizer: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Write ``source`` (a CheckpointSource or a path for :func:`open_source`) to ``out_dir``.
+    """Write ``source`` (a CheckpointSource or a path) to ``out_dir``; returns a summary.
 
-    ``hparams`` (an :class:`~layerwise.interop.hf.trainer_checkpoint.AdamWHParams`) overrides the AdamW
-    hyper-parameters of a ``trainer`` export; by default they come from the source, else
-    transformers' defaults. ``template``: for ``deepspeed``, a ZeRO save of the target run whose
-    layout is filled (default: the source's own, or the recipe's ``state_from``, when it is a
-    ZeRO save). ``config``: the HF config of a DCP source that has none (:func:`open_source`).
-    ``tokenizer``: a directory whose tokenizer files and generation config are copied beside the
-    weights (``hf`` and ``trainer``; default: the source's own, ``hf.tokenizer_files``).
-    Returns a summary (files, bytes, step, seconds, ``tokenizer_from``).
-    """
+    ``hparams``: AdamW hyper-parameters of a ``trainer`` export (default: the source's, else
+    transformers'). ``template``: for ``deepspeed``, a ZeRO save whose layout is filled.
+    ``config``: HF config of a DCP source. ``tokenizer``: directory whose tokenizer files go beside
+    the weights (default: the source's own)."""
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}; choose one of {', '.join(FORMATS)}")
     if isinstance(source, (str, Path)):

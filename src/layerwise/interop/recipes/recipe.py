@@ -1,33 +1,9 @@
 """Recipe merge: assemble one checkpoint from layer ranges of several checkpoints (LLMTailor-style).
 
-The YAML has the shape mergekit and LLMTailor users know::
-
-    merge_method: passthrough          # optional; selection is the only method
-    dtype: bfloat16                    # optional output dtype of the weights
-    slices:
-      - sources:
-          - model: runs/a@400          # a layer-wise run at a step (no @: its latest step)
-            layer_range: [0, 16]       # half-open: layers 0..15
-      - sources:
-          - model: out/checkpoint-500  # an HF Trainer checkpoint dir (or an HF model dir)
-            layer_range: [16, 32]
-    pre_weights:                       # the embedding (default: the first slice's model)
-      - model: runs/a@400
-    post_weights:                      # final norm + lm_head (default: the last slice's model)
-      - model: out/checkpoint-500
-    state_from: out/checkpoint-500     # optional: step, scheduler, RNG, trainer state
-                                       # (default: the source with the newest step)
-    config: hf/Llama-3-8B              # optional: HF config (config.json or its dir) of DCP
-                                       # sources that hold none (torchtitan's step-N dirs)
-
-``pre_weights`` / ``post_weights`` entries may also name single parts, LLMTailor-style:
-``- name: lm_head.weight`` (an HF tensor name or a group name: ``embed``, ``norm``, ``lm_head``)
-with its ``model``. Layers keep their positions: layer ``i`` of the output is layer ``i`` of the
-source whose range covers it, and every layer must be covered exactly once. Each group carries
-its optimizer state (AdamW moments and step) from the same source as its weights.
-
-Relative paths resolve against the current directory, then against the recipe file's directory.
-"""
+The YAML (mergekit/LLMTailor's shape) is documented in ``docs/formats.md`` ("Recipes"). Layers
+keep their positions and every layer must be covered exactly once; each group carries its
+optimizer state from the same source as its weights. Relative paths resolve against the current
+directory, then the recipe file's."""
 
 from __future__ import annotations
 

@@ -36,12 +36,8 @@ class StoreSource:
 def export_store(store: HostStore, out_dir: str | Path, *, overwrite: bool = False,
                  max_shard_size: int | str = "5GB", dtype: str | None = None,
                  tokenizer: str | Path | None = None) -> Path:
-    """Write the master weights as a ``from_pretrained``-loadable directory, atomically.
-
-    Streams one group at a time; ``overwrite`` replaces an existing directory only once the new
-    one is complete. ``tokenizer``: a directory whose tokenizer files and generation config go
-    beside the weights. Call ``engine.synchronize()`` first.
-    """
+    """Write the master weights as a ``from_pretrained``-loadable directory, atomically, one group
+    at a time. Call ``engine.synchronize()`` first."""
     merge(StoreSource(store), out_dir, "hf", max_shard_size=max_shard_size, dtype=dtype,
           overwrite=overwrite, tokenizer=tokenizer)
     return Path(out_dir)

@@ -1,23 +1,10 @@
 """torch.distributed.checkpoint (DCP) checkpoints, written and read a group at a time.
 
-Written layout (``get_state_dict``'s nesting, so an FSDP2 loop loads it with
-``dcp.load({"model": msd, "optim": osd}, checkpoint_id=dir)`` and ``set_state_dict`` at any
-world size): ``model.<hf_name>`` weights; ``optim.state.<hf_name>.{step, exp_avg, exp_avg_sq}``
-(fp32); ``optim.param_groups`` (the Trainer's two groups, params by name); ``train_state.step``;
-and ``config.json`` (with ``generation_config.json``) so the dir also opens as a source.
-
-DCP plans a save from the whole state dict, so the writer hands it meta tensors and resolves
-each when DCP writes it (``_LazySavePlanner``): with one writer thread DCP writes in plan order,
-i.e. group order, one group in memory at a time. A first pass over the groups gets the shapes.
-
-Reading (:class:`DCPCheckpointSource`) matches the config's parameter names (HF's, or
-torchtitan's Llama names: :mod:`.titan_names`) against DCP's metadata to find the weight prefix
-(``model.`` or none) and optimizer prefix (``optim.state.``, ``optimizer.state.`` or
-``state.``: torchtitan's ``flatten_optimizer_state_dict``), then loads one group per
-``dcp.load``. DCP pickles ``.metadata`` and non-tensor values; a foreign checkpoint is
-untrusted, so both are read with allow-lists (:class:`_MetadataUnpickler`,
-:class:`_DataOnlyLoadPlanner`) instead of DCP's plain unpickling.
-"""
+Written in ``get_state_dict``'s nesting (``docs/formats.md``), so FSDP2 loads it at any world
+size. DCP plans from the whole state dict, so the writer hands it meta tensors resolved as they
+are written (``_LazySavePlanner``): one group in memory at a time. A foreign checkpoint is
+untrusted: its pickles are read with allow-lists (:class:`_MetadataUnpickler`,
+:class:`_DataOnlyLoadPlanner`)."""
 
 from __future__ import annotations
 
@@ -217,12 +204,9 @@ def read_model_config(config: _ModelConfig, ckpt: Path) -> dict:
 
 
 class DCPCheckpointSource:
-    """A DCP checkpoint dir as a ``CheckpointSource``: HF parameter names (``get_state_dict``'s
-    nesting or flat keys), or torchtitan's Llama names (``tok_embeddings``, ``layers.{i}.attention.wq``,
-    ...; weights flat or under ``model.``, AdamW under ``optimizer.state.``), renamed to HF's with
-    ``wq``/``wk`` rows put in HF's RoPE order (:mod:`layerwise.interop.torchdist.titan_names`). DCP itself records no
-    architecture, so the HF config comes from ``config`` or the dir's own config.json; the
-    checkpoint's shapes are checked against it."""
+    """A DCP checkpoint dir as a ``CheckpointSource``, with HF or torchtitan Llama names. DCP
+    records no architecture: the HF config comes from ``config`` or the dir's config.json, and the
+    shapes are checked against it."""
 
     def __init__(self, path: str | Path, config: _ModelConfig = None):
         self.path = Path(path)

@@ -1,12 +1,8 @@
-"""torchtitan's Llama parameter names and its RoPE layout of ``wq``/``wk``, mapped to Hugging Face's.
+"""torchtitan's Llama parameter names and its RoPE layout of ``wq``/``wk``, mapped to Hugging
+Face's.
 
-torchtitan's Llama (``tok_embeddings``, ``layers.{i}.attention.wq``, ``feed_forward.w1``, ...) is
-Meta's original layout: its rotary embedding rotates interleaved pairs of each head's features
-(``(0, 1), (2, 3), ...``), while HF's Llama rotates the two halves of each head (``(0, d/2), ...``).
-So the rows of each head of ``wq`` and ``wk`` are ordered differently: torchtitan's row ``2j + c``
-of a head is HF's row ``c * d/2 + j``. Every other tensor is only renamed. AdamW's moments are
-elementwise, so the same row order applies to them.
-"""
+torchtitan rotates interleaved pairs, HF the two halves of each head, so a head's row ``2j + c`` is
+HF's ``c * d/2 + j`` (the moments too: they are elementwise). Everything else is renamed."""
 
 from __future__ import annotations
 

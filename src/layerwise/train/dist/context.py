@@ -1,9 +1,5 @@
-"""Which rank this process is, from torchrun's environment, and the process group.
-
-Alone (no ``WORLD_SIZE`` or ``WORLD_SIZE=1``) there is no process group and the training loop
-runs as it always did. Under torchrun every collective has the configured timeout, and a failed
-or timed-out one is re-raised as one error that names the timeout and the way back (resume).
-"""
+"""Which rank this process is, from torchrun's environment, and the process group. A failed or
+timed-out collective is re-raised as one error naming the timeout and the way back (resume)."""
 
 from __future__ import annotations
 

@@ -1,38 +1,14 @@
 """``StepReducer`` over torch.distributed: per-unit gradient reduction to the unit's owner.
 
-Ownership. The units are dealt to the local ranks of a node, largest first to the least loaded
-(``plan.owners.assign_owners``, the assignment the scaling model simulates: balanced by
-parameters, ties in model order, the same on every node). A unit's owner runs its
-optimizer update on the node's shared store; the other local ranks only read it.
+Units are dealt to a node's local ranks by ``plan.owners.assign_owners`` (the assignment the
+scaling model simulates); an owner updates its units on the shared store. ``grad_reduce``:
+``device`` reduces each micro-batch's gradient to the owner on the backend's reduction lane
+(a process group of its own); ``host`` reduces each landed fp32 gradient over gloo, overlapping
+the rest of the backward. Across nodes, owners all-reduce once per step and apply the same
+update, so nodes stay identical without broadcasting weights (2-4x the gradient's bytes).
 
-Reduction, within the node (``grad_reduce``):
-
-- ``device`` (the default): every micro-batch's gradient of a unit is summed into its owner's
-  device buffer by an async ``dist.reduce`` on the device tensor (NCCL on CUDA; gloo on the CPU
-  backends, whose device tensors are host tensors), issued by the gradient sink on the
-  backend's reduction lane behind the backward that wrote it (``reduce_on_device``), over a
-  process group of its own (the lane's collectives never interleave with the main thread's);
-  only the owner copies the sum to the host and adds it up, the other ranks send nothing;
-- ``host``: every rank lands its own gradient; once a unit's last micro-batch has landed
-  (``unit_landed``, on the landing worker, or inline on the synchronous CPU backend) an async
-  ``dist.reduce`` of the fp32 host gradient to the owner over the node's gloo group, so the
-  reduction overlaps the backward of the units still to come.
-
-Across nodes (``finish``, owners only, either way) ``all_reduce`` on the host among the ranks of
-the same local rank, one per node, once per step: every node's owner then holds the same sum and
-applies the same update to its node's copy, so the nodes stay identical without broadcasting
-weights (the update is deterministic given the same gradient; an owner broadcast would move the
-weights, 2-4x the gradient's bytes with a compute copy, over the slowest link).
-
-The global clip norm is one all-reduce of a vector: every unit's squared norm (contributed by
-its owner on node 0 only, since every node's owner holds the same sum) and the step's loss.
-
-Update visibility: a per-unit counter in the node's shared memory. The owner writes the number
-of the update it just applied (``published``); another local rank streams a unit only once the
-counter has reached the number of updates the run has made (``update_done``), so updates keep
-overlapping the next forward as in one process. On x86 (TSO) a reader that sees the counter sees
-the weights written before it; the counter is written after ``refresh_compute``.
-"""
+Update visibility: a per-unit counter in shared memory, written by the owner after
+``refresh_compute``; on x86 (TSO) a reader that sees it sees the weights written before it."""
 
 from __future__ import annotations
 

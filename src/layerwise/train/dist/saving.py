@@ -1,14 +1,9 @@
 """Checkpoints under torchrun: which rank writes which groups, and each rank's checkpointer.
 
-Every rank writes the groups of the units it is dealt by ``plan.owners.assign_owners`` over
-all ranks of all nodes (a group spanning units goes with its first unit). On one node that is
-exactly the update owners' assignment (``reducer.py``: the same function over the local
-ranks), so each rank writes what it updates, from the node's shared store. With several nodes
-every node holds an identical copy, so the groups are spread over every rank of every node: the
-writes use every node's disk or network link instead of node 0's alone, at the price that the
-run directory must be on a filesystem all nodes see (resuming already needs that: each node's
-local rank 0 loads the checkpoint). Rank 0 checks that it sees every blob the others wrote.
-"""
+Groups are dealt over all ranks of all nodes by ``plan.owners.assign_owners``: on one node each
+rank writes what it updates; across nodes (identical copies) the writes use every node's disk
+or link, so the run directory must be on a shared filesystem (resuming needs that anyway).
+Rank 0 checks that it sees every blob the others wrote."""
 
 from __future__ import annotations
 

@@ -1,22 +1,10 @@
 """One host store per node: its buffers in shared memory, mapped by every local rank.
 
-Each buffer the store (or an optimizer's ``init_state``) asks for is one file in ``shm_dir``
-(tmpfs: ``/dev/shm``), mapped ``MAP_SHARED`` with ``torch.from_file``. Local rank 0 creates
-each file (made under a temporary name and renamed, so it appears whole); the other local ranks
-map the file of the same name. Every rank asks for the same buffers in the same order (they
-run the same code on the same model), so the n-th request names the n-th file.
-
-The files are unlinked by their creator as soon as every local rank has mapped them
-(``unlink``, after a barrier): the memory stays until the last process unmaps it, and nothing
-is left in ``/dev/shm`` however the run ends. Before that point ``unlink`` also runs on error.
-Copy sources are page-locked in place (``cudaHostRegister`` of the mapped region), as the
-private store's arena is.
-
-Before any file is made, the directory's free space is checked against what the store will map
-(``shm_space_problem``): a tmpfs fills without an error at ``ftruncate`` (its pages are
-allocated when first touched), and the first write past its size (Docker's default ``/dev/shm``
-is 64 MB) is a SIGBUS that ends the process with no Python error.
-"""
+Each buffer is one file in ``shm_dir`` made by local rank 0 (renamed into place, so it appears
+whole) and mapped by the others; every rank asks in the same order, so the n-th request names
+the n-th file. Files are unlinked once all have mapped them, so nothing is left in ``/dev/shm``
+however the run ends. Free space is checked first: a full tmpfs is a SIGBUS at the first write
+past its size (Docker's default is 64 MB), not a Python error."""
 
 from __future__ import annotations
 
@@ -44,10 +32,8 @@ _FILES_PER_UNIT = 8
 
 def shared_store_nbytes(model: PretrainedConfig | DecoderAdapter | LoraAdapter,
                         compute_dtype: torch.dtype, moments: list[str] | None) -> int:
-    """Bytes a node's shared store maps: masters, the copy-source arena and the optimizer state
-    (gradients are private), every file in whole pages, plus the update counters. Nothing is
-    allocated (a config's adapter is built on the meta device). A ``LoraAdapter``: its
-    ``LoraStore``'s (the adapters' state, the frozen base in its arena)."""
+    """Bytes a node's shared store maps (masters, copy-source arena, optimizer state, in whole
+    pages, plus the update counters; gradients are private), computed on the meta device."""
     adapter = model if isinstance(model, (DecoderAdapter, LoraAdapter)) else DecoderAdapter(model)
     numels = [FlatLayout.of(u).numel for u in adapter.units]
     kinds = moments or ["fp32"] * len(numels)
