@@ -317,11 +317,8 @@ class OpHandlers:
         by the group's first); ``grads``: the group's last hands the sums over."""
         ad, st = self.adapter, self.store
         leaves = {u: st[u].layout.leaves(ws[u]) for u in units}
-        if not accs:
-            accs.update({u: torch.zeros(st[u].layout.numel, dtype=torch.float32, device=self.device)
-                         for u in units})
-        acc_views = [v for u in units for v in st[u].layout.views(accs[u]).values()]
-        wrt = [t for u in units for t in trained(leaves[u])]
+        trained_leaves = {u: trained(leaves[u]) for u in units}
+        wrt = [t for u in units for t in trained_leaves[u]]
         embed_weight = leaves[EMBED]["weight"] if ad.tied else None
         h2 = mb.h.reshape(-1, mb.h.shape[-1])
         lab = mb.labels.reshape(-1)
@@ -335,8 +332,20 @@ class OpHandlers:
             # a tied head reads the token embedding, not the rest of its unit (learned positions)
             g = torch.autograd.grad(loss, [hc, *wrt], allow_unused=True, materialize_grads=True)
             grad_h2[start:start + chunk] = g[0]
-            for acc, gi in zip(acc_views, g[1:]):
-                acc += gi
+            parts = iter(g[1:])
+            for u in units:
+                unit_grads = [next(parts) for _ in trained_leaves[u]]
+                if u not in accs:
+                    flat = [gi.reshape(-1).float() for gi in unit_grads]
+                    if flat and sum(f.numel() for f in flat) == st[u].layout.numel:
+                        # the first gradient becomes the sum: no zero-filled accumulator (an
+                        # embedding-sized pass per micro-batch on a tied head)
+                        accs[u] = flat[0] if len(flat) == 1 else torch.cat(flat)
+                        continue
+                    accs[u] = torch.zeros(st[u].layout.numel, dtype=torch.float32,
+                                          device=self.device)
+                for acc, gi in zip(st[u].layout.views(accs[u]).values(), unit_grads):
+                    acc += gi
             mb.loss += loss.detach()
             del g, logits, loss  # free this chunk's grads and logits before the next chunk
         aux = ad.router_aux_loss(mb.ctx, mb.aux_weight)  # MoE: its gradient waits for the layers

@@ -487,7 +487,8 @@ class DecoderAdapter:
             self._head_template, params, (),
             {"inputs_embeds": hidden[None] if flat else hidden, "output_router_logits": False,
              "use_cache": False}, strict=True)
-        return out.logits[0] if flat else out.logits
+        # squeeze, not [0]: the select's backward would zero-fill a full [1, tokens, vocab]
+        return out.logits.squeeze(0) if flat else out.logits
 
     def router_aux_loss(self, ctx: LayerContext, weight: float) -> torch.Tensor | None:
         """The micro-batch's ``weight * coef * aux`` (``moe.py``), its gradient w.r.t. each MoE
