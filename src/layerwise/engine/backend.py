@@ -5,6 +5,11 @@ work and returns; an :class:`Event` orders lanes or the host. Device buffers are
 (``alloc``), so the device peak is what the memory model says whatever the host's pace. Every
 backend counts each copy lane's bytes (``copied_bytes``), for tests to compare with the plan.
 
+- :class:`CudaBackend`: compute on the current stream, each copy lane a stream of its own.
+- :class:`CpuBackend`: synchronous on the calling thread; its compute reads host weights in place.
+- :class:`AsyncCpuBackend` (``backend_async.py``): lanes as threads with seeded random delays, so
+  a missing wait shows up as wrong numbers in tests.
+
 Data parallel adds a reduction lane (``collective``) behind the compute that wrote its tensor;
 on CUDA its own stream, which ``work.wait()`` orders after NCCL without blocking the host."""
 
