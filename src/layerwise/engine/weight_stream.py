@@ -34,12 +34,12 @@ class WeightStreamer:
         """Blocks until a unit's host weights are final (its optimizer update is done)."""
         self.update_done = update_done
         self.resident = ResidentWeights(backend, store, sorted(resident), wait_update, update_done)
-        self.in_place = frozenset(
-            b.name for b in store if backend.reads_host and store.source_tier is None
-            and b.copy_source.dtype == store.compute_dtype and b.name not in resident)
+        reads_host = backend.reads_host and store.source_tier is None
+        self.in_place = frozenset(b.name for b in store if reads_host and b.name not in resident
+                                  and b.copy_source.dtype == store.compute_dtype)
         """Units whose compute reads the host copy source itself."""
         numel = max((b.copy_source.numel() for b in store
-                     if b.name not in resident and b.name not in self.in_place), default=0)
+                     if b.name not in resident | self.in_place), default=0)
         self.slots = [Slot(backend.alloc(numel, store.compute_dtype)) for _ in range(depth + 1)]
         self._window: WeightWindow | None = None
         self._ready: dict[str, Event] = {}  # unit -> its copy's event, while it holds a slot
